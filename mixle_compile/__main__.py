@@ -1,0 +1,3 @@
+from mixle_compile.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,1176 @@
+"""Seed contracts shared by the compiler, the verifier and the runtimes.
+
+Everything here is a frozen value object (or a ``typing.Protocol``) with a
+JSON-ready ``as_dict()`` and a ``from_dict()`` that round-trips it exactly::
+
+    X.from_dict(x.as_dict()) == x
+
+The module depends on the standard library only: it sits on the lint path,
+which must start quickly and must not pull in torch or any other heavy
+dependency.
+
+Conventions
+-----------
+* Fields that hold exact integers accept ``int`` only.  ``bool`` (although an
+  ``int`` subclass), ``float``, ``str`` and ``None`` are refused with a
+  message naming the field as ``ClassName.field``.  All such checks go through
+  :func:`_require_int`.
+* Enum-valued fields accept the enum member or its string value.
+* Sequence-valued fields accept lists (as produced by JSON) and are stored as
+  tuples; set-valued fields are stored as frozensets and serialised as sorted
+  lists.
+* Validation failures raise :class:`ContractError` (a ``ValueError``); a value
+  of the wrong type raises :class:`ContractTypeError`, which is both a
+  ``TypeError`` and a ``ValueError`` so callers may catch either.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import inspect
+import math
+import re
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from types import MappingProxyType
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+__all__ = [
+    # errors
+    "ContractError",
+    "ContractTypeError",
+    "CapabilityError",
+    "UnknownBackendError",
+    "BackendUnavailableError",
+    "BackendNotExecutableError",
+    # enums
+    "ParallelAxis",
+    "PayloadKind",
+    "CollectiveKind",
+    "StateLayout",
+    # value objects
+    "ParallelPlan",
+    "BackendCapabilities",
+    "ParameterLayout",
+    "DistributedUpdate",
+    "StepReceipt",
+    "MESH_AXIS_ORDER",
+    # protocols
+    "DistributedTrainingBackend",
+    "DistributedTrainingSession",
+    # registry
+    "BackendRegistry",
+    "DEFAULT_BACKEND_REGISTRY",
+    "register_training_backend",
+    "get_training_backend",
+    "available_training_backends",
+    # built-ins
+    "TORCH_CAPABILITIES",
+    "MEGATRON_CAPABILITIES",
+    "BUILTIN_CAPABILITIES",
+]
+
+
+# ---------------------------------------------------------------------------
+# Errors
+# ---------------------------------------------------------------------------
+
+
+class ContractError(ValueError):
+    """A value violates one of the contracts defined in this module."""
+
+
+class ContractTypeError(ContractError, TypeError):
+    """A value has the wrong type (also catchable as ``TypeError``)."""
+
+
+class CapabilityError(ContractError):
+    """A plan asks a backend for something the backend does not execute."""
+
+
+class UnknownBackendError(KeyError):
+    """No training backend is registered under the requested name."""
+
+    def __init__(self, name: str, available: tuple[str, ...]) -> None:
+        super().__init__(name)
+        self.name = name
+        self.available = available
+
+    def __str__(self) -> str:
+        known = ", ".join(self.available) if self.available else "(none registered)"
+        return f"no training backend named {self.name!r}; registered backends: {known}"
+
+
+class BackendUnavailableError(RuntimeError):
+    """A registered backend cannot run in this installation."""
+
+
+class BackendNotExecutableError(NotImplementedError):
+    """A backend is declared for plan verification only and cannot execute."""
+
+
+# ---------------------------------------------------------------------------
+# Validation helpers (one place for each kind of check)
+# ---------------------------------------------------------------------------
+
+
+def _describe(value: Any) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+def _require_int(owner: str, name: str, value: Any, minimum: int = 0) -> int:
+    """Return ``value`` if it is an exact integer ``>= minimum``.
+
+    ``bool`` is refused even though it subclasses ``int``; so are floats
+    (including integral ones such as ``2.0``), strings and ``None``.
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ContractTypeError(
+            f"{owner}.{name} must be an integer >= {minimum}, got {_describe(value)}"
+        )
+    if value < minimum:
+        raise ContractError(
+            f"{owner}.{name} must be an integer >= {minimum}, got {_describe(value)}"
+        )
+    return int(value)
+
+
+def _require_optional_int(owner: str, name: str, value: Any, minimum: int = 0) -> int | None:
+    if value is None:
+        return None
+    return _require_int(owner, name, value, minimum)
+
+
+def _require_bool(owner: str, name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ContractTypeError(f"{owner}.{name} must be a bool, got {_describe(value)}")
+    return value
+
+
+def _require_optional_bool(owner: str, name: str, value: Any) -> bool | None:
+    if value is None:
+        return None
+    return _require_bool(owner, name, value)
+
+
+def _require_str(owner: str, name: str, value: Any, *, allow_empty: bool = False) -> str:
+    if not isinstance(value, str):
+        raise ContractTypeError(f"{owner}.{name} must be a string, got {_describe(value)}")
+    if not allow_empty and not value.strip():
+        raise ContractError(f"{owner}.{name} must be a non-empty string, got {value!r}")
+    return value
+
+
+def _require_optional_str(owner: str, name: str, value: Any) -> str | None:
+    if value is None:
+        return None
+    return _require_str(owner, name, value)
+
+
+def _require_real(owner: str, name: str, value: Any) -> float:
+    """An ``int`` or ``float`` (not ``bool``), returned as ``float``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ContractTypeError(f"{owner}.{name} must be a real number, got {_describe(value)}")
+    return value if type(value) is float else float(value)
+
+
+def _require_error_bound(owner: str, name: str, value: Any) -> float | None:
+    if value is None:
+        return None
+    number = _require_real(owner, name, value)
+    if not math.isfinite(number) or number < 0:
+        raise ContractError(
+            f"{owner}.{name} must be a finite number >= 0 when given, got {number!r}"
+        )
+    return number
+
+
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _require_axis_name(owner: str, name: str, value: Any) -> str:
+    text = _require_str(owner, name, value)
+    if not _IDENTIFIER.fullmatch(text):
+        raise ContractError(
+            f"{owner}.{name} must be an identifier-like mesh axis name, got {text!r}"
+        )
+    return text
+
+
+def _coerce_enum(owner: str, name: str, enum_cls: type[Enum], value: Any) -> Any:
+    if isinstance(value, enum_cls):
+        return value
+    valid = ", ".join(member.value for member in enum_cls)
+    if not isinstance(value, str):
+        raise ContractTypeError(
+            f"{owner}.{name} must be a {enum_cls.__name__} or one of its values "
+            f"({valid}), got {_describe(value)}"
+        )
+    try:
+        return enum_cls(value)
+    except ValueError:
+        raise ContractError(
+            f"{owner}.{name}: unknown {enum_cls.__name__} {value!r}; valid values: {valid}"
+        ) from None
+
+
+def _require_sequence(owner: str, name: str, value: Any) -> tuple[Any, ...]:
+    """A list or tuple (or other non-string iterable), returned as a tuple.
+
+    A bare string is refused: iterating it would silently split it into
+    characters.
+    """
+    if isinstance(value, (str, bytes)) or isinstance(value, Mapping):
+        raise ContractTypeError(
+            f"{owner}.{name} must be a sequence, got {_describe(value)}"
+        )
+    if not isinstance(value, Iterable):
+        raise ContractTypeError(f"{owner}.{name} must be a sequence, got {_describe(value)}")
+    return tuple(value)
+
+
+def _set(obj: Any, name: str, value: Any) -> None:
+    """Assign inside ``__post_init__`` of a frozen dataclass."""
+    object.__setattr__(obj, name, value)
+
+
+def _to_json(value: Any) -> Any:
+    """Convert a field value into plain JSON-ready Python data."""
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, (frozenset, set)):
+        return sorted((_to_json(item) for item in value), key=_sort_key)
+    if isinstance(value, (tuple, list)):
+        return [_to_json(item) for item in value]
+    if isinstance(value, Mapping):
+        return {str(key): _to_json(item) for key, item in value.items()}
+    if isinstance(value, _Contract):
+        return value.as_dict()
+    return value
+
+
+def _sort_key(item: Any) -> str:
+    return item if isinstance(item, str) else repr(item)
+
+
+class _Contract:
+    """Shared ``as_dict``/``from_dict`` behaviour for the frozen dataclasses."""
+
+    #: keys that ``as_dict`` emits but that are derived, not constructor fields
+    _DERIVED_KEYS: ClassVar[tuple[str, ...]] = ()
+
+    def as_dict(self) -> dict[str, Any]:
+        return {f.name: _to_json(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]):
+        if not isinstance(d, Mapping):
+            raise ContractTypeError(f"{cls.__name__}.from_dict expects a mapping, got {_describe(d)}")
+        fields_ = dataclasses.fields(cls)
+        names = {f.name for f in fields_}
+        unknown = sorted(set(d) - names - set(cls._DERIVED_KEYS), key=str)
+        if unknown:
+            raise ContractError(
+                f"{cls.__name__}.from_dict: unknown keys {unknown}; "
+                f"expected keys: {sorted(names | set(cls._DERIVED_KEYS))}"
+            )
+        required = {
+            f.name
+            for f in fields_
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        }
+        missing = sorted(required - set(d))
+        if missing:
+            raise ContractError(f"{cls.__name__}.from_dict: missing required keys {missing}")
+        return cls(**{key: value for key, value in d.items() if key in names})
+
+
+# ---------------------------------------------------------------------------
+# Enums
+# ---------------------------------------------------------------------------
+
+
+class ParallelAxis(str, Enum):
+    """A parallelism dimension a plan may use."""
+
+    dp_replicate = "dp_replicate"
+    dp_shard = "dp_shard"
+    tp = "tp"
+    pp = "pp"
+    cp = "cp"
+    ep = "ep"
+    etp = "etp"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class PayloadKind(str, Enum):
+    """What a distributed update moves between ranks."""
+
+    gradient = "gradient"
+    sufficient_statistic = "sufficient_statistic"
+    parameter = "parameter"
+    activation = "activation"
+    kv_block = "kv_block"
+    token = "token"
+    message = "message"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class CollectiveKind(str, Enum):
+    """The communication pattern of a distributed update."""
+
+    none = "none"
+    all_reduce = "all_reduce"
+    reduce_scatter = "reduce_scatter"
+    all_gather = "all_gather"
+    all_to_all = "all_to_all"
+    broadcast = "broadcast"
+    p2p = "p2p"
+    custom = "custom"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class StateLayout(str, Enum):
+    """Where a piece of (optimizer or model) state lives."""
+
+    replicated = "replicated"
+    sharded = "sharded"
+    pipeline_local = "pipeline_local"
+    expert_local = "expert_local"
+    offloaded = "offloaded"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+# ---------------------------------------------------------------------------
+# ParallelPlan
+# ---------------------------------------------------------------------------
+
+#: Physical device-mesh axes, outermost first.  ``tp`` is innermost so that
+#: tensor-parallel ranks are adjacent (typically on one node); ``pp`` is
+#: outermost because pipeline stages exchange the least data.  EP and ETP are
+#: not listed: they are process groups cut from the data/model domains, not
+#: extra mesh dimensions.
+MESH_AXIS_ORDER: tuple[ParallelAxis, ...] = (
+    ParallelAxis.pp,
+    ParallelAxis.dp_replicate,
+    ParallelAxis.dp_shard,
+    ParallelAxis.cp,
+    ParallelAxis.tp,
+)
+
+_PLAN_AXIS_FIELDS: tuple[str, ...] = tuple(axis.value for axis in ParallelAxis)
+
+
+@dataclass(frozen=True)
+class ParallelPlan(_Contract):
+    """Degrees of every parallelism axis plus the micro-batching schedule.
+
+    ``world_size`` is the product of the physical axes
+    (dp_replicate * dp_shard * tp * pp * cp).  ``ep`` and ``etp`` are carved
+    out of those ranks and therefore do not multiply the world size; their
+    divisibility rules are checked elsewhere, not here.
+    """
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    etp: int = 1
+    microbatches: int = 1
+    gradient_accumulation_steps: int = 1
+
+    _DERIVED_KEYS: ClassVar[tuple[str, ...]] = ("world_size", "data_parallel_size")
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            _require_int("ParallelPlan", f.name, getattr(self, f.name), minimum=1)
+
+    # -- derived quantities -------------------------------------------------
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp * self.pp * self.cp
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def degrees(self) -> Mapping[ParallelAxis, int]:
+        """Read-only mapping of every axis to its degree, in enum order."""
+        return MappingProxyType({axis: getattr(self, axis.value) for axis in ParallelAxis})
+
+    @property
+    def active_axes(self) -> tuple[ParallelAxis, ...]:
+        """Axes whose degree is greater than one, in ``ParallelAxis`` order."""
+        return tuple(axis for axis in ParallelAxis if getattr(self, axis.value) > 1)
+
+    @property
+    def mesh(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
+        """``(names, shape)`` of the physical device mesh.
+
+        Only active physical axes appear, in :data:`MESH_AXIS_ORDER`, except
+        that ``dp_replicate`` is always present (with size 1 when inactive) so
+        the mesh is never empty and replicate/shard style code always finds
+        that dimension.  ``prod(shape) == world_size``.
+        """
+        names: list[str] = []
+        shape: list[int] = []
+        for axis in MESH_AXIS_ORDER:
+            degree = getattr(self, axis.value)
+            if degree > 1 or axis is ParallelAxis.dp_replicate:
+                names.append(axis.value)
+                shape.append(degree)
+        return tuple(names), tuple(shape)
+
+    def size(self, axis: ParallelAxis | str) -> int:
+        """Degree of ``axis`` (a :class:`ParallelAxis` or its string name)."""
+        if isinstance(axis, ParallelAxis):
+            return getattr(self, axis.value)
+        if isinstance(axis, str) and axis in _PLAN_AXIS_FIELDS:
+            return getattr(self, axis)
+        raise ContractError(
+            f"unknown parallel axis {axis!r}; valid axes: {', '.join(_PLAN_AXIS_FIELDS)}"
+        )
+
+    def factorisation(self) -> str:
+        """Human-readable product that defines ``world_size``."""
+        return " * ".join(
+            f"{axis.value}={getattr(self, axis.value)}"
+            for axis in (
+                ParallelAxis.dp_replicate,
+                ParallelAxis.dp_shard,
+                ParallelAxis.tp,
+                ParallelAxis.pp,
+                ParallelAxis.cp,
+            )
+        )
+
+    def validate_world_size(self, actual: int) -> None:
+        """Raise ``ValueError`` unless ``actual`` equals :attr:`world_size`."""
+        actual = _require_int("ParallelPlan.validate_world_size", "actual", actual, minimum=1)
+        if actual != self.world_size:
+            raise ContractError(
+                f"plan world size {self.world_size} ({self.factorisation()}) "
+                f"does not match the actual world size {actual}"
+            )
+
+    # -- serialisation ------------------------------------------------------
+
+    def as_dict(self) -> dict[str, Any]:
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        data["world_size"] = self.world_size
+        data["data_parallel_size"] = self.data_parallel_size
+        return data
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ParallelPlan:
+        plan = super().from_dict(d)
+        for key in cls._DERIVED_KEYS:
+            if key in d:
+                stated = _require_int("ParallelPlan.from_dict", key, d[key], minimum=1)
+                derived = getattr(plan, key)
+                if stated != derived:
+                    raise ContractError(
+                        f"ParallelPlan.from_dict: {key}={stated} disagrees with the "
+                        f"degrees, which give {key}={derived} ({plan.factorisation()})"
+                    )
+        return plan
+
+
+# ---------------------------------------------------------------------------
+# BackendCapabilities
+# ---------------------------------------------------------------------------
+
+
+def _axis_set(owner: str, name: str, value: Any) -> frozenset[ParallelAxis]:
+    items = _require_sequence(owner, name, value)
+    return frozenset(
+        _coerce_enum(owner, f"{name}[{index}]", ParallelAxis, item)
+        for index, item in enumerate(items)
+    )
+
+
+def _axes_text(axes: Iterable[ParallelAxis]) -> str:
+    return "{" + ", ".join(sorted(axis.value for axis in axes)) + "}"
+
+
+@dataclass(frozen=True)
+class BackendCapabilities(_Contract):
+    """What a backend can execute: axes, precisions and optional features.
+
+    ``incompatible_axis_sets`` lists groups of axes that the backend cannot run
+    together even though it runs each of them on its own.  The sets are kept
+    in a canonical order so that equality does not depend on how they were
+    listed.
+    """
+
+    name: str
+    axes: frozenset[ParallelAxis]
+    precisions: frozenset[str] = frozenset({"fp32", "bf16"})
+    requirements: tuple[str, ...] = ()
+    incompatible_axis_sets: tuple[frozenset[ParallelAxis], ...] = ()
+    distributed_optimizer: bool = field(kw_only=True)
+    reshardable_checkpoint: bool = field(kw_only=True)
+    elastic_restart: bool = field(kw_only=True)
+
+    def __post_init__(self) -> None:
+        owner = "BackendCapabilities"
+        _require_str(owner, "name", self.name)
+        _set(self, "axes", _axis_set(owner, "axes", self.axes))
+
+        precisions = _require_sequence(owner, "precisions", self.precisions)
+        if not precisions:
+            raise ContractError(f"{owner}.precisions must name at least one precision")
+        for index, precision in enumerate(precisions):
+            _require_str(owner, f"precisions[{index}]", precision)
+        _set(self, "precisions", frozenset(precisions))
+
+        requirements = _require_sequence(owner, "requirements", self.requirements)
+        for index, requirement in enumerate(requirements):
+            _require_str(owner, f"requirements[{index}]", requirement)
+        _set(self, "requirements", requirements)
+
+        raw_sets = _require_sequence(owner, "incompatible_axis_sets", self.incompatible_axis_sets)
+        sets: set[frozenset[ParallelAxis]] = set()
+        for index, raw in enumerate(raw_sets):
+            axes = _axis_set(owner, f"incompatible_axis_sets[{index}]", raw)
+            if len(axes) < 2:
+                raise ContractError(
+                    f"{owner}.incompatible_axis_sets[{index}] must contain at least two "
+                    f"axes, got {_axes_text(axes)}; to refuse a single axis leave it out "
+                    f"of {owner}.axes"
+                )
+            sets.add(axes)
+        _set(
+            self,
+            "incompatible_axis_sets",
+            tuple(sorted(sets, key=lambda s: sorted(axis.value for axis in s))),
+        )
+
+        for flag in ("distributed_optimizer", "reshardable_checkpoint", "elastic_restart"):
+            _require_bool(owner, flag, getattr(self, flag))
+
+    def supports(self, axis: ParallelAxis | str) -> bool:
+        return _coerce_enum("BackendCapabilities.supports", "axis", ParallelAxis, axis) in self.axes
+
+    def validate(self, plan: ParallelPlan, precision: str) -> None:
+        """Raise :class:`CapabilityError` if this backend cannot run ``plan``.
+
+        Every problem found is reported in one message: active axes the
+        backend does not execute, an unsupported precision, and each
+        incompatible axis set whose axes are all active.
+        """
+        if not isinstance(plan, ParallelPlan):
+            raise ContractTypeError(
+                f"BackendCapabilities.validate expects a ParallelPlan, got {_describe(plan)}"
+            )
+        _require_str("BackendCapabilities.validate", "precision", precision)
+        problems: list[str] = []
+        active = set(plan.active_axes)
+
+        unexecuted = [axis for axis in plan.active_axes if axis not in self.axes]
+        if unexecuted:
+            listed = ", ".join(f"{axis.value}={plan.size(axis)}" for axis in unexecuted)
+            problems.append(
+                f"it does not execute the active axes {listed} "
+                f"(it executes {_axes_text(self.axes)})"
+            )
+
+        if precision not in self.precisions:
+            problems.append(
+                f"it does not support precision {precision!r} "
+                f"(supported: {', '.join(sorted(self.precisions))})"
+            )
+
+        for axes in self.incompatible_axis_sets:
+            if axes <= active:
+                problems.append(f"it cannot run the axes {_axes_text(axes)} active together")
+
+        if problems:
+            raise CapabilityError(
+                f"backend {self.name!r} cannot run this plan: " + "; ".join(problems)
+            )
+
+
+# ---------------------------------------------------------------------------
+# ParameterLayout
+# ---------------------------------------------------------------------------
+
+_SHARD = re.compile(r"shard\((0|[1-9][0-9]*)\)")
+
+
+def _placement_dim(placement: str) -> int | None:
+    """``None`` for ``"replicate"``, the dimension for ``"shard(<dim>)"``.
+
+    Raises ``ValueError`` for anything else.
+    """
+    if placement == "replicate":
+        return None
+    match = _SHARD.fullmatch(placement)
+    if match is None:
+        raise ValueError(placement)
+    return int(match.group(1))
+
+
+@dataclass(frozen=True)
+class ParameterLayout(_Contract):
+    """How one logical parameter is laid out over the device mesh.
+
+    ``placements`` pairs a mesh axis name with ``"replicate"`` or
+    ``"shard(<dim>)"``; mesh axes not listed hold the parameter replicated.
+    ``shared_group`` names a tying group (parameters that are one tensor,
+    e.g. tied embeddings).
+    """
+
+    logical_id: str
+    global_shape: tuple[int, ...]
+    placements: tuple[tuple[str, str], ...]
+    shared_group: str | None = None
+    optimizer_state: StateLayout = field(kw_only=True)
+
+    def __post_init__(self) -> None:
+        owner = "ParameterLayout"
+        _require_str(owner, "logical_id", self.logical_id)
+
+        shape = _require_sequence(owner, "global_shape", self.global_shape)
+        shape = tuple(
+            _require_int(owner, f"global_shape[{index}]", dim, minimum=1)
+            for index, dim in enumerate(shape)
+        )
+        _set(self, "global_shape", shape)
+
+        raw = self.placements
+        if isinstance(raw, Mapping):
+            raw = tuple(raw.items())
+        entries = _require_sequence(owner, "placements", raw)
+        placements: list[tuple[str, str]] = []
+        seen: set[str] = set()
+        for index, entry in enumerate(entries):
+            label = f"placements[{index}]"
+            pair = _require_sequence(owner, label, entry)
+            if len(pair) != 2:
+                raise ContractError(
+                    f"{owner}.{label} must be a (mesh_axis, placement) pair, got {entry!r}"
+                )
+            axis = _require_axis_name(owner, f"{label} mesh axis", pair[0])
+            placement = _require_str(owner, f"{label} placement", pair[1])
+            try:
+                dim = _placement_dim(placement)
+            except ValueError:
+                raise ContractError(
+                    f"{owner}.{label}: malformed placement {placement!r} for mesh axis "
+                    f"{axis!r}; expected 'replicate' or 'shard(<dim>)'"
+                ) from None
+            if dim is not None and dim >= len(shape):
+                raise ContractError(
+                    f"{owner}.{label}: placement {placement!r} on mesh axis {axis!r} "
+                    f"shards dimension {dim}, but {self.logical_id!r} has shape {shape} "
+                    f"({len(shape)} dimensions)"
+                )
+            if axis in seen:
+                raise ContractError(
+                    f"{owner}.placements lists mesh axis {axis!r} more than once"
+                )
+            seen.add(axis)
+            placements.append((axis, placement))
+        _set(self, "placements", tuple(placements))
+
+        _require_optional_str(owner, "shared_group", self.shared_group)
+        _set(
+            self,
+            "optimizer_state",
+            _coerce_enum(owner, "optimizer_state", StateLayout, self.optimizer_state),
+        )
+
+    def placement_on(self, mesh_axis: str) -> str:
+        """The placement on ``mesh_axis`` (``"replicate"`` when not listed)."""
+        for axis, placement in self.placements:
+            if axis == mesh_axis:
+                return placement
+        return "replicate"
+
+    @property
+    def sharded_axes(self) -> tuple[str, ...]:
+        """Mesh axes over which the parameter is sharded."""
+        return tuple(axis for axis, placement in self.placements if placement != "replicate")
+
+
+# ---------------------------------------------------------------------------
+# DistributedUpdate
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DistributedUpdate(_Contract):
+    """One communication step of a compiled plan and its numerical evidence.
+
+    ``contract_exact`` states that the update is exact in exact arithmetic
+    (e.g. a sum of gradients); ``exact`` claims bitwise equality in floating
+    point, which only a node without any collective can promise.
+
+    The ``numerics_*`` fields record what was observed when the update was
+    compared against a reference: ``numerics_sample_count`` samples, stored
+    under ``numerics_evidence_id``, with the largest absolute and relative
+    errors seen and whether repeated runs were bitwise deterministic.
+    """
+
+    node_id: str
+    payload: PayloadKind
+    collective: CollectiveKind
+    mesh_axes: tuple[str, ...]
+    state_layout: StateLayout
+    exact: bool = False
+    notes: str = ""
+    contract_exact: bool = False
+    determinism_observed: bool | None = None
+    maximum_absolute_error: float | None = None
+    maximum_relative_error: float | None = None
+    numerics_evidence_id: str | None = None
+    numerics_sample_count: int = 0
+
+    def __post_init__(self) -> None:
+        owner = "DistributedUpdate"
+        _require_str(owner, "node_id", self.node_id)
+        _set(self, "payload", _coerce_enum(owner, "payload", PayloadKind, self.payload))
+        collective = _coerce_enum(owner, "collective", CollectiveKind, self.collective)
+        _set(self, "collective", collective)
+        _set(
+            self,
+            "state_layout",
+            _coerce_enum(owner, "state_layout", StateLayout, self.state_layout),
+        )
+
+        axes = _require_sequence(owner, "mesh_axes", self.mesh_axes)
+        for index, axis in enumerate(axes):
+            _require_axis_name(owner, f"mesh_axes[{index}]", axis)
+        duplicates = sorted({axis for axis in axes if axes.count(axis) > 1})
+        if duplicates:
+            raise ContractError(
+                f"{owner} {self.node_id!r}: mesh_axes lists {', '.join(duplicates)} "
+                f"more than once"
+            )
+        _set(self, "mesh_axes", axes)
+
+        exact = _require_bool(owner, "exact", self.exact)
+        _require_str(owner, "notes", self.notes, allow_empty=True)
+        _require_bool(owner, "contract_exact", self.contract_exact)
+        _require_optional_bool(owner, "determinism_observed", self.determinism_observed)
+        for name in ("maximum_absolute_error", "maximum_relative_error"):
+            _set(self, name, _require_error_bound(owner, name, getattr(self, name)))
+        evidence = _require_optional_str(owner, "numerics_evidence_id", self.numerics_evidence_id)
+        samples = _require_int(owner, "numerics_sample_count", self.numerics_sample_count, minimum=0)
+
+        if collective is CollectiveKind.none and axes:
+            raise ContractError(
+                f"{owner} {self.node_id!r}: collective 'none' communicates over no mesh "
+                f"axes, but mesh_axes is {list(axes)}"
+            )
+        if collective is not CollectiveKind.none and not axes:
+            raise ContractError(
+                f"{owner} {self.node_id!r}: collective {collective.value!r} needs at least "
+                f"one mesh axis, but mesh_axes is empty"
+            )
+        if exact and collective is not CollectiveKind.none:
+            raise ContractError(
+                f"{owner} {self.node_id!r}: exact=True claims bitwise exactness, which no "
+                f"distributed collective guarantees; only collective 'none' may claim it "
+                f"(got {collective.value!r}; use contract_exact for exact-arithmetic "
+                f"contracts)"
+            )
+        if (evidence is None) != (samples == 0):
+            if evidence is None:
+                raise ContractError(
+                    f"{owner} {self.node_id!r}: numerics_sample_count={samples} needs a "
+                    f"numerics_evidence_id naming where the samples are recorded"
+                )
+            raise ContractError(
+                f"{owner} {self.node_id!r}: numerics_evidence_id={evidence!r} is given "
+                f"but numerics_sample_count is 0; evidence requires samples"
+            )
+        if samples > 0:
+            missing = [
+                name
+                for name in (
+                    "determinism_observed",
+                    "maximum_absolute_error",
+                    "maximum_relative_error",
+                )
+                if getattr(self, name) is None
+            ]
+            if missing:
+                raise ContractError(
+                    f"{owner} {self.node_id!r}: numerics_sample_count={samples} requires "
+                    f"the observations {', '.join(missing)}"
+                )
+        else:
+            claimed = [
+                name
+                for name in ("determinism_observed", "maximum_absolute_error", "maximum_relative_error")
+                if getattr(self, name) is not None
+            ]
+            if claimed:
+                raise ContractError(
+                    f"{owner} {self.node_id!r}: {', '.join(claimed)} given without numerics evidence "
+                    f"(numerics_sample_count is 0); an observation needs the samples it came from"
+                )
+
+    @property
+    def has_numerics_evidence(self) -> bool:
+        return self.numerics_sample_count > 0
+
+
+# ---------------------------------------------------------------------------
+# StepReceipt
+# ---------------------------------------------------------------------------
+
+_EXTRA_SCALARS = (str, int, float, bool, type(None))
+
+
+def _freeze_extra(owner: str, value: Any) -> Mapping[str, Any]:
+    """Validate ``extra`` and return a read-only copy.
+
+    Keys are strings; values are JSON scalars or flat sequences of them
+    (stored as tuples, emitted as lists by ``as_dict``).
+    """
+    if not isinstance(value, Mapping):
+        raise ContractTypeError(f"{owner}.extra must be a mapping, got {_describe(value)}")
+    frozen: dict[str, Any] = {}
+    for key, item in value.items():
+        if not isinstance(key, str):
+            raise ContractTypeError(f"{owner}.extra keys must be strings, got {_describe(key)}")
+        if isinstance(item, _EXTRA_SCALARS):
+            frozen[key] = item
+        elif isinstance(item, (list, tuple)) and all(isinstance(x, _EXTRA_SCALARS) for x in item):
+            frozen[key] = tuple(item)
+        else:
+            raise ContractTypeError(
+                f"{owner}.extra[{key!r}] must be a JSON scalar or a flat list of them, "
+                f"got {_describe(item)}"
+            )
+    return MappingProxyType(frozen)
+
+
+@dataclass(frozen=True)
+class StepReceipt(_Contract):
+    """What one optimizer step (or accumulation boundary) did.
+
+    ``local_*`` counts are this rank's; ``global_*_observed`` are set when the
+    runtime measured the global count (e.g. with an all-reduce), otherwise
+    the global count is inferred as local * data_parallel_size.  ``loss`` may
+    be NaN or infinite (a diverged step is a legitimate observation) or None
+    (e.g. for a skipped step).
+    """
+
+    step: int
+    loss: float | None
+    local_examples: int
+    local_tokens: int
+    microbatches: int
+    accumulation_steps: int
+    data_parallel_size: int
+    optimizer: str
+    precision: str
+    collective_bytes: int = 0
+    skipped: bool = False
+    extra: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    global_examples_observed: int | None = None
+    global_tokens_observed: int | None = None
+
+    def __post_init__(self) -> None:
+        owner = "StepReceipt"
+        _require_int(owner, "step", self.step, minimum=0)
+        if self.loss is not None:
+            _set(self, "loss", _require_real(owner, "loss", self.loss))
+        for name in ("local_examples", "local_tokens", "collective_bytes"):
+            _require_int(owner, name, getattr(self, name), minimum=0)
+        for name in ("microbatches", "accumulation_steps", "data_parallel_size"):
+            _require_int(owner, name, getattr(self, name), minimum=1)
+        _require_str(owner, "optimizer", self.optimizer)
+        _require_str(owner, "precision", self.precision)
+        _require_bool(owner, "skipped", self.skipped)
+        _set(self, "extra", _freeze_extra(owner, self.extra))
+        for name in ("global_examples_observed", "global_tokens_observed"):
+            _require_optional_int(owner, name, getattr(self, name), minimum=0)
+
+    @property
+    def global_examples(self) -> int:
+        if self.global_examples_observed is not None:
+            return self.global_examples_observed
+        return self.local_examples * self.data_parallel_size
+
+    @property
+    def global_tokens(self) -> int:
+        if self.global_tokens_observed is not None:
+            return self.global_tokens_observed
+        return self.local_tokens * self.data_parallel_size
+
+
+# ---------------------------------------------------------------------------
+# Protocols
+# ---------------------------------------------------------------------------
+
+
+@runtime_checkable
+class DistributedTrainingSession(Protocol):
+    """A prepared model being trained under one plan."""
+
+    plan: ParallelPlan
+    capabilities: BackendCapabilities
+    step: int
+
+    def train_batch(self, inputs: Any, targets: Any) -> StepReceipt: ...
+
+    def finish_accumulation(self) -> StepReceipt | None: ...
+
+    def discard_accumulation(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class DistributedTrainingBackend(Protocol):
+    """Something that can prepare a module for training under a plan."""
+
+    name: str
+    capabilities: BackendCapabilities
+
+    def prepare(self, module: Any, *, plan: ParallelPlan, **options: Any) -> DistributedTrainingSession: ...
+
+
+_BACKEND_MEMBERS = ("name", "capabilities", "prepare")
+_SESSION_METHODS = ("train_batch", "finish_accumulation", "discard_accumulation", "close")
+
+
+def _check_backend(obj: Any, context: str) -> None:
+    """Raise ``TypeError`` unless ``obj`` is a backend *instance*."""
+    if isinstance(obj, type):
+        raise ContractTypeError(
+            f"{context}: got the class {obj.__qualname__}, not an instance; register an "
+            f"instance or a zero-argument factory function that returns one"
+        )
+    missing = [member for member in _BACKEND_MEMBERS if not hasattr(obj, member)]
+    if missing:
+        raise ContractTypeError(
+            f"{context}: {_describe(obj)} does not implement DistributedTrainingBackend "
+            f"(missing: {', '.join(missing)})"
+        )
+    if not isinstance(obj.name, str) or not obj.name.strip():
+        raise ContractTypeError(f"{context}: backend.name must be a non-empty string, got {_describe(obj.name)}")
+    if not isinstance(obj.capabilities, BackendCapabilities):
+        raise ContractTypeError(
+            f"{context}: backend.capabilities must be a BackendCapabilities, "
+            f"got {_describe(obj.capabilities)}"
+        )
+    if not callable(obj.prepare):
+        raise ContractTypeError(f"{context}: backend.prepare must be callable")
+
+
+def _is_factory(obj: Any) -> bool:
+    """Plain functions, lambdas, bound methods and ``functools.partial``."""
+    return inspect.isfunction(obj) or inspect.ismethod(obj) or isinstance(obj, functools.partial)
+
+
+# ---------------------------------------------------------------------------
+# Registry
+# ---------------------------------------------------------------------------
+
+
+def normalize_backend_name(name: Any) -> str:
+    if not isinstance(name, str):
+        raise ContractTypeError(f"backend name must be a string, got {_describe(name)}")
+    normalised = name.strip().lower().replace("-", "_")
+    if not normalised:
+        raise ContractError(f"backend name must be non-empty, got {name!r}")
+    return normalised
+
+
+@dataclass
+class _Entry:
+    instance: Any = None
+    factory: Callable[[], Any] | None = None
+
+
+class BackendRegistry:
+    """Name -> training backend, with lazily constructed entries.
+
+    Names are normalised (stripped, lower-cased, ``-`` replaced by ``_``).
+    A backend is registered either as an instance or as a zero-argument
+    factory function, which is called once, on the first :meth:`get`, and
+    whose result is cached.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[str, _Entry] = {}
+        self._lock = threading.RLock()
+
+    def register(self, name: str, backend: Any, override: bool = False) -> None:
+        key = normalize_backend_name(name)
+        _require_bool("BackendRegistry.register", "override", override)
+        context = f"cannot register training backend {key!r}"
+        if isinstance(backend, DistributedTrainingBackend):  # classes are refused here too
+            _check_backend(backend, context)
+            entry = _Entry(instance=backend)
+        elif _is_factory(backend):
+            try:
+                inspect.signature(backend).bind()
+            except TypeError:
+                raise ContractTypeError(
+                    f"{context}: the factory {backend!r} must be callable with no arguments"
+                ) from None
+            except ValueError:  # signature unavailable; trust the caller
+                pass
+            entry = _Entry(factory=backend)
+        else:
+            _check_backend(backend, context)  # raises with the missing members
+            raise AssertionError("unreachable")  # pragma: no cover
+        with self._lock:
+            if key in self._entries and not override:
+                raise ContractError(
+                    f"training backend {key!r} is already registered; pass override=True "
+                    f"to replace it"
+                )
+            self._entries[key] = entry
+
+    def get(self, name: str) -> DistributedTrainingBackend:
+        key = normalize_backend_name(name)
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                raise UnknownBackendError(key, tuple(sorted(self._entries)))
+            if entry.instance is None:
+                assert entry.factory is not None
+                instance = entry.factory()
+                _check_backend(instance, f"the factory for training backend {key!r} returned an invalid backend")
+                entry.instance = instance
+                entry.factory = None
+            return entry.instance
+
+    def available(self) -> tuple[str, ...]:
+        with self._lock:
+            return tuple(sorted(self._entries))
+
+    def __contains__(self, name: object) -> bool:
+        try:
+            key = normalize_backend_name(name)
+        except ValueError:
+            return False
+        with self._lock:
+            return key in self._entries
+
+
+# ---------------------------------------------------------------------------
+# Built-in backends
+# ---------------------------------------------------------------------------
+
+_ALL_AXES = frozenset(ParallelAxis)
+
+#: The in-tree torch runtime, stating only what it actually executes.
+TORCH_CAPABILITIES = BackendCapabilities(
+    name="torch",
+    axes=_ALL_AXES,
+    precisions=frozenset({"fp32", "bf16"}),
+    requirements=("torch>=2.6",),
+    incompatible_axis_sets=(),
+    distributed_optimizer=True,
+    reshardable_checkpoint=True,
+    elastic_restart=False,
+)
+
+#: Declared from Megatron-Core's documented parallelism; used to verify plans
+#: only (Megatron is never imported here).
+MEGATRON_CAPABILITIES = BackendCapabilities(
+    name="megatron",
+    axes=_ALL_AXES,
+    precisions=frozenset({"fp32", "bf16", "fp16", "fp8"}),
+    requirements=("megatron-core", "NVIDIA GPUs"),
+    incompatible_axis_sets=(),
+    distributed_optimizer=True,
+    reshardable_checkpoint=True,  # via dist_checkpointing
+    elastic_restart=False,
+)
+
+BUILTIN_CAPABILITIES: dict[str, BackendCapabilities] = {
+    "torch": TORCH_CAPABILITIES,
+    "megatron": MEGATRON_CAPABILITIES,
+}
+
+
+class _TorchBackend:
+    """Executes plans with ``mixle_compile.runtime`` (imported on use)."""
+
+    name = "torch"
+    capabilities = TORCH_CAPABILITIES
+
+    def prepare(self, module: Any, *, plan: ParallelPlan, **options: Any) -> DistributedTrainingSession:
+        self.capabilities.validate(plan, options.get("precision", "fp32"))
+        try:
+            runtime = importlib.import_module("mixle_compile.runtime")
+        except ImportError as exc:
+            raise BackendUnavailableError(
+                f"the torch runtime is not installed/available in this version "
+                f"(importing mixle_compile.runtime failed: {exc})"
+            ) from exc
+        entry = getattr(runtime, "prepare", None)
+        if not callable(entry):
+            raise BackendUnavailableError(
+                "the torch runtime is not installed/available in this version "
+                "(mixle_compile.runtime has no prepare function)"
+            )
+        session = entry(module, plan=plan, **options)
+        if not isinstance(session, DistributedTrainingSession):
+            raise ContractTypeError(
+                f"mixle_compile.runtime.prepare returned {_describe(session)}, which does "
+                f"not implement DistributedTrainingSession"
+            )
+        return session
+
+    def __repr__(self) -> str:
+        return "<torch training backend>"
+
+
+class _MegatronBackend:
+    """Declared capabilities only; cannot execute."""
+
+    name = "megatron"
+    capabilities = MEGATRON_CAPABILITIES
+
+    def prepare(self, module: Any, *, plan: ParallelPlan, **options: Any) -> DistributedTrainingSession:
+        raise BackendNotExecutableError(
+            "the 'megatron' backend is declared for verification only: its capabilities "
+            "are used to check plans, but it cannot execute training in this version"
+        )
+
+    def __repr__(self) -> str:
+        return "<megatron training backend (verification only)>"
+
+
+def _make_torch_backend() -> _TorchBackend:
+    return _TorchBackend()
+
+
+def _make_megatron_backend() -> _MegatronBackend:
+    return _MegatronBackend()
+
+
+DEFAULT_BACKEND_REGISTRY = BackendRegistry()
+DEFAULT_BACKEND_REGISTRY.register("torch", _make_torch_backend)
+DEFAULT_BACKEND_REGISTRY.register("megatron", _make_megatron_backend)
+
+register_training_backend = DEFAULT_BACKEND_REGISTRY.register
+get_training_backend = DEFAULT_BACKEND_REGISTRY.get
+available_training_backends = DEFAULT_BACKEND_REGISTRY.available

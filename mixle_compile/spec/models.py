@@ -1,0 +1,488 @@
+"""The spec as code: pydantic v2 models with ``extra="forbid"``.
+
+The JSON Schema in ``schemas/spec.schema.json`` is generated from these models
+(``python -m mixle_compile schema``), never written by hand.
+
+Integers are strict everywhere: ``8.0``, ``"8"`` and ``true`` are refused where an integer is
+meant, because each of those is usually a mistake that a lax parser would hide.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    PlainValidator,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    Tag,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
+
+# Bounds keep arithmetic meaningful and every later pass fast; no real cluster or model is
+# anywhere near them.
+MAX_DEGREE = 1 << 20
+MAX_SIZE = 1 << 48
+
+Degree = Annotated[StrictInt, Field(ge=1, le=MAX_DEGREE)]
+Size = Annotated[StrictInt, Field(ge=1, le=MAX_SIZE)]
+Count = Annotated[StrictInt, Field(ge=0, le=MAX_SIZE)]
+Name = Annotated[StrictStr, Field(min_length=1, max_length=200)]
+Precision = Literal["fp32", "bf16", "fp16", "fp8"]
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# --------------------------------------------------------------------------- quantities
+
+_MEMORY_UNITS = {
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KiB": 2**10,
+    "MiB": 2**20,
+    "GiB": 2**30,
+    "TiB": 2**40,
+}
+_QUANTITY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z/]+)\s*$")
+
+
+def parse_memory(value: Any) -> int:
+    """``"80GiB"`` -> 85899345920; ``"80GB"`` -> 80000000000; an integer is a number of bytes."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError(f"must be a memory size such as '80GiB', '80GB' or a number of bytes, got {_show(value)}")
+    if isinstance(value, int):
+        if value < 1:
+            raise ValueError(f"must be a positive number of bytes, got {value}")
+        return value
+    m = _QUANTITY.match(value)
+    if not m or m.group(2) not in _MEMORY_UNITS:
+        units = ", ".join(_MEMORY_UNITS)
+        raise ValueError(f"cannot read memory size {value!r}; write a number and one of the units {units} (e.g. '80GiB')")
+    nbytes = int(float(m.group(1)) * _MEMORY_UNITS[m.group(2)])
+    if nbytes < 1:
+        raise ValueError(f"memory size {value!r} is zero")
+    return nbytes
+
+
+_FLOPS_UNITS = {"FLOPS": 1, "KFLOPS": 1e3, "MFLOPS": 1e6, "GFLOPS": 1e9, "TFLOPS": 1e12, "PFLOPS": 1e15}
+
+
+def parse_throughput(value: Any) -> float:
+    """``"989TFLOPS"`` (or ``"989 TFLOP/s"``) -> 9.89e14 FLOP/s; a plain number is FLOP/s."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"must be a throughput such as '989TFLOPS' or a number of FLOP/s, got {_show(value)}")
+    if isinstance(value, str):
+        m = _QUANTITY.match(value)
+        unit = m.group(2).upper().replace("FLOP/S", "FLOPS") if m else ""
+        if not m or unit not in _FLOPS_UNITS:
+            raise ValueError(f"cannot read throughput {value!r}; write a number and one of {', '.join(_FLOPS_UNITS)} (e.g. '989TFLOPS')")
+        value = float(m.group(1)) * _FLOPS_UNITS[unit]
+    value = float(value)
+    if not (value > 0 and value < float("inf")):
+        raise ValueError(f"throughput must be a positive finite number, got {value}")
+    return value
+
+
+def _parse_dp_shard(value: Any) -> int | str:
+    if value == "auto" and isinstance(value, str):
+        return value
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_DEGREE:
+        raise ValueError(f"must be an integer >= 1 or 'auto', got {_show(value)}")
+    return value
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, bool):
+        return f"{str(value).lower()} (a boolean)"
+    if isinstance(value, str):
+        return f"{value!r} (a string)"
+    if isinstance(value, float):
+        return f"{value!r} (a float)"
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, list):
+        return "a list"
+    if value is None:
+        return "null"
+    return repr(value)
+
+
+Memory = Annotated[
+    int,
+    PlainValidator(parse_memory),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "integer", "minimum": 1, "description": "bytes"},
+                {"type": "string", "pattern": r"^\s*\d+(\.\d+)?\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)\s*$"},
+            ],
+            "description": "memory per device: bytes, or a size such as '80GiB' or '80GB'",
+        }
+    ),
+]
+Throughput = Annotated[
+    float,
+    PlainValidator(parse_throughput),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "number", "exclusiveMinimum": 0, "description": "FLOP/s"},
+                {"type": "string", "pattern": r"^\s*\d+(\.\d+)?\s*[KMGTP]?FLOP(S|/s)\s*$"},
+            ],
+            "description": "peak throughput per device: FLOP/s, or e.g. '989TFLOPS'",
+        }
+    ),
+]
+DpShard = Annotated[
+    Union[int, Literal["auto"]],
+    PlainValidator(_parse_dp_shard),
+    WithJsonSchema({"anyOf": [{"type": "integer", "minimum": 1, "maximum": MAX_DEGREE}, {"const": "auto"}]}),
+]
+
+
+# --------------------------------------------------------------------------- mesh
+
+MESH_ORDER_TOKENS = ("tp", "cp", "ep", "dp", "pp")
+
+
+class MeshSpec(StrictModel):
+    """Exactly the ParallelPlan fields, plus an optional Megatron-style rank order."""
+
+    dp_replicate: Degree = 1
+    dp_shard: DpShard = 1
+    tp: Degree = 1
+    pp: Degree = 1
+    cp: Degree = 1
+    ep: Degree = 1
+    etp: Degree = 1
+    microbatches: Degree = 1
+    gradient_accumulation_steps: Degree = 1
+    order: StrictStr | None = Field(
+        default=None,
+        description="rank order of the axes, innermost first, Megatron style, e.g. 'tp-cp-ep-dp-pp'",
+    )
+
+    @field_validator("order")
+    @classmethod
+    def _order_is_permutation(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        tokens = value.split("-")
+        if sorted(tokens) != sorted(MESH_ORDER_TOKENS):
+            raise ValueError(
+                f"order {value!r} must name each of {', '.join(MESH_ORDER_TOKENS)} exactly once, joined by '-' (e.g. 'tp-cp-ep-dp-pp')"
+            )
+        return value
+
+
+# --------------------------------------------------------------------------- models
+
+
+class TransformerModel(StrictModel):
+    family: Literal["transformer"]
+    vocab_size: Size
+    hidden_size: Size
+    num_layers: Size
+    num_heads: Size
+    num_kv_heads: Size | None = Field(default=None, description="defaults to num_heads (multi-head attention)")
+    head_dim: Size | None = Field(default=None, description="defaults to hidden_size / num_heads")
+    ffn_hidden_size: Size
+    tie_embeddings: StrictBool = False
+    num_experts: Count = Field(default=0, description="0 = dense")
+    experts_per_token: Size | None = Field(default=None, description="top-k routing; required when num_experts > 0")
+    moe_ffn_hidden_size: Size | None = Field(default=None, description="defaults to ffn_hidden_size")
+    moe_layer_frequency: Size = Field(default=1, description="every k-th layer is a mixture-of-experts layer")
+    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
+    activation: Literal["swiglu", "gelu", "relu"] = "swiglu"
+    position_embedding: Literal["rope", "learned"] = "rope"
+
+
+ParameterRole = Literal["embedding", "column", "row", "norm", "expert", "router", "head", "bias", "other"]
+
+
+class ModuleParameter(StrictModel):
+    name: Name
+    shape: Annotated[list[Size], Field(max_length=8)]
+    dtype: Precision | None = Field(default=None, description="defaults to training.precision")
+    role: ParameterRole = "other"
+    layer: Count | None = None
+    shared_group: Name | None = Field(default=None, description="parameters tied to each other share a group")
+
+
+class ModulesModel(StrictModel):
+    family: Literal["modules"]
+    parameters: Annotated[list[ModuleParameter], Field(min_length=1)]
+
+
+# Distribution trees ------------------------------------------------------------
+
+
+class _Node(StrictModel):
+    name: Name | None = Field(default=None, description="optional label used in paths and reports")
+
+
+class Gaussian(_Node):
+    type: Literal["gaussian"]
+    dim: Size
+    covariance: Literal["diag", "full"] = "diag"
+
+
+class Categorical(_Node):
+    type: Literal["categorical"]
+    num_values: Size
+
+
+class Poisson(_Node):
+    type: Literal["poisson"]
+    dim: Size = 1
+
+
+class Exponential(_Node):
+    type: Literal["exponential"]
+    dim: Size = 1
+
+
+class Transitions(_Node):
+    """An HMM's initial and transition probabilities, a dense S x S block held whole."""
+
+    type: Literal["transitions"]
+    num_states: Size
+
+
+class Mixture(_Node):
+    type: Literal["mixture"]
+    components: Annotated[list["DistributionNode"], Field(min_length=1)] | None = None
+    component: "DistributionNode | None" = Field(default=None, description="one component repeated `repeat` times")
+    repeat: Size | None = None
+
+    @model_validator(mode="after")
+    def _components_or_repeat(self) -> "Mixture":
+        listed = self.components is not None
+        repeated = self.component is not None or self.repeat is not None
+        if listed and repeated:
+            raise ValueError("a mixture takes either `components` or `component` with `repeat`, not both")
+        if not listed and (self.component is None or self.repeat is None):
+            raise ValueError("a mixture needs `components` (a list) or `component` together with `repeat: K`")
+        return self
+
+    @property
+    def num_components(self) -> int:
+        return len(self.components) if self.components is not None else int(self.repeat or 0)
+
+
+class Composite(_Node):
+    type: Literal["composite"]
+    factors: Annotated[list["DistributionNode"], Field(min_length=1)]
+
+
+class HMM(_Node):
+    type: Literal["hmm"]
+    num_states: Size
+    emission: "DistributionNode | None" = Field(default=None, description="one emission distribution repeated per state")
+    emissions: Annotated[list["DistributionNode"], Field(min_length=1)] | None = None
+    transitions: "DistributionNode | None" = Field(
+        default=None, description="a `transitions` node (often a `ref:` to a shared one); defaults to the HMM's own"
+    )
+
+    @model_validator(mode="after")
+    def _emissions(self) -> "HMM":
+        if (self.emission is None) == (self.emissions is None):
+            raise ValueError("an hmm takes exactly one of `emission` (repeated per state) or `emissions` (one per state)")
+        if self.emissions is not None and len(self.emissions) != self.num_states:
+            raise ValueError(f"an hmm with num_states={self.num_states} needs {self.num_states} emissions, got {len(self.emissions)}")
+        return self
+
+
+class Sequence(_Node):
+    type: Literal["sequence"]
+    base: "DistributionNode"
+    length: "DistributionNode"
+
+
+class Ref(StrictModel):
+    ref: Name
+
+
+NODE_TYPES = ("gaussian", "categorical", "poisson", "exponential", "transitions", "mixture", "composite", "hmm", "sequence")
+
+
+def _node_tag(value: Any) -> str | None:
+    if isinstance(value, dict):
+        return "ref" if "ref" in value else value.get("type") if isinstance(value.get("type"), str) else None
+    if isinstance(value, Ref):
+        return "ref"
+    return getattr(value, "type", None)
+
+
+DistributionNode = Annotated[
+    Union[
+        Annotated[Gaussian, Tag("gaussian")],
+        Annotated[Categorical, Tag("categorical")],
+        Annotated[Poisson, Tag("poisson")],
+        Annotated[Exponential, Tag("exponential")],
+        Annotated[Transitions, Tag("transitions")],
+        Annotated[Mixture, Tag("mixture")],
+        Annotated[Composite, Tag("composite")],
+        Annotated[HMM, Tag("hmm")],
+        Annotated[Sequence, Tag("sequence")],
+        Annotated[Ref, Tag("ref")],
+    ],
+    Discriminator(_node_tag),
+]
+
+for _cls in (Mixture, Composite, HMM, Sequence):
+    _cls.model_rebuild()
+
+
+class DistributionModel(StrictModel):
+    family: Literal["distribution"]
+    root: DistributionNode
+    shared: dict[Name, DistributionNode] = Field(
+        default_factory=dict, description="nodes defined once and used from several parents with {ref: NAME}"
+    )
+
+
+FAMILIES = ("transformer", "modules", "distribution")
+
+
+def _family_tag(value: Any) -> str | None:
+    if isinstance(value, dict):
+        family = value.get("family")
+        return family if isinstance(family, str) else None
+    return getattr(value, "family", None)
+
+
+ModelSpec = Annotated[
+    Union[
+        Annotated[TransformerModel, Tag("transformer")],
+        Annotated[ModulesModel, Tag("modules")],
+        Annotated[DistributionModel, Tag("distribution")],
+    ],
+    Discriminator(_family_tag),
+]
+
+
+# --------------------------------------------------------------------------- training, resources
+
+
+class TrainingSpec(StrictModel):
+    global_batch_size: Size
+    micro_batch_size: Size = 1
+    seq_len: Size | None = Field(default=None, description="tokens per sample; required for transformers")
+    precision: Precision = "bf16"
+    optimizer: Literal["sgd", "adamw", "adam"] = "adamw"
+    learning_rate: Annotated[StrictFloat, Field(gt=0, le=1e6, allow_inf_nan=False)] = 1e-3
+    sequence_parallel: StrictBool = False
+    distributed_optimizer: StrictBool = False
+    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
+    virtual_pipeline_stages: Degree = 1
+    activation_checkpointing: Literal["none", "selective", "full"] = "none"
+    steps: Size = 1
+    seed: Count = 0
+
+
+class DeviceGroup(StrictModel):
+    """``count`` devices of one kind (a list of groups describes a heterogeneous cluster)."""
+
+    kind: Name = "gpu"
+    memory: Memory
+    throughput: Throughput | None = None
+    count: Degree = 1
+
+
+def _devices_tag(value: Any) -> str | None:
+    if isinstance(value, list):
+        return "list"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return "count"
+    return None
+
+
+class Resources(StrictModel):
+    devices: Annotated[
+        Union[Annotated[Degree, Tag("count")], Annotated[list[DeviceGroup], Field(min_length=1), Tag("list")]],
+        Discriminator(_devices_tag),
+    ]
+    kind: Name | None = Field(default=None, description="with a device count: the kind of every device")
+    memory: Memory | None = Field(default=None, description="with a device count: memory of every device")
+    throughput: Throughput | None = Field(default=None, description="with a device count: throughput of every device")
+
+    @model_validator(mode="after")
+    def _count_or_list(self) -> "Resources":
+        if isinstance(self.devices, int) and self.memory is None:
+            raise ValueError("with `devices` given as a count, `memory` (per device, e.g. '80GiB') is required")
+        if isinstance(self.devices, list) and (self.kind, self.memory, self.throughput) != (None, None, None):
+            raise ValueError("with `devices` given as a list, put kind, memory and throughput on each entry")
+        return self
+
+    @property
+    def device_count(self) -> int:
+        if isinstance(self.devices, int):
+            return self.devices
+        return sum(group.count for group in self.devices)
+
+    def device_list(self) -> list[DeviceGroup]:
+        """One entry per device, in rank order."""
+        if isinstance(self.devices, int):
+            one = DeviceGroup(kind=self.kind or "gpu", memory=self.memory, throughput=self.throughput, count=1)
+            return [one] * self.devices
+        return [group.model_copy(update={"count": 1}) for group in self.devices for _ in range(group.count)]
+
+
+class ElasticSpec(StrictModel):
+    min_world_size: Degree
+    max_world_size: Degree
+    multiple_of: Degree = 1
+
+    @model_validator(mode="after")
+    def _range(self) -> "ElasticSpec":
+        if self.min_world_size > self.max_world_size:
+            raise ValueError(f"min_world_size ({self.min_world_size}) is larger than max_world_size ({self.max_world_size})")
+        return self
+
+
+class Spec(StrictModel):
+    model: ModelSpec
+    mesh: MeshSpec
+    training: TrainingSpec
+    backend: Name
+    resources: Resources
+    elastic: ElasticSpec | None = None
+
+
+def parallel_plan(spec: Spec):
+    """The spec's mesh as a :class:`~mixle_compile.contracts.ParallelPlan`, `dp_shard: auto` filled in.
+
+    Call only on a spec whose consistency checks passed (auto is then resolvable).
+    """
+    from mixle_compile.contracts import ParallelPlan
+
+    mesh = spec.mesh
+    dp_shard = mesh.dp_shard
+    if dp_shard == "auto":
+        dp_shard = spec.resources.device_count // (mesh.dp_replicate * mesh.tp * mesh.pp * mesh.cp)
+    return ParallelPlan(
+        dp_replicate=mesh.dp_replicate,
+        dp_shard=dp_shard,
+        tp=mesh.tp,
+        pp=mesh.pp,
+        cp=mesh.cp,
+        ep=mesh.ep,
+        etp=mesh.etp,
+        microbatches=mesh.microbatches,
+        gradient_accumulation_steps=mesh.gradient_accumulation_steps,
+    )
