@@ -1,0 +1,128 @@
+"""The parameters of a neural model, derived in one place from the spec.
+
+A `transformer` spec's parameters follow from its sizes; a `modules` spec lists them. Everything
+downstream (graph sizing, the verifier's memory rule, layouts, the runtime) reads this list, so a
+parameter's name, shape and role are decided here and nowhere else.
+
+Shapes follow torch's convention for linear layers, ``[out_features, in_features]``: a
+column-parallel layer splits dimension 0, a row-parallel layer dimension 1; embeddings are
+``[vocab, hidden]`` and split over the vocabulary (dimension 0). Expert weights carry the expert
+index as dimension 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+
+from mixle_compile.spec.models import ModulesModel, Spec, TransformerModel
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+
+TIED_EMBEDDING_GROUP = "tied_embedding"
+
+
+@dataclass(frozen=True)
+class Parameter:
+    name: str
+    shape: tuple[int, ...]
+    role: str  # embedding, column, row, norm, expert, router, head, bias, other
+    dtype: str
+    layer: int | None = None  # transformer block index; None outside the blocks
+    shared_group: str | None = None  # tied parameters (one logical tensor held in several places)
+
+    @property
+    def numel(self) -> int:
+        return prod(self.shape)
+
+    @property
+    def bytes(self) -> int:
+        return self.numel * DTYPE_BYTES[self.dtype]
+
+
+def model_parameters(spec: Spec) -> tuple[Parameter, ...]:
+    """Every parameter of a neural spec, in module order. A distribution spec has none here."""
+    model = spec.model
+    if isinstance(model, TransformerModel):
+        return transformer_parameters(model, spec.training.precision, spec.training.seq_len)
+    if isinstance(model, ModulesModel):
+        return tuple(
+            Parameter(
+                name=p.name,
+                shape=tuple(p.shape),
+                role=p.role,
+                dtype=p.dtype or spec.training.precision,
+                layer=p.layer,
+                shared_group=p.shared_group,
+            )
+            for p in model.parameters
+        )
+    return ()
+
+
+def head_dim(model: TransformerModel) -> int:
+    return model.head_dim or model.hidden_size // model.num_heads
+
+
+def is_moe_layer(model: TransformerModel, layer: int) -> bool:
+    """Megatron's convention: with frequency k, layers 0, k, 2k, ... are mixture-of-experts layers."""
+    return model.num_experts > 0 and layer % model.moe_layer_frequency == 0
+
+
+def transformer_parameters(model: TransformerModel, dtype: str, seq_len: int | None = None) -> tuple[Parameter, ...]:
+    h, v = model.hidden_size, model.vocab_size
+    d = head_dim(model)
+    q_out = model.num_heads * d
+    kv_out = (model.num_kv_heads or model.num_heads) * d
+    gated = model.activation == "swiglu"
+    tied = TIED_EMBEDDING_GROUP if model.tie_embeddings else None
+    out: list[Parameter] = []
+
+    def add(name: str, shape: tuple[int, ...], role: str, layer: int | None = None, group: str | None = None) -> None:
+        out.append(Parameter(name, shape, role, dtype, layer, group))
+
+    def norm(name: str, layer: int | None) -> None:
+        add(f"{name}.weight", (h,), "norm", layer)
+        if model.norm == "layernorm":
+            add(f"{name}.bias", (h,), "bias", layer)
+
+    add("embed.weight", (v, h), "embedding", None, tied)
+    if model.position_embedding == "learned":
+        add("pos_embed.weight", (seq_len or 1, h), "embedding")
+    for i in range(model.num_layers):
+        p = f"layers.{i}"
+        norm(f"{p}.attn_norm", i)
+        add(f"{p}.attn.q_proj.weight", (q_out, h), "column", i)
+        add(f"{p}.attn.k_proj.weight", (kv_out, h), "column", i)
+        add(f"{p}.attn.v_proj.weight", (kv_out, h), "column", i)
+        add(f"{p}.attn.o_proj.weight", (h, q_out), "row", i)
+        norm(f"{p}.mlp_norm", i)
+        if is_moe_layer(model, i):
+            e, f = model.num_experts, model.moe_ffn_hidden_size or model.ffn_hidden_size
+            add(f"{p}.moe.router.weight", (e, h), "router", i)
+            if gated:
+                add(f"{p}.moe.experts.gate_proj", (e, f, h), "expert", i)
+            add(f"{p}.moe.experts.up_proj", (e, f, h), "expert", i)
+            add(f"{p}.moe.experts.down_proj", (e, h, f), "expert", i)
+        else:
+            f = model.ffn_hidden_size
+            if gated:
+                add(f"{p}.mlp.gate_proj.weight", (f, h), "column", i)
+            add(f"{p}.mlp.up_proj.weight", (f, h), "column", i)
+            add(f"{p}.mlp.down_proj.weight", (h, f), "row", i)
+    norm("final_norm", None)
+    add("lm_head.weight", (v, h), "head", None, tied)
+    return tuple(out)
+
+
+def unique_parameter_bytes(params: tuple[Parameter, ...]) -> int:
+    """Bytes of the distinct logical tensors: a tied group counts once."""
+    seen: set[str] = set()
+    total = 0
+    for p in params:
+        if p.shared_group is not None:
+            if p.shared_group in seen:
+                continue
+            seen.add(p.shared_group)
+        total += p.bytes
+    return total

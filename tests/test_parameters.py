@@ -1,0 +1,37 @@
+"""The derived parameter lists: known models come out at their published sizes."""
+
+from __future__ import annotations
+
+from mixle_compile.parameters import model_parameters, unique_parameter_bytes
+from mixle_compile.spec import load_spec
+from tests.conftest import EXAMPLES
+
+
+def params_of(name):
+    loaded = load_spec(EXAMPLES / name)
+    assert loaded.ok
+    return model_parameters(loaded.spec)
+
+
+def test_llama3_8b_has_8_03_billion_parameters():
+    params = params_of("llama3-8b-hsdp-tp.yaml")
+    assert sum(p.numel for p in params) == 8_030_261_248
+    assert unique_parameter_bytes(params) == 2 * 8_030_261_248  # bf16
+    q = next(p for p in params if p.name == "layers.0.attn.q_proj.weight")
+    k = next(p for p in params if p.name == "layers.0.attn.k_proj.weight")
+    assert (q.shape, k.shape, q.role) == ((4096, 4096), (1024, 4096), "column")
+
+
+def test_mixtral_has_46_7_billion_parameters_and_expert_tensors():
+    params = params_of("mixtral-moe-ep.yaml")
+    total = sum(p.numel for p in params)
+    assert 46.6e9 < total < 46.8e9  # Mixtral 8x7B: 46.7B
+    experts = [p for p in params if p.role == "expert"]
+    assert len(experts) == 32 * 3 and all(p.shape[0] == 8 for p in experts)
+
+
+def test_tied_embeddings_count_once():
+    params = params_of("tiny-transformer.yaml")
+    tied = [p for p in params if p.shared_group == "tied_embedding"]
+    assert [p.name for p in tied] == ["embed.weight", "lm_head.weight"]
+    assert unique_parameter_bytes(params) == sum(p.bytes for p in params) - tied[1].bytes
