@@ -118,3 +118,11 @@ def test_python_dash_m_entry_point(write):
         capture_output=True, text=True, cwd=ROOT,
     )
     assert proc.returncode == 1 and "S004" in proc.stdout and proc.stderr == ""
+
+
+def test_ci_runs_the_readme_test_command():
+    readme = (ROOT / "README.md").read_text()
+    commands = [line for line in readme.splitlines() if line.startswith("python3.11 -m venv")]
+    assert len(commands) == 2, "the README has exactly two set-up commands"
+    test_command = next(c for c in commands if "pytest" in c)
+    assert test_command in (ROOT / ".ci" / "run").read_text()
