@@ -124,9 +124,9 @@ def updates(draw):
         )
     else:
         evidence = dict(
-            determinism_observed=draw(st.none() | st.booleans()),
-            maximum_absolute_error=draw(st.none() | finite_errors),
-            maximum_relative_error=draw(st.none() | finite_errors),
+            determinism_observed=None,
+            maximum_absolute_error=None,
+            maximum_relative_error=None,
             numerics_evidence_id=None,
         )
     return DistributedUpdate(
