@@ -30,6 +30,7 @@ class Parameter:
     dtype: str
     layer: int | None = None  # transformer block index; None outside the blocks
     shared_group: str | None = None  # tied parameters (one logical tensor held in several places)
+    tp_dim: int | None = None  # the dimension tensor parallelism splits; None: replicated over tp
 
     @property
     def numel(self) -> int:
@@ -54,10 +55,21 @@ def model_parameters(spec: Spec) -> tuple[Parameter, ...]:
                 dtype=p.dtype or spec.training.precision,
                 layer=p.layer,
                 shared_group=p.shared_group,
+                tp_dim=role_tp_dim(p.role, len(p.shape)),
             )
             for p in model.parameters
         )
     return ()
+
+
+# Megatron's layout: column-parallel layers split their output features, row-parallel layers their
+# input features, embeddings and the output head their vocabulary.
+_ROLE_TP_DIM = {"column": 0, "row": 1, "embedding": 0, "head": 0}
+
+
+def role_tp_dim(role: str, ndim: int) -> int | None:
+    dim = _ROLE_TP_DIM.get(role)
+    return dim if dim is not None and dim < ndim else None
 
 
 def head_dim(model: TransformerModel) -> int:
@@ -78,8 +90,12 @@ def transformer_parameters(model: TransformerModel, dtype: str, seq_len: int | N
     tied = TIED_EMBEDDING_GROUP if model.tie_embeddings else None
     out: list[Parameter] = []
 
-    def add(name: str, shape: tuple[int, ...], role: str, layer: int | None = None, group: str | None = None) -> None:
-        out.append(Parameter(name, shape, role, dtype, layer, group))
+    def add(
+        name: str, shape: tuple[int, ...], role: str, layer: int | None = None, group: str | None = None, tp_dim: int | None = None
+    ) -> None:
+        if tp_dim is None:
+            tp_dim = role_tp_dim(role, len(shape))
+        out.append(Parameter(name, shape, role, dtype, layer, group, tp_dim))
 
     def norm(name: str, layer: int | None) -> None:
         add(f"{name}.weight", (h,), "norm", layer)
@@ -100,10 +116,11 @@ def transformer_parameters(model: TransformerModel, dtype: str, seq_len: int | N
         if is_moe_layer(model, i):
             e, f = model.num_experts, model.moe_ffn_hidden_size or model.ffn_hidden_size
             add(f"{p}.moe.router.weight", (e, h), "router", i)
+            # Expert tensor parallelism (etp = tp) splits each expert's hidden features.
             if gated:
-                add(f"{p}.moe.experts.gate_proj", (e, f, h), "expert", i)
-            add(f"{p}.moe.experts.up_proj", (e, f, h), "expert", i)
-            add(f"{p}.moe.experts.down_proj", (e, h, f), "expert", i)
+                add(f"{p}.moe.experts.gate_proj", (e, f, h), "expert", i, tp_dim=1)
+            add(f"{p}.moe.experts.up_proj", (e, f, h), "expert", i, tp_dim=1)
+            add(f"{p}.moe.experts.down_proj", (e, h, f), "expert", i, tp_dim=2)
         else:
             f = model.ffn_hidden_size
             if gated:

@@ -1,0 +1,1 @@
+"""Lowering: a verified spec becomes what each rank holds and does."""

@@ -1,0 +1,61 @@
+"""The lowering pass: a verified neural spec becomes layouts, updates, memory and traffic."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mixle_compile.contracts import ParallelPlan
+from mixle_compile.lower.exactly_once import ReductionProblem, check_exactly_once
+from mixle_compile.lower.layouts import PlacedParameter, place_parameters, stage_of_layer
+from mixle_compile.lower.memory import StageMemory, TrafficEntry, stage_memory, traffic
+from mixle_compile.lower.updates import PlannedUpdate, activation_updates, gradient_updates
+from mixle_compile.parameters import model_parameters
+from mixle_compile.spec.models import Spec, TransformerModel, parallel_plan
+
+
+@dataclass(frozen=True)
+class Lowered:
+    plan: ParallelPlan
+    parameters: tuple[PlacedParameter, ...]
+    updates: tuple[PlannedUpdate, ...]
+    memory: tuple[StageMemory, ...]
+    traffic: tuple[TrafficEntry, ...]
+    reduction_problems: tuple[ReductionProblem, ...]
+
+
+def lower(spec: Spec) -> Lowered:
+    """Lower a spec that passed `check` (its mesh fits its devices and its model)."""
+    plan = parallel_plan(spec)
+    t = spec.training
+    num_layers = spec.model.num_layers if isinstance(spec.model, TransformerModel) else _module_layers(spec)
+    placed = place_parameters(
+        model_parameters(spec),
+        plan,
+        num_layers=num_layers,
+        virtual_stages=t.virtual_pipeline_stages,
+        distributed_optimizer=t.distributed_optimizer,
+    )
+    stage_of = {i: stage_of_layer(i, max(num_layers, 1), plan.pp, t.virtual_pipeline_stages)[0] for i in range(num_layers)}
+    updates = tuple(
+        gradient_updates(
+            placed,
+            plan,
+            sequence_parallel=t.sequence_parallel,
+            distributed_optimizer=t.distributed_optimizer,
+            microbatches_per_step=plan.microbatches * plan.gradient_accumulation_steps,
+        )
+        + activation_updates(spec, plan, stage_of)
+    )
+    return Lowered(
+        plan=plan,
+        parameters=placed,
+        updates=updates,
+        memory=stage_memory(spec, plan, placed),
+        traffic=traffic(updates),
+        reduction_problems=check_exactly_once(placed, updates, plan, sequence_parallel=t.sequence_parallel),
+    )
+
+
+def _module_layers(spec: Spec) -> int:
+    layers = [p.layer for p in model_parameters(spec) if p.layer is not None]
+    return max(layers) + 1 if layers else 1

@@ -1,0 +1,226 @@
+"""Distributed updates: every collective a step performs, derived from the layouts.
+
+Gradients: a local gradient is a partial sum on every axis whose placement holds the parameter
+whole (or sharded for storage only) while the data differs between the ranks of that axis. It is
+reduced exactly once over exactly those axes: an all_reduce over the tied group first (on whole
+gradients, before any reduce-scatter), an all_reduce over tp for tp-replicated parameters under
+sequence parallelism, then a reduce_scatter over the axes where the state is sharded followed by
+an all_reduce over the axes where it is replicated. The data reduction divides by the
+data-parallel size (the loss is a mean over the global batch), for experts too.
+
+Activations: TP all_reduce after row-parallel layers (reduce_scatter, and all_gather before
+column-parallel layers, under sequence parallelism), the vocabulary-parallel embedding's
+all_reduce, CP all_gather of K and V, EP all_to_all of tokens out and back, PP p2p of activations
+and their gradients between adjacent stages. FSDP all_gathers parameters before use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mixle_compile.contracts import CollectiveKind, DistributedUpdate, ParallelPlan, PayloadKind, StateLayout
+from mixle_compile.lower.layouts import DATA_AXES, EXPERT_DATA, TIED_GROUP, PlacedParameter, expert_data_size
+from mixle_compile.parameters import DTYPE_BYTES, head_dim, is_moe_layer
+from mixle_compile.spec.models import Spec, TransformerModel
+
+
+@dataclass(frozen=True)
+class PlannedUpdate:
+    """A DistributedUpdate with what the schedule and the traffic model need to place it."""
+
+    update: DistributedUpdate
+    tensor: str  # the parameter, or the activation site
+    phase: str  # "forward", "backward", "gradient" (after backward), "parameter" (after the step)
+    stage: int  # pipeline stage issuing it
+    payload_bytes: int  # S: the full logical size of what enters the collective on each rank
+    group_size: int  # ranks in the collective's group
+    occurrences_per_step: int
+    gradient_divisor: int = 1  # the reduced sum is divided by this (1: a plain sum)
+
+    @property
+    def bytes_per_rank_per_step(self) -> float:
+        """Ring cost per rank: all_reduce 2(n-1)/n S, reduce_scatter/all_gather/all_to_all (n-1)/n S, p2p S."""
+        n, s = self.group_size, self.payload_bytes
+        kind = self.update.collective
+        if kind is CollectiveKind.none:
+            per = 0.0
+        elif kind is CollectiveKind.all_reduce:
+            per = 2 * (n - 1) / n * s
+        elif kind in (CollectiveKind.reduce_scatter, CollectiveKind.all_gather, CollectiveKind.all_to_all):
+            per = (n - 1) / n * s
+        elif kind is CollectiveKind.broadcast:
+            per = (n - 1) / n * s
+        else:  # p2p
+            per = float(s)
+        return per * self.occurrences_per_step
+
+
+def group_size(axes: tuple[str, ...], plan: ParallelPlan) -> int:
+    size = 1
+    for axis in axes:
+        size *= domain_size(axis, plan)
+    return size
+
+
+def domain_size(axis: str, plan: ParallelPlan) -> int:
+    if axis == EXPERT_DATA:
+        return expert_data_size(plan)
+    if axis == TIED_GROUP:
+        return 2
+    return plan.size(axis)
+
+
+def _grad_update(node: str, collective: CollectiveKind, axes: tuple[str, ...], layout: StateLayout, notes: str, payload=PayloadKind.gradient) -> DistributedUpdate:
+    return DistributedUpdate(
+        node_id=node,
+        payload=payload,
+        collective=collective,
+        mesh_axes=axes,
+        state_layout=layout,
+        notes=notes,
+        contract_exact=True,  # sums (reduced in fp32) and copies: exact in exact arithmetic
+    )
+
+
+def gradient_updates(placed: tuple[PlacedParameter, ...], plan: ParallelPlan, *, sequence_parallel: bool, distributed_optimizer: bool, microbatches_per_step: int) -> list[PlannedUpdate]:
+    """Gradient reductions and FSDP parameter gathers, derived from each layout's placements."""
+    data_differs = {*DATA_AXES, EXPERT_DATA} | ({"tp"} if sequence_parallel else set())
+    out: list[PlannedUpdate] = []
+    dp = plan.data_parallel_size
+    for pp_ in placed:
+        name, layout, stage = pp_.name, pp_.layout, pp_.stage
+        grad_bytes = pp_.parameter.numel * 4  # gradients are reduced in fp32
+        if layout.shared_group is not None:
+            out.append(
+                PlannedUpdate(
+                    _grad_update(f"{name}:grad/tied", CollectiveKind.all_reduce, (TIED_GROUP,), layout.optimizer_state,
+                                 f"tied weight {layout.shared_group!r}: sum the first and last stage's whole gradients before any reduce-scatter"),
+                    name, "gradient", stage, _tp_local(pp_, plan, grad_bytes), 2, 1,
+                )
+            )
+        data = [(a, p) for a, p in layout.placements if a in data_differs and a != "tp"]
+        sharded = [a for a, p in data if p != "replicate"]
+        replicated = [a for a, p in data if p == "replicate"]
+        if "tp" in data_differs and dict(layout.placements).get("tp") == "replicate" and not pp_.is_expert:
+            out.append(
+                PlannedUpdate(
+                    _grad_update(f"{name}:grad/tp", CollectiveKind.all_reduce, ("tp",), layout.optimizer_state,
+                                 "tp-replicated parameter whose inputs are sequence shards under sequence parallelism"),
+                    name, "gradient", stage, grad_bytes, plan.tp, 1,
+                )
+            )
+        # A distributed optimizer shards replicated state for the step: reduce-scatter, then gather.
+        if distributed_optimizer and not sharded and replicated:
+            sharded, replicated = replicated, []
+            scatter_then_gather = True
+        else:
+            scatter_then_gather = False
+        local_full = _tp_local(pp_, plan, grad_bytes)
+        # FSDP reduces sharded gradients every accumulation micro-step; replicated ones once.
+        per_step = plan.gradient_accumulation_steps if sharded and not scatter_then_gather else 1
+        if sharded:
+            axes = tuple(sharded)
+            out.append(
+                PlannedUpdate(
+                    _grad_update(f"{name}:grad/scatter", CollectiveKind.reduce_scatter, axes, StateLayout.sharded,
+                                 f"divide by the data-parallel size {dp}" if not replicated else "partial sum; the all_reduce that follows divides"),
+                    name, "gradient", stage, local_full, group_size(axes, plan), per_step,
+                    gradient_divisor=1 if replicated else dp,
+                )
+            )
+        if replicated:
+            axes = tuple(replicated)
+            shard_factor = group_size(tuple(sharded), plan) if sharded else 1
+            out.append(
+                PlannedUpdate(
+                    _grad_update(f"{name}:grad/reduce", CollectiveKind.all_reduce, axes, layout.optimizer_state,
+                                 f"divide by the data-parallel size {dp}"),
+                    name, "gradient", stage, local_full // shard_factor, group_size(axes, plan), per_step, gradient_divisor=dp,
+                )
+            )
+        param_bytes = _tp_local(pp_, plan, pp_.parameter.bytes)
+        if scatter_then_gather:
+            axes = tuple(sharded)
+            out.append(
+                PlannedUpdate(
+                    _grad_update(f"{name}:param/gather", CollectiveKind.all_gather, axes, StateLayout.sharded,
+                                 "distributed optimizer: gather the updated shards", payload=PayloadKind.parameter),
+                    name, "parameter", stage, param_bytes, group_size(axes, plan), 1,
+                )
+            )
+        elif sharded:
+            axes = tuple(sharded)
+            for phase in ("forward", "backward"):
+                out.append(
+                    PlannedUpdate(
+                        _grad_update(f"{name}:param/gather-{phase}", CollectiveKind.all_gather, axes, StateLayout.sharded,
+                                     f"FSDP: gather the parameter before its {phase} use", payload=PayloadKind.parameter),
+                        name, phase, stage, param_bytes, group_size(axes, plan), microbatches_per_step,
+                    )
+                )
+    return out
+
+
+def _tp_local(pp_: PlacedParameter, plan: ParallelPlan, nbytes: int) -> int:
+    """Bytes of the tp (and ep) shard: data-parallel collectives move the model-parallel shard."""
+    factor = 1
+    for axis, placement in pp_.layout.placements:
+        if axis in ("tp", "ep") and placement != "replicate":
+            factor *= plan.size(axis)
+    return nbytes // factor
+
+
+def activation_updates(spec: Spec, plan: ParallelPlan, stage_of: dict[int, int]) -> list[PlannedUpdate]:
+    """Per-layer activation collectives of a transformer (per micro-batch)."""
+    model = spec.model
+    if not isinstance(model, TransformerModel):
+        return []
+    t = spec.training
+    act_bytes_per = 4 if t.precision == "fp32" else 2
+    seq = (t.seq_len or 1) // plan.cp
+    tokens = t.micro_batch_size * seq
+    hidden_bytes = tokens * model.hidden_size * act_bytes_per
+    mb = plan.microbatches * plan.gradient_accumulation_steps
+    sp = t.sequence_parallel
+    out: list[PlannedUpdate] = []
+
+    def add(node: str, collective: CollectiveKind, axes: tuple[str, ...], phase: str, stage: int, nbytes: int, layout: StateLayout, notes: str, payload=PayloadKind.activation) -> None:
+        out.append(
+            PlannedUpdate(
+                DistributedUpdate(node_id=node, payload=payload, collective=collective, mesh_axes=axes, state_layout=layout, notes=notes, contract_exact=True),
+                node.split(":")[0], phase, stage, nbytes, group_size(axes, plan), mb,
+            )
+        )
+
+    last = plan.pp - 1
+    if plan.tp > 1:
+        kind = CollectiveKind.reduce_scatter if sp else CollectiveKind.all_reduce
+        add("embed:out", kind, ("tp",), "forward", 0, hidden_bytes, StateLayout.replicated, "vocabulary-parallel embedding: each rank holds a slice of the vocabulary")
+        logits_stat_bytes = tokens * 4
+        add("lm_head:loss", CollectiveKind.all_reduce, ("tp",), "forward", last, 2 * logits_stat_bytes, StateLayout.replicated, "vocabulary-parallel cross entropy: max and sum of exponentials over the vocabulary shards")
+    kv_bytes = tokens * (model.num_kv_heads or model.num_heads) * head_dim(model) * act_bytes_per
+    for i in range(model.num_layers):
+        stage = stage_of.get(i, 0)
+        for block in ("attn", "mlp"):
+            if plan.tp > 1:
+                if sp:
+                    add(f"layers.{i}.{block}:in", CollectiveKind.all_gather, ("tp",), "forward", stage, hidden_bytes, StateLayout.replicated, "sequence parallel: gather the sequence before the column-parallel layer")
+                    add(f"layers.{i}.{block}:out", CollectiveKind.reduce_scatter, ("tp",), "forward", stage, hidden_bytes, StateLayout.sharded, "sequence parallel: reduce and scatter the row-parallel output over the sequence")
+                    add(f"layers.{i}.{block}:in/grad", CollectiveKind.reduce_scatter, ("tp",), "backward", stage, hidden_bytes, StateLayout.sharded, "conjugate of the input all_gather")
+                    add(f"layers.{i}.{block}:out/grad", CollectiveKind.all_gather, ("tp",), "backward", stage, hidden_bytes, StateLayout.replicated, "conjugate of the output reduce_scatter")
+                else:
+                    add(f"layers.{i}.{block}:out", CollectiveKind.all_reduce, ("tp",), "forward", stage, hidden_bytes, StateLayout.replicated, "sum the row-parallel partial outputs")
+                    add(f"layers.{i}.{block}:in/grad", CollectiveKind.all_reduce, ("tp",), "backward", stage, hidden_bytes, StateLayout.replicated, "sum the input gradients of the column-parallel layer")
+        if plan.cp > 1:
+            add(f"layers.{i}.attn:kv", CollectiveKind.all_gather, ("cp",), "forward", stage, 2 * kv_bytes * plan.cp, StateLayout.replicated, "context parallel: gather K and V of every sequence chunk", payload=PayloadKind.kv_block)
+            add(f"layers.{i}.attn:kv/grad", CollectiveKind.reduce_scatter, ("cp",), "backward", stage, 2 * kv_bytes * plan.cp, StateLayout.sharded, "context parallel: return the K and V gradients to their chunks", payload=PayloadKind.kv_block)
+        if plan.ep > 1 and is_moe_layer(model, i):
+            routed = hidden_bytes * (model.experts_per_token or 1) // (plan.tp if sp else 1)
+            for phase, what in (("forward", "dispatch"), ("forward", "combine"), ("backward", "dispatch/grad"), ("backward", "combine/grad")):
+                add(f"layers.{i}.moe:{what}", CollectiveKind.all_to_all, ("ep",), phase, stage, routed, StateLayout.expert_local, "expert parallel: tokens to their experts' ranks and back", payload=PayloadKind.token)
+    if plan.pp > 1:
+        boundary_bytes = hidden_bytes // (plan.tp if sp else 1)
+        for s in range(plan.pp - 1):
+            add(f"stage.{s}->{s + 1}:activation", CollectiveKind.p2p, ("pp",), "forward", s, boundary_bytes, StateLayout.pipeline_local, "pipeline: activation to the next stage")
+            add(f"stage.{s + 1}->{s}:activation/grad", CollectiveKind.p2p, ("pp",), "backward", s + 1, boundary_bytes, StateLayout.pipeline_local, "pipeline: activation gradient to the previous stage")
+    return out

@@ -1,0 +1,178 @@
+"""Layouts and distributed updates: derived from placements, and checked independently."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mixle_compile.contracts import CollectiveKind, StateLayout
+from mixle_compile.lower.exactly_once import check_exactly_once
+from mixle_compile.lower.lowering import lower
+from mixle_compile.lower.updates import PlannedUpdate
+from mixle_compile.spec import load_spec, load_spec_text
+from tests.conftest import EXAMPLES
+
+SPEC = """\
+model: {{family: transformer, vocab_size: 256, hidden_size: 64, num_layers: 4, num_heads: 4, ffn_hidden_size: 128,
+        tie_embeddings: {tie}, num_experts: {experts}, experts_per_token: {topk}}}
+mesh: {{dp_replicate: {dr}, dp_shard: {ds}, tp: {tp}, pp: {pp}, cp: {cp}, ep: {ep}, microbatches: {mb}}}
+training: {{global_batch_size: {gbs}, micro_batch_size: 1, seq_len: 32, sequence_parallel: {sp}, distributed_optimizer: {dopt}}}
+backend: torch
+resources: {{devices: {world}, memory: 8GiB}}
+"""
+
+
+def lowered(dr=1, ds=1, tp=1, pp=1, cp=1, ep=1, experts=0, tie=False, sp=False, dopt=False):
+    mb = max(pp, 1)
+    text = SPEC.format(
+        dr=dr, ds=ds, tp=tp, pp=pp, cp=cp, ep=ep, mb=mb, gbs=mb * dr * ds, sp=str(sp).lower(), dopt=str(dopt).lower(),
+        world=dr * ds * tp * pp * cp, tie=str(tie).lower(), experts=experts, topk=2 if experts else "null",
+    )
+    if not experts:
+        text = text.replace(", num_experts: 0, experts_per_token: null", "")
+    loaded = load_spec_text(text, "t.yaml")
+    assert loaded.ok, [d.text() for d in loaded.diagnostics]
+    return lower(loaded.spec)
+
+
+def updates_of(low, tensor):
+    return [u for u in low.updates if u.tensor == tensor and u.update.payload.value == "gradient"]
+
+
+def recheck(low, updates):
+    sp = any(u.update.node_id.endswith("grad/tp") for u in low.updates)
+    return check_exactly_once(low.parameters, tuple(updates), low.plan, sequence_parallel=sp)
+
+
+@pytest.mark.parametrize("name", ["llama3-8b-hsdp-tp.yaml", "mixtral-moe-ep.yaml", "tiny-transformer.yaml"])
+def test_examples_reduce_every_gradient_exactly_once(name):
+    low = lower(load_spec(EXAMPLES / name).spec)
+    assert low.reduction_problems == ()
+    assert low.updates and low.parameters
+
+
+def test_hsdp_reduce_scatters_over_dp_shard_then_all_reduces_over_dp_replicate():
+    low = lower(load_spec(EXAMPLES / "llama3-8b-hsdp-tp.yaml").spec)
+    q = updates_of(low, "layers.0.attn.q_proj.weight")
+    assert [(u.update.collective, u.update.mesh_axes) for u in q] == [
+        (CollectiveKind.reduce_scatter, ("dp_shard",)),
+        (CollectiveKind.all_reduce, ("dp_replicate",)),
+    ]
+    assert [u.gradient_divisor for u in q] == [1, 8]
+    # Under sequence parallelism a tp-replicated norm also sums its gradient over tp.
+    norm = updates_of(low, "layers.0.attn_norm.weight")
+    assert [u.update.mesh_axes for u in norm] == [("tp",), ("dp_shard",), ("dp_replicate",)]
+    placed = {p.name: p for p in low.parameters}
+    assert placed["layers.0.attn.q_proj.weight"].layout.placements == (
+        ("tp", "shard(0)"), ("dp_replicate", "replicate"), ("dp_shard", "shard(0)"),
+    )
+    assert placed["layers.0.attn.o_proj.weight"].layout.placements[0] == ("tp", "shard(1)")
+    assert placed["layers.0.attn.q_proj.weight"].layout.optimizer_state is StateLayout.sharded
+
+
+def test_replicated_state_all_reduces_over_every_data_axis_including_cp():
+    low = lowered(dr=2, cp=2)
+    (u,) = updates_of(low, "embed.weight")
+    assert (u.update.collective, u.update.mesh_axes, u.gradient_divisor) == (CollectiveKind.all_reduce, ("dp_replicate", "cp"), 2)
+    assert low.reduction_problems == ()
+
+
+def test_distributed_optimizer_scatters_then_gathers_parameters():
+    low = lowered(dr=2, dopt=True)
+    kinds = [(u.update.collective, u.update.payload.value) for u in low.updates if u.tensor == "embed.weight"]
+    assert kinds == [(CollectiveKind.reduce_scatter, "gradient"), (CollectiveKind.all_gather, "parameter")]
+
+
+def test_tied_embeddings_across_stages_sync_first():
+    low = lowered(ds=2, pp=2, tie=True)
+    embed = updates_of(low, "embed.weight")
+    assert embed[0].update.mesh_axes == ("tied",) and embed[1].update.collective is CollectiveKind.reduce_scatter
+    assert low.reduction_problems == ()
+
+
+def test_expert_gradients_reduce_over_expert_data_and_divide_by_data_degree():
+    low = lowered(ds=4, tp=2, ep=4, experts=4, sp=True)
+    (u,) = updates_of(low, "layers.0.moe.experts.up_proj")
+    assert u.update.mesh_axes == ("edp",) and u.group_size == 2 and u.gradient_divisor == 4
+    assert low.reduction_problems == ()
+
+
+# --- deliberately broken plans: the independent check must catch each one -------------------
+
+
+def test_cp_missing_from_the_gradient_reduction_is_caught():
+    low = lowered(ds=2, cp=2)
+    broken = [
+        dataclasses.replace(u, update=dataclasses.replace(u.update, mesh_axes=("dp_shard",)))
+        if u.update.collective is CollectiveKind.reduce_scatter else u
+        for u in low.updates
+    ]
+    problems = recheck(low, broken)
+    assert any("never reduced over cp" in p.message for p in problems)
+
+
+def test_a_double_reduction_is_caught():
+    low = lowered(dr=2)
+    (u,) = updates_of(low, "layers.0.attn.q_proj.weight")
+    problems = recheck(low, [*low.updates, dataclasses.replace(u, gradient_divisor=1)])
+    assert any("reduced 2 times over dp_replicate" in p.message for p in problems)
+
+
+def test_an_unsynced_tied_embedding_is_caught():
+    low = lowered(dr=2, pp=2, tie=True)
+    problems = recheck(low, [u for u in low.updates if "tied" not in u.update.mesh_axes])
+    assert {p.tensor for p in problems} == {"embed.weight", "lm_head.weight"}
+    assert all("never reduced over tied" in p.message for p in problems)
+
+
+def test_a_tied_sync_after_the_reduce_scatter_is_caught():
+    low = lowered(ds=2, pp=2, tie=True)
+    embed = updates_of(low, "embed.weight")
+    rest = [u for u in low.updates if u not in embed]
+    problems = recheck(low, rest + [embed[1], embed[0], *embed[2:]])
+    assert any("must see whole gradients" in p.message for p in problems)
+
+
+def test_expert_gradients_divided_by_the_group_size_are_caught():
+    low = lowered(ds=4, tp=2, ep=4, experts=4, sp=True)
+    broken = [dataclasses.replace(u, gradient_divisor=u.group_size) if u.update.mesh_axes == ("edp",) else u for u in low.updates]
+    problems = recheck(low, broken)
+    assert problems and all("divided by 2" in p.message and "data-parallel size 4" in p.message for p in problems)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.sampled_from([1, 2]), st.sampled_from([1, 2]), st.sampled_from([1, 2]), st.sampled_from([1, 2]),
+    st.sampled_from([1, 2]), st.booleans(), st.booleans(), st.booleans(),
+)
+def test_emitted_updates_always_pass_the_independent_check(dr, ds, tp, pp, cp, tie, sp, dopt):
+    low = lowered(dr=dr, ds=ds, tp=tp, pp=pp, cp=cp, tie=tie, sp=sp and tp > 1, dopt=dopt)
+    assert low.reduction_problems == ()
+
+
+def test_ring_costs():
+    low = lowered(dr=2)
+    u = updates_of(low, "embed.weight")[0]
+    make = lambda kind, n: dataclasses.replace(  # noqa: E731
+        u, update=dataclasses.replace(u.update, collective=kind), group_size=n, payload_bytes=100, occurrences_per_step=1
+    )
+    assert make(CollectiveKind.all_reduce, 4).bytes_per_rank_per_step == 150
+    assert make(CollectiveKind.reduce_scatter, 4).bytes_per_rank_per_step == 75
+    assert make(CollectiveKind.all_gather, 4).bytes_per_rank_per_step == 75
+    assert make(CollectiveKind.all_to_all, 4).bytes_per_rank_per_step == 75
+    assert make(CollectiveKind.p2p, 2).bytes_per_rank_per_step == 100
+
+
+def test_memory_parameters_are_the_model_split_over_tp_and_fsdp():
+    spec = load_spec(EXAMPLES / "llama3-8b-hsdp-tp.yaml").spec
+    low = lower(spec)
+    (stage,) = low.memory
+    total_bytes = 2 * 8_030_261_248
+    # tp 8 x dp_shard 4 shards every tensor 32 ways (FSDP rounds shards up, norms are tp-replicated)
+    assert total_bytes / 32 <= stage.parameters <= total_bytes / 32 * 1.01
+    assert stage.optimizer_state == stage.parameters // 2 * 12  # bf16 params: 2 fp32 moments + master
+    assert stage.activations > 0 and stage.total == sum(stage.as_dict()[k] for k in
+                                                        ("parameters", "gathered_parameters", "gradients", "optimizer_state", "activations"))
