@@ -176,3 +176,38 @@ def test_memory_parameters_are_the_model_split_over_tp_and_fsdp():
     assert stage.optimizer_state == stage.parameters // 2 * 12  # bf16 params: 2 fp32 moments + master
     assert stage.activations > 0 and stage.total == sum(stage.as_dict()[k] for k in
                                                         ("parameters", "gathered_parameters", "gradients", "optimizer_state", "activations"))
+
+
+# --- the step schedule ---------------------------------------------------------------------
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.sampled_from([1, 2]), st.sampled_from([1, 2]), st.sampled_from([1, 2]), st.sampled_from([1, 2]), st.booleans(), st.booleans())
+def test_step_schedules_check_clean(dr, ds, tp, pp, tie, sp):
+    low = lowered(dr=dr, ds=ds, tp=tp, pp=pp, tie=tie, sp=sp and tp > 1)
+    assert low.schedule.check.ok, low.schedule.check.problems
+    assert len(low.schedule.programs) == pp
+
+
+def test_step_programs_hold_every_planned_collective():
+    low = lowered(ds=2, tp=2, pp=2, tie=True)
+    ops = [op for program in low.schedule.programs for op in program if op.kind.value == "collective"]
+    micro_steps = low.plan.microbatches * low.plan.gradient_accumulation_steps
+    planned = [u for u in low.updates if u.update.collective is not CollectiveKind.p2p]
+    expected = sum(micro_steps if u.phase in ("forward", "backward") else 1 for u in planned)
+    assert len(ops) == expected
+    tp_forward = [op for op in ops if op.group == "tp" and op.name.startswith("layers.") and op.name.endswith(":out")]
+    assert len(tp_forward) == 4 * 2 * micro_steps  # 4 layers x (attn, mlp) x micro-steps
+
+
+def test_a_step_whose_stages_disagree_on_collective_order_is_caught():
+    from mixle_compile.lower.schedule import check_schedule
+
+    low = lowered(ds=2, pp=2, tie=True)
+    first, last = low.schedule.programs
+    tied = [i for i, op in enumerate(last) if op.group == "embedding"]
+    assert tied, "the last stage syncs the tied head"
+    # The last stage skips its tied all_reduce: stage 0 waits forever.
+    broken = (first, tuple(op for i, op in enumerate(last) if i != tied[0]))
+    result = check_schedule(broken, low.grid)
+    assert not result.ok and any("embedding" in p for p in result.problems)

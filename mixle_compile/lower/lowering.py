@@ -6,8 +6,10 @@ from dataclasses import dataclass
 
 from mixle_compile.contracts import ParallelPlan
 from mixle_compile.lower.exactly_once import ReductionProblem, check_exactly_once
+from mixle_compile.lower.groups import RankGrid
 from mixle_compile.lower.layouts import PlacedParameter, place_parameters, stage_of_layer
 from mixle_compile.lower.memory import StageMemory, TrafficEntry, stage_memory, traffic
+from mixle_compile.lower.step import StepSchedule, grid_for, step_schedule
 from mixle_compile.lower.updates import PlannedUpdate, activation_updates, gradient_updates
 from mixle_compile.parameters import model_parameters
 from mixle_compile.spec.models import Spec, TransformerModel, parallel_plan
@@ -21,10 +23,15 @@ class Lowered:
     memory: tuple[StageMemory, ...]
     traffic: tuple[TrafficEntry, ...]
     reduction_problems: tuple[ReductionProblem, ...]
+    grid: RankGrid
+    schedule: StepSchedule | None  # None when not requested (large plans check it on demand)
 
 
-def lower(spec: Spec) -> Lowered:
-    """Lower a spec that passed `check` (its mesh fits its devices and its model)."""
+def lower(spec: Spec, *, schedule: bool = True) -> Lowered:
+    """Lower a spec that passed `check` (its mesh fits its devices and its model).
+
+    `schedule=False` skips building and checking the per-step programs.
+    """
     plan = parallel_plan(spec)
     t = spec.training
     num_layers = spec.model.num_layers if isinstance(spec.model, TransformerModel) else _module_layers(spec)
@@ -46,6 +53,12 @@ def lower(spec: Spec) -> Lowered:
         )
         + activation_updates(spec, plan, stage_of)
     )
+    grid = grid_for(plan, updates, spec.mesh.order)
+    steps = (
+        step_schedule(plan, updates, grid, pipeline=t.pipeline_schedule, virtual_stages=t.virtual_pipeline_stages)
+        if schedule
+        else None
+    )
     return Lowered(
         plan=plan,
         parameters=placed,
@@ -53,6 +66,8 @@ def lower(spec: Spec) -> Lowered:
         memory=stage_memory(spec, plan, placed),
         traffic=traffic(updates),
         reduction_problems=check_exactly_once(placed, updates, plan, sequence_parallel=t.sequence_parallel),
+        grid=grid,
+        schedule=steps,
     )
 
 

@@ -91,9 +91,10 @@ def gradient_updates(placed: tuple[PlacedParameter, ...], plan: ParallelPlan, *,
         name, layout, stage = pp_.name, pp_.layout, pp_.stage
         grad_bytes = pp_.parameter.numel * 4  # gradients are reduced in fp32
         if layout.shared_group is not None:
+            # One collective with one participant per stage: both name it after the tied group.
             out.append(
                 PlannedUpdate(
-                    _grad_update(f"{name}:grad/tied", CollectiveKind.all_reduce, (TIED_GROUP,), layout.optimizer_state,
+                    _grad_update(f"{layout.shared_group}:grad/tied", CollectiveKind.all_reduce, (TIED_GROUP,), layout.optimizer_state,
                                  f"tied weight {layout.shared_group!r}: sum the first and last stage's whole gradients before any reduce-scatter"),
                     name, "gradient", stage, _tp_local(pp_, plan, grad_bytes), 2, 1,
                 )

@@ -1,0 +1,944 @@
+"""The per-step schedule of every pipeline stage, and a checker that it cannot deadlock.
+
+A *program* is the ordered list of :class:`Op` one rank issues in a training
+step: forward and backward compute per microbatch (and virtual chunk), the
+point-to-point sends and receives of activations and their gradients between
+adjacent pipeline stages, collectives in issue order, and the optimizer step.
+Every rank of a pipeline stage runs its stage's program; collectives name a
+group *rule* (see :mod:`mixle_compile.lower.groups`), which each rank resolves
+to its own group.
+
+Execution model used by the checker (deliberately pessimistic, so that a
+schedule it accepts also runs where sends do not buffer):
+
+* a send completes only when the peer has posted the matching receive
+  (rendezvous), and a receive when the peer has posted the send;
+* point-to-point ops that share a ``batch`` number and are adjacent in a
+  program are posted together (one ``batch_isend_irecv`` call) and the batch
+  completes when each of its ops has met its partner;
+* messages between two ranks are paired in issue order, as NCCL pairs them
+  (it ignores tags): the k-th send from A to B meets B's k-th receive from A;
+* a collective completes when every member of its group has reached its
+  collective with the same ordinal on that group (NCCL sequences a
+  communicator by issue order, not by name).
+
+Whether the step finishes does not depend on the interleaving chosen by the
+simulation: an op's completion depends only on other ranks having reached
+given ops, a condition that stays true once it holds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict, deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from fractions import Fraction
+from typing import Any, Union
+
+from mixle_compile.contracts import ParallelPlan
+from mixle_compile.lower.groups import GroupRule, RankGrid
+
+__all__ = [
+    "OpKind",
+    "ACTIVATION",
+    "ACTIVATION_GRAD",
+    "SCHEDULES",
+    "Op",
+    "collective",
+    "pipeline_schedule",
+    "bubble_fraction",
+    "insert_collectives",
+    "INSERT_ANCHORS",
+    "rank_programs",
+    "ScheduleCheck",
+    "Simulation",
+    "check_schedule",
+    "simulate_schedule",
+    "schedule_bubble",
+]
+
+
+class OpKind(str, Enum):
+    """What an op does."""
+
+    forward = "forward"
+    backward = "backward"
+    send = "send"
+    recv = "recv"
+    collective = "collective"
+    optimizer = "optimizer"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+#: Payload tags of pipeline messages.
+ACTIVATION = "activation"
+ACTIVATION_GRAD = "activation_grad"
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+_P2P = (OpKind.send, OpKind.recv)
+_COMPUTE = (OpKind.forward, OpKind.backward, OpKind.optimizer)
+
+
+@dataclass(frozen=True)
+class Op:
+    """One operation of a rank's step program.
+
+    ``stage`` is the pipeline stage that issues it and ``chunk`` its virtual
+    chunk on that stage (model virtual stage ``chunk * pp + stage``).
+    Collectives name the group rule in ``group`` and what they carry in
+    ``tag``.  Sends and receives name the ``peer`` stage, the chunk there
+    (``peer_chunk``, default: the same chunk) and the payload in ``tag``
+    (:data:`ACTIVATION` or :data:`ACTIVATION_GRAD`); ``batch`` numbers the
+    batched call a point-to-point op is issued in (``None``: issued alone).
+    """
+
+    kind: OpKind
+    stage: int
+    chunk: int = 0
+    microbatch: int | None = None
+    name: str = ""
+    group: str | None = None
+    tag: str = ""
+    peer: int | None = None
+    peer_chunk: int | None = None
+    batch: int | None = None
+    bytes: int = 0
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "kind", OpKind(self.kind))
+        except ValueError:
+            valid = ", ".join(k.value for k in OpKind)
+            raise ValueError(f"Op.kind must be one of {valid}, got {self.kind!r}") from None
+        for name in ("stage", "chunk", "bytes"):
+            _require_count(f"Op.{name}", getattr(self, name))
+        for name in ("microbatch", "peer", "peer_chunk", "batch"):
+            if getattr(self, name) is not None:
+                _require_count(f"Op.{name}", getattr(self, name))
+        if self.kind is OpKind.collective and not self.group:
+            raise ValueError("a collective Op needs `group`, the name of its group rule (e.g. 'dp_shard+cp')")
+        if self.kind in _P2P and self.peer is None:
+            raise ValueError(f"a {self.kind.value} Op needs `peer`, the pipeline stage it talks to")
+
+    @property
+    def target_chunk(self) -> int:
+        """The peer's chunk of a send or receive."""
+        return self.chunk if self.peer_chunk is None else self.peer_chunk
+
+    def describe(self) -> str:
+        """Short human-readable form for reports."""
+        parts = [self.kind.value]
+        if self.name and self.name != self.kind.value:
+            parts.append(self.name)
+        if self.kind is OpKind.collective:
+            parts.append(f"on {self.group}")
+        if self.kind is OpKind.send:
+            parts.append(f"to stage {self.peer}")
+        if self.kind is OpKind.recv:
+            parts.append(f"from stage {self.peer}")
+        if self.tag:
+            parts.append(repr(self.tag))
+        if self.microbatch is not None:
+            parts.append(f"mb {self.microbatch}")
+        parts.append(f"chunk {self.chunk}")
+        return " ".join(parts)
+
+    def as_dict(self) -> dict[str, Any]:
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        data["kind"] = self.kind.value
+        return data
+
+
+def _require_count(what: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{what} must be an integer >= 0, got {value!r}")
+
+
+def collective(name: str, group: str, tag: str = "", bytes: int = 0) -> Op:
+    """A collective template (``stage`` is filled in by :func:`insert_collectives`)."""
+    return Op(OpKind.collective, stage=0, name=name, group=group, tag=tag, bytes=bytes)
+
+
+# ---------------------------------------------------------------------------
+# Pipeline schedules
+# ---------------------------------------------------------------------------
+
+
+def bubble_fraction(pp: int, microbatches: int, virtual_stages: int = 1) -> float:
+    """Idle fraction of a step: ``(pp - 1) / (virtual_stages * microbatches + pp - 1)``."""
+    return (pp - 1) / (virtual_stages * microbatches + pp - 1)
+
+
+def _iterations(schedule: str, pp: int, m: int, v: int, stage: int) -> list[list[tuple[OpKind, int, int]]]:
+    """The stage's compute ops as ``(kind, chunk, microbatch)``, grouped into iterations.
+
+    Between two iterations a stage issues one batched point-to-point call.
+    GPipe and 1F1B issue one after every compute op; interleaved 1F1B pairs
+    a forward with a backward in its steady state.
+    """
+    F, B = OpKind.forward, OpKind.backward
+    if schedule == "gpipe":
+        return [[(F, 0, i)] for i in range(m)] + [[(B, 0, i)] for i in range(m)]
+    if schedule == "1f1b":
+        # Warm-up forwards fill the pipe below this stage; then one forward,
+        # one backward; the cool-down drains the backwards still in flight.
+        warmup = min(pp - stage - 1, m)
+        order = [[(F, 0, i)] for i in range(warmup)]
+        for i in range(m - warmup):
+            order += [[(F, 0, warmup + i)], [(B, 0, i)]]
+        return order + [[(B, 0, i)] for i in range(m - warmup, m)]
+    # Interleaved: microbatches advance in groups of pp through the chunks,
+    # forwards chunk by chunk upwards and backwards downwards.
+    total = m * v
+
+    def unit(k: int, backward: bool) -> tuple[int, int]:
+        group, within = divmod(k, pp * v)
+        chunk = within // pp
+        return (v - 1 - chunk if backward else chunk), group * pp + within % pp
+
+    if m == pp:
+        warmup = total
+    else:
+        warmup = min((pp - stage - 1) * 2 + (v - 1) * pp, total)
+    order = [[(F, *unit(k, False))] for k in range(warmup)]
+    for i in range(total - warmup):
+        order.append([(F, *unit(warmup + i, False)), (B, *unit(i, True))])
+    return order + [[(B, *unit(k, True))] for k in range(total - warmup, total)]
+
+
+def pipeline_schedule(
+    pp: int,
+    microbatches: int,
+    schedule: str,
+    virtual_stages: int = 1,
+    *,
+    activation_bytes: int = 0,
+    optimizer_step: bool = True,
+) -> tuple[tuple[Op, ...], ...]:
+    """The program of each pipeline stage under ``schedule`` (one tuple of ops per stage).
+
+    Point-to-point ops are issued as each stage really issues them: between
+    two iterations, one batched call that sends what the last iteration
+    produced and receives what the next one needs.  An iteration is one
+    compute op under GPipe and 1F1B (so 1F1B's steady state sends a forward's
+    output together with receiving the next backward's gradient) and, under
+    interleaving, a forward and a backward in the steady state (one call then
+    carries up to two sends and two receives).  Under ``interleaved_1f1b`` chunk ``c`` of
+    stage ``s`` is virtual stage ``c * pp + s``, so the last stage sends to
+    the first across chunks.  With ``optimizer_step`` every program ends with
+    an ``optimizer`` op.
+
+    Raises ``ValueError`` for an unknown schedule, for ``1f1b`` with fewer
+    microbatches than stages (the pipe would never fill), for
+    ``virtual_stages > 1`` outside ``interleaved_1f1b``, and for
+    ``interleaved_1f1b`` without ``virtual_stages > 1``, ``pp > 1`` and
+    ``microbatches % pp == 0`` (Megatron's requirements).
+    """
+    for what, value in (("pp", pp), ("microbatches", microbatches), ("virtual_stages", virtual_stages)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{what} must be an integer >= 1, got {value!r}")
+    _require_count("activation_bytes", activation_bytes)
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {schedule!r}; valid: {', '.join(SCHEDULES)}")
+    if schedule == "interleaved_1f1b":
+        if virtual_stages < 2:
+            raise ValueError("interleaved_1f1b needs virtual_stages > 1; with one chunk per stage use 1f1b")
+        if pp < 2:
+            raise ValueError("interleaved_1f1b needs pp > 1: its chunks pass activations between stages")
+        if microbatches % pp:
+            raise ValueError(
+                f"interleaved_1f1b needs microbatches to be a multiple of pp ({pp}), got {microbatches}; "
+                f"use {(microbatches // pp + 1) * pp} microbatches"
+            )
+    elif virtual_stages != 1:
+        raise ValueError(f"virtual_stages = {virtual_stages} needs pipeline_schedule interleaved_1f1b, not {schedule}")
+    if schedule == "1f1b" and microbatches < pp:
+        raise ValueError(
+            f"1f1b needs at least as many microbatches as pipeline stages ({pp}), got {microbatches}: "
+            f"the pipe never fills; raise microbatches to {pp} or more, or use gpipe"
+        )
+    last_virtual = pp * virtual_stages - 1
+
+    def message(stage: int, unit: tuple[OpKind, int, int], send: bool) -> list[Op]:
+        """The send of a compute op's output, or the receive of its input (none at the model's ends)."""
+        kind, chunk, mb = unit
+        forward = kind is OpKind.forward
+        other = chunk * pp + stage + (1 if forward == send else -1)
+        if not 0 <= other <= last_virtual:
+            return []
+        return [Op(OpKind.send if send else OpKind.recv, stage, chunk, mb, "send" if send else "recv",
+                   tag=ACTIVATION if forward else ACTIVATION_GRAD, peer=other % pp,
+                   peer_chunk=other // pp, bytes=activation_bytes)]
+
+    programs = []
+    for stage in range(pp):
+        iterations = _iterations(schedule, pp, microbatches, virtual_stages, stage)
+        ops: list[Op] = []
+        batch = 0
+        previous: list[tuple[OpKind, int, int]] = []
+        # Receiving an iteration ahead, in the same call as the sends, is what
+        # keeps neighbours from waiting on each other's later calls: with
+        # receives posted only right before their compute op, interleaved
+        # schedules deadlock as soon as sends do not buffer.
+        for iteration in iterations + [[]]:
+            together = [op for unit in previous for op in message(stage, unit, True)]
+            together += [op for unit in iteration for op in message(stage, unit, False)]
+            if together:
+                ops += [dataclasses.replace(op, batch=batch) for op in together]
+                batch += 1
+            ops += [Op(kind, stage, chunk, mb, kind.value) for kind, chunk, mb in iteration]
+            previous = iteration
+        if optimizer_step:
+            ops.append(Op(OpKind.optimizer, stage, name="optimizer"))
+        programs.append(tuple(ops))
+    return tuple(programs)
+
+
+# ---------------------------------------------------------------------------
+# Adding collectives
+# ---------------------------------------------------------------------------
+
+#: Where :func:`insert_collectives` can put collectives.
+INSERT_ANCHORS = (
+    "start",  # first thing in the step
+    "before_forward",  # right before each forward compute op (after its receive)
+    "after_backward",  # right after each backward compute op (before its send)
+    "after_last_backward",  # after the last backward and the send that follows it
+    "before_optimizer",  # right before the optimizer op
+    "end",  # last thing in the step
+)
+
+
+def insert_collectives(
+    programs: Sequence[Sequence[Op]],
+    collectives: Sequence[Op],
+    *,
+    at: str,
+    stages: Iterable[int] | None = None,
+    where: Callable[[Op], bool] | None = None,
+) -> tuple[tuple[Op, ...], ...]:
+    """Insert ``collectives`` (in that order) into every stage's program at an anchor.
+
+    ``at`` is one of :data:`INSERT_ANCHORS`; ``stages`` limits the stages
+    (default: all); for the per-op anchors ``where`` selects the compute ops
+    (for example ``lambda op: op.microbatch == 0``), and each inserted copy
+    takes that op's chunk and microbatch.  Inserted copies take the stage of
+    the program.  Repeated calls at one anchor keep call order: earlier
+    insertions come first.  Returns new programs; the input is unchanged.
+    """
+    if at not in INSERT_ANCHORS:
+        raise ValueError(f"unknown anchor {at!r}; valid anchors: {', '.join(INSERT_ANCHORS)}")
+    for op in collectives:
+        if op.kind is not OpKind.collective:
+            raise ValueError(f"insert_collectives inserts collectives only, got {op.describe()}")
+    chosen = set(range(len(programs))) if stages is None else set(stages)
+    unknown = sorted(chosen - set(range(len(programs))))
+    if unknown:
+        raise ValueError(f"no stage {unknown[0]} among the {len(programs)} stage programs")
+    result = []
+    for stage, program in enumerate(programs):
+        program = list(program)
+        if stage in chosen:
+            program = _insert(program, collectives, at, stage, where)
+        result.append(tuple(program))
+    return tuple(result)
+
+
+def _insert(program: list[Op], templates: Sequence[Op], at: str, stage: int, where) -> list[Op]:
+    def copies(anchor: Op | None) -> list[Op]:
+        if anchor is None:
+            return [dataclasses.replace(t, stage=stage) for t in templates]
+        return [dataclasses.replace(t, stage=stage, chunk=anchor.chunk, microbatch=anchor.microbatch) for t in templates]
+
+    def skip_collectives(i: int) -> int:
+        while i < len(program) and program[i].kind is OpKind.collective:
+            i += 1
+        return i
+
+    if at == "start":
+        position = skip_collectives(0)
+        return program[:position] + copies(None) + program[position:]
+    if at == "end":
+        return program + copies(None)
+    if at == "before_optimizer":
+        position = next((i for i, op in enumerate(program) if op.kind is OpKind.optimizer), len(program))
+        return program[:position] + copies(None) + program[position:]
+    if at == "after_last_backward":
+        last = max((i for i, op in enumerate(program) if op.kind is OpKind.backward), default=None)
+        if last is None:
+            return _insert(program, templates, "before_optimizer", stage, where)
+        position = last + 1
+        if position < len(program) and program[position].kind in _P2P:
+            batch = program[position].batch
+            position += 1
+            while (batch is not None and position < len(program) and program[position].kind in _P2P
+                   and program[position].batch == batch):
+                position += 1
+        position = skip_collectives(position)
+        return program[:position] + copies(None) + program[position:]
+    kind = OpKind.forward if at == "before_forward" else OpKind.backward
+    out: list[Op] = []
+    i = 0
+    while i < len(program):
+        op = program[i]
+        selected = op.kind is kind and (where is None or where(op))
+        if selected and kind is OpKind.forward:
+            out += copies(op)
+        out.append(op)
+        i += 1
+        if selected and kind is OpKind.backward:
+            end = skip_collectives(i)
+            out += program[i:end] + copies(op)
+            i = end
+    return out
+
+
+def rank_programs(
+    stage_programs: Sequence[Sequence[Op]], grid: RankGrid, ranks: Iterable[int] | None = None
+) -> dict[int, tuple[Op, ...]]:
+    """Concrete per-rank programs: each rank runs its pipeline stage's program.
+
+    ``ranks`` defaults to every rank of the world (an explicit enumeration:
+    for large worlds pass the few ranks you need).
+    """
+    if len(stage_programs) != grid.plan.pp:
+        raise ValueError(f"got {len(stage_programs)} stage programs for pp = {grid.plan.pp}")
+    chosen = range(grid.world_size) if ranks is None else ranks
+    return {rank: tuple(stage_programs[grid.stage_of(rank)]) for rank in chosen}
+
+
+# ---------------------------------------------------------------------------
+# Checking: matching, collective sequences, and a deadlock-finding simulation
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ScheduleCheck:
+    """Outcome of :func:`check_schedule`.
+
+    ``representatives`` is true when only one rank per pipeline stage was
+    checked (ranks of a stage run the same program up to relabelling, so the
+    other ranks of a stage behave exactly like the one checked).
+    """
+
+    problems: tuple[str, ...]
+    ranks_checked: int
+    representatives: bool
+    note: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+@dataclass(frozen=True)
+class Simulation:
+    """Outcome of running programs under the blocking model of this module."""
+
+    finished: bool
+    makespan: Fraction | float
+    busy: Mapping[int, Fraction | float] = field(repr=False)
+    deadlock: tuple[str, ...] = ()
+
+    @property
+    def bubble(self) -> float:
+        """Mean idle fraction of the simulated ranks (0 when nothing ran)."""
+        if not self.busy or not self.makespan:
+            return 0.0
+        idle = sum(self.makespan - b for b in self.busy.values())
+        return float(idle / (self.makespan * len(self.busy)))
+
+
+Programs = Union[Mapping[int, Sequence[Op]], Sequence[Sequence[Op]]]
+
+
+@dataclass
+class _World:
+    """The ranks being checked and how their ops resolve to concrete groups and peers."""
+
+    grid: RankGrid
+    programs: dict[int, tuple[Op, ...]]
+    representatives: bool
+    rules: dict[str, GroupRule | None] = field(default_factory=dict)
+
+    def rule(self, name: str) -> GroupRule | None:
+        if name not in self.rules:
+            try:
+                self.rules[name] = self.grid.rule(name)
+            except (ValueError, KeyError):
+                self.rules[name] = None
+        return self.rules[name]
+
+
+def _prepare(programs: Programs, grid: RankGrid | None, exhaustive_limit: int) -> _World:
+    if isinstance(programs, Mapping):
+        if grid is None:
+            raise ValueError("per-rank programs need the grid that places their ranks")
+        missing = [r for r in range(grid.world_size) if r not in programs]
+        extra = [r for r in programs if not (isinstance(r, int) and 0 <= r < grid.world_size)]
+        if missing or extra:
+            raise ValueError(
+                f"per-rank programs must cover ranks 0..{grid.world_size - 1} exactly "
+                f"(missing {missing[:5]}, unknown {extra[:5]}); pass per-stage programs to check representatives"
+            )
+        return _World(grid, {r: tuple(p) for r, p in programs.items()}, False)
+    stage_programs = [tuple(p) for p in programs]
+    if grid is None:
+        grid = RankGrid.from_plan(ParallelPlan(pp=max(len(stage_programs), 1)))
+    if len(stage_programs) != grid.plan.pp:
+        raise ValueError(f"got {len(stage_programs)} stage programs for pp = {grid.plan.pp}")
+    if grid.world_size <= exhaustive_limit:
+        return _World(grid, rank_programs(stage_programs, grid), False)
+    # One rank per stage: the one whose other coordinates are all zero.
+    ranks = [grid.rank_at_stage(0, s) for s in range(grid.plan.pp)]
+    return _World(grid, rank_programs(stage_programs, grid, ranks), True)
+
+
+def check_schedule(
+    programs: Programs,
+    grid: RankGrid | None = None,
+    *,
+    exhaustive_limit: int = 1024,
+) -> ScheduleCheck:
+    """Check that a step's programs match up and cannot deadlock.
+
+    ``programs`` is either a mapping from every rank to its program, or one
+    program per pipeline stage (every rank of a stage runs it).  ``grid``
+    resolves group rules and peer stages to ranks; it defaults, for
+    per-stage programs, to a pipeline-only grid.  Per-stage programs of a
+    world larger than ``exhaustive_limit`` are checked on one representative
+    rank per stage, which is exact because every rank of a stage runs the
+    same program and the group rules are uniform across a stage.
+
+    Checks: (a) every member of every group issues the same sequence of
+    collectives on it (names and tags, in order); (b) every send has exactly
+    one matching receive (peer, tag, microbatch, chunks, bytes) and vice
+    versa, and messages between two ranks are received in the order sent;
+    (c) a simulation with blocking sends, receives and collectives reaches
+    the end of every program, else the cycle of waits is reported with the
+    ranks and ops involved.
+    """
+    world = _prepare(programs, grid, exhaustive_limit)
+    problems: list[str] = []
+    problems += _check_ops(world)
+    if not problems:
+        problems += _check_collective_sequences(world)
+        problems += _check_messages(world)
+        problems += list(_simulate(world, lambda op: 0).deadlock)
+    count = len(world.programs)
+    note = (
+        f"checked {count} representative ranks, one per pipeline stage: ranks of a stage run the "
+        f"same program up to relabelling of their groups"
+        if world.representatives
+        else f"checked all {count} ranks"
+    )
+    return ScheduleCheck(tuple(problems), count, world.representatives, note)
+
+
+def simulate_schedule(
+    programs: Programs,
+    grid: RankGrid | None = None,
+    *,
+    forward_cost: Fraction | float | int = 1,
+    backward_cost: Fraction | float | int = 2,
+    cost: Callable[[Op], Fraction | float | int] | None = None,
+    exhaustive_limit: int = 1024,
+) -> Simulation:
+    """Run the programs under the blocking model and time them.
+
+    Forward and backward ops take ``forward_cost`` and ``backward_cost``;
+    communication and the optimizer take no time unless ``cost`` (which
+    overrides both) says otherwise.  Pass ``Fraction`` costs for exact
+    answers.  Ops must be well formed (see :func:`check_schedule`).
+    """
+    world = _prepare(programs, grid, exhaustive_limit)
+    if cost is None:
+        def cost(op: Op):
+            if op.kind is OpKind.forward:
+                return forward_cost
+            if op.kind is OpKind.backward:
+                return backward_cost
+            return 0
+    bad = _check_ops(world)
+    if bad:
+        raise ValueError("cannot simulate malformed programs: " + "; ".join(bad[:3]))
+    return _simulate(world, cost)
+
+
+def schedule_bubble(
+    programs: Programs,
+    grid: RankGrid | None = None,
+    *,
+    forward_cost: Fraction | float | int = 1,
+    backward_cost: Fraction | float | int = 2,
+) -> float:
+    """Idle fraction of the emitted schedule, by simulation (mean over ranks).
+
+    With unit forwards and two-unit backwards (the default) GPipe and 1F1B
+    give :func:`bubble_fraction`; under interleaving pass costs divided by
+    the number of chunks (a chunk holds that share of the layers).
+    """
+    result = simulate_schedule(programs, grid, forward_cost=forward_cost, backward_cost=backward_cost)
+    if not result.finished:
+        raise ValueError("the schedule deadlocks: " + "; ".join(result.deadlock))
+    return result.bubble
+
+
+# -- (checks) ------------------------------------------------------------------
+
+
+def _check_ops(world: _World) -> list[str]:
+    problems = []
+    grid = world.grid
+    pp = grid.plan.pp
+    for rank, program in world.programs.items():
+        stage = grid.stage_of(rank)
+        for position, op in enumerate(program):
+            where = f"rank {rank} (stage {stage}) op {position} ({op.describe()})"
+            if op.stage != stage:
+                problems.append(f"{where}: belongs to stage {op.stage}, but rank {rank} is on stage {stage}")
+            if op.kind is OpKind.collective:
+                rule = world.rule(op.group)
+                if rule is None:
+                    problems.append(f"{where}: unknown group rule {op.group!r}; known: {', '.join(grid.rule_names)}")
+                elif not rule.covers(rank):
+                    problems.append(f"{where}: rank {rank} is in no group of rule {op.group!r}")
+            if op.kind in _P2P:
+                if op.peer >= pp:
+                    problems.append(f"{where}: peer stage {op.peer} does not exist (pp = {pp})")
+                elif op.peer == stage:
+                    problems.append(f"{where}: a stage cannot {op.kind.value} to itself")
+    return problems
+
+
+def _instances(world: _World) -> dict[tuple[str, int], list[int]]:
+    """Every group instance used by some checked rank -> its checked members."""
+    used = {op.group for program in world.programs.values() for op in program if op.kind is OpKind.collective}
+    members: dict[tuple[str, int], list[int]] = defaultdict(list)
+    rules = {world.rule(name).name: world.rule(name) for name in used}
+    for _, rule in sorted(rules.items()):
+        for rank in world.programs:
+            index = rule.group_index_of(rank)
+            if index is not None:
+                members[(rule.name, index)].append(rank)
+    return members
+
+
+def _collective_keys(world: _World, rank: int) -> list[tuple[tuple[str, int], Op]]:
+    keys = []
+    for op in world.programs[rank]:
+        if op.kind is OpKind.collective:
+            rule = world.rule(op.group)
+            keys.append(((rule.name, rule.group_index_of(rank)), op))
+    return keys
+
+
+def _show_ranks(ranks: Sequence[int], limit: int = 8) -> str:
+    shown = ", ".join(str(r) for r in ranks[:limit])
+    return shown + (f", ... ({len(ranks)} ranks)" if len(ranks) > limit else "")
+
+
+def _check_collective_sequences(world: _World) -> list[str]:
+    problems = []
+    sequences: dict[tuple[str, int], dict[int, list[Op]]] = defaultdict(lambda: defaultdict(list))
+    for rank in world.programs:
+        for key, op in _collective_keys(world, rank):
+            sequences[key][rank].append(op)
+    for key, members in sorted(_instances(world).items()):
+        seqs = {rank: [(op.name, op.tag) for op in sequences[key].get(rank, [])] for rank in members}
+        reference_rank = members[0]
+        reference = seqs[reference_rank]
+        for rank in members[1:]:
+            other = seqs[rank]
+            if other == reference:
+                continue
+            position = next((i for i, (a, b) in enumerate(zip(reference, other)) if a != b), min(len(reference), len(other)))
+            mine = _show_item(reference, position)
+            theirs = _show_item(other, position)
+            problems.append(
+                f"group {key[0]} #{key[1]} (ranks {_show_ranks(members)}): collective {position} is "
+                f"{mine} on rank {reference_rank} but {theirs} on rank {rank}; every member must issue "
+                f"the same collectives in the same order"
+            )
+    return problems
+
+
+def _show_item(sequence: list[tuple[str, str]], position: int) -> str:
+    if position >= len(sequence):
+        return "missing"
+    name, tag = sequence[position]
+    return f"{name} {tag!r}" if tag else name
+
+
+def _channels(world: _World):
+    """Per ordered rank pair: the sends and the receives, in issue order."""
+    sends: dict[tuple[int, int], list[tuple[int, Op]]] = defaultdict(list)
+    recvs: dict[tuple[int, int], list[tuple[int, Op]]] = defaultdict(list)
+    for rank, program in world.programs.items():
+        for position, op in enumerate(program):
+            if op.kind not in _P2P:
+                continue
+            peer = world.grid.rank_at_stage(rank, op.peer)
+            if op.kind is OpKind.send:
+                sends[(rank, peer)].append((position, op))
+            else:
+                recvs[(peer, rank)].append((position, op))
+    return sends, recvs
+
+
+def _message(op: Op, sender: bool) -> tuple:
+    """What a send and its receive must agree on, in the sender's terms."""
+    if sender:
+        return (op.tag, op.microbatch, op.chunk, op.target_chunk, op.bytes)
+    return (op.tag, op.microbatch, op.target_chunk, op.chunk, op.bytes)
+
+
+def _check_messages(world: _World) -> list[str]:
+    problems = []
+    sends, recvs = _channels(world)
+    for src, dst in sorted(set(sends) | set(recvs)):
+        out = sends.get((src, dst), [])
+        into = recvs.get((src, dst), [])
+        sent = [_message(op, True) for _, op in out]
+        received = [_message(op, False) for _, op in into]
+        unmatched_sends = _multiset_minus(list(zip(sent, out)), received)
+        unmatched_recvs = _multiset_minus(list(zip(received, into)), sent)
+        for _, (position, op) in unmatched_sends:
+            problems.append(
+                f"rank {src} op {position} ({op.describe()}) has no matching recv on rank {dst} "
+                f"(same tag, microbatch, chunks and bytes)"
+            )
+        for _, (position, op) in unmatched_recvs:
+            problems.append(
+                f"rank {dst} op {position} ({op.describe()}) has no matching send on rank {src} "
+                f"(same tag, microbatch, chunks and bytes)"
+            )
+        if not unmatched_sends and not unmatched_recvs and sent != received:
+            k = next(i for i, (a, b) in enumerate(zip(sent, received)) if a != b)
+            problems.append(
+                f"messages from rank {src} to rank {dst} are received out of order: send {k} is "
+                f"{out[k][1].describe()} but receive {k} is {into[k][1].describe()}; point-to-point "
+                f"messages pair in issue order, not by tag"
+            )
+    return problems
+
+
+def _multiset_minus(items: list[tuple[tuple, Any]], other: list[tuple]) -> list[tuple[tuple, Any]]:
+    available: dict[tuple, int] = defaultdict(int)
+    for key in other:
+        available[key] += 1
+    left = []
+    for key, payload in items:
+        if available[key]:
+            available[key] -= 1
+        else:
+            left.append((key, payload))
+    return left
+
+
+# -- (simulation) ----------------------------------------------------------------
+
+
+def _simulate(world: _World, cost: Callable[[Op], Any]) -> Simulation:
+    ranks = list(world.programs)
+    # Steps: a compute op, a collective, or a batch of point-to-point ops posted together.
+    steps: dict[int, list[tuple[str, list[int]]]] = {}
+    for rank, program in world.programs.items():
+        out: list[tuple[str, list[int]]] = []
+        for position, op in enumerate(program):
+            if op.kind in _P2P:
+                previous = out[-1] if out else None
+                if (previous and previous[0] == "p2p" and op.batch is not None
+                        and program[previous[1][-1]].batch == op.batch):
+                    previous[1].append(position)
+                    continue
+                out.append(("p2p", [position]))
+            elif op.kind is OpKind.collective:
+                out.append(("collective", [position]))
+            else:
+                out.append(("compute", [position]))
+        steps[rank] = out
+    step_of: dict[tuple[int, int], int] = {}
+    for rank, out in steps.items():
+        for index, (_, positions) in enumerate(out):
+            for position in positions:
+                step_of[(rank, position)] = index
+
+    # Partners of point-to-point ops, paired in issue order per channel.
+    partner: dict[tuple[int, int], tuple[int, int]] = {}
+    sends, recvs = _channels(world)
+    for (src, dst), out in sends.items():
+        for (send_pos, _), (recv_pos, _) in zip(out, recvs.get((src, dst), [])):
+            partner[(src, send_pos)] = (dst, recv_pos)
+            partner[(dst, recv_pos)] = (src, send_pos)
+
+    # Collectives: (instance, ordinal on it) and how many checked ranks must arrive.
+    members = _instances(world)
+    collective_key: dict[tuple[int, int], tuple] = {}
+    for rank, program in world.programs.items():
+        ordinal: dict[tuple[str, int], int] = defaultdict(int)
+        positions = [p for p, op in enumerate(program) if op.kind is OpKind.collective]
+        for position, (key, _) in zip(positions, _collective_keys(world, rank)):
+            collective_key[(rank, position)] = (key, ordinal[key])
+            ordinal[key] += 1
+
+    pc = {r: 0 for r in ranks}
+    clock: dict[int, Any] = {r: 0 for r in ranks}
+    busy: dict[int, Any] = {r: 0 for r in ranks}
+    posted = {r: False for r in ranks}
+    matched: dict[tuple[int, int], Any] = {}  # (rank, position) -> time the op met its partner
+    arrivals: dict[tuple, list[int]] = defaultdict(list)
+    queue = deque(ranks)
+
+    def finish_step(rank: int, when: Any) -> None:
+        clock[rank] = max(clock[rank], when)
+        pc[rank] += 1
+        posted[rank] = False
+
+    def batch_done(rank: int) -> bool:
+        return all((rank, p) in matched for p in steps[rank][pc[rank]][1])
+
+    while queue:
+        rank = queue.popleft()
+        program = world.programs[rank]
+        while pc[rank] < len(steps[rank]):
+            kind, positions = steps[rank][pc[rank]]
+            if kind == "compute":
+                spent = cost(program[positions[0]])
+                clock[rank] += spent
+                busy[rank] += spent
+                pc[rank] += 1
+                continue
+            if kind == "collective":
+                if posted[rank]:
+                    break
+                posted[rank] = True
+                key = collective_key[(rank, positions[0])]
+                arrivals[key].append(rank)
+                if len(arrivals[key]) < len(members[key[0]]):
+                    break
+                when = max(clock[r] for r in arrivals[key])
+                for other in arrivals[key]:
+                    finish_step(other, when)
+                    if other != rank:
+                        queue.append(other)
+                continue
+            # A batch of sends and receives.
+            if not posted[rank]:
+                posted[rank] = True
+                for position in positions:
+                    if (rank, position) in matched or (rank, position) not in partner:
+                        continue
+                    other, other_pos = partner[(rank, position)]
+                    if posted[other] and pc[other] < len(steps[other]) and step_of[(other, other_pos)] == pc[other]:
+                        when = max(clock[rank], clock[other])
+                        matched[(rank, position)] = when
+                        matched[(other, other_pos)] = when
+                        if batch_done(other):
+                            finish_step(other, max(matched[(other, p)] for p in steps[other][pc[other]][1]))
+                            queue.append(other)
+            if not batch_done(rank):
+                break
+            finish_step(rank, max(matched[(rank, p)] for p in positions))
+
+    stuck = [r for r in ranks if pc[r] < len(steps[r])]
+    deadlock = _explain_deadlock(world, stuck, steps, pc, partner, collective_key, members, arrivals, matched)
+    makespan = max(clock.values(), default=0)
+    return Simulation(not stuck, makespan, busy, tuple(deadlock))
+
+
+def _explain_deadlock(world, stuck, steps, pc, partner, collective_key, members, arrivals, matched) -> list[str]:
+    if not stuck:
+        return []
+    grid = world.grid
+    stuck_set = set(stuck)
+    waits: dict[int, list[tuple[int | None, str]]] = {}
+    for rank in stuck:
+        kind, positions = steps[rank][pc[rank]]
+        program = world.programs[rank]
+        targets: list[tuple[int | None, str]] = []
+        if kind == "collective":
+            key = collective_key[(rank, positions[0])]
+            arrived = set(arrivals[key])
+            for other in members[key[0]]:
+                if other not in arrived:
+                    targets.append((other, f"{program[positions[0]].describe()}"))
+        else:
+            for position in positions:
+                if (rank, position) in matched:
+                    continue
+                op = program[position]
+                other = partner.get((rank, position), (None,))[0]
+                if other is None:
+                    other = grid.rank_at_stage(rank, op.peer)
+                    targets.append((None, f"{op.describe()}, which rank {other} never posts"))
+                else:
+                    targets.append((other, op.describe()))
+        waits[rank] = targets
+
+    def where(rank: int) -> str:
+        return f"rank {rank} (stage {grid.stage_of(rank)})"
+
+    def state(rank: int) -> str:
+        if rank in stuck_set:
+            kind, positions = steps[rank][pc[rank]]
+            return f"is blocked at {world.programs[rank][positions[0]].describe()}"
+        return "has finished its program"
+
+    # Look for a cycle of waits among the blocked ranks.
+    cycle = _find_cycle({r: [t for t, _ in ts if t in stuck_set] for r, ts in waits.items()})
+    messages = []
+    if cycle:
+        links = []
+        for a, b in zip(cycle, cycle[1:] + cycle[:1]):
+            what = next(text for t, text in waits[a] if t == b)
+            links.append(f"{where(a)} waits in {what} for rank {b}")
+        messages.append("deadlock: a cycle of waits: " + "; ".join(links))
+    else:
+        for rank in stuck[:4]:
+            target, what = waits[rank][0] if waits[rank] else (None, "?")
+            if target is None:
+                messages.append(f"deadlock: {where(rank)} waits forever in {what}")
+            else:
+                messages.append(f"deadlock: {where(rank)} waits in {what} for rank {target}, which {state(target)}")
+    if len(stuck) > 1:
+        messages.append(f"{len(stuck)} ranks cannot finish: {_show_ranks(stuck)}")
+    return messages
+
+
+def _find_cycle(graph: Mapping[int, list[int]]) -> list[int]:
+    """A cycle of the directed graph, as a list of nodes, or ``[]``."""
+    colour: dict[int, int] = {}
+    for start in graph:
+        if start in colour:
+            continue
+        path: list[int] = []
+        on_path: dict[int, int] = {}
+        stack = [(start, iter(graph.get(start, ())))]
+        colour[start] = 1
+        path.append(start)
+        on_path[start] = 0
+        while stack:
+            node, children = stack[-1]
+            advanced = False
+            for child in children:
+                if child in on_path:
+                    return path[on_path[child]:]
+                if child not in colour:
+                    colour[child] = 1
+                    on_path[child] = len(path)
+                    path.append(child)
+                    stack.append((child, iter(graph.get(child, ()))))
+                    advanced = True
+                    break
+            if not advanced:
+                stack.pop()
+                path.pop()
+                del on_path[node]
+                colour[node] = 2
+    return []
