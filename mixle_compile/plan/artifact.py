@@ -1,0 +1,215 @@
+"""Building, writing and loading the plan artifact.
+
+The plan is canonical JSON (sorted keys, fixed separators, UTF-8), so the same spec gives the same
+bytes on every run and machine. Its content digest covers everything but itself; loading checks
+the format version, the schema (unknown fields refused) and the digest, in that order, so each
+failure says exactly what is wrong.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from pydantic import ValidationError
+
+from mixle_compile import __version__
+from mixle_compile.diagnostics import Diagnostic, Severity
+from mixle_compile.lower.lowering import Lowered
+from mixle_compile.lower.schedule import bubble_fraction
+from mixle_compile.plan.document import FORMAT_VERSION, PlanDocument
+from mixle_compile.spec.models import Spec
+
+DIGEST_FIELD = "content_digest"
+
+
+class PlanError(ValueError):
+    """A plan that cannot be trusted or read; the message says why and what to do."""
+
+
+def canonical_json(data: Any) -> str:
+    return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
+def sha256_hex(text: str) -> str:
+    return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def spec_digest(spec: Spec) -> str:
+    return sha256_hex(canonical_json(spec_data(spec)))
+
+
+def spec_data(spec: Spec) -> dict:
+    return spec.model_dump(mode="json")
+
+
+def _without_nones(data: dict) -> dict:
+    return {k: v for k, v in data.items() if v is not None and v != ""}
+
+
+def build_plan(spec: Spec, lowered: Lowered, diagnostics: list[Diagnostic], decomposition: dict | None = None) -> dict:
+    """The plan as a JSON-ready dict (with its content digest)."""
+    plan = lowered.plan
+    names, shape = plan.mesh
+    errors = sum(d.severity is Severity.error for d in diagnostics)
+    schedule = None
+    if lowered.schedule is not None:
+        t = spec.training
+        check = lowered.schedule.check
+        schedule = {
+            "pipeline": t.pipeline_schedule if plan.pp > 1 else "gpipe",
+            "virtual_stages": t.virtual_pipeline_stages if plan.pp > 1 else 1,
+            "micro_steps": plan.microbatches * plan.gradient_accumulation_steps,
+            "bubble_fraction": bubble_fraction(plan.pp, plan.microbatches, t.virtual_pipeline_stages if plan.pp > 1 else 1),
+            "stages": [[_without_nones(op.as_dict()) for op in program] for program in lowered.schedule.programs],
+            "check": {
+                "ok": check.ok,
+                "problems": list(check.problems),
+                "ranks_checked": check.ranks_checked,
+                "representatives": check.representatives,
+                "note": check.note,
+            },
+        }
+    doc = {
+        "format_version": FORMAT_VERSION,
+        "compiler_version": __version__,
+        "spec_digest": spec_digest(spec),
+        "spec": spec_data(spec),
+        "mesh": {"degrees": plan.as_dict(), "names": list(names), "shape": list(shape), "order": lowered.grid.order},
+        "groups": lowered.grid.as_dict(),
+        "parameters": [
+            {
+                **p.layout.as_dict(),
+                "role": p.parameter.role,
+                "dtype": p.parameter.dtype,
+                "layer": p.parameter.layer,
+                "stage": p.stage,
+                "chunk": p.chunk,
+                "local_shape": list(p.local_shape),
+            }
+            for p in lowered.parameters
+        ],
+        "updates": [
+            {
+                **u.update.as_dict(),
+                "tensor": u.tensor,
+                "phase": u.phase,
+                "stage": u.stage,
+                "payload_bytes": u.payload_bytes,
+                "group_size": u.group_size,
+                "occurrences_per_step": u.occurrences_per_step,
+                "gradient_divisor": u.gradient_divisor,
+            }
+            for u in lowered.updates
+        ],
+        "schedule": schedule,
+        "decomposition": decomposition,
+        "memory": [m.as_dict() for m in lowered.memory],
+        "traffic": [t.as_dict() for t in lowered.traffic],
+        "verdict": {
+            "ok": errors == 0 and not lowered.reduction_problems and (lowered.schedule is None or lowered.schedule.check.ok),
+            "errors": errors,
+            "warnings": len(diagnostics) - errors,
+            "diagnostics": [
+                {k: v for k, v in d.as_dict().items() if k != "file"}  # no machine paths in the artifact
+                for d in diagnostics
+            ],
+            "reductions_exactly_once": not lowered.reduction_problems,
+            "reduction_problems": [p.message for p in lowered.reduction_problems],
+        },
+    }
+    # Normalise through the schema so that what is written is exactly what loading accepts.
+    doc = PlanDocument.model_validate({**doc, DIGEST_FIELD: ""}).model_dump(mode="json")
+    doc[DIGEST_FIELD] = content_digest(doc)
+    return doc
+
+
+def content_digest(doc: dict) -> str:
+    return sha256_hex(canonical_json({k: v for k, v in doc.items() if k != DIGEST_FIELD}))
+
+
+def plan_text(doc: dict) -> str:
+    """The bytes written to disk: canonical JSON and a final newline."""
+    return canonical_json(doc) + "\n"
+
+
+def load_plan_text(text: str | bytes, name: str = "plan.json") -> PlanDocument:
+    """Parse and verify a plan; raises PlanError naming what is wrong."""
+    if isinstance(text, bytes):
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError:
+            raise PlanError(f"{name} is not UTF-8 text; a plan is JSON written by `mixle-compile compile`") from None
+
+    def refuse_duplicates(pairs: list) -> dict:
+        out = {}
+        for key, value in pairs:
+            if key in out:
+                raise PlanError(f"{name} has the key {key!r} twice; a compiled plan never does, so it was edited or corrupted")
+            out[key] = value
+        return out
+
+    def refuse_constant(token: str):
+        raise PlanError(f"{name} contains {token}, which is not JSON")
+
+    try:
+        data = json.loads(text, object_pairs_hook=refuse_duplicates, parse_constant=refuse_constant)
+    except json.JSONDecodeError as exc:
+        raise PlanError(f"{name} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}); recompile the plan") from None
+    if not isinstance(data, dict) or "format_version" not in data:
+        raise PlanError(f"{name} is not a mixle-compile plan (no format_version); produce one with `mixle-compile compile SPEC -o {name}`")
+    version = data["format_version"]
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise PlanError(f"{name}: format_version must be an integer, got {version!r}")
+    if version > FORMAT_VERSION:
+        raise PlanError(
+            f"{name} is in plan format {version}, newer than this compiler reads (format {FORMAT_VERSION}, "
+            f"mixle-compile {__version__}); upgrade mixle-compile or recompile the spec with this version"
+        )
+    if version < FORMAT_VERSION:
+        raise PlanError(f"{name} is in the old plan format {version}; recompile the spec with mixle-compile {__version__}")
+    try:
+        doc = PlanDocument.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors(include_url=False)[0]
+        where = ".".join(str(p) for p in first["loc"]) or "the plan"
+        if first["type"] == "extra_forbidden":
+            raise PlanError(f"{name}: unknown field `{where}`; this compiler does not know it (a newer or edited plan), so it refuses the plan") from None
+        raise PlanError(f"{name}: `{where}`: {first['msg']} ({exc.error_count()} problem(s) in all); recompile the plan") from None
+    expected = content_digest(data)
+    if data.get(DIGEST_FIELD) != expected:
+        raise PlanError(
+            f"{name}: content digest mismatch (the file says {data.get(DIGEST_FIELD)!r}, its content hashes to {expected!r}); "
+            "the plan was modified after compiling: recompile it instead of editing it"
+        )
+    if plan_text(data) != text:
+        raise PlanError(
+            f"{name} is not in the canonical form the compiler writes (it was reformatted or modified after compiling); "
+            "recompile it instead of editing it"
+        )
+    try:
+        spec = Spec.model_validate(doc.spec)
+    except ValidationError as exc:
+        raise PlanError(f"{name}: the embedded spec does not validate ({exc.error_count()} problem(s)); recompile the plan") from None
+    if spec_digest(spec) != doc.spec_digest:
+        raise PlanError(f"{name}: spec digest mismatch; the embedded spec was modified after compiling")
+    return doc
+
+
+def plan_spec(doc: PlanDocument) -> Spec:
+    return Spec.model_validate(doc.spec)
+
+
+def plan_schema() -> dict:
+    schema = PlanDocument.model_json_schema()
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "$id": "https://mixle-compile.dev/schemas/plan.schema.json",
+        "title": "mixle-compile plan",
+        **{k: v for k, v in schema.items() if k != "title"},
+    }
+
+
+def plan_schema_text() -> str:
+    return json.dumps(plan_schema(), indent=2, sort_keys=True) + "\n"

@@ -1,0 +1,176 @@
+"""The plan artifact's schema, as code (schemas/plan.schema.json is generated from it).
+
+Every section forbids unknown fields, so a plan written by a newer compiler, or edited by hand
+with a typo, is refused instead of half-read.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+FORMAT_VERSION = 1
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class PlanMesh(_Section):
+    degrees: dict[str, int] = Field(description="ParallelPlan.as_dict(): degrees, micro-batching, world and data-parallel size")
+    names: list[str] = Field(description="physical mesh dimensions, outermost first")
+    shape: list[int]
+    order: str = Field(description="rank order of the axes, innermost first (Megatron style)")
+
+
+class GridDimEntry(_Section):
+    axis: str
+    size: int
+    stride: int
+
+
+class GridEntry(_Section):
+    name: str
+    dims: list[GridDimEntry]
+
+
+class GroupRuleEntry(_Section):
+    name: str
+    grid: str
+    axes: list[str]
+    size: int
+    num_groups: int
+    dims: list[list[int]] = Field(description="(stride, length) pairs generating a group from its base rank")
+    base_dims: list[list[int]] = Field(description="(stride, length) pairs enumerating the base ranks of the groups")
+
+
+class PlanGroups(_Section):
+    """The rank-group rules, symbolic: concrete ranks follow from (base rank, dims)."""
+
+    order: str
+    world_size: int
+    dense: GridEntry
+    expert: GridEntry
+    rules: list[GroupRuleEntry] = Field(description="in the one global creation order")
+
+
+class PlanParameter(_Section):
+    logical_id: str
+    global_shape: list[int]
+    placements: list[list[str]] = Field(description="(mesh axis, 'replicate' | 'shard(dim)') pairs")
+    shared_group: str | None
+    optimizer_state: str
+    role: str
+    dtype: str
+    layer: int | None
+    stage: int
+    chunk: int
+    local_shape: list[int]
+
+
+class PlanUpdate(_Section):
+    node_id: str
+    payload: str
+    collective: str
+    mesh_axes: list[str]
+    state_layout: str
+    exact: bool
+    notes: str
+    contract_exact: bool
+    determinism_observed: bool | None
+    maximum_absolute_error: float | None
+    maximum_relative_error: float | None
+    numerics_evidence_id: str | None
+    numerics_sample_count: int
+    tensor: str
+    phase: str
+    stage: int
+    payload_bytes: int
+    group_size: int
+    occurrences_per_step: int
+    gradient_divisor: int
+
+
+class PlanOp(_Section):
+    kind: str
+    stage: int
+    chunk: int = 0
+    microbatch: int | None = None
+    name: str = ""
+    group: str | None = None
+    tag: str = ""
+    peer: int | None = None
+    peer_chunk: int | None = None
+    batch: int | None = None
+    bytes: int = 0
+
+
+class ScheduleVerdict(_Section):
+    ok: bool
+    problems: list[str]
+    ranks_checked: int
+    representatives: bool
+    note: str
+
+
+class PlanSchedule(_Section):
+    pipeline: str
+    virtual_stages: int
+    micro_steps: int = Field(description="micro-batches per optimizer step: microbatches x gradient accumulation")
+    bubble_fraction: float
+    stages: list[list[PlanOp]] = Field(description="the program of each pipeline stage; every rank of a stage runs it")
+    check: ScheduleVerdict
+
+
+class StageMemoryEntry(_Section):
+    stage: int
+    parameters: int
+    gathered_parameters: int
+    gradients: int
+    optimizer_state: int
+    activations: int
+    total: int
+
+
+class TrafficEntryModel(_Section):
+    stage: int
+    axes: list[str]
+    collective: str
+    bytes_per_rank_per_step: int
+
+
+class PlanDiagnostic(_Section):
+    code: str
+    severity: Literal["error", "warning"]
+    message: str
+    hint: str
+    line: int
+    column: int
+    fields: list[str]
+
+
+class PlanVerdict(_Section):
+    ok: bool
+    errors: int
+    warnings: int
+    diagnostics: list[PlanDiagnostic]
+    reductions_exactly_once: bool
+    reduction_problems: list[str]
+
+
+class PlanDocument(_Section):
+    format_version: int
+    compiler_version: str
+    spec_digest: str = Field(description="sha256 of the canonical JSON of the validated spec")
+    content_digest: str = Field(description="sha256 of the canonical JSON of this document without this field")
+    spec: dict[str, Any] = Field(description="the validated spec, so that a plan runs without its source file")
+    mesh: PlanMesh
+    groups: PlanGroups
+    parameters: list[PlanParameter]
+    updates: list[PlanUpdate]
+    schedule: PlanSchedule | None
+    decomposition: dict[str, Any] | None = Field(description="the model cut for distribution models")
+    memory: list[StageMemoryEntry]
+    traffic: list[TrafficEntryModel]
+    verdict: PlanVerdict
