@@ -39,6 +39,7 @@ class PlacedParameter:
     stage: int  # pipeline stage that holds it
     chunk: int  # virtual pipeline chunk on that stage
     local_shape: tuple[int, ...]  # the largest shard a rank holds
+    owner: int | None = None  # tp coordinate of the only rank holding it (a unit of a model cut)
 
     @property
     def name(self) -> str:

@@ -1,18 +1,21 @@
-"""The lowering pass: a verified neural spec becomes layouts, updates, memory and traffic."""
+"""The lowering pass: a verified spec becomes layouts, updates, groups, a schedule, memory and traffic."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from mixle_compile.contracts import ParallelPlan
+from mixle_compile.diagnostics import Diagnostic
 from mixle_compile.lower.exactly_once import ReductionProblem, check_exactly_once
 from mixle_compile.lower.groups import RankGrid
 from mixle_compile.lower.layouts import PlacedParameter, place_parameters, stage_of_layer
 from mixle_compile.lower.memory import StageMemory, TrafficEntry, stage_memory, traffic
-from mixle_compile.lower.step import StepSchedule, grid_for, step_schedule
+from mixle_compile.lower.schedule import check_schedule
+from mixle_compile.lower.step import EXHAUSTIVE_RANKS, StepSchedule, grid_for, step_schedule
 from mixle_compile.lower.updates import PlannedUpdate, activation_updates, gradient_updates
 from mixle_compile.parameters import model_parameters
-from mixle_compile.spec.models import Spec, TransformerModel, parallel_plan
+from mixle_compile.spec.load import SourceDocument
+from mixle_compile.spec.models import DistributionModel, Spec, TransformerModel, parallel_plan
 
 
 @dataclass(frozen=True)
@@ -25,13 +28,18 @@ class Lowered:
     reduction_problems: tuple[ReductionProblem, ...]
     grid: RankGrid
     schedule: StepSchedule | None  # None when not requested (large plans check it on demand)
+    decomposition: dict | None = None  # the model cut of a distribution model (ModelDecomposition.as_dict())
+    diagnostics: tuple[Diagnostic, ...] = ()
 
 
-def lower(spec: Spec, *, schedule: bool = True) -> Lowered:
+def lower(spec: Spec, *, schedule: bool = True, document: SourceDocument | None = None) -> Lowered:
     """Lower a spec that passed `check` (its mesh fits its devices and its model).
 
-    `schedule=False` skips building and checking the per-step programs.
+    `schedule=False` skips building and checking the per-step programs. `document` lets
+    diagnostics point at the spec's source.
     """
+    if isinstance(spec.model, DistributionModel):
+        return _lower_distribution(spec, schedule=schedule, document=document)
     plan = parallel_plan(spec)
     t = spec.training
     num_layers = spec.model.num_layers if isinstance(spec.model, TransformerModel) else _module_layers(spec)
@@ -68,6 +76,33 @@ def lower(spec: Spec, *, schedule: bool = True) -> Lowered:
         reduction_problems=check_exactly_once(placed, updates, plan, sequence_parallel=t.sequence_parallel),
         grid=grid,
         schedule=steps,
+    )
+
+
+def _lower_distribution(spec: Spec, *, schedule: bool, document: SourceDocument | None) -> Lowered:
+    # Imported here: the graph costs networkx's import, which neural plans do not need.
+    from mixle_compile.graph import build_model_graph
+    from mixle_compile.lower.distribution import check_statistics_once, lower_distribution
+
+    plan = parallel_plan(spec)
+    graph = build_model_graph(spec, document)
+    base_grid = RankGrid.from_plan(plan, order=spec.mesh.order)
+    low = lower_distribution(spec, plan, graph, base_grid)
+    grid = grid_for(plan, low.updates, spec.mesh.order)
+    steps = None
+    if schedule and not any(d.severity.value == "error" for d in low.diagnostics):
+        steps = StepSchedule(low.programs, check_schedule(low.programs, grid, exhaustive_limit=EXHAUSTIVE_RANKS))
+    return Lowered(
+        plan=plan,
+        parameters=low.parameters,
+        updates=low.updates,
+        memory=low.memory,
+        traffic=traffic(low.updates),
+        reduction_problems=check_statistics_once(graph, low, plan),
+        grid=grid,
+        schedule=steps,
+        decomposition=low.decomposition.as_dict(),
+        diagnostics=tuple(graph.diagnostics) + low.diagnostics,
     )
 
 

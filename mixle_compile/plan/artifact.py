@@ -48,10 +48,11 @@ def _without_nones(data: dict) -> dict:
     return {k: v for k, v in data.items() if v is not None and v != ""}
 
 
-def build_plan(spec: Spec, lowered: Lowered, diagnostics: list[Diagnostic], decomposition: dict | None = None) -> dict:
+def build_plan(spec: Spec, lowered: Lowered, diagnostics: list[Diagnostic]) -> dict:
     """The plan as a JSON-ready dict (with its content digest)."""
     plan = lowered.plan
     names, shape = plan.mesh
+    diagnostics = [*diagnostics, *lowered.diagnostics]
     errors = sum(d.severity is Severity.error for d in diagnostics)
     schedule = None
     if lowered.schedule is not None:
@@ -87,6 +88,7 @@ def build_plan(spec: Spec, lowered: Lowered, diagnostics: list[Diagnostic], deco
                 "stage": p.stage,
                 "chunk": p.chunk,
                 "local_shape": list(p.local_shape),
+                "owner": p.owner,
             }
             for p in lowered.parameters
         ],
@@ -104,7 +106,7 @@ def build_plan(spec: Spec, lowered: Lowered, diagnostics: list[Diagnostic], deco
             for u in lowered.updates
         ],
         "schedule": schedule,
-        "decomposition": decomposition,
+        "decomposition": lowered.decomposition,
         "memory": [m.as_dict() for m in lowered.memory],
         "traffic": [t.as_dict() for t in lowered.traffic],
         "verdict": {

@@ -67,6 +67,7 @@ class PlanParameter(_Section):
     stage: int
     chunk: int
     local_shape: list[int]
+    owner: int | None = Field(description="tp coordinate of the only rank holding it (a unit of a model cut); null: every rank of its placements")
 
 
 class PlanUpdate(_Section):
