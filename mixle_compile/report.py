@@ -1,0 +1,248 @@
+"""Human-facing views of a plan: `explain` tables and plots, and `diff` between two plans.
+
+Everything here reads a verified PlanDocument (or its JSON-ready dict) and nothing else, so the
+same views serve a freshly compiled spec and a plan file from a pull request.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from mixle_compile.plan.document import PlanDocument
+
+MEMORY_KINDS = ("parameters", "gathered_parameters", "gradients", "optimizer_state", "activations")
+
+
+def human_bytes(n: float) -> str:
+    sign = "-" if n < 0 else ""
+    n = abs(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if n < 1024 or unit == "PiB":
+            return f"{sign}{n:.0f} {unit}" if unit == "B" else f"{sign}{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
+    line = lambda cells: "  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
+    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+def explain_data(doc: PlanDocument) -> dict[str, Any]:
+    """What `explain --format json` prints: the numbers behind the tables."""
+    degrees = doc.mesh.degrees
+    device_memory = _device_memory(doc)
+    return {
+        "spec_digest": doc.spec_digest,
+        "content_digest": doc.content_digest,
+        "verdict": {"ok": doc.verdict.ok, "errors": doc.verdict.errors, "warnings": doc.verdict.warnings},
+        "mesh": {"names": doc.mesh.names, "shape": doc.mesh.shape, "order": doc.mesh.order, **degrees},
+        "memory_per_rank": [
+            {**m.model_dump(), "device_memory": device_memory, "fraction_of_device": m.total / device_memory if device_memory else None}
+            for m in doc.memory
+        ],
+        "traffic_per_step": [t.model_dump() for t in doc.traffic],
+        "collectives": [
+            {"axes": list(axes), "collective": kind, "count": count}
+            for (axes, kind), count in sorted(_collective_counts(doc).items())
+        ],
+        "pipeline": None
+        if doc.schedule is None
+        else {
+            "schedule": doc.schedule.pipeline,
+            "virtual_stages": doc.schedule.virtual_stages,
+            "micro_steps": doc.schedule.micro_steps,
+            "bubble_fraction": doc.schedule.bubble_fraction,
+            "deadlock_free": doc.schedule.check.ok,
+            "check": doc.schedule.check.note,
+        },
+        "model_cut": doc.decomposition,
+    }
+
+
+def _device_memory(doc: PlanDocument) -> int | None:
+    resources = doc.spec["resources"]
+    if isinstance(resources["devices"], int):
+        return resources["memory"]
+    return min(group["memory"] for group in resources["devices"])
+
+
+def _collective_counts(doc: PlanDocument) -> Counter:
+    return Counter((tuple(u.mesh_axes), u.collective) for u in doc.updates)
+
+
+def explain_text(doc: PlanDocument) -> str:
+    data = explain_data(doc)
+    mesh = data["mesh"]
+    out = [
+        f"plan {doc.content_digest[:19]}  (spec {doc.spec_digest[:19]}, format {doc.format_version}, mixle-compile {doc.compiler_version})",
+        f"verdict: {'ok' if doc.verdict.ok else 'NOT OK'} ({doc.verdict.errors} errors, {doc.verdict.warnings} warnings)",
+        f"mesh: {' x '.join(f'{n}={s}' for n, s in zip(mesh['names'], mesh['shape']))}  world {mesh['world_size']}, "
+        f"data-parallel {mesh['data_parallel_size']}, ep {mesh['ep']}, etp {mesh['etp']}, order {mesh['order']}",
+        "",
+        "memory per rank (by pipeline stage)",
+    ]
+    device = data["memory_per_rank"][0]["device_memory"] if data["memory_per_rank"] else None
+    rows = []
+    for m in data["memory_per_rank"]:
+        share = f"{m['total'] / device:.0%}" if device else "-"
+        rows.append([str(m["stage"]), *(human_bytes(m[k]) for k in MEMORY_KINDS), human_bytes(m["total"]), share])
+    out.append(_table(["stage", "params", "gathered", "grads", "optimizer", "activations", "total", "of device"], rows))
+    out += ["", "traffic per rank per step (ring costs)"]
+    rows = [[str(t["stage"]), "+".join(t["axes"]), t["collective"], human_bytes(t["bytes_per_rank_per_step"])] for t in data["traffic_per_step"]]
+    out.append(_table(["stage", "axes", "collective", "bytes"], rows) if rows else "(no communication)")
+    pipe = data["pipeline"]
+    if pipe is not None and mesh["pp"] == 1:
+        out += ["", f"pipeline: none (one stage), {pipe['micro_steps']} micro-step(s) per step; {'deadlock-free' if pipe['deadlock_free'] else 'DEADLOCK'} ({pipe['check']})"]
+    elif pipe is not None:
+        out += [
+            "",
+            f"pipeline: {pipe['schedule']}, {mesh['pp']} stage(s) x {pipe['virtual_stages']} virtual, {pipe['micro_steps']} micro-steps per step; "
+            f"bubble fraction {pipe['bubble_fraction']:.1%}; {'deadlock-free' if pipe['deadlock_free'] else 'DEADLOCK'} ({pipe['check']})",
+        ]
+    cut = data["model_cut"]
+    if cut is not None:
+        out += ["", f"model cut: axis {cut['axis']} at {cut['path']} ({cut['num_units']} units)"]
+        if cut["cuts"]:
+            rows = [
+                [str(i), f"{c['device']['kind']}#{c['device']['rank']}", f"{c['start']}..{c['stop'] - 1}", f"{c['work']:.4g}", human_bytes(c["param_bytes"])]
+                for i, c in enumerate(cut["cuts"])
+            ]
+            out.append(_table(["shard", "device", "positions", "work", "bytes"], rows))
+        out.append(f"rationale: {cut['rationale']}")
+    return "\n".join(out) + "\n"
+
+
+def plot_plan(doc: PlanDocument, path: str) -> None:
+    """Draw per-rank memory by kind and traffic per axis (needs matplotlib: the `plot` extra)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise RuntimeError("plotting needs matplotlib: pip install 'mixle-compile[plot]'") from exc
+    data = explain_data(doc)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    stages = [m["stage"] for m in data["memory_per_rank"]]
+    bottom = [0.0] * len(stages)
+    for kind in MEMORY_KINDS:
+        values = [m[kind] / 2**30 for m in data["memory_per_rank"]]
+        left.bar([str(s) for s in stages], values, bottom=bottom, label=kind.replace("_", " "))
+        bottom = [b + v for b, v in zip(bottom, values)]
+    device = data["memory_per_rank"][0]["device_memory"] if data["memory_per_rank"] else None
+    if device:
+        left.axhline(device / 2**30, color="black", linestyle="--", linewidth=1, label="device memory")
+    left.set(title="memory per rank", xlabel="pipeline stage", ylabel="GiB")
+    left.legend(fontsize=8)
+    per_axis: dict[str, float] = {}
+    for t in data["traffic_per_step"]:
+        key = f"{'+'.join(t['axes'])} {t['collective']}"
+        per_axis[key] = max(per_axis.get(key, 0.0), t["bytes_per_rank_per_step"] / 2**30)
+    labels = sorted(per_axis, key=per_axis.get)
+    right.barh(labels, [per_axis[k] for k in labels])
+    right.set(title="traffic per rank per step (busiest stage)", xlabel="GiB")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------- diff
+
+
+def diff_data(a: PlanDocument, b: PlanDocument) -> dict[str, Any]:
+    """What changed from plan `a` to plan `b`."""
+    degrees = {
+        k: {"from": a.mesh.degrees.get(k), "to": b.mesh.degrees.get(k)}
+        for k in sorted(set(a.mesh.degrees) | set(b.mesh.degrees))
+        if a.mesh.degrees.get(k) != b.mesh.degrees.get(k)
+    }
+    if a.mesh.order != b.mesh.order:
+        degrees["order"] = {"from": a.mesh.order, "to": b.mesh.order}
+    la = {p.logical_id: p for p in a.parameters}
+    lb = {p.logical_id: p for p in b.parameters}
+    layouts = []
+    for name in sorted(set(la) | set(lb)):
+        pa, pb = la.get(name), lb.get(name)
+        if pa is None or pb is None:
+            layouts.append({"parameter": name, "change": "added" if pa is None else "removed"})
+            continue
+        fields = {}
+        for f in ("global_shape", "placements", "optimizer_state", "stage", "local_shape", "shared_group", "owner"):
+            if getattr(pa, f) != getattr(pb, f):
+                fields[f] = {"from": getattr(pa, f), "to": getattr(pb, f)}
+        if fields:
+            layouts.append({"parameter": name, "change": "changed", "fields": fields})
+    ca, cb = _collective_counts(a), _collective_counts(b)
+    collectives = [
+        {"axes": list(axes), "collective": kind, "from": ca.get((axes, kind), 0), "to": cb.get((axes, kind), 0)}
+        for axes, kind in sorted(set(ca) | set(cb))
+        if ca.get((axes, kind), 0) != cb.get((axes, kind), 0)
+    ]
+    ma = {m.stage: m for m in a.memory}
+    mb = {m.stage: m for m in b.memory}
+    memory = []
+    for stage in sorted(set(ma) | set(mb)):
+        row = {"stage": stage}
+        for kind in (*MEMORY_KINDS, "total"):
+            va = getattr(ma[stage], kind) if stage in ma else 0
+            vb = getattr(mb[stage], kind) if stage in mb else 0
+            row[kind] = {"from": va, "to": vb, "delta": vb - va}
+        if any(row[k]["delta"] for k in (*MEMORY_KINDS, "total")):
+            memory.append(row)
+    ta = {(t.stage, tuple(t.axes), t.collective): t.bytes_per_rank_per_step for t in a.traffic}
+    tb = {(t.stage, tuple(t.axes), t.collective): t.bytes_per_rank_per_step for t in b.traffic}
+    traffic = [
+        {"stage": s, "axes": list(axes), "collective": kind, "from": ta.get(key, 0), "to": tb.get(key, 0), "delta": tb.get(key, 0) - ta.get(key, 0)}
+        for key in sorted(set(ta) | set(tb))
+        for s, axes, kind in [key]
+        if ta.get(key, 0) != tb.get(key, 0)
+    ]
+    return {
+        "same": a.content_digest == b.content_digest,
+        "spec_changed": a.spec_digest != b.spec_digest,
+        "mesh": degrees,
+        "layouts": layouts,
+        "collectives": collectives,
+        "memory": memory,
+        "traffic": traffic,
+        "verdict": {"from": a.verdict.ok, "to": b.verdict.ok},
+    }
+
+
+def diff_text(a: PlanDocument, b: PlanDocument, name_a: str = "a", name_b: str = "b") -> str:
+    d = diff_data(a, b)
+    if d["same"]:
+        return f"{name_a} and {name_b} are the same plan ({a.content_digest[:19]})\n"
+    out = [f"--- {name_a}  {a.content_digest[:19]}", f"+++ {name_b}  {b.content_digest[:19]}"]
+    if d["verdict"]["from"] != d["verdict"]["to"]:
+        out.append(f"verdict: {'ok' if d['verdict']['from'] else 'NOT OK'} -> {'ok' if d['verdict']['to'] else 'NOT OK'}")
+    if d["mesh"]:
+        out.append("mesh:")
+        out += [f"  {k}: {v['from']} -> {v['to']}" for k, v in d["mesh"].items()]
+    if d["layouts"]:
+        out.append(f"layouts: {len(d['layouts'])} parameter(s) changed")
+        for entry in d["layouts"][:20]:
+            if entry["change"] != "changed":
+                out.append(f"  {entry['parameter']}: {entry['change']}")
+            else:
+                changes = "; ".join(f"{k} {v['from']} -> {v['to']}" for k, v in entry["fields"].items())
+                out.append(f"  {entry['parameter']}: {changes}")
+        if len(d["layouts"]) > 20:
+            out.append(f"  ... and {len(d['layouts']) - 20} more (see --format json)")
+    if d["collectives"]:
+        out.append("collectives (updates per step plan):")
+        out += [f"  {'+'.join(c['axes'])} {c['collective']}: {c['from']} -> {c['to']}" for c in d["collectives"]]
+    if d["memory"]:
+        out.append("memory per rank:")
+        for row in d["memory"]:
+            parts = [f"{k} {human_bytes(row[k]['delta']) if row[k]['delta'] < 0 else '+' + human_bytes(row[k]['delta'])}" for k in (*MEMORY_KINDS, "total") if row[k]["delta"]]
+            out.append(f"  stage {row['stage']}: " + ", ".join(parts) + f"  (total {human_bytes(row['total']['from'])} -> {human_bytes(row['total']['to'])})")
+    if d["traffic"]:
+        out.append("traffic per rank per step:")
+        for t in d["traffic"]:
+            sign = "+" if t["delta"] >= 0 else ""
+            out.append(f"  stage {t['stage']} {'+'.join(t['axes'])} {t['collective']}: {human_bytes(t['from'])} -> {human_bytes(t['to'])} ({sign}{human_bytes(t['delta'])})")
+    return "\n".join(out) + "\n"
