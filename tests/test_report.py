@@ -92,3 +92,13 @@ def test_sarif_has_rules_results_and_locations(tmp_path, monkeypatch):
     location = result["locations"][0]["physicalLocation"]
     assert location["artifactLocation"]["uri"] == "examples/invalid/s003-unknown-key.yaml"
     assert location["region"] == {"startLine": 5, "startColumn": 3}
+
+
+def test_plot_draws_memory_and_traffic(plans, tmp_path):
+    pytest.importorskip("matplotlib")
+    from mixle_compile.report import plot_plan
+
+    out = tmp_path / "plan.png"
+    plot_plan(plans["mixtral-moe-ep.yaml"], str(out))
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000

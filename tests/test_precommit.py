@@ -1,0 +1,47 @@
+"""The pre-commit hook, run the way users run it: `pre-commit try-repo` against a repository."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import EXAMPLES, ROOT
+
+
+def git(repo: Path, *args: str) -> None:
+    subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True,
+                   env={"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.com", "GIT_COMMITTER_NAME": "t",
+                        "GIT_COMMITTER_EMAIL": "t@example.com", "PATH": "/usr/bin:/bin", "HOME": str(repo)})
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_try_repo_passes_a_good_spec_and_fails_a_bad_one(tmp_path):
+    pytest.importorskip("pre_commit")
+    if subprocess.run(["git", "ls-files", "--error-unmatch", ".pre-commit-hooks.yaml"], cwd=ROOT, capture_output=True).returncode:
+        pytest.skip("pre-commit only sees committed hook manifests")
+    repo = tmp_path / "user-repo"
+    repo.mkdir()
+    shutil.copy(EXAMPLES / "tiny-transformer.yaml", repo / "good.yaml")
+    shutil.copy(EXAMPLES / "invalid" / "s003-unknown-key.yaml", repo / "bad.yaml")
+    git(repo, "init", "-q")
+    git(repo, "add", ".")
+    git(repo, "commit", "-qm", "specs")
+    env = {"PRE_COMMIT_HOME": str(tmp_path / "cache"), "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "HOME": str(tmp_path)}
+
+    def try_repo(*files: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "pre_commit", "try-repo", str(ROOT), "mixle-compile-check", "--files", *files],
+            cwd=repo, capture_output=True, text=True, env=env, timeout=600,
+        )
+
+    good = try_repo("good.yaml")
+    assert good.returncode == 0, good.stdout + good.stderr
+    assert "Passed" in good.stdout
+    both = try_repo("good.yaml", "bad.yaml")
+    assert both.returncode == 1, both.stdout + both.stderr
+    assert "bad.yaml:5:3: S003 unknown key `mesh.dp_shards`" in both.stdout
+    assert "good.yaml:" not in both.stdout
