@@ -111,7 +111,6 @@ def lower_distribution(spec: Spec, plan: ParallelPlan, graph: ModelGraph, grid: 
     placed: list[PlacedParameter] = []
     owners: dict[str, int] = {}
     updates: list[PlannedUpdate] = []
-    statistics_bytes = 0
     for node_id in graph.order:
         node = graph.node(node_id)
         if node.own_param_bytes <= 0:
@@ -141,23 +140,12 @@ def lower_distribution(spec: Spec, plan: ParallelPlan, graph: ModelGraph, grid: 
         p = PlacedParameter(Parameter(node_id, shape, "distribution", t.precision), layout, 0, 0, tuple(local), owners.get(node_id))
         placed.append(p)
         local_bytes = p.local_numel * dtype_bytes
-        statistics_bytes += local_bytes
         # Partial over tp: a node held whole on every shard whose users sit on several shards.
         axes = data_axes + (("tp",) if cut is not None and len(units_here) > 1 and node.shared else ())
         if axes:
             updates.append(
-                PlannedUpdate(
-                    DistributedUpdate(
-                        node_id=f"{node_id}:statistics",
-                        payload=PayloadKind.sufficient_statistic,
-                        collective=CollectiveKind.all_reduce,
-                        mesh_axes=axes,
-                        state_layout=state,
-                        notes="sum the sufficient statistics (exact in exact arithmetic)",
-                        contract_exact=True,
-                    ),
-                    node_id, "gradient", 0, local_bytes, group_size(axes, plan), 1,
-                )
+                _all_reduce(f"{node_id}:statistics", PayloadKind.sufficient_statistic, axes, state,
+                            "sum the sufficient statistics (exact in exact arithmetic)", node_id, "gradient", local_bytes, plan, 1)
             )
     micro_steps = plan.microbatches * plan.gradient_accumulation_steps
     row_bytes = t.micro_batch_size * 8  # one float64 per row
@@ -165,33 +153,13 @@ def lower_distribution(spec: Spec, plan: ParallelPlan, graph: ModelGraph, grid: 
         steps = (("max", "max of the local log-densities"), ("sum", "sum of exponentials")) if cut.reduction is ReductionOp.logsumexp else (("sum", "sum of the factors' log-likelihoods"),)
         for what, notes in steps:
             updates.append(
-                PlannedUpdate(
-                    DistributedUpdate(
-                        node_id=f"{cut.path}:normaliser/{what}",
-                        payload=PayloadKind.message,
-                        collective=CollectiveKind.all_reduce,
-                        mesh_axes=("tp",),
-                        state_layout=StateLayout.replicated,
-                        notes=f"{cut.reduction.value} boundary of the {cut.axis.value} cut: {notes}",
-                        contract_exact=True,
-                    ),
-                    cut.path, "forward", 0, row_bytes, plan.tp, micro_steps,
-                )
+                _all_reduce(f"{cut.path}:normaliser/{what}", PayloadKind.message, ("tp",), StateLayout.replicated,
+                            f"{cut.reduction.value} boundary of the {cut.axis.value} cut: {notes}", cut.path, "forward", row_bytes, plan, micro_steps)
             )
     if data_axes:
         updates.append(
-            PlannedUpdate(
-                DistributedUpdate(
-                    node_id="log_likelihood",
-                    payload=PayloadKind.message,
-                    collective=CollectiveKind.all_reduce,
-                    mesh_axes=data_axes,
-                    state_layout=StateLayout.replicated,
-                    notes="the iteration's total log-likelihood, reported and checked never to decrease",
-                    contract_exact=True,
-                ),
-                "log_likelihood", "gradient", 0, 8, group_size(data_axes, plan), 1,
-            )
+            _all_reduce("log_likelihood", PayloadKind.message, data_axes, StateLayout.replicated,
+                        "the iteration's total log-likelihood, reported and checked never to decrease", "log_likelihood", "gradient", 8, plan, 1)
         )
     local_units = max((c.stop - c.start for c in cut.cuts), default=1) if cut is not None else max(1, graph.node(graph.root).num_units)
     responsibilities = t.micro_batch_size * local_units * 8
@@ -207,6 +175,13 @@ def lower_distribution(spec: Spec, plan: ParallelPlan, graph: ModelGraph, grid: 
         decomposition=decomposition,
         diagnostics=tuple(diagnostics),
     )
+
+
+def _all_reduce(node_id: str, payload: PayloadKind, axes: tuple[str, ...], state: StateLayout, notes: str,
+                tensor: str, phase: str, nbytes: int, plan: ParallelPlan, occurrences: int) -> PlannedUpdate:
+    update = DistributedUpdate(node_id=node_id, payload=payload, collective=CollectiveKind.all_reduce, mesh_axes=axes,
+                               state_layout=state, notes=notes, contract_exact=True)
+    return PlannedUpdate(update, tensor, phase, 0, nbytes, group_size(axes, plan), occurrences)
 
 
 def _units_reaching(graph: ModelGraph, cut: ModelDecomposition, node_id: str) -> set[int]:
