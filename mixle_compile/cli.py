@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -31,7 +32,21 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check", help="validate spec files and report diagnostics")
     check.add_argument("files", nargs="+", metavar="FILE", help="spec files (.yaml, .yml or .json)")
     check.add_argument("--format", choices=("text", "json"), default="text", help="output format (default: text)")
+    check.add_argument(
+        "--suggest",
+        action="store_true",
+        help="for a file with errors, print the nearest valid settings on the same devices as a YAML patch",
+    )
     check.set_defaults(run=_cmd_check)
+
+    rules = sub.add_parser("rules", help="list every diagnostic code and verifier rule")
+    rules.add_argument("--backend", metavar="NAME", help="only the rules of this backend's rule set")
+    rules.add_argument("--format", choices=("text", "markdown", "json"), default="text", help="output format (default: text)")
+    rules.set_defaults(run=_cmd_rules)
+
+    explain = sub.add_parser("explain", help="print the documentation of a diagnostic code")
+    explain.add_argument("target", metavar="CODE", help="a diagnostic code such as T002")
+    explain.set_defaults(run=_cmd_explain)
 
     schema = sub.add_parser("schema", help="print the JSON Schema of spec files")
     schema.add_argument("-o", "--output", type=Path, help="write to this file instead of standard output")
@@ -42,13 +57,22 @@ def build_parser() -> argparse.ArgumentParser:
 def _cmd_check(args: argparse.Namespace) -> int:
     from mixle_compile.check import check_file, exit_status
 
-    results = [check_file(f) for f in args.files]
+    results = [check_file(f, suggest=True) if args.suggest else check_file(f) for f in args.files]
     diagnostics = [d for r in results for d in r.diagnostics]
     if args.format == "json":
-        print(json.dumps([d.as_dict() for d in diagnostics], indent=2))
+        found = [d.as_dict() for d in diagnostics]
+        if args.suggest:  # an object only when asked for, so the plain output stays a list
+            print(json.dumps({"diagnostics": found, "suggestions": [_suggestion_dict(r) for r in results if r.suggestion_sought]}, indent=2))
+        else:
+            print(json.dumps(found, indent=2))
     else:
         for d in diagnostics:
             print(d.text())
+        for r in results:
+            for note in r.notes:
+                print(f"{r.file}: {note}")
+            if r.suggestion_sought:
+                print(_suggestion_text(r))
         errors = sum(r.errors for r in results)
         warnings = len(diagnostics) - errors
         files = len(results)
@@ -58,6 +82,85 @@ def _cmd_check(args: argparse.Namespace) -> int:
             tail = f" ({warnings} warning{'s' * (warnings != 1)})" if warnings else ""
             print(f"All checks passed: {files} file{'s' * (files != 1)}{tail}.")
     return exit_status(results)
+
+
+def _suggestion_text(result) -> str:
+    from mixle_compile.verify.suggest import MAX_CHANGES
+
+    s = result.suggestion
+    if s is None:
+        return (
+            f"# {result.file}: no valid plan on the same devices changes at most {MAX_CHANGES} of the mesh and "
+            "training settings; the conflict involves the model, the devices, the backend, the global batch size "
+            "or the sequence length"
+        )
+    if not s.changes:
+        return f"# {result.file}: the plan is valid on its own devices; the errors left concern the elastic section (see their hints)"
+    nearest = "nearest" if s.proved_nearest else "a"
+    count = len(s.changes)
+    head = f"# {result.file}: {nearest} valid plan on the same {s.devices} devices ({count} field{'s' * (count != 1)} changed)"
+    return head + "\n" + s.yaml_patch()
+
+
+def _suggestion_dict(result) -> dict:
+    s = result.suggestion
+    if s is None:
+        return {"file": result.file, "found": False}
+    return {
+        "file": result.file,
+        "found": True,
+        "nearest": s.proved_nearest,
+        "changes": {c.field.dotted: c.display() for c in s.changes},
+        "patch": s.yaml_patch(),
+    }
+
+
+_CODE = re.compile(r"^[A-Za-z][0-9]{3}$")
+
+
+def _cmd_rules(args: argparse.Namespace) -> int:
+    from mixle_compile.verify.docs import rules_json, rules_markdown, rules_text
+
+    rule_set = None
+    if args.backend is not None:
+        from mixle_compile.contracts import available_training_backends, normalize_backend_name
+        from mixle_compile.verify.rule import rule_set_name
+
+        name = normalize_backend_name(args.backend)
+        if name not in available_training_backends():
+            known = ", ".join(available_training_backends())
+            print(f"mixle-compile rules: error: no backend named {args.backend!r}; registered backends: {known}", file=sys.stderr)
+            return EXIT_USAGE
+        rule_set = rule_set_name(name)
+    if args.format == "markdown":
+        if rule_set is not None:
+            print("mixle-compile rules: error: --format markdown documents every rule; drop --backend", file=sys.stderr)
+            return EXIT_USAGE
+        sys.stdout.write(rules_markdown())
+    elif args.format == "json":
+        sys.stdout.write(rules_json(rule_set))
+    else:
+        sys.stdout.write(rules_text(rule_set))
+    return EXIT_CLEAN
+
+
+def _cmd_explain(args: argparse.Namespace) -> int:
+    target = args.target.strip()
+    if not _CODE.match(target):
+        print(
+            f"mixle-compile explain: error: {target!r} is not a diagnostic code; give a code such as T002 "
+            "(run `mixle-compile rules` to list them; explaining spec and plan files is not supported yet)",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    from mixle_compile.verify.docs import explain_text
+
+    text = explain_text(target.upper())
+    if text is None:
+        print(f"mixle-compile explain: error: no diagnostic code {target.upper()}; run `mixle-compile rules` to list them", file=sys.stderr)
+        return EXIT_USAGE
+    sys.stdout.write(text)
+    return EXIT_CLEAN
 
 
 def _cmd_schema(args: argparse.Namespace) -> int:

@@ -1,0 +1,74 @@
+"""The static verifier: Z3 rules with minimal conflicts, fix suggestions and elastic proofs.
+
+Entry points (frozen data in, frozen data out):
+
+* :func:`verify_plan` - the rules a validated spec breaks, each with its minimal set of
+  conflicting fields, and the elastic proof when the spec has an elastic range;
+* :func:`suggest_fix` - the nearest valid plan on the same devices;
+* :data:`RULES` - the rule catalogue (what ``mixle-compile rules`` lists).
+
+Importing this package does not import z3; the solver is loaded when a plan is verified.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from mixle_compile.diagnostics import Severity
+from mixle_compile.verify.facts import PlanFacts, plan_facts
+from mixle_compile.verify.rule import ENGINES, RULES, Rule, rule_set_name, rules_for
+from mixle_compile.verify.rules import RULES as _CATALOGUE  # noqa: F401  (defines every rule)
+
+if TYPE_CHECKING:
+    from mixle_compile.spec.models import Spec
+    from mixle_compile.verify.elastic import ElasticProof
+    from mixle_compile.verify.engine import Finding, PlanVerifier
+    from mixle_compile.verify.suggest import Suggestion
+
+__all__ = [
+    "ENGINES",
+    "RULES",
+    "Rule",
+    "Verification",
+    "plan_facts",
+    "rule_set_name",
+    "rules_for",
+    "suggest_fix",
+    "verify_plan",
+]
+
+
+@dataclass(frozen=True)
+class Verification:
+    facts: PlanFacts
+    findings: tuple["Finding", ...]
+    elastic: "ElasticProof | None" = None
+
+    @property
+    def errors(self) -> int:
+        return sum(f.severity is Severity.error for f in self.findings)
+
+
+def verify_plan(spec: "Spec", verifier: "PlanVerifier | None" = None) -> Verification:
+    """Check a spec that passed its own checks against its backend's rule set."""
+    from mixle_compile.verify.engine import PlanVerifier
+
+    facts = plan_facts(spec)
+    findings = (verifier or PlanVerifier()).findings(facts)
+    proof = None
+    # The proof needs an elastic axis, and says something new only once the plan is valid at its own
+    # size under the rules the proof checks (the capability to restart, C005, is reported apart).
+    if facts.elastic is not None and facts.dp_shard_auto and not any(
+        f.severity is Severity.error and f.rule.elastic for f in findings
+    ):
+        from mixle_compile.verify.elastic import prove_elastic
+
+        proof = prove_elastic(facts)
+    return Verification(facts, findings, proof)
+
+
+def suggest_fix(spec: "Spec") -> "Suggestion | None":
+    from mixle_compile.verify.suggest import nearest_valid_plan
+
+    return nearest_valid_plan(plan_facts(spec))

@@ -1,0 +1,159 @@
+"""How much of the model's parameters one rank can hold, summarised for the memory rule.
+
+The parameter list itself comes from :mod:`mixle_compile.parameters` (the one place shapes are
+derived); this module only sorts it into the amounts the memory rule needs:
+
+* by **category**, which decides how the layouts split a parameter: ``tensor_parallel``
+  (column, row, embedding and head weights, divided by tp), ``replicated`` (norms, biases,
+  routers and anything else, held whole by every tensor-parallel rank) and ``expert`` (divided
+  by ep * etp);
+* by **place**, which decides which pipeline stage holds it: every transformer layer
+  (``every_layer``), only dense layers (``dense_layer``), only mixture-of-experts layers
+  (``moe_layer``), the first stage (embeddings), the last stage (final norm and output head), and
+  ``tied_copy``: a tied parameter counted a second time, which a single stage holds only once.
+
+Amounts are kept per dtype origin so that the rule can price them under any precision: elements
+stored in ``training.precision`` and elements whose parameter names its own dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from mixle_compile.parameters import DTYPE_BYTES, is_moe_layer, model_parameters
+from mixle_compile.spec.models import ModulesModel, Spec, TransformerModel
+
+CATEGORIES = ("tensor_parallel", "replicated", "expert")
+PLACES = ("every_layer", "dense_layer", "moe_layer", "first_stage", "last_stage", "tied_copy")
+
+_CATEGORY_OF_ROLE = {
+    "column": "tensor_parallel",
+    "row": "tensor_parallel",
+    "embedding": "tensor_parallel",
+    "head": "tensor_parallel",
+    "expert": "expert",
+}
+
+
+@dataclass(frozen=True)
+class Share:
+    """An amount of parameters: elements, split by where their dtype comes from."""
+
+    precision_elements: int = 0  # stored in training.precision
+    fixed_elements: int = 0  # stored in a dtype the parameter names itself
+    fixed_bytes: int = 0
+    fixed_low_precision_elements: int = 0  # fixed-dtype elements below fp32 (need an fp32 master copy)
+
+    def __add__(self, other: "Share") -> "Share":
+        return Share(
+            self.precision_elements + other.precision_elements,
+            self.fixed_elements + other.fixed_elements,
+            self.fixed_bytes + other.fixed_bytes,
+            self.fixed_low_precision_elements + other.fixed_low_precision_elements,
+        )
+
+    def at_least(self, other: "Share") -> "Share":
+        """Component-wise maximum (an upper bound of both)."""
+        return Share(*(max(a, b) for a, b in zip(self._tuple(), other._tuple())))
+
+    def at_most(self, other: "Share") -> "Share":
+        return Share(*(min(a, b) for a, b in zip(self._tuple(), other._tuple())))
+
+    def minus(self, other: "Share") -> "Share":
+        return Share(*(a - b for a, b in zip(self._tuple(), other._tuple())))
+
+    @property
+    def elements(self) -> int:
+        return self.precision_elements + self.fixed_elements
+
+    def _tuple(self) -> tuple[int, int, int, int]:
+        return (self.precision_elements, self.fixed_elements, self.fixed_bytes, self.fixed_low_precision_elements)
+
+
+ZERO = Share()
+
+
+@dataclass(frozen=True)
+class ParameterFootprint:
+    shares: Mapping[tuple[str, str], Share] = field(default_factory=dict)  # (place, category) -> amount
+    moe_layer_frequency: int = 1  # every k-th layer is a mixture-of-experts layer
+    hidden_size: int = 0  # transformers only (activation memory)
+    num_heads: int = 0
+
+    def share(self, place: str, category: str) -> Share:
+        return self.shares.get((place, category), ZERO)
+
+
+def _share_of(elements: int, dtype: str | None) -> Share:
+    if dtype is None:
+        return Share(precision_elements=elements)
+    return Share(
+        fixed_elements=elements,
+        fixed_bytes=elements * DTYPE_BYTES[dtype],
+        fixed_low_precision_elements=elements if dtype != "fp32" else 0,
+    )
+
+
+def parameter_footprint(spec: Spec) -> ParameterFootprint:
+    """Sort a neural spec's parameters into the (place, category) amounts above."""
+    model = spec.model
+    params = model_parameters(spec)
+    if isinstance(model, ModulesModel):
+        own_dtypes = [p.dtype for p in model.parameters]
+    else:
+        own_dtypes = [None] * len(params)
+
+    per_layer: dict[int, dict[str, Share]] = {}
+    shares: dict[tuple[str, str], Share] = {}
+    seen_groups: set[str] = set()
+
+    def add(place: str, category: str, amount: Share) -> None:
+        shares[(place, category)] = shares.get((place, category), ZERO) + amount
+
+    for p, own in zip(params, own_dtypes):
+        category = _CATEGORY_OF_ROLE.get(p.role, "replicated")
+        amount = _share_of(p.numel, own)
+        if p.layer is not None:
+            layer = per_layer.setdefault(p.layer, {})
+            layer[category] = layer.get(category, ZERO) + amount
+            continue
+        place = "first_stage" if p.role == "embedding" else "last_stage"
+        add(place, category, amount)
+        if p.shared_group is not None:
+            if p.shared_group in seen_groups:
+                add("tied_copy", category, amount)
+            seen_groups.add(p.shared_group)
+
+    if isinstance(model, TransformerModel):
+        moe = {i for i in per_layer if is_moe_layer(model, i)}
+        dense = set(per_layer) - moe
+        # What every layer holds (attention, norms) and what only dense or only MoE layers add.
+        for category in CATEGORIES:
+            amounts = [per_layer[i].get(category, ZERO) for i in sorted(per_layer)]
+            common = amounts[0] if amounts else ZERO
+            for a in amounts[1:]:
+                common = common.at_most(a)
+            add("every_layer", category, common)
+            for place, layers in (("dense_layer", dense), ("moe_layer", moe)):
+                extra = ZERO
+                for i in layers:
+                    extra = extra.at_least(per_layer[i].get(category, ZERO).minus(common))
+                if extra != ZERO:
+                    add(place, category, extra)
+        return ParameterFootprint(
+            MappingProxyType({k: v for k, v in shares.items() if v != ZERO}),
+            moe_layer_frequency=model.moe_layer_frequency if model.num_experts > 0 else 1,
+            hidden_size=model.hidden_size,
+            num_heads=model.num_heads,
+        )
+
+    # A listed model: layers may differ, so a stage is bounded by its heaviest layer.
+    for category in CATEGORIES:
+        heaviest = ZERO
+        for layer in per_layer.values():
+            heaviest = heaviest.at_least(layer.get(category, ZERO))
+        if heaviest != ZERO:
+            add("every_layer", category, heaviest)
+    return ParameterFootprint(MappingProxyType({k: v for k, v in shares.items() if v != ZERO}))

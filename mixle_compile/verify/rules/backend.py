@@ -1,0 +1,153 @@
+"""Backend capabilities (C0xx): what the chosen backend declares it can execute.
+
+The capabilities are the backend's :class:`~mixle_compile.contracts.BackendCapabilities` (for
+`torch` and `megatron`, `contracts.BUILTIN_CAPABILITIES`; for a plugin, what it registers), so
+these rules follow whatever a backend declares rather than a list kept here.
+"""
+
+from __future__ import annotations
+
+from mixle_compile.contracts import ParallelAxis
+from mixle_compile.verify.facts import PRECISIONS
+from mixle_compile.verify.logic import all_of, implies, negation, truth
+from mixle_compile.verify.rule import EVERY_FAMILY, Rule, define
+from mixle_compile.verify.wording import alternatives
+
+_AXES = tuple(a.value for a in ParallelAxis)
+
+
+def _degree(v, axis: str):
+    return getattr(v, axis)
+
+
+def _unexecuted(x) -> list[str]:
+    caps = x.facts.capabilities
+    return [f"{a}={getattr(x, a)}" for a in _AXES if ParallelAxis(a) not in caps.axes and getattr(x, a) > 1]
+
+
+AXES = define(
+    Rule(
+        code="C001",
+        name="backend-axes",
+        title="Every active parallel axis is one the backend executes.",
+        docs=(
+            "An axis is active when its degree is above 1. A backend declares the axes it executes "
+            "(`BackendCapabilities.axes`); the plan may not ask it for others. torch and megatron execute "
+            "every axis; a plugin backend may declare fewer."
+        ),
+        engine_reference="the backend's declared `BackendCapabilities.axes`",
+        constraint=lambda v: all_of(
+            *[_degree(v, a) == 1 for a in _AXES if ParallelAxis(a) not in v.facts.capabilities.axes]
+        ),
+        explain=lambda x: f"backend {x.facts.backend} does not execute the active axes {', '.join(_unexecuted(x))}",
+        hint=lambda x: "set those degrees to 1, or choose a backend that executes them",
+        fields=("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep", "etp"),
+        context=("backend",),
+        families=EVERY_FAMILY,
+    )
+)
+
+
+def _supported(caps) -> list[str]:
+    return [p for p in PRECISIONS if p in caps.precisions]
+
+
+PRECISION = define(
+    Rule(
+        code="C002",
+        name="backend-precision",
+        title="training.precision is one the backend supports.",
+        docs=(
+            "A backend declares the precisions it trains in (`BackendCapabilities.precisions`). The torch "
+            "runtime trains in fp32 and bf16; Megatron-Core also in fp16 (with loss scaling) and fp8 "
+            "(with Transformer Engine)."
+        ),
+        engine_reference="the backend's declared `BackendCapabilities.precisions`",
+        constraint=lambda v: v.is_("precision", *_supported(v.facts.capabilities)),
+        explain=lambda x: (
+            f"backend {x.facts.backend} trains in {alternatives(_supported(x.facts.capabilities)).replace(' or ', ' and ')}, not {x.precision}"
+        ),
+        hint=lambda x: f"use precision: {'bf16' if 'bf16' in _supported(x.facts.capabilities) else _supported(x.facts.capabilities)[0]}",
+        fields=("precision",),
+        context=("backend",),
+        families=EVERY_FAMILY,
+    )
+)
+
+
+def _clashes(x) -> list[str]:
+    out = []
+    for axes in x.facts.capabilities.incompatible_axis_sets:
+        if all(getattr(x, a.value) > 1 for a in axes):
+            out.append("{" + ", ".join(sorted(a.value for a in axes)) + "}")
+    return out
+
+
+AXIS_COMBINATION = define(
+    Rule(
+        code="C003",
+        name="backend-axis-combination",
+        title="No set of axes the backend cannot combine is active together.",
+        docs=(
+            "A backend may run each of several axes alone but not all of them at once "
+            "(`BackendCapabilities.incompatible_axis_sets`). The plan may not make every axis of such a "
+            "set active."
+        ),
+        engine_reference="the backend's declared `BackendCapabilities.incompatible_axis_sets`",
+        constraint=lambda v: all_of(
+            *[negation(all_of(*[_degree(v, a.value) > 1 for a in axes])) for axes in v.facts.capabilities.incompatible_axis_sets]
+        ),
+        explain=lambda x: f"backend {x.facts.backend} cannot run the axes {' and '.join(_clashes(x))} together",
+        hint=lambda x: "set one axis of each listed set to 1",
+        fields=("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep", "etp"),
+        context=("backend",),
+        families=EVERY_FAMILY,
+    )
+)
+
+DISTRIBUTED_OPTIMIZER = define(
+    Rule(
+        code="C004",
+        name="backend-distributed-optimizer",
+        title="distributed_optimizer only where the backend supports it.",
+        docs="A sharded (distributed) optimizer needs `BackendCapabilities.distributed_optimizer`.",
+        engine_reference="the backend's declared `BackendCapabilities.distributed_optimizer`",
+        constraint=lambda v: implies(v.distributed_optimizer, truth(v.facts.capabilities.distributed_optimizer)),
+        explain=lambda x: f"backend {x.facts.backend} has no distributed optimizer",
+        hint=lambda x: "set training.distributed_optimizer: false",
+        fields=("distributed_optimizer",),
+        context=("backend",),
+        families=EVERY_FAMILY,
+    )
+)
+
+
+def _elastic_missing(caps) -> list[str]:
+    return [name for name in ("elastic_restart", "reshardable_checkpoint") if not getattr(caps, name)]
+
+
+ELASTIC = define(
+    Rule(
+        code="C005",
+        name="backend-elastic",
+        title="An elastic range needs a backend with elastic restart and reshardable checkpoints.",
+        docs=(
+            "Running at a new world size means restarting the workers and loading the last checkpoint under a "
+            "different layout, so an `elastic:` section needs `BackendCapabilities.elastic_restart` and "
+            "`reshardable_checkpoint`. The built-in torch and megatron backends declare no elastic restart "
+            "today, so on them this rule reports every elastic spec; the elastic proof (D003) still runs."
+        ),
+        engine_reference="the backend's declared `BackendCapabilities.elastic_restart` and `reshardable_checkpoint`",
+        constraint=lambda v: implies(
+            v.elastic,
+            truth(v.facts.capabilities.elastic_restart and v.facts.capabilities.reshardable_checkpoint),
+        ),
+        explain=lambda x: f"backend {x.facts.backend} declares no {' and no '.join(_elastic_missing(x.facts.capabilities)).replace('_', ' ')}",
+        hint=lambda x: "remove the elastic section, or use a backend that restarts at a new world size",
+        fields=("elastic",),
+        context=("backend",),
+        families=EVERY_FAMILY,
+        needs=("elastic_min_world_size",),
+        elastic=False,
+    )
+)

@@ -1,0 +1,150 @@
+"""Expert parallelism (E0xx): how mixture-of-experts layers spread over the ranks.
+
+The engines disagree here, which is why torch and megatron have rule sets of their own. torch
+(torchtitan's layout) carves the expert groups out of the data x context (x tensor) ranks and so
+needs `etp` to be 1 or `tp`; Megatron-Core builds a separate expert grid of
+`etp x ep x expert-data-parallel x pp` ranks over the whole world.
+"""
+
+from __future__ import annotations
+
+from mixle_compile.verify.facts import NEURAL
+from mixle_compile.verify.logic import all_of, any_of, implies
+from mixle_compile.verify.rule import EVERY_FAMILY, Rule, define
+from mixle_compile.verify.wording import alternatives, divisors
+
+EXPERT_TENSOR_PARALLEL = define(
+    Rule(
+        code="E001",
+        name="expert-tensor-parallel-size",
+        title="etp is 1 or equal to tp.",
+        docs=(
+            "In torch's layout an expert's weights are either whole on each expert rank (`etp: 1`) or split "
+            "exactly like the dense layers (`etp` equal to `tp`), because the expert groups are cut from the "
+            "same ranks as the tensor-parallel groups. Any other value (e.g. `etp: 3` with `tp: 2`) has no "
+            "process group to run on."
+        ),
+        engine_reference="torchtitan `ParallelDims._validate`: etp must be 1 or equal to tp",
+        constraint=lambda v: any_of(v.etp == 1, v.etp == v.tp),
+        explain=lambda x: f"etp={x.etp} is neither 1 nor tp={x.tp}",
+        hint=lambda x: f"use etp: 1 (experts split only over ep) or etp: {x.tp} (experts split like the dense layers)",
+        fields=("etp", "tp"),
+        engines=frozenset({"torch"}),
+    )
+)
+
+
+def _domain_explain(x) -> str:
+    if x.etp == x.tp:
+        size = x.dp_shard * x.cp
+        return f"with etp = tp = {x.tp}, experts spread over dp_shard*cp = {x.dp_shard}*{x.cp} = {size} ranks, and {size} % ep={x.ep} != 0"
+    size = x.dp_shard * x.cp * x.tp
+    return f"with etp = 1, experts spread over dp_shard*cp*tp = {x.dp_shard}*{x.cp}*{x.tp} = {size} ranks, and {size} % ep={x.ep} != 0"
+
+
+def _domain_hint(x) -> str:
+    size = x.dp_shard * x.cp * (x.tp if x.etp != x.tp else 1)
+    return f"use an ep that divides {size}: {alternatives(divisors(size))}"
+
+
+EXPERT_PARALLEL_DOMAIN = define(
+    Rule(
+        code="E002",
+        name="expert-parallel-domain",
+        title="ep divides the ranks the experts are spread over.",
+        docs=(
+            "torch spreads the experts over the data-parallel shard and context-parallel ranks, and also over "
+            "the tensor-parallel ranks when each expert is whole (`etp: 1`). So with `etp` equal to `tp`, "
+            "`(dp_shard * cp) % ep == 0`; with `etp: 1`, `(dp_shard * cp * tp) % ep == 0`. This is not the "
+            "data-parallel size: `tp: 8, ep: 8` on 8 devices is valid with `etp: 1`."
+        ),
+        engine_reference="torchtitan `ParallelDims._validate` (ep divides dp_shard*cp, or dp_shard*cp*tp when etp == 1)",
+        constraint=lambda v: all_of(
+            implies(v.etp == v.tp, (v.dp_shard * v.cp) % v.ep == 0),
+            implies(v.etp == 1, (v.dp_shard * v.cp * v.tp) % v.ep == 0),
+        ),
+        explain=_domain_explain,
+        hint=_domain_hint,
+        fields=("ep", "dp_shard", "cp", "tp", "etp"),
+        engines=frozenset({"torch"}),
+    )
+)
+
+EXPERT_GRID = define(
+    Rule(
+        code="E003",
+        name="expert-grid",
+        title="The world size is a multiple of etp * ep * pp.",
+        docs=(
+            "Megatron-Core lays the expert layers out on their own grid of "
+            "`etp x ep x expert-data-parallel x pp` ranks covering the whole world, so the number of devices "
+            "must be a multiple of `etp * ep * pp`. Unlike torch's layout, `etp` may differ from `tp` and `ep` "
+            "may span tensor-parallel ranks."
+        ),
+        engine_reference=(
+            "Megatron-Core `parallel_state.initialize_model_parallel`: world size must be divisible by "
+            "expert_tensor_parallel_size * expert_model_parallel_size * pipeline_model_parallel_size"
+        ),
+        constraint=lambda v: v.devices % (v.etp * v.ep * v.pp) == 0,
+        explain=lambda x: (
+            f"{x.devices} devices is not a multiple of etp*ep*pp = {x.etp}*{x.ep}*{x.pp} = {x.etp * x.ep * x.pp}"
+        ),
+        hint=lambda x: f"choose etp*ep*pp dividing {x.devices}",
+        fields=("ep", "etp", "pp", "devices"),
+        engines=frozenset({"megatron"}),
+    )
+)
+
+EXPERTS_SPLIT = define(
+    Rule(
+        code="E004",
+        name="experts-split-by-ep",
+        title="ep divides the number of experts.",
+        docs="Each expert-parallel rank holds `num_experts / ep` whole experts, so `num_experts % ep == 0`.",
+        engine_reference="Megatron-LM `validate_args`: num_experts must be a multiple of expert_model_parallel_size; torchtitan's expert sharding",
+        constraint=lambda v: implies(v.num_experts > 0, v.num_experts % v.ep == 0),
+        explain=lambda x: f"{x.num_experts} experts cannot be split evenly over ep={x.ep} ranks ({x.num_experts} % {x.ep} != 0)",
+        hint=lambda x: f"use an ep that divides {x.num_experts}: {alternatives(divisors(x.num_experts))}",
+        fields=("ep", "num_experts"),
+    )
+)
+
+EXPERT_PARALLEL_NEEDS_EXPERTS = define(
+    Rule(
+        code="E005",
+        name="expert-parallel-needs-experts",
+        title="ep > 1 needs a model with experts.",
+        docs=(
+            "Expert parallelism splits mixture-of-experts layers; a dense model (or a distribution model) has "
+            "nothing for it to split, and the ranks it names would sit idle or duplicate work."
+        ),
+        engine_reference="Megatron-LM `validate_args`: num_experts must be set to use expert model parallelism",
+        constraint=lambda v: implies(v.ep > 1, v.num_experts > 0),
+        explain=lambda x: f"ep={x.ep} but the model has no experts",
+        hint=lambda x: "use ep: 1, or give the model experts (`num_experts`)",
+        fields=("ep", "num_experts"),
+        families=EVERY_FAMILY,
+    )
+)
+
+MOE_NEEDS_SEQUENCE_PARALLEL = define(
+    Rule(
+        code="E006",
+        name="moe-tensor-parallel-needs-sequence-parallel",
+        title="Megatron: ep > 1 with tp > 1 needs sequence_parallel.",
+        docs=(
+            "Megatron-Core's token dispatcher expects the sequence-parallel activation layout when experts and "
+            "tensor parallelism are combined, and refuses the configuration otherwise."
+        ),
+        engine_reference=(
+            "Megatron-Core `ModelParallelConfig.__post_init__`: \"When using expert parallelism and tensor "
+            "parallelism, sequence parallelism must be used\""
+        ),
+        constraint=lambda v: implies(all_of(v.ep > 1, v.tp > 1), v.sequence_parallel),
+        explain=lambda x: f"ep={x.ep} and tp={x.tp} run without sequence parallelism",
+        hint=lambda x: "set training.sequence_parallel: true",
+        fields=("sequence_parallel", "ep", "tp"),
+        engines=frozenset({"megatron"}),
+        families=NEURAL,
+    )
+)

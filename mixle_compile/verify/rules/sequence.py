@@ -1,0 +1,66 @@
+"""Sequence splitting (Q0xx): context parallelism and sequence parallelism."""
+
+from __future__ import annotations
+
+from mixle_compile.verify.logic import implies
+from mixle_compile.verify.rule import Rule, define
+
+CONTEXT_PARALLEL = define(
+    Rule(
+        code="Q001",
+        name="context-parallel-seq-len",
+        title="cp > 1 needs seq_len divisible by 2 * cp.",
+        docs=(
+            "Context parallelism splits each sequence over `cp` ranks. For causal attention the sequence is "
+            "cut into `2 * cp` chunks and each rank takes one early and one late chunk so that all ranks do "
+            "equal work (load balancing), so `seq_len % (2 * cp) == 0`."
+        ),
+        engine_reference=(
+            "Megatron-LM `validate_args`: seq_length must be divisible by 2 * context_parallel_size; "
+            "torch `context_parallel` round-robin load balancing"
+        ),
+        constraint=lambda v: implies(v.cp > 1, v.seq_len % (2 * v.cp) == 0),
+        explain=lambda x: f"seq_len={x.seq_len} cannot be cut into 2*cp = {2 * x.cp} equal chunks ({x.seq_len} % {2 * x.cp} != 0)",
+        hint=lambda x: f"use a seq_len that is a multiple of {2 * x.cp}, or a cp whose double divides {x.seq_len}",
+        fields=("cp", "seq_len"),
+        needs=("seq_len",),
+    )
+)
+
+SEQUENCE_PARALLEL_NEEDS_TP = define(
+    Rule(
+        code="Q002",
+        name="sequence-parallel-needs-tp",
+        title="sequence_parallel needs tp > 1.",
+        docs=(
+            "Sequence parallelism splits the activations outside attention and the MLP (norms, dropout) over "
+            "the tensor-parallel ranks; with `tp: 1` there are no such ranks."
+        ),
+        engine_reference="Megatron-LM `validate_args` (sequence parallelism is disabled/refused when tp == 1)",
+        constraint=lambda v: implies(v.sequence_parallel, v.tp > 1),
+        explain=lambda x: "sequence_parallel is on with tp=1",
+        hint=lambda x: "set training.sequence_parallel: false, or use tp > 1",
+        fields=("sequence_parallel", "tp"),
+    )
+)
+
+SEQUENCE_PARALLEL_SPLIT = define(
+    Rule(
+        code="Q003",
+        name="sequence-parallel-seq-len",
+        title="sequence_parallel needs seq_len divisible by tp * cp.",
+        docs=(
+            "With sequence parallelism each tensor-parallel rank holds `1/tp` of its context-parallel rank's "
+            "`seq_len / cp` tokens, so `seq_len % (tp * cp) == 0` (with `cp: 1`, `seq_len % tp == 0`)."
+        ),
+        engine_reference="Megatron-Core sequence-parallel scatter (`tensor_shape[0] // tp` after `// cp`); torch `SequenceParallel` style",
+        constraint=lambda v: implies(v.sequence_parallel, v.seq_len % (v.tp * v.cp) == 0),
+        explain=lambda x: (
+            f"seq_len={x.seq_len} cannot be split over tp*cp = {x.tp}*{x.cp} = {x.tp * x.cp} ranks "
+            f"({x.seq_len} % {x.tp * x.cp} != 0)"
+        ),
+        hint=lambda x: f"use a seq_len that is a multiple of {x.tp * x.cp}, or turn sequence_parallel off",
+        fields=("sequence_parallel", "seq_len", "tp", "cp"),
+        needs=("seq_len",),
+    )
+)

@@ -1,0 +1,191 @@
+"""The nearest valid plan on the same devices: fewest fields changed, then the smallest change.
+
+Only the settings of *how* to train may change: the mesh degrees (``dp_shard`` only when it is
+not ``auto``), micro-batching, virtual stages, the schedule, activation checkpointing, sequence
+parallelism, the distributed optimizer and the precision. The model, the devices, the backend,
+the global batch size and the sequence length are what the user asked for and stay fixed.
+
+Each changeable integer ranges over the values it can take in a valid plan (degrees divide the
+device count, micro-batch settings divide the global batch, virtual stages divide the layers), and
+the objective is lexicographic: the number of changed fields, then the sum of absolute changes
+(a changed flag or choice counts 1). ``z3.Optimize`` does not terminate on these nonlinear
+constraints, so the solver is asked directly: for k = 0, 1, 2, ... whether a valid plan changes at
+most k fields (the first *sat* gives the fewest, every *unsat* before it proves there is no nearer
+count), then bisection on the total change among plans with exactly k changes. A search that may
+change only a few fields is small, which is why counting up is fast; plans needing more than
+MAX_CHANGES changes are not offered as fixes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import z3
+
+from mixle_compile.diagnostics import Severity
+from mixle_compile.verify.facts import ENUMS, Field, PlanFacts
+from mixle_compile.verify.rule import rules_for
+from mixle_compile.verify.symbols import Symbols
+from mixle_compile.verify.wording import divisors
+
+CHANGEABLE = (
+    "dp_replicate",
+    "dp_shard",
+    "tp",
+    "pp",
+    "cp",
+    "ep",
+    "etp",
+    "microbatches",
+    "gradient_accumulation_steps",
+    "micro_batch_size",
+    "virtual_pipeline_stages",
+    "pipeline_schedule",
+    "activation_checkpointing",
+    "sequence_parallel",
+    "distributed_optimizer",
+    "precision",
+)
+_DEGREES = {"dp_replicate", "dp_shard", "tp", "pp", "cp", "ep", "etp"}
+_BATCH = {"microbatches", "gradient_accumulation_steps", "micro_batch_size"}
+SEARCH_RESOURCE_LIMIT = 20_000_000  # per solver call: bounds the time of a hopeless search
+MAX_CHANGES = 4  # a plan needing more changes than this is a different plan, not a fix
+
+
+@dataclass(frozen=True)
+class Change:
+    field: Field
+    value: int | bool
+
+    def display(self) -> str:
+        if self.field.kind == "bool":
+            return "true" if self.value else "false"
+        if self.field.kind in ENUMS:
+            return ENUMS[self.field.kind][int(self.value)]
+        return str(self.value)
+
+
+@dataclass(frozen=True)
+class Suggestion:
+    changes: tuple[Change, ...]
+    devices: int
+    proved_nearest: bool  # every step of the search was decided, so nothing nearer exists
+    dp_shard_auto_value: int | None = None  # what `dp_shard: auto` resolves to afterwards
+
+    def yaml_patch(self) -> str:
+        """The changes as YAML to merge into the spec, each with the value it replaces."""
+        lines: list[str] = []
+        section = None
+        for change in self.changes:
+            head, *rest = change.field.path
+            if head != section:
+                lines.append(f"{head}:")
+                section = head
+            key = ".".join(str(p) for p in rest)
+            lines.append(f"  {key}: {change.display()}  # was {change.field.display()}")
+        if self.dp_shard_auto_value is not None:
+            lines.append(f"# mesh.dp_shard: auto now resolves to {self.dp_shard_auto_value}")
+        return "\n".join(lines) + "\n"
+
+
+def _domain(symbol: str, facts: PlanFacts) -> list[int]:
+    """The values an integer setting can take in a valid plan on these devices."""
+    if symbol in _DEGREES:
+        values = divisors(facts.value("devices"))
+    elif symbol in _BATCH:
+        values = divisors(facts.value("global_batch_size"))
+    else:  # virtual_pipeline_stages: a divisor of the layers (a distribution model has none)
+        layers = next((facts.value(s) for s in ("num_layers", "layers") if facts.has(s)), 1)
+        values = divisors(max(1, layers))
+    return sorted(set(values) | {facts.value(symbol)})
+
+
+def nearest_valid_plan(facts: PlanFacts) -> Suggestion | None:
+    """The nearest plan that breaks no error rule, or None when no plan within MAX_CHANGES changes exists."""
+    # Rules about the elastic section (D002, D004, C005) are fixed there, not by the plan's settings.
+    rules = [
+        r
+        for r in rules_for(facts)
+        if r.constraint is not None and r.severity is Severity.error and "elastic_min_world_size" not in r.needs
+    ]
+    symbols = Symbols(facts)
+    solver = z3.Solver()
+    solver.set("rlimit", SEARCH_RESOURCE_LIMIT)
+    solver.add(*symbols.domain)
+    changeable = [f for f in facts.fields if f.symbol in CHANGEABLE]
+    free = {f.symbol for f in changeable}
+    solver.add(*[symbols.pin(f.symbol, f.value) for f in facts.fields if f.symbol not in free])
+    changed_terms, distance_terms = [], []
+    for f in changeable:
+        var = symbols.variables[f.symbol]
+        if f.kind == "bool":
+            differs = var != z3.BoolVal(bool(f.value))
+            distance_terms.append(z3.If(differs, 1, 0))
+        else:
+            if f.kind not in ENUMS:
+                solver.add(z3.Or(*[var == v for v in _domain(f.symbol, facts)]))
+            differs = var != int(f.value)
+            distance_terms.append(
+                z3.If(differs, 1, 0) if f.kind in ENUMS else z3.If(var >= f.value, var - f.value, f.value - var)
+            )
+        changed_terms.append(z3.If(differs, 1, 0))
+    for r in rules:
+        solver.add(r.constraint(symbols))
+    changed, distance = z3.Sum(*changed_terms), z3.Sum(*distance_terms)
+
+    # Fewest changes first, counting up: a search that may change only k fields is small, while a
+    # search over every field at once is the hardest question of all (and usually not needed).
+    decided = True
+    model = None
+    for k in range(min(MAX_CHANGES, len(changeable)) + 1):
+        solver.push()
+        solver.add(changed <= k)
+        result = solver.check()
+        if result == z3.sat:
+            model = solver.model()
+        solver.pop()
+        if result == z3.sat:
+            solver.add(changed == k)
+            break
+        if result != z3.unsat:
+            decided = False
+    if model is None:
+        return None
+    best, model, settled = _minimise(solver, distance, model)
+    decided = decided and settled
+
+    changes = []
+    for f in changeable:
+        value = model.eval(symbols.variables[f.symbol], model_completion=True)
+        new = z3.is_true(value) if f.kind == "bool" else value.as_long()
+        if new != f.value:
+            changes.append(Change(f, new))
+    auto_value = None
+    if facts.dp_shard_auto:
+        auto_value = model.eval(symbols.dp_shard, model_completion=True).as_long()
+        before = facts.value("devices") // (
+            facts.value("dp_replicate") * facts.value("tp") * facts.value("pp") * facts.value("cp")
+        )
+        auto_value = auto_value if auto_value != before else None
+    return Suggestion(tuple(changes), facts.value("devices"), decided, auto_value)
+
+
+def _minimise(solver: z3.Solver, objective: Any, model: Any) -> tuple[int, Any, bool]:
+    """Bisection for the least value of ``objective``: (value, a model at it, whether decided)."""
+    high = model.eval(objective, model_completion=True).as_long()
+    low = -1  # no model at or below `low`
+    while high - low > 1:
+        middle = (low + high) // 2
+        solver.push()
+        solver.add(objective <= middle)
+        result = solver.check()
+        if result == z3.sat:
+            model = solver.model()
+            high = model.eval(objective, model_completion=True).as_long()
+        solver.pop()
+        if result == z3.unsat:
+            low = middle
+        elif result != z3.sat:
+            return high, model, False
+    return high, model, True

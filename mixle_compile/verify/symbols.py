@@ -1,0 +1,92 @@
+"""The spec's symbolic variables: one Z3 variable per :class:`~mixle_compile.verify.facts.Field`.
+
+Rules read attributes (``v.tp``, ``v.num_kv_heads``, ``v.data_parallel``) and build constraints
+with Python operators and :mod:`mixle_compile.verify.logic`. Nothing here fixes a value: values
+enter as *pins* (``var == value``), so the same variables serve three questions:
+
+* is this plan valid? (every field pinned),
+* which fields conflict? (an unsat core over the pins),
+* what is the nearest valid plan, or the smallest failing world size? (some fields left free).
+
+Quantities the spec derives are terms, not variables, so a conflict through them is blamed on
+the fields they come from: ``dp_shard: auto`` is ``devices / (dp_replicate * tp * pp * cp)``, an
+omitted ``num_kv_heads`` is ``num_heads``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import z3
+
+from mixle_compile.verify.facts import ENUMS, PlanFacts
+
+# Optional model fields and what they default to in the spec.
+_DEFAULTS = {"num_kv_heads": "num_heads", "moe_ffn_hidden_size": "ffn_hidden_size"}
+_COUNTS = {"num_experts"}  # may be 0; every other integer is >= 1
+
+
+class Symbols:
+    """Z3 terms for one spec's values and the quantities derived from them."""
+
+    def __init__(self, facts: PlanFacts, *, elastic_world: bool = False):
+        self.facts = facts
+        self.variables: dict[str, Any] = {}
+        self.domain: list[Any] = []  # what every value satisfies whatever the pins say
+        for f in facts.fields:
+            if f.kind == "bool":
+                var = z3.Bool(f.symbol)
+            else:
+                var = z3.Int(f.symbol)
+                low = 0 if f.symbol in _COUNTS or f.kind in ENUMS else 1
+                self.domain.append(var >= low)
+                if f.kind in ENUMS:
+                    self.domain.append(var < len(ENUMS[f.kind]))
+            self.variables[f.symbol] = var
+            if f.symbol.isidentifier():
+                setattr(self, f.symbol, var)
+
+        # dp_shard: auto takes the ranks left over; the quotient is kept >= 1 so that no term
+        # ever divides by zero (a world too small for the other degrees fails the world rule).
+        others = self.dp_replicate * self.tp * self.pp * self.cp
+        quotient = self.devices / others
+        auto_value = z3.If(quotient >= 1, quotient, 1)
+        if facts.dp_shard_auto:
+            unpinned = z3.Int("mesh.dp_shard")
+            self.domain.append(unpinned >= 1)
+            self.dp_shard = z3.If(self.dp_shard_auto, auto_value, unpinned)
+        self.data_parallel = self.dp_replicate * self.dp_shard
+        self.world = self.data_parallel * self.tp * self.pp * self.cp
+
+        # Under an elastic proof the global batch is held and the accumulation steps follow the
+        # data-parallel size (what elastic launchers do); otherwise they are the spec's.
+        if elastic_world:
+            steps = self.global_batch_size / (self.micro_batch_size * self.microbatches * self.data_parallel)
+            self.gradient_accumulation_steps = z3.If(steps >= 1, steps, 1)
+
+        for name, default in _DEFAULTS.items():
+            if name not in self.variables and default in self.variables:
+                setattr(self, name, self.variables[default])
+        if facts.family == "transformer":
+            self.layers = self.num_layers
+        if "num_experts" not in self.variables:
+            self.num_experts = z3.IntVal(0)
+        self.split_dimensions = tuple((d, self.variables[d.symbol]) for d in facts.split_dimensions)
+
+    # -- enumerations --------------------------------------------------------------------------
+
+    def is_(self, enum: str, *choices: str) -> Any:
+        """``v.is_("pipeline_schedule", "1f1b", "interleaved_1f1b")``: the field is one of these."""
+        values = ENUMS[enum]
+        var = self.variables[enum]
+        return z3.Or(*[var == values.index(c) for c in choices]) if choices else z3.BoolVal(False)
+
+    # -- pins ------------------------------------------------------------------------------------
+
+    def pin(self, symbol: str, value: Any = None) -> Any:
+        """The constraint fixing one field to its value (the spec's unless given)."""
+        var = self.variables[symbol]
+        value = self.facts.value(symbol) if value is None else value
+        if z3.is_bool(var):
+            return var == z3.BoolVal(bool(value))
+        return var == int(value)

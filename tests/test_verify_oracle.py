@@ -1,0 +1,656 @@
+"""The verifier against a plain-Python oracle of the same rules.
+
+The oracle (first half) is written from docs/rules.md, not from the encoding: it reads the pydantic
+spec directly (not the verifier's facts) and evaluates every rule with ordinary integer and
+fraction arithmetic. The tests (second half) compare the verifier's verdicts with it exhaustively
+over every mesh of up to 64 devices, and its elastic proofs and suggestions with brute force.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections import Counter
+from fractions import Fraction
+from functools import lru_cache
+from math import ceil
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mixle_compile.contracts import (
+    BUILTIN_CAPABILITIES,
+    BackendCapabilities,
+    ParallelAxis,
+    get_training_backend,
+    normalize_backend_name,
+)
+from mixle_compile.parameters import DTYPE_BYTES, is_moe_layer, model_parameters
+from mixle_compile.spec import load_spec, load_spec_text
+from mixle_compile.spec.load import consistency_diagnostics
+from mixle_compile.spec.models import ModulesModel, Spec, TransformerModel
+from mixle_compile.spec.source import SourceDocument
+from mixle_compile.verify import RULES, plan_facts, suggest_fix
+from mixle_compile.verify.elastic import prove_elastic
+from mixle_compile.verify.engine import PlanVerifier
+from tests.conftest import EXAMPLES
+
+NEURAL = ("transformer", "modules")
+CATEGORY = {"column": "tp", "row": "tp", "embedding": "tp", "head": "tp", "expert": "expert"}
+
+
+def family_of(spec: Spec) -> str:
+    return spec.model.family
+
+
+def dp_shard_of(spec: Spec, devices: int | None = None) -> int:
+    m = spec.mesh
+    if m.dp_shard != "auto":
+        return m.dp_shard
+    devices = spec.resources.device_count if devices is None else devices
+    return max(1, devices // (m.dp_replicate * m.tp * m.pp * m.cp))
+
+
+def capabilities_of(spec: Spec):
+    name = normalize_backend_name(spec.backend)
+    return BUILTIN_CAPABILITIES.get(name) or get_training_backend(name).capabilities
+
+
+def layer_count(spec: Spec) -> int:
+    model = spec.model
+    if isinstance(model, TransformerModel):
+        return model.num_layers
+    if isinstance(model, ModulesModel):
+        return len({p.layer for p in model.parameters if p.layer is not None})
+    return 0
+
+
+def expert_count(spec: Spec) -> int:
+    model = spec.model
+    if isinstance(model, TransformerModel):
+        return model.num_experts
+    if isinstance(model, ModulesModel):
+        experts = [p for p in model.parameters if p.role == "expert"]
+        return experts[0].shape[0] if experts else 0
+    return 0
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def _amounts(params, own_dtypes) -> dict:
+    """category -> [elements in training.precision, elements with their own dtype, their bytes,
+    those of them below fp32] of a group of parameters."""
+    out = {c: [0, 0, 0, 0] for c in ("tp", "replicated", "expert")}
+    for p, own in zip(params, own_dtypes):
+        amount = out[CATEGORY.get(p.role, "replicated")]
+        if own is None:
+            amount[0] += p.numel
+        else:
+            amount[1] += p.numel
+            amount[2] += p.numel * DTYPE_BYTES[own]
+            amount[3] += p.numel if own != "fp32" else 0
+    return out
+
+
+def memory_bytes(spec: Spec, devices: int | None = None) -> Fraction:
+    """The heaviest rank's bytes under the documented estimate (docs/rules.md, R001)."""
+    m, t = spec.mesh, spec.training
+    model = spec.model
+    params = model_parameters(spec)
+    own_dtypes = [p.dtype for p in model.parameters] if isinstance(model, ModulesModel) else [None] * len(params)
+    dps = dp_shard_of(spec, devices)
+    tp, pp, cp, ep, etp = m.tp, m.pp, m.cp, m.ep, m.etp
+    v = t.virtual_pipeline_stages if pp > 1 else 1
+    layers = layer_count(spec)
+    c = ceil(layers / (pp * v)) if layers else 0
+
+    # Which amount each kind of layer holds, per category, as three numbers; combined component-wise.
+    by_layer: dict[int, list] = {}
+    for p, own in zip(params, own_dtypes):
+        if p.layer is not None:
+            by_layer.setdefault(p.layer, []).append((p, own))
+
+    def amounts_of(layer) -> dict:
+        group = by_layer[layer]
+        return _amounts([g[0] for g in group], [g[1] for g in group])
+
+    def combine(a: dict, b: dict, pick) -> dict:
+        return {k: [pick(x, y) for x, y in zip(a[k], b[k])] for k in a}
+
+    zero = {k: [0, 0, 0, 0] for k in ("tp", "replicated", "expert")}
+    held = []  # (count, amounts)
+    if isinstance(model, TransformerModel):
+        k = model.moe_layer_frequency if model.num_experts > 0 else 1
+        kinds = {}
+        for layer in sorted(by_layer):
+            kinds.setdefault(is_moe_layer(model, layer), layer)  # one representative layer per kind
+        reps = {kind: amounts_of(layer) for kind, layer in kinds.items()}
+        common = None
+        for a in reps.values():
+            common = a if common is None else combine(common, a, min)
+        common = common or zero
+        held.append((v * c, common))
+        if True in reps:
+            held.append((v * (-(-c // k)), combine(reps[True], common, lambda x, y: x - y)))
+        if False in reps:
+            held.append((v * (c - c // k), combine(reps[False], common, lambda x, y: x - y)))
+    elif by_layer:
+        heaviest = zero
+        for layer in by_layer:
+            heaviest = combine(heaviest, amounts_of(layer), max)
+        held.append((v * c, heaviest))
+
+    first = [(p, o) for p, o in zip(params, own_dtypes) if p.layer is None and p.role == "embedding"]
+    last = [(p, o) for p, o in zip(params, own_dtypes) if p.layer is None and p.role != "embedding"]
+    seen, tied = set(), []
+    for p, o in zip(params, own_dtypes):
+        if p.layer is None and p.shared_group is not None:
+            if p.shared_group in seen:
+                tied.append((p, o))
+            seen.add(p.shared_group)
+
+    def group_amounts(group) -> dict:
+        return _amounts([g[0] for g in group], [g[1] for g in group])
+
+    expert_share = Fraction(ep * etp) * max(Fraction(dps * cp * tp, ep * etp), Fraction(1))
+    splits = {"tp": Fraction(tp * dps * cp), "replicated": Fraction(dps * cp), "expert": expert_share}
+    moments = 0 if t.optimizer == "sgd" else 8
+    state_split = Fraction(m.dp_replicate if t.distributed_optimizer else 1)
+
+    element = DTYPE_BYTES[t.precision]
+    low = t.precision != "fp32"
+
+    def weights(amounts) -> Fraction:
+        return sum((Fraction(a[0] * element + a[2]) / splits[k] for k, a in amounts.items()), Fraction(0))
+
+    def state(amounts) -> Fraction:
+        return sum(
+            (Fraction(moments * (a[0] + a[1]) + 4 * ((a[0] if low else 0) + a[3])) / (splits[k] * state_split) for k, a in amounts.items()),
+            Fraction(0),
+        )
+
+    total = Fraction(0)
+    for measure in (weights, weights, state):  # weights, gradients, optimizer state
+        stage = sum((count * measure(a) for count, a in held), Fraction(0))
+        f, la, ti = measure(group_amounts(first)), measure(group_amounts(last)), measure(group_amounts(tied))
+        total += stage + (f + la - ti if pp == 1 else max(f, la))
+    return total + activation_bytes(spec, v * c)
+
+
+def activation_bytes(spec: Spec, layers_on_rank: int) -> Fraction:
+    model, m, t = spec.model, spec.mesh, spec.training
+    if not isinstance(model, TransformerModel):
+        return Fraction(0)
+    s = Fraction(t.seq_len, m.cp)
+    b, h, a, tp = t.micro_batch_size, model.hidden_size, model.num_heads, m.tp
+    sbh = s * b * h
+    if t.activation_checkpointing == "full":
+        per_layer = 2 * sbh / tp if t.sequence_parallel else 2 * sbh
+    else:
+        per_layer = 34 * sbh / tp if t.sequence_parallel else sbh * (10 + Fraction(24, tp))
+        if t.activation_checkpointing == "none":
+            per_layer += 5 * a * s * s * b / tp
+    if t.precision == "fp32":
+        per_layer *= 2
+    pp, mb = m.pp, m.microbatches
+    if pp == 1:
+        in_flight = Fraction(1)
+    elif t.pipeline_schedule == "gpipe":
+        in_flight = Fraction(mb)
+    elif t.pipeline_schedule == "1f1b":
+        in_flight = Fraction(min(mb, pp))
+    else:
+        in_flight = min(mb, pp) * (1 + Fraction(pp - 1, pp * t.virtual_pipeline_stages))
+    return in_flight * layers_on_rank * per_layer
+
+
+def device_memory(spec: Spec) -> int:
+    r = spec.resources
+    return r.memory if isinstance(r.devices, int) else min(g.memory for g in r.devices)
+
+
+# --------------------------------------------------------------------------- rules
+
+
+def violations(
+    spec: Spec,
+    *,
+    devices: int | None = None,
+    elastic_world: bool = False,
+    warnings: bool = True,
+    backend: str | None = None,
+    capabilities=None,
+) -> set[str]:
+    """The codes of every rule (of the spec's backend's rule set) the spec breaks.
+
+    ``devices`` evaluates the plan at another world size; ``elastic_world`` recomputes the
+    accumulation steps from the held global batch, as the elastic proof does. ``backend`` and
+    ``capabilities`` stand in for a plugin backend.
+    """
+    m, t, r = spec.mesh, spec.training, spec.resources
+    backend = normalize_backend_name(backend or spec.backend)
+    rule_set = backend if backend in ("torch", "megatron") else "common"
+    caps = capabilities or capabilities_of(spec)
+    family = family_of(spec)
+    neural = family in NEURAL
+    transformer = family == "transformer"
+    model = spec.model
+    devices = r.device_count if devices is None else devices
+    dpr, tp, pp, cp, ep, etp = m.dp_replicate, m.tp, m.pp, m.cp, m.ep, m.etp
+    dps = dp_shard_of(spec, devices)
+    mb = m.microbatches
+    mbs, batch, seq = t.micro_batch_size, t.global_batch_size, t.seq_len
+    gas = m.gradient_accumulation_steps
+    if elastic_world:
+        gas = max(1, batch // (mbs * mb * dpr * dps))
+    vpp, schedule, sp = t.virtual_pipeline_stages, t.pipeline_schedule, t.sequence_parallel
+    experts = expert_count(spec)
+    layers = layer_count(spec)
+    e = spec.elastic
+    out: set[str] = set()
+
+    def rule(code: str, ok: bool, *, when: bool = True, only: str | None = None) -> None:
+        if when and (only is None or only == rule_set) and not ok:
+            out.add(code)
+
+    rule("D001", dpr * dps * tp * pp * cp == devices)
+    if e is not None:
+        rule("D002", m.dp_shard == "auto")
+        rule("D004", e.min_world_size <= devices <= e.max_world_size and devices % e.multiple_of == 0)
+        rule("C005", caps.elastic_restart and caps.reshardable_checkpoint)
+    rule("E001", etp in (1, tp), when=neural, only="torch")
+    rule("E002", (etp != tp or (dps * cp) % ep == 0) and (etp != 1 or (dps * cp * tp) % ep == 0), when=neural, only="torch")
+    rule("E003", devices % (etp * ep * pp) == 0, when=neural, only="megatron")
+    rule("E004", experts == 0 or experts % ep == 0, when=neural)
+    rule("E005", ep == 1 or experts > 0)
+    rule("E006", not (ep > 1 and tp > 1) or sp, when=neural, only="megatron")
+    if transformer:
+        kv = model.num_kv_heads
+        rule("T001", model.num_heads % tp == 0)
+        rule("T002", kv is None or kv % tp == 0 or tp % kv == 0, only="torch")
+        rule("T003", kv is None or kv % tp == 0, only="megatron")
+        dense_layers = model.num_experts == 0 or model.moe_layer_frequency > 1
+        rule("T004", not dense_layers or model.ffn_hidden_size % tp == 0)
+        rule("T005", model.vocab_size % tp == 0, only="torch")
+        moe_ffn = model.moe_ffn_hidden_size or model.ffn_hidden_size
+        rule("T006", model.num_experts == 0 or moe_ffn % etp == 0)
+        rule("P001", pp * vpp > layers or layers % (pp * vpp) == 0)
+        rule("P009", not model.tie_embeddings or pp == 1, only="torch")
+    if family == "modules":
+        split = {"column": 0, "embedding": 0, "head": 0, "row": 1}
+        dims = [p.shape[split[p.role]] for p in model.parameters if p.role in split and split[p.role] < len(p.shape)]
+        rule("T007", all(d % tp == 0 for d in dims))
+    if neural:
+        rule("P002", pp * vpp <= layers)
+        rule("P003", pp == 1 or schedule == "gpipe" or mb >= pp)
+        rule("P004", pp == 1 or schedule != "interleaved_1f1b" or mb % pp == 0, only="megatron")
+        rule("P005", pp == 1 or schedule != "interleaved_1f1b" or mb % max(1, mb // pp) == 0, only="torch")
+        rule("P006", vpp == 1 or pp > 1)
+        rule("P007", vpp == 1 or pp == 1 or schedule == "interleaved_1f1b")
+        if warnings:
+            rule("P008", pp == 1 or mb >= 4 * pp)
+        if seq is not None:
+            rule("Q001", cp == 1 or seq % (2 * cp) == 0)
+            rule("Q003", not sp or seq % (tp * cp) == 0)
+        rule("Q002", not sp or tp > 1)
+        rule("R001", memory_bytes(spec, devices) <= device_memory(spec))
+    rule("B001", batch == mbs * mb * gas * dpr * dps)
+    degrees = {"dp_replicate": dpr, "dp_shard": dps, "tp": tp, "pp": pp, "cp": cp, "ep": ep, "etp": etp}
+    rule("C001", all(degrees[a.value] == 1 for a in ParallelAxis if a not in caps.axes))
+    rule("C002", t.precision in caps.precisions)
+    rule("C003", not any(all(degrees[a.value] > 1 for a in axes) for axes in caps.incompatible_axis_sets))
+    rule("C004", not t.distributed_optimizer or caps.distributed_optimizer)
+    return out
+
+
+def errors(spec: Spec, **kw) -> set[str]:
+    return violations(spec, warnings=False, **kw)
+
+
+# --------------------------------------------------------------------------- elastic, suggestions
+
+
+def smallest_failing_world_size(spec: Spec) -> int | None:
+    """Brute force over the elastic range: the first world size whose plan breaks an error rule."""
+    e = spec.elastic
+    skip = {"D002", "D004", "C005"}  # about the spec as a whole, not a world size
+    for world in range(e.min_world_size, e.max_world_size + 1):
+        if world % e.multiple_of == 0 and errors(spec, devices=world, elastic_world=True) - skip:
+            return world
+    return None
+
+
+CHANGEABLE_MESH = ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep", "etp", "microbatches", "gradient_accumulation_steps")
+CHANGEABLE_TRAINING = (
+    "micro_batch_size",
+    "virtual_pipeline_stages",
+    "pipeline_schedule",
+    "activation_checkpointing",
+    "sequence_parallel",
+    "distributed_optimizer",
+    "precision",
+)
+CHOICES = {
+    "pipeline_schedule": ("gpipe", "1f1b", "interleaved_1f1b"),
+    "activation_checkpointing": ("none", "selective", "full"),
+    "precision": ("fp32", "bf16", "fp16", "fp8"),
+    "sequence_parallel": (False, True),
+    "distributed_optimizer": (False, True),
+}
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _options(spec: Spec, section: str, name: str) -> list:
+    current = getattr(getattr(spec, section), name)
+    if name in CHOICES:
+        return [c for c in CHOICES[name] if c != current]
+    if name in ("microbatches", "gradient_accumulation_steps", "micro_batch_size"):
+        values = _divisors(spec.training.global_batch_size)
+    elif name == "virtual_pipeline_stages":
+        values = _divisors(max(1, layer_count(spec))) if layer_count(spec) else [1]
+    else:
+        values = _divisors(spec.resources.device_count)
+    return [v for v in values if v != current]
+
+
+def _distance(old, new) -> int:
+    if isinstance(old, bool) or isinstance(old, str):
+        return 1
+    return abs(new - old)
+
+
+def nearest_fix_cost(spec: Spec, max_changes: int = 3) -> tuple[int, int] | None:
+    """(fields changed, total change) of the nearest plan without errors, by enumeration."""
+    fields = [("mesh", n) for n in CHANGEABLE_MESH if not (n == "dp_shard" and spec.mesh.dp_shard == "auto")]
+    fields += [("training", n) for n in CHANGEABLE_TRAINING]
+    if not errors(spec):
+        return (0, 0)
+    for k in range(1, max_changes + 1):
+        best = None
+        for chosen in itertools.combinations(fields, k):
+            for values in itertools.product(*[_options(spec, s, n) for s, n in chosen]):
+                updates: dict = {"mesh": {}, "training": {}}
+                cost = 0
+                for (section, name), value in zip(chosen, values):
+                    updates[section][name] = value
+                    cost += _distance(getattr(getattr(spec, section), name), value)
+                if best is not None and cost >= best:
+                    continue
+                candidate = spec.model_copy(
+                    update={
+                        "mesh": spec.mesh.model_copy(update=updates["mesh"]),
+                        "training": spec.training.model_copy(update=updates["training"]),
+                    }
+                )
+                if not errors(candidate):
+                    best = cost
+        if best is not None:
+            return (k, best)
+    return None
+
+
+# =========================================================================== tests
+
+SHAPES = {
+    "dense": {
+        "family": "transformer", "vocab_size": 256, "hidden_size": 64, "num_layers": 4, "num_heads": 4,
+        "num_kv_heads": 2, "ffn_hidden_size": 96,
+    },
+    "moe": {
+        "family": "transformer", "vocab_size": 250, "hidden_size": 48, "num_layers": 6, "num_heads": 6,
+        "num_kv_heads": 3, "ffn_hidden_size": 96, "num_experts": 4, "experts_per_token": 2,
+        "moe_layer_frequency": 2, "moe_ffn_hidden_size": 72, "tie_embeddings": True,
+    },
+    "modules": {
+        "family": "modules",
+        "parameters": [
+            {"name": "embed", "shape": [100, 16], "role": "embedding", "shared_group": "tie"},
+            {"name": "l0.up", "shape": [32, 16], "role": "column", "layer": 0},
+            {"name": "l0.down", "shape": [16, 32], "role": "row", "layer": 0},
+            {"name": "l1.experts", "shape": [4, 24, 16], "role": "expert", "layer": 1, "dtype": "fp32"},
+            {"name": "l1.norm", "shape": [16], "role": "norm", "layer": 1},
+            {"name": "l2.proj", "shape": [48, 16], "role": "column", "layer": 2, "dtype": "bf16"},
+            {"name": "head", "shape": [100, 16], "role": "head", "shared_group": "tie"},
+        ],
+    },
+    "mixture": {
+        "family": "distribution",
+        "root": {"type": "mixture", "component": {"type": "gaussian", "dim": 4}, "repeat": 8},
+    },
+}
+SHAPE_NAMES = tuple(SHAPES)
+
+
+def meshes(limit: int = 64):
+    """Every (dp_replicate, dp_shard, tp, pp, cp) whose product is at most ``limit``."""
+    def split(n: int, parts: int):
+        if parts == 1:
+            yield (n,)
+            return
+        for d in range(1, n + 1):
+            if n % d == 0:
+                for rest in split(n // d, parts - 1):
+                    yield (d, *rest)
+
+    for n in range(1, limit + 1):
+        yield from split(n, 5)
+
+
+def plan(i: int, degrees: tuple[int, ...], shape: str, backend: str) -> dict:
+    """A plan for one mesh; the other settings cycle with ``i`` so the sweep meets every rule both ways."""
+    dpr, dps, tp, pp, cp = degrees
+    n = dpr * dps * tp * pp * cp
+    auto = i % 5 == 0
+    mb = (1, pp, 2 * pp, 4 * pp, 3, 9)[i * 5 % 6]
+    gas, mbs = (1, 2)[i // 3 % 2], (1, 2)[i // 7 % 2]
+    batch = mbs * mb * gas * dpr * dps + (1 if i % 13 == 0 else 0)
+    mesh = {
+        "dp_replicate": dpr, "dp_shard": "auto" if auto else dps, "tp": tp, "pp": pp, "cp": cp,
+        "ep": (1, 2, 4, 3, 8)[i % 5], "etp": (1, tp, 2, 1)[i // 5 % 4], "microbatches": mb,
+        "gradient_accumulation_steps": gas,
+    }
+    training = {
+        "global_batch_size": batch, "micro_batch_size": mbs, "seq_len": (32, 30, 24, 48)[i // 2 % 4],
+        "precision": ("bf16", "fp32", "fp16", "fp8")[i // 9 % 4], "optimizer": ("adamw", "sgd", "adam")[i % 3],
+        "sequence_parallel": i % 3 == 0, "distributed_optimizer": i // 2 % 2 == 1,
+        "pipeline_schedule": ("1f1b", "gpipe", "interleaved_1f1b")[i // 7 % 3],
+        "virtual_pipeline_stages": (1, 1, 2, 3)[i // 6 % 4],
+        "activation_checkpointing": ("none", "selective", "full")[i // 5 % 3],
+    }
+    devices = n if auto or i % 11 else n + 1
+    spec = {
+        "model": SHAPES[shape], "mesh": mesh, "training": training, "backend": backend,
+        "resources": {"devices": devices, "memory": ("64KiB", "1MiB", "4MiB", "1GiB")[i // 10 % 4]},
+    }
+    if i % 17 == 0:
+        spec["elastic"] = {"min_world_size": max(1, n // 2), "max_world_size": 2 * n, "multiple_of": (1, 2)[i // 17 % 2]}
+    return spec
+
+
+def valid_spec(data: dict) -> Spec:
+    spec = Spec.model_validate(data)
+    problems = [d for d in consistency_diagnostics(spec, SourceDocument("sweep")) if d.severity.value == "error"]
+    assert not problems, [d.message for d in problems]  # the sweep only makes specs the loader accepts
+    return spec
+
+
+def verdict(verifier: PlanVerifier, spec: Spec) -> set[str]:
+    return {r.code for r in verifier.violated(plan_facts(spec))}
+
+
+def test_verdicts_equal_the_oracle_for_every_mesh_up_to_64_devices():
+    """Exhaustive over the mesh degrees (dp_replicate, dp_shard, tp, pp, cp) of up to 64 devices,
+    both engines' rule sets, four model shapes; the other settings cycle through their values."""
+    verifier = PlanVerifier()
+    seen: dict[str, Counter] = {"broken": Counter(), "kept": Counter()}
+    plans = 0
+    for i, degrees in enumerate(meshes(64)):
+        shape = SHAPE_NAMES[i % len(SHAPE_NAMES)]
+        for backend in ("torch", "megatron"):
+            spec = valid_spec(plan(i, degrees, shape, backend))
+            expected = violations(spec)
+            assert verdict(verifier, spec) == expected, (degrees, shape, backend, plan(i, degrees, shape, backend))
+            seen["broken"].update(expected)
+            plans += 1
+    assert plans == 2 * 3652
+    # The sweep is only a test if every rule fails somewhere (and passes elsewhere, since no rule fails every plan).
+    reachable = {code for code in RULES if code not in ("D003", "C001", "C003", "C004")}
+    assert reachable <= set(seen["broken"]), reachable - set(seen["broken"])
+    assert all(seen["broken"][code] < plans for code in reachable)
+
+
+@pytest.mark.slow
+def test_verdicts_equal_the_oracle_for_every_mesh_and_every_shape():
+    """The full product: every mesh of up to 64 devices with every model shape and both engines."""
+    verifier = PlanVerifier()
+    for i, degrees in enumerate(meshes(64)):
+        for shape in SHAPE_NAMES:
+            for backend in ("torch", "megatron"):
+                spec = valid_spec(plan(i, degrees, shape, backend))
+                assert verdict(verifier, spec) == violations(spec), (degrees, shape, backend, i)
+
+
+def test_rules_only_a_plugin_backend_can_break_agree_with_the_oracle():
+    """C001, C003 and C004 never fire on torch or megatron (they execute every axis and have a
+    distributed optimizer); a backend declaring less is checked with the common rule set."""
+    limited = BackendCapabilities(
+        name="limited",
+        axes=frozenset({ParallelAxis.dp_replicate, ParallelAxis.dp_shard, ParallelAxis.tp, ParallelAxis.pp}),
+        precisions=frozenset({"fp32"}),
+        incompatible_axis_sets=(frozenset({ParallelAxis.tp, ParallelAxis.pp}),),
+        distributed_optimizer=False,
+        reshardable_checkpoint=False,
+        elastic_restart=False,
+    )
+    verifier = PlanVerifier()
+    found = Counter()
+    for i, degrees in enumerate(meshes(16)):
+        spec = valid_spec(plan(i, degrees, SHAPE_NAMES[i % 4], "torch"))
+        facts = dataclasses.replace(plan_facts(spec), backend="limited", capabilities=limited)
+        expected = violations(spec, backend="limited", capabilities=limited)
+        assert {r.code for r in verifier.violated(facts)} == expected, (degrees, i)
+        found.update(expected)
+    assert {"C001", "C002", "C003", "C004"} <= set(found)
+    assert not {"T002", "T003", "E001", "E003", "P009"} & set(found)  # engine-specific rules stay out
+
+
+degree = st.sampled_from([1, 2, 3, 4, 6, 8])
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    degrees=st.tuples(degree, degree, degree, degree, degree).filter(lambda d: d[0] * d[1] * d[2] * d[3] * d[4] <= 64),
+    i=st.integers(0, 10_000),
+    shape=st.sampled_from(SHAPE_NAMES),
+    backend=st.sampled_from(["torch", "megatron"]),
+)
+def test_verdicts_equal_the_oracle_on_random_plans(degrees, i, shape, backend):
+    spec = valid_spec(plan(i, degrees, shape, backend))
+    assert verdict(_shared_verifier(), spec) == violations(spec)
+
+
+@lru_cache(maxsize=1)
+def _shared_verifier() -> PlanVerifier:
+    return PlanVerifier()
+
+
+# --------------------------------------------------------------------------- elastic proofs
+
+
+ELASTIC = """\
+model: {family: transformer, vocab_size: 256, hidden_size: 64, num_layers: 4, num_heads: 4, ffn_hidden_size: 128}
+mesh: {dp_shard: auto, tp: 2, gradient_accumulation_steps: GAS}
+training: {global_batch_size: BATCH, micro_batch_size: 2, seq_len: 32}
+backend: megatron
+resources: {devices: DEVICES, memory: MEMORY}
+elastic: {min_world_size: LOW, max_world_size: HIGH, multiple_of: STEP}
+"""
+
+
+def elastic_spec(batch=48, gas=12, devices=4, low=2, high=48, step=2, memory="1GiB") -> Spec:
+    text = ELASTIC
+    for key, value in dict(BATCH=batch, GAS=gas, DEVICES=devices, LOW=low, HIGH=high, STEP=step, MEMORY=memory).items():
+        text = text.replace(key, str(value))
+    loaded = load_spec_text(text, "elastic.yaml")
+    assert loaded.ok, [d.text() for d in loaded.diagnostics]
+    return loaded.spec
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(),  # batch 48 over dp 1..24: fails at dp 5 (world 10)
+        dict(batch=64, gas=16, low=2, high=32, step=2),  # dp 1..16: fails first at dp 3
+        dict(batch=64, gas=16, low=4, high=32, step=4),  # dp 2, 4, ..., 16: every one divides 64: proved
+        dict(batch=720, gas=180, low=2, high=20, step=2),  # dp 1..10 all divide 720: proved
+        dict(batch=64, gas=16, low=2, high=64, step=2, memory="3MiB"),  # small worlds run out of memory
+    ],
+)
+def test_elastic_proof_equals_brute_force(kw):
+    spec = elastic_spec(**kw)
+    proof = prove_elastic(plan_facts(spec))
+    expected = smallest_failing_world_size(spec)
+    assert proof.decided
+    assert proof.proved == (expected is None)
+    assert proof.smallest_failure == expected
+    if expected is not None:
+        broken = {f.code for f in proof.broken}
+        assert broken == errors(spec, devices=expected, elastic_world=True) - {"D002", "D004", "C005"}
+
+
+def test_elastic_example_fails_at_its_smallest_failing_size():
+    loaded = load_spec(EXAMPLES / "invalid" / "d003-elastic-range.yaml")
+    proof = prove_elastic(plan_facts(loaded.spec))
+    assert proof.smallest_failure == smallest_failing_world_size(loaded.spec) == 6
+
+
+# --------------------------------------------------------------------------- suggestions
+
+
+def broken_specs():
+    base = """\
+model: {family: transformer, vocab_size: 256, hidden_size: 96, num_layers: 4, num_heads: 12, num_kv_heads: 6, ffn_hidden_size: 128}
+mesh: MESH
+training: TRAINING
+backend: BACKEND
+resources: {devices: 8, memory: MEMORY}
+"""
+    cases = {
+        "kv-heads": ("{tp: 4, dp_shard: 2}", "{global_batch_size: 8, micro_batch_size: 4, seq_len: 32}", "torch", "2GiB"),
+        "batch": ("{tp: 2, dp_shard: 4}", "{global_batch_size: 12, micro_batch_size: 4, seq_len: 32}", "torch", "2GiB"),
+        "pipeline": ("{tp: 2, pp: 4}", "{global_batch_size: 4, micro_batch_size: 4, seq_len: 32}", "megatron", "2GiB"),
+        "precision": ("{tp: 2, dp_shard: 4}", "{global_batch_size: 16, micro_batch_size: 4, seq_len: 32, precision: fp16}", "torch", "2GiB"),
+        "memory": ("{tp: 1, dp_shard: 8}", "{global_batch_size: 16, micro_batch_size: 2, seq_len: 32}", "torch", "700KiB"),
+    }
+    for name, (mesh, training, backend, memory) in cases.items():
+        text = base.replace("MESH", mesh).replace("TRAINING", training).replace("BACKEND", backend).replace("MEMORY", memory)
+        loaded = load_spec_text(text, f"{name}.yaml")
+        assert loaded.ok, [d.text() for d in loaded.diagnostics]
+        yield pytest.param(loaded.spec, id=name)
+
+
+@pytest.mark.parametrize("spec", list(broken_specs()))
+def test_suggestion_is_as_near_as_the_brute_force_nearest(spec):
+    assert errors(spec)  # each case starts broken
+    suggestion = suggest_fix(spec)
+    assert suggestion is not None and suggestion.proved_nearest
+    # The suggestion is valid (by the oracle) ...
+    updates: dict = {"mesh": {}, "training": {}}
+    cost = 0
+    for change in suggestion.changes:
+        section, name = change.field.path
+        old = getattr(getattr(spec, section), name)
+        new = change.display() if isinstance(old, str) else change.value
+        updates[section][name] = new
+        cost += 1 if isinstance(old, (bool, str)) else abs(new - old)
+    fixed = spec.model_copy(
+        update={"mesh": spec.mesh.model_copy(update=updates["mesh"]), "training": spec.training.model_copy(update=updates["training"])}
+    )
+    assert not errors(fixed)
+    # ... and no plan with fewer changes, or as few but smaller ones, exists.
+    assert (len(suggestion.changes), cost) == nearest_fix_cost(spec, max_changes=len(suggestion.changes))
