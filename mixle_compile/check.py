@@ -34,7 +34,11 @@ class CheckResult:
 
 
 def check_file(path: str | Path, *, suggest: bool = False) -> CheckResult:
-    loaded: LoadedSpec = load_spec(path)
+    return check_loaded(load_spec(path), suggest=suggest)
+
+
+def check_loaded(loaded: LoadedSpec, *, suggest: bool = False) -> CheckResult:
+    """Verify a loaded spec (the verifier runs only on a spec that loaded cleanly)."""
     diagnostics = list(loaded.diagnostics)
     notes: tuple[str, ...] = ()
     suggestion = None

@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     check = sub.add_parser("check", help="validate spec files and report diagnostics")
     check.add_argument("files", nargs="+", metavar="FILE", help="spec files (.yaml, .yml or .json)")
-    check.add_argument("--format", choices=("text", "json"), default="text", help="output format (default: text)")
+    check.add_argument("--format", choices=("text", "json", "sarif"), default="text", help="output format (default: text)")
     check.add_argument(
         "--suggest",
         action="store_true",
@@ -44,11 +44,32 @@ def build_parser() -> argparse.ArgumentParser:
     rules.add_argument("--format", choices=("text", "markdown", "json"), default="text", help="output format (default: text)")
     rules.set_defaults(run=_cmd_rules)
 
-    explain = sub.add_parser("explain", help="print the documentation of a diagnostic code")
-    explain.add_argument("target", metavar="CODE", help="a diagnostic code such as T002")
+    explain = sub.add_parser("explain", help="explain a diagnostic code, or a spec's or plan's memory, traffic, pipeline and model cut")
+    explain.add_argument("target", metavar="CODE|FILE", help="a diagnostic code such as T002, a spec file, or a compiled plan")
+    explain.add_argument("--format", choices=("text", "json"), default="text", help="output format for files (default: text)")
+    explain.add_argument("--plot", type=Path, metavar="PNG", help="also draw per-rank memory and traffic (needs the `plot` extra)")
     explain.set_defaults(run=_cmd_explain)
 
-    schema = sub.add_parser("schema", help="print the JSON Schema of spec files")
+    compile_ = sub.add_parser("compile", help="verify a spec and write its executable plan")
+    compile_.add_argument("spec", metavar="SPEC", help="spec file (.yaml, .yml or .json)")
+    compile_.add_argument("-o", "--output", type=Path, metavar="PLAN", help="where to write the plan (default: standard output)")
+    compile_.add_argument("--format", choices=("text", "json"), default="text", help="format of the diagnostics (default: text)")
+    compile_.set_defaults(run=_cmd_compile)
+
+    diff = sub.add_parser("diff", help="what changed between two plans (or specs, compiled on the fly)")
+    diff.add_argument("old", metavar="A", help="plan or spec before the change")
+    diff.add_argument("new", metavar="B", help="plan or spec after the change")
+    diff.add_argument("--format", choices=("text", "json"), default="text", help="output format (default: text)")
+    diff.set_defaults(run=_cmd_diff)
+
+    graph = sub.add_parser("graph", help="print the decomposition graph of a spec")
+    graph.add_argument("spec", metavar="SPEC", help="spec file")
+    graph.add_argument("--format", choices=("dot", "mermaid"), default="dot", help="graph language (default: dot)")
+    graph.add_argument("-o", "--output", type=Path, help="write to this file instead of standard output")
+    graph.set_defaults(run=_cmd_graph)
+
+    schema = sub.add_parser("schema", help="print the JSON Schema of spec files (or, with --plan, of plans)")
+    schema.add_argument("--plan", action="store_true", help="the schema of compiled plans")
     schema.add_argument("-o", "--output", type=Path, help="write to this file instead of standard output")
     schema.set_defaults(run=_cmd_schema)
     return parser
@@ -59,7 +80,13 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
     results = [check_file(f, suggest=True) if args.suggest else check_file(f) for f in args.files]
     diagnostics = [d for r in results for d in r.diagnostics]
-    if args.format == "json":
+    if args.format == "sarif":
+        from mixle_compile.sarif import sarif_log
+        from mixle_compile.verify.docs import load_catalogue
+
+        load_catalogue()  # every rule, not only those whose modules this run happened to import
+        print(json.dumps(sarif_log(diagnostics), indent=2))
+    elif args.format == "json":
         found = [d.as_dict() for d in diagnostics]
         if args.suggest:  # an object only when asked for, so the plain output stays a list
             print(json.dumps({"diagnostics": found, "suggestions": [_suggestion_dict(r) for r in results if r.suggestion_sought]}, indent=2))
@@ -146,27 +173,152 @@ def _cmd_rules(args: argparse.Namespace) -> int:
 
 def _cmd_explain(args: argparse.Namespace) -> int:
     target = args.target.strip()
-    if not _CODE.match(target):
-        print(
-            f"mixle-compile explain: error: {target!r} is not a diagnostic code; give a code such as T002 "
-            "(run `mixle-compile rules` to list them; explaining spec and plan files is not supported yet)",
-            file=sys.stderr,
-        )
-        return EXIT_USAGE
-    from mixle_compile.verify.docs import explain_text
+    if _CODE.match(target) and not Path(target).exists():
+        from mixle_compile.verify.docs import explain_text
 
-    text = explain_text(target.upper())
-    if text is None:
-        print(f"mixle-compile explain: error: no diagnostic code {target.upper()}; run `mixle-compile rules` to list them", file=sys.stderr)
-        return EXIT_USAGE
-    sys.stdout.write(text)
+        text = explain_text(target.upper())
+        if text is None:
+            print(f"mixle-compile explain: error: no diagnostic code {target.upper()}; run `mixle-compile rules` to list them", file=sys.stderr)
+            return EXIT_USAGE
+        sys.stdout.write(text)
+        return EXIT_CLEAN
+    doc, status = _plan_of(target, "explain")
+    if doc is None:
+        return status
+    from mixle_compile.report import explain_data, explain_text, plot_plan
+
+    if args.format == "json":
+        print(json.dumps(explain_data(doc), indent=2, sort_keys=True))
+    else:
+        sys.stdout.write(explain_text(doc))
+    if args.plot:
+        try:
+            plot_plan(doc, str(args.plot))
+        except RuntimeError as exc:
+            print(f"mixle-compile explain: error: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+        print(f"wrote {args.plot}", file=sys.stderr)
     return EXIT_CLEAN
 
 
-def _cmd_schema(args: argparse.Namespace) -> int:
-    from mixle_compile.schema import spec_schema_text
+def _print_findings(result, fmt: str) -> None:
+    """Diagnostics of a compile, on standard error (standard output may carry the plan)."""
+    if fmt == "json":
+        print(json.dumps([d.as_dict() for d in result.diagnostics], indent=2), file=sys.stderr)
+        return
+    for d in result.diagnostics:
+        print(d.text(), file=sys.stderr)
 
-    text = spec_schema_text()
+
+def _cmd_compile(args: argparse.Namespace) -> int:
+    from mixle_compile.compile import CompilerBug, compile_file
+    from mixle_compile.plan import plan_text
+
+    try:
+        result = compile_file(args.spec)
+    except CompilerBug as exc:
+        print(f"mixle-compile: internal error: {exc} (please report this)", file=sys.stderr)
+        return EXIT_INTERNAL
+    _print_findings(result.check, args.format)
+    if result.plan is None:
+        if result.check.unreadable:
+            return EXIT_USAGE
+        errors = result.check.errors
+        print(f"no plan written: {errors} error{'s' * (errors != 1)} in {args.spec}.", file=sys.stderr)
+        return EXIT_VIOLATIONS
+    text = plan_text(result.plan)
+    if args.output is None:
+        sys.stdout.write(text)
+    else:
+        try:
+            args.output.write_text(text, encoding="utf-8")
+        except OSError as exc:
+            print(f"mixle-compile compile: error: cannot write {args.output}: {exc.strerror}", file=sys.stderr)
+            return EXIT_USAGE
+        print(f"wrote {args.output} ({result.plan['content_digest'][:19]}, {len(text):,} bytes)", file=sys.stderr)
+    return EXIT_CLEAN
+
+
+def _plan_of(path: str, verb: str):
+    """A verified plan from a plan file, or from a spec compiled on the fly: (plan, exit status)."""
+    from mixle_compile.plan import PlanError, load_plan_text
+
+    p = Path(path)
+    try:
+        raw = p.read_bytes()
+    except OSError as exc:
+        print(f"mixle-compile {verb}: error: cannot read {path}: {exc.strerror or exc}", file=sys.stderr)
+        return None, EXIT_USAGE
+    if p.suffix.lower() == ".json" and b'"format_version"' in raw[:4096]:
+        try:
+            return load_plan_text(raw, str(path)), EXIT_CLEAN
+        except PlanError as exc:
+            print(f"mixle-compile {verb}: error: {exc}", file=sys.stderr)
+            return None, EXIT_VIOLATIONS
+    from mixle_compile.compile import CompilerBug, compile_file
+    from mixle_compile.plan import plan_text
+
+    try:
+        result = compile_file(path)
+    except CompilerBug as exc:
+        print(f"mixle-compile: internal error: {exc} (please report this)", file=sys.stderr)
+        return None, EXIT_INTERNAL
+    if result.plan is None:
+        _print_findings(result.check, "text")
+        return None, EXIT_USAGE if result.check.unreadable else EXIT_VIOLATIONS
+    return load_plan_text(plan_text(result.plan), str(path)), EXIT_CLEAN
+
+
+def _cmd_diff(args: argparse.Namespace) -> int:
+    from mixle_compile.report import diff_data, diff_text
+
+    a, status = _plan_of(args.old, "diff")
+    if a is None:
+        return max(status, EXIT_USAGE)
+    b, status = _plan_of(args.new, "diff")
+    if b is None:
+        return max(status, EXIT_USAGE)
+    if args.format == "json":
+        data = diff_data(a, b)
+        print(json.dumps(data, indent=2, sort_keys=True))
+        same = data["same"]
+    else:
+        sys.stdout.write(diff_text(a, b, args.old, args.new))
+        same = a.content_digest == b.content_digest
+    return EXIT_CLEAN if same else EXIT_VIOLATIONS  # like diff(1): 1 when they differ
+
+
+def _cmd_graph(args: argparse.Namespace) -> int:
+    from mixle_compile.spec import load_spec
+
+    loaded = load_spec(args.spec)
+    if not loaded.ok:
+        for d in loaded.diagnostics:
+            print(d.text(), file=sys.stderr)
+        return EXIT_USAGE if loaded.unreadable else EXIT_VIOLATIONS
+    from mixle_compile.graph import build_model_graph
+    from mixle_compile.graph.export import to_dot, to_mermaid
+
+    graph = build_model_graph(loaded.spec, loaded.document)
+    for d in graph.diagnostics:
+        print(d.text(), file=sys.stderr)
+    text = to_dot(graph) if args.format == "dot" else to_mermaid(graph)
+    if args.output:
+        args.output.write_text(text, encoding="utf-8")
+    else:
+        sys.stdout.write(text)
+    return EXIT_VIOLATIONS if not graph.ok else EXIT_CLEAN
+
+
+def _cmd_schema(args: argparse.Namespace) -> int:
+    if args.plan:
+        from mixle_compile.plan import plan_schema_text
+
+        text = plan_schema_text()
+    else:
+        from mixle_compile.schema import spec_schema_text
+
+        text = spec_schema_text()
     if args.output:
         args.output.write_text(text, encoding="utf-8")
     else:

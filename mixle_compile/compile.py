@@ -1,0 +1,45 @@
+"""The `compile` pass: load, verify, lower, and build the plan artifact.
+
+A plan is only built from a spec without errors; the lowering's own checks (every gradient reduced
+exactly once, a deadlock-free schedule) must hold too, or the compiler has a bug and says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from mixle_compile.check import CheckResult, check_loaded
+from mixle_compile.diagnostics import Severity, sort_key
+from mixle_compile.spec import load_spec
+
+
+class CompilerBug(RuntimeError):
+    """The lowering's self-checks failed: a wrong plan must never be written."""
+
+
+@dataclass(frozen=True)
+class CompileResult:
+    check: CheckResult
+    plan: dict | None  # the JSON-ready plan; None when the spec has errors
+
+
+def compile_file(path: str | Path) -> CompileResult:
+    loaded = load_spec(path)
+    checked = check_loaded(loaded)
+    if checked.errors or checked.unreadable or loaded.spec is None:
+        return CompileResult(checked, None)
+    from mixle_compile.lower.lowering import lower
+    from mixle_compile.plan import build_plan
+
+    lowered = lower(loaded.spec, document=loaded.document)
+    if lowered.diagnostics:
+        diagnostics = tuple(sorted((*checked.diagnostics, *lowered.diagnostics), key=sort_key))
+        checked = CheckResult(checked.file, diagnostics, checked.unreadable, checked.notes)
+        if any(d.severity is Severity.error for d in lowered.diagnostics):
+            return CompileResult(checked, None)
+    if lowered.reduction_problems:
+        raise CompilerBug(f"the lowered plan reduces a value incorrectly: {lowered.reduction_problems[0].message}")
+    if lowered.schedule is not None and not lowered.schedule.check.ok:
+        raise CompilerBug(f"the lowered schedule fails its check: {lowered.schedule.check.problems[0]}")
+    return CompileResult(checked, build_plan(loaded.spec, lowered, list(checked.diagnostics)))
