@@ -337,3 +337,9 @@ def test_elastic_range():
     d = only(load(TINY + "elastic: {min_world_size: 8, max_world_size: 4}\n"), "S005")
     assert "min_world_size (8) is larger" in d.message
     assert load(TINY + "elastic: {min_world_size: 4, max_world_size: 16, multiple_of: 4}\n").ok
+
+
+def test_a_flood_of_problems_is_capped_and_counted():
+    r = load("\n".join(f"k{j}: {j}" for j in range(500)))
+    assert len(r.diagnostics) == 101
+    assert r.diagnostics[-1].code == "S010" and "more schema problems not shown" in r.diagnostics[-1].message

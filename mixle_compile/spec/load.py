@@ -144,10 +144,24 @@ _DISCRIMINATORS = {
 }
 
 
+# Past this many findings in one file a report stops helping; the rest are counted, not described.
+MAX_SCHEMA_DIAGNOSTICS = 100
+
+
 def _schema_diagnostics(exc: ValidationError, doc: SourceDocument) -> list[Diagnostic]:
     out: list[Diagnostic] = []
     seen_paths: set = set()
-    for err in exc.errors(include_url=False):
+    errors = exc.errors(include_url=False)
+    for number, err in enumerate(errors):
+        if len(out) >= MAX_SCHEMA_DIAGNOSTICS:
+            out.append(
+                doc.diagnostic(
+                    codes.LIMITS.code,
+                    f"{len(errors) - number} more schema problems not shown (the first {MAX_SCHEMA_DIAGNOSTICS} are listed)",
+                    hint="fix the problems above and check again",
+                )
+            )
+            break
         path, value, complete = _data_path(doc.data, err["loc"])
         diag = _schema_diagnostic(err, path, value, complete, doc)
         # A union reports one error per member; the first one for a value is enough.

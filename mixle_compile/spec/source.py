@@ -246,8 +246,10 @@ class _YamlReader(_Reader):
     def read(self) -> Any:
         import yaml
 
+        # libyaml's composer is several times faster and refuses runaway nesting itself.
+        loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
         try:
-            node = yaml.compose(self.text, Loader=yaml.SafeLoader)
+            node = yaml.compose(self.text, Loader=loader)
         except yaml.MarkedYAMLError as exc:
             mark = exc.problem_mark or exc.context_mark
             line, col = (mark.line + 1, mark.column + 1) if mark else (1, 1)
