@@ -11,6 +11,8 @@ terminates.
 
 from __future__ import annotations
 
+import gc
+
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -131,15 +133,23 @@ def build_model_graph(spec: Spec, document: SourceDocument | None = None) -> Mod
 
     ``document`` (from :func:`mixle_compile.spec.load_spec`) gives diagnostics their file:line:col.
     """
-    builder = _Builder(document)
-    if isinstance(spec.model, DistributionModel):
-        root, order = builder.distribution(spec.model, DTYPE_BYTES[spec.training.precision])
-    else:
-        root, order = builder.neural(spec)
-    _annotate_sizes(builder.nodes, builder.children, root, order)
-    g = nx.DiGraph()
-    g.add_nodes_from(builder.nodes.items())
-    g.add_edges_from((parent, child, data) for parent, kids in builder.children.items() for child, data in kids.items())
+    # The build allocates many small, long-lived objects and frees none of them; the cyclic garbage
+    # collector would rescan them all again and again (quadratic in the tree size), so it waits.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        builder = _Builder(document)
+        if isinstance(spec.model, DistributionModel):
+            root, order = builder.distribution(spec.model, DTYPE_BYTES[spec.training.precision])
+        else:
+            root, order = builder.neural(spec)
+        _annotate_sizes(builder.nodes, builder.children, root, order)
+        g = nx.DiGraph()
+        g.add_nodes_from(builder.nodes.items())
+        g.add_edges_from((parent, child, data) for parent, kids in builder.children.items() for child, data in kids.items())
+    finally:
+        if collecting:
+            gc.enable()
     return ModelGraph(nx.freeze(g), root, tuple(order), tuple(builder.diagnostics), document)
 
 
