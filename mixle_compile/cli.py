@@ -56,6 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
     compile_.add_argument("--format", choices=("text", "json"), default="text", help="format of the diagnostics (default: text)")
     compile_.set_defaults(run=_cmd_compile)
 
+    from mixle_compile.runtime.cli import add_run_arguments  # argument handling only: no torch
+
+    run = sub.add_parser("run", help="replay a compiled plan (or a spec, compiled first) on real process groups")
+    add_run_arguments(run)
+    run.set_defaults(run=_cmd_run)
+
     diff = sub.add_parser("diff", help="what changed between two plans (or specs, compiled on the fly)")
     diff.add_argument("old", metavar="A", help="plan or spec before the change")
     diff.add_argument("new", metavar="B", help="plan or spec after the change")
@@ -237,6 +243,12 @@ def _cmd_compile(args: argparse.Namespace) -> int:
             return EXIT_USAGE
         print(f"wrote {args.output} ({result.plan['content_digest'][:19]}, {len(text):,} bytes)", file=sys.stderr)
     return EXIT_CLEAN
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from mixle_compile.runtime.cli import run_command
+
+    return run_command(args)
 
 
 def _plan_of(path: str, verb: str):

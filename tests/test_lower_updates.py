@@ -194,7 +194,8 @@ def test_step_programs_hold_every_planned_collective():
     ops = [op for program in low.schedule.programs for op in program if op.kind.value == "collective"]
     micro_steps = low.plan.microbatches * low.plan.gradient_accumulation_steps
     planned = [u for u in low.updates if u.update.collective is not CollectiveKind.p2p]
-    expected = sum(micro_steps if u.phase in ("forward", "backward") else 1 for u in planned)
+    expected = sum(u.occurrences_per_step for u in planned)
+    assert all(u.occurrences_per_step == micro_steps for u in planned if u.phase in ("forward", "backward"))
     assert len(ops) == expected
     tp_forward = [op for op in ops if op.group == "tp" and op.name.startswith("layers.") and op.name.endswith(":out")]
     assert len(tp_forward) == 4 * 2 * micro_steps  # 4 layers x (attn, mlp) x micro-steps
@@ -211,3 +212,34 @@ def test_a_step_whose_stages_disagree_on_collective_order_is_caught():
     broken = (first, tuple(op for i, op in enumerate(last) if i != tied[0]))
     result = check_schedule(broken, low.grid)
     assert not result.ok and any("embedding" in p for p in result.problems)
+
+
+def test_sharded_payloads_count_the_padding_fsdp_adds():
+    """Uneven shards are padded to equal ones, so the bytes that enter the collectives include the padding."""
+    low = lowered(dr=2, ds=3)  # the 256-row embedding: 86 rows per shard, 258 rows gathered
+    by_id = {u.update.node_id: u for u in low.updates}
+    assert by_id["embed.weight:grad/scatter"].payload_bytes == 258 * 64 * 4  # fp32 gradients in
+    assert by_id["embed.weight:grad/reduce"].payload_bytes == 86 * 64 * 4  # then one shard
+    assert by_id["embed.weight:param/gather-forward"].payload_bytes == 258 * 64 * 2  # bf16 weights out
+    even = {u.update.node_id: u for u in lowered(ds=2).updates}
+    assert even["embed.weight:param/gather-forward"].payload_bytes == 256 * 64 * 2
+
+
+def test_tensor_parallel_activations_have_both_halves_of_each_conjugate_pair():
+    plain = {u.update.node_id: u for u in lowered(tp=2).updates}
+    assert plain["lm_head:in/grad"].update.collective is CollectiveKind.all_reduce
+    assert plain["lm_head:in/grad"].phase == "backward"
+    sp = {u.update.node_id: u for u in lowered(tp=2, sp=True).updates}
+    assert sp["embed:out/grad"].update.collective is CollectiveKind.all_gather
+    assert (sp["lm_head:in"].update.collective, sp["lm_head:in/grad"].update.collective) == (CollectiveKind.all_gather, CollectiveKind.reduce_scatter)
+    loss = sp["lm_head:loss"]
+    assert loss.update.collective is CollectiveKind.all_gather and loss.payload_bytes == 2 * 2 * 32 * 4  # tp x (lse, logit) x tokens x fp32
+
+
+def test_step_programs_repeat_reductions_of_every_accumulation_window():
+    low = lower(load_spec(EXAMPLES / "tiny-transformer.yaml").spec)  # dp_shard 2, accumulation 2
+    (program,) = low.schedule.programs
+    scatters = [op for op in program if op.kind.value == "collective" and op.tag == "reduce_scatter"]
+    planned = [u for u in low.updates if u.update.collective is CollectiveKind.reduce_scatter]
+    assert planned and all(u.occurrences_per_step == 2 for u in planned)
+    assert len(scatters) == 2 * len(planned)

@@ -51,10 +51,14 @@ def step_schedule(
     programs = pipeline_schedule(plan.pp, micro_steps, pipeline, virtual_stages)
     for phase, anchor in _ANCHOR.items():
         for stage in range(plan.pp):
+            # Per-micro-batch phases get one copy per compute op from the anchor; step-level phases
+            # repeat an update as often as it occurs in a step (FSDP reduces each accumulation window).
+            copies = (lambda u: 1) if phase in ("forward", "backward") else (lambda u: u.occurrences_per_step)
             ops = [
                 collective(u.update.node_id, rule_name(u.update.mesh_axes), tag=u.update.collective.value, bytes=u.payload_bytes)
                 for u in updates
                 if u.phase == phase and u.stage == stage and u.update.collective is not CollectiveKind.p2p
+                for _ in range(copies(u))
             ]
             if ops:
                 programs = insert_collectives(programs, ops, at=anchor, stages=[stage])

@@ -9,9 +9,13 @@ an all_reduce over the axes where it is replicated. The data reduction divides b
 data-parallel size (the loss is a mean over the global batch), for experts too.
 
 Activations: TP all_reduce after row-parallel layers (reduce_scatter, and all_gather before
-column-parallel layers, under sequence parallelism), the vocabulary-parallel embedding's
-all_reduce, CP all_gather of K and V, EP all_to_all of tokens out and back, PP p2p of activations
-and their gradients between adjacent stages. FSDP all_gathers parameters before use.
+column-parallel layers, under sequence parallelism), each with its conjugate in the backward; the
+vocabulary-parallel embedding's all_reduce (reduce_scatter under sequence parallelism, with an
+all_gather of its gradient); the vocabulary-parallel head's input-gradient all_reduce (all_gather
+of its input and reduce_scatter of that gradient under sequence parallelism) and the all_gather of
+each vocabulary shard's log-sum-exp and target logit for the cross entropy; CP all_gather of K and
+V, EP all_to_all of tokens out and back, PP p2p of activations and their gradients between
+adjacent stages. FSDP all_gathers parameters before use.
 """
 
 from __future__ import annotations
@@ -102,14 +106,6 @@ def gradient_updates(placed: tuple[PlacedParameter, ...], plan: ParallelPlan, *,
         data = [(a, p) for a, p in layout.placements if a in data_differs and a != "tp"]
         sharded = [a for a, p in data if p != "replicate"]
         replicated = [a for a, p in data if p == "replicate"]
-        if "tp" in data_differs and dict(layout.placements).get("tp") == "replicate" and not pp_.is_expert:
-            out.append(
-                PlannedUpdate(
-                    _grad_update(f"{name}:grad/tp", CollectiveKind.all_reduce, ("tp",), layout.optimizer_state,
-                                 "tp-replicated parameter whose inputs are sequence shards under sequence parallelism"),
-                    name, "gradient", stage, grad_bytes, plan.tp, 1,
-                )
-            )
         # A distributed optimizer shards replicated state for the step: reduce-scatter, then gather.
         if distributed_optimizer and not sharded and replicated:
             sharded, replicated = replicated, []
@@ -119,27 +115,38 @@ def gradient_updates(placed: tuple[PlacedParameter, ...], plan: ParallelPlan, *,
         local_full = _tp_local(pp_, plan, grad_bytes)
         # FSDP reduces sharded gradients every accumulation micro-step; replicated ones once.
         per_step = plan.gradient_accumulation_steps if sharded and not scatter_then_gather else 1
+        if "tp" in data_differs and dict(layout.placements).get("tp") == "replicate" and not pp_.is_expert:
+            # As often as the data reduction it precedes: under FSDP the whole gradient exists only
+            # until that accumulation step's reduce-scatter.
+            out.append(
+                PlannedUpdate(
+                    _grad_update(f"{name}:grad/tp", CollectiveKind.all_reduce, ("tp",), layout.optimizer_state,
+                                 "tp-replicated parameter whose inputs are sequence shards under sequence parallelism"),
+                    name, "gradient", stage, grad_bytes, plan.tp, per_step,
+                )
+            )
         if sharded:
             axes = tuple(sharded)
             out.append(
                 PlannedUpdate(
                     _grad_update(f"{name}:grad/scatter", CollectiveKind.reduce_scatter, axes, StateLayout.sharded,
                                  f"divide by the data-parallel size {dp}" if not replicated else "partial sum; the all_reduce that follows divides"),
-                    name, "gradient", stage, local_full, group_size(axes, plan), per_step,
+                    name, "gradient", stage, _padded_bytes(pp_, plan, 4, group_size(axes, plan)), group_size(axes, plan), per_step,
                     gradient_divisor=1 if replicated else dp,
                 )
             )
         if replicated:
             axes = tuple(replicated)
-            shard_factor = group_size(tuple(sharded), plan) if sharded else 1
+            # After a reduce-scatter it reduces the (padded) shard.
+            payload = _padded_bytes(pp_, plan, 4, group_size(tuple(sharded), plan), shard=True) if sharded else local_full
             out.append(
                 PlannedUpdate(
                     _grad_update(f"{name}:grad/reduce", CollectiveKind.all_reduce, axes, layout.optimizer_state,
                                  f"divide by the data-parallel size {dp}"),
-                    name, "gradient", stage, local_full // shard_factor, group_size(axes, plan), per_step, gradient_divisor=dp,
+                    name, "gradient", stage, payload, group_size(axes, plan), per_step, gradient_divisor=dp,
                 )
             )
-        param_bytes = _tp_local(pp_, plan, pp_.parameter.bytes)
+        param_bytes = _padded_bytes(pp_, plan, DTYPE_BYTES[pp_.parameter.dtype], group_size(tuple(sharded), plan)) if sharded else 0
         if scatter_then_gather:
             axes = tuple(sharded)
             out.append(
@@ -160,6 +167,25 @@ def gradient_updates(placed: tuple[PlacedParameter, ...], plan: ParallelPlan, *,
                     )
                 )
     return out
+
+
+def _padded_bytes(pp_: PlacedParameter, plan: ParallelPlan, elem_bytes: int, shards: int, *, shard: bool = False) -> int:
+    """Bytes of the tp-local tensor split into ``shards`` equal data shards (the last one padded, as
+    FSDP pads): the whole padded tensor, which an all_gather outputs and a reduce_scatter takes in,
+    or one shard."""
+    dims = list(pp_.parameter.shape) or [1]
+    for axis, placement in pp_.layout.placements:
+        if axis in ("tp", "ep") and placement != "replicate":
+            d = int(placement[len("shard(") : -1])
+            dims[d] //= plan.size(axis)
+    data = [p for a, p in pp_.layout.placements if a in (*DATA_AXES, EXPERT_DATA) and p != "replicate"]
+    dim = int(data[0][len("shard(") : -1]) if data else 0
+    per = -(-dims[dim] // shards)
+    dims[dim] = per if shard else per * shards
+    size = elem_bytes
+    for d in dims:
+        size *= d
+    return size
 
 
 def _tp_local(pp_: PlacedParameter, plan: ParallelPlan, nbytes: int) -> int:
@@ -195,10 +221,17 @@ def activation_updates(spec: Spec, plan: ParallelPlan, stage_of: dict[int, int])
 
     last = plan.pp - 1
     if plan.tp > 1:
-        kind = CollectiveKind.reduce_scatter if sp else CollectiveKind.all_reduce
-        add("embed:out", kind, ("tp",), "forward", 0, hidden_bytes, StateLayout.replicated, "vocabulary-parallel embedding: each rank holds a slice of the vocabulary")
-        logits_stat_bytes = tokens * 4
-        add("lm_head:loss", CollectiveKind.all_reduce, ("tp",), "forward", last, 2 * logits_stat_bytes, StateLayout.replicated, "vocabulary-parallel cross entropy: max and sum of exponentials over the vocabulary shards")
+        if sp:
+            add("embed:out", CollectiveKind.reduce_scatter, ("tp",), "forward", 0, hidden_bytes, StateLayout.sharded, "vocabulary-parallel embedding: sum the vocabulary slices and scatter the sequence")
+            add("embed:out/grad", CollectiveKind.all_gather, ("tp",), "backward", 0, hidden_bytes, StateLayout.replicated, "conjugate of the embedding's reduce_scatter")
+            add("lm_head:in", CollectiveKind.all_gather, ("tp",), "forward", last, hidden_bytes, StateLayout.replicated, "sequence parallel: gather the sequence before the vocabulary-parallel head")
+            add("lm_head:in/grad", CollectiveKind.reduce_scatter, ("tp",), "backward", last, hidden_bytes, StateLayout.sharded, "conjugate of the head's input all_gather")
+        else:
+            add("embed:out", CollectiveKind.all_reduce, ("tp",), "forward", 0, hidden_bytes, StateLayout.replicated, "vocabulary-parallel embedding: each rank holds a slice of the vocabulary")
+            add("lm_head:in/grad", CollectiveKind.all_reduce, ("tp",), "backward", last, hidden_bytes, StateLayout.replicated, "sum the input gradients of the vocabulary-parallel head")
+        # One fp32 (log-sum-exp, target logit) pair per token from each vocabulary shard; every rank
+        # then combines them into the same loss, and the backward needs no communication.
+        add("lm_head:loss", CollectiveKind.all_gather, ("tp",), "forward", last, plan.tp * 2 * tokens * 4, StateLayout.replicated, "vocabulary-parallel cross entropy: gather each shard's log-sum-exp and target logit")
     kv_bytes = tokens * (model.num_kv_heads or model.num_heads) * head_dim(model) * act_bytes_per
     for i in range(model.num_layers):
         stage = stage_of.get(i, 0)

@@ -1,0 +1,51 @@
+"""The `run` command's argument handling, shared by ``python -m mixle_compile.runtime`` and the CLI.
+
+Exit statuses follow the CLI's: 0 the run finished and its accounting (and evidence) hold, 1 a
+violation (a planned/observed difference, evidence out of tolerance, a failed, dead or stalled
+rank), 2 refused before starting (unreadable or unverified plan, world-size mismatch, an axis this
+runtime does not execute).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from mixle_compile.runtime.errors import RunFailed, RuntimeRefusal
+
+EXIT_CLEAN, EXIT_VIOLATIONS, EXIT_REFUSED = 0, 1, 2
+DEFAULT_TIMEOUT_S = 60.0  # launch.DEFAULT_TIMEOUT_S; repeated so that building the parser imports nothing
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("plan", metavar="PLAN", help="a plan.json written by `compile`, or a spec file (compiled first)")
+    parser.add_argument("--steps", type=int, help="optimizer steps (default: the spec's training.steps)")
+    parser.add_argument("--reference", action="store_true", help="also train in one process and record every update's numerical evidence")
+    parser.add_argument("--out", metavar="DIR", help="directory for receipts.jsonl, report.json and logs (default: a new temporary directory)")
+    parser.add_argument("--data", metavar="FILE", help="token ids (.npy, .bin uint16, or whitespace-separated text); default: seeded synthetic tokens")
+    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="S", help=f"collective timeout in seconds (default {DEFAULT_TIMEOUT_S:g})")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines")
+
+
+def run_command(args: argparse.Namespace) -> int:
+    from mixle_compile.runtime.launch import run_plan
+
+    try:
+        report = run_plan(args.plan, steps=args.steps, out_dir=args.out, reference=args.reference, data_path=args.data,
+                          timeout_s=args.timeout, progress=not args.quiet)
+    except RuntimeRefusal as exc:
+        print(f"mixle-compile run: {exc}", file=sys.stderr)
+        return EXIT_REFUSED
+    except RunFailed as exc:
+        print(f"mixle-compile run: the run failed:\n{exc}", file=sys.stderr)
+        return EXIT_VIOLATIONS
+    if os.environ.get("RANK", "0") == "0":
+        print(report.summary())
+    return EXIT_CLEAN if report.ok else EXIT_VIOLATIONS
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mixle_compile.runtime", description="Replay a compiled plan on real process groups.")
+    add_run_arguments(parser)
+    return run_command(parser.parse_args(argv))

@@ -1,0 +1,293 @@
+"""The plan, read as instructions: what each rank holds and which collectives it issues.
+
+Torch-free on purpose: `run` refuses a plan it cannot execute (an axis this runtime does not
+implement yet, a model whose sizes tensor parallelism cannot split) before torch is imported and
+before any process is started.
+
+Every collective the runtime issues is one of the plan's updates, looked up here by node id; the
+parameter instructions say, per parameter, how its state is held:
+
+- ``replicated``: the whole (tensor-parallel-local) tensor on every data rank; gradients reduced
+  with the plan's all_reduce(s) once per optimizer step;
+- ``fsdp``: a dimension-0 shard over the data axes the layout shards; all_gather before every
+  forward and backward use, reduce_scatter of the gradient every accumulation step;
+- ``zero``: replicated for compute, sharded for the optimizer (a distributed optimizer): the
+  gradient is reduce-scattered once per step and the updated shards are all-gathered back.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from mixle_compile.contracts import ParallelPlan
+from mixle_compile.lower.groups import rule_name
+from mixle_compile.plan.artifact import plan_spec
+from mixle_compile.plan.document import PlanDocument
+from mixle_compile.runtime.errors import RuntimeRefusal
+from mixle_compile.spec.models import ModulesModel, Spec, TransformerModel
+
+DATA_AXES = ("dp_replicate", "dp_shard", "cp")
+
+# The activation sites the transformer executes (see runtime/model.py); a planned update outside
+# these and the parameters' own updates is one this runtime does not implement.
+_ACTIVATION_SITE = re.compile(r"^(embed|lm_head|layers\.\d+\.(attn|mlp)):(in|out|loss)(/grad)?$")
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One planned DistributedUpdate, as the runtime executes it."""
+
+    node_id: str
+    collective: str  # all_reduce, reduce_scatter, all_gather, ...
+    axes: tuple[str, ...]
+    rule: str  # the group rule its axes name (see lower/groups.py)
+    phase: str
+    stage: int
+    tensor: str
+    payload_bytes: int
+    group_size: int
+    occurrences_per_step: int
+    divisor: int
+
+
+@dataclass(frozen=True)
+class ParamInstruction:
+    name: str
+    role: str
+    layer: int | None
+    global_shape: tuple[int, ...]
+    dtype: str
+    tp_dim: int | None  # the dimension tp splits; None: replicated over tp
+    mode: str  # replicated | fsdp | zero
+    shard_axes: tuple[str, ...]  # data axes of the dimension-0 shard (fsdp, zero)
+    tied_to: str | None  # the parameter whose tensor this one is (tied weights on one stage)
+    gradient: tuple[Collective, ...]  # the gradient's reductions, in plan order
+    gathers: Mapping[str, Collective]  # phase -> parameter all_gather
+    reduce_every_accumulation: bool  # False: once per optimizer step
+
+    @property
+    def canonical(self) -> str:
+        return self.tied_to or self.name
+
+
+@dataclass(frozen=True)
+class Instructions:
+    plan: ParallelPlan
+    spec: Spec
+    content_digest: str
+    family: str
+    precision: str
+    optimizer: str
+    learning_rate: float
+    seed: int
+    steps: int
+    micro_batch_size: int
+    seq_len: int | None
+    global_batch_size: int
+    sequence_parallel: bool
+    params: tuple[ParamInstruction, ...]
+    collectives: Mapping[str, Collective]
+    activation_sites: tuple[str, ...]  # node ids of the planned activation collectives
+
+    @property
+    def micro_steps(self) -> int:
+        return self.plan.microbatches * self.plan.gradient_accumulation_steps
+
+    def param(self, name: str) -> ParamInstruction:
+        for p in self.params:
+            if p.name == name:
+                return p
+        raise KeyError(name)
+
+
+def plan_of(doc: PlanDocument) -> ParallelPlan:
+    return ParallelPlan.from_dict(doc.mesh.degrees)
+
+
+def read_instructions(doc: PlanDocument) -> Instructions:
+    """The plan as instructions; raises RuntimeRefusal naming what this runtime cannot execute."""
+    if not doc.verdict.ok:
+        first = doc.verdict.diagnostics[0].message if doc.verdict.diagnostics else "; ".join(doc.verdict.reduction_problems[:1]) or "its schedule check failed"
+        raise RuntimeRefusal(
+            f"the plan did not verify ({doc.verdict.errors} error(s); first: {first}); fix the spec and recompile instead of running it"
+        )
+    spec = plan_spec(doc)
+    plan = plan_of(doc)
+    _refuse_unsupported(spec, plan)
+    collectives = {}
+    for u in doc.updates:
+        collectives[u.node_id] = Collective(
+            node_id=u.node_id,
+            collective=u.collective,
+            axes=tuple(u.mesh_axes),
+            rule=rule_name(u.mesh_axes) if u.mesh_axes else "",
+            phase=u.phase,
+            stage=u.stage,
+            tensor=u.tensor,
+            payload_bytes=u.payload_bytes,
+            group_size=u.group_size,
+            occurrences_per_step=u.occurrences_per_step,
+            divisor=u.gradient_divisor,
+        )
+    ties = _ties(spec, plan)
+    params = []
+    names = {p.logical_id for p in doc.parameters}
+    for p in doc.parameters:
+        gradient = tuple(collectives[u.node_id] for u in doc.updates if u.tensor == p.logical_id and u.payload == "gradient")
+        gathers = {
+            u.phase: collectives[u.node_id]
+            for u in doc.updates
+            if u.tensor == p.logical_id and u.payload == "parameter" and u.collective == "all_gather"
+        }
+        placements = dict((axis, placement) for axis, placement in p.placements)
+        tp = placements.get("tp", "replicate")
+        tp_dim = None if tp == "replicate" else int(tp[len("shard(") : -1])
+        shard_axes = tuple(a for a in DATA_AXES if placements.get(a, "replicate") != "replicate")
+        if "parameter" in gathers:
+            mode = "zero"
+            scatter = [u for u in gradient if u.collective == "reduce_scatter"]
+            shard_axes = scatter[0].axes if scatter else ()
+        elif shard_axes:
+            mode = "fsdp"
+            if any(placements[a] != "shard(0)" for a in shard_axes):
+                raise RuntimeRefusal(f"parameter {p.logical_id!r} is sharded on a dimension other than 0 over the data axes; this runtime shards dimension 0 only")
+            missing = {"forward", "backward"} - set(gathers)
+            if missing:
+                raise RuntimeRefusal(f"the plan shards {p.logical_id!r} over {', '.join(shard_axes)} but declares no parameter all_gather for its {' and '.join(sorted(missing))} use")
+        else:
+            mode = "replicated"
+        frequencies = {u.occurrences_per_step for u in gradient}
+        if len(frequencies) > 1:
+            raise RuntimeRefusal(
+                f"the plan reduces the gradient of {p.logical_id!r} at different frequencies ({sorted(frequencies)} times per step); "
+                "a gradient chain must run as one unit, so this plan cannot be replayed"
+            )
+        gas = plan.gradient_accumulation_steps
+        every_accumulation = bool(gradient) and gas > 1 and frequencies == {gas}
+        tied_to = ties.get(p.logical_id)
+        if tied_to is not None and tied_to not in names:
+            raise RuntimeRefusal(f"parameter {p.logical_id!r} is tied to {tied_to!r}, which the plan does not list")
+        params.append(
+            ParamInstruction(
+                name=p.logical_id,
+                role=p.role,
+                layer=p.layer,
+                global_shape=tuple(p.global_shape),
+                dtype=p.dtype,
+                tp_dim=tp_dim,
+                mode=mode,
+                shard_axes=shard_axes,
+                tied_to=tied_to,
+                gradient=gradient,
+                gathers=MappingProxyType(gathers),
+                reduce_every_accumulation=every_accumulation,
+            )
+        )
+    by_name = {p.name: p for p in params}
+    for p in params:
+        if p.tied_to is not None:
+            q = by_name[p.tied_to]
+            if (q.mode, q.global_shape, q.tp_dim, q.shard_axes) != (p.mode, p.global_shape, p.tp_dim, p.shard_axes):
+                raise RuntimeRefusal(f"tied parameters {q.name!r} and {p.name!r} are laid out differently; tied weights are one tensor and need one layout")
+    param_tensors = set(by_name)
+    activation_sites = []
+    for node_id, c in collectives.items():
+        if c.tensor in param_tensors:
+            continue
+        if not _ACTIVATION_SITE.match(node_id):
+            raise RuntimeRefusal(f"the plan declares the collective {node_id!r} ({c.collective} over {', '.join(c.axes)}), which this runtime does not execute")
+        activation_sites.append(node_id)
+    t = spec.training
+    return Instructions(
+        plan=plan,
+        spec=spec,
+        content_digest=doc.content_digest,
+        family=spec.model.family,
+        precision=t.precision,
+        optimizer=t.optimizer,
+        learning_rate=t.learning_rate,
+        seed=t.seed,
+        steps=t.steps,
+        micro_batch_size=t.micro_batch_size,
+        seq_len=t.seq_len,
+        global_batch_size=t.global_batch_size,
+        sequence_parallel=bool(t.sequence_parallel and plan.tp > 1),
+        params=tuple(params),
+        collectives=MappingProxyType(collectives),
+        activation_sites=tuple(activation_sites),
+    )
+
+
+def _ties(spec: Spec, plan: ParallelPlan) -> dict[str, str]:
+    """Tied parameters on one stage are one tensor: member -> the first parameter of its group."""
+    model = spec.model
+    if isinstance(model, TransformerModel):
+        return {"lm_head.weight": "embed.weight"} if model.tie_embeddings else {}
+    if isinstance(model, ModulesModel):
+        first: dict[str, str] = {}
+        out = {}
+        for p in model.parameters:
+            if p.shared_group is None:
+                continue
+            if p.shared_group in first:
+                out[p.name] = first[p.shared_group]
+            else:
+                first[p.shared_group] = p.name
+        return out
+    return {}
+
+
+def _refuse_unsupported(spec: Spec, plan: ParallelPlan) -> None:
+    model = spec.model
+    if not isinstance(model, (TransformerModel, ModulesModel)):
+        raise RuntimeRefusal(
+            f"the torch runtime executes neural models (families transformer and modules); this plan's model is a {model.family!r} model"
+        )
+    later = [f"{axis}={plan.size(axis)}" for axis in ("pp", "cp", "ep") if plan.size(axis) > 1]
+    if later:
+        raise RuntimeRefusal(
+            f"this runtime does not execute pipeline, context or expert parallelism yet (the plan has {', '.join(later)}); "
+            "compile the spec with pp, cp and ep set to 1"
+        )
+    t = spec.training
+    if spec.training.precision not in ("fp32", "bf16"):
+        raise RuntimeRefusal(f"training.precision {t.precision!r} is not executed by the torch runtime; use fp32 or bf16")
+    per_step = t.micro_batch_size * plan.microbatches * plan.gradient_accumulation_steps * plan.data_parallel_size
+    if t.global_batch_size != per_step:
+        raise RuntimeRefusal(
+            f"training.global_batch_size={t.global_batch_size} differs from micro_batch_size * microbatches * "
+            f"gradient_accumulation_steps * data-parallel size = {t.micro_batch_size} * {plan.microbatches} * "
+            f"{plan.gradient_accumulation_steps} * {plan.data_parallel_size} = {per_step}; set global_batch_size: {per_step}"
+        )
+    if isinstance(model, ModulesModel):
+        if plan.tp > 1:
+            raise RuntimeRefusal(
+                "a `modules` model declares its parameters but not how activations flow between them, so the plan has "
+                "no tensor-parallel activation collectives to replay; run it with tp: 1 (data parallelism, FSDP, HSDP)"
+            )
+        if any(p.role == "expert" for p in model.parameters):
+            raise RuntimeRefusal("expert parameters need expert parallelism, which this runtime does not execute yet")
+        return
+    if model.num_experts:
+        raise RuntimeRefusal("mixture-of-experts layers are not executed by this runtime yet; use num_experts: 0")
+    tp = plan.tp
+    head_dim = model.head_dim or model.hidden_size // model.num_heads
+    kv = model.num_kv_heads or model.num_heads
+    checks = [
+        ("model.num_heads", model.num_heads),
+        ("model.num_kv_heads", kv),
+        ("model.vocab_size", model.vocab_size),
+        ("model.ffn_hidden_size", model.ffn_hidden_size),
+    ]
+    if model.position_embedding == "learned":
+        checks.append(("training.seq_len", t.seq_len or 1))
+    for name, value in checks:
+        if value % tp:
+            raise RuntimeRefusal(f"{name}={value} is not divisible by tp={tp}, so tensor parallelism cannot split it evenly; choose tp dividing it")
+    if head_dim % 2 and model.position_embedding == "rope":
+        raise RuntimeRefusal(f"rotary position embeddings need an even head size, got {head_dim}")
+    if t.sequence_parallel and tp > 1 and (t.seq_len or 1) % tp:
+        raise RuntimeRefusal(f"sequence parallelism splits training.seq_len={t.seq_len} over tp={tp}; choose a multiple of {tp}")

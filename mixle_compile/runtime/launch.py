@@ -1,0 +1,300 @@
+"""`run`: compile or load a plan, refuse what cannot run, start the ranks, watch them, report.
+
+Torch-free at import: a plan is refused (unverified, tampered with, a world-size mismatch, an axis
+this runtime does not execute) before torch is loaded or any process starts.
+
+Two ways to run:
+
+- local: ``run_plan`` starts ``world_size`` worker processes on this machine (gloo on CPU, nccl
+  when CUDA is present) and watches them. When one fails, the others get a short grace period to
+  fail on their own (a dead peer breaks their collectives at once; a stalled one makes them time
+  out after ``timeout_s``), then every survivor is stopped and ``RunFailed`` names the rank that
+  died or stalled;
+- torchrun: when ``RANK`` and ``WORLD_SIZE`` are set, this process is one rank of a group started
+  by torchrun (multi-node runs are torchrun's job); it joins that group and runs its rank in-process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from mixle_compile.plan import PlanDocument, load_plan_text
+from mixle_compile.plan.artifact import PlanError, build_plan, plan_text
+from mixle_compile.runtime.errors import RunFailed, RuntimeRefusal
+from mixle_compile.runtime.instructions import read_instructions
+from mixle_compile.runtime.report import REPORT_FILE, RunReport
+
+DEFAULT_TIMEOUT_S = 60.0
+FAILURE_GRACE_S = 3.0  # after the first failure, how long the others may take to fail by themselves
+SPEC_SUFFIXES = (".yaml", ".yml")
+
+
+def load_plan_or_spec(path: str | Path) -> PlanDocument:
+    """A verified plan from a plan.json, or compiled from a spec file (refused when it has errors)."""
+    path = Path(path)
+    if path.suffix in SPEC_SUFFIXES or (path.suffix == ".json" and _looks_like_spec(path)):
+        return compile_spec_file(path)
+    try:
+        return load_plan_text(path.read_bytes(), str(path))
+    except OSError as exc:
+        raise RuntimeRefusal(f"cannot read {path}: {exc.strerror or exc}") from None
+    except PlanError as exc:
+        raise RuntimeRefusal(str(exc)) from None
+
+
+def _looks_like_spec(path: Path) -> bool:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and "format_version" not in data and "model" in data
+
+
+def compile_spec_file(path: Path) -> PlanDocument:
+    from mixle_compile.lower.lowering import lower
+    from mixle_compile.spec import load_spec
+
+    loaded = load_spec(path)
+    errors = [d for d in loaded.diagnostics if d.severity.value == "error"]
+    if loaded.spec is None or errors:
+        shown = "\n".join(d.text() for d in errors[:5])
+        raise RuntimeRefusal(f"{path} does not check cleanly, so it is not run:\n{shown}")
+    doc = build_plan(loaded.spec, lower(loaded.spec), list(loaded.diagnostics))
+    return load_plan_text(plan_text(doc), str(path))
+
+
+def run_plan(
+    plan: PlanDocument | str | Path,
+    *,
+    steps: int | None = None,
+    out_dir: str | Path | None = None,
+    reference: bool = False,
+    data_path: str | Path | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    progress: bool = True,
+) -> RunReport:
+    """Replay a plan on real process groups and return its report (also written to ``out_dir``).
+
+    ``plan``: a PlanDocument, a plan.json, or a spec file (compiled first). ``steps`` defaults to the
+    spec's ``training.steps``; ``reference`` also trains in one process and fills every update's
+    numerical evidence; ``data_path`` is a token file (default: seeded synthetic tokens);
+    ``out_dir`` receives ``receipts.jsonl``, ``report.json`` and per-rank logs (default: a new
+    temporary directory). Raises RuntimeRefusal before starting anything it cannot run, and
+    RunFailed (naming the rank) when a rank dies, raises or stalls.
+    """
+    doc = plan if isinstance(plan, PlanDocument) else load_plan_or_spec(plan)
+    instructions = read_instructions(doc)
+    if instructions.family != "transformer":
+        raise RuntimeRefusal(
+            "a `modules` plan describes the parameters of your own nn.Module, which `run` cannot build; train it "
+            "with the library API instead: get_training_backend('torch').prepare(module, plan=..., document=...) "
+            "(see docs/runtime.md)"
+        )
+    steps = instructions.steps if steps is None else steps
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise RuntimeRefusal(f"steps must be a positive integer, got {steps!r}")
+    if data_path is not None and not Path(data_path).is_file():
+        raise RuntimeRefusal(f"token file {data_path} does not exist")
+    world = instructions.plan.world_size
+    joined = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if joined:
+        actual = int(os.environ["WORLD_SIZE"])
+        if actual != world:
+            raise RuntimeRefusal(
+                f"the plan's world size is {world} ({instructions.plan.factorisation()}) but this job has "
+                f"WORLD_SIZE={actual}; extra or missing ranks would train independent copies, so it does not start"
+            )
+    else:
+        _refuse_oversized(doc, world)
+    out = Path(out_dir) if out_dir is not None else Path(tempfile.mkdtemp(prefix="mixle-run-"))
+    out.mkdir(parents=True, exist_ok=True)
+    if joined:
+        return _run_joined(doc, steps=steps, out=out, reference=reference, data_path=data_path, timeout_s=timeout_s, progress=progress)
+    return _run_local(doc, world, steps=steps, out=out, reference=reference, data_path=data_path, timeout_s=timeout_s, progress=progress)
+
+
+def _run_joined(doc, *, steps, out, reference, data_path, timeout_s, progress) -> RunReport:
+    from mixle_compile.runtime.worker import run_rank, write_failure
+
+    rank = int(os.environ["RANK"])
+    try:
+        report = run_rank(doc, steps=steps, out_dir=out, reference=reference, data_path=str(data_path) if data_path else None, timeout_s=timeout_s, progress=progress)
+    except BaseException as exc:
+        write_failure(out, rank, exc)
+        raise
+    if report is None:  # not rank 0: rank 0 writes the report
+        return RunReport(ok=True, errors=(), out_dir=str(out), steps=steps, world_size=doc.groups.world_size, losses=(), wall_s=0.0,
+                         accounting_ok=True, updates_checked=0, collective_calls_per_rank=())
+    return RunReport.from_dict(report, out)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _machine_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _refuse_oversized(doc: PlanDocument, world: int) -> None:
+    """A local launch puts every rank on this machine: refuse what cannot fit before starting it."""
+    cores = os.cpu_count() or 1
+    if world > max(8, 4 * cores):
+        raise RuntimeRefusal(
+            f"the plan has {world} ranks, too many to start on this machine ({cores} CPU cores); "
+            "launch it on its cluster with torchrun (RANK and WORLD_SIZE set), one process per device"
+        )
+    memory = _machine_memory()
+    per_rank = max((m.total for m in doc.memory), default=0)
+    if memory is not None and per_rank * world > memory // 2:
+        gib = 1 << 30
+        raise RuntimeRefusal(
+            f"the plan needs about {per_rank / gib:.1f} GiB per rank x {world} ranks = {per_rank * world / gib:.1f} GiB, "
+            f"more than half of this machine's {memory / gib:.1f} GiB; launch it on its cluster with torchrun"
+        )
+
+
+def _run_local(doc, world: int, *, steps, out, reference, data_path, timeout_s, progress) -> RunReport:
+    plan_path = out / "plan.json"
+    plan_path.write_text(plan_text(doc.model_dump(mode="json")), encoding="utf-8")
+    for stale in (out / REPORT_FILE, *(out / "errors").glob("rank*.json")):
+        stale.unlink(missing_ok=True)
+    logs = out / "logs"
+    logs.mkdir(exist_ok=True)
+    threads = max(1, (os.cpu_count() or 1) // world)
+    port = _free_port()
+    base_env = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": str(world),
+        "LOCAL_WORLD_SIZE": str(world),
+        "OMP_NUM_THREADS": str(threads),
+    }
+    command = [sys.executable, "-m", "mixle_compile.runtime.worker", "--plan", str(plan_path), "--out", str(out),
+               "--steps", str(steps), "--timeout", str(timeout_s)]
+    if reference:
+        command.append("--reference")
+    if data_path is not None:
+        command += ["--data", str(Path(data_path).resolve())]
+    procs = []
+    files = []
+    try:
+        for rank in range(world):
+            env = {**base_env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+            log = (logs / f"rank{rank}.log").open("w", encoding="utf-8")
+            files.append(log)
+            show = progress and rank == 0
+            procs.append(subprocess.Popen(command + (["--progress"] if show else []), env=env, stdout=log, stderr=None if show else log))
+        _watch(procs, out, timeout_s)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        for f in files:
+            f.close()
+    if not (out / REPORT_FILE).is_file():
+        raise RunFailed(f"every rank exited, but rank 0 wrote no report; see {logs}")
+    return RunReport.read(out)
+
+
+def _watch(procs: list[subprocess.Popen], out: Path, timeout_s: float) -> None:
+    first_failure = None
+    order: list[int] = []  # failed ranks, in the order their failures were seen
+    while True:
+        codes = [p.poll() for p in procs]
+        for rank, code in enumerate(codes):
+            if code not in (None, 0) and rank not in order:
+                order.append(rank)
+        if first_failure is None and order:
+            first_failure = time.monotonic()
+        if all(c is not None for c in codes):
+            break
+        if first_failure is not None and time.monotonic() - first_failure > FAILURE_GRACE_S:
+            break
+        time.sleep(0.05)
+    if not order:
+        return
+    still_running = [r for r, p in enumerate(procs) if p.poll() is None]
+    for r in still_running:
+        procs[r].kill()
+    raise RunFailed(_failure_message(procs, order, still_running, out, timeout_s), ranks=tuple(_culprits(order, still_running, out)))
+
+
+def _failure_note(out: Path, rank: int) -> dict | None:
+    path = out / "errors" / f"rank{rank}.json"
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def _culprits(order, still_running, out) -> list[int]:
+    notes = {r: _failure_note(out, r) for r in order}
+    # A rank that died without a note (signal, os._exit) or failed outside a collective is the cause.
+    direct = [r for r in order if notes[r] is None or "collective" not in notes[r]]
+    if direct:
+        return direct
+    timed_out = [r for r in order if notes[r] and notes[r].get("timed_out")]
+    if timed_out:
+        waited_for = set()
+        for r in timed_out:
+            waited_for |= set(notes[r].get("group_ranks", ()))
+        stalled = [r for r in still_running if r in waited_for]
+        if stalled:
+            return stalled
+    return order[:1]
+
+
+def _describe_exit(p: subprocess.Popen) -> str:
+    code = p.returncode
+    if code is not None and code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit status {code}"
+
+
+def _failure_message(procs, order, still_running, out, timeout_s) -> str:
+    culprits = _culprits(order, still_running, out)
+    notes = {r: _failure_note(out, r) for r in order}
+    lines = []
+    for r in culprits:
+        if r in still_running:
+            waiting = sorted(q for q in order if notes[q] and notes[q].get("timed_out") and r in notes[q].get("group_ranks", ()))
+            what = notes[waiting[0]].get("collective", "?") if waiting else "?"
+            lines.append(
+                f"rank {r} stalled: rank(s) {', '.join(map(str, waiting))} timed out after {timeout_s:g} s waiting for it "
+                f"in {what!r} (group {notes[waiting[0]].get('group', '?') if waiting else '?'}); rank {r} was stopped"
+            )
+        elif notes.get(r) is None:
+            lines.append(f"rank {r} died ({_describe_exit(procs[r])}) without reporting an error")
+        else:
+            lines.append(f"rank {r} failed: {notes[r]['error']}")
+    others = sorted(q for q in order if q not in culprits)
+    if others:
+        lines.append(f"then rank(s) {', '.join(map(str, others))} stopped because their collectives could not complete")
+    stopped = [q for q in still_running if q not in culprits]
+    if stopped:
+        lines.append(f"rank(s) {', '.join(map(str, stopped))} were stopped")
+    lines.append(f"logs: {out / 'logs'}")
+    return "\n".join(lines)

@@ -1,0 +1,189 @@
+"""The models the runtime trains, written once for every plan and for the single-process reference.
+
+The model code never touches a process group. It asks an ``Ops`` object for each weight (which may
+all-gather it), marks the units FSDP frees and regathers (embedding, each block, the head), and
+passes activations through ``copy`` and ``reduce`` at the tensor-parallel boundaries; a
+distributed run and the reference differ only in the ``Ops`` they pass.
+
+The transformer: vocabulary-parallel embedding (plus learned positions, split the same way), then
+blocks of pre-norm attention (column-parallel q, k, v with their heads split over tp, grouped-query
+attention, rotary positions, causal) and a pre-norm MLP (column-parallel gate/up, row-parallel
+down), a final norm and a vocabulary-parallel head with its cross entropy. Activations are
+sequence-first, ``[s, b, h]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from mixle_compile.spec.models import Spec, TransformerModel
+
+NORM_EPS = 1e-5
+ROPE_THETA = 10000.0
+
+
+class Ops(Protocol):
+    tp_size: int
+    tp_rank: int
+
+    def weight(self, use: str) -> torch.Tensor: ...
+
+    def unit_begin(self, unit: str, x: torch.Tensor | None) -> torch.Tensor | None: ...
+
+    def unit_end(self, unit: str, y: torch.Tensor) -> torch.Tensor: ...
+
+    def copy(self, site: str, x: torch.Tensor) -> torch.Tensor: ...
+
+    def reduce(self, site: str, y: torch.Tensor) -> torch.Tensor: ...
+
+    def cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor, vocab_start: int) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class TransformerShape:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_hidden_size: int
+    norm: str
+    activation: str
+    position_embedding: str
+    compute_dtype: torch.dtype
+
+    @staticmethod
+    def from_spec(spec: Spec) -> TransformerShape:
+        m = spec.model
+        assert isinstance(m, TransformerModel)
+        return TransformerShape(
+            vocab_size=m.vocab_size,
+            hidden_size=m.hidden_size,
+            num_layers=m.num_layers,
+            num_heads=m.num_heads,
+            num_kv_heads=m.num_kv_heads or m.num_heads,
+            head_dim=m.head_dim or m.hidden_size // m.num_heads,
+            ffn_hidden_size=m.ffn_hidden_size,
+            norm=m.norm,
+            activation=m.activation,
+            position_embedding=m.position_embedding,
+            compute_dtype=torch.bfloat16 if spec.training.precision == "bf16" else torch.float32,
+        )
+
+
+def transformer_loss(ops: Ops, shape: TransformerShape, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy of one micro-batch (``inputs``, ``targets``: ``[b, s]`` token ids)."""
+    ids = inputs.t()  # sequence-first
+    seq = ids.shape[0]
+    ops.unit_begin("embed", None)
+    x = _vocab_lookup(ids, ops.weight("embed.weight"), ops.tp_rank)
+    if shape.position_embedding == "learned":
+        positions = torch.arange(seq, device=ids.device).unsqueeze(1).expand_as(ids)
+        x = x + _vocab_lookup(positions, ops.weight("pos_embed.weight"), ops.tp_rank)
+    x = ops.reduce("embed", x)
+    x = ops.unit_end("embed", x)
+    rope = _rope_tables(seq, shape.head_dim, x.dtype, x.device) if shape.position_embedding == "rope" else None
+    for i in range(shape.num_layers):
+        unit = f"layers.{i}"
+        x = ops.unit_begin(unit, x)
+        h = ops.copy(f"{unit}.attn", _norm(ops, shape, x, f"{unit}.attn_norm"))
+        x = x + ops.reduce(f"{unit}.attn", _attention(ops, shape, unit, h, rope))
+        h = ops.copy(f"{unit}.mlp", _norm(ops, shape, x, f"{unit}.mlp_norm"))
+        x = x + ops.reduce(f"{unit}.mlp", _mlp(ops, shape, unit, h))
+        x = ops.unit_end(unit, x)
+    x = ops.unit_begin("head", x)
+    h = ops.copy("lm_head", _norm(ops, shape, x, "final_norm"))
+    head = ops.weight("lm_head.weight")
+    logits = F.linear(h, head).float()
+    vocab_local = head.shape[0]
+    losses = ops.cross_entropy(logits.reshape(-1, vocab_local), targets.t().reshape(-1), ops.tp_rank * vocab_local)
+    return ops.unit_end("head", losses.mean())
+
+
+def _vocab_lookup(ids: torch.Tensor, table: torch.Tensor, tp_rank: int) -> torch.Tensor:
+    """Rows of a table split over tp by rows: ids outside this rank's slice contribute zeros."""
+    rows = table.shape[0]
+    local = ids - tp_rank * rows
+    inside = (local >= 0) & (local < rows)
+    if bool(inside.all()):
+        return F.embedding(local, table)
+    return F.embedding(local.clamp(0, rows - 1), table).masked_fill(~inside.unsqueeze(-1), 0.0)
+
+
+def _norm(ops: Ops, shape: TransformerShape, x: torch.Tensor, prefix: str) -> torch.Tensor:
+    w = ops.weight(f"{prefix}.weight")
+    xf = x.float()  # normalise in fp32 whatever the compute precision
+    if shape.norm == "layernorm":
+        b = ops.weight(f"{prefix}.bias")
+        return F.layer_norm(xf, (xf.shape[-1],), w.float(), b.float(), NORM_EPS).to(x.dtype)
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + NORM_EPS)
+    return (y * w.float()).to(x.dtype)
+
+
+def _rope_tables(seq: int, head_dim: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / (ROPE_THETA ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(seq, device=device, dtype=torch.float32), inv)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def _rotate(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    cos, sin = rope  # [s, d/2]; x: [b, heads, s, d]
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+def _heads(t: torch.Tensor, head_dim: int) -> torch.Tensor:
+    s, b, width = t.shape
+    return t.view(s, b, width // head_dim, head_dim).permute(1, 2, 0, 3)  # [b, heads, s, d]
+
+
+def _attention(ops: Ops, shape: TransformerShape, unit: str, h: torch.Tensor, rope) -> torch.Tensor:
+    d = shape.head_dim
+    q = _heads(F.linear(h, ops.weight(f"{unit}.attn.q_proj.weight")), d)
+    k = _heads(F.linear(h, ops.weight(f"{unit}.attn.k_proj.weight")), d)
+    v = _heads(F.linear(h, ops.weight(f"{unit}.attn.v_proj.weight")), d)
+    if rope is not None:
+        q, k = _rotate(q, rope), _rotate(k, rope)
+    group = q.shape[1] // k.shape[1]  # query heads per KV head, the same on every tp rank
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    s, b = h.shape[0], h.shape[1]
+    o = o.permute(2, 0, 1, 3).reshape(s, b, -1)
+    return F.linear(o, ops.weight(f"{unit}.attn.o_proj.weight"))
+
+
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"gelu": F.gelu, "relu": F.relu}
+
+
+def _mlp(ops: Ops, shape: TransformerShape, unit: str, h: torch.Tensor) -> torch.Tensor:
+    up = F.linear(h, ops.weight(f"{unit}.mlp.up_proj.weight"))
+    if shape.activation == "swiglu":
+        inner = F.silu(F.linear(h, ops.weight(f"{unit}.mlp.gate_proj.weight"))) * up
+    else:
+        inner = _ACTIVATIONS[shape.activation](up)
+    return F.linear(inner, ops.weight(f"{unit}.mlp.down_proj.weight"))
+
+
+def default_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross entropy over the last dimension for integer targets, mean squared error otherwise."""
+    if targets.dtype in (torch.int64, torch.int32, torch.int16, torch.uint8):
+        return F.cross_entropy(outputs.reshape(-1, outputs.shape[-1]).float(), targets.reshape(-1))
+    return F.mse_loss(outputs.float(), targets.float())
+
+
+def module_loss(ops: Ops, module: torch.nn.Module, names: tuple[str, ...], loss_fn, inputs, targets) -> torch.Tensor:
+    """A user's module, called with the plan's parameters in place of its own (one FSDP unit)."""
+    from torch.func import functional_call
+
+    ops.unit_begin("module", None)
+    weights = {name: ops.weight(name) for name in names}
+    outputs = functional_call(module, weights, (inputs,), tie_weights=False, strict=False)
+    return ops.unit_end("module", loss_fn(outputs, targets))

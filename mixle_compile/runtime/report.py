@@ -1,0 +1,172 @@
+"""The run report: planned versus observed collectives, losses, and numerical evidence.
+
+Torch-free, so the launcher reads a report without importing torch. Accounting is exact: for every
+planned update and every rank that executes it (every rank, while pipeline stages are not
+executed), the observed count must equal ``occurrences_per_step * steps`` and the observed bytes
+``payload_bytes`` times that; any difference, and any collective the plan does not declare, is an
+error of the run.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mixle_compile.contracts import DistributedUpdate
+from mixle_compile.runtime.instructions import Instructions
+
+REPORT_FILE = "report.json"
+RECEIPTS_FILE = "receipts.jsonl"
+
+# What "within tolerance" means for the reference comparison (norm-wise relative error), per
+# precision. fp32 runs agree to about 1e-5 after a few AdamW steps on gloo, but AdamW's epsilon
+# turns the rounding noise of a gradient element that is itself near 1e-8 into a visible step, which
+# costs a small tensor up to about 1e-3; a real replay error (a missed or doubled reduction, a wrong
+# divisor, a mis-sliced shard) is of order 1e-1 or more. bf16 keeps 8 bits of mantissa.
+EVIDENCE_TOLERANCE = {"fp32": 1e-2, "bf16": 1e-1}
+
+
+def accounting(instructions: Instructions, ledgers: Sequence[Mapping], steps: int) -> dict:
+    """Planned vs observed per update, over every rank's ledger (see Ledger.as_dict)."""
+    rows = []
+    errors = []
+    for node_id, c in instructions.collectives.items():
+        planned_count = c.occurrences_per_step * steps
+        planned_bytes = c.payload_bytes * planned_count
+        observed = [tuple(ledger["updates"].get(node_id, (0, 0))) for ledger in ledgers]
+        counts = sorted({o[0] for o in observed})
+        sizes = sorted({o[1] for o in observed})
+        match = counts == [planned_count] and sizes == [planned_bytes]
+        if not match:
+            bad = [r for r, o in enumerate(observed) if o != (planned_count, planned_bytes)]
+            errors.append(
+                f"{node_id}: planned {planned_count} x {c.collective} ({planned_bytes} bytes) per rank over {steps} step(s), "
+                f"observed {observed[bad[0]][0]} ({observed[bad[0]][1]} bytes) on rank {bad[0]}"
+                + (f" and {len(bad) - 1} more rank(s)" if len(bad) > 1 else "")
+            )
+        rows.append(
+            {
+                "node_id": node_id,
+                "collective": c.collective,
+                "group": c.rule,
+                "phase": c.phase,
+                "planned_count": planned_count,
+                "planned_bytes": planned_bytes,
+                "observed_count": counts[0] if len(counts) == 1 else counts,
+                "observed_bytes": sizes[0] if len(sizes) == 1 else sizes,
+                "match": match,
+            }
+        )
+    for r, ledger in enumerate(ledgers):
+        for node_id in sorted(set(ledger["updates"]) - set(instructions.collectives)):
+            errors.append(f"{node_id}: rank {r} issued a collective the plan does not declare")
+    bookkeeping: dict[str, list[int]] = {}
+    for ledger in ledgers:
+        for name, (count, nbytes) in ledger["bookkeeping"].items():
+            total = bookkeeping.setdefault(name, [0, 0])
+            total[0] += count
+            total[1] += nbytes
+    return {
+        "ok": not errors,
+        "errors": errors,
+        "updates": rows,
+        "updates_checked": len(rows),
+        "ranks_checked": len(ledgers),
+        "collective_calls_per_rank": [ledger["calls"] for ledger in ledgers],
+        "bookkeeping": bookkeeping,
+    }
+
+
+@dataclass(frozen=True)
+class RunReport:
+    """What `run` returns and writes (``report.json`` in the output directory)."""
+
+    ok: bool
+    errors: tuple[str, ...]
+    out_dir: str
+    steps: int
+    world_size: int
+    losses: tuple[float, ...]
+    wall_s: float
+    accounting_ok: bool
+    updates_checked: int
+    collective_calls_per_rank: tuple[int, ...]
+    evidence: tuple[DistributedUpdate, ...] | None = None
+    evidence_tolerance: float | None = None
+    warnings: tuple[str, ...] = ()
+    data: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def report_path(self) -> Path:
+        return Path(self.out_dir) / REPORT_FILE
+
+    @property
+    def receipts_path(self) -> Path:
+        return Path(self.out_dir) / RECEIPTS_FILE
+
+    @property
+    def max_relative_error(self) -> float | None:
+        if not self.evidence:
+            return None
+        return max((u.maximum_relative_error or 0.0) for u in self.evidence if u.has_numerics_evidence)
+
+    @property
+    def max_absolute_error(self) -> float | None:
+        if not self.evidence:
+            return None
+        return max((u.maximum_absolute_error or 0.0) for u in self.evidence if u.has_numerics_evidence)
+
+    @staticmethod
+    def from_dict(data: Mapping, out_dir: str | Path) -> RunReport:
+        evidence = data.get("evidence")
+        return RunReport(
+            ok=bool(data["ok"]),
+            errors=tuple(data["errors"]),
+            out_dir=str(out_dir),
+            steps=int(data["run"]["steps"]),
+            world_size=int(data["plan"]["world_size"]),
+            losses=tuple(float(x) for x in data["losses"]),
+            wall_s=float(data["run"]["wall_s"]),
+            accounting_ok=bool(data["accounting"]["ok"]),
+            updates_checked=int(data["accounting"]["updates_checked"]),
+            collective_calls_per_rank=tuple(data["accounting"]["collective_calls_per_rank"]),
+            evidence=None if evidence is None else tuple(DistributedUpdate.from_dict(u) for u in evidence["updates"]),
+            evidence_tolerance=None if evidence is None else float(evidence["tolerance"]),
+            warnings=tuple(data.get("warnings", ())),
+            data=dict(data),
+        )
+
+    @staticmethod
+    def read(out_dir: str | Path) -> RunReport:
+        path = Path(out_dir) / REPORT_FILE
+        return RunReport.from_dict(json.loads(path.read_text(encoding="utf-8")), out_dir)
+
+    def summary(self) -> str:
+        lines = []
+        first, last = (self.losses[0], self.losses[-1]) if self.losses else (float("nan"), float("nan"))
+        lines.append(
+            f"ran {self.steps} step(s) on {self.world_size} rank(s) in {self.wall_s:.1f} s: loss {first:.4f} -> {last:.4f}"
+        )
+        calls = self.collective_calls_per_rank
+        lines.append(
+            f"accounting: {self.updates_checked} planned updates, planned == observed on every rank: "
+            f"{'yes' if self.accounting_ok else 'NO'} ({min(calls) if calls else 0}-{max(calls) if calls else 0} collective calls per rank)"
+        )
+        if self.evidence is not None:
+            measured = [u for u in self.evidence if u.has_numerics_evidence]
+            deterministic = all(u.determinism_observed for u in measured)
+            lines.append(
+                f"evidence: {len(measured)} updates against the single-process reference, max relative error "
+                f"{self.max_relative_error:.2e} (tolerance {self.evidence_tolerance:.0e}), max absolute error "
+                f"{self.max_absolute_error:.2e}, bitwise deterministic on repeat: {'yes' if deterministic else 'no'}"
+            )
+        for warning in self.warnings:
+            lines.append(f"warning: {warning}")
+        for error in self.errors[:10]:
+            lines.append(f"error: {error}")
+        if len(self.errors) > 10:
+            lines.append(f"... and {len(self.errors) - 10} more error(s) in {self.report_path}")
+        lines.append(f"report: {self.report_path}  receipts: {self.receipts_path}")
+        return "\n".join(lines)

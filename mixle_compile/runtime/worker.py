@@ -1,0 +1,235 @@
+"""One rank of `run`: join the group, train, account, and (rank 0) write the report.
+
+Started by the local launcher (``python -m mixle_compile.runtime.worker``) or called in-process
+when torchrun started this process. A failure is written to ``errors/rank<N>.json`` (what failed,
+which collective was in flight on which group) before the process exits non-zero, so that the
+launcher can name the rank that died or stalled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from mixle_compile.plan.document import PlanDocument
+from mixle_compile.runtime.data import BatchLayout, FileTokens, SyntheticTokens, TokenSource, local_batch
+from mixle_compile.runtime.errors import CollectiveFailed
+from mixle_compile.runtime.instructions import Instructions, read_instructions
+from mixle_compile.runtime.mesh import Mesh
+from mixle_compile.runtime.report import EVIDENCE_TOLERANCE, RECEIPTS_FILE, REPORT_FILE, accounting
+from mixle_compile.runtime.session import DistributedSession, device_for_rank, join_process_group
+
+# For tests of failure handling: "kill:RANK:STEP", "stall:RANK:STEP" or "raise:RANK:STEP" makes
+# that rank die, hang or raise just before that step.
+FAULT_ENV = "MIXLE_RUNTIME_FAULT"
+
+
+def token_source(instructions: Instructions, data_path: str | None) -> TokenSource:
+    vocab = instructions.spec.model.vocab_size
+    seq = instructions.seq_len or 1
+    if data_path:
+        return FileTokens(data_path, vocab, seq)
+    return SyntheticTokens(vocab, seq, instructions.seed)
+
+
+def batch_layout(instructions: Instructions) -> BatchLayout:
+    p = instructions.plan
+    return BatchLayout(instructions.micro_batch_size, p.microbatches, p.gradient_accumulation_steps, p.data_parallel_size)
+
+
+def _fault(rank: int, step: int) -> None:
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    kind, fault_rank, fault_step = spec.split(":")
+    if int(fault_rank) != rank or int(fault_step) != step:
+        return
+    if kind == "kill":
+        os._exit(17)
+    if kind == "stall":
+        time.sleep(3600)
+    if kind == "raise":
+        raise RuntimeError(f"injected fault on rank {rank} at step {step}")
+
+
+def train(session: DistributedSession, source: TokenSource, steps: int, *, receipts=None, progress: bool = False) -> list[float]:
+    instructions = session.instructions
+    layout = batch_layout(instructions)
+    losses = []
+    started = time.perf_counter()
+    every = max(1, steps // 10)
+    for step in range(steps):
+        _fault(session.mesh.rank, step)
+        for a in range(layout.accumulation_steps):
+            inputs, targets = local_batch(source, layout, step, a, session.mesh.data_rank)
+            receipt = session.train_batch(inputs, targets)
+        assert not receipt.skipped
+        losses.append(receipt.loss)
+        if receipts is not None:
+            receipts.write(json.dumps(receipt.as_dict(), sort_keys=True) + "\n")
+            receipts.flush()
+        if progress and ((step + 1) % every == 0 or step + 1 == steps):
+            print(f"step {step + 1}/{steps}  loss {receipt.loss:.4f}  {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
+    return losses
+
+
+def run_rank(doc: PlanDocument, *, steps: int, out_dir: Path, reference: bool, data_path: str | None, timeout_s: float, progress: bool) -> dict | None:
+    """Run this rank; rank 0 returns the report (also written to ``out_dir``), other ranks None."""
+    from mixle_compile.runtime.reference import Recorder, compare, run_reference, with_evidence
+
+    started = time.perf_counter()
+    instructions = read_instructions(doc)
+    source = token_source(instructions, data_path)
+    owns = join_process_group(instructions.plan.world_size)
+    try:
+        mesh = Mesh.create(doc.groups, timeout_s=timeout_s)
+        device = device_for_rank()
+        rank, world = mesh.rank, mesh.world_size
+        recorder = Recorder(keep_values=True) if reference else None
+        session = DistributedSession(instructions, mesh, device=device, recorder=recorder)
+        receipts = (out_dir / RECEIPTS_FILE).open("w", encoding="utf-8") if rank == 0 else None
+        try:
+            losses = train(session, source, steps, receipts=receipts, progress=progress and rank == 0)
+        finally:
+            if receipts is not None:
+                receipts.close()
+        train_s = time.perf_counter() - started
+        ledgers = session.comm.bookkeeping_gather_object(session.ledger.as_dict(), name="report:ledgers")
+        repeat_ledgers = None
+        if reference:
+            # The repeat: the same job from the same start, for determinism (records as digests only).
+            repeat = Recorder(keep_values=False)
+            session2 = DistributedSession(instructions, mesh, device=device, recorder=repeat)
+            train(session2, source, steps)
+            repeat_ledgers = session2.comm.bookkeeping_gather_object(session2.ledger.as_dict(), name="report:ledgers")
+            evidence_dir = out_dir / "evidence"
+            evidence_dir.mkdir(exist_ok=True)
+            torch.save(
+                {"first": recorder.entries, "repeat": {key: d for key, _, _, d in repeat.entries}},
+                evidence_dir / f"rank{rank}.pt",
+            )
+        session.comm.barrier("report:done")
+    finally:
+        if owns:
+            import torch.distributed as dist
+
+            # Every rank leaves the group together; the reference below needs no group.
+            dist.destroy_process_group()
+            session = session2 = None  # noqa: F841 (their group handles go with the mesh)
+            if "mesh" in locals():
+                mesh.release()
+    if rank != 0:
+        return None
+    report = _report(instructions, ledgers, repeat_ledgers, losses, steps, train_s, data_path)
+    if reference:
+        records = run_reference(instructions, source, steps)
+        saved = [torch.load(out_dir / "evidence" / f"rank{r}.pt", weights_only=True) for r in range(world)]
+        found = compare(records, saved)
+        evidence_id = f"run-{instructions.content_digest.removeprefix('sha256:')[:12]}-{steps}"
+        updates = [with_evidence(_planned_update(u), found.get(u.node_id), evidence_id) for u in doc.updates]
+        tolerance = EVIDENCE_TOLERANCE[instructions.precision]
+        for u in updates:
+            if u.has_numerics_evidence and u.maximum_relative_error > tolerance:
+                report["errors"].append(
+                    f"{u.node_id}: relative error {u.maximum_relative_error:.2e} against the single-process reference exceeds {tolerance:.0e}"
+                )
+        for u in updates:
+            if not u.has_numerics_evidence:
+                report["errors"].append(f"{u.node_id}: executed but no evidence was recorded")
+        report["evidence"] = {"tolerance": tolerance, "run_id": evidence_id, "updates": [u.as_dict() for u in updates]}
+        report["ok"] = not report["errors"]
+    report["run"]["wall_s"] = time.perf_counter() - started
+    (out_dir / REPORT_FILE).write_text(json.dumps(report, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    return report
+
+
+def _planned_update(u):
+    from mixle_compile.contracts import DistributedUpdate
+
+    return DistributedUpdate.from_dict({k: getattr(u, k) for k in DistributedUpdate.__dataclass_fields__})
+
+
+def _report(instructions: Instructions, ledgers, repeat_ledgers, losses, steps, train_s, data_path) -> dict:
+    account = accounting(instructions, ledgers, steps)
+    errors = list(account["errors"])
+    if repeat_ledgers is not None and [lg["updates"] for lg in repeat_ledgers] != [lg["updates"] for lg in ledgers]:
+        errors.append("the repeated run issued different collectives from the first")
+    plan = instructions.plan
+    warnings = []
+    if instructions.spec.training.activation_checkpointing != "none":
+        warnings.append(
+            f"training.activation_checkpointing={instructions.spec.training.activation_checkpointing!r} is not applied by "
+            "this runtime: every activation is kept, so memory exceeds the plan's activation model"
+        )
+    return {
+        "ok": not errors,
+        "errors": errors,
+        "warnings": warnings,
+        "plan": {
+            "content_digest": instructions.content_digest,
+            "world_size": plan.world_size,
+            "factorisation": plan.factorisation(),
+            "degrees": plan.as_dict(),
+            "family": instructions.family,
+            "precision": instructions.precision,
+            "optimizer": instructions.optimizer,
+            "sequence_parallel": instructions.sequence_parallel,
+        },
+        "run": {"steps": steps, "train_s": train_s, "wall_s": train_s, "data": data_path or "synthetic", "torch": torch.__version__},
+        "losses": losses,
+        "accounting": account,
+        "evidence": None,
+        "receipts": RECEIPTS_FILE,
+    }
+
+
+def write_failure(out_dir: Path, rank: int, exc: BaseException) -> None:
+    info = {"rank": rank, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(limit=8)}
+    if isinstance(exc, CollectiveFailed):
+        info.update(collective=exc.node_id, group=exc.rule, group_ranks=list(exc.ranks), timed_out=exc.timed_out)
+    try:
+        (out_dir / "errors").mkdir(parents=True, exist_ok=True)
+        (out_dir / "errors" / f"rank{rank}.json").write_text(json.dumps(info, indent=1), encoding="utf-8")
+    except OSError:
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mixle_compile.runtime.worker")
+    parser.add_argument("--plan", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--timeout", type=float, required=True)
+    parser.add_argument("--reference", action="store_true")
+    parser.add_argument("--data")
+    parser.add_argument("--progress", action="store_true")
+    args = parser.parse_args(argv)
+    from mixle_compile.plan import load_plan_text
+
+    out_dir = Path(args.out)
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+        doc = load_plan_text(Path(args.plan).read_bytes(), args.plan)
+        run_rank(doc, steps=args.steps, out_dir=out_dir, reference=args.reference, data_path=args.data, timeout_s=args.timeout, progress=args.progress)
+    except BaseException as exc:  # every failure leaves its note for the launcher
+        write_failure(out_dir, rank, exc)
+        print(f"rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip the interpreter's teardown: a communication thread still being torn down there can abort
+    # a rank that has already finished its work and written its results.
+    os._exit(code)

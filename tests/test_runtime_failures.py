@@ -1,0 +1,39 @@
+"""A dead, failing or stalled rank ends the job with an error that names it; nothing hangs.
+
+Faults are injected with MIXLE_RUNTIME_FAULT (``kind:rank:step``) just before a step. The test's
+own subprocess limit is only a guard against a hang; what is asserted is the behaviour: RunFailed,
+the culprit rank in the message, and no worker left running.
+"""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from mixle_compile.runtime import RunFailed, run_plan
+from mixle_compile.runtime.worker import FAULT_ENV
+from tests.test_runtime_support import plan_for
+
+
+def no_workers_left(out_dir) -> bool:
+    listing = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    return str(out_dir) not in listing
+
+
+@pytest.mark.parametrize(
+    ("fault", "mesh", "culprit", "words"),
+    [
+        ("kill:1:1", dict(ds=2, tp=2), 1, ["rank 1 died"]),
+        ("raise:1:1", dict(dr=2), 1, ["rank 1 failed: RuntimeError: injected fault on rank 1 at step 1"]),
+        ("stall:3:1", dict(ds=2, tp=2), 3, ["rank 3 stalled", "timed out after 4 s"]),
+    ],
+)
+def test_a_failing_rank_is_named_and_the_job_stops(tmp_path, monkeypatch, fault, mesh, culprit, words):
+    monkeypatch.setenv(FAULT_ENV, fault)
+    with pytest.raises(RunFailed) as caught:
+        run_plan(plan_for(**mesh), steps=3, out_dir=tmp_path, progress=False, timeout_s=4)
+    for text in words:
+        assert text in str(caught.value)
+    assert caught.value.ranks == (culprit,)
+    assert no_workers_left(tmp_path)
