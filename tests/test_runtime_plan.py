@@ -30,7 +30,7 @@ from mixle_compile.runtime import cli, launch
 cli.add_run_arguments(argparse.ArgumentParser())
 assert cli.DEFAULT_TIMEOUT_S == launch.DEFAULT_TIMEOUT_S
 assert "torch" not in sys.modules
-for path in ("examples/mixtral-moe-ep.yaml", "examples/gaussian-mixture.yaml", "examples/llama3-8b-hsdp-tp.yaml"):
+for path in ("examples/mixtral-moe-ep.yaml", "examples/hmm-shared-transitions.yaml", "examples/llama3-8b-hsdp-tp.yaml"):
     try:
         r.run_plan(path, out_dir={str(tmp_path)!r})
     except r.RuntimeRefusal as exc:

@@ -327,3 +327,11 @@ def test_verification_is_frozen_data():
         verification.findings[0].message = ""
     with pytest.raises(dataclasses.FrozenInstanceError):
         verification.facts.family = "modules"
+
+
+def test_a_modules_spec_without_layer_indices_verifies(capsys):
+    """Regression: a `modules` model naming no layers is one block, not zero layers."""
+    from tests.conftest import EXAMPLES
+
+    status, out, _ = run_cli(capsys, "check", str(EXAMPLES / "modules-mlp.yaml"))
+    assert status == 0 and "All checks passed" in out

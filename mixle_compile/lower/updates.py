@@ -211,11 +211,11 @@ def activation_updates(spec: Spec, plan: ParallelPlan, stage_of: dict[int, int])
     sp = t.sequence_parallel
     out: list[PlannedUpdate] = []
 
-    def add(node: str, collective: CollectiveKind, axes: tuple[str, ...], phase: str, stage: int, nbytes: int, layout: StateLayout, notes: str, payload=PayloadKind.activation) -> None:
+    def add(node: str, collective: CollectiveKind, axes: tuple[str, ...], phase: str, stage: int, nbytes: int, layout: StateLayout, notes: str, payload=PayloadKind.activation, times: int = 1) -> None:
         out.append(
             PlannedUpdate(
                 DistributedUpdate(node_id=node, payload=payload, collective=collective, mesh_axes=axes, state_layout=layout, notes=notes, contract_exact=True),
-                node.split(":")[0], phase, stage, nbytes, group_size(axes, plan), mb,
+                node.split(":")[0], phase, stage, nbytes, group_size(axes, plan), mb * times,
             )
         )
 
@@ -254,7 +254,17 @@ def activation_updates(spec: Spec, plan: ParallelPlan, stage_of: dict[int, int])
                 add(f"layers.{i}.moe:{what}", CollectiveKind.all_to_all, ("ep",), phase, stage, routed, StateLayout.expert_local, "expert parallel: tokens to their experts' ranks and back", payload=PayloadKind.token)
     if plan.pp > 1:
         boundary_bytes = hidden_bytes // (plan.tp if sp else 1)
-        for s in range(plan.pp - 1):
-            add(f"stage.{s}->{s + 1}:activation", CollectiveKind.p2p, ("pp",), "forward", s, boundary_bytes, StateLayout.pipeline_local, "pipeline: activation to the next stage")
-            add(f"stage.{s + 1}->{s}:activation/grad", CollectiveKind.p2p, ("pp",), "backward", s + 1, boundary_bytes, StateLayout.pipeline_local, "pipeline: activation gradient to the previous stage")
+        # Virtual stage w hands over to w + 1 on stage (w + 1) % pp: with interleaving the last stage
+        # also sends to the first (chunk c to chunk c + 1), and a pair of stages carries one
+        # transfer per micro-batch for every virtual boundary between them.
+        chunks = max(1, t.virtual_pipeline_stages)
+        boundaries: dict[int, int] = {}
+        for w in range(plan.pp * chunks - 1):
+            boundaries[w % plan.pp] = boundaries.get(w % plan.pp, 0) + 1
+        for s in range(plan.pp):
+            if s not in boundaries:
+                continue
+            n = (s + 1) % plan.pp
+            add(f"stage.{s}->{n}:activation", CollectiveKind.p2p, ("pp",), "forward", s, boundary_bytes, StateLayout.pipeline_local, "pipeline: activation to the next stage", times=boundaries[s])
+            add(f"stage.{n}->{s}:activation/grad", CollectiveKind.p2p, ("pp",), "backward", n, boundary_bytes, StateLayout.pipeline_local, "pipeline: activation gradient to the previous stage", times=boundaries[s])
     return out

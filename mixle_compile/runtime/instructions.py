@@ -34,6 +34,8 @@ DATA_AXES = ("dp_replicate", "dp_shard", "cp")
 # The activation sites the transformer executes (see runtime/model.py); a planned update outside
 # these and the parameters' own updates is one this runtime does not implement.
 _ACTIVATION_SITE = re.compile(r"^(embed|lm_head|layers\.\d+\.(attn|mlp)):(in|out|loss)(/grad)?$")
+# The pipeline's stage-boundary transfers (executed by runtime/pipeline.py only).
+_PIPELINE_SITE = re.compile(r"^stage\.\d+->\d+:activation(/grad)?$")
 
 
 @dataclass(frozen=True)
@@ -107,8 +109,10 @@ def plan_of(doc: PlanDocument) -> ParallelPlan:
     return ParallelPlan.from_dict(doc.mesh.degrees)
 
 
-def read_instructions(doc: PlanDocument) -> Instructions:
-    """The plan as instructions; raises RuntimeRefusal naming what this runtime cannot execute."""
+def read_instructions(doc: PlanDocument, *, pipeline: bool = False) -> Instructions:
+    """The plan as instructions; raises RuntimeRefusal naming what this runtime cannot execute.
+
+    ``pipeline=True`` (runtime/pipeline.py) accepts pp > 1 and the stage-boundary transfers."""
     if not doc.verdict.ok:
         first = doc.verdict.diagnostics[0].message if doc.verdict.diagnostics else "; ".join(doc.verdict.reduction_problems[:1]) or "its schedule check failed"
         raise RuntimeRefusal(
@@ -116,7 +120,7 @@ def read_instructions(doc: PlanDocument) -> Instructions:
         )
     spec = plan_spec(doc)
     plan = plan_of(doc)
-    _refuse_unsupported(spec, plan)
+    _refuse_unsupported(spec, plan, pipeline=pipeline)
     collectives = {}
     for u in doc.updates:
         collectives[u.node_id] = Collective(
@@ -197,7 +201,7 @@ def read_instructions(doc: PlanDocument) -> Instructions:
     for node_id, c in collectives.items():
         if c.tensor in param_tensors:
             continue
-        if not _ACTIVATION_SITE.match(node_id):
+        if not (_ACTIVATION_SITE.match(node_id) or (pipeline and _PIPELINE_SITE.match(node_id))):
             raise RuntimeRefusal(f"the plan declares the collective {node_id!r} ({c.collective} over {', '.join(c.axes)}), which this runtime does not execute")
         activation_sites.append(node_id)
     t = spec.training
@@ -240,13 +244,13 @@ def _ties(spec: Spec, plan: ParallelPlan) -> dict[str, str]:
     return {}
 
 
-def _refuse_unsupported(spec: Spec, plan: ParallelPlan) -> None:
+def _refuse_unsupported(spec: Spec, plan: ParallelPlan, *, pipeline: bool = False) -> None:
     model = spec.model
     if not isinstance(model, (TransformerModel, ModulesModel)):
         raise RuntimeRefusal(
             f"the torch runtime executes neural models (families transformer and modules); this plan's model is a {model.family!r} model"
         )
-    later = [f"{axis}={plan.size(axis)}" for axis in ("pp", "cp", "ep") if plan.size(axis) > 1]
+    later = [f"{axis}={plan.size(axis)}" for axis in ("pp", "cp", "ep") if plan.size(axis) > 1 and not (pipeline and axis == "pp")]
     if later:
         raise RuntimeRefusal(
             f"this runtime does not execute pipeline, context or expert parallelism yet (the plan has {', '.join(later)}); "

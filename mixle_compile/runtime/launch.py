@@ -27,8 +27,9 @@ import time
 from pathlib import Path
 
 from mixle_compile.plan import PlanDocument, load_plan_text
-from mixle_compile.plan.artifact import PlanError, build_plan, plan_text
+from mixle_compile.plan.artifact import PlanError, plan_text
 from mixle_compile.runtime.errors import RunFailed, RuntimeRefusal
+from mixle_compile.runtime.em_plan import is_distribution, read_em_instructions
 from mixle_compile.runtime.instructions import read_instructions
 from mixle_compile.runtime.report import REPORT_FILE, RunReport
 
@@ -59,16 +60,18 @@ def _looks_like_spec(path: Path) -> bool:
 
 
 def compile_spec_file(path: Path) -> PlanDocument:
-    from mixle_compile.lower.lowering import lower
-    from mixle_compile.spec import load_spec
+    """The same pass as `mixle-compile compile`: a spec the verifier rejects never reaches the ranks."""
+    from mixle_compile.compile import CompilerBug, compile_file
 
-    loaded = load_spec(path)
-    errors = [d for d in loaded.diagnostics if d.severity.value == "error"]
-    if loaded.spec is None or errors:
+    try:
+        result = compile_file(path)
+    except CompilerBug as exc:
+        raise RuntimeRefusal(f"{path}: the compiler failed its own checks ({exc}); nothing is run") from None
+    if result.plan is None:
+        errors = [d for d in result.check.diagnostics if d.severity.value == "error"]
         shown = "\n".join(d.text() for d in errors[:5])
         raise RuntimeRefusal(f"{path} does not check cleanly, so it is not run:\n{shown}")
-    doc = build_plan(loaded.spec, lower(loaded.spec), list(loaded.diagnostics))
-    return load_plan_text(plan_text(doc), str(path))
+    return load_plan_text(plan_text(result.plan), str(path))
 
 
 def run_plan(
@@ -91,8 +94,9 @@ def run_plan(
     RunFailed (naming the rank) when a rank dies, raises or stalls.
     """
     doc = plan if isinstance(plan, PlanDocument) else load_plan_or_spec(plan)
-    instructions = read_instructions(doc)
-    if instructions.family != "transformer":
+    if is_distribution(doc):
+        instructions = read_em_instructions(doc)  # EM (runtime/em.py); refuses what it does not execute
+    elif (instructions := read_instructions(doc)).family != "transformer":
         raise RuntimeRefusal(
             "a `modules` plan describes the parameters of your own nn.Module, which `run` cannot build; train it "
             "with the library API instead: get_training_backend('torch').prepare(module, plan=..., document=...) "

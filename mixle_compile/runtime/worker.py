@@ -82,6 +82,12 @@ def train(session: DistributedSession, source: TokenSource, steps: int, *, recei
 
 def run_rank(doc: PlanDocument, *, steps: int, out_dir: Path, reference: bool, data_path: str | None, timeout_s: float, progress: bool) -> dict | None:
     """Run this rank; rank 0 returns the report (also written to ``out_dir``), other ranks None."""
+    from mixle_compile.runtime.em_plan import is_distribution
+
+    if is_distribution(doc):  # a distribution model is fitted by EM (runtime/em.py)
+        from mixle_compile.runtime.em import run_em_rank
+
+        return run_em_rank(doc, steps=steps, out_dir=out_dir, reference=reference, data_path=data_path, timeout_s=timeout_s, progress=progress)
     from mixle_compile.runtime.reference import Recorder, compare, run_reference, with_evidence
 
     started = time.perf_counter()

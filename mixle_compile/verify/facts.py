@@ -188,8 +188,11 @@ def plan_facts(spec: Spec) -> PlanFacts:
         if experts:
             i, p = experts[0]
             add("num_experts", ("model", "parameters", i, "shape"), p.shape[0], shown=str(list(p.shape)))
-        layers = {p.layer for p in model.parameters if p.layer is not None}
-        add("layers", ("model", "parameters"), len(layers), shown=f"{len(layers)} layers")
+        # As the lowering counts them: layer indices run 0..max; parameters without one form a
+        # single block (so a model that names no layers is one layer, never zero).
+        indices = [p.layer for p in model.parameters if p.layer is not None]
+        layers = max(indices) + 1 if indices else 1
+        add("layers", ("model", "parameters"), layers, shown=f"{layers} layer{'s' * (layers != 1)}")
         footprint = parameter_footprint(spec)
     else:
         assert isinstance(model, DistributionModel)
