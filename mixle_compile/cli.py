@@ -48,6 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
     explain.add_argument("target", metavar="CODE|FILE", help="a diagnostic code such as T002, a spec file, or a compiled plan")
     explain.add_argument("--format", choices=("text", "json"), default="text", help="output format for files (default: text)")
     explain.add_argument("--plot", type=Path, metavar="PNG", help="also draw per-rank memory and traffic (needs the `plot` extra)")
+    explain.add_argument(
+        "--ranks", type=int, nargs="?", const=8, metavar="N",
+        help="also list the concrete ranks of the first N groups of every group rule (default 8); plans keep groups symbolic otherwise",
+    )
     explain.set_defaults(run=_cmd_explain)
 
     compile_ = sub.add_parser("compile", help="verify a spec and write its executable plan")
@@ -191,12 +195,20 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     doc, status = _plan_of(target, "explain")
     if doc is None:
         return status
-    from mixle_compile.report import explain_data, explain_text, plot_plan
+    from mixle_compile.report import explain_data, explain_text, plot_plan, rank_groups, rank_groups_text
 
+    if args.ranks is not None and args.ranks < 0:
+        print("mixle-compile explain: error: --ranks takes a number of groups >= 0", file=sys.stderr)
+        return EXIT_USAGE
     if args.format == "json":
-        print(json.dumps(explain_data(doc), indent=2, sort_keys=True))
+        data = explain_data(doc)
+        if args.ranks is not None:
+            data["rank_groups"] = rank_groups(doc, args.ranks)
+        print(json.dumps(data, indent=2, sort_keys=True))
     else:
         sys.stdout.write(explain_text(doc))
+        if args.ranks is not None:
+            sys.stdout.write(rank_groups_text(doc, args.ranks))
     if args.plot:
         try:
             plot_plan(doc, str(args.plot))

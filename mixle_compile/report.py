@@ -149,6 +149,29 @@ def plot_plan(doc: PlanDocument, path: str) -> None:
     plt.close(fig)
 
 
+def rank_groups(doc: PlanDocument, limit: int) -> list[dict[str, Any]]:
+    """Concrete ranks of the plan's groups, in the global creation order: the first `limit` groups
+    of each rule (the plan itself keeps groups symbolic, so large worlds are listed only on request)."""
+    from mixle_compile.contracts import ParallelPlan
+    from mixle_compile.lower.groups import RankGrid, enumerate_groups
+
+    plan = ParallelPlan.from_dict(doc.mesh.degrees)
+    grid = RankGrid.from_plan(plan, order=doc.groups.order, extra_rules=[tuple(r.axes) for r in doc.groups.rules])
+    out = []
+    for rule in grid.rules:
+        out.append({"rule": rule.name, "size": rule.size, "num_groups": rule.num_groups, "groups": [list(g) for g in enumerate_groups(rule, limit)]})
+    return out
+
+
+def rank_groups_text(doc: PlanDocument, limit: int) -> str:
+    lines = ["", f"rank groups (creation order; at most {limit} per rule)"]
+    for entry in rank_groups(doc, limit):
+        shown = " ".join("{" + ",".join(map(str, g)) + "}" for g in entry["groups"])
+        more = f" ... ({entry['num_groups'] - len(entry['groups'])} more)" if entry["num_groups"] > len(entry["groups"]) else ""
+        lines.append(f"  {entry['rule']} (size {entry['size']}, {entry['num_groups']} groups): {shown}{more}")
+    return "\n".join(lines) + "\n"
+
+
 # --------------------------------------------------------------------------- diff
 
 

@@ -114,3 +114,26 @@ def test_check_sarif_lists_every_rule_and_locates_findings(capsys, monkeypatch):
     location = result["locations"][0]["physicalLocation"]
     assert location["artifactLocation"]["uri"] == "examples/invalid/t001-heads-split-by-tp.yaml"
     assert location["region"] == {"startLine": 4, "startColumn": 12}
+
+
+def test_explain_ranks_lists_concrete_groups_only_on_request(capsys, tmp_path):
+    status, out, _ = run_cli(capsys, "explain", EXAMPLES / "tiny-transformer.yaml", "--ranks", "4")
+    assert status == 0
+    assert "  tp (size 2, 2 groups): {0,1} {2,3}" in out and "  dp_shard (size 2, 2 groups): {0,2} {1,3}" in out
+    status, plain, _ = run_cli(capsys, "explain", EXAMPLES / "tiny-transformer.yaml")
+    assert "rank groups" not in plain
+
+
+def test_explain_ranks_on_a_131072_rank_plan_lists_only_what_is_asked(capsys, tmp_path):
+    big = tmp_path / "big.yaml"
+    big.write_text(
+        "model: {family: transformer, vocab_size: 128256, hidden_size: 4096, num_layers: 32, num_heads: 32, num_kv_heads: 8, ffn_hidden_size: 14336}\n"
+        "mesh: {dp_shard: 4096, tp: 8, pp: 4, microbatches: 8}\n"
+        "training: {global_batch_size: 32768, micro_batch_size: 1, seq_len: 4096, sequence_parallel: true}\n"
+        "backend: torch\nresources: {devices: 131072, memory: 80GiB}\n"
+    )
+    status, out, _ = run_cli(capsys, "explain", big, "--ranks", "2", "--format", "json")
+    assert status == 0
+    groups = {g["rule"]: g for g in json.loads(out)["rank_groups"]}
+    assert groups["tp"]["num_groups"] == 16384 and groups["tp"]["groups"] == [list(range(8)), list(range(8, 16))]
+    assert groups["dp_shard"]["size"] == 4096 and len(groups["dp_shard"]["groups"]) == 2
