@@ -55,7 +55,6 @@ def _native(instructions, kind: str):
 
     from mixle_compile.runtime import model as m
     from mixle_compile.runtime.parameters import initial_value
-    from mixle_compile.runtime.tensor_parallel import TensorParallel, VocabParallelCrossEntropy
 
     shape = m.TransformerShape.from_spec(instructions.spec)
 
@@ -65,29 +64,8 @@ def _native(instructions, kind: str):
             self.names = list(names)
             self.weights = nn.ParameterList([nn.Parameter(initial_value(instructions.param(n), instructions.seed)) for n in names])
 
-    class Ops:
-        tp_size, tp_rank = 1, 0
-
-        def __init__(self, part):
-            self.index = {n: w for n, w in zip(part.names, part.weights)}
-
-        def weight(self, use):
-            return self.index[use]
-
-        def unit_begin(self, unit, x):
-            return x
-
-        def unit_end(self, unit, y):
-            return y
-
-        def copy(self, site, x):
-            return x
-
-        def reduce(self, site, y):
-            return y
-
-        def cross_entropy(self, logits, targets, vocab_start):
-            return VocabParallelCrossEntropy.apply(logits, targets, TensorParallel(None, 1, 0, False), vocab_start)
+    def Ops(part):  # noqa: N802 (reads like the class it builds)
+        return m.LocalOps(dict(zip(part.names, part.weights)))
 
     class Block(Part):
         def forward(self, x, rope):

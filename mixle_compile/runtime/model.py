@@ -44,6 +44,35 @@ class Ops(Protocol):
     def cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor, vocab_start: int) -> torch.Tensor: ...
 
 
+class LocalOps:
+    """The model helpers' Ops for plain local tensors (no collectives: tp = 1), e.g. one pipeline stage
+    or a single-process baseline."""
+
+    tp_size = 1
+    tp_rank = 0
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def weight(self, use: str) -> torch.Tensor:
+        return self.tensors[use]
+
+    def unit_begin(self, unit, x):
+        return x
+
+    def unit_end(self, unit, y):
+        return y
+
+    def copy(self, site, x):
+        return x
+
+    def reduce(self, site, y):
+        return y
+
+    def cross_entropy(self, logits, targets, vocab_start):
+        return F.cross_entropy(logits, targets, reduction="none")
+
+
 @dataclass(frozen=True)
 class TransformerShape:
     vocab_size: int

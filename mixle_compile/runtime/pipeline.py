@@ -45,7 +45,7 @@ from mixle_compile.runtime.errors import RuntimeRefusal
 from mixle_compile.runtime.instructions import Instructions, read_instructions
 from mixle_compile.runtime.launch import load_plan_or_spec
 from mixle_compile.runtime.mesh import Mesh
-from mixle_compile.runtime.model import TransformerShape, _attention, _mlp, _norm, _rope_tables, _vocab_lookup, transformer_loss
+from mixle_compile.runtime.model import LocalOps, TransformerShape, _attention, _mlp, _norm, _rope_tables, _vocab_lookup, transformer_loss
 from mixle_compile.runtime.parameters import initial_value
 from mixle_compile.runtime.session import make_optimizer
 
@@ -101,35 +101,7 @@ class _Layout:
         return self.pp * self.chunks - 1
 
 
-class _Weights:
-    """The model helpers' Ops for plain local tensors (no collectives: tp = 1)."""
-
-    tp_size = 1
-    tp_rank = 0
-
-    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
-        self.tensors = tensors
-
-    def weight(self, use: str) -> torch.Tensor:
-        return self.tensors[use]
-
-    def unit_begin(self, unit, x):
-        return x
-
-    def unit_end(self, unit, y):
-        return y
-
-    def copy(self, site, x):
-        return x
-
-    def reduce(self, site, y):
-        return y
-
-    def cross_entropy(self, logits, targets, vocab_start):
-        return F.cross_entropy(logits, targets, reduction="none")
-
-
-def _chunk_forward(ops: _Weights, shape: TransformerShape, layers: list[int], first: bool, last: bool,
+def _chunk_forward(ops: LocalOps, shape: TransformerShape, layers: list[int], first: bool, last: bool,
                    x: torch.Tensor, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """One virtual stage: (embedding), its blocks, (final norm, head and the micro-batch's mean loss)."""
     ids = inputs.t()
@@ -179,7 +151,7 @@ class PipelineStage:
             p = instructions.param(name)
             self.params[name] = torch.nn.Parameter(initial_value(p, instructions.seed).to(self.shape.compute_dtype))
         self.optimizer = make_optimizer(instructions.optimizer, list(self.params.values()), instructions.learning_rate)
-        self.ops = _Weights(self.params)
+        self.ops = LocalOps(self.params)
         self.gradient_norms: dict[str, float] = {}  # per parameter, summed over steps
         self.busy_s: list[float] = []  # per step: time inside forward and backward ops
         self.wall_s: list[float] = []  # per step: time inside train_step
@@ -354,7 +326,7 @@ def reference_parameters(instructions: Instructions, steps: int) -> tuple[dict[s
     shape = TransformerShape.from_spec(instructions.spec)
     params = {p.name: torch.nn.Parameter(initial_value(p, instructions.seed).to(shape.compute_dtype)) for p in instructions.params}
     optimizer = make_optimizer(instructions.optimizer, list(params.values()), instructions.learning_rate)
-    ops = _Weights(params)
+    ops = LocalOps(params)
     source = SyntheticTokens(instructions.spec.model.vocab_size, instructions.seq_len or 1, instructions.seed)
     losses = []
     dp = instructions.plan.data_parallel_size

@@ -28,7 +28,7 @@ from torch.autograd import Function
 from mixle_compile.contracts import DistributedUpdate
 from mixle_compile.runtime.data import BatchLayout, TokenSource, local_batch
 from mixle_compile.runtime.instructions import Instructions
-from mixle_compile.runtime.model import TransformerShape, default_loss, module_loss, transformer_loss
+from mixle_compile.runtime.model import LocalOps, TransformerShape, default_loss, module_loss, transformer_loss
 from mixle_compile.runtime.parameters import DTYPES, apply_slices, initial_value
 from mixle_compile.runtime.session import make_optimizer
 from mixle_compile.runtime.tensor_parallel import TensorParallel, VocabParallelCrossEntropy
@@ -122,9 +122,8 @@ class _ReferenceParams:
         return _ReferenceUse.apply(self.masters[self.canonical[use]], self, use)
 
 
-class _ReferenceOps:
-    tp_size = 1
-    tp_rank = 0
+class _ReferenceOps(LocalOps):
+    """Local ops that also record the activations the evidence compares."""
 
     def __init__(self, params: _ReferenceParams, sink, wanted: set[str]) -> None:
         self.params = params
@@ -134,12 +133,6 @@ class _ReferenceOps:
 
     def weight(self, use):
         return self.params.weight(use)
-
-    def unit_begin(self, unit, x):
-        return x
-
-    def unit_end(self, unit, y):
-        return y
 
     def copy(self, site, x):
         return self._observe(f"{site}:in", f"{site}:in/grad", x)
