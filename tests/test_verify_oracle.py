@@ -154,28 +154,41 @@ def memory_bytes(spec: Spec, devices: int | None = None) -> Fraction:
     def group_amounts(group) -> dict:
         return _amounts([g[0] for g in group], [g[1] for g in group])
 
-    expert_share = Fraction(ep * etp) * max(Fraction(dps * cp * tp, ep * etp), Fraction(1))
-    splits = {"tp": Fraction(tp * dps * cp), "replicated": Fraction(dps * cp), "expert": expert_share}
+    fsdp = dps > 1
+    edp = Fraction(m.dp_replicate * dps * cp * tp, ep * etp)
+    model_split = {"tp": Fraction(tp), "replicated": Fraction(1), "expert": Fraction(ep * etp)}
+    data_split = {"tp": Fraction(dps * cp), "replicated": Fraction(dps * cp), "expert": edp} if fsdp else dict.fromkeys(model_split, Fraction(1))
+    if t.distributed_optimizer and not fsdp:
+        state_extra = {"tp": Fraction(m.dp_replicate * cp), "replicated": Fraction(m.dp_replicate * cp), "expert": edp}
+    else:
+        state_extra = dict.fromkeys(model_split, Fraction(1))
     moments = 0 if t.optimizer == "sgd" else 8
-    state_split = Fraction(m.dp_replicate if t.distributed_optimizer else 1)
-
     element = DTYPE_BYTES[t.precision]
     low = t.precision != "fp32"
 
-    def weights(amounts) -> Fraction:
-        return sum((Fraction(a[0] * element + a[2]) / splits[k] for k, a in amounts.items()), Fraction(0))
+    def weights(amounts, split) -> Fraction:
+        return sum((Fraction(a[0] * element + a[2]) / split[k] for k, a in amounts.items()), Fraction(0))
 
-    def state(amounts) -> Fraction:
+    def state(amounts, split) -> Fraction:
         return sum(
-            (Fraction(moments * (a[0] + a[1]) + 4 * ((a[0] if low else 0) + a[3])) / (splits[k] * state_split) for k, a in amounts.items()),
+            (Fraction(moments * (a[0] + a[1]) + 4 * ((a[0] if low else 0) + a[3])) / split[k] for k, a in amounts.items()),
             Fraction(0),
         )
 
+    def ends(measure, split) -> Fraction:
+        f, la, ti = measure(group_amounts(first), split), measure(group_amounts(last), split), measure(group_amounts(tied), split)
+        return f + la - ti if pp == 1 else max(f, la)
+
+    local = {k: model_split[k] * data_split[k] for k in model_split}
+    local_state = {k: local[k] * state_extra[k] for k in model_split}
     total = Fraction(0)
-    for measure in (weights, weights, state):  # weights, gradients, optimizer state
-        stage = sum((count * measure(a) for count, a in held), Fraction(0))
-        f, la, ti = measure(group_amounts(first)), measure(group_amounts(last)), measure(group_amounts(tied))
-        total += stage + (f + la - ti if pp == 1 else max(f, la))
+    for measure, split in ((weights, local), (weights, local), (state, local_state)):  # weights, gradients, state
+        total += sum((count * measure(a, split) for count, a in held), Fraction(0)) + ends(measure, split)
+    if fsdp:  # two unsharded units in flight: the heaviest layer (by kind) or the two ends
+        layer_unit = Fraction(0)
+        if held:
+            layer_unit = weights(held[0][1], model_split) + max((weights(a, model_split) for _, a in held[1:]), default=Fraction(0))
+        total += 2 * max(layer_unit, ends(weights, model_split))
     return total + activation_bytes(spec, v * c)
 
 
@@ -202,8 +215,11 @@ def activation_bytes(spec: Spec, layers_on_rank: int) -> Fraction:
     elif t.pipeline_schedule == "1f1b":
         in_flight = Fraction(min(mb, pp))
     else:
-        in_flight = min(mb, pp) * (1 + Fraction(pp - 1, pp * t.virtual_pipeline_stages))
-    return in_flight * layers_on_rank * per_layer
+        in_flight = Fraction(min(mb, pp))
+        if t.virtual_pipeline_stages > 1:
+            in_flight *= 1 + Fraction(pp - 1, pp * t.virtual_pipeline_stages)
+    logits = s * b * model.vocab_size / tp * 4
+    return in_flight * layers_on_rank * per_layer + logits
 
 
 def device_memory(spec: Spec) -> int:
@@ -625,7 +641,7 @@ resources: {devices: 8, memory: MEMORY}
         "batch": ("{tp: 2, dp_shard: 4}", "{global_batch_size: 12, micro_batch_size: 4, seq_len: 32}", "torch", "2GiB"),
         "pipeline": ("{tp: 2, pp: 4}", "{global_batch_size: 4, micro_batch_size: 4, seq_len: 32}", "megatron", "2GiB"),
         "precision": ("{tp: 2, dp_shard: 4}", "{global_batch_size: 16, micro_batch_size: 4, seq_len: 32, precision: fp16}", "torch", "2GiB"),
-        "memory": ("{tp: 1, dp_shard: 8}", "{global_batch_size: 16, micro_batch_size: 2, seq_len: 32}", "torch", "700KiB"),
+        "memory": ("{tp: 1, dp_shard: 8}", "{global_batch_size: 16, micro_batch_size: 2, seq_len: 32}", "torch", "1000KiB"),
     }
     for name, (mesh, training, backend, memory) in cases.items():
         text = base.replace("MESH", mesh).replace("TRAINING", training).replace("BACKEND", backend).replace("MEMORY", memory)

@@ -1,22 +1,10 @@
 """Per-rank memory by kind, and per-step traffic per axis and collective.
 
-Memory (bytes per rank, per pipeline stage; ranks of one stage hold the same amounts):
-
-- parameters: each parameter's local shard in its dtype;
-- gathered_parameters: under FSDP, the unsharded (tp-local) parameters of two layers in flight
-  (the one computing and the one prefetched);
-- gradients: one per local parameter element, in the parameter dtype;
-- optimizer_state: adam/adamw keep two fp32 moments (8 bytes per element), sgd none, and
-  low-precision training adds an fp32 master copy (4 bytes); state the layout shards is divided
-  by the ranks it is sharded over;
-- activations: the standard per-layer estimate of Korthikanti et al. (2022), in bytes for 16-bit
-  activations, s*b*h*(10 + 24/t + 5*a*s/(h*t)) without sequence parallelism and
-  s*b*h/t*(34 + 5*a*s/h) with it; selective recomputation drops the attention-score term
-  (5*a*s/h), full recomputation keeps only the layer input (2*s*b*h/t); s is the local sequence
-  (seq_len / cp); fp32 doubles it. A stage holds the activations of the micro-batches in flight:
-  all of them under gpipe, min(microbatches, pp - stage) under 1f1b, and that times
-  (1 + (pp - 1) / (pp * v)) under interleaved 1f1b. The last stage adds the fp32 logits of one
-  micro-batch.
+Memory: bytes per rank, per pipeline stage (ranks of one stage hold the same amounts), priced
+parameter by parameter with the formulas of :mod:`mixle_compile.memory_model` (the verifier's
+memory rule bounds the heaviest rank with the same formulas). State the layout shards is divided
+by the ranks it is sharded over. A stage's activations are those of its own layers times the
+micro-batches it keeps in flight under the plan's schedule; the last stage adds the logits.
 
 Traffic: each update's ring cost per rank times its occurrences per step (see
 `PlannedUpdate.bytes_per_rank_per_step`), summed per (axes, collective).
@@ -28,8 +16,16 @@ from dataclasses import dataclass
 from math import ceil
 
 from mixle_compile.contracts import ParallelPlan, StateLayout
-from mixle_compile.lower.layouts import PlacedParameter, expert_data_size, stage_of_layer
+from mixle_compile.lower.layouts import KV_HEAD_AXIS, PlacedParameter, expert_data_size, stage_of_layer
 from mixle_compile.lower.updates import PlannedUpdate
+from mixle_compile.memory_model import (
+    NUMBERS,
+    activation_bytes_per_layer,
+    gathered_parameter_bytes,
+    logits_bytes,
+    micro_batches_in_flight,
+    optimizer_bytes_per_element,
+)
 from mixle_compile.parameters import DTYPE_BYTES
 from mixle_compile.spec.models import Spec, TransformerModel
 
@@ -87,19 +83,16 @@ def stage_memory(spec: Spec, plan: ParallelPlan, placed: tuple[PlacedParameter, 
             mine = unique
         params = sum(p.local_numel * DTYPE_BYTES[p.parameter.dtype] for p in mine)
         grads = params
-        state_per_elem = (8 if adam else 0) + (4 if t.precision != "fp32" else 0)
         state = 0
         for p in mine:
             elems = p.local_numel
             if p.layout.optimizer_state is StateLayout.sharded and not _data_sharded(p):
                 elems = ceil(elems / _data_ranks(p, plan))
-            state += elems * state_per_elem
-        gathered = 0
-        if plan.dp_shard > 1:
-            per_layer: dict[object, int] = {}
-            for p in mine:
-                per_layer[p.parameter.layer] = per_layer.get(p.parameter.layer, 0) + _tp_local_bytes(p, plan)
-            gathered = 2 * max(per_layer.values(), default=0)
+            state += elems * optimizer_bytes_per_element(NUMBERS, adam=adam, below_fp32=p.parameter.dtype != "fp32")
+        units: dict[object, int] = {}  # a layer, or (None) the embedding and head
+        for p in mine:
+            units[p.parameter.layer] = units.get(p.parameter.layer, 0) + _tp_local_bytes(p, plan)
+        gathered = gathered_parameter_bytes(NUMBERS, fsdp=plan.dp_shard > 1, largest_unit_bytes=max(units.values(), default=0))
         out.append(StageMemory(stage, params, gathered, grads, state, _activation_bytes(spec, plan, stage)))
     return tuple(out)
 
@@ -117,6 +110,8 @@ def _tp_local_bytes(p: PlacedParameter, plan: ParallelPlan) -> int:
     for axis, placement in p.layout.placements:
         if axis in ("tp", "ep") and placement != "replicate":
             nbytes //= plan.size(axis)
+        elif axis == KV_HEAD_AXIS and placement != "replicate":  # one KV head of several, shared over tp
+            nbytes //= plan.tp // p.kv_replicas
     return nbytes
 
 
@@ -124,30 +119,21 @@ def _activation_bytes(spec: Spec, plan: ParallelPlan, stage: int) -> int:
     model = spec.model
     t = spec.training
     if not isinstance(model, TransformerModel):
-        return 0
-    s = (t.seq_len or 1) / plan.cp
-    b, h, a, tp = t.micro_batch_size, model.hidden_size, model.num_heads, plan.tp
-    if t.activation_checkpointing == "full":
-        per_layer = 2 * s * b * h / (tp if t.sequence_parallel else 1)
-    else:
-        scores = 0 if t.activation_checkpointing == "selective" else 5 * a * s / h
-        if t.sequence_parallel:
-            per_layer = s * b * h / tp * (34 + scores)
-        else:
-            per_layer = s * b * h * (10 + 24 / tp + scores / tp)
-    if t.precision == "fp32":
-        per_layer *= 2
+        return 0  # a modules spec lists parameters only; how activations flow is not known
+    shape = dict(seq_len=t.seq_len or 1, cp=plan.cp, micro_batch_size=t.micro_batch_size, tp=plan.tp)
+    per_layer = activation_bytes_per_layer(
+        NUMBERS, **shape, hidden_size=model.hidden_size, num_heads=model.num_heads, sequence_parallel=t.sequence_parallel,
+        full_recompute=t.activation_checkpointing == "full", selective_recompute=t.activation_checkpointing == "selective",
+        fp32=t.precision == "fp32",
+    )
     layers_here = sum(1 for i in range(model.num_layers) if stage_of_layer(i, model.num_layers, plan.pp, t.virtual_pipeline_stages)[0] == stage)
-    m = plan.microbatches
-    if t.pipeline_schedule == "gpipe" or plan.pp == 1:
-        in_flight = float(m)
-    else:
-        in_flight = float(min(m, plan.pp - stage))
-        if t.pipeline_schedule == "interleaved_1f1b" and t.virtual_pipeline_stages > 1:
-            in_flight *= 1 + (plan.pp - 1) / (plan.pp * t.virtual_pipeline_stages)
+    in_flight = micro_batches_in_flight(
+        NUMBERS, pp=plan.pp, stage=stage, microbatches=plan.microbatches, gpipe=t.pipeline_schedule == "gpipe",
+        interleaved=t.pipeline_schedule == "interleaved_1f1b" and t.virtual_pipeline_stages > 1, virtual_stages=t.virtual_pipeline_stages,
+    )
     total = per_layer * layers_here * in_flight
     if stage == plan.pp - 1:
-        total += s * b * model.vocab_size / tp * 4
+        total += logits_bytes(NUMBERS, **shape, vocab_size=model.vocab_size)
     return int(total)
 
 

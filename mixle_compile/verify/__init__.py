@@ -5,6 +5,7 @@ Entry points (frozen data in, frozen data out):
 * :func:`verify_plan` - the rules a validated spec breaks, each with its minimal set of
   conflicting fields, and the elastic proof when the spec has an elastic range;
 * :func:`suggest_fix` - the nearest valid plan on the same devices;
+* :func:`memory_bound` - the memory rule's bytes for a spec, by kind;
 * :data:`RULES` - the rule catalogue (what ``mixle-compile rules`` lists).
 
 Importing this package does not import z3; the solver is loaded when a plan is verified.
@@ -21,6 +22,8 @@ from mixle_compile.verify.rule import ENGINES, RULES, Rule, rule_set_name, rules
 from mixle_compile.verify.rules import RULES as _CATALOGUE  # noqa: F401  (defines every rule)
 
 if TYPE_CHECKING:
+    from fractions import Fraction
+
     from mixle_compile.spec.models import Spec
     from mixle_compile.verify.elastic import ElasticProof
     from mixle_compile.verify.engine import Finding, PlanVerifier
@@ -31,6 +34,7 @@ __all__ = [
     "RULES",
     "Rule",
     "Verification",
+    "memory_bound",
     "plan_facts",
     "rule_set_name",
     "rules_for",
@@ -72,3 +76,17 @@ def suggest_fix(spec: "Spec") -> "Suggestion | None":
     from mixle_compile.verify.suggest import nearest_valid_plan
 
     return nearest_valid_plan(plan_facts(spec))
+
+
+def memory_bound(spec: "Spec") -> dict[str, "Fraction"]:
+    """The memory rule's (R001) bytes for the heaviest rank of a neural spec, by kind, at the spec's
+    own values: the bound the verifier compares with device memory."""
+    from mixle_compile.verify.engine import PlanVerifier, Values
+    from mixle_compile.verify.rules.memory import DEVICE_MEMORY, per_rank_bytes
+
+    facts = plan_facts(spec)
+    if facts.footprint is None:
+        raise ValueError(f"the memory rule does not apply to {facts.family!r} models")
+    encoding = PlanVerifier().encoding(facts, (DEVICE_MEMORY,))
+    values = Values(encoding.symbols, encoding.model(facts), facts)
+    return {kind: values.eval(term) for kind, term in per_rank_bytes(encoding.symbols).items()}

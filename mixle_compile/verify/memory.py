@@ -81,6 +81,7 @@ class ParameterFootprint:
     moe_layer_frequency: int = 1  # every k-th layer is a mixture-of-experts layer
     hidden_size: int = 0  # transformers only (activation memory)
     num_heads: int = 0
+    vocab_size: int = 0
 
     def share(self, place: str, category: str) -> Share:
         return self.shares.get((place, category), ZERO)
@@ -147,6 +148,7 @@ def parameter_footprint(spec: Spec) -> ParameterFootprint:
             moe_layer_frequency=model.moe_layer_frequency if model.num_experts > 0 else 1,
             hidden_size=model.hidden_size,
             num_heads=model.num_heads,
+            vocab_size=model.vocab_size,
         )
 
     # A listed model: layers may differ, so a stage is bounded by its heaviest layer.

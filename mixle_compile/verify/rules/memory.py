@@ -2,21 +2,38 @@
 
 from __future__ import annotations
 
+from mixle_compile.memory_model import (
+    activation_bytes_per_layer,
+    gathered_parameter_bytes,
+    logits_bytes,
+    micro_batches_in_flight,
+    optimizer_bytes_per_element,
+)
+from mixle_compile.verify import logic
 from mixle_compile.verify.facts import format_bytes
-from mixle_compile.verify.logic import larger, real, smaller, when
+from mixle_compile.verify.logic import all_of, larger, real, when
 from mixle_compile.verify.memory import CATEGORIES
 from mixle_compile.verify.rule import Rule, define
 
-MOMENT_BYTES = 8  # Adam(W): two fp32 moments per element
-MASTER_BYTES = 4  # an fp32 master copy of every parameter stored below fp32
+
+class _Terms:
+    """The memory model's arithmetic over Z3 terms."""
+
+    when = staticmethod(logic.when)
+    smaller = staticmethod(logic.smaller)
+    exact = staticmethod(real)
+
+
+TERMS = _Terms()
 
 
 def per_rank_bytes(v) -> dict[str, object]:
-    """The heaviest rank's bytes, as Z3 real terms: weights, gradients, optimizer state, activations."""
+    """The heaviest rank's bytes, as Z3 real terms, under the memory model of
+    :mod:`mixle_compile.memory_model` (the one the lowering prices plans with)."""
     fp = v.facts.footprint
     element_bytes = when(v.is_("precision", "fp32"), 4, when(v.is_("precision", "fp8"), 1, 2))
     below_fp32 = v.is_("precision", "bf16", "fp16", "fp8")
-    moment_bytes = when(v.is_("optimizer", "sgd"), 0, MOMENT_BYTES)
+    adam = v.is_("optimizer", "adam", "adamw")
 
     # Layers on the heaviest rank: its v virtual stages of ceil(layers / (pp * v)) layers each; a
     # stage of c consecutive layers holds at most ceil(c / k) mixture-of-experts layers and at most
@@ -31,44 +48,67 @@ def per_rank_bytes(v) -> dict[str, object]:
         "moe_layer": virtual * ((chunk + k - 1) / k),
     }
 
-    # How many ranks share one copy of each category: the model-parallel split times the data-parallel
-    # sharding (FSDP over dp_shard x cp; experts over the dp_shard x cp x tp ranks left after ep x etp).
-    expert_ranks = v.ep * v.etp
-    split = {
-        "tensor_parallel": real(v.tp * v.dp_shard * v.cp),
-        "replicated": real(v.dp_shard * v.cp),
-        "expert": real(expert_ranks) * larger(real(v.dp_shard * v.cp * v.tp) / real(expert_ranks), 1),
+    # How many ranks share one copy of each category, as the layouts place them: the model-parallel
+    # split (tp; experts ep * etp), times, under FSDP (dp_shard > 1), the data-parallel sharding
+    # (dp_shard * cp; experts: the whole expert-data domain, world / (ep * etp * pp)).
+    fsdp = v.dp_shard > 1
+    expert_data = real(v.data_parallel * v.cp * v.tp) / real(v.ep * v.etp)
+    model_split = {"tensor_parallel": real(v.tp), "replicated": real(1), "expert": real(v.ep * v.etp)}
+    data_split = {
+        "tensor_parallel": when(fsdp, real(v.dp_shard * v.cp), real(1)),
+        "replicated": when(fsdp, real(v.dp_shard * v.cp), real(1)),
+        "expert": when(fsdp, expert_data, real(1)),
     }
-    optimizer_split = when(v.distributed_optimizer, real(v.dp_replicate), real(1))
+    # A distributed optimizer without FSDP shards the state over all data ranks.
+    state_split = {
+        "tensor_parallel": when(all_of(v.distributed_optimizer, v.dp_shard == 1), real(v.data_parallel * v.cp), real(1)),
+        "expert": when(all_of(v.distributed_optimizer, v.dp_shard == 1), expert_data, real(1)),
+    }
+    state_split["replicated"] = state_split["tensor_parallel"]
 
     def weight_bytes(share) -> object:
         return share.precision_elements * element_bytes + share.fixed_bytes
 
     def state_bytes(share) -> object:
-        master = when(below_fp32, share.precision_elements, 0) + share.fixed_low_precision_elements
-        return moment_bytes * share.elements + MASTER_BYTES * master
+        full_precision = share.elements - share.fixed_low_precision_elements - share.precision_elements
+        return (
+            optimizer_bytes_per_element(TERMS, adam=adam, below_fp32=below_fp32) * share.precision_elements
+            + optimizer_bytes_per_element(TERMS, adam=adam, below_fp32=True) * share.fixed_low_precision_elements
+            + optimizer_bytes_per_element(TERMS, adam=adam, below_fp32=False) * full_precision
+        )
 
-    def held(place_counts, measure, extra_split) -> object:
+    def held(place_counts, measure, split) -> object:
         total = real(0)
         for place, count in place_counts:
             for category in CATEGORIES:
                 share = fp.share(place, category)
                 if share.elements:
-                    total = total + real(count * measure(share)) / (split[category] * extra_split)
+                    total = total + real(count * measure(share)) / split(category)
         return total
 
-    def stage_bytes(measure, extra_split) -> object:
-        layers = held(copies.items(), measure, extra_split)
-        first = held([("first_stage", 1)], measure, extra_split)
-        last = held([("last_stage", 1)], measure, extra_split)
-        tied = held([("tied_copy", 1)], measure, extra_split)
+    def ends(measure, split) -> object:
+        first = held([("first_stage", 1)], measure, split)
+        last = held([("last_stage", 1)], measure, split)
+        tied = held([("tied_copy", 1)], measure, split)
         # One stage holds both ends (a tied pair once); otherwise the heavier end is the bound.
-        return layers + when(v.pp == 1, first + last - tied, larger(first, last))
+        return when(v.pp == 1, first + last - tied, larger(first, last))
 
-    weights = stage_bytes(weight_bytes, real(1))
-    optimizer = stage_bytes(state_bytes, optimizer_split)
+    def stage_bytes(measure, split) -> object:
+        return held(copies.items(), measure, split) + ends(measure, split)
+
+    local = lambda category: model_split[category] * data_split[category]  # noqa: E731
+    weights = stage_bytes(weight_bytes, local)
+    optimizer = stage_bytes(state_bytes, lambda category: local(category) * state_split[category])
+
+    # Under FSDP the largest unit (a layer, or the embedding and head) is gathered, two at once.
+    unsharded = lambda category: model_split[category]  # noqa: E731
+    layer_unit = held([("every_layer", 1)], weight_bytes, unsharded) + larger(
+        held([("dense_layer", 1)], weight_bytes, unsharded), held([("moe_layer", 1)], weight_bytes, unsharded)
+    )
+    gathered = gathered_parameter_bytes(TERMS, fsdp=fsdp, largest_unit_bytes=larger(layer_unit, ends(weight_bytes, unsharded)))
     return {
         "weights": weights,
+        "gathered weights": gathered,
         "gradients": weights,  # gradients are held in the parameters' dtype
         "optimizer state": optimizer,
         "activations": activation_bytes(v, copies["every_layer"]),
@@ -76,34 +116,24 @@ def per_rank_bytes(v) -> dict[str, object]:
 
 
 def activation_bytes(v, layers_on_rank) -> object:
-    """Activations kept for the backward pass (Korthikanti et al. 2022, per layer, 16-bit)."""
+    """Activations kept for the backward pass on the first stage (which keeps the most micro-batches
+    in flight), plus the last stage's logits: a bound on any one stage."""
     fp = v.facts.footprint
     if v.facts.family != "transformer":
         return real(0)  # a modules spec lists parameters only; its activations are unknown
-    s = real(v.seq_len) / real(v.cp)
-    b = real(v.micro_batch_size)
-    t = real(v.tp)
-    sbh = s * b * fp.hidden_size
-    scores = 5 * fp.num_heads * s * s * b  # attention softmax and dropout
-    split_all = when(v.sequence_parallel, 34 * sbh / t, sbh * (10 + 24 / t))
-    per_layer = when(
-        v.is_("activation_checkpointing", "full"),
-        when(v.sequence_parallel, 2 * sbh / t, 2 * sbh),
-        when(v.is_("activation_checkpointing", "selective"), split_all, split_all + scores / t),
+    shape = dict(seq_len=v.seq_len, cp=v.cp, micro_batch_size=v.micro_batch_size, tp=v.tp)
+    per_layer = activation_bytes_per_layer(
+        TERMS, **shape, hidden_size=fp.hidden_size, num_heads=fp.num_heads, sequence_parallel=v.sequence_parallel,
+        full_recompute=v.is_("activation_checkpointing", "full"), selective_recompute=v.is_("activation_checkpointing", "selective"),
+        fp32=v.is_("precision", "fp32"),
     )
-    scale = when(v.is_("precision", "fp32"), 2, 1)
-    pp, mb = v.pp, v.microbatches
-    interleaving = 1 + real(pp - 1) / real(pp * v.virtual_pipeline_stages)  # only read when pp > 1
-    in_flight = when(
-        pp == 1,
-        real(1),
-        when(
-            v.is_("pipeline_schedule", "gpipe"),
-            real(mb),
-            when(v.is_("pipeline_schedule", "1f1b"), real(smaller(mb, pp)), real(smaller(mb, pp)) * interleaving),
-        ),
+    in_flight = micro_batches_in_flight(
+        TERMS, pp=v.pp, stage=0, microbatches=v.microbatches, gpipe=v.is_("pipeline_schedule", "gpipe"),
+        interleaved=all_of(v.is_("pipeline_schedule", "interleaved_1f1b"), v.virtual_pipeline_stages > 1),
+        virtual_stages=v.virtual_pipeline_stages,
     )
-    return in_flight * real(layers_on_rank) * per_layer * scale
+    logits = logits_bytes(TERMS, **shape, vocab_size=fp.vocab_size)
+    return in_flight * real(layers_on_rank) * per_layer + logits
 
 
 def _total(x) -> float:
@@ -139,28 +169,37 @@ DEVICE_MEMORY = define(
         name="device-memory",
         title="The heaviest rank's parameters, gradients, optimizer state and activations fit in device memory.",
         docs=(
-            "An estimate of the heaviest rank, stated so that it can be checked by hand:\n\n"
+            "A bound on the heaviest rank under the memory model the lowering prices plans with "
+            "(`mixle_compile/memory_model.py`; `explain PLAN` shows the lowering's exact figures per stage, "
+            "which never exceed this bound), stated so that it can be checked by hand:\n\n"
             "* **Weights**: each parameter's elements times its dtype's bytes, divided by the ranks that share "
-            "one copy: tp for column, row, embedding and head weights, ep * etp for experts, and the FSDP "
-            "sharding over dp_shard * cp (experts: over the dp_shard * cp * tp ranks left after ep * etp). "
+            "one copy: tp for column, row, embedding and head weights, ep * etp for experts, and under FSDP "
+            "(dp_shard > 1) the sharding over dp_shard * cp (experts: over the whole expert-data domain, "
+            "world / (ep * etp * pp)). "
             "The heaviest pipeline rank holds `v` virtual stages of `c = ceil(layers / (pp * v))` layers "
             "(v = 1 without a pipeline), the embedding on the first stage and the output head and final norm on "
             "the last (both on one stage when pp = 1, a tied pair counted once; otherwise the heavier end). A "
             "transformer stage counts what every layer holds (attention, norms) for each layer, plus at most "
             "`v * ceil(c / k)` mixture-of-experts and `v * (c - floor(c / k))` dense MLPs (every k-th layer is "
             "a mixture-of-experts layer); a `modules` stage counts each layer as the largest amount of each "
-            "kind (by category and dtype) that any of its layers holds. The estimate is therefore an upper "
-            "bound where layers differ.\n"
+            "kind (by category and dtype) that any of its layers holds.\n"
+            "* **Gathered weights**: under FSDP, the unsharded (tensor-parallel-local) weights of two units at "
+            "once (the one computing and the one prefetched), a unit being a layer or the embedding and head.\n"
             "* **Gradients**: as many bytes as the weights.\n"
             "* **Optimizer state**: Adam/AdamW keep two fp32 moments per element (8 bytes), plus a 4-byte fp32 "
-            "master copy of every element stored below fp32; SGD keeps only the master copies. With "
-            "`distributed_optimizer` the state is also sharded over dp_replicate.\n"
+            "master copy of every element stored below fp32; SGD keeps only the master copies. Sharded like the "
+            "weights; with `distributed_optimizer` and no FSDP, sharded over all data-parallel ranks "
+            "(dp_replicate * cp; experts the expert-data domain).\n"
             "* **Activations** (transformers): per layer, per micro-batch, the formulas of Korthikanti et al. "
             "(2022) in 16-bit: `s*b*h*(10 + 24/t) + 5*a*s^2*b/t` without sequence parallelism, `34*s*b*h/t + "
-            "5*a*s^2*b/t` with it; selective checkpointing drops the `5*a*s^2*b` term; full checkpointing keeps "
+            "5*a*s^2*b/t` with it; selective checkpointing drops the `5*a*s^2*b/t` term; full checkpointing keeps "
             "only the layer input (`2*s*b*h`, /t with sequence parallelism). `s` is seq_len / cp, fp32 doubles "
             "it. The first stage holds `min(microbatches, pp)` micro-batches in flight under 1F1B (times "
-            "`1 + (pp-1)/(pp*v)` interleaved), all of them under GPipe, one without a pipeline.\n\n"
+            "`1 + (pp-1)/(pp*v)` interleaved), all of them under GPipe, one without a pipeline. Plus the fp32 "
+            "logits of one micro-batch, `s*b*vocab/t*4` bytes.\n\n"
+            "Where layers differ, or with a pipeline (the first stage's activations and the last stage's logits "
+            "are added together), the bound is above the exact figure; rounding of uneven shards may put it "
+            "below by a fraction of a percent. "
             "The smallest device of a heterogeneous list bounds the plan. A `modules` spec lists parameters "
             "only, so its activations are not counted. Specs of the `distribution` family are not checked "
             "here: their memory is decided by the decomposition, which places each component."

@@ -1,0 +1,113 @@
+"""The memory model, written once and read two ways.
+
+The lowering prices each rank's memory exactly, parameter by parameter and stage by stage
+(:mod:`mixle_compile.lower.memory`); the verifier's memory rule (R001) bounds the heaviest rank
+symbolically, over Z3 terms, so that it can also say which fields conflict and search for the
+nearest plan that fits. Both take every formula from this module, so that the two cannot drift:
+the same terms, the same constants, the same choices of what is held.
+
+Every formula takes an ``arithmetic`` that supplies the three operations that differ between
+numbers and solver terms (a conditional, a minimum, exact division); :data:`NUMBERS` serves the
+lowering, the verifier passes its Z3 version. Python's operators do the rest for both.
+
+The model (bytes per rank):
+
+- parameters: each element in its dtype, divided by the ranks that share one copy;
+- gradients: as many bytes as the parameters;
+- optimizer state: Adam/AdamW keep two fp32 moments per element (:data:`MOMENT_BYTES`), and every
+  element stored below fp32 has an fp32 master copy (:data:`MASTER_BYTES`);
+- gathered parameters: under FSDP, the unsharded (tensor-parallel-local) parameters of
+  :data:`FSDP_UNITS_IN_FLIGHT` units (a layer, or the embedding and head) at once, the one
+  computing and the one prefetched;
+- activations: per layer and micro-batch, Korthikanti et al. (2022) for 16-bit activations (fp32
+  doubles them), times the micro-batches a stage keeps in flight; the last stage adds the fp32
+  logits of one micro-batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+MOMENT_BYTES = 8  # Adam(W): two fp32 moments per element
+MASTER_BYTES = 4  # an fp32 master copy of every element stored below fp32
+LOGIT_BYTES = 4  # logits are materialised in fp32 for the loss
+FSDP_UNITS_IN_FLIGHT = 2  # the unit computing and the one prefetched
+
+
+class Arithmetic(Protocol):
+    def when(self, condition: Any, then: Any, otherwise: Any) -> Any: ...
+
+    def smaller(self, a: Any, b: Any) -> Any: ...
+
+    def exact(self, value: Any) -> Any:
+        """The value as an exact quantity, so that divisions do not truncate."""
+
+
+class _Numbers:
+    def when(self, condition, then, otherwise):
+        return then if condition else otherwise
+
+    def smaller(self, a, b):
+        return min(a, b)
+
+    def exact(self, value):
+        return float(value)
+
+
+NUMBERS: Arithmetic = _Numbers()
+
+
+def optimizer_bytes_per_element(ar: Arithmetic, *, adam: Any, below_fp32: Any) -> Any:
+    """Optimizer bytes one parameter element costs: moments under Adam(W), a master copy below fp32."""
+    return ar.when(adam, MOMENT_BYTES, 0) + ar.when(below_fp32, MASTER_BYTES, 0)
+
+
+def activation_bytes_per_layer(
+    ar: Arithmetic, *, seq_len: Any, cp: Any, micro_batch_size: Any, hidden_size: Any, num_heads: Any, tp: Any,
+    sequence_parallel: Any, full_recompute: Any, selective_recompute: Any, fp32: Any,
+) -> Any:
+    """Bytes one transformer layer keeps for the backward pass, per micro-batch.
+
+    s*b*h*(10 + 24/t) + 5*a*s^2*b/t without sequence parallelism, 34*s*b*h/t + 5*a*s^2*b/t with
+    it; selective recomputation drops the attention-score term, full recomputation keeps only the
+    layer input (2*s*b*h, divided by t under sequence parallelism). s is the local sequence
+    (seq_len / cp); fp32 activations double it."""
+    s = ar.exact(seq_len) / ar.exact(cp)
+    t = ar.exact(tp)
+    sbh = s * ar.exact(micro_batch_size) * ar.exact(hidden_size)
+    scores = 5 * ar.exact(num_heads) * s * s * ar.exact(micro_batch_size) / t
+    kept = ar.when(sequence_parallel, 34 * sbh / t, sbh * (10 + 24 / t))
+    per_layer = ar.when(
+        full_recompute,
+        ar.when(sequence_parallel, 2 * sbh / t, 2 * sbh),
+        ar.when(selective_recompute, kept, kept + scores),
+    )
+    return per_layer * ar.when(fp32, 2, 1)
+
+
+def micro_batches_in_flight(
+    ar: Arithmetic, *, pp: Any, stage: Any, microbatches: Any, gpipe: Any, interleaved: Any, virtual_stages: Any,
+) -> Any:
+    """Micro-batches whose activations stage `stage` holds at once.
+
+    One without a pipeline (each micro-batch's backward frees it before the next starts); all of
+    them under GPipe; min(microbatches, pp - stage) under 1F1B, times 1 + (pp - 1) / (pp * v)
+    under interleaved 1F1B with v virtual stages."""
+    warmup = ar.exact(ar.smaller(microbatches, pp - stage))
+    interleaving = 1 + ar.exact(pp - 1) / ar.exact(pp * virtual_stages)
+    return ar.when(
+        pp == 1,
+        ar.exact(1),
+        ar.when(gpipe, ar.exact(microbatches), ar.when(interleaved, warmup * interleaving, warmup)),
+    )
+
+
+def logits_bytes(ar: Arithmetic, *, seq_len: Any, cp: Any, micro_batch_size: Any, vocab_size: Any, tp: Any) -> Any:
+    """The last stage's fp32 logits of one micro-batch (vocabulary split over tp)."""
+    s = ar.exact(seq_len) / ar.exact(cp)
+    return s * ar.exact(micro_batch_size) * ar.exact(vocab_size) / ar.exact(tp) * LOGIT_BYTES
+
+
+def gathered_parameter_bytes(ar: Arithmetic, *, fsdp: Any, largest_unit_bytes: Any) -> Any:
+    """Under FSDP, the unsharded parameters of the units in flight."""
+    return ar.when(fsdp, FSDP_UNITS_IN_FLIGHT * largest_unit_bytes, 0)

@@ -1,0 +1,131 @@
+"""One memory model: the verifier's memory rule (R001) bounds what the lowering prices exactly.
+
+The lowering prices every rank's memory parameter by parameter and stage by stage; R001 states a
+symbolic bound on the heaviest rank. Both read the formulas of `mixle_compile.memory_model`, so:
+without a pipeline and with identical layers the two agree kind by kind; otherwise the bound is
+never below the heaviest stage (up to the rounding of uneven shards).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from mixle_compile.lower.lowering import lower
+from mixle_compile.memory_model import NUMBERS, activation_bytes_per_layer, micro_batches_in_flight
+from mixle_compile.spec import load_spec_text
+from mixle_compile.verify import memory_bound
+
+KINDS = {  # lowering's name -> the rule's name
+    "parameters": "weights",
+    "gathered_parameters": "gathered weights",
+    "gradients": "gradients",
+    "optimizer_state": "optimizer state",
+    "activations": "activations",
+}
+
+TRANSFORMER = """\
+model: {{family: transformer, vocab_size: {vocab}, hidden_size: {hidden}, num_layers: {layers}, num_heads: {heads},
+        num_kv_heads: {heads}, ffn_hidden_size: {ffn}, tie_embeddings: {tie}{moe}}}
+mesh: {{dp_replicate: {dr}, dp_shard: {ds}, tp: {tp}, pp: {pp}, cp: {cp}, ep: {ep}, microbatches: {mb}}}
+training: {{global_batch_size: {gbs}, micro_batch_size: 2, seq_len: 32, precision: {precision}, optimizer: {opt},
+           sequence_parallel: {sp}, activation_checkpointing: {ckpt}, distributed_optimizer: {dopt},
+           pipeline_schedule: {schedule}}}
+backend: torch
+resources: {{devices: {world}, memory: 1TiB}}
+"""
+
+
+def moe(experts: int, frequency: int) -> str:
+    return f", num_experts: {experts}, experts_per_token: 1, moe_layer_frequency: {frequency}" if experts else ""
+
+
+def transformer_spec(rng: random.Random):
+    while True:
+        dr, ds, tp, pp, cp = (rng.choice(c) for c in ([1, 2], [1, 2, 4], [1, 2], [1, 1, 2, 4], [1, 1, 2]))
+        experts = rng.choice([0, 0, 4])
+        ep = rng.choice([e for e in (1, 2) if experts and (ds * cp * dr) % e == 0] or [1])
+        mb = rng.choice([1, 4]) if pp > 1 else 1
+        text = TRANSFORMER.format(
+            vocab=rng.choice([64, 128]), hidden=32, layers=rng.choice([4, 8]), heads=4, ffn=rng.choice([64, 96]),
+            tie=str(rng.random() < 0.5).lower(), moe=moe(experts, rng.choice([1, 2])), dr=dr, ds=ds, tp=tp, pp=pp, cp=cp,
+            ep=ep, mb=mb, gbs=2 * mb * dr * ds, precision=rng.choice(["fp32", "bf16"]), opt=rng.choice(["sgd", "adamw"]),
+            sp=str(tp > 1 and rng.random() < 0.5).lower(), ckpt=rng.choice(["none", "selective", "full"]),
+            dopt=str(rng.random() < 0.3).lower(), schedule=rng.choice(["gpipe", "1f1b"]) if pp > 1 else "1f1b",
+            world=dr * ds * tp * pp * cp,
+        )
+        loaded = load_spec_text(text, "sample.yaml")
+        assert loaded.ok, [d.text() for d in loaded.diagnostics]
+        return loaded.spec
+
+
+def sample(count: int, seed: int):
+    rng = random.Random(seed)
+    return [transformer_spec(rng) for _ in range(count)]
+
+
+def _figures(spec):
+    stages = lower(spec, schedule=False).memory
+    bound = {kind: float(v) for kind, v in memory_bound(spec).items()}
+    return stages, bound
+
+
+@pytest.mark.parametrize("spec", sample(60, 7), ids=lambda s: f"{s.mesh.dp_replicate}x{s.mesh.dp_shard}x{s.mesh.tp}x{s.mesh.pp}x{s.mesh.cp}")
+def test_the_rule_bounds_the_heaviest_stage_the_lowering_prices(spec):
+    stages, bound = _figures(spec)
+    heaviest = max(s.total for s in stages)
+    assert heaviest <= sum(bound.values()) * 1.01  # padding of shards smaller than their group
+    uniform = spec.model.num_experts == 0 or spec.model.moe_layer_frequency == 1
+    if spec.mesh.pp == 1 and uniform:
+        (only,) = stages
+        for ours, theirs in KINDS.items():
+            assert getattr(only, ours) == pytest.approx(bound[theirs], rel=1e-2, abs=1), ours
+
+
+def test_examples_agree_exactly_without_a_pipeline(examples_dir=None):
+    from tests.conftest import EXAMPLES
+
+    for name in ("tiny-transformer.yaml", "llama3-8b-hsdp-tp.yaml", "modules-mlp.yaml"):
+        spec = load_spec_text((EXAMPLES / name).read_text(), name).spec
+        (stage,), bound = _figures(spec)
+        assert {k: getattr(stage, k) for k in KINDS} == {k: int(bound[v]) for k, v in KINDS.items()}, name
+
+
+def test_a_pipeline_bound_covers_every_stage_and_is_reached_by_the_first():
+    spec = load_spec_text(TRANSFORMER.format(
+        vocab=64, hidden=32, layers=8, heads=4, ffn=64, tie="false", moe="", dr=1, ds=1, tp=1, pp=4, cp=1, ep=1, mb=8,
+        gbs=16, precision="fp32", opt="adamw", sp="false", ckpt="none", dopt="false", schedule="1f1b", world=4), "pp.yaml").spec
+    stages, bound = _figures(spec)
+    assert len(stages) == 4
+    # 1F1B: stage s keeps min(microbatches, pp - s) micro-batches in flight, so activations fall by stage.
+    acts = [s.activations for s in stages]
+    assert acts[0] > acts[1] > acts[2]
+    assert acts[0] <= bound["activations"] <= acts[0] + stages[-1].activations
+
+
+def test_in_flight_micro_batches_follow_the_schedule():
+    def flight(pp, stage, mb, gpipe=False, interleaved=False, v=1):
+        return micro_batches_in_flight(NUMBERS, pp=pp, stage=stage, microbatches=mb, gpipe=gpipe, interleaved=interleaved, virtual_stages=v)
+
+    assert flight(1, 0, 8) == 1  # no pipeline: each micro-batch's backward frees it
+    assert flight(4, 0, 8, gpipe=True) == 8
+    assert [flight(4, s, 8) for s in range(4)] == [4, 3, 2, 1]
+    assert flight(4, 0, 2) == 2
+    assert flight(4, 0, 8, interleaved=True, v=2) == pytest.approx(4 * (1 + 3 / 8))
+
+
+def test_activation_formula_matches_korthikanti():
+    s, b, h, a, t = 32, 2, 64, 4, 2
+
+    def per_layer(**kw):
+        base = dict(seq_len=s, cp=1, micro_batch_size=b, hidden_size=h, num_heads=a, tp=t, sequence_parallel=False,
+                    full_recompute=False, selective_recompute=False, fp32=False)
+        return activation_bytes_per_layer(NUMBERS, **{**base, **kw})
+
+    assert per_layer() == pytest.approx(s * b * h * (10 + 24 / t + 5 * a * s / (h * t)))
+    assert per_layer(sequence_parallel=True) == pytest.approx(s * b * h / t * (34 + 5 * a * s / h))
+    assert per_layer(selective_recompute=True) == pytest.approx(s * b * h * (10 + 24 / t))
+    assert per_layer(full_recompute=True) == pytest.approx(2 * s * b * h)
+    assert per_layer(fp32=True) == pytest.approx(2 * per_layer())
+    assert per_layer(cp=2) < per_layer()
