@@ -298,6 +298,7 @@ def violations(
         split = {"column": 0, "embedding": 0, "head": 0, "row": 1}
         dims = [p.shape[split[p.role]] for p in model.parameters if p.role in split and split[p.role] < len(p.shape)]
         rule("T007", all(d % tp == 0 for d in dims))
+        rule("C006", tp == pp == cp == ep == etp == 1, only="torch")
     if neural:
         rule("P002", pp * vpp <= layers)
         rule("P003", pp == 1 or schedule == "gpipe" or mb >= pp)

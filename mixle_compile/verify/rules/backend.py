@@ -151,3 +151,38 @@ ELASTIC = define(
         elastic=False,
     )
 )
+
+
+_MODEL_AXES = ("tp", "pp", "cp", "ep", "etp")
+
+
+def _model_parallel(x) -> list[str]:
+    return [f"{a}={getattr(x, a)}" for a in _MODEL_AXES if getattr(x, a) > 1]
+
+
+MODULES_DATA_PARALLEL = define(
+    Rule(
+        code="C006",
+        name="modules-data-parallel",
+        title="torch: a `modules` model is trained with data parallelism only (tp, pp, cp, ep, etp = 1).",
+        docs=(
+            "A `modules` spec lists your nn.Module's parameters, not how activations flow between them. The "
+            "torch backend trains such a module through `prepare(module, plan=...)`, which can shard and "
+            "replicate its parameters over the data-parallel axes (DDP, FSDP, HSDP, a distributed optimizer) "
+            "without knowing its forward pass. Tensor, pipeline, context and expert parallelism all cut the "
+            "forward pass itself (which activation is reduced after which layer, where a stage ends, which "
+            "dimension is the sequence, how tokens reach experts), so the plan would have no activation "
+            "collectives to execute and every rank would silently compute something else. Describe the model "
+            "as a `transformer` to use those axes, or use the megatron backend with a Megatron model."
+        ),
+        engine_reference="torch backend: `prepare(module, plan=...)` (docs/runtime.md, library API)",
+        constraint=lambda v: all_of(*[getattr(v, a) == 1 for a in _MODEL_AXES]),
+        explain=lambda x: (
+            f"the torch backend trains a `modules` model with data parallelism only, but the plan has {', '.join(_model_parallel(x))}"
+        ),
+        hint=lambda x: "set those degrees to 1 and use dp_replicate / dp_shard, or describe the model as a transformer",
+        fields=_MODEL_AXES,
+        families=frozenset({"modules"}),
+        engines=frozenset({"torch"}),
+    )
+)
