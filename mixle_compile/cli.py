@@ -44,8 +44,13 @@ def build_parser() -> argparse.ArgumentParser:
     rules.add_argument("--format", choices=("text", "markdown", "json"), default="text", help="output format (default: text)")
     rules.set_defaults(run=_cmd_rules)
 
-    explain = sub.add_parser("explain", help="explain a diagnostic code, or a spec's or plan's memory, traffic, pipeline and model cut")
-    explain.add_argument("target", metavar="CODE|FILE", help="a diagnostic code such as T002, a spec file, or a compiled plan")
+    explain = sub.add_parser(
+        "explain", help="explain a diagnostic code, a spec's or plan's memory, traffic, pipeline and model cut, or a checkpoint"
+    )
+    explain.add_argument(
+        "target", metavar="CODE|FILE|CHECKPOINT",
+        help="a diagnostic code such as T002, a spec file, a compiled plan, or a checkpoint directory (a run's checkpoint root or one step-NNNNNNNN)",
+    )
     explain.add_argument("--format", choices=("text", "json"), default="text", help="output format for files (default: text)")
     explain.add_argument("--plot", type=Path, metavar="PNG", help="also draw per-rank memory and traffic (needs the `plot` extra)")
     explain.add_argument(
@@ -192,6 +197,8 @@ def _cmd_explain(args: argparse.Namespace) -> int:
             return EXIT_USAGE
         sys.stdout.write(text)
         return EXIT_CLEAN
+    if Path(target).is_dir():
+        return _explain_checkpoint(target, args)
     doc, status = _plan_of(target, "explain")
     if doc is None:
         return status
@@ -216,6 +223,26 @@ def _cmd_explain(args: argparse.Namespace) -> int:
             print(f"mixle-compile explain: error: {exc}", file=sys.stderr)
             return EXIT_USAGE
         print(f"wrote {args.plot}", file=sys.stderr)
+    return EXIT_CLEAN
+
+
+def _explain_checkpoint(target: str, args: argparse.Namespace) -> int:
+    """A checkpoint's manifest: step, mesh, plan digest, data position, parameters (reads JSON only)."""
+    from mixle_compile.report import checkpoint_text
+    from mixle_compile.runtime.checkpoint import CheckpointError, checkpoint_view
+
+    if args.plot or args.ranks is not None:
+        print("mixle-compile explain: error: --plot and --ranks explain a plan; a checkpoint has no such view", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        view = checkpoint_view(target)
+    except CheckpointError as exc:
+        print(f"mixle-compile explain: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.format == "json":
+        print(json.dumps(view, indent=2, sort_keys=True))
+    else:
+        sys.stdout.write(checkpoint_text(view))
     return EXIT_CLEAN
 
 

@@ -6,7 +6,9 @@ same views serve a freshly compiled spec and a plan file from a pull request.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 from mixle_compile.plan.document import PlanDocument
@@ -268,4 +270,58 @@ def diff_text(a: PlanDocument, b: PlanDocument, name_a: str = "a", name_b: str =
         for t in d["traffic"]:
             sign = "+" if t["delta"] >= 0 else ""
             out.append(f"  stage {t['stage']} {'+'.join(t['axes'])} {t['collective']}: {human_bytes(t['from'])} -> {human_bytes(t['to'])} ({sign}{human_bytes(t['delta'])})")
+    return "\n".join(out) + "\n"
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def _saved_layout(p: dict[str, Any]) -> str:
+    parts = [p.get("layout", "?") + (f" over {'+'.join(p['shard_axes'])}" if p.get("shard_axes") else "")]
+    if p.get("tp_dim") is not None:
+        parts.append(f"tp dim {p['tp_dim']}")
+    return ", ".join(parts)
+
+
+def checkpoint_text(view: dict[str, Any], limit: int = 12) -> str:
+    """`explain CHECKPOINT`: what runtime.checkpoint.checkpoint_view read from the manifest."""
+    plan, mesh, data = view.get("plan", {}), view.get("mesh", {}), view.get("data", {})
+    out = [f"checkpoint {view['checkpoint']}  (step {view['step']}, {view.get('kind')}, format {view.get('format_version')}, complete)"]
+    if plan:
+        out.append(
+            f"plan: {plan.get('content_digest', '?')}  {plan.get('family', '?')}, {plan.get('optimizer', '?')} "
+            f"(lr {plan.get('learning_rate', '?')}), {plan.get('precision', '?')}"
+        )
+    if mesh:
+        axes = " x ".join(f"{a}={mesh[a]}" for a in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep") if a in mesh)
+        out.append(
+            f"mesh: {axes}  world {mesh.get('world_size', '?')}, data-parallel {mesh.get('data_parallel_size', '?')}, "
+            f"{mesh.get('microbatches', '?')} micro-batch(es) x {mesh.get('gradient_accumulation_steps', '?')} accumulation step(s)"
+        )
+    if data:
+        source = data.get("source") or {}
+        what = f"synthetic, seed {source.get('seed')}" if source.get("kind") == "synthetic" else f"file {source.get('name')}" if source else "?"
+        out.append(
+            f"data: {data.get('samples_consumed')} samples consumed ({view['step']} x global batch {data.get('global_batch_size')}, "
+            f"seq_len {data.get('seq_len')}); {what}"
+        )
+    optimizer = view.get("optimizer") or {}
+    if optimizer:
+        out.append(f"optimizer state: {', '.join(optimizer.get('state', [])) or 'none (saved before the first step)'}")
+    params = view.get("parameters") or []
+    if params:
+        total = sum(math.prod(p["shape"]) for p in params)
+        out += ["", f"parameters: {len(params)} tensors, {total:,} values"]
+        rows = [[p["name"], "x".join(map(str, p["shape"])), p.get("dtype", "?"), _saved_layout(p)] for p in params[:limit]]
+        out.append(_table(["name", "shape", "dtype", "layout"], rows))
+        if len(params) > limit:
+            out.append(f"... and {len(params) - limit} more (see --format json)")
+    arrays = view.get("arrays")
+    if arrays:
+        out += ["", f"arrays: {len(arrays)}"]
+        out.append(_table(["name", "shape", "dtype"], [[n, "x".join(map(str, a["shape"])) or "scalar", a["dtype"]] for n, a in sorted(arrays.items())]))
+    others = view.get("others_in_root") or []
+    if others:
+        shown = ", ".join(f"{o['step']}{'' if o['complete'] else ' (incomplete)'}" for o in others)
+        out += ["", f"other steps in {Path(view['checkpoint']).parent}: {shown}"]
     return "\n".join(out) + "\n"

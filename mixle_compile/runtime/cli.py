@@ -26,6 +26,14 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", metavar="FILE", help="token ids (.npy, .bin uint16, or whitespace-separated text); default: seeded synthetic tokens")
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="S", help=f"collective timeout in seconds (default {DEFAULT_TIMEOUT_S:g})")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
+    parser.add_argument("--save-every", type=int, metavar="N", help="save a checkpoint every N optimizer steps and after the last one (see docs/checkpoints.md)")
+    parser.add_argument("--checkpoint-dir", metavar="DIR", help="where checkpoints go (default: OUT/checkpoints)")
+    parser.add_argument("--keep-checkpoints", type=int, metavar="K", help="keep only the K newest complete checkpoints (default: all)")
+    parser.add_argument(
+        "--resume", metavar="CKPT",
+        help="continue from a checkpoint: a checkpoint directory (its latest complete step) or one step-NNNNNNNN directory; "
+             "the plan may have another mesh; --steps stays the total",
+    )
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -33,7 +41,9 @@ def run_command(args: argparse.Namespace) -> int:
 
     try:
         report = run_plan(args.plan, steps=args.steps, out_dir=args.out, reference=args.reference, data_path=args.data,
-                          timeout_s=args.timeout, progress=not args.quiet)
+                          timeout_s=args.timeout, progress=not args.quiet, save_every=getattr(args, "save_every", None),
+                          checkpoint_dir=getattr(args, "checkpoint_dir", None), keep_checkpoints=getattr(args, "keep_checkpoints", None),
+                          resume=getattr(args, "resume", None))
     except RuntimeRefusal as exc:
         print(f"mixle-compile run: {exc}", file=sys.stderr)
         return EXIT_REFUSED

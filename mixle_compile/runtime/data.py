@@ -93,8 +93,27 @@ class BatchLayout:
     def per_rank(self) -> int:
         return self.microbatches * self.micro_batch_size
 
+    @property
+    def global_batch(self) -> int:
+        """Samples per optimizer step, over every data rank and accumulation step."""
+        return self.per_rank * self.data_parallel_size * self.accumulation_steps
+
     def first_sample(self, step: int, accumulation: int, data_rank: int) -> int:
         return ((step * self.accumulation_steps + accumulation) * self.data_parallel_size + data_rank) * self.per_rank
+
+    def samples_before(self, step: int) -> int:
+        """The data position after ``step`` optimizer steps, in global samples (what a checkpoint records)."""
+        return step * self.global_batch
+
+    def step_at(self, samples: int) -> int:
+        """The step that starts at global sample ``samples``: any layout with the same global batch
+        resumes a data position exactly, whatever its data-parallel size, micro-batches or accumulation."""
+        step, rest = divmod(samples, self.global_batch)
+        if rest:
+            raise RuntimeRefusal(
+                f"data position {samples} falls inside a global batch of {self.global_batch} samples; resume with the global batch size it was saved with"
+            )
+        return step
 
 
 def local_batch(source: TokenSource, layout: BatchLayout, step: int, accumulation: int, data_rank: int) -> tuple[torch.Tensor, torch.Tensor]:

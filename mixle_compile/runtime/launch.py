@@ -83,6 +83,10 @@ def run_plan(
     data_path: str | Path | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     progress: bool = True,
+    save_every: int | None = None,
+    checkpoint_dir: str | Path | None = None,
+    keep_checkpoints: int | None = None,
+    resume: str | Path | None = None,
 ) -> RunReport:
     """Replay a plan on real process groups and return its report (also written to ``out_dir``).
 
@@ -92,6 +96,12 @@ def run_plan(
     ``out_dir`` receives ``receipts.jsonl``, ``report.json`` and per-rank logs (default: a new
     temporary directory). Raises RuntimeRefusal before starting anything it cannot run, and
     RunFailed (naming the rank) when a rank dies, raises or stalls.
+
+    Checkpoints (docs/checkpoints.md): ``save_every`` N saves every N steps and at the end into
+    ``checkpoint_dir`` (default ``out_dir/checkpoints``), keeping the ``keep_checkpoints`` newest
+    (default all). ``resume`` is a checkpoint root (its latest complete checkpoint) or one step
+    directory; the plan may have another mesh. ``steps`` then counts from 0: a run resumed at step k
+    runs steps k .. steps - 1.
     """
     doc = plan if isinstance(plan, PlanDocument) else load_plan_or_spec(plan)
     if is_distribution(doc):
@@ -107,6 +117,8 @@ def run_plan(
         raise RuntimeRefusal(f"steps must be a positive integer, got {steps!r}")
     if data_path is not None and not Path(data_path).is_file():
         raise RuntimeRefusal(f"token file {data_path} does not exist")
+    checkpoints = _checkpoint_options(doc, instructions, steps=steps, reference=reference, data_path=data_path, save_every=save_every,
+                                      checkpoint_dir=checkpoint_dir, keep=keep_checkpoints, resume=resume)
     world = instructions.plan.world_size
     joined = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if joined:
@@ -120,17 +132,82 @@ def run_plan(
         _refuse_oversized(doc, world)
     out = Path(out_dir) if out_dir is not None else Path(tempfile.mkdtemp(prefix="mixle-run-"))
     out.mkdir(parents=True, exist_ok=True)
+    if checkpoints.every is not None and checkpoints.root is None:
+        checkpoints["root"] = out / "checkpoints"
     if joined:
-        return _run_joined(doc, steps=steps, out=out, reference=reference, data_path=data_path, timeout_s=timeout_s, progress=progress)
-    return _run_local(doc, world, steps=steps, out=out, reference=reference, data_path=data_path, timeout_s=timeout_s, progress=progress)
+        return _run_joined(doc, steps=steps, out=out, reference=reference, data_path=data_path, timeout_s=timeout_s, progress=progress, checkpoints=checkpoints)
+    return _run_local(doc, world, steps=steps, out=out, reference=reference, data_path=data_path, timeout_s=timeout_s, progress=progress, checkpoints=checkpoints)
 
 
-def _run_joined(doc, *, steps, out, reference, data_path, timeout_s, progress) -> RunReport:
+class _Checkpoints(dict):
+    """The checkpoint options of one run, validated (root, every, keep, resume)."""
+
+    @property
+    def every(self):
+        return self.get("every")
+
+    @property
+    def root(self):
+        return self.get("root")
+
+    def worker_arguments(self) -> list[str]:
+        args = []
+        for key, flag in (("root", "--checkpoint-dir"), ("every", "--save-every"), ("keep", "--keep-checkpoints"), ("resume", "--resume")):
+            value = self.get(key)
+            if value is not None:
+                args += [flag, str(Path(value).resolve()) if isinstance(value, Path) else str(value)]
+        return args
+
+    def plan(self):
+        from mixle_compile.runtime.worker import CheckpointPlan
+
+        return CheckpointPlan(root=self.get("root"), every=self.get("every"), keep=self.get("keep"), resume=self.get("resume"))
+
+
+def _positive(name: str, value) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise RuntimeRefusal(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def _checkpoint_options(doc, instructions, *, steps, reference, data_path, save_every, checkpoint_dir, keep, resume) -> _Checkpoints:
+    """Validate the checkpoint options before anything starts; a resume is checked against the plan here."""
+    from mixle_compile.runtime import checkpoint as ckpt
+
+    options = _Checkpoints(every=_positive("--save-every", save_every), keep=_positive("--keep-checkpoints", keep))
+    wanted = save_every is not None or checkpoint_dir is not None or keep is not None or resume is not None
+    if wanted and is_distribution(doc):
+        raise RuntimeRefusal("checkpoints (--save-every, --checkpoint-dir, --resume) are not implemented for EM runs yet; run without them")
+    if checkpoint_dir is not None:
+        if save_every is None:
+            raise RuntimeRefusal("--checkpoint-dir says where checkpoints go, but nothing saves them: add --save-every N")
+        options["root"] = Path(checkpoint_dir)
+    if keep is not None and save_every is None:
+        raise RuntimeRefusal("--keep-checkpoints needs --save-every N")
+    if resume is not None:
+        if reference:
+            raise RuntimeRefusal("--reference trains the single-process reference from the initial values, so it cannot check a resumed run; drop --reference or --resume")
+        path = ckpt.resolve_checkpoint(resume)
+        manifest = ckpt.read_manifest(path, kind=ckpt.TORCH_KIND)
+        try:
+            ckpt.check_resume(manifest, instructions, data=ckpt.source_description(data_path, instructions.seed), steps=steps, path=path)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            if isinstance(exc, RuntimeRefusal):
+                raise
+            raise RuntimeRefusal(f"checkpoint {path}: its manifest is malformed ({type(exc).__name__}: {exc}); it cannot be resumed") from None
+        options["resume"] = path.resolve()
+    return options
+
+
+def _run_joined(doc, *, steps, out, reference, data_path, timeout_s, progress, checkpoints) -> RunReport:
     from mixle_compile.runtime.worker import run_rank, write_failure
 
     rank = int(os.environ["RANK"])
     try:
-        report = run_rank(doc, steps=steps, out_dir=out, reference=reference, data_path=str(data_path) if data_path else None, timeout_s=timeout_s, progress=progress)
+        report = run_rank(doc, steps=steps, out_dir=out, reference=reference, data_path=str(data_path) if data_path else None, timeout_s=timeout_s,
+                          progress=progress, checkpoints=checkpoints.plan())
     except BaseException as exc:
         write_failure(out, rank, exc)
         raise
@@ -171,7 +248,7 @@ def _refuse_oversized(doc: PlanDocument, world: int) -> None:
         )
 
 
-def _run_local(doc, world: int, *, steps, out, reference, data_path, timeout_s, progress) -> RunReport:
+def _run_local(doc, world: int, *, steps, out, reference, data_path, timeout_s, progress, checkpoints) -> RunReport:
     plan_path = out / "plan.json"
     plan_path.write_text(plan_text(doc.model_dump(mode="json")), encoding="utf-8")
     for stale in (out / REPORT_FILE, *(out / "errors").glob("rank*.json")):
@@ -194,6 +271,7 @@ def _run_local(doc, world: int, *, steps, out, reference, data_path, timeout_s, 
         command.append("--reference")
     if data_path is not None:
         command += ["--data", str(Path(data_path).resolve())]
+    command += checkpoints.worker_arguments()
     procs = []
     files = []
     try:

@@ -146,9 +146,22 @@ class RunReport:
     def summary(self) -> str:
         lines = []
         first, last = (self.losses[0], self.losses[-1]) if self.losses else (float("nan"), float("nan"))
+        run = self.data.get("run", {})
+        resumed = run.get("resumed_from")
+        span = f" (steps {run['first_step']}..{run['last_step'] - 1})" if resumed else ""
         lines.append(
-            f"ran {self.steps} step(s) on {self.world_size} rank(s) in {self.wall_s:.1f} s: loss {first:.4f} -> {last:.4f}"
+            f"ran {self.steps} step(s){span} on {self.world_size} rank(s) in {self.wall_s:.1f} s: loss {first:.4f} -> {last:.4f}"
         )
+        if resumed:
+            mesh = resumed.get("mesh", {})
+            lines.append(
+                f"resumed from {resumed['path']} (step {resumed['step']}, saved on {mesh.get('world_size', '?')} rank(s), "
+                f"plan {str(resumed.get('plan_digest', '?'))[:19]}), loaded in {resumed.get('load_s', 0.0):.2f} s"
+            )
+        saved = (run.get("checkpoints") or {}).get("saved") or []
+        if saved:
+            lines.append(f"checkpoints: {len(saved)} saved in {run['checkpoints']['root']}, latest step {saved[-1]['step']} "
+                         f"({max(s['save_s'] for s in saved):.2f} s per save at most)")
         calls = self.collective_calls_per_rank
         lines.append(
             f"accounting: {self.updates_checked} planned updates, planned == observed on every rank: "

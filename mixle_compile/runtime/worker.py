@@ -11,9 +11,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,8 +29,22 @@ from mixle_compile.runtime.report import EVIDENCE_TOLERANCE, RECEIPTS_FILE, REPO
 from mixle_compile.runtime.session import DistributedSession, device_for_rank, join_process_group
 
 # For tests of failure handling: "kill:RANK:STEP", "stall:RANK:STEP" or "raise:RANK:STEP" makes
-# that rank die, hang or raise just before that step.
+# that rank die, hang or raise just before that step; "sigkill:RANK:STEP" sends that rank SIGKILL in
+# the middle of the step (in the backward of its first micro-batch, gradients half reduced);
+# "savekill:RANK:STEP" sends it SIGKILL while the checkpoint of STEP is being saved, after the
+# tensor state is written and before the checkpoint is committed.
 FAULT_ENV = "MIXLE_RUNTIME_FAULT"
+
+
+@dataclass(frozen=True)
+class CheckpointPlan:
+    """What a run saves and where it starts: ``root`` gets a checkpoint every ``every`` steps (and at
+    the end); ``keep`` newest are kept (None: all); ``resume`` is a step directory to start from."""
+
+    root: Path | None = None
+    every: int | None = None
+    keep: int | None = None
+    resume: Path | None = None
 
 
 def token_source(instructions: Instructions, data_path: str | None) -> TokenSource:
@@ -44,12 +60,19 @@ def batch_layout(instructions: Instructions) -> BatchLayout:
     return BatchLayout(instructions.micro_batch_size, p.microbatches, p.gradient_accumulation_steps, p.data_parallel_size)
 
 
-def _fault(rank: int, step: int) -> None:
+def _fault_spec(rank: int, step: int) -> str | None:
     spec = os.environ.get(FAULT_ENV)
     if not spec:
-        return
+        return None
     kind, fault_rank, fault_step = spec.split(":")
     if int(fault_rank) != rank or int(fault_step) != step:
+        return None
+    return kind
+
+
+def _fault(rank: int, step: int, session: DistributedSession | None = None) -> None:
+    kind = _fault_spec(rank, step)
+    if kind is None:
         return
     if kind == "kill":
         os._exit(17)
@@ -57,16 +80,39 @@ def _fault(rank: int, step: int) -> None:
         time.sleep(3600)
     if kind == "raise":
         raise RuntimeError(f"injected fault on rank {rank} at step {step}")
+    if kind == "sigkill" and session is not None:
+        def die(use, grad):  # the first gradient of the step: mid-backward
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        session.store.accumulate = die
 
 
-def train(session: DistributedSession, source: TokenSource, steps: int, *, receipts=None, progress: bool = False) -> list[float]:
+def _save_fault(rank: int, step: int) -> None:
+    if _fault_spec(rank, step) == "savekill":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def train(
+    session: DistributedSession,
+    source: TokenSource,
+    steps: int,
+    *,
+    receipts=None,
+    progress: bool = False,
+    checkpoints: CheckpointPlan | None = None,
+    data_source: dict | None = None,
+    saved: list | None = None,
+) -> list[float]:
+    """Train from the session's step up to ``steps`` (a total); save checkpoints as ``checkpoints`` says."""
     instructions = session.instructions
     layout = batch_layout(instructions)
     losses = []
     started = time.perf_counter()
-    every = max(1, steps // 10)
-    for step in range(steps):
-        _fault(session.mesh.rank, step)
+    first = session.step
+    every = max(1, (steps - first) // 10)
+    save_every = checkpoints.every if checkpoints is not None and checkpoints.root is not None else None
+    for step in range(first, steps):
+        _fault(session.mesh.rank, step, session)
         for a in range(layout.accumulation_steps):
             inputs, targets = local_batch(source, layout, step, a, session.mesh.data_rank)
             receipt = session.train_batch(inputs, targets)
@@ -75,13 +121,34 @@ def train(session: DistributedSession, source: TokenSource, steps: int, *, recei
         if receipts is not None:
             receipts.write(json.dumps(receipt.as_dict(), sort_keys=True) + "\n")
             receipts.flush()
-        if progress and ((step + 1) % every == 0 or step + 1 == steps):
+        if progress and ((step + 1 - first) % every == 0 or step + 1 == steps):
             print(f"step {step + 1}/{steps}  loss {receipt.loss:.4f}  {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
+        if save_every and ((step + 1) % save_every == 0 or step + 1 == steps):
+            from mixle_compile.runtime.checkpoint import prune_checkpoints, save_session
+
+            t0 = time.perf_counter()
+            path = save_session(session, checkpoints.root, data_source=data_source, on_written=lambda: _save_fault(session.mesh.rank, step + 1))
+            if saved is not None:
+                saved.append({"step": step + 1, "path": str(path), "save_s": time.perf_counter() - t0})
+            if session.mesh.rank == 0 and checkpoints.keep:
+                prune_checkpoints(checkpoints.root, checkpoints.keep)
     return losses
 
 
-def run_rank(doc: PlanDocument, *, steps: int, out_dir: Path, reference: bool, data_path: str | None, timeout_s: float, progress: bool) -> dict | None:
-    """Run this rank; rank 0 returns the report (also written to ``out_dir``), other ranks None."""
+def run_rank(
+    doc: PlanDocument,
+    *,
+    steps: int,
+    out_dir: Path,
+    reference: bool,
+    data_path: str | None,
+    timeout_s: float,
+    progress: bool,
+    checkpoints: CheckpointPlan | None = None,
+) -> dict | None:
+    """Run this rank; rank 0 returns the report (also written to ``out_dir``), other ranks None.
+
+    ``steps`` is the total: resumed from a checkpoint at step k, the rank runs steps k .. steps - 1."""
     from mixle_compile.runtime.em_plan import is_distribution
 
     if is_distribution(doc):  # a distribution model is fitted by EM (runtime/em.py)
@@ -100,9 +167,24 @@ def run_rank(doc: PlanDocument, *, steps: int, out_dir: Path, reference: bool, d
         rank, world = mesh.rank, mesh.world_size
         recorder = Recorder(keep_values=True) if reference else None
         session = DistributedSession(instructions, mesh, device=device, recorder=recorder)
+        checkpoints = checkpoints or CheckpointPlan()
+        resumed = None
+        if checkpoints.resume is not None:
+            from mixle_compile.runtime.checkpoint import load_session
+
+            t0 = time.perf_counter()
+            manifest = load_session(session, checkpoints.resume)
+            session.step = batch_layout(instructions).step_at(manifest["data"]["samples_consumed"])
+            resumed = {"path": str(checkpoints.resume), "step": session.step, "plan_digest": manifest["plan"]["content_digest"],
+                       "mesh": manifest["mesh"], "load_s": time.perf_counter() - t0}
+        first_step = session.step
+        from mixle_compile.runtime.checkpoint import source_description
+
+        saved: list[dict] = []
         receipts = (out_dir / RECEIPTS_FILE).open("w", encoding="utf-8") if rank == 0 else None
         try:
-            losses = train(session, source, steps, receipts=receipts, progress=progress and rank == 0)
+            losses = train(session, source, steps, receipts=receipts, progress=progress and rank == 0, checkpoints=checkpoints,
+                           data_source=source_description(data_path, instructions.seed), saved=saved)
         finally:
             if receipts is not None:
                 receipts.close()
@@ -133,7 +215,9 @@ def run_rank(doc: PlanDocument, *, steps: int, out_dir: Path, reference: bool, d
                 mesh.release()
     if rank != 0:
         return None
-    report = _report(instructions, ledgers, repeat_ledgers, losses, steps, train_s, data_path)
+    report = _report(instructions, ledgers, repeat_ledgers, losses, steps - first_step, train_s, data_path)
+    report["run"].update(first_step=first_step, last_step=steps, resumed_from=resumed,
+                         checkpoints={"root": str(checkpoints.root) if checkpoints.root else None, "every": checkpoints.every, "saved": saved})
     if reference:
         records = run_reference(instructions, source, steps)
         saved = [torch.load(out_dir / "evidence" / f"rank{r}.pt", weights_only=True) for r in range(world)]
@@ -216,6 +300,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reference", action="store_true")
     parser.add_argument("--data")
     parser.add_argument("--progress", action="store_true")
+    parser.add_argument("--checkpoint-dir")
+    parser.add_argument("--save-every", type=int)
+    parser.add_argument("--keep-checkpoints", type=int)
+    parser.add_argument("--resume")
     args = parser.parse_args(argv)
     from mixle_compile.plan import load_plan_text
 
@@ -224,7 +312,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
         doc = load_plan_text(Path(args.plan).read_bytes(), args.plan)
-        run_rank(doc, steps=args.steps, out_dir=out_dir, reference=args.reference, data_path=args.data, timeout_s=args.timeout, progress=args.progress)
+        checkpoints = CheckpointPlan(
+            root=Path(args.checkpoint_dir) if args.checkpoint_dir else None,
+            every=args.save_every,
+            keep=args.keep_checkpoints,
+            resume=Path(args.resume) if args.resume else None,
+        )
+        run_rank(doc, steps=args.steps, out_dir=out_dir, reference=args.reference, data_path=args.data, timeout_s=args.timeout,
+                 progress=args.progress, checkpoints=checkpoints)
     except BaseException as exc:  # every failure leaves its note for the launcher
         write_failure(out_dir, rank, exc)
         print(f"rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
