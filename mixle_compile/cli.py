@@ -393,3 +393,7 @@ def main(argv: list[str] | None = None) -> int:
         detail = str(exc).splitlines()[0] if str(exc) else ""
         print(f"mixle-compile: internal error: {type(exc).__name__}: {detail} (please report this)", file=sys.stderr)
         return EXIT_INTERNAL
+
+
+if __name__ == "__main__":
+    sys.exit(main())

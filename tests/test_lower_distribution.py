@@ -52,7 +52,10 @@ def test_nested_heavy_mixture_is_cut_with_a_logsumexp_boundary_and_faster_device
     updates = by_node(low)
     assert [updates[f"model.root.factors[2]:normaliser/{k}"].update.mesh_axes for k in ("max", "sum")] == [("tp",), ("tp",)]
     component = next(p for p in low.parameters if p.name == "model.root.factors[2].component")
-    assert component.layout.placements == (("tp", "shard(0)"),) and component.local_shape[0] == 22
+    # A shard holds the units of the rank that owns the most (32 of 64), not 64 / 3.
+    assert component.layout.placements == (("tp", "shard(0)"),) and component.local_shape[0] == 32
+    weights = next(p for p in low.parameters if p.name == "model.root.factors[2]")
+    assert weights.local_shape == (32,)
 
 
 def test_shared_transitions_under_a_component_cut_sum_over_tp_and_data():
@@ -92,3 +95,46 @@ resources: {devices: 2, memory: 1GiB}
 """
     low = lower(spec_of(leaf))
     assert "L002" in [d.code for d in low.diagnostics]
+
+
+def test_statistics_are_sized_in_float64_with_what_the_maximiser_needs_beyond_the_parameters():
+    """An emission's occupancy (+1 per Gaussian state) and the transitions' initial-state counts are
+    part of the statistics; they travel in float64 whatever the training precision."""
+    for precision in ("fp32", "bf16"):
+        low = lower(spec_of(HMMS.replace("precision: fp32", f"precision: {precision}")))
+        sizes = {u.tensor: u.payload_bytes for u in low.updates if u.update.payload.value == "sufficient_statistic"}
+        assert sizes["model.root.components[0].emission"] == 4 * (1 + 3 + 3) * 8  # 4 states, diag, dim 3
+        assert sizes["model.root.components[2].emission"] == 4 * (1 + 3 + 9) * 8  # full covariance
+        assert sizes["model.shared.weather"] == (4 + 16) * 8  # initial states + transitions
+        assert sizes["model.root"] == 3 * 8  # responsibilities' sums
+    leaves = """\
+model:
+  family: distribution
+  root:
+    type: composite
+    factors: [{type: categorical, num_values: 7}, {type: poisson, dim: 2}, {type: exponential, dim: 3}]
+mesh: {dp_shard: 2}
+training: {global_batch_size: 64, micro_batch_size: 32}
+backend: torch
+resources: {devices: 2, memory: 1GiB}
+"""
+    sizes = {u.tensor: u.payload_bytes for u in lower(spec_of(leaves)).updates if u.tensor != "log_likelihood"}
+    assert sizes == {"model.root.factors[0]": 7 * 8, "model.root.factors[1]": 3 * 8, "model.root.factors[2]": 4 * 8}
+
+
+def test_an_uneven_component_cut_pads_every_shard_to_the_largest_share():
+    text = """\
+model:
+  family: distribution
+  root: {type: mixture, component: {type: gaussian, dim: 2, covariance: full}, repeat: 5}
+mesh: {dp_replicate: 2, tp: 2}
+training: {global_batch_size: 64, micro_batch_size: 32}
+backend: torch
+resources: {devices: 4, memory: 1GiB}
+"""
+    low = lower(spec_of(text))
+    shares = [c["stop"] - c["start"] for c in low.decomposition["cuts"]]
+    assert sorted(shares) == [2, 3]
+    updates = by_node(low)
+    assert updates["model.root.component:statistics"].payload_bytes == 3 * (1 + 2 + 4) * 8
+    assert updates["model.root:statistics"].payload_bytes == 3 * 8

@@ -22,6 +22,9 @@ from tests.test_runtime_support import compile_text, plan_for, spec_text
 
 def test_refusing_a_plan_imports_no_torch(tmp_path):
     """`run` refuses plans it cannot execute on the lint-fast path: torch is never imported."""
+    hmm = (EXAMPLES / "hmm-shared-transitions.yaml").read_text()
+    assert "  seq_len: 100\n" in hmm
+    (tmp_path / "hmm-no-seq-len.yaml").write_text(hmm.replace("  seq_len: 100\n", ""))
     script = f"""
 import sys
 import argparse
@@ -30,9 +33,9 @@ from mixle_compile.runtime import cli, launch
 cli.add_run_arguments(argparse.ArgumentParser())
 assert cli.DEFAULT_TIMEOUT_S == launch.DEFAULT_TIMEOUT_S
 assert "torch" not in sys.modules
-for path in ("examples/mixtral-moe-ep.yaml", "examples/hmm-shared-transitions.yaml", "examples/llama3-8b-hsdp-tp.yaml"):
+for path in ({str(tmp_path / "hmm-no-seq-len.yaml")!r}, "examples/modules-mlp.yaml", "examples/llama3-8b-hsdp-tp.yaml"):
     try:
-        r.run_plan(path, out_dir={str(tmp_path)!r})
+        r.run_plan(path, out_dir={str(tmp_path / "out")!r})
     except r.RuntimeRefusal as exc:
         print("refused:", exc)
     else:
@@ -42,7 +45,7 @@ assert "torch" not in sys.modules, "refusing a plan imported torch"
     out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("refused:") == 3
-    assert "pp=4" in out.stdout and "distribution" in out.stdout and "64 ranks" in out.stdout
+    assert "seq_len" in out.stdout and "nn.Module" in out.stdout and "64 ranks" in out.stdout
 
 
 @pytest.mark.parametrize(

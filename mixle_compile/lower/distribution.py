@@ -12,6 +12,11 @@ uses the same cut. Per EM iteration, for each micro-batch of rows:
   and over tp as well for a node held whole on every shard while units on several shards use it
   (an HMM's shared transitions under a component cut); each unit is updated by the rank that
   owns it.
+
+Statistics travel in float64 whatever ``training.precision`` says (EM runs in float64), one row
+per instance of the node: its parameters' count plus the weight the leaf saw, where the maximiser
+needs it (see ``STATISTICS_BEYOND_PARAMETERS``). A shard of a cut holds the rows of the units its
+rank owns, padded to the largest rank's share.
 """
 
 from __future__ import annotations
@@ -30,6 +35,14 @@ from mixle_compile.lower.schedule import Op, OpKind
 from mixle_compile.lower.updates import PlannedUpdate, group_size
 from mixle_compile.parameters import DTYPE_BYTES, Parameter
 from mixle_compile.spec.models import Spec
+
+# Statistics elements per instance beyond the node's parameters: a Gaussian's mean and covariance,
+# a Poisson's or exponential's rates need the total weight the leaf saw (the occupancy of an HMM
+# state, the responsibility of a mixture component). A categorical's value counts sum to it; a
+# mixture's responsibility sums and the transitions' expected initial states and transition counts
+# have as many elements as the probabilities they estimate.
+STATISTICS_BEYOND_PARAMETERS = {"gaussian": 1, "poisson": 1, "exponential": 1}
+STATISTICS_BYTES = 8  # float64
 
 # EM cuts these axes; cutting HMM states or sequence positions would need a collective per time
 # step inside forward-backward.
@@ -106,6 +119,9 @@ def lower_distribution(spec: Spec, plan: ParallelPlan, graph: ModelGraph, grid: 
         for c in cut.cuts:
             for position in range(c.start, c.stop):
                 unit_owner[cut.permutation[position] if cut.permutation else position] = c.device.rank
+    # A shard holds the units its rank owns, padded to the largest share (the cut may be uneven).
+    largest_share = max((list(unit_owner.values()).count(r) for r in set(unit_owner.values())), default=1)
+    num_units = max(1, len(unit_owner))
 
     g = graph.graph
     placed: list[PlacedParameter] = []
@@ -124,7 +140,7 @@ def lower_distribution(spec: Spec, plan: ParallelPlan, graph: ModelGraph, grid: 
         if cut is not None and node_id == cut.path:
             # The cut node's own per-unit parameters (a mixture's weights) split with its units.
             placements.append(("tp", "shard(0)"))
-            local[0] = ceil(shape[0] / plan.tp)
+            local[0] = largest_share if len(shape) == 1 else shape[0] // num_units * largest_share
             state = StateLayout.sharded
         elif cut is not None and units_here and len(units_here) == 1:
             owners[node_id] = unit_owner[next(iter(units_here))]
@@ -132,20 +148,21 @@ def lower_distribution(spec: Spec, plan: ParallelPlan, graph: ModelGraph, grid: 
         elif cut is not None and len(units_here) > 1 and node.instances > 1 and not node.shared:
             # One node held once per unit (`repeat: K`): its copies split like the units.
             placements.append(("tp", "shard(0)"))
-            local[0] = ceil(shape[0] / plan.tp)
+            local[0] = ceil(shape[0] / num_units) * largest_share
             state = StateLayout.sharded
         elif plan.tp > 1:
             placements.append(("tp", "replicate"))
         layout = ParameterLayout(logical_id=node_id, global_shape=shape, placements=tuple(placements), shared_group=None, optimizer_state=state)
         p = PlacedParameter(Parameter(node_id, shape, "distribution", t.precision), layout, 0, 0, tuple(local), owners.get(node_id))
         placed.append(p)
-        local_bytes = p.local_numel * dtype_bytes
+        extra = STATISTICS_BEYOND_PARAMETERS.get(node.kind, 0)
+        statistics_bytes = (p.local_numel + extra if len(shape) == 1 else local[0] * (elements + extra)) * STATISTICS_BYTES
         # Partial over tp: a node held whole on every shard whose users sit on several shards.
         axes = data_axes + (("tp",) if cut is not None and len(units_here) > 1 and node.shared else ())
         if axes:
             updates.append(
                 _all_reduce(f"{node_id}:statistics", PayloadKind.sufficient_statistic, axes, state,
-                            "sum the sufficient statistics (exact in exact arithmetic)", node_id, "gradient", local_bytes, plan, 1)
+                            "sum the sufficient statistics (exact in exact arithmetic)", node_id, "gradient", statistics_bytes, plan, 1)
             )
     micro_steps = plan.microbatches * plan.gradient_accumulation_steps
     row_bytes = t.micro_batch_size * 8  # one float64 per row

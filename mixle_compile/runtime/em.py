@@ -1,13 +1,14 @@
 """EM for distribution models: one rank's fit, and the single-process reference it must equal.
 
-Each data rank holds a contiguous block of the rows. Per iteration it scores its rows under the
-current parameters (E-step), sums its sufficient statistics, all_reduces them over the data axes
-exactly as the plan's updates say (through the counting layer), and every rank applies the same
-M-step to the same summed statistics, so the parameters stay identical on every data rank. Under a
-component cut each tp rank holds, scores and updates only the components it owns, and the
-posterior normaliser is a logsumexp across the tp group (all_reduce max, then sum). The
-single-process reference runs the same code on all rows with no collectives; the two differ only
-by the order of floating-point sums.
+Each data rank holds a contiguous block of the rows (an HMM's rows are whole sequences). Per
+iteration it scores its rows under the current parameters (E-step, ``em_model.score``), sums its
+sufficient statistics, all_reduces them exactly as the plan's updates say (through the counting
+layer), and applies the M-step to the summed statistics, so the parameters stay identical on every
+data rank. Under a tp cut each tp rank holds, scores and updates only the units it owns; the
+posterior normaliser is a logsumexp across the tp group (all_reduce max, then sum), or for a
+factor cut the factors' log-likelihoods add up across it (all_reduce sum). The single-process
+reference runs the same model code on all rows with no collectives; the two differ only by the
+order of floating-point sums.
 
 All arithmetic is float64 (numpy); torch only carries the collectives.
 """
@@ -17,14 +18,14 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from mixle_compile.runtime.em_plan import LOG_LIKELIHOOD, NORMALISER_MAX, NORMALISER_SUM, ROOT, EMInstructions
+from mixle_compile.runtime import em_model
+from mixle_compile.runtime.em_model import ModelError, Scoring, chunks_of, initial_params, m_step, score, zero_statistics
+from mixle_compile.runtime.em_plan import LOG_LIKELIHOOD, EMInstructions, StatisticsUpdate
 
-LOG_2PI = float(np.log(2.0 * np.pi))
 # The log-likelihood of an EM iteration may not fall below the previous one by more than this
 # (relative): EM never decreases it in exact arithmetic, and float64 sums wobble near 1e-15.
 MONOTONE_TOLERANCE = 1e-10
@@ -36,42 +37,51 @@ EM_TOLERANCE = 1e-9
 
 
 def sample_data(em: EMInstructions) -> np.ndarray:
-    """``global_batch_size`` rows drawn from a random mixture of the spec's shape (seeded)."""
-    rng = np.random.default_rng(em.seed)
-    n, k = em.global_batch_size, em.num_components
-    weights = rng.dirichlet(np.full(k, 2.0))
-    labels = rng.choice(k, size=n, p=weights)
-    if em.kind == "categorical":
-        probs = rng.dirichlet(np.full(em.num_values, 0.5), size=k)
-        u = rng.random(n)
-        cdf = np.cumsum(probs[labels], axis=1)
-        return np.minimum((u[:, None] > cdf).sum(axis=1), em.num_values - 1).astype(np.int64)
-    d = em.dim
-    means = rng.normal(0.0, 4.0, size=(k, d))
-    scales = rng.uniform(0.5, 1.5, size=(k, d))
-    x = rng.normal(size=(n, d)) * scales[labels]
-    if em.covariance == "full":
-        mixing = np.eye(d) + 0.3 * rng.normal(size=(k, d, d))
-        x = np.einsum("nij,nj->ni", mixing[labels], x)
-    return x + means[labels]
+    """``global_batch_size`` records drawn from a random model of the spec's shape (seeded)."""
+    tree = em.tree
+    return em_model.sample(tree, em_model.true_params(tree, em.seed), em.global_batch_size, em.seed)
 
 
-def load_data(em: EMInstructions, path: str | None) -> np.ndarray:
+def load_data(em: EMInstructions, path: str | Path | None) -> np.ndarray:
+    """The records to fit: sampled, or read from a ``.npy`` or ``.csv`` file (one record per row;
+    an HMM's sequences as ``(sequences, seq_len, columns)`` or flattened step-major). Raises
+    ValueError saying what is wrong with a file."""
     if path is None:
         return sample_data(em)
     p = Path(path)
-    data = np.load(p, allow_pickle=False) if p.suffix == ".npy" else np.loadtxt(p, delimiter=",", ndmin=2)
-    if em.kind == "categorical":
-        data = np.asarray(data).reshape(-1)
-        if not np.all(np.equal(np.mod(data, 1), 0)) or data.min() < 0 or data.max() >= em.num_values:
-            raise ValueError(f"{path}: categorical data must be integers in [0, {em.num_values})")
-        return data.astype(np.int64)
-    data = np.asarray(data, dtype=np.float64)
-    if data.ndim == 1 and em.dim == 1:
+    try:
+        data = np.load(p, allow_pickle=False) if p.suffix == ".npy" else np.loadtxt(p, delimiter=",", ndmin=2)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: cannot read the data ({exc})") from None
+    data = np.asarray(data)
+    if not np.issubdtype(data.dtype, np.number):
+        raise ValueError(f"{path}: expected numbers, got an array of {data.dtype}")
+    width = em.tree.width
+    if data.ndim == 1 and width == 1:
         data = data[:, None]
-    if data.ndim != 2 or data.shape[1] != em.dim:
-        raise ValueError(f"{path}: expected rows of {em.dim} values, got an array of shape {data.shape}")
+    elif data.ndim == 3:
+        data = data.reshape(len(data), -1)
+    if data.ndim != 2 or data.shape[1] != width:
+        raise ValueError(f"{path}: expected records of {width} values ({_columns(em)}), got an array of shape {data.shape}")
+    data = data.astype(np.float64)
+    try:
+        em_model.check_records(em.tree, data, str(path))
+    except ModelError as exc:
+        raise ValueError(str(exc)) from None
+    if len(data) < em.plan.data_parallel_size:
+        raise ValueError(f"{path}: {len(data)} records for {em.plan.data_parallel_size} data ranks")
+    per_rank = -(-len(data) // em.plan.data_parallel_size)
+    if em.cut is not None and per_rank > em.micro_steps * em.micro_batch_size:
+        raise ValueError(f"{path}: {per_rank} records per data rank do not fit {em.micro_steps} micro-batch(es) of "
+                         f"micro_batch_size={em.micro_batch_size}, the normaliser's planned size under the tp cut; raise micro_batch_size")
     return data
+
+
+def _columns(em: EMInstructions) -> str:
+    root = em.tree.root
+    if root.kind == "hmm" or any(n.kind == "hmm" for n in em.tree.nodes.values()):
+        return f"sequences of training.seq_len={em.tree.seq_len} steps, flattened step-major"
+    return ", ".join(f"{n.id}: {n.width}" for n in em.tree.nodes.values() if not n.children and n.width) or "one per column"
 
 
 def shard_rows(data: np.ndarray, data_rank: int, data_size: int) -> np.ndarray:
@@ -79,143 +89,18 @@ def shard_rows(data: np.ndarray, data_rank: int, data_size: int) -> np.ndarray:
     return np.array_split(data, data_size)[data_rank]
 
 
-# -- the model ------------------------------------------------------------------------------
-
-
-@dataclass
-class Params:
-    weights: np.ndarray  # (K,)
-    means: np.ndarray | None = None  # (K, d)
-    covs: np.ndarray | None = None  # (K, d, d) full, (K, d) diag
-    probs: np.ndarray | None = None  # (K, V) categorical
-
-    def arrays(self) -> dict[str, np.ndarray]:
-        return {k: v for k, v in self.__dict__.items() if v is not None}
-
-    def subset(self, components: list[int]) -> Params:
-        return Params(**{k: v[components].copy() for k, v in self.arrays().items()})
-
-
-def initial_params(em: EMInstructions, data: np.ndarray) -> Params:
-    """The same start on every rank: seeded, from the whole data set."""
-    rng = np.random.default_rng(em.seed + 1)
-    k = em.num_components
-    weights = np.full(k, 1.0 / k)
-    if em.kind == "categorical":
-        return Params(weights, probs=rng.dirichlet(np.full(em.num_values, 5.0), size=k))
-    picks = rng.choice(len(data), size=k, replace=len(data) < k)
-    var = data.var(axis=0) + 1e-6
-    covs = np.tile(np.diag(var), (k, 1, 1)) if em.covariance == "full" else np.tile(var, (k, 1))
-    return Params(weights, means=data[picks].astype(np.float64).copy(), covs=covs)
-
-
-def component_log_density(em: EMInstructions, p: Params, x: np.ndarray) -> np.ndarray:
-    """log p(x_n | component k), shape (n, K)."""
-    if em.kind == "categorical":
-        with np.errstate(divide="ignore"):
-            return np.log(p.probs[:, x].T)
-    d = em.dim
-    if em.covariance == "diag":
-        diff = x[:, None, :] - p.means[None]
-        return -0.5 * (d * LOG_2PI + np.log(p.covs).sum(axis=1)[None] + (diff * diff / p.covs[None]).sum(axis=2))
-    out = np.empty((len(x), len(p.weights)))
-    for k in range(len(p.weights)):
-        chol = np.linalg.cholesky(p.covs[k])
-        z = np.linalg.solve(chol, (x - p.means[k]).T)
-        out[:, k] = -0.5 * (d * LOG_2PI + 2.0 * np.log(np.diag(chol)).sum() + (z * z).sum(axis=0))
-    return out
-
-
-def e_step(em: EMInstructions, p: Params, x: np.ndarray, *, chunks: list[np.ndarray] | None = None, normalise=None,
-           record: bool = False) -> tuple[dict[str, np.ndarray], float]:
-    """Statistics of the components in ``p`` over the rows ``x``, and the log-likelihood.
-
-    ``normalise(a)`` returns (max, sum of exponentials) per row over every component, given this
-    rank's log-joints ``a``; default: over ``p``'s components. ``chunks``: the micro-batches
-    (default: ``micro_batch_size`` rows each). ``record`` keeps each row's max and sum.
-    """
-    k = len(p.weights)
-    counts = np.zeros(k)
-    if em.kind == "categorical":
-        comp = np.zeros((k, em.num_values))
-    elif em.covariance == "full":
-        comp = np.zeros((k, em.dim + em.dim * em.dim))
-    else:
-        comp = np.zeros((k, 2 * em.dim))
-    ll = 0.0
-    if chunks is None:
-        step = max(1, em.micro_batch_size)
-        chunks = [x[start : start + step] for start in range(0, len(x), step)]
-    with np.errstate(divide="ignore"):
-        log_w = np.log(p.weights)
-    maxes, sums = [], []
-    for xb in chunks:
-        a = component_log_density(em, p, xb) + log_w[None]
-        if normalise is None:
-            m = a.max(axis=1)
-            total = np.exp(a - m[:, None]).sum(axis=1)
-        else:
-            m, total = normalise(a)
-        if record:
-            maxes.append(m)
-            sums.append(total)
-        lse = m + np.log(total)
-        r = np.exp(a - lse[:, None])
-        ll += float(lse.sum())
-        counts += r.sum(axis=0)
-        if em.kind == "categorical":
-            np.add.at(comp.T, xb, r)
-        elif em.covariance == "full":
-            comp[:, : em.dim] += r.T @ xb
-            comp[:, em.dim :] += np.einsum("nk,ni,nj->kij", r, xb, xb).reshape(k, -1)
-        else:
-            comp[:, : em.dim] += r.T @ xb
-            comp[:, em.dim :] += r.T @ (xb * xb)
-    out = {ROOT: counts, "components": comp}
-    if record:
-        out["max"] = np.concatenate(maxes) if maxes else np.zeros(0)
-        out["sum"] = np.concatenate(sums) if sums else np.zeros(0)
-    return out, ll
-
-
-def m_step(em: EMInstructions, old: Params, stats: dict[str, np.ndarray], rows: int) -> Params:
-    """The maximiser for the components in ``old`` given their summed statistics over ``rows`` rows."""
-    counts, comp = stats[ROOT], stats["components"]
-    weights = counts / rows
-    alive = counts > 1e-12 * rows
-    if em.kind == "categorical":
-        probs = old.probs.copy()
-        probs[alive] = comp[alive] / counts[alive, None]
-        return Params(weights, probs=probs)
-    d = em.dim
-    means, covs = old.means.copy(), old.covs.copy()
-    means[alive] = comp[alive, :d] / counts[alive, None]
-    second = comp[:, d:] / np.maximum(counts, 1e-300)[:, None]
-    if em.covariance == "full":
-        second = second.reshape(-1, d, d)
-        new = second - np.einsum("ki,kj->kij", means, means)
-        covs[alive] = 0.5 * (new[alive] + np.transpose(new[alive], (0, 2, 1)))
-    else:
-        covs[alive] = (second - means * means)[alive]
-    return Params(weights, means=means, covs=covs)
-
-
-def reference_fit(em: EMInstructions, data: np.ndarray, steps: int) -> tuple[Params, list[float], list[dict[str, np.ndarray]]]:
-    """Single-process EM on all rows: parameters, log-likelihoods, and each iteration's statistics
-    (with every row's normaliser: max and sum of exponentials)."""
-    p = initial_params(em, data)
-    lls, history = [], []
-    for _ in range(steps):
-        stats, ll = e_step(em, p, data, record=True)
-        history.append(stats)
-        lls.append(ll)
-        p = m_step(em, p, stats, len(data))
-    return p, lls, history
+def reference_fit(em: EMInstructions, data: np.ndarray, steps: int):
+    """Single-process EM on all rows: (parameters, log-likelihoods, per iteration the statistics
+    and, under a cut, every row's normaliser at the cut node)."""
+    return em_model.reference_fit(em.tree, data, steps, seed=em.seed + 1, micro_batch_size=em.micro_batch_size,
+                                  record=em.cut.path if em.cut else None)
 
 
 def relative_error(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
     """(max |a - b| / max |b|, max |a - b|) over the finite entries."""
     a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    if a.shape != b.shape:
+        return float("inf"), float("inf")
     finite = np.isfinite(b)
     if not np.array_equal(finite, np.isfinite(a)):
         return float("inf"), float("inf")
@@ -236,126 +121,185 @@ def monotone_violations(lls: list[float]) -> list[str]:
 # -- one rank -------------------------------------------------------------------------------
 
 
-def statistics_parts(em: EMInstructions) -> list[tuple[str, list[int]]]:
-    """The plan's component statistics updates, in plan order, with the components each carries."""
-    out = []
-    for node_id in em.collectives:
-        node = node_id.removesuffix(":statistics")
-        if node == node_id or node == ROOT:
-            continue
-        out.append((node_id, [k for k, n in enumerate(em.component_nodes) if n == node]))
-    return out
+def local_statistics(em: EMInstructions, su: StatisticsUpdate, stats: np.ndarray, tp_coord: int) -> np.ndarray:
+    """The rows of a node's statistics this rank sends for ``su``, flattened (unpadded)."""
+    rows = su.rows(tp_coord, em.cut, stats.shape[0])
+    if su.role == "cut":
+        return stats[0, rows].copy()
+    return stats[rows].ravel().copy()
 
 
-def _padded(a: np.ndarray, rows: int) -> np.ndarray:
-    out = np.zeros((rows,) + a.shape[1:])
-    out[: len(a)] = a
-    return out
+def _store(em: EMInstructions, su: StatisticsUpdate, stats: np.ndarray, tp_coord: int, values: np.ndarray) -> None:
+    rows = su.rows(tp_coord, em.cut, stats.shape[0])
+    if su.role == "cut":
+        stats[0, rows] = values
+    else:
+        stats[rows] = values.reshape(len(rows), -1)
+
+
+def not_owned(em: EMInstructions, tp_coord: int):
+    """``keep`` for the M-step: per node, the entries another tp rank owns (None: all are ours)."""
+    if em.cut is None:
+        return lambda node_id: None
+    owned = set(em.owned(tp_coord))
+    units = len(em.cut.owners)
+    masks: dict[str, np.ndarray] = {}
+    for node_id, (role, owner) in em.roles.items():
+        node = em.tree.nodes[node_id]
+        if role == "cut":
+            masks[node_id] = np.array([[u not in owned for u in range(units)]])
+        elif role == "sharded":
+            per = node.instances // units
+            masks[node_id] = np.array([(i // per) not in owned for i in range(node.instances)])
+        elif role == "owned":
+            masks[node_id] = np.full(node.instances, owner != tp_coord)
+    return masks.get
 
 
 def fit_rank(em: EMInstructions, comm, mesh, data: np.ndarray, steps: int, *, receipts=None, progress: bool = False) -> dict:
-    """EM on this rank's rows and components. Returns this rank's record: the components it owns,
-    its parameters for them, the log-likelihoods, and per iteration the reduced statistics and
-    (under a component cut) each row's normaliser."""
+    """EM on this rank's rows and units. Returns this rank's record: its tp coordinate and units,
+    its parameters, the log-likelihoods, and per iteration the reduced statistics of every update
+    it issued and (under a cut) each row's normaliser."""
     import torch
     import torch.distributed as dist
 
     data_size, data_rank = mesh.data_parallel_size, mesh.data_rank
     local = shard_rows(data, data_rank, data_size)
     rows = len(data)
-    cut = em.plan.tp > 1
-    owned = em.owned(mesh.coord("tp")) if cut else list(range(em.num_components))
-    p = initial_params(em, data).subset(owned)
+    cut = em.cut
+    tp = mesh.coord("tp") if cut else 0
+    owned = em.owned(tp)
+    params = initial_params(em.tree, data, em.seed + 1)
     rule = {c.node_id: c.rule for c in em.collectives.values()}
-    chunks = None
-    normalise = None
-    if cut:
+    keep = not_owned(em, tp)
+    statistics = {su.update: su for su in em.statistics}
+    combine = None
+    if cut is not None:
         chunks = np.array_split(local, em.micro_steps)
-        if max(len(c) for c in chunks) > em.micro_batch_size:
-            raise ValueError(f"{len(local)} rows on data rank {data_rank} do not fit {em.micro_steps} micro-batch(es) of {em.micro_batch_size}")
+        width = em.micro_batch_size
 
-        def normalise(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        def padded(values: np.ndarray) -> torch.Tensor:
+            t = torch.zeros(width, dtype=torch.float64)
+            t[: len(values)] = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float64))
+            return t
+
+        def combine(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             n = len(a)
-            top = torch.zeros(em.micro_batch_size, dtype=torch.float64)
-            top[:n] = torch.from_numpy(a.max(axis=1) if a.shape[1] else np.full(n, -np.inf))
+            if cut.axis == "factor":
+                total = padded(a)
+                comm.all_reduce(total, rule=rule[cut.normaliser_sum], parts=cut.normaliser_sum)
+                return np.zeros(n), total[:n].numpy().copy()
+            top = padded(a.max(axis=1) if a.shape[1] else np.full(n, -np.inf))
             # all_reduce MAX through the counting layer (checked against the plan, then counted).
-            comm._run("all_reduce", rule[NORMALISER_MAX], comm._parts(NORMALISER_MAX, top.numel() * 8),
+            comm._run("all_reduce", rule[cut.normaliser_max], comm._parts(cut.normaliser_max, top.numel() * 8),
                       lambda g, async_op: dist.all_reduce(top, op=dist.ReduceOp.MAX, group=g, async_op=async_op))
             m = top[:n].numpy().copy()
-            total = torch.zeros(em.micro_batch_size, dtype=torch.float64)
-            total[:n] = torch.from_numpy(np.exp(a - m[:, None]).sum(axis=1))
-            comm.all_reduce(total, rule=rule[NORMALISER_SUM], parts=NORMALISER_SUM)
+            with np.errstate(invalid="ignore"):
+                total = padded(np.exp(a - m[:, None]).sum(axis=1))
+            comm.all_reduce(total, rule=rule[cut.normaliser_sum], parts=cut.normaliser_sum)
             return m, total[:n].numpy().copy()
+    else:
+        chunks = chunks_of(local, em.micro_batch_size)
 
+    planned_bytes = sum(c.payload_bytes * c.occurrences_per_step for n, c in em.collectives.items() if em.executes(n, tp))
     lls, history = [], []
     started = time.perf_counter()
     for it in range(steps):
         before = comm.ledger.snapshot()
-        stats, ll = e_step(em, p, local, chunks=chunks, normalise=normalise, record=cut)
-        if f"{ROOT}:statistics" in rule:
-            if cut:
-                for key, node_id in (("components", f"{ROOT}.component:statistics"), (ROOT, f"{ROOT}:statistics")):
-                    t = torch.from_numpy(_padded(stats[key], em.local_units))
-                    comm.all_reduce(t, rule=rule[node_id], parts=node_id)
-                    stats[key] = t.numpy()[: len(owned)].copy()
-            else:
-                for node_id, comps in statistics_parts(em):
-                    t = torch.from_numpy(np.ascontiguousarray(stats["components"][comps]))
-                    comm.all_reduce(t, rule=rule[node_id], parts=node_id)
-                    stats["components"][comps] = t.numpy()
-                t = torch.from_numpy(stats[ROOT].copy())
-                comm.all_reduce(t, rule=rule[f"{ROOT}:statistics"], parts=f"{ROOT}:statistics")
-                stats[ROOT] = t.numpy()
+        sc = Scoring(params, zero_statistics(em.tree), cut=cut.path if cut else None, owned=owned, combine=combine,
+                     record=cut.path if cut else None)
+        ll = 0.0
+        for xb in chunks:
+            lp, acc = score(em.tree, em.tree.root, 0, xb, sc)
+            acc(np.ones(len(xb)))
+            ll += float(lp.sum())
+        reduced = {}
+        for node_id, c in em.collectives.items():
+            su = statistics.get(node_id)
+            if su is not None and su.executes(tp):
+                values = local_statistics(em, su, sc.stats[su.node], tp)
+                if len(values) > su.elements:
+                    raise ValueError(f"{node_id}: this rank holds {len(values)} statistics, more than the plan's {su.elements}")
+                t = torch.zeros(su.elements, dtype=torch.float64)
+                t[: len(values)] = torch.from_numpy(values)
+                comm.all_reduce(t, rule=rule[node_id], parts=node_id)
+                values = t[: len(values)].numpy().copy()
+                _store(em, su, sc.stats[su.node], tp, values)
+                reduced[node_id] = values
         if LOG_LIKELIHOOD in rule:
             t = torch.tensor([ll], dtype=torch.float64)
             comm.all_reduce(t, rule=rule[LOG_LIKELIHOOD], parts=LOG_LIKELIHOOD)
             ll = float(t.item())
-        history.append(stats)
+        entry = {"statistics": reduced}
+        if cut is not None:
+            entry["max"], entry["sum"] = np.concatenate(sc.maxes), np.concatenate(sc.sums)
+        history.append(entry)
         lls.append(ll)
-        p = m_step(em, p, stats, rows)
+        params = m_step(em.tree, params, sc.stats, keep=keep, totals={cut.path: rows} if cut is not None else None)
         after = comm.ledger.snapshot()
         observed = sum(after[k][1] - before.get(k, (0, 0))[1] for k in after)
         if receipts is not None:
             receipts.write(json.dumps({"iteration": it, "log_likelihood": ll, "examples": rows,
                                        "local_examples": len(local), "collective_bytes": observed,
+                                       "planned_collective_bytes": planned_bytes,
                                        "wall_s": time.perf_counter() - started}, sort_keys=True) + "\n")
             receipts.flush()
         if progress:
             print(f"iteration {it + 1}/{steps}  log-likelihood {ll:.6f}  {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
-    return {"owned": owned, "data_rank": data_rank, "data_size": data_size, "params": p, "lls": lls, "history": history}
+    return {"tp": tp, "owned": list(owned), "data_rank": data_rank, "data_size": data_size, "params": params, "lls": lls,
+            "history": history, "wall_s": time.perf_counter() - started}
 
 
-def assemble(em: EMInstructions, records: list[dict]) -> Params:
-    """The whole model from every rank's owned components."""
-    first = records[0]["params"].arrays()
-    whole = {name: np.zeros((em.num_components,) + a.shape[1:]) for name, a in first.items()}
+def assemble(em: EMInstructions, records: list[dict]):
+    """The whole model from every rank's own units."""
+    whole = {n: {k: v.copy() for k, v in arrays.items()} for n, arrays in records[0]["params"].items()}
     for rec in records:
-        for name, a in rec["params"].arrays().items():
-            whole[name][rec["owned"]] = a
-    return Params(**whole)
+        keep = not_owned(em, rec["tp"])
+        for node_id, arrays in rec["params"].items():
+            mask = keep(node_id)
+            if mask is None:
+                continue
+            for name, a in arrays.items():
+                whole[node_id][name][~mask] = a[~mask]
+    return whole
 
 
-def em_accounting(em: EMInstructions, ledgers, steps: int) -> dict:
+def flat_params(params) -> dict[str, np.ndarray]:
+    return {f"{node}/{name}": a for node, arrays in params.items() for name, a in arrays.items()}
+
+
+def fit_error(params, ref_params) -> float:
+    """Max relative error of the fitted parameters against the single-process fit."""
+    ref = flat_params(ref_params)
+    return max((relative_error(a, ref[name])[0] for name, a in flat_params(params).items()), default=0.0)
+
+
+def em_accounting(em: EMInstructions, ledgers, steps: int, tp_coords: list[int] | None = None) -> dict:
+    """Planned == observed, count and bytes, per update on every rank (zero where a rank does
+    not own the update's unit)."""
+    tp_coords = tp_coords or [0] * len(ledgers)
     rows, errors = [], []
     for node_id, c in em.collectives.items():
         planned_count = c.occurrences_per_step * steps
         expected = em.expected_bytes(c) * planned_count
         observed = [tuple(lg["updates"].get(node_id, (0, 0))) for lg in ledgers]
-        match = all(o == (planned_count, expected) for o in observed)
-        if not match:
-            bad = next(r for r, o in enumerate(observed) if o != (planned_count, expected))
-            errors.append(f"{node_id}: planned {planned_count} x {c.collective} ({expected} bytes in float64) per rank over {steps} "
-                          f"iteration(s), observed {observed[bad][0]} ({observed[bad][1]} bytes) on rank {bad}")
+        wanted = [(planned_count, expected) if em.executes(node_id, tp) else (0, 0) for tp in tp_coords]
+        bad = [r for r, (o, w) in enumerate(zip(observed, wanted)) if o != w]
+        if bad:
+            r = bad[0]
+            errors.append(f"{node_id}: planned {wanted[r][0]} x {c.collective} ({wanted[r][1]} bytes) on rank {r} over {steps} "
+                          f"iteration(s), observed {observed[r][0]} ({observed[r][1]} bytes)")
         rows.append({"node_id": node_id, "collective": c.collective, "group": c.rule, "phase": c.phase,
-                     "planned_count": planned_count, "planned_bytes": c.payload_bytes * planned_count,
-                     "expected_bytes_float64": expected, "observed_count": sorted({o[0] for o in observed}),
-                     "observed_bytes": sorted({o[1] for o in observed}), "match": match})
+                     "planned_count": planned_count, "planned_bytes": expected,
+                     "ranks_executing": sum(1 for w in wanted if w[0]),
+                     "observed_count": sorted({o[0] for o, w in zip(observed, wanted) if w[0]}),
+                     "observed_bytes": sorted({o[1] for o, w in zip(observed, wanted) if w[0]}), "match": not bad})
     for r, lg in enumerate(ledgers):
         for node_id in sorted(set(lg["updates"]) - set(em.collectives)):
             errors.append(f"{node_id}: rank {r} issued a collective the plan does not declare")
     return {"ok": not errors, "errors": errors, "updates": rows, "updates_checked": len(rows), "ranks_checked": len(ledgers),
-            "collective_calls_per_rank": [lg["calls"] for lg in ledgers], "bytes_note":
-            "statistics travel in float64; the plan sizes them in its precision, so expected bytes = payload_bytes * 8 / bytes per element"}
+            "collective_calls_per_rank": [lg["calls"] for lg in ledgers],
+            "bytes_note": "EM statistics, normalisers and log-likelihoods travel in float64, as the plan sizes them"}
 
 
 def evidence(doc, em: EMInstructions, records: list[dict], repeat: list[dict], ref, steps: int) -> tuple[list[dict], list[str]]:
@@ -365,19 +309,20 @@ def evidence(doc, em: EMInstructions, records: list[dict], repeat: list[dict], r
 
     ref_params, ref_lls, ref_history = ref
     run_id = f"em-{em.content_digest.removeprefix('sha256:')[:12]}-{steps}"
-    parts = dict(statistics_parts(em))
+    statistics = {su.update: su for su in em.statistics}
+    cut = em.cut
 
-    def pair(node_id: str, rec: dict, it: int) -> tuple[np.ndarray, np.ndarray]:
-        owned, h, r = rec["owned"], rec["history"][it], ref_history[it]
-        if node_id == f"{ROOT}:statistics":
-            return h[ROOT], r[ROOT][owned]
+    def pair(node_id: str, rec: dict, it: int) -> tuple[np.ndarray, np.ndarray] | None:
+        h, r = rec["history"][it], ref_history[it]
         if node_id == LOG_LIKELIHOOD:
             return np.array([rec["lls"][it]]), np.array([ref_lls[it]])
-        if node_id in (NORMALISER_MAX, NORMALISER_SUM):
-            key = "max" if node_id == NORMALISER_MAX else "sum"
+        if cut is not None and node_id in (cut.normaliser_max, cut.normaliser_sum):
+            key = "max" if node_id == cut.normaliser_max else "sum"
             return h[key], shard_rows(r[key], rec["data_rank"], rec["data_size"])
-        comps = [k for k in parts[node_id] if k in owned]
-        return h["components"][[owned.index(k) for k in comps]], r["components"][comps]
+        su = statistics[node_id]
+        if node_id not in h["statistics"]:
+            return None
+        return h["statistics"][node_id], local_statistics(em, su, r[su.node], rec["tp"])
 
     out, errors = [], []
     for u in doc.updates:
@@ -387,27 +332,28 @@ def evidence(doc, em: EMInstructions, records: list[dict], repeat: list[dict], r
         same = True
         for rec, again in zip(records, repeat):
             for it in range(steps):
-                mine, theirs = pair(u.node_id, rec, it)
+                got = pair(u.node_id, rec, it)
+                if got is None:
+                    continue
+                mine, theirs = got
                 r, x = relative_error(mine, theirs)
                 rel, ab, samples = max(rel, r), max(ab, x), samples + int(np.size(mine))
                 same = same and np.array_equal(mine, pair(u.node_id, again, it)[0])
         fields.update(maximum_relative_error=rel, maximum_absolute_error=ab, numerics_sample_count=samples,
                       numerics_evidence_id=f"{run_id}/{u.node_id}", determinism_observed=same)
         out.append(DistributedUpdate.from_dict(fields).as_dict())
-    fitted = assemble(em, records)
-    for name, a in fitted.arrays().items():
-        r, _ = relative_error(a, ref_params.arrays()[name])
+    fitted = flat_params(assemble(em, records))
+    reference = flat_params(ref_params)
+    for name, a in fitted.items():
+        r, _ = relative_error(a, reference[name])
         if r > EM_TOLERANCE:
             errors.append(f"fitted {name}: relative error {r:.2e} against the single-process fit exceeds {EM_TOLERANCE:.0e}")
     for d in out:
         if d["maximum_relative_error"] > EM_TOLERANCE:
             errors.append(f"{d['node_id']}: relative error {d['maximum_relative_error']:.2e} exceeds {EM_TOLERANCE:.0e}")
+        if d["numerics_sample_count"] == 0:
+            errors.append(f"{d['node_id']}: no rank recorded a value to compare")
     return out, errors
-
-
-def fit_error(params: Params, ref_params: Params) -> float:
-    """Max relative error of the fitted parameters against the single-process fit."""
-    return max(relative_error(a, ref_params.arrays()[name])[0] for name, a in params.arrays().items())
 
 
 def run_em_rank(doc, *, steps: int, out_dir: Path, reference: bool, data_path: str | None, timeout_s: float, progress: bool) -> dict | None:
@@ -454,7 +400,7 @@ def run_em_rank(doc, *, steps: int, out_dir: Path, reference: bool, data_path: s
     if rank != 0:
         return None
     lls = record["lls"]
-    account = em_accounting(em, ledgers, steps)
+    account = em_accounting(em, ledgers, steps, [rec["tp"] for rec in records])
     errors = list(account["errors"]) + monotone_violations(lls)
     if any(rec["lls"] != lls for rec in records):
         errors.append("the ranks disagree on the log-likelihood")
@@ -466,9 +412,10 @@ def run_em_rank(doc, *, steps: int, out_dir: Path, reference: bool, data_path: s
         "warnings": [] if em.precision == "fp32" else [f"training.precision={em.precision!r}: EM runs in float64 regardless"],
         "plan": {"content_digest": em.content_digest, "world_size": em.plan.world_size, "factorisation": em.plan.factorisation(),
                  "degrees": em.plan.as_dict(), "family": "distribution", "precision": "float64", "optimizer": "em"},
-        "run": {"steps": steps, "train_s": train_s, "wall_s": train_s, "data": data_path or "synthetic", "torch": torch.__version__,
-                "rows": int(len(data)), "model": {"kind": em.kind, "components": em.num_components, "dim": em.dim,
-                                                  "covariance": em.covariance, "num_values": em.num_values}},
+        "run": {"steps": steps, "train_s": train_s, "wall_s": train_s, "fit_s": max(rec["wall_s"] for rec in records),
+                "data": str(data_path) if data_path else "synthetic", "torch": torch.__version__, "rows": int(len(data)),
+                "model": em.describe(),
+                "cut": None if em.cut is None else {"path": em.cut.path, "axis": em.cut.axis, "owners": list(em.cut.owners)}},
         # `losses` keeps the neural report's shape: the negative mean log-likelihood per row.
         "losses": [-ll / len(data) for ll in lls],
         "log_likelihoods": lls,
