@@ -19,6 +19,8 @@ from mixle_compile.lower.groups import (
     GroupRule,
     RankGrid,
     enumerate_groups,
+    kv_replica_axis,
+    kv_replica_size,
     rule_name,
 )
 
@@ -415,3 +417,61 @@ def test_creation_order_is_lazy_at_scale():
     ]
     assert sum(rule.num_groups for rule in grid.rules) > 100_000
     assert math.prod(d.size for d in grid.expert.dims) == 131_072
+
+
+# ---------------------------------------------------------------------------
+# KV-replica groups: the tp ranks sharing one KV head
+# ---------------------------------------------------------------------------
+
+
+def kv_oracle(table: list[dict[str, int]], replicas: int) -> list[tuple[int, ...]]:
+    """Ranks that agree on every dense coordinate but tp, and on their KV head tp // replicas."""
+    buckets: dict[tuple, list[int]] = {}
+    for rank, coords in enumerate(table):
+        key = tuple(v for a, v in sorted(coords.items()) if a != "tp") + (coords["tp"] // replicas,)
+        buckets.setdefault(key, []).append(rank)
+    return sorted(tuple(members) for members in buckets.values())
+
+
+@settings(max_examples=80, deadline=None)
+@given(plans_and_orders())
+def test_kv_replica_groups_match_the_oracle_for_any_order(case):
+    plan, order = case
+    try:
+        RankGrid.from_plan(plan, order)
+    except ValueError:
+        return
+    dense = oracle_coords(plan.world_size, oracle_axes(order, plan)[0])
+    for replicas in [r for r in range(1, plan.tp + 1) if plan.tp % r == 0]:
+        name = kv_replica_axis(replicas)
+        grid = RankGrid.from_plan(plan, order, extra_rules=[(name,)])
+        rule = grid.rule(name)
+        assert rule.size == replicas and grid.rules[-1] is rule
+        assert_rule_matches(rule, kv_oracle(dense, replicas))
+        # The symbolic form alone rebuilds the members (what the runtime reads from a plan).
+        entry = rule.as_dict()
+        for index in range(rule.num_groups):
+            base = 0
+            rest = index
+            for stride, length in entry["base_dims"]:
+                rest, digit = divmod(rest, length)
+                base += digit * stride
+            offsets = [0]
+            for stride, length in entry["dims"]:
+                offsets = [o + k * stride for k in range(length) for o in offsets]
+            assert tuple(sorted(base + o for o in offsets)) == rule.group(index)
+
+
+def test_kv_replica_axis_names_carry_their_size_and_stand_alone():
+    assert kv_replica_axis(2) == "tp_kv_replica2" and kv_replica_size("tp_kv_replica2") == 2
+    assert kv_replica_size("tp") is None and kv_replica_size("tp_kv_replica0") is None
+    assert rule_name(("tp_kv_replica4",)) == "tp_kv_replica4"
+    with pytest.raises(ValueError, match="forms a rule alone"):
+        rule_name(("tp_kv_replica2", "dp_shard"))
+    with pytest.raises(ValueError, match="must divide tp=4"):
+        RankGrid.from_plan(ParallelPlan(tp=4)).rule("tp_kv_replica3")
+    with pytest.raises(ValueError):
+        kv_replica_axis(0)
+    grid = RankGrid.from_plan(ParallelPlan(tp=4, dp_shard=2), extra_rules=[("tp_kv_replica2",)])
+    assert enumerate_groups(grid.rule("tp_kv_replica2")) == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert [rule.name for rule, _, _ in grid.creation_order()][-1] == "tp_kv_replica2"

@@ -25,7 +25,7 @@ resources: {{devices: {world}, memory: 8GiB}}
 """
 
 
-def lowered(dr=1, ds=1, tp=1, pp=1, cp=1, ep=1, experts=0, tie=False, sp=False, dopt=False):
+def lowered(dr=1, ds=1, tp=1, pp=1, cp=1, ep=1, experts=0, tie=False, sp=False, dopt=False, kv=None):
     mb = max(pp, 1)
     text = SPEC.format(
         dr=dr, ds=ds, tp=tp, pp=pp, cp=cp, ep=ep, mb=mb, gbs=mb * dr * ds, sp=str(sp).lower(), dopt=str(dopt).lower(),
@@ -33,6 +33,8 @@ def lowered(dr=1, ds=1, tp=1, pp=1, cp=1, ep=1, experts=0, tie=False, sp=False, 
     )
     if not experts:
         text = text.replace(", num_experts: 0, experts_per_token: null", "")
+    if kv is not None:
+        text = text.replace("num_heads: 4,", f"num_heads: 4, num_kv_heads: {kv},")
     loaded = load_spec_text(text, "t.yaml")
     assert loaded.ok, [d.text() for d in loaded.diagnostics]
     return lower(loaded.spec)
@@ -42,9 +44,9 @@ def updates_of(low, tensor):
     return [u for u in low.updates if u.tensor == tensor and u.update.payload.value == "gradient"]
 
 
-def recheck(low, updates):
+def recheck(low, updates, kv=None):
     sp = any(u.update.node_id.endswith("grad/tp") for u in low.updates)
-    return check_exactly_once(low.parameters, tuple(updates), low.plan, sequence_parallel=sp)
+    return check_exactly_once(low.parameters, tuple(updates), low.plan, sequence_parallel=sp, num_kv_heads=kv)
 
 
 @pytest.mark.parametrize("name", ["llama3-8b-hsdp-tp.yaml", "mixtral-moe-ep.yaml", "tiny-transformer.yaml"])
@@ -100,7 +102,77 @@ def test_expert_gradients_reduce_over_expert_data_and_divide_by_data_degree():
     assert low.reduction_problems == ()
 
 
+# --- KV heads shared over tp (num_kv_heads < tp) -----------------------------------------------
+
+
+def test_kv_heads_shared_over_tp_are_placed_by_head_and_summed_over_the_ranks_sharing_each():
+    low = lowered(ds=2, tp=4, kv=2)  # 4 query heads of 16, 2 KV heads: tp ranks {0,1} share head 0, {2,3} head 1
+    placed = {p.name: p for p in low.parameters}
+    k = placed["layers.0.attn.k_proj.weight"]
+    assert k.layout.placements == (("tp_kv_head", "shard(0)"), ("tp_kv_replica2", "replicate"), ("dp_shard", "shard(0)"))
+    assert k.local_shape == (8, 64) and k.kv_replicas == 2  # one head's 16 rows, then half of them per data shard
+    assert placed["layers.0.attn.q_proj.weight"].layout.placements[0] == ("tp", "shard(0)")
+    assert placed["layers.0.attn.o_proj.weight"].layout.placements[0] == ("tp", "shard(1)")
+    for name in ("layers.0.attn.k_proj.weight", "layers.3.attn.v_proj.weight"):
+        chain = updates_of(low, name)
+        assert [(u.update.collective, u.update.mesh_axes, u.group_size, u.gradient_divisor) for u in chain] == [
+            (CollectiveKind.all_reduce, ("tp_kv_replica2",), 2, 1),
+            (CollectiveKind.reduce_scatter, ("dp_shard",), 2, 2),
+        ]
+        assert chain[0].payload_bytes == 16 * 64 * 4  # the head's whole fp32 gradient, before the data shard
+        assert chain[0].occurrences_per_step == chain[1].occurrences_per_step
+    assert not [u for u in updates_of(low, "layers.0.attn.q_proj.weight") if u.update.node_id.endswith("/kv")]
+    # The activations are unchanged: query heads split, attention output row-parallel.
+    by_id = {u.update.node_id: u for u in low.updates}
+    assert (by_id["layers.0.attn:out"].update.collective, by_id["layers.0.attn:out"].update.mesh_axes) == (CollectiveKind.all_reduce, ("tp",))
+    assert by_id["layers.0.attn:in/grad"].update.mesh_axes == ("tp",)
+    rule = low.grid.rule("tp_kv_replica2")
+    assert list(rule.groups()) == [(0, 1), (2, 3), (4, 5), (6, 7)]  # tp innermost, dp_shard outside
+    assert low.reduction_problems == () and low.schedule.check.ok
+
+
+def test_a_single_kv_head_is_shared_by_every_tp_rank():
+    low = lowered(tp=2, kv=1, dr=2)
+    k = {p.name: p for p in low.parameters}["layers.0.attn.k_proj.weight"]
+    assert k.layout.placements[:2] == (("tp_kv_head", "shard(0)"), ("tp_kv_replica2", "replicate"))
+    assert k.local_shape == (16, 64)
+    assert [u.update.mesh_axes for u in updates_of(low, k.name)] == [("tp_kv_replica2",), ("dp_replicate",)]
+    assert list(low.grid.rule("tp_kv_replica2").groups()) == list(low.grid.rule("tp").groups())
+
+
+def test_kv_heads_that_split_over_tp_are_sharded_as_before():
+    low = lowered(tp=2, kv=2)
+    k = {p.name: p for p in low.parameters}["layers.0.attn.k_proj.weight"]
+    assert k.layout.placements == (("tp", "shard(0)"),) and k.kv_replicas == 1
+    assert not [u for u in low.updates if u.update.node_id.endswith(":grad/kv")]
+
+
+def test_memory_counts_one_kv_head_per_rank_when_heads_are_shared():
+    shared, split = lowered(tp=4, kv=2, ds=2), lowered(tp=4, kv=4, ds=2)
+    # Per layer, k and v each hold 16 rows of 64 on every tp rank with 2 KV heads, 16 rows with 4:
+    # the same bytes, while a tp-split of 2 heads would have claimed 8.
+    assert shared.memory[0].parameters == split.memory[0].parameters
+    assert shared.memory[0].gathered_parameters == split.memory[0].gathered_parameters
+
+
 # --- deliberately broken plans: the independent check must catch each one -------------------
+
+
+def test_a_kv_head_gradient_left_unsummed_over_the_ranks_sharing_it_is_caught():
+    low = lowered(tp=4, kv=2, dr=2)
+    broken = [u for u in low.updates if not u.update.node_id.endswith(":grad/kv")]
+    problems = recheck(low, broken, kv=2)
+    assert {p.tensor for p in problems} == {f"layers.{i}.attn.{w}_proj.weight" for i in range(4) for w in "kv"}
+    assert all("partial sum over tp_kv_replica2 but is never reduced over tp_kv_replica2" in p.message for p in problems)
+    # Summed over the wrong group (the whole of tp) is caught too.
+    wrong = [
+        dataclasses.replace(u, update=dataclasses.replace(u.update, mesh_axes=("tp",)), group_size=4)
+        if u.update.node_id.endswith(":grad/kv") else u
+        for u in low.updates
+    ]
+    assert any("reduced over tp, where it is not a partial sum" in p.message for p in recheck(low, wrong, kv=2))
+    # The check derives the partial sums from the model, not from the plan's layouts.
+    assert any("tp_kv_replica2, where it is not a partial sum" in p.message for p in recheck(low, low.updates, kv=4))
 
 
 def test_cp_missing_from_the_gradient_reduction_is_caught():
@@ -151,6 +223,17 @@ def test_expert_gradients_divided_by_the_group_size_are_caught():
 def test_emitted_updates_always_pass_the_independent_check(dr, ds, tp, pp, cp, tie, sp, dopt):
     low = lowered(dr=dr, ds=ds, tp=tp, pp=pp, cp=cp, tie=tie, sp=sp and tp > 1, dopt=dopt)
     assert low.reduction_problems == ()
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.sampled_from([1, 2]), st.sampled_from([1, 2]), st.sampled_from([(2, 1), (4, 1), (4, 2)]), st.booleans(), st.booleans())
+def test_kv_heads_shared_over_tp_always_pass_the_independent_check(dr, ds, tp_kv, sp, dopt):
+    tp, kv = tp_kv
+    low = lowered(dr=dr, ds=ds, tp=tp, kv=kv, sp=sp, dopt=dopt)
+    assert low.reduction_problems == ()
+    assert recheck(low, low.updates, kv=kv) == ()
+    assert low.schedule.check.ok, low.schedule.check.problems
+    assert [u for u in low.updates if u.update.node_id.endswith(":grad/kv")]
 
 
 def test_ring_costs():
@@ -243,3 +326,13 @@ def test_step_programs_repeat_reductions_of_every_accumulation_window():
     planned = [u for u in low.updates if u.update.collective is CollectiveKind.reduce_scatter]
     assert planned and all(u.occurrences_per_step == 2 for u in planned)
     assert len(scatters) == 2 * len(planned)
+
+
+def test_context_parallel_kv_gathers_move_the_kv_heads_a_tp_rank_holds():
+    def kv_payload(**kwargs):
+        return {u.update.node_id: u for u in lowered(cp=2, **kwargs).updates}["layers.0.attn:kv"].payload_bytes
+
+    whole = kv_payload(kv=2)
+    assert kv_payload(tp=2, kv=2) == whole // 2  # one of the two heads per tp rank
+    assert kv_payload(tp=4, kv=2) == whole // 2  # one head, shared by two tp ranks
+    assert kv_payload(tp=2, kv=4) == kv_payload(kv=4) // 2 == whole

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from math import ceil
+from typing import TYPE_CHECKING
 
 from mixle_compile.contracts import CollectiveKind, DistributedUpdate, ParallelPlan, ParameterLayout, PayloadKind, StateLayout
 from mixle_compile.decompose import Device, ModelDecomposition, decompose_model, devices_from_resources
@@ -35,6 +36,9 @@ from mixle_compile.lower.schedule import Op, OpKind
 from mixle_compile.lower.updates import PlannedUpdate, group_size
 from mixle_compile.parameters import DTYPE_BYTES, Parameter
 from mixle_compile.spec.models import Spec
+
+if TYPE_CHECKING:
+    from mixle_compile.lower.exactly_once import ReductionProblem
 
 # Statistics elements per instance beyond the node's parameters: a Gaussian's mean and covariance,
 # a Poisson's or exponential's rates need the total weight the leaf saw (the occupancy of an HMM
@@ -123,7 +127,6 @@ def lower_distribution(spec: Spec, plan: ParallelPlan, graph: ModelGraph, grid: 
     largest_share = max((list(unit_owner.values()).count(r) for r in set(unit_owner.values())), default=1)
     num_units = max(1, len(unit_owner))
 
-    g = graph.graph
     placed: list[PlacedParameter] = []
     owners: dict[str, int] = {}
     updates: list[PlannedUpdate] = []

@@ -4,8 +4,9 @@ This does not reuse the code that emitted the updates: it derives, from each par
 and the mesh alone, the axes over which its local gradient is a partial sum, and compares them
 with the reductions the plan actually lists. It catches the classic mistakes: cp left out of the
 gradient reduction, a reduction done twice, an unsynchronised tied embedding, a tied sync after a
-reduce-scatter (it must see whole gradients), and expert gradients divided by the expert-group
-size instead of the data-parallel size.
+reduce-scatter (it must see whole gradients), expert gradients divided by the expert-group
+size instead of the data-parallel size, and the gradient of a KV head shared by several
+tensor-parallel ranks (fewer KV heads than tp ranks) left unsummed over the ranks sharing it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from mixle_compile.contracts import CollectiveKind, ParallelPlan, PayloadKind
+from mixle_compile.lower.groups import kv_replica_axis, kv_replica_size
 from mixle_compile.lower.layouts import PlacedParameter
 from mixle_compile.lower.updates import PlannedUpdate
 
@@ -26,14 +28,25 @@ class ReductionProblem:
     message: str
 
 
-def expected_partial_axes(placed: PlacedParameter, plan: ParallelPlan, *, sequence_parallel: bool) -> set[str]:
-    """From first principles: where do ranks hold the same weights but see different data?"""
+_KV_WEIGHTS = (".attn.k_proj.weight", ".attn.k_proj.bias", ".attn.v_proj.weight", ".attn.v_proj.bias")
+
+
+def expected_partial_axes(placed: PlacedParameter, plan: ParallelPlan, *, sequence_parallel: bool, num_kv_heads: int | None = None) -> set[str]:
+    """From first principles: where do ranks hold the same weights but see different data?
+
+    ``num_kv_heads``: a transformer's KV heads. With fewer of them than tp ranks, tp / num_kv_heads
+    consecutive tp ranks hold the same KV head and run different query heads against it, so each
+    holds only part of that head's gradient."""
     p = placed.parameter
     axes: set[str] = set()
+    if num_kv_heads and plan.tp > num_kv_heads and p.role != "expert" and p.name.endswith(_KV_WEIGHTS):
+        axes.add(kv_replica_axis(plan.tp // num_kv_heads))
     if p.role == "expert":
         # Experts are replicated across the expert-data domain: every rank of the stage that is
         # neither another expert's rank nor another slice of the same expert.
-        if plan.world_size // (plan.etp * plan.ep * plan.pp) > 1:
+        # With one expert-data rank the gradient is complete but still needs the data degree's
+        # divisor, which the reduction over that one rank carries.
+        if plan.world_size // (plan.etp * plan.ep * plan.pp) > 1 or plan.data_parallel_size > 1:
             axes.add("edp")
     else:
         for axis, degree in (("dp_replicate", plan.dp_replicate), ("dp_shard", plan.dp_shard), ("cp", plan.cp)):
@@ -52,8 +65,11 @@ def check_exactly_once(
     plan: ParallelPlan,
     *,
     sequence_parallel: bool,
+    num_kv_heads: int | None = None,
 ) -> tuple[ReductionProblem, ...]:
-    """Every problem found; an empty tuple means every gradient is reduced exactly once."""
+    """Every problem found; an empty tuple means every gradient is reduced exactly once.
+
+    ``num_kv_heads``: a transformer's KV heads (None: no KV heads shared over tp)."""
     by_tensor: dict[str, list[PlannedUpdate]] = {}
     for u in updates:
         if u.update.payload is PayloadKind.gradient:
@@ -63,7 +79,7 @@ def check_exactly_once(
     for name in sorted(set(by_tensor) - known):
         problems.append(ReductionProblem(name, f"{name}: gradient updates for a tensor that is not a parameter"))
     for p in placed:
-        expected = expected_partial_axes(p, plan, sequence_parallel=sequence_parallel)
+        expected = expected_partial_axes(p, plan, sequence_parallel=sequence_parallel, num_kv_heads=num_kv_heads)
         reductions = [u for u in by_tensor.get(p.name, []) if u.update.collective in _REDUCTIONS]
         others = [u for u in by_tensor.get(p.name, []) if u.update.collective not in _REDUCTIONS]
         for u in others:
@@ -79,7 +95,7 @@ def check_exactly_once(
         divisor = 1
         for u in reductions:
             divisor *= u.gradient_divisor
-        data_reduced = expected - {"tp", "tied"}
+        data_reduced = expected - {"tp", "tied"} - {a for a in expected if kv_replica_size(a) is not None}
         want = plan.data_parallel_size if data_reduced else 1
         if divisor != want:
             problems.append(

@@ -26,6 +26,10 @@ combination of ``(stride, length)`` steps, so ``group_of(rank)`` costs a few
 divisions and the size of its answer, never the world size.  Lists of ranks
 are produced only on request (:func:`enumerate_groups`).
 
+A KV-replica rule (``tp_kv_replica<r>``, see :func:`kv_replica_axis`) splits
+tp into blocks of ``r`` consecutive tp coordinates: the ranks that hold the
+same KV head when there are fewer KV heads than tp ranks.
+
 Process groups must be created in the same order on every rank
 (``torch.distributed.new_group`` is a collective over the whole world);
 :meth:`RankGrid.creation_order` yields that one global order: rules in
@@ -36,6 +40,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -56,6 +61,8 @@ __all__ = [
     "GroupRule",
     "RankGrid",
     "enumerate_groups",
+    "kv_replica_axis",
+    "kv_replica_size",
     "rule_name",
 ]
 
@@ -83,6 +90,27 @@ EMBEDDING_RULE = "embedding"
 #: Another accepted name for the same rule (the layouts call the tied group ``tied``).
 TIED_ALIAS = "tied"
 
+#: KV-head replication (grouped-query attention with fewer KV heads than tp ranks): the tp ranks
+#: ``t`` with the same ``t // r`` hold the same KV head.  Their group is a block of ``r``
+#: consecutive tp coordinates; the axis name carries ``r`` so that a rule can be rebuilt from its
+#: name and the plan's degrees alone.
+KV_REPLICA_PREFIX = "tp_kv_replica"
+_KV_REPLICA = re.compile(r"tp_kv_replica([1-9][0-9]*)")
+
+
+def kv_replica_axis(replicas: int) -> str:
+    """The name of the sub-axis of tp whose ``replicas`` ranks share one KV head."""
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+        raise ValueError(f"KV-head replicas must be a positive integer, got {replicas!r}")
+    return f"{KV_REPLICA_PREFIX}{replicas}"
+
+
+def kv_replica_size(axis: str) -> int | None:
+    """``r`` for a KV-replica axis name (``tp_kv_replica<r>``), ``None`` for any other name."""
+    match = _KV_REPLICA.fullmatch(axis) if isinstance(axis, str) else None
+    return int(match.group(1)) if match else None
+
+
 #: Rules every grid carries, in the global creation order.  Names join the axes
 #: with ``+`` in canonical order (see :func:`rule_name`).
 DEFAULT_RULES: tuple[tuple[str, ...], ...] = (
@@ -109,6 +137,10 @@ def rule_name(axes: Iterable[str]) -> str:
     axes = tuple(axes)
     if axes in ((EMBEDDING_RULE,), (TIED_ALIAS,)):
         return EMBEDDING_RULE
+    if any(kv_replica_size(a) is not None for a in axes):
+        if len(axes) != 1:
+            raise ValueError(f"rule {axes}: a KV-replica axis ({KV_REPLICA_PREFIX}<r>) forms a rule alone")
+        return axes[0]
     canonical = DENSE_AXES + tuple(a for a in EXPERT_AXES if a not in DENSE_AXES)
     unknown = [a for a in axes if a not in canonical]
     if unknown:
@@ -243,9 +275,21 @@ class GroupRule:
 
     @cached_property
     def base_dims(self) -> tuple[tuple[int, int], ...]:
-        """``(stride, length)`` digits of the group index, innermost first."""
-        varied = {s.axis for s in self.spans}
-        return tuple((d.stride, d.size) for d in self.layout.dims if d.axis not in varied and d.size > 1)
+        """``(stride, length)`` digits of the group index, innermost first.
+
+        An axis the rule does not span is a digit; so is the block index of an axis spanned by
+        blocks of consecutive coordinates (``step == 1``, ``count < size``: the KV-replica groups
+        of tp), whose blocks partition it."""
+        spans = {s.axis: s for s in self.spans}
+        out = []
+        for d in self.layout.dims:
+            s = spans.get(d.axis)
+            if s is None:
+                if d.size > 1:
+                    out.append((d.stride, d.size))
+            elif s.step == 1 and s.count < d.size:
+                out.append((d.stride * s.count, d.size // s.count))
+        return tuple(out)
 
     @cached_property
     def size(self) -> int:
@@ -309,8 +353,10 @@ class GroupRule:
         if not self.covers(rank):
             return None
         base = rank
-        for stride, size, _, _ in self._coordinate_digits:
-            base -= ((rank // stride) % size) * stride
+        for stride, size, step, count in self._coordinate_digits:
+            coord = (rank // stride) % size
+            # Within a block of consecutive coordinates, the offset from the block's first one.
+            base -= (coord % count if step == 1 else coord) * stride
         return base
 
     def group_index_of(self, rank: int) -> int | None:
@@ -529,6 +575,15 @@ class RankGrid:
             if existing.name == name:
                 return existing
         pp = self.dense.dim("pp")
+        replicas = kv_replica_size(name)
+        if replicas is not None:
+            tp = self.dense.dim("tp").size
+            if tp % replicas:
+                raise ValueError(
+                    f"rule {name!r}: {replicas} tp ranks per KV head must divide tp={tp}; "
+                    f"num_kv_heads must divide tp (or tp divide num_kv_heads)"
+                )
+            return GroupRule(name, (name,), self.dense, (AxisSpan("tp", 1, replicas),))
         if name == EMBEDDING_RULE:
             span = AxisSpan("pp", pp.size - 1, 2) if pp.size > 1 else AxisSpan("pp", 1, 1)
             return GroupRule(name, (EMBEDDING_RULE,), self.dense, (span,))

@@ -6,12 +6,17 @@ pipeline stage owns it, and where its optimizer state lives. The rules, in the o
 
 - tp: the dimension the parameter list names (`Parameter.tp_dim`: column-parallel output
   features, row-parallel input features, the vocabulary of embeddings and the head, an expert's
-  hidden features when etp = tp); everything else is replicated over tp.
+  hidden features when etp = tp); everything else is replicated over tp. With fewer KV heads than
+  tp ranks (grouped-query attention, tp a multiple of num_kv_heads), the KV projections are
+  neither: tp factors into the KV head a rank holds (`tp_kv_head`, coordinate tp_rank // r, with
+  r = tp / num_kv_heads) and the r ranks sharing it (`tp_kv_replica<r>`, tp_rank % r), and the
+  weight is sharded by head over the first and replicated over the second, as Megatron does.
 - ep: expert weights are split by expert (dimension 0) over the expert-parallel group.
 - data: dense parameters are sharded on dimension 0 over dp_shard (and over cp, which FSDP folds
   into its shard group, as torchtitan does) when dp_shard > 1; replicated over dp_replicate (HSDP).
   Expert parameters live in the expert-data domain `edp` instead (world / (etp * ep * pp) ranks),
-  sharded over it on their hidden dimension when dp_shard > 1.
+  sharded over it when dp_shard > 1: by whole experts (dimension 0) when each ep rank's experts
+  split evenly over edp, else on their hidden dimension.
 - pp: a parameter belongs to the stage that holds its layer; the embedding to the first stage,
   the final norm and head to the last.
 """
@@ -22,6 +27,7 @@ from dataclasses import dataclass
 from math import ceil, prod
 
 from mixle_compile.contracts import ParallelPlan, ParameterLayout, StateLayout
+from mixle_compile.lower.groups import kv_replica_axis, kv_replica_size
 from mixle_compile.parameters import Parameter
 
 # Names of the communication domains used in layouts and updates. Physical mesh axes keep their
@@ -30,6 +36,23 @@ from mixle_compile.parameters import Parameter
 DATA_AXES = ("dp_replicate", "dp_shard", "cp")
 EXPERT_DATA = "edp"
 TIED_GROUP = "tied"
+# The KV head a tp rank holds when KV heads are replicated over tp (see the module docstring);
+# the ranks sharing a head form the sub-axis `kv_replica_axis(r)` (lower/groups.py).
+KV_HEAD_AXIS = "tp_kv_head"
+_KV_PROJECTIONS = (".attn.k_proj.weight", ".attn.k_proj.bias", ".attn.v_proj.weight", ".attn.v_proj.bias")
+
+
+def is_kv_projection(name: str) -> bool:
+    return name.endswith(_KV_PROJECTIONS)
+
+
+def kv_replicas(num_kv_heads: int | None, tp: int) -> int:
+    """tp ranks holding each KV head: tp / num_kv_heads when there are fewer heads than ranks, else 1."""
+    if not num_kv_heads or num_kv_heads >= tp:
+        return 1
+    if tp % num_kv_heads:
+        raise ValueError(f"num_kv_heads={num_kv_heads} must divide tp={tp} to replicate KV heads over tp (rule T002)")
+    return tp // num_kv_heads
 
 
 @dataclass(frozen=True)
@@ -40,6 +63,7 @@ class PlacedParameter:
     chunk: int  # virtual pipeline chunk on that stage
     local_shape: tuple[int, ...]  # the largest shard a rank holds
     owner: int | None = None  # tp coordinate of the only rank holding it (a unit of a model cut)
+    kv_replicas: int = 1  # tp ranks holding the same slice (a KV head shared by r ranks); 1 otherwise
 
     @property
     def name(self) -> str:
@@ -52,6 +76,24 @@ class PlacedParameter:
     @property
     def local_numel(self) -> int:
         return prod(self.local_shape)
+
+    @property
+    def kv_replica_axis(self) -> str | None:
+        """The tp sub-axis over which this parameter is replicated, for a replicated KV head."""
+        return next((a for a, _ in self.layout.placements if kv_replica_size(a) is not None), None)
+
+
+def model_parallel_splits(placed: PlacedParameter, plan: ParallelPlan) -> tuple[tuple[int, int], ...]:
+    """``(dim, pieces)`` for every model-parallel split of a parameter (tp, ep, a KV head over tp)."""
+    out = []
+    for axis, placement in placed.layout.placements:
+        if placement == "replicate":
+            continue
+        if axis in ("tp", "ep"):
+            out.append((int(placement[len("shard(") : -1]), plan.size(axis)))
+        elif axis == KV_HEAD_AXIS:
+            out.append((int(placement[len("shard(") : -1]), plan.tp // placed.kv_replicas))
+    return tuple(out)
 
 
 def expert_data_size(plan: ParallelPlan) -> int:
@@ -77,8 +119,12 @@ def place_parameters(
     num_layers: int,
     virtual_stages: int = 1,
     distributed_optimizer: bool = False,
+    num_kv_heads: int | None = None,
 ) -> tuple[PlacedParameter, ...]:
-    """A layout for every parameter (see the module docstring for the rules)."""
+    """A layout for every parameter (see the module docstring for the rules).
+
+    ``num_kv_heads`` (a transformer's) decides whether the KV projections are replicated over tp."""
+    replicas = kv_replicas(num_kv_heads, plan.tp)
     last_stage, last_chunk = plan.pp - 1, virtual_stages - 1
     out = []
     for p in params:
@@ -91,6 +137,7 @@ def place_parameters(
         placements: list[tuple[str, str]] = []
         local = list(p.shape)
         fsdp = plan.dp_shard > 1
+        shared_head = replicas if replicas > 1 and p.tp_dim is not None and is_kv_projection(p.name) else 1
         if p.role == "expert":
             if plan.ep > 1 and p.shape:
                 placements.append(("ep", "shard(0)"))
@@ -102,14 +149,21 @@ def place_parameters(
                     local[p.tp_dim] = local[p.tp_dim] // plan.tp
             edp = expert_data_size(plan)
             if edp > 1:
-                data_dim = 1 if len(p.shape) > 1 else 0
+                # Whole experts per shard when the ep-local experts split evenly over edp (as
+                # torchtitan shards them), else the hidden dimension.
+                data_dim = 1 if len(p.shape) > 1 and p.shape[0] % (plan.ep * edp) else 0
                 if fsdp:
                     placements.append((EXPERT_DATA, f"shard({data_dim})"))
                     local[data_dim] = ceil(local[data_dim] / edp)
                 else:
                     placements.append((EXPERT_DATA, "replicate"))
         else:
-            if plan.tp > 1:
+            if shared_head > 1:
+                # Head tp_rank // r of num_kv_heads, the same on the r ranks of a KV-replica group.
+                placements.append((KV_HEAD_AXIS, f"shard({p.tp_dim})"))
+                placements.append((kv_replica_axis(shared_head), "replicate"))
+                local[p.tp_dim] = local[p.tp_dim] // (plan.tp // shared_head)
+            elif plan.tp > 1:
                 placements.append(("tp", f"shard({p.tp_dim})" if p.tp_dim is not None else "replicate"))
                 if p.tp_dim is not None:
                     local[p.tp_dim] = local[p.tp_dim] // plan.tp
@@ -130,7 +184,7 @@ def place_parameters(
             shared_group=p.shared_group if plan.pp > 1 else None,
             optimizer_state=_optimizer_state(p, plan, fsdp, distributed_optimizer),
         )
-        out.append(PlacedParameter(p, layout, stage, chunk, tuple(max(1, d) for d in local)))
+        out.append(PlacedParameter(p, layout, stage, chunk, tuple(max(1, d) for d in local), kv_replicas=shared_head))
     return tuple(out)
 
 

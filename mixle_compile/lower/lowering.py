@@ -43,12 +43,14 @@ def lower(spec: Spec, *, schedule: bool = True, document: SourceDocument | None 
     plan = parallel_plan(spec)
     t = spec.training
     num_layers = spec.model.num_layers if isinstance(spec.model, TransformerModel) else _module_layers(spec)
+    kv_heads = (spec.model.num_kv_heads or spec.model.num_heads) if isinstance(spec.model, TransformerModel) else None
     placed = place_parameters(
         model_parameters(spec),
         plan,
         num_layers=num_layers,
         virtual_stages=t.virtual_pipeline_stages,
         distributed_optimizer=t.distributed_optimizer,
+        num_kv_heads=kv_heads,
     )
     stage_of = {i: stage_of_layer(i, max(num_layers, 1), plan.pp, t.virtual_pipeline_stages)[0] for i in range(num_layers)}
     updates = tuple(
@@ -73,7 +75,7 @@ def lower(spec: Spec, *, schedule: bool = True, document: SourceDocument | None 
         updates=updates,
         memory=stage_memory(spec, plan, placed),
         traffic=traffic(updates),
-        reduction_problems=check_exactly_once(placed, updates, plan, sequence_parallel=t.sequence_parallel),
+        reduction_problems=check_exactly_once(placed, updates, plan, sequence_parallel=t.sequence_parallel, num_kv_heads=kv_heads),
         grid=grid,
         schedule=steps,
     )

@@ -4,7 +4,8 @@ Gradients: a local gradient is a partial sum on every axis whose placement holds
 whole (or sharded for storage only) while the data differs between the ranks of that axis. It is
 reduced exactly once over exactly those axes: an all_reduce over the tied group first (on whole
 gradients, before any reduce-scatter), an all_reduce over tp for tp-replicated parameters under
-sequence parallelism, then a reduce_scatter over the axes where the state is sharded followed by
+sequence parallelism, an all_reduce over the KV-replica group for a KV head replicated on several
+tp ranks (each rank's query heads contribute their part of its gradient), then a reduce_scatter over the axes where the state is sharded followed by
 an all_reduce over the axes where it is replicated. The data reduction divides by the
 data-parallel size (the loss is a mean over the global batch), for experts too.
 
@@ -23,7 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mixle_compile.contracts import CollectiveKind, DistributedUpdate, ParallelPlan, PayloadKind, StateLayout
-from mixle_compile.lower.layouts import DATA_AXES, EXPERT_DATA, TIED_GROUP, PlacedParameter, expert_data_size
+from mixle_compile.lower.groups import kv_replica_size
+from mixle_compile.lower.layouts import DATA_AXES, EXPERT_DATA, TIED_GROUP, PlacedParameter, expert_data_size, model_parallel_splits
 from mixle_compile.parameters import DTYPE_BYTES, head_dim, is_moe_layer
 from mixle_compile.spec.models import Spec, TransformerModel
 
@@ -71,6 +73,9 @@ def domain_size(axis: str, plan: ParallelPlan) -> int:
         return expert_data_size(plan)
     if axis == TIED_GROUP:
         return 2
+    replicas = kv_replica_size(axis)
+    if replicas is not None:
+        return replicas
     return plan.size(axis)
 
 
@@ -104,6 +109,11 @@ def gradient_updates(placed: tuple[PlacedParameter, ...], plan: ParallelPlan, *,
                 )
             )
         data = [(a, p) for a, p in layout.placements if a in data_differs and a != "tp"]
+        if pp_.is_expert and not data and dp > 1:
+            # Every token of the ep group reaches its expert, so the gradient is already summed over
+            # the data ranks but must still be divided by the data degree (torchtitan #1551): the
+            # expert-data reduction runs over its single rank and carries the divisor.
+            data = [(EXPERT_DATA, "replicate")]
         sharded = [a for a, p in data if p != "replicate"]
         replicated = [a for a, p in data if p == "replicate"]
         # A distributed optimizer shards replicated state for the step: reduce-scatter, then gather.
@@ -115,6 +125,9 @@ def gradient_updates(placed: tuple[PlacedParameter, ...], plan: ParallelPlan, *,
         local_full = _tp_local(pp_, plan, grad_bytes)
         # FSDP reduces sharded gradients every accumulation micro-step; replicated ones once.
         per_step = plan.gradient_accumulation_steps if sharded and not scatter_then_gather else 1
+        # The whole tp-local gradient as a rank holds it (padded to equal data shards when the state
+        # is sharded), which is what an all_reduce before the data reduction takes in.
+        whole_local = _padded_bytes(pp_, plan, 4, group_size(tuple(sharded), plan)) if sharded else local_full
         if "tp" in data_differs and dict(layout.placements).get("tp") == "replicate" and not pp_.is_expert:
             # As often as the data reduction it precedes: under FSDP the whole gradient exists only
             # until that accumulation step's reduce-scatter.
@@ -122,7 +135,17 @@ def gradient_updates(placed: tuple[PlacedParameter, ...], plan: ParallelPlan, *,
                 PlannedUpdate(
                     _grad_update(f"{name}:grad/tp", CollectiveKind.all_reduce, ("tp",), layout.optimizer_state,
                                  "tp-replicated parameter whose inputs are sequence shards under sequence parallelism"),
-                    name, "gradient", stage, grad_bytes, plan.tp, per_step,
+                    name, "gradient", stage, whole_local, plan.tp, per_step,
+                )
+            )
+        kv_axis = pp_.kv_replica_axis
+        if kv_axis is not None:
+            # Before the data reduction and as often: its evidence is the complete gradient of the head.
+            out.append(
+                PlannedUpdate(
+                    _grad_update(f"{name}:grad/kv", CollectiveKind.all_reduce, (kv_axis,), layout.optimizer_state,
+                                 f"KV head shared by {pp_.kv_replicas} tp ranks: each holds the part of its gradient that its own query heads contribute"),
+                    name, "gradient", stage, whole_local, pp_.kv_replicas, per_step,
                 )
             )
         if sharded:
@@ -174,10 +197,8 @@ def _padded_bytes(pp_: PlacedParameter, plan: ParallelPlan, elem_bytes: int, sha
     FSDP pads): the whole padded tensor, which an all_gather outputs and a reduce_scatter takes in,
     or one shard."""
     dims = list(pp_.parameter.shape) or [1]
-    for axis, placement in pp_.layout.placements:
-        if axis in ("tp", "ep") and placement != "replicate":
-            d = int(placement[len("shard(") : -1])
-            dims[d] //= plan.size(axis)
+    for d, pieces in model_parallel_splits(pp_, plan):
+        dims[d] //= pieces
     data = [p for a, p in pp_.layout.placements if a in (*DATA_AXES, EXPERT_DATA) and p != "replicate"]
     dim = int(data[0][len("shard(") : -1]) if data else 0
     per = -(-dims[dim] // shards)
@@ -191,9 +212,8 @@ def _padded_bytes(pp_: PlacedParameter, plan: ParallelPlan, elem_bytes: int, sha
 def _tp_local(pp_: PlacedParameter, plan: ParallelPlan, nbytes: int) -> int:
     """Bytes of the tp (and ep) shard: data-parallel collectives move the model-parallel shard."""
     factor = 1
-    for axis, placement in pp_.layout.placements:
-        if axis in ("tp", "ep") and placement != "replicate":
-            factor *= plan.size(axis)
+    for _, pieces in model_parallel_splits(pp_, plan):
+        factor *= pieces
     return nbytes // factor
 
 
@@ -232,7 +252,9 @@ def activation_updates(spec: Spec, plan: ParallelPlan, stage_of: dict[int, int])
         # One fp32 (log-sum-exp, target logit) pair per token from each vocabulary shard; every rank
         # then combines them into the same loss, and the backward needs no communication.
         add("lm_head:loss", CollectiveKind.all_gather, ("tp",), "forward", last, plan.tp * 2 * tokens * 4, StateLayout.replicated, "vocabulary-parallel cross entropy: gather each shard's log-sum-exp and target logit")
-    kv_bytes = tokens * (model.num_kv_heads or model.num_heads) * head_dim(model) * act_bytes_per
+    # K and V of the KV heads a tp rank holds: its share, or the one head it shares with others.
+    kv_heads = model.num_kv_heads or model.num_heads
+    kv_bytes = tokens * max(kv_heads // plan.tp, 1) * head_dim(model) * act_bytes_per
     for i in range(model.num_layers):
         stage = stage_of.get(i, 0)
         for block in ("attn", "mlp"):
