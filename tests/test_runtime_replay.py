@@ -34,6 +34,13 @@ CASES = {
     "distributed-optimizer-tp-sp": dict(dr=2, tp=2, sp=True, dopt=True, optimizer="adamw", lr=1e-3),
     "fsdp-tp-bf16": dict(ds=2, tp=2, precision="bf16", optimizer="adamw", lr=1e-3),
     "fsdp-uneven-shards": dict(ds=3),
+    # Fewer KV heads than tp ranks: each KV head is held by tp / num_kv_heads ranks.
+    "tp4-shared-kv-heads": dict(tp=4, kv_heads=2),
+    "fsdp-tp2-one-kv-head-accumulation": dict(ds=2, tp=2, kv_heads=1, gas=2, optimizer="adamw", lr=1e-3),
+    # Context parallelism: K and V gathered over cp, gradients reduced over cp with the data axes.
+    "cp2": dict(cp=2),
+    "fsdp-cp2-accumulation": dict(ds=2, cp=2, gas=2, optimizer="adamw", lr=1e-3),
+    "tp2-cp2-sequence-parallel": dict(tp=2, cp=2, sp=True),
 }
 
 SLOW_CASES = {
@@ -43,6 +50,13 @@ SLOW_CASES = {
     "fsdp8": dict(ds=8, optimizer="adamw", lr=1e-3),
     "hsdp-uneven-6": dict(dr=2, ds=3, optimizer="adamw", lr=1e-3),
     "distributed-optimizer-uneven-3": dict(dr=3, dopt=True, gas=2),
+    "tp4-one-kv-head-sp": dict(tp=4, kv_heads=1, sp=True),
+    "hsdp-tp2-one-kv-head-sp-8": dict(dr=2, ds=2, tp=2, kv_heads=1, sp=True, optimizer="adamw", lr=1e-3),
+    "distributed-optimizer-tp2-one-kv-head-sp": dict(dr=2, tp=2, kv_heads=1, sp=True, dopt=True, optimizer="adamw", lr=1e-3),
+    "cp4": dict(cp=4),
+    "ddp-tp2-cp2-one-kv-head-8": dict(dr=2, tp=2, cp=2, kv_heads=1),
+    "tp2-cp2-layernorm-gelu-learned-untied": dict(tp=2, cp=2, tie=False, norm="layernorm", activation="gelu", position="learned"),
+    "distributed-optimizer-cp2-bf16": dict(dr=2, cp=2, dopt=True, precision="bf16", optimizer="adamw", lr=1e-3),
 }
 
 
@@ -109,3 +123,24 @@ def test_training_on_a_token_file(tmp_path):
     report = run_plan(plan_for(dr=2), steps=2, out_dir=tmp_path / "run", data_path=tokens, progress=False)
     assert report.ok, report.errors
     assert json.loads(report.report_path.read_text())["run"]["data"] == str(tokens)
+
+
+def test_a_kv_head_shared_over_tp_sums_its_gradient_over_the_ranks_sharing_it(tmp_path):
+    doc, report = replay(tmp_path, steps=2, tp=2, kv_heads=1)
+    assert report.ok and report.accounting_ok, report.errors
+    shared = {u.node_id: u for u in report.evidence if u.node_id.endswith(":grad/kv")}
+    assert set(shared) == {f"layers.{i}.attn.{w}_proj.weight:grad/kv" for i in range(2) for w in "kv"}
+    for u in shared.values():
+        assert u.mesh_axes == ("tp_kv_replica2",) and u.numerics_sample_count == 2 * 2  # 2 steps x 2 tp ranks
+        assert u.maximum_relative_error < 1e-5, u
+
+
+def test_a_plan_that_never_sums_a_shared_kv_head_gradient_is_refused():
+    from mixle_compile.runtime.errors import RuntimeRefusal
+
+    doc = plan_for(tp=2, kv_heads=1)
+    broken = doc.model_copy(update={"updates": [u for u in doc.updates if not u.node_id.endswith(":grad/kv")]})
+    with pytest.raises(RuntimeRefusal, match="never sums its gradient over them"):
+        read_instructions(broken)
+    k = read_instructions(doc).param("layers.0.attn.k_proj.weight")
+    assert (k.tp_dim, k.tp_replicas) == (0, 2)

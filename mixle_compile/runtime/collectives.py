@@ -49,6 +49,9 @@ class Ledger:
     updates: dict[str, Tally] = field(default_factory=dict)
     bookkeeping: dict[str, Tally] = field(default_factory=dict)
     discarded: dict[str, Tally] = field(default_factory=dict)  # collectives of discarded windows
+    # all_to_all updates whose traffic depends on the data (expert parallelism): per update, the
+    # bytes this rank actually sent to and received from other ranks (its own rows stay local)
+    exchanged: dict[str, list[int]] = field(default_factory=dict)
     calls: int = 0  # collective calls issued for planned updates (a coalesced call is one)
     window_bytes: int = 0  # planned-update bytes since the last receipt
     in_flight: str | None = None
@@ -101,6 +104,7 @@ class Ledger:
             "bookkeeping": {k: [t.count, t.bytes] for k, t in sorted(self.bookkeeping.items())},
             "discarded": {k: [t.count, t.bytes] for k, t in sorted(self.discarded.items()) if t.count},
             "calls": self.calls,
+            "exchanged": {k: list(v) for k, v in sorted(self.exchanged.items())},
         }
 
 
@@ -145,6 +149,38 @@ class Collectives:
             return Pending(self, name, group, "bookkeeping", work)
         self._guard(name, group, lambda: dist.all_reduce(tensor, op=op, group=group.handle))
         return None
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, *, rule: str, parts: str, nbytes: int,
+                   output_splits: Sequence[int], input_splits: Sequence[int]) -> None:
+        """``all_to_all_single`` with uneven splits (rows of dimension 0 to and from each rank of the
+        group, in group order). Its data-dependent size cannot be the plan's ``payload_bytes``, so the
+        caller states the bytes the update counts (``nbytes``); what actually crossed to and from the
+        other ranks is tallied apart (``Ledger.exchanged``)."""
+        group = self.mesh.group(rule)
+        me = group.index_of(self.mesh.rank)
+        row_in = input[0].numel() * input.element_size() if input.shape[0] else 0
+        row_out = output[0].numel() * output.element_size() if output.shape[0] else 0
+        sent = sum(n for i, n in enumerate(input_splits) if i != me) * row_in
+        received = sum(n for i, n in enumerate(output_splits) if i != me) * row_out
+        self._run("all_to_all", rule, self._parts(parts, nbytes),
+                  lambda g, a: dist.all_to_all_single(output, input, list(output_splits), list(input_splits), group=g, async_op=a),
+                  local=lambda: output.copy_(input))
+        tally = self.ledger.exchanged.setdefault(parts, [0, 0, 0])
+        tally[0] += 1
+        tally[1] += sent
+        tally[2] += received
+
+    def bookkeeping_all_to_all(self, output: torch.Tensor, input: torch.Tensor, *, rule: str, name: str,
+                               output_splits: Sequence[int] | None = None, input_splits: Sequence[int] | None = None) -> None:
+        """Rows of ``input`` to every rank of the group (equal splits unless given), in group order."""
+        group = self.mesh.group(rule)
+        self.ledger.record_bookkeeping(name, nbytes(input))
+        if group.handle is None:
+            output.copy_(input)
+        else:
+            outs = None if output_splits is None else list(output_splits)
+            ins = None if input_splits is None else list(input_splits)
+            self._guard(name, group, lambda: dist.all_to_all_single(output, input, outs, ins, group=group.handle))
 
     def bookkeeping_all_gather(self, output: torch.Tensor, input: torch.Tensor, *, rule: str, name: str) -> None:
         group = self.mesh.group(rule)

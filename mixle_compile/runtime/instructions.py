@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from mixle_compile.contracts import ParallelPlan
-from mixle_compile.lower.groups import rule_name
+from mixle_compile.lower.groups import kv_replica_size, rule_name
+from mixle_compile.lower.layouts import EXPERT_DATA, KV_HEAD_AXIS, expert_data_size
 from mixle_compile.plan.artifact import plan_spec
 from mixle_compile.plan.document import PlanDocument
 from mixle_compile.runtime.errors import RuntimeRefusal
@@ -33,8 +34,9 @@ DATA_AXES = ("dp_replicate", "dp_shard", "cp")
 
 # The activation sites the transformer executes (see runtime/model.py); a planned update outside
 # these and the parameters' own updates is one this runtime does not implement.
-_ACTIVATION_SITE = re.compile(r"^(embed|lm_head|layers\.\d+\.(attn|mlp)):(in|out|loss)(/grad)?$")
-# The pipeline's stage-boundary transfers (executed by runtime/pipeline.py only).
+_ACTIVATION_SITE = re.compile(r"^(embed|lm_head|layers\.\d+\.(attn|mlp)):(in|out|loss)(/grad)?$|^layers\.\d+\.attn:kv(/grad)?$"
+                              r"|^layers\.\d+\.moe:(dispatch|combine)(/grad)?$")
+# The pipeline's stage-boundary transfers (runtime/pipeline.py, when pp > 1).
 _PIPELINE_SITE = re.compile(r"^stage\.\d+->\d+:activation(/grad)?$")
 
 
@@ -69,6 +71,10 @@ class ParamInstruction:
     gradient: tuple[Collective, ...]  # the gradient's reductions, in plan order
     gathers: Mapping[str, Collective]  # phase -> parameter all_gather
     reduce_every_accumulation: bool  # False: once per optimizer step
+    # tp ranks holding the same slice: a KV head shared by r ranks (tp_dim is then split into
+    # tp / r pieces, rank t holding piece t // r); 1: every tp rank its own slice
+    tp_replicas: int = 1
+    ep_dim: int | None = None  # the dimension expert parallelism splits (experts); None: not split
 
     @property
     def canonical(self) -> str:
@@ -109,10 +115,11 @@ def plan_of(doc: PlanDocument) -> ParallelPlan:
     return ParallelPlan.from_dict(doc.mesh.degrees)
 
 
-def read_instructions(doc: PlanDocument, *, pipeline: bool = False) -> Instructions:
+def read_instructions(doc: PlanDocument) -> Instructions:
     """The plan as instructions; raises RuntimeRefusal naming what this runtime cannot execute.
 
-    ``pipeline=True`` (runtime/pipeline.py) accepts pp > 1 and the stage-boundary transfers."""
+    With pp > 1 the stage-boundary transfers are accepted too (runtime/pipeline_plan.py refuses the
+    rest of what the pipeline runtime does not execute)."""
     if not doc.verdict.ok:
         first = doc.verdict.diagnostics[0].message if doc.verdict.diagnostics else "; ".join(doc.verdict.reduction_problems[:1]) or "its schedule check failed"
         raise RuntimeRefusal(
@@ -120,7 +127,7 @@ def read_instructions(doc: PlanDocument, *, pipeline: bool = False) -> Instructi
         )
     spec = plan_spec(doc)
     plan = plan_of(doc)
-    _refuse_unsupported(spec, plan, pipeline=pipeline)
+    _refuse_unsupported(spec, plan)
     collectives = {}
     for u in doc.updates:
         collectives[u.node_id] = Collective(
@@ -149,7 +156,10 @@ def read_instructions(doc: PlanDocument, *, pipeline: bool = False) -> Instructi
         placements = dict((axis, placement) for axis, placement in p.placements)
         tp = placements.get("tp", "replicate")
         tp_dim = None if tp == "replicate" else int(tp[len("shard(") : -1])
-        shard_axes = tuple(a for a in DATA_AXES if placements.get(a, "replicate") != "replicate")
+        tp_replicas = _kv_replicas(p.logical_id, placements, plan, tuple(p.global_shape), gradient)
+        if tp_replicas > 1:
+            tp_dim = int(placements[KV_HEAD_AXIS][len("shard(") : -1])
+        shard_axes = tuple(a for a in (*DATA_AXES, EXPERT_DATA) if placements.get(a, "replicate") != "replicate")
         if "parameter" in gathers:
             mode = "zero"
             scatter = [u for u in gradient if u.collective == "reduce_scatter"]
@@ -188,20 +198,22 @@ def read_instructions(doc: PlanDocument, *, pipeline: bool = False) -> Instructi
                 gradient=gradient,
                 gathers=MappingProxyType(gathers),
                 reduce_every_accumulation=every_accumulation,
+                tp_replicas=tp_replicas,
+                ep_dim=None if placements.get("ep", "replicate") == "replicate" else int(placements["ep"][len("shard(") : -1]),
             )
         )
     by_name = {p.name: p for p in params}
     for p in params:
         if p.tied_to is not None:
             q = by_name[p.tied_to]
-            if (q.mode, q.global_shape, q.tp_dim, q.shard_axes) != (p.mode, p.global_shape, p.tp_dim, p.shard_axes):
+            if (q.mode, q.global_shape, q.tp_dim, q.tp_replicas, q.shard_axes) != (p.mode, p.global_shape, p.tp_dim, p.tp_replicas, p.shard_axes):
                 raise RuntimeRefusal(f"tied parameters {q.name!r} and {p.name!r} are laid out differently; tied weights are one tensor and need one layout")
     param_tensors = set(by_name)
     activation_sites = []
     for node_id, c in collectives.items():
         if c.tensor in param_tensors:
             continue
-        if not (_ACTIVATION_SITE.match(node_id) or (pipeline and _PIPELINE_SITE.match(node_id))):
+        if not (_ACTIVATION_SITE.match(node_id) or (plan.pp > 1 and _PIPELINE_SITE.match(node_id))):
             raise RuntimeRefusal(f"the plan declares the collective {node_id!r} ({c.collective} over {', '.join(c.axes)}), which this runtime does not execute")
         activation_sites.append(node_id)
     t = spec.training
@@ -225,6 +237,32 @@ def read_instructions(doc: PlanDocument, *, pipeline: bool = False) -> Instructi
     )
 
 
+def _kv_replicas(name: str, placements: Mapping[str, str], plan: ParallelPlan, shape: tuple[int, ...], gradient: tuple[Collective, ...]) -> int:
+    """tp ranks sharing the parameter's slice (a replicated KV head, lower/layouts.py), checked against
+    the plan's reductions: its gradient must be summed over the ranks sharing it."""
+    replica_axes = [(a, kv_replica_size(a)) for a in placements if kv_replica_size(a) is not None]
+    head = placements.get(KV_HEAD_AXIS)
+    if not replica_axes and head is None:
+        return 1
+    if len(replica_axes) != 1 or head is None or head == "replicate" or "tp" in placements:
+        raise RuntimeRefusal(
+            f"parameter {name!r} has the placements {dict(placements)}; a KV head shared over tp is placed as "
+            f"{KV_HEAD_AXIS}: shard(dim) with one tp_kv_replica<r>: replicate, and nothing else on tp"
+        )
+    axis, replicas = replica_axes[0]
+    dim = int(head[len("shard(") : -1])
+    if plan.tp % replicas or dim >= len(shape) or shape[dim] % (plan.tp // replicas):
+        raise RuntimeRefusal(
+            f"parameter {name!r}: {replicas} tp ranks per KV head do not split tp={plan.tp} and its shape {list(shape)} evenly"
+        )
+    if not any(c.collective == "all_reduce" and c.rule == axis for c in gradient):
+        raise RuntimeRefusal(
+            f"the plan shares {name!r} over {replicas} tp ranks ({axis}) but never sums its gradient over them; "
+            "each rank holds only its own query heads' part of it, so training would diverge between them: recompile the spec"
+        )
+    return replicas
+
+
 def _ties(spec: Spec, plan: ParallelPlan) -> dict[str, str]:
     """Tied parameters on one stage are one tensor: member -> the first parameter of its group."""
     model = spec.model
@@ -244,18 +282,24 @@ def _ties(spec: Spec, plan: ParallelPlan) -> dict[str, str]:
     return {}
 
 
-def _refuse_unsupported(spec: Spec, plan: ParallelPlan, *, pipeline: bool = False) -> None:
+def _refuse_unsupported(spec: Spec, plan: ParallelPlan) -> None:
     model = spec.model
     if not isinstance(model, (TransformerModel, ModulesModel)):
         raise RuntimeRefusal(
             f"the torch runtime executes neural models (families transformer and modules); this plan's model is a {model.family!r} model"
         )
-    later = [f"{axis}={plan.size(axis)}" for axis in ("pp", "cp", "ep") if plan.size(axis) > 1 and not (pipeline and axis == "pp")]
-    if later:
+    if plan.pp > 1 and (plan.ep > 1 or getattr(model, "num_experts", 0)):
         raise RuntimeRefusal(
-            f"this runtime does not execute pipeline, context or expert parallelism yet (the plan has {', '.join(later)}); "
-            "compile the spec with pp, cp and ep set to 1"
+            f"mixture-of-experts layers and expert parallelism (ep={plan.ep}) are not executed under pipeline parallelism "
+            f"(pp={plan.pp}) yet; compile the spec with pp: 1"
         )
+    if plan.pp > 1 and getattr(model, "tie_embeddings", False):
+        raise RuntimeRefusal(
+            "tied embeddings across pipeline stages are not executed (the verifier rule P009 rejects them for the torch backend); "
+            "set model.tie_embeddings: false or pp: 1"
+        )
+    if plan.pp > 1 and isinstance(model, ModulesModel):
+        raise RuntimeRefusal(f"pipeline parallelism (pp={plan.pp}) is executed for transformer models only; compile the spec with pp: 1")
     t = spec.training
     if spec.training.precision not in ("fp32", "bf16"):
         raise RuntimeRefusal(f"training.precision {t.precision!r} is not executed by the torch runtime; use fp32 or bf16")
@@ -272,17 +316,29 @@ def _refuse_unsupported(spec: Spec, plan: ParallelPlan, *, pipeline: bool = Fals
                 "a `modules` model declares its parameters but not how activations flow between them, so the plan has "
                 "no tensor-parallel activation collectives to replay; run it with tp: 1 (data parallelism, FSDP, HSDP)"
             )
+        if plan.cp > 1:
+            raise RuntimeRefusal(
+                "a `modules` model does not say which of its dimensions is the sequence, so context parallelism cannot "
+                f"split it (the plan has cp={plan.cp}); run it with cp: 1"
+            )
         if any(p.role == "expert" for p in model.parameters):
-            raise RuntimeRefusal("expert parameters need expert parallelism, which this runtime does not execute yet")
+            raise RuntimeRefusal(
+                "a `modules` model's expert parameters are not executed: the runtime cannot know how your module routes "
+                "tokens to them; mixture-of-experts layers are executed for transformer models (model.num_experts)"
+            )
         return
     if model.num_experts:
-        raise RuntimeRefusal("mixture-of-experts layers are not executed by this runtime yet; use num_experts: 0")
+        _refuse_unsupported_experts(model, plan, t)
     tp = plan.tp
     head_dim = model.head_dim or model.hidden_size // model.num_heads
     kv = model.num_kv_heads or model.num_heads
+    if kv % tp and tp % kv:
+        raise RuntimeRefusal(
+            f"model.num_kv_heads={kv} neither splits over tp={tp} nor divides it, so tensor parallelism can neither split "
+            "the KV heads nor replicate each on tp / num_kv_heads ranks; choose tp dividing it or a multiple of it"
+        )
     checks = [
         ("model.num_heads", model.num_heads),
-        ("model.num_kv_heads", kv),
         ("model.vocab_size", model.vocab_size),
         ("model.ffn_hidden_size", model.ffn_hidden_size),
     ]
@@ -293,5 +349,41 @@ def _refuse_unsupported(spec: Spec, plan: ParallelPlan, *, pipeline: bool = Fals
             raise RuntimeRefusal(f"{name}={value} is not divisible by tp={tp}, so tensor parallelism cannot split it evenly; choose tp dividing it")
     if head_dim % 2 and model.position_embedding == "rope":
         raise RuntimeRefusal(f"rotary position embeddings need an even head size, got {head_dim}")
-    if t.sequence_parallel and tp > 1 and (t.seq_len or 1) % tp:
-        raise RuntimeRefusal(f"sequence parallelism splits training.seq_len={t.seq_len} over tp={tp}; choose a multiple of {tp}")
+    cp = plan.cp
+    if cp > 1 and (t.seq_len or 1) % (2 * cp):
+        raise RuntimeRefusal(f"context parallelism cuts training.seq_len={t.seq_len} into 2 * cp = {2 * cp} equal chunks; choose a multiple of {2 * cp}")
+    if t.sequence_parallel and tp > 1 and ((t.seq_len or 1) // cp) % tp:
+        raise RuntimeRefusal(
+            f"sequence parallelism splits each rank's {(t.seq_len or 1) // cp} tokens (training.seq_len={t.seq_len} over cp={cp}) "
+            f"over tp={tp}; choose a seq_len that makes them a multiple of {tp}"
+        )
+
+
+def _refuse_unsupported_experts(model: TransformerModel, plan: ParallelPlan, t) -> None:
+    """What the mixture-of-experts layers (runtime/experts.py) do not execute."""
+    experts, k = model.num_experts, model.experts_per_token or 1
+    if not 1 <= k <= experts:
+        raise RuntimeRefusal(f"model.experts_per_token={k} must be between 1 and num_experts={experts}")
+    if plan.etp not in (1, plan.tp):
+        raise RuntimeRefusal(f"etp={plan.etp}: this runtime splits experts over all of tp (etp = tp) or not at all (etp = 1); set etp to 1 or {plan.tp}")
+    if plan.tp > 1 and not t.sequence_parallel:
+        raise RuntimeRefusal(
+            f"mixture-of-experts layers with tp={plan.tp} need sequence parallelism, as in Megatron: the router's gradient is "
+            "summed over tp only when its inputs are sequence shards; set training.sequence_parallel: true"
+        )
+    hidden = model.moe_ffn_hidden_size or model.ffn_hidden_size
+    if plan.etp > 1 and hidden % plan.etp:
+        raise RuntimeRefusal(f"model.moe_ffn_hidden_size={hidden} is not divisible by etp={plan.etp}; choose etp dividing it")
+    edp = expert_data_size(plan)
+    if plan.dp_shard > 1 and edp > 1 and experts % (plan.ep * edp):
+        raise RuntimeRefusal(
+            f"under FSDP the plan shards each expert's hidden features over the {edp} expert-data ranks, because "
+            f"num_experts={experts} does not split evenly over ep * edp = {plan.ep} * {edp}; this runtime shards whole "
+            f"experts only: choose num_experts a multiple of {plan.ep * edp}"
+        )
+    if plan.ep > 1 and experts % plan.ep:
+        raise RuntimeRefusal(f"model.num_experts={experts} is not divisible by ep={plan.ep}; choose ep dividing it")
+    if plan.ep > 1 and plan.etp > 1:
+        raise RuntimeRefusal(f"expert parallelism (ep={plan.ep}) with experts split over tp (etp={plan.etp}) is not executed yet; set etp: 1")
+    if plan.ep > 1 and plan.cp > 1:
+        raise RuntimeRefusal(f"expert parallelism (ep={plan.ep}) with context parallelism (cp={plan.cp}) is not executed yet; set cp: 1")

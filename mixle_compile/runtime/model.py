@@ -10,6 +10,12 @@ blocks of pre-norm attention (column-parallel q, k, v with their heads split ove
 attention, rotary positions, causal) and a pre-norm MLP (column-parallel gate/up, row-parallel
 down), a final norm and a vocabulary-parallel head with its cross entropy. Activations are
 sequence-first, ``[s, b, h]``.
+
+Context parallelism (``ops.cp_size > 1``): the sequence is cut into ``2 * cp`` chunks and cp rank
+``r`` keeps chunks ``r`` and ``2cp - 1 - r`` (an early and a late one, so that causal attention
+costs every rank the same). Positions stay global (rotary and learned embeddings, the causal
+mask); each attention layer gathers K and V of every chunk over cp (``ops.gather_kv``) and masks
+by global position; the loss is the mean over the whole sequence (``ops.context_mean``).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from mixle_compile.runtime.experts import ExpertShape, moe_mlp
 from mixle_compile.spec.models import Spec, TransformerModel
 
 NORM_EPS = 1e-5
@@ -42,6 +49,21 @@ class Ops(Protocol):
     def reduce(self, site: str, y: torch.Tensor) -> torch.Tensor: ...
 
     def cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor, vocab_start: int) -> torch.Tensor: ...
+
+    def context_positions(self, seq: int, device) -> torch.Tensor | None: ...
+
+    def gather_kv(self, site: str, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]: ...
+
+    def context_mean(self, loss: torch.Tensor) -> torch.Tensor: ...
+
+
+def cp_positions(seq: int, cp: int, cp_rank: int) -> list[int]:
+    """Global positions cp rank ``cp_rank`` holds: chunks ``cp_rank`` and ``2cp - 1 - cp_rank`` of ``2cp``."""
+    if seq % (2 * cp):
+        raise ValueError(f"context parallelism cuts a sequence of {seq} tokens into 2 * cp = {2 * cp} equal chunks; it does not divide")
+    chunk = seq // (2 * cp)
+    late = 2 * cp - 1 - cp_rank
+    return list(range(cp_rank * chunk, (cp_rank + 1) * chunk)) + list(range(late * chunk, (late + 1) * chunk))
 
 
 class LocalOps:
@@ -72,6 +94,15 @@ class LocalOps:
     def cross_entropy(self, logits, targets, vocab_start):
         return F.cross_entropy(logits, targets, reduction="none")
 
+    def context_positions(self, seq, device):
+        return None  # the whole sequence, in order
+
+    def gather_kv(self, site, k, v):
+        return k, v, None
+
+    def context_mean(self, loss):
+        return loss
+
 
 @dataclass(frozen=True)
 class TransformerShape:
@@ -86,6 +117,7 @@ class TransformerShape:
     activation: str
     position_embedding: str
     compute_dtype: torch.dtype
+    experts: ExpertShape | None = None  # mixture-of-experts layers (runtime/experts.py); None: none
 
     @staticmethod
     def from_spec(spec: Spec) -> TransformerShape:
@@ -103,36 +135,41 @@ class TransformerShape:
             activation=m.activation,
             position_embedding=m.position_embedding,
             compute_dtype=torch.bfloat16 if spec.training.precision == "bf16" else torch.float32,
+            experts=ExpertShape.from_model(m),
         )
 
 
 def transformer_loss(ops: Ops, shape: TransformerShape, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross entropy of one micro-batch (``inputs``, ``targets``: ``[b, s]`` token ids)."""
     ids = inputs.t()  # sequence-first
+    targets = targets.t()
     seq = ids.shape[0]
+    local = ops.context_positions(seq, ids.device)  # None: the whole sequence
+    if local is not None:
+        ids, targets = ids.index_select(0, local), targets.index_select(0, local)
     ops.unit_begin("embed", None)
     x = _vocab_lookup(ids, ops.weight("embed.weight"), ops.tp_rank)
     if shape.position_embedding == "learned":
-        positions = torch.arange(seq, device=ids.device).unsqueeze(1).expand_as(ids)
+        positions = (torch.arange(seq, device=ids.device) if local is None else local).unsqueeze(1).expand_as(ids)
         x = x + _vocab_lookup(positions, ops.weight("pos_embed.weight"), ops.tp_rank)
     x = ops.reduce("embed", x)
     x = ops.unit_end("embed", x)
-    rope = _rope_tables(seq, shape.head_dim, x.dtype, x.device) if shape.position_embedding == "rope" else None
+    rope = _rope_tables(seq, shape.head_dim, x.dtype, x.device, local) if shape.position_embedding == "rope" else None
     for i in range(shape.num_layers):
         unit = f"layers.{i}"
         x = ops.unit_begin(unit, x)
         h = ops.copy(f"{unit}.attn", _norm(ops, shape, x, f"{unit}.attn_norm"))
-        x = x + ops.reduce(f"{unit}.attn", _attention(ops, shape, unit, h, rope))
+        x = x + ops.reduce(f"{unit}.attn", _attention(ops, shape, unit, h, rope, local))
         h = ops.copy(f"{unit}.mlp", _norm(ops, shape, x, f"{unit}.mlp_norm"))
-        x = x + ops.reduce(f"{unit}.mlp", _mlp(ops, shape, unit, h))
+        x = x + ops.reduce(f"{unit}.mlp", _feed_forward(ops, shape, i, unit, h))
         x = ops.unit_end(unit, x)
     x = ops.unit_begin("head", x)
     h = ops.copy("lm_head", _norm(ops, shape, x, "final_norm"))
     head = ops.weight("lm_head.weight")
     logits = F.linear(h, head).float()
     vocab_local = head.shape[0]
-    losses = ops.cross_entropy(logits.reshape(-1, vocab_local), targets.t().reshape(-1), ops.tp_rank * vocab_local)
-    return ops.unit_end("head", losses.mean())
+    losses = ops.cross_entropy(logits.reshape(-1, vocab_local), targets.reshape(-1), ops.tp_rank * vocab_local)
+    return ops.unit_end("head", ops.context_mean(losses.mean()))
 
 
 def _vocab_lookup(ids: torch.Tensor, table: torch.Tensor, tp_rank: int) -> torch.Tensor:
@@ -155,9 +192,11 @@ def _norm(ops: Ops, shape: TransformerShape, x: torch.Tensor, prefix: str) -> to
     return (y * w.float()).to(x.dtype)
 
 
-def _rope_tables(seq: int, head_dim: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+def _rope_tables(seq: int, head_dim: int, dtype: torch.dtype, device, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables of the rotary embedding at ``positions`` (default: 0 .. seq - 1)."""
     inv = 1.0 / (ROPE_THETA ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
-    angles = torch.outer(torch.arange(seq, device=device, dtype=torch.float32), inv)
+    at = torch.arange(seq, device=device, dtype=torch.float32) if positions is None else positions.to(torch.float32)
+    angles = torch.outer(at, inv)
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
@@ -173,23 +212,37 @@ def _heads(t: torch.Tensor, head_dim: int) -> torch.Tensor:
     return t.view(s, b, width // head_dim, head_dim).permute(1, 2, 0, 3)  # [b, heads, s, d]
 
 
-def _attention(ops: Ops, shape: TransformerShape, unit: str, h: torch.Tensor, rope) -> torch.Tensor:
+def _attention(ops: Ops, shape: TransformerShape, unit: str, h: torch.Tensor, rope, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal grouped-query attention; ``positions``: the global positions of ``h``'s tokens under
+    context parallelism (K and V of every position are gathered, the mask compares positions)."""
     d = shape.head_dim
     q = _heads(F.linear(h, ops.weight(f"{unit}.attn.q_proj.weight")), d)
     k = _heads(F.linear(h, ops.weight(f"{unit}.attn.k_proj.weight")), d)
     v = _heads(F.linear(h, ops.weight(f"{unit}.attn.v_proj.weight")), d)
     if rope is not None:
         q, k = _rotate(q, rope), _rotate(k, rope)
-    group = q.shape[1] // k.shape[1]  # query heads per KV head, the same on every tp rank
+    # Query heads per KV head, the same on every tp rank; with fewer KV heads than tp ranks a rank
+    # holds one KV head (shared with its KV-replica group) and only query heads that use it.
+    group = q.shape[1] // k.shape[1]
+    k, v, key_positions = ops.gather_kv(f"{unit}.attn", k, v)
     if group > 1:
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if key_positions is None:
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    else:
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=key_positions.unsqueeze(0) <= positions.unsqueeze(1))
     s, b = h.shape[0], h.shape[1]
     o = o.permute(2, 0, 1, 3).reshape(s, b, -1)
     return F.linear(o, ops.weight(f"{unit}.attn.o_proj.weight"))
 
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"gelu": F.gelu, "relu": F.relu}
+
+
+def _feed_forward(ops: Ops, shape: TransformerShape, layer: int, unit: str, h: torch.Tensor) -> torch.Tensor:
+    if shape.experts is not None and shape.experts.is_moe_layer(layer):
+        return moe_mlp(ops, shape.experts, unit, h)
+    return _mlp(ops, shape, unit, h)
 
 
 def _mlp(ops: Ops, shape: TransformerShape, unit: str, h: torch.Tensor) -> torch.Tensor:

@@ -57,17 +57,54 @@ def initial_value(p: ParamInstruction, seed: int) -> torch.Tensor:
 
 
 def tp_slice(p: ParamInstruction, tp: int, tp_rank: int) -> tuple[tuple[int, int, int], ...]:
-    """``(dim, start, stop)`` of this rank's tensor-parallel slice (none when replicated over tp)."""
+    """``(dim, start, stop)`` of this rank's tensor-parallel slice (none when replicated over tp).
+
+    A KV head shared by ``tp_replicas`` ranks: the tensor splits into tp / tp_replicas heads' rows
+    and rank ``t`` holds head ``t // tp_replicas``."""
     if p.tp_dim is None or tp == 1:
         return ()
-    n = p.global_shape[p.tp_dim] // tp
-    return ((p.tp_dim, tp_rank * n, (tp_rank + 1) * n),)
+    pieces = tp // p.tp_replicas
+    n = p.global_shape[p.tp_dim] // pieces
+    index = tp_rank // p.tp_replicas
+    return ((p.tp_dim, index * n, (index + 1) * n),)
+
+
+def ep_slice(p: ParamInstruction, mesh: Mesh) -> tuple[tuple[int, int, int], ...]:
+    """``(dim, start, stop)`` of this rank's experts (an expert weight split over the ep group), or none."""
+    if p.ep_dim is None:
+        return ()
+    group = mesh.group("ep")
+    n = p.global_shape[p.ep_dim] // group.size
+    index = group.index_of(mesh.rank)
+    return ((p.ep_dim, index * n, (index + 1) * n),)
 
 
 def apply_slices(t: torch.Tensor, slices: tuple[tuple[int, int, int], ...]) -> torch.Tensor:
     for dim, start, stop in slices:
         t = t.narrow(dim, start, stop - start)
     return t
+
+
+def _context_parts(capture: Capture | None, instructions: Instructions, mesh: Mesh) -> Capture | None:
+    """Under context parallelism a gradient reduced over tp (or a KV-replica group) but not yet over
+    cp holds only this cp rank's tokens' part: its record says so, naming the cp group, and the
+    evidence compares the sum of the group's parts with the reference (see reference.compare)."""
+    if capture is None or mesh.degree("cp") == 1:
+        return capture
+    group = mesh.group("cp").ranks
+    partial: set[str] = set()
+    for p in instructions.params:
+        for c in p.gradient:
+            if "cp" in c.axes or "edp" in c.axes:  # the expert-data group holds the cp ranks
+                break
+            partial.add(c.node_id)
+
+    def record(node_id: str, tensor: torch.Tensor, expect: tuple) -> None:
+        if expect[0] == "grad" and node_id in partial:
+            expect = ("part", group, expect)
+        capture(node_id, tensor, expect)
+
+    return record
 
 
 @dataclass(frozen=True)
@@ -88,7 +125,7 @@ class LocalParameter:
         self.uses = uses
         self.mode = instr.mode
         self.dtype = DTYPES.get(instr.dtype, torch.float32)
-        self.tp_slices = tp_slice(instr, mesh.degree("tp"), mesh.coord("tp"))
+        self.tp_slices = tp_slice(instr, mesh.degree("tp"), mesh.coord("tp")) + ep_slice(instr, mesh)
         full = apply_slices(value, self.tp_slices)
         self.full_shape = tuple(full.shape)
         self.rows = self.full_shape[0] if self.full_shape else 1
@@ -179,7 +216,7 @@ class ParamStore:
         }
         self.unit_order = [unit for unit, members in self.units.items() if members]
         self.buffers: dict[str, torch.Tensor] = {}
-        self.reducer = GradientReducer(mesh, comm, device, capture) if comm is not None else None
+        self.reducer = GradientReducer(mesh, comm, device, _context_parts(capture, instructions, mesh)) if comm is not None else None
         self.closing_accumulation = False  # the micro-batch in flight ends an accumulation step
         self.closing_step = False  # ... and the optimizer step's window
         self._gathers: dict[tuple[str, str], list] = {}  # issued (maybe in flight) unit gathers

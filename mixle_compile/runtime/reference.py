@@ -37,7 +37,13 @@ from mixle_compile.runtime.tensor_parallel import TensorParallel, VocabParallelC
 #   ("param", use, slices, dtype)          the weight at the start of the step
 #   ("param_after", use, slices, dtype)    the weight after the step's update
 #   ("grad", use, data_ranks, accumulations, divisor, slices)
+#   ("part", ranks, expect)                one rank's part of what ``expect`` describes: the records
+#                                          of ``ranks`` add up to it (a gradient before its reduction
+#                                          over cp, K and V gradients of a KV head shared over tp)
 #   ("act", node_id, data_rank, slices)    an activation site's value or gradient
+#   ("act_at", node_id, data_rank, slices, (dim, indices))
+#                                          ... then the given indices of one dimension (the global
+#                                          positions a context-parallel rank holds, in its order)
 # slices: ((dim, start, stop), ...) applied in order to the global tensor.
 
 
@@ -140,6 +146,15 @@ class _ReferenceOps(LocalOps):
     def reduce(self, site, y):
         return self._observe(f"{site}:out", f"{site}:out/grad", y)
 
+    def unit_end(self, unit, y):
+        # A pipeline stage boundary (runtime/pipeline_plan.py): the residual stream after ``unit``.
+        return self._observe(f"{unit}:boundary", f"{unit}:boundary/grad", y)
+
+    def observe_activation(self, forward_key, backward_key, x):
+        """``x`` unchanged, recording its value and gradient under these keys when the plan has them
+        (the rows a mixture-of-experts layer exchanges under expert parallelism, runtime/experts.py)."""
+        return self._observe(forward_key, backward_key, x)
+
     def _observe(self, forward_key, backward_key, x):
         if forward_key in self.wanted or backward_key in self.wanted:
             return _Observe.apply(x, self.sink, forward_key, backward_key)
@@ -147,6 +162,14 @@ class _ReferenceOps(LocalOps):
 
     def cross_entropy(self, logits, targets, vocab_start):
         return VocabParallelCrossEntropy.apply(logits, targets, self.tp, vocab_start)
+
+    def gather_kv(self, site, k, v):
+        # K and V of the whole sequence, [2, b, kv heads, s, d]: what a context-parallel gather yields.
+        key, grad_key = f"{site}:kv", f"{site}:kv/grad"
+        if key in self.wanted or grad_key in self.wanted:
+            both = _Observe.apply(torch.stack([k, v]), self.sink, key, grad_key)
+            k, v = both[0], both[1]
+        return k, v, None
 
 
 def run_reference(
@@ -223,6 +246,8 @@ def expected_value(records: ReferenceRecords, key: tuple, expect: tuple) -> torc
         table = records.before if kind == "param" else records.after
         whole = table[step][records.canonical[use]]
         return apply_slices(whole, slices).to(_dtype(dtype)).float()
+    if kind == "part":
+        return expected_value(records, key, expect[2])
     if kind == "grad":
         _, use, data_ranks, accumulations, divisor, slices = expect
         total = None
@@ -237,6 +262,10 @@ def expected_value(records: ReferenceRecords, key: tuple, expect: tuple) -> torc
     if kind == "act":
         _, site, data_rank, slices = expect
         return apply_slices(records.acts[(step, accumulation, data_rank, micro, site)], slices)
+    if kind == "act_at":
+        _, site, data_rank, slices, (dim, indices) = expect
+        whole = apply_slices(records.acts[(step, accumulation, data_rank, micro, site)], slices)
+        return whole.index_select(dim, torch.tensor(indices, dtype=torch.long))
     raise ValueError(f"unknown evidence record kind {kind!r}")
 
 
@@ -255,22 +284,34 @@ class UpdateEvidence:
 def compare(records: ReferenceRecords, runs: list[dict]) -> dict[str, UpdateEvidence]:
     """``runs``: every rank's saved records (``{"first": entries, "repeat": {key: digest}}``)."""
     out: dict[str, UpdateEvidence] = {}
+    parts: dict[tuple, list[torch.Tensor]] = {}  # (key, expect) -> the cp group's parts
     for saved in runs:
         repeat = saved["repeat"]
         for key, expect, value, first_digest in saved["first"]:
             ev = out.setdefault(key[0], UpdateEvidence())
-            reference = expected_value(records, key, expect)
-            if tuple(reference.shape) != tuple(value.shape):
-                raise ValueError(f"{key[0]}: the record has shape {tuple(value.shape)}, the reference {tuple(reference.shape)}")
-            error = value - reference
-            diff = float(error.abs().max()) if value.numel() else 0.0
-            rel = 0.0 if diff == 0.0 else float(error.norm()) / max(float(reference.norm()), 1e-30)
-            ev.samples += 1
-            ev.max_abs = max(ev.max_abs, diff)
-            ev.max_rel = max(ev.max_rel, rel)
             if repeat.get(key) != first_digest:
                 ev.deterministic = False
+            if expect[0] == "part":
+                parts.setdefault((key, expect), []).append(value)
+                continue
+            _measure(ev, key, value, expected_value(records, key, expect))
+    for (key, expect), values in parts.items():
+        ranks = expect[1]
+        if len(values) != len(ranks):
+            raise ValueError(f"{key[0]}: {len(values)} of the ranks {list(ranks)} recorded their part")
+        _measure(out[key[0]], key, torch.stack(values).sum(0), expected_value(records, key, expect))
     return out
+
+
+def _measure(ev: UpdateEvidence, key: tuple, value: torch.Tensor, reference: torch.Tensor) -> None:
+    if tuple(reference.shape) != tuple(value.shape):
+        raise ValueError(f"{key[0]}: the record has shape {tuple(value.shape)}, the reference {tuple(reference.shape)}")
+    error = value - reference
+    diff = float(error.abs().max()) if value.numel() else 0.0
+    rel = 0.0 if diff == 0.0 else float(error.norm()) / max(float(reference.norm()), 1e-30)
+    ev.samples += 1
+    ev.max_abs = max(ev.max_abs, diff)
+    ev.max_rel = max(ev.max_rel, rel)
 
 
 def with_evidence(update: DistributedUpdate, ev: UpdateEvidence | None, evidence_id: str) -> DistributedUpdate:
@@ -296,13 +337,27 @@ def assemble_global(session) -> dict[str, torch.Tensor]:
             whole = torch.empty(local.gathered_shape(), dtype=part.dtype, device=part.device)
             comm.bookkeeping_all_gather(whole, part.contiguous(), rule=local.shard_rule, name="parameters:gather")
             part = whole[: local.rows]
-        if local.tp_slices:
+        if local.instr.ep_dim is not None:
+            part = _gather_experts(comm, mesh, part, local.instr.ep_dim)
+        if local.tp_slices and local.tp_slices[0][0] != local.instr.ep_dim:
             dim = local.tp_slices[0][0]
             moved = part.movedim(dim, 0).contiguous()
             whole = torch.empty((moved.shape[0] * mesh.degree("tp"), *moved.shape[1:]), dtype=part.dtype, device=part.device)
             comm.bookkeeping_all_gather(whole, moved, rule="tp", name="parameters:gather")
+            replicas = local.instr.tp_replicas
+            if replicas > 1:  # a KV head shared by `replicas` consecutive tp ranks: keep one copy of each
+                whole = whole.view(mesh.degree("tp"), *moved.shape)[::replicas].reshape(-1, *moved.shape[1:])
             part = whole.movedim(0, dim)
         out[name] = part.cpu()
         for use in local.uses:
             out[use.name] = out[name]
     return out
+
+
+def _gather_experts(comm, mesh, part: torch.Tensor, dim: int) -> torch.Tensor:
+    """Every ep rank's experts of an expert weight (a bookkeeping gather over the ep group)."""
+    size = mesh.group("ep").size
+    moved = part.movedim(dim, 0).contiguous()
+    whole = torch.empty((moved.shape[0] * size, *moved.shape[1:]), dtype=part.dtype, device=part.device)
+    comm.bookkeeping_all_gather(whole, moved, rule="ep", name="parameters:gather")
+    return whole.movedim(0, dim)
