@@ -74,6 +74,25 @@ def compile_spec_file(path: Path) -> PlanDocument:
     return load_plan_text(plan_text(result.plan), str(path))
 
 
+def preflight(doc: PlanDocument):
+    """The plan read as instructions for the runtime that `run` starts (EM, or the neural replay with
+    or without a pipeline), refusing what that runtime does not execute; nothing is started."""
+    if is_distribution(doc):
+        return read_em_instructions(doc)  # EM (runtime/em.py); refuses what it does not execute
+    instructions = read_instructions(doc)
+    if instructions.family != "transformer":
+        raise RuntimeRefusal(
+            "a `modules` plan describes the parameters of your own nn.Module, which `run` cannot build; train it "
+            "with the library API instead: get_training_backend('torch').prepare(module, plan=..., document=...) "
+            "(see docs/runtime.md)"
+        )
+    if instructions.plan.pp > 1:
+        from mixle_compile.runtime.pipeline_plan import check_pipeline
+
+        check_pipeline(doc, instructions)  # what the pipeline runtime does not execute, before anything starts
+    return instructions
+
+
 def run_plan(
     plan: PlanDocument | str | Path,
     *,
@@ -104,14 +123,7 @@ def run_plan(
     runs steps k .. steps - 1.
     """
     doc = plan if isinstance(plan, PlanDocument) else load_plan_or_spec(plan)
-    if is_distribution(doc):
-        instructions = read_em_instructions(doc)  # EM (runtime/em.py); refuses what it does not execute
-    elif (instructions := read_instructions(doc)).family != "transformer":
-        raise RuntimeRefusal(
-            "a `modules` plan describes the parameters of your own nn.Module, which `run` cannot build; train it "
-            "with the library API instead: get_training_backend('torch').prepare(module, plan=..., document=...) "
-            "(see docs/runtime.md)"
-        )
+    instructions = preflight(doc)
     steps = instructions.steps if steps is None else steps
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise RuntimeRefusal(f"steps must be a positive integer, got {steps!r}")
@@ -177,9 +189,11 @@ def _checkpoint_options(doc, instructions, *, steps, reference, data_path, save_
     from mixle_compile.runtime import checkpoint as ckpt
 
     options = _Checkpoints(every=_positive("--save-every", save_every), keep=_positive("--keep-checkpoints", keep))
-    wanted = save_every is not None or checkpoint_dir is not None or keep is not None or resume is not None
-    if wanted and is_distribution(doc):
-        raise RuntimeRefusal("checkpoints (--save-every, --checkpoint-dir, --resume) are not implemented for EM runs yet; run without them")
+    if is_distribution(doc):  # EM checks its --data file and its own checkpoints (runtime/em.py), torch-free
+        from mixle_compile.runtime.em import run_options
+
+        return _Checkpoints(run_options(instructions, steps=steps, reference=reference, data_path=data_path, save_every=save_every,
+                                        checkpoint_dir=checkpoint_dir, keep=keep, resume=resume))
     if checkpoint_dir is not None:
         if save_every is None:
             raise RuntimeRefusal("--checkpoint-dir says where checkpoints go, but nothing saves them: add --save-every N")

@@ -1,10 +1,11 @@
 """The run report: planned versus observed collectives, losses, and numerical evidence.
 
 Torch-free, so the launcher reads a report without importing torch. Accounting is exact: for every
-planned update and every rank that executes it (every rank, while pipeline stages are not
-executed), the observed count must equal ``occurrences_per_step * steps`` and the observed bytes
-``payload_bytes`` times that; any difference, and any collective the plan does not declare, is an
-error of the run.
+planned update and every rank that executes it (every rank; under pipeline parallelism the ranks
+of the update's stage, and both ends of a stage-boundary transfer), the observed count must equal
+``occurrences_per_step * steps`` and the observed bytes ``payload_bytes`` times that, and every
+other rank must not have issued it; any difference, and any collective the plan does not declare,
+is an error of the run.
 """
 
 from __future__ import annotations
@@ -28,37 +29,51 @@ RECEIPTS_FILE = "receipts.jsonl"
 EVIDENCE_TOLERANCE = {"fp32": 1e-2, "bf16": 1e-1}
 
 
-def accounting(instructions: Instructions, ledgers: Sequence[Mapping], steps: int) -> dict:
-    """Planned vs observed per update, over every rank's ledger (see Ledger.as_dict)."""
+def accounting(instructions: Instructions, ledgers: Sequence[Mapping], steps: int, stages: Sequence[int] | None = None) -> dict:
+    """Planned vs observed per update, over every rank's ledger (see Ledger.as_dict).
+
+    ``stages``: the pipeline stage of every rank (pp > 1); an update is then planned on the ranks of
+    the stages that execute it (runtime/pipeline_plan.py) and planned zero times on every other rank."""
+    from mixle_compile.runtime.pipeline_plan import executing_stages
+
     rows = []
     errors = []
     for node_id, c in instructions.collectives.items():
         planned_count = c.occurrences_per_step * steps
         planned_bytes = c.payload_bytes * planned_count
         observed = [tuple(ledger["updates"].get(node_id, (0, 0))) for ledger in ledgers]
-        counts = sorted({o[0] for o in observed})
-        sizes = sorted({o[1] for o in observed})
-        match = counts == [planned_count] and sizes == [planned_bytes]
-        if not match:
-            bad = [r for r, o in enumerate(observed) if o != (planned_count, planned_bytes)]
+        if stages is None:
+            executing = list(range(len(ledgers)))
+        else:
+            where = executing_stages(c)
+            executing = [r for r in range(len(ledgers)) if stages[r] in where]
+        planned = [(planned_count, planned_bytes) if r in executing else (0, 0) for r in range(len(ledgers))]
+        seen = [observed[r] for r in executing]
+        counts = sorted({o[0] for o in seen})
+        sizes = sorted({o[1] for o in seen})
+        bad = [r for r in range(len(ledgers)) if observed[r] != planned[r]]
+        match = not bad
+        if bad:
+            r = bad[0]
             errors.append(
-                f"{node_id}: planned {planned_count} x {c.collective} ({planned_bytes} bytes) per rank over {steps} step(s), "
-                f"observed {observed[bad[0]][0]} ({observed[bad[0]][1]} bytes) on rank {bad[0]}"
-                + (f" and {len(bad) - 1} more rank(s)" if len(bad) > 1 else "")
+                f"{node_id}: planned {planned[r][0]} x {c.collective} ({planned[r][1]} bytes) on rank {r} over {steps} step(s), "
+                f"observed {observed[r][0]} ({observed[r][1]} bytes)"
+                + (f"; and {len(bad) - 1} more rank(s) differ" if len(bad) > 1 else "")
             )
-        rows.append(
-            {
-                "node_id": node_id,
-                "collective": c.collective,
-                "group": c.rule,
-                "phase": c.phase,
-                "planned_count": planned_count,
-                "planned_bytes": planned_bytes,
-                "observed_count": counts[0] if len(counts) == 1 else counts,
-                "observed_bytes": sizes[0] if len(sizes) == 1 else sizes,
-                "match": match,
-            }
-        )
+        row = {
+            "node_id": node_id,
+            "collective": c.collective,
+            "group": c.rule,
+            "phase": c.phase,
+            "planned_count": planned_count,
+            "planned_bytes": planned_bytes,
+            "observed_count": counts[0] if len(counts) == 1 else counts,
+            "observed_bytes": sizes[0] if len(sizes) == 1 else sizes,
+            "match": match,
+        }
+        if stages is not None:
+            row["ranks"] = executing
+        rows.append(row)
     for r, ledger in enumerate(ledgers):
         for node_id in sorted(set(ledger["updates"]) - set(instructions.collectives)):
             errors.append(f"{node_id}: rank {r} issued a collective the plan does not declare")
@@ -76,7 +91,31 @@ def accounting(instructions: Instructions, ledgers: Sequence[Mapping], steps: in
         "ranks_checked": len(ledgers),
         "collective_calls_per_rank": [ledger["calls"] for ledger in ledgers],
         "bookkeeping": bookkeeping,
+        "all_to_all_traffic": all_to_all_traffic(instructions, ledgers),
     }
+
+
+def all_to_all_traffic(instructions: Instructions, ledgers: Sequence[Mapping]) -> dict:
+    """Per all_to_all update whose traffic depends on the data (the expert-parallel token exchanges):
+    the bytes every rank sent to and received from the other ranks of its group, summed over the
+    ranks, against the plan's traffic model ((n - 1) / n of ``payload_bytes`` per call and rank,
+    which assumes every rank sends equally to every other), and their ratio. The counted bytes of
+    these updates (the accounting) are the rows each rank routes, which the plan states exactly."""
+    out = {}
+    for node_id in sorted({k for ledger in ledgers for k in ledger.get("exchanged", {})}):
+        c = instructions.collectives[node_id]
+        calls = sum(ledger.get("exchanged", {}).get(node_id, (0, 0, 0))[0] for ledger in ledgers)
+        sent = sum(ledger.get("exchanged", {}).get(node_id, (0, 0, 0))[1] for ledger in ledgers)
+        received = sum(ledger.get("exchanged", {}).get(node_id, (0, 0, 0))[2] for ledger in ledgers)
+        modelled = calls * c.payload_bytes * (c.group_size - 1) / c.group_size
+        out[node_id] = {
+            "calls": calls,
+            "sent_bytes": sent,
+            "received_bytes": received,
+            "modelled_bytes": modelled,
+            "measured_over_modelled": sent / modelled if modelled else None,
+        }
+    return out
 
 
 @dataclass(frozen=True)
@@ -174,6 +213,19 @@ class RunReport:
                 f"evidence: {len(measured)} updates against the single-process reference, max relative error "
                 f"{self.max_relative_error:.2e} (tolerance {self.evidence_tolerance:.0e}), max absolute error "
                 f"{self.max_absolute_error:.2e}, bitwise deterministic on repeat: {'yes' if deterministic else 'no'}"
+            )
+        pipeline = self.data.get("pipeline")
+        if pipeline:
+            idle = pipeline.get("idle_fraction")
+            per_stage = ", ".join(f"{v:.2f}" if v is not None else "?" for v in pipeline.get("idle_fraction_per_stage", {}).values())
+            lines.append(
+                f"pipeline: {pipeline['schedule']}, pp={pipeline['pp']}"
+                + (f" x {pipeline['virtual_stages']} virtual stages" if pipeline["virtual_stages"] > 1 else "")
+                + f", {pipeline['micro_steps']} micro-batches per step: measured idle fraction "
+                + (f"{idle:.2f} (per stage {per_stage})" if idle is not None else "not measured")
+                + f", the plan's bubble model {pipeline['bubble_model']:.2f}"
+                + (f" ({pipeline['bubble_model_per_step']:.2f} over the step's micro-batches)"
+                   if abs(pipeline["bubble_model_per_step"] - pipeline["bubble_model"]) > 1e-12 else "")
             )
         for warning in self.warnings:
             lines.append(f"warning: {warning}")

@@ -332,6 +332,11 @@ def open_session(
     values: Mapping[str, torch.Tensor] | None = None,
 ) -> DistributedSession:
     instructions = read_instructions(doc)
+    if instructions.plan.pp > 1:
+        raise RuntimeRefusal(
+            f"a pipelined plan (pp={instructions.plan.pp}) runs its stage programs through `run` (python -m mixle_compile.runtime "
+            "PLAN); the library session trains the whole model on every rank, so it takes plans with pp: 1"
+        )
     owns = join_process_group(instructions.plan.world_size)
     world = dist.get_world_size()
     try:

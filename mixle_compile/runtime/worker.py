@@ -32,7 +32,9 @@ from mixle_compile.runtime.session import DistributedSession, device_for_rank, j
 # that rank die, hang or raise just before that step; "sigkill:RANK:STEP" sends that rank SIGKILL in
 # the middle of the step (in the backward of its first micro-batch, gradients half reduced);
 # "savekill:RANK:STEP" sends it SIGKILL while the checkpoint of STEP is being saved, after the
-# tensor state is written and before the checkpoint is committed.
+# tensor state is written and before the checkpoint is committed; "detach:RANK:STEP" makes a
+# pipeline stage's rank detach the activations it receives from that step on (the silent bug of a
+# received activation without requires_grad: the run completes, earlier stages get no gradient).
 FAULT_ENV = "MIXLE_RUNTIME_FAULT"
 
 
@@ -80,11 +82,14 @@ def _fault(rank: int, step: int, session: DistributedSession | None = None) -> N
         time.sleep(3600)
     if kind == "raise":
         raise RuntimeError(f"injected fault on rank {rank} at step {step}")
+    if kind == "detach" and session is not None and hasattr(session, "detach_received"):
+        session.detach_received = True
     if kind == "sigkill" and session is not None:
         def die(use, grad):  # the first gradient of the step: mid-backward
             os.kill(os.getpid(), signal.SIGKILL)
 
-        session.store.accumulate = die
+        for store in getattr(session, "stores", {0: session.store}).values():  # a pipeline stage: every chunk's store
+            store.accumulate = die
 
 
 def _save_fault(rank: int, step: int) -> None:
@@ -154,11 +159,13 @@ def run_rank(
     if is_distribution(doc):  # a distribution model is fitted by EM (runtime/em.py)
         from mixle_compile.runtime.em import run_em_rank
 
-        return run_em_rank(doc, steps=steps, out_dir=out_dir, reference=reference, data_path=data_path, timeout_s=timeout_s, progress=progress)
+        return run_em_rank(doc, steps=steps, out_dir=out_dir, reference=reference, data_path=data_path, timeout_s=timeout_s, progress=progress,
+                           checkpoints=checkpoints)
     from mixle_compile.runtime.reference import Recorder, compare, run_reference, with_evidence
 
     started = time.perf_counter()
     instructions = read_instructions(doc)
+    pipelined = instructions.plan.pp > 1
     source = token_source(instructions, data_path)
     owns = join_process_group(instructions.plan.world_size)
     try:
@@ -166,7 +173,7 @@ def run_rank(
         device = device_for_rank()
         rank, world = mesh.rank, mesh.world_size
         recorder = Recorder(keep_values=True) if reference else None
-        session = DistributedSession(instructions, mesh, device=device, recorder=recorder)
+        session = open_rank_session(doc, instructions, mesh, device=device, recorder=recorder)
         checkpoints = checkpoints or CheckpointPlan()
         resumed = None
         if checkpoints.resume is not None:
@@ -190,11 +197,12 @@ def run_rank(
                 receipts.close()
         train_s = time.perf_counter() - started
         ledgers = session.comm.bookkeeping_gather_object(session.ledger.as_dict(), name="report:ledgers")
+        stage_stats = session.comm.bookkeeping_gather_object(session.stats(), name="report:pipeline") if pipelined else None
         repeat_ledgers = None
         if reference:
             # The repeat: the same job from the same start, for determinism (records as digests only).
             repeat = Recorder(keep_values=False)
-            session2 = DistributedSession(instructions, mesh, device=device, recorder=repeat)
+            session2 = open_rank_session(doc, instructions, mesh, device=device, recorder=repeat)
             train(session2, source, steps)
             repeat_ledgers = session2.comm.bookkeeping_gather_object(session2.ledger.as_dict(), name="report:ledgers")
             evidence_dir = out_dir / "evidence"
@@ -215,11 +223,18 @@ def run_rank(
                 mesh.release()
     if rank != 0:
         return None
-    report = _report(instructions, ledgers, repeat_ledgers, losses, steps - first_step, train_s, data_path)
+    report = _report(instructions, ledgers, repeat_ledgers, losses, steps - first_step, train_s, data_path,
+                     stages=[s["stage"] for s in stage_stats] if pipelined else None)
+    if pipelined:
+        from mixle_compile.runtime.pipeline_plan import pipeline_section
+
+        report["pipeline"], problems = pipeline_section(doc, instructions, stage_stats)
+        report["errors"].extend(problems)
+        report["ok"] = not report["errors"]
     report["run"].update(first_step=first_step, last_step=steps, resumed_from=resumed,
                          checkpoints={"root": str(checkpoints.root) if checkpoints.root else None, "every": checkpoints.every, "saved": saved})
     if reference:
-        records = run_reference(instructions, source, steps)
+        records = run_reference(reference_instructions(doc, instructions), source, steps)
         saved = [torch.load(out_dir / "evidence" / f"rank{r}.pt", weights_only=True) for r in range(world)]
         found = compare(records, saved)
         evidence_id = f"run-{instructions.content_digest.removeprefix('sha256:')[:12]}-{steps}"
@@ -246,8 +261,30 @@ def _planned_update(u):
     return DistributedUpdate.from_dict({k: getattr(u, k) for k in DistributedUpdate.__dataclass_fields__})
 
 
-def _report(instructions: Instructions, ledgers, repeat_ledgers, losses, steps, train_s, data_path) -> dict:
-    account = accounting(instructions, ledgers, steps)
+def open_rank_session(doc: PlanDocument, instructions: Instructions, mesh: Mesh, *, device, recorder=None):
+    """This rank's training session: a pipeline stage under pp > 1, else the whole (sharded) model."""
+    if instructions.plan.pp > 1:
+        from mixle_compile.runtime.pipeline import PipelineSession
+
+        return PipelineSession(doc, instructions, mesh, device=device, recorder=recorder)
+    return DistributedSession(instructions, mesh, device=device, recorder=recorder)
+
+
+def reference_instructions(doc: PlanDocument, instructions: Instructions) -> Instructions:
+    """What the single-process reference observes: the plan's activation sites, and under pp the
+    residual stream at every virtual stage boundary (the stage-boundary transfers' evidence)."""
+    if instructions.plan.pp == 1:
+        return instructions
+    import dataclasses
+
+    from mixle_compile.runtime.pipeline_plan import read_layout
+
+    sites = read_layout(doc).boundary_sites()
+    return dataclasses.replace(instructions, activation_sites=(*instructions.activation_sites, *sites))
+
+
+def _report(instructions: Instructions, ledgers, repeat_ledgers, losses, steps, train_s, data_path, stages=None) -> dict:
+    account = accounting(instructions, ledgers, steps, stages)
     errors = list(account["errors"])
     if repeat_ledgers is not None and [lg["updates"] for lg in repeat_ledgers] != [lg["updates"] for lg in ledgers]:
         errors.append("the repeated run issued different collectives from the first")
