@@ -287,11 +287,19 @@ def checkpoint_text(view: dict[str, Any], limit: int = 12) -> str:
     """`explain CHECKPOINT`: what runtime.checkpoint.checkpoint_view read from the manifest."""
     plan, mesh, data = view.get("plan", {}), view.get("mesh", {}), view.get("data", {})
     out = [f"checkpoint {view['checkpoint']}  (step {view['step']}, {view.get('kind')}, format {view.get('format_version')}, complete)"]
-    if plan:
+    fit = view.get("fit") or {}
+    if plan and plan.get("optimizer") == "em":
+        out.append(f"plan: {plan.get('content_digest', '?')}  {plan.get('family', '?')}, fitted by EM in {plan.get('precision', '?')}")
+    elif plan:
         out.append(
             f"plan: {plan.get('content_digest', '?')}  {plan.get('family', '?')}, {plan.get('optimizer', '?')} "
             f"(lr {plan.get('learning_rate', '?')}), {plan.get('precision', '?')}"
         )
+    if fit:
+        lls = fit.get("log_likelihoods") or []
+        trend = f", log-likelihood {lls[0]:.6g} -> {lls[-1]:.6g} over {len(lls)} iteration(s)" if lls else ""
+        cut = fit.get("cut")
+        out.append(f"fit: iteration {fit.get('iteration')}{trend}" + (f"; components cut at {cut.get('path')} over {cut.get('axis')}" if cut else ""))
     if mesh:
         axes = " x ".join(f"{a}={mesh[a]}" for a in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep") if a in mesh)
         out.append(
@@ -301,10 +309,9 @@ def checkpoint_text(view: dict[str, Any], limit: int = 12) -> str:
     if data:
         source = data.get("source") or {}
         what = f"synthetic, seed {source.get('seed')}" if source.get("kind") == "synthetic" else f"file {source.get('name')}" if source else "?"
-        out.append(
-            f"data: {data.get('samples_consumed')} samples consumed ({view['step']} x global batch {data.get('global_batch_size')}, "
-            f"seq_len {data.get('seq_len')}); {what}"
-        )
+        seq = f", seq_len {data['seq_len']}" if data.get("seq_len") is not None else ""
+        unit = "rows per iteration" if fit else "global batch"
+        out.append(f"data: {data.get('samples_consumed')} samples consumed ({view['step']} x {unit} {data.get('global_batch_size')}{seq}); {what}")
     optimizer = view.get("optimizer") or {}
     if optimizer:
         out.append(f"optimizer state: {', '.join(optimizer.get('state', [])) or 'none (saved before the first step)'}")

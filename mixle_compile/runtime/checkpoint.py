@@ -453,6 +453,8 @@ def checkpoint_view(path: str | Path) -> dict[str, Any]:
         "rng": manifest.get("rng", {}),
         "parameters": manifest.get("parameters", []),
         "arrays": manifest.get("arrays"),
+        "runtime": manifest.get("runtime"),
+        "fit": manifest.get("fit"),
         "others_in_root": [{"step": s, "path": str(p), "complete": ok} for s, p, ok in list_checkpoints(root) if p != path],
     }
 

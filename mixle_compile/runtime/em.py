@@ -11,10 +11,16 @@ reference runs the same model code on all rows with no collectives; the two diff
 order of floating-point sums.
 
 All arithmetic is float64 (numpy); torch only carries the collectives.
+
+Checkpoints (docs/checkpoints.md): every node's parameter arrays in global coordinates (node id,
+instance row; the cut node by unit), assembled on rank 0 from the ranks that own them, with the
+iteration, the log-likelihood history and the data's identity, written atomically by
+``checkpoint.write_array_checkpoint``. A resume loads them on any plan of the same model.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 import time
@@ -25,6 +31,7 @@ import numpy as np
 from mixle_compile.runtime import em_model
 from mixle_compile.runtime.em_model import ModelError, Scoring, chunks_of, initial_params, m_step, score, zero_statistics
 from mixle_compile.runtime.em_plan import LOG_LIKELIHOOD, EMInstructions, StatisticsUpdate
+from mixle_compile.runtime.errors import RuntimeRefusal
 
 # The log-likelihood of an EM iteration may not fall below the previous one by more than this
 # (relative): EM never decreases it in exact arithmetic, and float64 sums wobble near 1e-15.
@@ -156,10 +163,15 @@ def not_owned(em: EMInstructions, tp_coord: int):
     return masks.get
 
 
-def fit_rank(em: EMInstructions, comm, mesh, data: np.ndarray, steps: int, *, receipts=None, progress: bool = False) -> dict:
-    """EM on this rank's rows and units. Returns this rank's record: its tp coordinate and units,
-    its parameters, the log-likelihoods, and per iteration the reduced statistics of every update
-    it issued and (under a cut) each row's normaliser."""
+def fit_rank(em: EMInstructions, comm, mesh, data: np.ndarray, steps: int, *, receipts=None, progress: bool = False,
+             start: tuple[int, dict] | None = None, after_iteration=None) -> dict:
+    """EM on this rank's rows and units, iterations ``first .. steps - 1``. Returns this rank's
+    record: its tp coordinate and units, its parameters, the log-likelihoods, and per iteration the
+    reduced statistics of every update it issued and (under a cut) each row's normaliser.
+
+    ``start``: ``(iteration, parameters)`` of a checkpoint to continue from (default: iteration 0
+    from the seeded initial parameters). ``after_iteration(done, params, lls)`` runs on every rank
+    after each M-step (``done`` iterations are complete); checkpoints are saved there."""
     import torch
     import torch.distributed as dist
 
@@ -169,11 +181,14 @@ def fit_rank(em: EMInstructions, comm, mesh, data: np.ndarray, steps: int, *, re
     cut = em.cut
     tp = mesh.coord("tp") if cut else 0
     owned = em.owned(tp)
-    params = initial_params(em.tree, data, em.seed + 1)
+    if start is None:
+        first, params = 0, initial_params(em.tree, data, em.seed + 1)
+    else:
+        first, params = start[0], {n: {k: v.copy() for k, v in arrays.items()} for n, arrays in start[1].items()}
     rule = {c.node_id: c.rule for c in em.collectives.values()}
     keep = not_owned(em, tp)
     statistics = {su.update: su for su in em.statistics}
-    combine = None
+    combine = None  # one process holds every unit: the normaliser is local
     if cut is not None:
         chunks = np.array_split(local, em.micro_steps)
         width = em.micro_batch_size
@@ -183,7 +198,7 @@ def fit_rank(em: EMInstructions, comm, mesh, data: np.ndarray, steps: int, *, re
             t[: len(values)] = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float64))
             return t
 
-        def combine(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        def combine_over_cut(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             n = len(a)
             if cut.axis == "factor":
                 total = padded(a)
@@ -198,13 +213,15 @@ def fit_rank(em: EMInstructions, comm, mesh, data: np.ndarray, steps: int, *, re
                 total = padded(np.exp(a - m[:, None]).sum(axis=1))
             comm.all_reduce(total, rule=rule[cut.normaliser_sum], parts=cut.normaliser_sum)
             return m, total[:n].numpy().copy()
+
+        combine = combine_over_cut
     else:
         chunks = chunks_of(local, em.micro_batch_size)
 
     planned_bytes = sum(c.payload_bytes * c.occurrences_per_step for n, c in em.collectives.items() if em.executes(n, tp))
     lls, history = [], []
     started = time.perf_counter()
-    for it in range(steps):
+    for it in range(first, steps):
         before = comm.ledger.snapshot()
         sc = Scoring(params, zero_statistics(em.tree), cut=cut.path if cut else None, owned=owned, combine=combine,
                      record=cut.path if cut else None)
@@ -246,8 +263,10 @@ def fit_rank(em: EMInstructions, comm, mesh, data: np.ndarray, steps: int, *, re
             receipts.flush()
         if progress:
             print(f"iteration {it + 1}/{steps}  log-likelihood {ll:.6f}  {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
+        if after_iteration is not None:
+            after_iteration(it + 1, params, lls)
     return {"tp": tp, "owned": list(owned), "data_rank": data_rank, "data_size": data_size, "params": params, "lls": lls,
-            "history": history, "wall_s": time.perf_counter() - started}
+            "history": history, "first": first, "wall_s": time.perf_counter() - started}
 
 
 def assemble(em: EMInstructions, records: list[dict]):
@@ -356,8 +375,207 @@ def evidence(doc, em: EMInstructions, records: list[dict], repeat: list[dict], r
     return out, errors
 
 
-def run_em_rank(doc, *, steps: int, out_dir: Path, reference: bool, data_path: str | None, timeout_s: float, progress: bool) -> dict | None:
-    """One rank of an EM run; rank 0 returns the report (also written to ``out_dir``), others None."""
+# -- checkpoints ----------------------------------------------------------------------------
+
+EM_RUNTIME = "em"  # manifest["runtime"] of an EM checkpoint
+
+
+def records_digest(data: np.ndarray) -> str:
+    """SHA-256 of the records as fitted (their shape, then float64 little-endian, row-major)."""
+    a = np.ascontiguousarray(data, dtype="<f8")
+    h = hashlib.sha256(json.dumps(list(a.shape)).encode("ascii"))
+    h.update(a.tobytes())
+    return "sha256:" + h.hexdigest()
+
+
+def data_source(em: EMInstructions, data: np.ndarray, data_path: str | Path | None) -> dict:
+    """How a checkpoint names the records it was fitted on (compared on resume): the synthetic seed
+    and row count, or the file's path, size and the digest of its records."""
+    if data_path is None:
+        return {"kind": "synthetic", "seed": em.seed, "rows": int(len(data))}
+    path = Path(data_path)
+    try:
+        size = path.stat().st_size
+    except OSError:
+        size = None
+    return {"kind": "file", "name": path.name, "path": str(data_path), "bytes": size, "rows": int(len(data)),
+            "records_sha256": records_digest(data)}
+
+
+def _describe_data(source: dict) -> str:
+    if source.get("kind") == "synthetic":
+        return f"{source.get('rows')} synthetic records with seed {source.get('seed')}"
+    digest = str(source.get("records_sha256", "?"))
+    return f"{source.get('rows')} records of {source.get('path') or source.get('name')} ({digest[:19]})"
+
+
+def _same_data(saved: dict, new: dict) -> bool:
+    if saved.get("kind") != new.get("kind") or saved.get("rows") != new.get("rows"):
+        return False
+    if new.get("kind") == "synthetic":
+        return saved.get("seed") == new.get("seed")
+    return saved.get("records_sha256") == new.get("records_sha256")
+
+
+def model_summary(em: EMInstructions) -> dict:
+    """The model as a checkpoint records it: every node's kind, instances and parameter shapes."""
+    shapes = em_model.param_shapes(em.tree)
+    return {
+        "seq_len": em.tree.seq_len,
+        "nodes": [{"id": n.id, "kind": n.kind, "instances": n.instances, "parameters": {k: list(v) for k, v in shapes.get(n.id, {}).items()}}
+                  for n in em.tree.nodes.values()],
+    }
+
+
+def plan_summary(em: EMInstructions) -> dict:
+    plan = em.plan
+    return {"content_digest": em.content_digest, "family": "distribution", "optimizer": "em", "precision": "float64",
+            "global_batch_size": em.global_batch_size, "micro_batch_size": em.micro_batch_size, "seq_len": em.tree.seq_len,
+            "seed": em.seed, "factorisation": plan.factorisation(), "degrees": plan.as_dict()}
+
+
+def write_em_checkpoint(root: str | Path, iteration: int, em: EMInstructions, params, lls: list[float], source: dict) -> Path:
+    """Save the whole model after ``iteration`` iterations (``params`` in global coordinates, as
+    ``assemble`` returns them; ``lls`` every iteration's log-likelihood so far). Single process."""
+    from mixle_compile.runtime import checkpoint as ckpt
+
+    if len(lls) != iteration:
+        raise ckpt.CheckpointError(f"an EM checkpoint after {iteration} iteration(s) needs {iteration} log-likelihoods, got {len(lls)}")
+    rows = int(source["rows"])
+    manifest = {
+        "runtime": EM_RUNTIME,
+        "plan": plan_summary(em),
+        "mesh": ckpt.mesh_summary(em),
+        "model": model_summary(em),
+        "fit": {"iteration": iteration, "log_likelihoods": [float(x) for x in lls],
+                "cut": None if em.cut is None else {"path": em.cut.path, "axis": em.cut.axis, "owners": list(em.cut.owners)}},
+        # Every iteration fits all records: the data position is the iteration count.
+        "data": {"samples_consumed": iteration * rows, "global_batch_size": rows, "seq_len": em.tree.seq_len, "source": dict(source)},
+    }
+    return ckpt.write_array_checkpoint(root, iteration, flat_params(params), manifest)
+
+
+def check_em_resume(manifest: dict, em: EMInstructions, *, source: dict, steps: int, path: str | Path) -> int:
+    """Refuse a plan that cannot continue ``manifest``'s fit; return the iteration to continue from.
+
+    Any mesh of the same model resumes (other data ranks, another cut or none, another world size,
+    micro-batches). Refused: another runtime's checkpoint, another model (a node added, removed, of
+    another kind, or a parameter of another shape: the message names the node and both shapes),
+    other records, ``steps`` not beyond the checkpoint, or a manifest that does not hold its arrays."""
+    from mixle_compile.runtime.checkpoint import CheckpointError
+
+    try:
+        return _check_em_resume(manifest, em, source=source, steps=steps, path=path)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise CheckpointError(f"checkpoint {path}: its manifest is malformed ({type(exc).__name__}: {exc}); it cannot be resumed") from None
+
+
+def _check_em_resume(manifest: dict, em: EMInstructions, *, source: dict, steps: int, path: str | Path) -> int:
+    from mixle_compile.runtime.checkpoint import ARRAYS_KIND, CheckpointError
+
+    where = f"checkpoint {path}"
+    if manifest.get("kind") != ARRAYS_KIND or manifest.get("runtime") != EM_RUNTIME:
+        raise CheckpointError(f"{where} holds {manifest.get('runtime') or manifest.get('kind')!r} state, not an EM fit; "
+                              "a distribution model resumes from the checkpoints of an EM run only")
+    saved_model = manifest["model"]
+    saved = {n["id"]: n for n in saved_model["nodes"]}
+    fit = manifest["fit"]
+    iteration, lls = int(fit["iteration"]), list(fit["log_likelihoods"])
+    arrays = manifest["arrays"]
+    saved_source = dict(manifest["data"]["source"])
+    new_model = model_summary(em)
+    new = {n["id"]: n for n in new_model["nodes"]}
+    problems = []
+    if saved_model.get("seq_len") != new_model["seq_len"]:
+        problems.append(f"training.seq_len is {saved_model.get('seq_len')} in the checkpoint but {new_model['seq_len']} in this plan")
+    for node_id in [n for n in new if n in saved]:
+        a, b = saved[node_id], new[node_id]
+        if a.get("kind") != b["kind"]:
+            problems.append(f"node {node_id!r} is a {a.get('kind')} in the checkpoint but a {b['kind']} in this plan")
+            continue
+        for name in sorted(set(a.get("parameters", {})) | set(b["parameters"])):
+            old_shape, new_shape = a.get("parameters", {}).get(name), b["parameters"].get(name)
+            if old_shape != new_shape:
+                problems.append(f"node {node_id!r} has {name} of shape {old_shape} in the checkpoint but {new_shape} in this plan")
+    missing, extra = [n for n in new if n not in saved], [n for n in saved if n not in new]
+    if missing:
+        problems.append(f"this plan has node(s) {', '.join(map(repr, missing[:5]))}{' ...' if len(missing) > 5 else ''} that the checkpoint does not")
+    if extra:
+        problems.append(f"the checkpoint has node(s) {', '.join(map(repr, extra[:5]))}{' ...' if len(extra) > 5 else ''} that this plan does not")
+    if problems:
+        raise CheckpointError(f"{where} is of a different model: " + "; ".join(problems) + ". Resume with the spec it was fitted with")
+    for node_id, node in new.items():
+        for name, shape in node["parameters"].items():
+            entry = arrays.get(f"{node_id}/{name}") if isinstance(arrays, dict) else None
+            if entry is None or list(entry.get("shape", ())) != shape:
+                raise CheckpointError(f"{where}: the manifest lists no array {node_id}/{name} of shape {shape}; the checkpoint is incomplete")
+    if not _same_data(saved_source, source):
+        raise CheckpointError(
+            f"{where} was fitted on {_describe_data(saved_source)}, this run reads {_describe_data(source)}; resuming on other "
+            "records would not continue the same fit: pass the same --data (or training.seed and global_batch_size)"
+        )
+    if len(lls) != iteration or iteration < 1:
+        raise CheckpointError(f"{where}: {len(lls)} log-likelihoods recorded for {iteration} iteration(s); the manifest is inconsistent")
+    if steps <= iteration:
+        raise CheckpointError(f"{where} is at iteration {iteration}; --steps {steps} leaves nothing to run: pass --steps greater than "
+                              f"{iteration} (the total, counting the iterations already done)")
+    return iteration
+
+
+def load_em_checkpoint(path: str | Path, em: EMInstructions, *, source: dict, steps: int) -> tuple[dict, int, dict, Path]:
+    """``(manifest, iteration, parameters, step directory)`` of a checkpoint this plan may resume
+    (``path``: a step directory, or a root for its latest complete one); refused as ``check_em_resume`` says."""
+    from mixle_compile.runtime import checkpoint as ckpt
+
+    path = ckpt.resolve_checkpoint(path)
+    manifest = ckpt.read_manifest(path)
+    iteration = check_em_resume(manifest, em, source=source, steps=steps, path=path)
+    _, arrays = ckpt.read_array_checkpoint(path)
+    params = {node_id: {name: np.array(arrays[f"{node_id}/{name}"], dtype=np.float64) for name in names}
+              for node_id, names in em_model.param_shapes(em.tree).items()}
+    return manifest, iteration, params, path
+
+
+def run_options(em: EMInstructions, *, steps: int, reference: bool = False, data_path: str | Path | None = None,
+                save_every: int | None = None, checkpoint_dir: str | Path | None = None, keep: int | None = None,
+                resume: str | Path | None = None) -> dict:
+    """Check an EM run before any process starts (torch-free): the ``--data`` file's records and
+    the checkpoint options, a resume against this plan. Returns ``{every, keep, root, resume}``
+    (``resume``: the step directory); raises RuntimeRefusal saying what is wrong."""
+    from mixle_compile.runtime import checkpoint as ckpt
+
+    for name, value in (("--save-every", save_every), ("--keep-checkpoints", keep)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise RuntimeRefusal(f"{name} must be a positive integer, got {value!r}")
+    if checkpoint_dir is not None and save_every is None:
+        raise RuntimeRefusal("--checkpoint-dir says where checkpoints go, but nothing saves them: add --save-every N")
+    if keep is not None and save_every is None:
+        raise RuntimeRefusal("--keep-checkpoints needs --save-every N")
+    options = {"every": save_every, "keep": keep, "root": Path(checkpoint_dir) if checkpoint_dir is not None else None, "resume": None}
+    if data_path is None and resume is None:
+        return options
+    try:
+        data = load_data(em, data_path)
+    except ValueError as exc:
+        raise RuntimeRefusal(str(exc)) from None
+    if resume is not None:
+        if reference:
+            raise RuntimeRefusal("--reference fits the single-process reference from the initial parameters, so it cannot check a resumed "
+                                 "fit; drop --reference or --resume")
+        path = ckpt.resolve_checkpoint(resume)
+        check_em_resume(ckpt.read_manifest(path), em, source=data_source(em, data, data_path), steps=steps, path=path)
+        options["resume"] = path.resolve()
+    return options
+
+
+def run_em_rank(doc, *, steps: int, out_dir: Path, reference: bool, data_path: str | None, timeout_s: float, progress: bool,
+                checkpoints=None) -> dict | None:
+    """One rank of an EM run; rank 0 returns the report (also written to ``out_dir``), others None.
+
+    ``checkpoints`` (``root``, ``every``, ``keep``, ``resume``; see ``worker.CheckpointPlan``):
+    save the whole model every ``every`` iterations and after the last one into ``root``, keeping
+    the ``keep`` newest; start from the checkpoint ``resume``. ``steps`` is the total: a fit resumed
+    after iteration k runs iterations k .. steps - 1."""
     import torch
     import torch.distributed as dist
 
@@ -370,14 +588,48 @@ def run_em_rank(doc, *, steps: int, out_dir: Path, reference: bool, data_path: s
     started = time.perf_counter()
     em = read_em_instructions(doc)
     data = load_data(em, data_path)
+    source = data_source(em, data, data_path)
+    root = getattr(checkpoints, "root", None)
+    every = getattr(checkpoints, "every", None) if root is not None else None
+    keep = getattr(checkpoints, "keep", None)
+    start = resumed = None
+    before: list[float] = []
+    if getattr(checkpoints, "resume", None) is not None:
+        if reference:
+            raise RuntimeRefusal("--reference fits the single-process reference from the initial parameters; it cannot check a resumed fit")
+        t0 = time.perf_counter()
+        manifest, first, params0, path = load_em_checkpoint(checkpoints.resume, em, source=source, steps=steps)
+        start, before = (first, params0), list(manifest["fit"]["log_likelihoods"])
+        resumed = {"path": str(path), "step": first, "plan_digest": manifest["plan"]["content_digest"], "mesh": manifest["mesh"],
+                   "load_s": time.perf_counter() - t0}
+    saved: list[dict] = []
     owns = join_process_group(em.plan.world_size)
     try:
         mesh = Mesh.create(doc.groups, timeout_s=timeout_s)
         rank = mesh.rank
         comm = Collectives(mesh, Ledger(planned=em.collectives))
+        tp_coord = mesh.coord("tp") if em.cut else 0
+
+        def save(done: int, params, lls: list[float]) -> None:
+            if not every or (done % every and done != steps):
+                return
+            from mixle_compile.runtime.checkpoint import prune_checkpoints
+
+            t0 = time.perf_counter()
+            # Under a cut each rank holds its own units: rank 0 assembles them in global coordinates.
+            parts = comm.bookkeeping_gather_object({"tp": tp_coord, "params": params} if em.cut else None, name="checkpoint:gather")
+            if rank == 0:
+                whole = assemble(em, parts) if em.cut else params
+                path = write_em_checkpoint(root, done, em, whole, before + lls, source)
+                saved.append({"step": done, "path": str(path), "save_s": time.perf_counter() - t0})
+                if keep:
+                    prune_checkpoints(root, keep)
+            comm.barrier("checkpoint:committed")
+
         receipts = (out_dir / RECEIPTS_FILE).open("w", encoding="utf-8") if rank == 0 else None
         try:
-            record = fit_rank(em, comm, mesh, data, steps, receipts=receipts, progress=progress and rank == 0)
+            record = fit_rank(em, comm, mesh, data, steps, receipts=receipts, progress=progress and rank == 0, start=start,
+                              after_iteration=save)
         finally:
             if receipts is not None:
                 receipts.close()
@@ -400,8 +652,11 @@ def run_em_rank(doc, *, steps: int, out_dir: Path, reference: bool, data_path: s
     if rank != 0:
         return None
     lls = record["lls"]
-    account = em_accounting(em, ledgers, steps, [rec["tp"] for rec in records])
-    errors = list(account["errors"]) + monotone_violations(lls)
+    first = record["first"]
+    ran = steps - first
+    history = before + lls
+    account = em_accounting(em, ledgers, ran, [rec["tp"] for rec in records])
+    errors = list(account["errors"]) + monotone_violations(history)
     if any(rec["lls"] != lls for rec in records):
         errors.append("the ranks disagree on the log-likelihood")
     if repeat_ledgers is not None and [lg["updates"] for lg in repeat_ledgers] != [lg["updates"] for lg in ledgers]:
@@ -412,14 +667,18 @@ def run_em_rank(doc, *, steps: int, out_dir: Path, reference: bool, data_path: s
         "warnings": [] if em.precision == "fp32" else [f"training.precision={em.precision!r}: EM runs in float64 regardless"],
         "plan": {"content_digest": em.content_digest, "world_size": em.plan.world_size, "factorisation": em.plan.factorisation(),
                  "degrees": em.plan.as_dict(), "family": "distribution", "precision": "float64", "optimizer": "em"},
-        "run": {"steps": steps, "train_s": train_s, "wall_s": train_s, "fit_s": max(rec["wall_s"] for rec in records),
+        "run": {"steps": ran, "first_step": first, "last_step": steps, "resumed_from": resumed,
+                "checkpoints": {"root": str(root) if root is not None else None, "every": every, "saved": saved},
+                "train_s": train_s, "wall_s": train_s, "fit_s": max(rec["wall_s"] for rec in records),
                 "data": str(data_path) if data_path else "synthetic", "torch": torch.__version__, "rows": int(len(data)),
                 "model": em.describe(),
                 "cut": None if em.cut is None else {"path": em.cut.path, "axis": em.cut.axis, "owners": list(em.cut.owners)}},
         # `losses` keeps the neural report's shape: the negative mean log-likelihood per row.
         "losses": [-ll / len(data) for ll in lls],
         "log_likelihoods": lls,
-        "log_likelihood_monotone": not monotone_violations(lls),
+        # Every iteration's log-likelihood from the first, those before a resume included.
+        "log_likelihood_history": history,
+        "log_likelihood_monotone": not monotone_violations(history),
         "accounting": account,
         "evidence": None,
         "receipts": RECEIPTS_FILE,

@@ -253,6 +253,25 @@ def initial_params(tree: Tree, data: np.ndarray, seed: int) -> Params:
     return params
 
 
+def param_shapes(tree: Tree) -> dict[str, dict[str, tuple[int, ...]]]:
+    """Every node's parameter arrays and their global shapes (one row per instance), as
+    ``initial_params`` creates them: what a checkpoint of this model holds."""
+    shapes: dict[str, dict[str, tuple[int, ...]]] = {}
+    for node in tree.nodes.values():
+        n, s = node.instances, node.spec
+        if node.kind == "mixture":
+            shapes[node.id] = {"weights": (n, s.num_components)}
+        elif node.kind == "gaussian":
+            shapes[node.id] = {"means": (n, s.dim), "covs": (n, s.dim, s.dim) if s.covariance == "full" else (n, s.dim)}
+        elif node.kind == "categorical":
+            shapes[node.id] = {"probs": (n, s.num_values)}
+        elif node.kind in ("poisson", "exponential"):
+            shapes[node.id] = {"rates": (n, s.dim)}
+        elif node.kind == "transitions" or (node.kind == "hmm" and node.transitions is None):
+            shapes[node.id] = {"initial": (n, s.num_states), "transition": (n, s.num_states, s.num_states)}
+    return shapes
+
+
 def true_params(tree: Tree, seed: int) -> Params:
     """A random model of the spec's shape, the source of synthetic data (separated components,
     sticky transitions)."""
