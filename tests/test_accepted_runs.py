@@ -1,8 +1,8 @@
 """Accepted means runnable; rejected never runs.
 
 For a sample of specs the verifier accepts (small transformers on meshes the runtime executes, at
-world size <= 4), `run` completes with planned == observed accounting. A spec the verifier rejects
-is refused before any rank starts.
+world size <= 4, KV heads split over tp or shared by several tp ranks), `run` completes with
+planned == observed accounting. A spec the verifier rejects is refused before any rank starts.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import pytest
 from mixle_compile.check import check_loaded
 from mixle_compile.spec import load_spec_text
 from tests.conftest import EXAMPLES
+from tests.test_runtime_support import compile_text
 
 pytest.importorskip("torch")
 
@@ -53,27 +54,13 @@ def accepted_sample(count: int, seed: int) -> list[str]:
     return out
 
 
-def with_known_gaps(texts: list[str]) -> list:
-    """KV-head replication (tp a multiple of num_kv_heads) is accepted by the torch rule set (T002)
-    but not executed by the runtime yet: such cases are expected to be refused, and strictly so,
-    so that the day the runtime executes them this test says so."""
-    out = []
-    for text in texts:
-        spec = load_spec_text(text, "sample.yaml").spec
-        if spec.model.num_kv_heads < spec.mesh.tp:
-            out.append(pytest.param(text, marks=pytest.mark.xfail(strict=True, raises=RuntimeRefusal, reason="KV-head replication is not executed yet")))
-        else:
-            out.append(text)
-    return out
-
-
 def run_text(tmp_path, text: str, name: str = "sample.yaml"):
     path = tmp_path / name
     path.write_text(text)
     return run_plan(path, out_dir=tmp_path / "out", progress=False)
 
 
-@pytest.mark.parametrize("text", with_known_gaps(accepted_sample(3, seed=11)), ids=lambda t: t.split("mesh: ")[1].split("}")[0])
+@pytest.mark.parametrize("text", accepted_sample(3, seed=11), ids=lambda t: t.split("mesh: ")[1].split("}")[0])
 def test_accepted_specs_run_with_exact_accounting(tmp_path, text):
     report = run_text(tmp_path, text)
     assert report.ok and report.accounting_ok, report.summary()
@@ -81,8 +68,91 @@ def test_accepted_specs_run_with_exact_accounting(tmp_path, text):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("text", with_known_gaps(accepted_sample(12, seed=12)), ids=lambda t: t.split("mesh: ")[1].split("}")[0])
+@pytest.mark.parametrize("text", accepted_sample(12, seed=12), ids=lambda t: t.split("mesh: ")[1].split("}")[0])
 def test_accepted_specs_run_with_exact_accounting_wider(tmp_path, text):
+    report = run_text(tmp_path, text)
+    assert report.ok and report.accounting_ok, report.summary()
+
+
+EVERY_AXIS = """\
+model: {{family: transformer, vocab_size: {vocab}, hidden_size: {hidden}, num_layers: {layers}, num_heads: {heads},
+        num_kv_heads: {kv}, ffn_hidden_size: {ffn}, tie_embeddings: {tie}{moe}}}
+mesh: {{dp_replicate: {dr}, dp_shard: {ds}, tp: {tp}, pp: {pp}, cp: {cp}, ep: {ep}, etp: {etp}, microbatches: {mb},
+       gradient_accumulation_steps: {gas}}}
+training: {{global_batch_size: {gbs}, micro_batch_size: 2, seq_len: 16, precision: fp32, optimizer: {opt},
+           sequence_parallel: {sp}, pipeline_schedule: {schedule}, virtual_pipeline_stages: {vpp},
+           distributed_optimizer: {dopt}, steps: 2}}
+backend: torch
+resources: {{devices: {world}, memory: 1GiB}}
+"""
+
+
+def every_axis_candidate(rng: random.Random, max_world: int = 8) -> str:
+    """A small transformer on a mesh drawn over every axis (pp, cp, ep and etp included), dense or MoE."""
+    while True:
+        dr, ds, tp, pp, cp = (rng.choice(c) for c in ([1, 1, 2], [1, 2, 4], [1, 1, 2, 4], [1, 1, 2], [1, 1, 2]))
+        if dr * ds * tp * pp * cp <= max_world:
+            break
+    experts = rng.choice([0, 0, 4, 8])
+    heads = rng.choice([2, 4, 8])
+    mb = rng.choice([pp, 2 * pp]) if pp > 1 else 1
+    gas = rng.choice([1, 2])
+    vpp = rng.choice([1, 2]) if pp > 1 else 1
+    return EVERY_AXIS.format(
+        vocab=rng.choice([64, 128]), hidden=heads * rng.choice([4, 8]), layers=rng.choice([2, 4]), heads=heads,
+        kv=rng.choice([h for h in (1, 2, 4, 8) if heads % h == 0]), ffn=rng.choice([32, 64]), tie=str(rng.random() < 0.3).lower(),
+        moe=f", num_experts: {experts}, experts_per_token: {rng.choice([1, 2])}" if experts else "",
+        dr=dr, ds=ds, tp=tp, pp=pp, cp=cp, ep=rng.choice([1, 2, 4]) if experts else 1, etp=rng.choice([1, tp]) if experts else 1,
+        mb=mb, gas=gas, gbs=2 * mb * gas * dr * ds, opt=rng.choice(["sgd", "adamw"]), sp=str(tp > 1 and rng.random() < 0.6).lower(),
+        schedule="interleaved_1f1b" if vpp > 1 else rng.choice(["gpipe", "1f1b"]), vpp=vpp, dopt=str(rng.random() < 0.2).lower(),
+        world=dr * ds * tp * pp * cp,
+    )
+
+
+def accepted_every_axis(count: int, seed: int, max_world: int = 8) -> list[str]:
+    rng = random.Random(seed)
+    out = []
+    while len(out) < count:
+        text = every_axis_candidate(rng, max_world)
+        loaded = load_spec_text(text, "sample.yaml")
+        if loaded.ok and not check_loaded(loaded).errors:
+            out.append(text)
+    return out
+
+
+def _mesh_of(text: str) -> str:
+    return " ".join(text.split("mesh: ")[1].split("}")[0].split())
+
+
+def test_specs_accepted_on_every_axis_pass_the_runtimes_checks_before_start():
+    """The runtime's whole pre-start reading (the one `run` does) refuses none of 200 accepted specs
+    drawn over every axis at world size <= 8, pipelines, context and expert parallelism included."""
+    from mixle_compile.runtime.launch import preflight
+
+    texts = accepted_every_axis(200, seed=5)
+    seen = {axis: 0 for axis in ("pp", "cp", "ep", "tp", "num_experts")}
+    for text in texts:
+        loaded = load_spec_text(text, "sample.yaml")
+        try:
+            preflight(compile_text(text))
+        except RuntimeRefusal as exc:  # pragma: no cover - the failure message is the point
+            pytest.fail(f"accepted but refused by the runtime: {exc}\n{text}")
+        m = loaded.spec.mesh
+        for axis in ("pp", "cp", "ep", "tp"):
+            seen[axis] += getattr(m, axis) > 1
+        seen["num_experts"] += loaded.spec.model.num_experts > 0
+    assert all(count >= 10 for count in seen.values()), seen  # the sample really covers every axis
+
+
+@pytest.mark.parametrize("text", accepted_every_axis(2, seed=21, max_world=4), ids=_mesh_of)
+def test_accepted_specs_on_every_axis_run_with_exact_accounting(tmp_path, text):
+    report = run_text(tmp_path, text)
+    assert report.ok and report.accounting_ok, report.summary()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("text", accepted_every_axis(10, seed=22, max_world=8), ids=_mesh_of)
+def test_accepted_specs_on_every_axis_run_with_exact_accounting_wider(tmp_path, text):
     report = run_text(tmp_path, text)
     assert report.ok and report.accounting_ok, report.summary()
 

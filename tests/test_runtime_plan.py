@@ -51,8 +51,8 @@ assert "torch" not in sys.modules, "refusing a plan imported torch"
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        (dict(pp=2), "pipeline, context or expert parallelism"),
-        (dict(tp=4, kv_heads=2), "num_kv_heads=2 is not divisible by tp=4"),
+        (dict(pp=2, tie=True), "tied embeddings across pipeline stages"),
+        (dict(tp=8, kv_heads=4), "num_heads=4 is not divisible by tp=8"),
     ],
 )
 def test_unexecutable_plans_are_refused_with_the_reason(kwargs, message):

@@ -148,3 +148,80 @@ MOE_NEEDS_SEQUENCE_PARALLEL = define(
         families=NEURAL,
     )
 )
+
+
+MOE_UNDER_PIPELINE = define(
+    Rule(
+        code="E007",
+        name="moe-pipeline-torch",
+        title="torch: mixture-of-experts layers need pp = 1.",
+        docs=(
+            "The torch backend's pipeline stages run dense transformer layers; a stage holding a "
+            "mixture-of-experts layer would need its router, token dispatch and expert reductions inside the "
+            "stage programs, which it does not execute. Run mixture-of-experts models without a pipeline "
+            "(expert, data, tensor and context parallelism all apply), or use the megatron backend."
+        ),
+        engine_reference="torch backend: runtime/pipeline.py executes dense stages (docs/runtime.md, Pipeline parallelism)",
+        constraint=lambda v: implies(v.num_experts > 0, v.pp == 1),
+        explain=lambda x: f"the model has {x.num_experts} experts per mixture-of-experts layer and pp={x.pp}",
+        hint=lambda x: "use pp: 1 (spread the ranks over dp_shard, ep or tp instead), or the megatron backend",
+        fields=("pp", "num_experts"),
+        engines=frozenset({"torch"}),
+    )
+)
+
+MOE_TENSOR_PARALLEL_TORCH = define(
+    Rule(
+        code="E008",
+        name="moe-tensor-parallel-sequence-parallel-torch",
+        title="torch: mixture-of-experts layers with tp > 1 need sequence_parallel.",
+        docs=(
+            "With tensor parallelism the torch backend routes each token on exactly one tensor-parallel rank: "
+            "the one whose sequence shard holds it, so the tokens must be sequence shards when they reach the "
+            "router. Without sequence parallelism every tp rank holds every token, and the router and experts "
+            "would either compute each token tp times or leave the router's gradient summed over only part of "
+            "the ranks. Megatron-Core asks the same when experts meet tensor parallelism (E006)."
+        ),
+        engine_reference=(
+            "torch backend: runtime/experts.py routes sequence shards; Megatron-Core `ModelParallelConfig.__post_init__` "
+            "requires sequence parallelism with expert and tensor parallelism"
+        ),
+        constraint=lambda v: implies(all_of(v.num_experts > 0, v.tp > 1), v.sequence_parallel),
+        explain=lambda x: f"the model has mixture-of-experts layers and tp={x.tp} runs without sequence parallelism",
+        hint=lambda x: "set training.sequence_parallel: true",
+        fields=("sequence_parallel", "tp", "num_experts"),
+        engines=frozenset({"torch"}),
+    )
+)
+
+
+def _expert_ranks(v):
+    """Ranks one expert layer's experts spread over, whole: ep * expert-data = world / (etp * pp)."""
+    return v.world / (v.etp * v.pp)
+
+
+EXPERTS_SHARDED_WHOLE = define(
+    Rule(
+        code="E009",
+        name="experts-sharded-whole-torch",
+        title="torch: under FSDP, num_experts is a multiple of world / (etp * pp).",
+        docs=(
+            "Under FSDP (dp_shard > 1) the torch backend shards expert weights like torchtitan does: whole "
+            "experts, first over the expert-parallel ranks and then over the expert-data-parallel ranks "
+            "(`world / (etp * ep * pp)`), so together over `world / (etp * pp)` ranks. When the experts do not "
+            "divide evenly the plan would have to cut each expert's hidden features instead, a layout the torch "
+            "runtime does not execute."
+        ),
+        engine_reference="torchtitan `parallelize_moe`: experts are FSDP-sharded on the expert dimension over the expert-data mesh",
+        constraint=lambda v: implies(all_of(v.num_experts > 0, v.dp_shard > 1), v.num_experts % _expert_ranks(v) == 0),
+        explain=lambda x: (
+            f"under FSDP {x.num_experts} experts cannot be shared out whole over world / (etp * pp) = "
+            f"{x.world} / ({x.etp} * {x.pp}) = {x.world // (x.etp * x.pp)} ranks"
+        ),
+        hint=lambda x: (
+            f"use a multiple of {x.world // (x.etp * x.pp)} experts, dp_shard: 1 (no FSDP), or fewer ranks per expert layer"
+        ),
+        fields=("num_experts", "dp_shard", "dp_replicate", "tp", "cp", "etp"),
+        engines=frozenset({"torch"}),
+    )
+)
