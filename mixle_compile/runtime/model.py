@@ -141,21 +141,29 @@ class TransformerShape:
 
 def transformer_loss(ops: Ops, shape: TransformerShape, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross entropy of one micro-batch (``inputs``, ``targets``: ``[b, s]`` token ids)."""
+    return stage_forward(ops, shape, tuple(range(shape.num_layers)), first=True, last=True, x=None, inputs=inputs, targets=targets)
+
+
+def stage_forward(ops: Ops, shape: TransformerShape, layers: tuple[int, ...], *, first: bool, last: bool,
+                  x: torch.Tensor | None, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """One (virtual pipeline) stage of the transformer: (the embedding), its blocks, (the final norm, the
+    head and the micro-batch's mean loss). Returns the residual stream, or the loss on the last stage."""
     ids = inputs.t()  # sequence-first
     targets = targets.t()
     seq = ids.shape[0]
-    local = ops.context_positions(seq, ids.device)  # None: the whole sequence
+    local = ops.context_positions(seq, ids.device)  # None: the whole sequence (cp = 1)
     if local is not None:
         ids, targets = ids.index_select(0, local), targets.index_select(0, local)
-    ops.unit_begin("embed", None)
-    x = _vocab_lookup(ids, ops.weight("embed.weight"), ops.tp_rank)
-    if shape.position_embedding == "learned":
-        positions = (torch.arange(seq, device=ids.device) if local is None else local).unsqueeze(1).expand_as(ids)
-        x = x + _vocab_lookup(positions, ops.weight("pos_embed.weight"), ops.tp_rank)
-    x = ops.reduce("embed", x)
-    x = ops.unit_end("embed", x)
+    if first:
+        ops.unit_begin("embed", None)
+        x = _vocab_lookup(ids, ops.weight("embed.weight"), ops.tp_rank)
+        if shape.position_embedding == "learned":
+            positions = (torch.arange(seq, device=ids.device) if local is None else local).unsqueeze(1).expand_as(ids)
+            x = x + _vocab_lookup(positions, ops.weight("pos_embed.weight"), ops.tp_rank)
+        x = ops.reduce("embed", x)
+        x = ops.unit_end("embed", x)
     rope = _rope_tables(seq, shape.head_dim, x.dtype, x.device, local) if shape.position_embedding == "rope" else None
-    for i in range(shape.num_layers):
+    for i in layers:
         unit = f"layers.{i}"
         x = ops.unit_begin(unit, x)
         h = ops.copy(f"{unit}.attn", _norm(ops, shape, x, f"{unit}.attn_norm"))
@@ -163,6 +171,8 @@ def transformer_loss(ops: Ops, shape: TransformerShape, inputs: torch.Tensor, ta
         h = ops.copy(f"{unit}.mlp", _norm(ops, shape, x, f"{unit}.mlp_norm"))
         x = x + ops.reduce(f"{unit}.mlp", _feed_forward(ops, shape, i, unit, h))
         x = ops.unit_end(unit, x)
+    if not last:
+        return x
     x = ops.unit_begin("head", x)
     h = ops.copy("lm_head", _norm(ops, shape, x, "final_norm"))
     head = ops.weight("lm_head.weight")

@@ -36,7 +36,6 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from mixle_compile.contracts import TORCH_CAPABILITIES, StepReceipt
 from mixle_compile.plan.document import PlanDocument
@@ -44,7 +43,7 @@ from mixle_compile.runtime.collectives import Collectives, Ledger
 from mixle_compile.runtime.errors import PlanMismatch
 from mixle_compile.runtime.instructions import Instructions
 from mixle_compile.runtime.mesh import Mesh
-from mixle_compile.runtime.model import TransformerShape, _attention, _feed_forward, _norm, _rope_tables, _vocab_lookup, cp_positions
+from mixle_compile.runtime.model import TransformerShape, cp_positions, stage_forward
 from mixle_compile.runtime.ops import ParallelOps
 from mixle_compile.runtime.parameters import ParamStore
 from mixle_compile.runtime.pipeline_plan import activation_shape, check_pipeline
@@ -53,44 +52,6 @@ from mixle_compile.runtime.tensor_parallel import TensorParallel
 
 PP = "pp"  # the group rule of the stage-boundary transfers
 WORLD = "world"
-
-
-def stage_forward(ops: ParallelOps, shape: TransformerShape, layers: tuple[int, ...], *, first: bool, last: bool,
-                  x: torch.Tensor | None, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """One virtual stage of model.transformer_loss: (the embedding), its blocks, (the final norm, the
-    head and the micro-batch's mean loss). Returns the residual stream, or the loss on the last stage."""
-    ids = inputs.t()  # sequence-first
-    targets = targets.t()
-    seq = ids.shape[0]
-    local = ops.context_positions(seq, ids.device)  # None: the whole sequence (cp = 1)
-    if local is not None:
-        ids, targets = ids.index_select(0, local), targets.index_select(0, local)
-    if first:
-        ops.unit_begin("embed", None)
-        x = _vocab_lookup(ids, ops.weight("embed.weight"), ops.tp_rank)
-        if shape.position_embedding == "learned":
-            positions = (torch.arange(seq, device=ids.device) if local is None else local).unsqueeze(1).expand_as(ids)
-            x = x + _vocab_lookup(positions, ops.weight("pos_embed.weight"), ops.tp_rank)
-        x = ops.reduce("embed", x)
-        x = ops.unit_end("embed", x)
-    rope = _rope_tables(seq, shape.head_dim, x.dtype, x.device, local) if shape.position_embedding == "rope" else None
-    for i in layers:
-        unit = f"layers.{i}"
-        x = ops.unit_begin(unit, x)
-        h = ops.copy(f"{unit}.attn", _norm(ops, shape, x, f"{unit}.attn_norm"))
-        x = x + ops.reduce(f"{unit}.attn", _attention(ops, shape, unit, h, rope, local))
-        h = ops.copy(f"{unit}.mlp", _norm(ops, shape, x, f"{unit}.mlp_norm"))
-        x = x + ops.reduce(f"{unit}.mlp", _feed_forward(ops, shape, i, unit, h))
-        x = ops.unit_end(unit, x)
-    if not last:
-        return x
-    x = ops.unit_begin("head", x)
-    h = ops.copy("lm_head", _norm(ops, shape, x, "final_norm"))
-    head = ops.weight("lm_head.weight")
-    logits = F.linear(h, head).float()
-    vocab_local = head.shape[0]
-    losses = ops.cross_entropy(logits.reshape(-1, vocab_local), targets.reshape(-1), ops.tp_rank * vocab_local)
-    return ops.unit_end("head", ops.context_mean(losses.mean()))
 
 
 class StageParameters:
