@@ -267,3 +267,18 @@ def test_spec_texts_compile_for_every_shape_the_replay_tests_use():
     for kwargs in (dict(dr=2, ds=2, tp=2, sp=True), dict(ds=2, mb=2, gas=2), dict(dr=2, dopt=True, tp=2)):
         doc = compile_text(spec_text(**kwargs))
         assert doc.verdict.ok
+
+
+def test_a_discarded_window_leaves_the_counts_and_the_measured_exchange():
+    from mixle_compile.runtime.collectives import Ledger
+
+    ledger = Ledger(planned={})
+    ledger.record([("layers.0.moe:dispatch", 64)])
+    ledger.exchanged["layers.0.moe:dispatch"] = [1, 32, 40]
+    ledger.begin_window()
+    ledger.record([("layers.0.moe:dispatch", 64)])
+    ledger.exchanged["layers.0.moe:dispatch"] = [2, 80, 72]
+    ledger.exchanged["layers.1.moe:dispatch"] = [1, 16, 16]
+    ledger.discard_window()
+    assert ledger.updates["layers.0.moe:dispatch"].count == 1 and ledger.discarded["layers.0.moe:dispatch"].count == 1
+    assert ledger.exchanged == {"layers.0.moe:dispatch": [1, 32, 40]}

@@ -78,6 +78,7 @@ class Ledger:
 
     def begin_window(self) -> None:
         self._window_start = self.snapshot()
+        self._exchanged_start = {k: list(v) for k, v in self.exchanged.items()}
         self.window_bytes = 0
 
     def discard_window(self) -> None:
@@ -89,6 +90,8 @@ class Ledger:
             moved.count += tally.count - count
             moved.bytes += tally.bytes - nbytes
             tally.count, tally.bytes = count, nbytes
+        # The traffic of a discarded window's all_to_all calls leaves the measured traffic too.
+        self.exchanged = {k: list(v) for k, v in getattr(self, "_exchanged_start", {}).items()}
         self.window_bytes = 0
 
     def take_window_bytes(self) -> int:
