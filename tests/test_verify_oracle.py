@@ -282,9 +282,8 @@ def violations(
     rule("E004", experts == 0 or experts % ep == 0, when=neural)
     rule("E005", ep == 1 or experts > 0)
     rule("E006", not (ep > 1 and tp > 1) or sp, when=neural, only="megatron")
-    rule("E007", experts == 0 or pp == 1, when=neural, only="torch")
-    rule("E008", experts == 0 or tp == 1 or sp, when=neural, only="torch")
-    rule("E009", experts == 0 or dps == 1 or experts % ((dpr * dps * tp * pp * cp) // (etp * pp)) == 0, when=neural, only="torch")
+    rule("E007", experts == 0 or tp == 1 or sp, when=neural, only="torch")
+    rule("E008", experts == 0 or dps == 1 or experts % ((dpr * dps * tp * pp * cp) // (etp * pp)) == 0, when=neural, only="torch")
     if transformer:
         kv = model.num_kv_heads
         rule("T001", model.num_heads % tp == 0)

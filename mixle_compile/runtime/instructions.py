@@ -288,11 +288,6 @@ def _refuse_unsupported(spec: Spec, plan: ParallelPlan) -> None:
         raise RuntimeRefusal(
             f"the torch runtime executes neural models (families transformer and modules); this plan's model is a {model.family!r} model"
         )
-    if plan.pp > 1 and (plan.ep > 1 or getattr(model, "num_experts", 0)):
-        raise RuntimeRefusal(
-            f"mixture-of-experts layers and expert parallelism (ep={plan.ep}) are not executed under pipeline parallelism "
-            f"(pp={plan.pp}) yet; compile the spec with pp: 1"
-        )
     if plan.pp > 1 and getattr(model, "tie_embeddings", False):
         raise RuntimeRefusal(
             "tied embeddings across pipeline stages are not executed (the verifier rule P009 rejects them for the torch backend); "

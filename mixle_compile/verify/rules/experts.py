@@ -150,29 +150,9 @@ MOE_NEEDS_SEQUENCE_PARALLEL = define(
 )
 
 
-MOE_UNDER_PIPELINE = define(
-    Rule(
-        code="E007",
-        name="moe-pipeline-torch",
-        title="torch: mixture-of-experts layers need pp = 1.",
-        docs=(
-            "The torch backend's pipeline stages run dense transformer layers; a stage holding a "
-            "mixture-of-experts layer would need its router, token dispatch and expert reductions inside the "
-            "stage programs, which it does not execute. Run mixture-of-experts models without a pipeline "
-            "(expert, data, tensor and context parallelism all apply), or use the megatron backend."
-        ),
-        engine_reference="torch backend: runtime/pipeline.py executes dense stages (docs/runtime.md, Pipeline parallelism)",
-        constraint=lambda v: implies(v.num_experts > 0, v.pp == 1),
-        explain=lambda x: f"the model has {x.num_experts} experts per mixture-of-experts layer and pp={x.pp}",
-        hint=lambda x: "use pp: 1 (spread the ranks over dp_shard, ep or tp instead), or the megatron backend",
-        fields=("pp", "num_experts"),
-        engines=frozenset({"torch"}),
-    )
-)
-
 MOE_TENSOR_PARALLEL_TORCH = define(
     Rule(
-        code="E008",
+        code="E007",
         name="moe-tensor-parallel-sequence-parallel-torch",
         title="torch: mixture-of-experts layers with tp > 1 need sequence_parallel.",
         docs=(
@@ -202,7 +182,7 @@ def _expert_ranks(v):
 
 EXPERTS_SHARDED_WHOLE = define(
     Rule(
-        code="E009",
+        code="E008",
         name="experts-sharded-whole-torch",
         title="torch: under FSDP, num_experts is a multiple of world / (etp * pp).",
         docs=(
