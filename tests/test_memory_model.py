@@ -16,6 +16,7 @@ from mixle_compile.lower.lowering import lower
 from mixle_compile.memory_model import NUMBERS, activation_bytes_per_layer, micro_batches_in_flight
 from mixle_compile.spec import load_spec_text
 from mixle_compile.verify import memory_bound
+from tests.conftest import EXAMPLES
 
 KINDS = {  # lowering's name -> the rule's name
     "parameters": "weights",
@@ -83,9 +84,7 @@ def test_the_rule_bounds_the_heaviest_stage_the_lowering_prices(spec):
             assert getattr(only, ours) == pytest.approx(bound[theirs], rel=1e-2, abs=1), ours
 
 
-def test_examples_agree_exactly_without_a_pipeline(examples_dir=None):
-    from tests.conftest import EXAMPLES
-
+def test_examples_agree_exactly_without_a_pipeline():
     for name in ("tiny-transformer.yaml", "llama3-8b-hsdp-tp.yaml", "modules-mlp.yaml"):
         spec = load_spec_text((EXAMPLES / name).read_text(), name).spec
         (stage,), bound = _figures(spec)

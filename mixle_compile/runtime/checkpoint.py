@@ -190,6 +190,23 @@ def is_checkpoint_dir(path: str | Path) -> bool:
     return bool(_STEP_DIR.match(path.name)) or (path / MANIFEST_FILE).exists() or (path / COMPLETE_MARKER).exists()
 
 
+def names_only_in_one(what: str, in_plan: list[str], in_checkpoint: list[str]) -> list[str]:
+    """Why a checkpoint and a plan are of different models, as far as the names they hold go: what
+    only one of them has (the first five of each, in the order given)."""
+
+    def listed(names: list[str]) -> str:
+        return ", ".join(map(repr, names[:5])) + (" ..." if len(names) > 5 else "")
+
+    missing = [n for n in in_plan if n not in set(in_checkpoint)]
+    extra = [n for n in in_checkpoint if n not in set(in_plan)]
+    out = []
+    if missing:
+        out.append(f"this plan has {what}(s) {listed(missing)} that the checkpoint does not")
+    if extra:
+        out.append(f"the checkpoint has {what}(s) {listed(extra)} that this plan does not")
+    return out
+
+
 def resolve_checkpoint(path: str | Path) -> Path:
     """A checkpoint directory from ``path``: a step directory itself, or a root (its latest complete step)."""
     path = Path(path)
@@ -388,12 +405,7 @@ def check_resume(manifest: Mapping[str, Any], instructions, *, data: Mapping[str
         old_shape, new_shape = list(saved[name]["shape"]), list(new[name].global_shape)
         if old_shape != new_shape:
             problems.append(f"parameter {name!r} has shape {old_shape} in the checkpoint but {new_shape} in this plan")
-    missing = sorted(set(new) - set(saved))
-    extra = sorted(set(saved) - set(new))
-    if missing:
-        problems.append(f"this plan has parameter(s) {', '.join(map(repr, missing[:5]))}{' ...' if len(missing) > 5 else ''} that the checkpoint does not")
-    if extra:
-        problems.append(f"the checkpoint has parameter(s) {', '.join(map(repr, extra[:5]))}{' ...' if len(extra) > 5 else ''} that this plan does not")
+    problems += names_only_in_one("parameter", sorted(new), sorted(saved))
     if problems:
         raise CheckpointError(f"{where} is of a different model: " + "; ".join(problems) + ". Resume with the spec it was trained with")
     plan = manifest.get("plan", {})

@@ -471,7 +471,7 @@ def check_em_resume(manifest: dict, em: EMInstructions, *, source: dict, steps: 
 
 
 def _check_em_resume(manifest: dict, em: EMInstructions, *, source: dict, steps: int, path: str | Path) -> int:
-    from mixle_compile.runtime.checkpoint import ARRAYS_KIND, CheckpointError
+    from mixle_compile.runtime.checkpoint import ARRAYS_KIND, CheckpointError, names_only_in_one
 
     where = f"checkpoint {path}"
     if manifest.get("kind") != ARRAYS_KIND or manifest.get("runtime") != EM_RUNTIME:
@@ -497,11 +497,7 @@ def _check_em_resume(manifest: dict, em: EMInstructions, *, source: dict, steps:
             old_shape, new_shape = a.get("parameters", {}).get(name), b["parameters"].get(name)
             if old_shape != new_shape:
                 problems.append(f"node {node_id!r} has {name} of shape {old_shape} in the checkpoint but {new_shape} in this plan")
-    missing, extra = [n for n in new if n not in saved], [n for n in saved if n not in new]
-    if missing:
-        problems.append(f"this plan has node(s) {', '.join(map(repr, missing[:5]))}{' ...' if len(missing) > 5 else ''} that the checkpoint does not")
-    if extra:
-        problems.append(f"the checkpoint has node(s) {', '.join(map(repr, extra[:5]))}{' ...' if len(extra) > 5 else ''} that this plan does not")
+    problems += names_only_in_one("node", list(new), list(saved))
     if problems:
         raise CheckpointError(f"{where} is of a different model: " + "; ".join(problems) + ". Resume with the spec it was fitted with")
     for node_id, node in new.items():

@@ -118,6 +118,17 @@ def build_tree(model, seq_len: int | None) -> Tree:
             return f"model.shared.{child.ref}", shared[child.ref], True
         return path, child, False
 
+    def add_children(node: TreeNode, one, one_field: str, repeat: int, many, many_field: str, depth: int) -> None:
+        """A node's children: one child repeated `repeat` times (held once when shared), or a list."""
+        if one is not None:
+            cid, cspec, cs = resolve(one, f"{node.id}.{one_field}")
+            r = 1 if cs else repeat
+            node.children.append((visit(cid, cspec, node.instances * r, cs, depth + 1), r))
+            return
+        for k, c in enumerate(many):
+            cid, cspec, cs = resolve(c, f"{node.id}.{many_field}[{k}]")
+            node.children.append((visit(cid, cspec, node.instances, cs, depth + 1), 1))
+
     def visit(node_id: str, spec, copies: int, is_shared: bool, depth: int = 0) -> TreeNode:
         if depth > 200:
             raise ModelError(f"{node_id}: the model is nested more than 200 levels deep")
@@ -133,14 +144,7 @@ def build_tree(model, seq_len: int | None) -> Tree:
         elif isinstance(spec, Transitions):
             node.width = 0
         elif isinstance(spec, Mixture):
-            if spec.component is not None:
-                cid, cspec, cs = resolve(spec.component, f"{node_id}.component")
-                r = 1 if cs else spec.repeat
-                node.children.append((visit(cid, cspec, copies * r, cs, depth + 1), r))
-            else:
-                for k, c in enumerate(spec.components):
-                    cid, cspec, cs = resolve(c, f"{node_id}.components[{k}]")
-                    node.children.append((visit(cid, cspec, copies, cs, depth + 1), 1))
+            add_children(node, spec.component, "component", spec.repeat, spec.components, "components", depth)
             widths = {c.width for c, _ in node.children}
             if len(widths) != 1:
                 kinds = ", ".join(f"{c.kind} ({c.width} column{'s' if c.width != 1 else ''})" for c, _ in node.children)
@@ -155,14 +159,7 @@ def build_tree(model, seq_len: int | None) -> Tree:
             if seq_len is None:
                 raise ModelError(f"{node_id}: an hmm reads fixed-length sequences; set training.seq_len to their length")
             s = spec.num_states
-            if spec.emission is not None:
-                eid, espec, es = resolve(spec.emission, f"{node_id}.emission")
-                r = 1 if es else s
-                node.children.append((visit(eid, espec, copies * r, es, depth + 1), r))
-            else:
-                for k, e in enumerate(spec.emissions):
-                    eid, espec, es = resolve(e, f"{node_id}.emissions[{k}]")
-                    node.children.append((visit(eid, espec, copies, es, depth + 1), 1))
+            add_children(node, spec.emission, "emission", s, spec.emissions, "emissions", depth)
             widths = {c.width for c, _ in node.children}
             if len(widths) != 1:
                 raise ModelError(f"{node_id}: the emissions of an hmm must read the same columns")
