@@ -1079,17 +1079,14 @@ class BackendRegistry:
 
 _ALL_AXES = frozenset(ParallelAxis)
 
-#: The in-tree torch runtime, stating only what it actually executes: every axis, but expert
-#: parallelism neither with context parallelism nor with experts split over tensor-parallel ranks.
+#: The in-tree torch runtime, stating only what it actually executes: every axis, in every
+#: combination (what it cannot run on some model is a torch-only verifier rule).
 TORCH_CAPABILITIES = BackendCapabilities(
     name="torch",
     axes=_ALL_AXES,
     precisions=frozenset({"fp32", "bf16"}),
     requirements=("torch>=2.6",),
-    incompatible_axis_sets=(
-        frozenset({ParallelAxis.ep, ParallelAxis.cp}),
-        frozenset({ParallelAxis.ep, ParallelAxis.etp}),
-    ),
+    incompatible_axis_sets=(),
     distributed_optimizer=True,
     reshardable_checkpoint=True,
     elastic_restart=False,

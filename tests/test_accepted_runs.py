@@ -103,7 +103,7 @@ def every_axis_candidate(rng: random.Random, max_world: int = 8) -> str:
         kv=rng.choice([h for h in (1, 2, 4, 8) if heads % h == 0]), ffn=rng.choice([32, 64]), tie=str(rng.random() < 0.3).lower(),
         moe=f", num_experts: {experts}, experts_per_token: {rng.choice([1, 2])}" if experts else "",
         dr=dr, ds=ds, tp=tp, pp=pp, cp=cp, ep=rng.choice([1, 2, 4]) if experts else 1, etp=rng.choice([1, tp]) if experts else 1,
-        mb=mb, gas=gas, gbs=2 * mb * gas * dr * ds, opt=rng.choice(["sgd", "adamw"]), sp=str(tp > 1 and rng.random() < 0.6).lower(),
+        mb=mb, gas=gas, gbs=2 * mb * gas * dr * ds, opt=rng.choice(["sgd", "adamw"]), sp=str(tp > 1 and (experts > 0 or rng.random() < 0.6)).lower(),
         schedule="interleaved_1f1b" if vpp > 1 else rng.choice(["gpipe", "1f1b"]), vpp=vpp, dopt=str(rng.random() < 0.2).lower(),
         world=dr * ds * tp * pp * cp,
     )
@@ -130,7 +130,7 @@ def test_specs_accepted_on_every_axis_pass_the_runtimes_checks_before_start():
     from mixle_compile.runtime.launch import preflight
 
     texts = accepted_every_axis(200, seed=5)
-    seen = {axis: 0 for axis in ("pp", "cp", "ep", "tp", "num_experts")}
+    seen = {axis: 0 for axis in ("pp", "cp", "ep", "tp", "num_experts", "ep+cp", "ep+etp")}
     for text in texts:
         loaded = load_spec_text(text, "sample.yaml")
         try:
@@ -141,7 +141,10 @@ def test_specs_accepted_on_every_axis_pass_the_runtimes_checks_before_start():
         for axis in ("pp", "cp", "ep", "tp"):
             seen[axis] += getattr(m, axis) > 1
         seen["num_experts"] += loaded.spec.model.num_experts > 0
-    assert all(count >= 10 for count in seen.values()), seen  # the sample really covers every axis
+        seen["ep+cp"] += m.ep > 1 and m.cp > 1
+        seen["ep+etp"] += m.ep > 1 and m.etp > 1
+    # the sample really covers every axis, and expert parallelism with cp and with experts split over tp
+    assert all(count >= (5 if "+" in axis else 10) for axis, count in seen.items()), seen
 
 
 @pytest.mark.parametrize("text", accepted_every_axis(2, seed=21, max_world=4), ids=_mesh_of)

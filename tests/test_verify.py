@@ -22,9 +22,9 @@ from tests.conftest import EXAMPLES, ROOT
 
 INVALID = EXAMPLES / "invalid"
 LLAMA = (EXAMPLES / "llama3-8b-hsdp-tp.yaml").read_text()
-# Rules no example can show: C001/C004 never fire on torch or megatron (both execute every axis and
-# have a distributed optimizer), and P008 is a warning (exit status 0).
-WITHOUT_EXAMPLE = {"C001", "C004", "P008"}
+# Rules no example can show: C001/C003/C004 never fire on torch or megatron (both execute every axis
+# in every combination and have a distributed optimizer), and P008 is a warning (exit status 0).
+WITHOUT_EXAMPLE = {"C001", "C003", "C004", "P008"}
 
 
 def run_cli(capsys, *argv):
@@ -210,8 +210,9 @@ def test_tp_8_with_ep_8_is_valid_on_both_engines():
 
 
 def test_engine_specific_rules():
-    # etp=3 is no torch layout (E001), and the torch runtime does not split experts over tp under ep (C003).
-    assert moe("torch", etp=3) == {"E001", "C003"} and "E003" in moe("megatron", etp=3)
+    # etp=3 is no torch layout (E001); etp = tp with ep is one.
+    assert moe("torch", etp=3) == {"E001"} and "E003" in moe("megatron", etp=3)
+    assert moe("torch", tp=2, ep=4, etp=2) == set() == moe("megatron", tp=2, ep=4, etp=2)
     assert moe("torch", tp=4, ep=2, kv=2) == set() and moe("megatron", tp=4, ep=2, kv=2) == {"T003"}
     assert moe("torch", tp=2, ep=4, vocab=255) == {"T005"} and moe("megatron", tp=2, ep=4, vocab=255) == set()
     tied = dict(tp=2, pp=2, ep=2, tie="true", mb=8)

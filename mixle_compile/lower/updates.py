@@ -271,7 +271,10 @@ def activation_updates(spec: Spec, plan: ParallelPlan, stage_of: dict[int, int])
             add(f"layers.{i}.attn:kv", CollectiveKind.all_gather, ("cp",), "forward", stage, 2 * kv_bytes * plan.cp, StateLayout.replicated, "context parallel: gather K and V of every sequence chunk", payload=PayloadKind.kv_block)
             add(f"layers.{i}.attn:kv/grad", CollectiveKind.reduce_scatter, ("cp",), "backward", stage, 2 * kv_bytes * plan.cp, StateLayout.sharded, "context parallel: return the K and V gradients to their chunks", payload=PayloadKind.kv_block)
         if plan.ep > 1 and is_moe_layer(model, i):
-            routed = hidden_bytes * (model.experts_per_token or 1) // (plan.tp if sp else 1)
+            # Under sequence parallelism each tp rank routes its own sequence shard when experts are
+            # whole on it (etp = 1); split over tp (etp = tp), every tp rank routes all the gathered
+            # tokens, each computing its slice of their experts' features.
+            routed = hidden_bytes * (model.experts_per_token or 1) // (plan.tp if sp and plan.etp == 1 else 1)
             for phase, what in (("forward", "dispatch"), ("forward", "combine"), ("backward", "dispatch/grad"), ("backward", "combine/grad")):
                 add(f"layers.{i}.moe:{what}", CollectiveKind.all_to_all, ("ep",), phase, stage, routed, StateLayout.expert_local, "expert parallel: tokens to their experts' ranks and back", payload=PayloadKind.token)
     if plan.pp > 1:

@@ -24,6 +24,12 @@ parallelism here, as in Megatron):
   ``reduce`` (a reduce_scatter) returns every rank its own tokens' output. The gradients of the
   experts are partial sums over disjoint tokens, which the plan's reduction over the expert-data
   group (it contains the tp ranks when etp = 1) completes.
+
+Under expert parallelism (``TokenExchange``) the ep group joins ranks of one tp coordinate, and each
+rank dispatches the rows it routes: its sequence shard (etp = 1) or all gathered tokens (etp = tp,
+where what comes back is the rank's slice's part of every output, completed by the ``reduce``).
+Under context parallelism each cp rank routes the tokens of its own chunks; ``slot_ids`` names
+their global positions for the evidence.
 """
 
 from __future__ import annotations
@@ -102,8 +108,10 @@ def combine(outputs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 class ExpertParallel:
     """How this rank's mixture-of-experts layers split their work (see the module docstring)."""
 
-    def __init__(self, tp_size: int, tp_rank: int, etp: int, exchange: TokenExchange | None = None) -> None:
+    def __init__(self, tp_size: int, tp_rank: int, etp: int, exchange: TokenExchange | None = None,
+                 cp_size: int = 1, cp_rank: int = 0) -> None:
         self.tp_size, self.tp_rank = tp_size, tp_rank
+        self.cp_size, self.cp_rank = cp_size, cp_rank
         # etp = 1 under tp > 1: each tp rank takes the tokens of its own sequence shard.
         self.split_tokens = tp_size > 1 and etp == 1
         self.exchange = exchange  # ep > 1
@@ -115,6 +123,19 @@ class ExpertParallel:
         n = seq // self.tp_size
         return self.tp_rank * n, (self.tp_rank + 1) * n
 
+    def slot_ids(self, seq: int, batch: int, top_k: int, rows: tuple[int, int] | None, device) -> torch.Tensor:
+        """The single-process reference's slot of every slot this rank routes (``[tokens * top_k]``):
+        slot ``(p * batch + b) * top_k + j`` is the ``j``-th choice of sequence position ``p`` (global,
+        under context parallelism) of sample ``b``. ``seq``: this rank's sequence length."""
+        from mixle_compile.runtime.model import cp_positions  # model.py imports this module
+
+        positions = torch.arange(seq, device=device) if self.cp_size == 1 else torch.tensor(
+            cp_positions(seq * self.cp_size, self.cp_size, self.cp_rank), dtype=torch.long, device=device)
+        if rows is not None:
+            positions = positions[rows[0] : rows[1]]
+        tokens = (positions.unsqueeze(1) * batch + torch.arange(batch, device=device)).reshape(-1)
+        return (tokens.unsqueeze(1) * top_k + torch.arange(top_k, device=device)).reshape(-1)
+
 
 def expert_parallel(store, tp) -> ExpertParallel | None:
     """The ExpertParallel of a distributed rank (``store``: its ParamStore), None without experts."""
@@ -123,8 +144,9 @@ def expert_parallel(store, tp) -> ExpertParallel | None:
     if not isinstance(model, TransformerModel) or not model.num_experts:
         return None
     plan = instructions.plan
-    exchange = TokenExchange(store, model.num_experts) if plan.ep > 1 else None
-    return ExpertParallel(tp.size, tp.rank, plan.etp, exchange)
+    exchange = TokenExchange(store, model.num_experts, plan.etp > 1) if plan.ep > 1 else None
+    mesh = store.mesh
+    return ExpertParallel(tp.size, tp.rank, plan.etp, exchange, mesh.degree("cp"), mesh.coord("cp"))
 
 
 def moe_mlp(ops, shape: ExpertShape, unit: str, h: torch.Tensor) -> torch.Tensor:
@@ -140,8 +162,8 @@ def moe_mlp(ops, shape: ExpertShape, unit: str, h: torch.Tensor) -> torch.Tensor
     up = ops.weight(f"{unit}.moe.experts.up_proj")
     down = ops.weight(f"{unit}.moe.experts.down_proj")
     if parallel is not None and parallel.exchange is not None:
-        first_row = (0 if rows is None else rows[0]) * batch * shape.top_k
-        outputs = parallel.exchange.run(unit, tokens, experts, first_row, gate, up, down, shape.activation)
+        slots = parallel.slot_ids(seq, batch, shape.top_k, rows, tokens.device) if parallel.exchange.capture is not None else None
+        outputs = parallel.exchange.run(unit, tokens, experts, slots, gate, up, down, shape.activation)
     else:
         # The reference observes what an expert-parallel run exchanges: the rows the experts receive
         # (``moe:dispatch``) and what they return (``moe:combine``), with their gradients.
@@ -161,7 +183,7 @@ class TokenExchange:
     """Expert parallelism: this rank holds experts ``[ep_rank * E / ep, (ep_rank + 1) * E / ep)`` and
     exchanges token rows with the other ranks of its ep group (see docs/runtime.md)."""
 
-    def __init__(self, store, num_experts: int) -> None:
+    def __init__(self, store, num_experts: int, split_experts: bool) -> None:
         self.store = store
         self.comm = store.comm
         mesh = store.mesh
@@ -173,9 +195,13 @@ class TokenExchange:
         # the data rank of every rank of the group, for the evidence of rows received from it
         self.source_data_ranks = [mesh.data_rank_of(r) for r in self.group.ranks]
         self.data_rank = mesh.data_rank
+        # Experts split over tp (etp = tp > 1): what returns to a rank's own rows (the experts' outputs,
+        # the gradients of their inputs) is its slice's part; the tp ranks' parts add up to the whole.
+        self.tp_parts = mesh.group("tp").ranks if split_experts and mesh.degree("tp") > 1 else None
 
-    def run(self, unit: str, tokens: torch.Tensor, experts: torch.Tensor, first_row: int, gate, up, down, activation: str) -> torch.Tensor:
-        """The experts' outputs of every (token, choice) row, ``[tokens * top_k, hidden]`` in slot order."""
+    def run(self, unit: str, tokens: torch.Tensor, experts: torch.Tensor, slots: torch.Tensor | None, gate, up, down, activation: str) -> torch.Tensor:
+        """The experts' outputs of every (token, choice) row, ``[tokens * top_k, hidden]`` in slot order
+        (``slots``: each row's slot in the reference, when recording evidence)."""
         top_k = experts.shape[1]
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)  # by expert, hence by the rank holding it
@@ -188,9 +214,9 @@ class TokenExchange:
         receive_splits = received_counts.view(self.size, self.local_experts).sum(1).tolist()
         routed_bytes = flat.numel() * tokens.shape[1] * tokens.element_size()
         ids = None
-        if self.capture is not None:
+        if slots is not None:
             # Which reference row each row is (token position and choice), for the evidence.
-            own = (first_row + torch.arange(flat.numel(), device=flat.device)).index_select(0, order)
+            own = slots.index_select(0, order)
             ids = torch.empty(sum(receive_splits), dtype=own.dtype, device=own.device)
             self.comm.bookkeeping_all_to_all(ids, own, rule=EP, name=f"{unit}.moe:row-ids", output_splits=receive_splits, input_splits=send_splits)
             ids = (own, ids)
@@ -211,7 +237,8 @@ class TokenExchange:
     def record(self, node_id: str, rows: torch.Tensor, ids: torch.Tensor, splits: list[int] | None) -> None:
         """Evidence: rows of this rank's own tokens (``splits`` None) or received from each rank."""
         if splits is None:
-            self.capture(node_id, rows, ("act_at", node_id, self.data_rank, (), (0, tuple(ids.tolist()))))
+            expect = ("act_at", node_id, self.data_rank, (), (0, tuple(ids.tolist())))
+            self.capture(node_id, rows, expect if self.tp_parts is None else ("part", self.tp_parts, expect))
             return
         start = 0
         for source, n in enumerate(splits):

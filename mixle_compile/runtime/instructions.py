@@ -378,7 +378,3 @@ def _refuse_unsupported_experts(model: TransformerModel, plan: ParallelPlan, t) 
         )
     if plan.ep > 1 and experts % plan.ep:
         raise RuntimeRefusal(f"model.num_experts={experts} is not divisible by ep={plan.ep}; choose ep dividing it")
-    if plan.ep > 1 and plan.etp > 1:
-        raise RuntimeRefusal(f"expert parallelism (ep={plan.ep}) with experts split over tp (etp={plan.etp}) is not executed yet; set etp: 1")
-    if plan.ep > 1 and plan.cp > 1:
-        raise RuntimeRefusal(f"expert parallelism (ep={plan.ep}) with context parallelism (cp={plan.cp}) is not executed yet; set cp: 1")

@@ -33,7 +33,7 @@ AXES = define(
         docs=(
             "An axis is active when its degree is above 1. A backend declares the axes it executes "
             "(`BackendCapabilities.axes`); the plan may not ask it for others. torch and megatron execute "
-            "every axis (torch does not combine some, see C003); a plugin backend may declare fewer."
+            "every axis; a plugin backend may declare fewer."
         ),
         engine_reference="the backend's declared `BackendCapabilities.axes`",
         constraint=lambda v: all_of(
