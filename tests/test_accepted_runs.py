@@ -130,7 +130,7 @@ def test_specs_accepted_on_every_axis_pass_the_runtimes_checks_before_start():
     from mixle_compile.runtime.launch import preflight
 
     texts = accepted_every_axis(200, seed=5)
-    seen = {axis: 0 for axis in ("pp", "cp", "ep", "tp", "num_experts", "ep+cp", "ep+etp")}
+    seen = {axis: 0 for axis in ("pp", "cp", "ep", "tp", "num_experts", "ep+cp", "ep+etp", "pp+tie")}
     for text in texts:
         loaded = load_spec_text(text, "sample.yaml")
         try:
@@ -143,7 +143,9 @@ def test_specs_accepted_on_every_axis_pass_the_runtimes_checks_before_start():
         seen["num_experts"] += loaded.spec.model.num_experts > 0
         seen["ep+cp"] += m.ep > 1 and m.cp > 1
         seen["ep+etp"] += m.ep > 1 and m.etp > 1
-    # the sample really covers every axis, and expert parallelism with cp and with experts split over tp
+        seen["pp+tie"] += m.pp > 1 and loaded.spec.model.tie_embeddings
+    # the sample really covers every axis, expert parallelism with cp and with experts split over tp,
+    # and tied embeddings across pipeline stages
     assert all(count >= (5 if "+" in axis else 10) for axis, count in seen.items()), seen
 
 

@@ -64,14 +64,18 @@ def run_pp(tmp_path, *, steps: int = 3, reference: bool = True, timeout_s: float
 def check_run(doc, report, optimizer: str = "sgd") -> dict:
     """The report of a correct pipelined run; returns its pipeline section."""
     assert report.ok, report.errors
-    assert report.accounting_ok and report.updates_checked == len(doc.updates) > 0
+    assert report.accounting_ok and report.updates_checked == len({u.node_id for u in doc.updates}) > 0
     rows = {row["node_id"]: row for row in report.data["accounting"]["updates"]}
     stages = stage_of_rank(doc)
+    # The stages listing each update (the tied embedding's all_reduce: the first and the last).
+    listed: dict[str, set[int]] = {}
+    for u in doc.updates:
+        listed.setdefault(u.node_id, set()).add(u.stage)
     for u in doc.updates:
         row = rows[u.node_id]
         assert row["match"] and row["observed_count"] == u.occurrences_per_step * report.steps, u.node_id
-        # executed by the ranks of its stage only (a transfer: of both its stages)
-        ends = {int(s) for s in u.node_id[len("stage."):].split(":")[0].split("->")} if u.collective == "p2p" else {u.stage}
+        # executed by the ranks of its stage(s) only (a transfer: of both its stages)
+        ends = {int(s) for s in u.node_id[len("stage."):].split(":")[0].split("->")} if u.collective == "p2p" else listed[u.node_id]
         assert row["ranks"] == [r for r, s in enumerate(stages) if s in ends], u.node_id
     evidence = {u.node_id: u for u in report.evidence}
     assert set(evidence) == {u.node_id for u in doc.updates}
@@ -208,6 +212,59 @@ def test_checkpoints_resume_across_pipelined_and_flat_meshes(tmp_path):
         assert max(errors.values()) < 1e-4 < one_step / 100, sorted(errors.items(), key=lambda kv: -kv[1])[:3]
 
 
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(ds=2, gas=2, mb=2, optimizer="adamw"), dict(tp=2, sp=True, schedule="interleaved_1f1b", virtual=2)],
+    ids=["pp2-fsdp2-accumulation-adamw", "pp2-tp2-sp-interleaved"],
+)
+def test_tied_embeddings_across_stages_stay_one_weight(tmp_path, kwargs):
+    # The embedding (first stage) and the head (last stage) are copies of one weight: they start equal,
+    # and the plan's all_reduce over the tied group sums both whole gradients before any other
+    # reduction (under FSDP before the reduce-scatter, once per step). The reference trains one tensor;
+    # every record of either copy, and of the summed gradient, must agree with it.
+    doc, report = run_pp(tmp_path, tie=True, **kwargs)
+    check_run(doc, report, kwargs.get("optimizer", "sgd"))
+    tied = [u for u in doc.updates if u.node_id == "tied_embedding:grad/tied"]
+    last = doc.mesh.degrees["pp"] - 1
+    assert {(u.tensor, u.stage) for u in tied} == {("embed.weight", 0), ("lm_head.weight", last)}
+    for name in ("embed.weight", "lm_head.weight"):
+        chain = [u.node_id for u in doc.updates if u.tensor == name and u.payload == "gradient"]
+        assert chain[0] == "tied_embedding:grad/tied" and all(u.occurrences_per_step == 1 for u in doc.updates if u.node_id in chain)
+    evidence = {u.node_id: u for u in report.evidence}
+    assert evidence["tied_embedding:grad/tied"].numerics_sample_count >= 2 * 3  # both copies, every step
+
+
+def test_tied_copies_without_their_sync_are_refused():
+    doc = compile_text(pp_spec(tie=True))
+    data = doc.model_dump(mode="json")
+    data["updates"] = [u for u in data["updates"] if u["node_id"] != "tied_embedding:grad/tied"]
+    with pytest.raises(RuntimeRefusal, match="does not start with an all_reduce over the 'tied' group"):
+        read_instructions(type(doc).model_validate(data))
+
+
+def test_tied_checkpoints_reshard_between_pipelined_and_flat_meshes(tmp_path):
+    # A tied pipelined run saves the weight once (the first stage's copy); a flat run, where the two
+    # are one tensor, resumes from it and ends where the uninterrupted pipelined run ends.
+    from mixle_compile.runtime import checkpoint as ckpt
+
+    steps = 3
+    first = run_plan(compile_text(pp_spec(tie=True, optimizer="adamw")), steps=steps, out_dir=tmp_path / "a", save_every=1,
+                     progress=False, timeout_s=90)
+    assert first.ok, first.errors
+    saved = tmp_path / "a" / "checkpoints"
+    manifest = ckpt.read_manifest(saved / ckpt.step_dir_name(1))
+    assert manifest["tied"] == {"lm_head.weight": "embed.weight"}
+    assert "lm_head.weight" not in {p["name"] for p in manifest["parameters"]}
+    end = ckpt.read_global_state(saved / ckpt.step_dir_name(steps))
+    flat = compile_text(pp_spec(pp=1, ds=2, mb=2, tie=True, optimizer="adamw"))
+    resumed = run_plan(flat, steps=steps, out_dir=tmp_path / "flat", resume=saved / ckpt.step_dir_name(1), save_every=steps,
+                       progress=False, timeout_s=90)
+    assert resumed.ok, resumed.errors
+    assert list(resumed.losses) == pytest.approx(list(first.losses[1:]), rel=1e-5)
+    errors = _relative(ckpt.read_global_state(tmp_path / "flat" / "checkpoints" / ckpt.step_dir_name(steps)), end)
+    assert max(errors.values()) < 1e-4, sorted(errors.items(), key=lambda kv: -kv[1])[:3]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "kwargs",
@@ -297,10 +354,7 @@ def test_gradient_check_flags_a_stage_without_gradients():
 
 
 def test_pipeline_refusals(tmp_path):
-    # tied embeddings across stages (a hand-made plan: the verifier's P009 rejects the spec), the
-    # library session, a program that does not cover the step
-    with pytest.raises(RuntimeRefusal, match="tied embeddings across pipeline stages"):
-        read_instructions(compile_text(pp_spec(tie=True)))
+    # the library session, a program that does not cover the step
     doc = compile_text(pp_spec())
     from mixle_compile.runtime.session import open_session
 
@@ -313,7 +367,3 @@ def test_pipeline_refusals(tmp_path):
     broken = type(doc).model_validate(data)
     with pytest.raises(RuntimeRefusal, match="for micro-batches \\[0, 1, 2\\]"):
         check_pipeline(broken, read_instructions(broken))
-    spec = tmp_path / "tied.yaml"
-    spec.write_text(pp_spec(tie=True))
-    with pytest.raises(RuntimeRefusal, match="P009"):
-        run_plan(spec, out_dir=tmp_path / "out", progress=False)

@@ -51,7 +51,7 @@ assert "torch" not in sys.modules, "refusing a plan imported torch"
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        (dict(pp=2, tie=True), "tied embeddings across pipeline stages"),
+        (dict(cp=3), "cuts training.seq_len=16 into 2 \\* cp = 6 equal chunks"),
         (dict(tp=8, kv_heads=4), "num_heads=4 is not divisible by tp=8"),
     ],
 )

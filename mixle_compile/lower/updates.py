@@ -99,15 +99,6 @@ def gradient_updates(placed: tuple[PlacedParameter, ...], plan: ParallelPlan, *,
     for pp_ in placed:
         name, layout, stage = pp_.name, pp_.layout, pp_.stage
         grad_bytes = pp_.parameter.numel * 4  # gradients are reduced in fp32
-        if layout.shared_group is not None:
-            # One collective with one participant per stage: both name it after the tied group.
-            out.append(
-                PlannedUpdate(
-                    _grad_update(f"{layout.shared_group}:grad/tied", CollectiveKind.all_reduce, (TIED_GROUP,), layout.optimizer_state,
-                                 f"tied weight {layout.shared_group!r}: sum the first and last stage's whole gradients before any reduce-scatter"),
-                    name, "gradient", stage, _tp_local(pp_, plan, grad_bytes), 2, 1,
-                )
-            )
         data = [(a, p) for a, p in layout.placements if a in data_differs and a != "tp"]
         if pp_.is_expert and not data and dp > 1:
             # Every token of the ep group reaches its expert, so the gradient is already summed over
@@ -123,11 +114,24 @@ def gradient_updates(placed: tuple[PlacedParameter, ...], plan: ParallelPlan, *,
         else:
             scatter_then_gather = False
         local_full = _tp_local(pp_, plan, grad_bytes)
-        # FSDP reduces sharded gradients every accumulation micro-step; replicated ones once.
-        per_step = plan.gradient_accumulation_steps if sharded and not scatter_then_gather else 1
+        # FSDP reduces sharded gradients every accumulation micro-step; replicated ones once. A tied
+        # weight's copies live on different pipeline stages, which finish an accumulation window at
+        # different points of their programs: their whole gradients accumulate over the step (FSDP's
+        # no-sync accumulation) and meet once, after both stages' last backward.
+        per_step = plan.gradient_accumulation_steps if sharded and not scatter_then_gather and layout.shared_group is None else 1
         # The whole tp-local gradient as a rank holds it (padded to equal data shards when the state
         # is sharded), which is what an all_reduce before the data reduction takes in.
         whole_local = _padded_bytes(pp_, plan, 4, group_size(tuple(sharded), plan)) if sharded else local_full
+        if layout.shared_group is not None:
+            # One collective with one participant per stage: both name it after the tied group; it
+            # takes the whole (padded) gradient buffer, before any reduce-scatter.
+            out.append(
+                PlannedUpdate(
+                    _grad_update(f"{layout.shared_group}:grad/tied", CollectiveKind.all_reduce, (TIED_GROUP,), layout.optimizer_state,
+                                 f"tied weight {layout.shared_group!r}: sum the first and last stage's whole gradients before any reduce-scatter"),
+                    name, "gradient", stage, whole_local, 2, per_step,
+                )
+            )
         if "tp" in data_differs and dict(layout.placements).get("tp") == "replicate" and not pp_.is_expert:
             # As often as the data reduction it precedes: under FSDP the whole gradient exists only
             # until that accumulation step's reduce-scatter.

@@ -378,10 +378,16 @@ def parameter_summary(instructions) -> list[dict[str, Any]]:
     for p in instructions.params:
         entry = {"name": p.name, "shape": list(p.global_shape), "dtype": p.dtype, "layout": p.mode,
                  "shard_axes": list(p.shard_axes), "tp_dim": p.tp_dim}
-        if p.tied_to is not None:
-            entry["tied_to"] = p.tied_to
+        if p.canonical != p.name:  # tied on one stage, or a copy on another: one logical tensor
+            entry["tied_to"] = p.canonical
         out.append(entry)
     return out
+
+
+def tied_names(instructions) -> dict[str, str]:
+    """Every tied parameter -> the one logical tensor it is (the same whether or not a pipeline puts
+    the two on different stages, so that checkpoints reshard between such plans)."""
+    return {p.name: p.canonical for p in instructions.params if p.canonical != p.name}
 
 
 def check_resume(manifest: Mapping[str, Any], instructions, *, data: Mapping[str, Any] | None, steps: int, path: str | Path) -> int:
@@ -395,10 +401,10 @@ def check_resume(manifest: Mapping[str, Any], instructions, *, data: Mapping[str
     if manifest.get("kind") != TORCH_KIND:
         raise CheckpointError(f"{where} holds {manifest.get('kind')!r} state; `run` resumes a transformer from {TORCH_KIND!r} checkpoints only")
     saved = {p["name"]: p for p in manifest.get("parameters", [])}
-    new = {p.name: p for p in instructions.params if p.tied_to is None}
+    new = {p.name: p for p in instructions.params if p.canonical == p.name}
     problems = []
     saved_ties = dict(manifest.get("tied", {}))
-    new_ties = {p.name: p.tied_to for p in instructions.params if p.tied_to is not None}
+    new_ties = tied_names(instructions)
     if saved_ties != new_ties:
         problems.append(f"tied weights differ (checkpoint {saved_ties or 'none'}, this plan {new_ties or 'none'})")
     for name in sorted(set(saved) & set(new)):
@@ -510,6 +516,8 @@ def _state_chunks(session) -> dict[str, GlobalChunk]:
     chunks: dict[str, GlobalChunk] = {}
     optimizer_state = session.optimizer.state
     for name, local in session.store.params.items():
+        if local.instr.copy_of is not None:
+            continue  # a tied weight's copy on a later stage: the first stage's copy is saved
         offsets, sizes = _parameter_region(local, shard=True)
         rows = sizes[0] if sizes else 1
         if rows == 0:
@@ -724,7 +732,7 @@ def save_session(
             "plan": plan_summary(instructions),
             "mesh": mesh_summary(instructions),
             "parameters": [p for p in parameter_summary(instructions) if "tied_to" not in p],
-            "tied": {p.name: p.tied_to for p in instructions.params if p.tied_to is not None},
+            "tied": tied_names(instructions),
             "optimizer": {"name": instructions.optimizer, "learning_rate": instructions.learning_rate, "state": optimizer_keys},
             "data": {
                 "samples_consumed": _samples_before(session, step),
@@ -764,24 +772,26 @@ def load_session(session, path: str | Path, *, manifest: Mapping[str, Any] | Non
     path = resolve_checkpoint(path)
     manifest = dict(manifest) if manifest is not None else read_manifest(path, kind=TORCH_KIND)
     saved = {p["name"]: p for p in manifest.get("parameters", [])}
+    # A copy of a tied weight on another stage reads the weight it copies (saved under that name).
+    source = {name: local.instr.canonical for name, local in session.store.params.items()}
     for name, local in session.store.params.items():
-        if name not in saved:
-            raise CheckpointError(f"checkpoint {path} has no parameter {name!r}")
-        if list(saved[name]["shape"]) != list(local.instr.global_shape):
-            raise CheckpointError(f"checkpoint {path}: parameter {name!r} has shape {saved[name]['shape']} there but {list(local.instr.global_shape)} in this plan")
+        if source[name] not in saved:
+            raise CheckpointError(f"checkpoint {path} has no parameter {source[name]!r}")
+        if list(saved[source[name]]["shape"]) != list(local.instr.global_shape):
+            raise CheckpointError(f"checkpoint {path}: parameter {name!r} has shape {saved[source[name]]['shape']} there but {list(local.instr.global_shape)} in this plan")
     dcp, _, ChunkLoadPlanner, _, JsonReader = _dcp()
     state_keys = set(manifest.get("optimizer", {}).get("state", []))
     targets: dict[str, GlobalChunk] = {}
     for name, local in session.store.params.items():
         shape = tuple(local.instr.global_shape)
         whole_offsets, whole_sizes = _parameter_region(local, shard=local.mode != "zero")
-        targets[f"model/{name}"] = GlobalChunk(torch.empty(whole_sizes, dtype=torch.float32), whole_offsets, shape)
+        targets[f"model/{source[name]}"] = GlobalChunk(torch.empty(whole_sizes, dtype=torch.float32), whole_offsets, shape)
         offsets, sizes = _parameter_region(local, shard=True)
         for key in sorted(state_keys):
             if key == "step":
-                targets[f"optim/{name}/step"] = GlobalChunk(torch.zeros((), dtype=torch.float32), (), ())
+                targets[f"optim/{source[name]}/step"] = GlobalChunk(torch.zeros((), dtype=torch.float32), (), ())
             else:
-                targets[f"optim/{name}/{key}"] = GlobalChunk(torch.zeros(sizes, dtype=torch.float32), offsets, shape)
+                targets[f"optim/{source[name]}/{key}"] = GlobalChunk(torch.zeros(sizes, dtype=torch.float32), offsets, shape)
     targets = {k: v for k, v in targets.items() if all(v.tensor.shape) or v.tensor.dim() == 0}
     saved_ranks = int(manifest.get("rng", {}).get("ranks", 1))
     rng_len = torch.get_rng_state().numel()
@@ -792,7 +802,7 @@ def load_session(session, path: str | Path, *, manifest: Mapping[str, Any] | Non
     with torch.no_grad():
         for name, local in session.store.params.items():
             master = local.master
-            model = targets.get(f"model/{name}")
+            model = targets.get(f"model/{source[name]}")
             if local.mode == "zero":
                 whole = model.tensor
                 local.compute.copy_(whole.to(device=local.compute.device, dtype=local.compute.dtype))
@@ -809,7 +819,7 @@ def load_session(session, path: str | Path, *, manifest: Mapping[str, Any] | Non
             if state_keys:
                 state = {}
                 for key in sorted(state_keys):
-                    chunk = targets.get(f"optim/{name}/{key}")
+                    chunk = targets.get(f"optim/{source[name]}/{key}")
                     if key == "step":
                         state["step"] = chunk.tensor.clone()
                         continue

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 
 from mixle_compile.contracts import ParallelPlan
 from mixle_compile.lower.groups import kv_replica_size, rule_name
-from mixle_compile.lower.layouts import EXPERT_DATA, KV_HEAD_AXIS, expert_data_size
+from mixle_compile.lower.layouts import EXPERT_DATA, KV_HEAD_AXIS, TIED_GROUP, expert_data_size
 from mixle_compile.plan.artifact import plan_spec
 from mixle_compile.plan.document import PlanDocument
 from mixle_compile.runtime.errors import RuntimeRefusal
@@ -55,6 +55,9 @@ class Collective:
     group_size: int
     occurrences_per_step: int
     divisor: int
+    # Every stage whose ranks issue it: one update may be listed once per stage, as the tied
+    # embedding's all_reduce is (by the embedding on the first stage and the head on the last).
+    stages: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -75,9 +78,19 @@ class ParamInstruction:
     # tp / r pieces, rank t holding piece t // r); 1: every tp rank its own slice
     tp_replicas: int = 1
     ep_dim: int | None = None  # the dimension expert parallelism splits (experts); None: not split
+    # Tied weights on different pipeline stages: the parameter this one is a copy of (started equal,
+    # kept equal by the plan's all_reduce of both whole gradients over the tied group).
+    copy_of: str | None = None
+    tied_uses: tuple[str, ...] = ()  # every stage's copy of the same tied weight, this one included
 
     @property
     def canonical(self) -> str:
+        """The one logical tensor this parameter is (itself, the one it is tied to, or the one it copies)."""
+        return self.tied_to or self.copy_of or self.name
+
+    @property
+    def tensor_owner(self) -> str:
+        """The parameter whose tensor this rank's use reads (a tie on one stage shares one tensor)."""
         return self.tied_to or self.name
 
 
@@ -128,9 +141,9 @@ def read_instructions(doc: PlanDocument) -> Instructions:
     spec = plan_spec(doc)
     plan = plan_of(doc)
     _refuse_unsupported(spec, plan)
-    collectives = {}
+    collectives: dict[str, Collective] = {}
     for u in doc.updates:
-        collectives[u.node_id] = Collective(
+        c = Collective(
             node_id=u.node_id,
             collective=u.collective,
             axes=tuple(u.mesh_axes),
@@ -142,8 +155,19 @@ def read_instructions(doc: PlanDocument) -> Instructions:
             group_size=u.group_size,
             occurrences_per_step=u.occurrences_per_step,
             divisor=u.gradient_divisor,
+            stages=(u.stage,),
         )
+        seen = collectives.get(u.node_id)
+        if seen is not None:
+            # The same update listed again (another stage's participant): one collective, many stages.
+            if (seen.collective, seen.axes, seen.payload_bytes, seen.occurrences_per_step, seen.divisor) != (
+                c.collective, c.axes, c.payload_bytes, c.occurrences_per_step, c.divisor
+            ):
+                raise RuntimeRefusal(f"the plan lists the update {u.node_id!r} twice with different collectives or sizes; recompile it")
+            c = replace(seen, stages=tuple(sorted({*seen.stages, u.stage})))
+        collectives[u.node_id] = c
     ties = _ties(spec, plan)
+    copies = _stage_copies(spec, plan)
     params = []
     names = {p.logical_id for p in doc.parameters}
     for p in doc.parameters:
@@ -184,6 +208,9 @@ def read_instructions(doc: PlanDocument) -> Instructions:
         tied_to = ties.get(p.logical_id)
         if tied_to is not None and tied_to not in names:
             raise RuntimeRefusal(f"parameter {p.logical_id!r} is tied to {tied_to!r}, which the plan does not list")
+        group = copies.get(p.logical_id, ())
+        if group:
+            _check_tied_sync(p.logical_id, group, names, gradient)
         params.append(
             ParamInstruction(
                 name=p.logical_id,
@@ -200,12 +227,14 @@ def read_instructions(doc: PlanDocument) -> Instructions:
                 reduce_every_accumulation=every_accumulation,
                 tp_replicas=tp_replicas,
                 ep_dim=None if placements.get("ep", "replicate") == "replicate" else int(placements["ep"][len("shard(") : -1]),
+                copy_of=group[0] if group and group[0] != p.logical_id else None,
+                tied_uses=group,
             )
         )
     by_name = {p.name: p for p in params}
     for p in params:
-        if p.tied_to is not None:
-            q = by_name[p.tied_to]
+        if p.canonical != p.name:
+            q = by_name[p.canonical]
             if (q.mode, q.global_shape, q.tp_dim, q.tp_replicas, q.shard_axes) != (p.mode, p.global_shape, p.tp_dim, p.tp_replicas, p.shard_axes):
                 raise RuntimeRefusal(f"tied parameters {q.name!r} and {p.name!r} are laid out differently; tied weights are one tensor and need one layout")
     param_tensors = set(by_name)
@@ -267,7 +296,7 @@ def _ties(spec: Spec, plan: ParallelPlan) -> dict[str, str]:
     """Tied parameters on one stage are one tensor: member -> the first parameter of its group."""
     model = spec.model
     if isinstance(model, TransformerModel):
-        return {"lm_head.weight": "embed.weight"} if model.tie_embeddings else {}
+        return {"lm_head.weight": "embed.weight"} if model.tie_embeddings and plan.pp == 1 else {}
     if isinstance(model, ModulesModel):
         first: dict[str, str] = {}
         out = {}
@@ -282,16 +311,33 @@ def _ties(spec: Spec, plan: ParallelPlan) -> dict[str, str]:
     return {}
 
 
+def _stage_copies(spec: Spec, plan: ParallelPlan) -> dict[str, tuple[str, ...]]:
+    """Tied embeddings under a pipeline: the embedding on the first stage and the head on the last are
+    two copies of one weight; each member -> every copy, the embedding first."""
+    model = spec.model
+    if isinstance(model, TransformerModel) and model.tie_embeddings and plan.pp > 1:
+        group = ("embed.weight", "lm_head.weight")
+        return {name: group for name in group}
+    return {}
+
+
+def _check_tied_sync(name: str, group: tuple[str, ...], names: set[str], gradient: tuple[Collective, ...]) -> None:
+    """A copy of a tied weight must first sum its whole gradient with the other stage's copy."""
+    missing = [g for g in group if g not in names]
+    if missing:
+        raise RuntimeRefusal(f"parameter {name!r} is tied to {', '.join(map(repr, missing))}, which the plan does not list")
+    if not gradient or gradient[0].axes != (TIED_GROUP,) or gradient[0].collective != "all_reduce":
+        raise RuntimeRefusal(
+            f"the plan keeps {name!r} on one pipeline stage as a copy of the tied weight {' and '.join(map(repr, group))}, but its "
+            f"gradient does not start with an all_reduce over the {TIED_GROUP!r} group; the copies would drift apart: recompile the spec"
+        )
+
+
 def _refuse_unsupported(spec: Spec, plan: ParallelPlan) -> None:
     model = spec.model
     if not isinstance(model, (TransformerModel, ModulesModel)):
         raise RuntimeRefusal(
             f"the torch runtime executes neural models (families transformer and modules); this plan's model is a {model.family!r} model"
-        )
-    if plan.pp > 1 and getattr(model, "tie_embeddings", False):
-        raise RuntimeRefusal(
-            "tied embeddings across pipeline stages are not executed (the verifier rule P009 rejects them for the torch backend); "
-            "set model.tie_embeddings: false or pp: 1"
         )
     if plan.pp > 1 and isinstance(model, ModulesModel):
         raise RuntimeRefusal(f"pipeline parallelism (pp={plan.pp}) is executed for transformer models only; compile the spec with pp: 1")

@@ -52,7 +52,8 @@ def initial_value(p: ParamInstruction, seed: int) -> torch.Tensor:
         return torch.ones(shape)
     if p.role == "bias":
         return torch.zeros(shape)
-    generator = torch.Generator().manual_seed(parameter_seed(seed, p.name))
+    # A copy of a tied weight on another pipeline stage starts as the weight itself.
+    generator = torch.Generator().manual_seed(parameter_seed(seed, p.canonical))
     return torch.randn(shape, generator=generator) * 0.02
 
 
@@ -197,7 +198,7 @@ class ParamStore:
         self.use_instr: dict[str, ParamInstruction] = {p.name: p for p in instructions.params}
         uses: dict[str, list[ParamInstruction]] = {}
         for p in instructions.params:
-            uses.setdefault(p.canonical, []).append(p)
+            uses.setdefault(p.tensor_owner, []).append(p)
         for p in instructions.params:
             if p.tied_to is not None:
                 continue

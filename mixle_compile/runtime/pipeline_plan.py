@@ -94,7 +94,7 @@ def executing_stages(c: Collective) -> frozenset[int]:
     m = TRANSFER.match(c.node_id)
     if m:
         return frozenset({int(m.group(1)), int(m.group(2))})
-    return frozenset({c.stage})
+    return frozenset(c.stages or (c.stage,))
 
 
 def activation_shape(instructions: Instructions) -> tuple[int, int, int]:

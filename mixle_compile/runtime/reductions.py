@@ -196,7 +196,9 @@ class GradientReducer:
                 shown, slices = piece.view(local.shard_rows, *local.full_shape[1:])[: local.valid_shard_rows], local.shard_slices()
             else:
                 shown, slices = piece.view(local.buffer_shape())[: local.rows], local.tp_slices
-            self.capture(use.gradient[stage].node_id, shown, ("grad", use.name, data_ranks, accumulations, total, slices))
+            # A copy of a tied weight sums every copy's gradient first (its chain starts with that).
+            uses = use.tied_uses or use.name
+            self.capture(use.gradient[stage].node_id, shown, ("grad", uses, data_ranks, accumulations, total, slices))
 
     def _split(self, bucket: Bucket, buffers: dict) -> list:
         out = []

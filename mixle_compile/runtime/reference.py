@@ -37,6 +37,8 @@ from mixle_compile.runtime.tensor_parallel import TensorParallel, VocabParallelC
 #   ("param", use, slices, dtype)          the weight at the start of the step
 #   ("param_after", use, slices, dtype)    the weight after the step's update
 #   ("grad", use, data_ranks, accumulations, divisor, slices)
+#                                          (use: one use's name, or a tuple of uses whose gradients
+#                                          add up: the copies of a tied weight on several stages)
 #   ("part", ranks, expect)                one rank's part of what ``expect`` describes: the records
 #                                          of ``ranks`` add up to it (a gradient before its reduction
 #                                          over cp, K and V gradients of a KV head shared over tp)
@@ -119,7 +121,7 @@ class _ReferenceParams:
         self.dtypes = {p.name: DTYPES.get(p.dtype, torch.float32) for p in instructions.params}
         self.masters: dict[str, torch.nn.Parameter] = {}
         for p in instructions.params:
-            if p.tied_to is None:
+            if p.canonical == p.name:
                 value = values[p.name] if values is not None else initial_value(p, instructions.seed)
                 self.masters[p.name] = torch.nn.Parameter(value.detach().float().clone())
         self.buffers: dict[str, torch.Tensor] = {}
@@ -251,11 +253,12 @@ def expected_value(records: ReferenceRecords, key: tuple, expect: tuple) -> torc
     if kind == "grad":
         _, use, data_ranks, accumulations, divisor, slices = expect
         total = None
-        for a in accumulations:
-            for d in data_ranks:
-                g = records.grads.get((step, use, a, d))
-                if g is not None:
-                    total = g.clone() if total is None else total.add_(g)
+        for u in (use,) if isinstance(use, str) else use:
+            for a in accumulations:
+                for d in data_ranks:
+                    g = records.grads.get((step, u, a, d))
+                    if g is not None:
+                        total = g.clone() if total is None else total.add_(g)
         if total is None:
             raise KeyError(f"the reference has no gradient of {use} for step {step}")
         return apply_slices(total / divisor, slices)

@@ -201,32 +201,3 @@ BUBBLE = define(
         elastic=False,
     )
 )
-
-TIED_ACROSS_STAGES = define(
-    Rule(
-        code="P009",
-        name="tied-embeddings-across-stages",
-        title="torch: tie_embeddings needs pp = 1.",
-        docs=(
-            "Tied input and output embeddings are one tensor, but with pipeline parallelism the embedding "
-            "sits on the first stage and the output head on the last. Training them as one needs an all-reduce "
-            "of their gradients between those stages, and with a sharded optimizer or FSDP it must run on "
-            "whole gradients before the reduce-scatter (Megatron-LM #844 was exactly this bug). Megatron-Core "
-            "does this through its embedding group; the torch runtime does not, so the two copies would "
-            "silently drift apart."
-        ),
-        engine_reference=(
-            "Megatron-Core `finalize_model_grads` (`_allreduce_word_embedding_grads`), Megatron-LM issue #844; "
-            "torch.distributed.pipelining splits tied parameters into independent stage copies"
-        ),
-        constraint=lambda v: implies(v.tie_embeddings, v.pp == 1),
-        explain=lambda x: (
-            f"the tied embedding and output head sit on the first and last of pp={x.pp} stages, and the torch "
-            "runtime does not all-reduce their gradients between those stages"
-        ),
-        hint=lambda x: "set model.tie_embeddings: false, use pp: 1, or use the megatron backend",
-        fields=("tie_embeddings", "pp"),
-        families=TRANSFORMER,
-        engines=frozenset({"torch"}),
-    )
-)
