@@ -17,9 +17,9 @@ import torch
 from mixle_compile.lower.lowering import lower
 from mixle_compile.runtime import run_plan
 from mixle_compile.runtime.errors import RuntimeRefusal
-from mixle_compile.runtime.experts import ExpertShape, expert_output, moe_mlp, route
+from mixle_compile.runtime.experts import ExpertShape, expert_output, moe_mlp, route, slot_ids
 from mixle_compile.runtime.instructions import read_instructions
-from mixle_compile.runtime.model import LocalOps
+from mixle_compile.runtime.model import LocalOps, cp_positions
 from mixle_compile.spec import load_spec_text
 from tests.test_runtime_support import compile_text
 
@@ -84,6 +84,16 @@ def test_the_layer_is_every_tokens_weighted_sum_of_its_chosen_experts(activation
             for j in top.tolist()
         )
         assert torch.allclose(y.reshape(-1, h)[t], want, atol=1e-5)
+
+
+def test_slot_ids_name_the_reference_rows_of_a_context_parallel_ranks_tokens():
+    # cp rank 1 of 2 holds positions 4..7 and 8..11 of 16; under tp with whole experts tp rank 1 of 2
+    # routes the second half of them. Rows are sequence-first ([s, b] flattened), k choices each.
+    positions = torch.tensor(cp_positions(16, 2, 1))
+    ids = slot_ids(positions, 8, 2, 3, (4, 8), positions.device).tolist()
+    want = [(p * 2 + b) * 3 + j for p in [8, 9, 10, 11] for b in range(2) for j in range(3)]
+    assert ids == want
+    assert slot_ids(None, 4, 1, 2, None, positions.device).tolist() == list(range(8))
 
 
 # --- the plan: expert gradients divided by the data degree --------------------------------------

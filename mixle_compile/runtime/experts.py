@@ -29,7 +29,7 @@ Under expert parallelism (``TokenExchange``) the ep group joins ranks of one tp 
 rank dispatches the rows it routes: its sequence shard (etp = 1) or all gathered tokens (etp = tp,
 where what comes back is the rank's slice's part of every output, completed by the ``reduce``).
 Under context parallelism each cp rank routes the tokens of its own chunks; ``slot_ids`` names
-their global positions for the evidence.
+their global positions (``ops.context_positions``) for the evidence.
 """
 
 from __future__ import annotations
@@ -108,10 +108,9 @@ def combine(outputs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 class ExpertParallel:
     """How this rank's mixture-of-experts layers split their work (see the module docstring)."""
 
-    def __init__(self, tp_size: int, tp_rank: int, etp: int, exchange: TokenExchange | None = None,
-                 cp_size: int = 1, cp_rank: int = 0) -> None:
+    def __init__(self, tp_size: int, tp_rank: int, etp: int, exchange: TokenExchange | None = None, cp_size: int = 1) -> None:
         self.tp_size, self.tp_rank = tp_size, tp_rank
-        self.cp_size, self.cp_rank = cp_size, cp_rank
+        self.cp_size = cp_size
         # etp = 1 under tp > 1: each tp rank takes the tokens of its own sequence shard.
         self.split_tokens = tp_size > 1 and etp == 1
         self.exchange = exchange  # ep > 1
@@ -123,18 +122,18 @@ class ExpertParallel:
         n = seq // self.tp_size
         return self.tp_rank * n, (self.tp_rank + 1) * n
 
-    def slot_ids(self, seq: int, batch: int, top_k: int, rows: tuple[int, int] | None, device) -> torch.Tensor:
-        """The single-process reference's slot of every slot this rank routes (``[tokens * top_k]``):
-        slot ``(p * batch + b) * top_k + j`` is the ``j``-th choice of sequence position ``p`` (global,
-        under context parallelism) of sample ``b``. ``seq``: this rank's sequence length."""
-        from mixle_compile.runtime.model import cp_positions  # model.py imports this module
 
-        positions = torch.arange(seq, device=device) if self.cp_size == 1 else torch.tensor(
-            cp_positions(seq * self.cp_size, self.cp_size, self.cp_rank), dtype=torch.long, device=device)
-        if rows is not None:
-            positions = positions[rows[0] : rows[1]]
-        tokens = (positions.unsqueeze(1) * batch + torch.arange(batch, device=device)).reshape(-1)
-        return (tokens.unsqueeze(1) * top_k + torch.arange(top_k, device=device)).reshape(-1)
+def slot_ids(positions: torch.Tensor | None, seq: int, batch: int, top_k: int, rows: tuple[int, int] | None, device) -> torch.Tensor:
+    """The single-process reference's slot of every slot a rank routes (``[tokens * top_k]``): slot
+    ``(p * batch + b) * top_k + j`` is the ``j``-th choice of sequence position ``p`` of sample ``b``.
+    ``positions``: the global positions of the rank's ``seq`` rows under context parallelism (None:
+    ``0 .. seq - 1``); ``rows``: the part of them the rank routes (``ExpertParallel.token_rows``)."""
+    if positions is None:
+        positions = torch.arange(seq, device=device)
+    if rows is not None:
+        positions = positions[rows[0] : rows[1]]
+    tokens = (positions.unsqueeze(1) * batch + torch.arange(batch, device=device)).reshape(-1)
+    return (tokens.unsqueeze(1) * top_k + torch.arange(top_k, device=device)).reshape(-1)
 
 
 def expert_parallel(store, tp) -> ExpertParallel | None:
@@ -145,8 +144,7 @@ def expert_parallel(store, tp) -> ExpertParallel | None:
         return None
     plan = instructions.plan
     exchange = TokenExchange(store, model.num_experts, plan.etp > 1) if plan.ep > 1 else None
-    mesh = store.mesh
-    return ExpertParallel(tp.size, tp.rank, plan.etp, exchange, mesh.degree("cp"), mesh.coord("cp"))
+    return ExpertParallel(tp.size, tp.rank, plan.etp, exchange, store.mesh.degree("cp"))
 
 
 def moe_mlp(ops, shape: ExpertShape, unit: str, h: torch.Tensor) -> torch.Tensor:
@@ -162,7 +160,10 @@ def moe_mlp(ops, shape: ExpertShape, unit: str, h: torch.Tensor) -> torch.Tensor
     up = ops.weight(f"{unit}.moe.experts.up_proj")
     down = ops.weight(f"{unit}.moe.experts.down_proj")
     if parallel is not None and parallel.exchange is not None:
-        slots = parallel.slot_ids(seq, batch, shape.top_k, rows, tokens.device) if parallel.exchange.capture is not None else None
+        slots = None
+        if parallel.exchange.capture is not None:
+            positions = ops.context_positions(seq * parallel.cp_size, tokens.device)
+            slots = slot_ids(positions, seq, batch, shape.top_k, rows, tokens.device)
         outputs = parallel.exchange.run(unit, tokens, experts, slots, gate, up, down, shape.activation)
     else:
         # The reference observes what an expert-parallel run exchanges: the rows the experts receive
