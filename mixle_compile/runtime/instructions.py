@@ -78,10 +78,15 @@ class ParamInstruction:
     # tp / r pieces, rank t holding piece t // r); 1: every tp rank its own slice
     tp_replicas: int = 1
     ep_dim: int | None = None  # the dimension expert parallelism splits (experts); None: not split
-    # Tied weights on different pipeline stages: the parameter this one is a copy of (started equal,
-    # kept equal by the plan's all_reduce of both whole gradients over the tied group).
-    copy_of: str | None = None
-    tied_uses: tuple[str, ...] = ()  # every stage's copy of the same tied weight, this one included
+    # A tied weight whose copies live on different pipeline stages (started equal, kept equal by the
+    # plan's all_reduce of their whole gradients over the tied group): every copy, the first one the
+    # weight itself, this one included.
+    tied_uses: tuple[str, ...] = ()
+
+    @property
+    def copy_of(self) -> str | None:
+        """The weight this parameter is a copy of on another pipeline stage (None: it is no copy)."""
+        return self.tied_uses[0] if self.tied_uses and self.tied_uses[0] != self.name else None
 
     @property
     def canonical(self) -> str:
@@ -227,7 +232,6 @@ def read_instructions(doc: PlanDocument) -> Instructions:
                 reduce_every_accumulation=every_accumulation,
                 tp_replicas=tp_replicas,
                 ep_dim=None if placements.get("ep", "replicate") == "replicate" else int(placements["ep"][len("shard(") : -1]),
-                copy_of=group[0] if group and group[0] != p.logical_id else None,
                 tied_uses=group,
             )
         )
