@@ -21,6 +21,7 @@ from mixle_compile.runtime.experts import ExpertShape, expert_output, moe_mlp, r
 from mixle_compile.runtime.instructions import read_instructions
 from mixle_compile.runtime.model import LocalOps, cp_positions
 from mixle_compile.spec import load_spec_text
+from tests.conftest import EXAMPLES
 from tests.test_runtime_support import compile_text
 
 BOUND = {"sgd": 1e-5, "adamw": 1e-3, "bf16": 1e-1}
@@ -224,3 +225,14 @@ def test_what_the_expert_runtime_does_not_execute_is_refused_with_the_reason(kwa
     assert doc.verdict.ok
     with pytest.raises(RuntimeRefusal, match=message):
         read_instructions(doc)
+
+
+def test_the_every_axis_example_runs_and_matches_the_reference(tmp_path):
+    # examples/tiny-moe-every-axis.yaml: pp 2 with tied embeddings x FSDP 2 x tp 2 (sequence parallel),
+    # 4 experts over ep 2, each split over tp: 8 ranks, every update against the reference.
+    report = run_plan(EXAMPLES / "tiny-moe-every-axis.yaml", out_dir=tmp_path, reference=True, progress=False, timeout_s=120)
+    assert report.ok and report.accounting_ok, report.errors
+    assert report.max_relative_error <= BOUND["adamw"]
+    nodes = {u.node_id for u in report.evidence if u.has_numerics_evidence}
+    assert {"tied_embedding:grad/tied", "layers.0.moe:dispatch", "stage.0->1:activation", "layers.3.mlp:in"} <= nodes
+    assert report.losses[-1] < report.losses[0]

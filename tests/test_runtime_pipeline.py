@@ -232,6 +232,10 @@ def test_tied_embeddings_across_stages_stay_one_weight(tmp_path, kwargs):
         assert chain[0] == "tied_embedding:grad/tied" and all(u.occurrences_per_step == 1 for u in doc.updates if u.node_id in chain)
     evidence = {u.node_id: u for u in report.evidence}
     assert evidence["tied_embedding:grad/tied"].numerics_sample_count >= 2 * 3  # both copies, every step
+    distinct = len({u.node_id for u in doc.updates})  # the tied all_reduce is listed once per stage
+    assert distinct == len(doc.updates) - 1
+    summary = report.summary()
+    assert f"accounting: {distinct} planned updates" in summary and f"evidence: {distinct} updates" in summary
 
 
 def test_tied_copies_without_their_sync_are_refused():

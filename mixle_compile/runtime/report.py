@@ -210,7 +210,7 @@ class RunReport:
             measured = [u for u in self.evidence if u.has_numerics_evidence]
             deterministic = all(u.determinism_observed for u in measured)
             lines.append(
-                f"evidence: {len(measured)} updates against the single-process reference, max relative error "
+                f"evidence: {len({u.node_id for u in measured})} updates against the single-process reference, max relative error "
                 f"{self.max_relative_error:.2e} (tolerance {self.evidence_tolerance:.0e}), max absolute error "
                 f"{self.max_absolute_error:.2e}, bitwise deterministic on repeat: {'yes' if deterministic else 'no'}"
             )
