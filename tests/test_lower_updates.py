@@ -208,6 +208,23 @@ def test_a_tied_sync_after_the_reduce_scatter_is_caught():
     assert any("must see whole gradients" in p.message for p in problems)
 
 
+@pytest.mark.parametrize("kwargs", [dict(ds=2), dict(dr=2, dopt=True), dict(dr=2, cp=2)])
+def test_a_tensor_tied_on_one_stage_is_reduced_and_gathered_once(kwargs):
+    # embed.weight and lm_head.weight are one tensor without a pipeline: the head's gradient is added
+    # to the embedding's locally and reduced with it; reducing it again would count it twice.
+    low = lowered(tie=True, **kwargs)
+    assert low.reduction_problems == ()
+    assert updates_of(low, "embed.weight") and not updates_of(low, "lm_head.weight")
+    gathers = [u for u in low.updates if u.tensor == "lm_head.weight" and u.update.payload.value == "parameter"]
+    # FSDP gathers per use (each use's unit); the distributed optimizer's gather of the updated tensor once
+    assert len(gathers) == (2 if kwargs.get("ds", 1) > 1 else 0)
+    (first,) = updates_of(low, "embed.weight")[:1]
+    again = dataclasses.replace(first, tensor="lm_head.weight")
+    problems = recheck(low, [*low.updates, again])
+    assert [p.tensor for p in problems] == ["lm_head.weight"]
+    assert "tied to embed.weight on the same stage" in problems[0].message and "a second time" in problems[0].message
+
+
 def test_expert_gradients_divided_by_the_group_size_are_caught():
     low = lowered(ds=4, tp=2, ep=4, experts=4, sp=True)
     broken = [dataclasses.replace(u, gradient_divisor=u.group_size) if u.update.mesh_axes == ("edp",) else u for u in low.updates]

@@ -50,12 +50,17 @@ import torch.nn.functional as F
 from mixle_compile.contracts import get_training_backend
 from mixle_compile.runtime import load_plan_or_spec, plan_of
 
+TIED = len(sys.argv) > 3 and sys.argv[3] == "tied"  # the output layer's weight is the embedding's
+WIDTH = 16 if TIED else 24
+
 class Net(nn.Module):
     def __init__(self):
         super().__init__()
         self.embed = nn.Embedding(32, 16)
-        self.hidden = nn.Linear(16, 24)
-        self.out = nn.Linear(24, 32)
+        self.hidden = nn.Linear(16, WIDTH)
+        self.out = nn.Linear(WIDTH, 32)
+        if TIED:
+            self.out.weight = self.embed.weight
     def forward(self, tokens):
         return self.out(torch.tanh(self.hidden(self.embed(tokens))))
 
@@ -79,7 +84,7 @@ for step in range(3):
 final = session.parameters_global()
 if session.mesh.rank == 0:
     ref = Net()
-    ref.load_state_dict(start)
+    ref.load_state_dict(start, strict=not TIED)  # (tied: one tensor, listed once)
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     for step in range(3):
         for a in range(gas):
@@ -110,11 +115,23 @@ resources: {{devices: 2, memory: 1GiB, kind: cpu}}
 """
 
 
-@pytest.mark.parametrize(("mesh", "dopt"), [("dp_shard: 2", "false"), ("dp_replicate: 2", "true")])
-def test_a_user_module_trains_like_plain_torch(tmp_path, mesh, dopt):
-    (tmp_path / "spec.yaml").write_text(SPEC.format(mesh=mesh, dopt=dopt))
+def tied_spec(text: str) -> str:
+    """SPEC with the output layer's weight tied to the embedding (one [32, 16] tensor, hidden width 16)."""
+    text = text.replace("{name: hidden.weight, shape: [24, 16], role: column}", "{name: hidden.weight, shape: [16, 16], role: column}")
+    text = text.replace("{name: hidden.bias, shape: [24], role: bias}", "{name: hidden.bias, shape: [16], role: bias}")
+    text = text.replace("{name: embed.weight, shape: [32, 16], role: embedding}", "{name: embed.weight, shape: [32, 16], role: embedding, shared_group: tied}")
+    return text.replace("{name: out.weight, shape: [32, 24], role: row}", "{name: out.weight, shape: [32, 16], role: head, shared_group: tied}")
+
+
+@pytest.mark.parametrize(("mesh", "dopt", "tied"), [("dp_shard: 2", "false", False), ("dp_replicate: 2", "true", False),
+                                                    ("dp_shard: 2", "false", True), ("dp_replicate: 2", "true", True)])
+def test_a_user_module_trains_like_plain_torch(tmp_path, mesh, dopt, tied):
+    # Tied: the plan reduces (and the distributed optimizer gathers) the one tensor once, as its
+    # first use; the other use's gradient is added to it first.
+    text = SPEC.format(mesh=mesh, dopt=dopt)
+    (tmp_path / "spec.yaml").write_text(tied_spec(text) if tied else text)
     (tmp_path / "worker.py").write_text(textwrap.dedent(WORKER))
-    out = torchrun(["worker.py", "spec.yaml", "result.json"], tmp_path)
+    out = torchrun(["worker.py", "spec.yaml", "result.json", "tied" if tied else "untied"], tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads((tmp_path / "result.json").read_text())
     assert min(result["moved"].values()) > 1e-3  # training moved every tensor ...
@@ -124,6 +141,8 @@ def test_a_user_module_trains_like_plain_torch(tmp_path, mesh, dopt):
     assert all(r["global_examples_observed"] == 16 for r in result["receipts"] if not r["skipped"])
     kinds = {name.split(":")[1] for name in result["ledger"]["updates"]}
     assert kinds == ({"grad/scatter", "param/gather-forward", "param/gather-backward"} if "shard" in mesh else {"grad/scatter", "param/gather"})
+    reduced = {name.split(":")[0] for name in result["ledger"]["updates"] if ":grad/" in name}
+    assert ("out.weight" in reduced) == (not tied) and "embed.weight" in reduced
 
 
 def test_prepare_names_parameters_that_do_not_match(tmp_path):

@@ -4,8 +4,8 @@ This does not reuse the code that emitted the updates: it derives, from each par
 and the mesh alone, the axes over which its local gradient is a partial sum, and compares them
 with the reductions the plan actually lists. It catches the classic mistakes: cp left out of the
 gradient reduction, a reduction done twice, an unsynchronised tied embedding, a tied sync after a
-reduce-scatter (it must see whole gradients), expert gradients divided by the expert-group
-size instead of the data-parallel size, and the gradient of a KV head shared by several
+reduce-scatter (it must see whole gradients), a tied tensor on one stage reduced once per use,
+expert gradients divided by the expert-group size instead of the data-parallel size, and the gradient of a KV head shared by several
 tensor-parallel ranks (fewer KV heads than tp ranks) left unsummed over the ranks sharing it.
 """
 
@@ -78,8 +78,18 @@ def check_exactly_once(
     known = {p.name for p in placed}
     for name in sorted(set(by_tensor) - known):
         problems.append(ReductionProblem(name, f"{name}: gradient updates for a tensor that is not a parameter"))
+    tied_first: dict[str, str] = {}  # tied group on one stage -> the member that reduces for all
     for p in placed:
         expected = expected_partial_axes(p, plan, sequence_parallel=sequence_parallel, num_kv_heads=num_kv_heads)
+        group = p.parameter.shared_group
+        if group is not None and plan.pp == 1 and tied_first.setdefault(group, p.name) != p.name:
+            # One tensor with several uses: their gradients add up locally, and the first member's
+            # reductions reduce the sum; a reduction of its own would count it twice.
+            for u in by_tensor.get(p.name, []):
+                problems.append(ReductionProblem(
+                    p.name, f"{p.name}: it is tied to {tied_first[group]} on the same stage, whose reductions already reduce "
+                    f"its gradient; {u.update.node_id} reduces it a second time"))
+            continue
         reductions = [u for u in by_tensor.get(p.name, []) if u.update.collective in _REDUCTIONS]
         others = [u for u in by_tensor.get(p.name, []) if u.update.collective not in _REDUCTIONS]
         for u in others:

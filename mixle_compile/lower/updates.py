@@ -5,9 +5,11 @@ whole (or sharded for storage only) while the data differs between the ranks of 
 reduced exactly once over exactly those axes: an all_reduce over the tied group first (on whole
 gradients, before any reduce-scatter), an all_reduce over tp for tp-replicated parameters under
 sequence parallelism, an all_reduce over the KV-replica group for a KV head replicated on several
-tp ranks (each rank's query heads contribute their part of its gradient), then a reduce_scatter over the axes where the state is sharded followed by
-an all_reduce over the axes where it is replicated. The data reduction divides by the
-data-parallel size (the loss is a mean over the global batch), for experts too.
+tp ranks (each rank's query heads contribute their part of its gradient), then a reduce_scatter
+over the axes where the state is sharded followed by an all_reduce over the axes where it is
+replicated. The data reduction divides by the data-parallel size (the loss is a mean over the
+global batch), for experts too. Tied parameters on one stage are one tensor, reduced once: the
+gradients of all their uses add up locally first.
 
 Activations: TP all_reduce after row-parallel layers (reduce_scatter, and all_gather before
 column-parallel layers, under sequence parallelism), each with its conjugate in the backward; the
@@ -96,9 +98,17 @@ def gradient_updates(placed: tuple[PlacedParameter, ...], plan: ParallelPlan, *,
     data_differs = {*DATA_AXES, EXPERT_DATA} | ({"tp"} if sequence_parallel else set())
     out: list[PlannedUpdate] = []
     dp = plan.data_parallel_size
+    tied_seen: set[str] = set()
     for pp_ in placed:
         name, layout, stage = pp_.name, pp_.layout, pp_.stage
         grad_bytes = pp_.parameter.numel * 4  # gradients are reduced in fp32
+        # Tied parameters on one stage are one tensor: its uses' gradients add up locally and are
+        # reduced once, as the first member's (the others list no gradient update of their own).
+        group = pp_.parameter.shared_group
+        folded = plan.pp == 1 and group is not None and group in tied_seen
+        if group is not None:
+            tied_seen.add(group)
+        grads: list[PlannedUpdate] = []
         data = [(a, p) for a, p in layout.placements if a in data_differs and a != "tp"]
         if pp_.is_expert and not data and dp > 1:
             # Every token of the ep group reaches its expert, so the gradient is already summed over
@@ -125,7 +135,7 @@ def gradient_updates(placed: tuple[PlacedParameter, ...], plan: ParallelPlan, *,
         if layout.shared_group is not None:
             # One collective with one participant per stage: both name it after the tied group; it
             # takes the whole (padded) gradient buffer, before any reduce-scatter.
-            out.append(
+            grads.append(
                 PlannedUpdate(
                     _grad_update(f"{layout.shared_group}:grad/tied", CollectiveKind.all_reduce, (TIED_GROUP,), layout.optimizer_state,
                                  f"tied weight {layout.shared_group!r}: sum the first and last stage's whole gradients before any reduce-scatter"),
@@ -135,7 +145,7 @@ def gradient_updates(placed: tuple[PlacedParameter, ...], plan: ParallelPlan, *,
         if "tp" in data_differs and dict(layout.placements).get("tp") == "replicate" and not pp_.is_expert:
             # As often as the data reduction it precedes: under FSDP the whole gradient exists only
             # until that accumulation step's reduce-scatter.
-            out.append(
+            grads.append(
                 PlannedUpdate(
                     _grad_update(f"{name}:grad/tp", CollectiveKind.all_reduce, ("tp",), layout.optimizer_state,
                                  "tp-replicated parameter whose inputs are sequence shards under sequence parallelism"),
@@ -145,7 +155,7 @@ def gradient_updates(placed: tuple[PlacedParameter, ...], plan: ParallelPlan, *,
         kv_axis = pp_.kv_replica_axis
         if kv_axis is not None:
             # Before the data reduction and as often: its evidence is the complete gradient of the head.
-            out.append(
+            grads.append(
                 PlannedUpdate(
                     _grad_update(f"{name}:grad/kv", CollectiveKind.all_reduce, (kv_axis,), layout.optimizer_state,
                                  f"KV head shared by {pp_.kv_replicas} tp ranks: each holds the part of its gradient that its own query heads contribute"),
@@ -154,7 +164,7 @@ def gradient_updates(placed: tuple[PlacedParameter, ...], plan: ParallelPlan, *,
             )
         if sharded:
             axes = tuple(sharded)
-            out.append(
+            grads.append(
                 PlannedUpdate(
                     _grad_update(f"{name}:grad/scatter", CollectiveKind.reduce_scatter, axes, StateLayout.sharded,
                                  f"divide by the data-parallel size {dp}" if not replicated else "partial sum; the all_reduce that follows divides"),
@@ -166,23 +176,26 @@ def gradient_updates(placed: tuple[PlacedParameter, ...], plan: ParallelPlan, *,
             axes = tuple(replicated)
             # After a reduce-scatter it reduces the (padded) shard.
             payload = _padded_bytes(pp_, plan, 4, group_size(tuple(sharded), plan), shard=True) if sharded else local_full
-            out.append(
+            grads.append(
                 PlannedUpdate(
                     _grad_update(f"{name}:grad/reduce", CollectiveKind.all_reduce, axes, layout.optimizer_state,
                                  f"divide by the data-parallel size {dp}"),
                     name, "gradient", stage, payload, group_size(axes, plan), per_step, gradient_divisor=dp,
                 )
             )
+        if not folded:
+            out.extend(grads)
         param_bytes = _padded_bytes(pp_, plan, DTYPE_BYTES[pp_.parameter.dtype], group_size(tuple(sharded), plan)) if sharded else 0
         if scatter_then_gather:
-            axes = tuple(sharded)
-            out.append(
-                PlannedUpdate(
-                    _grad_update(f"{name}:param/gather", CollectiveKind.all_gather, axes, StateLayout.sharded,
-                                 "distributed optimizer: gather the updated shards", payload=PayloadKind.parameter),
-                    name, "parameter", stage, param_bytes, group_size(axes, plan), 1,
+            if not folded:  # a tied tensor's updated shards are gathered once, for all its uses
+                axes = tuple(sharded)
+                out.append(
+                    PlannedUpdate(
+                        _grad_update(f"{name}:param/gather", CollectiveKind.all_gather, axes, StateLayout.sharded,
+                                     "distributed optimizer: gather the updated shards", payload=PayloadKind.parameter),
+                        name, "parameter", stage, param_bytes, group_size(axes, plan), 1,
+                    )
                 )
-            )
         elif sharded:
             axes = tuple(sharded)
             for phase in ("forward", "backward"):

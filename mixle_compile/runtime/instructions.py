@@ -78,9 +78,10 @@ class ParamInstruction:
     # tp / r pieces, rank t holding piece t // r); 1: every tp rank its own slice
     tp_replicas: int = 1
     ep_dim: int | None = None  # the dimension expert parallelism splits (experts); None: not split
-    # A tied weight whose copies live on different pipeline stages (started equal, kept equal by the
-    # plan's all_reduce of their whole gradients over the tied group): every copy, the first one the
-    # weight itself, this one included.
+    # The uses whose gradients this parameter's reductions sum, this one first: the copies of a tied
+    # weight on different pipeline stages (started equal, kept equal by the plan's all_reduce of their
+    # whole gradients over the tied group; the first copy is the weight itself), or, on the first use
+    # of a tensor tied on one stage, every use (the others are ``folded`` into it).
     tied_uses: tuple[str, ...] = ()
 
     @property
@@ -97,6 +98,12 @@ class ParamInstruction:
     def tensor_owner(self) -> str:
         """The parameter whose tensor this rank's use reads (a tie on one stage shares one tensor)."""
         return self.tied_to or self.name
+
+    @property
+    def folded(self) -> bool:
+        """A use of a tensor tied on one stage whose gradient is added to the first use's and reduced
+        with it (the plan lists no reduction of its own)."""
+        return self.tied_to is not None and not self.gradient
 
 
 @dataclass(frozen=True)
@@ -235,6 +242,15 @@ def read_instructions(doc: PlanDocument) -> Instructions:
                 tied_uses=group,
             )
         )
+    index = {p.name: i for i, p in enumerate(params)}
+    for i, p in enumerate(params):
+        if p.folded:
+            # One tensor on this stage: the plan reduces (and, with a distributed optimizer, gathers)
+            # it once, as its first member, whose reductions then carry this use's gradient too.
+            j = index[p.tied_to]
+            q = params[j]
+            params[i] = replace(p, mode=q.mode, shard_axes=q.shard_axes)
+            params[j] = replace(q, tied_uses=(*(q.tied_uses or (q.name,)), p.name))
     by_name = {p.name: p for p in params}
     for p in params:
         if p.canonical != p.name:

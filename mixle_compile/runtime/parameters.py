@@ -210,6 +210,13 @@ class ParamStore:
             for u in uses[p.name]:
                 self.of_use[u.name] = local
         self.plan_order = [(p, self.of_use[p.name]) for p in instructions.params]
+        # The first use of a tensor tied on this stage -> every use whose gradient it reduces; its
+        # reduction starts once all of them brought their window's last gradient (``_waiting``).
+        self._folded_into: dict[str, tuple[str, ...]] = {}
+        for p in instructions.params:
+            if p.folded:
+                self._folded_into[p.tied_to] = (*self._folded_into.get(p.tied_to, (p.tied_to,)), p.name)
+        self._waiting: dict[str, set[str]] = {}
         # FSDP units: the weights gathered together, freed together, regathered together.
         self.units = {
             unit: tuple(u for u in members if self.of_use[u].mode == "fsdp")
@@ -307,6 +314,10 @@ class ParamStore:
 
     def accumulate(self, use: str, grad: torch.Tensor) -> None:
         local = self.of_use[use]
+        arriving, instr = use, self.use_instr[use]
+        if instr.folded:  # a tied use: its gradient joins the first use's, which is reduced for both
+            use = instr.tied_to
+            instr = self.use_instr[use]
         buffer = self.buffers.get(use)
         if buffer is None:
             shape = local.buffer_shape()
@@ -321,10 +332,13 @@ class ParamStore:
             self.buffers[use] = buffer
         else:
             buffer[: local.rows].add_(grad)
-        instr = self.use_instr[use]
         closing = self.closing_accumulation if instr.reduce_every_accumulation else self.closing_step
         if closing and self.reducer is not None:
-            self.reducer.use_ready(instr, local, self.buffers)
+            waiting = self._waiting.setdefault(use, set(self._folded_into.get(use, ())))
+            waiting.discard(arriving)
+            if not waiting:  # every use of the tensor has brought its last gradient of the window
+                del self._waiting[use]
+                self.reducer.use_ready(instr, local, self.buffers)
 
     # -- units: free after forward, regather for backward ---------------------------------
 
@@ -403,6 +417,7 @@ class ParamStore:
 
     def reduce_gradients(self, *, every_accumulation: bool, accumulations: tuple[int, ...]) -> None:
         """Run the plan's gradient updates due now, and add the results to the tensors' gradients."""
+        self._waiting.clear()
         results = self.reducer.finish(every_accumulation=every_accumulation, accumulations=accumulations, uses=self.plan_order, buffers=self.buffers)
         for _, local, grad in results:
             if local.master.grad is None:
@@ -412,7 +427,8 @@ class ParamStore:
 
     def after_optimizer_step(self) -> None:
         """The distributed optimizer's gathers: every rank computes with the updated whole tensor."""
-        members = [(use, local) for local in self.params.values() if local.mode == "zero" for use in local.uses]
+        # (a tensor tied on one stage is gathered once, by its first use)
+        members = [(use, local) for local in self.params.values() if local.mode == "zero" for use in local.uses if "parameter" in use.gathers]
         if not members:
             return
         groups: dict[tuple, list] = {}
@@ -437,6 +453,7 @@ class ParamStore:
 
     def zero_grad(self) -> None:
         self.buffers.clear()
+        self._waiting.clear()
         for local in self.params.values():
             local.master.grad = None
 

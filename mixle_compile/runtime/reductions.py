@@ -86,7 +86,7 @@ class GradientReducer:
         # Uses whose last gradient never arrived (unused in the forward, or a window closed early) are
         # reduced now, bucketed in plan order so that every rank still makes the same calls.
         for use, local in uses:
-            if use.reduce_every_accumulation != every_accumulation or use.name in self.ready:
+            if use.reduce_every_accumulation != every_accumulation or use.name in self.ready or use.folded:
                 continue
             if use.name not in buffers:
                 buffers[use.name] = torch.zeros(local.buffer_shape(), dtype=torch.float32, device=self.device)
@@ -109,7 +109,7 @@ class GradientReducer:
         if not every_accumulation:
             # No reduction planned (nothing differs between ranks holding it): the local gradient is final.
             for use, local in uses:
-                if not use.gradient:
+                if not use.gradient and not use.folded:  # (a folded use's gradient is in its tensor's first use's)
                     buffer = buffers.pop(use.name, None)
                     if buffer is None:
                         buffer = torch.zeros(local.buffer_shape(), dtype=torch.float32, device=self.device)
@@ -196,7 +196,8 @@ class GradientReducer:
                 shown, slices = piece.view(local.shard_rows, *local.full_shape[1:])[: local.valid_shard_rows], local.shard_slices()
             else:
                 shown, slices = piece.view(local.buffer_shape())[: local.rows], local.tp_slices
-            # A copy of a tied weight sums every copy's gradient first (its chain starts with that).
+            # Tied uses: the copies of a weight on several stages (the chain's first all_reduce sums
+            # them), or the uses of one tensor on this stage (added up before the chain).
             uses = use.tied_uses or use.name
             self.capture(use.gradient[stage].node_id, shown, ("grad", uses, data_ranks, accumulations, total, slices))
 
