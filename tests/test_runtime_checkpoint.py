@@ -26,7 +26,7 @@ from mixle_compile.runtime import checkpoint as ckpt
 from mixle_compile.runtime.data import BatchLayout
 from mixle_compile.runtime.worker import FAULT_ENV
 from tests.conftest import ROOT
-from tests.test_runtime_support import compile_text, spec_text
+from tests.test_runtime_support import compile_text, explain_without_torch, spec_text
 
 torch = pytest.importorskip("torch")
 
@@ -352,12 +352,7 @@ def test_numpy_arrays_checkpoint_atomically_for_other_runtimes(tmp_path):
 
 def test_explain_shows_a_checkpoint_without_importing_torch(uninterrupted):
     report, root = uninterrupted
-    probe = (
-        "import sys, json\nfrom mixle_compile.cli import main\n"
-        f"status = main(['explain', {str(root)!r}])\n"
-        "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH', status)"
-    )
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    done = explain_without_torch(root)
     assert done.stdout.strip().splitlines()[-1] == "NO-TORCH 0", done.stderr
     text = done.stdout
     assert f"step {STEPS}" in text and report.data["plan"]["content_digest"] in text

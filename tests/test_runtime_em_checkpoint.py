@@ -29,6 +29,7 @@ from mixle_compile.runtime.em import EM_TOLERANCE, data_source, load_data, monot
 from mixle_compile.runtime.em_model import initial_params, param_shapes
 from mixle_compile.runtime.em_plan import read_em_instructions
 from tests.test_runtime_em import DIAG, FULL, MODELS, compiled, spec_text
+from tests.test_runtime_support import explain_without_torch
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 5
@@ -254,12 +255,7 @@ def test_refusals_through_the_cli_are_one_line_with_exit_2(tmp_path, cut_run):
 
 def test_explain_shows_an_em_checkpoint_without_importing_torch(cut_run):
     doc, _, root = cut_run
-    probe = (
-        "import sys\nfrom mixle_compile.cli import main\n"
-        f"status = main(['explain', {str(root)!r}])\n"
-        "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH', status)"
-    )
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    done = explain_without_torch(root)
     assert done.stdout.strip().splitlines()[-1] == "NO-TORCH 0", done.stderr
     text = done.stdout
     assert f"step {STEPS}" in text and doc.content_digest in text and "distribution" in text

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import textwrap
 
 from mixle_compile.lower.lowering import lower
@@ -56,3 +58,16 @@ def compile_text(text: str):
 
 def plan_for(**kwargs):
     return compile_text(spec_text(**kwargs))
+
+
+def explain_without_torch(path) -> subprocess.CompletedProcess:
+    """`mixle-compile explain PATH` in a fresh interpreter; its last output line says whether torch
+    was imported (``NO-TORCH 0``: it was not, and the command exited 0)."""
+    from tests.conftest import ROOT
+
+    probe = (
+        "import sys\nfrom mixle_compile.cli import main\n"
+        f"status = main(['explain', {str(path)!r}])\n"
+        "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH', status)"
+    )
+    return subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=120)

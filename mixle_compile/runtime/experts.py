@@ -198,7 +198,7 @@ class TokenExchange:
         self.data_rank = mesh.data_rank
         # Experts split over tp (etp = tp > 1): what returns to a rank's own rows (the experts' outputs,
         # the gradients of their inputs) is its slice's part; the tp ranks' parts add up to the whole.
-        self.tp_parts = mesh.group("tp").ranks if split_experts and mesh.degree("tp") > 1 else None
+        self.tp_parts = mesh.group("tp").ranks if split_experts else None  # (etp > 1 means etp = tp)
 
     def run(self, unit: str, tokens: torch.Tensor, experts: torch.Tensor, slots: torch.Tensor | None, gate, up, down, activation: str) -> torch.Tensor:
         """The experts' outputs of every (token, choice) row, ``[tokens * top_k, hidden]`` in slot order
