@@ -10,8 +10,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mixle_compile.check import CheckResult, check_loaded
-from mixle_compile.diagnostics import Severity, sort_key
+from mixle_compile.diagnostics import Code, Severity, register_code, sort_key
 from mixle_compile.spec import load_spec
+
+LOWERING_REFUSED = register_code(
+    Code(
+        "L003",
+        "lowering-refused",
+        "The lowering cannot build a plan for a spec that `check` accepted.",
+        "The lowering refuses numbers its own builders cannot realise (a schedule, a layout) with the "
+        "reason; it is reported at the spec's `mesh` instead of as an internal error. Every such case is "
+        "a verifier rule that should have refused the spec first: please report it.",
+    )
+)
 
 
 class CompilerBug(RuntimeError):
@@ -32,7 +43,12 @@ def compile_file(path: str | Path) -> CompileResult:
     from mixle_compile.lower.lowering import lower
     from mixle_compile.plan import build_plan
 
-    lowered = lower(loaded.spec, document=loaded.document)
+    try:
+        lowered = lower(loaded.spec, document=loaded.document)
+    except ValueError as exc:
+        refused = loaded.document.diagnostic(LOWERING_REFUSED.code, f"the plan cannot be built: {exc}", ("mesh",))
+        diagnostics = tuple(sorted((*checked.diagnostics, refused), key=sort_key))
+        return CompileResult(CheckResult(checked.file, diagnostics, checked.unreadable, checked.notes), None)
     if lowered.diagnostics:
         diagnostics = tuple(sorted((*checked.diagnostics, *lowered.diagnostics), key=sort_key))
         checked = CheckResult(checked.file, diagnostics, checked.unreadable, checked.notes)

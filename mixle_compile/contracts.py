@@ -1105,9 +1105,23 @@ MEGATRON_CAPABILITIES = BackendCapabilities(
     elastic_restart=False,
 )
 
+#: torchtitan 0.3: every axis but expert tensor parallelism (its ParallelDims has no etp; experts
+#: shard over the `efsdp` axis, torchtitan/distributed/parallel_dims.py); Float8 linears.
+TORCHTITAN_CAPABILITIES = BackendCapabilities(
+    name="torchtitan",
+    axes=_ALL_AXES - {ParallelAxis.etp},
+    precisions=frozenset({"fp32", "bf16", "fp8"}),
+    requirements=("torchtitan", "NVIDIA or AMD GPUs"),
+    incompatible_axis_sets=(),
+    distributed_optimizer=False,  # FSDP2 shards the optimizer state; there is no separate ZeRO-1 optimizer
+    reshardable_checkpoint=True,  # torch.distributed.checkpoint
+    elastic_restart=False,
+)
+
 BUILTIN_CAPABILITIES: dict[str, BackendCapabilities] = {
     "torch": TORCH_CAPABILITIES,
     "megatron": MEGATRON_CAPABILITIES,
+    "torchtitan": TORCHTITAN_CAPABILITIES,
 }
 
 
@@ -1160,6 +1174,22 @@ class _MegatronBackend:
         return "<megatron training backend (verification only)>"
 
 
+class _TorchtitanBackend:
+    """Declared capabilities only; cannot execute."""
+
+    name = "torchtitan"
+    capabilities = TORCHTITAN_CAPABILITIES
+
+    def prepare(self, module: Any, *, plan: ParallelPlan, **options: Any) -> DistributedTrainingSession:
+        raise BackendNotExecutableError(
+            "the 'torchtitan' backend is declared for verification only: its rules check plans against "
+            "torchtitan's, but training runs in torchtitan itself (or on the in-tree 'torch' backend)"
+        )
+
+    def __repr__(self) -> str:
+        return "<torchtitan training backend (verification only)>"
+
+
 def _make_torch_backend() -> _TorchBackend:
     return _TorchBackend()
 
@@ -1171,6 +1201,7 @@ def _make_megatron_backend() -> _MegatronBackend:
 DEFAULT_BACKEND_REGISTRY = BackendRegistry()
 DEFAULT_BACKEND_REGISTRY.register("torch", _make_torch_backend)
 DEFAULT_BACKEND_REGISTRY.register("megatron", _make_megatron_backend)
+DEFAULT_BACKEND_REGISTRY.register("torchtitan", lambda: _TorchtitanBackend())
 
 register_training_backend = DEFAULT_BACKEND_REGISTRY.register
 get_training_backend = DEFAULT_BACKEND_REGISTRY.get

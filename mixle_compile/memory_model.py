@@ -62,15 +62,23 @@ def optimizer_bytes_per_element(ar: Arithmetic, *, adam: Any, below_fp32: Any) -
     return ar.when(adam, MOMENT_BYTES, 0) + ar.when(below_fp32, MASTER_BYTES, 0)
 
 
+def fsdp_shards(*, dp_shard: Any, cp: Any, over_cp: bool) -> Any:
+    """Whether FSDP shards parameters: dp_shard > 1, or, for an engine that applies FSDP over
+    dp_shard * cp (torchtitan's ``ParallelDims.fsdp_enabled``), dp_shard * cp > 1."""
+    return dp_shard * cp > 1 if over_cp else dp_shard > 1
+
+
 def activation_bytes_per_layer(
     ar: Arithmetic, *, seq_len: Any, cp: Any, micro_batch_size: Any, hidden_size: Any, num_heads: Any, tp: Any,
-    sequence_parallel: Any, full_recompute: Any, selective_recompute: Any, fp32: Any,
+    sequence_parallel: Any, full_recompute: Any, selective_recompute: Any, fp32: Any, eager_attention: Any = True,
 ) -> Any:
     """Bytes one transformer layer keeps for the backward pass, per micro-batch.
 
     s*b*h*(10 + 24/t) + 5*a*s^2*b/t without sequence parallelism, 34*s*b*h/t + 5*a*s^2*b/t with
-    it; selective recomputation drops the attention-score term, full recomputation keeps only the
-    layer input (2*s*b*h, divided by t under sequence parallelism). s is the local sequence
+    it (Korthikanti et al. 2022); the 5*a*s^2*b/t term is the stored attention scores, softmax
+    and its dropout mask, which only eager attention keeps: a fused (flash) kernel never stores
+    them and selective recomputation recomputes them. Full recomputation keeps only the layer
+    input (2*s*b*h, divided by t under sequence parallelism). s is the local sequence
     (seq_len / cp); fp32 activations double it."""
     s = ar.exact(seq_len) / ar.exact(cp)
     t = ar.exact(tp)
@@ -80,7 +88,7 @@ def activation_bytes_per_layer(
     per_layer = ar.when(
         full_recompute,
         ar.when(sequence_parallel, 2 * sbh / t, 2 * sbh),
-        ar.when(selective_recompute, kept, kept + scores),
+        ar.when(selective_recompute, kept, ar.when(eager_attention, kept + scores, kept)),
     )
     return per_layer * ar.when(fp32, 2, 1)
 

@@ -20,6 +20,7 @@ from mixle_compile.contracts import (
     MEGATRON_CAPABILITIES,
     MESH_AXIS_ORDER,
     TORCH_CAPABILITIES,
+    TORCHTITAN_CAPABILITIES,
     BackendCapabilities,
     BackendRegistry,
     CapabilityError,
@@ -475,7 +476,7 @@ def test_capabilities_validate_requires_a_plan():
 
 
 def test_builtin_capabilities():
-    assert BUILTIN_CAPABILITIES == {"torch": TORCH_CAPABILITIES, "megatron": MEGATRON_CAPABILITIES}
+    assert BUILTIN_CAPABILITIES == {"torch": TORCH_CAPABILITIES, "megatron": MEGATRON_CAPABILITIES, "torchtitan": TORCHTITAN_CAPABILITIES}
     assert TORCH_CAPABILITIES.axes == frozenset(ParallelAxis)
     assert TORCH_CAPABILITIES.precisions == {"fp32", "bf16"}
     assert TORCH_CAPABILITIES.distributed_optimizer and TORCH_CAPABILITIES.reshardable_checkpoint

@@ -124,20 +124,37 @@ def test_activation_bytes_travel_on_every_message():
 
 
 @pytest.mark.parametrize(
-    "args,message",
+    "args,family,message",
     [
-        ((4, 3, "1f1b"), "at least as many microbatches as pipeline stages"),
-        ((4, 6, "interleaved_1f1b", 2), "multiple of pp"),
-        ((4, 8, "interleaved_1f1b", 1), "virtual_stages > 1"),
-        ((1, 4, "interleaved_1f1b", 2), "pp > 1"),
-        ((4, 8, "1f1b", 2), "needs pipeline_schedule interleaved_1f1b"),
-        ((4, 8, "zero_bubble"), "unknown pipeline schedule"),
-        ((0, 8, "gpipe"), "pp must be an integer >= 1"),
+        ((4, 3, "1f1b"), "torch", "P003: 3 micro-batches for pp=4 stages"),
+        ((4, 9, "interleaved_1f1b", 2), "torch", "P005: 9 micro-batches over pp=4 make 2 rounds"),
+        ((4, 6, "interleaved_1f1b", 2), "megatron", "P004: 6 micro-batches do not form whole groups of pp=4"),
+        ((1, 4, "interleaved_1f1b", 2), "torch", "pp > 1"),
+        ((4, 8, "1f1b", 2), "torch", "needs pipeline_schedule interleaved_1f1b"),
+        ((4, 8, "zero_bubble"), "torch", "unknown pipeline schedule"),
+        ((4, 8, "gpipe"), "deepspeed", "unknown schedule family"),
+        ((0, 8, "gpipe"), "torch", "pp must be an integer >= 1"),
     ],
 )
-def test_invalid_schedules_are_rejected(args, message):
+def test_invalid_schedules_are_rejected(args, family, message):
     with pytest.raises(ValueError, match=message):
-        pipeline_schedule(*args)
+        pipeline_schedule(*args, family=family)
+
+
+@pytest.mark.parametrize(
+    "args,family",
+    [
+        ((4, 3, "1f1b"), "megatron"),  # Megatron's 1F1B warms up min(pp - rank - 1, m)
+        ((4, 6, "interleaved_1f1b", 2), "torch"),  # one round of 6
+        ((4, 10, "interleaved_1f1b", 2), "torch"),  # two rounds of 5
+        ((4, 3, "interleaved_1f1b", 2), "torch"),  # fewer micro-batches than stages
+        ((4, 8, "interleaved_1f1b", 1), "torch"),  # one stage per rank
+        ((4, 3, "interleaved_1f1b", 1), "megatron"),  # no virtual stages: Megatron runs 1F1B
+    ],
+)
+def test_engine_schedules_the_engine_accepts_build_and_cannot_deadlock(args, family):
+    programs = pipeline_schedule(*args, family=family)
+    assert check_schedule(programs, buffered_sends=family == "torch").ok
 
 
 def test_gpipe_accepts_fewer_microbatches_than_stages():

@@ -161,7 +161,7 @@ def test_pipeline_with_context_parallelism(tmp_path):
     assert rows["layers.3.attn:kv"]["ranks"] == [r for r, s in enumerate(stage_of_rank(doc)) if s == 1]
 
 
-@pytest.mark.parametrize("fault,message", [("kill", "rank 1 died"), ("stall", "rank 1 stalled: rank(s) 0 timed out after 5 s waiting for it in 'stage.0->1:activation' (group pp)")])
+@pytest.mark.parametrize("fault,message", [("kill", "rank 1 died"), ("stall", "rank 1 stalled: rank(s) 0 timed out after 5 s waiting for it in 'stage.1->0:activation/grad' (group pp)")])
 def test_a_dead_or_stalled_stage_is_named(tmp_path, monkeypatch, fault, message):
     monkeypatch.setenv("MIXLE_RUNTIME_FAULT", f"{fault}:1:1")
     with pytest.raises(RunFailed) as failed:

@@ -24,7 +24,7 @@ INVALID = EXAMPLES / "invalid"
 LLAMA = (EXAMPLES / "llama3-8b-hsdp-tp.yaml").read_text()
 # Rules no example can show: C001/C003/C004 never fire on torch or megatron (both execute every axis
 # in every combination and have a distributed optimizer), and P008 is a warning (exit status 0).
-WITHOUT_EXAMPLE = {"C001", "C003", "C004", "P008"}
+WITHOUT_EXAMPLE = {"C001", "C003", "C004", "P008", "Q004"}
 
 
 def run_cli(capsys, *argv):
@@ -80,10 +80,12 @@ def test_every_rule_has_an_invalid_example_named_after_it():
 def test_torch_and_megatron_name_different_rule_sets():
     torch_set = {r.code for r in RULES.values() if r.in_rule_set("torch")}
     megatron_set = {r.code for r in RULES.values() if r.in_rule_set("megatron")}
+    titan_set = {r.code for r in RULES.values() if r.in_rule_set("torchtitan")}
     common = {r.code for r in RULES.values() if r.in_rule_set("common")}
-    assert {"E001", "E002", "T002", "T005", "P005"} <= torch_set - megatron_set
-    assert {"E003", "E006", "T003", "P004"} <= megatron_set - torch_set
-    assert common == torch_set & megatron_set
+    assert {"E001", "E002", "T005", "P003", "P005"} <= torch_set - megatron_set
+    assert {"E003", "E006", "T003", "P004", "Q004"} <= megatron_set - torch_set
+    assert {"T003", "P003", "P005"} <= titan_set and not {"T002", "P004", "Q002"} & titan_set
+    assert common == torch_set & megatron_set & titan_set
 
 
 def test_a_plugin_backend_is_checked_with_the_common_rules():
@@ -213,12 +215,15 @@ def test_engine_specific_rules():
     # etp=3 is no torch layout (E001); etp = tp with ep is one.
     assert moe("torch", etp=3) == {"E001"} and "E003" in moe("megatron", etp=3)
     assert moe("torch", tp=2, ep=4, etp=2) == set() == moe("megatron", tp=2, ep=4, etp=2)
-    assert moe("torch", tp=4, ep=2, kv=2) == set() and moe("megatron", tp=4, ep=2, kv=2) == {"T003"}
+    # Megatron-Core 0.16 replicates KV heads over tp (T002); 0.15 splits them (T003).
+    assert moe("torch", tp=4, ep=2, kv=2) == set() == moe("megatron", tp=4, ep=2, kv=2)
+    assert moe('{name: megatron, version: "0.15"}', tp=4, ep=2, kv=2) == {"T003"}
     assert moe("torch", tp=2, ep=4, vocab=255) == {"T005"} and moe("megatron", tp=2, ep=4, vocab=255) == set()
     tied = dict(tp=2, pp=2, ep=2, tie="true", mb=8)
     assert moe("torch", **tied) == set() == moe("megatron", **tied)  # both sum the tied copies' gradients
     assert moe("megatron", tp=2, ep=4, sp="false") == {"E006"} and moe("torch", tp=2, ep=4, sp="false") == {"E007"}
-    assert moe("megatron", tp=2, ep=1, sp="false") == set() and moe("torch", tp=2, ep=1, sp="false") == {"E007"}
+    # Megatron-Core's MoE layer refuses tp > 1 without sequence parallelism whatever ep is.
+    assert moe("megatron", tp=2, ep=1, sp="false") == {"E006"} and moe("torch", tp=2, ep=1, sp="false") == {"E007"}
 
 
 # --------------------------------------------------------------------------- the command line
@@ -295,7 +300,7 @@ def test_explain_prints_a_code_and_refuses_anything_else(capsys, tmp_path):
 def test_rules_lists_a_backend_rule_set(capsys):
     status, out, _ = run_cli(capsys, "rules", "--backend", "megatron")
     listed = {line.split()[0] for line in out.splitlines()}
-    assert status == 0 and {"S001", "T003", "E003", "R001"} <= listed and not {"T002", "E001"} & listed
+    assert status == 0 and {"S001", "T003", "E003", "R001"} <= listed and not {"E001", "P005"} & listed
     status, out, _ = run_cli(capsys, "rules", "--format", "json")
     assert set(RULES) <= {entry["code"] for entry in json.loads(out)}
     status, _, _ = run_cli(capsys, "rules", "--format", "markdown", "--backend", "torch")

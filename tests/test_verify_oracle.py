@@ -53,7 +53,7 @@ def dp_shard_of(spec: Spec, devices: int | None = None) -> int:
 
 
 def capabilities_of(spec: Spec):
-    name = normalize_backend_name(spec.backend)
+    name = backend_of(spec)
     return BUILTIN_CAPABILITIES.get(name) or get_training_backend(name).capabilities
 
 
@@ -154,7 +154,7 @@ def memory_bytes(spec: Spec, devices: int | None = None) -> Fraction:
     def group_amounts(group) -> dict:
         return _amounts([g[0] for g in group], [g[1] for g in group])
 
-    fsdp = dps > 1
+    fsdp = dps > 1 or (backend_of(spec) == "torchtitan" and dps * cp > 1)  # torchtitan shards over dp_shard * cp
     edp = Fraction(m.dp_replicate * dps * cp * tp, ep * etp)
     model_split = {"tp": Fraction(tp), "replicated": Fraction(1), "expert": Fraction(ep * etp)}
     data_split = {"tp": Fraction(dps * cp), "replicated": Fraction(dps * cp), "expert": edp} if fsdp else dict.fromkeys(model_split, Fraction(1))
@@ -192,6 +192,10 @@ def memory_bytes(spec: Spec, devices: int | None = None) -> Fraction:
     return total + activation_bytes(spec, v * c)
 
 
+def backend_of(spec: Spec) -> str:
+    return normalize_backend_name(spec.backend if isinstance(spec.backend, str) else spec.backend.name)
+
+
 def activation_bytes(spec: Spec, layers_on_rank: int) -> Fraction:
     model, m, t = spec.model, spec.mesh, spec.training
     if not isinstance(model, TransformerModel):
@@ -203,7 +207,7 @@ def activation_bytes(spec: Spec, layers_on_rank: int) -> Fraction:
         per_layer = 2 * sbh / tp if t.sequence_parallel else 2 * sbh
     else:
         per_layer = 34 * sbh / tp if t.sequence_parallel else sbh * (10 + Fraction(24, tp))
-        if t.activation_checkpointing == "none":
+        if t.activation_checkpointing == "none" and t.attention == "eager":  # flash is every engine's default
             per_layer += 5 * a * s * s * b / tp
     if t.precision == "fp32":
         per_layer *= 2
@@ -246,8 +250,13 @@ def violations(
     ``capabilities`` stand in for a plugin backend.
     """
     m, t, r = spec.mesh, spec.training, spec.resources
-    backend = normalize_backend_name(backend or spec.backend)
-    rule_set = backend if backend in ("torch", "megatron") else "common"
+    backend = normalize_backend_name(backend or backend_of(spec))
+    rule_set = backend if backend in ("torch", "megatron", "torchtitan") else "common"
+    ref = spec.backend if not isinstance(spec.backend, str) else None
+    # Megatron-Core 0.16 through Megatron-LM's arguments unless the spec says otherwise.
+    version = tuple(int(x) for x in ((ref.version if ref and ref.version else "0.16").split(".")))[:2]
+    entry = ref.entry if ref and ref.entry else "arguments"
+    megatron_16 = rule_set == "megatron" and version >= (0, 16)
     caps = capabilities or capabilities_of(spec)
     family = family_of(spec)
     neural = family in NEURAL
@@ -267,8 +276,8 @@ def violations(
     e = spec.elastic
     out: set[str] = set()
 
-    def rule(code: str, ok: bool, *, when: bool = True, only: str | None = None) -> None:
-        if when and (only is None or only == rule_set) and not ok:
+    def rule(code: str, ok: bool, *, when: bool = True, only: str | tuple[str, ...] | None = None) -> None:
+        if when and (only is None or rule_set in ((only,) if isinstance(only, str) else only)) and not ok:
             out.add(code)
 
     rule("D001", dpr * dps * tp * pp * cp == devices)
@@ -281,14 +290,14 @@ def violations(
     rule("E003", devices % (etp * ep * pp) == 0, when=neural, only="megatron")
     rule("E004", experts == 0 or experts % ep == 0, when=neural)
     rule("E005", ep == 1 or experts > 0)
-    rule("E006", not (ep > 1 and tp > 1) or sp, when=neural, only="megatron")
+    rule("E006", not (experts > 0 and tp > 1) or sp, when=neural, only="megatron")
     rule("E007", experts == 0 or tp == 1 or sp, when=neural, only="torch")
     rule("E008", experts == 0 or dps == 1 or experts % ((dpr * dps * tp * pp * cp) // (etp * pp)) == 0, when=neural, only="torch")
     if transformer:
         kv = model.num_kv_heads
         rule("T001", model.num_heads % tp == 0)
-        rule("T002", kv is None or kv % tp == 0 or tp % kv == 0, only="torch")
-        rule("T003", kv is None or kv % tp == 0, only="megatron")
+        rule("T002", kv is None or kv % tp == 0 or tp % kv == 0, when=rule_set == "torch" or megatron_16)
+        rule("T003", kv is None or kv % tp == 0, when=rule_set == "torchtitan" or (rule_set == "megatron" and not megatron_16))
         dense_layers = model.num_experts == 0 or model.moe_layer_frequency > 1
         rule("T004", not dense_layers or model.ffn_hidden_size % tp == 0)
         rule("T005", model.vocab_size % tp == 0, only="torch")
@@ -302,17 +311,21 @@ def violations(
         rule("C006", tp == pp == cp == ep == etp == 1, only="torch")
     if neural:
         rule("P002", pp * vpp <= layers)
-        rule("P003", pp == 1 or schedule == "gpipe" or mb >= pp)
-        rule("P004", pp == 1 or schedule != "interleaved_1f1b" or mb % pp == 0, only="megatron")
-        rule("P005", pp == 1 or schedule != "interleaved_1f1b" or mb % max(1, mb // pp) == 0, only="torch")
+        # One run of the schedule: the step's micro-batches (torchtitan: one accumulation step's).
+        steps = mb if rule_set == "torchtitan" else mb * gas
+        rule("P003", pp == 1 or schedule != "1f1b" or steps >= pp, only=("torch", "torchtitan"))
+        rule("P004", pp == 1 or schedule != "interleaved_1f1b" or vpp == 1 or steps % pp == 0, only="megatron")
+        rule("P005", pp == 1 or schedule != "interleaved_1f1b" or steps % max(1, steps // pp) == 0, only=("torch", "torchtitan"))
         rule("P006", vpp == 1 or pp > 1)
         rule("P007", vpp == 1 or pp == 1 or schedule == "interleaved_1f1b")
         if warnings:
             rule("P008", pp == 1 or mb >= 4 * pp)
         if seq is not None:
             rule("Q001", cp == 1 or seq % (2 * cp) == 0)
-            rule("Q003", not sp or seq % (tp * cp) == 0)
-        rule("Q002", not sp or tp > 1)
+            rule("Q003", not sp or tp == 1 or seq % (tp * cp) == 0)
+        rule("Q002", not sp or tp > 1, when=rule_set == "torch" or (rule_set == "megatron" and entry == "core"))
+        if warnings:
+            rule("Q004", not sp or tp > 1, when=rule_set == "megatron" and entry == "arguments")
         rule("R001", memory_bytes(spec, devices) <= device_memory(spec))
     rule("B001", batch == mbs * mb * gas * dpr * dps)
     degrees = {"dp_replicate": dpr, "dp_shard": dps, "tp": tp, "pp": pp, "cp": cp, "ep": ep, "etp": etp}
@@ -459,6 +472,14 @@ def meshes(limit: int = 64):
         yield from split(n, 5)
 
 
+def _versioned(i: int, backend: str):
+    """Every third megatron plan names Megatron-Core 0.15 through its config classes, so that the
+    rules that hold for one version or front end only are swept too."""
+    if backend == "megatron" and i % 3 == 1:
+        return {"name": "megatron", "version": "0.15", "entry": "core"}
+    return backend
+
+
 def plan(i: int, degrees: tuple[int, ...], shape: str, backend: str) -> dict:
     """A plan for one mesh; the other settings cycle with ``i`` so the sweep meets every rule both ways."""
     dpr, dps, tp, pp, cp = degrees
@@ -482,7 +503,7 @@ def plan(i: int, degrees: tuple[int, ...], shape: str, backend: str) -> dict:
     }
     devices = n if auto or i % 11 else n + 1
     spec = {
-        "model": SHAPES[shape], "mesh": mesh, "training": training, "backend": backend,
+        "model": SHAPES[shape], "mesh": mesh, "training": training, "backend": _versioned(i, backend),
         "resources": {"devices": devices, "memory": ("64KiB", "1MiB", "4MiB", "1GiB")[i // 10 % 4]},
     }
     if i % 17 == 0:
@@ -641,7 +662,7 @@ resources: {devices: 8, memory: MEMORY}
     cases = {
         "kv-heads": ("{tp: 4, dp_shard: 2}", "{global_batch_size: 8, micro_batch_size: 4, seq_len: 32}", "torch", "2GiB"),
         "batch": ("{tp: 2, dp_shard: 4}", "{global_batch_size: 12, micro_batch_size: 4, seq_len: 32}", "torch", "2GiB"),
-        "pipeline": ("{tp: 2, pp: 4}", "{global_batch_size: 4, micro_batch_size: 4, seq_len: 32}", "megatron", "2GiB"),
+        "pipeline": ("{tp: 2, pp: 4}", "{global_batch_size: 4, micro_batch_size: 4, seq_len: 32}", "torch", "2GiB"),
         "precision": ("{tp: 2, dp_shard: 4}", "{global_batch_size: 16, micro_batch_size: 4, seq_len: 32, precision: fp16}", "torch", "2GiB"),
         "memory": ("{tp: 1, dp_shard: 8}", "{global_batch_size: 16, micro_batch_size: 2, seq_len: 32}", "torch", "1000KiB"),
     }

@@ -28,6 +28,7 @@ from math import ceil, prod
 
 from mixle_compile.contracts import ParallelPlan, ParameterLayout, StateLayout
 from mixle_compile.lower.groups import kv_replica_axis, kv_replica_size
+from mixle_compile.memory_model import fsdp_shards
 from mixle_compile.parameters import Parameter
 
 # Names of the communication domains used in layouts and updates. Physical mesh axes keep their
@@ -120,6 +121,7 @@ def place_parameters(
     virtual_stages: int = 1,
     distributed_optimizer: bool = False,
     num_kv_heads: int | None = None,
+    fsdp_over_cp: bool = False,
 ) -> tuple[PlacedParameter, ...]:
     """A layout for every parameter (see the module docstring for the rules).
 
@@ -136,7 +138,7 @@ def place_parameters(
             stage, chunk = 0, 0
         placements: list[tuple[str, str]] = []
         local = list(p.shape)
-        fsdp = plan.dp_shard > 1
+        fsdp = fsdp_shards(dp_shard=plan.dp_shard, cp=plan.cp, over_cp=fsdp_over_cp)
         shared_head = replicas if replicas > 1 and p.tp_dim is not None and is_kv_projection(p.name) else 1
         if p.role == "expert":
             if plan.ep > 1 and p.shape:

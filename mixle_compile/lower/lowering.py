@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from mixle_compile.contracts import ParallelPlan
 from mixle_compile.diagnostics import Diagnostic
+from mixle_compile.engines import engine_profile
 from mixle_compile.lower.exactly_once import ReductionProblem, check_exactly_once
 from mixle_compile.lower.groups import RankGrid
 from mixle_compile.lower.layouts import PlacedParameter, place_parameters, stage_of_layer
@@ -51,6 +52,7 @@ def lower(spec: Spec, *, schedule: bool = True, document: SourceDocument | None 
         virtual_stages=t.virtual_pipeline_stages,
         distributed_optimizer=t.distributed_optimizer,
         num_kv_heads=kv_heads,
+        fsdp_over_cp=engine_profile(spec.backend).fsdp_over_cp,
     )
     stage_of = {i: stage_of_layer(i, max(num_layers, 1), plan.pp, t.virtual_pipeline_stages)[0] for i in range(num_layers)}
     updates = tuple(
@@ -65,7 +67,10 @@ def lower(spec: Spec, *, schedule: bool = True, document: SourceDocument | None 
     )
     grid = grid_for(plan, updates, spec.mesh.order)
     steps = (
-        step_schedule(plan, updates, grid, pipeline=t.pipeline_schedule, virtual_stages=t.virtual_pipeline_stages)
+        step_schedule(
+            plan, updates, grid, pipeline=t.pipeline_schedule, virtual_stages=t.virtual_pipeline_stages,
+            engine=engine_profile(spec.backend),
+        )
         if schedule
         else None
     )

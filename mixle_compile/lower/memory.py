@@ -18,7 +18,9 @@ from math import ceil
 from mixle_compile.contracts import ParallelPlan, StateLayout
 from mixle_compile.lower.layouts import KV_HEAD_AXIS, PlacedParameter, expert_data_size, stage_of_layer
 from mixle_compile.lower.updates import PlannedUpdate
+from mixle_compile.engines import engine_profile
 from mixle_compile.memory_model import (
+    fsdp_shards,
     NUMBERS,
     activation_bytes_per_layer,
     gathered_parameter_bytes,
@@ -92,7 +94,7 @@ def stage_memory(spec: Spec, plan: ParallelPlan, placed: tuple[PlacedParameter, 
         units: dict[object, int] = {}  # a layer, or (None) the embedding and head
         for p in mine:
             units[p.parameter.layer] = units.get(p.parameter.layer, 0) + _tp_local_bytes(p, plan)
-        gathered = gathered_parameter_bytes(NUMBERS, fsdp=plan.dp_shard > 1, largest_unit_bytes=max(units.values(), default=0))
+        gathered = gathered_parameter_bytes(NUMBERS, fsdp=fsdp_shards(dp_shard=plan.dp_shard, cp=plan.cp, over_cp=engine_profile(spec.backend).fsdp_over_cp), largest_unit_bytes=max(units.values(), default=0))
         out.append(StageMemory(stage, params, gathered, grads, state, _activation_bytes(spec, plan, stage)))
     return tuple(out)
 
@@ -124,7 +126,7 @@ def _activation_bytes(spec: Spec, plan: ParallelPlan, stage: int) -> int:
     per_layer = activation_bytes_per_layer(
         NUMBERS, **shape, hidden_size=model.hidden_size, num_heads=model.num_heads, sequence_parallel=t.sequence_parallel,
         full_recompute=t.activation_checkpointing == "full", selective_recompute=t.activation_checkpointing == "selective",
-        fp32=t.precision == "fp32",
+        fp32=t.precision == "fp32", eager_attention=(t.attention or engine_profile(spec.backend).default_attention) == "eager",
     )
     layers_here = sum(1 for i in range(model.num_layers) if stage_of_layer(i, model.num_layers, plan.pp, t.virtual_pipeline_stages)[0] == stage)
     in_flight = micro_batches_in_flight(

@@ -39,6 +39,15 @@ from typing import Any, Union
 
 from mixle_compile.contracts import ParallelPlan
 from mixle_compile.lower.groups import GroupRule, RankGrid
+from mixle_compile.schedules import (
+    SCHEDULES,
+    ScheduleFamily,
+    bubble_fraction,
+    interleaved_group,
+    refusal,
+    runs,
+    warmup_forwards,
+)
 
 __all__ = [
     "OpKind",
@@ -78,7 +87,6 @@ class OpKind(str, Enum):
 ACTIVATION = "activation"
 ACTIVATION_GRAD = "activation_grad"
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
 _P2P = (OpKind.send, OpKind.recv)
 _COMPUTE = (OpKind.forward, OpKind.backward, OpKind.optimizer)
@@ -169,17 +177,15 @@ def collective(name: str, group: str, tag: str = "", bytes: int = 0) -> Op:
 # ---------------------------------------------------------------------------
 
 
-def bubble_fraction(pp: int, microbatches: int, virtual_stages: int = 1) -> float:
-    """Idle fraction of a step: ``(pp - 1) / (virtual_stages * microbatches + pp - 1)``."""
-    return (pp - 1) / (virtual_stages * microbatches + pp - 1)
-
-
-def _iterations(schedule: str, pp: int, m: int, v: int, stage: int) -> list[list[tuple[OpKind, int, int]]]:
+def _iterations(
+    family: ScheduleFamily, schedule: str, pp: int, m: int, v: int, stage: int
+) -> list[list[tuple[OpKind, int, int]]]:
     """The stage's compute ops as ``(kind, chunk, microbatch)``, grouped into iterations.
 
     Between two iterations a stage issues one batched point-to-point call.
     GPipe and 1F1B issue one after every compute op; interleaved 1F1B pairs
-    a forward with a backward in its steady state.
+    a forward with a backward in its steady state. The warm-up and the
+    interleaved micro-batch groups are the engine's (:mod:`mixle_compile.schedules`).
     """
     F, B = OpKind.forward, OpKind.backward
     if schedule == "gpipe":
@@ -187,24 +193,22 @@ def _iterations(schedule: str, pp: int, m: int, v: int, stage: int) -> list[list
     if schedule == "1f1b":
         # Warm-up forwards fill the pipe below this stage; then one forward,
         # one backward; the cool-down drains the backwards still in flight.
-        warmup = min(pp - stage - 1, m)
+        warmup = warmup_forwards(schedule, pp, m, 1, stage, 1)
         order = [[(F, 0, i)] for i in range(warmup)]
         for i in range(m - warmup):
             order += [[(F, 0, warmup + i)], [(B, 0, i)]]
         return order + [[(B, 0, i)] for i in range(m - warmup, m)]
-    # Interleaved: microbatches advance in groups of pp through the chunks,
+    # Interleaved: microbatches advance in groups through the chunks,
     # forwards chunk by chunk upwards and backwards downwards.
     total = m * v
+    group = interleaved_group(family, pp, m)
 
     def unit(k: int, backward: bool) -> tuple[int, int]:
-        group, within = divmod(k, pp * v)
-        chunk = within // pp
-        return (v - 1 - chunk if backward else chunk), group * pp + within % pp
+        first, within = divmod(k, group * v)
+        chunk = within // group
+        return (v - 1 - chunk if backward else chunk), first * group + within % group
 
-    if m == pp:
-        warmup = total
-    else:
-        warmup = min((pp - stage - 1) * 2 + (v - 1) * pp, total)
+    warmup = warmup_forwards(schedule, pp, m, v, stage, group)
     order = [[(F, *unit(k, False))] for k in range(warmup)]
     for i in range(total - warmup):
         order.append([(F, *unit(warmup + i, False)), (B, *unit(i, True))])
@@ -217,6 +221,7 @@ def pipeline_schedule(
     schedule: str,
     virtual_stages: int = 1,
     *,
+    family: ScheduleFamily | str = ScheduleFamily.TORCH,
     activation_bytes: int = 0,
     optimizer_step: bool = True,
 ) -> tuple[tuple[Op, ...], ...]:
@@ -233,11 +238,10 @@ def pipeline_schedule(
     the first across chunks.  With ``optimizer_step`` every program ends with
     an ``optimizer`` op.
 
-    Raises ``ValueError`` for an unknown schedule, for ``1f1b`` with fewer
-    microbatches than stages (the pipe would never fill), for
-    ``virtual_stages > 1`` outside ``interleaved_1f1b``, and for
-    ``interleaved_1f1b`` without ``virtual_stages > 1``, ``pp > 1`` and
-    ``microbatches % pp == 0`` (Megatron's requirements).
+    ``family`` is the engine whose schedules are built (``torch`` or ``megatron``). Raises
+    ``ValueError`` for an unknown schedule or family, for ``virtual_stages > 1`` outside
+    ``interleaved_1f1b``, and with the engine's own requirement (:mod:`mixle_compile.schedules`,
+    the rule the verifier checks) for numbers its schedule refuses.
     """
     for what, value in (("pp", pp), ("microbatches", microbatches), ("virtual_stages", virtual_stages)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -245,23 +249,18 @@ def pipeline_schedule(
     _require_count("activation_bytes", activation_bytes)
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {schedule!r}; valid: {', '.join(SCHEDULES)}")
-    if schedule == "interleaved_1f1b":
-        if virtual_stages < 2:
-            raise ValueError("interleaved_1f1b needs virtual_stages > 1; with one chunk per stage use 1f1b")
-        if pp < 2:
-            raise ValueError("interleaved_1f1b needs pp > 1: its chunks pass activations between stages")
-        if microbatches % pp:
-            raise ValueError(
-                f"interleaved_1f1b needs microbatches to be a multiple of pp ({pp}), got {microbatches}; "
-                f"use {(microbatches // pp + 1) * pp} microbatches"
-            )
-    elif virtual_stages != 1:
+    try:
+        family = ScheduleFamily(family)
+    except ValueError:
+        raise ValueError(f"unknown schedule family {family!r}; valid: {', '.join(ScheduleFamily)}") from None
+    if virtual_stages != 1 and schedule != "interleaved_1f1b":
         raise ValueError(f"virtual_stages = {virtual_stages} needs pipeline_schedule interleaved_1f1b, not {schedule}")
-    if schedule == "1f1b" and microbatches < pp:
-        raise ValueError(
-            f"1f1b needs at least as many microbatches as pipeline stages ({pp}), got {microbatches}: "
-            f"the pipe never fills; raise microbatches to {pp} or more, or use gpipe"
-        )
+    if virtual_stages != 1 and pp == 1:
+        raise ValueError("virtual stages need pp > 1: their chunks pass activations between stages")
+    refused = refusal(family, schedule, pp, microbatches, virtual_stages)
+    if refused is not None:
+        raise ValueError(f"{refused.code}: {refused.broken(pp, microbatches)}; {refused.fix(pp, microbatches)}")
+    schedule = runs(family, schedule, pp, virtual_stages)
     last_virtual = pp * virtual_stages - 1
 
     def message(stage: int, unit: tuple[OpKind, int, int], send: bool) -> list[Op]:
@@ -277,7 +276,7 @@ def pipeline_schedule(
 
     programs = []
     for stage in range(pp):
-        iterations = _iterations(schedule, pp, microbatches, virtual_stages, stage)
+        iterations = _iterations(family, schedule, pp, microbatches, virtual_stages, stage)
         ops: list[Op] = []
         batch = 0
         previous: list[tuple[OpKind, int, int]] = []
@@ -504,6 +503,7 @@ def check_schedule(
     grid: RankGrid | None = None,
     *,
     exhaustive_limit: int = 1024,
+    buffered_sends: bool = False,
 ) -> ScheduleCheck:
     """Check that a step's programs match up and cannot deadlock.
 
@@ -521,7 +521,9 @@ def check_schedule(
     versa, and messages between two ranks are received in the order sent;
     (c) a simulation with blocking sends, receives and collectives reaches
     the end of every program, else the cycle of waits is reported with the
-    ranks and ops involved.
+    ranks and ops involved. With ``buffered_sends`` a send completes when it is
+    posted (its wait is deferred to the end of the step, as torch's
+    ``_PipelineScheduleRuntime`` does); receives still wait for their send.
     """
     world = _prepare(programs, grid, exhaustive_limit)
     problems: list[str] = []
@@ -529,7 +531,7 @@ def check_schedule(
     if not problems:
         problems += _check_collective_sequences(world)
         problems += _check_messages(world)
-        problems += list(_simulate(world, lambda op: 0).deadlock)
+        problems += list(_simulate(world, lambda op: 0, buffered_sends=buffered_sends).deadlock)
     count = len(world.programs)
     note = (
         f"checked {count} representative ranks, one per pipeline stage: ranks of a stage run the "
@@ -744,7 +746,7 @@ def _multiset_minus(items: list[tuple[tuple, Any]], other: list[tuple]) -> list[
 # -- (simulation) ----------------------------------------------------------------
 
 
-def _simulate(world: _World, cost: Callable[[Op], Any]) -> Simulation:
+def _simulate(world: _World, cost: Callable[[Op], Any], *, buffered_sends: bool = False) -> Simulation:
     ranks = list(world.programs)
     # Steps: a compute op, a collective, or a batch of point-to-point ops posted together.
     steps: dict[int, list[tuple[str, list[int]]]] = {}
@@ -792,6 +794,7 @@ def _simulate(world: _World, cost: Callable[[Op], Any]) -> Simulation:
     busy: dict[int, Any] = {r: 0 for r in ranks}
     posted = {r: False for r in ranks}
     matched: dict[tuple[int, int], Any] = {}  # (rank, position) -> time the op met its partner
+    sent: dict[tuple[int, int], Any] = {}  # buffered sends posted, and when
     arrivals: dict[tuple, list[int]] = defaultdict(list)
     queue = deque(ranks)
 
@@ -835,6 +838,21 @@ def _simulate(world: _World, cost: Callable[[Op], Any]) -> Simulation:
                     if (rank, position) in matched or (rank, position) not in partner:
                         continue
                     other, other_pos = partner[(rank, position)]
+                    if buffered_sends and program[position].kind is OpKind.send:
+                        # The message waits for its receive; the sender goes on.
+                        sent[(rank, position)] = clock[rank]
+                        matched[(rank, position)] = clock[rank]
+                        waiting = posted[other] and pc[other] < len(steps[other]) and step_of[(other, other_pos)] == pc[other]
+                        if waiting and (other, other_pos) not in matched:
+                            matched[(other, other_pos)] = clock[rank]
+                            if batch_done(other):
+                                finish_step(other, max(matched[(other, p)] for p in steps[other][pc[other]][1]))
+                                queue.append(other)
+                        continue
+                    if buffered_sends and program[position].kind is OpKind.recv:
+                        if (other, other_pos) in sent:
+                            matched[(rank, position)] = max(clock[rank], sent[(other, other_pos)])
+                        continue
                     if posted[other] and pc[other] < len(steps[other]) and step_of[(other, other_pos)] == pc[other]:
                         when = max(clock[rank], clock[other])
                         matched[(rank, position)] = when

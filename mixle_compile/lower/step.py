@@ -11,11 +11,21 @@ order, every send meets its receive, and no rank waits in a cycle.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from mixle_compile.contracts import CollectiveKind, ParallelPlan
 from mixle_compile.lower.groups import RankGrid, rule_name
-from mixle_compile.lower.schedule import Op, ScheduleCheck, check_schedule, collective, insert_collectives, pipeline_schedule
+from mixle_compile.engines import EngineProfile, engine_profile
+from mixle_compile.lower.schedule import (
+    Op,
+    OpKind,
+    ScheduleCheck,
+    check_schedule,
+    collective,
+    insert_collectives,
+    pipeline_schedule,
+)
 from mixle_compile.lower.updates import PlannedUpdate
 
 EXHAUSTIVE_RANKS = 16
@@ -44,11 +54,14 @@ def step_schedule(
     *,
     pipeline: str,
     virtual_stages: int,
+    engine: EngineProfile | None = None,
 ) -> StepSchedule:
-    micro_steps = plan.microbatches * plan.gradient_accumulation_steps
+    engine = engine or engine_profile("torch")
     if plan.pp == 1:
         pipeline, virtual_stages = "gpipe", 1
-    programs = pipeline_schedule(plan.pp, micro_steps, pipeline, virtual_stages)
+    per_run = engine.schedule_microbatches(plan.microbatches, plan.gradient_accumulation_steps)
+    runs = plan.microbatches * plan.gradient_accumulation_steps // per_run
+    programs = _repeated(pipeline_schedule(plan.pp, per_run, pipeline, virtual_stages, family=engine.schedules), runs, per_run)
     for phase, anchor in _ANCHOR.items():
         for stage in range(plan.pp):
             # Per-micro-batch phases get one copy per compute op from the anchor; step-level phases
@@ -64,4 +77,27 @@ def step_schedule(
                 programs = insert_collectives(programs, ops, at=anchor, stages=[stage])
     # Ranks of a stage run one program, so one representative per stage is an exact check;
     # small worlds are also checked rank by rank.
-    return StepSchedule(programs, check_schedule(programs, grid, exhaustive_limit=EXHAUSTIVE_RANKS))
+    check = check_schedule(programs, grid, exhaustive_limit=EXHAUSTIVE_RANKS, buffered_sends=engine.buffered_sends)
+    return StepSchedule(programs, check)
+
+
+def _repeated(programs: tuple[tuple[Op, ...], ...], runs: int, per_run: int) -> tuple[tuple[Op, ...], ...]:
+    """A step of `runs` schedule runs back to back (torchtitan runs one per accumulation step), the
+    micro-batches and point-to-point batches of each run numbered after the last; one optimizer step."""
+    if runs == 1:
+        return programs
+    out = []
+    for program in programs:
+        body = [op for op in program if op.kind is not OpKind.optimizer]
+        batches = 1 + max((op.batch for op in body if op.batch is not None), default=-1)
+        ops = [
+            dataclasses.replace(
+                op,
+                microbatch=None if op.microbatch is None else op.microbatch + r * per_run,
+                batch=None if op.batch is None else op.batch + r * batches,
+            )
+            for r in range(runs)
+            for op in body
+        ]
+        out.append(tuple(ops) + tuple(op for op in program if op.kind is OpKind.optimizer))
+    return tuple(out)

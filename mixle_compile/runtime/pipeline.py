@@ -15,7 +15,8 @@ pipeline. The rank walks its program in ``schedule.stages[s]`` op by op:
 - ``send`` / ``recv`` (tag ``activation`` or ``activation_grad``): point-to-point transfers over
   the ``pp`` group of the local activation (``[s / cp, b, h]``: a context-parallel rank's two
   chunks of the sequence; ``s / cp / tp`` under sequence parallelism); the consecutive transfers of
-  one ``batch`` are issued together and then awaited, as the plan batches them; each is counted as
+  one ``batch`` are issued together and their receives awaited, as the plan batches them (sends are
+  awaited at the end of the step, as torch's pipelining runtime does); each is counted as
   the plan's ``stage.A->B:activation`` (``/grad``) before it is issued;
 - ``collective``: activation and parameter-gather updates are issued by the forward and backward
   they belong to; the gradient reductions of the step run at the first one (bucketed and started
@@ -201,6 +202,7 @@ class PipelineSession:
         self._grads: dict[tuple[int, int], torch.Tensor] = {}
         loss_sum = 0.0
         pending: list = []
+        self._sends_in_flight: list = []
         batch_id = object()
         last = self.layout.last_virtual
         reduced = False
@@ -261,6 +263,9 @@ class PipelineSession:
                     reduced = True
                 self._optimizer_step()
         self._wait(pending)
+        for work, op, key, tensor, group, node_id in self._sends_in_flight:
+            self.comm._guard(node_id, group, work.wait, kind="p2p")
+        self._sends_in_flight.clear()
         if self._outputs or self._grads or self._inputs:
             raise PlanMismatch(
                 f"stage {self.stage}'s program left {len(self._outputs)} forward output(s), {len(self._grads)} received gradient(s) "
@@ -330,10 +335,14 @@ class PipelineSession:
         return (work, op, key, tensor, group, node_id)
 
     def _wait(self, pending: list) -> None:
-        for work, op, key, tensor, group, node_id in pending:
-            self.comm._guard(node_id, group, work.wait, kind="p2p")
+        """Wait for a batch's receives. Its sends are awaited at the end of the step (their tensors
+        kept alive until then), as torch's pipelining runtime does: a send never blocks its stage."""
+        for entry in pending:
+            work, op, key, tensor, group, node_id = entry
             if op.kind != "recv":
+                self._sends_in_flight.append(entry)
                 continue
+            self.comm._guard(node_id, group, work.wait, kind="p2p")
             v = self.layout.virtual(self.stage, op.chunk)
             if op.tag == "activation":
                 # The received activation is a leaf of this stage's graph: without requires_grad the

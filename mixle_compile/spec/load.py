@@ -377,14 +377,21 @@ def consistency_diagnostics(spec: Spec, doc: SourceDocument) -> list[Diagnostic]
 
 
 def _backend_diagnostics(spec: Spec, doc: SourceDocument) -> list[Diagnostic]:
-    from mixle_compile.contracts import available_training_backends, normalize_backend_name
+    from mixle_compile.contracts import available_training_backends
+    from mixle_compile.engines import UnknownVersion, backend_name, engine_profile
 
     names = available_training_backends()
-    if normalize_backend_name(spec.backend) in names:
-        return []
-    close = difflib.get_close_matches(normalize_backend_name(spec.backend), names, n=1, cutoff=0.4)
-    hint = (f"did you mean {close[0]!r}? " if close else "") + f"registered backends: {', '.join(names)}"
-    return [doc.diagnostic(codes.UNKNOWN_BACKEND.code, f"`backend` {spec.backend!r} is not a registered training backend", ("backend",), hint=hint)]
+    name = backend_name(spec.backend)
+    at = ("backend",) if isinstance(spec.backend, str) else ("backend", "name")
+    if name not in names:
+        close = difflib.get_close_matches(name, names, n=1, cutoff=0.4)
+        hint = (f"did you mean {close[0]!r}? " if close else "") + f"registered backends: {', '.join(names)}"
+        return [doc.diagnostic(codes.UNKNOWN_BACKEND.code, f"`backend` {name!r} is not a registered training backend", at, hint=hint)]
+    try:
+        engine_profile(spec.backend)
+    except UnknownVersion as exc:
+        return [doc.diagnostic(codes.INVALID_VALUE.code, str(exc), ("backend", exc.field), hint=exc.hint)]
+    return []
 
 
 def _auto_diagnostics(spec: Spec, doc: SourceDocument) -> list[Diagnostic]:

@@ -391,6 +391,17 @@ class TrainingSpec(StrictModel):
     pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
     virtual_pipeline_stages: Degree = 1
     activation_checkpointing: Literal["none", "selective", "full"] = "none"
+    attention: Literal["flash", "eager"] | None = Field(
+        default=None,
+        description="attention kernel: flash (fused; never stores the score matrix) or eager; defaults to the engine's (flash)",
+    )
+    pipeline_layers: Literal["even"] | Annotated[list[Count], Field(min_length=1, max_length=1 << 16)] | None = Field(
+        default=None,
+        description=(
+            "how layers are split over pipeline stages: 'even', or the layers of each (virtual) stage in model order; "
+            "defaults to the engine's rule"
+        ),
+    )
     steps: Size = 1
     seed: Count = 0
 
@@ -455,11 +466,24 @@ class ElasticSpec(StrictModel):
         return self
 
 
+class BackendRef(StrictModel):
+    """A backend with its version (and, for megatron, the front end that builds its config)."""
+
+    name: Name
+    version: Annotated[StrictStr, Field(pattern=r"^\d+(\.\d+){0,2}$")] | None = Field(
+        default=None, description="engine version, e.g. '0.16'; defaults to the newest supported"
+    )
+    entry: Name | None = Field(
+        default=None,
+        description="megatron only: 'arguments' (Megatron-LM argument validation, the default) or 'core' (Megatron-Core config classes)",
+    )
+
+
 class Spec(StrictModel):
     model: ModelSpec
     mesh: MeshSpec
     training: TrainingSpec
-    backend: Name
+    backend: Union[Name, BackendRef]
     resources: Resources
     elastic: ElasticSpec | None = None
 

@@ -14,6 +14,7 @@ from functools import cached_property
 from typing import Any
 
 from mixle_compile.contracts import BackendCapabilities
+from mixle_compile.engines import EngineProfile, engine_profile
 from mixle_compile.spec.models import DistributionModel, ModulesModel, Spec, TrainingSpec, TransformerModel
 from mixle_compile.spec.source import Path_, dotted
 from mixle_compile.verify.memory import ParameterFootprint, parameter_footprint
@@ -99,6 +100,7 @@ class PlanFacts:
     family: str
     backend: str  # normalised backend name
     capabilities: BackendCapabilities
+    engine: EngineProfile
     fields: tuple[Field, ...]
     dp_shard_auto: bool
     elastic: ElasticRange | None
@@ -121,7 +123,7 @@ class PlanFacts:
 
 def plan_facts(spec: Spec) -> PlanFacts:
     """Read a validated spec (one whose own consistency checks passed)."""
-    from mixle_compile.contracts import BUILTIN_CAPABILITIES, get_training_backend, normalize_backend_name
+    from mixle_compile.contracts import BUILTIN_CAPABILITIES, get_training_backend
 
     mesh, training, resources = spec.mesh, spec.training, spec.resources
     fields: list[Field] = []
@@ -152,6 +154,10 @@ def plan_facts(spec: Spec) -> PlanFacts:
         add(name, ("training", name), getattr(training, name), "bool")
     for name, choices in ENUMS.items():
         add(name, ("training", name), choices.index(getattr(training, name)), name)
+    engine = engine_profile(spec.backend)
+    attention = training.attention or engine.default_attention
+    add("eager_attention", ("training", "attention"), attention == "eager", "bool",
+        attention if training.attention else f"{attention} (the engine's default)")
 
     elastic = None
     add("elastic", ("elastic",), spec.elastic is not None, "bool", "set" if spec.elastic is not None else "absent")
@@ -198,12 +204,13 @@ def plan_facts(spec: Spec) -> PlanFacts:
         assert isinstance(model, DistributionModel)
         family = "distribution"
 
-    backend = normalize_backend_name(spec.backend)
+    backend = engine.name
     capabilities = BUILTIN_CAPABILITIES.get(backend) or get_training_backend(backend).capabilities
     return PlanFacts(
         family=family,
         backend=backend,
         capabilities=capabilities,
+        engine=engine,
         fields=tuple(fields),
         dp_shard_auto=auto,
         elastic=elastic,

@@ -15,11 +15,12 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from mixle_compile.diagnostics import Code, Severity, register_code
+from mixle_compile.engines import EngineProfile, version_key
 from mixle_compile.verify.facts import NEURAL, PlanFacts
 
 # Engines with a rule set of their own. A backend registered under another name is checked with
 # the rules every engine shares (the common set) plus its declared capabilities.
-ENGINES = ("torch", "megatron")
+ENGINES = ("torch", "torchtitan", "megatron")
 EVERY_FAMILY = frozenset({"transformer", "modules", "distribution"})
 
 
@@ -36,6 +37,11 @@ class Rule:
     fields: tuple[str, ...] = ()  # the symbols a person should see first, in that order
     context: tuple[str, ...] = ()  # spec paths always named (e.g. `backend` for capabilities)
     engines: frozenset[str] | None = None  # None: every engine
+    # Per engine, the versions the rule holds for: ">=0.16", "<0.16" or ">=0.12,<0.16"; an engine
+    # not named holds at every version. Megatron's rules also name their front end: "arguments"
+    # or "core" in `entries` (None: both).
+    versions: tuple[tuple[str, str], ...] = ()
+    entries: frozenset[str] | None = None
     families: frozenset[str] = NEURAL
     needs: tuple[str, ...] = ()  # symbols the spec must have for the rule to apply
     severity: Severity = Severity.error
@@ -44,12 +50,28 @@ class Rule:
     def applies_to(self, facts: PlanFacts) -> bool:
         return facts.family in self.families and all(facts.has(s) for s in self.needs)
 
-    def in_rule_set(self, rule_set: str) -> bool:
-        return self.engines is None or rule_set in self.engines
+    def in_rule_set(self, rule_set: str, engine: EngineProfile | None = None) -> bool:
+        if self.engines is not None and rule_set not in self.engines:
+            return False
+        if engine is None or not engine.known:
+            return True
+        if self.entries is not None and engine.entry is not None and engine.entry not in self.entries:
+            return False
+        return all(version_holds(engine.version, bound) for name, bound in self.versions if name == engine.name)
 
     @property
     def engines_text(self) -> str:
-        return "all" if self.engines is None else ", ".join(e for e in ENGINES if e in self.engines)
+        names = ENGINES if self.engines is None else [e for e in ENGINES if e in self.engines]
+        if self.engines is None and not self.versions and self.entries is None:
+            return "all"
+        out = []
+        for e in names:
+            bounds = [b for n, b in self.versions if n == e]
+            text = e + (" " + " ".join(bounds) if bounds else "")
+            if e == "megatron" and self.entries is not None:
+                text += " (" + "/".join(sorted(self.entries)) + ")"
+            out.append(text)
+        return ", ".join(out)
 
 
 RULES: dict[str, Rule] = {}
@@ -78,6 +100,23 @@ def rule_set_name(backend: str) -> str:
 
 
 def rules_for(facts: PlanFacts) -> tuple[Rule, ...]:
-    """The rules that apply to one spec: its backend's rule set, filtered by what the spec has."""
+    """The rules that apply to one spec: its backend's rule set at its version, filtered by what
+    the spec has."""
     name = rule_set_name(facts.backend)
-    return tuple(r for r in RULES.values() if r.in_rule_set(name) and r.applies_to(facts))
+    return tuple(r for r in RULES.values() if r.in_rule_set(name, facts.engine) and r.applies_to(facts))
+
+
+def version_holds(version: str | None, bounds: str) -> bool:
+    """Whether ``version`` satisfies every comma-separated bound, e.g. ``">=0.12,<0.16"``."""
+    if version is None:
+        return True
+    key = version_key(version)
+    for bound in bounds.split(","):
+        bound = bound.strip()
+        op = ">=" if bound.startswith(">=") else "<" if bound.startswith("<") else None
+        if op is None:
+            raise ValueError(f"a rule's version bound must start with '>=' or '<', got {bound!r}")
+        limit = version_key(bound[len(op):])
+        if (op == ">=" and key < limit) or (op == "<" and key >= limit):
+            return False
+    return True

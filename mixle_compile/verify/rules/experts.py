@@ -131,19 +131,22 @@ MOE_NEEDS_SEQUENCE_PARALLEL = define(
     Rule(
         code="E006",
         name="moe-tensor-parallel-needs-sequence-parallel",
-        title="Megatron: ep > 1 with tp > 1 needs sequence_parallel.",
+        title="Megatron: mixture-of-experts layers with tp > 1 need sequence_parallel.",
         docs=(
-            "Megatron-Core's token dispatcher expects the sequence-parallel activation layout when experts and "
-            "tensor parallelism are combined, and refuses the configuration otherwise."
+            "Megatron-Core's MoE layer refuses to train with tensor parallelism and without sequence "
+            "parallelism, whatever ep is (`MoELayer.forward` raises \"During training, performance may degrade "
+            "if MoE and tensor parallelism are enabled without also enabling sequence parallelism\"), in every "
+            "version modelled (0.12-0.16). Up to 0.14, `ModelParallelConfig` also refuses ep > 1 with tp > 1 "
+            "without it; from 0.15 that check only warns, so the MoE layer is what stops training."
         ),
         engine_reference=(
-            "Megatron-Core `ModelParallelConfig.__post_init__`: \"When using expert parallelism and tensor "
-            "parallelism, sequence parallelism must be used\""
+            "Megatron-Core 0.12-0.16 megatron/core/transformer/moe/moe_layer.py `MoELayer.forward`; "
+            "megatron/core/model_parallel_config.py `__post_init__` (raises up to 0.14, warns from 0.15)"
         ),
-        constraint=lambda v: implies(all_of(v.ep > 1, v.tp > 1), v.sequence_parallel),
-        explain=lambda x: f"ep={x.ep} and tp={x.tp} run without sequence parallelism",
+        constraint=lambda v: implies(all_of(v.num_experts > 0, v.tp > 1), v.sequence_parallel),
+        explain=lambda x: f"{x.num_experts} experts per MoE layer with tp={x.tp} run without sequence parallelism",
         hint=lambda x: "set training.sequence_parallel: true",
-        fields=("sequence_parallel", "ep", "tp"),
+        fields=("sequence_parallel", "num_experts", "tp", "ep"),
         engines=frozenset({"megatron"}),
         families=NEURAL,
     )

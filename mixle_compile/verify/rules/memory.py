@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from mixle_compile.memory_model import (
     activation_bytes_per_layer,
+    fsdp_shards,
     gathered_parameter_bytes,
     logits_bytes,
     micro_batches_in_flight,
@@ -51,7 +52,7 @@ def per_rank_bytes(v) -> dict[str, object]:
     # How many ranks share one copy of each category, as the layouts place them: the model-parallel
     # split (tp; experts ep * etp), times, under FSDP (dp_shard > 1), the data-parallel sharding
     # (dp_shard * cp; experts: the whole expert-data domain, world / (ep * etp * pp)).
-    fsdp = v.dp_shard > 1
+    fsdp = fsdp_shards(dp_shard=v.dp_shard, cp=v.cp, over_cp=v.facts.engine.fsdp_over_cp)
     expert_data = real(v.data_parallel * v.cp * v.tp) / real(v.ep * v.etp)
     model_split = {"tensor_parallel": real(v.tp), "replicated": real(1), "expert": real(v.ep * v.etp)}
     data_split = {
@@ -125,7 +126,7 @@ def activation_bytes(v, layers_on_rank) -> object:
     per_layer = activation_bytes_per_layer(
         TERMS, **shape, hidden_size=fp.hidden_size, num_heads=fp.num_heads, sequence_parallel=v.sequence_parallel,
         full_recompute=v.is_("activation_checkpointing", "full"), selective_recompute=v.is_("activation_checkpointing", "selective"),
-        fp32=v.is_("precision", "fp32"),
+        fp32=v.is_("precision", "fp32"), eager_attention=v.eager_attention,
     )
     in_flight = micro_batches_in_flight(
         TERMS, pp=v.pp, stage=0, microbatches=v.microbatches, gpipe=v.is_("pipeline_schedule", "gpipe"),

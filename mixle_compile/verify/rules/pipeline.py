@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from mixle_compile.diagnostics import Severity
+from mixle_compile.schedules import applies, bubble_fraction, requirement
 from mixle_compile.verify.logic import all_of, implies, larger
 from mixle_compile.verify.rule import Rule, define
 from mixle_compile.verify.wording import alternatives, divisors, percent
 
 TRANSFORMER = frozenset({"transformer"})
-ONE_F_ONE_B = ("1f1b", "interleaved_1f1b")
 
 
 def _stage_hint(x) -> str:
@@ -64,80 +64,95 @@ STAGES_EXCEED_LAYERS = define(
     )
 )
 
-TOO_FEW_MICROBATCHES = define(
-    Rule(
-        code="P003",
-        name="too-few-microbatches",
-        title="1F1B schedules need at least pp micro-batches.",
-        docs=(
-            "A one-forward-one-backward schedule (plain or interleaved) fills the pipeline with one micro-batch "
-            "per stage before its steady state; with fewer micro-batches than stages it cannot run. GPipe has "
-            "no such limit (but see P008)."
-        ),
-        engine_reference=(
-            "torch.distributed.pipelining `Schedule1F1B`: \"Number of microbatches must be greater than or "
-            "equal to the number of stages\"; Megatron-Core interleaved schedule (micro-batch group >= pp)"
-        ),
-        constraint=lambda v: implies(
-            all_of(v.pp > 1, v.is_("pipeline_schedule", *ONE_F_ONE_B)), v.microbatches >= v.pp
-        ),
-        explain=lambda x: f"{x.microbatches} micro-batch{'es' * (x.microbatches != 1)} for pp={x.pp} stages under the {x.pipeline_schedule} schedule",
-        hint=lambda x: f"use microbatches >= {x.pp} (and keep global_batch_size consistent, B001), or pipeline_schedule: gpipe",
-        fields=("microbatches", "pp", "pipeline_schedule"),
+class _Z3Logic:
+    all_of = staticmethod(all_of)
+    larger = staticmethod(larger)
+
+    @staticmethod
+    def quotient(a, b):
+        return a / b  # Z3 integer division of positive terms rounds down
+
+
+Z3_LOGIC = _Z3Logic()
+
+
+def _schedule_microbatches(v):
+    return v.facts.engine.schedule_microbatches(v.microbatches, v.gradient_accumulation_steps)
+
+
+def _numbers_microbatches(x) -> int:
+    return x.facts.engine.schedule_microbatches(x.microbatches, x.gradient_accumulation_steps)
+
+
+def _schedule_rule(code: str, name: str, title: str, docs: str, engines: frozenset[str]) -> Rule:
+    """A rule stated by :mod:`mixle_compile.schedules`, the requirement the builder checks too."""
+    req = requirement(code)
+    return define(
+        Rule(
+            code=code,
+            name=name,
+            title=title,
+            docs=docs,
+            engine_reference=req.source,
+            constraint=lambda v: implies(
+                applies(Z3_LOGIC, req, pp=v.pp, virtual_stages=v.virtual_pipeline_stages,
+                        chosen=lambda s: v.is_("pipeline_schedule", s)),
+                req.holds(Z3_LOGIC, v.pp, _schedule_microbatches(v)),
+            ),
+            explain=lambda x: req.broken(x.pp, _numbers_microbatches(x)),
+            hint=lambda x: req.fix(x.pp, _numbers_microbatches(x)) + " (keep global_batch_size consistent, B001)",
+            fields=("microbatches", "pp", "pipeline_schedule", "gradient_accumulation_steps", "virtual_pipeline_stages"),
+            engines=engines,
+        )
     )
+
+
+_COUNTED = (
+    " The micro-batches counted are those one run of the schedule takes: `microbatches * "
+    "gradient_accumulation_steps` on torch (the in-tree runtime runs one schedule per optimizer step) "
+    "and megatron (every micro-batch of the step), `microbatches` on torchtitan (one run per "
+    "accumulation step)."
 )
 
-INTERLEAVED_GROUPS = define(
-    Rule(
-        code="P004",
-        name="interleaved-microbatch-groups",
-        title="Megatron: the interleaved schedule needs microbatches to be a multiple of pp.",
-        docs=(
-            "Megatron-Core's interleaved 1F1B schedule runs micro-batches in groups of `pp` per virtual stage "
-            "(the default `microbatch_group_size_per_vp_stage`) and refuses a last, partial group."
-        ),
-        engine_reference=(
-            "Megatron-Core `forward_backward_pipelining_with_interleaving`: the remainder of the micro-batches "
-            "by the group size must be 0 (or at least pp)"
-        ),
-        constraint=lambda v: implies(
-            all_of(v.pp > 1, v.is_("pipeline_schedule", "interleaved_1f1b")), v.microbatches % v.pp == 0
-        ),
-        explain=lambda x: f"{x.microbatches} micro-batches do not form whole groups of pp={x.pp} ({x.microbatches} % {x.pp} != 0)",
-        hint=lambda x: f"use a multiple of {x.pp} micro-batches",
-        fields=("microbatches", "pp", "pipeline_schedule"),
-        engines=frozenset({"megatron"}),
-    )
+TORCH_SCHEDULES = frozenset({"torch", "torchtitan"})
+
+TOO_FEW_MICROBATCHES = _schedule_rule(
+    "P003",
+    "too-few-microbatches",
+    "torch: the 1F1B schedule needs at least pp micro-batches.",
+    (
+        "torch's `Schedule1F1B` refuses fewer micro-batches than stages. Its interleaved schedule accepts "
+        "them (P005), GPipe has no limit (but see P008), and Megatron's non-interleaved 1F1B warms up "
+        "`min(pp - rank - 1, m)` micro-batches and takes any number." + _COUNTED
+    ),
+    TORCH_SCHEDULES,
 )
 
-
-def _rounds(x) -> int:
-    return max(1, x.microbatches // x.pp)
-
-
-INTERLEAVED_ROUNDS = define(
-    Rule(
-        code="P005",
-        name="interleaved-microbatch-rounds",
-        title="torch: the interleaved schedule needs microbatches divisible by its rounds.",
-        docs=(
-            "torch's `ScheduleInterleaved1F1B` runs `rounds = max(1, microbatches // pp)` rounds and needs "
-            "`microbatches % rounds == 0` (e.g. pp 4 with 10 micro-batches works, with 9 it does not)."
-        ),
-        engine_reference="torch.distributed.pipelining `ScheduleInterleaved1F1B.__init__` (number_of_rounds check)",
-        constraint=lambda v: implies(
-            all_of(v.pp > 1, v.is_("pipeline_schedule", "interleaved_1f1b")),
-            v.microbatches % larger(v.microbatches / v.pp, 1) == 0,
-        ),
-        explain=lambda x: (
-            f"{x.microbatches} micro-batches over pp={x.pp} make {_rounds(x)} rounds, and "
-            f"{x.microbatches} % {_rounds(x)} != 0"
-        ),
-        hint=lambda x: f"use a multiple of {_rounds(x)} micro-batches, e.g. {_rounds(x) * x.pp}",
-        fields=("microbatches", "pp", "pipeline_schedule"),
-        engines=frozenset({"torch"}),
-    )
+INTERLEAVED_GROUPS = _schedule_rule(
+    "P004",
+    "interleaved-microbatch-groups",
+    "Megatron: the interleaved schedule needs microbatches to be a multiple of pp.",
+    (
+        "Megatron-Core's interleaved 1F1B schedule runs micro-batches in groups of "
+        "`microbatch_group_size_per_vp_stage` (default pp) per virtual stage, needs the group between pp and "
+        "the micro-batch count, and refuses a last group smaller than pp: with the default group, "
+        "`m % pp == 0`. It interleaves only with virtual stages; with one it runs 1F1B." + _COUNTED
+    ),
+    frozenset({"megatron"}),
 )
+
+INTERLEAVED_ROUNDS = _schedule_rule(
+    "P005",
+    "interleaved-microbatch-rounds",
+    "torch: the interleaved schedule needs microbatches divisible by its rounds.",
+    (
+        "torch's `ScheduleInterleaved1F1B` runs `rounds = max(1, m // pp)` rounds of `m // rounds` "
+        "micro-batches and needs `m % rounds == 0` (pp 4 with 10 micro-batches works, with 9 it does not; "
+        "fewer micro-batches than stages work)." + _COUNTED
+    ),
+    TORCH_SCHEDULES,
+)
+
 
 VIRTUAL_NEEDS_PIPELINE = define(
     Rule(
@@ -171,11 +186,6 @@ VIRTUAL_NEEDS_INTERLEAVING = define(
         fields=("pipeline_schedule", "virtual_pipeline_stages", "pp"),
     )
 )
-
-
-def bubble_fraction(pp: int, microbatches: int, virtual_stages: int) -> float:
-    """The share of a step a pipeline rank sits idle: (pp - 1) / (v * m + pp - 1)."""
-    return (pp - 1) / (virtual_stages * microbatches + pp - 1)
 
 
 BUBBLE = define(

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from mixle_compile.verify.logic import implies
+from mixle_compile.diagnostics import Severity
+from mixle_compile.verify.logic import all_of, implies
 from mixle_compile.verify.rule import Rule, define
 
 CONTEXT_PARALLEL = define(
@@ -36,11 +37,40 @@ SEQUENCE_PARALLEL_NEEDS_TP = define(
             "Sequence parallelism splits the activations outside attention and the MLP (norms, dropout) over "
             "the tensor-parallel ranks; with `tp: 1` there are no such ranks."
         ),
-        engine_reference="Megatron-LM `validate_args` (sequence parallelism is disabled/refused when tp == 1)",
+        engine_reference=(
+            "Megatron-Core 0.16 megatron/core/model_parallel_config.py `__post_init__`: \"Cannot use sequence "
+            "parallelism without tensor parallelism\"; the in-tree runtime splits sequences over tp ranks only"
+        ),
         constraint=lambda v: implies(v.sequence_parallel, v.tp > 1),
         explain=lambda x: "sequence_parallel is on with tp=1",
         hint=lambda x: "set training.sequence_parallel: false, or use tp > 1",
         fields=("sequence_parallel", "tp"),
+        engines=frozenset({"torch", "megatron"}),
+        entries=frozenset({"core"}),
+    )
+)
+
+SEQUENCE_PARALLEL_TURNED_OFF = define(
+    Rule(
+        code="Q004",
+        name="sequence-parallel-turned-off",
+        title="Warning: Megatron-LM turns sequence_parallel off when tp = 1.",
+        docs=(
+            "A warning, not an error: Megatron-LM's argument validation disables sequence parallelism when "
+            "tensor parallelism is off (\"Disabling sequence parallelism because tensor model parallelism is "
+            "disabled\"), so `--sequence-parallel` at tp 1 runs, as Megatron-LM's own example scripts do. "
+            "Megatron-Core's config classes, built directly (`entry: core`), refuse it instead (Q002). "
+            "torchtitan applies sequence parallelism only inside its tensor-parallel plan, so it ignores it."
+        ),
+        engine_reference="Megatron-LM megatron/training/arguments.py `validate_args` (sequence_parallel with tp == 1)",
+        constraint=lambda v: implies(v.sequence_parallel, v.tp > 1),
+        explain=lambda x: "sequence_parallel is on with tp=1; Megatron-LM turns it off",
+        hint=lambda x: "set training.sequence_parallel: false to say what runs",
+        fields=("sequence_parallel", "tp"),
+        engines=frozenset({"megatron"}),
+        entries=frozenset({"arguments"}),
+        severity=Severity.warning,
+        elastic=False,
     )
 )
 
@@ -54,7 +84,7 @@ SEQUENCE_PARALLEL_SPLIT = define(
             "`seq_len / cp` tokens, so `seq_len % (tp * cp) == 0` (with `cp: 1`, `seq_len % tp == 0`)."
         ),
         engine_reference="Megatron-Core sequence-parallel scatter (`tensor_shape[0] // tp` after `// cp`); torch `SequenceParallel` style",
-        constraint=lambda v: implies(v.sequence_parallel, v.seq_len % (v.tp * v.cp) == 0),
+        constraint=lambda v: implies(all_of(v.sequence_parallel, v.tp > 1), v.seq_len % (v.tp * v.cp) == 0),
         explain=lambda x: (
             f"seq_len={x.seq_len} cannot be split over tp*cp = {x.tp}*{x.cp} = {x.tp * x.cp} ranks "
             f"({x.seq_len} % {x.tp * x.cp} != 0)"

@@ -56,14 +56,20 @@ KV_HEADS_TORCH = define(
             "on `tp / num_kv_heads` ranks (`tp % num_kv_heads == 0`); anything else leaves a query head "
             "without its KV head on some rank."
         ),
-        engine_reference="torch runtime layout: KV heads replicated when tp > num_kv_heads (as vLLM and SGLang do)",
+        engine_reference=(
+            "torch runtime layout: KV heads replicated when tp > num_kv_heads (as vLLM and SGLang do); "
+            "Megatron-Core 0.16 megatron/core/transformer/transformer_config.py `__post_init__` (num_query_groups "
+            "\"must be a multiple or divisor of\" tp) and transformer/attention.py (one query group per tp rank "
+            "when num_query_groups < tp)"
+        ),
         constraint=lambda v: any_of(v.num_kv_heads % v.tp == 0, v.tp % v.num_kv_heads == 0),
         explain=lambda x: f"{x.num_kv_heads} % {x.tp} != 0 and {x.tp} % {x.num_kv_heads} != 0",
         hint=lambda x: f"use a tp that divides or is a multiple of num_kv_heads={x.num_kv_heads}: {alternatives(_kv_choices(x))}",
         fields=("tp", "num_kv_heads"),
         needs=("num_kv_heads",),  # without it KV heads are the query heads: T001
         families=TRANSFORMER,
-        engines=frozenset({"torch"}),
+        engines=frozenset({"torch", "megatron"}),
+        versions=(("megatron", ">=0.16"),),
     )
 )
 
@@ -71,14 +77,16 @@ KV_HEADS_MEGATRON = define(
     Rule(
         code="T003",
         name="kv-heads-split-by-tp",
-        title="Megatron: tp divides num_kv_heads (no KV-head replication).",
+        title="Megatron before 0.16 and torchtitan: tp divides num_kv_heads (no KV-head replication).",
         docs=(
-            "Megatron-Core splits the query groups (KV heads) over the tensor-parallel ranks and does not "
-            "replicate them, so `num_kv_heads % tp == 0` even when `tp` is a multiple of `num_kv_heads`."
+            "Megatron-Core up to 0.15 splits the query groups (KV heads) over the tensor-parallel ranks and does "
+            "not replicate them, so `num_kv_heads % tp == 0` even when `tp` is a multiple of `num_kv_heads` "
+            "(0.16 replicates them: T002). torchtitan's attention splits its KV heads over tp the same way."
         ),
         engine_reference=(
-            "Megatron-Core `TransformerConfig.__post_init__`: num_query_groups must be a multiple of "
-            "tensor_model_parallel_size"
+            "Megatron-Core 0.12-0.15 megatron/core/transformer/transformer_config.py `__post_init__`: "
+            "\"num_query_groups must be a multiple of tensor_model_parallel_size\"; torchtitan 0.3 "
+            "torchtitan/models/common/attention.py (n_kv_heads split over tp)"
         ),
         constraint=lambda v: v.num_kv_heads % v.tp == 0,
         explain=lambda x: f"{x.num_kv_heads} KV heads cannot be split over tp={x.tp} ranks ({x.num_kv_heads} % {x.tp} != 0)",
@@ -86,7 +94,8 @@ KV_HEADS_MEGATRON = define(
         fields=("tp", "num_kv_heads"),
         needs=("num_kv_heads",),  # without it KV heads are the query heads: T001
         families=TRANSFORMER,
-        engines=frozenset({"megatron"}),
+        engines=frozenset({"megatron", "torchtitan"}),
+        versions=(("megatron", "<0.16"),),
     )
 )
 

@@ -1,0 +1,139 @@
+"""Engine profiles: which engine a spec targets, at which version, and how that engine runs it.
+
+``backend: torch`` or ``backend: {name: megatron, version: "0.16", entry: arguments}``. A bare
+name means the newest version supported here. A profile holds the facts about an engine that
+more than one pass reads (the verifier's rules, the lowering, the memory model), each with the
+engine source it comes from:
+
+* ``torch``: the in-tree runtime (``mixle_compile.runtime``). It executes plans; its pipeline
+  schedules are torch 2.13's ``torch.distributed.pipelining`` classes' orders; it shards FSDP
+  over ``dp_shard`` only.
+* ``torchtitan`` (0.3): verification. Pipeline schedules are torch's; FSDP is applied over
+  ``dp_shard * cp`` whenever either is above 1 (``ParallelDims.fsdp_enabled``: ``dp_shard_enabled
+  or cp_enabled``, torchtitan/distributed/parallel_dims.py).
+* ``megatron`` (Megatron-Core 0.12-0.16): verification. Its own schedules
+  (megatron/core/pipeline_parallel/schedules.py); ``entry`` says which front end builds the
+  config: ``arguments`` (Megatron-LM's ``pretrain_gpt.py`` arguments, whose ``validate_args``
+  turns a setting off with a warning where Megatron-Core's config classes raise) or ``core``
+  (``TransformerConfig`` built directly, as Megatron-Bridge and NeMo do).
+
+A backend registered by a plugin gets the common profile: torch's schedules, no engine-specific
+rules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from mixle_compile.schedules import ScheduleFamily
+
+#: Versions supported per engine, oldest first; the last is what a bare name means.
+VERSIONS: dict[str, tuple[str, ...]] = {
+    "torch": ("2.13",),
+    "torchtitan": ("0.3",),
+    "megatron": ("0.12", "0.13", "0.14", "0.15", "0.16"),
+}
+#: Front ends per engine, the default first.
+ENTRIES: dict[str, tuple[str, ...]] = {"megatron": ("arguments", "core")}
+ATTENTION_KERNELS = ("flash", "eager")
+
+
+@dataclass(frozen=True)
+class EngineProfile:
+    name: str  # torch, torchtitan, megatron, or a plugin's name
+    version: str | None  # None for a plugin backend
+    entry: str | None = None
+    known: bool = True  # False: a plugin backend checked with the common rules
+
+    @property
+    def schedules(self) -> ScheduleFamily:
+        return ScheduleFamily.MEGATRON if self.name == "megatron" else ScheduleFamily.TORCH
+
+    @property
+    def buffered_sends(self) -> bool:
+        """torch's pipelining runtime awaits its sends at the end of the step."""
+        return self.schedules is ScheduleFamily.TORCH
+
+    @property
+    def fsdp_over_cp(self) -> bool:
+        """FSDP shards over dp_shard * cp whenever that product is above 1 (torchtitan)."""
+        return self.name == "torchtitan"
+
+    @property
+    def default_attention(self) -> str:
+        """Every engine here runs a fused attention kernel that never stores the score matrix:
+        the in-tree runtime and torchtitan ``F.scaled_dot_product_attention`` (flash or
+        memory-efficient on GPUs), Megatron-Core Transformer Engine's fused attention or
+        FlashAttention (``attention_backend`` auto)."""
+        return "flash"
+
+    @property
+    def label(self) -> str:
+        if not self.known:
+            return self.name
+        text = f"{self.name} {self.version}"
+        return f"{text} ({self.entry})" if self.entry else text
+
+    def schedule_microbatches(self, microbatches: Any, accumulation: Any) -> Any:
+        """Micro-batches one run of the pipeline schedule takes. torchtitan runs its schedule once
+        per accumulation step on ``local_batch_size / microbatch_size`` micro-batches
+        (torchtitan/trainer.py ``train_step`` -> ``forward_backward_step`` -> ``pp_schedule.step``);
+        Megatron counts every micro-batch of the step (``get_num_microbatches``), and the in-tree
+        runtime runs one schedule over the step's micro-batches and accumulation steps."""
+        return microbatches if self.name == "torchtitan" else microbatches * accumulation
+
+    def at_least(self, version: str) -> bool:
+        return self.version is not None and version_key(self.version) >= version_key(version)
+
+
+def version_key(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in version.split("."))
+
+
+def backend_name(backend: Any) -> str:
+    """The backend's name, normalised, whether the spec wrote a name or a mapping."""
+    from mixle_compile.contracts import normalize_backend_name
+
+    return normalize_backend_name(backend if isinstance(backend, str) else backend.name)
+
+
+class UnknownVersion(ValueError):
+    def __init__(self, field: str, message: str, hint: str):
+        super().__init__(message)
+        self.field, self.hint = field, hint
+
+
+def engine_profile(backend: Any) -> EngineProfile:
+    """The profile a spec's ``backend`` names. Raises :class:`UnknownVersion` for a version or
+    entry the engine does not have here (the loader reports it at that field)."""
+    name = backend_name(backend)
+    version = None if isinstance(backend, str) else backend.version
+    entry = None if isinstance(backend, str) else backend.entry
+    if name not in VERSIONS:
+        if version is not None or entry is not None:
+            raise UnknownVersion(
+                "version" if version is not None else "entry",
+                f"backend {name!r} is a plugin backend: it has no versions or entries here",
+                "write `backend: NAME` for a plugin backend",
+            )
+        return EngineProfile(name, None, known=False)
+    versions = VERSIONS[name]
+    if version is None:
+        version = versions[-1]
+    else:
+        match = [v for v in versions if version == v or version.startswith(v + ".")]
+        if not match:
+            raise UnknownVersion(
+                "version",
+                f"{name} version {version!r} is not one this verifier models",
+                f"use one of {', '.join(versions)} (a bare `backend: {name}` means {versions[-1]})",
+            )
+        version = match[0]
+    entries = ENTRIES.get(name, ())
+    if entry is not None and entry not in entries:
+        supported = f"one of {', '.join(entries)}" if entries else "none (only megatron has entries)"
+        raise UnknownVersion("entry", f"{name} has no entry {entry!r}", f"entry: {supported}")
+    if entry is None and entries:
+        entry = entries[0]
+    return EngineProfile(name, version, entry)

@@ -1,0 +1,189 @@
+"""Pipeline schedules, written once and read twice: which ones an engine runs, and in what order.
+
+The verifier's schedule rules (P003, P004, P005) bound a spec with these requirements over Z3
+terms; the lowering's schedule builder (:func:`mixle_compile.lower.schedule.pipeline_schedule`)
+checks the same requirements over numbers before it builds a stage's program, and refuses with
+the same sentence. So a spec that `check` accepts is one the builder can build, and the builder
+builds exactly the orders the engine runs.
+
+Two families of schedules exist among the engines we model:
+
+* ``torch``: ``torch.distributed.pipelining`` (torch 2.13, ``schedules.py``), which the in-tree
+  runtime follows and torchtitan uses. ``ScheduleGPipe`` takes any number of micro-batches;
+  ``Schedule1F1B`` needs ``n_microbatches >= num_stages``; ``ScheduleInterleaved1F1B`` runs
+  ``rounds = max(1, m // pp)`` rounds of ``m // rounds`` micro-batches and needs
+  ``m % rounds == 0`` (so it accepts fewer micro-batches than stages, and one stage per rank).
+* ``megatron``: ``megatron.core.pipeline_parallel.schedules`` (Megatron-Core 0.12-0.16). The
+  non-interleaved 1F1B warms up ``min(pp - rank - 1, m)`` micro-batches and takes any m; the
+  interleaved schedule advances micro-batches in groups of
+  ``microbatch_group_size_per_vp_stage`` (default pp, ``ModelParallelConfig.__post_init__``)
+  and needs the group within ``[pp, m]`` and ``m % group`` either 0 or at least pp; with the
+  default group that is ``m % pp == 0``. Megatron has no GPipe schedule and no interleaving
+  without virtual stages: with ``virtual_pipeline_stages: 1`` it runs 1F1B.
+
+Every formula takes a :class:`Logic` (the connectives that differ between numbers and solver
+terms); :data:`NUMBERS` serves the builder, the verifier passes its Z3 version.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any, Callable, Protocol
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+
+class ScheduleFamily(StrEnum):
+    TORCH = "torch"
+    MEGATRON = "megatron"
+
+
+class Logic(Protocol):
+    def all_of(self, *terms: Any) -> Any: ...
+
+    def larger(self, a: Any, b: Any) -> Any: ...
+
+    def quotient(self, a: Any, b: Any) -> Any:
+        """Integer division rounding down (both operands >= 1)."""
+
+
+class _Numbers:
+    def all_of(self, *terms):
+        return all(terms)
+
+    def larger(self, a, b):
+        return max(a, b)
+
+    def quotient(self, a, b):
+        return a // b
+
+
+NUMBERS: Logic = _Numbers()
+
+
+def torch_rounds(logic: Logic, pp: Any, microbatches: Any) -> Any:
+    """``ScheduleInterleaved1F1B.number_of_rounds``: max(1, m // pp)."""
+    return logic.larger(logic.quotient(microbatches, pp), 1)
+
+
+@dataclass(frozen=True)
+class Requirement:
+    """One condition an engine's schedule puts on (pp, micro-batches), with its verifier code."""
+
+    code: str
+    family: ScheduleFamily
+    schedule: str  # the schedule it constrains (as the engine runs it, see `runs`)
+    holds: Callable[[Logic, Any, Any], Any]  # (logic, pp, microbatches) -> condition
+    broken: Callable[[int, int], str]  # why it fails, for numbers
+    fix: Callable[[int, int], str]
+    source: str
+
+
+def _plural(m: int) -> str:
+    return f"{m} micro-batch{'es' * (m != 1)}"
+
+
+REQUIREMENTS: tuple[Requirement, ...] = (
+    Requirement(
+        code="P003",
+        family=ScheduleFamily.TORCH,
+        schedule="1f1b",
+        holds=lambda logic, pp, m: m >= pp,
+        broken=lambda pp, m: f"{_plural(m)} for pp={pp} stages: torch's Schedule1F1B needs at least one per stage",
+        fix=lambda pp, m: f"use at least {pp} micro-batches, or pipeline_schedule: interleaved_1f1b or gpipe",
+        source="torch 2.13 torch/distributed/pipelining/schedules.py, Schedule1F1B.__init__",
+    ),
+    Requirement(
+        code="P004",
+        family=ScheduleFamily.MEGATRON,
+        schedule="interleaved_1f1b",
+        holds=lambda logic, pp, m: m % pp == 0,
+        broken=lambda pp, m: f"{_plural(m)} do not form whole groups of pp={pp} ({m} % {pp} != 0)",
+        fix=lambda pp, m: f"use a multiple of {pp} micro-batches, e.g. {max(1, -(-m // pp)) * pp}",
+        source=(
+            "Megatron-Core 0.16 megatron/core/pipeline_parallel/schedules.py, "
+            "forward_backward_pipelining_with_interleaving (group size checks), "
+            "model_parallel_config.py (microbatch_group_size_per_vp_stage defaults to pp)"
+        ),
+    ),
+    Requirement(
+        code="P005",
+        family=ScheduleFamily.TORCH,
+        schedule="interleaved_1f1b",
+        holds=lambda logic, pp, m: m % torch_rounds(logic, pp, m) == 0,
+        broken=lambda pp, m: (
+            f"{_plural(m)} over pp={pp} make {torch_rounds(NUMBERS, pp, m)} rounds, and "
+            f"{m} % {torch_rounds(NUMBERS, pp, m)} != 0"
+        ),
+        fix=lambda pp, m: (
+            f"use a multiple of {torch_rounds(NUMBERS, pp, m)} micro-batches, e.g. {torch_rounds(NUMBERS, pp, m) * pp}"
+        ),
+        source="torch 2.13 torch/distributed/pipelining/schedules.py, ScheduleInterleaved1F1B.__init__ (number_of_rounds)",
+    ),
+)
+
+
+def requirement(code: str) -> Requirement:
+    return next(r for r in REQUIREMENTS if r.code == code)
+
+
+def applies(logic: Logic, r: Requirement, *, pp: Any, virtual_stages: Any, chosen: Callable[[str], Any]) -> Any:
+    """When the engine runs the requirement's schedule: a pipeline, the spec's choice of schedule
+    (``chosen(name)``), and for Megatron's interleaving, virtual stages (see :func:`runs`)."""
+    if r.family is ScheduleFamily.MEGATRON and r.schedule == "interleaved_1f1b":
+        return logic.all_of(pp > 1, chosen(r.schedule), virtual_stages > 1)
+    return logic.all_of(pp > 1, chosen(r.schedule))
+
+
+def runs(family: ScheduleFamily, schedule: str, pp: int, virtual_stages: int) -> str:
+    """The schedule the engine really runs for a spec's choice.
+
+    Without a pipeline there is no schedule (the builder lays micro-batches out as GPipe does);
+    Megatron interleaves only with virtual stages and otherwise runs 1F1B, even when asked for
+    GPipe, which it does not have."""
+    if pp == 1:
+        return "gpipe"
+    if family is ScheduleFamily.MEGATRON and (schedule == "gpipe" or virtual_stages == 1):
+        return "1f1b"
+    return schedule
+
+
+def refusal(family: ScheduleFamily, schedule: str, pp: int, microbatches: int, virtual_stages: int) -> Requirement | None:
+    """The first requirement the engine's schedule puts on these numbers that they break."""
+    for r in REQUIREMENTS:
+        if r.family is not family:
+            continue
+        if applies(NUMBERS, r, pp=pp, virtual_stages=virtual_stages, chosen=lambda name: name == schedule):
+            if not r.holds(NUMBERS, pp, microbatches):
+                return r
+    return None
+
+
+def interleaved_group(family: ScheduleFamily, pp: int, microbatches: int) -> int:
+    """How many consecutive micro-batches an interleaved schedule runs on one chunk before the next.
+
+    torch: ``microbatches_per_round = m // rounds``; Megatron: its default
+    ``microbatch_group_size_per_vp_stage``, pp."""
+    if family is ScheduleFamily.TORCH:
+        return microbatches // torch_rounds(NUMBERS, pp, microbatches)
+    return pp
+
+
+def warmup_forwards(schedule: str, pp: int, microbatches: int, virtual_stages: int, stage: int, group: int) -> int:
+    """Forward passes a stage runs before its first backward (its warm-up), as both engines count them.
+
+    1F1B: ``min(pp - stage - 1, m)``. Interleaved: ``2 * (pp - stage - 1) + (v - 1) * group``, at
+    most every forward of the step (torch ``_get_warmup_ops``; Megatron ``get_pp_rank_microbatches``)."""
+    if schedule == "gpipe":
+        return microbatches
+    if schedule == "1f1b":
+        return min(pp - stage - 1, microbatches)
+    return min(2 * (pp - stage - 1) + (virtual_stages - 1) * group, microbatches * virtual_stages)
+
+
+def bubble_fraction(pp: int, microbatches: int, virtual_stages: int = 1) -> float:
+    """The share of a step a pipeline rank sits idle: ``(pp - 1) / (v * m + pp - 1)``.
+
+    Narayanan et al. (SC21), the bubble of 1F1B divided by v under interleaving."""
+    return (pp - 1) / (virtual_stages * microbatches + pp - 1)
