@@ -36,7 +36,11 @@ class CompileResult:
 
 
 def compile_file(path: str | Path) -> CompileResult:
-    loaded = load_spec(path)
+    return compile_loaded(load_spec(path))
+
+
+def compile_loaded(loaded) -> CompileResult:
+    """Verify and lower a loaded spec (see :func:`compile_file`)."""
     checked = check_loaded(loaded)
     if checked.errors or checked.unreadable or loaded.spec is None:
         return CompileResult(checked, None)

@@ -1105,11 +1105,11 @@ MEGATRON_CAPABILITIES = BackendCapabilities(
     elastic_restart=False,
 )
 
-#: torchtitan 0.3: every axis but expert tensor parallelism (its ParallelDims has no etp; experts
+#: torchtitan: every axis (0.3 has no expert tensor parallelism: rule E010; experts
 #: shard over the `efsdp` axis, torchtitan/distributed/parallel_dims.py); Float8 linears.
 TORCHTITAN_CAPABILITIES = BackendCapabilities(
     name="torchtitan",
-    axes=_ALL_AXES - {ParallelAxis.etp},
+    axes=_ALL_AXES,
     precisions=frozenset({"fp32", "bf16", "fp8"}),
     requirements=("torchtitan", "NVIDIA or AMD GPUs"),
     incompatible_axis_sets=(),

@@ -31,7 +31,7 @@ from mixle_compile.schedules import ScheduleFamily
 #: Versions supported per engine, oldest first; the last is what a bare name means.
 VERSIONS: dict[str, tuple[str, ...]] = {
     "torch": ("2.13",),
-    "torchtitan": ("0.3",),
+    "torchtitan": ("0.2", "0.3"),
     "megatron": ("0.12", "0.13", "0.14", "0.15", "0.16"),
 }
 #: Front ends per engine, the default first.
@@ -67,6 +67,12 @@ class EngineProfile:
         memory-efficient on GPUs), Megatron-Core Transformer Engine's fused attention or
         FlashAttention (``attention_backend`` auto)."""
         return "flash"
+
+    @property
+    def op_level_selective(self) -> bool:
+        """Selective checkpointing saves chosen ops' outputs (torchtitan's ``SelectiveAC``, op mode);
+        elsewhere it recomputes attention's core (Korthikanti et al., Megatron's selective)."""
+        return self.name == "torchtitan"
 
     @property
     def label(self) -> str:

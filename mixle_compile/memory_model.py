@@ -71,6 +71,7 @@ def fsdp_shards(*, dp_shard: Any, cp: Any, over_cp: bool) -> Any:
 def activation_bytes_per_layer(
     ar: Arithmetic, *, seq_len: Any, cp: Any, micro_batch_size: Any, hidden_size: Any, num_heads: Any, tp: Any,
     sequence_parallel: Any, full_recompute: Any, selective_recompute: Any, fp32: Any, eager_attention: Any = True,
+    op_level_selective: bool = False, query_width: Any = 0, kv_width: Any = 0, ffn_width: Any = 0,
 ) -> Any:
     """Bytes one transformer layer keeps for the backward pass, per micro-batch.
 
@@ -79,16 +80,32 @@ def activation_bytes_per_layer(
     and its dropout mask, which only eager attention keeps: a fused (flash) kernel never stores
     them and selective recomputation recomputes them. Full recomputation keeps only the layer
     input (2*s*b*h, divided by t under sequence parallelism). s is the local sequence
-    (seq_len / cp); fp32 activations double it."""
+    (seq_len / cp); fp32 activations double it.
+
+    ``op_level_selective`` is torchtitan's selective checkpointing (``SelectiveAC``, op mode,
+    torchtitan/distributed/activation_checkpoint.py): inside each block it saves the outputs of
+    every odd-numbered matmul (the 1st, 3rd, ... of q, k, v, o, w1, w3, w2), attention's output and
+    the reduce-scatters of sequence parallelism, and recomputes the rest from the block's input:
+    ``2*s*b*(input + (q + v + w1)/t + w2_out + attention/t + rs)`` bytes, the input and the
+    reduce-scatter outputs ``h/t`` each under sequence parallelism (``h`` input, no reduce-scatter,
+    without it), the row-parallel w2 output whole (a partial sum before its reduction)."""
     s = ar.exact(seq_len) / ar.exact(cp)
     t = ar.exact(tp)
     sbh = s * ar.exact(micro_batch_size) * ar.exact(hidden_size)
     scores = 5 * ar.exact(num_heads) * s * s * ar.exact(micro_batch_size) / t
     kept = ar.when(sequence_parallel, 34 * sbh / t, sbh * (10 + 24 / t))
+    if op_level_selective:
+        sb = s * ar.exact(micro_batch_size)
+        h = ar.exact(hidden_size)
+        saved = (ar.exact(query_width) + ar.exact(kv_width) + ar.exact(ffn_width) + ar.exact(query_width)) / t + h
+        saved = saved + ar.when(sequence_parallel, 3 * h / t, h)
+        selective = 2 * sb * saved
+    else:
+        selective = kept
     per_layer = ar.when(
         full_recompute,
         ar.when(sequence_parallel, 2 * sbh / t, 2 * sbh),
-        ar.when(selective_recompute, kept, ar.when(eager_attention, kept + scores, kept)),
+        ar.when(selective_recompute, selective, ar.when(eager_attention, kept + scores, kept)),
     )
     return per_layer * ar.when(fp32, 2, 1)
 

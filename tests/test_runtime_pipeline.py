@@ -39,8 +39,9 @@ BOUND = {"sgd": 1e-5, "adamw": 1e-3}
 
 def pp_spec(*, pp: int = 2, mb: int = 4, schedule: str = "1f1b", virtual: int = 1, layers: int = 4, dr: int = 1, ds: int = 1,
             tp: int = 1, sp: bool = False, gas: int = 1, optimizer: str = "sgd", dopt: bool = False, cp: int = 1,
-            tie: bool = False, precision: str = "fp32") -> str:
+            tie: bool = False, precision: str = "fp32", split: str | None = None) -> str:
     world = pp * dr * ds * tp * cp
+    layer_split = f", pipeline_layers: {split}" if split else ""
     return textwrap.dedent(
         f"""\
         model: {{family: transformer, vocab_size: 128, hidden_size: 32, num_layers: {layers}, num_heads: 4, num_kv_heads: 2,
@@ -48,7 +49,7 @@ def pp_spec(*, pp: int = 2, mb: int = 4, schedule: str = "1f1b", virtual: int = 
         mesh: {{pp: {pp}, dp_replicate: {dr}, dp_shard: {ds}, tp: {tp}, cp: {cp}, microbatches: {mb}, gradient_accumulation_steps: {gas}}}
         training: {{global_batch_size: {2 * mb * dr * ds * gas}, micro_batch_size: 2, seq_len: 16, precision: {precision},
                    optimizer: {optimizer}, learning_rate: 1.0e-2, pipeline_schedule: {schedule}, virtual_pipeline_stages: {virtual},
-                   sequence_parallel: {str(sp).lower()}, distributed_optimizer: {str(dopt).lower()}, steps: 3}}
+                   sequence_parallel: {str(sp).lower()}, distributed_optimizer: {str(dopt).lower()}, steps: 3{layer_split}}}
         backend: torch
         resources: {{devices: {world}, memory: 1GiB, kind: cpu}}
         """
@@ -148,6 +149,18 @@ def test_pipeline_with_fsdp_and_accumulation(tmp_path):
     rows = {row["node_id"]: row for row in report.data["accounting"]["updates"]}
     assert rows["layers.3.mlp.down_proj.weight:grad/scatter"]["observed_count"] == 2 * 3
     assert rows["layers.0.attn.q_proj.weight:param/gather-forward"]["ranks"] == [0, 1]
+
+
+def test_uneven_and_listed_layer_splits_train_like_one_process(tmp_path):
+    # 5 layers over 2 stages x 2 virtual stages, listed as [2, 0, 1, 2]: a virtual stage without
+    # layers passes its activation on; the plan's stages hold exactly the listed layers.
+    doc, report = run_pp(tmp_path, pp=2, mb=4, schedule="interleaved_1f1b", virtual=2, layers=5, split="[2, 0, 1, 2]")
+    check_run(doc, report)
+    held = {}
+    for p in doc.parameters:
+        if p.layer is not None:
+            held.setdefault((p.stage, p.chunk), set()).add(p.layer)
+    assert held == {(0, 0): {0, 1}, (0, 1): {2}, (1, 1): {3, 4}}  # virtual stage 1 (stage 1, chunk 0) has none
 
 
 def test_pipeline_with_context_parallelism(tmp_path):

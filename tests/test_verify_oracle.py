@@ -104,7 +104,10 @@ def memory_bytes(spec: Spec, devices: int | None = None) -> Fraction:
     tp, pp, cp, ep, etp = m.tp, m.pp, m.cp, m.ep, m.etp
     v = t.virtual_pipeline_stages if pp > 1 else 1
     layers = layer_count(spec)
-    c = ceil(layers / (pp * v)) if layers else 0
+    # torchtitan's split counts the embedding and the output as one layer each (layer_split.py).
+    titan_split = backend_of(spec) == "torchtitan" and spec.training.pipeline_layers is None and pp > 1
+    slots = layers + 2 if titan_split and isinstance(model, TransformerModel) else layers
+    c = ceil(slots / (pp * v)) if layers else 0
 
     # Which amount each kind of layer holds, per category, as three numbers; combined component-wise.
     by_layer: dict[int, list] = {}
@@ -205,6 +208,16 @@ def activation_bytes(spec: Spec, layers_on_rank: int) -> Fraction:
     sbh = s * b * h
     if t.activation_checkpointing == "full":
         per_layer = 2 * sbh / tp if t.sequence_parallel else 2 * sbh
+    elif t.activation_checkpointing == "selective" and backend_of(spec) == "torchtitan":
+        # torchtitan's op-level policy: the odd-numbered matmuls' outputs (q, v, w1, w2), attention's
+        # output and, under sequence parallelism, the block input and two reduce-scatters (each h / tp).
+        head_dim = model.head_dim or h // a
+        q, kv = a * head_dim, (model.num_kv_heads or a) * head_dim
+        ffn = model.ffn_hidden_size
+        if model.num_experts:
+            ffn = max(ffn, (model.experts_per_token or 1) * (model.moe_ffn_hidden_size or ffn))
+        kept = Fraction(2 * q + kv + ffn, tp) + h + (Fraction(3 * h, tp) if t.sequence_parallel else h)
+        per_layer = 2 * s * b * kept
     else:
         per_layer = 34 * sbh / tp if t.sequence_parallel else sbh * (10 + Fraction(24, tp))
         if t.activation_checkpointing == "none" and t.attention == "eager":  # flash is every engine's default
@@ -253,8 +266,9 @@ def violations(
     backend = normalize_backend_name(backend or backend_of(spec))
     rule_set = backend if backend in ("torch", "megatron", "torchtitan") else "common"
     ref = spec.backend if not isinstance(spec.backend, str) else None
-    # Megatron-Core 0.16 through Megatron-LM's arguments unless the spec says otherwise.
-    version = tuple(int(x) for x in ((ref.version if ref and ref.version else "0.16").split(".")))[:2]
+    # The newest version (Megatron-Core 0.16 through Megatron-LM's arguments) unless the spec says otherwise.
+    newest = {"megatron": "0.16", "torchtitan": "0.3"}.get(rule_set, "0")
+    version = tuple(int(x) for x in ((ref.version if ref and ref.version else newest).split(".")))[:2]
     entry = ref.entry if ref and ref.entry else "arguments"
     megatron_16 = rule_set == "megatron" and version >= (0, 16)
     caps = capabilities or capabilities_of(spec)
@@ -285,10 +299,13 @@ def violations(
         rule("D002", m.dp_shard == "auto")
         rule("D004", e.min_world_size <= devices <= e.max_world_size and devices % e.multiple_of == 0)
         rule("C005", caps.elastic_restart and caps.reshardable_checkpoint)
-    rule("E001", etp in (1, tp), when=neural, only="torch")
+    rule("E001", etp in (1, tp), when=neural, only=("torch", "torchtitan"))
     rule("E002", (etp != tp or (dps * cp) % ep == 0) and (etp != 1 or (dps * cp * tp) % ep == 0), when=neural, only="torch")
     rule("E003", devices % (etp * ep * pp) == 0, when=neural, only="megatron")
     rule("E004", experts == 0 or experts % ep == 0, when=neural)
+    titan_03 = rule_set == "torchtitan" and version >= (0, 3)
+    rule("E009", (dps * cp * tp) % (ep * etp) == 0, when=neural, only="torchtitan")
+    rule("E010", etp == 1, when=neural and titan_03)
     rule("E005", ep == 1 or experts > 0)
     rule("E006", not (experts > 0 and tp > 1) or sp, when=neural, only="megatron")
     rule("E007", experts == 0 or tp == 1 or sp, when=neural, only="torch")
@@ -303,26 +320,36 @@ def violations(
         rule("T005", model.vocab_size % tp == 0, only="torch")
         moe_ffn = model.moe_ffn_hidden_size or model.ffn_hidden_size
         rule("T006", model.num_experts == 0 or moe_ffn % etp == 0)
-        rule("P001", pp * vpp > layers or layers % (pp * vpp) == 0)
+        listed = isinstance(t.pipeline_layers, list)
+        even = t.pipeline_layers == "even" or (t.pipeline_layers is None and rule_set == "megatron")
+        rule("P001", not even or pp * vpp > layers or layers % (pp * vpp) == 0)
     if family == "modules":
         split = {"column": 0, "embedding": 0, "head": 0, "row": 1}
         dims = [p.shape[split[p.role]] for p in model.parameters if p.role in split and split[p.role] < len(p.shape)]
         rule("T007", all(d % tp == 0 for d in dims))
         rule("C006", tp == pp == cp == ep == etp == 1, only="torch")
     if neural:
-        rule("P002", pp * vpp <= layers)
+        listed = family == "transformer" and isinstance(t.pipeline_layers, list)
+        titan = rule_set == "torchtitan" and t.pipeline_layers is None and transformer
+        rule("P002", listed or pp * vpp <= layers + (2 if titan else 0))
         # One run of the schedule: the step's micro-batches (torchtitan: one accumulation step's).
         steps = mb if rule_set == "torchtitan" else mb * gas
         rule("P003", pp == 1 or schedule != "1f1b" or steps >= pp, only=("torch", "torchtitan"))
         rule("P004", pp == 1 or schedule != "interleaved_1f1b" or vpp == 1 or steps % pp == 0, only="megatron")
         rule("P005", pp == 1 or schedule != "interleaved_1f1b" or steps % max(1, steps // pp) == 0, only=("torch", "torchtitan"))
         rule("P006", vpp == 1 or pp > 1)
+        rule("P011", not transformer or not model.tie_embeddings or pp == 1, only="torchtitan")
         rule("P007", vpp == 1 or pp == 1 or schedule == "interleaved_1f1b")
         if warnings:
             rule("P008", pp == 1 or mb >= 4 * pp)
         if seq is not None:
             rule("Q001", cp == 1 or seq % (2 * cp) == 0)
-            rule("Q003", not sp or tp == 1 or seq % (tp * cp) == 0)
+            rule("Q003", not sp or tp == 1 or seq % (tp * cp) == 0, only=("torch", "megatron"))
+            if titan_03:
+                divisor = (tp if sp and tp > 1 else 1) * (2 * cp if cp > 1 else 1)
+            else:
+                divisor = tp * 2 * cp
+            rule("Q005", seq % divisor == 0, only="torchtitan")
         rule("Q002", not sp or tp > 1, when=rule_set == "torch" or (rule_set == "megatron" and entry == "core"))
         if warnings:
             rule("Q004", not sp or tp > 1, when=rule_set == "megatron" and entry == "arguments")
@@ -477,6 +504,8 @@ def _versioned(i: int, backend: str):
     rules that hold for one version or front end only are swept too."""
     if backend == "megatron" and i % 3 == 1:
         return {"name": "megatron", "version": "0.15", "entry": "core"}
+    if backend == "torchtitan":
+        return {"name": "torchtitan", "version": ("0.2", "0.3")[i % 2]}
     return backend
 
 
@@ -524,21 +553,22 @@ def verdict(verifier: PlanVerifier, spec: Spec) -> set[str]:
 
 def test_verdicts_equal_the_oracle_for_every_mesh_up_to_64_devices():
     """Exhaustive over the mesh degrees (dp_replicate, dp_shard, tp, pp, cp) of up to 64 devices,
-    both engines' rule sets, four model shapes; the other settings cycle through their values."""
+    the three engines' rule sets, four model shapes; the other settings cycle through their values."""
     verifier = PlanVerifier()
     seen: dict[str, Counter] = {"broken": Counter(), "kept": Counter()}
     plans = 0
     for i, degrees in enumerate(meshes(64)):
         shape = SHAPE_NAMES[i % len(SHAPE_NAMES)]
-        for backend in ("torch", "megatron"):
+        for backend in ("torch", "megatron", "torchtitan"):
             spec = valid_spec(plan(i, degrees, shape, backend))
             expected = violations(spec)
             assert verdict(verifier, spec) == expected, (degrees, shape, backend, plan(i, degrees, shape, backend))
             seen["broken"].update(expected)
             plans += 1
-    assert plans == 2 * 3652
+    assert plans == 3 * 3652
     # The sweep is only a test if every rule fails somewhere (and passes elsewhere, since no rule fails every plan).
-    reachable = {code for code in RULES if code not in ("D003", "C001", "C003", "C004")}
+    # Listed layer splits (P010) are not swept: its example and the check-compiles property cover it.
+    reachable = {code for code in RULES if code not in ("D003", "C001", "C003", "P010")}
     assert reachable <= set(seen["broken"]), reachable - set(seen["broken"])
     assert all(seen["broken"][code] < plans for code in reachable)
 
@@ -549,7 +579,7 @@ def test_verdicts_equal_the_oracle_for_every_mesh_and_every_shape():
     verifier = PlanVerifier()
     for i, degrees in enumerate(meshes(64)):
         for shape in SHAPE_NAMES:
-            for backend in ("torch", "megatron"):
+            for backend in ("torch", "megatron", "torchtitan"):
                 spec = valid_spec(plan(i, degrees, shape, backend))
                 assert verdict(verifier, spec) == violations(spec), (degrees, shape, backend, i)
 
@@ -586,7 +616,7 @@ degree = st.sampled_from([1, 2, 3, 4, 6, 8])
     degrees=st.tuples(degree, degree, degree, degree, degree).filter(lambda d: d[0] * d[1] * d[2] * d[3] * d[4] <= 64),
     i=st.integers(0, 10_000),
     shape=st.sampled_from(SHAPE_NAMES),
-    backend=st.sampled_from(["torch", "megatron"]),
+    backend=st.sampled_from(["torch", "megatron", "torchtitan"]),
 )
 def test_verdicts_equal_the_oracle_on_random_plans(degrees, i, shape, backend):
     spec = valid_spec(plan(i, degrees, shape, backend))

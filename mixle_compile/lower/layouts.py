@@ -28,6 +28,7 @@ from math import ceil, prod
 
 from mixle_compile.contracts import ParallelPlan, ParameterLayout, StateLayout
 from mixle_compile.lower.groups import kv_replica_axis, kv_replica_size
+from mixle_compile.layer_split import LayerSplit, split_layers
 from mixle_compile.memory_model import fsdp_shards
 from mixle_compile.parameters import Parameter
 
@@ -101,18 +102,6 @@ def expert_data_size(plan: ParallelPlan) -> int:
     return plan.world_size // (plan.etp * plan.ep * plan.pp)
 
 
-def stage_of_layer(layer: int, num_layers: int, pp: int, virtual_stages: int = 1) -> tuple[int, int]:
-    """(stage, chunk) holding `layer`: layers are split evenly over pp * virtual_stages model
-    chunks, and chunk c of stage s is virtual stage c * pp + s (Megatron's interleaving)."""
-    chunks = pp * virtual_stages
-    per_chunk, extra = divmod(num_layers, chunks)
-    # Balanced split when not divisible: the first `extra` virtual stages take one more layer.
-    boundary = extra * (per_chunk + 1)
-    virtual = layer // (per_chunk + 1) if layer < boundary else extra + (layer - boundary) // max(per_chunk, 1)
-    virtual = min(virtual, chunks - 1)
-    return virtual % pp, virtual // pp
-
-
 def place_parameters(
     params: tuple[Parameter, ...],
     plan: ParallelPlan,
@@ -122,16 +111,19 @@ def place_parameters(
     distributed_optimizer: bool = False,
     num_kv_heads: int | None = None,
     fsdp_over_cp: bool = False,
+    layer_split: LayerSplit | None = None,
 ) -> tuple[PlacedParameter, ...]:
     """A layout for every parameter (see the module docstring for the rules).
 
     ``num_kv_heads`` (a transformer's) decides whether the KV projections are replicated over tp."""
     replicas = kv_replicas(num_kv_heads, plan.tp)
+    if layer_split is None:  # a modules model, or a caller without a spec: the balanced split
+        layer_split = split_layers(max(num_layers, 1), plan.pp, virtual_stages, None, "torch")
     last_stage, last_chunk = plan.pp - 1, virtual_stages - 1
     out = []
     for p in params:
         if p.layer is not None:
-            stage, chunk = stage_of_layer(p.layer, max(num_layers, 1), plan.pp, virtual_stages)
+            stage, chunk = layer_split.location(p.layer)
         elif p.role in ("head",) or p.name.startswith("final_norm"):
             stage, chunk = last_stage, last_chunk
         else:
@@ -145,9 +137,9 @@ def place_parameters(
                 placements.append(("ep", "shard(0)"))
                 local[0] = ceil(local[0] / plan.ep)
             if plan.tp > 1:
-                split = p.tp_dim is not None and plan.etp == plan.tp
-                placements.append(("tp", f"shard({p.tp_dim})" if split else "replicate"))
-                if split:
+                over_tp = p.tp_dim is not None and plan.etp == plan.tp
+                placements.append(("tp", f"shard({p.tp_dim})" if over_tp else "replicate"))
+                if over_tp:
                     local[p.tp_dim] = local[p.tp_dim] // plan.tp
             edp = expert_data_size(plan)
             if edp > 1:

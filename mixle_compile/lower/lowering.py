@@ -9,7 +9,8 @@ from mixle_compile.diagnostics import Diagnostic
 from mixle_compile.engines import engine_profile
 from mixle_compile.lower.exactly_once import ReductionProblem, check_exactly_once
 from mixle_compile.lower.groups import RankGrid
-from mixle_compile.lower.layouts import PlacedParameter, place_parameters, stage_of_layer
+from mixle_compile.layer_split import split_layers
+from mixle_compile.lower.layouts import PlacedParameter, place_parameters
 from mixle_compile.lower.memory import StageMemory, TrafficEntry, stage_memory, traffic
 from mixle_compile.lower.schedule import check_schedule
 from mixle_compile.lower.step import EXHAUSTIVE_RANKS, StepSchedule, grid_for, step_schedule
@@ -45,6 +46,10 @@ def lower(spec: Spec, *, schedule: bool = True, document: SourceDocument | None 
     t = spec.training
     num_layers = spec.model.num_layers if isinstance(spec.model, TransformerModel) else _module_layers(spec)
     kv_heads = (spec.model.num_kv_heads or spec.model.num_heads) if isinstance(spec.model, TransformerModel) else None
+    engine = engine_profile(spec.backend)
+    # A modules model's layers take the balanced split: the engines' rules are for transformers.
+    split_engine = engine.name if isinstance(spec.model, TransformerModel) else "torch"
+    split = split_layers(max(num_layers, 1), plan.pp, t.virtual_pipeline_stages, t.pipeline_layers, split_engine)
     placed = place_parameters(
         model_parameters(spec),
         plan,
@@ -52,9 +57,10 @@ def lower(spec: Spec, *, schedule: bool = True, document: SourceDocument | None 
         virtual_stages=t.virtual_pipeline_stages,
         distributed_optimizer=t.distributed_optimizer,
         num_kv_heads=kv_heads,
-        fsdp_over_cp=engine_profile(spec.backend).fsdp_over_cp,
+        fsdp_over_cp=engine.fsdp_over_cp,
+        layer_split=split,
     )
-    stage_of = {i: stage_of_layer(i, max(num_layers, 1), plan.pp, t.virtual_pipeline_stages)[0] for i in range(num_layers)}
+    stage_of = {i: split.location(i)[0] for i in range(num_layers)}
     updates = tuple(
         gradient_updates(
             placed,
@@ -69,7 +75,7 @@ def lower(spec: Spec, *, schedule: bool = True, document: SourceDocument | None 
     steps = (
         step_schedule(
             plan, updates, grid, pipeline=t.pipeline_schedule, virtual_stages=t.virtual_pipeline_stages,
-            engine=engine_profile(spec.backend),
+            engine=engine,
         )
         if schedule
         else None
@@ -78,7 +84,7 @@ def lower(spec: Spec, *, schedule: bool = True, document: SourceDocument | None 
         plan=plan,
         parameters=placed,
         updates=updates,
-        memory=stage_memory(spec, plan, placed),
+        memory=stage_memory(spec, plan, placed, split),
         traffic=traffic(updates),
         reduction_problems=check_exactly_once(placed, updates, plan, sequence_parallel=t.sequence_parallel, num_kv_heads=kv_heads),
         grid=grid,

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from math import ceil
 
 from mixle_compile.contracts import ParallelPlan, StateLayout
-from mixle_compile.lower.layouts import KV_HEAD_AXIS, PlacedParameter, expert_data_size, stage_of_layer
+from mixle_compile.layer_split import LayerSplit
+from mixle_compile.lower.layouts import KV_HEAD_AXIS, PlacedParameter, expert_data_size
 from mixle_compile.lower.updates import PlannedUpdate
 from mixle_compile.engines import engine_profile
 from mixle_compile.memory_model import (
@@ -29,6 +30,7 @@ from mixle_compile.memory_model import (
     optimizer_bytes_per_element,
 )
 from mixle_compile.parameters import DTYPE_BYTES
+from mixle_compile.verify.memory import activation_widths
 from mixle_compile.spec.models import Spec, TransformerModel
 
 MEMORY_KINDS = ("parameters", "gathered_parameters", "gradients", "optimizer_state", "activations")
@@ -67,7 +69,9 @@ class TrafficEntry:
         }
 
 
-def stage_memory(spec: Spec, plan: ParallelPlan, placed: tuple[PlacedParameter, ...]) -> tuple[StageMemory, ...]:
+def stage_memory(
+    spec: Spec, plan: ParallelPlan, placed: tuple[PlacedParameter, ...], split: LayerSplit | None = None
+) -> tuple[StageMemory, ...]:
     t = spec.training
     adam = t.optimizer in ("adam", "adamw")
     out = []
@@ -95,7 +99,7 @@ def stage_memory(spec: Spec, plan: ParallelPlan, placed: tuple[PlacedParameter, 
         for p in mine:
             units[p.parameter.layer] = units.get(p.parameter.layer, 0) + _tp_local_bytes(p, plan)
         gathered = gathered_parameter_bytes(NUMBERS, fsdp=fsdp_shards(dp_shard=plan.dp_shard, cp=plan.cp, over_cp=engine_profile(spec.backend).fsdp_over_cp), largest_unit_bytes=max(units.values(), default=0))
-        out.append(StageMemory(stage, params, gathered, grads, state, _activation_bytes(spec, plan, stage)))
+        out.append(StageMemory(stage, params, gathered, grads, state, _activation_bytes(spec, plan, stage, split)))
     return tuple(out)
 
 
@@ -117,18 +121,20 @@ def _tp_local_bytes(p: PlacedParameter, plan: ParallelPlan) -> int:
     return nbytes
 
 
-def _activation_bytes(spec: Spec, plan: ParallelPlan, stage: int) -> int:
+def _activation_bytes(spec: Spec, plan: ParallelPlan, stage: int, split: LayerSplit | None) -> int:
     model = spec.model
     t = spec.training
     if not isinstance(model, TransformerModel):
         return 0  # a modules spec lists parameters only; how activations flow is not known
     shape = dict(seq_len=t.seq_len or 1, cp=plan.cp, micro_batch_size=t.micro_batch_size, tp=plan.tp)
+    engine = engine_profile(spec.backend)
     per_layer = activation_bytes_per_layer(
         NUMBERS, **shape, hidden_size=model.hidden_size, num_heads=model.num_heads, sequence_parallel=t.sequence_parallel,
         full_recompute=t.activation_checkpointing == "full", selective_recompute=t.activation_checkpointing == "selective",
-        fp32=t.precision == "fp32", eager_attention=(t.attention or engine_profile(spec.backend).default_attention) == "eager",
+        fp32=t.precision == "fp32", eager_attention=(t.attention or engine.default_attention) == "eager",
+        op_level_selective=engine.op_level_selective, **activation_widths(model),
     )
-    layers_here = sum(1 for i in range(model.num_layers) if stage_of_layer(i, model.num_layers, plan.pp, t.virtual_pipeline_stages)[0] == stage)
+    layers_here = split.layers_on_stage(stage) if split is not None else model.num_layers
     in_flight = micro_batches_in_flight(
         NUMBERS, pp=plan.pp, stage=stage, microbatches=plan.microbatches, gpipe=t.pipeline_schedule == "gpipe",
         interleaved=t.pipeline_schedule == "interleaved_1f1b" and t.virtual_pipeline_stages > 1, virtual_stages=t.virtual_pipeline_stages,

@@ -64,12 +64,14 @@ def _families(rule: Rule) -> str:
 def rules_text(rule_set: str | None = None) -> str:
     load_catalogue()
     lines = []
+    rules = rules_in(rule_set)
+    width = max([15, *(len(r.engines_text) for r in rules)])
     for c in spec_codes():
-        lines.append(f"{c.code}  {'error':7}  {'spec':15}  {c.title}: {c.summary}")
+        lines.append(f"{c.code}  {'error':7}  {'spec':{width}}  {c.title}: {c.summary}")
     for c in pass_codes():
-        lines.append(f"{c.code}  {c.severity.value:7}  {PASS_LABELS.get(c.code[0], 'pass'):15}  {c.title}: {c.summary}")
-    for r in rules_in(rule_set):
-        lines.append(f"{r.code}  {r.severity.value:7}  {r.engines_text:15}  {r.name}: {r.title}")
+        lines.append(f"{c.code}  {c.severity.value:7}  {PASS_LABELS.get(c.code[0], 'pass'):{width}}  {c.title}: {c.summary}")
+    for r in rules:
+        lines.append(f"{r.code}  {r.severity.value:7}  {r.engines_text:{width}}  {r.name}: {r.title}")
     return "\n".join(lines) + "\n"
 
 
@@ -88,6 +90,8 @@ def rules_json(rule_set: str | None = None) -> str:
                 "severity": r.severity.value,
                 "kind": "rule",
                 "rule_sets": [e for e in (*ENGINES, "common") if r.in_rule_set(e)],
+                "versions": {name: bound for name, bound in r.versions},
+                "entries": sorted(r.entries) if r.entries is not None else None,
                 "families": sorted(r.families),
                 "title": r.title,
                 "docs": r.docs,
@@ -101,7 +105,7 @@ def explain_text(code: str) -> str | None:
     """The documentation of one code, or None when no such code exists."""
     rule = RULES.get(code)
     if rule is not None:
-        sets = ", ".join(e for e in (*ENGINES, "common") if rule.in_rule_set(e))
+        sets = _sets_text(rule)
         return (
             f"{rule.code} {rule.name} ({rule.severity.value}; rule sets: {sets}; models: {_families(rule)})\n\n"
             f"{rule.title}\n\n{rule.docs}\n\nSource: {rule.engine_reference}\n"
@@ -113,6 +117,26 @@ def explain_text(code: str) -> str | None:
         return None
     kind = "spec check" if code.startswith("S") else PASSES.get(code[0], "pass").lower()
     return f"{entry.code} {entry.title} ({entry.severity.value}; {kind})\n\n{entry.summary}\n\n{entry.docs}\n"
+
+
+def _mark(rule: Rule, rule_set: str) -> str:
+    if not rule.in_rule_set(rule_set):
+        return ""
+    bounds = [b for n, b in rule.versions if n == rule_set]
+    text = " ".join(["yes", *bounds])
+    if rule_set == "megatron" and rule.entries is not None:
+        text += " (" + "/".join(sorted(rule.entries)) + ")"
+    return text
+
+
+def _sets_text(rule: Rule) -> str:
+    """The rule sets a rule is in, with the versions and front ends it holds for."""
+    out = []
+    for name in (*ENGINES, "common"):
+        mark = _mark(rule, name)
+        if mark:
+            out.append(name + mark[3:])
+    return ", ".join(out)
 
 
 def rules_markdown() -> str:
@@ -127,13 +151,16 @@ def rules_markdown() -> str:
         "",
         "**Errors and warnings.** An error means the plan cannot run as written (or not on the chosen "
         "backend); any error makes `check` exit with status 1. A warning means the plan runs but "
-        "something deserves a look (only P008, the pipeline bubble, today); warnings are printed but do "
+        "something deserves a look (P008, the pipeline bubble, and Q004, a setting Megatron-LM turns off); warnings are printed but do "
         "not change the exit status.",
         "",
         "**Rule sets.** Engines differ, so each backend is checked with its own rule set: `torch` (the "
-        "in-tree runtime, torchtitan's layout) and `megatron` (Megatron-Core). A backend registered under "
-        "another name is checked with the `common` set: the rules every engine shares, plus its declared "
-        "capabilities (C0xx).",
+        "in-tree runtime), `torchtitan` (torchtitan 0.2, the TOML-era releases, and 0.3) and `megatron` "
+        "(Megatron-Core 0.12 to 0.16, through Megatron-LM's arguments or its config classes). A rule may "
+        "hold for some versions of an engine only (`megatron <0.16`) or for one front end (`megatron "
+        "(arguments)`); `backend: {name: megatron, version: \"0.15\", entry: core}` picks them, and a bare "
+        "name means the newest version. A backend registered under another name is checked with the "
+        "`common` set: the rules every engine shares, plus its declared capabilities (C0xx).",
         "",
         "**Conflicts.** A rule's message names a minimal set of conflicting fields: the solver's unsat core "
         "over one pin per field, shrunk until no field can be dropped, so every field named is part of the "
@@ -147,11 +174,11 @@ def rules_markdown() -> str:
         "length, and offers no plan that needs more than four changes. Errors about the elastic section "
         "(D002, D003, D004, C005) are left to their hints.",
         "",
-        "| code | name | severity | torch | megatron | common |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| code | name | severity | torch | torchtitan | megatron | common |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in RULES.values():
-        marks = " | ".join("yes" if r.in_rule_set(s) else "" for s in (*ENGINES, "common"))
+        marks = " | ".join(_mark(r, s) for s in (*ENGINES, "common"))
         out.append(f"| [{r.code}](#{r.code.lower()}-{r.name}) | {r.name} | {r.severity.value} | {marks} |")
     out += ["", "## Spec checks (S)", "", "Reading and schema validation of the spec file itself.", ""]
     for c in spec_codes():
@@ -162,7 +189,7 @@ def rules_markdown() -> str:
             topic = r.code[0]
             out += [f"## {topic}: {TOPICS[topic]}", ""]
         severity = "Error" if r.severity is Severity.error else "Warning"
-        sets = ", ".join(s for s in (*ENGINES, "common") if r.in_rule_set(s))
+        sets = _sets_text(r)
         out += [
             f"### {r.code} {r.name}",
             "",

@@ -15,6 +15,7 @@ from typing import Any
 
 from mixle_compile.contracts import BackendCapabilities
 from mixle_compile.engines import EngineProfile, engine_profile
+from mixle_compile.layer_split import engine_rule
 from mixle_compile.spec.models import DistributionModel, ModulesModel, Spec, TrainingSpec, TransformerModel
 from mixle_compile.spec.source import Path_, dotted
 from mixle_compile.verify.memory import ParameterFootprint, parameter_footprint
@@ -106,6 +107,8 @@ class PlanFacts:
     elastic: ElasticRange | None
     footprint: ParameterFootprint | None  # neural families only
     split_dimensions: tuple[SplitDimension, ...] = ()  # modules only
+    layer_split: str = "balanced"  # how layers split over stages: even, balanced, torchtitan or listed
+    pipeline_layers: tuple[int, ...] | None = None  # the listed split, per virtual stage
 
     def field(self, symbol: str) -> Field:
         return self._by_symbol[symbol]
@@ -155,6 +158,16 @@ def plan_facts(spec: Spec) -> PlanFacts:
     for name, choices in ENUMS.items():
         add(name, ("training", name), choices.index(getattr(training, name)), name)
     engine = engine_profile(spec.backend)
+    listed = isinstance(training.pipeline_layers, list)
+    # A modules model's layers are placed by the balanced split (the lowering has no engine rule for it).
+    default_rule = engine_rule(engine.name) if isinstance(spec.model, TransformerModel) else "balanced"
+    split_rule = "listed" if listed else training.pipeline_layers or default_rule
+    add("listed_split", ("training", "pipeline_layers"), listed, "bool", "a list" if listed else split_rule)
+    add("even_split", ("training", "pipeline_layers"), split_rule == "even", "bool", split_rule)
+    if listed:
+        counts = training.pipeline_layers
+        add("pipeline_layers_stages", ("training", "pipeline_layers"), len(counts), shown=f"{len(counts)} stages")
+        add("pipeline_layers_total", ("training", "pipeline_layers"), sum(counts), shown=f"{sum(counts)} layers")
     attention = training.attention or engine.default_attention
     add("eager_attention", ("training", "attention"), attention == "eager", "bool",
         attention if training.attention else f"{attention} (the engine's default)")
@@ -216,6 +229,8 @@ def plan_facts(spec: Spec) -> PlanFacts:
         elastic=elastic,
         footprint=footprint,
         split_dimensions=split,
+        layer_split=split_rule,
+        pipeline_layers=tuple(training.pipeline_layers) if listed else None,
     )
 
 

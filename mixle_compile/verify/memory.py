@@ -82,6 +82,9 @@ class ParameterFootprint:
     hidden_size: int = 0  # transformers only (activation memory)
     num_heads: int = 0
     vocab_size: int = 0
+    query_width: int = 0  # num_heads * head_dim
+    kv_width: int = 0  # num_kv_heads * head_dim
+    ffn_width: int = 0  # the widest MLP per token: ffn_hidden_size, or experts_per_token * the experts' size
 
     def share(self, place: str, category: str) -> Share:
         return self.shares.get((place, category), ZERO)
@@ -149,6 +152,7 @@ def parameter_footprint(spec: Spec) -> ParameterFootprint:
             hidden_size=model.hidden_size,
             num_heads=model.num_heads,
             vocab_size=model.vocab_size,
+            **activation_widths(model),
         )
 
     # A listed model: layers may differ, so a stage is bounded by its heaviest layer.
@@ -159,3 +163,16 @@ def parameter_footprint(spec: Spec) -> ParameterFootprint:
         if heaviest != ZERO:
             add("every_layer", category, heaviest)
     return ParameterFootprint(MappingProxyType({k: v for k, v in shares.items() if v != ZERO}))
+
+
+def activation_widths(model) -> dict[str, int]:
+    """The per-token widths op-level selective checkpointing keeps (see memory_model)."""
+    head_dim = model.head_dim or model.hidden_size // model.num_heads
+    ffn = model.ffn_hidden_size
+    if model.num_experts > 0:
+        ffn = max(ffn, (model.experts_per_token or 1) * (model.moe_ffn_hidden_size or model.ffn_hidden_size))
+    return {
+        "query_width": model.num_heads * head_dim,
+        "kv_width": (model.num_kv_heads or model.num_heads) * head_dim,
+        "ffn_width": ffn,
+    }

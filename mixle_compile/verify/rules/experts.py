@@ -24,12 +24,15 @@ EXPERT_TENSOR_PARALLEL = define(
             "same ranks as the tensor-parallel groups. Any other value (e.g. `etp: 3` with `tp: 2`) has no "
             "process group to run on."
         ),
-        engine_reference="torchtitan `ParallelDims._validate`: etp must be 1 or equal to tp",
+        engine_reference=(
+            "torchtitan 0.2 torchtitan/distributed/parallel_dims.py `ParallelDims._validate`: \"Currently we only "
+            "support ETP=TP or ETP=1\" (0.3 has no etp: E010)"
+        ),
         constraint=lambda v: any_of(v.etp == 1, v.etp == v.tp),
         explain=lambda x: f"etp={x.etp} is neither 1 nor tp={x.tp}",
         hint=lambda x: f"use etp: 1 (experts split only over ep) or etp: {x.tp} (experts split like the dense layers)",
         fields=("etp", "tp"),
-        engines=frozenset({"torch"}),
+        engines=frozenset({"torch", "torchtitan"}),
     )
 )
 
@@ -206,5 +209,54 @@ EXPERTS_SHARDED_WHOLE = define(
         ),
         fields=("num_experts", "dp_shard", "dp_replicate", "tp", "cp", "etp"),
         engines=frozenset({"torch"}),
+    )
+)
+
+
+TORCHTITAN_EXPERT_MESH = define(
+    Rule(
+        code="E009",
+        name="torchtitan-expert-mesh",
+        title="torchtitan: ep * etp divides dp_shard * cp * tp.",
+        docs=(
+            "torchtitan cuts its expert mesh `[pp, dp_replicate, efsdp, ep(, etp)]` out of the dense mesh, with "
+            "`efsdp = dp_shard * cp * tp // (ep * etp)`; when `ep * etp` does not divide `dp_shard * cp * tp` the "
+            "mesh cannot be unflattened and the trainer fails at start. (Megatron cuts experts from the whole "
+            "grid instead: E003.)"
+        ),
+        engine_reference=(
+            "torchtitan 0.3 torchtitan/distributed/parallel_dims.py `build_mesh` (`efsdp = fsdp * tp // ep`); "
+            "0.2 the same with `// (etp * ep)`"
+        ),
+        constraint=lambda v: (v.dp_shard * v.cp * v.tp) % (v.ep * v.etp) == 0,
+        explain=lambda x: (
+            f"ep*etp = {x.ep}*{x.etp} = {x.ep * x.etp} does not divide dp_shard*cp*tp = "
+            f"{x.dp_shard}*{x.cp}*{x.tp} = {x.dp_shard * x.cp * x.tp}"
+        ),
+        hint=lambda x: f"use an ep that divides {x.dp_shard * x.cp * x.tp // x.etp}",
+        fields=("ep", "etp", "dp_shard", "cp", "tp"),
+        engines=frozenset({"torchtitan"}),
+        families=NEURAL,
+    )
+)
+
+TORCHTITAN_NO_ETP = define(
+    Rule(
+        code="E010",
+        name="torchtitan-no-expert-tensor-parallel",
+        title="torchtitan 0.3: etp = 1 (its mesh has no expert tensor-parallel axis).",
+        docs=(
+            "torchtitan 0.3's `ParallelDims` has no `etp` degree: with ep > 1 experts are split over ep only and "
+            "the tensor-parallel ranks split the tokens; with ep = 1 experts are split over tp like the dense "
+            "layers. Earlier releases (0.2) had `expert_tensor_parallel_degree` (E001)."
+        ),
+        engine_reference="torchtitan 0.3 torchtitan/distributed/parallel_dims.py `ParallelDims` (dp_replicate, dp_shard, cp, tp, pp, ep)",
+        constraint=lambda v: v.etp == 1,
+        explain=lambda x: f"etp={x.etp}, but torchtitan 0.3 has no expert tensor parallelism",
+        hint=lambda x: 'set etp: 1, or name backend: {name: torchtitan, version: "0.2"}',
+        fields=("etp",),
+        engines=frozenset({"torchtitan"}),
+        versions=(("torchtitan", ">=0.3"),),
+        families=NEURAL,
     )
 )

@@ -12,7 +12,7 @@ from mixle_compile.memory_model import (
 )
 from mixle_compile.verify import logic
 from mixle_compile.verify.facts import format_bytes
-from mixle_compile.verify.logic import all_of, larger, real, when
+from mixle_compile.verify.logic import all_of, larger, negation, real, when
 from mixle_compile.verify.memory import CATEGORIES
 from mixle_compile.verify.rule import Rule, define
 
@@ -41,13 +41,27 @@ def per_rank_bytes(v) -> dict[str, object]:
     # c - floor(c / k) dense ones (k = moe_layer_frequency).
     virtual = when(v.pp == 1, 1, v.virtual_pipeline_stages)  # without a pipeline there are no virtual stages
     stages = v.pp * virtual
-    chunk = (v.layers + stages - 1) / stages
     k = fp.moe_layer_frequency
-    copies = {
-        "every_layer": virtual * chunk,
-        "dense_layer": virtual * (chunk - chunk / k),
-        "moe_layer": virtual * ((chunk + k - 1) / k),
-    }
+    listed = v.facts.pipeline_layers
+    if listed is not None:
+        # A listed split (P010 holds it to the mesh): the largest counts any one rank holds.
+        pp = len(listed) // max(1, v.facts.value("virtual_pipeline_stages") if v.facts.value("pp") > 1 else 1)
+        ranks = [listed[s::pp] for s in range(max(pp, 1))]
+        copies = {
+            "every_layer": max(sum(r) for r in ranks),
+            "dense_layer": max(sum(c - c // k for c in r) for r in ranks),
+            "moe_layer": max(sum(-(-c // k) for c in r) for r in ranks),
+        }
+    else:
+        # The largest virtual stage: ceil(layers / stages) under even and balanced splits;
+        # torchtitan splits layers + 2 slots (the embedding and the output count as one each).
+        slots = when(v.pp > 1, v.layers + 2, v.layers) if v.facts.layer_split == "torchtitan" else v.layers
+        chunk = (slots + stages - 1) / stages
+        copies = {
+            "every_layer": virtual * chunk,
+            "dense_layer": virtual * (chunk - chunk / k),
+            "moe_layer": virtual * ((chunk + k - 1) / k),
+        }
 
     # How many ranks share one copy of each category, as the layouts place them: the model-parallel
     # split (tp; experts ep * etp), times, under FSDP (dp_shard > 1), the data-parallel sharding
@@ -62,8 +76,8 @@ def per_rank_bytes(v) -> dict[str, object]:
     }
     # A distributed optimizer without FSDP shards the state over all data ranks.
     state_split = {
-        "tensor_parallel": when(all_of(v.distributed_optimizer, v.dp_shard == 1), real(v.data_parallel * v.cp), real(1)),
-        "expert": when(all_of(v.distributed_optimizer, v.dp_shard == 1), expert_data, real(1)),
+        "tensor_parallel": when(all_of(v.distributed_optimizer, negation(fsdp)), real(v.data_parallel * v.cp), real(1)),
+        "expert": when(all_of(v.distributed_optimizer, negation(fsdp)), expert_data, real(1)),
     }
     state_split["replicated"] = state_split["tensor_parallel"]
 
@@ -127,6 +141,8 @@ def activation_bytes(v, layers_on_rank) -> object:
         TERMS, **shape, hidden_size=fp.hidden_size, num_heads=fp.num_heads, sequence_parallel=v.sequence_parallel,
         full_recompute=v.is_("activation_checkpointing", "full"), selective_recompute=v.is_("activation_checkpointing", "selective"),
         fp32=v.is_("precision", "fp32"), eager_attention=v.eager_attention,
+        op_level_selective=v.facts.engine.op_level_selective, query_width=fp.query_width, kv_width=fp.kv_width,
+        ffn_width=fp.ffn_width,
     )
     in_flight = micro_batches_in_flight(
         TERMS, pp=v.pp, stage=0, microbatches=v.microbatches, gpipe=v.is_("pipeline_schedule", "gpipe"),

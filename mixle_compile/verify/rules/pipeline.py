@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from mixle_compile.diagnostics import Severity
 from mixle_compile.schedules import applies, bubble_fraction, requirement
-from mixle_compile.verify.logic import all_of, implies, larger
+from mixle_compile.verify.logic import all_of, implies, larger, negation, when
 from mixle_compile.verify.rule import Rule, define
 from mixle_compile.verify.wording import alternatives, divisors, percent
 
@@ -20,25 +20,29 @@ LAYERS_SPLIT = define(
     Rule(
         code="P001",
         name="layers-split-by-stages",
-        title="pp * virtual_pipeline_stages divides num_layers.",
+        title="An even layer split: pp * virtual_pipeline_stages divides num_layers.",
         docs=(
-            "Each pipeline stage (each virtual stage, with interleaving) holds the same number of transformer "
-            "layers, so `num_layers % (pp * virtual_pipeline_stages) == 0`. Engines that accept uneven "
-            "stages do so through an explicit stage layout, which a spec does not state."
+            "Under an even split every pipeline stage (every virtual stage, with interleaving) holds the same "
+            "number of transformer layers, so `num_layers % (pp * virtual_pipeline_stages) == 0`. The split is "
+            "even on Megatron by default (its uneven splits, `decoder_first_pipeline_num_layers`, "
+            "`account_for_embedding_in_pipeline_split` or a `pipeline_model_parallel_layout`, are stated as a "
+            "`training.pipeline_layers` list) and wherever `pipeline_layers: even` asks for it. torch's and "
+            "torchtitan's default splits are uneven (see docs/spec.md)."
         ),
         engine_reference=(
-            "Megatron-Core `TransformerConfig`: num_layers must be divisible by the (virtual) pipeline model "
-            "parallel size without an explicit layout; torchtitan's pipeline splitting"
+            "Megatron-Core 0.16 megatron/core/transformer/transformer_config.py `__post_init__`: num_layers "
+            "should be divisible by pipeline_model_parallel_size (and by vp per rank) without an uneven layout"
         ),
         constraint=lambda v: implies(
-            v.pp * v.virtual_pipeline_stages <= v.layers, v.layers % (v.pp * v.virtual_pipeline_stages) == 0
+            all_of(v.even_split, v.pp * v.virtual_pipeline_stages <= v.layers),
+            v.layers % (v.pp * v.virtual_pipeline_stages) == 0,
         ),
         explain=lambda x: (
             f"{x.layers} layers cannot be split evenly into pp*virtual_pipeline_stages = "
             f"{x.pp}*{x.virtual_pipeline_stages} = {x.pp * x.virtual_pipeline_stages} stages"
         ),
         hint=_stage_hint,
-        fields=("pp", "num_layers", "virtual_pipeline_stages"),
+        fields=("pp", "num_layers", "virtual_pipeline_stages", "even_split"),
         families=TRANSFORMER,
     )
 )
@@ -51,10 +55,16 @@ STAGES_EXCEED_LAYERS = define(
         docs=(
             "Every (virtual) pipeline stage needs at least one layer: `pp * virtual_pipeline_stages <= "
             "layers`. For a `modules` model the layers are the distinct `layer` indices of its parameters; "
-            "a modules model without layer indices cannot be pipelined."
+            "a modules model without layer indices cannot be pipelined. torchtitan counts the embedding and the "
+            "output as one layer each, so it takes up to `layers + 2` stages; a listed `pipeline_layers` may "
+            "leave a stage without layers (P010 checks the list)."
         ),
         engine_reference="torch.distributed.pipelining `pipeline()` split points; Megatron-Core pipeline layer assignment",
-        constraint=lambda v: v.pp * v.virtual_pipeline_stages <= v.layers,
+        # torchtitan splits layers + 2 slots (the embedding and the output count as one layer each),
+        # so its stages may outnumber the layers by two (torchtitan/distributed/pipeline_parallel.py).
+        constraint=lambda v: implies(
+            negation(v.listed_split), v.pp * v.virtual_pipeline_stages <= v.layers + 2 * (v.facts.layer_split == "torchtitan")
+        ),
         explain=lambda x: (
             f"pp*virtual_pipeline_stages = {x.pp}*{x.virtual_pipeline_stages} = {x.pp * x.virtual_pipeline_stages} "
             f"stages for {x.layers} layer{'s' * (x.layers != 1)}"
@@ -209,5 +219,61 @@ BUBBLE = define(
         fields=("microbatches", "pp"),
         severity=Severity.warning,
         elastic=False,
+    )
+)
+
+
+LISTED_SPLIT = define(
+    Rule(
+        code="P010",
+        name="listed-layer-split",
+        title="A listed pipeline_layers names every (virtual) stage and every layer.",
+        docs=(
+            "`training.pipeline_layers: [n0, n1, ...]` gives the transformer layers of each virtual stage in "
+            "model order (virtual stage `c * pp + s` is chunk `c` of stage `s`): one entry per stage, "
+            "`pp * virtual_pipeline_stages` entries, adding up to the model's layers. A stage may hold none "
+            "(Megatron's `account_for_embedding_in_pipeline_split` gives the first and last stage one layer "
+            "fewer, down to zero)."
+        ),
+        engine_reference=(
+            "Megatron-Core 0.16 megatron/core/transformer/pipeline_parallel_layer_layout.py (one entry per "
+            "virtual stage, in virtual-stage order); torchtitan `module_fqns_per_model_part`"
+        ),
+        constraint=lambda v: all_of(
+            v.pipeline_layers_stages == v.pp * when(v.pp == 1, 1, v.virtual_pipeline_stages),
+            v.pipeline_layers_total == v.layers,
+        ),
+        explain=lambda x: (
+            f"pipeline_layers lists {x.pipeline_layers_stages} stages holding {x.pipeline_layers_total} layers, "
+            f"for pp*virtual_pipeline_stages = {x.pp}*{x.virtual_pipeline_stages if x.pp > 1 else 1} stages and "
+            f"{x.layers} layers"
+        ),
+        hint=lambda x: "list one layer count per (virtual) stage, adding up to the model's layers, or remove pipeline_layers",
+        fields=("pipeline_layers_stages", "pipeline_layers_total", "pp", "virtual_pipeline_stages", "layers", "num_layers"),
+        needs=("pipeline_layers_stages",),
+    )
+)
+
+
+TORCHTITAN_TIED_PIPELINE = define(
+    Rule(
+        code="P011",
+        name="torchtitan-tied-embeddings-need-one-stage",
+        title="torchtitan: tied embeddings need pp = 1.",
+        docs=(
+            "torchtitan refuses to pipeline a model whose output head shares the input embedding: the two "
+            "would land on different stages. (The in-tree runtime and Megatron sum the two copies' gradients "
+            "over the tied group instead.)"
+        ),
+        engine_reference=(
+            "torchtitan 0.3 torchtitan/models/common/decoder.py: \"Weight tying is not supported with Pipeline "
+            "Parallel.\"; 0.2 models/qwen3 `init_weights` (both modules on one stage)"
+        ),
+        constraint=lambda v: implies(v.tie_embeddings, v.pp == 1),
+        explain=lambda x: f"tied embeddings with pp={x.pp}",
+        hint=lambda x: "set pp: 1, or model.tie_embeddings: false",
+        fields=("tie_embeddings", "pp"),
+        families=TRANSFORMER,
+        engines=frozenset({"torchtitan"}),
     )
 )

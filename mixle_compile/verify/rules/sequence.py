@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from mixle_compile.diagnostics import Severity
-from mixle_compile.verify.logic import all_of, implies
+from mixle_compile.verify.logic import all_of, implies, when
 from mixle_compile.verify.rule import Rule, define
 
 CONTEXT_PARALLEL = define(
@@ -92,5 +92,45 @@ SEQUENCE_PARALLEL_SPLIT = define(
         hint=lambda x: f"use a seq_len that is a multiple of {x.tp * x.cp}, or turn sequence_parallel off",
         fields=("sequence_parallel", "seq_len", "tp", "cp"),
         needs=("seq_len",),
+        engines=frozenset({"torch", "megatron"}),  # torchtitan's own divisor: Q005
+    )
+)
+
+
+def _titan_divisor(v):
+    """torchtitan's seq_len divisor: 0.2 `ParallelDims.seq_len_divisor` = tp * 2 * cp always;
+    0.3 `trainer.py`: (tp with sequence parallelism, else 1) * (2 * cp when cp > 1, else 1)."""
+    if v.facts.engine.at_least("0.3"):
+        return when(all_of(v.sequence_parallel, v.tp > 1), v.tp, 1) * when(v.cp > 1, 2 * v.cp, 1)
+    return v.tp * 2 * v.cp
+
+
+def _titan_divisor_value(x) -> int:
+    if x.facts.engine.at_least("0.3"):
+        return (x.tp if x.sequence_parallel and x.tp > 1 else 1) * (2 * x.cp if x.cp > 1 else 1)
+    return x.tp * 2 * x.cp
+
+
+TORCHTITAN_SEQ_LEN = define(
+    Rule(
+        code="Q005",
+        name="torchtitan-seq-len-divisor",
+        title="torchtitan: seq_len divisible by its sequence divisor (tp and 2 * cp).",
+        docs=(
+            "torchtitan splits each sequence over the tensor-parallel ranks (sequence parallelism) and into "
+            "`2 * cp` load-balanced chunks, and refuses a seq_len that does not divide. 0.2 asserts "
+            "`seq_len % (tp * 2 * cp) == 0` in every model's `parallelize` (even at tp = cp = 1, where it is "
+            "`% 2`); 0.3's trainer uses `(tp if sequence parallel else 1) * (2 * cp if cp > 1 else 1)`."
+        ),
+        engine_reference=(
+            "torchtitan 0.2 torchtitan/distributed/parallel_dims.py `seq_len_divisor`, "
+            "models/llama3/infra/parallelize.py; torchtitan 0.3 torchtitan/trainer.py (seq_len_divisor check)"
+        ),
+        constraint=lambda v: v.seq_len % _titan_divisor(v) == 0,
+        explain=lambda x: f"seq_len={x.seq_len} is not a multiple of torchtitan's divisor {_titan_divisor_value(x)}",
+        hint=lambda x: f"use a seq_len that is a multiple of {_titan_divisor_value(x)}",
+        fields=("seq_len", "tp", "cp", "sequence_parallel"),
+        needs=("seq_len",),
+        engines=frozenset({"torchtitan"}),
     )
 )

@@ -1,0 +1,91 @@
+"""How transformer layers are split over pipeline stages, written once and read twice.
+
+The lowering places every layer (and so the runtime builds every stage) with :func:`split_layers`;
+the verifier's rules (P001, P002, P010) and R001's bound read the same split, so `check` prices
+the stages the plan builds.
+
+A spec says ``training.pipeline_layers``: ``even`` (every virtual stage the same number of
+layers), a list (the layers of each virtual stage in model order, a stage with none allowed), or
+nothing, which means the engine's own rule:
+
+* ``torch`` (the in-tree runtime): balanced; the first ``L % S`` virtual stages take one more.
+* ``torchtitan``: ``generate_llm_fqn_per_model_part`` (torchtitan/distributed/pipeline_parallel.py,
+  0.3.0 and the TOML-era releases): the embedding and the output each count as one layer
+  (``pipeline_parallel_first_stage_less_layers`` / ``last_stage_less_layers``, default 1), the
+  ``L + 2`` slots are split with the remainder on the first stages, then the first and last stage
+  give one slot back: 126 layers over 8 stages are ``[15, 16, 16, 16, 16, 16, 16, 15]``.
+* ``megatron``: even; without ``decoder_first_pipeline_num_layers`` / ``_last_`` or a
+  ``pipeline_model_parallel_layout`` (which a spec states as a list) ``num_layers`` must divide by
+  ``pp * vpp`` (megatron/core/transformer/transformer_config.py, transformer_block.py).
+
+Virtual stage ``c * pp + s`` is chunk ``c`` of stage ``s`` (both engines interleave that way).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+RULES = ("even", "balanced", "torchtitan")
+ENGINE_RULE = {"torch": "balanced", "torchtitan": "torchtitan", "megatron": "even"}
+
+
+def engine_rule(engine_name: str) -> str:
+    return ENGINE_RULE.get(engine_name, "balanced")
+
+
+def counts_for(rule: str, num_layers: int, stages: int) -> tuple[int, ...]:
+    """Layers of each of ``stages`` virtual stages under a named rule (even splits unevenly
+    divisible layers as balanced does: P001 refuses that case)."""
+    if rule == "torchtitan":
+        q, r = divmod(num_layers + 2, stages)
+        counts = [q + 1 if i < r else q for i in range(stages)]
+        counts[0] -= 1
+        counts[-1] -= 1
+        if min(counts) < 0:
+            raise ValueError(f"torchtitan cannot split {num_layers} layers over {stages} stages: a stage would hold fewer than none")
+        return tuple(counts)
+    q, r = divmod(num_layers, stages)
+    return tuple(q + 1 if i < r else q for i in range(stages))
+
+
+@dataclass(frozen=True)
+class LayerSplit:
+    pp: int
+    virtual_stages: int
+    counts: tuple[int, ...]  # per virtual stage, model order
+    rule: str  # even, balanced, torchtitan, or listed
+
+    def location(self, layer: int) -> tuple[int, int]:
+        """(stage, chunk) holding ``layer``."""
+        end = 0
+        for virtual, count in enumerate(self.counts):
+            end += count
+            if layer < end:
+                return virtual % self.pp, virtual // self.pp
+        raise ValueError(f"layer {layer} is beyond the {sum(self.counts)} layers of the split")
+
+    def layers_on_stage(self, stage: int) -> int:
+        return sum(self.counts[c * self.pp + stage] for c in range(self.virtual_stages))
+
+    def heaviest_stage_layers(self) -> int:
+        return max(self.layers_on_stage(s) for s in range(self.pp))
+
+
+def split_layers(num_layers: int, pp: int, virtual_stages: int, pipeline_layers: Any, engine_name: str) -> LayerSplit:
+    """The split a spec asks for: a list as given, ``even``, or the engine's rule. Without a
+    pipeline, one stage holds every layer."""
+    virtual_stages = virtual_stages if pp > 1 else 1
+    stages = pp * virtual_stages
+    if isinstance(pipeline_layers, (list, tuple)) and pp > 1:
+        counts = tuple(int(c) for c in pipeline_layers)
+        if len(counts) != stages or sum(counts) != num_layers:
+            raise ValueError(
+                f"pipeline_layers lists {len(counts)} stages holding {sum(counts)} layers; the plan has "
+                f"pp*virtual_pipeline_stages = {stages} stages and {num_layers} layers"
+            )
+        return LayerSplit(pp, virtual_stages, counts, "listed")
+    rule = pipeline_layers if isinstance(pipeline_layers, str) else engine_rule(engine_name)
+    if pp == 1:
+        rule = "balanced"
+    return LayerSplit(pp, virtual_stages, counts_for(rule, num_layers, stages), rule)

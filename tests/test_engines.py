@@ -1,0 +1,263 @@
+"""Differential tests against the engines' own code, where it runs on a CPU.
+
+* torch.distributed.pipelining (torch itself): every schedule class is constructed for every
+  (pp, virtual stages, micro-batches) up to 8 on a fake process group; its verdict must equal the
+  verifier's and the builder's, and the compute order of every rank must equal the order the
+  lowering builds (so the in-tree runtime replays what torch would run).
+* Megatron-Core (the `engines` extra, installed with --no-deps): `RankGenerator`'s groups equal
+  the plan's rank groups, and its pipeline schedule's warm-up counts and interleaved micro-batch
+  table equal the lowering's Megatron schedules.
+* torchtitan 0.3.0 (the `engines` extra): `ParallelDims`' validation accepts exactly the meshes
+  `check` accepts, and its pipeline split places the layers the lowering places.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+
+import pytest
+
+from mixle_compile.check import check_loaded
+from mixle_compile.contracts import ParallelPlan
+from mixle_compile.layer_split import counts_for
+from mixle_compile.lower.groups import RankGrid, enumerate_groups
+from mixle_compile.lower.schedule import OpKind, check_schedule, pipeline_schedule
+from mixle_compile.schedules import ScheduleFamily, refusal, warmup_forwards
+from mixle_compile.spec import load_spec_text
+
+torch = pytest.importorskip("torch")
+
+LIMIT = 8
+TORCH_CASES = [
+    (schedule, pp, v, m)
+    for pp in range(2, LIMIT + 1)
+    for v in range(1, LIMIT + 1)
+    for m in range(1, LIMIT + 1)
+    for schedule in ("gpipe", "1f1b", "interleaved_1f1b")
+    if v == 1 or schedule == "interleaved_1f1b"
+]
+
+
+def _torch_schedule(schedule: str, pp: int, v: int, m: int, rank: int):
+    """torch's schedule object for one rank (raises what torch raises)."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=rank, world_size=pp, store=FakeStore())
+    try:
+        stages = [PipelineStage(torch.nn.Linear(2, 2), rank + k * pp, pp * v, torch.device("cpu")) for k in range(v)]
+        if schedule == "interleaved_1f1b":
+            return ScheduleInterleaved1F1B(stages, m)
+        return {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule](stages[0], m)
+    finally:
+        dist.destroy_process_group()
+
+
+def _torch_verdicts() -> dict[tuple, object]:
+    """Each case's schedule for rank 0 (orders of every rank are in it), or the ValueError torch raised."""
+    out = {}
+    for case in TORCH_CASES:
+        try:
+            out[case] = _torch_schedule(*case, rank=0)
+        except ValueError as exc:
+            out[case] = exc
+    return out
+
+
+@pytest.fixture(scope="module")
+def torch_verdicts():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return _torch_verdicts()
+
+
+def test_torch_schedule_verdicts_equal_torch_pipelining(torch_verdicts):
+    refused = 0
+    for (schedule, pp, v, m), verdict in torch_verdicts.items():
+        ours = refusal(ScheduleFamily.TORCH, schedule, pp, m, v)
+        assert (ours is None) == (not isinstance(verdict, ValueError)), ((schedule, pp, v, m), verdict, ours)
+        refused += ours is not None
+        if ours is None:
+            programs = pipeline_schedule(pp, m, schedule, v, family="torch")
+            assert check_schedule(programs, buffered_sends=True).ok, (schedule, pp, v, m)
+        else:
+            with pytest.raises(ValueError, match=ours.code):
+                pipeline_schedule(pp, m, schedule, v, family="torch")
+    assert 0 < refused < len(torch_verdicts)  # both verdicts occur
+
+
+def _our_compute_order(programs, stage: int, pp: int) -> list[tuple[str, int, int]]:
+    return [
+        ("F" if op.kind is OpKind.forward else "B", op.chunk * pp + stage, op.microbatch)
+        for op in programs[stage]
+        if op.kind in (OpKind.forward, OpKind.backward)
+    ]
+
+
+def _torch_compute_order(schedule_object, rank: int) -> list[tuple[str, int, int]]:
+    out = []
+    for action in schedule_object.pipeline_order[rank]:
+        if action is None:
+            continue
+        kind = action.computation_type.value
+        if kind in ("F", "B"):
+            out.append((kind, action.stage_index, action.microbatch_index))
+    return out
+
+
+def test_interleaved_orders_equal_torch_pipelining(torch_verdicts):
+    compared = 0
+    for (schedule, pp, v, m), verdict in torch_verdicts.items():
+        if schedule != "interleaved_1f1b" or isinstance(verdict, ValueError):
+            continue
+        programs = pipeline_schedule(pp, m, schedule, v, family="torch")
+        for rank in range(pp):
+            assert _our_compute_order(programs, rank, pp) == _torch_compute_order(verdict, rank), (pp, v, m, rank)
+        compared += 1
+    assert compared > 200
+
+
+def test_one_f_one_b_warmups_equal_torch_pipelining():
+    # Schedule1F1B's warm-up: pp - rank - 1 forwards before the first backward.
+    for pp, m in itertools.product(range(2, LIMIT + 1), range(1, LIMIT + 1)):
+        if m < pp:
+            continue
+        programs = pipeline_schedule(pp, m, "1f1b", family="torch")
+        for stage in range(pp):
+            order = _our_compute_order(programs, stage, pp)
+            first_backward = next(i for i, (kind, _, _) in enumerate(order) if kind == "B")
+            assert first_backward == min(pp - stage - 1, m) + 1  # warm-up, then the steady state's forward
+
+
+# --------------------------------------------------------------------------- Megatron-Core
+
+
+@pytest.fixture(scope="module")
+def megatron():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return pytest.importorskip("megatron.core.parallel_state"), pytest.importorskip("megatron.core.pipeline_parallel.schedules")
+
+
+def _meshes(world_limit: int):
+    for tp, pp, cp, dp in itertools.product((1, 2, 4), (1, 2, 4), (1, 2), (1, 2, 4)):
+        world = tp * pp * cp * dp
+        if world > world_limit:
+            continue
+        for etp in sorted({1, tp}):
+            for ep in (1, 2, 4):
+                if world % (etp * ep * pp) == 0 and (world // pp) % (etp * ep) == 0:
+                    yield tp, pp, cp, dp, ep, etp
+
+
+def _groups(generated) -> set[tuple[int, ...]]:
+    return {tuple(g) for g in generated}
+
+
+def test_rank_groups_equal_megatron_rank_generator(megatron):
+    parallel_state, _ = megatron
+    order = "tp-cp-ep-dp-pp"
+    meshes = list(_meshes(64))
+    checked = 0
+    for tp, pp, cp, dp, ep, etp in meshes:
+        plan = ParallelPlan(dp_shard=dp, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp)
+        try:
+            grid = RankGrid.from_plan(plan, order)
+        except ValueError:
+            continue  # a grid the plan refuses (E002/E003); Megatron's expert grid is checked below
+        dense = parallel_state.RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order=order)
+        for token, axes in (("tp", "tp"), ("pp", "pp"), ("cp", "cp"), ("dp", ("dp_replicate", "dp_shard")), ("dp-cp", ("dp_replicate", "dp_shard", "cp")), ("tp-pp", ("tp", "pp"))):
+            assert _groups(dense.get_ranks(token)) == set(enumerate_groups(grid.rule(axes))), (tp, pp, cp, dp, token)
+        world = tp * pp * cp * dp
+        expert = parallel_state.RankGenerator(tp=etp, ep=ep, dp=world // (etp * ep * pp), pp=pp, cp=1, order=order)
+        assert _groups(expert.get_ranks("ep")) == set(enumerate_groups(grid.rule("ep"))), (tp, pp, cp, dp, ep, etp)
+        assert _groups(expert.get_ranks("dp")) == set(enumerate_groups(grid.rule("edp"))), (tp, pp, cp, dp, ep, etp)
+        checked += 1
+    assert checked >= 144
+
+
+class _Group:
+    def __init__(self, size: int, rank: int):
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+
+class _Communicator:
+    """What Megatron's `get_pp_rank_microbatches` reads of a P2P communicator."""
+
+    def __init__(self, pp: int, rank: int, virtual: int | None):
+        self.pp_group = _Group(pp, rank)
+        self.virtual_pipeline_model_parallel_size = virtual
+
+
+def test_megatron_warmups_and_interleaved_table_equal_megatron_core(megatron):
+    _, schedules = megatron
+    for pp, v in itertools.product(range(2, LIMIT + 1), range(1, 5)):
+        for m in range(pp, 3 * pp + 1):
+            if v > 1 and m % pp:
+                continue  # P004
+            schedule = "interleaved_1f1b" if v > 1 else "1f1b"
+            programs = pipeline_schedule(pp, m, schedule, v, family="megatron")
+            for stage in range(pp):
+                _, _, warmup, _ = schedules.get_pp_rank_microbatches(
+                    m, v, pp, p2p_communicator=_Communicator(pp, stage, v if v > 1 else None)
+                )
+                assert warmup == warmup_forwards(schedule, pp, m, v, stage, pp), (pp, v, m, stage)
+                forwards = [(mb, (vs - stage) // pp) for kind, vs, mb in _our_compute_order(programs, stage, pp) if kind == "F"]
+                if v > 1:
+                    assert forwards == schedules.get_schedule_table(m, v, pp), (pp, v, m, stage)
+
+
+# --------------------------------------------------------------------------- torchtitan
+
+
+@pytest.fixture(scope="module")
+def torchtitan():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        parallel_dims = pytest.importorskip("torchtitan.distributed.parallel_dims")
+        pipeline_parallel = pytest.importorskip("torchtitan.distributed.pipeline_parallel")
+    return parallel_dims, pipeline_parallel
+
+
+SPEC = """\
+model: {{family: transformer, vocab_size: 256, hidden_size: 64, num_layers: 8, num_heads: 8, ffn_hidden_size: 128}}
+mesh: {{dp_replicate: {dpr}, dp_shard: {dps}, tp: {tp}, pp: {pp}, cp: {cp}, microbatches: 8}}
+training: {{global_batch_size: {batch}, seq_len: 64, precision: bf16}}
+backend: {{name: torchtitan, version: "0.3"}}
+resources: {{devices: {world}, memory: 80GiB}}
+"""
+
+
+def test_parallel_dims_accepts_exactly_the_meshes_check_accepts(torchtitan):
+    parallel_dims, _ = torchtitan
+    seen = {True: 0, False: 0}
+    for dpr, dps, tp, pp, cp, world in itertools.product((1, 2), (-1, 1, 2, 3), (1, 2), (1, 2), (1, 2), (4, 6, 8, 12)):
+        try:
+            dims = parallel_dims.ParallelDims(dp_replicate=dpr, dp_shard=dps, cp=cp, tp=tp, pp=pp, ep=1, world_size=world)
+            accepted, shard = True, dims.dp_shard
+        except AssertionError:
+            accepted, shard = False, max(dps, 1)
+        text = SPEC.format(dpr=dpr, dps="auto" if dps == -1 else dps, tp=tp, pp=pp, cp=cp, world=world, batch=8 * dpr * shard)
+        codes = {d.code for d in check_loaded(load_spec_text(text, "mesh.yaml")).diagnostics}
+        assert accepted == (not {"D001", "S012"} & codes), (dpr, dps, tp, pp, cp, world, codes)
+        seen[accepted] += 1
+    assert seen[True] and seen[False]
+
+
+def test_layer_split_equals_torchtitans_pipeline_split(torchtitan):
+    _, pipeline_parallel = torchtitan
+    split = pipeline_parallel._generate_llm_fqn_per_model_part
+    for layers, stages in itertools.product((4, 7, 8, 30, 32, 80, 126), (1, 2, 3, 4, 8, 16)):
+        if stages > layers + 2:
+            continue
+        theirs = [sum(name.startswith("layers.") for name in part) for part in split(stages, layers)]
+        assert list(counts_for("torchtitan", layers, stages)) == theirs, (layers, stages)
