@@ -1158,50 +1158,40 @@ class _TorchBackend:
         return "<torch training backend>"
 
 
-class _MegatronBackend:
-    """Declared capabilities only; cannot execute."""
+class _VerificationBackend:
+    """An engine whose rules and declared capabilities check plans, but which this package cannot
+    run: training happens in the engine itself."""
 
-    name = "megatron"
-    capabilities = MEGATRON_CAPABILITIES
-
-    def prepare(self, module: Any, *, plan: ParallelPlan, **options: Any) -> DistributedTrainingSession:
-        raise BackendNotExecutableError(
-            "the 'megatron' backend is declared for verification only: its capabilities "
-            "are used to check plans, but it cannot execute training in this version"
-        )
-
-    def __repr__(self) -> str:
-        return "<megatron training backend (verification only)>"
-
-
-class _TorchtitanBackend:
-    """Declared capabilities only; cannot execute."""
-
-    name = "torchtitan"
-    capabilities = TORCHTITAN_CAPABILITIES
+    def __init__(self, name: str, capabilities: BackendCapabilities):
+        self.name = name
+        self.capabilities = capabilities
 
     def prepare(self, module: Any, *, plan: ParallelPlan, **options: Any) -> DistributedTrainingSession:
         raise BackendNotExecutableError(
-            "the 'torchtitan' backend is declared for verification only: its rules check plans against "
-            "torchtitan's, but training runs in torchtitan itself (or on the in-tree 'torch' backend)"
+            f"the {self.name!r} backend is declared for verification only: its capabilities "
+            f"are used to check plans, but it cannot execute training in this version"
         )
 
     def __repr__(self) -> str:
-        return "<torchtitan training backend (verification only)>"
+        return f"<{self.name} training backend (verification only)>"
 
 
 def _make_torch_backend() -> _TorchBackend:
     return _TorchBackend()
 
 
-def _make_megatron_backend() -> _MegatronBackend:
-    return _MegatronBackend()
+def _make_megatron_backend() -> _VerificationBackend:
+    return _VerificationBackend("megatron", MEGATRON_CAPABILITIES)
+
+
+def _make_torchtitan_backend() -> _VerificationBackend:
+    return _VerificationBackend("torchtitan", TORCHTITAN_CAPABILITIES)
 
 
 DEFAULT_BACKEND_REGISTRY = BackendRegistry()
 DEFAULT_BACKEND_REGISTRY.register("torch", _make_torch_backend)
 DEFAULT_BACKEND_REGISTRY.register("megatron", _make_megatron_backend)
-DEFAULT_BACKEND_REGISTRY.register("torchtitan", lambda: _TorchtitanBackend())
+DEFAULT_BACKEND_REGISTRY.register("torchtitan", _make_torchtitan_backend)
 
 register_training_backend = DEFAULT_BACKEND_REGISTRY.register
 get_training_backend = DEFAULT_BACKEND_REGISTRY.get

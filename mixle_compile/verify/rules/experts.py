@@ -1,8 +1,8 @@
 """Expert parallelism (E0xx): how mixture-of-experts layers spread over the ranks.
 
-The engines disagree here, which is why torch and megatron have rule sets of their own. torch
-(torchtitan's layout) carves the expert groups out of the data x context (x tensor) ranks and so
-needs `etp` to be 1 or `tp`; Megatron-Core builds a separate expert grid of
+The engines disagree here, which is why each has a rule set of its own. The in-tree torch runtime
+and torchtitan carve the expert groups out of the data x context (x tensor) ranks and so need `etp`
+to be 1 or `tp` (torchtitan 0.3 has no etp at all); Megatron-Core builds a separate expert grid of
 `etp x ep x expert-data-parallel x pp` ranks over the whole world.
 """
 
