@@ -69,6 +69,13 @@ class EngineProfile:
         return "flash"
 
     @property
+    def fsdp_keeps_stage_under_pp(self) -> bool:
+        """Under a pipeline, FSDP keeps a stage's parameters gathered and their gradients unsharded
+        for the whole step (torchtitan: ``fsdp_reshard_after_forward`` "default" = not pp; torch's
+        ``PipelineStage`` backward without resharding or gradient sync until the last)."""
+        return self.name == "torchtitan"
+
+    @property
     def op_level_selective(self) -> bool:
         """Selective checkpointing saves chosen ops' outputs (torchtitan's ``SelectiveAC``, op mode);
         elsewhere it recomputes attention's core (Korthikanti et al., Megatron's selective)."""

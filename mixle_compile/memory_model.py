@@ -20,8 +20,10 @@ The model (bytes per rank):
   :data:`FSDP_UNITS_IN_FLIGHT` units (a layer, or the embedding and head) at once, the one
   computing and the one prefetched;
 - activations: per layer and micro-batch, Korthikanti et al. (2022) for 16-bit activations (fp32
-  doubles them), times the micro-batches a stage keeps in flight; the last stage adds the fp32
-  logits of one micro-batch.
+  doubles them), times the micro-batches a stage keeps in flight; with checkpointing, the layer
+  being recomputed holds its whole activations once more (the recompute working set: a layer
+  without checkpointing minus what checkpointing kept of it); the last stage adds the logits of
+  one micro-batch and the loss's fp32 copy and gradient of them (:func:`logits_bytes`).
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ from typing import Any, Protocol
 
 MOMENT_BYTES = 8  # Adam(W): two fp32 moments per element
 MASTER_BYTES = 4  # an fp32 master copy of every element stored below fp32
-LOGIT_BYTES = 4  # logits are materialised in fp32 for the loss
+LOGIT_LOSS_BYTES = 8  # per logit beyond its own dtype: the fp32 upcast the loss keeps, and its fp32 gradient
 FSDP_UNITS_IN_FLIGHT = 2  # the unit computing and the one prefetched
+ACCUMULATED_GRAD_BYTES = 4  # FSDP2 accumulates unsharded gradients in its fp32 reduce dtype
 
 
 class Arithmetic(Protocol):
@@ -127,12 +130,29 @@ def micro_batches_in_flight(
     )
 
 
-def logits_bytes(ar: Arithmetic, *, seq_len: Any, cp: Any, micro_batch_size: Any, vocab_size: Any, tp: Any) -> Any:
-    """The last stage's fp32 logits of one micro-batch (vocabulary split over tp)."""
+def logits_bytes(
+    ar: Arithmetic, *, seq_len: Any, cp: Any, micro_batch_size: Any, vocab_size: Any, tp: Any, element_bytes: Any = 2
+) -> Any:
+    """The last stage's logits of one micro-batch (vocabulary split over tp) while the loss runs:
+    the head's output in the training dtype, the fp32 copy the cross-entropy upcasts and keeps for
+    its backward (torchtitan ``cross_entropy_loss``: ``pred.float()``; Megatron's vocab-parallel
+    cross-entropy computes in fp32), and the fp32 gradient of it."""
     s = ar.exact(seq_len) / ar.exact(cp)
-    return s * ar.exact(micro_batch_size) * ar.exact(vocab_size) / ar.exact(tp) * LOGIT_BYTES
+    return s * ar.exact(micro_batch_size) * ar.exact(vocab_size) / ar.exact(tp) * (element_bytes + LOGIT_LOSS_BYTES)
 
 
-def gathered_parameter_bytes(ar: Arithmetic, *, fsdp: Any, largest_unit_bytes: Any) -> Any:
-    """Under FSDP, the unsharded parameters of the units in flight."""
-    return ar.when(fsdp, FSDP_UNITS_IN_FLIGHT * largest_unit_bytes, 0)
+def gathered_parameter_bytes(
+    ar: Arithmetic, *, fsdp: Any, largest_unit_bytes: Any, keeps_stage: Any = False, stage_bytes: Any = 0, stage_elements: Any = 0,
+) -> Any:
+    """Under FSDP, the unsharded parameters of the units in flight.
+
+    ``keeps_stage``: under a pipeline torchtitan does not reshard after forward (its
+    ``fsdp_reshard_after_forward`` "default" is "not pp") and torch's ``PipelineStage`` runs every
+    backward but the last without resharding or gradient sync (``backward_maybe_with_nosync``,
+    torch/distributed/pipelining/stage.py), so a stage holds all its parameters gathered and their
+    unsharded gradients, accumulated in fp32, until the step's last backward."""
+    in_flight = ar.when(fsdp, FSDP_UNITS_IN_FLIGHT * largest_unit_bytes, 0)
+    if keeps_stage is False:
+        return in_flight
+    whole_stage = stage_bytes + ACCUMULATED_GRAD_BYTES * stage_elements
+    return ar.when(fsdp, ar.when(keeps_stage, whole_stage, in_flight), 0)

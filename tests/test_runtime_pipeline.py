@@ -163,6 +163,13 @@ def test_uneven_and_listed_layer_splits_train_like_one_process(tmp_path):
     assert held == {(0, 0): {0, 1}, (0, 1): {2}, (1, 1): {3, 4}}  # virtual stage 1 (stage 1, chunk 0) has none
 
 
+def test_torchs_relaxed_interleaved_schedule_trains_like_one_process(tmp_path):
+    # 10 micro-batches over pp 4 x 2 virtual stages: torch's two rounds of 5, an order that only
+    # runs because a stage's sends never block it (awaited at the end of the step).
+    doc, report = run_pp(tmp_path, pp=4, mb=10, schedule="interleaved_1f1b", virtual=2, layers=8)
+    check_run(doc, report)
+
+
 def test_pipeline_with_context_parallelism(tmp_path):
     # pp=2 x cp=2: every cp rank holds two chunks of each sequence, K and V gathered over cp per
     # layer of its stage; the stage boundary carries the rank's own chunks [s / cp, b, h].

@@ -187,7 +187,14 @@ def memory_bytes(spec: Spec, devices: int | None = None) -> Fraction:
     total = Fraction(0)
     for measure, split in ((weights, local), (weights, local), (state, local_state)):  # weights, gradients, state
         total += sum((count * measure(a, split) for count, a in held), Fraction(0)) + ends(measure, split)
-    if fsdp:  # two unsharded units in flight: the heaviest layer (by kind) or the two ends
+    if fsdp and pp > 1 and backend_of(spec) == "torchtitan":
+        # torchtitan under a pipeline: the stage stays gathered, its gradients unsharded in fp32.
+        def elements(amounts, split) -> Fraction:
+            return sum((Fraction(a[0] + a[1]) / split[k] for k, a in amounts.items()), Fraction(0))
+
+        for measure in (weights, lambda a, split: 4 * elements(a, split)):
+            total += sum((count * measure(a, model_split) for count, a in held), Fraction(0)) + ends(measure, model_split)
+    elif fsdp:  # two unsharded units in flight: the heaviest layer (by kind) or the two ends
         layer_unit = Fraction(0)
         if held:
             layer_unit = weights(held[0][1], model_split) + max((weights(a, model_split) for _, a in held[1:]), default=Fraction(0))
@@ -203,27 +210,9 @@ def activation_bytes(spec: Spec, layers_on_rank: int) -> Fraction:
     model, m, t = spec.model, spec.mesh, spec.training
     if not isinstance(model, TransformerModel):
         return Fraction(0)
-    s = Fraction(t.seq_len, m.cp)
-    b, h, a, tp = t.micro_batch_size, model.hidden_size, model.num_heads, m.tp
-    sbh = s * b * h
-    if t.activation_checkpointing == "full":
-        per_layer = 2 * sbh / tp if t.sequence_parallel else 2 * sbh
-    elif t.activation_checkpointing == "selective" and backend_of(spec) == "torchtitan":
-        # torchtitan's op-level policy: the odd-numbered matmuls' outputs (q, v, w1, w2), attention's
-        # output and, under sequence parallelism, the block input and two reduce-scatters (each h / tp).
-        head_dim = model.head_dim or h // a
-        q, kv = a * head_dim, (model.num_kv_heads or a) * head_dim
-        ffn = model.ffn_hidden_size
-        if model.num_experts:
-            ffn = max(ffn, (model.experts_per_token or 1) * (model.moe_ffn_hidden_size or ffn))
-        kept = Fraction(2 * q + kv + ffn, tp) + h + (Fraction(3 * h, tp) if t.sequence_parallel else h)
-        per_layer = 2 * s * b * kept
-    else:
-        per_layer = 34 * sbh / tp if t.sequence_parallel else sbh * (10 + Fraction(24, tp))
-        if t.activation_checkpointing == "none" and t.attention == "eager":  # flash is every engine's default
-            per_layer += 5 * a * s * s * b / tp
-    if t.precision == "fp32":
-        per_layer *= 2
+    kept = layer_activation_bytes(spec, t.activation_checkpointing)
+    # The layer being recomputed holds its whole activations once more.
+    recomputed = layer_activation_bytes(spec, "none") - kept
     pp, mb = m.pp, m.microbatches
     if pp == 1:
         in_flight = Fraction(1)
@@ -235,8 +224,36 @@ def activation_bytes(spec: Spec, layers_on_rank: int) -> Fraction:
         in_flight = Fraction(min(mb, pp))
         if t.virtual_pipeline_stages > 1:
             in_flight *= 1 + Fraction(pp - 1, pp * t.virtual_pipeline_stages)
-    logits = s * b * model.vocab_size / tp * 4
-    return in_flight * layers_on_rank * per_layer + logits
+    # The logits in the training dtype, the loss's fp32 copy and their fp32 gradient.
+    s, b = Fraction(t.seq_len, m.cp), t.micro_batch_size
+    logits = s * b * model.vocab_size / m.tp * ((4 if t.precision == "fp32" else 2) + 8)
+    return in_flight * layers_on_rank * kept + recomputed + logits
+
+
+def layer_activation_bytes(spec: Spec, checkpointing: str) -> Fraction:
+    model, m, t = spec.model, spec.mesh, spec.training
+    s = Fraction(t.seq_len, m.cp)
+    b, h, a, tp = t.micro_batch_size, model.hidden_size, model.num_heads, m.tp
+    sbh = s * b * h
+    if checkpointing == "full":
+        per_layer = 2 * sbh / tp if t.sequence_parallel else 2 * sbh
+    elif checkpointing == "selective" and backend_of(spec) == "torchtitan":
+        # torchtitan's op-level policy: the odd-numbered matmuls' outputs (q, v, w1, w2), attention's
+        # output and, under sequence parallelism, the block input and two reduce-scatters (each h / tp).
+        head_dim = model.head_dim or h // a
+        q, kv = a * head_dim, (model.num_kv_heads or a) * head_dim
+        ffn = model.ffn_hidden_size
+        if model.num_experts:
+            ffn = max(ffn, (model.experts_per_token or 1) * (model.moe_ffn_hidden_size or ffn))
+        kept = Fraction(2 * q + kv + ffn, tp) + h + (Fraction(3 * h, tp) if t.sequence_parallel else h)
+        per_layer = 2 * s * b * kept
+    else:
+        per_layer = 34 * sbh / tp if t.sequence_parallel else sbh * (10 + Fraction(24, tp))
+        if checkpointing == "none" and t.attention == "eager":  # flash is every engine's default
+            per_layer += 5 * a * s * s * b / tp
+    if t.precision == "fp32":
+        per_layer *= 2
+    return per_layer
 
 
 def device_memory(spec: Spec) -> int:

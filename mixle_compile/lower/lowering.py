@@ -104,7 +104,8 @@ def _lower_distribution(spec: Spec, *, schedule: bool, document: SourceDocument 
     grid = grid_for(plan, low.updates, spec.mesh.order)
     steps = None
     if schedule and not any(d.severity.value == "error" for d in low.diagnostics):
-        steps = StepSchedule(low.programs, check_schedule(low.programs, grid, exhaustive_limit=EXHAUSTIVE_RANKS))
+        buffered = engine_profile(spec.backend).buffered_sends
+        steps = StepSchedule(low.programs, check_schedule(low.programs, grid, exhaustive_limit=EXHAUSTIVE_RANKS, buffered_sends=buffered))
     return Lowered(
         plan=plan,
         parameters=low.parameters,

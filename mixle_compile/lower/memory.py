@@ -98,7 +98,15 @@ def stage_memory(
         units: dict[object, int] = {}  # a layer, or (None) the embedding and head
         for p in mine:
             units[p.parameter.layer] = units.get(p.parameter.layer, 0) + _tp_local_bytes(p, plan)
-        gathered = gathered_parameter_bytes(NUMBERS, fsdp=fsdp_shards(dp_shard=plan.dp_shard, cp=plan.cp, over_cp=engine_profile(spec.backend).fsdp_over_cp), largest_unit_bytes=max(units.values(), default=0))
+        engine = engine_profile(spec.backend)
+        gathered = gathered_parameter_bytes(
+            NUMBERS,
+            fsdp=fsdp_shards(dp_shard=plan.dp_shard, cp=plan.cp, over_cp=engine.fsdp_over_cp),
+            largest_unit_bytes=max(units.values(), default=0),
+            keeps_stage=plan.pp > 1 and engine.fsdp_keeps_stage_under_pp,
+            stage_bytes=sum(units.values()),
+            stage_elements=sum(_tp_local_bytes(p, plan) // DTYPE_BYTES[p.parameter.dtype] for p in mine),
+        )
         out.append(StageMemory(stage, params, gathered, grads, state, _activation_bytes(spec, plan, stage, split)))
     return tuple(out)
 
@@ -128,20 +136,24 @@ def _activation_bytes(spec: Spec, plan: ParallelPlan, stage: int, split: LayerSp
         return 0  # a modules spec lists parameters only; how activations flow is not known
     shape = dict(seq_len=t.seq_len or 1, cp=plan.cp, micro_batch_size=t.micro_batch_size, tp=plan.tp)
     engine = engine_profile(spec.backend)
-    per_layer = activation_bytes_per_layer(
-        NUMBERS, **shape, hidden_size=model.hidden_size, num_heads=model.num_heads, sequence_parallel=t.sequence_parallel,
-        full_recompute=t.activation_checkpointing == "full", selective_recompute=t.activation_checkpointing == "selective",
-        fp32=t.precision == "fp32", eager_attention=(t.attention or engine.default_attention) == "eager",
-        op_level_selective=engine.op_level_selective, **activation_widths(model),
-    )
+    def layer(full: bool, selective: bool) -> float:
+        return activation_bytes_per_layer(
+            NUMBERS, **shape, hidden_size=model.hidden_size, num_heads=model.num_heads, sequence_parallel=t.sequence_parallel,
+            full_recompute=full, selective_recompute=selective, fp32=t.precision == "fp32",
+            eager_attention=(t.attention or engine.default_attention) == "eager",
+            op_level_selective=engine.op_level_selective, **activation_widths(model),
+        )
+
+    per_layer = layer(t.activation_checkpointing == "full", t.activation_checkpointing == "selective")
+    recomputed = layer(False, False) - per_layer  # the layer being recomputed holds all of it once more
     layers_here = split.layers_on_stage(stage) if split is not None else model.num_layers
     in_flight = micro_batches_in_flight(
         NUMBERS, pp=plan.pp, stage=stage, microbatches=plan.microbatches, gpipe=t.pipeline_schedule == "gpipe",
         interleaved=t.pipeline_schedule == "interleaved_1f1b" and t.virtual_pipeline_stages > 1, virtual_stages=t.virtual_pipeline_stages,
     )
-    total = per_layer * layers_here * in_flight
+    total = per_layer * layers_here * in_flight + (recomputed if layers_here else 0)
     if stage == plan.pp - 1:
-        total += logits_bytes(NUMBERS, **shape, vocab_size=model.vocab_size)
+        total += logits_bytes(NUMBERS, **shape, vocab_size=model.vocab_size, element_bytes=4 if t.precision == "fp32" else 2)
     return int(total)
 
 

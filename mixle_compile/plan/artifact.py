@@ -17,7 +17,8 @@ from pydantic import ValidationError
 from mixle_compile import __version__
 from mixle_compile.diagnostics import Diagnostic, Severity
 from mixle_compile.lower.lowering import Lowered
-from mixle_compile.lower.schedule import bubble_fraction
+from mixle_compile.engines import engine_profile
+from mixle_compile.schedules import bubble_fraction
 from mixle_compile.plan.document import FORMAT_VERSION, PlanDocument
 from mixle_compile.spec.models import Spec
 
@@ -64,6 +65,7 @@ def build_plan(spec: Spec, lowered: Lowered, diagnostics: list[Diagnostic]) -> d
             "micro_steps": plan.microbatches * plan.gradient_accumulation_steps,
             "bubble_fraction": bubble_fraction(plan.pp, plan.microbatches, t.virtual_pipeline_stages if plan.pp > 1 else 1),
             "stages": [[_without_nones(op.as_dict()) for op in program] for program in lowered.schedule.programs],
+            "sends": "buffered" if engine_profile(spec.backend).buffered_sends else "rendezvous",
             "check": {
                 "ok": check.ok,
                 "problems": list(check.problems),

@@ -121,6 +121,11 @@ class PlanSchedule(_Section):
     micro_steps: int = Field(description="micro-batches per optimizer step: microbatches x gradient accumulation")
     bubble_fraction: float
     stages: list[list[PlanOp]] = Field(description="the program of each pipeline stage; every rank of a stage runs it")
+    sends: Literal["buffered", "rendezvous"] = Field(
+        default="rendezvous",
+        description="how the check modelled point-to-point sends: buffered (awaited at the end of the step, as torch's "
+        "pipelining runtime and the in-tree runtime do) or rendezvous (a send waits for its receive, Megatron's batches)",
+    )
     check: ScheduleVerdict
 
 

@@ -120,7 +120,11 @@ def per_rank_bytes(v) -> dict[str, object]:
     layer_unit = held([("every_layer", 1)], weight_bytes, unsharded) + larger(
         held([("dense_layer", 1)], weight_bytes, unsharded), held([("moe_layer", 1)], weight_bytes, unsharded)
     )
-    gathered = gathered_parameter_bytes(TERMS, fsdp=fsdp, largest_unit_bytes=larger(layer_unit, ends(weight_bytes, unsharded)))
+    keeps_stage = all_of(v.pp > 1) if v.facts.engine.fsdp_keeps_stage_under_pp else False
+    gathered = gathered_parameter_bytes(
+        TERMS, fsdp=fsdp, largest_unit_bytes=larger(layer_unit, ends(weight_bytes, unsharded)), keeps_stage=keeps_stage,
+        stage_bytes=stage_bytes(weight_bytes, unsharded), stage_elements=stage_bytes(lambda share: share.elements, unsharded),
+    )
     return {
         "weights": weights,
         "gathered weights": gathered,
@@ -137,20 +141,24 @@ def activation_bytes(v, layers_on_rank) -> object:
     if v.facts.family != "transformer":
         return real(0)  # a modules spec lists parameters only; its activations are unknown
     shape = dict(seq_len=v.seq_len, cp=v.cp, micro_batch_size=v.micro_batch_size, tp=v.tp)
-    per_layer = activation_bytes_per_layer(
-        TERMS, **shape, hidden_size=fp.hidden_size, num_heads=fp.num_heads, sequence_parallel=v.sequence_parallel,
-        full_recompute=v.is_("activation_checkpointing", "full"), selective_recompute=v.is_("activation_checkpointing", "selective"),
-        fp32=v.is_("precision", "fp32"), eager_attention=v.eager_attention,
-        op_level_selective=v.facts.engine.op_level_selective, query_width=fp.query_width, kv_width=fp.kv_width,
-        ffn_width=fp.ffn_width,
-    )
+
+    def layer(full, selective):
+        return activation_bytes_per_layer(
+            TERMS, **shape, hidden_size=fp.hidden_size, num_heads=fp.num_heads, sequence_parallel=v.sequence_parallel,
+            full_recompute=full, selective_recompute=selective, fp32=v.is_("precision", "fp32"), eager_attention=v.eager_attention,
+            op_level_selective=v.facts.engine.op_level_selective, query_width=fp.query_width, kv_width=fp.kv_width,
+            ffn_width=fp.ffn_width,
+        )
+
+    per_layer = layer(v.is_("activation_checkpointing", "full"), v.is_("activation_checkpointing", "selective"))
+    recomputed = layer(False, False) - per_layer  # the layer being recomputed holds all of it once more
     in_flight = micro_batches_in_flight(
         TERMS, pp=v.pp, stage=0, microbatches=v.microbatches, gpipe=v.is_("pipeline_schedule", "gpipe"),
         interleaved=all_of(v.is_("pipeline_schedule", "interleaved_1f1b"), v.virtual_pipeline_stages > 1),
         virtual_stages=v.virtual_pipeline_stages,
     )
-    logits = logits_bytes(TERMS, **shape, vocab_size=fp.vocab_size)
-    return in_flight * real(layers_on_rank) * per_layer + logits
+    logits = logits_bytes(TERMS, **shape, vocab_size=fp.vocab_size, element_bytes=when(v.is_("precision", "fp32"), 4, 2))
+    return in_flight * real(layers_on_rank) * per_layer + recomputed + logits
 
 
 def _total(x) -> float:
@@ -201,19 +209,28 @@ DEVICE_MEMORY = define(
             "a mixture-of-experts layer); a `modules` stage counts each layer as the largest amount of each "
             "kind (by category and dtype) that any of its layers holds.\n"
             "* **Gathered weights**: under FSDP, the unsharded (tensor-parallel-local) weights of two units at "
-            "once (the one computing and the one prefetched), a unit being a layer or the embedding and head.\n"
+            "once (the one computing and the one prefetched), a unit being a layer or the embedding and head. "
+            "FSDP shards over dp_shard (torch, megatron) or dp_shard * cp (torchtitan). On torchtitan under a "
+            "pipeline, the whole stage stays gathered and its unsharded gradients accumulate in fp32 (4 bytes "
+            "per element) until the step's last backward (torchtitan's reshard-after-forward default is `not "
+            "pp`; torch's `PipelineStage` runs its backwards without resharding or gradient sync).\n"
             "* **Gradients**: as many bytes as the weights.\n"
             "* **Optimizer state**: Adam/AdamW keep two fp32 moments per element (8 bytes), plus a 4-byte fp32 "
             "master copy of every element stored below fp32; SGD keeps only the master copies. Sharded like the "
             "weights; with `distributed_optimizer` and no FSDP, sharded over all data-parallel ranks "
             "(dp_replicate * cp; experts the expert-data domain).\n"
             "* **Activations** (transformers): per layer, per micro-batch, the formulas of Korthikanti et al. "
-            "(2022) in 16-bit: `s*b*h*(10 + 24/t) + 5*a*s^2*b/t` without sequence parallelism, `34*s*b*h/t + "
-            "5*a*s^2*b/t` with it; selective checkpointing drops the `5*a*s^2*b/t` term; full checkpointing keeps "
-            "only the layer input (`2*s*b*h`, /t with sequence parallelism). `s` is seq_len / cp, fp32 doubles "
-            "it. The first stage holds `min(microbatches, pp)` micro-batches in flight under 1F1B (times "
-            "`1 + (pp-1)/(pp*v)` interleaved), all of them under GPipe, one without a pipeline. Plus the fp32 "
-            "logits of one micro-batch, `s*b*vocab/t*4` bytes.\n\n"
+            "(2022) in 16-bit: `s*b*h*(10 + 24/t)` without sequence parallelism, `34*s*b*h/t` with it, plus the "
+            "stored attention scores `5*a*s^2*b/t` only with `attention: eager` (every engine's default kernel "
+            "is fused and stores none); selective checkpointing recomputes attention (torch, megatron) or, on "
+            "torchtitan, keeps the outputs of every odd-numbered matmul, attention's output and the "
+            "sequence-parallel reduce-scatters (its op-level policy); full checkpointing keeps only the layer "
+            "input (`2*s*b*h`, /t with sequence parallelism). With checkpointing the layer being recomputed "
+            "holds its whole activations once more. `s` is seq_len / cp, fp32 doubles it. The first stage holds "
+            "`min(microbatches, pp)` micro-batches in flight under 1F1B (times `1 + (pp-1)/(pp*v)` "
+            "interleaved), all of them under GPipe, one without a pipeline. Plus the logits of one micro-batch "
+            "while the loss runs: in the training dtype, the fp32 copy the cross-entropy keeps, and its fp32 "
+            "gradient, `s*b*vocab/t*(2 + 8)` bytes in 16-bit.\n\n"
             "Where layers differ, or with a pipeline (the first stage's activations and the last stage's logits "
             "are added together), the bound is above the exact figure; rounding of uneven shards may put it "
             "below by a fraction of a percent. "
@@ -223,7 +240,10 @@ DEVICE_MEMORY = define(
         ),
         engine_reference=(
             "Korthikanti et al., Reducing Activation Recomputation in Large Transformer Models (2022); "
-            "Rajbhandari et al., ZeRO (2020) for optimizer-state bytes"
+            "Rajbhandari et al., ZeRO (2020) for optimizer-state bytes; torchtitan "
+            "torchtitan/distributed/activation_checkpoint.py (op-level selective policy), fsdp.py "
+            "(reshard_after_forward under pp); torch 2.13 torch/distributed/pipelining/stage.py "
+            "(backward_maybe_with_nosync)"
         ),
         constraint=lambda v: sum(per_rank_bytes(v).values(), real(0)) <= real(v.device_memory),
         explain=_explain,
