@@ -37,6 +37,14 @@ FSDP_UNITS_IN_FLIGHT = 2  # the unit computing and the one prefetched
 ACCUMULATED_GRAD_BYTES = 4  # FSDP2 accumulates unsharded gradients in its fp32 reduce dtype
 
 
+def stored_dtype(precision: str) -> str:
+    """The dtype weights are stored in for a training precision. fp8 is the dtype of the matmuls, not
+    of the weights: torchtitan's Float8Linear keeps its weights in high precision and casts per
+    matmul (torchtitan/components/quantization/float8.py), and Megatron-Core with Transformer
+    Engine keeps bf16 weights unless `--fp8-param-gather` is asked for."""
+    return "bf16" if precision == "fp8" else precision
+
+
 class Arithmetic(Protocol):
     def when(self, condition: Any, then: Any, otherwise: Any) -> Any: ...
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import prod
 
+from mixle_compile.memory_model import stored_dtype
 from mixle_compile.spec.models import ModulesModel, Spec, TransformerModel
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
@@ -45,14 +46,14 @@ def model_parameters(spec: Spec) -> tuple[Parameter, ...]:
     """Every parameter of a neural spec, in module order. A distribution spec has none here."""
     model = spec.model
     if isinstance(model, TransformerModel):
-        return transformer_parameters(model, spec.training.precision, spec.training.seq_len)
+        return transformer_parameters(model, stored_dtype(spec.training.precision), spec.training.seq_len)
     if isinstance(model, ModulesModel):
         return tuple(
             Parameter(
                 name=p.name,
                 shape=tuple(p.shape),
                 role=p.role,
-                dtype=p.dtype or spec.training.precision,
+                dtype=p.dtype or stored_dtype(spec.training.precision),
                 layer=p.layer,
                 shared_group=p.shared_group,
                 tp_dim=role_tp_dim(p.role, len(p.shape)),

@@ -166,7 +166,7 @@ def memory_bytes(spec: Spec, devices: int | None = None) -> Fraction:
     else:
         state_extra = dict.fromkeys(model_split, Fraction(1))
     moments = 0 if t.optimizer == "sgd" else 8
-    element = DTYPE_BYTES[t.precision]
+    element = DTYPE_BYTES["bf16" if t.precision == "fp8" else t.precision]  # fp8 runs keep bf16 weights
     low = t.precision != "fp32"
 
     def weights(amounts, split) -> Fraction:

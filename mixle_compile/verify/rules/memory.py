@@ -32,7 +32,7 @@ def per_rank_bytes(v) -> dict[str, object]:
     """The heaviest rank's bytes, as Z3 real terms, under the memory model of
     :mod:`mixle_compile.memory_model` (the one the lowering prices plans with)."""
     fp = v.facts.footprint
-    element_bytes = when(v.is_("precision", "fp32"), 4, when(v.is_("precision", "fp8"), 1, 2))
+    element_bytes = when(v.is_("precision", "fp32"), 4, 2)  # fp8 runs store bf16 weights (memory_model.stored_dtype)
     below_fp32 = v.is_("precision", "bf16", "fp16", "fp8")
     adam = v.is_("optimizer", "adam", "adamw")
 
