@@ -28,6 +28,7 @@ from mixle_compile.spec.models import (
     Ref,
     Spec,
     TransformerModel,
+    _backend_tag,
     _devices_tag,
     _family_tag,
     _node_tag,
@@ -141,6 +142,7 @@ _DISCRIMINATORS = {
     _family_tag.__name__: ("family", FAMILIES),
     _node_tag.__name__: ("type", NODE_TYPES),
     _devices_tag.__name__: (None, ()),
+    _backend_tag.__name__: (None, ()),
 }
 
 
@@ -276,7 +278,10 @@ def _union_diagnostic(err: dict, path: Path_, value: Any, doc: SourceDocument) -
     discriminator = str(err.get("ctx", {}).get("discriminator", ""))
     key, choices = next(((k, c) for fn, (k, c) in _DISCRIMINATORS.items() if fn in discriminator), (None, ()))
     if key is None:
-        expected = "an integer >= 1 (a device count) or a list of device groups"
+        if _backend_tag.__name__ in discriminator:
+            expected = "a backend name (torch, torchtitan, megatron) or a mapping {name, version, entry}"
+        else:
+            expected = "an integer >= 1 (a device count) or a list of device groups"
         return doc.diagnostic(codes.WRONG_TYPE.code, f"`{where}` must be {expected}, got {_show(value)}", path)
     what = "a model" if key == "family" else "a distribution node"
     if not isinstance(value, dict):

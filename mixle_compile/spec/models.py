@@ -479,11 +479,25 @@ class BackendRef(StrictModel):
     )
 
 
+def _backend_tag(value: Any) -> str | None:
+    if isinstance(value, str):
+        return "name"
+    if isinstance(value, (dict, BackendRef)):
+        return "ref"
+    return None
+
+
+Backend = Annotated[
+    Union[Annotated[Name, Tag("name")], Annotated[BackendRef, Tag("ref")]],
+    Discriminator(_backend_tag),
+]
+
+
 class Spec(StrictModel):
     model: ModelSpec
     mesh: MeshSpec
     training: TrainingSpec
-    backend: Union[Name, BackendRef]
+    backend: Backend
     resources: Resources
     elastic: ElasticSpec | None = None
 
