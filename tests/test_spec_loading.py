@@ -141,6 +141,15 @@ def test_json_positions_and_strictness():
         assert [d.code for d in r.diagnostics] == ["S001"], bad
 
 
+def test_json_positions_deep_in_a_long_file():
+    # Positions come from one table of line starts: a value on line 2001 is reported there.
+    lines = ['{"model": {"family": "modules", "parameters": [']
+    lines += [f'  {{"name": "p{i}", "shape": [4]}},' for i in range(1999)]
+    lines += ['  {"name": "last", "shape": [4.5]}', "]}}"]
+    d = only(load_spec_text("\n".join(lines), "long.json", json_syntax=True), "S004")
+    assert (d.line, d.column) == (2001, 30)
+
+
 def test_full_json_spec_matches_yaml(tmp_path):
     import json
 

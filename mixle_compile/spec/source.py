@@ -9,6 +9,7 @@ expansion, excessive nesting and oversized input.
 
 from __future__ import annotations
 
+import bisect
 import json
 import re
 from dataclasses import dataclass, field
@@ -327,9 +328,14 @@ class _JsonReader(_Reader):
         return value
 
     def _pos(self, i: int | None = None) -> Position:
+        """Line and column of offset ``i``: a bisection of the line starts, found once per text (a
+        count of newlines per value made reading quadratic in the file's size)."""
         i = self.i if i is None else i
-        line = self.text.count("\n", 0, i) + 1
-        return Position(line, i - (self.text.rfind("\n", 0, i) + 1) + 1)
+        starts = self.__dict__.get("_line_starts")
+        if starts is None:
+            starts = self._line_starts = [0, *(m.end() for m in re.finditer("\n", self.text))]
+        line = bisect.bisect_right(starts, i)
+        return Position(line, i - starts[line - 1] + 1)
 
     def _err(self, message: str, path: Path_ = ()) -> SourceError:
         pos = self._pos()
