@@ -182,13 +182,15 @@ def read_instructions(doc: PlanDocument) -> Instructions:
     copies = _stage_copies(spec, plan)
     params = []
     names = {p.logical_id for p in doc.parameters}
+    # The updates of each tensor, indexed once: scanning every update for every parameter made
+    # reading a plan quadratic in the model.
+    by_tensor: dict[str, list] = {}
+    for u in doc.updates:
+        by_tensor.setdefault(u.tensor, []).append(u)
     for p in doc.parameters:
-        gradient = tuple(collectives[u.node_id] for u in doc.updates if u.tensor == p.logical_id and u.payload == "gradient")
-        gathers = {
-            u.phase: collectives[u.node_id]
-            for u in doc.updates
-            if u.tensor == p.logical_id and u.payload == "parameter" and u.collective == "all_gather"
-        }
+        mine = by_tensor.get(p.logical_id, ())
+        gradient = tuple(collectives[u.node_id] for u in mine if u.payload == "gradient")
+        gathers = {u.phase: collectives[u.node_id] for u in mine if u.payload == "parameter" and u.collective == "all_gather"}
         placements = dict((axis, placement) for axis, placement in p.placements)
         tp = placements.get("tp", "replicate")
         tp_dim = None if tp == "replicate" else int(tp[len("shard(") : -1])
