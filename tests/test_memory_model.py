@@ -128,3 +128,45 @@ def test_activation_formula_matches_korthikanti():
     assert per_layer(full_recompute=True) == pytest.approx(2 * s * b * h)
     assert per_layer(fp32=True) == pytest.approx(2 * per_layer())
     assert per_layer(cp=2) < per_layer()
+
+
+def test_a_transformers_footprint_is_read_from_one_layer_of_each_kind():
+    # Layers of one kind hold the same tensors, so two layers show both kinds: the footprint of a
+    # model of 2 layers priced for L layers equals the one enumerated over all L (dense and MoE).
+    from mixle_compile.spec import load_spec_text
+    from mixle_compile.verify.memory import _CATEGORY_OF_ROLE, CATEGORIES, ZERO, _share_of, parameter_footprint
+    from mixle_compile.parameters import is_moe_layer, model_parameters
+
+    text = """\
+model: {family: transformer, vocab_size: 96, hidden_size: 32, num_layers: 7, num_heads: 4, ffn_hidden_size: 64,
+        num_experts: 4, experts_per_token: 2, moe_ffn_hidden_size: 48, moe_layer_frequency: 3}
+mesh: {dp_shard: 2}
+training: {global_batch_size: 2, seq_len: 16}
+backend: torch
+resources: {devices: 2, memory: 1GiB}
+"""
+    spec = load_spec_text(text, "moe.yaml").spec
+    fp = parameter_footprint(spec)
+    by_layer: dict = {}
+    for p in model_parameters(spec):
+        if p.layer is not None:
+            kind = by_layer.setdefault(is_moe_layer(spec.model, p.layer), {}).setdefault(p.layer, {})
+            category = _CATEGORY_OF_ROLE.get(p.role, "replicated")
+            kind[category] = kind.get(category, ZERO) + _share_of(p.numel, None)
+    for category in CATEGORIES:
+        dense = {layer[category].elements for layer in by_layer[False].values() if category in layer}
+        moe = {layer[category].elements for layer in by_layer[True].values() if category in layer}
+        assert len(dense) <= 1 and len(moe) <= 1  # layers of one kind are alike
+        every = fp.share("every_layer", category).elements
+        assert every + fp.share("dense_layer", category).elements == (dense or {0}).pop()
+        assert every + fp.share("moe_layer", category).elements == (moe or {0}).pop()
+
+
+def test_check_answers_for_a_million_layers():
+    from mixle_compile.check import check_loaded
+    from mixle_compile.spec import load_spec_text
+
+    text = (EXAMPLES / "tiny-transformer.yaml").read_text().replace("num_layers: 2", "num_layers: 1000000")
+    assert "num_layers: 1000000" in text
+    result = check_loaded(load_spec_text(text, "million.yaml"))
+    assert [d.code for d in result.diagnostics if d.severity.value == "error"] == ["R001"]

@@ -103,6 +103,11 @@ def _share_of(elements: int, dtype: str | None) -> Share:
 def parameter_footprint(spec: Spec) -> ParameterFootprint:
     """Sort a neural spec's parameters into the (place, category) amounts above."""
     model = spec.model
+    if isinstance(model, TransformerModel) and model.num_layers > 2:
+        # A transformer's layers are of two kinds, dense and mixture-of-experts (layers 0, k, 2k, ...
+        # with k = moe_layer_frequency), and layers of one kind hold the same tensors: layers 0 and 1
+        # show both kinds, so the footprint never lists a million layers' parameters.
+        spec = spec.model_copy(update={"model": model.model_copy(update={"num_layers": 2})})
     params = model_parameters(spec)
     if isinstance(model, ModulesModel):
         own_dtypes = [p.dtype for p in model.parameters]
