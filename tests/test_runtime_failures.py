@@ -37,3 +37,20 @@ def test_a_failing_rank_is_named_and_the_job_stops(tmp_path, monkeypatch, fault,
         assert text in str(caught.value)
     assert caught.value.ranks == (culprit,)
     assert no_workers_left(tmp_path)
+
+
+@pytest.mark.parametrize("option,value", [("timeout_s", float("nan")), ("timeout_s", -5), ("timeout_s", float("inf")), ("steps", 0), ("save_every", -1), ("keep_checkpoints", 0)])
+def test_options_no_run_can_use_are_refused_before_any_rank_starts(tmp_path, option, value):
+    from mixle_compile.runtime.errors import RuntimeRefusal
+
+    with pytest.raises(RuntimeRefusal, match=option.removesuffix("_s")):
+        run_plan(plan_for(), out_dir=tmp_path, progress=False, **{option: value})
+    assert not (tmp_path / "logs").exists()  # nothing was started
+
+
+@pytest.mark.parametrize("argument", ["--timeout=nan", "--timeout=-5", "--steps=0", "--keep-checkpoints=0"])
+def test_the_run_command_refuses_them_with_exit_2(capsys, argument):
+    from mixle_compile.cli import main
+
+    assert main(["run", "examples/tiny-transformer.yaml", argument]) == 2
+    assert argument.split("=")[0] in capsys.readouterr().err

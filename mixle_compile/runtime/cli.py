@@ -9,6 +9,7 @@ runtime does not execute).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -18,17 +19,37 @@ EXIT_CLEAN, EXIT_VIOLATIONS, EXIT_REFUSED = 0, 1, 2
 DEFAULT_TIMEOUT_S = 60.0  # launch.DEFAULT_TIMEOUT_S; repeated so that building the parser imports nothing
 
 
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive, finite number of seconds, got {text!r}")
+    return value
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("plan", metavar="PLAN", help="a plan.json written by `compile`, or a spec file (compiled first)")
-    parser.add_argument("--steps", type=int, help="optimizer steps (default: the spec's training.steps)")
+    parser.add_argument("--steps", type=_count, help="optimizer steps (default: the spec's training.steps)")
     parser.add_argument("--reference", action="store_true", help="also train in one process and record every update's numerical evidence")
     parser.add_argument("--out", metavar="DIR", help="directory for receipts.jsonl, report.json and logs (default: a new temporary directory)")
     parser.add_argument("--data", metavar="FILE", help="token ids (.npy, .bin uint16, or whitespace-separated text); default: seeded synthetic tokens")
-    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="S", help=f"collective timeout in seconds (default {DEFAULT_TIMEOUT_S:g})")
+    parser.add_argument("--timeout", type=_positive_seconds, default=DEFAULT_TIMEOUT_S, metavar="S", help=f"collective timeout in seconds (default {DEFAULT_TIMEOUT_S:g})")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
-    parser.add_argument("--save-every", type=int, metavar="N", help="save a checkpoint every N optimizer steps and after the last one (see docs/checkpoints.md)")
+    parser.add_argument("--save-every", type=_count, metavar="N", help="save a checkpoint every N optimizer steps and after the last one (see docs/checkpoints.md)")
     parser.add_argument("--checkpoint-dir", metavar="DIR", help="where checkpoints go (default: OUT/checkpoints)")
-    parser.add_argument("--keep-checkpoints", type=int, metavar="K", help="keep only the K newest complete checkpoints (default: all)")
+    parser.add_argument("--keep-checkpoints", type=_count, metavar="K", help="keep only the K newest complete checkpoints (default: all)")
     parser.add_argument(
         "--resume", metavar="CKPT",
         help="continue from a checkpoint: a checkpoint directory (its latest complete step) or one step-NNNNNNNN directory; "

@@ -17,6 +17,7 @@ Two ways to run:
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import socket
@@ -93,6 +94,15 @@ def preflight(doc: PlanDocument):
     return instructions
 
 
+def _check_options(*, timeout_s: float, steps: int | None, save_every: int | None, keep_checkpoints: int | None) -> None:
+    """Refuse options no run can use before any rank starts (they used to fail inside the ranks)."""
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not math.isfinite(timeout_s) or timeout_s <= 0:
+        raise RuntimeRefusal(f"timeout must be a positive, finite number of seconds, got {timeout_s!r}")
+    for name, value in (("steps", steps), ("save_every", save_every), ("keep_checkpoints", keep_checkpoints)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise RuntimeRefusal(f"{name} must be a whole number of at least 1, got {value!r}")
+
+
 def run_plan(
     plan: PlanDocument | str | Path,
     *,
@@ -122,6 +132,7 @@ def run_plan(
     directory; the plan may have another mesh. ``steps`` then counts from 0: a run resumed at step k
     runs steps k .. steps - 1.
     """
+    _check_options(timeout_s=timeout_s, steps=steps, save_every=save_every, keep_checkpoints=keep_checkpoints)
     doc = plan if isinstance(plan, PlanDocument) else load_plan_or_spec(plan)
     instructions = preflight(doc)
     steps = instructions.steps if steps is None else steps
