@@ -54,3 +54,12 @@ def test_the_run_command_refuses_them_with_exit_2(capsys, argument):
 
     assert main(["run", "examples/tiny-transformer.yaml", argument]) == 2
     assert argument.split("=")[0] in capsys.readouterr().err
+
+
+def test_a_diverged_loss_fails_the_run_naming_its_step(tmp_path):
+    # A learning rate of 1e6 makes the loss NaN within a few steps; the run used to report success.
+    with pytest.raises(RunFailed, match=r"training diverged: the loss of step \d+ is (nan|inf)") as failed:
+        run_plan(plan_for(ds=2, optimizer="adamw", lr=1e6, steps=6), out_dir=tmp_path, progress=False)
+    assert set(failed.value.ranks) == {0, 1}  # every rank stops at the same step
+    receipts = (tmp_path / "receipts.jsonl").read_text().splitlines()
+    assert receipts and len(receipts) < 6  # the diverged step is recorded, no later one

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import sys
@@ -97,6 +98,10 @@ def _save_fault(rank: int, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+class Diverged(RuntimeError):
+    """The loss became NaN or infinite: the run stops at that step and fails."""
+
+
 def train(
     session: DistributedSession,
     source: TokenSource,
@@ -126,6 +131,9 @@ def train(
         if receipts is not None:
             receipts.write(json.dumps(receipt.as_dict(), sort_keys=True) + "\n")
             receipts.flush()
+        if not math.isfinite(receipt.loss):
+            # The loss is reduced over every rank, so every rank stops here, at the same step.
+            raise Diverged(f"training diverged: the loss of step {step + 1} is {receipt.loss} (every later step would train on it)")
         if progress and ((step + 1 - first) % every == 0 or step + 1 == steps):
             print(f"step {step + 1}/{steps}  loss {receipt.loss:.4f}  {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
         if save_every and ((step + 1) % save_every == 0 or step + 1 == steps):
