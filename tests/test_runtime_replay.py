@@ -125,6 +125,28 @@ def test_training_on_a_token_file(tmp_path):
     assert json.loads(report.report_path.read_text())["run"]["data"] == str(tokens)
 
 
+@pytest.mark.parametrize("name,content,message", [
+    ("odd.bin", b"\x01\x00\x02", "odd number"),
+    ("big.txt", b"1 2 3 999 " * 100, "outside the model's vocabulary"),
+    ("short.txt", b" ".join(b"%d" % (i % 128) for i in range(40)), "fewer than one global batch"),
+])
+def test_a_token_file_is_checked_on_the_launcher_before_any_rank_starts(tmp_path, name, content, message):
+    from mixle_compile.runtime.errors import RuntimeRefusal
+
+    tokens = tmp_path / name
+    tokens.write_bytes(content)
+    with pytest.raises(RuntimeRefusal, match=message):
+        run_plan(plan_for(dr=2), steps=2, out_dir=tmp_path / "run", data_path=tokens, progress=False)
+    assert not (tmp_path / "run" / "logs").exists()  # refused before any rank started
+
+
+def test_a_short_token_file_repeats_only_when_asked(tmp_path):
+    tokens = tmp_path / "short.txt"
+    tokens.write_text(" ".join(str(i % 128) for i in range(40)))
+    report = run_plan(plan_for(dr=2), steps=1, out_dir=tmp_path / "run", data_path=tokens, progress=False, repeat_data=True)
+    assert report.ok, report.errors
+
+
 def test_a_kv_head_shared_over_tp_sums_its_gradient_over_the_ranks_sharing_it(tmp_path):
     doc, report = replay(tmp_path, steps=2, tp=2, kv_heads=1)
     assert report.ok and report.accounting_ok, report.errors

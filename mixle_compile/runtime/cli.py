@@ -46,6 +46,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", metavar="DIR", help="directory for receipts.jsonl, report.json and logs (default: a new temporary directory)")
     parser.add_argument("--data", metavar="FILE", help="token ids (.npy, .bin uint16, or whitespace-separated text); default: seeded synthetic tokens")
     parser.add_argument("--timeout", type=_positive_seconds, default=DEFAULT_TIMEOUT_S, metavar="S", help=f"collective timeout in seconds (default {DEFAULT_TIMEOUT_S:g})")
+    parser.add_argument("--repeat-data", action="store_true", help="allow a --data file shorter than one global batch (its samples repeat)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
     parser.add_argument("--save-every", type=_count, metavar="N", help="save a checkpoint every N optimizer steps and after the last one (see docs/checkpoints.md)")
     parser.add_argument("--checkpoint-dir", metavar="DIR", help="where checkpoints go (default: OUT/checkpoints)")
@@ -64,7 +65,7 @@ def run_command(args: argparse.Namespace) -> int:
         report = run_plan(args.plan, steps=args.steps, out_dir=args.out, reference=args.reference, data_path=args.data,
                           timeout_s=args.timeout, progress=not args.quiet, save_every=getattr(args, "save_every", None),
                           checkpoint_dir=getattr(args, "checkpoint_dir", None), keep_checkpoints=getattr(args, "keep_checkpoints", None),
-                          resume=getattr(args, "resume", None))
+                          resume=getattr(args, "resume", None), repeat_data=getattr(args, "repeat_data", False))
     except RuntimeRefusal as exc:
         print(f"mixle-compile run: {exc}", file=sys.stderr)
         return EXIT_REFUSED

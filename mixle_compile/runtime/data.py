@@ -60,6 +60,11 @@ class FileTokens(TokenSource):
         start = (index * self.seq_len) % span
         return self.tokens[start : start + self.seq_len + 1]
 
+    @property
+    def distinct_samples(self) -> int:
+        """Samples before :meth:`sample` wraps around to the start of the file."""
+        return -(-(self.tokens.numel() - self.seq_len) // self.seq_len)
+
 
 def read_tokens(path: str | Path) -> torch.Tensor:
     path = Path(path)
@@ -75,6 +80,11 @@ def read_tokens(path: str | Path) -> torch.Tensor:
     if path.suffix == ".bin":
         import numpy as np
 
+        if path.stat().st_size % 2:
+            raise RuntimeRefusal(
+                f"{path} holds {path.stat().st_size} bytes, an odd number: a .bin token file is uint16 token ids, "
+                f"2 bytes each (truncated or not a token file?)"
+            )
         return torch.from_numpy(np.fromfile(path, dtype="<u2").astype("int64"))
     try:
         return torch.tensor([int(tok) for tok in path.read_text(encoding="utf-8").split()], dtype=torch.int64)

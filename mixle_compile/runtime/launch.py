@@ -94,6 +94,20 @@ def preflight(doc: PlanDocument):
     return instructions
 
 
+def _preflight_tokens(instructions, data_path, *, repeat_data: bool) -> None:
+    """Read the token file on the launcher, before any rank starts: format, vocabulary, and at least
+    one global batch of distinct samples unless ``repeat_data`` allows reusing them."""
+    from mixle_compile.runtime.worker import batch_layout, token_source
+
+    source = token_source(instructions, str(data_path))
+    needed = batch_layout(instructions).global_batch
+    if source.distinct_samples < needed and not repeat_data:
+        raise RuntimeRefusal(
+            f"{data_path} holds {source.distinct_samples} distinct samples of seq_len {instructions.seq_len} tokens, fewer "
+            f"than one global batch of {needed}: every step would repeat samples; use more data, or --repeat-data to allow it"
+        )
+
+
 def _check_options(*, timeout_s: float, steps: int | None, save_every: int | None, keep_checkpoints: int | None) -> None:
     """Refuse options no run can use before any rank starts (they used to fail inside the ranks)."""
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not math.isfinite(timeout_s) or timeout_s <= 0:
@@ -116,6 +130,7 @@ def run_plan(
     checkpoint_dir: str | Path | None = None,
     keep_checkpoints: int | None = None,
     resume: str | Path | None = None,
+    repeat_data: bool = False,
 ) -> RunReport:
     """Replay a plan on real process groups and return its report (also written to ``out_dir``).
 
@@ -140,6 +155,8 @@ def run_plan(
         raise RuntimeRefusal(f"steps must be a positive integer, got {steps!r}")
     if data_path is not None and not Path(data_path).is_file():
         raise RuntimeRefusal(f"token file {data_path} does not exist")
+    if data_path is not None and not is_distribution(doc):
+        _preflight_tokens(instructions, data_path, repeat_data=repeat_data)
     checkpoints = _checkpoint_options(doc, instructions, steps=steps, reference=reference, data_path=data_path, save_every=save_every,
                                       checkpoint_dir=checkpoint_dir, keep=keep_checkpoints, resume=resume)
     world = instructions.plan.world_size
