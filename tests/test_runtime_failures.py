@@ -17,7 +17,7 @@ from tests.test_runtime_support import plan_for
 
 
 def no_workers_left(out_dir) -> bool:
-    listing = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    listing = subprocess.run(["ps", "-ww", "-eo", "args"], capture_output=True, text=True).stdout  # -ww: never truncated
     return str(out_dir) not in listing
 
 
@@ -63,3 +63,46 @@ def test_a_diverged_loss_fails_the_run_naming_its_step(tmp_path):
     assert set(failed.value.ranks) == {0, 1}  # every rank stops at the same step
     receipts = (tmp_path / "receipts.jsonl").read_text().splitlines()
     assert receipts and len(receipts) < 6  # the diverged step is recorded, no later one
+
+
+def _launch_and_wait_for_ranks(tmp_path):
+    """A long run started as its own process; returns it once every rank has begun to train."""
+    import sys
+    import time
+
+    from tests.test_runtime_support import spec_text
+
+    spec = tmp_path / "long.yaml"
+    spec.write_text(spec_text(ds=2, steps=100000))
+    out = tmp_path / "out"
+    launcher = subprocess.Popen([sys.executable, "-m", "mixle_compile.cli", "run", str(spec), "--out", str(out), "--quiet"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        receipts = out / "receipts.jsonl"
+        if receipts.is_file() and receipts.read_text().count("\n") >= 2:
+            return launcher, out
+        time.sleep(0.2)
+    launcher.kill()
+    pytest.fail("the ranks never started training")
+
+
+def _workers_gone(out, seconds: float) -> bool:
+    import time
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if no_workers_left(out):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGTERM"])
+def test_ranks_die_with_their_launcher(tmp_path, sig):
+    import signal
+
+    launcher, out = _launch_and_wait_for_ranks(tmp_path)
+    launcher.send_signal(getattr(signal, sig))
+    launcher.wait(timeout=30)
+    assert _workers_gone(out, 10), f"ranks kept training after the launcher got {sig}"

@@ -33,6 +33,7 @@ from mixle_compile.runtime.errors import RunFailed, RuntimeRefusal
 from mixle_compile.runtime.em_plan import is_distribution, read_em_instructions
 from mixle_compile.runtime.instructions import read_instructions
 from mixle_compile.runtime.report import REPORT_FILE, RunReport
+from mixle_compile.runtime.worker import LAUNCHER_ENV
 
 DEFAULT_TIMEOUT_S = 60.0
 FAILURE_GRACE_S = 3.0  # after the first failure, how long the others may take to fail by themselves
@@ -301,6 +302,7 @@ def _run_local(doc, world: int, *, steps, out, reference, data_path, timeout_s, 
     port = _free_port()
     base_env = {
         **os.environ,
+        LAUNCHER_ENV: str(os.getpid()),
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
         "WORLD_SIZE": str(world),
@@ -316,6 +318,7 @@ def _run_local(doc, world: int, *, steps, out, reference, data_path, timeout_s, 
     command += checkpoints.worker_arguments()
     procs = []
     files = []
+    previous = _stop_on_sigterm()
     try:
         for rank in range(world):
             env = {**base_env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
@@ -325,6 +328,8 @@ def _run_local(doc, world: int, *, steps, out, reference, data_path, timeout_s, 
             procs.append(subprocess.Popen(command + (["--progress"] if show else []), env=env, stdout=log, stderr=None if show else log))
         _watch(procs, out, timeout_s)
     finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
         for p in procs:
             if p.poll() is None:
                 p.kill()
@@ -338,6 +343,24 @@ def _run_local(doc, world: int, *, steps, out, reference, data_path, timeout_s, 
     if not (out / REPORT_FILE).is_file():
         raise RunFailed(f"every rank exited, but rank 0 wrote no report; see {logs}")
     return RunReport.read(out)
+
+
+class Terminated(RunFailed):
+    """The launcher was asked to stop (SIGTERM): its ranks are stopped with it."""
+
+
+def _stop_on_sigterm():
+    """While ranks run, SIGTERM to the launcher stops them too (they used to train on to the last
+    step); returns the handler to restore, or None off the main thread."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def stop(signum, frame):
+        raise Terminated("the launcher received SIGTERM: its ranks were stopped")
+
+    return signal.signal(signal.SIGTERM, stop)
 
 
 def _watch(procs: list[subprocess.Popen], out: Path, timeout_s: float) -> None:

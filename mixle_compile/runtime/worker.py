@@ -338,7 +338,27 @@ def write_failure(out_dir: Path, rank: int, exc: BaseException) -> None:
         pass
 
 
+LAUNCHER_ENV = "MIXLE_LAUNCHER_PID"
+
+
+def die_with_launcher() -> None:
+    """A rank started by the local launcher dies with it: Linux's parent-death signal (prctl
+    PR_SET_PDEATHSIG) kills the rank when the launcher goes, even by SIGKILL, and a launcher already
+    gone before the signal was armed is caught by comparing the parent's pid."""
+    launcher = os.environ.get(LAUNCHER_ENV)
+    if not launcher:
+        return  # started by torchrun or by hand: that launcher owns the ranks' lifetime
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() != int(launcher):
+        os._exit(1)
+
+
 def main(argv: list[str] | None = None) -> int:
+    die_with_launcher()
     parser = argparse.ArgumentParser(prog="python -m mixle_compile.runtime.worker")
     parser.add_argument("--plan", required=True)
     parser.add_argument("--out", required=True)
