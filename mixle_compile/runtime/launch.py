@@ -29,13 +29,14 @@ from pathlib import Path
 
 from mixle_compile.plan import PlanDocument, load_plan_text
 from mixle_compile.plan.artifact import PlanError, plan_text
+from mixle_compile.plan.rederive import PlanMismatch, rederive
 from mixle_compile.runtime.errors import RunFailed, RuntimeRefusal
 from mixle_compile.runtime.em_plan import is_distribution, read_em_instructions
 from mixle_compile.runtime.instructions import read_instructions
 from mixle_compile.runtime.report import REPORT_FILE, RunReport
-from mixle_compile.runtime.worker import LAUNCHER_ENV
 
 DEFAULT_TIMEOUT_S = 60.0
+LAUNCHER_ENV = "MIXLE_LAUNCHER_PID"  # the local launcher's pid, for its ranks (worker.die_with_launcher)
 FAILURE_GRACE_S = 3.0  # after the first failure, how long the others may take to fail by themselves
 SPEC_SUFFIXES = (".yaml", ".yml")
 
@@ -43,7 +44,7 @@ SPEC_SUFFIXES = (".yaml", ".yml")
 def load_plan_or_spec(path: str | Path) -> PlanDocument:
     """A verified plan from a plan.json, or compiled from a spec file (refused when it has errors)."""
     path = Path(path)
-    if path.suffix in SPEC_SUFFIXES or (path.suffix == ".json" and _looks_like_spec(path)):
+    if _is_spec_path(path):
         return compile_spec_file(path)
     try:
         return load_plan_text(path.read_bytes(), str(path))
@@ -51,6 +52,10 @@ def load_plan_or_spec(path: str | Path) -> PlanDocument:
         raise RuntimeRefusal(f"cannot read {path}: {exc.strerror or exc}") from None
     except PlanError as exc:
         raise RuntimeRefusal(str(exc)) from None
+
+
+def _is_spec_path(path: Path) -> bool:
+    return path.suffix in SPEC_SUFFIXES or (path.suffix == ".json" and _looks_like_spec(path))
 
 
 def _looks_like_spec(path: Path) -> bool:
@@ -150,6 +155,11 @@ def run_plan(
     """
     _check_options(timeout_s=timeout_s, steps=steps, save_every=save_every, keep_checkpoints=keep_checkpoints)
     doc = plan if isinstance(plan, PlanDocument) else load_plan_or_spec(plan)
+    if not (isinstance(plan, (str, Path)) and _is_spec_path(Path(plan))):  # a spec was compiled here, just now
+        try:
+            rederive(doc)
+        except PlanMismatch as exc:
+            raise RuntimeRefusal(str(exc)) from None
     instructions = preflight(doc)
     steps = instructions.steps if steps is None else steps
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:

@@ -338,13 +338,12 @@ def write_failure(out_dir: Path, rank: int, exc: BaseException) -> None:
         pass
 
 
-LAUNCHER_ENV = "MIXLE_LAUNCHER_PID"
-
-
 def die_with_launcher() -> None:
     """A rank started by the local launcher dies with it: Linux's parent-death signal (prctl
     PR_SET_PDEATHSIG) kills the rank when the launcher goes, even by SIGKILL, and a launcher already
     gone before the signal was armed is caught by comparing the parent's pid."""
+    from mixle_compile.runtime.launch import LAUNCHER_ENV
+
     launcher = os.environ.get(LAUNCHER_ENV)
     if not launcher:
         return  # started by torchrun or by hand: that launcher owns the ranks' lifetime
