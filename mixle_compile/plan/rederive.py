@@ -34,8 +34,13 @@ def rederive(doc: PlanDocument) -> None:
         raise PlanMismatch(f"the plan's own spec does not check cleanly ({shown}), yet the plan says it was verified")
     fresh = result.plan
     claimed = doc.model_dump(mode="json")
-    ours = {"ok": fresh["verdict"]["ok"], "codes": sorted(d["code"] for d in fresh["verdict"]["diagnostics"])}
-    theirs = {"ok": claimed["verdict"]["ok"], "codes": sorted(d["code"] for d in claimed["verdict"]["diagnostics"])}
+    # The verdict is its errors (warnings change nothing that runs, and a plan built through the
+    # library may not carry the verifier's warnings).
+    def verdict(plan: dict) -> dict:
+        errors = sorted(d["code"] for d in plan["verdict"]["diagnostics"] if d["severity"] == "error")
+        return {"ok": plan["verdict"]["ok"], "errors": errors}
+
+    ours, theirs = verdict(fresh), verdict(claimed)
     if ours != theirs:
         raise PlanMismatch(f"the plan's verdict {theirs} is not the one its spec gets: {ours}")
     for section in DERIVED:

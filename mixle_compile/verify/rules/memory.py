@@ -45,8 +45,8 @@ def per_rank_bytes(v) -> dict[str, object]:
     listed = v.facts.pipeline_layers
     if listed is not None:
         # A listed split (P010 holds it to the mesh): the largest counts any one rank holds.
-        pp = len(listed) // max(1, v.facts.value("virtual_pipeline_stages") if v.facts.value("pp") > 1 else 1)
-        ranks = [listed[s::pp] for s in range(max(pp, 1))]
+        pp = v.facts.value("pp")
+        ranks = [listed[s::pp] for s in range(pp)]  # virtual stage c * pp + s is on rank s
         copies = {
             "every_layer": max(sum(r) for r in ranks),
             "dense_layer": max(sum(c - c // k for c in r) for r in ranks),
