@@ -36,7 +36,6 @@ VERSIONS: dict[str, tuple[str, ...]] = {
 }
 #: Front ends per engine, the default first.
 ENTRIES: dict[str, tuple[str, ...]] = {"megatron": ("arguments", "core")}
-ATTENTION_KERNELS = ("flash", "eager")
 
 
 @dataclass(frozen=True)
@@ -80,13 +79,6 @@ class EngineProfile:
         """Selective checkpointing saves chosen ops' outputs (torchtitan's ``SelectiveAC``, op mode);
         elsewhere it recomputes attention's core (Korthikanti et al., Megatron's selective)."""
         return self.name == "torchtitan"
-
-    @property
-    def label(self) -> str:
-        if not self.known:
-            return self.name
-        text = f"{self.name} {self.version}"
-        return f"{text} ({self.entry})" if self.entry else text
 
     def schedule_microbatches(self, microbatches: Any, accumulation: Any) -> Any:
         """Micro-batches one run of the pipeline schedule takes. torchtitan runs its schedule once

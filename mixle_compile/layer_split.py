@@ -26,7 +26,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-RULES = ("even", "balanced", "torchtitan")
 ENGINE_RULE = {"torch": "balanced", "torchtitan": "torchtitan", "megatron": "even"}
 
 
@@ -67,9 +66,6 @@ class LayerSplit:
 
     def layers_on_stage(self, stage: int) -> int:
         return sum(self.counts[c * self.pp + stage] for c in range(self.virtual_stages))
-
-    def heaviest_stage_layers(self) -> int:
-        return max(self.layers_on_stage(s) for s in range(self.pp))
 
 
 def split_layers(num_layers: int, pp: int, virtual_stages: int, pipeline_layers: Any, engine_name: str) -> LayerSplit:

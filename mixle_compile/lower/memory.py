@@ -74,6 +74,7 @@ def stage_memory(
 ) -> tuple[StageMemory, ...]:
     t = spec.training
     adam = t.optimizer in ("adam", "adamw")
+    engine = engine_profile(spec.backend)
     out = []
     for stage in range(plan.pp):
         mine = [p for p in placed if p.stage == stage]
@@ -98,7 +99,6 @@ def stage_memory(
         units: dict[object, int] = {}  # a layer, or (None) the embedding and head
         for p in mine:
             units[p.parameter.layer] = units.get(p.parameter.layer, 0) + _tp_local_bytes(p, plan)
-        engine = engine_profile(spec.backend)
         gathered = gathered_parameter_bytes(
             NUMBERS,
             fsdp=fsdp_shards(dp_shard=plan.dp_shard, cp=plan.cp, over_cp=engine.fsdp_over_cp),

@@ -120,7 +120,7 @@ def per_rank_bytes(v) -> dict[str, object]:
     layer_unit = held([("every_layer", 1)], weight_bytes, unsharded) + larger(
         held([("dense_layer", 1)], weight_bytes, unsharded), held([("moe_layer", 1)], weight_bytes, unsharded)
     )
-    keeps_stage = all_of(v.pp > 1) if v.facts.engine.fsdp_keeps_stage_under_pp else False
+    keeps_stage = v.pp > 1 if v.facts.engine.fsdp_keeps_stage_under_pp else False
     gathered = gathered_parameter_bytes(
         TERMS, fsdp=fsdp, largest_unit_bytes=larger(layer_unit, ends(weight_bytes, unsharded)), keeps_stage=keeps_stage,
         stage_bytes=stage_bytes(weight_bytes, unsharded), stage_elements=stage_bytes(lambda share: share.elements, unsharded),
