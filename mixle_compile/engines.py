@@ -80,6 +80,23 @@ class EngineProfile:
         elsewhere it recomputes attention's core (Korthikanti et al., Megatron's selective)."""
         return self.name == "torchtitan"
 
+    def loss_implementation(self, compiled: bool) -> str:
+        """How the engine's cross-entropy holds the logits (memory_model.loss_bytes_per_logit):
+        Megatron-Core's vocab-parallel one in place; torchtitan's ``F.cross_entropy`` eager, or
+        compiled when its compile components include the loss; the in-tree runtime's
+        vocab-parallel one over fp32 logits."""
+        if self.name == "megatron":
+            return "vocab_parallel"
+        if self.name == "torchtitan" and compiled:
+            return "compiled"
+        return "materialized"
+
+    @property
+    def compiles(self) -> bool:
+        """The engine applies ``torch.compile`` as ``training.compile`` asks (torchtitan's
+        ``compile.enable`` and ``compile.components``); the in-tree runtime and Megatron do not."""
+        return self.name == "torchtitan"
+
     def schedule_microbatches(self, microbatches: Any, accumulation: Any) -> Any:
         """Micro-batches one run of the pipeline schedule takes. torchtitan runs its schedule once
         per accumulation step on ``local_batch_size / microbatch_size`` micro-batches

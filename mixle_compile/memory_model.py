@@ -23,7 +23,12 @@ The model (bytes per rank):
   doubles them), times the micro-batches a stage keeps in flight; with checkpointing, the layer
   being recomputed holds its whole activations once more (the recompute working set: a layer
   without checkpointing minus what checkpointing kept of it); the last stage adds the logits of
-  one micro-batch and the loss's fp32 copy and gradient of them (:func:`logits_bytes`).
+  one micro-batch and the loss's buffers, as the engine's cross-entropy allocates them
+  (:func:`loss_bytes_per_logit`);
+- allocator reserve: what the caching allocator holds beyond live tensors, a fraction of them
+  (:data:`ALLOCATOR_RESERVE`).
+
+docs/memory.md lists every term with its formula and its source.
 """
 
 from __future__ import annotations
@@ -32,7 +37,19 @@ from typing import Any, Protocol
 
 MOMENT_BYTES = 8  # Adam(W): two fp32 moments per element
 MASTER_BYTES = 4  # an fp32 master copy of every element stored below fp32
-LOGIT_LOSS_BYTES = 8  # per logit beyond its own dtype: the fp32 upcast the loss keeps, and its fp32 gradient
+#: The terms of a rank's memory, in the order explain shows them (docs/memory.md defines each).
+MEMORY_KINDS = (
+    "parameters", "gathered_parameters", "gradients", "optimizer_state", "activations", "recompute", "loss", "reserve",
+)
+#: Loss implementations (:func:`loss_bytes_per_logit`).
+MATERIALIZED_LOSS = "materialized"  # fp32 logits materialised, their softmax or gradient beside them
+COMPILED_LOSS = "compiled"  # torch.compile fuses upcast, softmax and gradient
+VOCAB_PARALLEL_LOSS = "vocab_parallel"  # Megatron-Core's in-place vocab-parallel cross-entropy
+#: The caching allocator's reserve beyond live tensors, as a fraction of them: torchtitan reports
+#: the peak of ``reserved_bytes.all.peak`` (torchtitan/tools/metrics.py, the logged "memory"), its
+#: launch scripts set ``expandable_segments:True``; calibrated on the published peaks
+#: (benchmarks/bench_memory.py; docs/memory.md).
+ALLOCATOR_RESERVE = 0.08
 FSDP_UNITS_IN_FLIGHT = 2  # the unit computing and the one prefetched
 ACCUMULATED_GRAD_BYTES = 4  # FSDP2 accumulates unsharded gradients in its fp32 reduce dtype
 
@@ -138,15 +155,45 @@ def micro_batches_in_flight(
     )
 
 
+def loss_bytes_per_logit(ar: Arithmetic, *, implementation: str, fp32: Any) -> Any:
+    """Bytes per logit at the loss's peak (the start of its backward, when every stored activation
+    is still held), by how the engine computes the cross-entropy:
+
+    * ``materialized`` -- 12 bytes: fp32 logits or log-probabilities kept for the backward, and two
+      fp32 tensors of their size while it runs. torchtitan eager ``cross_entropy_loss``
+      (``F.cross_entropy(pred.float())``: log_softmax keeps its fp32 output; nll_loss's backward
+      allocates an fp32 gradient and log_softmax's backward another, torchtitan/components/loss.py);
+      the in-tree runtime's ``VocabParallelCrossEntropy`` keeps fp32 logits and builds
+      ``exp(logits - lse)`` and the gradient (mixle_compile/runtime/tensor_parallel.py). The
+      head's own output in the training dtype is freed before (``del pred``; not saved).
+    * ``compiled`` -- twice the training dtype: torchtitan compiles the loss with ``compile.enable``
+      and ``"loss" in compile.components`` (0.1 onward, ``build_cross_entropy_loss``); inductor
+      keeps the head's output and fuses upcast, softmax and gradient, so the gradient in the
+      training dtype is the only new tensor.
+    * ``vocab_parallel`` -- 4 bytes plus the training dtype (4 in fp32): Megatron-Core's
+      ``VocabParallelCrossEntropy`` upcasts to fp32 once and computes max, exp and softmax in place
+      on that copy, keeping it for the backward, which turns it into the gradient in place; autograd
+      then casts the gradient to the logits' dtype (megatron/core/tensor_parallel/cross_entropy.py).
+    """
+    if implementation == COMPILED_LOSS:
+        return ar.when(fp32, 8, 4)
+    if implementation == VOCAB_PARALLEL_LOSS:
+        return ar.when(fp32, 4, 6)
+    return 12
+
+
 def logits_bytes(
-    ar: Arithmetic, *, seq_len: Any, cp: Any, micro_batch_size: Any, vocab_size: Any, tp: Any, element_bytes: Any = 2
+    ar: Arithmetic, *, seq_len: Any, cp: Any, micro_batch_size: Any, vocab_size: Any, tp: Any, bytes_per_logit: Any
 ) -> Any:
-    """The last stage's logits of one micro-batch (vocabulary split over tp) while the loss runs:
-    the head's output in the training dtype, the fp32 copy the cross-entropy upcasts and keeps for
-    its backward (torchtitan ``cross_entropy_loss``: ``pred.float()``; Megatron's vocab-parallel
-    cross-entropy computes in fp32), and the fp32 gradient of it."""
+    """The last stage's logits of one micro-batch (vocabulary split over tp) while the loss runs,
+    at :func:`loss_bytes_per_logit` bytes each."""
     s = ar.exact(seq_len) / ar.exact(cp)
-    return s * ar.exact(micro_batch_size) * ar.exact(vocab_size) / ar.exact(tp) * (element_bytes + LOGIT_LOSS_BYTES)
+    return s * ar.exact(micro_batch_size) * ar.exact(vocab_size) / ar.exact(tp) * bytes_per_logit
+
+
+def reserve_bytes(ar: Arithmetic, live: Any) -> Any:
+    """What the caching allocator reserves beyond the live bytes (:data:`ALLOCATOR_RESERVE`)."""
+    return ar.exact(live) * ALLOCATOR_RESERVE
 
 
 def gathered_parameter_bytes(

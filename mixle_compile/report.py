@@ -11,9 +11,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from mixle_compile.memory_model import MEMORY_KINDS
 from mixle_compile.plan.document import PlanDocument
-
-MEMORY_KINDS = ("parameters", "gathered_parameters", "gradients", "optimizer_state", "activations")
 
 
 def human_bytes(n: float) -> str:
@@ -91,7 +90,9 @@ def explain_text(doc: PlanDocument) -> str:
     for m in data["memory_per_rank"]:
         share = f"{m['total'] / device:.0%}" if device else "-"
         rows.append([str(m["stage"]), *(human_bytes(m[k]) for k in MEMORY_KINDS), human_bytes(m["total"]), share])
-    out.append(_table(["stage", "params", "gathered", "grads", "optimizer", "activations", "total", "of device"], rows))
+    out.append(_table(
+        ["stage", "params", "gathered", "grads", "optimizer", "activations", "recompute", "loss", "reserve", "total", "of device"], rows
+    ))
     out += ["", "traffic per rank per step (ring costs)"]
     rows = [[str(t["stage"]), "+".join(t["axes"]), t["collective"], human_bytes(t["bytes_per_rank_per_step"])] for t in data["traffic_per_step"]]
     out.append(_table(["stage", "axes", "collective", "bytes"], rows) if rows else "(no communication)")

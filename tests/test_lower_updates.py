@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from mixle_compile.memory_model import MEMORY_KINDS
+
 import dataclasses
 
 import pytest
@@ -274,8 +276,7 @@ def test_memory_parameters_are_the_model_split_over_tp_and_fsdp():
     # tp 8 x dp_shard 4 shards every tensor 32 ways (FSDP rounds shards up, norms are tp-replicated)
     assert total_bytes / 32 <= stage.parameters <= total_bytes / 32 * 1.01
     assert stage.optimizer_state == stage.parameters // 2 * 12  # bf16 params: 2 fp32 moments + master
-    assert stage.activations > 0 and stage.total == sum(stage.as_dict()[k] for k in
-                                                        ("parameters", "gathered_parameters", "gradients", "optimizer_state", "activations"))
+    assert stage.activations > 0 and stage.total == sum(stage.as_dict()[k] for k in MEMORY_KINDS)
 
 
 # --- the step schedule ---------------------------------------------------------------------

@@ -24,6 +24,9 @@ KINDS = {  # lowering's name -> the rule's name
     "gradients": "gradients",
     "optimizer_state": "optimizer state",
     "activations": "activations",
+    "recompute": "recompute working set",
+    "loss": "logits and loss",
+    "reserve": "allocator reserve",
 }
 
 TRANSFORMER = """\
@@ -170,3 +173,67 @@ def test_check_answers_for_a_million_layers():
     assert "num_layers: 1000000" in text
     result = check_loaded(load_spec_text(text, "million.yaml"))
     assert [d.code for d in result.diagnostics if d.severity.value == "error"] == ["R001"]
+
+
+LOSS_SPEC = """\
+model: {{family: transformer, vocab_size: 1024, hidden_size: 64, num_layers: 2, num_heads: 4, ffn_hidden_size: 128}}
+mesh: {{dp_shard: 2, tp: 2}}
+training: {{global_batch_size: 4, micro_batch_size: 2, seq_len: 32, precision: {precision}, compile: {compile}}}
+backend: {backend}
+resources: {{devices: 4, memory: 1TiB}}
+"""
+
+
+@pytest.mark.parametrize(
+    "backend, compile, precision, per_logit",
+    [
+        ("torch", "false", "bf16", 12),  # fp32 logits kept, exp(logits - lse) and the gradient beside them
+        ("torchtitan", "false", "bf16", 12),  # eager F.cross_entropy(pred.float())
+        ("torchtitan", "[model]", "bf16", 12),  # the model compiled, the loss not
+        ("torchtitan", "true", "bf16", 4),  # compiled loss: the gradient in bf16 is the only new tensor
+        ("torchtitan", "[loss]", "fp32", 8),
+        ("megatron", "false", "bf16", 6),  # in-place fp32 softmax, then the gradient cast to bf16
+        ("megatron", "false", "fp32", 4),
+    ],
+)
+def test_the_loss_term_is_the_engines_cross_entropy(backend, compile, precision, per_logit):
+    spec = load_spec_text(LOSS_SPEC.format(backend=backend, compile=compile, precision=precision), "loss.yaml").spec
+    (stage,), bound = _figures(spec)
+    logits = 2 * 32 * 1024 // 2  # micro_batch_size * seq_len * vocab / tp
+    assert stage.loss == logits * per_logit
+    assert bound["logits and loss"] == pytest.approx(stage.loss)
+
+
+def test_the_reserve_is_a_fraction_of_every_live_byte():
+    from mixle_compile.memory_model import ALLOCATOR_RESERVE, MEMORY_KINDS
+
+    spec = load_spec_text((EXAMPLES / "llama3-8b-hsdp-tp.yaml").read_text(), "llama.yaml").spec
+    (stage,), bound = _figures(spec)
+    live = sum(getattr(stage, k) for k in MEMORY_KINDS if k != "reserve")
+    assert 0 < ALLOCATOR_RESERVE < 0.5
+    assert stage.reserve == int(live * ALLOCATOR_RESERVE)
+    assert bound["allocator reserve"] == pytest.approx(stage.reserve, rel=1e-6)
+
+
+def test_r001_names_the_terms_that_dominate():
+    from mixle_compile.check import check_loaded
+    from mixle_compile.verify.rules.memory import dominant_terms
+
+    assert dominant_terms({"a": 1.0, "b": 5.0, "c": 4.0}) == ["b"]
+    assert dominant_terms({"a": 3.0, "b": 3.0, "c": 4.0}) == ["c", "a"]
+    text = LOSS_SPEC.format(backend="torchtitan", compile="false", precision="bf16").replace("1TiB", "1MiB")
+    (d,) = [d for d in check_loaded(load_spec_text(text, "small.yaml")).diagnostics if d.code == "R001"]
+    # optimizer state (35%) and the logits (22%) make up half of it
+    assert "; mostly optimizer state (35%) and logits and loss (22%) (" in d.message and "allocator reserve" in d.message
+    torch = LOSS_SPEC.format(backend="torch", compile="false", precision="bf16").replace("1TiB", "1MiB")
+    (d,) = [d for d in check_loaded(load_spec_text(torch, "small.yaml")).diagnostics if d.code == "R001"]
+    assert "training.compile" not in d.message  # it does not bear on torch's memory
+
+
+@pytest.mark.parametrize("backend, warned", [("torch", True), ("megatron", True), ("torchtitan", False)])
+def test_compile_is_read_by_torchtitan_only(backend, warned):
+    from mixle_compile.check import check_loaded
+
+    codes = [d.code for d in check_loaded(load_spec_text(LOSS_SPEC.format(backend=backend, compile="true", precision="bf16"), "c.yaml")).diagnostics]
+    assert ("C007" in codes) == warned
+    assert "C007" not in [d.code for d in check_loaded(load_spec_text(LOSS_SPEC.format(backend=backend, compile="false", precision="bf16"), "c.yaml")).diagnostics]

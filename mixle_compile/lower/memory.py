@@ -21,19 +21,21 @@ from mixle_compile.lower.layouts import KV_HEAD_AXIS, PlacedParameter, expert_da
 from mixle_compile.lower.updates import PlannedUpdate
 from mixle_compile.engines import engine_profile
 from mixle_compile.memory_model import (
-    fsdp_shards,
+    MEMORY_KINDS,
     NUMBERS,
     activation_bytes_per_layer,
+    fsdp_shards,
     gathered_parameter_bytes,
     logits_bytes,
+    loss_bytes_per_logit,
     micro_batches_in_flight,
     optimizer_bytes_per_element,
+    reserve_bytes,
 )
 from mixle_compile.parameters import DTYPE_BYTES
 from mixle_compile.verify.memory import activation_widths
 from mixle_compile.spec.models import Spec, TransformerModel
 
-MEMORY_KINDS = ("parameters", "gathered_parameters", "gradients", "optimizer_state", "activations")
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,10 @@ class StageMemory:
     gathered_parameters: int
     gradients: int
     optimizer_state: int
-    activations: int
+    activations: int  # stored for the backward pass: per layer, times the micro-batches in flight
+    recompute: int = 0  # the working set of the layer being recomputed under checkpointing
+    loss: int = 0  # the last stage's logits and the loss's buffers
+    reserve: int = 0  # the caching allocator's reserve beyond live tensors
 
     @property
     def total(self) -> int:
@@ -107,7 +112,9 @@ def stage_memory(
             stage_bytes=sum(units.values()),
             stage_elements=sum(_tp_local_bytes(p, plan) // DTYPE_BYTES[p.parameter.dtype] for p in mine),
         )
-        out.append(StageMemory(stage, params, gathered, grads, state, _activation_bytes(spec, plan, stage, split)))
+        stored, recompute, loss = _activation_bytes(spec, plan, stage, split)
+        live = params + gathered + grads + state + stored + recompute + loss
+        out.append(StageMemory(stage, params, gathered, grads, state, stored, recompute, loss, int(reserve_bytes(NUMBERS, live))))
     return tuple(out)
 
 
@@ -129,11 +136,12 @@ def _tp_local_bytes(p: PlacedParameter, plan: ParallelPlan) -> int:
     return nbytes
 
 
-def _activation_bytes(spec: Spec, plan: ParallelPlan, stage: int, split: LayerSplit | None) -> int:
+def _activation_bytes(spec: Spec, plan: ParallelPlan, stage: int, split: LayerSplit | None) -> tuple[int, int, int]:
+    """Stored activations, the recompute working set and the loss's bytes of one stage's rank."""
     model = spec.model
     t = spec.training
     if not isinstance(model, TransformerModel):
-        return 0  # a modules spec lists parameters only; how activations flow is not known
+        return 0, 0, 0  # a modules spec lists parameters only; how activations flow is not known
     shape = dict(seq_len=t.seq_len or 1, cp=plan.cp, micro_batch_size=t.micro_batch_size, tp=plan.tp)
     engine = engine_profile(spec.backend)
     def layer(full: bool, selective: bool) -> float:
@@ -151,10 +159,14 @@ def _activation_bytes(spec: Spec, plan: ParallelPlan, stage: int, split: LayerSp
         NUMBERS, pp=plan.pp, stage=stage, microbatches=plan.microbatches, gpipe=t.pipeline_schedule == "gpipe",
         interleaved=t.pipeline_schedule == "interleaved_1f1b" and t.virtual_pipeline_stages > 1, virtual_stages=t.virtual_pipeline_stages,
     )
-    total = per_layer * layers_here * in_flight + (recomputed if layers_here else 0)
+    stored = per_layer * layers_here * in_flight
+    loss = 0
     if stage == plan.pp - 1:
-        total += logits_bytes(NUMBERS, **shape, vocab_size=model.vocab_size, element_bytes=4 if t.precision == "fp32" else 2)
-    return int(total)
+        per_logit = loss_bytes_per_logit(
+            NUMBERS, implementation=engine.loss_implementation("loss" in t.compiled), fp32=t.precision == "fp32"
+        )
+        loss = logits_bytes(NUMBERS, **shape, vocab_size=model.vocab_size, bytes_per_logit=per_logit)
+    return int(stored), int(recomputed if layers_here else 0), int(loss)
 
 
 def traffic(updates: tuple[PlannedUpdate, ...]) -> tuple[TrafficEntry, ...]:

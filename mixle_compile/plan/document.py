@@ -132,10 +132,13 @@ class PlanSchedule(_Section):
 class StageMemoryEntry(_Section):
     stage: int
     parameters: int
-    gathered_parameters: int
+    gathered_parameters: int = Field(description="FSDP's unsharded parameters in flight (or the whole stage, where kept)")
     gradients: int
     optimizer_state: int
-    activations: int
+    activations: int = Field(description="stored for the backward pass: per layer, times the micro-batches in flight")
+    recompute: int = Field(default=0, description="the working set of the layer being recomputed under checkpointing")
+    loss: int = Field(default=0, description="the last stage's logits and the loss's buffers")
+    reserve: int = Field(default=0, description="the caching allocator's reserve beyond live tensors")
     total: int
 
 

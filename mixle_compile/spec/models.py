@@ -395,6 +395,14 @@ class TrainingSpec(StrictModel):
         default=None,
         description="attention kernel: flash (fused; never stores the score matrix) or eager; defaults to the engine's (flash)",
     )
+    compile: StrictBool | Annotated[list[Literal["model", "loss"]], Field(max_length=2)] = Field(
+        default=False,
+        description=(
+            "what torch.compile compiles, as torchtitan's compile.enable and compile.components: true means "
+            "torchtitan's default components [model, loss], a list names them; read by torchtitan (a compiled "
+            "loss never materialises fp32 logits), refused as unused by engines that do not compile"
+        ),
+    )
     pipeline_layers: Literal["even"] | Annotated[list[Count], Field(min_length=1, max_length=1 << 16)] | None = Field(
         default=None,
         description=(
@@ -404,6 +412,13 @@ class TrainingSpec(StrictModel):
     )
     steps: Size = 1
     seed: Count = 0
+
+    @property
+    def compiled(self) -> tuple[str, ...]:
+        """The components torch.compile compiles: () when off, torchtitan's default for ``true``."""
+        if self.compile is True:
+            return ("model", "loss")
+        return tuple(dict.fromkeys(self.compile or ()))
 
 
 class DeviceGroup(StrictModel):

@@ -172,6 +172,10 @@ def plan_facts(spec: Spec) -> PlanFacts:
     add("eager_attention", ("training", "attention"), attention == "eager", "bool",
         attention if training.attention else f"{attention} (the engine's default)")
 
+    compiled = training.compiled
+    add("compiles", ("training", "compile"), bool(compiled), "bool", ", ".join(compiled) or "off")
+    add("compiled_loss", ("training", "compile"), "loss" in compiled, "bool", ", ".join(compiled) or "off")
+
     elastic = None
     add("elastic", ("elastic",), spec.elastic is not None, "bool", "set" if spec.elastic is not None else "absent")
     if spec.elastic is not None:

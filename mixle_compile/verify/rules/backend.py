@@ -8,6 +8,7 @@ these rules follow whatever a backend declares rather than a list kept here.
 from __future__ import annotations
 
 from mixle_compile.contracts import ParallelAxis
+from mixle_compile.diagnostics import Severity
 from mixle_compile.verify.facts import PRECISIONS
 from mixle_compile.verify.logic import all_of, implies, negation, truth
 from mixle_compile.verify.rule import EVERY_FAMILY, Rule, define
@@ -184,5 +185,32 @@ MODULES_DATA_PARALLEL = define(
         fields=_MODEL_AXES,
         families=frozenset({"modules"}),
         engines=frozenset({"torch"}),
+    )
+)
+
+
+COMPILE_UNUSED = define(
+    Rule(
+        code="C007",
+        name="compile-unused",
+        title="Warning: training.compile is read by torchtitan only.",
+        docs=(
+            "A warning, not an error: `training.compile` states what torchtitan compiles (`compile.enable` and "
+            "`compile.components`). The in-tree runtime and Megatron-Core do not apply torch.compile to the model "
+            "or the loss, so the setting changes nothing they run, and the memory model prices those engines "
+            "uncompiled."
+        ),
+        engine_reference=(
+            "torchtitan torchtitan/config/job_config.py `Compile` (enable, components = [model, loss]); "
+            "Megatron-LM has no torch.compile switch for the model"
+        ),
+        constraint=lambda v: negation(v.compiles),
+        explain=lambda x: f"training.compile is set, but backend {x.facts.backend} does not apply torch.compile",
+        hint=lambda x: "remove training.compile, or use backend: torchtitan if that is the engine you train with",
+        fields=("compiles",),
+        families=EVERY_FAMILY,
+        engines=frozenset({"torch", "megatron"}),
+        severity=Severity.warning,
+        elastic=False,
     )
 )

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from mixle_compile.memory_model import (
+    ALLOCATOR_RESERVE,
     activation_bytes_per_layer,
     fsdp_shards,
     gathered_parameter_bytes,
     logits_bytes,
+    loss_bytes_per_logit,
     micro_batches_in_flight,
     optimizer_bytes_per_element,
+    reserve_bytes,
 )
 from mixle_compile.verify import logic
 from mixle_compile.verify.facts import format_bytes
@@ -125,21 +128,25 @@ def per_rank_bytes(v) -> dict[str, object]:
         TERMS, fsdp=fsdp, largest_unit_bytes=larger(layer_unit, ends(weight_bytes, unsharded)), keeps_stage=keeps_stage,
         stage_bytes=stage_bytes(weight_bytes, unsharded), stage_elements=stage_bytes(lambda share: share.elements, unsharded),
     )
-    return {
+    terms = {
         "weights": weights,
         "gathered weights": gathered,
         "gradients": weights,  # gradients are held in the parameters' dtype
         "optimizer state": optimizer,
-        "activations": activation_bytes(v, copies["every_layer"]),
+        **activation_bytes(v, copies["every_layer"]),
     }
+    terms["allocator reserve"] = reserve_bytes(TERMS, sum(terms.values(), real(0)))
+    return terms
 
 
-def activation_bytes(v, layers_on_rank) -> object:
+def activation_bytes(v, layers_on_rank) -> dict[str, object]:
     """Activations kept for the backward pass on the first stage (which keeps the most micro-batches
-    in flight), plus the last stage's logits: a bound on any one stage."""
+    in flight), the recompute working set, and the last stage's logits with the loss's buffers: a
+    bound on any one stage."""
     fp = v.facts.footprint
     if v.facts.family != "transformer":
-        return real(0)  # a modules spec lists parameters only; its activations are unknown
+        # a modules spec lists parameters only; its activations are unknown
+        return {"activations": real(0), "recompute working set": real(0), "logits and loss": real(0)}
     shape = dict(seq_len=v.seq_len, cp=v.cp, micro_batch_size=v.micro_batch_size, tp=v.tp)
 
     def layer(full, selective):
@@ -157,8 +164,18 @@ def activation_bytes(v, layers_on_rank) -> object:
         interleaved=all_of(v.is_("pipeline_schedule", "interleaved_1f1b"), v.virtual_pipeline_stages > 1),
         virtual_stages=v.virtual_pipeline_stages,
     )
-    logits = logits_bytes(TERMS, **shape, vocab_size=fp.vocab_size, element_bytes=when(v.is_("precision", "fp32"), 4, 2))
-    return in_flight * real(layers_on_rank) * per_layer + recomputed + logits
+    fp32 = v.is_("precision", "fp32")
+    engine = v.facts.engine
+    compiled, eager = engine.loss_implementation(True), engine.loss_implementation(False)
+    per_logit = loss_bytes_per_logit(TERMS, implementation=eager, fp32=fp32)
+    if compiled != eager:  # only then does training.compile bear on the bound
+        per_logit = when(v.compiled_loss, loss_bytes_per_logit(TERMS, implementation=compiled, fp32=fp32), per_logit)
+    logits = logits_bytes(TERMS, **shape, vocab_size=fp.vocab_size, bytes_per_logit=per_logit)
+    return {
+        "activations": in_flight * real(layers_on_rank) * per_layer,
+        "recompute working set": recomputed,
+        "logits and loss": logits,
+    }
 
 
 def _total(x) -> float:
@@ -172,9 +189,27 @@ def _terms(x) -> dict:
     return cached
 
 
+def dominant_terms(values: dict[str, float]) -> list[str]:
+    """The largest terms that together make up at least half of the total, largest first."""
+    total = sum(values.values())
+    chosen, covered = [], 0.0
+    for name, value in sorted(values.items(), key=lambda item: -item[1]):
+        if covered >= total / 2 or value <= 0:
+            break
+        chosen.append(name)
+        covered += value
+    return chosen
+
+
 def _explain(x) -> str:
-    parts = ", ".join(f"{name} {format_bytes(float(x.eval(term)))}" for name, term in _terms(x).items())
-    return f"the heaviest rank needs about {format_bytes(_total(x))} ({parts}), more than the {format_bytes(x.device_memory)} of a device"
+    values = {name: float(x.eval(term)) for name, term in _terms(x).items()}
+    total = sum(values.values())
+    parts = ", ".join(f"{name} {format_bytes(value)}" for name, value in values.items())
+    dominant = " and ".join(f"{name} ({values[name] / total:.0%})" for name in dominant_terms(values)) if total else ""
+    return (
+        f"the heaviest rank needs about {format_bytes(total)}, more than the {format_bytes(x.device_memory)} of a device; "
+        f"mostly {dominant} ({parts})"
+    )
 
 
 def _hint(x) -> str:
@@ -192,7 +227,7 @@ DEVICE_MEMORY = define(
     Rule(
         code="R001",
         name="device-memory",
-        title="The heaviest rank's parameters, gradients, optimizer state and activations fit in device memory.",
+        title="The heaviest rank's parameters, gradients, optimizer state, activations and loss fit in device memory.",
         docs=(
             "A bound on the heaviest rank under the memory model the lowering prices plans with "
             "(`mixle_compile/memory_model.py`; `explain PLAN` shows the lowering's exact figures per stage, "
@@ -228,9 +263,18 @@ DEVICE_MEMORY = define(
             "input (`2*s*b*h`, /t with sequence parallelism). With checkpointing the layer being recomputed "
             "holds its whole activations once more. `s` is seq_len / cp, fp32 doubles it. The first stage holds "
             "`min(microbatches, pp)` micro-batches in flight under 1F1B (times `1 + (pp-1)/(pp*v)` "
-            "interleaved), all of them under GPipe, one without a pipeline. Plus the logits of one micro-batch "
-            "while the loss runs: in the training dtype, the fp32 copy the cross-entropy keeps, and its fp32 "
-            "gradient, `s*b*vocab/t*(2 + 8)` bytes in 16-bit.\n\n"
+            "interleaved), all of them under GPipe, one without a pipeline.\n"
+            "* **Recompute working set**: with checkpointing, the layer being recomputed holds its whole "
+            "activations once more (a layer without checkpointing minus what checkpointing kept).\n"
+            "* **Logits and loss**: the logits of one micro-batch at the start of the loss's backward, "
+            "`s*b*vocab/t` logits at the bytes the engine's cross-entropy holds per logit: 12 where fp32 logits "
+            "and two fp32 tensors of their size are live (torchtitan eager, the in-tree runtime), twice the "
+            "training dtype where torchtitan compiles the loss (`training.compile` with `loss`), 4 plus the "
+            "training dtype under Megatron-Core's in-place vocab-parallel cross-entropy.\n"
+            f"* **Allocator reserve**: what the caching allocator holds beyond live tensors, {ALLOCATOR_RESERVE:.0%} of them "
+            "(`memory_model.ALLOCATOR_RESERVE`, calibrated on torchtitan's published peaks, which are "
+            "reserved bytes: docs/memory.md).\n\n"
+            "The message names the terms that make up at least half of the total.\n\n"
             "Where layers differ, or with a pipeline (the first stage's activations and the last stage's logits "
             "are added together), the bound is above the exact figure; rounding of uneven shards may put it "
             "below by a fraction of a percent. "
@@ -242,7 +286,8 @@ DEVICE_MEMORY = define(
             "Korthikanti et al., Reducing Activation Recomputation in Large Transformer Models (2022); "
             "Rajbhandari et al., ZeRO (2020) for optimizer-state bytes; torchtitan "
             "torchtitan/distributed/activation_checkpoint.py (op-level selective policy), fsdp.py "
-            "(reshard_after_forward under pp); torch 2.13 torch/distributed/pipelining/stage.py "
+            "(reshard_after_forward under pp), components/loss.py (compiled loss), tools/metrics.py (reserved peak); "
+            "Megatron-Core tensor_parallel/cross_entropy.py; torch 2.13 torch/distributed/pipelining/stage.py "
             "(backward_maybe_with_nosync)"
         ),
         constraint=lambda v: sum(per_rank_bytes(v).values(), real(0)) <= real(v.device_memory),
