@@ -80,15 +80,16 @@ class EngineProfile:
         elsewhere it recomputes attention's core (Korthikanti et al., Megatron's selective)."""
         return self.name == "torchtitan"
 
-    def loss_implementation(self, compiled: bool) -> str:
+    def loss_implementation(self, *, compiled: bool, tensor_parallel: bool) -> str:
         """How the engine's cross-entropy holds the logits (memory_model.loss_bytes_per_logit):
-        Megatron-Core's vocab-parallel one in place; torchtitan's ``F.cross_entropy`` eager, or
-        compiled when its compile components include the loss; the in-tree runtime's
-        vocab-parallel one over fp32 logits."""
+        Megatron-Core's vocab-parallel one in place; torchtitan's compiled one when its compile
+        components include the loss, else under tensor parallelism torch's ``loss_parallel``
+        (torchtitan ``ParallelDims.loss_parallel_enabled``), else eager ``F.cross_entropy``; the
+        in-tree runtime's vocab-parallel one over fp32 logits."""
         if self.name == "megatron":
             return "vocab_parallel"
-        if self.name == "torchtitan" and compiled:
-            return "compiled"
+        if self.name == "torchtitan":
+            return "compiled" if compiled else "loss_parallel" if tensor_parallel else "materialized"
         return "materialized"
 
     @property

@@ -45,6 +45,7 @@ MEMORY_KINDS = (
 MATERIALIZED_LOSS = "materialized"  # fp32 logits materialised, their softmax or gradient beside them
 COMPILED_LOSS = "compiled"  # torch.compile fuses upcast, softmax and gradient
 VOCAB_PARALLEL_LOSS = "vocab_parallel"  # Megatron-Core's in-place vocab-parallel cross-entropy
+LOSS_PARALLEL_LOSS = "loss_parallel"  # torch's DTensor loss parallelism over vocabulary shards
 #: The caching allocator's reserve beyond live tensors, as a fraction of them: torchtitan reports
 #: the peak of ``reserved_bytes.all.peak`` (torchtitan/tools/metrics.py, the logged "memory"), its
 #: launch scripts set ``expandable_segments:True``; calibrated on the published peaks
@@ -170,6 +171,11 @@ def loss_bytes_per_logit(ar: Arithmetic, *, implementation: str, fp32: Any) -> A
       and ``"loss" in compile.components`` (0.1 onward, ``build_cross_entropy_loss``); inductor
       keeps the head's output and fuses upcast, softmax and gradient, so the gradient in the
       training dtype is the only new tensor.
+    * ``loss_parallel`` -- 16 bytes: torchtitan under tensor parallelism keeps the logits sharded
+      over the vocabulary and computes the loss in torch's ``loss_parallel`` context
+      (``parallel_dims.loss_parallel_enabled``: tp > 1 unless disabled). Its backward
+      (``_nll_loss_and_log_softmax_backward``, torch/distributed/tensor/parallel/loss.py) holds the
+      saved fp32 log-probabilities, a zero-filled fp32 gradient, ``exp(x)`` and their sum at once.
     * ``vocab_parallel`` -- 4 bytes plus the training dtype (4 in fp32): Megatron-Core's
       ``VocabParallelCrossEntropy`` upcasts to fp32 once and computes max, exp and softmax in place
       on that copy, keeping it for the backward, which turns it into the gradient in place; autograd
@@ -179,6 +185,8 @@ def loss_bytes_per_logit(ar: Arithmetic, *, implementation: str, fp32: Any) -> A
         return ar.when(fp32, 8, 4)
     if implementation == VOCAB_PARALLEL_LOSS:
         return ar.when(fp32, 4, 6)
+    if implementation == LOSS_PARALLEL_LOSS:
+        return 16
     return 12
 
 

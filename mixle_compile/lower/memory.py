@@ -163,7 +163,7 @@ def _activation_bytes(spec: Spec, plan: ParallelPlan, stage: int, split: LayerSp
     loss = 0
     if stage == plan.pp - 1:
         per_logit = loss_bytes_per_logit(
-            NUMBERS, implementation=engine.loss_implementation("loss" in t.compiled), fp32=t.precision == "fp32"
+            NUMBERS, implementation=engine.loss_implementation(compiled="loss" in t.compiled, tensor_parallel=plan.tp > 1), fp32=t.precision == "fp32"
         )
         loss = logits_bytes(NUMBERS, **shape, vocab_size=model.vocab_size, bytes_per_logit=per_logit)
     return int(stored), int(recomputed if layers_here else 0), int(loss)

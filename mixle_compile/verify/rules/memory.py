@@ -166,10 +166,16 @@ def activation_bytes(v, layers_on_rank) -> dict[str, object]:
     )
     fp32 = v.is_("precision", "fp32")
     engine = v.facts.engine
-    compiled, eager = engine.loss_implementation(True), engine.loss_implementation(False)
-    per_logit = loss_bytes_per_logit(TERMS, implementation=eager, fp32=fp32)
-    if compiled != eager:  # only then does training.compile bear on the bound
-        per_logit = when(v.compiled_loss, loss_bytes_per_logit(TERMS, implementation=compiled, fp32=fp32), per_logit)
+    def per_logit_when(compiled: bool) -> object:
+        alone, split = (engine.loss_implementation(compiled=compiled, tensor_parallel=tp) for tp in (False, True))
+        bytes_alone = loss_bytes_per_logit(TERMS, implementation=alone, fp32=fp32)
+        if split == alone:  # only then does tp bear on the bytes per logit
+            return bytes_alone
+        return when(v.tp > 1, loss_bytes_per_logit(TERMS, implementation=split, fp32=fp32), bytes_alone)
+
+    per_logit = per_logit_when(False)
+    if engine.loss_implementation(compiled=True, tensor_parallel=False) != engine.loss_implementation(compiled=False, tensor_parallel=False):
+        per_logit = when(v.compiled_loss, per_logit_when(True), per_logit)  # only then does training.compile bear on it
     logits = logits_bytes(TERMS, **shape, vocab_size=fp.vocab_size, bytes_per_logit=per_logit)
     return {
         "activations": in_flight * real(layers_on_rank) * per_layer,
@@ -268,7 +274,8 @@ DEVICE_MEMORY = define(
             "activations once more (a layer without checkpointing minus what checkpointing kept).\n"
             "* **Logits and loss**: the logits of one micro-batch at the start of the loss's backward, "
             "`s*b*vocab/t` logits at the bytes the engine's cross-entropy holds per logit: 12 where fp32 logits "
-            "and two fp32 tensors of their size are live (torchtitan eager, the in-tree runtime), twice the "
+            "and two fp32 tensors of their size are live (torchtitan eager, the in-tree runtime), 16 under "
+            "torchtitan's loss parallelism (tp > 1: torch's `loss_parallel` backward), twice the "
             "training dtype where torchtitan compiles the loss (`training.compile` with `loss`), 4 plus the "
             "training dtype under Megatron-Core's in-place vocab-parallel cross-entropy.\n"
             f"* **Allocator reserve**: what the caching allocator holds beyond live tensors, {ALLOCATOR_RESERVE:.0%} of them "
