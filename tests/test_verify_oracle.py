@@ -199,7 +199,8 @@ def memory_bytes(spec: Spec, devices: int | None = None) -> Fraction:
         if held:
             layer_unit = weights(held[0][1], model_split) + max((weights(a, model_split) for _, a in held[1:]), default=Fraction(0))
         total += 2 * max(layer_unit, ends(weights, model_split))
-    return total + activation_bytes(spec, v * c)
+    live = total + activation_bytes(spec, v * c)
+    return live * (1 + Fraction(8, 100))  # the allocator's reserve
 
 
 def backend_of(spec: Spec) -> str:
@@ -224,9 +225,19 @@ def activation_bytes(spec: Spec, layers_on_rank: int) -> Fraction:
         in_flight = Fraction(min(mb, pp))
         if t.virtual_pipeline_stages > 1:
             in_flight *= 1 + Fraction(pp - 1, pp * t.virtual_pipeline_stages)
-    # The logits in the training dtype, the loss's fp32 copy and their fp32 gradient.
+    # The logits at the bytes per logit the engine's cross-entropy holds (docs/memory.md).
     s, b = Fraction(t.seq_len, m.cp), t.micro_batch_size
-    logits = s * b * model.vocab_size / m.tp * ((4 if t.precision == "fp32" else 2) + 8)
+    element = 4 if t.precision == "fp32" else 2
+    backend = backend_of(spec)
+    if backend == "megatron":
+        per_logit = 4 if element == 4 else 4 + element
+    elif backend == "torchtitan" and "loss" in t.compiled:
+        per_logit = 2 * element
+    elif backend == "torchtitan" and m.tp > 1:
+        per_logit = 16
+    else:
+        per_logit = 12
+    logits = s * b * model.vocab_size / m.tp * per_logit
     return in_flight * layers_on_rank * kept + recomputed + logits
 
 
@@ -372,6 +383,8 @@ def violations(
             rule("Q004", not sp or tp > 1, when=rule_set == "megatron" and entry == "arguments")
         rule("R001", memory_bytes(spec, devices) <= device_memory(spec))
     rule("B001", batch == mbs * mb * gas * dpr * dps)
+    if warnings:
+        rule("C007", not t.compiled, when=rule_set in ("torch", "megatron"))
     degrees = {"dp_replicate": dpr, "dp_shard": dps, "tp": tp, "pp": pp, "cp": cp, "ep": ep, "etp": etp}
     rule("C001", all(degrees[a.value] == 1 for a in ParallelAxis if a not in caps.axes))
     rule("C002", t.precision in caps.precisions)
@@ -546,6 +559,7 @@ def plan(i: int, degrees: tuple[int, ...], shape: str, backend: str) -> dict:
         "pipeline_schedule": ("1f1b", "gpipe", "interleaved_1f1b")[i // 7 % 3],
         "virtual_pipeline_stages": (1, 1, 2, 3)[i // 6 % 4],
         "activation_checkpointing": ("none", "selective", "full")[i // 5 % 3],
+        "compile": (False, False, True, ["model"], False, ["loss"])[i // 11 % 6],
     }
     devices = n if auto or i % 11 else n + 1
     spec = {
@@ -711,7 +725,7 @@ resources: {devices: 8, memory: MEMORY}
         "batch": ("{tp: 2, dp_shard: 4}", "{global_batch_size: 12, micro_batch_size: 4, seq_len: 32}", "torch", "2GiB"),
         "pipeline": ("{tp: 2, pp: 4}", "{global_batch_size: 4, micro_batch_size: 4, seq_len: 32}", "torch", "2GiB"),
         "precision": ("{tp: 2, dp_shard: 4}", "{global_batch_size: 16, micro_batch_size: 4, seq_len: 32, precision: fp16}", "torch", "2GiB"),
-        "memory": ("{tp: 1, dp_shard: 8}", "{global_batch_size: 16, micro_batch_size: 2, seq_len: 32}", "torch", "1000KiB"),
+        "memory": ("{tp: 1, dp_shard: 8}", "{global_batch_size: 16, micro_batch_size: 2, seq_len: 32}", "torch", "1200KiB"),
     }
     for name, (mesh, training, backend, memory) in cases.items():
         text = base.replace("MESH", mesh).replace("TRAINING", training).replace("BACKEND", backend).replace("MEMORY", memory)

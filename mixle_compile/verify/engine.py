@@ -222,8 +222,12 @@ class PlanVerifier:
             tracked.pop()
 
         # Fields with few values go first: once dropped they are cheap for the solver to leave free,
-        # while a free integer under division makes every later refutation harder.
-        core.sort(key=lambda f: f.kind == "int")
+        # while a free integer under division makes every later refutation harder. Among them the
+        # model's own fields go first, so that where several minimal conflicts exist the one named
+        # is stated in the fields a user tunes; then the spec's order, so that the answer does not
+        # depend on the order of the solver's core.
+        position = {f.symbol: i for i, f in enumerate(facts.fields)}
+        core.sort(key=lambda f: (f.kind == "int", f.path[0] != "model", position[f.symbol]))
         dropped: list[Field] = []
         i = 0
         while i < len(core):
