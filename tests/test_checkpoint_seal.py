@@ -188,6 +188,8 @@ def test_a_step_directory_that_is_a_symbolic_link_is_refused(tmp_path):
     with pytest.raises(ckpt.CheckpointError, match=r"step-00000009 is a symbolic link"):
         ckpt.resolve_checkpoint(link)
     assert [s for s, _, _ in ckpt.list_checkpoints(tmp_path / "root")] == [1]  # never listed, so never pruned through
+    with pytest.raises(ckpt.CheckpointError, match=r"holds step-00000009, a symbolic link .* never written through a link"):
+        ckpt.lock_root(tmp_path / "root", "run")  # a run refuses to save into that root before it starts
 
 
 def test_paths_out_of_the_checkpoint_are_refused_even_when_resealed(tmp_path):

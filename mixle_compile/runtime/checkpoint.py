@@ -564,6 +564,11 @@ def lock_root(root: str | Path, run_id: str) -> int:
             f"checkpoint directory {root} is in use by another run (pid {holder.get('pid', '?')}, run {holder.get('run_id', '?')}); two runs "
             "saving into one directory would interleave their steps: wait for that run to end, or pass another --checkpoint-dir"
         ) from None
+    linked = _linked_steps(root)
+    if linked:
+        os.close(fd)
+        raise CheckpointError(f"the checkpoint directory {root} holds {linked[0].name}, a symbolic link (to {os.readlink(linked[0])}); "
+                              "a checkpoint is never written through a link: remove it, or pass another --checkpoint-dir")
     os.ftruncate(fd, 0)
     os.pwrite(fd, (json.dumps({"pid": os.getpid(), "run_id": run_id, "since_unix": time.time()}) + "\n").encode("utf-8"), 0)
     recover_root(root)
