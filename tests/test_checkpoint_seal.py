@@ -327,3 +327,13 @@ def test_a_crash_at_every_rename_of_a_commit_leaves_the_newest_committed_step_lo
         write_steps(root, steps=(4,))  # and the root takes new checkpoints
         assert loads(root)[0] == 4
     assert k - 1 == (4 if again else 3)  # every rename was interrupted once
+
+
+def test_the_marker_records_the_identity_the_manifest_states(tmp_path):
+    pending = ckpt.begin_checkpoint(tmp_path, 5)
+    ckpt.commit_checkpoint(pending, {"plan": {"content_digest": "sha256:abc"}}, kind="k", run_id="run-1")
+    marker = json.loads((step(tmp_path, 5) / ckpt.COMPLETE_MARKER).read_text())
+    assert (marker["step"], marker["run_id"], marker["plan_digest"]) == (5, "run-1", "sha256:abc")
+    reseal(step(tmp_path, 5), lambda m: m["plan"].update(content_digest="sha256:other"))  # the digest matches, the identity does not
+    with pytest.raises(ckpt.CheckpointError, match=r"the manifest's step, run and plan .*sha256:other.* differ from its marker's"):
+        ckpt.verify_checkpoint(step(tmp_path, 5))

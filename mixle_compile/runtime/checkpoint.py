@@ -10,7 +10,7 @@ A checkpoint root holds one directory per saved step::
         state/                the payload (torch DCP files, or the caller's own files)
         manifest.json         what was saved: format, step, run id, plan digest, mesh, parameters,
                               data position and identity, and the size and SHA-256 of every file in state/
-        COMPLETE              the completion marker: the step, the run id and the SHA-256 of manifest.json
+        COMPLETE              the completion marker: the step, the run id, the plan digest and the SHA-256 of manifest.json
 
 A checkpoint is written into ``ROOT/.partial-step-00000004``; then the manifest is written, then
 the marker, each file fsynced, and only then is the directory renamed to its final name. A
@@ -268,6 +268,11 @@ def recover_root(root: str | Path) -> None:
             _recover(Path(root), int(m.group(1)))
 
 
+def _plan_digest(manifest: Mapping[str, Any]) -> str | None:
+    plan = manifest.get("plan")
+    return plan.get("content_digest") if isinstance(plan, dict) else None
+
+
 def commit_checkpoint(pending: PendingCheckpoint, manifest: Mapping[str, Any], *, kind: str, run_id: str | None = None) -> Path:
     """Seal the payload, write the manifest, then the completion marker, then move the directory to its final name.
 
@@ -290,7 +295,8 @@ def commit_checkpoint(pending: PendingCheckpoint, manifest: Mapping[str, Any], *
                     run_id=run_id, files=files)
         data = manifest_bytes(body)
         _write_synced(pending.path / MANIFEST_FILE, data, rename)
-        marker = {"format_version": FORMAT_VERSION, "step": pending.step, "run_id": run_id, "manifest_sha256": hashlib.sha256(data).hexdigest()}
+        marker = {"format_version": FORMAT_VERSION, "step": pending.step, "run_id": run_id, "plan_digest": _plan_digest(body),
+                  "manifest_sha256": hashlib.sha256(data).hexdigest()}
         _write_synced(pending.path / COMPLETE_MARKER, (json.dumps(marker, sort_keys=True) + "\n").encode("utf-8"), rename)
         _fsync_dir(pending.path)
         _recover(pending.root, pending.step)
@@ -459,9 +465,10 @@ def read_manifest(path: str | Path, *, kind: str | None = None) -> dict[str, Any
             f"checkpoint {path} has format version {version}, which records no checksums of its files, so this mixle-compile "
             f"(format {FORMAT_VERSION}) cannot verify it and does not load it; resume it with the mixle-compile that wrote it, or start afresh"
         )
-    if not isinstance(manifest.get("step"), int) or manifest["step"] != marker.get("step") or manifest.get("run_id") != marker.get("run_id"):
-        raise CheckpointError(f"{where}: the manifest's step {manifest.get('step')!r} (run {manifest.get('run_id')!r}) differs from the "
-                              f"marker's {marker.get('step')!r} (run {marker.get('run_id')!r}); the checkpoint cannot be trusted")
+    identity = (manifest.get("step"), manifest.get("run_id"), _plan_digest(manifest))
+    if not isinstance(manifest.get("step"), int) or identity != (marker.get("step"), marker.get("run_id"), marker.get("plan_digest")):
+        raise CheckpointError(f"{where}: the manifest's step, run and plan {identity} differ from its marker's "
+                              f"{(marker.get('step'), marker.get('run_id'), marker.get('plan_digest'))}; the checkpoint cannot be trusted")
     named = step_of_dir(path)
     if named is not None and named != manifest["step"]:
         raise CheckpointError(
