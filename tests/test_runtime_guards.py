@@ -165,3 +165,14 @@ def test_a_non_finite_log_likelihood_ends_an_em_fit_naming_the_iteration(tmp_pat
         run_plan(doc, steps=5, out_dir=tmp_path / "out", progress=False, data_path=tmp_path / "huge.npy", save_every=1, timeout_s=10)
     assert set(caught.value.ranks) == {0, 1}
     assert not ckpt.list_checkpoints(tmp_path / "out" / "checkpoints")  # nothing diverged was saved
+
+
+def test_retention_keeps_another_runs_and_stale_steps_and_this_runs_newest(tmp_path):
+    root = tmp_path / "ckpts"
+    ckpt.write_array_checkpoint(root, 7, {"x": np.zeros(2)}, {"model": "another run's"}, run_id="another-run")
+    (root / ckpt.step_dir_name(9)).mkdir()  # a stale step directory, never completed
+    report = run_plan(plan_for(), steps=3, out_dir=tmp_path / "out", progress=False, save_every=1, keep_checkpoints=1, checkpoint_dir=root)
+    assert report.ok, report.errors
+    assert [s for s, _, _ in ckpt.list_checkpoints(root)] == [3, 7, 9]
+    assert ckpt.verify_checkpoint(root / ckpt.step_dir_name(7))["run_id"] == "another-run"
+    assert ckpt.verify_checkpoint(root / ckpt.step_dir_name(3))["run_id"] != "another-run"
