@@ -21,7 +21,7 @@ from tests.test_runtime_support import plan_for
 
 torch = pytest.importorskip("torch")
 
-TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE")
 
 
 @pytest.mark.parametrize(
@@ -36,6 +36,7 @@ TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR
         ({"RANK": "0", "WORLD_SIZE": "4", "MASTER_PORT": "70000"}, "MASTER_PORT=70000 is out of range"),
         ({"RANK": "0", "WORLD_SIZE": "4", "MASTER_PORT": "http"}, "MASTER_PORT='http' is not an integer"),
         ({"RANK": "0", "WORLD_SIZE": "4", "MASTER_ADDR": " "}, "MASTER_ADDR is empty"),
+        ({"RANK": "0", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1"}, "MASTER_PORT is not set, but RANK and WORLD_SIZE are"),
     ],
 )
 def test_inconsistent_torchrun_variables_are_refused_naming_the_variable(tmp_path, monkeypatch, capsys, env, words):

@@ -134,7 +134,7 @@ def torchrun_environment() -> tuple[int, int]:
     """``(RANK, WORLD_SIZE)`` of a process started by torchrun (or by hand with its variables),
     refusing inconsistent ones, naming the variable: a non-integer, RANK outside 0..WORLD_SIZE-1,
     LOCAL_RANK outside 0..LOCAL_WORLD_SIZE-1 or above RANK, LOCAL_WORLD_SIZE above WORLD_SIZE, a
-    MASTER_PORT outside 1..65535, an empty MASTER_ADDR."""
+    MASTER_PORT outside 1..65535, an empty MASTER_ADDR, or (outside torchrun) no MASTER_ADDR or MASTER_PORT."""
     env = os.environ
 
     def integer(name: str, low: int, high: int | None = None) -> int | None:
@@ -165,6 +165,11 @@ def torchrun_environment() -> tuple[int, int]:
     integer("MASTER_PORT", 1, 65535)
     if "MASTER_ADDR" in env and not env["MASTER_ADDR"].strip():
         raise RuntimeRefusal("MASTER_ADDR is empty; set it to the address of rank 0's machine (127.0.0.1 on one machine)")
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # not torchrun's store: the ranks meet at MASTER_ADDR:MASTER_PORT
+        for name in ("MASTER_ADDR", "MASTER_PORT"):
+            if name not in env:
+                raise RuntimeRefusal(f"{name} is not set, but RANK and WORLD_SIZE are: rank 0 hosts the rendezvous at MASTER_ADDR:MASTER_PORT; "
+                                     "set both (or launch with torchrun, which sets them)")
     return rank, world
 
 
