@@ -177,3 +177,18 @@ def test_retention_keeps_another_runs_and_stale_steps_and_this_runs_newest(tmp_p
     assert [s for s, _, _ in ckpt.list_checkpoints(root)] == [3, 7, 9]
     assert ckpt.verify_checkpoint(root / ckpt.step_dir_name(7))["run_id"] == "another-run"
     assert ckpt.verify_checkpoint(root / ckpt.step_dir_name(3))["run_id"] != "another-run"
+
+
+def test_a_run_resumes_and_saves_in_a_root_whose_recommit_was_interrupted(tmp_path):
+    root = tmp_path / "ckpts"
+    first = run_plan(plan_for(), steps=2, out_dir=tmp_path / "a", progress=False, save_every=1, checkpoint_dir=root)
+    assert first.ok, first.errors
+    # A re-commit of step 2 killed between its renames: step 2 moved aside, the new one still partial.
+    (root / ckpt.step_dir_name(2)).rename(root / f"{ckpt.REPLACED_PREFIX}{ckpt.step_dir_name(2)}")
+    (root / f"{ckpt.PARTIAL_PREFIX}{ckpt.step_dir_name(2)}").mkdir()
+    assert ckpt.resolve_checkpoint(root).name == f"{ckpt.REPLACED_PREFIX}{ckpt.step_dir_name(2)}"  # read as step 2
+    resumed = run_plan(plan_for(), steps=3, out_dir=tmp_path / "b", progress=False, save_every=1, checkpoint_dir=root, resume=root)
+    assert resumed.ok, resumed.errors
+    assert resumed.data["run"]["first_step"] == 2
+    assert [s for s, _, _ in ckpt.list_checkpoints(root)] == [1, 2, 3] and not list(root.glob(ckpt.REPLACED_PREFIX + "*"))
+    assert ckpt.verify_checkpoint(root / ckpt.step_dir_name(2))["run_id"] == ckpt.verify_checkpoint(root / ckpt.step_dir_name(1))["run_id"]

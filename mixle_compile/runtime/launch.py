@@ -280,6 +280,10 @@ def run_plan(
     lock = None
     if checkpoints.every is not None and (not joined or rank == 0):  # one process per job writes the root: it holds the lock
         lock = ckpt.lock_root(root, checkpoints["run_id"])
+        resume = checkpoints.get("resume")
+        if resume is not None and not Path(resume).exists() and ckpt.step_of_dir(resume) is not None:
+            # The lock finished an interrupted re-commit: the step resumed from moved back to its name.
+            checkpoints["resume"] = Path(resume).parent / ckpt.step_dir_name(ckpt.step_of_dir(resume))
     try:
         if joined:
             return _run_joined(doc, steps=steps, out=out, reference=reference, data_path=data_path, timeout_s=timeout_s, progress=progress,
