@@ -288,6 +288,9 @@ def checkpoint_text(view: dict[str, Any], limit: int = 12) -> str:
     """`explain CHECKPOINT`: what runtime.checkpoint.checkpoint_view read from the manifest."""
     plan, mesh, data = view.get("plan", {}), view.get("mesh", {}), view.get("data", {})
     out = [f"checkpoint {view['checkpoint']}  (step {view['step']}, {view.get('kind')}, format {view.get('format_version')}, complete)"]
+    verified = view.get("verified")
+    if verified:
+        out.append(f"sealed: {verified['files']} file(s), {verified['bytes']:,} bytes, verified against their SHA-256; run {verified.get('run_id')}")
     fit = view.get("fit") or {}
     if plan and plan.get("optimizer") == "em":
         out.append(f"plan: {plan.get('content_digest', '?')}  {plan.get('family', '?')}, fitted by EM in {plan.get('precision', '?')}")

@@ -195,8 +195,9 @@ def test_a_corrupted_missing_or_newer_manifest_is_refused(tmp_path, uninterrupte
     newer["format_version"] = ckpt.FORMAT_VERSION + 1
     data = ckpt.manifest_bytes(newer)
     manifest.write_bytes(data)
-    (step_dir / ckpt.COMPLETE_MARKER).write_text(json.dumps({"step": 2, "manifest_sha256": hashlib.sha256(data).hexdigest()}))
-    with pytest.raises(ckpt.CheckpointError, match=r"format version 2, newer than this mixle-compile reads \(1\); upgrade"):
+    marker = json.loads((step_dir / ckpt.COMPLETE_MARKER).read_text())
+    (step_dir / ckpt.COMPLETE_MARKER).write_text(json.dumps({**marker, "manifest_sha256": hashlib.sha256(data).hexdigest()}))
+    with pytest.raises(ckpt.CheckpointError, match=rf"format version 3, newer than this mixle-compile reads \({ckpt.FORMAT_VERSION}\); upgrade"):
         ckpt.read_manifest(step_dir)
 
 
@@ -213,6 +214,45 @@ def test_refusals_through_the_cli_are_one_line_with_exit_2(tmp_path, uninterrupt
     done = subprocess.run([sys.executable, "-m", "mixle_compile", "run", str(spec), "--checkpoint-dir", str(tmp_path / "c"), "--quiet"],
                           capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert done.returncode == 2 and "add --save-every N" in done.stderr
+
+
+def shards(step_dir: Path) -> list[Path]:
+    return sorted((step_dir / ckpt.STATE_DIR).glob("*.distcp"))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "overwritten", "swapped"])
+def test_a_damaged_shard_is_refused_before_any_rank_starts_naming_the_file(tmp_path, uninterrupted, damage):
+    step_dir = copy_step(uninterrupted, tmp_path)
+    shard = shards(step_dir)[0]
+    data = shard.read_bytes()
+    if damage == "truncated":
+        shard.write_bytes(data[: len(data) // 2])
+        words = f"{shard} has {len(data) // 2} bytes, the manifest seals {len(data)}"
+    elif damage == "overwritten":
+        shard.write_bytes(data[:100] + bytes([data[100] ^ 0x10]) + data[101:])  # one bit
+        words = f"{shard} does not match the SHA-256 its manifest seals"
+    else:  # the same shard of another step: same name and size, other values
+        other = uninterrupted[1] / ckpt.step_dir_name(1) / ckpt.STATE_DIR / shard.name
+        shutil.copy(other, shard)
+        words = f"{shard} does not match the SHA-256 its manifest seals"
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(spec_text(**BASE, ds=2), encoding="utf-8")
+    out = tmp_path / "out"
+    done = subprocess.run([sys.executable, "-m", "mixle_compile", "run", str(spec), "--resume", str(step_dir), "--out", str(out), "--quiet"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert words in done.stderr and "Traceback" not in done.stderr
+    assert not (out / "logs").exists()  # refused on the launcher: no rank started
+
+
+def test_a_dcp_checkpoint_is_sealed_and_explain_verifies_it(uninterrupted):
+    step_dir = uninterrupted[1] / ckpt.step_dir_name(2)
+    manifest = ckpt.verify_checkpoint(step_dir)
+    assert set(manifest["files"]) == {f"state/{p.name}" for p in shards(step_dir)} | {f"state/{ckpt.DCP_METADATA_FILE}"}
+    assert manifest["run_id"] == ckpt.verify_checkpoint(uninterrupted[1] / ckpt.step_dir_name(1))["run_id"]  # one run, one id
+    done = explain_without_torch(step_dir)
+    assert done.stdout.strip().splitlines()[-1] == "NO-TORCH 0", done.stderr
+    assert f"sealed: {len(manifest['files'])} file(s)" in done.stdout and manifest["run_id"] in done.stdout
 
 
 # ---------------------------------------------------------------------------- faults
@@ -312,6 +352,19 @@ def test_saving_with_gradients_pending_is_refused_and_a_save_round_trips(tmp_pat
         for k, v in state_before[n].items():
             assert torch.equal(fresh.optimizer.state[p.master][k], v), (n, k)
     assert one_step(fresh, 2).loss == expected  # bitwise: same mesh, same state, same batch
+
+
+def test_non_finite_values_are_refused_on_load_naming_the_tensor(tmp_path, single_rank):
+    doc, make = single_rank
+    session = make()
+    one_step(session, 0)
+    name = sorted(session.store.params)[0]
+    with torch.no_grad():
+        session.store.params[name].master.view(-1)[0] = float("nan")
+    ckpt.save_session(session, tmp_path)
+    fresh = make()
+    with pytest.raises(ckpt.CheckpointError, match=rf"'model/{name}' holds NaN or infinite values"):
+        fresh.load_checkpoint(tmp_path)
 
 
 def test_data_position_is_the_same_global_samples_on_any_layout():

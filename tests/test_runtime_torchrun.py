@@ -31,3 +31,14 @@ def test_torchrun_with_the_wrong_number_of_ranks_is_refused(tmp_path):
     assert out.returncode != 0
     assert "WORLD_SIZE=2" in out.stderr and "world size is 4" in out.stderr
     assert not (tmp_path / "report.json").exists()
+
+
+def test_checkpoints_under_torchrun_are_sealed_by_one_run(tmp_path):
+    from mixle_compile.runtime import checkpoint as ckpt
+
+    out = torchrun(4, str(EXAMPLES / "tiny-transformer.yaml"), "--steps", "2", "--save-every", "1", "--out", str(tmp_path), "--quiet")
+    assert out.returncode == 0, out.stderr[-3000:]
+    root = tmp_path / "checkpoints"
+    run_ids = {ckpt.verify_checkpoint(root / ckpt.step_dir_name(s))["run_id"] for s in (1, 2)}
+    assert len(run_ids) == 1  # rank 0's run id, on every checkpoint it committed
+    assert json.loads((root / ckpt.LOCK_FILE).read_text())["run_id"] in run_ids  # rank 0 held the root's lock

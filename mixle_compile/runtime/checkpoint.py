@@ -1,21 +1,27 @@
-"""Checkpoints: atomic step directories with a JSON manifest, tensor state saved with torch DCP.
+"""Checkpoints: sealed, atomic step directories with a JSON manifest, tensor state saved with torch DCP.
 
 Two layers, so that a runtime without torch state (EM fits plain numpy arrays) reuses the first:
 
 **Directory layer** (torch-free; ``explain`` and the launcher use it without importing torch).
 A checkpoint root holds one directory per saved step::
 
+    ROOT/.lock                the lock of the run writing into ROOT (fcntl; pid and run id inside)
     ROOT/step-00000004/
-        state/            the payload (torch DCP files, or the caller's own files)
-        manifest.json     what was saved: format, step, plan digest, mesh, parameters, data position
-        COMPLETE          the completion marker: the step and the SHA-256 of manifest.json
+        state/                the payload (torch DCP files, or the caller's own files)
+        manifest.json         what was saved: format, step, run id, plan digest, mesh, parameters,
+                              data position and identity, and the size and SHA-256 of every file in state/
+        COMPLETE              the completion marker: the step, the run id, the plan digest and the SHA-256 of manifest.json
 
 A checkpoint is written into ``ROOT/.partial-step-00000004``; then the manifest is written, then
 the marker, each file fsynced, and only then is the directory renamed to its final name. A
-directory without the marker (a crash between those writes, a copy cut short) is never loaded:
-``read_manifest`` refuses it naming the missing marker, and ``find_latest_checkpoint`` skips it.
-``begin_checkpoint`` / ``commit_checkpoint`` are the two halves, ``write_array_checkpoint`` /
-``read_array_checkpoint`` the whole for named numpy arrays (``np.save`` with ``allow_pickle=False``).
+directory without the marker (a crash between those writes, a copy cut short) is never loaded.
+``verify_checkpoint`` checks a step directory against its seal before anything reads it: the
+marker's digest of the manifest, the manifest's step against the directory's name, every file
+under ``state/`` against the manifest's size and SHA-256 (none missing, none added), regular files
+and real directories only (no symbolic links, no path outside the step directory, DCP's storage
+paths included). ``begin_checkpoint`` / ``commit_checkpoint`` are the two halves,
+``write_array_checkpoint`` / ``read_array_checkpoint`` the whole for named numpy arrays
+(``np.save`` with ``allow_pickle=False``). ``lock_root`` keeps a second run off a root in use.
 
 **Torch state layer** (``save_session`` / ``load_session``): model parameters and optimizer state
 (AdamW's ``exp_avg``, ``exp_avg_sq`` and ``step``) with ``torch.distributed.checkpoint``. Every
@@ -35,29 +41,46 @@ import math
 import os
 import re
 import shutil
+import stat
 import time
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from mixle_compile.runtime.errors import RuntimeRefusal
 
 CHECKPOINT_FORMAT = "mixle-checkpoint"
-FORMAT_VERSION = 1  # a manifest with a higher version is refused: this code cannot know its meaning
+# 2: every file sealed in the manifest, a run id. A manifest with a higher version is refused (this
+# code cannot know its meaning), one of version 1 too (it seals nothing, so it cannot be verified).
+FORMAT_VERSION = 2
 MANIFEST_FILE = "manifest.json"
 COMPLETE_MARKER = "COMPLETE"
 STATE_DIR = "state"
 DCP_METADATA_FILE = "dcp-metadata.json"
+LOCK_FILE = ".lock"
 STEP_PREFIX = "step-"
 PARTIAL_PREFIX = ".partial-"
+REPLACED_PREFIX = ".replaced-"  # a committed step moved aside while the same step is committed again
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
+_REPLACED_DIR = re.compile(r"^\.replaced-step-(\d{8,})$")
 TORCH_KIND = "torch-dcp"
 ARRAYS_KIND = "numpy-arrays"
+# For tests of the commit protocol: "STEP:K" ends the process (os._exit) just before the K-th rename
+# of step STEP's commit (in the order commit_checkpoint makes them; see docs/checkpoints.md).
+COMMIT_FAULT_ENV = "MIXLE_CHECKPOINT_FAULT"
+_HASH_CHUNK = 1 << 20
+# The run id of checkpoints this process writes without being given one (a single-process caller).
+PROCESS_RUN_ID = uuid.uuid4().hex
 
 
 class CheckpointError(RuntimeRefusal):
     """A checkpoint cannot be written, found, read or resumed; the message says which and how to fix it."""
+
+
+def new_run_id() -> str:
+    return uuid.uuid4().hex
 
 
 # ---------------------------------------------------------------------------
@@ -67,6 +90,13 @@ class CheckpointError(RuntimeRefusal):
 
 def step_dir_name(step: int) -> str:
     return f"{STEP_PREFIX}{step:08d}"
+
+
+def step_of_dir(path: str | Path) -> int | None:
+    """The step a directory's name gives (``step-N``, or ``.replaced-step-N`` while it is replaced)."""
+    name = Path(path).name
+    m = _STEP_DIR.match(name) or _REPLACED_DIR.match(name)
+    return int(m.group(1)) if m else None
 
 
 @dataclass(frozen=True)
@@ -94,6 +124,14 @@ def pending_checkpoint(root: str | Path, step: int) -> PendingCheckpoint:
     return PendingCheckpoint(root, step, root / f"{PARTIAL_PREFIX}{step_dir_name(step)}")
 
 
+def _remove(path: Path) -> None:
+    """Remove ``path``: a link itself (never what it points to), a file, or a directory tree."""
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path)
+
+
 def begin_checkpoint(root: str | Path, step: int) -> PendingCheckpoint:
     """Create an empty temporary directory for step ``step`` (a leftover of a crashed save is removed).
 
@@ -101,8 +139,7 @@ def begin_checkpoint(root: str | Path, step: int) -> PendingCheckpoint:
     pending = pending_checkpoint(root, step)
     try:
         pending.root.mkdir(parents=True, exist_ok=True)
-        if pending.path.exists():
-            shutil.rmtree(pending.path)
+        _remove(pending.path)
         pending.state_dir.mkdir(parents=True)
     except OSError as exc:
         raise CheckpointError(f"cannot create the checkpoint directory {pending.path}: {exc.strerror or exc}") from None
@@ -122,42 +159,158 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_synced(path: Path, data: bytes) -> None:
+class _Renames:
+    """The renames of one commit, numbered; ``COMMIT_FAULT_ENV`` may end the process before one."""
+
+    def __init__(self, step: int) -> None:
+        self.count = 0
+        self.crash_at = None
+        spec = os.environ.get(COMMIT_FAULT_ENV)
+        if spec:
+            at_step, k = spec.split(":")
+            if int(at_step) == step:
+                self.crash_at = int(k)
+
+    def __call__(self, src: Path, dst: Path) -> None:
+        self.count += 1
+        if self.count == self.crash_at:
+            os._exit(75)
+        os.replace(src, dst)
+
+
+def _write_synced(path: Path, data: bytes, rename: Callable[[Path, Path], None] = os.replace) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
+    if tmp.is_symlink():
+        tmp.unlink()
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    with os.fdopen(fd, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
+    rename(tmp, path)
 
 
 def manifest_bytes(manifest: Mapping[str, Any]) -> bytes:
     return (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode("utf-8")
 
 
-def commit_checkpoint(pending: PendingCheckpoint, manifest: Mapping[str, Any], *, kind: str) -> Path:
-    """Write the manifest, then the completion marker, then move the directory to its final name.
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return "sha256:" + digest.hexdigest()
+
+
+def _walk_state(step_dir: Path) -> dict[str, Path]:
+    """Every file under ``step_dir/state`` by its path relative to ``step_dir`` (POSIX). Refused: a
+    symbolic link, or anything but regular files and directories."""
+    found: dict[str, Path] = {}
+    state = step_dir / STATE_DIR
+    pending = [state]
+    while pending:
+        directory = pending.pop()
+        try:
+            entries = sorted(os.scandir(directory), key=lambda e: e.name)
+        except OSError as exc:
+            raise CheckpointError(f"checkpoint {step_dir}: cannot list {directory}: {exc.strerror or exc}") from None
+        for entry in entries:
+            path = Path(entry.path)
+            mode = entry.stat(follow_symlinks=False).st_mode
+            if stat.S_ISLNK(mode):
+                raise CheckpointError(f"checkpoint {step_dir}: {path} is a symbolic link; a checkpoint holds regular files only, "
+                                      "so nothing outside it is ever read")
+            if stat.S_ISDIR(mode):
+                pending.append(path)
+            elif stat.S_ISREG(mode):
+                found[path.relative_to(step_dir).as_posix()] = path
+            else:
+                raise CheckpointError(f"checkpoint {step_dir}: {path} is not a regular file; a checkpoint holds regular files only")
+    return found
+
+
+def seal_files(step_dir: Path) -> dict[str, dict[str, Any]]:
+    """``{relative path: {"bytes", "sha256"}}`` of every file under ``step_dir/state``."""
+    return {rel: {"bytes": path.stat().st_size, "sha256": file_sha256(path)} for rel, path in sorted(_walk_state(step_dir).items())}
+
+
+def safe_relative(text: Any) -> bool:
+    """A path that stays inside the directory it is relative to: relative, no ``..``, no empty part."""
+    if not isinstance(text, str) or not text or "\\" in text or "\0" in text:
+        return False
+    p = PurePosixPath(text)
+    return not p.is_absolute() and all(part not in ("", ".", "..") for part in text.split("/"))
+
+
+def _recover(root: Path, step: int) -> None:
+    """Finish a re-commit of ``step`` that was interrupted between its renames: the committed
+    checkpoint moved aside goes back if nothing took its place, else it is removed."""
+    final, aside = root / step_dir_name(step), root / f"{REPLACED_PREFIX}{step_dir_name(step)}"
+    if not aside.is_dir() or aside.is_symlink():
+        return
+    if final.is_symlink() or final.exists():
+        if (final / COMPLETE_MARKER).is_file():
+            shutil.rmtree(aside, ignore_errors=True)
+        return
+    os.replace(aside, final)
+    _fsync_dir(root)
+
+
+def recover_root(root: str | Path) -> None:
+    """``_recover`` every step left moved aside under ``root`` (the lock holder calls it)."""
+    try:
+        entries = list(Path(root).iterdir())
+    except OSError:
+        return
+    for entry in entries:
+        m = _REPLACED_DIR.match(entry.name)
+        if m:
+            _recover(Path(root), int(m.group(1)))
+
+
+def _plan_digest(manifest: Mapping[str, Any]) -> str | None:
+    plan = manifest.get("plan")
+    return plan.get("content_digest") if isinstance(plan, dict) else None
+
+
+def commit_checkpoint(pending: PendingCheckpoint, manifest: Mapping[str, Any], *, kind: str, run_id: str | None = None) -> Path:
+    """Seal the payload, write the manifest, then the completion marker, then move the directory to its final name.
 
     ``manifest`` is the caller's JSON-ready description; ``format``, ``format_version``, ``kind``,
-    ``step`` and ``saved_unix`` are added. Returns the final directory ``ROOT/step-NNNNNNNN``."""
-    body = dict(manifest)
-    body.update(format=CHECKPOINT_FORMAT, format_version=FORMAT_VERSION, kind=kind, step=pending.step, saved_unix=time.time())
-    data = manifest_bytes(body)
+    ``step``, ``run_id``, ``saved_unix`` and ``files`` (size and SHA-256 of every file in state/)
+    are added. Returns the final directory ``ROOT/step-NNNNNNNN``.
+
+    Renames, in order: the manifest's temporary file, the marker's; then, when the step is already
+    committed (saved again into the same root), the committed directory to ``.replaced-step-N``;
+    then the new directory to ``step-N``. Interrupted after any of them, the newest committed
+    checkpoint stays loadable: a step moved aside is read in its place (``list_checkpoints``) and
+    moved back by the next writer (``recover_root``)."""
+    run_id = run_id or PROCESS_RUN_ID
     final = pending.final_path
+    rename = _Renames(pending.step)
     try:
-        _write_synced(pending.path / MANIFEST_FILE, data)
-        marker = {"step": pending.step, "manifest_sha256": hashlib.sha256(data).hexdigest()}
-        _write_synced(pending.path / COMPLETE_MARKER, (json.dumps(marker, sort_keys=True) + "\n").encode("utf-8"))
+        files = seal_files(pending.path)
+        body = dict(manifest)
+        body.update(format=CHECKPOINT_FORMAT, format_version=FORMAT_VERSION, kind=kind, step=pending.step, saved_unix=time.time(),
+                    run_id=run_id, files=files)
+        data = manifest_bytes(body)
+        _write_synced(pending.path / MANIFEST_FILE, data, rename)
+        marker = {"format_version": FORMAT_VERSION, "step": pending.step, "run_id": run_id, "plan_digest": _plan_digest(body),
+                  "manifest_sha256": hashlib.sha256(data).hexdigest()}
+        _write_synced(pending.path / COMPLETE_MARKER, (json.dumps(marker, sort_keys=True) + "\n").encode("utf-8"), rename)
         _fsync_dir(pending.path)
+        _recover(pending.root, pending.step)
+        if final.is_symlink():
+            raise CheckpointError(f"cannot commit the checkpoint {final}: it is a symbolic link, which a checkpoint never writes through; remove it")
         if final.exists():  # the same step saved again (a rerun into the same root): replace it
-            stale = pending.root / f"{PARTIAL_PREFIX}replaced-{final.name}"
-            if stale.exists():
-                shutil.rmtree(stale)
-            os.replace(final, stale)
-            os.replace(pending.path, final)
-            shutil.rmtree(stale, ignore_errors=True)
+            aside = pending.root / f"{REPLACED_PREFIX}{final.name}"
+            _remove(aside)
+            rename(final, aside)
+            rename(pending.path, final)
+            _fsync_dir(pending.root)
+            shutil.rmtree(aside, ignore_errors=True)
         else:
-            os.replace(pending.path, final)
+            rename(pending.path, final)
         _fsync_dir(pending.root)
     except OSError as exc:
         raise CheckpointError(f"cannot commit the checkpoint {final}: {exc.strerror or exc}") from None
@@ -165,18 +318,28 @@ def commit_checkpoint(pending: PendingCheckpoint, manifest: Mapping[str, Any], *
 
 
 def list_checkpoints(root: str | Path) -> list[tuple[int, Path, bool]]:
-    """``(step, directory, complete)`` of every step directory under ``root``, by step."""
+    """``(step, directory, complete)`` of every step directory under ``root``, by step (real
+    directories only: a symbolic link is not listed). A step moved aside by an interrupted
+    re-commit (``.replaced-step-N``) stands for its step while ``step-N`` is missing."""
     root = Path(root)
-    found = []
+    found: dict[int, Path] = {}
+    aside: dict[int, Path] = {}
     try:
         entries = list(root.iterdir())
     except OSError:
         return []
     for entry in entries:
+        if entry.is_symlink() or not entry.is_dir():
+            continue
         m = _STEP_DIR.match(entry.name)
-        if m and entry.is_dir():
-            found.append((int(m.group(1)), entry, (entry / COMPLETE_MARKER).is_file()))
-    return sorted(found)
+        if m:
+            found[int(m.group(1))] = entry
+        m = _REPLACED_DIR.match(entry.name)
+        if m:
+            aside[int(m.group(1))] = entry
+    for step, path in aside.items():
+        found.setdefault(step, path)
+    return sorted((step, path, (path / COMPLETE_MARKER).is_file()) for step, path in found.items())
 
 
 def find_latest_checkpoint(root: str | Path) -> Path | None:
@@ -187,7 +350,7 @@ def find_latest_checkpoint(root: str | Path) -> Path | None:
 
 def is_checkpoint_dir(path: str | Path) -> bool:
     path = Path(path)
-    return bool(_STEP_DIR.match(path.name)) or (path / MANIFEST_FILE).exists() or (path / COMPLETE_MARKER).exists()
+    return step_of_dir(path) is not None or (path / MANIFEST_FILE).exists() or (path / COMPLETE_MARKER).exists()
 
 
 def names_only_in_one(what: str, in_plan: list[str], in_checkpoint: list[str]) -> list[str]:
@@ -207,15 +370,31 @@ def names_only_in_one(what: str, in_plan: list[str], in_checkpoint: list[str]) -
     return out
 
 
+def _linked_steps(root: Path) -> list[Path]:
+    try:
+        return sorted(e for e in root.iterdir() if e.is_symlink() and (_STEP_DIR.match(e.name) or _REPLACED_DIR.match(e.name)))
+    except OSError:
+        return []
+
+
 def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory from ``path``: a step directory itself, or a root (its latest complete step)."""
+    """A checkpoint directory from ``path``: a step directory itself, or a root (its latest complete step).
+
+    Refused: a step directory that is a symbolic link, passed itself or found in the root."""
     path = Path(path)
+    if path.is_symlink() and is_checkpoint_dir(path):
+        raise CheckpointError(f"checkpoint {path} is a symbolic link (to {os.readlink(path)}); a checkpoint's step directory is never "
+                              "read through a link: pass the directory it points to")
     if not path.exists():
         raise CheckpointError(f"checkpoint {path} does not exist; pass a checkpoint root (the --checkpoint-dir of a run) or one of its step-NNNNNNNN directories")
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} is not a directory; pass a checkpoint root or one of its step-NNNNNNNN directories")
     if is_checkpoint_dir(path):
         return path
+    linked = _linked_steps(path)
+    if linked:
+        raise CheckpointError(f"{path} holds {linked[0].name}, a symbolic link (to {os.readlink(linked[0])}); a checkpoint's step directory "
+                              "is never read through a link: remove it, or pass the step directory to resume from")
     entries = list_checkpoints(path)
     latest = find_latest_checkpoint(path)
     if latest is not None:
@@ -229,13 +408,24 @@ def resolve_checkpoint(path: str | Path) -> Path:
     raise CheckpointError(f"{path} holds no checkpoint (no step-NNNNNNNN directory); pass the --checkpoint-dir of a run that saved one")
 
 
+def _read_regular(path: Path, what: str, where: str) -> bytes:
+    if path.is_symlink():
+        raise CheckpointError(f"{where}: {what} {path} is a symbolic link; a checkpoint holds regular files only")
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise CheckpointError(f"{where}: cannot read {what} {path}: {exc.strerror or exc}") from None
+
+
 def read_manifest(path: str | Path, *, kind: str | None = None) -> dict[str, Any]:
-    """The validated manifest of the checkpoint directory ``path`` (see ``resolve_checkpoint``).
+    """The manifest of the checkpoint directory ``path``, checked against its marker (not its files:
+    ``verify_checkpoint`` does that too).
 
     Refused (CheckpointError): no completion marker; an unreadable, corrupted or modified manifest
-    (its SHA-256 differs from the marker's); another format, a newer format version, or another
-    ``kind`` than asked for."""
+    (its SHA-256 differs from the marker's); another format, another format version, or another
+    ``kind`` than asked for; a manifest of another step than the directory's name says."""
     path = Path(path)
+    where = f"checkpoint {path}"
     marker_path = path / COMPLETE_MARKER
     if not marker_path.is_file():
         raise CheckpointError(
@@ -243,93 +433,239 @@ def read_manifest(path: str | Path, *, kind: str | None = None) -> dict[str, Any
             "and is never loaded; resume from an earlier complete checkpoint (pass the checkpoint root to take the latest complete one)"
         )
     try:
-        marker = json.loads(marker_path.read_text(encoding="utf-8"))
+        marker = json.loads(_read_regular(marker_path, "the completion marker", where))
         expected = marker["manifest_sha256"]
-    except (OSError, ValueError, KeyError, TypeError):
-        raise CheckpointError(f"checkpoint {path}: the completion marker {marker_path} is unreadable; the checkpoint cannot be trusted") from None
+    except (ValueError, KeyError, TypeError):
+        raise CheckpointError(f"{where}: the completion marker {marker_path} is unreadable; the checkpoint cannot be trusted") from None
     manifest_path = path / MANIFEST_FILE
-    try:
-        data = manifest_path.read_bytes()
-    except OSError as exc:
-        raise CheckpointError(f"checkpoint {path}: cannot read its manifest {manifest_path}: {exc.strerror or exc}") from None
+    if not manifest_path.is_file() and not manifest_path.is_symlink():
+        raise CheckpointError(f"{where}: cannot read its manifest {manifest_path}: it is missing")
+    data = _read_regular(manifest_path, "its manifest", where)
     if hashlib.sha256(data).hexdigest() != expected:
         raise CheckpointError(
-            f"checkpoint {path}: the manifest {manifest_path} does not match the SHA-256 its completion marker records "
-            "(corrupted or edited after saving); it is not loaded"
+            f"{where}: the manifest {manifest_path} does not match the SHA-256 its completion marker records "
+            f"({marker_path.name}; corrupted, edited, or the manifest or marker of another checkpoint); it is not loaded"
         )
     try:
         manifest = json.loads(data)
     except ValueError as exc:
-        raise CheckpointError(f"checkpoint {path}: the manifest {manifest_path} is not valid JSON ({exc})") from None
+        raise CheckpointError(f"{where}: the manifest {manifest_path} is not valid JSON ({exc})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != CHECKPOINT_FORMAT:
-        raise CheckpointError(f"checkpoint {path}: {manifest_path} is not a {CHECKPOINT_FORMAT} manifest")
+        raise CheckpointError(f"{where}: {manifest_path} is not a {CHECKPOINT_FORMAT} manifest")
     version = manifest.get("format_version")
     if not isinstance(version, int) or version < 1:
-        raise CheckpointError(f"checkpoint {path}: the manifest's format_version {version!r} is invalid")
+        raise CheckpointError(f"{where}: the manifest's format_version {version!r} is invalid")
     if version > FORMAT_VERSION:
         raise CheckpointError(
             f"checkpoint {path} has format version {version}, newer than this mixle-compile reads ({FORMAT_VERSION}); "
             "upgrade mixle-compile to load it"
         )
-    if not isinstance(manifest.get("step"), int) or manifest["step"] != marker.get("step"):
-        raise CheckpointError(f"checkpoint {path}: the manifest's step {manifest.get('step')!r} differs from the marker's {marker.get('step')!r}")
+    if version < FORMAT_VERSION:
+        raise CheckpointError(
+            f"checkpoint {path} has format version {version}, which records no checksums of its files, so this mixle-compile "
+            f"(format {FORMAT_VERSION}) cannot verify it and does not load it; resume it with the mixle-compile that wrote it, or start afresh"
+        )
+    identity = (manifest.get("step"), manifest.get("run_id"), _plan_digest(manifest))
+    if not isinstance(manifest.get("step"), int) or identity != (marker.get("step"), marker.get("run_id"), marker.get("plan_digest")):
+        raise CheckpointError(f"{where}: the manifest's step, run and plan {identity} differ from its marker's "
+                              f"{(marker.get('step'), marker.get('run_id'), marker.get('plan_digest'))}; the checkpoint cannot be trusted")
+    named = step_of_dir(path)
+    if named is not None and named != manifest["step"]:
+        raise CheckpointError(
+            f"{where}: the directory is named for step {named} but its manifest {manifest_path} and marker are of step {manifest['step']} "
+            "(moved or swapped from another checkpoint); it is not loaded"
+        )
     if kind is not None and manifest.get("kind") != kind:
-        raise CheckpointError(f"checkpoint {path} holds {manifest.get('kind')!r} state, not {kind!r}; it was written by another runtime")
+        raise CheckpointError(f"{where} holds {manifest.get('kind')!r} state, not {kind!r}; it was written by another runtime")
     return manifest
 
 
-def prune_checkpoints(root: str | Path, keep: int) -> list[Path]:
-    """Delete all but the ``keep`` newest complete checkpoints (and incomplete ones older than those)."""
+def verify_checkpoint(path: str | Path, *, kind: str | None = None, hashes: bool = True) -> dict[str, Any]:
+    """``read_manifest``, then every file against the seal; returns the manifest.
+
+    Refused, naming the file: a step directory that is a symbolic link; anything in it but
+    ``manifest.json``, ``COMPLETE`` and ``state/``; a symbolic link or special file anywhere in it;
+    a file in state/ the manifest does not list, or one it lists that is missing; a size or (with
+    ``hashes``) a SHA-256 other than the manifest's (truncated, corrupted, overwritten, or swapped
+    with another checkpoint's); a sealed path or a DCP storage path that leaves the directory."""
+    path = Path(path)
+    where = f"checkpoint {path}"
+    if path.is_symlink():
+        raise CheckpointError(f"{where} is a symbolic link; a checkpoint's step directory is never read through a link")
+    manifest = read_manifest(path, kind=kind)
+    sealed = manifest.get("files")
+    if not isinstance(sealed, dict):
+        raise CheckpointError(f"{where}: its manifest lists no files; the checkpoint cannot be verified")
+    for name in sorted(os.listdir(path)):
+        entry = path / name
+        if name in (MANIFEST_FILE, COMPLETE_MARKER):
+            continue
+        if name == STATE_DIR and entry.is_dir() and not entry.is_symlink():
+            continue
+        raise CheckpointError(f"{where}: {entry} is not part of a checkpoint (only {MANIFEST_FILE}, {COMPLETE_MARKER} and {STATE_DIR}/ are); "
+                              "it was added after saving: remove it")
+    for rel in sealed:
+        if not safe_relative(rel) or not rel.startswith(STATE_DIR + "/"):
+            raise CheckpointError(f"{where}: its manifest lists the file {rel!r}, a path outside {path / STATE_DIR}; it is not loaded")
+    present = _walk_state(path) if (path / STATE_DIR).is_dir() else {}
+    for rel in sorted(present):
+        if rel not in sealed:
+            raise CheckpointError(f"{where}: {present[rel]} is not sealed by the manifest (added or renamed after saving); it is not loaded")
+    for rel, seal in sorted(sealed.items()):
+        file = path / rel
+        if rel not in present:
+            raise CheckpointError(f"{where}: the file {file} is missing (the manifest seals it); the checkpoint is incomplete")
+        try:
+            size, digest = int(seal["bytes"]), str(seal["sha256"])
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{where}: the manifest's seal of {rel} is malformed") from None
+        actual = present[rel].stat().st_size
+        if actual != size:
+            raise CheckpointError(f"{where}: {file} has {actual} bytes, the manifest seals {size} (truncated or overwritten); it is not loaded")
+        if hashes and file_sha256(present[rel]) != digest:
+            raise CheckpointError(f"{where}: {file} does not match the SHA-256 its manifest seals (corrupted, overwritten, or from another "
+                                  "checkpoint); it is not loaded")
+    if manifest.get("kind") == TORCH_KIND:
+        _check_dcp_index(path, sealed)
+    return manifest
+
+
+def _check_dcp_index(path: Path, sealed: Mapping[str, Any]) -> None:
+    """Every storage path of DCP's index is a sealed file of this checkpoint's state/ (torch-free)."""
+    index = path / STATE_DIR / DCP_METADATA_FILE
+    if f"{STATE_DIR}/{DCP_METADATA_FILE}" not in sealed:
+        raise CheckpointError(f"checkpoint {path} has no tensor index {index}; its tensor state is missing, so it cannot be resumed")
+    try:
+        body = json.loads(index.read_bytes())
+        files = [s["file"] for s in body["storage"]]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"checkpoint {path}: the tensor index {index} is unreadable ({exc})") from None
+    for file in files:
+        if not safe_relative(file) or f"{STATE_DIR}/{file}" not in sealed:
+            raise CheckpointError(f"checkpoint {path}: the tensor index {index} points at {file!r}, not a sealed file of {path / STATE_DIR}; "
+                                  "it is not loaded")
+
+
+def lock_root(root: str | Path, run_id: str) -> int:
+    """Take the lock of checkpoint root ``root`` for run ``run_id`` for as long as this process
+    holds the returned file descriptor (``unlock_root``; the kernel drops it when the process
+    dies). Refused while another run holds it; an interrupted re-commit is finished first."""
+    import fcntl
+
+    root = Path(root)
+    lock = root / LOCK_FILE
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    except OSError as exc:
+        raise CheckpointError(f"cannot lock the checkpoint directory {root} ({lock}): {exc.strerror or exc}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        try:
+            holder = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        except (OSError, ValueError):
+            holder = {}
+        os.close(fd)
+        raise CheckpointError(
+            f"checkpoint directory {root} is in use by another run (pid {holder.get('pid', '?')}, run {holder.get('run_id', '?')}); two runs "
+            "saving into one directory would interleave their steps: wait for that run to end, or pass another --checkpoint-dir"
+        ) from None
+    linked = _linked_steps(root)
+    if linked:
+        os.close(fd)
+        raise CheckpointError(f"the checkpoint directory {root} holds {linked[0].name}, a symbolic link (to {os.readlink(linked[0])}); "
+                              "a checkpoint is never written through a link: remove it, or pass another --checkpoint-dir")
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, (json.dumps({"pid": os.getpid(), "run_id": run_id, "since_unix": time.time()}) + "\n").encode("utf-8"), 0)
+    recover_root(root)
+    return fd
+
+
+def unlock_root(fd: int | None) -> None:
+    if fd is not None:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def prune_checkpoints(root: str | Path, keep: int, *, run_id: str | None = None) -> list[Path]:
+    """Delete run ``run_id``'s complete checkpoints in ``root`` but its ``keep`` newest.
+
+    Only that run's own step directories are deleted (by the run id their manifest and marker
+    record): never another run's, one that cannot be read, an incomplete one, or this run's newest."""
     if keep < 1:
         return []
-    entries = list_checkpoints(root)
-    complete = [p for _, p, ok in entries if ok]
-    if len(complete) <= keep:
-        return []
-    oldest_kept = complete[-keep]
-    removed = []
-    for step, path, _ in entries:
-        if path in complete[-keep:] or step >= int(_STEP_DIR.match(oldest_kept.name).group(1)):
+    run_id = run_id or PROCESS_RUN_ID
+    own = []
+    for _, path, ok in list_checkpoints(root):
+        if not ok or not _STEP_DIR.match(path.name):
             continue
+        try:
+            if read_manifest(path).get("run_id") == run_id:
+                own.append(path)
+        except CheckpointError:
+            continue
+    removed = []
+    for path in own[:-keep]:
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)
     return removed
 
 
-def write_array_checkpoint(root: str | Path, step: int, arrays: Mapping[str, Any], manifest: Mapping[str, Any]) -> Path:
-    """Save named numpy arrays and a JSON manifest atomically (single-process callers, such as EM)."""
+def write_array_checkpoint(root: str | Path, step: int, arrays: Mapping[str, Any], manifest: Mapping[str, Any], *,
+                           run_id: str | None = None) -> Path:
+    """Save named numpy arrays and a JSON manifest atomically (single-process callers, such as EM).
+    Refused: an array of Python objects, or one holding NaN or infinite values."""
     import numpy as np
 
-    pending = begin_checkpoint(root, step)
-    entries = {}
-    for i, (name, array) in enumerate(sorted(arrays.items())):
+    checked = {}
+    for name, array in sorted(arrays.items()):
         a = np.asarray(array)
         if a.dtype.hasobject:
             raise CheckpointError(f"array {name!r} holds Python objects; a checkpoint stores numbers only")
+        if a.dtype.kind in "fc" and not np.isfinite(a).all():
+            raise CheckpointError(f"array {name!r} holds NaN or infinite values; a checkpoint of step {step} would not be resumable")
+        checked[name] = a
+    pending = begin_checkpoint(root, step)
+    entries = {}
+    for i, (name, a) in enumerate(checked.items()):
         file = f"array-{i:04d}.npy"
         with open(pending.state_dir / file, "wb") as f:
             np.save(f, a, allow_pickle=False)
             f.flush()
             os.fsync(f.fileno())
         entries[name] = {"file": file, "shape": list(a.shape), "dtype": a.dtype.str}
-    return commit_checkpoint(pending, {**manifest, "arrays": entries}, kind=ARRAYS_KIND)
+    return commit_checkpoint(pending, {**manifest, "arrays": entries}, kind=ARRAYS_KIND, run_id=run_id)
 
 
 def read_array_checkpoint(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``(manifest, arrays)`` of a checkpoint written by ``write_array_checkpoint`` (path: step dir or root)."""
+    """``(manifest, arrays)`` of a checkpoint written by ``write_array_checkpoint`` (path: step dir
+    or root), verified against its seal. Refused: an array file outside state/, an array of another
+    shape or dtype than the manifest says, NaN or infinite values."""
     import numpy as np
 
     path = resolve_checkpoint(path)
-    manifest = read_manifest(path, kind=ARRAYS_KIND)
+    manifest = verify_checkpoint(path, kind=ARRAYS_KIND)
     arrays = {}
-    for name, entry in manifest.get("arrays", {}).items():
-        file = path / STATE_DIR / entry["file"]
+    entries = manifest.get("arrays", {})
+    if not isinstance(entries, dict):
+        raise CheckpointError(f"checkpoint {path}: its manifest's arrays are malformed")
+    for name, entry in entries.items():
+        rel = entry.get("file") if isinstance(entry, dict) else None
+        if not safe_relative(rel) or "/" in rel or f"{STATE_DIR}/{rel}" not in manifest["files"]:
+            raise CheckpointError(f"checkpoint {path}: array {name!r} names the file {rel!r}, not a sealed file of {path / STATE_DIR}; "
+                                  "it is not loaded")
+        file = path / STATE_DIR / rel
         try:
             a = np.load(file, allow_pickle=False)
         except (OSError, ValueError) as exc:
             raise CheckpointError(f"checkpoint {path}: cannot read array {name!r} from {file}: {exc}") from None
         if list(a.shape) != entry["shape"] or a.dtype.str != entry["dtype"]:
             raise CheckpointError(f"checkpoint {path}: array {name!r} is {a.dtype.str}{list(a.shape)}, the manifest says {entry['dtype']}{entry['shape']}")
+        if a.dtype.kind in "fc" and not np.isfinite(a).all():
+            raise CheckpointError(f"checkpoint {path}: array {name!r} in {file} holds NaN or infinite values; it is not loaded")
         arrays[name] = a
     return manifest, arrays
 
@@ -429,14 +765,11 @@ def check_resume(manifest: Mapping[str, Any], instructions, *, data: Mapping[str
         )
     if position.get("seq_len") != instructions.seq_len:
         raise CheckpointError(f"{where} was trained on sequences of {position.get('seq_len')} tokens, this plan on {instructions.seq_len}: set training.seq_len: {position.get('seq_len')}")
-    if data is not None and position.get("source") is not None and dict(position["source"]) != dict(data):
+    if data is not None and position.get("source") is not None and not same_source(position["source"], data):
         raise CheckpointError(
             f"{where} was trained on data {_describe_source(position['source'])}, this run reads {_describe_source(data)}; "
             "resuming on other data would not continue the same sample stream: pass the same --data (or seed)"
         )
-    index = Path(path) / STATE_DIR / DCP_METADATA_FILE
-    if not index.is_file():
-        raise CheckpointError(f"{where} has no tensor index {index}; its tensor state is missing, so it cannot be resumed")
     step = int(manifest["step"])
     samples = position.get("samples_consumed")
     if samples != step * instructions.global_batch_size:
@@ -446,20 +779,33 @@ def check_resume(manifest: Mapping[str, Any], instructions, *, data: Mapping[str
     return step
 
 
+def same_source(saved: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
+    """Whether a run reads the data a checkpoint was trained on: the same synthetic seed, or a token
+    file of the same content (its SHA-256 and size; the name may differ, a copy resumes)."""
+    if saved.get("kind") != new.get("kind"):
+        return False
+    if new.get("kind") == "synthetic":
+        return saved.get("seed") == new.get("seed")
+    return saved.get("sha256") is not None and saved.get("sha256") == new.get("sha256") and saved.get("bytes") == new.get("bytes")
+
+
 def _describe_source(source: Mapping[str, Any]) -> str:
     if source.get("kind") == "synthetic":
         return f"synthetic tokens with seed {source.get('seed')}"
-    return f"token file {source.get('name')} ({source.get('bytes')} bytes)"
+    digest = str(source.get("sha256") or "no checksum")
+    return f"token file {source.get('name')} ({source.get('bytes')} bytes, {digest[:19]})"
 
 
 def checkpoint_view(path: str | Path) -> dict[str, Any]:
     """What ``explain CHECKPOINT`` shows: the manifest's step, mesh, plan digest, parameters and data position."""
     path = resolve_checkpoint(path)
-    manifest = read_manifest(path)
+    manifest = verify_checkpoint(path)
     root = path.parent
+    files = manifest.get("files", {})
     return {
         "checkpoint": str(path),
         "complete": True,
+        "verified": {"files": len(files), "bytes": sum(int(f.get("bytes", 0)) for f in files.values()), "run_id": manifest.get("run_id")},
         "kind": manifest.get("kind"),
         "format_version": manifest.get("format_version"),
         "step": manifest.get("step"),
@@ -659,10 +1005,13 @@ def _dcp():
                         size=torch.Size(t["size"]),
                         chunks=[ChunkStorageMetadata(offsets=torch.Size(c["offsets"]), sizes=torch.Size(c["sizes"])) for c in t["chunks"]],
                     )
-                storage = {
-                    MetadataIndex(s["fqn"], s["offset"], s["index"]): _StorageInfo(s["file"], int(s["at"]), int(s["length"]), s["transforms"] or None)
-                    for s in body["storage"]
-                }
+                storage = {}
+                for s in body["storage"]:
+                    if not safe_relative(s["file"]):
+                        raise ValueError(f"storage path {s['file']!r} leaves {self.path}")
+                    if not (Path(self.path) / s["file"]).is_file() or (Path(self.path) / s["file"]).is_symlink():
+                        raise ValueError(f"storage file {s['file']!r} is not a regular file of {self.path}")
+                    storage[MetadataIndex(s["fqn"], s["offset"], s["index"])] = _StorageInfo(s["file"], int(s["at"]), int(s["length"]), s["transforms"] or None)
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 raise CheckpointError(f"the tensor metadata {path} is missing or unreadable ({exc})") from None
             return Metadata(state_dict_metadata=state, storage_data=storage, storage_meta=StorageMeta(load_id=self.load_id), version=body.get("dcp_version"))
@@ -696,13 +1045,15 @@ def save_session(
     data_source: Mapping[str, Any] | None = None,
     extra: Mapping[str, Any] | None = None,
     on_written: Callable[[], None] | None = None,
+    run_id: str | None = None,
 ) -> Path:
     """Checkpoint ``session`` at its current step into ``root/step-NNNNNNNN`` (collective: every rank calls it).
 
     Refused while an accumulation window has gradients pending. Rank 0 creates the temporary
     directory, every rank writes its chunks with DCP, rank 0 writes the manifest and the marker and
     renames the directory, and no rank returns before that is done. ``on_written`` runs on every rank
-    after the tensor state is written and before the commit (used to test interrupted saves)."""
+    after the tensor state is written and before the commit (used to test interrupted saves);
+    ``run_id`` is recorded in the manifest and marker (default: this process's)."""
     if session._accumulated:
         raise CheckpointError(
             f"cannot save a checkpoint at step {session.step}: {session._accumulated} of {session.plan.gradient_accumulation_steps} "
@@ -748,7 +1099,7 @@ def save_session(
 
         manifest["state"]["torch"] = torch.__version__
         manifest["save_s"] = time.perf_counter() - started
-        final = commit_checkpoint(pending, manifest, kind=TORCH_KIND)
+        final = commit_checkpoint(pending, manifest, kind=TORCH_KIND, run_id=run_id)
     session.comm.barrier("checkpoint:committed")
     return final
 
@@ -761,16 +1112,19 @@ def _samples_before(session, step: int) -> int:
     return layout.samples_before(step)
 
 
-def load_session(session, path: str | Path, *, manifest: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def load_session(session, path: str | Path, *, manifest: Mapping[str, Any] | None = None, hashes: bool = True) -> dict[str, Any]:
     """Load a checkpoint into ``session`` in the session's own layout (collective: every rank calls it).
 
     ``path`` is a step directory or a root (its latest complete checkpoint). Parameters and
     optimizer state are read in global coordinates, so the checkpoint may come from another mesh.
-    The session's step becomes the checkpoint's; returns the manifest."""
+    The session's step becomes the checkpoint's; returns the manifest. The checkpoint is verified
+    against its seal first (``hashes=False``: all but the files' SHA-256, for ranks whose launcher
+    has just verified them), and NaN or infinite values are refused naming the tensor."""
     import torch
 
     path = resolve_checkpoint(path)
-    manifest = dict(manifest) if manifest is not None else read_manifest(path, kind=TORCH_KIND)
+    verified = verify_checkpoint(path, kind=TORCH_KIND, hashes=hashes)
+    manifest = dict(manifest) if manifest is not None else verified
     saved = {p["name"]: p for p in manifest.get("parameters", [])}
     # A copy of a tied weight on another stage reads the weight it copies (saved under that name).
     source = {name: local.instr.canonical for name, local in session.store.params.items()}
@@ -799,6 +1153,7 @@ def load_session(session, path: str | Path, *, manifest: Mapping[str, Any] | Non
     _, handle = _dcp_group(session)
     reader = JsonReader(path / STATE_DIR)
     _run_guarded(session, "checkpoint:load", lambda: dcp.load(targets, storage_reader=reader, planner=ChunkLoadPlanner(), process_group=handle, no_dist=handle is None))
+    _refuse_non_finite(path, {k: c.tensor for k, c in targets.items()})
     with torch.no_grad():
         for name, local in session.store.params.items():
             master = local.master
@@ -833,15 +1188,25 @@ def load_session(session, path: str | Path, *, manifest: Mapping[str, Any] | Non
     return manifest
 
 
+def _refuse_non_finite(path: Path, tensors: Mapping[str, Any]) -> None:
+    import torch
+
+    for key, t in sorted(tensors.items()):
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise CheckpointError(f"checkpoint {path}: {key!r} holds NaN or infinite values (in {path / STATE_DIR}); it is not loaded: "
+                                  "resume from an earlier checkpoint")
+
+
 def source_description(data_path: str | Path | None, seed: int) -> dict[str, Any]:
-    """How the manifest names the training data (compared on resume): the seed, or the file's name and size."""
+    """How the manifest names the training data (compared on resume by ``same_source``): the seed,
+    or the token file's name, size and SHA-256 of its content."""
     if data_path:
         path = Path(data_path)
         try:
-            size = path.stat().st_size
+            size, digest = path.stat().st_size, file_sha256(path)
         except OSError:
-            size = None
-        return {"kind": "file", "name": path.name, "bytes": size}
+            size = digest = None
+        return {"kind": "file", "name": path.name, "bytes": size, "sha256": digest}
     return {"kind": "synthetic", "seed": seed}
 
 
@@ -852,7 +1217,7 @@ def read_global_state(path: str | Path, *, optimizer: bool = False) -> dict[str,
     import torch
 
     path = resolve_checkpoint(path)
-    manifest = read_manifest(path, kind=TORCH_KIND)
+    manifest = verify_checkpoint(path, kind=TORCH_KIND)
     dcp, _, ChunkLoadPlanner, _, JsonReader = _dcp()
     reader = JsonReader(path / STATE_DIR)
     metadata = reader.read_metadata()
@@ -866,6 +1231,7 @@ def read_global_state(path: str | Path, *, optimizer: bool = False) -> dict[str,
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "torch.distributed is disabled ... loading in a single process": intended
         dcp.load(wanted, storage_reader=JsonReader(path / STATE_DIR), planner=ChunkLoadPlanner(), no_dist=True)
+    _refuse_non_finite(path, {k: c.tensor for k, c in wanted.items()})
     out = {fqn.removeprefix("model/"): c.tensor for fqn, c in wanted.items()}
     for tied, canonical in manifest.get("tied", {}).items():
         if canonical in out:

@@ -50,7 +50,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
     parser.add_argument("--save-every", type=_count, metavar="N", help="save a checkpoint every N optimizer steps and after the last one (see docs/checkpoints.md)")
     parser.add_argument("--checkpoint-dir", metavar="DIR", help="where checkpoints go (default: OUT/checkpoints)")
-    parser.add_argument("--keep-checkpoints", type=_count, metavar="K", help="keep only the K newest complete checkpoints (default: all)")
+    parser.add_argument("--keep-checkpoints", type=_count, metavar="K", help="keep only this run's K newest checkpoints, never deleting another run's (default: all)")
     parser.add_argument(
         "--resume", metavar="CKPT",
         help="continue from a checkpoint: a checkpoint directory (its latest complete step) or one step-NNNNNNNN directory; "

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -126,6 +127,11 @@ def monotone_violations(lls: list[float]) -> list[str]:
 
 
 # -- one rank -------------------------------------------------------------------------------
+
+
+class FitDiverged(RuntimeError):
+    """The log-likelihood became NaN or infinite: the fit stops at that iteration and fails."""
+
 
 
 def local_statistics(em: EMInstructions, su: StatisticsUpdate, stats: np.ndarray, tp_coord: int) -> np.ndarray:
@@ -247,6 +253,10 @@ def fit_rank(em: EMInstructions, comm, mesh, data: np.ndarray, steps: int, *, re
             t = torch.tensor([ll], dtype=torch.float64)
             comm.all_reduce(t, rule=rule[LOG_LIKELIHOOD], parts=LOG_LIKELIHOOD)
             ll = float(t.item())
+        if not math.isfinite(ll):
+            # Reduced over every data rank (or the same rows everywhere): every rank stops at this iteration.
+            raise FitDiverged(f"the fit diverged: the log-likelihood of iteration {it + 1} is {ll} (every later iteration would fit on it); "
+                              "check the records for extreme values, or the model for a component that lost all its rows")
         entry = {"statistics": reduced}
         if cut is not None:
             entry["max"], entry["sum"] = np.concatenate(sc.maxes), np.concatenate(sc.sums)
@@ -434,7 +444,8 @@ def plan_summary(em: EMInstructions) -> dict:
             "seed": em.seed, "factorisation": plan.factorisation(), "degrees": plan.as_dict()}
 
 
-def write_em_checkpoint(root: str | Path, iteration: int, em: EMInstructions, params, lls: list[float], source: dict) -> Path:
+def write_em_checkpoint(root: str | Path, iteration: int, em: EMInstructions, params, lls: list[float], source: dict, *,
+                        run_id: str | None = None) -> Path:
     """Save the whole model after ``iteration`` iterations (``params`` in global coordinates, as
     ``assemble`` returns them; ``lls`` every iteration's log-likelihood so far). Single process."""
     from mixle_compile.runtime import checkpoint as ckpt
@@ -452,7 +463,7 @@ def write_em_checkpoint(root: str | Path, iteration: int, em: EMInstructions, pa
         # Every iteration fits all records: the data position is the iteration count.
         "data": {"samples_consumed": iteration * rows, "global_batch_size": rows, "seq_len": em.tree.seq_len, "source": dict(source)},
     }
-    return ckpt.write_array_checkpoint(root, iteration, flat_params(params), manifest)
+    return ckpt.write_array_checkpoint(root, iteration, flat_params(params), manifest, run_id=run_id)
 
 
 def check_em_resume(manifest: dict, em: EMInstructions, *, source: dict, steps: int, path: str | Path) -> int:
@@ -524,9 +535,8 @@ def load_em_checkpoint(path: str | Path, em: EMInstructions, *, source: dict, st
     from mixle_compile.runtime import checkpoint as ckpt
 
     path = ckpt.resolve_checkpoint(path)
-    manifest = ckpt.read_manifest(path)
-    iteration = check_em_resume(manifest, em, source=source, steps=steps, path=path)
-    _, arrays = ckpt.read_array_checkpoint(path)
+    iteration = check_em_resume(ckpt.read_manifest(path), em, source=source, steps=steps, path=path)
+    manifest, arrays = ckpt.read_array_checkpoint(path)  # every file against its seal
     params = {node_id: {name: np.array(arrays[f"{node_id}/{name}"], dtype=np.float64) for name in names}
               for node_id, names in em_model.param_shapes(em.tree).items()}
     return manifest, iteration, params, path
@@ -560,6 +570,7 @@ def run_options(em: EMInstructions, *, steps: int, reference: bool = False, data
                                  "fit; drop --reference or --resume")
         path = ckpt.resolve_checkpoint(resume)
         check_em_resume(ckpt.read_manifest(path), em, source=data_source(em, data, data_path), steps=steps, path=path)
+        ckpt.verify_checkpoint(path)  # every file against its seal, before any rank starts
         options["resume"] = path.resolve()
     return options
 
@@ -588,6 +599,7 @@ def run_em_rank(doc, *, steps: int, out_dir: Path, reference: bool, data_path: s
     root = getattr(checkpoints, "root", None)
     every = getattr(checkpoints, "every", None) if root is not None else None
     keep = getattr(checkpoints, "keep", None)
+    run_id = getattr(checkpoints, "run_id", None)
     start = resumed = None
     before: list[float] = []
     if getattr(checkpoints, "resume", None) is not None:
@@ -616,10 +628,10 @@ def run_em_rank(doc, *, steps: int, out_dir: Path, reference: bool, data_path: s
             parts = comm.bookkeeping_gather_object({"tp": tp_coord, "params": params} if em.cut else None, name="checkpoint:gather")
             if rank == 0:
                 whole = assemble(em, parts) if em.cut else params
-                path = write_em_checkpoint(root, done, em, whole, before + lls, source)
+                path = write_em_checkpoint(root, done, em, whole, before + lls, source, run_id=run_id)
                 saved.append({"step": done, "path": str(path), "save_s": time.perf_counter() - t0})
                 if keep:
-                    prune_checkpoints(root, keep)
+                    prune_checkpoints(root, keep, run_id=run_id)
             comm.barrier("checkpoint:committed")
 
         receipts = (out_dir / RECEIPTS_FILE).open("w", encoding="utf-8") if rank == 0 else None

@@ -38,6 +38,8 @@ from mixle_compile.runtime.report import REPORT_FILE, RunReport
 DEFAULT_TIMEOUT_S = 60.0
 LAUNCHER_ENV = "MIXLE_LAUNCHER_PID"  # the local launcher's pid, for its ranks (worker.die_with_launcher)
 FAILURE_GRACE_S = 3.0  # after the first failure, how long the others may take to fail by themselves
+RENDEZVOUS_TIMEOUT_S = 60.0  # how long joining the process group waits for every rank, unless RENDEZVOUS_ENV says
+RENDEZVOUS_ENV = "MIXLE_RENDEZVOUS_TIMEOUT"
 SPEC_SUFFIXES = (".yaml", ".yml")
 
 
@@ -114,6 +116,88 @@ def _preflight_tokens(instructions, data_path, *, repeat_data: bool) -> None:
         )
 
 
+def rendezvous_timeout() -> float:
+    """Seconds the rendezvous waits for every rank: ``MIXLE_RENDEZVOUS_TIMEOUT``, else RENDEZVOUS_TIMEOUT_S."""
+    text = os.environ.get(RENDEZVOUS_ENV)
+    if text is None:
+        return RENDEZVOUS_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not math.isfinite(value) or value <= 0:
+        raise RuntimeRefusal(f"{RENDEZVOUS_ENV}={text!r} must be a positive, finite number of seconds")
+    return value
+
+
+def torchrun_environment() -> tuple[int, int]:
+    """``(RANK, WORLD_SIZE)`` of a process started by torchrun (or by hand with its variables),
+    refusing inconsistent ones, naming the variable: a non-integer, RANK outside 0..WORLD_SIZE-1,
+    LOCAL_RANK outside 0..LOCAL_WORLD_SIZE-1 or above RANK, LOCAL_WORLD_SIZE above WORLD_SIZE, a
+    MASTER_PORT outside 1..65535, an empty MASTER_ADDR, or (outside torchrun) no MASTER_ADDR or MASTER_PORT."""
+    env = os.environ
+
+    def integer(name: str, low: int, high: int | None = None) -> int | None:
+        text = env.get(name)
+        if text is None:
+            return None
+        try:
+            value = int(text.strip())
+        except ValueError:
+            raise RuntimeRefusal(f"{name}={text!r} is not an integer; torchrun sets it (check the environment this rank was started with)") from None
+        if value < low or (high is not None and value > high):
+            span = f"{low}..{high}" if high is not None else f"at least {low}"
+            raise RuntimeRefusal(f"{name}={value} is out of range ({span}); the ranks' environment is inconsistent, so nothing is started")
+        return value
+
+    world = integer("WORLD_SIZE", 1)
+    rank = integer("RANK", 0)
+    if rank >= world:
+        raise RuntimeRefusal(f"RANK={rank} is outside WORLD_SIZE={world} (ranks are 0..{world - 1}); the ranks' environment is inconsistent")
+    local_world = integer("LOCAL_WORLD_SIZE", 1)
+    if local_world is not None and local_world > world:
+        raise RuntimeRefusal(f"LOCAL_WORLD_SIZE={local_world} is above WORLD_SIZE={world}; a node cannot hold more ranks than the job")
+    local = integer("LOCAL_RANK", 0)
+    if local is not None and local_world is not None and local >= local_world:
+        raise RuntimeRefusal(f"LOCAL_RANK={local} is outside LOCAL_WORLD_SIZE={local_world} (local ranks are 0..{local_world - 1})")
+    if local is not None and local > rank:
+        raise RuntimeRefusal(f"LOCAL_RANK={local} is above RANK={rank}; a rank's local index on its node cannot exceed its global one")
+    integer("MASTER_PORT", 1, 65535)
+    if "MASTER_ADDR" in env and not env["MASTER_ADDR"].strip():
+        raise RuntimeRefusal("MASTER_ADDR is empty; set it to the address of rank 0's machine (127.0.0.1 on one machine)")
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # not torchrun's store: the ranks meet at MASTER_ADDR:MASTER_PORT
+        for name in ("MASTER_ADDR", "MASTER_PORT"):
+            if name not in env:
+                raise RuntimeRefusal(f"{name} is not set, but RANK and WORLD_SIZE are: rank 0 hosts the rendezvous at MASTER_ADDR:MASTER_PORT; "
+                                     "set both (or launch with torchrun, which sets them)")
+    return rank, world
+
+
+OUTPUT_FILES = ("plan.json", "report.json", "receipts.jsonl")
+OUTPUT_DIRS = ("logs", "errors", "evidence")
+
+
+def prepare_out(out: Path) -> None:
+    """Make ``out`` safe to write into: a symbolic link where a run writes a file or a directory of
+    its own (report, receipts, logs, error notes, evidence) is removed, never written through, so
+    what it points to is left untouched."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        for name in OUTPUT_FILES:
+            if (out / name).is_symlink():
+                (out / name).unlink(missing_ok=True)
+        for name in OUTPUT_DIRS:
+            d = out / name
+            if d.is_symlink():
+                d.unlink(missing_ok=True)
+            elif d.is_dir():
+                for entry in d.iterdir():
+                    if entry.is_symlink():
+                        entry.unlink(missing_ok=True)
+    except OSError as exc:
+        raise RuntimeRefusal(f"cannot prepare the output directory {out}: {exc.strerror or exc}") from None
+
+
 def _check_options(*, timeout_s: float, steps: int | None, save_every: int | None, keep_checkpoints: int | None) -> None:
     """Refuse options no run can use before any rank starts (they used to fail inside the ranks)."""
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not math.isfinite(timeout_s) or timeout_s <= 0:
@@ -172,8 +256,9 @@ def run_plan(
                                       checkpoint_dir=checkpoint_dir, keep=keep_checkpoints, resume=resume)
     world = instructions.plan.world_size
     joined = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    rendezvous_timeout()  # a bad MIXLE_RENDEZVOUS_TIMEOUT is refused here, not in the ranks
     if joined:
-        actual = int(os.environ["WORLD_SIZE"])
+        rank, actual = torchrun_environment()
         if actual != world:
             raise RuntimeRefusal(
                 f"the plan's world size is {world} ({instructions.plan.factorisation()}) but this job has "
@@ -182,12 +267,31 @@ def run_plan(
     else:
         _refuse_oversized(doc, world)
     out = Path(out_dir) if out_dir is not None else Path(tempfile.mkdtemp(prefix="mixle-run-"))
-    out.mkdir(parents=True, exist_ok=True)
     if checkpoints.every is not None and checkpoints.root is None:
         checkpoints["root"] = out / "checkpoints"
-    if joined:
-        return _run_joined(doc, steps=steps, out=out, reference=reference, data_path=data_path, timeout_s=timeout_s, progress=progress, checkpoints=checkpoints)
-    return _run_local(doc, world, steps=steps, out=out, reference=reference, data_path=data_path, timeout_s=timeout_s, progress=progress, checkpoints=checkpoints)
+    root = checkpoints.root
+    if root is not None and Path(root).is_symlink():
+        raise RuntimeRefusal(f"the checkpoint directory {root} is a symbolic link (to {os.readlink(root)}); checkpoints are never written "
+                             "through a link: pass the directory it points to as --checkpoint-dir")
+    prepare_out(out)
+    from mixle_compile.runtime import checkpoint as ckpt
+
+    checkpoints["run_id"] = ckpt.new_run_id()
+    lock = None
+    if checkpoints.every is not None and (not joined or rank == 0):  # one process per job writes the root: it holds the lock
+        lock = ckpt.lock_root(root, checkpoints["run_id"])
+        resume = checkpoints.get("resume")
+        if resume is not None and not Path(resume).exists() and ckpt.step_of_dir(resume) is not None:
+            # The lock finished an interrupted re-commit: the step resumed from moved back to its name.
+            checkpoints["resume"] = Path(resume).parent / ckpt.step_dir_name(ckpt.step_of_dir(resume))
+    try:
+        if joined:
+            return _run_joined(doc, steps=steps, out=out, reference=reference, data_path=data_path, timeout_s=timeout_s, progress=progress,
+                               checkpoints=checkpoints)
+        return _run_local(doc, world, steps=steps, out=out, reference=reference, data_path=data_path, timeout_s=timeout_s, progress=progress,
+                          checkpoints=checkpoints)
+    finally:
+        ckpt.unlock_root(lock)
 
 
 class _Checkpoints(dict):
@@ -203,7 +307,8 @@ class _Checkpoints(dict):
 
     def worker_arguments(self) -> list[str]:
         args = []
-        for key, flag in (("root", "--checkpoint-dir"), ("every", "--save-every"), ("keep", "--keep-checkpoints"), ("resume", "--resume")):
+        for key, flag in (("root", "--checkpoint-dir"), ("every", "--save-every"), ("keep", "--keep-checkpoints"), ("resume", "--resume"),
+                          ("run_id", "--run-id")):
             value = self.get(key)
             if value is not None:
                 args += [flag, str(Path(value).resolve()) if isinstance(value, Path) else str(value)]
@@ -212,7 +317,8 @@ class _Checkpoints(dict):
     def plan(self):
         from mixle_compile.runtime.worker import CheckpointPlan
 
-        return CheckpointPlan(root=self.get("root"), every=self.get("every"), keep=self.get("keep"), resume=self.get("resume"))
+        return CheckpointPlan(root=self.get("root"), every=self.get("every"), keep=self.get("keep"), resume=self.get("resume"),
+                              run_id=self.get("run_id"))
 
 
 def _positive(name: str, value) -> int | None:
@@ -243,7 +349,7 @@ def _checkpoint_options(doc, instructions, *, steps, reference, data_path, save_
         if reference:
             raise RuntimeRefusal("--reference trains the single-process reference from the initial values, so it cannot check a resumed run; drop --reference or --resume")
         path = ckpt.resolve_checkpoint(resume)
-        manifest = ckpt.read_manifest(path, kind=ckpt.TORCH_KIND)
+        manifest = ckpt.verify_checkpoint(path, kind=ckpt.TORCH_KIND)  # every file against its seal, before any rank starts
         try:
             ckpt.check_resume(manifest, instructions, data=ckpt.source_description(data_path, instructions.seed), steps=steps, path=path)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
@@ -439,6 +545,12 @@ def _failure_message(procs, order, still_running, out, timeout_s) -> str:
         if r in still_running:
             waiting = sorted(q for q in order if notes[q] and notes[q].get("timed_out") and r in notes[q].get("group_ranks", ()))
             what = notes[waiting[0]].get("collective", "?") if waiting else "?"
+            if what == "rendezvous":
+                lines.append(
+                    f"rank {r} never joined the process group: rank(s) {', '.join(map(str, waiting))} gave up waiting for it at the "
+                    f"rendezvous after {rendezvous_timeout():g} s ({RENDEZVOUS_ENV}); rank {r} was stopped"
+                )
+                continue
             lines.append(
                 f"rank {r} stalled: rank(s) {', '.join(map(str, waiting))} timed out after {timeout_s:g} s waiting for it "
                 f"in {what!r} (group {notes[waiting[0]].get('group', '?') if waiting else '?'}); rank {r} was stopped"

@@ -21,8 +21,9 @@ import torch.distributed as dist
 from mixle_compile.contracts import TORCH_CAPABILITIES, ContractError, ParallelPlan, StepReceipt
 from mixle_compile.plan.document import PlanDocument
 from mixle_compile.runtime.collectives import Collectives, Ledger
-from mixle_compile.runtime.errors import RuntimeRefusal
+from mixle_compile.runtime.errors import CollectiveFailed, RuntimeRefusal
 from mixle_compile.runtime.instructions import Instructions, read_instructions
+from mixle_compile.runtime.launch import RENDEZVOUS_ENV, rendezvous_timeout
 from mixle_compile.runtime.mesh import Mesh
 from mixle_compile.runtime.model import TransformerShape, default_loss, module_loss, transformer_loss
 from mixle_compile.runtime.ops import ParallelOps
@@ -30,7 +31,6 @@ from mixle_compile.runtime.parameters import ParamStore
 from mixle_compile.runtime.tensor_parallel import TensorParallel
 
 DEFAULT_TIMEOUT_S = 60.0
-RENDEZVOUS_TIMEOUT_S = 300.0  # joining the group may wait for slow starters; collectives may not
 DATA_GROUP = "dp_replicate+dp_shard"
 
 
@@ -318,8 +318,55 @@ def join_process_group(world_size: int) -> bool:
             port = s.getsockname()[1]
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
         return True
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
+    seconds = rendezvous_timeout()
+    timeout = datetime.timedelta(seconds=seconds)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    try:
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun's agent hosts the store
+            dist.init_process_group(backend, timeout=timeout)
+        else:
+            store = rendezvous_store(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500")), rank, world, timeout)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    except (RuntimeError, OSError, ValueError) as exc:  # DistStoreError and DistNetworkError are RuntimeErrors
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CollectiveFailed(
+            f"rank {rank}: the process group of {world} ranks did not form within {seconds:g} s (a rank missing, stopped or "
+            f"unreachable at MASTER_ADDR:MASTER_PORT; {RENDEZVOUS_ENV} sets this limit): {first}",
+            node_id="rendezvous", rule="world", ranks=tuple(range(world)), timed_out=True,
+        ) from None
     return True
+
+
+_LISTENERS: list = []  # the rendezvous store's listening sockets, kept open for the store's life
+
+
+def is_local_address(addr: str) -> bool:
+    """Whether ``addr`` names this machine's loopback (a single-node launch)."""
+    import ipaddress
+    import socket
+
+    if addr in ("localhost", ""):
+        return True
+    try:
+        return all(ipaddress.ip_address(info[4][0]).is_loopback for info in socket.getaddrinfo(addr, None))
+    except (OSError, ValueError):
+        return False
+
+
+def rendezvous_store(addr: str, port: int, rank: int, world: int, timeout: datetime.timedelta):
+    """The TCP store the ranks meet at. Rank 0 hosts it, listening on the loopback address when
+    ``addr`` is a loopback one (a single-node launch: nothing else on the network can reach it), on
+    every interface otherwise (``MASTER_ADDR`` another machine reaches, a multi-node launch)."""
+    import socket
+
+    if rank != 0:
+        return dist.TCPStore(addr, port, world, False, timeout)
+    if not is_local_address(addr):
+        return dist.TCPStore(addr, port, world, True, timeout, wait_for_workers=False)
+    family, _, _, _, sockaddr = socket.getaddrinfo(addr or "127.0.0.1", port, type=socket.SOCK_STREAM)[0]
+    listener = socket.create_server(sockaddr[:2], family=family, backlog=max(128, world))
+    _LISTENERS.append(listener)
+    return dist.TCPStore(addr, port, world, True, timeout, wait_for_workers=False, master_listen_fd=listener.fileno())
 
 
 def open_session(

@@ -35,19 +35,22 @@ from mixle_compile.runtime.session import DistributedSession, device_for_rank, j
 # "savekill:RANK:STEP" sends it SIGKILL while the checkpoint of STEP is being saved, after the
 # tensor state is written and before the checkpoint is committed; "detach:RANK:STEP" makes a
 # pipeline stage's rank detach the activations it receives from that step on (the silent bug of a
-# received activation without requires_grad: the run completes, earlier stages get no gradient).
+# received activation without requires_grad: the run completes, earlier stages get no gradient);
+# "nojoin:RANK:0" makes that rank hang before it joins the process group (a peer that never arrives).
 FAULT_ENV = "MIXLE_RUNTIME_FAULT"
 
 
 @dataclass(frozen=True)
 class CheckpointPlan:
     """What a run saves and where it starts: ``root`` gets a checkpoint every ``every`` steps (and at
-    the end); ``keep`` newest are kept (None: all); ``resume`` is a step directory to start from."""
+    the end); ``keep`` newest of this run's own are kept (None: all); ``resume`` is a step directory
+    to start from; ``run_id`` names this run in the checkpoints it writes (default: the process's)."""
 
     root: Path | None = None
     every: int | None = None
     keep: int | None = None
     resume: Path | None = None
+    run_id: str | None = None
 
 
 def token_source(instructions: Instructions, data_path: str | None) -> TokenSource:
@@ -140,11 +143,12 @@ def train(
             from mixle_compile.runtime.checkpoint import prune_checkpoints, save_session
 
             t0 = time.perf_counter()
-            path = save_session(session, checkpoints.root, data_source=data_source, on_written=lambda: _save_fault(session.mesh.rank, step + 1))
+            path = save_session(session, checkpoints.root, data_source=data_source() if callable(data_source) else data_source,
+                                on_written=lambda: _save_fault(session.mesh.rank, step + 1), run_id=checkpoints.run_id)
             if saved is not None:
                 saved.append({"step": step + 1, "path": str(path), "save_s": time.perf_counter() - t0})
             if session.mesh.rank == 0 and checkpoints.keep:
-                prune_checkpoints(checkpoints.root, checkpoints.keep)
+                prune_checkpoints(checkpoints.root, checkpoints.keep, run_id=checkpoints.run_id)
     return losses
 
 
@@ -175,6 +179,8 @@ def run_rank(
     instructions = read_instructions(doc)
     pipelined = instructions.plan.pp > 1
     source = token_source(instructions, data_path)
+    if _fault_spec(int(os.environ.get("RANK", "0")), 0) == "nojoin":
+        time.sleep(3600)
     owns = join_process_group(instructions.plan.world_size)
     try:
         mesh = Mesh.create(doc.groups, timeout_s=timeout_s)
@@ -188,18 +194,27 @@ def run_rank(
             from mixle_compile.runtime.checkpoint import load_session
 
             t0 = time.perf_counter()
-            manifest = load_session(session, checkpoints.resume)
+            manifest = load_session(session, checkpoints.resume, hashes=False)  # the launcher verified every file's SHA-256
             session.step = batch_layout(instructions).step_at(manifest["data"]["samples_consumed"])
             resumed = {"path": str(checkpoints.resume), "step": session.step, "plan_digest": manifest["plan"]["content_digest"],
                        "mesh": manifest["mesh"], "load_s": time.perf_counter() - t0}
         first_step = session.step
         from mixle_compile.runtime.checkpoint import source_description
 
+        described: list[dict] = []
+
+        def data_source() -> dict | None:  # rank 0 writes the manifest: only it hashes the token file, once
+            if rank != 0:
+                return None
+            if not described:
+                described.append(source_description(data_path, instructions.seed))
+            return described[0]
+
         saved: list[dict] = []
         receipts = (out_dir / RECEIPTS_FILE).open("w", encoding="utf-8") if rank == 0 else None
         try:
             losses = train(session, source, steps, receipts=receipts, progress=progress and rank == 0, checkpoints=checkpoints,
-                           data_source=source_description(data_path, instructions.seed), saved=saved)
+                           data_source=data_source, saved=saved)
         finally:
             if receipts is not None:
                 receipts.close()
@@ -370,6 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--save-every", type=int)
     parser.add_argument("--keep-checkpoints", type=int)
     parser.add_argument("--resume")
+    parser.add_argument("--run-id")
     args = parser.parse_args(argv)
     from mixle_compile.plan import load_plan_text
 
@@ -383,6 +399,7 @@ def main(argv: list[str] | None = None) -> int:
             every=args.save_every,
             keep=args.keep_checkpoints,
             resume=Path(args.resume) if args.resume else None,
+            run_id=args.run_id,
         )
         run_rank(doc, steps=args.steps, out_dir=out_dir, reference=args.reference, data_path=args.data, timeout_s=args.timeout,
                  progress=args.progress, checkpoints=checkpoints)
