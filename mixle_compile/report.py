@@ -60,7 +60,46 @@ def explain_data(doc: PlanDocument) -> dict[str, Any]:
             "check": doc.schedule.check.note,
         },
         "model_cut": doc.decomposition,
+        "step_time": _step_time(doc),
     }
+
+
+def _step_time(doc: PlanDocument) -> dict[str, Any]:
+    """The predicted step time (mixle_compile.step_time), or why there is none."""
+    from mixle_compile.step_time import NoPrediction, predict_document
+
+    try:
+        return predict_document(doc).as_dict()
+    except NoPrediction as exc:
+        return {"unavailable": str(exc)}
+
+
+def _changed(a: float, b: float) -> bool:
+    return abs(a - b) > 5e-4 * max(abs(a), abs(b))  # what the printed figures can show
+
+
+def _seconds(value: float) -> str:
+    return f"{value * 1e3:.1f} ms" if value < 1 else f"{value:.2f} s"
+
+
+def step_time_lines(step: dict[str, Any]) -> list[str]:
+    if "unavailable" in step:
+        return [f"predicted step time: not available ({step['unavailable']})"]
+    mfu = f", MFU {step['mfu']:.1%}" if step["mfu"] is not None else ""
+    lines = [
+        f"predicted step time: {_seconds(step['seconds'])}  ({step['tokens_per_second']:,.0f} tokens/s, "
+        f"{step['tokens_per_second_per_device']:,.0f} per device; {step['tflops_per_device']:.0f} TFLOP/s per device{mfu})",
+        f"  compute {_seconds(step['compute'])} (busiest stage, at {step['efficiency']:.0%} of a {step['peak_flops'] / 1e12:.0f} TFLOP/s peak)",
+    ]
+    for axes, seconds in sorted(step["exposed_communication"].items(), key=lambda item: -item[1]):
+        lines.append(f"  exposed communication over {axes}: {_seconds(seconds)}")
+    hidden = sum(step["hidden_communication"].values())
+    if hidden:
+        lines.append(f"  communication hidden behind compute: {_seconds(hidden)}")
+    if step["bubble"]:
+        lines.append(f"  pipeline bubble: {_seconds(step['bubble'])}")
+    lines.append(f"  optimizer step: {_seconds(step['optimizer'])}")
+    return lines
 
 
 def _device_memory(doc: PlanDocument) -> int | None:
@@ -105,6 +144,9 @@ def explain_text(doc: PlanDocument) -> str:
             f"pipeline: {pipe['schedule']}, {mesh['pp']} stage(s) x {pipe['virtual_stages']} virtual, {pipe['micro_steps']} micro-steps per step; "
             f"bubble fraction {pipe['bubble_fraction']:.1%}; {'deadlock-free' if pipe['deadlock_free'] else 'DEADLOCK'} ({pipe['check']})",
         ]
+    step = data["step_time"]
+    if step is not None and not (doc.decomposition is not None and "unavailable" in step):
+        out += ["", *step_time_lines(step)]
     cut = data["model_cut"]
     if cut is not None:
         out += ["", f"model cut: axis {cut['axis']} at {cut['path']} ({cut['num_units']} units)"]
@@ -235,7 +277,20 @@ def diff_data(a: PlanDocument, b: PlanDocument) -> dict[str, Any]:
         "memory": memory,
         "traffic": traffic,
         "verdict": {"from": a.verdict.ok, "to": b.verdict.ok},
+        "step_time": _step_time_change(a, b),
     }
+
+
+def _step_time_change(a: PlanDocument, b: PlanDocument) -> dict[str, Any] | None:
+    before, after = _step_time(a), _step_time(b)
+    if "unavailable" in before or "unavailable" in after:
+        return None
+    keys = ("seconds", "compute", "bubble", "optimizer", "tokens_per_second")
+    change = {k: {"from": before[k], "to": after[k]} for k in keys}
+    for side, name in ((before, "from"), (after, "to")):
+        for axes, seconds in side["exposed_communication"].items():
+            change.setdefault(f"exposed {axes}", {"from": 0.0, "to": 0.0})[name] = seconds
+    return change
 
 
 def diff_text(a: PlanDocument, b: PlanDocument, name_a: str = "a", name_b: str = "b") -> str:
@@ -266,6 +321,14 @@ def diff_text(a: PlanDocument, b: PlanDocument, name_a: str = "a", name_b: str =
         for row in d["memory"]:
             parts = [f"{k} {human_bytes(row[k]['delta']) if row[k]['delta'] < 0 else '+' + human_bytes(row[k]['delta'])}" for k in (*MEMORY_KINDS, "total") if row[k]["delta"]]
             out.append(f"  stage {row['stage']}: " + ", ".join(parts) + f"  (total {human_bytes(row['total']['from'])} -> {human_bytes(row['total']['to'])})")
+    step = d["step_time"]
+    if step is not None and _changed(step["seconds"]["from"], step["seconds"]["to"]):
+        before, after = step["seconds"]["from"], step["seconds"]["to"]
+        parts = [
+            f"{k} {_seconds(v['from'])} -> {_seconds(v['to'])}"
+            for k, v in step.items() if k not in ("seconds", "tokens_per_second") and _changed(v["from"], v["to"])
+        ]
+        out.append(f"predicted step time: {_seconds(before)} -> {_seconds(after)} ({after / before - 1:+.1%})" + (f"; {', '.join(parts)}" if parts else ""))
     if d["traffic"]:
         out.append("traffic per rank per step:")
         for t in d["traffic"]:

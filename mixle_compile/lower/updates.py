@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mixle_compile.step_time import ring_bytes
 from mixle_compile.contracts import CollectiveKind, DistributedUpdate, ParallelPlan, PayloadKind, StateLayout
 from mixle_compile.lower.groups import kv_replica_size
 from mixle_compile.lower.layouts import DATA_AXES, EXPERT_DATA, TIED_GROUP, PlacedParameter, expert_data_size, model_parallel_splits
@@ -47,20 +48,8 @@ class PlannedUpdate:
 
     @property
     def bytes_per_rank_per_step(self) -> float:
-        """Ring cost per rank: all_reduce 2(n-1)/n S, reduce_scatter/all_gather/all_to_all (n-1)/n S, p2p S."""
-        n, s = self.group_size, self.payload_bytes
-        kind = self.update.collective
-        if kind is CollectiveKind.none:
-            per = 0.0
-        elif kind is CollectiveKind.all_reduce:
-            per = 2 * (n - 1) / n * s
-        elif kind in (CollectiveKind.reduce_scatter, CollectiveKind.all_gather, CollectiveKind.all_to_all):
-            per = (n - 1) / n * s
-        elif kind is CollectiveKind.broadcast:
-            per = (n - 1) / n * s
-        else:  # p2p
-            per = float(s)
-        return per * self.occurrences_per_step
+        """Ring cost per rank (:func:`mixle_compile.step_time.ring_bytes`) times the occurrences per step."""
+        return ring_bytes(self.update.collective.value, self.group_size, self.payload_bytes) * self.occurrences_per_step
 
 
 def group_size(axes: tuple[str, ...], plan: ParallelPlan) -> int:

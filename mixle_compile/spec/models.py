@@ -97,6 +97,39 @@ def parse_throughput(value: Any) -> float:
     return value
 
 
+_BANDWIDTH_UNITS = {"B/s": 1, "KB/s": 1e3, "MB/s": 1e6, "GB/s": 1e9, "TB/s": 1e12, "Gb/s": 1e9 / 8, "Tb/s": 1e12 / 8}
+
+
+def parse_bandwidth(value: Any) -> float:
+    """``"450GB/s"`` (bytes) or ``"400Gb/s"`` (bits) -> bytes per second; a plain number is bytes/s."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"must be a bandwidth such as '450GB/s' or '400Gb/s', or a number of bytes/s, got {_show(value)}")
+    if isinstance(value, str):
+        m = _QUANTITY.match(value)
+        if not m or m.group(2) not in _BANDWIDTH_UNITS:
+            units = ", ".join(_BANDWIDTH_UNITS)
+            raise ValueError(f"cannot read bandwidth {value!r}; write a number and one of {units} (GB/s bytes, Gb/s bits)")
+        value = float(m.group(1)) * _BANDWIDTH_UNITS[m.group(2)]
+    value = float(value)
+    if not (value > 0 and value < float("inf")):
+        raise ValueError(f"bandwidth must be a positive finite number, got {value}")
+    return value
+
+
+Bandwidth = Annotated[
+    float,
+    PlainValidator(parse_bandwidth),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "number", "exclusiveMinimum": 0, "description": "bytes/s"},
+                {"type": "string", "pattern": r"^\s*\d+(\.\d+)?\s*(B/s|KB/s|MB/s|GB/s|TB/s|Gb/s|Tb/s)\s*$"},
+            ]
+        }
+    ),
+]
+
+
 def _parse_dp_shard(value: Any) -> int | str:
     if value == "auto" and isinstance(value, str):
         return value
@@ -438,6 +471,14 @@ def _devices_tag(value: Any) -> str | None:
     return None
 
 
+class Topology(StrictModel):
+    """How devices are connected, for the step-time model (defaults per device kind: docs/step-time.md)."""
+
+    devices_per_node: Degree | None = Field(default=None, description="devices that share the intra-node links")
+    intra_node_bandwidth: Bandwidth | None = Field(default=None, description="per device and direction, e.g. '450GB/s'")
+    inter_node_bandwidth: Bandwidth | None = Field(default=None, description="per device and direction, e.g. '400Gb/s'")
+
+
 class Resources(StrictModel):
     devices: Annotated[
         Union[Annotated[Degree, Tag("count")], Annotated[list[DeviceGroup], Field(min_length=1), Tag("list")]],
@@ -446,6 +487,7 @@ class Resources(StrictModel):
     kind: Name | None = Field(default=None, description="with a device count: the kind of every device")
     memory: Memory | None = Field(default=None, description="with a device count: memory of every device")
     throughput: Throughput | None = Field(default=None, description="with a device count: throughput of every device")
+    topology: Topology | None = Field(default=None, description="links between devices, for predicted step times")
 
     @model_validator(mode="after")
     def _count_or_list(self) -> "Resources":

@@ -1,0 +1,227 @@
+"""The step-time model against measured throughput: predicted / measured tokens per second per GPU.
+
+    python benchmarks/bench_step_time.py
+
+Every row is a published measurement, with its source next to it:
+
+* torchtitan, `benchmarks/llama3_h100_202412_torchtitan.md` Tables 1-6 (runs at torchtitan
+  9dec370, H100 96GB HBM2e at 500 W; TPS/GPU) and `benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md`
+  (torchtitan e7c0cae, H200): the specs are the corpus files in tests/corpus/production/torchtitan/
+  that transcribe those runs, or those files with the one setting the row changes.
+* torchtitan, `docs/performance.md` @ 1ea476e9f (64 A100 80GB, FSDP only, WPS per GPU). The file does not
+  say how the hosts are connected, so these rows are printed (with DGX A100's 200Gb/s per GPU
+  assumed) but neither calibrate the model nor count in the summary.
+* Narayanan et al. (SC21) Table 1, as the Megatron-LM README reproduces it (images/cases_april2021.png
+  @ 50a4b5fa02) with the launch settings of examples/academic_paper_scripts/sc21/run_table_1.sh:
+  GPT models on A100 80GB, fp16, full recomputation, seq 2048, vocab 51200. The table gives
+  TFLOP/s per GPU counted as 96*B*s*l*h^2*(1 + s/(6h) + V/(16*l*h)) per step (recomputation
+  included); the measured tokens per second per GPU is that rate divided by the FLOPs per token.
+* Megatron-Bridge `docs/performance-summary.md` @ 5776a6d9 (25.11 container, H100, FP8-CS; tokens/s/GPU).
+
+The script compiles each spec (the lowering without the per-step schedule), predicts its step time
+with mixle_compile.step_time and prints predicted / measured and the summary. Nothing asserts.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import yaml  # noqa: E402
+
+from mixle_compile.lower.lowering import lower  # noqa: E402
+from mixle_compile.spec import load_spec_text  # noqa: E402
+from mixle_compile import step_time  # noqa: E402
+from mixle_compile.step_time import predict_lowered  # noqa: E402
+
+TITAN = ROOT / "tests" / "corpus" / "production" / "torchtitan"
+
+LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, ffn_hidden_size=14336)
+LLAMA3_70B = dict(vocab_size=128256, hidden_size=8192, num_layers=80, num_heads=64, num_kv_heads=8, ffn_hidden_size=28672)
+LLAMA3_405B = dict(vocab_size=128256, hidden_size=16384, num_layers=126, num_heads=128, num_kv_heads=8, ffn_hidden_size=53248)
+LLAMA2_13B = dict(vocab_size=32000, hidden_size=5120, num_layers=40, num_heads=40, ffn_hidden_size=13824)
+LLAMA2_70B = dict(vocab_size=32000, hidden_size=8192, num_layers=80, num_heads=64, num_kv_heads=8, ffn_hidden_size=28672)
+
+
+def corpus(name: str, **training) -> dict:
+    """A torchtitan corpus spec, with the training settings a row changes."""
+    data = yaml.safe_load((TITAN / name).read_text())
+    data["training"].update(training)
+    return data
+
+
+def spec(model: dict, *, devices: int, kind: str, memory: str, backend, dp_replicate=1, dp_shard=1, tp=1, pp=1, cp=1,
+         microbatches=1, accumulation=1, micro_batch_size=1, seq_len=8192, precision="bf16", checkpointing="none",
+         compile=False, schedule="1f1b", virtual=1, sequence_parallel=None, attention=None, gpt=False, distributed_optimizer=False) -> dict:
+    data_parallel = dp_replicate * dp_shard
+    model = {"family": "transformer", "tie_embeddings": False, **model}
+    if gpt:
+        model.update(norm="layernorm", activation="gelu", position_embedding="learned")
+    training = {
+        "global_batch_size": micro_batch_size * microbatches * accumulation * data_parallel, "micro_batch_size": micro_batch_size,
+        "seq_len": seq_len, "precision": precision, "optimizer": "adamw", "activation_checkpointing": checkpointing,
+        "sequence_parallel": tp > 1 if sequence_parallel is None else sequence_parallel, "compile": compile,
+        "distributed_optimizer": distributed_optimizer,
+    }
+    if pp > 1:
+        training.update(pipeline_schedule=schedule, virtual_pipeline_stages=virtual)
+    if attention:
+        training["attention"] = attention
+    return {
+        "model": model,
+        "mesh": {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp, "pp": pp, "cp": cp, "microbatches": microbatches,
+                 "gradient_accumulation_steps": accumulation},
+        "training": training, "backend": backend, "resources": {"devices": devices, "kind": kind, "memory": memory},
+    }
+
+
+def sc21(heads, hidden, layers, gpus, tp, pp, mbs, gbs, virtual, tflops) -> tuple[dict, float]:
+    """A row of SC21 Table 1 and its measured tokens/s per GPU (from the table's TFLOP/s)."""
+    dp = gpus // (tp * pp)
+    m = gbs // (mbs * dp)
+    s, vocab = 2048, 51200
+    flops_per_token = 96 * layers * hidden**2 * (1 + s / (6 * hidden) + vocab / (16 * layers * hidden))
+    model = dict(vocab_size=vocab, hidden_size=hidden, num_layers=layers, num_heads=heads, ffn_hidden_size=4 * hidden)
+    row = spec(model, devices=gpus, kind="a100", memory="80GiB", backend={"name": "megatron", "version": "0.12"}, dp_replicate=dp,
+               tp=tp, pp=pp, microbatches=m if pp > 1 else 1, accumulation=1 if pp > 1 else m, micro_batch_size=mbs, seq_len=s,
+               precision="fp16", checkpointing="full", schedule="interleaved_1f1b" if virtual > 1 else "1f1b", virtual=virtual,
+               sequence_parallel=False, attention="eager", gpt=True, distributed_optimizer=False)
+    return row, tflops * 1e12 / flops_per_token
+
+
+H100_TITAN = dict(kind="h100", memory="96GiB", backend={"name": "torchtitan", "version": "0.2"})
+A100_TITAN = dict(kind="a100", memory="80GiB", backend={"name": "torchtitan", "version": "0.2"})
+H100_BRIDGE = dict(kind="h100", memory="80GiB", backend={"name": "megatron", "version": "0.16", "entry": "core"})
+
+ROWS: list[tuple[str, dict, float]] = [
+    # torchtitan benchmarks/llama3_h100_202412_torchtitan.md (TPS/GPU)
+    ("titan T1 8B FSDP", corpus("llama3_8b_8gpu_fsdp8.yaml"), 5762),
+    ("titan T1 8B FSDP+compile", corpus("llama3_8b_8gpu_fsdp8.yaml", compile=["model"]), 6667),
+    ("titan T1 8B FSDP+compile+fp8", corpus("llama3_8b_8gpu_fsdp8_fp8.yaml"), 8532),
+    ("titan T2 8B FSDP8 CP1 32k", corpus("llama3_8b_8gpu_fsdp8_cp1_seq32k_fp8.yaml"), 3890),
+    ("titan T2 8B FSDP4 CP2 64k", corpus("llama3_8b_8gpu_fsdp4_cp2_seq64k_fp8.yaml"), 2540),
+    ("titan T2 8B FSDP2 CP4 128k", corpus("llama3_8b_8gpu_fsdp2_cp4_seq128k_fp8.yaml"), 1071),
+    ("titan T2 8B FSDP1 CP8 256k", corpus("llama3_8b_8gpu_fsdp1_cp8_seq256k_fp8.yaml"), 548),
+    ("titan T3 8B FSDP128", corpus("llama3_8b_128gpu_fsdp128.yaml"), 5605),
+    ("titan T3 8B FSDP128+compile", corpus("llama3_8b_128gpu_fsdp128.yaml", compile=["model"]), 6514),
+    ("titan T3 8B FSDP128+compile+fp8", corpus("llama3_8b_128gpu_fsdp128_fp8.yaml"), 8380),
+    ("titan T4 70B FSDP32 TP8 asyncTP", corpus("llama3_70b_256gpu_fsdp32_tp8_fp8_asynctp.yaml"), 876),
+    ("titan T5 405B 1F1B", corpus("llama3_405b_512gpu_fsdp8_tp8_pp8_1f1b.yaml"), 100),
+    ("titan T5 405B interleaved", corpus("llama3_405b_512gpu_fsdp8_tp8_pp8_interleaved1f1b.yaml"), 128),
+    ("titan T6 405B FSDP8 CP1 32k", corpus("llama3_405b_512gpu_fsdp8_tp8_pp8_cp1_seq32k.yaml"), 76),
+    ("titan T6 405B FSDP4 CP2 64k", corpus("llama3_405b_512gpu_fsdp4_tp8_pp8_cp2_seq64k.yaml"), 47),
+    ("titan T6 405B FSDP1 CP8 256k", corpus("llama3_405b_512gpu_fsdp1_tp8_pp8_cp8_seq256k.yaml"), 16),
+    # torchtitan benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md
+    ("titan H200 8B FSDP32 fp8", corpus("llama3_8b_h200_32gpu_fsdp32_fp8.yaml"), 10938),
+    ("titan H200 8B FSDP64 fp8", corpus("llama3_8b_h200_64gpu_fsdp64_fp8.yaml"), 10753),
+    # torchtitan docs/performance.md @ 1ea476e9f: 64 A100 80GB, FSDP 64, bf16, no compile (WPS per GPU)
+    ("titan A100 L3 8B op-SAC", spec(LLAMA3_8B, devices=64, dp_shard=64, checkpointing="selective", **A100_TITAN), 2973),
+    ("titan A100 L3 70B full", spec(LLAMA3_70B, devices=64, dp_shard=64, checkpointing="full", **A100_TITAN), 331),
+    ("titan A100 L2 13B none", spec(LLAMA2_13B, devices=64, dp_shard=64, micro_batch_size=2, seq_len=4096, **A100_TITAN), 2162),
+    ("titan A100 L2 13B op-SAC", spec(LLAMA2_13B, devices=64, dp_shard=64, micro_batch_size=2, seq_len=4096, checkpointing="selective", **A100_TITAN), 1904),
+    ("titan A100 L2 70B op-SAC", spec(LLAMA2_70B, devices=64, dp_shard=64, seq_len=4096, checkpointing="selective", **A100_TITAN), 355),
+    ("titan A100 L2 70B full", spec(LLAMA2_70B, devices=64, dp_shard=64, micro_batch_size=2, seq_len=4096, checkpointing="full", **A100_TITAN), 353),
+    # Megatron-Bridge docs/performance-summary.md @ 5776a6d9, 25.11, H100 FP8-CS (tokens/s/GPU)
+    ("bridge 8B FSDP8 GA16", spec(LLAMA3_8B, devices=8, dp_shard=8, accumulation=16, precision="fp8", **H100_BRIDGE), 14451),
+    ("bridge 70B TP4 PP8 VP5", spec(LLAMA3_70B, devices=64, dp_replicate=2, tp=4, pp=8, microbatches=64, precision="fp8",
+                                    schedule="interleaved_1f1b", virtual=5, distributed_optimizer=True, **H100_BRIDGE), 1602),
+    ("bridge 405B TP8 PP8 CP2 VP8", spec(LLAMA3_405B, devices=1024, dp_replicate=8, tp=8, pp=8, cp=2, microbatches=64, precision="fp8",
+                                         schedule="interleaved_1f1b", virtual=8, distributed_optimizer=True, **H100_BRIDGE), 292),
+]
+# Narayanan et al. (SC21) Table 1: heads, hidden, layers, GPUs, tp, pp, micro-batch, global batch, virtual stages, TFLOP/s per GPU
+for label, args in [
+    ("1.7B", (24, 2304, 24, 32, 1, 1, 16, 512, 1, 137)),
+    ("3.6B", (32, 3072, 30, 64, 2, 1, 16, 512, 1, 138)),
+    ("7.5B", (32, 4096, 36, 128, 4, 1, 16, 512, 1, 142)),
+    ("18B", (48, 6144, 40, 256, 8, 1, 8, 1024, 1, 135)),
+    ("39B", (64, 8192, 48, 512, 8, 2, 4, 1536, 1, 138)),
+    ("76B", (80, 10240, 60, 1024, 8, 4, 2, 1792, 3, 140)),
+    ("145B", (96, 12288, 80, 1536, 8, 8, 2, 2304, 2, 148)),
+    ("310B", (128, 16384, 96, 1920, 8, 16, 1, 2160, 2, 155)),
+    ("530B", (128, 20480, 105, 2520, 8, 35, 1, 2520, 3, 163)),
+    ("1T", (160, 25600, 128, 3072, 8, 64, 1, 3072, 1, 163)),
+]:
+    row, measured = sc21(*args)
+    ROWS.append((f"SC21 GPT {label}", row, measured))
+
+
+def counted(label: str) -> bool:
+    """Rows whose source states the interconnect (see the module docstring)."""
+    return not label.startswith("titan A100")
+
+
+def lowered_rows():
+    out = []
+    for label, data, measured in ROWS:
+        loaded = load_spec_text(yaml.safe_dump(data), "row.yaml")
+        if not loaded.ok:
+            raise SystemExit(f"row {label} does not load: {[d.text() for d in loaded.diagnostics]}")
+        out.append((label, loaded.spec, lower(loaded.spec, schedule=False), measured))
+    return out
+
+
+def ratios_of(rows) -> list[float]:
+    return [predict_lowered(spec, lowered).tokens_per_second_per_device / measured for _, spec, lowered, measured in rows]
+
+
+def fit(rows) -> None:
+    """Search the calibration constants: each (device kind, precision) efficiency is solved for
+    the median ratio of its rows to be 1, for every setting of the shared constants on a grid;
+    the setting with the smallest worst error wins. Prints the constants to put in step_time.py."""
+    import itertools
+    import math
+
+    rows = [row for row in rows if counted(row[0])]
+    groups: dict[tuple[str, str], list[int]] = {}
+    for i, (_, spec, _, _) in enumerate(rows):
+        kind = spec.resources.kind or "gpu"
+        groups.setdefault((kind, spec.training.precision), []).append(i)
+    best = None
+    for attention, eager, compiled in itertools.product((0.4, 0.5, 0.6, 0.7), (1.0, 2.0, 4.0), (0.25, 0.5, 1.0)):
+        step_time.ATTENTION_EFFICIENCY = attention
+        step_time.ELEMENTWISE_BYTES = {"eager": eager, "compiled": compiled}
+        for _ in range(4):  # the bf16 efficiency also prices an fp8 step's attention: iterate
+            for key, members in groups.items():
+                r = statistics.median(ratios_of([rows[i] for i in members]))
+                step_time.EFFICIENCY[key] = step_time.efficiency_of(*key) / r
+        errors = [abs(math.log(r)) for r in ratios_of(rows)]
+        worst = (sum(e > math.log(1.15) for e in errors), max(errors))
+        if best is None or worst < best[0]:
+            best = (worst, attention, eager, compiled, dict(step_time.EFFICIENCY))
+    worst, attention, eager, compiled, efficiency = best
+    print(f"{worst[0]} rows outside 0.85-1.15, worst error {math.exp(worst[1]):.3f}x; ATTENTION_EFFICIENCY = {attention}; ELEMENTWISE_BYTES = "
+          f"{{'eager': {eager}, 'compiled': {compiled}}}")
+    for key, value in sorted(efficiency.items()):
+        print(f"    {key!r}: {value:.3f},")
+
+
+def main(argv: list[str]) -> int:
+    rows = lowered_rows()
+    if "--fit" in argv:
+        fit(rows)
+        return 0
+    ratios = []
+    print(f"{'row':34} {'predicted':>10} {'measured':>10} {'ratio':>6}  breakdown (s: compute, exposed comm, bubble)")
+    for label, spec, lowered, measured in rows:
+        st = predict_lowered(spec, lowered)
+        ratio = st.tokens_per_second_per_device / measured
+        if counted(label):
+            ratios.append(ratio)
+        else:
+            label += " *"
+        exposed = ", ".join(f"{k} {v:.2f}" for k, v in st.exposed_communication.items()) or "-"
+        print(f"{label:34} {st.tokens_per_second_per_device:10.0f} {measured:10.0f} {ratio:6.2f}  "
+              f"{st.compute:.2f}, [{exposed}], {st.bubble:.2f} of {st.seconds:.2f}")
+    inside = sum(0.85 <= r <= 1.15 for r in ratios)
+    print("\n* interconnect not published: shown, not counted")
+    print(f"predicted / measured over {len(ratios)} rows: min {min(ratios):.2f}, median {statistics.median(ratios):.2f}, "
+          f"max {max(ratios):.2f}; within 0.85-1.15: {inside}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

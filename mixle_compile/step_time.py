@@ -1,0 +1,409 @@
+"""The step-time model: how long one optimizer step of a verified plan takes, and why.
+
+Read by `explain` and `diff` from a plan (its spec, its updates and its pipeline schedule), the
+way :mod:`mixle_compile.memory_model` is read for memory. The model (docs/step-time.md):
+
+- compute: the FLOPs a rank of the busiest pipeline stage executes per micro-step (forward,
+  backward, and what checkpointing recomputes; attention's ``s^2`` term, halved by a causal fused
+  kernel; experts by the tokens routed to them), at the device's achievable rate: its dense peak
+  for the precision times an efficiency calibrated per device kind and precision
+  (:data:`EFFICIENCY`, benchmarks/bench_step_time.py). Under fp8 the linear layers run at the fp8
+  peak; attention and the output head stay in bf16.
+- communication: every update's ring bytes per rank (:func:`ring_bytes`, the figure the plan's
+  traffic reports) over the link its group crosses (inside a node or between nodes, from the
+  mesh order and ``resources.topology``), then what the engine overlaps: data-parallel gradient
+  and parameter traffic (FSDP prefetch, DDP bucketing) hides behind compute, context-parallel
+  traffic behind attention; tensor-parallel, expert and pipeline traffic is exposed.
+- the pipeline bubble, from the plan's schedule (``bubble_fraction``);
+- the optimizer step: every byte of parameters, gradients and optimizer state read and written
+  once at the device's memory bandwidth.
+
+Everything here is numbers only (no torch), so `explain` stays fast.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+#: Dense peak FLOP/s per precision, memory bandwidth, links, per device kind (vendor datasheets:
+#: NVIDIA A100 80GB SXM, H100 SXM5, H200 SXM; dense, without sparsity). Intra-node bandwidth is
+#: NVLink per direction; inter-node is the network per GPU (DGX A100: HDR 200Gb/s, DGX H100/H200:
+#: NDR 400Gb/s).
+DEVICES: dict[str, dict[str, Any]] = {
+    "a100": {
+        "peak": {"fp32": 156e12, "bf16": 312e12, "fp16": 312e12},
+        "memory_bandwidth": 2.0e12, "intra_node": 300e9, "inter_node": 25e9, "devices_per_node": 8,
+    },
+    "h100": {
+        "peak": {"fp32": 494e12, "bf16": 989e12, "fp16": 989e12, "fp8": 1979e12},
+        "memory_bandwidth": 3.35e12, "intra_node": 450e9, "inter_node": 50e9, "devices_per_node": 8,
+    },
+    # H100 SXM5 96GB HBM2e (the Grand Teton hosts of torchtitan's benchmarks, run at 500 W)
+    "h100-96gb": {
+        "peak": {"fp32": 494e12, "bf16": 989e12, "fp16": 989e12, "fp8": 1979e12},
+        "memory_bandwidth": 2.4e12, "intra_node": 450e9, "inter_node": 50e9, "devices_per_node": 8,
+    },
+    "h200": {
+        "peak": {"fp32": 494e12, "bf16": 989e12, "fp16": 989e12, "fp8": 1979e12},
+        "memory_bandwidth": 4.8e12, "intra_node": 450e9, "inter_node": 50e9, "devices_per_node": 8,
+    },
+}
+#: Assumed for a device kind not in :data:`DEVICES` (its peak must come from resources.throughput).
+GENERIC_DEVICE = {"memory_bandwidth": 2.0e12, "intra_node": 300e9, "inter_node": 25e9, "devices_per_node": 8}
+
+#: The fraction of the dense peak a training step's matrix multiplications reach, by device kind
+#: and precision, calibrated on published measurements (benchmarks/bench_step_time.py prints the
+#: rows and the ratios; docs/step-time.md names the sources).
+EFFICIENCY: dict[tuple[str, str], float] = {
+    ("a100", "fp16"): 0.586,  # SC21 Table 1 (Megatron-LM, 10 rows)
+    ("h100", "fp8"): 0.578,  # Megatron-Bridge 25.11 (3 rows)
+    ("h100-96gb", "bf16"): 0.400,  # torchtitan Dec 2024, Tables 1 and 3 (4 rows)
+    ("h100-96gb", "fp8"): 0.370,  # torchtitan Dec 2024, Tables 1-6 (12 rows)
+    ("h200", "fp8"): 0.437,  # torchtitan, Trainy H200 (2 rows)
+}
+#: For a device kind or precision without a calibrated figure: the kind's 16-bit figure (same tensor
+#: cores; fp8 falls back to it too), else this.
+DEFAULT_EFFICIENCY = 0.45
+#: A fused attention kernel's rate relative to the matrix multiplications' (flash attention's
+#: forward and backward reach a lower share of the peak than large GEMMs).
+ATTENTION_EFFICIENCY = 0.5
+#: Bytes element-wise operations move per activation element (in the training dtype's bytes) per
+#: pass, eager and under torch.compile, which fuses chains of them into one read and one write.
+ELEMENTWISE_BYTES = {"eager": 2.0, "compiled": 0.5}
+#: Bytes per attention score and pass under eager attention: QK^T written, softmax read and written.
+SCORE_BYTES = 6.0
+
+
+def efficiency_of(kind: str, precision: str) -> float:
+    """The calibrated efficiency of a device kind at a precision, with :data:`DEFAULT_EFFICIENCY`'s fallbacks."""
+    for key in ((kind, precision), (kind, "bf16"), (kind, "fp16")):
+        if key in EFFICIENCY:
+            return EFFICIENCY[key]
+    return DEFAULT_EFFICIENCY
+
+
+def _compiled(training: dict) -> tuple[str, ...]:
+    value = training.get("compile", False)
+    return ("model", "loss") if value is True else tuple(value or ())
+
+#: Axes whose traffic the engines overlap with compute: data-parallel gradients and parameters.
+_DATA_AXES = frozenset({"dp_replicate", "dp_shard", "edp"})
+#: The rank order the plan's mesh expands its tokens to, innermost first (lower/groups.py).
+_DENSE_TOKENS = {"tp": ("tp",), "cp": ("cp",), "ep": (), "dp": ("dp_shard", "dp_replicate"), "pp": ("pp",)}
+_EXPERT_TOKENS = {"tp": ("etp",), "cp": (), "ep": ("ep",), "dp": ("edp",), "pp": ("pp",)}
+
+
+def ring_bytes(collective: str, group_size: int, payload_bytes: float) -> float:
+    """Bytes one rank sends for one collective over a ring of ``group_size`` ranks:
+    all_reduce 2(n-1)/n S; reduce_scatter, all_gather, all_to_all and broadcast (n-1)/n S; p2p S."""
+    n, s = group_size, payload_bytes
+    if collective == "none" or n < 1:
+        return 0.0
+    if collective == "all_reduce":
+        return 2 * (n - 1) / n * s
+    if collective in ("reduce_scatter", "all_gather", "all_to_all", "broadcast"):
+        return (n - 1) / n * s
+    return float(s)
+
+
+@dataclass(frozen=True)
+class StepTime:
+    seconds: float
+    compute: float  # the busiest stage's compute over the step, without the bubble
+    bubble: float
+    exposed_communication: dict[str, float] = field(default_factory=dict)  # per axes ("tp", "dp_shard", ...)
+    hidden_communication: dict[str, float] = field(default_factory=dict)
+    optimizer: float = 0.0
+    tokens_per_second: float = 0.0  # the whole job
+    tokens_per_second_per_device: float = 0.0
+    model_flops_per_token: float = 0.0  # 6N + 12 l d_q s, torchtitan's and PaLM's convention
+    tflops_per_device: float = 0.0  # model FLOPs per second per device, in TFLOP/s
+    mfu: float | None = None  # of the dense peak for the training precision
+    efficiency: float = 0.0
+    peak_flops: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "seconds": self.seconds,
+            "compute": self.compute,
+            "bubble": self.bubble,
+            "exposed_communication": dict(self.exposed_communication),
+            "hidden_communication": dict(self.hidden_communication),
+            "optimizer": self.optimizer,
+            "tokens_per_second": self.tokens_per_second,
+            "tokens_per_second_per_device": self.tokens_per_second_per_device,
+            "model_flops_per_token": self.model_flops_per_token,
+            "tflops_per_device": self.tflops_per_device,
+            "mfu": self.mfu,
+            "efficiency": self.efficiency,
+            "peak_flops": self.peak_flops,
+        }
+
+
+class NoPrediction(ValueError):
+    """The plan's spec does not say enough to predict a step time (e.g. a modules model)."""
+
+
+@dataclass(frozen=True)
+class _Layer:
+    """Work per token of one layer: FLOPs of its forward pass by kind, and what checkpointing
+    runs again; the bytes its element-wise operations move per pass."""
+
+    linear: float  # projections and MLP (runs at the fp8 peak under fp8)
+    attention: float  # QK^T and AV
+    recompute_linear: float  # what checkpointing runs again
+    recompute_attention: float
+    elementwise_width: float = 0.0  # activation elements per token that element-wise operations read and write, per pass
+    score_elements: float = 0.0  # eager attention: score elements per token (softmax over s per head), per pass
+    passes: int = 3  # forward, and backward counted as two
+
+
+def _device(spec: dict) -> tuple[str, float | None, dict[str, Any]]:
+    resources = spec["resources"]
+    devices = resources["devices"]
+    if isinstance(devices, list):  # a heterogeneous list: the slowest group decides
+        group = min(devices, key=lambda g: g.get("throughput") or DEVICES.get(g.get("kind", ""), {}).get("peak", {}).get("bf16", 0))
+        kind, throughput = group.get("kind", "gpu"), group.get("throughput")
+    else:
+        kind, throughput = resources.get("kind") or "gpu", resources.get("throughput")
+    table = dict(DEVICES.get(kind.lower(), GENERIC_DEVICE))
+    topology = resources.get("topology") or {}
+    if topology.get("devices_per_node"):
+        table["devices_per_node"] = topology["devices_per_node"]
+    if topology.get("intra_node_bandwidth"):
+        table["intra_node"] = topology["intra_node_bandwidth"]
+    if topology.get("inter_node_bandwidth"):
+        table["inter_node"] = topology["inter_node_bandwidth"]
+    return kind.lower(), throughput, table
+
+
+def _peak(kind: str, throughput: float | None, table: dict, precision: str) -> tuple[float, float]:
+    """(peak of the linear layers, peak of attention and the head) in FLOP/s."""
+    peaks = table.get("peak")
+    if throughput is not None:  # resources.throughput: the device's dense peak at the training precision
+        return throughput, throughput / 2 if precision == "fp8" else throughput
+    if not peaks:
+        raise NoPrediction(f"device kind {kind!r} has no known peak; give resources.throughput (e.g. '989TFLOPS')")
+    linear = peaks.get(precision) or peaks["bf16"]
+    return linear, peaks["bf16"] if precision == "fp8" else linear
+
+
+def _layer_flops(model: dict, training: dict, seq: float, backend: str, moe_layer: bool, tp: int = 1) -> _Layer:
+    h = model["hidden_size"]
+    heads = model["num_heads"]
+    head_dim = model.get("head_dim") or h // heads
+    d_q = heads * head_dim
+    d_kv = (model.get("num_kv_heads") or heads) * head_dim
+    matrices = 3 if model.get("activation", "swiglu") == "swiglu" else 2
+    projections = 2 * h * (d_q + 2 * d_kv) + 2 * d_q * h
+    if moe_layer:
+        ffn = model.get("moe_ffn_hidden_size") or model["ffn_hidden_size"]
+        mlp = 2 * h * model["num_experts"] + (model.get("experts_per_token") or 1) * 2 * matrices * h * ffn
+    else:
+        ffn = model["ffn_hidden_size"]
+        mlp = 2 * matrices * h * ffn
+    eager = training.get("attention") == "eager"
+    attention = 2 * 2 * seq * d_q * (1.0 if eager else 0.5)  # a fused causal kernel skips the masked half
+    # Element-wise work (norms, residual adds, rotary, the MLP's activation) touches the hidden
+    # state and the q, k, v and MLP widths; eager attention also writes and normalises its scores.
+    sp = training.get("sequence_parallel", False)
+    width = (h / tp if sp or tp == 1 else h) + (d_q + 2 * d_kv + (matrices - 1) * ffn) / tp
+    scores = heads / tp * seq if eager else 0.0
+    checkpointing = training.get("activation_checkpointing", "none")
+    shape = dict(elementwise_width=width, score_elements=scores)
+    if checkpointing == "full":
+        return _Layer(projections + mlp, attention, projections + mlp, attention, passes=4, **shape)
+    if checkpointing == "selective" and backend == "torchtitan":
+        # torchtitan's op-level policy recomputes the even-numbered matmuls (k, o and, with a
+        # gated MLP, w3) and saves attention's output.
+        again = 2 * h * d_kv + 2 * d_q * h + (2 * h * ffn if matrices == 3 else 0)
+        return _Layer(projections + mlp, attention, again, 0.0, **shape)
+    if checkpointing == "selective":
+        return _Layer(projections + mlp, attention, 0.0, attention, **shape)  # the attention core is recomputed
+    return _Layer(projections + mlp, attention, 0.0, 0.0, **shape)
+
+
+
+def model_flops_per_token(model: dict, seq: float) -> float:
+    """6N + 12 l d_q s: N the parameters in matrix multiplications (experts as routed, the output
+    head, not the embedding lookup), the attention term non-causal, as torchtitan and PaLM count."""
+    h, layers = model["hidden_size"], model["num_layers"]
+    heads = model["num_heads"]
+    d_q = heads * (model.get("head_dim") or h // heads)
+    total = 0.0
+    for layer in range(layers):
+        moe = model.get("num_experts", 0) > 0 and (layer + 1) % model.get("moe_layer_frequency", 1) == 0
+        flops = _layer_flops(model, {"activation_checkpointing": "none", "attention": "eager"}, seq, "torch", moe)
+        total += 3 * flops.linear + 3 * flops.attention
+    return total + 3 * 2 * h * model["vocab_size"]
+
+
+def _link_bandwidth(axes: list[str], degrees: dict[str, int], order: str, table: dict) -> float:
+    """The bandwidth a group over ``axes`` gets: within a node if all its ranks are on one."""
+    expert = any(a in ("ep", "etp", "edp") for a in axes)
+    sizes = dict(degrees)
+    if expert:
+        sizes["edp"] = max(1, degrees["world_size"] // max(1, degrees["ep"] * degrees["etp"] * degrees["pp"]))
+    tokens = _EXPERT_TOKENS if expert else _DENSE_TOKENS
+    stride, span = 1, 0
+    for token in order.split("-"):
+        for axis in tokens.get(token, ()):
+            size = sizes.get(axis, 1)
+            if axis in axes:
+                span += (size - 1) * stride
+            stride *= size
+    return table["intra_node"] if span < table["devices_per_node"] else table["inter_node"]
+
+
+def predict(
+    spec: dict, updates: list[dict], degrees: dict[str, int], order: str, bubble_fraction: float,
+    stage_layers: list[int], memory: list[dict],
+) -> StepTime:
+    """The step time of a plan, from its JSON sections (spec, updates, mesh degrees and order,
+    the schedule's bubble fraction, layers per stage, memory per stage)."""
+    model = spec["model"]
+    if model.get("family") != "transformer":
+        raise NoPrediction("a step time is predicted for transformer models (a modules spec states no forward pass)")
+    training = spec["training"]
+    backend = spec["backend"] if isinstance(spec["backend"], str) else spec["backend"]["name"]
+    precision = training.get("precision", "bf16")
+    kind, throughput, table = _device(spec)
+    linear_peak, other_peak = _peak(kind, throughput, table, precision)
+    efficiency = efficiency_of(kind, precision)
+    # Attention and the output head run in 16-bit even in an fp8 step (Float8 converts the linears),
+    # at the bf16 peak, with the step's efficiency.
+    other_efficiency = efficiency
+    tp, cp, pp = degrees["tp"], degrees["cp"], degrees["pp"]
+    micro_steps = degrees["microbatches"] * degrees["gradient_accumulation_steps"]
+    seq = training["seq_len"]
+    tokens = training["micro_batch_size"] * seq / cp  # one rank's tokens per micro-step
+    moe_every = model.get("moe_layer_frequency", 1)
+    activation_bytes = 4 if precision == "fp32" else 2
+    elementwise = ELEMENTWISE_BYTES["compiled" if "model" in _compiled(training) else "eager"]
+
+    # The busiest stage's compute per micro-step (a layer's index fixes whether it is MoE).
+    # Backward costs twice the forward; the tp ranks of a stage split its matrix multiplications,
+    # and the routed tokens' expert work spreads evenly over the ranks that hold them.
+    per_stage, attention_of = [], []
+    first = 0
+    for stage, count in enumerate(stage_layers):
+        linear = attention = moved = 0.0
+        for layer in range(first, first + count):
+            moe = model.get("num_experts", 0) > 0 and (layer + 1) % moe_every == 0
+            f = _layer_flops(model, training, seq, backend, moe, tp)
+            linear += (3 * f.linear + f.recompute_linear) / tp
+            attention += (3 * f.attention + f.recompute_attention) / tp
+            moved += f.passes * (f.elementwise_width * activation_bytes * elementwise + f.score_elements * SCORE_BYTES)
+        first += count
+        attention_seconds = tokens * attention / (other_peak * other_efficiency * ATTENTION_EFFICIENCY)
+        seconds = tokens * linear / (linear_peak * efficiency) + attention_seconds + tokens * moved / table["memory_bandwidth"]
+        if stage == len(stage_layers) - 1:
+            seconds += tokens * 3 * 2 * model["hidden_size"] * model["vocab_size"] / tp / (other_peak * other_efficiency)
+        per_stage.append(seconds)
+        attention_of.append(attention_seconds)
+    busiest = max(range(len(per_stage)), key=per_stage.__getitem__)
+    compute = micro_steps * per_stage[busiest]
+
+    exposed: dict[str, float] = {}
+    hidden: dict[str, float] = {}
+    data_seconds = 0.0
+    context_seconds = 0.0
+    for u in updates:
+        if u["stage"] != busiest:
+            continue
+        seconds = ring_bytes(u["collective"], u["group_size"], u["payload_bytes"]) * u["occurrences_per_step"]
+        if not seconds:
+            continue
+        if backend == "megatron" and u["mesh_axes"] == ["pp"] and tp > 1 and not training.get("sequence_parallel"):
+            # Megatron sends 1/tp of a stage's output from each tensor-parallel rank and gathers it
+            # over the node's links (the scatter/gather optimisation, Narayanan et al. SC21 4.1;
+            # with sequence parallelism the output is already split).
+            seconds /= tp
+        seconds /= _link_bandwidth(u["mesh_axes"], degrees, order, table)
+        key = "+".join(u["mesh_axes"])
+        if u["payload"] in ("gradient", "parameter") and set(u["mesh_axes"]) <= _DATA_AXES | {"cp"}:
+            data_seconds += seconds
+            hidden[key] = hidden.get(key, 0.0) + seconds
+        elif u["mesh_axes"] == ["cp"]:
+            context_seconds += seconds
+            hidden[key] = hidden.get(key, 0.0) + seconds
+        else:
+            exposed[key] = exposed.get(key, 0.0) + seconds
+    # What compute cannot hide is exposed: data-parallel traffic behind the whole step's compute,
+    # context-parallel traffic behind attention.
+    if data_seconds > compute:
+        exposed["data-parallel"] = data_seconds - compute
+    attention_share = micro_steps * attention_of[busiest]
+    if context_seconds > attention_share:
+        exposed["cp"] = exposed.get("cp", 0.0) + context_seconds - attention_share
+    busy = compute + sum(exposed.values())
+    bubble = busy * bubble_fraction / (1 - bubble_fraction) if bubble_fraction < 1 else 0.0
+    state = memory[busiest] if memory else {}
+    state_bytes = sum(state.get(k, 0) for k in ("parameters", "gradients", "optimizer_state"))
+    optimizer = 2 * state_bytes / table["memory_bandwidth"]
+    total = busy + bubble + optimizer
+
+    world = degrees["world_size"]
+    global_tokens = training["global_batch_size"] * seq
+    per_token = model_flops_per_token(model, seq)
+    tokens_per_second = global_tokens / total
+    tflops = per_token * tokens_per_second / world
+    peak = table.get("peak", {}).get(precision) if throughput is None else throughput
+    return StepTime(
+        seconds=total, compute=compute, bubble=bubble, exposed_communication=exposed, hidden_communication=hidden,
+        optimizer=optimizer, tokens_per_second=tokens_per_second, tokens_per_second_per_device=tokens_per_second / world,
+        model_flops_per_token=per_token, tflops_per_device=tflops / 1e12, mfu=tflops / peak if peak else None,
+        efficiency=efficiency, peak_flops=linear_peak,
+    )
+
+
+def predict_lowered(spec: Any, lowered: Any) -> StepTime:
+    """:func:`predict` on a validated Spec and its lowering (``lower(spec, schedule=False)`` is enough)."""
+    from mixle_compile.engines import engine_profile
+    from mixle_compile.schedules import bubble_fraction
+
+    data = spec.model_dump(mode="json")
+    plan = lowered.plan
+    degrees = plan.as_dict()
+    t = spec.training
+    bubble = 0.0
+    if plan.pp > 1:
+        runs = engine_profile(spec.backend).schedule_microbatches(plan.microbatches, plan.gradient_accumulation_steps)
+        v = t.virtual_pipeline_stages if t.pipeline_schedule == "interleaved_1f1b" else 1
+        bubble = bubble_fraction(plan.pp, runs, v)
+    updates = [
+        {
+            "stage": u.stage, "collective": u.update.collective.value, "group_size": u.group_size,
+            "payload_bytes": u.payload_bytes, "occurrences_per_step": u.occurrences_per_step,
+            "payload": u.update.payload.value, "mesh_axes": [str(getattr(a, "value", a)) for a in u.update.mesh_axes],
+        }
+        for u in lowered.updates
+    ]
+    split = _split(data, degrees)
+    return predict(data, updates, degrees, lowered.grid.order, bubble, split, [m.as_dict() for m in lowered.memory])
+
+
+def _split(spec: dict, degrees: dict) -> list[int]:
+    from mixle_compile.layer_split import split_layers
+
+    training = spec["training"]
+    backend = spec["backend"] if isinstance(spec["backend"], str) else spec["backend"]["name"]
+    pp = degrees["pp"]
+    split = split_layers(spec["model"]["num_layers"], pp, training.get("virtual_pipeline_stages", 1) if pp > 1 else 1,
+                         training.get("pipeline_layers"), backend)
+    return [split.layers_on_stage(s) for s in range(pp)]
+
+
+def predict_document(doc: Any) -> StepTime:
+    """:func:`predict` on a plan document (mixle_compile.plan.document.PlanDocument)."""
+    spec = doc.spec
+    degrees = {**doc.mesh.degrees}
+    if spec["model"].get("family") != "transformer":
+        raise NoPrediction("a step time is predicted for transformer models")
+    layers = _split(spec, degrees)
+    bubble = doc.schedule.bubble_fraction if doc.schedule is not None else 0.0
+    return predict(
+        spec, [u.model_dump() for u in doc.updates], degrees, doc.mesh.order, bubble, layers,
+        [m.model_dump() for m in doc.memory],
+    )

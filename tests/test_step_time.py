@@ -1,0 +1,95 @@
+"""The step-time model: its parts behave as their formulas say, explain and diff show it, and it
+predicts published measurements (benchmarks/bench_step_time.py holds every row; a few quick ones
+are checked here)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import yaml
+
+from mixle_compile import cli
+from mixle_compile.lower.lowering import lower
+from mixle_compile.spec import load_spec_text
+from mixle_compile.step_time import predict_lowered, ring_bytes
+from tests.conftest import EXAMPLES, ROOT
+
+SPEC = """\
+model: {family: transformer, vocab_size: 32000, hidden_size: 4096, num_layers: 8, num_heads: 32, ffn_hidden_size: 11008}
+mesh: {dp_shard: DS, tp: TP, gradient_accumulation_steps: GA}
+training: {global_batch_size: GBS, micro_batch_size: 1, seq_len: 4096, activation_checkpointing: AC, sequence_parallel: SP}
+backend: torch
+resources: {devices: 8, kind: h100, memory: 80GiB}
+"""
+
+
+def predicted(ds=8, tp=1, ga=1, ac="none"):
+    text = (SPEC.replace("DS", str(ds)).replace("TP", str(tp)).replace("GA", str(ga)).replace("AC", ac)
+            .replace("GBS", str(ds * ga)).replace("SP", str(tp > 1).lower()))
+    spec = load_spec_text(text, "s.yaml").spec
+    return predict_lowered(spec, lower(spec, schedule=False))
+
+
+def test_ring_costs():
+    assert ring_bytes("all_reduce", 4, 100) == 150
+    assert ring_bytes("all_gather", 4, 100) == ring_bytes("reduce_scatter", 4, 100) == 75
+    assert ring_bytes("p2p", 2, 100) == 100 and ring_bytes("none", 4, 100) == 0
+
+
+def test_compute_follows_the_work():
+    base = predicted()
+    assert predicted(ga=2).compute == pytest.approx(2 * base.compute)  # twice the micro-steps
+    full = predicted(ac="full")
+    assert 1.2 * base.compute < full.compute < 1.4 * base.compute  # one forward more: about 4/3
+    split = predicted(ds=4, tp=2)  # a step of half the samples, each layer split over two ranks
+    assert split.compute == pytest.approx(base.compute / 2, rel=0.1)
+    assert split.exposed_communication.get("tp", 0) > 0  # tensor-parallel traffic is not hidden
+    assert base.tokens_per_second == pytest.approx(8 * 4096 / base.seconds)
+    assert 0 < base.mfu < 1
+
+
+def test_explain_and_diff_show_the_prediction(capsys, tmp_path):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    text = (EXAMPLES / "tiny-transformer.yaml").read_text().replace("kind: cpu", "kind: h100")
+    (tmp_path / "a.yaml").write_text(text)
+    (tmp_path / "b.yaml").write_text(text.replace("seq_len: 32", "seq_len: 64"))
+    assert cli.main(["compile", str(tmp_path / "a.yaml"), "-o", str(a)]) == 0
+    assert cli.main(["compile", str(tmp_path / "b.yaml"), "-o", str(b)]) == 0
+    capsys.readouterr()
+    cli.main(["explain", str(a)])
+    out = capsys.readouterr().out
+    assert "predicted step time:" in out and "tokens/s" in out and "compute" in out
+    cli.main(["explain", str(a), "--format", "json"])
+    step = json.loads(capsys.readouterr().out)["step_time"]
+    assert step["seconds"] > 0 and step["compute"] <= step["seconds"]
+    cli.main(["diff", str(a), str(b)])
+    assert "predicted step time:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name, reason", [("modules-mlp.yaml", "transformer"), ("tiny-transformer.yaml", "resources.throughput")])
+def test_a_plan_without_a_prediction_says_why(capsys, tmp_path, name, reason):
+    plan = tmp_path / "m.json"
+    assert cli.main(["compile", str(EXAMPLES / name), "-o", str(plan)]) == 0
+    capsys.readouterr()
+    cli.main(["explain", str(plan)])
+    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("predicted step time"))
+    assert "not available" in line and reason in line
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_step_time", ROOT / "benchmarks" / "bench_step_time.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("label", ["titan T1 8B FSDP", "titan T1 8B FSDP+compile+fp8", "SC21 GPT 1.7B", "SC21 GPT 7.5B",
+                                   "bridge 8B FSDP8 GA16", "titan H200 8B FSDP32 fp8"])
+def test_published_rows_are_predicted_within_15_percent(label):
+    bench = _bench()
+    (data, measured), = [(d, m) for name, d, m in bench.ROWS if name == label]
+    spec = load_spec_text(yaml.safe_dump(data), "row.yaml").spec
+    ratio = predict_lowered(spec, lower(spec, schedule=False)).tokens_per_second_per_device / measured
+    assert 0.85 <= ratio <= 1.15, ratio
