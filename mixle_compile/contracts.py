@@ -35,7 +35,7 @@ import re
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import Enum, StrEnum
 from types import MappingProxyType
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -294,63 +294,51 @@ class _Contract:
 # ---------------------------------------------------------------------------
 
 
-class ParallelAxis(str, Enum):
+class ParallelAxis(StrEnum):
     """A parallelism dimension a plan may use."""
 
-    dp_replicate = "dp_replicate"
-    dp_shard = "dp_shard"
-    tp = "tp"
-    pp = "pp"
-    cp = "cp"
-    ep = "ep"
-    etp = "etp"
-
-    def __str__(self) -> str:
-        return self.value
+    DP_REPLICATE = "dp_replicate"
+    DP_SHARD = "dp_shard"
+    TP = "tp"
+    PP = "pp"
+    CP = "cp"
+    EP = "ep"
+    ETP = "etp"
 
 
-class PayloadKind(str, Enum):
+class PayloadKind(StrEnum):
     """What a distributed update moves between ranks."""
 
-    gradient = "gradient"
-    sufficient_statistic = "sufficient_statistic"
-    parameter = "parameter"
-    activation = "activation"
-    kv_block = "kv_block"
-    token = "token"
-    message = "message"
-
-    def __str__(self) -> str:
-        return self.value
+    GRADIENT = "gradient"
+    SUFFICIENT_STATISTIC = "sufficient_statistic"
+    PARAMETER = "parameter"
+    ACTIVATION = "activation"
+    KV_BLOCK = "kv_block"
+    TOKEN = "token"
+    MESSAGE = "message"
 
 
-class CollectiveKind(str, Enum):
+class CollectiveKind(StrEnum):
     """The communication pattern of a distributed update."""
 
-    none = "none"
-    all_reduce = "all_reduce"
-    reduce_scatter = "reduce_scatter"
-    all_gather = "all_gather"
-    all_to_all = "all_to_all"
-    broadcast = "broadcast"
-    p2p = "p2p"
-    custom = "custom"
-
-    def __str__(self) -> str:
-        return self.value
+    NONE = "none"
+    ALL_REDUCE = "all_reduce"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_GATHER = "all_gather"
+    ALL_TO_ALL = "all_to_all"
+    BROADCAST = "broadcast"
+    P2P = "p2p"
+    CUSTOM = "custom"
 
 
-class StateLayout(str, Enum):
+class StateLayout(StrEnum):
     """Where a piece of (optimizer or model) state lives."""
 
-    replicated = "replicated"
-    sharded = "sharded"
-    pipeline_local = "pipeline_local"
-    expert_local = "expert_local"
-    offloaded = "offloaded"
-
-    def __str__(self) -> str:
-        return self.value
+    REPLICATED = "replicated"
+    SHARDED = "sharded"
+    PIPELINE_LOCAL = "pipeline_local"
+    EXPERT_LOCAL = "expert_local"
+    OFFLOADED = "offloaded"
 
 
 # ---------------------------------------------------------------------------
@@ -363,11 +351,11 @@ class StateLayout(str, Enum):
 #: not listed: they are process groups cut from the data/model domains, not
 #: extra mesh dimensions.
 MESH_AXIS_ORDER: tuple[ParallelAxis, ...] = (
-    ParallelAxis.pp,
-    ParallelAxis.dp_replicate,
-    ParallelAxis.dp_shard,
-    ParallelAxis.cp,
-    ParallelAxis.tp,
+    ParallelAxis.PP,
+    ParallelAxis.DP_REPLICATE,
+    ParallelAxis.DP_SHARD,
+    ParallelAxis.CP,
+    ParallelAxis.TP,
 )
 
 _PLAN_AXIS_FIELDS: tuple[str, ...] = tuple(axis.value for axis in ParallelAxis)
@@ -432,7 +420,7 @@ class ParallelPlan(_Contract):
         shape: list[int] = []
         for axis in MESH_AXIS_ORDER:
             degree = getattr(self, axis.value)
-            if degree > 1 or axis is ParallelAxis.dp_replicate:
+            if degree > 1 or axis is ParallelAxis.DP_REPLICATE:
                 names.append(axis.value)
                 shape.append(degree)
         return tuple(names), tuple(shape)
@@ -452,11 +440,11 @@ class ParallelPlan(_Contract):
         return " * ".join(
             f"{axis.value}={getattr(self, axis.value)}"
             for axis in (
-                ParallelAxis.dp_replicate,
-                ParallelAxis.dp_shard,
-                ParallelAxis.tp,
-                ParallelAxis.pp,
-                ParallelAxis.cp,
+                ParallelAxis.DP_REPLICATE,
+                ParallelAxis.DP_SHARD,
+                ParallelAxis.TP,
+                ParallelAxis.PP,
+                ParallelAxis.CP,
             )
         )
 
@@ -775,17 +763,17 @@ class DistributedUpdate(_Contract):
         evidence = _require_optional_str(owner, "numerics_evidence_id", self.numerics_evidence_id)
         samples = _require_int(owner, "numerics_sample_count", self.numerics_sample_count, minimum=0)
 
-        if collective is CollectiveKind.none and axes:
+        if collective is CollectiveKind.NONE and axes:
             raise ContractError(
                 f"{owner} {self.node_id!r}: collective 'none' communicates over no mesh "
                 f"axes, but mesh_axes is {list(axes)}"
             )
-        if collective is not CollectiveKind.none and not axes:
+        if collective is not CollectiveKind.NONE and not axes:
             raise ContractError(
                 f"{owner} {self.node_id!r}: collective {collective.value!r} needs at least "
                 f"one mesh axis, but mesh_axes is empty"
             )
-        if exact and collective is not CollectiveKind.none:
+        if exact and collective is not CollectiveKind.NONE:
             raise ContractError(
                 f"{owner} {self.node_id!r}: exact=True claims bitwise exactness, which no "
                 f"distributed collective guarantees; only collective 'none' may claim it "

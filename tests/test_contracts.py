@@ -109,7 +109,7 @@ finite_errors = st.floats(min_value=0, max_value=1e6, allow_nan=False, allow_inf
 @st.composite
 def updates(draw):
     collective = draw(st.sampled_from(list(CollectiveKind)))
-    if collective is CollectiveKind.none:
+    if collective is CollectiveKind.NONE:
         mesh_axes = ()
         exact = draw(st.booleans())
     else:
@@ -169,10 +169,10 @@ receipts = st.builds(
 def make_update(**overrides):
     base = dict(
         node_id="grad_sync",
-        payload=PayloadKind.gradient,
-        collective=CollectiveKind.all_reduce,
+        payload=PayloadKind.GRADIENT,
+        collective=CollectiveKind.ALL_REDUCE,
         mesh_axes=("dp_replicate",),
-        state_layout=StateLayout.replicated,
+        state_layout=StateLayout.REPLICATED,
     )
     base.update(overrides)
     return DistributedUpdate(**base)
@@ -240,11 +240,11 @@ def test_importing_contracts_does_not_import_torch():
     assert result.stdout.strip() == "False"
 
 
-def test_enum_values_are_the_lowercase_names():
+def test_enum_members_are_upper_case_names_of_lower_case_values():
     for enum_cls in (ParallelAxis, PayloadKind, CollectiveKind, StateLayout):
         for member in enum_cls:
-            assert member.value == member.name
-            assert isinstance(member, str)
+            assert member.name == member.value.upper()
+            assert isinstance(member, str) and str(member) == member.value
     assert [a.value for a in ParallelAxis] == ["dp_replicate", "dp_shard", "tp", "pp", "cp", "ep", "etp"]
     assert len(PayloadKind) == 7 and len(CollectiveKind) == 8 and len(StateLayout) == 5
 
@@ -274,7 +274,7 @@ def test_plan_mesh_matches_definition(plan):
     expected_names = [
         a.value
         for a in MESH_AXIS_ORDER
-        if getattr(plan, a.value) > 1 or a is ParallelAxis.dp_replicate
+        if getattr(plan, a.value) > 1 or a is ParallelAxis.DP_REPLICATE
     ]
     assert list(names) == expected_names
     assert "dp_replicate" in names
@@ -314,7 +314,7 @@ def test_default_plan_mesh_keeps_dp_replicate():
 def test_ep_and_etp_do_not_multiply_world_size_and_are_not_checked_here():
     plan = ParallelPlan(dp_shard=2, ep=3, etp=5)  # 3 and 5 do not divide anything
     assert plan.world_size == 2
-    assert plan.active_axes == (ParallelAxis.dp_shard, ParallelAxis.ep, ParallelAxis.etp)
+    assert plan.active_axes == (ParallelAxis.DP_SHARD, ParallelAxis.EP, ParallelAxis.ETP)
 
 
 @pytest.mark.parametrize("field_name", PLAN_FIELDS)
@@ -401,16 +401,16 @@ def test_capabilities_round_trip(caps):
 def test_capabilities_normalise_string_axes_and_set_order():
     a = make_caps(incompatible_axis_sets=[["tp", "dp_shard"], {"dp_replicate", "tp"}])
     b = make_caps(
-        axes=[ParallelAxis.tp, "dp_shard", "dp_replicate"],
+        axes=[ParallelAxis.TP, "dp_shard", "dp_replicate"],
         incompatible_axis_sets=(
-            frozenset({ParallelAxis.tp, ParallelAxis.dp_replicate}),
-            frozenset({ParallelAxis.dp_shard, ParallelAxis.tp}),
+            frozenset({ParallelAxis.TP, ParallelAxis.DP_REPLICATE}),
+            frozenset({ParallelAxis.DP_SHARD, ParallelAxis.TP}),
         ),
     )
     assert a == b
     assert all(isinstance(x, ParallelAxis) for x in a.axes)
     assert all(isinstance(x, ParallelAxis) for s in a.incompatible_axis_sets for x in s)
-    assert a.supports("tp") and not a.supports(ParallelAxis.pp)
+    assert a.supports("tp") and not a.supports(ParallelAxis.PP)
 
 
 def test_capabilities_reject_malformed_fields():
@@ -514,7 +514,7 @@ def layout(**overrides):
         logical_id="layers.0.mlp.w1",
         global_shape=(1024, 4096),
         placements=(("dp_shard", "shard(0)"), ("tp", "shard(1)")),
-        optimizer_state=StateLayout.sharded,
+        optimizer_state=StateLayout.SHARDED,
     )
     base.update(overrides)
     return ParameterLayout(**base)
@@ -524,7 +524,7 @@ def test_layout_accepts_scalars_and_lists():
     scalar = layout(global_shape=(), placements=[["dp_replicate", "replicate"]], optimizer_state="replicated")
     assert scalar.global_shape == ()
     assert scalar.placements == (("dp_replicate", "replicate"),)
-    assert scalar.optimizer_state is StateLayout.replicated
+    assert scalar.optimizer_state is StateLayout.REPLICATED
     assert layout().placement_on("tp") == "shard(1)"
     assert layout().placement_on("pp") == "replicate"
     assert layout().sharded_axes == ("dp_shard", "tp")
@@ -587,15 +587,15 @@ def test_update_round_trip(update):
 
 def test_update_accepts_enum_strings():
     update = make_update(payload="gradient", collective="reduce_scatter", state_layout="sharded", mesh_axes=["dp_shard"])
-    assert update.payload is PayloadKind.gradient
-    assert update.collective is CollectiveKind.reduce_scatter
-    assert update.state_layout is StateLayout.sharded
+    assert update.payload is PayloadKind.GRADIENT
+    assert update.collective is CollectiveKind.REDUCE_SCATTER
+    assert update.state_layout is StateLayout.SHARDED
     assert update.mesh_axes == ("dp_shard",)
     with pytest.raises(ValueError, match="unknown CollectiveKind 'allreduce'.*all_reduce"):
         make_update(collective="allreduce")
 
 
-@pytest.mark.parametrize("collective", [k for k in CollectiveKind if k is not CollectiveKind.none])
+@pytest.mark.parametrize("collective", [k for k in CollectiveKind if k is not CollectiveKind.NONE])
 def test_only_local_updates_may_claim_bitwise_exactness(collective):
     with pytest.raises(ValueError, match=rf"exact=True.*{collective.value}"):
         make_update(collective=collective, exact=True)

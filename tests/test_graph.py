@@ -74,7 +74,7 @@ def test_every_example_builds_a_frozen_dag_with_typed_node_attributes(name):
     for n, attrs in g.nodes(data=True):
         assert attrs["path"] == n
         assert isinstance(attrs["axis"], DecompAxis) and isinstance(attrs["reduction"], ReductionOp)
-        assert (attrs["axis"] is DecompAxis.none) == (attrs["reduction"] is ReductionOp.replicate)
+        assert (attrs["axis"] is DecompAxis.NONE) == (attrs["reduction"] is ReductionOp.REPLICATE)
         assert attrs["num_units"] >= 1 and attrs["exact"] is True
         assert attrs["own_param_bytes"] >= 0 and attrs["own_work"] >= 0
     with pytest.raises(nx.NetworkXError):
@@ -87,8 +87,8 @@ def test_a_repeated_mixture_component_is_one_node_held_k_times():
     assert (root.path, root.kind, root.axis, root.reduction, root.num_units) == (
         "model.root",
         "mixture",
-        DecompAxis.component,
-        ReductionOp.logsumexp,
+        DecompAxis.COMPONENT,
+        ReductionOp.LOGSUMEXP_RESPONSIBILITY,
         16,
     )
     assert shard_children(model) == (("model.root.component", 16),)
@@ -149,7 +149,7 @@ def test_shared_transitions_are_one_node_counted_once_and_held_whole():
     weather = "model.shared.weather"
     assert g.in_degree(weather) == 3 and model.node(weather).shared
     hmm = model.node("model.root.components[0]")
-    assert hmm.axis is DecompAxis.state and hmm.shared_children == (weather,)
+    assert hmm.axis is DecompAxis.STATE and hmm.shared_children == (weather,)
     assert weather in cost_children(model, hmm.path)
     assert weather not in dict(shard_children(model, hmm.path))
     transitions = (4 * 4 + 4) * FP32
@@ -213,7 +213,7 @@ def test_tree_axes_lists_every_shardable_axis_with_unit_work():
     axes = {c.path: c for c in tree_axes(model)}
     assert set(axes) == {"model.root", "model.root.factors[2]"}
     composite = axes["model.root"]
-    assert (composite.axis, composite.reduction, composite.exchangeable) == (DecompAxis.factor, ReductionOp.sum, False)
+    assert (composite.axis, composite.reduction, composite.exchangeable) == (DecompAxis.FACTOR, ReductionOp.SUM, False)
     assert composite.unit_works == (1.0, 2.0, 64 + 64 * 1056.0)
     mixture = axes["model.root.factors[2]"]
     assert mixture.exchangeable and mixture.unit_works == (1056.0,) * 64
@@ -225,9 +225,9 @@ def test_best_axis_finds_the_heavy_mixture_nested_under_a_thin_composite():
     # the composite's heavy factor bounds its parallel time: cutting it removes almost nothing
     assert parallel_benefit(axes["model.root"], 3) == 3.0
     best = best_parallel_axis(model, max_workers=3)
-    assert (best.path, best.axis, best.num_units) == ("model.root.factors[2]", DecompAxis.component, 64)
+    assert (best.path, best.axis, best.num_units) == ("model.root.factors[2]", DecompAxis.COMPONENT, 64)
     assert best_parallel_axis(model, 3, allowed_axes={"factor"}).path == "model.root"
-    assert best_parallel_axis(model, 3, allowed_axes=[DecompAxis.state]) is None
+    assert best_parallel_axis(model, 3, allowed_axes=[DecompAxis.STATE]) is None
 
 
 def test_a_leaf_has_no_axis_to_cut():
@@ -239,7 +239,7 @@ def test_a_leaf_has_no_axis_to_cut():
 def test_sequence_base_is_its_shard_child_and_length_only_a_cost_child():
     spec = dist({"type": "sequence", "base": GAUSS_FULL_8, "length": {"type": "poisson"}})
     model = build_model_graph(spec)
-    assert model.node().axis is DecompAxis.sequence and model.node().num_units == 1
+    assert model.node().axis is DecompAxis.SEQUENCE and model.node().num_units == 1
     assert shard_children(model) == (("model.root.base", 1),)
     assert cost_children(model) == ("model.root.base", "model.root.length")
     assert tree_axes(model) == ()  # the data axis is sized from the data, never cut here
@@ -264,7 +264,7 @@ def test_experts_are_one_component_axis_spanning_every_moe_layer():
     params = model_parameters(spec)
     experts = [p for p in params if p.role == "expert"]
     (axis,) = tree_axes(model)
-    assert (axis.path, axis.axis, axis.reduction, axis.num_units) == ("model.experts", DecompAxis.component, ReductionOp.sum, 8)
+    assert (axis.path, axis.axis, axis.reduction, axis.num_units) == ("model.experts", DecompAxis.COMPONENT, ReductionOp.SUM, 8)
     assert axis.unit_bytes == (sum(p.bytes for p in experts) // 8,) * 8
     assert axis.held_whole_bytes == unique_parameter_bytes(params) - sum(p.bytes for p in experts)
     # top-2 of 8: each expert sees a quarter of the tokens

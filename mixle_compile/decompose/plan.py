@@ -126,7 +126,7 @@ class ModelDecomposition:
     @property
     def is_model_parallel(self) -> bool:
         """Whether the model is cut into more than one shard."""
-        return self.axis is not DecompAxis.none and len(self.cuts) > 1
+        return self.axis is not DecompAxis.NONE and len(self.cuts) > 1
 
     @property
     def ok(self) -> bool:
@@ -245,8 +245,8 @@ def decompose_model(
 
 def _replicated(model: ModelGraph, rationale: str, diagnostics: tuple[Diagnostic, ...], num_units: int = 1) -> ModelDecomposition:
     return ModelDecomposition(
-        DecompAxis.none,
-        ReductionOp.replicate,
+        DecompAxis.NONE,
+        ReductionOp.REPLICATE,
         num_units,
         (),
         rationale,

@@ -96,7 +96,7 @@ def shard_children(model: ModelGraph, node: str | None = None) -> tuple[tuple[st
     transitions, a sequence's length) is not listed. Empty for a node whose axis is ``none``.
     """
     n = model.root if node is None else node
-    if model.graph.nodes[n]["axis"] is DecompAxis.none:
+    if model.graph.nodes[n]["axis"] is DecompAxis.NONE:
         return ()
     return tuple((child, data["units"]) for child, data in model.graph.succ[n].items() if data["units"] > 0)
 
@@ -157,7 +157,7 @@ def tree_axes(model: ModelGraph) -> tuple[AxisCandidate, ...]:
     out: list[AxisCandidate] = []
     for n in reversed(model.order):
         attrs = nodes[n]
-        if attrs["axis"] is DecompAxis.none or attrs["num_units"] < 2:
+        if attrs["axis"] is DecompAxis.NONE or attrs["num_units"] < 2:
             continue
         kids = [(child, data["units"]) for child, data in succ[n].items() if data["units"] > 0]
         if sum(units for _, units in kids) != attrs["num_units"]:
@@ -178,7 +178,7 @@ def tree_axes(model: ModelGraph) -> tuple[AxisCandidate, ...]:
                 held_whole_bytes=total_bytes - unit_bytes,
                 # Mixture components and experts are labels: any order is the same model. Factors
                 # read fixed record columns and states index the transition matrix, so they keep theirs.
-                exchangeable=attrs["axis"] is DecompAxis.component,
+                exchangeable=attrs["axis"] is DecompAxis.COMPONENT,
             )
         )
     return tuple(out)
