@@ -137,7 +137,7 @@ def updates(draw):
         mesh_axes=mesh_axes,
         state_layout=draw(st.sampled_from(list(StateLayout))),
         exact=exact,
-        notes=draw(st.text(max_size=20)),
+        notes=tuple(draw(st.lists(st.text(max_size=20), max_size=2))),
         contract_exact=draw(st.booleans()),
         numerics_sample_count=samples,
         **evidence,
@@ -271,17 +271,27 @@ def test_plan_derived_quantities_match_definitions(plan):
 @given(plans)
 def test_plan_mesh_matches_definition(plan):
     names, shape = plan.mesh
+    expected_names = [a.value for a in MESH_AXIS_ORDER if getattr(plan, a.value) > 1] or ["dp_replicate"]
+    assert list(names) == expected_names
+    assert "ep" not in names and "etp" not in names
+    assert shape == tuple(getattr(plan, n) for n in names)
+    assert math.prod(shape) == plan.world_size
+    assert isinstance(names, tuple) and isinstance(shape, tuple)
+
+
+@FAST
+@given(plans)
+def test_plan_mesh_of_a_compiled_plan_always_has_dp_replicate(plan):
+    names, shape = plan.plan_mesh
     expected_names = [
         a.value
         for a in MESH_AXIS_ORDER
         if getattr(plan, a.value) > 1 or a is ParallelAxis.DP_REPLICATE
     ]
     assert list(names) == expected_names
-    assert "dp_replicate" in names
-    assert "ep" not in names and "etp" not in names
     assert shape == tuple(getattr(plan, n) for n in names)
     assert math.prod(shape) == plan.world_size
-    assert isinstance(names, tuple) and isinstance(shape, tuple)
+    assert tuple(n for n, s in zip(names, shape) if s > 1) == tuple(n for n, s in zip(*plan.mesh) if s > 1)
 
 
 @FAST
@@ -307,8 +317,9 @@ def test_default_plan_mesh_keeps_dp_replicate():
     plan = ParallelPlan()
     assert plan.world_size == 1
     assert plan.active_axes == ()
-    assert plan.mesh == (("dp_replicate",), (1,))
-    assert ParallelPlan(tp=2).mesh == (("dp_replicate", "tp"), (1, 2))
+    assert plan.mesh == plan.plan_mesh == (("dp_replicate",), (1,))
+    assert ParallelPlan(tp=2).mesh == (("tp",), (2,))
+    assert ParallelPlan(tp=2).plan_mesh == (("dp_replicate", "tp"), (1, 2))
 
 
 def test_ep_and_etp_do_not_multiply_world_size_and_are_not_checked_here():
@@ -432,13 +443,13 @@ def test_capabilities_reject_malformed_fields():
 
 def test_capabilities_validate_accepts_supported_plan():
     caps = make_caps()
-    caps.validate(ParallelPlan(dp_replicate=2, dp_shard=2, tp=2, ep=1), "bf16")
+    caps.validate(ParallelPlan(dp_replicate=2, dp_shard=2, tp=2, ep=1), precision="bf16")
 
 
 def test_capabilities_validate_names_unexecuted_axes():
     caps = make_caps()
     with pytest.raises(CapabilityError) as info:
-        caps.validate(ParallelPlan(tp=2, pp=4, cp=2), "fp32")
+        caps.validate(ParallelPlan(tp=2, pp=4, cp=2), precision="fp32")
     message = str(info.value)
     assert isinstance(info.value, ValueError)
     assert "'toy'" in message
@@ -448,7 +459,7 @@ def test_capabilities_validate_names_unexecuted_axes():
 
 def test_capabilities_validate_names_bad_precision_and_supported_ones():
     with pytest.raises(CapabilityError) as info:
-        make_caps().validate(ParallelPlan(), "fp8")
+        make_caps().validate(ParallelPlan(), precision="fp8")
     message = str(info.value)
     assert "'fp8'" in message
     assert "bf16, fp32" in message
@@ -456,23 +467,23 @@ def test_capabilities_validate_names_bad_precision_and_supported_ones():
 
 def test_capabilities_validate_names_incompatible_set():
     caps = make_caps(incompatible_axis_sets=[{"tp", "dp_shard"}])
-    caps.validate(ParallelPlan(tp=2), "fp32")  # only one of the set active
-    caps.validate(ParallelPlan(dp_shard=2), "fp32")
+    caps.validate(ParallelPlan(tp=2), precision="fp32")  # only one of the set active
+    caps.validate(ParallelPlan(dp_shard=2), precision="fp32")
     with pytest.raises(CapabilityError, match=r"\{dp_shard, tp\} active together"):
-        caps.validate(ParallelPlan(dp_shard=2, tp=2), "fp32")
+        caps.validate(ParallelPlan(dp_shard=2, tp=2), precision="fp32")
 
 
 def test_capabilities_validate_reports_every_problem():
     caps = make_caps(incompatible_axis_sets=[{"tp", "dp_shard"}])
     with pytest.raises(CapabilityError) as info:
-        caps.validate(ParallelPlan(dp_shard=2, tp=2, ep=2), "fp16")
+        caps.validate(ParallelPlan(dp_shard=2, tp=2, ep=2), precision="fp16")
     message = str(info.value)
     assert "ep=2" in message and "'fp16'" in message and "{dp_shard, tp}" in message
 
 
 def test_capabilities_validate_requires_a_plan():
     with pytest.raises(TypeError, match="expects a ParallelPlan"):
-        make_caps().validate({"tp": 2}, "fp32")
+        make_caps().validate({"tp": 2}, precision="fp32")
 
 
 def test_builtin_capabilities():
@@ -489,8 +500,8 @@ def test_builtin_capabilities():
     assert not MEGATRON_CAPABILITIES.elastic_restart
     assert MEGATRON_CAPABILITIES.requirements == ("megatron-core", "NVIDIA GPUs")
     with pytest.raises(CapabilityError, match="'fp8'"):
-        TORCH_CAPABILITIES.validate(ParallelPlan(), "fp8")
-    MEGATRON_CAPABILITIES.validate(ParallelPlan(tp=2, ep=2), "fp8")
+        TORCH_CAPABILITIES.validate(ParallelPlan(), precision="fp8")
+    MEGATRON_CAPABILITIES.validate(ParallelPlan(tp=2, ep=2), precision="fp8")
 
 
 # ---------------------------------------------------------------------------
@@ -949,7 +960,7 @@ def test_registry_refuses_classes():
 def test_registry_refuses_non_protocol_objects():
     with pytest.raises(TypeError, match=r"does not implement DistributedTrainingBackend \(missing: capabilities\)"):
         BackendRegistry().register("nope", NotABackend())
-    with pytest.raises(TypeError, match="missing: name, capabilities, prepare"):
+    with pytest.raises(TypeError, match="missing: capabilities, prepare"):
         BackendRegistry().register("obj", object())
 
 

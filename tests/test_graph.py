@@ -232,7 +232,7 @@ def test_best_axis_finds_the_heavy_mixture_nested_under_a_thin_composite():
 
 def test_a_leaf_has_no_axis_to_cut():
     model = build_model_graph(dist(GAUSS_FULL_8))
-    assert tree_axes(model) == () and best_parallel_axis(model, 8) is None
+    assert tree_axes(model) == [] and best_parallel_axis(model, 8) is None
     assert shard_children(model) == () and cost_children(model) == ()
 
 
@@ -242,7 +242,7 @@ def test_sequence_base_is_its_shard_child_and_length_only_a_cost_child():
     assert model.node().axis is DecompAxis.SEQUENCE and model.node().num_units == 1
     assert shard_children(model) == (("model.root.base", 1),)
     assert cost_children(model) == ("model.root.base", "model.root.length")
-    assert tree_axes(model) == ()  # the data axis is sized from the data, never cut here
+    assert tree_axes(model) == []  # the data axis is sized from the data, never cut here
 
 
 # --------------------------------------------------------------------------- neural families
@@ -256,7 +256,7 @@ def test_transformer_graph_counts_every_parameter_once_and_shares_tied_embedding
     assert set(model.graph.predecessors(tied)) == {"model.embed", "model.lm_head"}
     assert model.node("model.layers.0").own_work == 2 * sum(p.numel for p in params if p.layer == 0)
     spec, model = example_graph("llama3-8b-hsdp-tp.yaml")
-    assert compute_cost(model)[1] == 2 * 8_030_261_248 and tree_axes(model) == ()
+    assert compute_cost(model)[1] == 2 * 8_030_261_248 and tree_axes(model) == []
 
 
 def test_experts_are_one_component_axis_spanning_every_moe_layer():
@@ -332,7 +332,7 @@ def test_a_node_containing_itself_is_a_cycle_of_one():
     spec = dist({"ref": "a"}, {"a": {"type": "mixture", "components": [{"ref": "a"}, {"type": "poisson"}]}})
     model = build_model_graph(spec)
     assert [d.message for d in model.diagnostics] == ["the model graph has a cycle: model.shared.a -> model.shared.a"]
-    assert model.root == "model.shared.a" and tree_axes(model) == ()
+    assert model.root == "model.shared.a" and tree_axes(model) == []
 
 
 def test_a_ref_chain_deeper_than_the_recursion_limit_builds():
@@ -348,7 +348,7 @@ def test_a_ref_chain_deeper_than_the_recursion_limit_builds():
 def test_an_unknown_ref_is_reported_not_raised():
     model = build_model_graph(dist({"type": "mixture", "components": [{"ref": "nope"}, {"type": "poisson"}]}))
     assert [d.code for d in model.diagnostics] == ["S007"] and not model.ok
-    assert tree_axes(model) == ()  # the mixture lost a unit: it cannot be cut
+    assert tree_axes(model) == []  # the mixture lost a unit: it cannot be cut
     assert build_model_graph(dist({"ref": "nope"})).diagnostics[0].code == "S007"
 
 

@@ -150,7 +150,7 @@ def size_model_tree(model: ModelGraph, node: str | None = None) -> NodeSize:
     return size(top, 1)
 
 
-def tree_axes(model: ModelGraph) -> tuple[AxisCandidate, ...]:
+def tree_axes(model: ModelGraph) -> list[AxisCandidate]:
     """Every shardable axis anywhere in the tree (two or more units), parents before children."""
     nodes, succ = model.graph.nodes, model.graph.succ
     total_bytes = nodes[model.root]["subtree_param_bytes"]
@@ -181,7 +181,7 @@ def tree_axes(model: ModelGraph) -> tuple[AxisCandidate, ...]:
                 exchangeable=attrs["axis"] is DecompAxis.COMPONENT,
             )
         )
-    return tuple(out)
+    return out
 
 
 def parallel_benefit(candidate: AxisCandidate, max_workers: int | None = None) -> float:

@@ -200,7 +200,7 @@ def lower_distribution(spec: Spec, plan: ParallelPlan, graph: ModelGraph, grid: 
 def _all_reduce(node_id: str, payload: PayloadKind, axes: tuple[str, ...], state: StateLayout, notes: str,
                 tensor: str, phase: str, nbytes: int, plan: ParallelPlan, occurrences: int) -> PlannedUpdate:
     update = DistributedUpdate(node_id=node_id, payload=payload, collective=CollectiveKind.ALL_REDUCE, mesh_axes=axes,
-                               state_layout=state, notes=notes, contract_exact=True)
+                               state_layout=state, notes=(notes,) if notes else (), contract_exact=True)
     return PlannedUpdate(update, tensor, phase, 0, nbytes, group_size(axes, plan), occurrences)
 
 

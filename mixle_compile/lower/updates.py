@@ -88,7 +88,7 @@ def _grad_update(node: str, collective: CollectiveKind, axes: tuple[str, ...], l
         collective=collective,
         mesh_axes=axes,
         state_layout=layout,
-        notes=notes,
+        notes=(notes,) if notes else (),
         contract_exact=True,  # sums (reduced in fp32) and copies: exact in exact arithmetic
     )
 
@@ -251,7 +251,7 @@ def activation_updates(spec: Spec, plan: ParallelPlan, stage_of: dict[int, int])
     def add(node: str, collective: CollectiveKind, axes: tuple[str, ...], phase: str, stage: int, nbytes: int, layout: StateLayout, notes: str, payload=PayloadKind.ACTIVATION, times: int = 1) -> None:
         out.append(
             PlannedUpdate(
-                DistributedUpdate(node_id=node, payload=payload, collective=collective, mesh_axes=axes, state_layout=layout, notes=notes, contract_exact=True),
+                DistributedUpdate(node_id=node, payload=payload, collective=collective, mesh_axes=axes, state_layout=layout, notes=(notes,) if notes else (), contract_exact=True),
                 node.split(":")[0], phase, stage, nbytes, group_size(axes, plan), mb * times,
             )
         )
