@@ -717,6 +717,12 @@ class ParameterLayout(_Contract):
             _coerce_enum(owner, "optimizer_state", StateLayout, self.optimizer_state),
         )
 
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready; ``placements`` is a ``{mesh_axis: placement}`` mapping in listed order."""
+        data = super().as_dict()
+        data["placements"] = dict(self.placements)
+        return data
+
     def placement_on(self, mesh_axis: str) -> str:
         """The placement on ``mesh_axis`` (``"replicate"`` when not listed)."""
         for axis, placement in self.placements:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import ast
+import copy
 import json
 import math
+import pickle
 import subprocess
 import sys
 import types
@@ -514,7 +516,8 @@ def test_builtin_capabilities():
 def test_layout_round_trip(layout):
     d = layout.as_dict()
     assert d["global_shape"] == list(layout.global_shape)
-    assert d["placements"] == [list(p) for p in layout.placements]
+    assert d["placements"] == dict(layout.placements)
+    assert list(d["placements"].items()) == list(layout.placements)
     assert d["optimizer_state"] == layout.optimizer_state.value
     assert ParameterLayout.from_dict(d) == layout
     assert json_round_trip(layout) == layout
@@ -1022,3 +1025,78 @@ def test_torch_backend_delegates_to_runtime(monkeypatch):
     runtime.prepare = lambda module, *, plan, **options: object()
     with pytest.raises(TypeError, match="does not implement DistributedTrainingSession"):
         c.get_training_backend("torch").prepare(module, plan=plan)
+
+
+def test_receipt_extra_refuses_every_mutation_but_is_a_dict():
+    receipt = make_receipt(extra={"grad_norm": 1.5})
+    assert isinstance(receipt.extra, dict)
+    for mutate in (
+        lambda e: e.update(a=1),
+        lambda e: e.pop("grad_norm"),
+        lambda e: e.popitem(),
+        lambda e: e.setdefault("a", 1),
+        lambda e: e.clear(),
+        lambda e: e.__delitem__("grad_norm"),
+        lambda e: e.__ior__({"a": 1}),
+    ):
+        with pytest.raises(TypeError, match="frozen record"):
+            mutate(receipt.extra)
+    assert receipt.extra == {"grad_norm": 1.5}
+    for clone in (pickle.loads(pickle.dumps(receipt)), copy.deepcopy(receipt)):
+        assert clone == receipt and type(clone.extra) is type(receipt.extra)
+        with pytest.raises(TypeError):
+            clone.extra["x"] = 1  # type: ignore[index]
+
+
+def test_receipt_from_dict_checks_the_stated_global_counts():
+    receipt = make_receipt()
+    d = receipt.as_dict()
+    assert (d["global_examples"], d["global_tokens"]) == (16, 2048)
+    assert d["global_examples_observed"] is None
+    with pytest.raises(ValueError, match=r"global_examples=17 disagrees .* give global_examples=16"):
+        StepReceipt.from_dict({**d, "global_examples": 17})
+    assert StepReceipt.from_dict({k: v for k, v in d.items() if not k.startswith("global_")}) == receipt
+
+
+def test_numpy_integers_are_stored_as_int():
+    np = pytest.importorskip("numpy")
+    plan = ParallelPlan(tp=np.int64(2), pp=np.uint16(2))
+    assert (type(plan.tp), type(plan.pp)) == (int, int)
+    assert json.dumps(plan.as_dict())  # plain ints serialise
+    with pytest.raises(TypeError, match=r"ParallelPlan\.tp must be an integer"):
+        ParallelPlan(tp=np.float64(2.0))
+    with pytest.raises(TypeError, match=r"ParallelPlan\.tp must be an integer"):
+        ParallelPlan(tp=np.bool_(True))
+
+
+def test_update_notes_must_be_a_tuple_of_strings():
+    assert make_update(notes=["a", "b"]).notes == ("a", "b")
+    with pytest.raises(TypeError, match=r"DistributedUpdate\.notes must be a tuple of strings.*pass \('one note',\)"):
+        make_update(notes="one note")
+    with pytest.raises(TypeError, match=r"DistributedUpdate\.notes\[1\] must be a string"):
+        make_update(notes=("a", 2))
+
+
+def test_registry_re_register_is_idempotent_and_name_is_optional():
+    registry = BackendRegistry()
+
+    class Nameless:
+        capabilities = TORCH_CAPABILITIES
+
+        def prepare(self, module, *, plan, **options):
+            raise NotImplementedError
+
+    backend = Nameless()
+    registry.register("mine", backend)
+    registry.register("MINE", backend)
+    assert registry.get("mine") is backend and registry.available() == ("mine",)
+    with pytest.raises(ValueError, match="already registered; pass override=True"):
+        registry.register("mine", Nameless())
+    with pytest.raises(TypeError):
+        registry.register("mine", Nameless(), True)  # override is keyword-only
+
+    class BadName(Nameless):
+        name = ""
+
+    with pytest.raises(TypeError, match=r"backend\.name, when given, must be a non-empty string"):
+        registry.register("bad", BadName())

@@ -308,3 +308,15 @@ def test_empty_and_infeasible_inputs():
     assert optimal_contiguous_cut([1.0], [0], [1.0], [0], min_units_per_shard=2) is None
     with pytest.raises(ValueError):
         optimal_contiguous_cut([-1.0], [0], [1.0], [0])
+
+
+def test_a_decomposition_pickles_and_deep_copies():
+    import copy
+    import pickle
+
+    _, plan = example("composite-nested-mixture.yaml")
+    assert isinstance(plan.extra, dict) and plan.extra
+    for clone in (pickle.loads(pickle.dumps(plan)), copy.deepcopy(plan)):
+        assert clone == plan and clone.extra == plan.extra and clone.as_dict() == plan.as_dict()
+    with pytest.raises(TypeError):
+        plan.extra["path"] = "elsewhere"  # type: ignore[index]

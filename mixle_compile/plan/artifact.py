@@ -84,6 +84,7 @@ def build_plan(spec: Spec, lowered: Lowered, diagnostics: list[Diagnostic]) -> d
         "parameters": [
             {
                 **p.layout.as_dict(),
+                "placements": [list(pair) for pair in p.layout.placements],  # the plan keeps pairs
                 "role": p.parameter.role,
                 "dtype": p.parameter.dtype,
                 "layer": p.parameter.layer,
