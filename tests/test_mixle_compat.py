@@ -554,3 +554,16 @@ def test_registry_lazy_factory_is_called_once(mx):
 def test_registry_unknown_name_is_a_value_error(mx):
     with pytest.raises(ValueError, match="no_such_backend_compat"):
         mx.get_training_backend("no_such_backend_compat")
+
+
+def test_the_example_in_docs_mixle_md_runs():
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "mixle.md").read_text(encoding="utf-8")
+    code = text.split("```python\n", 1)[1].split("```", 1)[0]
+    namespace: dict = {}
+    exec(compile(code, "docs/mixle.md", "exec"), namespace)
+    plan, caps = namespace["plan"], namespace["caps"]
+    assert plan.axis_sizes[namespace["ParallelAxis"].TP] == 2
+    assert plan.mesh == (("dp_shard", "tp"), (4, 2))
+    assert caps.precisions == frozenset({"bf16", "fp32"})
