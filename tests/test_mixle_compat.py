@@ -116,6 +116,22 @@ def test_decomposition_module_names(md):
         assert callable(getattr(md, name))
 
 
+def test_node_size_fields_and_defaults(md):
+    leaf = md.NodeSize("root/leaf", md.DecompAxis.NONE, 1, 8, 8)
+    assert (leaf.subtree_work, leaf.children) == (1.0, ())
+    root = md.NodeSize(
+        path="root",
+        axis=md.DecompAxis.COMPONENT,
+        num_units=2,
+        own_param_bytes=4,
+        subtree_param_bytes=20,
+        subtree_work=3.0,
+        children=(leaf, leaf),
+    )
+    assert root.children[0] is leaf and root.axis is md.DecompAxis.COMPONENT
+    assert pickle.loads(pickle.dumps(root)) == root
+
+
 def test_model_decomposition_pickles_and_deep_copies(md):
     dec = md.ModelDecomposition(
         axis=md.DecompAxis.NONE,

@@ -29,7 +29,7 @@ class NodeSize:
     num_units: int
     own_param_bytes: int
     subtree_param_bytes: int
-    subtree_work: float = 0.0
+    subtree_work: float = 1.0  # as mixle: a node with no stated work weighs one unit
     children: tuple["NodeSize", ...] = ()
     copies: int = 1
     shared: bool = False
