@@ -11,9 +11,10 @@ dependency.
 
 Conventions
 -----------
-* Fields that hold exact integers accept ``int`` only.  ``bool`` (although an
-  ``int`` subclass), ``float``, ``str`` and ``None`` are refused with a
-  message naming the field as ``ClassName.field``.  All such checks go through
+* Fields that hold exact integers accept any ``numbers.Integral`` (``int``,
+  numpy integers) and store it as ``int``.  ``bool`` (although an ``int``
+  subclass), ``float``, ``str`` and ``None`` are refused with a message naming
+  the field as ``ClassName.field``.  All such checks go through
   :func:`_require_int`.
 * Enum-valued fields accept the enum member or its string value.
 * Sequence-valued fields accept lists (as produced by JSON) and are stored as
@@ -31,11 +32,12 @@ import functools
 import importlib
 import inspect
 import math
+import numbers
 import re
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import Enum, StrEnum
 from types import MappingProxyType
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -59,6 +61,7 @@ __all__ = [
     "DistributedUpdate",
     "StepReceipt",
     "MESH_AXIS_ORDER",
+    "ReadOnlyDict",
     # protocols
     "DistributedTrainingBackend",
     "DistributedTrainingSession",
@@ -88,12 +91,21 @@ class ContractTypeError(ContractError, TypeError):
     """A value has the wrong type (also catchable as ``TypeError``)."""
 
 
-class CapabilityError(ContractError):
-    """A plan asks a backend for something the backend does not execute."""
+class CapabilityError(ContractError, NotImplementedError):
+    """A plan asks a backend for something the backend does not execute.
+
+    Both a ``ValueError`` and a ``NotImplementedError``: mixle raises the
+    first for an unsupported precision and the second for an axis it does not
+    execute, so code catching either catches this.
+    """
 
 
-class UnknownBackendError(KeyError):
-    """No training backend is registered under the requested name."""
+class UnknownBackendError(KeyError, ValueError):
+    """No training backend is registered under the requested name.
+
+    A ``KeyError`` (a lookup that failed) and a ``ValueError`` (what mixle
+    raises for an unknown backend name).
+    """
 
     def __init__(self, name: str, available: tuple[str, ...]) -> None:
         super().__init__(name)
@@ -123,12 +135,13 @@ def _describe(value: Any) -> str:
 
 
 def _require_int(owner: str, name: str, value: Any, minimum: int = 0) -> int:
-    """Return ``value`` if it is an exact integer ``>= minimum``.
+    """Return ``value`` as an ``int`` if it is an exact integer ``>= minimum``.
 
-    ``bool`` is refused even though it subclasses ``int``; so are floats
-    (including integral ones such as ``2.0``), strings and ``None``.
+    Any ``numbers.Integral`` counts (numpy integers too).  ``bool`` is refused
+    even though it subclasses ``int``; so are floats (including integral ones
+    such as ``2.0``), strings and ``None``.
     """
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ContractTypeError(
             f"{owner}.{name} must be an integer >= {minimum}, got {_describe(value)}"
         )
@@ -172,8 +185,8 @@ def _require_optional_str(owner: str, name: str, value: Any) -> str | None:
 
 
 def _require_real(owner: str, name: str, value: Any) -> float:
-    """An ``int`` or ``float`` (not ``bool``), returned as ``float``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    """A real number (``int``, ``float``, numpy scalars; not ``bool``), returned as ``float``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ContractTypeError(f"{owner}.{name} must be a real number, got {_describe(value)}")
     return value if type(value) is float else float(value)
 
@@ -294,63 +307,51 @@ class _Contract:
 # ---------------------------------------------------------------------------
 
 
-class ParallelAxis(str, Enum):
+class ParallelAxis(StrEnum):
     """A parallelism dimension a plan may use."""
 
-    dp_replicate = "dp_replicate"
-    dp_shard = "dp_shard"
-    tp = "tp"
-    pp = "pp"
-    cp = "cp"
-    ep = "ep"
-    etp = "etp"
-
-    def __str__(self) -> str:
-        return self.value
+    DP_REPLICATE = "dp_replicate"
+    DP_SHARD = "dp_shard"
+    TP = "tp"
+    PP = "pp"
+    CP = "cp"
+    EP = "ep"
+    ETP = "etp"
 
 
-class PayloadKind(str, Enum):
+class PayloadKind(StrEnum):
     """What a distributed update moves between ranks."""
 
-    gradient = "gradient"
-    sufficient_statistic = "sufficient_statistic"
-    parameter = "parameter"
-    activation = "activation"
-    kv_block = "kv_block"
-    token = "token"
-    message = "message"
-
-    def __str__(self) -> str:
-        return self.value
+    GRADIENT = "gradient"
+    SUFFICIENT_STATISTIC = "sufficient_statistic"
+    PARAMETER = "parameter"
+    ACTIVATION = "activation"
+    KV_BLOCK = "kv_block"
+    TOKEN = "token"
+    MESSAGE = "message"
 
 
-class CollectiveKind(str, Enum):
+class CollectiveKind(StrEnum):
     """The communication pattern of a distributed update."""
 
-    none = "none"
-    all_reduce = "all_reduce"
-    reduce_scatter = "reduce_scatter"
-    all_gather = "all_gather"
-    all_to_all = "all_to_all"
-    broadcast = "broadcast"
-    p2p = "p2p"
-    custom = "custom"
-
-    def __str__(self) -> str:
-        return self.value
+    NONE = "none"
+    ALL_REDUCE = "all_reduce"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_GATHER = "all_gather"
+    ALL_TO_ALL = "all_to_all"
+    BROADCAST = "broadcast"
+    P2P = "p2p"
+    CUSTOM = "custom"
 
 
-class StateLayout(str, Enum):
+class StateLayout(StrEnum):
     """Where a piece of (optimizer or model) state lives."""
 
-    replicated = "replicated"
-    sharded = "sharded"
-    pipeline_local = "pipeline_local"
-    expert_local = "expert_local"
-    offloaded = "offloaded"
-
-    def __str__(self) -> str:
-        return self.value
+    REPLICATED = "replicated"
+    SHARDED = "sharded"
+    PIPELINE_LOCAL = "pipeline_local"
+    EXPERT_LOCAL = "expert_local"
+    OFFLOADED = "offloaded"
 
 
 # ---------------------------------------------------------------------------
@@ -363,11 +364,11 @@ class StateLayout(str, Enum):
 #: not listed: they are process groups cut from the data/model domains, not
 #: extra mesh dimensions.
 MESH_AXIS_ORDER: tuple[ParallelAxis, ...] = (
-    ParallelAxis.pp,
-    ParallelAxis.dp_replicate,
-    ParallelAxis.dp_shard,
-    ParallelAxis.cp,
-    ParallelAxis.tp,
+    ParallelAxis.PP,
+    ParallelAxis.DP_REPLICATE,
+    ParallelAxis.DP_SHARD,
+    ParallelAxis.CP,
+    ParallelAxis.TP,
 )
 
 _PLAN_AXIS_FIELDS: tuple[str, ...] = tuple(axis.value for axis in ParallelAxis)
@@ -397,7 +398,7 @@ class ParallelPlan(_Contract):
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
-            _require_int("ParallelPlan", f.name, getattr(self, f.name), minimum=1)
+            _set(self, f.name, _require_int("ParallelPlan", f.name, getattr(self, f.name), minimum=1))
 
     # -- derived quantities -------------------------------------------------
 
@@ -408,6 +409,11 @@ class ParallelPlan(_Contract):
     @property
     def data_parallel_size(self) -> int:
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def axis_sizes(self) -> dict[ParallelAxis, int]:
+        """A new dict of every axis to its degree, in ``ParallelAxis`` order."""
+        return {axis: getattr(self, axis.value) for axis in ParallelAxis}
 
     @property
     def degrees(self) -> Mapping[ParallelAxis, int]:
@@ -423,16 +429,30 @@ class ParallelPlan(_Contract):
     def mesh(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
         """``(names, shape)`` of the physical device mesh.
 
-        Only active physical axes appear, in :data:`MESH_AXIS_ORDER`, except
-        that ``dp_replicate`` is always present (with size 1 when inactive) so
-        the mesh is never empty and replicate/shard style code always finds
-        that dimension.  ``prod(shape) == world_size``.
+        Only active physical axes appear, in :data:`MESH_AXIS_ORDER`; when no
+        physical axis is active the mesh is the single dimension
+        ``dp_replicate`` of size 1, so it is never empty.
+        ``prod(shape) == world_size``.
+        """
+        names, shape = self.plan_mesh
+        kept = [(n, s) for n, s in zip(names, shape) if s > 1]
+        if not kept:
+            return (ParallelAxis.DP_REPLICATE.value,), (1,)
+        return tuple(n for n, _ in kept), tuple(s for _, s in kept)
+
+    @property
+    def plan_mesh(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
+        """``(names, shape)`` of the mesh a compiled plan records and its runtime builds.
+
+        Like :attr:`mesh`, except that ``dp_replicate`` is always present (with
+        size 1 when inactive), so replicate/shard style code always finds that
+        dimension.  ``prod(shape) == world_size``.
         """
         names: list[str] = []
         shape: list[int] = []
         for axis in MESH_AXIS_ORDER:
             degree = getattr(self, axis.value)
-            if degree > 1 or axis is ParallelAxis.dp_replicate:
+            if degree > 1 or axis is ParallelAxis.DP_REPLICATE:
                 names.append(axis.value)
                 shape.append(degree)
         return tuple(names), tuple(shape)
@@ -452,11 +472,11 @@ class ParallelPlan(_Contract):
         return " * ".join(
             f"{axis.value}={getattr(self, axis.value)}"
             for axis in (
-                ParallelAxis.dp_replicate,
-                ParallelAxis.dp_shard,
-                ParallelAxis.tp,
-                ParallelAxis.pp,
-                ParallelAxis.cp,
+                ParallelAxis.DP_REPLICATE,
+                ParallelAxis.DP_SHARD,
+                ParallelAxis.TP,
+                ParallelAxis.PP,
+                ParallelAxis.CP,
             )
         )
 
@@ -522,11 +542,11 @@ class BackendCapabilities(_Contract):
     name: str
     axes: frozenset[ParallelAxis]
     precisions: frozenset[str] = frozenset({"fp32", "bf16"})
+    distributed_optimizer: bool = False
+    reshardable_checkpoint: bool = False
+    elastic_restart: bool = False
     requirements: tuple[str, ...] = ()
     incompatible_axis_sets: tuple[frozenset[ParallelAxis], ...] = ()
-    distributed_optimizer: bool = field(kw_only=True)
-    reshardable_checkpoint: bool = field(kw_only=True)
-    elastic_restart: bool = field(kw_only=True)
 
     def __post_init__(self) -> None:
         owner = "BackendCapabilities"
@@ -568,7 +588,7 @@ class BackendCapabilities(_Contract):
     def supports(self, axis: ParallelAxis | str) -> bool:
         return _coerce_enum("BackendCapabilities.supports", "axis", ParallelAxis, axis) in self.axes
 
-    def validate(self, plan: ParallelPlan, precision: str) -> None:
+    def validate(self, plan: ParallelPlan, *, precision: str = "fp32") -> None:
         """Raise :class:`CapabilityError` if this backend cannot run ``plan``.
 
         Every problem found is reported in one message: active axes the
@@ -639,9 +659,9 @@ class ParameterLayout(_Contract):
 
     logical_id: str
     global_shape: tuple[int, ...]
-    placements: tuple[tuple[str, str], ...]
+    placements: tuple[tuple[str, str], ...] = ()
     shared_group: str | None = None
-    optimizer_state: StateLayout = field(kw_only=True)
+    optimizer_state: StateLayout = StateLayout.REPLICATED
 
     def __post_init__(self) -> None:
         owner = "ParameterLayout"
@@ -697,6 +717,12 @@ class ParameterLayout(_Contract):
             _coerce_enum(owner, "optimizer_state", StateLayout, self.optimizer_state),
         )
 
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready; ``placements`` is a ``{mesh_axis: placement}`` mapping in listed order."""
+        data = super().as_dict()
+        data["placements"] = dict(self.placements)
+        return data
+
     def placement_on(self, mesh_axis: str) -> str:
         """The placement on ``mesh_axis`` (``"replicate"`` when not listed)."""
         for axis, placement in self.placements:
@@ -735,7 +761,7 @@ class DistributedUpdate(_Contract):
     mesh_axes: tuple[str, ...]
     state_layout: StateLayout
     exact: bool = False
-    notes: str = ""
+    notes: tuple[str, ...] = ()
     contract_exact: bool = False
     determinism_observed: bool | None = None
     maximum_absolute_error: float | None = None
@@ -767,25 +793,34 @@ class DistributedUpdate(_Contract):
         _set(self, "mesh_axes", axes)
 
         exact = _require_bool(owner, "exact", self.exact)
-        _require_str(owner, "notes", self.notes, allow_empty=True)
+        if isinstance(self.notes, str):
+            raise ContractTypeError(
+                f"{owner}.notes must be a tuple of strings, got {_describe(self.notes)}; "
+                f"pass ({self.notes!r},) for a single note"
+            )
+        notes = _require_sequence(owner, "notes", self.notes)
+        for index, note in enumerate(notes):
+            _require_str(owner, f"notes[{index}]", note, allow_empty=True)
+        _set(self, "notes", notes)
         _require_bool(owner, "contract_exact", self.contract_exact)
         _require_optional_bool(owner, "determinism_observed", self.determinism_observed)
         for name in ("maximum_absolute_error", "maximum_relative_error"):
             _set(self, name, _require_error_bound(owner, name, getattr(self, name)))
         evidence = _require_optional_str(owner, "numerics_evidence_id", self.numerics_evidence_id)
         samples = _require_int(owner, "numerics_sample_count", self.numerics_sample_count, minimum=0)
+        _set(self, "numerics_sample_count", samples)
 
-        if collective is CollectiveKind.none and axes:
+        if collective is CollectiveKind.NONE and axes:
             raise ContractError(
                 f"{owner} {self.node_id!r}: collective 'none' communicates over no mesh "
                 f"axes, but mesh_axes is {list(axes)}"
             )
-        if collective is not CollectiveKind.none and not axes:
+        if collective is not CollectiveKind.NONE and not axes:
             raise ContractError(
                 f"{owner} {self.node_id!r}: collective {collective.value!r} needs at least "
                 f"one mesh axis, but mesh_axes is empty"
             )
-        if exact and collective is not CollectiveKind.none:
+        if exact and collective is not CollectiveKind.NONE:
             raise ContractError(
                 f"{owner} {self.node_id!r}: exact=True claims bitwise exactness, which no "
                 f"distributed collective guarantees; only collective 'none' may claim it "
@@ -841,8 +876,41 @@ class DistributedUpdate(_Contract):
 _EXTRA_SCALARS = (str, int, float, bool, type(None))
 
 
+class ReadOnlyDict(dict):
+    """A ``dict`` that refuses changes: it passes ``isinstance(x, dict)``, pickles and deep-copies.
+
+    Used where a frozen record holds a mapping (a receipt's ``extra``, a decomposition's
+    ``extra``): a ``MappingProxyType`` would be read-only too, but it can be neither pickled nor
+    deep-copied, and it is not a ``dict``.
+    """
+
+    __slots__ = ()
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError(
+            "this mapping is part of a frozen record and cannot be changed; build a new record "
+            "(dataclasses.replace) with the mapping you want"
+        )
+
+    __setitem__ = __delitem__ = __ior__ = clear = pop = popitem = setdefault = update = _refuse  # type: ignore[assignment]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (dict(self),))
+
+    def __copy__(self) -> ReadOnlyDict:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ReadOnlyDict:
+        import copy
+
+        return type(self)({key: copy.deepcopy(item, memo) for key, item in self.items()})
+
+    def __repr__(self) -> str:
+        return f"ReadOnlyDict({dict.__repr__(self)})"
+
+
 def _freeze_extra(owner: str, value: Any) -> Mapping[str, Any]:
-    """Validate ``extra`` and return a read-only copy.
+    """Validate ``extra`` and return a read-only copy (a :class:`ReadOnlyDict`).
 
     Keys are strings; values are JSON scalars or flat sequences of them
     (stored as tuples, emitted as lists by ``as_dict``).
@@ -862,7 +930,7 @@ def _freeze_extra(owner: str, value: Any) -> Mapping[str, Any]:
                 f"{owner}.extra[{key!r}] must be a JSON scalar or a flat list of them, "
                 f"got {_describe(item)}"
             )
-    return MappingProxyType(frozen)
+    return ReadOnlyDict(frozen)
 
 
 @dataclass(frozen=True)
@@ -891,21 +959,45 @@ class StepReceipt(_Contract):
     global_examples_observed: int | None = None
     global_tokens_observed: int | None = None
 
+    _DERIVED_KEYS: ClassVar[tuple[str, ...]] = ("global_examples", "global_tokens")
+
     def __post_init__(self) -> None:
         owner = "StepReceipt"
-        _require_int(owner, "step", self.step, minimum=0)
+        _set(self, "step", _require_int(owner, "step", self.step, minimum=0))
         if self.loss is not None:
             _set(self, "loss", _require_real(owner, "loss", self.loss))
         for name in ("local_examples", "local_tokens", "collective_bytes"):
-            _require_int(owner, name, getattr(self, name), minimum=0)
+            _set(self, name, _require_int(owner, name, getattr(self, name), minimum=0))
         for name in ("microbatches", "accumulation_steps", "data_parallel_size"):
-            _require_int(owner, name, getattr(self, name), minimum=1)
+            _set(self, name, _require_int(owner, name, getattr(self, name), minimum=1))
         _require_str(owner, "optimizer", self.optimizer)
         _require_str(owner, "precision", self.precision)
         _require_bool(owner, "skipped", self.skipped)
         _set(self, "extra", _freeze_extra(owner, self.extra))
         for name in ("global_examples_observed", "global_tokens_observed"):
-            _require_optional_int(owner, name, getattr(self, name), minimum=0)
+            _set(self, name, _require_optional_int(owner, name, getattr(self, name), minimum=0))
+
+    def as_dict(self) -> dict[str, Any]:
+        """Every field, plus the derived ``global_examples`` and ``global_tokens``."""
+        data = super().as_dict()
+        data["global_examples"] = self.global_examples
+        data["global_tokens"] = self.global_tokens
+        return data
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> StepReceipt:
+        receipt = super().from_dict(d)
+        for key in cls._DERIVED_KEYS:
+            if key in d:
+                stated = _require_int("StepReceipt.from_dict", key, d[key], minimum=0)
+                derived = getattr(receipt, key)
+                if stated != derived:
+                    raise ContractError(
+                        f"StepReceipt.from_dict: {key}={stated} disagrees with the receipt's "
+                        f"counts, which give {key}={derived}; drop {key} or state "
+                        f"{key}_observed"
+                    )
+        return receipt
 
     @property
     def global_examples(self) -> int:
@@ -944,15 +1036,18 @@ class DistributedTrainingSession(Protocol):
 
 @runtime_checkable
 class DistributedTrainingBackend(Protocol):
-    """Something that can prepare a module for training under a plan."""
+    """Something that can prepare a module for training under a plan.
 
-    name: str
+    A backend may also have a ``name`` (a non-empty string); the registry does not need one, it
+    knows each backend by the name it was registered under.
+    """
+
     capabilities: BackendCapabilities
 
     def prepare(self, module: Any, *, plan: ParallelPlan, **options: Any) -> DistributedTrainingSession: ...
 
 
-_BACKEND_MEMBERS = ("name", "capabilities", "prepare")
+_BACKEND_MEMBERS = ("capabilities", "prepare")
 _SESSION_METHODS = ("train_batch", "finish_accumulation", "discard_accumulation", "close")
 
 
@@ -969,8 +1064,11 @@ def _check_backend(obj: Any, context: str) -> None:
             f"{context}: {_describe(obj)} does not implement DistributedTrainingBackend "
             f"(missing: {', '.join(missing)})"
         )
-    if not isinstance(obj.name, str) or not obj.name.strip():
-        raise ContractTypeError(f"{context}: backend.name must be a non-empty string, got {_describe(obj.name)}")
+    name = getattr(obj, "name", None)
+    if name is not None and (not isinstance(name, str) or not name.strip()):
+        raise ContractTypeError(
+            f"{context}: backend.name, when given, must be a non-empty string, got {_describe(name)}"
+        )
     if not isinstance(obj.capabilities, BackendCapabilities):
         raise ContractTypeError(
             f"{context}: backend.capabilities must be a BackendCapabilities, "
@@ -1003,6 +1101,7 @@ def normalize_backend_name(name: Any) -> str:
 class _Entry:
     instance: Any = None
     factory: Callable[[], Any] | None = None
+    source: Any = None  # what was registered (the instance or the factory), for idempotence
 
 
 class BackendRegistry:
@@ -1018,13 +1117,18 @@ class BackendRegistry:
         self._entries: dict[str, _Entry] = {}
         self._lock = threading.RLock()
 
-    def register(self, name: str, backend: Any, override: bool = False) -> None:
+    def register(self, name: str, backend: Any, *, override: bool = False) -> None:
+        """Register ``backend`` (an instance or a zero-argument factory) under ``name``.
+
+        Registering the very object already registered under ``name`` again does nothing;
+        replacing a different one needs ``override=True``.
+        """
         key = normalize_backend_name(name)
         _require_bool("BackendRegistry.register", "override", override)
         context = f"cannot register training backend {key!r}"
         if isinstance(backend, DistributedTrainingBackend):  # classes are refused here too
             _check_backend(backend, context)
-            entry = _Entry(instance=backend)
+            entry = _Entry(instance=backend, source=backend)
         elif _is_factory(backend):
             try:
                 inspect.signature(backend).bind()
@@ -1034,12 +1138,15 @@ class BackendRegistry:
                 ) from None
             except ValueError:  # signature unavailable; trust the caller
                 pass
-            entry = _Entry(factory=backend)
+            entry = _Entry(factory=backend, source=backend)
         else:
             _check_backend(backend, context)  # raises with the missing members
             raise AssertionError("unreachable")  # pragma: no cover
         with self._lock:
-            if key in self._entries and not override:
+            current = self._entries.get(key)
+            if current is not None and current.source is backend:
+                return  # the same object again: nothing to do
+            if current is not None and not override:
                 raise ContractError(
                     f"training backend {key!r} is already registered; pass override=True "
                     f"to replace it"
@@ -1132,7 +1239,7 @@ class _TorchBackend:
     capabilities = TORCH_CAPABILITIES
 
     def prepare(self, module: Any, *, plan: ParallelPlan, **options: Any) -> DistributedTrainingSession:
-        self.capabilities.validate(plan, options.get("precision", "fp32"))
+        self.capabilities.validate(plan, precision=options.get("precision", "fp32"))
         try:
             runtime = importlib.import_module("mixle_compile.runtime")
         except ImportError as exc:

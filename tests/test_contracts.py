@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import ast
+import copy
 import json
 import math
+import pickle
 import subprocess
 import sys
 import types
@@ -109,7 +111,7 @@ finite_errors = st.floats(min_value=0, max_value=1e6, allow_nan=False, allow_inf
 @st.composite
 def updates(draw):
     collective = draw(st.sampled_from(list(CollectiveKind)))
-    if collective is CollectiveKind.none:
+    if collective is CollectiveKind.NONE:
         mesh_axes = ()
         exact = draw(st.booleans())
     else:
@@ -137,7 +139,7 @@ def updates(draw):
         mesh_axes=mesh_axes,
         state_layout=draw(st.sampled_from(list(StateLayout))),
         exact=exact,
-        notes=draw(st.text(max_size=20)),
+        notes=tuple(draw(st.lists(st.text(max_size=20), max_size=2))),
         contract_exact=draw(st.booleans()),
         numerics_sample_count=samples,
         **evidence,
@@ -169,10 +171,10 @@ receipts = st.builds(
 def make_update(**overrides):
     base = dict(
         node_id="grad_sync",
-        payload=PayloadKind.gradient,
-        collective=CollectiveKind.all_reduce,
+        payload=PayloadKind.GRADIENT,
+        collective=CollectiveKind.ALL_REDUCE,
         mesh_axes=("dp_replicate",),
-        state_layout=StateLayout.replicated,
+        state_layout=StateLayout.REPLICATED,
     )
     base.update(overrides)
     return DistributedUpdate(**base)
@@ -240,11 +242,11 @@ def test_importing_contracts_does_not_import_torch():
     assert result.stdout.strip() == "False"
 
 
-def test_enum_values_are_the_lowercase_names():
+def test_enum_members_are_upper_case_names_of_lower_case_values():
     for enum_cls in (ParallelAxis, PayloadKind, CollectiveKind, StateLayout):
         for member in enum_cls:
-            assert member.value == member.name
-            assert isinstance(member, str)
+            assert member.name == member.value.upper()
+            assert isinstance(member, str) and str(member) == member.value
     assert [a.value for a in ParallelAxis] == ["dp_replicate", "dp_shard", "tp", "pp", "cp", "ep", "etp"]
     assert len(PayloadKind) == 7 and len(CollectiveKind) == 8 and len(StateLayout) == 5
 
@@ -271,17 +273,27 @@ def test_plan_derived_quantities_match_definitions(plan):
 @given(plans)
 def test_plan_mesh_matches_definition(plan):
     names, shape = plan.mesh
-    expected_names = [
-        a.value
-        for a in MESH_AXIS_ORDER
-        if getattr(plan, a.value) > 1 or a is ParallelAxis.dp_replicate
-    ]
+    expected_names = [a.value for a in MESH_AXIS_ORDER if getattr(plan, a.value) > 1] or ["dp_replicate"]
     assert list(names) == expected_names
-    assert "dp_replicate" in names
     assert "ep" not in names and "etp" not in names
     assert shape == tuple(getattr(plan, n) for n in names)
     assert math.prod(shape) == plan.world_size
     assert isinstance(names, tuple) and isinstance(shape, tuple)
+
+
+@FAST
+@given(plans)
+def test_plan_mesh_of_a_compiled_plan_always_has_dp_replicate(plan):
+    names, shape = plan.plan_mesh
+    expected_names = [
+        a.value
+        for a in MESH_AXIS_ORDER
+        if getattr(plan, a.value) > 1 or a is ParallelAxis.DP_REPLICATE
+    ]
+    assert list(names) == expected_names
+    assert shape == tuple(getattr(plan, n) for n in names)
+    assert math.prod(shape) == plan.world_size
+    assert tuple(n for n, s in zip(names, shape) if s > 1) == tuple(n for n, s in zip(*plan.mesh) if s > 1)
 
 
 @FAST
@@ -307,14 +319,15 @@ def test_default_plan_mesh_keeps_dp_replicate():
     plan = ParallelPlan()
     assert plan.world_size == 1
     assert plan.active_axes == ()
-    assert plan.mesh == (("dp_replicate",), (1,))
-    assert ParallelPlan(tp=2).mesh == (("dp_replicate", "tp"), (1, 2))
+    assert plan.mesh == plan.plan_mesh == (("dp_replicate",), (1,))
+    assert ParallelPlan(tp=2).mesh == (("tp",), (2,))
+    assert ParallelPlan(tp=2).plan_mesh == (("dp_replicate", "tp"), (1, 2))
 
 
 def test_ep_and_etp_do_not_multiply_world_size_and_are_not_checked_here():
     plan = ParallelPlan(dp_shard=2, ep=3, etp=5)  # 3 and 5 do not divide anything
     assert plan.world_size == 2
-    assert plan.active_axes == (ParallelAxis.dp_shard, ParallelAxis.ep, ParallelAxis.etp)
+    assert plan.active_axes == (ParallelAxis.DP_SHARD, ParallelAxis.EP, ParallelAxis.ETP)
 
 
 @pytest.mark.parametrize("field_name", PLAN_FIELDS)
@@ -401,16 +414,16 @@ def test_capabilities_round_trip(caps):
 def test_capabilities_normalise_string_axes_and_set_order():
     a = make_caps(incompatible_axis_sets=[["tp", "dp_shard"], {"dp_replicate", "tp"}])
     b = make_caps(
-        axes=[ParallelAxis.tp, "dp_shard", "dp_replicate"],
+        axes=[ParallelAxis.TP, "dp_shard", "dp_replicate"],
         incompatible_axis_sets=(
-            frozenset({ParallelAxis.tp, ParallelAxis.dp_replicate}),
-            frozenset({ParallelAxis.dp_shard, ParallelAxis.tp}),
+            frozenset({ParallelAxis.TP, ParallelAxis.DP_REPLICATE}),
+            frozenset({ParallelAxis.DP_SHARD, ParallelAxis.TP}),
         ),
     )
     assert a == b
     assert all(isinstance(x, ParallelAxis) for x in a.axes)
     assert all(isinstance(x, ParallelAxis) for s in a.incompatible_axis_sets for x in s)
-    assert a.supports("tp") and not a.supports(ParallelAxis.pp)
+    assert a.supports("tp") and not a.supports(ParallelAxis.PP)
 
 
 def test_capabilities_reject_malformed_fields():
@@ -432,13 +445,13 @@ def test_capabilities_reject_malformed_fields():
 
 def test_capabilities_validate_accepts_supported_plan():
     caps = make_caps()
-    caps.validate(ParallelPlan(dp_replicate=2, dp_shard=2, tp=2, ep=1), "bf16")
+    caps.validate(ParallelPlan(dp_replicate=2, dp_shard=2, tp=2, ep=1), precision="bf16")
 
 
 def test_capabilities_validate_names_unexecuted_axes():
     caps = make_caps()
     with pytest.raises(CapabilityError) as info:
-        caps.validate(ParallelPlan(tp=2, pp=4, cp=2), "fp32")
+        caps.validate(ParallelPlan(tp=2, pp=4, cp=2), precision="fp32")
     message = str(info.value)
     assert isinstance(info.value, ValueError)
     assert "'toy'" in message
@@ -448,7 +461,7 @@ def test_capabilities_validate_names_unexecuted_axes():
 
 def test_capabilities_validate_names_bad_precision_and_supported_ones():
     with pytest.raises(CapabilityError) as info:
-        make_caps().validate(ParallelPlan(), "fp8")
+        make_caps().validate(ParallelPlan(), precision="fp8")
     message = str(info.value)
     assert "'fp8'" in message
     assert "bf16, fp32" in message
@@ -456,23 +469,23 @@ def test_capabilities_validate_names_bad_precision_and_supported_ones():
 
 def test_capabilities_validate_names_incompatible_set():
     caps = make_caps(incompatible_axis_sets=[{"tp", "dp_shard"}])
-    caps.validate(ParallelPlan(tp=2), "fp32")  # only one of the set active
-    caps.validate(ParallelPlan(dp_shard=2), "fp32")
+    caps.validate(ParallelPlan(tp=2), precision="fp32")  # only one of the set active
+    caps.validate(ParallelPlan(dp_shard=2), precision="fp32")
     with pytest.raises(CapabilityError, match=r"\{dp_shard, tp\} active together"):
-        caps.validate(ParallelPlan(dp_shard=2, tp=2), "fp32")
+        caps.validate(ParallelPlan(dp_shard=2, tp=2), precision="fp32")
 
 
 def test_capabilities_validate_reports_every_problem():
     caps = make_caps(incompatible_axis_sets=[{"tp", "dp_shard"}])
     with pytest.raises(CapabilityError) as info:
-        caps.validate(ParallelPlan(dp_shard=2, tp=2, ep=2), "fp16")
+        caps.validate(ParallelPlan(dp_shard=2, tp=2, ep=2), precision="fp16")
     message = str(info.value)
     assert "ep=2" in message and "'fp16'" in message and "{dp_shard, tp}" in message
 
 
 def test_capabilities_validate_requires_a_plan():
     with pytest.raises(TypeError, match="expects a ParallelPlan"):
-        make_caps().validate({"tp": 2}, "fp32")
+        make_caps().validate({"tp": 2}, precision="fp32")
 
 
 def test_builtin_capabilities():
@@ -489,8 +502,8 @@ def test_builtin_capabilities():
     assert not MEGATRON_CAPABILITIES.elastic_restart
     assert MEGATRON_CAPABILITIES.requirements == ("megatron-core", "NVIDIA GPUs")
     with pytest.raises(CapabilityError, match="'fp8'"):
-        TORCH_CAPABILITIES.validate(ParallelPlan(), "fp8")
-    MEGATRON_CAPABILITIES.validate(ParallelPlan(tp=2, ep=2), "fp8")
+        TORCH_CAPABILITIES.validate(ParallelPlan(), precision="fp8")
+    MEGATRON_CAPABILITIES.validate(ParallelPlan(tp=2, ep=2), precision="fp8")
 
 
 # ---------------------------------------------------------------------------
@@ -503,7 +516,8 @@ def test_builtin_capabilities():
 def test_layout_round_trip(layout):
     d = layout.as_dict()
     assert d["global_shape"] == list(layout.global_shape)
-    assert d["placements"] == [list(p) for p in layout.placements]
+    assert d["placements"] == dict(layout.placements)
+    assert list(d["placements"].items()) == list(layout.placements)
     assert d["optimizer_state"] == layout.optimizer_state.value
     assert ParameterLayout.from_dict(d) == layout
     assert json_round_trip(layout) == layout
@@ -514,7 +528,7 @@ def layout(**overrides):
         logical_id="layers.0.mlp.w1",
         global_shape=(1024, 4096),
         placements=(("dp_shard", "shard(0)"), ("tp", "shard(1)")),
-        optimizer_state=StateLayout.sharded,
+        optimizer_state=StateLayout.SHARDED,
     )
     base.update(overrides)
     return ParameterLayout(**base)
@@ -524,7 +538,7 @@ def test_layout_accepts_scalars_and_lists():
     scalar = layout(global_shape=(), placements=[["dp_replicate", "replicate"]], optimizer_state="replicated")
     assert scalar.global_shape == ()
     assert scalar.placements == (("dp_replicate", "replicate"),)
-    assert scalar.optimizer_state is StateLayout.replicated
+    assert scalar.optimizer_state is StateLayout.REPLICATED
     assert layout().placement_on("tp") == "shard(1)"
     assert layout().placement_on("pp") == "replicate"
     assert layout().sharded_axes == ("dp_shard", "tp")
@@ -587,15 +601,15 @@ def test_update_round_trip(update):
 
 def test_update_accepts_enum_strings():
     update = make_update(payload="gradient", collective="reduce_scatter", state_layout="sharded", mesh_axes=["dp_shard"])
-    assert update.payload is PayloadKind.gradient
-    assert update.collective is CollectiveKind.reduce_scatter
-    assert update.state_layout is StateLayout.sharded
+    assert update.payload is PayloadKind.GRADIENT
+    assert update.collective is CollectiveKind.REDUCE_SCATTER
+    assert update.state_layout is StateLayout.SHARDED
     assert update.mesh_axes == ("dp_shard",)
     with pytest.raises(ValueError, match="unknown CollectiveKind 'allreduce'.*all_reduce"):
         make_update(collective="allreduce")
 
 
-@pytest.mark.parametrize("collective", [k for k in CollectiveKind if k is not CollectiveKind.none])
+@pytest.mark.parametrize("collective", [k for k in CollectiveKind if k is not CollectiveKind.NONE])
 def test_only_local_updates_may_claim_bitwise_exactness(collective):
     with pytest.raises(ValueError, match=rf"exact=True.*{collective.value}"):
         make_update(collective=collective, exact=True)
@@ -949,7 +963,7 @@ def test_registry_refuses_classes():
 def test_registry_refuses_non_protocol_objects():
     with pytest.raises(TypeError, match=r"does not implement DistributedTrainingBackend \(missing: capabilities\)"):
         BackendRegistry().register("nope", NotABackend())
-    with pytest.raises(TypeError, match="missing: name, capabilities, prepare"):
+    with pytest.raises(TypeError, match="missing: capabilities, prepare"):
         BackendRegistry().register("obj", object())
 
 
@@ -1011,3 +1025,78 @@ def test_torch_backend_delegates_to_runtime(monkeypatch):
     runtime.prepare = lambda module, *, plan, **options: object()
     with pytest.raises(TypeError, match="does not implement DistributedTrainingSession"):
         c.get_training_backend("torch").prepare(module, plan=plan)
+
+
+def test_receipt_extra_refuses_every_mutation_but_is_a_dict():
+    receipt = make_receipt(extra={"grad_norm": 1.5})
+    assert isinstance(receipt.extra, dict)
+    for mutate in (
+        lambda e: e.update(a=1),
+        lambda e: e.pop("grad_norm"),
+        lambda e: e.popitem(),
+        lambda e: e.setdefault("a", 1),
+        lambda e: e.clear(),
+        lambda e: e.__delitem__("grad_norm"),
+        lambda e: e.__ior__({"a": 1}),
+    ):
+        with pytest.raises(TypeError, match="frozen record"):
+            mutate(receipt.extra)
+    assert receipt.extra == {"grad_norm": 1.5}
+    for clone in (pickle.loads(pickle.dumps(receipt)), copy.deepcopy(receipt)):
+        assert clone == receipt and type(clone.extra) is type(receipt.extra)
+        with pytest.raises(TypeError):
+            clone.extra["x"] = 1  # type: ignore[index]
+
+
+def test_receipt_from_dict_checks_the_stated_global_counts():
+    receipt = make_receipt()
+    d = receipt.as_dict()
+    assert (d["global_examples"], d["global_tokens"]) == (16, 2048)
+    assert d["global_examples_observed"] is None
+    with pytest.raises(ValueError, match=r"global_examples=17 disagrees .* give global_examples=16"):
+        StepReceipt.from_dict({**d, "global_examples": 17})
+    assert StepReceipt.from_dict({k: v for k, v in d.items() if not k.startswith("global_")}) == receipt
+
+
+def test_numpy_integers_are_stored_as_int():
+    np = pytest.importorskip("numpy")
+    plan = ParallelPlan(tp=np.int64(2), pp=np.uint16(2))
+    assert (type(plan.tp), type(plan.pp)) == (int, int)
+    assert json.dumps(plan.as_dict())  # plain ints serialise
+    with pytest.raises(TypeError, match=r"ParallelPlan\.tp must be an integer"):
+        ParallelPlan(tp=np.float64(2.0))
+    with pytest.raises(TypeError, match=r"ParallelPlan\.tp must be an integer"):
+        ParallelPlan(tp=np.bool_(True))
+
+
+def test_update_notes_must_be_a_tuple_of_strings():
+    assert make_update(notes=["a", "b"]).notes == ("a", "b")
+    with pytest.raises(TypeError, match=r"DistributedUpdate\.notes must be a tuple of strings.*pass \('one note',\)"):
+        make_update(notes="one note")
+    with pytest.raises(TypeError, match=r"DistributedUpdate\.notes\[1\] must be a string"):
+        make_update(notes=("a", 2))
+
+
+def test_registry_re_register_is_idempotent_and_name_is_optional():
+    registry = BackendRegistry()
+
+    class Nameless:
+        capabilities = TORCH_CAPABILITIES
+
+        def prepare(self, module, *, plan, **options):
+            raise NotImplementedError
+
+    backend = Nameless()
+    registry.register("mine", backend)
+    registry.register("MINE", backend)
+    assert registry.get("mine") is backend and registry.available() == ("mine",)
+    with pytest.raises(ValueError, match="already registered; pass override=True"):
+        registry.register("mine", Nameless())
+    with pytest.raises(TypeError):
+        registry.register("mine", Nameless(), True)  # override is keyword-only
+
+    class BadName(Nameless):
+        name = ""
+
+    with pytest.raises(TypeError, match=r"backend\.name, when given, must be a non-empty string"):
+        registry.register("bad", BadName())

@@ -68,8 +68,8 @@ def test_nested_heavy_mixture_is_cut_and_the_faster_device_gets_more_work():
     spec, plan = example("composite-nested-mixture.yaml")
     assert plan.ok and plan.is_model_parallel
     assert (plan.axis, plan.reduction, plan.path, plan.num_units) == (
-        DecompAxis.component,
-        ReductionOp.logsumexp,
+        DecompAxis.COMPONENT,
+        ReductionOp.LOGSUMEXP_RESPONSIBILITY,
         "model.root.factors[2]",
         64,
     )
@@ -81,13 +81,13 @@ def test_nested_heavy_mixture_is_cut_and_the_faster_device_gets_more_work():
 
 def test_a_leaf_gives_axis_none():
     plan = decompose(spec_of(GAUSS_FULL_8, 4))
-    assert (plan.axis, plan.cuts, plan.is_model_parallel) == (DecompAxis.none, (), False)
+    assert (plan.axis, plan.cuts, plan.is_model_parallel) == (DecompAxis.NONE, (), False)
     assert "no axis of the model can be cut" in plan.rationale and plan.ok
 
 
 def test_data_parallel_is_preferred_when_the_model_fits_and_the_data_dominates():
     spec, plan = example("hmm-shared-transitions.yaml")
-    assert plan.axis is DecompAxis.none and not plan.is_model_parallel and plan.ok
+    assert plan.axis is DecompAxis.NONE and not plan.is_model_parallel and plan.ok
     assert plan.rationale.startswith("data-parallel preferred over model-parallel")
     assert "fits replicated (476 bytes" in plan.rationale and "only 3 units for 2 devices" in plan.rationale
     graph = build_model_graph(spec)
@@ -99,7 +99,7 @@ def test_data_parallel_is_preferred_when_the_model_fits_and_the_data_dominates()
 
 def test_a_single_device_replicates():
     plan = decompose(spec_of(mixture(8), 1))
-    assert plan.axis is DecompAxis.none and plan.rationale.startswith("a single device")
+    assert plan.axis is DecompAxis.NONE and plan.rationale.startswith("a single device")
 
 
 def test_allowed_axes_restricts_the_cut():
@@ -107,9 +107,9 @@ def test_allowed_axes_restricts_the_cut():
     plan = decompose(spec_of(root, 2), prefer_data_parallel=False)
     assert plan.path == "model.root.factors[0]"
     plan = decompose(spec_of(root, 2), prefer_data_parallel=False, allowed_axes={"factor"})
-    assert (plan.path, plan.axis, plan.permutation) == ("model.root", DecompAxis.factor, (0, 1, 2))  # factors keep their order
+    assert (plan.path, plan.axis, plan.permutation) == ("model.root", DecompAxis.FACTOR, (0, 1, 2))  # factors keep their order
     plan = decompose(spec_of(root, 2), allowed_axes={"state"})
-    assert plan.axis is DecompAxis.none and "among the allowed axes" in plan.rationale
+    assert plan.axis is DecompAxis.NONE and "among the allowed axes" in plan.rationale
 
 
 def test_the_decomposition_records_enough_to_recompute_its_bottleneck():
@@ -204,7 +204,7 @@ def test_an_axis_beyond_the_exact_cut_is_a_diagnostic_not_a_crash():
 def test_a_broken_graph_is_passed_on_not_placed():
     spec = spec_of({"type": "mixture", "components": [{"ref": "a"}, {"type": "poisson"}]}, 2, {"a": {"type": "mixture", "components": [{"ref": "a"}]}})
     plan = decompose(spec)
-    assert [d.code for d in plan.diagnostics] == ["G001"] and plan.axis is DecompAxis.none
+    assert [d.code for d in plan.diagnostics] == ["G001"] and plan.axis is DecompAxis.NONE
 
 
 def test_every_graph_code_is_documented():
@@ -308,3 +308,15 @@ def test_empty_and_infeasible_inputs():
     assert optimal_contiguous_cut([1.0], [0], [1.0], [0], min_units_per_shard=2) is None
     with pytest.raises(ValueError):
         optimal_contiguous_cut([-1.0], [0], [1.0], [0])
+
+
+def test_a_decomposition_pickles_and_deep_copies():
+    import copy
+    import pickle
+
+    _, plan = example("composite-nested-mixture.yaml")
+    assert isinstance(plan.extra, dict) and plan.extra
+    for clone in (pickle.loads(pickle.dumps(plan)), copy.deepcopy(plan)):
+        assert clone == plan and clone.extra == plan.extra and clone.as_dict() == plan.as_dict()
+    with pytest.raises(TypeError):
+        plan.extra["path"] = "elsewhere"  # type: ignore[index]

@@ -62,8 +62,8 @@ def test_hsdp_reduce_scatters_over_dp_shard_then_all_reduces_over_dp_replicate()
     low = lower(load_spec(EXAMPLES / "llama3-8b-hsdp-tp.yaml").spec)
     q = updates_of(low, "layers.0.attn.q_proj.weight")
     assert [(u.update.collective, u.update.mesh_axes) for u in q] == [
-        (CollectiveKind.reduce_scatter, ("dp_shard",)),
-        (CollectiveKind.all_reduce, ("dp_replicate",)),
+        (CollectiveKind.REDUCE_SCATTER, ("dp_shard",)),
+        (CollectiveKind.ALL_REDUCE, ("dp_replicate",)),
     ]
     assert [u.gradient_divisor for u in q] == [1, 8]
     # Under sequence parallelism a tp-replicated norm also sums its gradient over tp.
@@ -74,26 +74,26 @@ def test_hsdp_reduce_scatters_over_dp_shard_then_all_reduces_over_dp_replicate()
         ("tp", "shard(0)"), ("dp_replicate", "replicate"), ("dp_shard", "shard(0)"),
     )
     assert placed["layers.0.attn.o_proj.weight"].layout.placements[0] == ("tp", "shard(1)")
-    assert placed["layers.0.attn.q_proj.weight"].layout.optimizer_state is StateLayout.sharded
+    assert placed["layers.0.attn.q_proj.weight"].layout.optimizer_state is StateLayout.SHARDED
 
 
 def test_replicated_state_all_reduces_over_every_data_axis_including_cp():
     low = lowered(dr=2, cp=2)
     (u,) = updates_of(low, "embed.weight")
-    assert (u.update.collective, u.update.mesh_axes, u.gradient_divisor) == (CollectiveKind.all_reduce, ("dp_replicate", "cp"), 2)
+    assert (u.update.collective, u.update.mesh_axes, u.gradient_divisor) == (CollectiveKind.ALL_REDUCE, ("dp_replicate", "cp"), 2)
     assert low.reduction_problems == ()
 
 
 def test_distributed_optimizer_scatters_then_gathers_parameters():
     low = lowered(dr=2, dopt=True)
     kinds = [(u.update.collective, u.update.payload.value) for u in low.updates if u.tensor == "embed.weight"]
-    assert kinds == [(CollectiveKind.reduce_scatter, "gradient"), (CollectiveKind.all_gather, "parameter")]
+    assert kinds == [(CollectiveKind.REDUCE_SCATTER, "gradient"), (CollectiveKind.ALL_GATHER, "parameter")]
 
 
 def test_tied_embeddings_across_stages_sync_first():
     low = lowered(ds=2, pp=2, tie=True)
     embed = updates_of(low, "embed.weight")
-    assert embed[0].update.mesh_axes == ("tied",) and embed[1].update.collective is CollectiveKind.reduce_scatter
+    assert embed[0].update.mesh_axes == ("tied",) and embed[1].update.collective is CollectiveKind.REDUCE_SCATTER
     assert low.reduction_problems == ()
 
 
@@ -118,15 +118,15 @@ def test_kv_heads_shared_over_tp_are_placed_by_head_and_summed_over_the_ranks_sh
     for name in ("layers.0.attn.k_proj.weight", "layers.3.attn.v_proj.weight"):
         chain = updates_of(low, name)
         assert [(u.update.collective, u.update.mesh_axes, u.group_size, u.gradient_divisor) for u in chain] == [
-            (CollectiveKind.all_reduce, ("tp_kv_replica2",), 2, 1),
-            (CollectiveKind.reduce_scatter, ("dp_shard",), 2, 2),
+            (CollectiveKind.ALL_REDUCE, ("tp_kv_replica2",), 2, 1),
+            (CollectiveKind.REDUCE_SCATTER, ("dp_shard",), 2, 2),
         ]
         assert chain[0].payload_bytes == 16 * 64 * 4  # the head's whole fp32 gradient, before the data shard
         assert chain[0].occurrences_per_step == chain[1].occurrences_per_step
     assert not [u for u in updates_of(low, "layers.0.attn.q_proj.weight") if u.update.node_id.endswith("/kv")]
     # The activations are unchanged: query heads split, attention output row-parallel.
     by_id = {u.update.node_id: u for u in low.updates}
-    assert (by_id["layers.0.attn:out"].update.collective, by_id["layers.0.attn:out"].update.mesh_axes) == (CollectiveKind.all_reduce, ("tp",))
+    assert (by_id["layers.0.attn:out"].update.collective, by_id["layers.0.attn:out"].update.mesh_axes) == (CollectiveKind.ALL_REDUCE, ("tp",))
     assert by_id["layers.0.attn:in/grad"].update.mesh_axes == ("tp",)
     rule = low.grid.rule("tp_kv_replica2")
     assert list(rule.groups()) == [(0, 1), (2, 3), (4, 5), (6, 7)]  # tp innermost, dp_shard outside
@@ -181,7 +181,7 @@ def test_cp_missing_from_the_gradient_reduction_is_caught():
     low = lowered(ds=2, cp=2)
     broken = [
         dataclasses.replace(u, update=dataclasses.replace(u.update, mesh_axes=("dp_shard",)))
-        if u.update.collective is CollectiveKind.reduce_scatter else u
+        if u.update.collective is CollectiveKind.REDUCE_SCATTER else u
         for u in low.updates
     ]
     problems = recheck(low, broken)
@@ -261,11 +261,11 @@ def test_ring_costs():
     make = lambda kind, n: dataclasses.replace(  # noqa: E731
         u, update=dataclasses.replace(u.update, collective=kind), group_size=n, payload_bytes=100, occurrences_per_step=1
     )
-    assert make(CollectiveKind.all_reduce, 4).bytes_per_rank_per_step == 150
-    assert make(CollectiveKind.reduce_scatter, 4).bytes_per_rank_per_step == 75
-    assert make(CollectiveKind.all_gather, 4).bytes_per_rank_per_step == 75
-    assert make(CollectiveKind.all_to_all, 4).bytes_per_rank_per_step == 75
-    assert make(CollectiveKind.p2p, 2).bytes_per_rank_per_step == 100
+    assert make(CollectiveKind.ALL_REDUCE, 4).bytes_per_rank_per_step == 150
+    assert make(CollectiveKind.REDUCE_SCATTER, 4).bytes_per_rank_per_step == 75
+    assert make(CollectiveKind.ALL_GATHER, 4).bytes_per_rank_per_step == 75
+    assert make(CollectiveKind.ALL_TO_ALL, 4).bytes_per_rank_per_step == 75
+    assert make(CollectiveKind.P2P, 2).bytes_per_rank_per_step == 100
 
 
 def test_memory_parameters_are_the_model_split_over_tp_and_fsdp():
@@ -294,7 +294,7 @@ def test_step_programs_hold_every_planned_collective():
     low = lowered(ds=2, tp=2, pp=2, tie=True)
     ops = [op for program in low.schedule.programs for op in program if op.kind.value == "collective"]
     micro_steps = low.plan.microbatches * low.plan.gradient_accumulation_steps
-    planned = [u for u in low.updates if u.update.collective is not CollectiveKind.p2p]
+    planned = [u for u in low.updates if u.update.collective is not CollectiveKind.P2P]
     expected = sum(u.occurrences_per_step for u in planned)
     assert all(u.occurrences_per_step == micro_steps for u in planned if u.phase in ("forward", "backward"))
     assert len(ops) == expected
@@ -328,20 +328,20 @@ def test_sharded_payloads_count_the_padding_fsdp_adds():
 
 def test_tensor_parallel_activations_have_both_halves_of_each_conjugate_pair():
     plain = {u.update.node_id: u for u in lowered(tp=2).updates}
-    assert plain["lm_head:in/grad"].update.collective is CollectiveKind.all_reduce
+    assert plain["lm_head:in/grad"].update.collective is CollectiveKind.ALL_REDUCE
     assert plain["lm_head:in/grad"].phase == "backward"
     sp = {u.update.node_id: u for u in lowered(tp=2, sp=True).updates}
-    assert sp["embed:out/grad"].update.collective is CollectiveKind.all_gather
-    assert (sp["lm_head:in"].update.collective, sp["lm_head:in/grad"].update.collective) == (CollectiveKind.all_gather, CollectiveKind.reduce_scatter)
+    assert sp["embed:out/grad"].update.collective is CollectiveKind.ALL_GATHER
+    assert (sp["lm_head:in"].update.collective, sp["lm_head:in/grad"].update.collective) == (CollectiveKind.ALL_GATHER, CollectiveKind.REDUCE_SCATTER)
     loss = sp["lm_head:loss"]
-    assert loss.update.collective is CollectiveKind.all_gather and loss.payload_bytes == 2 * 2 * 32 * 4  # tp x (lse, logit) x tokens x fp32
+    assert loss.update.collective is CollectiveKind.ALL_GATHER and loss.payload_bytes == 2 * 2 * 32 * 4  # tp x (lse, logit) x tokens x fp32
 
 
 def test_step_programs_repeat_reductions_of_every_accumulation_window():
     low = lower(load_spec(EXAMPLES / "tiny-transformer.yaml").spec)  # dp_shard 2, accumulation 2
     (program,) = low.schedule.programs
     scatters = [op for op in program if op.kind.value == "collective" and op.tag == "reduce_scatter"]
-    planned = [u for u in low.updates if u.update.collective is CollectiveKind.reduce_scatter]
+    planned = [u for u in low.updates if u.update.collective is CollectiveKind.REDUCE_SCATTER]
     assert planned and all(u.occurrences_per_step == 2 for u in planned)
     assert len(scatters) == 2 * len(planned)
 

@@ -620,9 +620,9 @@ def test_rules_only_a_plugin_backend_can_break_agree_with_the_oracle():
     distributed optimizer); a backend declaring less is checked with the common rule set."""
     limited = BackendCapabilities(
         name="limited",
-        axes=frozenset({ParallelAxis.dp_replicate, ParallelAxis.dp_shard, ParallelAxis.tp, ParallelAxis.pp}),
+        axes=frozenset({ParallelAxis.DP_REPLICATE, ParallelAxis.DP_SHARD, ParallelAxis.TP, ParallelAxis.PP}),
         precisions=frozenset({"fp32"}),
-        incompatible_axis_sets=(frozenset({ParallelAxis.tp, ParallelAxis.pp}),),
+        incompatible_axis_sets=(frozenset({ParallelAxis.TP, ParallelAxis.PP}),),
         distributed_optimizer=False,
         reshardable_checkpoint=False,
         elastic_restart=False,

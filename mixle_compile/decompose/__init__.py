@@ -1,8 +1,20 @@
 """Placing a model on devices: the best axis to cut and the optimal contiguous cut of its units.
 
 Entry point: :func:`decompose_model` (a :class:`~mixle_compile.graph.ModelGraph` and the devices
-in, a frozen :class:`ModelDecomposition` out).
+in, a frozen :class:`ModelDecomposition` out). The package also re-exports the sizing queries
+and the decomposition vocabulary of :mod:`mixle_compile.graph`, so it holds every name mixle's
+``model_decomposition`` module has.
 """
+
+from mixle_compile.graph import (
+    AxisCandidate,
+    DecompAxis,
+    NodeSize,
+    ReductionOp,
+    best_parallel_axis,
+    size_model_tree,
+    tree_axes,
+)
 
 from mixle_compile.decompose.cut import (
     ContiguousCut,
@@ -27,6 +39,13 @@ from mixle_compile.decompose.plan import (
 
 __all__ = [
     "AXIS_TOO_LARGE",
+    "AxisCandidate",
+    "DecompAxis",
+    "NodeSize",
+    "ReductionOp",
+    "best_parallel_axis",
+    "size_model_tree",
+    "tree_axes",
     "MAX_CUT_UNITS",
     "MIN_COMPONENTS_UNSATISFIABLE",
     "TOO_FEW_DEVICES",

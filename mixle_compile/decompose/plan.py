@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Any
+
+from mixle_compile.contracts import ReadOnlyDict
 
 from mixle_compile.decompose.cut import (
     ContiguousCut,
@@ -113,7 +114,7 @@ class ModelDecomposition:
     num_units: int
     cuts: tuple[ModelCut, ...]
     rationale: str
-    extra: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}), compare=False)
+    extra: Mapping[str, Any] = field(default_factory=ReadOnlyDict, compare=False)
     path: str = ""
     unit_works: tuple[float, ...] = ()
     unit_bytes: tuple[int, ...] = ()
@@ -126,7 +127,7 @@ class ModelDecomposition:
     @property
     def is_model_parallel(self) -> bool:
         """Whether the model is cut into more than one shard."""
-        return self.axis is not DecompAxis.none and len(self.cuts) > 1
+        return self.axis is not DecompAxis.NONE and len(self.cuts) > 1
 
     @property
     def ok(self) -> bool:
@@ -245,12 +246,12 @@ def decompose_model(
 
 def _replicated(model: ModelGraph, rationale: str, diagnostics: tuple[Diagnostic, ...], num_units: int = 1) -> ModelDecomposition:
     return ModelDecomposition(
-        DecompAxis.none,
-        ReductionOp.replicate,
+        DecompAxis.NONE,
+        ReductionOp.REPLICATE,
         num_units,
         (),
         rationale,
-        MappingProxyType({"path": model.root}),
+        ReadOnlyDict({"path": model.root}),
         path=model.root,
         diagnostics=diagnostics,
     )
@@ -264,7 +265,7 @@ def _cut(model: ModelGraph, best: AxisCandidate, devices: tuple[Device, ...], mi
             best.num_units,
             (),
             f"cannot cut {best.axis.value} at {best.path}: {why}",
-            MappingProxyType({"path": best.path, "total_work": best.total_work}),
+            ReadOnlyDict({"path": best.path, "total_work": best.total_work}),
             path=best.path,
             held_whole_bytes=best.held_whole_bytes,
             diagnostics=(diagnostic,),
@@ -375,7 +376,7 @@ def _cut(model: ModelGraph, best: AxisCandidate, devices: tuple[Device, ...], mi
         num_units=best.num_units,
         cuts=cuts,
         rationale="; ".join(notes),
-        extra=MappingProxyType(
+        extra=ReadOnlyDict(
             {
                 "path": best.path,
                 "total_work": best.total_work,

@@ -2,23 +2,23 @@
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import StrEnum
 
 
-class DecompAxis(str, Enum):
+class DecompAxis(StrEnum):
     """The dimension a node of the model splits along for model parallelism."""
 
-    none = "none"  # atomic: held whole (leaves, neural blocks)
-    component = "component"  # mixture components, mixture-of-experts experts
-    factor = "factor"  # independent coordinates of a composite record
-    sequence = "sequence"  # i.i.d. elements of a sequence: the data axis, sized from the data
-    topic = "topic"  # shared latent topics (hierarchical models); no spec node declares it yet
-    state = "state"  # HMM emission states; the transition matrix stays whole on every shard
+    NONE = "none"  # atomic: held whole (leaves, neural blocks)
+    COMPONENT = "component"  # mixture components, mixture-of-experts experts
+    FACTOR = "factor"  # independent coordinates of a composite record
+    SEQUENCE = "sequence"  # i.i.d. elements of a sequence: the data axis, sized from the data
+    TOPIC = "topic"  # shared latent topics (hierarchical models); no spec node declares it yet
+    STATE = "state"  # HMM emission states; the transition matrix stays whole on every shard
 
 
-class ReductionOp(str, Enum):
+class ReductionOp(StrEnum):
     """How per-shard sufficient statistics recombine across shards."""
 
-    sum = "sum"  # additive statistics: one all-reduce of the shard sums, exact
-    logsumexp = "logsumexp"  # responsibilities are normalised across shards: a scalar log-sum-exp, then sum
-    replicate = "replicate"  # not split: held whole and identical on every shard
+    SUM = "sum"  # additive statistics: one all-reduce of the shard sums, exact
+    LOGSUMEXP_RESPONSIBILITY = "logsumexp"  # responsibilities are normalised across shards: a scalar log-sum-exp, then sum
+    REPLICATE = "replicate"  # not split: held whole and identical on every shard

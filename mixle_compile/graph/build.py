@@ -173,9 +173,9 @@ class _Builder:
         field_path: Path_,
         own_param_bytes: int,
         own_work: float,
-        axis: DecompAxis = DecompAxis.none,
+        axis: DecompAxis = DecompAxis.NONE,
         num_units: int = 1,
-        reduction: ReductionOp = ReductionOp.replicate,
+        reduction: ReductionOp = ReductionOp.REPLICATE,
         shared: bool = False,
         shared_children: tuple[str, ...] = (),
     ) -> None:
@@ -366,9 +366,9 @@ class _Builder:
                 field_path=where(experts[0], "num_experts"),
                 own_param_bytes=0,
                 own_work=0.0,
-                axis=DecompAxis.component,
+                axis=DecompAxis.COMPONENT,
                 num_units=num_experts,
-                reduction=ReductionOp.sum,
+                reduction=ReductionOp.SUM,
             )
             self.add_node(
                 unit_id,
@@ -384,15 +384,15 @@ class _Builder:
 
 def _distribution_axis(node: Any) -> tuple[DecompAxis, ReductionOp, int]:
     if isinstance(node, Mixture):
-        return DecompAxis.component, ReductionOp.logsumexp, node.num_components
+        return DecompAxis.COMPONENT, ReductionOp.LOGSUMEXP_RESPONSIBILITY, node.num_components
     if isinstance(node, Composite):
-        return DecompAxis.factor, ReductionOp.sum, len(node.factors)
+        return DecompAxis.FACTOR, ReductionOp.SUM, len(node.factors)
     if isinstance(node, HMM):
-        return DecompAxis.state, ReductionOp.sum, node.num_states
+        return DecompAxis.STATE, ReductionOp.SUM, node.num_states
     if isinstance(node, Sequence):
         # The sequence axis is the data axis: one model unit, sized from the data, never cut here.
-        return DecompAxis.sequence, ReductionOp.sum, 1
-    return DecompAxis.none, ReductionOp.replicate, 1
+        return DecompAxis.SEQUENCE, ReductionOp.SUM, 1
+    return DecompAxis.NONE, ReductionOp.REPLICATE, 1
 
 
 def _distribution_children(node: Any) -> list[tuple[Path_, Any, int, int, str]]:

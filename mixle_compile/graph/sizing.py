@@ -29,7 +29,7 @@ class NodeSize:
     num_units: int
     own_param_bytes: int
     subtree_param_bytes: int
-    subtree_work: float = 0.0
+    subtree_work: float = 1.0  # as mixle: a node with no stated work weighs one unit
     children: tuple["NodeSize", ...] = ()
     copies: int = 1
     shared: bool = False
@@ -96,7 +96,7 @@ def shard_children(model: ModelGraph, node: str | None = None) -> tuple[tuple[st
     transitions, a sequence's length) is not listed. Empty for a node whose axis is ``none``.
     """
     n = model.root if node is None else node
-    if model.graph.nodes[n]["axis"] is DecompAxis.none:
+    if model.graph.nodes[n]["axis"] is DecompAxis.NONE:
         return ()
     return tuple((child, data["units"]) for child, data in model.graph.succ[n].items() if data["units"] > 0)
 
@@ -150,14 +150,14 @@ def size_model_tree(model: ModelGraph, node: str | None = None) -> NodeSize:
     return size(top, 1)
 
 
-def tree_axes(model: ModelGraph) -> tuple[AxisCandidate, ...]:
+def tree_axes(model: ModelGraph) -> list[AxisCandidate]:
     """Every shardable axis anywhere in the tree (two or more units), parents before children."""
     nodes, succ = model.graph.nodes, model.graph.succ
     total_bytes = nodes[model.root]["subtree_param_bytes"]
     out: list[AxisCandidate] = []
     for n in reversed(model.order):
         attrs = nodes[n]
-        if attrs["axis"] is DecompAxis.none or attrs["num_units"] < 2:
+        if attrs["axis"] is DecompAxis.NONE or attrs["num_units"] < 2:
             continue
         kids = [(child, data["units"]) for child, data in succ[n].items() if data["units"] > 0]
         if sum(units for _, units in kids) != attrs["num_units"]:
@@ -178,10 +178,10 @@ def tree_axes(model: ModelGraph) -> tuple[AxisCandidate, ...]:
                 held_whole_bytes=total_bytes - unit_bytes,
                 # Mixture components and experts are labels: any order is the same model. Factors
                 # read fixed record columns and states index the transition matrix, so they keep theirs.
-                exchangeable=attrs["axis"] is DecompAxis.component,
+                exchangeable=attrs["axis"] is DecompAxis.COMPONENT,
             )
         )
-    return tuple(out)
+    return out
 
 
 def parallel_benefit(candidate: AxisCandidate, max_workers: int | None = None) -> float:

@@ -50,7 +50,7 @@ STATISTICS_BYTES = 8  # float64
 
 # EM cuts these axes; cutting HMM states or sequence positions would need a collective per time
 # step inside forward-backward.
-EM_CUT_AXES = (DecompAxis.component, DecompAxis.factor)
+EM_CUT_AXES = (DecompAxis.COMPONENT, DecompAxis.FACTOR)
 
 UNSUPPORTED_AXIS = register_code(
     Code(
@@ -138,21 +138,21 @@ def lower_distribution(spec: Spec, plan: ParallelPlan, graph: ModelGraph, grid: 
         shape = (node.instances, elements) if node.instances > 1 else (elements,)
         placements: list[tuple[str, str]] = [(a, "replicate") for a in data_axes]
         local = list(shape)
-        state = StateLayout.replicated
+        state = StateLayout.REPLICATED
         units_here = _units_reaching(graph, cut, node_id) if cut is not None else set()
         if cut is not None and node_id == cut.path:
             # The cut node's own per-unit parameters (a mixture's weights) split with its units.
             placements.append(("tp", "shard(0)"))
             local[0] = largest_share if len(shape) == 1 else shape[0] // num_units * largest_share
-            state = StateLayout.sharded
+            state = StateLayout.SHARDED
         elif cut is not None and units_here and len(units_here) == 1:
             owners[node_id] = unit_owner[next(iter(units_here))]
-            state = StateLayout.sharded
+            state = StateLayout.SHARDED
         elif cut is not None and len(units_here) > 1 and node.instances > 1 and not node.shared:
             # One node held once per unit (`repeat: K`): its copies split like the units.
             placements.append(("tp", "shard(0)"))
             local[0] = ceil(shape[0] / num_units) * largest_share
-            state = StateLayout.sharded
+            state = StateLayout.SHARDED
         elif plan.tp > 1:
             placements.append(("tp", "replicate"))
         layout = ParameterLayout(logical_id=node_id, global_shape=shape, placements=tuple(placements), shared_group=None, optimizer_state=state)
@@ -164,21 +164,21 @@ def lower_distribution(spec: Spec, plan: ParallelPlan, graph: ModelGraph, grid: 
         axes = data_axes + (("tp",) if cut is not None and len(units_here) > 1 and node.shared else ())
         if axes:
             updates.append(
-                _all_reduce(f"{node_id}:statistics", PayloadKind.sufficient_statistic, axes, state,
+                _all_reduce(f"{node_id}:statistics", PayloadKind.SUFFICIENT_STATISTIC, axes, state,
                             "sum the sufficient statistics (exact in exact arithmetic)", node_id, "gradient", statistics_bytes, plan, 1)
             )
     micro_steps = plan.microbatches * plan.gradient_accumulation_steps
     row_bytes = t.micro_batch_size * 8  # one float64 per row
     if cut is not None:
-        steps = (("max", "max of the local log-densities"), ("sum", "sum of exponentials")) if cut.reduction is ReductionOp.logsumexp else (("sum", "sum of the factors' log-likelihoods"),)
+        steps = (("max", "max of the local log-densities"), ("sum", "sum of exponentials")) if cut.reduction is ReductionOp.LOGSUMEXP_RESPONSIBILITY else (("sum", "sum of the factors' log-likelihoods"),)
         for what, notes in steps:
             updates.append(
-                _all_reduce(f"{cut.path}:normaliser/{what}", PayloadKind.message, ("tp",), StateLayout.replicated,
+                _all_reduce(f"{cut.path}:normaliser/{what}", PayloadKind.MESSAGE, ("tp",), StateLayout.REPLICATED,
                             f"{cut.reduction.value} boundary of the {cut.axis.value} cut: {notes}", cut.path, "forward", row_bytes, plan, micro_steps)
             )
     if data_axes:
         updates.append(
-            _all_reduce("log_likelihood", PayloadKind.message, data_axes, StateLayout.replicated,
+            _all_reduce("log_likelihood", PayloadKind.MESSAGE, data_axes, StateLayout.REPLICATED,
                         "the iteration's total log-likelihood, reported and checked never to decrease", "log_likelihood", "gradient", 8, plan, 1)
         )
     local_units = max((c.stop - c.start for c in cut.cuts), default=1) if cut is not None else max(1, graph.node(graph.root).num_units)
@@ -199,8 +199,8 @@ def lower_distribution(spec: Spec, plan: ParallelPlan, graph: ModelGraph, grid: 
 
 def _all_reduce(node_id: str, payload: PayloadKind, axes: tuple[str, ...], state: StateLayout, notes: str,
                 tensor: str, phase: str, nbytes: int, plan: ParallelPlan, occurrences: int) -> PlannedUpdate:
-    update = DistributedUpdate(node_id=node_id, payload=payload, collective=CollectiveKind.all_reduce, mesh_axes=axes,
-                               state_layout=state, notes=notes, contract_exact=True)
+    update = DistributedUpdate(node_id=node_id, payload=payload, collective=CollectiveKind.ALL_REDUCE, mesh_axes=axes,
+                               state_layout=state, notes=(notes,) if notes else (), contract_exact=True)
     return PlannedUpdate(update, tensor, phase, 0, nbytes, group_size(axes, plan), occurrences)
 
 
@@ -289,7 +289,7 @@ def check_statistics_once(graph: ModelGraph, low: DistributionLowering, plan: Pa
             unit += span
     reduced: dict[str, list[tuple[str, ...]]] = {}
     for u in low.updates:
-        if u.update.payload is PayloadKind.sufficient_statistic:
+        if u.update.payload is PayloadKind.SUFFICIENT_STATISTIC:
             reduced.setdefault(u.tensor, []).append(tuple(u.update.mesh_axes))
     problems = []
     for p in low.parameters:

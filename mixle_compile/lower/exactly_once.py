@@ -19,7 +19,7 @@ from mixle_compile.lower.groups import kv_replica_axis, kv_replica_size
 from mixle_compile.lower.layouts import PlacedParameter
 from mixle_compile.lower.updates import PlannedUpdate
 
-_REDUCTIONS = (CollectiveKind.all_reduce, CollectiveKind.reduce_scatter)
+_REDUCTIONS = (CollectiveKind.ALL_REDUCE, CollectiveKind.REDUCE_SCATTER)
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ def check_exactly_once(
     ``num_kv_heads``: a transformer's KV heads (None: no KV heads shared over tp)."""
     by_tensor: dict[str, list[PlannedUpdate]] = {}
     for u in updates:
-        if u.update.payload is PayloadKind.gradient:
+        if u.update.payload is PayloadKind.GRADIENT:
             by_tensor.setdefault(u.tensor, []).append(u)
     problems: list[ReductionProblem] = []
     known = {p.name for p in placed}
@@ -112,7 +112,7 @@ def check_exactly_once(
                 ReductionProblem(p.name, f"{p.name}: its reduced gradient is divided by {divisor}; the loss is a mean over the global batch, so divide by the data-parallel size {want}")
             )
         tied_at = [i for i, u in enumerate(reductions) if "tied" in u.update.mesh_axes]
-        scatter_at = [i for i, u in enumerate(reductions) if u.update.collective is CollectiveKind.reduce_scatter]
+        scatter_at = [i for i, u in enumerate(reductions) if u.update.collective is CollectiveKind.REDUCE_SCATTER]
         if tied_at and scatter_at and min(scatter_at) < min(tied_at):
             problems.append(ReductionProblem(p.name, f"{p.name}: the tied-weight all_reduce must see whole gradients, but it comes after a reduce_scatter"))
     return tuple(problems)

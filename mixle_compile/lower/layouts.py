@@ -185,9 +185,9 @@ def place_parameters(
 def _optimizer_state(p: Parameter, plan: ParallelPlan, fsdp: bool, distributed_optimizer: bool) -> StateLayout:
     data_ranks = expert_data_size(plan) if p.role == "expert" else plan.data_parallel_size * plan.cp
     if (fsdp or distributed_optimizer) and data_ranks > 1:
-        return StateLayout.sharded
+        return StateLayout.SHARDED
     if p.role == "expert" and plan.ep > 1:
-        return StateLayout.expert_local
+        return StateLayout.EXPERT_LOCAL
     if plan.pp > 1:
-        return StateLayout.pipeline_local
-    return StateLayout.replicated
+        return StateLayout.PIPELINE_LOCAL
+    return StateLayout.REPLICATED

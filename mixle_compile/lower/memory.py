@@ -98,7 +98,7 @@ def stage_memory(
         state = 0
         for p in mine:
             elems = p.local_numel
-            if p.layout.optimizer_state is StateLayout.sharded and not _data_sharded(p):
+            if p.layout.optimizer_state is StateLayout.SHARDED and not _data_sharded(p):
                 elems = ceil(elems / _data_ranks(p, plan))
             state += elems * optimizer_bytes_per_element(NUMBERS, adam=adam, below_fp32=p.parameter.dtype != "fp32")
         units: dict[object, int] = {}  # a layer, or (None) the embedding and head

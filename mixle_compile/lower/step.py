@@ -43,7 +43,7 @@ class StepSchedule:
 
 
 def grid_for(plan: ParallelPlan, updates: tuple[PlannedUpdate, ...], order: str | None) -> RankGrid:
-    extra = sorted({tuple(u.update.mesh_axes) for u in updates if u.update.collective is not CollectiveKind.p2p})
+    extra = sorted({tuple(u.update.mesh_axes) for u in updates if u.update.collective is not CollectiveKind.P2P})
     return RankGrid.from_plan(plan, order=order, extra_rules=[axes for axes in extra if axes != ("tied",)])
 
 
@@ -70,7 +70,7 @@ def step_schedule(
             ops = [
                 collective(u.update.node_id, rule_name(u.update.mesh_axes), tag=u.update.collective.value, bytes=u.payload_bytes)
                 for u in updates
-                if u.phase == phase and u.stage == stage and u.update.collective is not CollectiveKind.p2p
+                if u.phase == phase and u.stage == stage and u.update.collective is not CollectiveKind.P2P
                 for _ in range(copies(u))
             ]
             if ops:

@@ -70,14 +70,14 @@ def domain_size(axis: str, plan: ParallelPlan) -> int:
     return plan.size(axis)
 
 
-def _grad_update(node: str, collective: CollectiveKind, axes: tuple[str, ...], layout: StateLayout, notes: str, payload=PayloadKind.gradient) -> DistributedUpdate:
+def _grad_update(node: str, collective: CollectiveKind, axes: tuple[str, ...], layout: StateLayout, notes: str, payload=PayloadKind.GRADIENT) -> DistributedUpdate:
     return DistributedUpdate(
         node_id=node,
         payload=payload,
         collective=collective,
         mesh_axes=axes,
         state_layout=layout,
-        notes=notes,
+        notes=(notes,) if notes else (),
         contract_exact=True,  # sums (reduced in fp32) and copies: exact in exact arithmetic
     )
 
@@ -126,7 +126,7 @@ def gradient_updates(placed: tuple[PlacedParameter, ...], plan: ParallelPlan, *,
             # takes the whole (padded) gradient buffer, before any reduce-scatter.
             grads.append(
                 PlannedUpdate(
-                    _grad_update(f"{layout.shared_group}:grad/tied", CollectiveKind.all_reduce, (TIED_GROUP,), layout.optimizer_state,
+                    _grad_update(f"{layout.shared_group}:grad/tied", CollectiveKind.ALL_REDUCE, (TIED_GROUP,), layout.optimizer_state,
                                  f"tied weight {layout.shared_group!r}: sum the first and last stage's whole gradients before any reduce-scatter"),
                     name, "gradient", stage, whole_local, 2, per_step,
                 )
@@ -136,7 +136,7 @@ def gradient_updates(placed: tuple[PlacedParameter, ...], plan: ParallelPlan, *,
             # until that accumulation step's reduce-scatter.
             grads.append(
                 PlannedUpdate(
-                    _grad_update(f"{name}:grad/tp", CollectiveKind.all_reduce, ("tp",), layout.optimizer_state,
+                    _grad_update(f"{name}:grad/tp", CollectiveKind.ALL_REDUCE, ("tp",), layout.optimizer_state,
                                  "tp-replicated parameter whose inputs are sequence shards under sequence parallelism"),
                     name, "gradient", stage, whole_local, plan.tp, per_step,
                 )
@@ -146,7 +146,7 @@ def gradient_updates(placed: tuple[PlacedParameter, ...], plan: ParallelPlan, *,
             # Before the data reduction and as often: its evidence is the complete gradient of the head.
             grads.append(
                 PlannedUpdate(
-                    _grad_update(f"{name}:grad/kv", CollectiveKind.all_reduce, (kv_axis,), layout.optimizer_state,
+                    _grad_update(f"{name}:grad/kv", CollectiveKind.ALL_REDUCE, (kv_axis,), layout.optimizer_state,
                                  f"KV head shared by {pp_.kv_replicas} tp ranks: each holds the part of its gradient that its own query heads contribute"),
                     name, "gradient", stage, whole_local, pp_.kv_replicas, per_step,
                 )
@@ -155,7 +155,7 @@ def gradient_updates(placed: tuple[PlacedParameter, ...], plan: ParallelPlan, *,
             axes = tuple(sharded)
             grads.append(
                 PlannedUpdate(
-                    _grad_update(f"{name}:grad/scatter", CollectiveKind.reduce_scatter, axes, StateLayout.sharded,
+                    _grad_update(f"{name}:grad/scatter", CollectiveKind.REDUCE_SCATTER, axes, StateLayout.SHARDED,
                                  f"divide by the data-parallel size {dp}" if not replicated else "partial sum; the all_reduce that follows divides"),
                     name, "gradient", stage, _padded_bytes(pp_, plan, 4, group_size(axes, plan)), group_size(axes, plan), per_step,
                     gradient_divisor=1 if replicated else dp,
@@ -167,7 +167,7 @@ def gradient_updates(placed: tuple[PlacedParameter, ...], plan: ParallelPlan, *,
             payload = _padded_bytes(pp_, plan, 4, group_size(tuple(sharded), plan), shard=True) if sharded else local_full
             grads.append(
                 PlannedUpdate(
-                    _grad_update(f"{name}:grad/reduce", CollectiveKind.all_reduce, axes, layout.optimizer_state,
+                    _grad_update(f"{name}:grad/reduce", CollectiveKind.ALL_REDUCE, axes, layout.optimizer_state,
                                  f"divide by the data-parallel size {dp}"),
                     name, "gradient", stage, payload, group_size(axes, plan), per_step, gradient_divisor=dp,
                 )
@@ -180,8 +180,8 @@ def gradient_updates(placed: tuple[PlacedParameter, ...], plan: ParallelPlan, *,
                 axes = tuple(sharded)
                 out.append(
                     PlannedUpdate(
-                        _grad_update(f"{name}:param/gather", CollectiveKind.all_gather, axes, StateLayout.sharded,
-                                     "distributed optimizer: gather the updated shards", payload=PayloadKind.parameter),
+                        _grad_update(f"{name}:param/gather", CollectiveKind.ALL_GATHER, axes, StateLayout.SHARDED,
+                                     "distributed optimizer: gather the updated shards", payload=PayloadKind.PARAMETER),
                         name, "parameter", stage, param_bytes, group_size(axes, plan), 1,
                     )
                 )
@@ -190,8 +190,8 @@ def gradient_updates(placed: tuple[PlacedParameter, ...], plan: ParallelPlan, *,
             for phase in ("forward", "backward"):
                 out.append(
                     PlannedUpdate(
-                        _grad_update(f"{name}:param/gather-{phase}", CollectiveKind.all_gather, axes, StateLayout.sharded,
-                                     f"FSDP: gather the parameter before its {phase} use", payload=PayloadKind.parameter),
+                        _grad_update(f"{name}:param/gather-{phase}", CollectiveKind.ALL_GATHER, axes, StateLayout.SHARDED,
+                                     f"FSDP: gather the parameter before its {phase} use", payload=PayloadKind.PARAMETER),
                         name, phase, stage, param_bytes, group_size(axes, plan), microbatches_per_step,
                     )
                 )
@@ -237,10 +237,10 @@ def activation_updates(spec: Spec, plan: ParallelPlan, stage_of: dict[int, int])
     sp = t.sequence_parallel
     out: list[PlannedUpdate] = []
 
-    def add(node: str, collective: CollectiveKind, axes: tuple[str, ...], phase: str, stage: int, nbytes: int, layout: StateLayout, notes: str, payload=PayloadKind.activation, times: int = 1) -> None:
+    def add(node: str, collective: CollectiveKind, axes: tuple[str, ...], phase: str, stage: int, nbytes: int, layout: StateLayout, notes: str, payload=PayloadKind.ACTIVATION, times: int = 1) -> None:
         out.append(
             PlannedUpdate(
-                DistributedUpdate(node_id=node, payload=payload, collective=collective, mesh_axes=axes, state_layout=layout, notes=notes, contract_exact=True),
+                DistributedUpdate(node_id=node, payload=payload, collective=collective, mesh_axes=axes, state_layout=layout, notes=(notes,) if notes else (), contract_exact=True),
                 node.split(":")[0], phase, stage, nbytes, group_size(axes, plan), mb * times,
             )
         )
@@ -248,16 +248,16 @@ def activation_updates(spec: Spec, plan: ParallelPlan, stage_of: dict[int, int])
     last = plan.pp - 1
     if plan.tp > 1:
         if sp:
-            add("embed:out", CollectiveKind.reduce_scatter, ("tp",), "forward", 0, hidden_bytes, StateLayout.sharded, "vocabulary-parallel embedding: sum the vocabulary slices and scatter the sequence")
-            add("embed:out/grad", CollectiveKind.all_gather, ("tp",), "backward", 0, hidden_bytes, StateLayout.replicated, "conjugate of the embedding's reduce_scatter")
-            add("lm_head:in", CollectiveKind.all_gather, ("tp",), "forward", last, hidden_bytes, StateLayout.replicated, "sequence parallel: gather the sequence before the vocabulary-parallel head")
-            add("lm_head:in/grad", CollectiveKind.reduce_scatter, ("tp",), "backward", last, hidden_bytes, StateLayout.sharded, "conjugate of the head's input all_gather")
+            add("embed:out", CollectiveKind.REDUCE_SCATTER, ("tp",), "forward", 0, hidden_bytes, StateLayout.SHARDED, "vocabulary-parallel embedding: sum the vocabulary slices and scatter the sequence")
+            add("embed:out/grad", CollectiveKind.ALL_GATHER, ("tp",), "backward", 0, hidden_bytes, StateLayout.REPLICATED, "conjugate of the embedding's reduce_scatter")
+            add("lm_head:in", CollectiveKind.ALL_GATHER, ("tp",), "forward", last, hidden_bytes, StateLayout.REPLICATED, "sequence parallel: gather the sequence before the vocabulary-parallel head")
+            add("lm_head:in/grad", CollectiveKind.REDUCE_SCATTER, ("tp",), "backward", last, hidden_bytes, StateLayout.SHARDED, "conjugate of the head's input all_gather")
         else:
-            add("embed:out", CollectiveKind.all_reduce, ("tp",), "forward", 0, hidden_bytes, StateLayout.replicated, "vocabulary-parallel embedding: each rank holds a slice of the vocabulary")
-            add("lm_head:in/grad", CollectiveKind.all_reduce, ("tp",), "backward", last, hidden_bytes, StateLayout.replicated, "sum the input gradients of the vocabulary-parallel head")
+            add("embed:out", CollectiveKind.ALL_REDUCE, ("tp",), "forward", 0, hidden_bytes, StateLayout.REPLICATED, "vocabulary-parallel embedding: each rank holds a slice of the vocabulary")
+            add("lm_head:in/grad", CollectiveKind.ALL_REDUCE, ("tp",), "backward", last, hidden_bytes, StateLayout.REPLICATED, "sum the input gradients of the vocabulary-parallel head")
         # One fp32 (log-sum-exp, target logit) pair per token from each vocabulary shard; every rank
         # then combines them into the same loss, and the backward needs no communication.
-        add("lm_head:loss", CollectiveKind.all_gather, ("tp",), "forward", last, plan.tp * 2 * tokens * 4, StateLayout.replicated, "vocabulary-parallel cross entropy: gather each shard's log-sum-exp and target logit")
+        add("lm_head:loss", CollectiveKind.ALL_GATHER, ("tp",), "forward", last, plan.tp * 2 * tokens * 4, StateLayout.REPLICATED, "vocabulary-parallel cross entropy: gather each shard's log-sum-exp and target logit")
     # K and V of the KV heads a tp rank holds: its share, or the one head it shares with others.
     kv_heads = model.num_kv_heads or model.num_heads
     kv_bytes = tokens * max(kv_heads // plan.tp, 1) * head_dim(model) * act_bytes_per
@@ -266,23 +266,23 @@ def activation_updates(spec: Spec, plan: ParallelPlan, stage_of: dict[int, int])
         for block in ("attn", "mlp"):
             if plan.tp > 1:
                 if sp:
-                    add(f"layers.{i}.{block}:in", CollectiveKind.all_gather, ("tp",), "forward", stage, hidden_bytes, StateLayout.replicated, "sequence parallel: gather the sequence before the column-parallel layer")
-                    add(f"layers.{i}.{block}:out", CollectiveKind.reduce_scatter, ("tp",), "forward", stage, hidden_bytes, StateLayout.sharded, "sequence parallel: reduce and scatter the row-parallel output over the sequence")
-                    add(f"layers.{i}.{block}:in/grad", CollectiveKind.reduce_scatter, ("tp",), "backward", stage, hidden_bytes, StateLayout.sharded, "conjugate of the input all_gather")
-                    add(f"layers.{i}.{block}:out/grad", CollectiveKind.all_gather, ("tp",), "backward", stage, hidden_bytes, StateLayout.replicated, "conjugate of the output reduce_scatter")
+                    add(f"layers.{i}.{block}:in", CollectiveKind.ALL_GATHER, ("tp",), "forward", stage, hidden_bytes, StateLayout.REPLICATED, "sequence parallel: gather the sequence before the column-parallel layer")
+                    add(f"layers.{i}.{block}:out", CollectiveKind.REDUCE_SCATTER, ("tp",), "forward", stage, hidden_bytes, StateLayout.SHARDED, "sequence parallel: reduce and scatter the row-parallel output over the sequence")
+                    add(f"layers.{i}.{block}:in/grad", CollectiveKind.REDUCE_SCATTER, ("tp",), "backward", stage, hidden_bytes, StateLayout.SHARDED, "conjugate of the input all_gather")
+                    add(f"layers.{i}.{block}:out/grad", CollectiveKind.ALL_GATHER, ("tp",), "backward", stage, hidden_bytes, StateLayout.REPLICATED, "conjugate of the output reduce_scatter")
                 else:
-                    add(f"layers.{i}.{block}:out", CollectiveKind.all_reduce, ("tp",), "forward", stage, hidden_bytes, StateLayout.replicated, "sum the row-parallel partial outputs")
-                    add(f"layers.{i}.{block}:in/grad", CollectiveKind.all_reduce, ("tp",), "backward", stage, hidden_bytes, StateLayout.replicated, "sum the input gradients of the column-parallel layer")
+                    add(f"layers.{i}.{block}:out", CollectiveKind.ALL_REDUCE, ("tp",), "forward", stage, hidden_bytes, StateLayout.REPLICATED, "sum the row-parallel partial outputs")
+                    add(f"layers.{i}.{block}:in/grad", CollectiveKind.ALL_REDUCE, ("tp",), "backward", stage, hidden_bytes, StateLayout.REPLICATED, "sum the input gradients of the column-parallel layer")
         if plan.cp > 1:
-            add(f"layers.{i}.attn:kv", CollectiveKind.all_gather, ("cp",), "forward", stage, 2 * kv_bytes * plan.cp, StateLayout.replicated, "context parallel: gather K and V of every sequence chunk", payload=PayloadKind.kv_block)
-            add(f"layers.{i}.attn:kv/grad", CollectiveKind.reduce_scatter, ("cp",), "backward", stage, 2 * kv_bytes * plan.cp, StateLayout.sharded, "context parallel: return the K and V gradients to their chunks", payload=PayloadKind.kv_block)
+            add(f"layers.{i}.attn:kv", CollectiveKind.ALL_GATHER, ("cp",), "forward", stage, 2 * kv_bytes * plan.cp, StateLayout.REPLICATED, "context parallel: gather K and V of every sequence chunk", payload=PayloadKind.KV_BLOCK)
+            add(f"layers.{i}.attn:kv/grad", CollectiveKind.REDUCE_SCATTER, ("cp",), "backward", stage, 2 * kv_bytes * plan.cp, StateLayout.SHARDED, "context parallel: return the K and V gradients to their chunks", payload=PayloadKind.KV_BLOCK)
         if plan.ep > 1 and is_moe_layer(model, i):
             # Under sequence parallelism each tp rank routes its own sequence shard when experts are
             # whole on it (etp = 1); split over tp (etp = tp), every tp rank routes all the gathered
             # tokens, each computing its slice of their experts' features.
             routed = hidden_bytes * (model.experts_per_token or 1) // (plan.tp if sp and plan.etp == 1 else 1)
             for phase, what in (("forward", "dispatch"), ("forward", "combine"), ("backward", "dispatch/grad"), ("backward", "combine/grad")):
-                add(f"layers.{i}.moe:{what}", CollectiveKind.all_to_all, ("ep",), phase, stage, routed, StateLayout.expert_local, "expert parallel: tokens to their experts' ranks and back", payload=PayloadKind.token)
+                add(f"layers.{i}.moe:{what}", CollectiveKind.ALL_TO_ALL, ("ep",), phase, stage, routed, StateLayout.EXPERT_LOCAL, "expert parallel: tokens to their experts' ranks and back", payload=PayloadKind.TOKEN)
     if plan.pp > 1:
         boundary_bytes = hidden_bytes // (plan.tp if sp else 1)
         # Virtual stage w hands over to w + 1 on stage (w + 1) % pp: with interleaving the last stage
@@ -296,6 +296,6 @@ def activation_updates(spec: Spec, plan: ParallelPlan, stage_of: dict[int, int])
             if s not in boundaries:
                 continue
             n = (s + 1) % plan.pp
-            add(f"stage.{s}->{n}:activation", CollectiveKind.p2p, ("pp",), "forward", s, boundary_bytes, StateLayout.pipeline_local, "pipeline: activation to the next stage", times=boundaries[s])
-            add(f"stage.{n}->{s}:activation/grad", CollectiveKind.p2p, ("pp",), "backward", n, boundary_bytes, StateLayout.pipeline_local, "pipeline: activation gradient to the previous stage", times=boundaries[s])
+            add(f"stage.{s}->{n}:activation", CollectiveKind.P2P, ("pp",), "forward", s, boundary_bytes, StateLayout.PIPELINE_LOCAL, "pipeline: activation to the next stage", times=boundaries[s])
+            add(f"stage.{n}->{s}:activation/grad", CollectiveKind.P2P, ("pp",), "backward", n, boundary_bytes, StateLayout.PIPELINE_LOCAL, "pipeline: activation gradient to the previous stage", times=boundaries[s])
     return out

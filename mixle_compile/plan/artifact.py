@@ -19,7 +19,7 @@ from mixle_compile.diagnostics import Diagnostic, Severity
 from mixle_compile.lower.lowering import Lowered
 from mixle_compile.engines import engine_profile
 from mixle_compile.schedules import bubble_fraction
-from mixle_compile.plan.document import FORMAT_VERSION, PlanDocument
+from mixle_compile.plan.document import FORMAT_VERSION, NOTES_SEPARATOR, PlanDocument
 from mixle_compile.spec.models import Spec
 
 DIGEST_FIELD = "content_digest"
@@ -52,7 +52,7 @@ def _without_nones(data: dict) -> dict:
 def build_plan(spec: Spec, lowered: Lowered, diagnostics: list[Diagnostic]) -> dict:
     """The plan as a JSON-ready dict (with its content digest)."""
     plan = lowered.plan
-    names, shape = plan.mesh
+    names, shape = plan.plan_mesh
     diagnostics = [*diagnostics, *lowered.diagnostics]
     errors = sum(d.severity is Severity.error for d in diagnostics)
     schedule = None
@@ -84,6 +84,7 @@ def build_plan(spec: Spec, lowered: Lowered, diagnostics: list[Diagnostic]) -> d
         "parameters": [
             {
                 **p.layout.as_dict(),
+                "placements": [list(pair) for pair in p.layout.placements],  # the plan keeps pairs
                 "role": p.parameter.role,
                 "dtype": p.parameter.dtype,
                 "layer": p.parameter.layer,
@@ -97,6 +98,7 @@ def build_plan(spec: Spec, lowered: Lowered, diagnostics: list[Diagnostic]) -> d
         "updates": [
             {
                 **u.update.as_dict(),
+                "notes": NOTES_SEPARATOR.join(u.update.notes),
                 "tensor": u.tensor,
                 "phase": u.phase,
                 "stage": u.stage,

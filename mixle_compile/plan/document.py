@@ -12,6 +12,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 FORMAT_VERSION = 1
 
+#: An update's notes are one string in the plan: the notes of its DistributedUpdate joined by this.
+NOTES_SEPARATOR = "\n"
+
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -91,6 +94,14 @@ class PlanUpdate(_Section):
     group_size: int
     occurrences_per_step: int
     gradient_divisor: int
+
+    def update_fields(self) -> dict[str, Any]:
+        """The fields of the ``DistributedUpdate`` this entry records, its notes as a tuple."""
+        from mixle_compile.contracts import DistributedUpdate
+
+        data = {name: getattr(self, name) for name in DistributedUpdate.__dataclass_fields__}
+        data["notes"] = tuple(self.notes.split(NOTES_SEPARATOR)) if self.notes else ()
+        return data
 
 
 class PlanOp(_Section):

@@ -355,7 +355,7 @@ def evidence(doc, em: EMInstructions, records: list[dict], repeat: list[dict], r
 
     out, errors = [], []
     for u in doc.updates:
-        fields = DistributedUpdate.from_dict({k: getattr(u, k) for k in DistributedUpdate.__dataclass_fields__}).as_dict()
+        fields = DistributedUpdate.from_dict(u.update_fields()).as_dict()
         rel = ab = 0.0
         samples = 0
         same = True

@@ -283,7 +283,7 @@ def run_rank(
 def _planned_update(u):
     from mixle_compile.contracts import DistributedUpdate
 
-    return DistributedUpdate.from_dict({k: getattr(u, k) for k in DistributedUpdate.__dataclass_fields__})
+    return DistributedUpdate.from_dict(u.update_fields())
 
 
 def open_rank_session(doc: PlanDocument, instructions: Instructions, mesh: Mesh, *, device, recorder=None):
