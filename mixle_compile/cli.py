@@ -30,13 +30,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     check = sub.add_parser("check", help="validate spec files and report diagnostics")
-    check.add_argument("files", nargs="+", metavar="FILE", help="spec files (.yaml, .yml or .json)")
+    check.add_argument("files", nargs="*", metavar="FILE",
+                       help="spec files (.yaml, .yml or .json) or engine configs (torchtitan .toml, Megatron-LM .sh, DeepSpeed .json)")
     check.add_argument("--format", choices=("text", "json", "sarif"), default="text", help="output format (default: text)")
     check.add_argument(
         "--suggest",
         action="store_true",
         help="for a file with errors, print the nearest valid settings on the same devices as a YAML patch",
     )
+    _import_arguments(check)
     check.set_defaults(run=_cmd_check)
 
     rules = sub.add_parser("rules", help="list every diagnostic code and verifier rule")
@@ -57,12 +59,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--ranks", type=int, nargs="?", const=8, metavar="N",
         help="also list the concrete ranks of the first N groups of every group rule (default 8); plans keep groups symbolic otherwise",
     )
+    _import_arguments(explain)
     explain.set_defaults(run=_cmd_explain)
 
     compile_ = sub.add_parser("compile", help="verify a spec and write its executable plan")
     compile_.add_argument("spec", metavar="SPEC", help="spec file (.yaml, .yml or .json)")
     compile_.add_argument("-o", "--output", type=Path, metavar="PLAN", help="where to write the plan (default: standard output)")
     compile_.add_argument("--format", choices=("text", "json"), default="text", help="format of the diagnostics (default: text)")
+    _import_arguments(compile_)
     compile_.set_defaults(run=_cmd_compile)
 
     from mixle_compile.runtime.cli import add_run_arguments  # argument handling only: no torch
@@ -75,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     diff.add_argument("old", metavar="A", help="plan or spec before the change")
     diff.add_argument("new", metavar="B", help="plan or spec after the change")
     diff.add_argument("--format", choices=("text", "json"), default="text", help="output format (default: text)")
+    _import_arguments(diff)
     diff.set_defaults(run=_cmd_diff)
 
     graph = sub.add_parser("graph", help="print the decomposition graph of a spec")
@@ -90,10 +95,57 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _import_arguments(parser: argparse.ArgumentParser) -> None:
+    """What an engine config (torchtitan TOML, Megatron-LM script, DeepSpeed JSON) may not say."""
+    group = parser.add_argument_group("engine configs", "for a torchtitan, Megatron-LM or DeepSpeed config (see docs/importers.md)")
+    group.add_argument("--model", metavar="CONFIG_JSON", help="an HF config.json giving the model (DeepSpeed; overrides the others' model)")
+    group.add_argument("--devices", type=_positive, metavar="N", help="how many devices run the config")
+    group.add_argument("--device-memory", metavar="SIZE", help="memory per device, e.g. 80GiB")
+    group.add_argument("--seq-len", type=_positive, metavar="N", help="tokens per sample, where the config does not say")
+    if parser.prog.endswith("check"):
+        group.add_argument("--torchtitan", metavar="MODULE:FUNCTION",
+                           help="check a torchtitan 0.3 config-registry function (needs torchtitan installed)")
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _import_options(args: argparse.Namespace):
+    from mixle_compile.importers import ImportOptions
+
+    memory = getattr(args, "device_memory", None)
+    if memory is not None:
+        from mixle_compile.spec.models import parse_memory
+
+        try:
+            parse_memory(memory)
+        except ValueError as exc:
+            print(f"mixle-compile: error: --device-memory {exc}", file=sys.stderr)
+            raise SystemExit(EXIT_USAGE)
+    return ImportOptions(devices=getattr(args, "devices", None), device_memory=memory,
+                         model=getattr(args, "model", None), seq_len=getattr(args, "seq_len", None))
+
+
 def _cmd_check(args: argparse.Namespace) -> int:
     from mixle_compile.check import check_file, exit_status
 
-    results = [check_file(f, suggest=True) if args.suggest else check_file(f) for f in args.files]
+    if not args.files and not args.torchtitan:
+        print("mixle-compile check: error: give at least one FILE (or --torchtitan MODULE:FUNCTION)", file=sys.stderr)
+        return EXIT_USAGE
+    options = _import_options(args)
+    extra = {"options": options} if options.given else {}
+    results = [check_file(f, suggest=True, **extra) if args.suggest else check_file(f, **extra) for f in args.files]
+    if args.torchtitan:
+        from mixle_compile.importers.torchtitan_registry import check_registry_function
+
+        results.append(check_registry_function(args.torchtitan, options, suggest=args.suggest))
     diagnostics = [d for r in results for d in r.diagnostics]
     if args.format == "sarif":
         from mixle_compile.sarif import sarif_log
@@ -199,7 +251,7 @@ def _cmd_explain(args: argparse.Namespace) -> int:
         return EXIT_CLEAN
     if Path(target).is_dir():
         return _explain_checkpoint(target, args)
-    doc, status = _plan_of(target, "explain")
+    doc, status = _plan_of(target, "explain", _import_options(args))
     if doc is None:
         return status
     from mixle_compile.report import explain_data, explain_text, plot_plan, rank_groups, rank_groups_text
@@ -260,7 +312,7 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     from mixle_compile.plan import plan_text
 
     try:
-        result = compile_file(args.spec)
+        result = compile_file(args.spec, options=_import_options(args))
     except CompilerBug as exc:
         print(f"mixle-compile: internal error: {exc} (please report this)", file=sys.stderr)
         return EXIT_INTERNAL
@@ -290,7 +342,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return run_command(args)
 
 
-def _plan_of(path: str, verb: str):
+def _plan_of(path: str, verb: str, options=None):
     """A verified plan from a plan file, or from a spec compiled on the fly: (plan, exit status)."""
     from mixle_compile.plan import PlanError, load_plan_text
 
@@ -310,7 +362,7 @@ def _plan_of(path: str, verb: str):
     from mixle_compile.plan import plan_text
 
     try:
-        result = compile_file(path)
+        result = compile_file(path, options=options)
     except CompilerBug as exc:
         print(f"mixle-compile: internal error: {exc} (please report this)", file=sys.stderr)
         return None, EXIT_INTERNAL
@@ -323,10 +375,10 @@ def _plan_of(path: str, verb: str):
 def _cmd_diff(args: argparse.Namespace) -> int:
     from mixle_compile.report import diff_data, diff_text
 
-    a, status = _plan_of(args.old, "diff")
+    a, status = _plan_of(args.old, "diff", _import_options(args))
     if a is None:
         return max(status, EXIT_USAGE)
-    b, status = _plan_of(args.new, "diff")
+    b, status = _plan_of(args.new, "diff", _import_options(args))
     if b is None:
         return max(status, EXIT_USAGE)
     if args.format == "json":
