@@ -7,6 +7,7 @@ transcriptions of the same presets in tests/corpus/production/torchtitan/).
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
@@ -457,3 +458,87 @@ def test_reading_never_raises_for_a_bad_engine_file(tmp_path):
             read_any(path, name, ImportOptions(model=LLAMA))
         except SourceError as exc:
             assert exc.diagnostics
+
+
+# --------------------------------------------------------------------------- torchtitan 0.3 Python configs
+
+REGISTRY_MODULE = '''\
+from types import SimpleNamespace
+
+from torchtitan.config import ParallelismConfig, TrainingConfig
+from torchtitan.distributed.activation_checkpoint import FullAC
+
+
+def llama3_70b_tp8():
+    return SimpleNamespace(
+        model_spec=SimpleNamespace(name="llama3", flavor="70B"),
+        training=TrainingConfig(
+            local_batch_size=4,
+            seq_len=8192,
+            steps=100,
+        ),
+        parallelism=ParallelismConfig(
+            tensor_parallel_degree=8,
+            pipeline_parallel_degree=2,
+            pipeline_parallel_schedule="Interleaved1F1B",
+        ),
+        activation_checkpoint=FullAC.Config(),
+        optimizer=SimpleNamespace(lr=1e-4),
+    )
+
+
+def not_a_config():
+    return 3
+'''
+
+
+@pytest.fixture
+def registry(tmp_path, monkeypatch):
+    """A config-registry module built from torchtitan 0.3's own config classes."""
+    pytest.importorskip("torchtitan.config")
+    (tmp_path / "my_registry.py").write_text(REGISTRY_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def test_a_torchtitan_config_function_is_read_through_its_config_classes(registry):
+    from mixle_compile.importers.torchtitan_registry import load_registry_function, read_trainer_config
+
+    function, config = load_registry_function("my_registry:llama3_70b_tp8")
+    doc, _ = read_trainer_config(function, config, "my_registry:llama3_70b_tp8", ImportOptions(devices=64))
+    data = doc.data
+    assert data["model"]["hidden_size"] == 8192 and data["model"]["ffn_hidden_size"] == 28672
+    assert data["mesh"] == {"dp_replicate": 1, "tp": 8, "pp": 2, "cp": 1, "ep": 1, "etp": 1, "dp_shard": "auto",
+                            "gradient_accumulation_steps": 1, "microbatches": 4}
+    assert data["training"]["pipeline_schedule"] == "interleaved_1f1b" and data["training"]["virtual_pipeline_stages"] == 2
+    assert data["training"]["activation_checkpointing"] == "full" and data["training"]["sequence_parallel"] is True
+    assert data["training"]["global_batch_size"] == 4 * 4  # local * dp (64 / (8 * 2))
+    assert data["backend"] == {"name": "torchtitan", "version": "0.3"}
+    # positions: the line of the function that sets the field
+    assert doc.file == "my_registry.py"
+    line = doc.position(("mesh", "tp")).line
+    assert "tensor_parallel_degree=8" in REGISTRY_MODULE.splitlines()[line - 1]
+
+
+def test_check_torchtitan_module_function(registry, capsys):
+    status, out, _ = run_cli(capsys, "check", "--torchtitan", "my_registry:llama3_70b_tp8", "--devices", "64")
+    assert status in (0, 1) and "my_registry.py:" in out and "S0" not in out
+    status, out, _ = run_cli(capsys, "check", "--torchtitan", "my_registry:not_a_config")
+    assert status == 2 and "not a torchtitan Trainer.Config" in out
+    status, out, _ = run_cli(capsys, "check", "--torchtitan", "no_such_module:f")
+    assert status == 2 and "cannot import no_such_module" in out
+    status, out, _ = run_cli(capsys, "check")
+    assert status == 2
+
+
+@pytest.mark.parametrize("function", ["llama3_8b", "llama3_70b", "llama3_405b", "llama3_debugmodel"])
+def test_torchtitan_own_config_registry(function, capsys):
+    """torchtitan 0.3.0's own config_registry functions, where torchtitan and its dependencies import."""
+    try:
+        importlib.import_module("torchtitan.models.llama3.config_registry")
+    except ImportError as exc:  # its model code needs triton and its trainer torchdata
+        pytest.skip(f"torchtitan's model registry does not import here: {exc}")
+    status, out, _ = run_cli(capsys, "check", "--torchtitan", f"torchtitan.models.llama3.config_registry:{function}",
+                             "--devices", "64")
+    assert status in (0, 1) and "I004" not in out and "S0" not in out

@@ -37,7 +37,7 @@ READ = {
         "pipeline_parallel_degree", "context_parallel_degree", "expert_parallel_degree",
         "expert_tensor_parallel_degree", "pipeline_parallel_schedule", "pipeline_parallel_microbatch_size",
         "pipeline_parallel_layers_per_stage", "pipeline_parallel_first_stage_less_layers",
-        "pipeline_parallel_last_stage_less_layers", "enable_async_tensor_parallel",
+        "pipeline_parallel_last_stage_less_layers", "enable_async_tensor_parallel", "enable_sequence_parallel",
     },
     "activation_checkpoint": {"mode", "selective_ac_option"},
     "optimizer": {"name", "lr"},
@@ -75,9 +75,18 @@ GPU_MEMORY = {"a100": "80GiB", "h100": "80GiB", "h200": "141GB", "b200": "180GB"
 
 
 def read_torchtitan_toml(text: str, name: str, base: Path, options: ImportOptions) -> tuple[SourceDocument, list]:
-    src = read_toml(text, name)
+    return import_job(read_toml(text, name), text, base, options, version="0.2")
+
+
+def import_job(src: SourceDocument, text: str, base: Path, options: ImportOptions, *, version: str,
+               source_format: str = "torchtitan") -> tuple[SourceDocument, list]:
+    """A job's tables (TOML's, or a config-registry function's Trainer.Config read as tables) as a spec.
+
+    ``text`` is searched for torchtitan's preset comment; ``version`` is the backend version the spec names.
+    """
     data: dict = src.data
-    b = SpecBuilder(name, "torchtitan")
+    name = src.file
+    b = SpecBuilder(name, source_format)
 
     def get(table: str, key: str, default: Any = None) -> Any:
         if table == "parallelism":
@@ -185,9 +194,11 @@ def read_torchtitan_toml(text: str, name: str, base: Path, options: ImportOption
     else:
         b.set(("training", "micro_batch_size"), local, at=at("training", local_key), origin=f"training.{local_key}")
     # ---- the rest of training
-    # torchtitan always shards activations along the sequence between TP regions (SequenceParallel on
-    # the norms, models/llama3/infra/parallelize.py apply_tp): on whenever tp > 1.
-    b.set(("training", "sequence_parallel"), tp > 1, at=at("parallelism", "tensor_parallel_degree"),
+    # Until 0.3 torchtitan always shards activations along the sequence between TP regions (SequenceParallel
+    # on the norms, models/llama3/infra/parallelize.py apply_tp); 0.3 has ParallelismConfig.enable_sequence_parallel
+    # (default True, torchtitan/config/configs.py).
+    sp = get("parallelism", "enable_sequence_parallel", True)
+    b.set(("training", "sequence_parallel"), tp > 1 and sp is not False, at=at("parallelism", "tensor_parallel_degree"),
           origin="parallelism.tensor_parallel_degree > 1 (torchtitan's TP plan is sequence-parallel)")
     seq = get("training", "seq_len", 2048)
     if options.seq_len is not None:
@@ -221,7 +232,8 @@ def read_torchtitan_toml(text: str, name: str, base: Path, options: ImportOption
     steps = get("training", "steps")
     if isinstance(steps, int) and not isinstance(steps, bool) and steps > 0:
         b.set(("training", "steps"), steps, at=at("training", "steps"), origin="training.steps")
-    b.set(("backend",), {"name": "torchtitan", "version": "0.2"}, origin="a torchtitan job TOML (the 0.2-era format)")
+    b.set(("backend",), {"name": "torchtitan", "version": version},
+          origin="a torchtitan job TOML (the 0.2-era format)" if version == "0.2" else "a torchtitan Trainer.Config")
     return b.result()
 
 

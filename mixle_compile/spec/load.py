@@ -77,6 +77,11 @@ def load_spec_text(text: str | bytes, name: str = "<string>", *, json_syntax: bo
     return _validate(doc, diags)
 
 
+def validate_document(doc: SourceDocument, diags: list[Diagnostic]) -> LoadedSpec:
+    """Validate a document an importer built (its positions already point into the engine's file)."""
+    return _validate(doc, list(diags))
+
+
 def _validate(doc: SourceDocument, diags: list[Diagnostic], base: Path | None = None) -> LoadedSpec:
     data = doc.data
     if isinstance(data, dict) and isinstance(data.get("model"), dict) and "from" in data["model"]:
