@@ -259,15 +259,24 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     if args.ranks is not None and args.ranks < 0:
         print("mixle-compile explain: error: --ranks takes a number of groups >= 0", file=sys.stderr)
         return EXIT_USAGE
+    imported = _imported_document(target, args)
     if args.format == "json":
         data = explain_data(doc)
         if args.ranks is not None:
             data["rank_groups"] = rank_groups(doc, args.ranks)
+        if imported is not None:
+            from mixle_compile.importers import provenance
+
+            data["imported_from"] = {"file": imported.file, "format": imported.source_format, "fields": provenance(imported)}
         print(json.dumps(data, indent=2, sort_keys=True))
     else:
         sys.stdout.write(explain_text(doc))
         if args.ranks is not None:
             sys.stdout.write(rank_groups_text(doc, args.ranks))
+        if imported is not None:
+            from mixle_compile.importers import provenance_text
+
+            sys.stdout.write(provenance_text(imported))
     if args.plot:
         try:
             plot_plan(doc, str(args.plot))
@@ -276,6 +285,15 @@ def _cmd_explain(args: argparse.Namespace) -> int:
             return EXIT_USAGE
         print(f"wrote {args.plot}", file=sys.stderr)
     return EXIT_CLEAN
+
+
+def _imported_document(target: str, args: argparse.Namespace):
+    """The document of an engine config (which engine key gave which spec field); None for a spec or plan."""
+    from mixle_compile.spec import load_spec
+
+    loaded = load_spec(target, options=_import_options(args))
+    doc = loaded.document
+    return doc if doc is not None and doc.source_format is not None else None
 
 
 def _explain_checkpoint(target: str, args: argparse.Namespace) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
 import subprocess
 import sys
 
@@ -542,3 +543,17 @@ def test_torchtitan_own_config_registry(function, capsys):
     status, out, _ = run_cli(capsys, "check", "--torchtitan", f"torchtitan.models.llama3.config_registry:{function}",
                              "--devices", "64")
     assert status in (0, 1) and "I004" not in out and "S0" not in out
+
+
+def test_explain_shows_which_engine_key_gave_each_spec_field(capsys):
+    status, out, _ = run_cli(capsys, "explain", MG / "train_llama3_8b_h100_fp8.sh")
+    assert status == 0
+    assert "spec field <- engine key" in out
+    assert re.search(r"mesh\.tp +<- --tensor-model-parallel-size +\(\d+:\d+\)", out)
+    assert re.search(r"training\.global_batch_size +<- --global-batch-size", out)
+    status, out, _ = run_cli(capsys, "explain", "--format", "json", TT / "llama3_8b.toml")
+    fields = {row["field"]: row for row in json.loads(out)["imported_from"]["fields"]}
+    assert fields["mesh.dp_shard"]["from"].startswith("parallelism.data_parallel_shard_degree = -1")
+    assert fields["mesh.ep"]["from"] == "parallelism.expert_parallel_degree (default 1)"
+    line = fields["training.seq_len"]["line"]
+    assert (TT / "llama3_8b.toml").read_text().splitlines()[line - 1].startswith("seq_len = 8192")

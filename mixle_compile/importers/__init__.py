@@ -24,7 +24,7 @@ from mixle_compile.importers import codes  # noqa: F401  (registers the I0xx cod
 from mixle_compile.importers.builder import ImportOptions, unreadable
 from mixle_compile.spec.source import MAX_INPUT_BYTES, SourceDocument, SourceError, parse_source, read_source
 
-__all__ = ["ImportOptions", "detect_format", "read_any", "SUPPORTED"]
+__all__ = ["ImportOptions", "detect_format", "provenance", "provenance_text", "read_any", "SUPPORTED"]
 
 SUPPORTED = (
     "a spec (.yaml, .yml, .json), a torchtitan job config (.toml), a Megatron-LM launch script or "
@@ -125,6 +125,29 @@ def _import(kind: str, raw: bytes, name: str, p: Path, options: ImportOptions) -
     from mixle_compile.importers.deepspeed import read_deepspeed
 
     return read_deepspeed(raw, name, options)
+
+
+def provenance(doc: SourceDocument) -> list[dict]:
+    """Which engine key gave each spec field of an imported document, in spec order."""
+    from mixle_compile.spec.source import dotted
+
+    rows = []
+    for path, origin in sorted(doc.origins.items(), key=lambda item: [str(p) for p in item[0]]):
+        pos = doc.values.get(path)
+        rows.append({"field": dotted(path), "from": origin, "line": pos.line if pos else None, "column": pos.column if pos else None})
+    return rows
+
+
+def provenance_text(doc: SourceDocument) -> str:
+    rows = provenance(doc)
+    if not rows:
+        return ""
+    width = max(len(r["field"]) for r in rows)
+    out = [f"\nImported from {doc.file} ({doc.source_format}): spec field <- engine key"]
+    for r in rows:
+        where = f"  ({r['line']}:{r['column']})" if r["line"] else ""
+        out.append(f"  {r['field']:<{width}}  <- {r['from']}{where}")
+    return "\n".join(out) + "\n"
 
 
 def _text(raw: bytes, name: str) -> str:

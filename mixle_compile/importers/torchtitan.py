@@ -129,7 +129,8 @@ def import_job(src: SourceDocument, text: str, base: Path, options: ImportOption
     for key, path, v in (("data_parallel_replicate_degree", "dp_replicate", rep), ("tensor_parallel_degree", "tp", tp),
                          ("pipeline_parallel_degree", "pp", pp), ("context_parallel_degree", "cp", cp),
                          ("expert_parallel_degree", "ep", ep), ("expert_tensor_parallel_degree", "etp", etp)):
-        b.set(("mesh", path), v, at=at("parallelism", key), origin=f"{_parallel_table(data, key)}.{key}")
+        given = at("parallelism", key)
+        b.set(("mesh", path), v, at=given, origin=f"{_parallel_table(data, key)}.{key}" + ("" if given else f" (default {v})"))
     if shard == -1:
         b.set(("mesh", "dp_shard"), "auto", at=at("parallelism", "data_parallel_shard_degree"),
               origin="parallelism.data_parallel_shard_degree = -1 (the devices the other degrees leave)")
@@ -212,7 +213,7 @@ def import_job(src: SourceDocument, text: str, base: Path, options: ImportOption
     else:
         param = get("training", "mixed_precision_param", "bfloat16")
         b.set(("training", "precision"), PRECISIONS.get(param, "bf16"), at=at("training", "mixed_precision_param"),
-              origin="training.mixed_precision_param")
+              origin="training.mixed_precision_param" + ("" if at("training", "mixed_precision_param") else " (default bfloat16)"))
     mode = get("activation_checkpoint", "mode", "selective")
     if mode not in ("none", "selective", "full", "memory_budget"):
         b.refuse(f"`activation_checkpoint.mode` {mode!r} is not one of none, selective, full", at("activation_checkpoint", "mode"))
