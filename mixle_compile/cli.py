@@ -82,6 +82,14 @@ def build_parser() -> argparse.ArgumentParser:
     _import_arguments(diff)
     diff.set_defaults(run=_cmd_diff)
 
+    export = sub.add_parser("export", help="write the engine's own config (torchtitan TOML, Megatron-LM launch script, DeepSpeed JSON) for a spec that verifies on it")
+    export.add_argument("spec", metavar="SPEC|PLAN", help="a spec, a compiled plan, or an engine config")
+    export.add_argument("--to", required=True, choices=("torchtitan", "megatron", "deepspeed"), help="the engine")
+    export.add_argument("-o", "--output", type=Path, metavar="FILE",
+                        help="where to write the config (an HF config.json it needs is written beside it); default: standard output")
+    _import_arguments(export)
+    export.set_defaults(run=_cmd_export)
+
     graph = sub.add_parser("graph", help="print the decomposition graph of a spec")
     graph.add_argument("spec", metavar="SPEC", help="spec file")
     graph.add_argument("--format", choices=("dot", "mermaid"), default="dot", help="graph language (default: dot)")
@@ -407,6 +415,71 @@ def _cmd_diff(args: argparse.Namespace) -> int:
         sys.stdout.write(diff_text(a, b, args.old, args.new))
         same = a.content_digest == b.content_digest
     return EXIT_CLEAN if same else EXIT_VIOLATIONS  # like diff(1): 1 when they differ
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from mixle_compile.export import ExportRefused, export_spec
+
+    spec, status = _spec_of(args.spec, _import_options(args))
+    if spec is None:
+        return status
+    stem = args.output.stem if args.output else "train"
+    try:
+        exported = export_spec(spec, args.to, stem=stem)
+    except ExportRefused as exc:
+        for field_name, reason in exc.reasons:
+            where = f" `{field_name}`" if field_name else ""
+            print(f"{args.spec}: cannot export to {args.to}:{where} {reason}", file=sys.stderr)
+        return EXIT_VIOLATIONS
+    others = [name for name in exported.files if name != exported.main]
+    if isinstance(spec.resources.devices, int) and spec.resources.throughput is not None:
+        print(f"{args.spec}: note: resources.throughput is not written (no {args.to} key says a device's speed)", file=sys.stderr)
+    if args.to == "deepspeed":
+        print(f"{args.spec}: note: training.steps and training.seed are not DeepSpeed config keys (the training script sets them)",
+              file=sys.stderr)
+    if args.output is None:
+        if others:
+            print(f"mixle-compile export: error: the {args.to} config names a model file ({others[0]}); give -o FILE to write both",
+                  file=sys.stderr)
+            return EXIT_USAGE
+        sys.stdout.write(exported.files[exported.main])
+        return EXIT_CLEAN
+    folder = args.output.parent
+    try:
+        for name, text in exported.files.items():
+            path = args.output if name == exported.main else folder / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text, encoding="utf-8")
+            print(f"wrote {path}", file=sys.stderr)
+    except OSError as exc:
+        print(f"mixle-compile export: error: cannot write {args.output}: {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.to == "deepspeed":
+        print(f"check it with: mixle-compile check {args.output} --model {folder / others[0]} --seq-len {spec.training.seq_len}",
+              file=sys.stderr)
+    return EXIT_CLEAN
+
+
+def _spec_of(path: str, options):
+    """A valid spec from a spec file, an engine config or a plan's embedded spec: (spec, exit status)."""
+    p = Path(path)
+    if p.suffix.lower() == ".json" and p.is_file() and b'"format_version"' in p.read_bytes()[:4096]:
+        from mixle_compile.plan import PlanError, load_plan_text
+        from mixle_compile.plan.artifact import plan_spec
+
+        try:
+            return plan_spec(load_plan_text(p.read_bytes(), path)), EXIT_CLEAN
+        except PlanError as exc:
+            print(f"mixle-compile export: error: {exc}", file=sys.stderr)
+            return None, EXIT_VIOLATIONS
+    from mixle_compile.spec import load_spec
+
+    loaded = load_spec(path, options=options)
+    if not loaded.ok:
+        for d in loaded.diagnostics:
+            print(d.text(), file=sys.stderr)
+        return None, EXIT_USAGE if loaded.unreadable else EXIT_VIOLATIONS
+    return loaded.spec, EXIT_CLEAN
 
 
 def _cmd_graph(args: argparse.Namespace) -> int:

@@ -33,7 +33,7 @@ READ = {
     "--expert-tensor-parallel-size": "int", "--num-layers-per-virtual-pipeline-stage": "int",
     "--virtual-pipeline-model-parallel-size": "int", "--sequence-parallel": "bool",
     "--use-distributed-optimizer": "bool", "--recompute-activations": "bool", "--recompute-granularity": "str",
-    "--lr": "float", "--optimizer": "str", "--train-iters": "int", "--seed": "int",
+    "--lr": "float", "--optimizer": "str", "--train-iters": "int", "--seed": "int", "--use-tp-pp-dp-mapping": "bool",
 }
 # Flags with no bearing on sizes, memory or communication as the spec models them (data, logging,
 # checkpoint paths, learning-rate schedule, kernel fusions, initialisation, dropout): read quietly.
@@ -237,8 +237,11 @@ def read_megatron(text: str, name: str, options: ImportOptions) -> tuple[SourceD
     cp = num("--context-parallel-size", 1)
     ep = num("--expert-model-parallel-size", 1)
     etp = num("--expert-tensor-parallel-size", tp)  # validate_args: defaults to tp
+    kind, memory, memory_origin = _device_comment(text)
+    if kind is not None:
+        b.set(("resources", "kind"), kind, origin=memory_origin)
     devices = resources(b, options, devices, devices_at, devices_origin, what="a Megatron-LM launch",
-                        divisor=math.lcm(tp * pp * cp, etp * ep * pp))
+                        divisor=math.lcm(tp * pp * cp, etp * ep * pp), memory=memory, memory_origin=memory_origin)
     dp = max(1, devices // (tp * pp * cp))
     set_(("mesh", "tp"), tp, "--tensor-model-parallel-size")
     set_(("mesh", "pp"), pp, "--pipeline-model-parallel-size")
@@ -246,6 +249,8 @@ def read_megatron(text: str, name: str, options: ImportOptions) -> tuple[SourceD
     set_(("mesh", "ep"), ep, "--expert-model-parallel-size")
     set_(("mesh", "etp"), etp, "--expert-tensor-parallel-size" if has("--expert-tensor-parallel-size") else "--tensor-model-parallel-size",
          None if has("--expert-tensor-parallel-size") else "--expert-tensor-parallel-size default (= tp)")
+    if has("--use-tp-pp-dp-mapping"):  # parallel_state.initialize_model_parallel: order tp-cp-ep-pp-dp
+        set_(("mesh", "order"), "tp-cp-ep-pp-dp", "--use-tp-pp-dp-mapping")
     dist_opt = has("--use-distributed-optimizer")
     set_(("mesh", "dp_shard" if dist_opt else "dp_replicate"), dp, "--use-distributed-optimizer" if dist_opt else None,
          f"world {devices} / (tp * pp * cp)" + (" sharded by --use-distributed-optimizer" if dist_opt else ""))
@@ -310,6 +315,8 @@ def read_megatron(text: str, name: str, options: ImportOptions) -> tuple[SourceD
          "--optimizer" if has("--optimizer") else "--optimizer default adam (decoupled weight decay)")
     if has("--train-iters"):
         set_(("training", "steps"), num("--train-iters"), "--train-iters")
+    if has("--seed"):
+        set_(("training", "seed"), num("--seed"), "--seed")
     b.set(("backend",), {"name": "megatron", "entry": "arguments"}, origin="pretrain_gpt.py arguments")
     return b.result()
 
@@ -352,6 +359,14 @@ def _hf_model(b: SpecBuilder, options: ImportOptions) -> None:
         b.refuse(f"{options.model}:{pos.line}:{pos.column}: {message}", None, hint, ("model",))
     for field_name, v in hf.model.items():
         b.set(("model", field_name), v, origin=f"{options.model}: {hf.keys.get(field_name, 'architecture')}")
+
+
+def _device_comment(text: str) -> tuple[str | None, str | None, str | None]:
+    """The device kind and memory that mixle-compile's own export notes: ``# devices: 8 H100, each with 80GiB``."""
+    m = re.search(r"^# devices: \d+(?: (\S+))?, each with (\S+)$", text, re.M)
+    if not m:
+        return None, None, None
+    return (m.group(1).lower() if m.group(1) else None), m.group(2), "the script's comment: " + m.group(0)[2:]
 
 
 def _world(launcher: list[Word]) -> tuple[int | None, Position | None, str | None]:

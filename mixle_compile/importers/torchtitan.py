@@ -70,7 +70,7 @@ QUIET_KEYS = {
 SCHEDULES = {"1F1B": "1f1b", "GPipe": "gpipe", "Interleaved1F1B": "interleaved_1f1b"}
 SINGLE_STAGE = {"1F1B", "GPipe"}
 PRECISIONS = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
-_PRESET = re.compile(r"preset for (\d+) ([A-Za-z0-9]+) GPUs(?: \(with (\d+)\s*GiB memory\))?", re.I)
+_PRESET = re.compile(r"preset for (\d+) (?:([A-Za-z0-9]+) )?GPUs(?: \(with ([0-9.]+\s*[KMGT]i?B|\d+) memory\))?", re.I)
 GPU_MEMORY = {"a100": "80GiB", "h100": "80GiB", "h200": "141GB", "b200": "180GB", "mi300x": "192GB"}
 
 
@@ -230,6 +230,9 @@ def import_job(src: SourceDocument, text: str, base: Path, options: ImportOption
     lr = get("optimizer", "lr")
     if isinstance(lr, (int, float)) and not isinstance(lr, bool) and lr > 0:
         b.set(("training", "learning_rate"), float(lr), at=at("optimizer", "lr"), origin="optimizer.lr")
+    seed = get("training", "seed")
+    if isinstance(seed, int) and not isinstance(seed, bool) and seed >= 0:
+        b.set(("training", "seed"), seed, at=at("training", "seed"), origin="training.seed")
     steps = get("training", "steps")
     if isinstance(steps, int) and not isinstance(steps, bool) and steps > 0:
         b.set(("training", "steps"), steps, at=at("training", "steps"), origin="training.steps")
@@ -285,9 +288,12 @@ def _preset(text: str, options: ImportOptions, b: SpecBuilder) -> tuple[int | No
     for number, line in enumerate(text.splitlines(), start=1):
         m = _PRESET.search(line) if line.lstrip().startswith("#") else None
         if m:
-            memory = f"{m.group(3)}GiB" if m.group(3) else GPU_MEMORY.get(m.group(2).lower())
+            memory = m.group(3).replace(" ", "") if m.group(3) else GPU_MEMORY.get((m.group(2) or "").lower())
+            if memory is not None and memory.isdigit():
+                memory = int(memory)
             origin = f"the config's comment: {m.group(0)}"
-            b.set(("resources", "kind"), m.group(2).lower(), at=Position(number, m.start() + 1), origin=origin)
+            if m.group(2):
+                b.set(("resources", "kind"), m.group(2).lower(), at=Position(number, m.start() + 1), origin=origin)
             return int(m.group(1)), Position(number, m.start() + 1), origin, memory
     return None, None, None, None
 
