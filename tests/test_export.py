@@ -196,3 +196,31 @@ def test_generated_specs_do_round_trip_on_every_engine(tmp_path):
     for target, part in cases.items():
         spec = Spec.model_validate({**base, **part})
         assert round_trip(spec, target, tmp_path / target), target
+
+
+# --------------------------------------------------------------------------- the engines' own parsers (the `engines` extra)
+
+
+@pytest.mark.parametrize("name", ["llama-3.1-8b.json", "mixtral-8x7b-v0.1.json", "qwen3-30b-a3b.json", "gpt-neox-20b.json"])
+def test_transformers_autoconfig_reads_our_hf_configs_as_we_do(tmp_path, name):
+    """The model config.json export writes (for torchtitan and DeepSpeed) is parsed by transformers' AutoConfig
+    from the local file, and its sizes are the spec's."""
+    transformers = pytest.importorskip("transformers")
+    from mixle_compile.export.hf import hf_config, hf_config_text
+    from mixle_compile.importers.hf import hf_model, read_hf_document
+
+    model = TransformerModel.model_validate(hf_model(read_hf_document(ROOT / "tests" / "corpus" / "importers" / "hf" / name)).model)
+    config, why = hf_config(model)
+    assert config is not None, why
+    path = tmp_path / "config.json"
+    path.write_text(hf_config_text(config))
+    hf = transformers.AutoConfig.from_pretrained(str(path))
+    assert hf.model_type == config["model_type"]
+    layers = getattr(hf, "num_hidden_layers", None) or hf.n_layer
+    assert (hf.vocab_size, hf.hidden_size, layers, hf.num_attention_heads) == (
+        model.vocab_size, model.hidden_size, model.num_layers, model.num_heads)
+    assert getattr(hf, "num_key_value_heads", hf.num_attention_heads) == (model.num_kv_heads or model.num_heads)
+    assert hf.intermediate_size == model.ffn_hidden_size and bool(hf.tie_word_embeddings) == model.tie_embeddings
+    if model.num_experts:
+        experts = getattr(hf, "num_local_experts", None) or hf.num_experts
+        assert (experts, hf.num_experts_per_tok) == (model.num_experts, model.experts_per_token)

@@ -73,9 +73,9 @@ def test_the_torchtitan_hook_on_a_torchtitan_style_repository(tmp_path):
     assert good.returncode == 0, good.stdout + good.stderr
     assert "pyproject.toml" not in good.stdout  # only train configs are checked
     config = configs / "llama3_8b.toml"
-    config.write_text(config.read_text().replace("tensor_parallel_degree = 1", "tensor_parallel_degree = 3"))
+    config.write_text(config.read_text().replace("tensor_parallel_degree = 1", "tensor_parallel_degree = 16"))
     git(repo, "add", ".")
     bad = try_repo()
     assert bad.returncode == 1, bad.stdout + bad.stderr
     line = next(i for i, text in enumerate(config.read_text().splitlines(), 1) if text.startswith("tensor_parallel_degree"))
-    assert f"torchtitan/models/llama3/train_configs/llama3_8b.toml:{line}:" in bad.stdout and "mesh.tp=3" in bad.stdout
+    assert f"torchtitan/models/llama3/train_configs/llama3_8b.toml:{line}:" in bad.stdout and "mesh.tp=16" in bad.stdout
