@@ -557,3 +557,17 @@ def test_explain_shows_which_engine_key_gave_each_spec_field(capsys):
     assert fields["mesh.ep"]["from"] == "parallelism.expert_parallel_degree (default 1)"
     line = fields["training.seq_len"]["line"]
     assert (TT / "llama3_8b.toml").read_text().splitlines()[line - 1].startswith("seq_len = 8192")
+
+
+def test_the_schema_admits_a_model_read_from_an_hf_config_and_the_loader_checks_its_keys(write, tmp_path, capsys):
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = json.loads((ROOT / "schemas" / "spec.schema.json").read_text())
+    spec = {"model": {"from": "hf", "path": "config.json"}, "mesh": {}, "training": {"global_batch_size": 8, "seq_len": 64},
+            "backend": "torch", "resources": {"devices": 1, "memory": "80GiB"}}
+    jsonschema.validate(spec, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({**spec, "model": {"from": "hf", "path": "c.json", "extra": 1}}, schema)
+    path = write("model: {from: hf, path: config.json, revision: main}\nmesh: {}\ntraining: {global_batch_size: 1, seq_len: 8}\n"
+                 "backend: torch\nresources: {devices: 1, memory: 1GiB}\n")
+    status, out, _ = run_cli(capsys, "check", path)
+    assert status == 1 and out.count("S003") == 1 and "`model.revision`" in out

@@ -125,15 +125,20 @@ def _model_from_file(doc: SourceDocument, diags: list[Diagnostic], base: Path) -
     """``model: {from: hf, path: config.json}``: the model read from an HF config (path relative to the spec)."""
     from mixle_compile.importers.hf import hf_model, read_hf_document
 
+    from mixle_compile.spec.models import ModelFile
+
     ref = doc.data["model"]
-    unknown = sorted(set(ref) - {"from", "path"})
-    if ref.get("from") != "hf" or not isinstance(ref.get("path"), str) or unknown:
-        what = f"unknown key `model.{unknown[0]}`" if unknown else "`model.from` must be 'hf' with `model.path` naming a config.json"
-        diags.append(doc.diagnostic(codes.INVALID_VALUE.code, f"a model read from a file: {what}",
-                                    ("model", unknown[0]) if unknown else ("model", "from"),
-                                    hint="write `model: {from: hf, path: config.json}` (the path relative to this spec)"))
-        doc.data["model"] = {"family": "transformer"}
-        return
+    try:
+        ModelFile.model_validate(ref)
+    except ValidationError as exc:
+        err = exc.errors(include_url=False)[0]
+        key = err["loc"][0] if err["loc"] else "from"
+        what = f"unknown key `model.{key}`" if err["type"] == "extra_forbidden" else (
+            "`model.from` must be 'hf' with `model.path` naming a config.json")
+        raise SourceError([doc.diagnostic(
+            codes.UNKNOWN_KEY.code if err["type"] == "extra_forbidden" else codes.INVALID_VALUE.code,
+            f"a model read from a file: {what}", ("model", key),
+            hint="write `model: {from: hf, path: config.json}` (the path relative to this spec)")])
     target = base / ref["path"]
     hf = hf_model(read_hf_document(target, ref["path"]))
     at = ("model", "path")
