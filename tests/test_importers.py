@@ -533,41 +533,34 @@ def test_check_torchtitan_module_function(registry, capsys):
     assert status == 2
 
 
-@pytest.mark.parametrize("function", ["llama3_8b", "llama3_70b", "llama3_405b", "llama3_debugmodel"])
-def test_torchtitan_own_config_registry(function, capsys):
-    """torchtitan 0.3.0's own config_registry functions, where torchtitan and its dependencies import."""
+@pytest.mark.parametrize("module, function, flavor", [
+    ("llama3", "llama3_debugmodel", "debugmodel"), ("llama3", "llama3_8b", "8B"), ("llama3", "llama3_70b", "70B"),
+    ("qwen3", "qwen3_0_6b", "0.6B"), ("qwen3", "qwen3_1_7b", "1.7B"), ("qwen3", "qwen3_32b", "32B"),
+])
+def test_torchtitan_own_config_registry(module, function, flavor, capsys):
+    """torchtitan 0.3.0's own config_registry functions, where torchtitan and its dependencies import: the degrees
+    and batch come from its ParallelismConfig and TrainingConfig, the sizes from its model config, and they agree
+    with the flavor table transcribed from the TOML era."""
+    from mixle_compile.importers import flavors
+    from mixle_compile.importers.torchtitan_registry import load_registry_function, read_trainer_config
+
+    target = f"torchtitan.models.{module}.config_registry:{function}"
     try:
-        importlib.import_module("torchtitan.models.llama3.config_registry")
-    except ImportError as exc:  # its model code needs triton and its trainer torchdata
+        importlib.import_module(f"torchtitan.models.{module}.config_registry")
+    except ImportError as exc:  # its model code needs triton and its trainer torchdata, tensorboard, datasets
         pytest.skip(f"torchtitan's model registry does not import here: {exc}")
-    status, out, _ = run_cli(capsys, "check", "--torchtitan", f"torchtitan.models.llama3.config_registry:{function}",
-                             "--devices", "64")
+    fn, config = load_registry_function(target)
+    doc, _ = read_trainer_config(fn, config, target, ImportOptions(devices=64))
+    data = doc.data
+    p, t = config.parallelism, config.training
+    assert (data["mesh"]["tp"], data["mesh"]["pp"], data["mesh"]["cp"]) == (
+        p.tensor_parallel_degree, p.pipeline_parallel_degree, p.context_parallel_degree)
+    assert data["training"]["seq_len"] == t.seq_len and data["model"]["hidden_size"] == config.model_spec.model.dim
+    assert data["backend"] == {"name": "torchtitan", "version": "0.3"}
+    table = dict(flavors.flavor(module, flavor).model)
+    ours = dict(data["model"])
+    for m in (table, ours):  # an explicit head size equal to hidden / heads is the default
+        m["head_dim"] = m.get("head_dim") or m["hidden_size"] // m["num_heads"]
+    assert {k: ours.get(k) for k in table} == table
+    status, out, _ = run_cli(capsys, "check", "--torchtitan", target, "--devices", "64")
     assert status in (0, 1) and "I004" not in out and "S0" not in out
-
-
-def test_explain_shows_which_engine_key_gave_each_spec_field(capsys):
-    status, out, _ = run_cli(capsys, "explain", MG / "train_llama3_8b_h100_fp8.sh")
-    assert status == 0
-    assert "spec field <- engine key" in out
-    assert re.search(r"mesh\.tp +<- --tensor-model-parallel-size +\(\d+:\d+\)", out)
-    assert re.search(r"training\.global_batch_size +<- --global-batch-size", out)
-    status, out, _ = run_cli(capsys, "explain", "--format", "json", TT / "llama3_8b.toml")
-    fields = {row["field"]: row for row in json.loads(out)["imported_from"]["fields"]}
-    assert fields["mesh.dp_shard"]["from"].startswith("parallelism.data_parallel_shard_degree = -1")
-    assert fields["mesh.ep"]["from"] == "parallelism.expert_parallel_degree (default 1)"
-    line = fields["training.seq_len"]["line"]
-    assert (TT / "llama3_8b.toml").read_text().splitlines()[line - 1].startswith("seq_len = 8192")
-
-
-def test_the_schema_admits_a_model_read_from_an_hf_config_and_the_loader_checks_its_keys(write, tmp_path, capsys):
-    jsonschema = pytest.importorskip("jsonschema")
-    schema = json.loads((ROOT / "schemas" / "spec.schema.json").read_text())
-    spec = {"model": {"from": "hf", "path": "config.json"}, "mesh": {}, "training": {"global_batch_size": 8, "seq_len": 64},
-            "backend": "torch", "resources": {"devices": 1, "memory": "80GiB"}}
-    jsonschema.validate(spec, schema)
-    with pytest.raises(jsonschema.ValidationError):
-        jsonschema.validate({**spec, "model": {"from": "hf", "path": "c.json", "extra": 1}}, schema)
-    path = write("model: {from: hf, path: config.json, revision: main}\nmesh: {}\ntraining: {global_batch_size: 1, seq_len: 8}\n"
-                 "backend: torch\nresources: {devices: 1, memory: 1GiB}\n")
-    status, out, _ = run_cli(capsys, "check", path)
-    assert status == 1 and out.count("S003") == 1 and "`model.revision`" in out

@@ -79,10 +79,11 @@ def read_torchtitan_toml(text: str, name: str, base: Path, options: ImportOption
 
 
 def import_job(src: SourceDocument, text: str, base: Path, options: ImportOptions, *, version: str,
-               source_format: str = "torchtitan") -> tuple[SourceDocument, list]:
+               source_format: str = "torchtitan", model: tuple[dict, dict] | None = None) -> tuple[SourceDocument, list]:
     """A job's tables (TOML's, or a config-registry function's Trainer.Config read as tables) as a spec.
 
-    ``text`` is searched for torchtitan's preset comment; ``version`` is the backend version the spec names.
+    ``text`` is searched for torchtitan's preset comment; ``version`` is the backend version the spec names;
+    ``model`` (sizes, origins) is a model read off torchtitan's own model config, instead of the flavor table.
     """
     data: dict = src.data
     name = src.file
@@ -109,7 +110,12 @@ def import_job(src: SourceDocument, text: str, base: Path, options: ImportOption
         return v
 
     _unmodelled(b, data, lambda *path: src.keys.get(tuple(path)))
-    _model(b, data, base, options, at, get)
+    if model is not None and options.model is None:  # sizes read off the engine's own model config
+        sizes, origins = model
+        for field_name, v in sizes.items():
+            b.set(("model", field_name), v, at=at("model", "flavor"), origin=origins.get(field_name))
+    else:
+        _model(b, data, base, options, at, get)
     if b.failed:
         return b.result()
 

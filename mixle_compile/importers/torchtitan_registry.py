@@ -11,8 +11,9 @@ Diagnostics point at the line of the function that sets the field (or at its ``d
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import importlib
+import sys
 import inspect
 import re
 from pathlib import Path
@@ -51,6 +52,38 @@ def trainer_config_tables(config: Any) -> dict:
     return tables
 
 
+def model_sizes(model: Any) -> tuple[dict, dict] | None:
+    """A dense decoder's sizes read off torchtitan 0.3's model config (``Decoder.Config``: ``dim``,
+    ``vocab_size``, ``layers[i].attention``/``feed_forward``, ``enable_weight_tying``); None when its
+    layers are not all alike or have experts (the flavor table sizes those)."""
+    layers = getattr(model, "layers", None)
+    if not layers or any(getattr(layer, "moe", None) is not None for layer in layers):
+        return None
+    first = layers[0]
+    att, ffn = getattr(first, "attention", None), getattr(first, "feed_forward", None)
+    w1 = getattr(ffn, "w1", None)
+    try:
+        sizes = {"family": "transformer", "vocab_size": int(model.vocab_size), "hidden_size": int(model.dim),
+                 "num_layers": len(layers), "num_heads": int(att.n_heads), "ffn_hidden_size": int(w1.out_features),
+                 "tie_embeddings": bool(getattr(model, "enable_weight_tying", False))}
+    except (AttributeError, TypeError, ValueError):
+        return None
+    for layer in layers[1:]:
+        if (layer.attention.n_heads, layer.feed_forward.w1.out_features) != (sizes["num_heads"], sizes["ffn_hidden_size"]):
+            return None
+    where = "Trainer.Config.model_spec.model"
+    origins = {"vocab_size": f"{where}.vocab_size", "hidden_size": f"{where}.dim", "num_layers": f"len({where}.layers)",
+               "num_heads": f"{where}.layers[0].attention.n_heads", "ffn_hidden_size": f"{where}.layers[0].feed_forward.w1.out_features",
+               "tie_embeddings": f"{where}.enable_weight_tying", "family": f"{where} (a decoder)"}
+    kv = getattr(att, "n_kv_heads", None)
+    if kv:
+        sizes["num_kv_heads"], origins["num_kv_heads"] = int(kv), f"{where}.layers[0].attention.n_kv_heads"
+    head_dim = getattr(att, "head_dim", None)
+    if head_dim and int(head_dim) != sizes["hidden_size"] // sizes["num_heads"]:
+        sizes["head_dim"], origins["head_dim"] = int(head_dim), f"{where}.layers[0].attention.head_dim"
+    return sizes, origins
+
+
 def document_for(function: Any, config: Any, display: str) -> tuple[SourceDocument, str]:
     """The tables with positions: the line in the function's source that names each field, else its ``def``."""
     try:
@@ -84,7 +117,8 @@ def load_registry_function(target: str) -> tuple[Any, Any]:
         raise unreadable(target, f"--torchtitan {target!r} must name MODULE:FUNCTION",
                          "e.g. `--torchtitan torchtitan.models.llama3.config_registry:llama3_8b`")
     try:
-        module = importlib.import_module(module_name)
+        with contextlib.redirect_stdout(sys.stderr):  # what the module prints is not part of the report
+            module = importlib.import_module(module_name)
     except ImportError as exc:
         raise unreadable(target, f"cannot import {module_name} for --torchtitan: {exc}",
                          "install torchtitan where the check runs (`pip install 'mixle-compile[torchtitan]'`) and run "
@@ -94,7 +128,8 @@ def load_registry_function(target: str) -> tuple[Any, Any]:
         raise unreadable(target, f"{module_name} has no function {function_name!r}",
                          "name a function of the config registry that returns a Trainer.Config")
     try:
-        config = function()
+        with contextlib.redirect_stdout(sys.stderr):
+            config = function()
     except Exception as exc:  # the user's function: its failure is bad input, not ours
         raise unreadable(target, f"{target}() raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
                          "fix the config function so that it returns a Trainer.Config")
@@ -108,7 +143,9 @@ def read_trainer_config(function: Any, config: Any, display: str, options: Impor
     from mixle_compile.importers.torchtitan import import_job
 
     src, text = document_for(function, config, display)
-    return import_job(src, text, Path.cwd(), options, version="0.3", source_format="torchtitan-python")
+    spec = getattr(config, "model_spec", None)
+    model = model_sizes(getattr(spec, "model", None)) if spec is not None else None
+    return import_job(src, text, Path.cwd(), options, version="0.3", source_format="torchtitan-python", model=model)
 
 
 def check_registry_function(target: str, options: ImportOptions, *, suggest: bool = False):
