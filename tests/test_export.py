@@ -224,3 +224,44 @@ def test_transformers_autoconfig_reads_our_hf_configs_as_we_do(tmp_path, name):
     if model.num_experts:
         experts = getattr(hf, "num_local_experts", None) or hf.num_experts
         assert (experts, hf.num_experts_per_tok) == (model.num_experts, model.experts_per_token)
+
+
+def _toml_era_config_manager():
+    """torchtitan's TOML-era ConfigManager (0.2.x), where that release is the one installed."""
+    try:
+        from torchtitan.config.manager import ConfigManager
+    except ImportError:
+        return None
+    return ConfigManager if hasattr(ConfigManager, "_maybe_load_toml") else None
+
+
+@pytest.mark.parametrize("spec_file", ["llama3-8b-hsdp-tp.yaml", *[p.name for p in PRODUCTION if p.parent.name == "torchtitan"]])
+def test_torchtitan_config_manager_reads_the_exported_toml_as_we_do(tmp_path, spec_file):
+    """torchtitan 0.2.2's own ConfigManager parses the exported job TOML (it refuses unknown keys), and the
+    JobConfig it builds has the spec's degrees, batch, schedule and checkpointing. Needs torchtitan 0.2.x
+    installed (the engines extra installs 0.3.0, whose configs are Python)."""
+    manager = _toml_era_config_manager()
+    if manager is None:
+        pytest.skip("torchtitan's TOML ConfigManager (0.2.x) is not installed")
+    path = EXAMPLES / spec_file if (EXAMPLES / spec_file).exists() else next(p for p in PRODUCTION if p.name == spec_file)
+    spec = on_backend(load_spec(path).spec, "torchtitan")
+    try:
+        exported = export_spec(spec, "torchtitan")
+    except ExportRefused:
+        pytest.skip("not exportable to torchtitan")
+    for name, text in exported.files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    job = manager().parse_args(["--job.config_file", str(tmp_path / exported.main)])
+    m, t, p = spec.mesh, spec.training, job.parallelism
+    assert (p.data_parallel_replicate_degree, p.data_parallel_shard_degree, p.tensor_parallel_degree, p.pipeline_parallel_degree,
+            p.context_parallel_degree, p.expert_parallel_degree, p.expert_tensor_parallel_degree) == (
+        m.dp_replicate, -1 if m.dp_shard == "auto" else m.dp_shard, m.tp, m.pp, m.cp, m.ep, m.etp)
+    assert (job.training.local_batch_size, job.training.global_batch_size, job.training.seq_len, job.training.steps) == (
+        t.micro_batch_size * m.microbatches, t.global_batch_size, t.seq_len, t.steps)
+    assert job.activation_checkpoint.mode == t.activation_checkpointing and job.debug.seed == t.seed
+    assert job.optimizer.lr == t.learning_rate
+    if m.pp > 1:
+        assert p.pipeline_parallel_microbatch_size == t.micro_batch_size
+        assert p.pipeline_parallel_schedule == {"1f1b": "1F1B", "gpipe": "GPipe", "interleaved_1f1b": "Interleaved1F1B"}[t.pipeline_schedule]
+    assert ("float8" in job.model.converters) == (t.precision == "fp8")

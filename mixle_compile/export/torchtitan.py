@@ -96,7 +96,7 @@ def torchtitan_files(spec: Spec, stem: str) -> Exported:
               "", "[training]"]
     local = t.micro_batch_size * m.microbatches
     lines += [f"local_batch_size = {local}", f"global_batch_size = {t.global_batch_size}", f"seq_len = {t.seq_len}",
-              f"steps = {t.steps}", f"seed = {t.seed}"]
+              f"steps = {t.steps}"]
     if t.precision != "fp8":
         lines.append(f"mixed_precision_param = {_toml_value(PRECISION[t.precision])}")
     lines += ["", "[parallelism]",
@@ -110,6 +110,7 @@ def torchtitan_files(spec: Spec, stem: str) -> Exported:
                   f"pipeline_parallel_microbatch_size = {t.micro_batch_size}"]
         if stages_key is not None:
             lines.append(f"pipeline_parallel_layers_per_stage = {stages_key}")
-    lines += ["", "[activation_checkpoint]", f"mode = {_toml_value(t.activation_checkpointing)}", ""]
+    lines += ["", "[activation_checkpoint]", f"mode = {_toml_value(t.activation_checkpointing)}",
+              "", "[debug]", f"seed = {t.seed}", ""]
     main = f"{stem}.toml"
     return Exported("torchtitan", {main: "\n".join(lines), **files}, main)

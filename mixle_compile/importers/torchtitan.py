@@ -236,9 +236,11 @@ def import_job(src: SourceDocument, text: str, base: Path, options: ImportOption
     lr = get("optimizer", "lr")
     if isinstance(lr, (int, float)) and not isinstance(lr, bool) and lr > 0:
         b.set(("training", "learning_rate"), float(lr), at=at("optimizer", "lr"), origin="optimizer.lr")
-    seed = get("training", "seed")
+    # The seed: [debug] seed (JobConfig.Debug), [training] seed before that.
+    seed_table = "debug" if get("debug", "seed") is not None else "training"
+    seed = get(seed_table, "seed")
     if isinstance(seed, int) and not isinstance(seed, bool) and seed >= 0:
-        b.set(("training", "seed"), seed, at=at("training", "seed"), origin="training.seed")
+        b.set(("training", "seed"), seed, at=at(seed_table, "seed"), origin=f"{seed_table}.seed")
     steps = get("training", "steps")
     if isinstance(steps, int) and not isinstance(steps, bool) and steps > 0:
         b.set(("training", "steps"), steps, at=at("training", "steps"), origin="training.steps")
