@@ -564,3 +564,25 @@ def test_torchtitan_own_config_registry(module, function, flavor, capsys):
     assert {k: ours.get(k) for k in table} == table
     status, out, _ = run_cli(capsys, "check", "--torchtitan", target, "--devices", "64")
     assert status in (0, 1) and "I004" not in out and "S0" not in out
+
+
+@pytest.mark.parametrize("name", sorted(n for n in TORCHTITAN if not n.startswith("old_2024")))
+def test_torchtitan_config_manager_reads_the_corpus_tomls_as_we_do(name):
+    """torchtitan 0.2.2's own ConfigManager (where that release is installed) and the importer agree on every
+    degree, batch size and sequence length of the real train configs."""
+    try:
+        from torchtitan.config.manager import ConfigManager
+    except ImportError:
+        pytest.skip("torchtitan is not installed")
+    if not hasattr(ConfigManager, "_maybe_load_toml"):
+        pytest.skip("torchtitan's TOML ConfigManager (0.2.x) is not installed")
+    job = ConfigManager().parse_args(["--job.config_file", str(TT / name)])
+    data = imported(TT / name)
+    p, mesh, t = job.parallelism, data["mesh"], data["training"]
+    assert (mesh["dp_replicate"], mesh["dp_shard"], mesh["tp"], mesh["pp"], mesh["cp"], mesh["ep"], mesh["etp"]) == (
+        p.data_parallel_replicate_degree, "auto" if p.data_parallel_shard_degree == -1 else p.data_parallel_shard_degree,
+        p.tensor_parallel_degree, p.pipeline_parallel_degree, p.context_parallel_degree, p.expert_parallel_degree,
+        p.expert_tensor_parallel_degree)
+    assert t["seq_len"] == job.training.seq_len and t["activation_checkpointing"] == job.activation_checkpoint.mode
+    assert t["micro_batch_size"] * mesh.get("microbatches", 1) == job.training.local_batch_size
+    assert (t["precision"] == "fp8") == ("float8" in job.model.converters)
