@@ -265,3 +265,38 @@ def test_torchtitan_config_manager_reads_the_exported_toml_as_we_do(tmp_path, sp
         assert p.pipeline_parallel_microbatch_size == t.micro_batch_size
         assert p.pipeline_parallel_schedule == {"1f1b": "1F1B", "gpipe": "GPipe", "interleaved_1f1b": "Interleaved1F1B"}[t.pipeline_schedule]
     assert ("float8" in job.model.converters) == (t.precision == "fp8")
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(micro=st.integers(1, 8), accumulation=st.integers(1, 4), dp=st.sampled_from([1, 2, 4, 8, 16]), shard=st.booleans(),
+       precision=st.sampled_from(["bf16", "fp16", "fp32"]))
+def test_deepspeed_config_class_reads_the_exported_json_as_the_spec_says(tmp_path_factory, micro, accumulation, dp, shard, precision):
+    """DeepSpeed's own DeepSpeedConfig (where deepspeed installs) parses the exported JSON: its batch identity holds
+    on the spec's data-parallel ranks, with the spec's sizes, ZeRO stage and precision."""
+    try:
+        from deepspeed.runtime import config as ds_config
+    except ImportError:
+        pytest.skip("deepspeed is not installed")
+    spec = Spec.model_validate({
+        "model": {"family": "transformer", "vocab_size": 1024, "hidden_size": 256, "num_layers": 2, "num_heads": 4, "ffn_hidden_size": 512},
+        "mesh": {"dp_shard": dp if shard else 1, "dp_replicate": 1 if shard else dp, "gradient_accumulation_steps": accumulation},
+        "training": {"global_batch_size": micro * accumulation * dp, "micro_batch_size": micro, "seq_len": 128, "precision": precision,
+                     "distributed_optimizer": not shard and dp > 1},
+        "backend": "torch", "resources": {"devices": dp, "memory": "80GiB"}})
+    exported = export_spec(spec, "deepspeed")
+    path = tmp_path_factory.mktemp("ds") / exported.main
+    path.write_text(exported.files[exported.main])
+    original = ds_config.dist.get_rank
+    ds_config.dist.get_rank = lambda *args, **kwargs: 0
+    try:
+        class DataParallel:
+            def get_data_parallel_world_size(self):
+                return dp
+
+        ds = ds_config.DeepSpeedConfig(str(path), mpu=DataParallel())
+    finally:
+        ds_config.dist.get_rank = original
+    assert (ds.train_batch_size, ds.train_micro_batch_size_per_gpu, ds.gradient_accumulation_steps) == (
+        spec.training.global_batch_size, micro, accumulation)
+    assert ds.zero_optimization_stage == (3 if shard and dp > 1 else 1 if dp > 1 else 0)
+    assert (ds.bfloat16_config.enabled, ds.float16_config.enabled) == (precision == "bf16", precision == "fp16")

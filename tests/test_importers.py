@@ -586,3 +586,31 @@ def test_torchtitan_config_manager_reads_the_corpus_tomls_as_we_do(name):
     assert t["seq_len"] == job.training.seq_len and t["activation_checkpointing"] == job.activation_checkpoint.mode
     assert t["micro_batch_size"] * mesh.get("microbatches", 1) == job.training.local_batch_size
     assert (t["precision"] == "fp8") == ("float8" in job.model.converters)
+
+
+def deepspeed_config(path, dp: int, monkeypatch):
+    """DeepSpeed's own DeepSpeedConfig on ``dp`` data-parallel ranks (no process group: its rank is faked)."""
+    try:
+        from deepspeed.runtime import config as ds_config
+    except ImportError:
+        pytest.skip("deepspeed is not installed")
+    monkeypatch.setattr(ds_config.dist, "get_rank", lambda *args, **kwargs: 0)
+
+    class DataParallel:  # the mpu DeepSpeedConfig asks for the data-parallel world size
+        def get_data_parallel_world_size(self):
+            return dp
+
+    return ds_config.DeepSpeedConfig(str(path), mpu=DataParallel())
+
+
+@pytest.mark.parametrize("name", sorted(DEEPSPEED))
+def test_deepspeed_config_class_reads_the_corpus_configs_as_we_do(name, monkeypatch):
+    """DeepSpeed's DeepSpeedConfig (where deepspeed installs) derives the same batch sizes and ZeRO stage."""
+    options, mesh, _ = DEEPSPEED[name]
+    ds = deepspeed_config(DS / name, options["devices"], monkeypatch)
+    data = imported(DS / name, model=LLAMA, seq_len=2048, **options)
+    assert (ds.train_batch_size, ds.train_micro_batch_size_per_gpu, ds.gradient_accumulation_steps) == (
+        data["training"]["global_batch_size"], data["training"]["micro_batch_size"], data["mesh"]["gradient_accumulation_steps"])
+    assert ds.zero_optimization_stage in ({3} if "dp_shard" in mesh else {0, 1, 2})
+    precision = "bf16" if ds.bfloat16_config.enabled else "fp16" if ds.float16_config.enabled else "fp32"
+    assert precision == data["training"]["precision"]
