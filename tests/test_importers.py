@@ -614,3 +614,15 @@ def test_deepspeed_config_class_reads_the_corpus_configs_as_we_do(name, monkeypa
     assert ds.zero_optimization_stage in ({3} if "dp_shard" in mesh else {0, 1, 2})
     precision = "bf16" if ds.bfloat16_config.enabled else "fp16" if ds.float16_config.enabled else "fp32"
     assert precision == data["training"]["precision"]
+
+
+def test_megatron_uneven_pipeline_split(tmp_path):
+    path = tmp_path / "args.txt"
+    path.write_text("--num-layers 12 --hidden-size 64 --num-attention-heads 4 --vocab-size 128 --pipeline-model-parallel-size 4 "
+                    "--decoder-first-pipeline-num-layers 2 --decoder-last-pipeline-num-layers 2 --global-batch-size 8\n")
+    assert imported(path, devices=4)["training"]["pipeline_layers"] == [2, 4, 4, 2]
+    path.write_text("--num-layers 12 --hidden-size 64 --num-attention-heads 4 --vocab-size 128 --pipeline-model-parallel-size 4 "
+                    "--decoder-first-pipeline-num-layers 4 --global-batch-size 8 --use-megatron-fsdp\n")
+    with pytest.raises(SourceError) as info:
+        imported(path, devices=4)
+    assert "first 4" in info.value.diagnostics[-1].message

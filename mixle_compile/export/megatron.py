@@ -36,9 +36,17 @@ def megatron_arguments(spec: Spec) -> list[str]:
         reasons.append(("training.optimizer", "adam: Megatron-LM's adam applies decoupled weight decay (adamw)"))
     if t.pipeline_schedule == "gpipe":
         reasons.append(("training.pipeline_schedule", "Megatron-Core has no GPipe schedule"))
-    if t.pipeline_layers not in (None, "even") or t.attention is not None:
-        reasons.append(("training.pipeline_layers" if t.pipeline_layers not in (None, "even") else "training.attention",
-                        "not written by this exporter; remove it to export"))
+    uneven = None
+    if isinstance(t.pipeline_layers, list):
+        split = t.pipeline_layers
+        middle = split[1:-1]
+        if t.virtual_pipeline_stages == 1 and len(split) >= 2 and len(set(middle)) <= 1:
+            uneven = (split[0], split[-1])
+        else:
+            reasons.append(("training.pipeline_layers", "Megatron-LM's arguments set the first and last stages' layers "
+                                                        "(--decoder-first/last-pipeline-num-layers) with the middle ones even"))
+    if t.attention is not None:
+        reasons.append(("training.attention", "not written by this exporter; remove it to export"))
     if mesh.order not in (None, DEFAULT_ORDER, TP_PP_DP_ORDER):
         reasons.append(("mesh.order", f"{mesh.order}: Megatron-LM's arguments give the order {DEFAULT_ORDER} or, with "
                                       f"--use-tp-pp-dp-mapping, {TP_PP_DP_ORDER}"))
@@ -82,6 +90,8 @@ def megatron_arguments(spec: Spec) -> list[str]:
           "--expert-tensor-parallel-size", mesh.etp]
     if per_stage is not None:
         a += ["--num-layers-per-virtual-pipeline-stage", per_stage]
+    if uneven is not None:
+        a += ["--decoder-first-pipeline-num-layers", uneven[0], "--decoder-last-pipeline-num-layers", uneven[1]]
     if mesh.order == TP_PP_DP_ORDER:
         a += ["--use-tp-pp-dp-mapping"]
     if t.sequence_parallel:

@@ -34,6 +34,8 @@ READ = {
     "--virtual-pipeline-model-parallel-size": "int", "--sequence-parallel": "bool",
     "--use-distributed-optimizer": "bool", "--recompute-activations": "bool", "--recompute-granularity": "str",
     "--lr": "float", "--optimizer": "str", "--train-iters": "int", "--seed": "int", "--use-tp-pp-dp-mapping": "bool",
+    "--num-virtual-stages-per-pipeline-rank": "int", "--decoder-first-pipeline-num-layers": "int",
+    "--decoder-last-pipeline-num-layers": "int",
 }
 # Flags with no bearing on sizes, memory or communication as the spec models them (data, logging,
 # checkpoint paths, learning-rate schedule, kernel fusions, initialisation, dropout): read quietly.
@@ -54,13 +56,11 @@ QUIET = re.compile(
     r"num-dataset-builder-threads|no-async-tensor-model-parallel-allreduce|tp-comm-overlap|"
     r"deterministic-mode|use-checkpoint-args|finetune|micro-batch-size-.*|step-batch-size-schedule|"
     r"chat-template|trust-remote-code|untie-embeddings|no-gradient-accumulation-fusion|"
-    r"recompute-method|recompute-num-layers|num-distributed-optimizer-instances|"
-    r"ddp-.*|check-for-nan-in-loss-and-grad|use-torch-fsdp2|use-precision-aware-optimizer|"
-    r"data-parallel-sharding-strategy|use-megatron-fsdp|ckpt-.*|async-save|dist-ckpt-.*|auto-detect-ckpt-format|"
+    r"ddp-.*|check-for-nan-in-loss-and-grad|"
+    r"ckpt-.*|async-save|dist-ckpt-.*|auto-detect-ckpt-format|"
     r"rerun-mode|fp8-recipe|first-last-layers-bf16|num-layers-at-.*-in-bf16|export-.*|kd-.*|"
     r"reset-position-ids|reset-attention-mask|no-persist-layer-norm|use-distributed-checkpointing)$"
 )
-_LAUNCHERS = ("torchrun", "python", "python3", "srun", "deepspeed", "mpirun")
 
 
 @dataclass
@@ -271,7 +271,7 @@ def read_megatron(text: str, name: str, options: ImportOptions) -> tuple[SourceD
 
     # ---- pipeline schedule
     layers = b.get(("model", "num_layers"))
-    vpp = num("--virtual-pipeline-model-parallel-size")
+    vpp = num("--virtual-pipeline-model-parallel-size") or num("--num-virtual-stages-per-pipeline-rank")
     per_stage = num("--num-layers-per-virtual-pipeline-stage")
     if per_stage is not None and isinstance(layers, int):
         if layers % (pp * per_stage):
@@ -280,12 +280,35 @@ def read_megatron(text: str, name: str, options: ImportOptions) -> tuple[SourceD
         vpp = layers // (pp * per_stage)
         flag = "--num-layers-per-virtual-pipeline-stage"
     else:
-        flag = "--virtual-pipeline-model-parallel-size"
+        flag = "--virtual-pipeline-model-parallel-size" if has("--virtual-pipeline-model-parallel-size") else \
+            "--num-virtual-stages-per-pipeline-rank"
     if vpp is not None and vpp > 1:
         set_(("training", "virtual_pipeline_stages"), vpp, flag)
         set_(("training", "pipeline_schedule"), "interleaved_1f1b", flag)
     else:
         set_(("training", "pipeline_schedule"), "1f1b", None, "Megatron's non-interleaved 1F1B")
+
+    # Uneven pipeline: the first and last stages' layers, the rest split evenly over the middle stages
+    # (TransformerConfig.num_layers_in_first/last_pipeline_stage, megatron/core/transformer/transformer_config.py).
+    first, last = num("--decoder-first-pipeline-num-layers"), num("--decoder-last-pipeline-num-layers")
+    if (first is not None or last is not None) and isinstance(layers, int) and pp > 1:
+        stages = pp * (vpp or 1)
+        middle = stages - (first is not None) - (last is not None)
+        rest = layers - (first or 0) - (last or 0)
+        if rest < 0 or (middle and rest % middle) or (not middle and rest):
+            b.refuse(f"--num-layers {layers} does not split into first {first}, last {last} and {middle} even middle stages",
+                     at("--decoder-first-pipeline-num-layers") or at("--decoder-last-pipeline-num-layers"),
+                     "Megatron asserts the remaining layers divide evenly over the middle stages")
+            return b.result()
+        each = rest // middle if middle else 0
+        split = [each] * stages
+        if first is not None:
+            split[0] = first
+        if last is not None:
+            split[-1] = last
+        b.set(("training", "pipeline_layers"), split,
+              at=at("--decoder-first-pipeline-num-layers") or at("--decoder-last-pipeline-num-layers"),
+              origin="--decoder-first/last-pipeline-num-layers (the middle stages even)")
 
     # ---- the rest of training
     if has("--sequence-parallel"):
