@@ -626,3 +626,18 @@ def test_megatron_uneven_pipeline_split(tmp_path):
     with pytest.raises(SourceError) as info:
         imported(path, devices=4)
     assert "first 4" in info.value.diagnostics[-1].message
+
+
+def test_compile_diff_and_suggest_take_engine_configs(tmp_path, capsys):
+    plan = tmp_path / "plan.json"
+    status, _, _ = run_cli(capsys, "compile", TT / "llama3_8b.toml", "-o", plan)
+    assert status == 0 and json.loads(plan.read_text())["format_version"]
+    changed = tmp_path / "llama3_8b_tp2.toml"
+    changed.write_text((TT / "llama3_8b.toml").read_text().replace("tensor_parallel_degree = 1", "tensor_parallel_degree = 2"))
+    status, out, _ = run_cli(capsys, "diff", TT / "llama3_8b.toml", changed)
+    assert status == 1 and "tp" in out
+    fixed = tmp_path / "fixed_shard.toml"
+    fixed.write_text((TT / "llama3_8b.toml").read_text().replace("data_parallel_shard_degree = -1", "data_parallel_shard_degree = 8")
+                     .replace("tensor_parallel_degree = 1", "tensor_parallel_degree = 2"))
+    status, out, _ = run_cli(capsys, "check", "--suggest", fixed, "--devices", "8")
+    assert status == 1 and "D001" in out and "valid plan on the same 8 devices" in out
