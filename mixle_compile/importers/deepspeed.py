@@ -34,6 +34,9 @@ ZERO_IRRELEVANT = {
     "load_from_fp32_weights", "ignore_unused_parameters", "legacy_stage1", "cpu_offload",
     "stage3_gather_fp16_weights_on_model_save",
 }
+# Loss scaling and autocast settings: no effect on sizes or memory.
+PRECISION_QUIET = {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+                   "consecutive_hysteresis", "min_loss_scale", "auto_cast", "immediate_grad_update"}
 OPTIMIZERS = {"adam": "adam", "adamw": "adamw", "sgd": "sgd", "fusedadam": "adam", "cpuadam": "adam"}
 # Optimizers that keep Adam's two moments per parameter (priced as adam, with a warning).
 ADAM_LIKE = {"onebitadam", "zerooneadam", "onebitlamb", "lamb", "adagrad", "muadam", "muadamw", "adafactor"}
@@ -131,6 +134,12 @@ def read_deepspeed(raw: bytes, name: str, options: ImportOptions) -> tuple[Sourc
             if key not in ZERO_IRRELEVANT:
                 b.unmodelled(f"zero_optimization.{key}", at("zero_optimization", key),
                              "offloading and other ZeRO options are not modelled (memory is priced on the device)")
+    for section in ("bf16", "fp16"):
+        if isinstance(data.get(section), dict):
+            for key in data[section]:
+                if key not in PRECISION_QUIET:
+                    b.unmodelled(f"{section}.{key}", at(section, key), "the spec prices master weights, gradients and "
+                                 "optimizer state in fp32 with bf16/fp16 compute (an upper bound)")
     _precision(b, data, at)
     _optimizer(b, data, at)
     b.set(("backend",), "deepspeed", origin="a DeepSpeed config")
