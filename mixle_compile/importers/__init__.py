@@ -107,7 +107,7 @@ def read_any(path: str | Path, name: str, options: ImportOptions | None = None) 
                              "write the model, devices and memory in the spec itself")
         return doc, diags
     doc, diags = _import(kind, raw, name, p, options)
-    if any(d.severity.value == "error" for d in diags):
+    if any(d.severity.value == "error" and d.code != codes.ENGINE_REFUSES.code for d in diags):
         # Nothing to validate: a config that cannot be expressed as a spec is unusable input.
         raise SourceError(diags, unreadable=True)
     return doc, diags

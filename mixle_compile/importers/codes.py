@@ -48,3 +48,14 @@ CANNOT_IMPORT = register_code(
         "importable.",
     )
 )
+ENGINE_REFUSES = register_code(
+    Code(
+        "I005",
+        "engine-refuses-arguments",
+        "The engine's own argument validation refuses this combination of settings.",
+        "Some checks are the engine front end's rather than the plan's: Megatron-LM's `validate_args` raises "
+        "for `--step-batch-size-schedule` together with `--global-batch-size`, for example. Such a config never "
+        "starts, so it is reported (exit 1) before the plan is verified; fix it and check again.",
+        engine_reference="megatron/training/arguments.py validate_args",
+    )
+)

@@ -14,6 +14,7 @@ import math
 import re
 from dataclasses import dataclass
 
+from mixle_compile.importers import codes
 from mixle_compile.importers.builder import ImportOptions, SpecBuilder, resources
 from mixle_compile.importers.shell import Shell, Word
 from mixle_compile.spec.source import Position, SourceDocument
@@ -34,7 +35,7 @@ READ = {
     "--virtual-pipeline-model-parallel-size": "int", "--sequence-parallel": "bool",
     "--use-distributed-optimizer": "bool", "--recompute-activations": "bool", "--recompute-granularity": "str",
     "--lr": "float", "--optimizer": "str", "--train-iters": "int", "--seed": "int", "--use-tp-pp-dp-mapping": "bool",
-    "--num-virtual-stages-per-pipeline-rank": "int", "--decoder-first-pipeline-num-layers": "int",
+    "--num-virtual-stages-per-pipeline-rank": "int", "--step-batch-size-schedule": "str", "--decoder-first-pipeline-num-layers": "int",
     "--decoder-last-pipeline-num-layers": "int",
 }
 # Flags with no bearing on sizes, memory or communication as the spec models them (data, logging,
@@ -54,7 +55,7 @@ QUIET = re.compile(
     r"distributed-backend|use-flash-attn|transformer-impl|accumulate-allreduce-grads-in-fp32|"
     r"bf16-.*|fp16-.*|loss-scale.*|initial-loss-scale|hysteresis|seq-length-.*|dataloader-type|"
     r"num-dataset-builder-threads|no-async-tensor-model-parallel-allreduce|tp-comm-overlap|"
-    r"deterministic-mode|use-checkpoint-args|finetune|micro-batch-size-.*|step-batch-size-schedule|"
+    r"deterministic-mode|use-checkpoint-args|finetune|micro-batch-size-.*|"
     r"chat-template|trust-remote-code|untie-embeddings|no-gradient-accumulation-fusion|"
     r"ddp-.*|check-for-nan-in-loss-and-grad|"
     r"ckpt-.*|async-save|dist-ckpt-.*|auto-detect-ckpt-format|"
@@ -256,6 +257,11 @@ def read_megatron(text: str, name: str, options: ImportOptions) -> tuple[SourceD
          f"world {devices} / (tp * pp * cp)" + (" sharded by --use-distributed-optimizer" if dist_opt else ""))
     set_(("training", "distributed_optimizer"), dist_opt, "--use-distributed-optimizer" if dist_opt else None)
 
+    if has("--step-batch-size-schedule") and has("--global-batch-size"):
+        # validate_args: "Cannot specify both --step-batch-size-schedule and --global-batch-size" (ValueError).
+        b.diagnostic(codes.ENGINE_REFUSES.code, "Megatron-LM refuses --step-batch-size-schedule together with "
+                     "--global-batch-size (validate_args raises ValueError)", at("--step-batch-size-schedule"),
+                     hint="keep one of them; the check below uses --global-batch-size", field=("training", "global_batch_size"))
     # ---- batch (validate_args: --global-batch-size defaults to micro * dp)
     mbs = num("--micro-batch-size", 1)
     gbs = num("--global-batch-size", mbs * dp)
