@@ -33,8 +33,9 @@ class CheckResult:
         return sum(d.severity is Severity.error for d in self.diagnostics)
 
 
-def check_file(path: str | Path, *, suggest: bool = False) -> CheckResult:
-    return check_loaded(load_spec(path), suggest=suggest)
+def check_file(path: str | Path, *, suggest: bool = False, options=None) -> CheckResult:
+    """``options``: an :class:`~mixle_compile.importers.ImportOptions` for an engine config."""
+    return check_loaded(load_spec(path, options=options), suggest=suggest)
 
 
 def check_loaded(loaded: LoadedSpec, *, suggest: bool = False) -> CheckResult:

@@ -30,13 +30,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     check = sub.add_parser("check", help="validate spec files and report diagnostics")
-    check.add_argument("files", nargs="+", metavar="FILE", help="spec files (.yaml, .yml or .json)")
+    check.add_argument("files", nargs="*", metavar="FILE",
+                       help="spec files (.yaml, .yml or .json) or engine configs (torchtitan .toml, Megatron-LM .sh, DeepSpeed .json)")
     check.add_argument("--format", choices=("text", "json", "sarif"), default="text", help="output format (default: text)")
     check.add_argument(
         "--suggest",
         action="store_true",
         help="for a file with errors, print the nearest valid settings on the same devices as a YAML patch",
     )
+    _import_arguments(check)
     check.set_defaults(run=_cmd_check)
 
     rules = sub.add_parser("rules", help="list every diagnostic code and verifier rule")
@@ -57,12 +59,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--ranks", type=int, nargs="?", const=8, metavar="N",
         help="also list the concrete ranks of the first N groups of every group rule (default 8); plans keep groups symbolic otherwise",
     )
+    _import_arguments(explain)
     explain.set_defaults(run=_cmd_explain)
 
     compile_ = sub.add_parser("compile", help="verify a spec and write its executable plan")
     compile_.add_argument("spec", metavar="SPEC", help="spec file (.yaml, .yml or .json)")
     compile_.add_argument("-o", "--output", type=Path, metavar="PLAN", help="where to write the plan (default: standard output)")
     compile_.add_argument("--format", choices=("text", "json"), default="text", help="format of the diagnostics (default: text)")
+    _import_arguments(compile_)
     compile_.set_defaults(run=_cmd_compile)
 
     from mixle_compile.runtime.cli import add_run_arguments  # argument handling only: no torch
@@ -75,7 +79,16 @@ def build_parser() -> argparse.ArgumentParser:
     diff.add_argument("old", metavar="A", help="plan or spec before the change")
     diff.add_argument("new", metavar="B", help="plan or spec after the change")
     diff.add_argument("--format", choices=("text", "json"), default="text", help="output format (default: text)")
+    _import_arguments(diff)
     diff.set_defaults(run=_cmd_diff)
+
+    export = sub.add_parser("export", help="write the engine's own config (torchtitan TOML, Megatron-LM launch script, DeepSpeed JSON) for a spec that verifies on it")
+    export.add_argument("spec", metavar="SPEC|PLAN", help="a spec, a compiled plan, or an engine config")
+    export.add_argument("--to", required=True, choices=("torchtitan", "megatron", "deepspeed"), help="the engine")
+    export.add_argument("-o", "--output", type=Path, metavar="FILE",
+                        help="where to write the config (an HF config.json it needs is written beside it); default: standard output")
+    _import_arguments(export)
+    export.set_defaults(run=_cmd_export)
 
     graph = sub.add_parser("graph", help="print the decomposition graph of a spec")
     graph.add_argument("spec", metavar="SPEC", help="spec file")
@@ -90,10 +103,57 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _import_arguments(parser: argparse.ArgumentParser) -> None:
+    """What an engine config (torchtitan TOML, Megatron-LM script, DeepSpeed JSON) may not say."""
+    group = parser.add_argument_group("engine configs", "for a torchtitan, Megatron-LM or DeepSpeed config (see docs/importers.md)")
+    group.add_argument("--model", metavar="CONFIG_JSON", help="an HF config.json giving the model (DeepSpeed; overrides the others' model)")
+    group.add_argument("--devices", type=_positive, metavar="N", help="how many devices run the config")
+    group.add_argument("--device-memory", metavar="SIZE", help="memory per device, e.g. 80GiB")
+    group.add_argument("--seq-len", type=_positive, metavar="N", help="tokens per sample, where the config does not say")
+    if parser.prog.endswith("check"):
+        group.add_argument("--torchtitan", metavar="MODULE:FUNCTION",
+                           help="check a torchtitan 0.3 config-registry function (needs torchtitan installed)")
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _import_options(args: argparse.Namespace):
+    from mixle_compile.importers import ImportOptions
+
+    memory = getattr(args, "device_memory", None)
+    if memory is not None:
+        from mixle_compile.spec.models import parse_memory
+
+        try:
+            parse_memory(memory)
+        except ValueError as exc:
+            print(f"mixle-compile: error: --device-memory {exc}", file=sys.stderr)
+            raise SystemExit(EXIT_USAGE)
+    return ImportOptions(devices=getattr(args, "devices", None), device_memory=memory,
+                         model=getattr(args, "model", None), seq_len=getattr(args, "seq_len", None))
+
+
 def _cmd_check(args: argparse.Namespace) -> int:
     from mixle_compile.check import check_file, exit_status
 
-    results = [check_file(f, suggest=True) if args.suggest else check_file(f) for f in args.files]
+    if not args.files and not args.torchtitan:
+        print("mixle-compile check: error: give at least one FILE (or --torchtitan MODULE:FUNCTION)", file=sys.stderr)
+        return EXIT_USAGE
+    options = _import_options(args)
+    extra = {"options": options} if options.given else {}
+    results = [check_file(f, suggest=True, **extra) if args.suggest else check_file(f, **extra) for f in args.files]
+    if args.torchtitan:
+        from mixle_compile.importers.torchtitan_registry import check_registry_function
+
+        results.append(check_registry_function(args.torchtitan, options, suggest=args.suggest))
     diagnostics = [d for r in results for d in r.diagnostics]
     if args.format == "sarif":
         from mixle_compile.sarif import sarif_log
@@ -199,7 +259,7 @@ def _cmd_explain(args: argparse.Namespace) -> int:
         return EXIT_CLEAN
     if Path(target).is_dir():
         return _explain_checkpoint(target, args)
-    doc, status = _plan_of(target, "explain")
+    doc, status = _plan_of(target, "explain", _import_options(args))
     if doc is None:
         return status
     from mixle_compile.report import explain_data, explain_text, plot_plan, rank_groups, rank_groups_text
@@ -207,15 +267,24 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     if args.ranks is not None and args.ranks < 0:
         print("mixle-compile explain: error: --ranks takes a number of groups >= 0", file=sys.stderr)
         return EXIT_USAGE
+    imported = _imported_document(target, args)
     if args.format == "json":
         data = explain_data(doc)
         if args.ranks is not None:
             data["rank_groups"] = rank_groups(doc, args.ranks)
+        if imported is not None:
+            from mixle_compile.importers import provenance
+
+            data["imported_from"] = {"file": imported.file, "format": imported.source_format, "fields": provenance(imported)}
         print(json.dumps(data, indent=2, sort_keys=True))
     else:
         sys.stdout.write(explain_text(doc))
         if args.ranks is not None:
             sys.stdout.write(rank_groups_text(doc, args.ranks))
+        if imported is not None:
+            from mixle_compile.importers import provenance_text
+
+            sys.stdout.write(provenance_text(imported))
     if args.plot:
         try:
             plot_plan(doc, str(args.plot))
@@ -224,6 +293,15 @@ def _cmd_explain(args: argparse.Namespace) -> int:
             return EXIT_USAGE
         print(f"wrote {args.plot}", file=sys.stderr)
     return EXIT_CLEAN
+
+
+def _imported_document(target: str, args: argparse.Namespace):
+    """The document of an engine config (which engine key gave which spec field); None for a spec or plan."""
+    from mixle_compile.spec import load_spec
+
+    loaded = load_spec(target, options=_import_options(args))
+    doc = loaded.document
+    return doc if doc is not None and doc.source_format is not None else None
 
 
 def _explain_checkpoint(target: str, args: argparse.Namespace) -> int:
@@ -260,7 +338,7 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     from mixle_compile.plan import plan_text
 
     try:
-        result = compile_file(args.spec)
+        result = compile_file(args.spec, options=_import_options(args))
     except CompilerBug as exc:
         print(f"mixle-compile: internal error: {exc} (please report this)", file=sys.stderr)
         return EXIT_INTERNAL
@@ -290,7 +368,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return run_command(args)
 
 
-def _plan_of(path: str, verb: str):
+def _plan_of(path: str, verb: str, options=None):
     """A verified plan from a plan file, or from a spec compiled on the fly: (plan, exit status)."""
     from mixle_compile.plan import PlanError, load_plan_text
 
@@ -310,7 +388,7 @@ def _plan_of(path: str, verb: str):
     from mixle_compile.plan import plan_text
 
     try:
-        result = compile_file(path)
+        result = compile_file(path, options=options)
     except CompilerBug as exc:
         print(f"mixle-compile: internal error: {exc} (please report this)", file=sys.stderr)
         return None, EXIT_INTERNAL
@@ -323,10 +401,10 @@ def _plan_of(path: str, verb: str):
 def _cmd_diff(args: argparse.Namespace) -> int:
     from mixle_compile.report import diff_data, diff_text
 
-    a, status = _plan_of(args.old, "diff")
+    a, status = _plan_of(args.old, "diff", _import_options(args))
     if a is None:
         return max(status, EXIT_USAGE)
-    b, status = _plan_of(args.new, "diff")
+    b, status = _plan_of(args.new, "diff", _import_options(args))
     if b is None:
         return max(status, EXIT_USAGE)
     if args.format == "json":
@@ -337,6 +415,71 @@ def _cmd_diff(args: argparse.Namespace) -> int:
         sys.stdout.write(diff_text(a, b, args.old, args.new))
         same = a.content_digest == b.content_digest
     return EXIT_CLEAN if same else EXIT_VIOLATIONS  # like diff(1): 1 when they differ
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from mixle_compile.export import ExportRefused, export_spec
+
+    spec, status = _spec_of(args.spec, _import_options(args))
+    if spec is None:
+        return status
+    stem = args.output.stem if args.output else "train"
+    try:
+        exported = export_spec(spec, args.to, stem=stem)
+    except ExportRefused as exc:
+        for field_name, reason in exc.reasons:
+            where = f" `{field_name}`" if field_name else ""
+            print(f"{args.spec}: cannot export to {args.to}:{where} {reason}", file=sys.stderr)
+        return EXIT_VIOLATIONS
+    others = [name for name in exported.files if name != exported.main]
+    if isinstance(spec.resources.devices, int) and spec.resources.throughput is not None:
+        print(f"{args.spec}: note: resources.throughput is not written (no {args.to} key says a device's speed)", file=sys.stderr)
+    if args.to == "deepspeed":
+        print(f"{args.spec}: note: training.steps and training.seed are not DeepSpeed config keys (the training script sets them)",
+              file=sys.stderr)
+    if args.output is None:
+        if others:
+            print(f"mixle-compile export: error: the {args.to} config names a model file ({others[0]}); give -o FILE to write both",
+                  file=sys.stderr)
+            return EXIT_USAGE
+        sys.stdout.write(exported.files[exported.main])
+        return EXIT_CLEAN
+    folder = args.output.parent
+    try:
+        for name, text in exported.files.items():
+            path = args.output if name == exported.main else folder / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text, encoding="utf-8")
+            print(f"wrote {path}", file=sys.stderr)
+    except OSError as exc:
+        print(f"mixle-compile export: error: cannot write {args.output}: {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.to == "deepspeed":
+        print(f"check it with: mixle-compile check {args.output} --model {folder / others[0]} --seq-len {spec.training.seq_len}",
+              file=sys.stderr)
+    return EXIT_CLEAN
+
+
+def _spec_of(path: str, options):
+    """A valid spec from a spec file, an engine config or a plan's embedded spec: (spec, exit status)."""
+    p = Path(path)
+    if p.suffix.lower() == ".json" and p.is_file() and b'"format_version"' in p.read_bytes()[:4096]:
+        from mixle_compile.plan import PlanError, load_plan_text
+        from mixle_compile.plan.artifact import plan_spec
+
+        try:
+            return plan_spec(load_plan_text(p.read_bytes(), path)), EXIT_CLEAN
+        except PlanError as exc:
+            print(f"mixle-compile export: error: {exc}", file=sys.stderr)
+            return None, EXIT_VIOLATIONS
+    from mixle_compile.spec import load_spec
+
+    loaded = load_spec(path, options=options)
+    if not loaded.ok:
+        for d in loaded.diagnostics:
+            print(d.text(), file=sys.stderr)
+        return None, EXIT_USAGE if loaded.unreadable else EXIT_VIOLATIONS
+    return loaded.spec, EXIT_CLEAN
 
 
 def _cmd_graph(args: argparse.Namespace) -> int:

@@ -35,8 +35,8 @@ class CompileResult:
     plan: dict | None  # the JSON-ready plan; None when the spec has errors
 
 
-def compile_file(path: str | Path) -> CompileResult:
-    return compile_loaded(load_spec(path))
+def compile_file(path: str | Path, *, options=None) -> CompileResult:
+    return compile_loaded(load_spec(path, options=options))
 
 
 def compile_loaded(loaded) -> CompileResult:

@@ -75,6 +75,7 @@ __all__ = [
     "TORCH_CAPABILITIES",
     "MEGATRON_CAPABILITIES",
     "BUILTIN_CAPABILITIES",
+    "DEEPSPEED_CAPABILITIES",
 ]
 
 
@@ -1224,11 +1225,25 @@ TORCHTITAN_CAPABILITIES = BackendCapabilities(
     reshardable_checkpoint=True,  # torch.distributed.checkpoint
     elastic_restart=False,
 )
+#: DeepSpeed, for configs read from a ds_config.json: verification with the common rules only.
+#: ZeRO 1/2 partition the optimizer state of replicated parameters (a distributed optimizer), ZeRO 3
+#: the parameters too (dp_shard); fp16 and bf16 (deepspeed/runtime/config.py).
+DEEPSPEED_CAPABILITIES = BackendCapabilities(
+    name="deepspeed",
+    axes=_ALL_AXES,
+    precisions=frozenset({"fp32", "bf16", "fp16"}),
+    requirements=("deepspeed", "GPUs"),
+    incompatible_axis_sets=(),
+    distributed_optimizer=True,
+    reshardable_checkpoint=True,  # universal checkpoints (deepspeed/checkpoint/ds_to_universal.py)
+    elastic_restart=False,
+)
 
 BUILTIN_CAPABILITIES: dict[str, BackendCapabilities] = {
     "torch": TORCH_CAPABILITIES,
     "megatron": MEGATRON_CAPABILITIES,
     "torchtitan": TORCHTITAN_CAPABILITIES,
+    "deepspeed": DEEPSPEED_CAPABILITIES,
 }
 
 
@@ -1295,10 +1310,15 @@ def _make_torchtitan_backend() -> _VerificationBackend:
     return _VerificationBackend("torchtitan", TORCHTITAN_CAPABILITIES)
 
 
+def _make_deepspeed_backend() -> _VerificationBackend:
+    return _VerificationBackend("deepspeed", DEEPSPEED_CAPABILITIES)
+
+
 DEFAULT_BACKEND_REGISTRY = BackendRegistry()
 DEFAULT_BACKEND_REGISTRY.register("torch", _make_torch_backend)
 DEFAULT_BACKEND_REGISTRY.register("megatron", _make_megatron_backend)
 DEFAULT_BACKEND_REGISTRY.register("torchtitan", _make_torchtitan_backend)
+DEFAULT_BACKEND_REGISTRY.register("deepspeed", _make_deepspeed_backend)
 
 register_training_backend = DEFAULT_BACKEND_REGISTRY.register
 get_training_backend = DEFAULT_BACKEND_REGISTRY.get

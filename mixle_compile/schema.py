@@ -10,7 +10,13 @@ SPEC_SCHEMA_ID = "https://mixle-compile.dev/schemas/spec.schema.json"
 def spec_schema() -> dict:
     from mixle_compile.spec.models import Spec
 
+    from mixle_compile.spec.models import ModelFile
+
     schema = Spec.model_json_schema()
+    # The loader reads `model: {from: hf, path: ...}` into a transformer before validating the spec,
+    # so the file reference is a model only as far as an editor is concerned.
+    schema["$defs"]["ModelFile"] = ModelFile.model_json_schema(by_alias=True)
+    schema["properties"]["model"]["oneOf"].append({"$ref": "#/$defs/ModelFile"})
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "$id": SPEC_SCHEMA_ID,

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from mixle_compile import contracts as c
 from mixle_compile.contracts import (
     BUILTIN_CAPABILITIES,
+    DEEPSPEED_CAPABILITIES,
     MEGATRON_CAPABILITIES,
     MESH_AXIS_ORDER,
     TORCH_CAPABILITIES,
@@ -489,7 +490,9 @@ def test_capabilities_validate_requires_a_plan():
 
 
 def test_builtin_capabilities():
-    assert BUILTIN_CAPABILITIES == {"torch": TORCH_CAPABILITIES, "megatron": MEGATRON_CAPABILITIES, "torchtitan": TORCHTITAN_CAPABILITIES}
+    assert BUILTIN_CAPABILITIES == {"torch": TORCH_CAPABILITIES, "megatron": MEGATRON_CAPABILITIES,
+                                    "torchtitan": TORCHTITAN_CAPABILITIES, "deepspeed": DEEPSPEED_CAPABILITIES}
+    assert DEEPSPEED_CAPABILITIES.precisions == {"fp32", "bf16", "fp16"} and DEEPSPEED_CAPABILITIES.distributed_optimizer
     assert TORCH_CAPABILITIES.axes == frozenset(ParallelAxis)
     assert TORCH_CAPABILITIES.precisions == {"fp32", "bf16"}
     assert TORCH_CAPABILITIES.distributed_optimizer and TORCH_CAPABILITIES.reshardable_checkpoint

@@ -45,3 +45,37 @@ def test_try_repo_passes_a_good_spec_and_fails_a_bad_one(tmp_path):
     assert both.returncode == 1, both.stdout + both.stderr
     assert "bad.yaml:5:3: S003 unknown key `mesh.dp_shards`" in both.stdout
     assert "good.yaml:" not in both.stdout
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_the_torchtitan_hook_on_a_torchtitan_style_repository(tmp_path):
+    """A repository laid out like torchtitan before its config refactor: the hook checks its train configs."""
+    pytest.importorskip("pre_commit")
+    if subprocess.run(["git", "ls-files", "--error-unmatch", ".pre-commit-hooks.yaml"], cwd=ROOT, capture_output=True).returncode:
+        pytest.skip("pre-commit only sees committed hook manifests")
+    corpus = ROOT / "tests" / "corpus" / "importers" / "torchtitan"
+    repo = tmp_path / "torchtitan"
+    configs = repo / "torchtitan" / "models" / "llama3" / "train_configs"
+    configs.mkdir(parents=True)
+    shutil.copy(corpus / "llama3_8b.toml", configs / "llama3_8b.toml")
+    shutil.copy(corpus / "llama3_debug_model.toml", configs / "debug_model.toml")
+    (repo / "pyproject.toml").write_text('[project]\nname = "torchtitan"\n')
+    git(repo, "init", "-q")
+    git(repo, "add", ".")
+    git(repo, "commit", "-qm", "configs")
+    env = {"PRE_COMMIT_HOME": str(tmp_path / "cache"), "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "HOME": str(tmp_path)}
+
+    def try_repo() -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "pre_commit", "try-repo", str(ROOT), "mixle-compile-check-torchtitan",
+                               "--all-files"], cwd=repo, capture_output=True, text=True, env=env, timeout=600)
+
+    good = try_repo()
+    assert good.returncode == 0, good.stdout + good.stderr
+    assert "pyproject.toml" not in good.stdout  # only train configs are checked
+    config = configs / "llama3_8b.toml"
+    config.write_text(config.read_text().replace("tensor_parallel_degree = 1", "tensor_parallel_degree = 16"))
+    git(repo, "add", ".")
+    bad = try_repo()
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    line = next(i for i, text in enumerate(config.read_text().splitlines(), 1) if text.startswith("tensor_parallel_degree"))
+    assert f"torchtitan/models/llama3/train_configs/llama3_8b.toml:{line}:" in bad.stdout and "mesh.tp=16" in bad.stdout

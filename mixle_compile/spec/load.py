@@ -52,13 +52,20 @@ class LoadedSpec:
         return self.spec is not None and not any(d.severity is Severity.error for d in self.diagnostics)
 
 
-def load_spec(path: str | Path, *, display_name: str | None = None) -> LoadedSpec:
+def load_spec(path: str | Path, *, display_name: str | None = None, options: Any = None) -> LoadedSpec:
+    """Load a spec file, or an engine config that an importer reads (see :mod:`mixle_compile.importers`).
+
+    ``options`` (an :class:`~mixle_compile.importers.ImportOptions`) gives what an engine config may
+    not say: the device count and memory, an HF config.json for the model.
+    """
+    from mixle_compile.importers import read_any
+
     name = display_name or str(path)
     try:
-        doc, diags = read_source(path, display_name=name)
+        doc, diags = read_any(path, name, options)
     except SourceError as exc:
         return LoadedSpec(name, None, None, list(exc.diagnostics), unreadable=exc.unreadable)
-    return _validate(doc, diags)
+    return _validate(doc, diags, Path(path).parent)
 
 
 def load_spec_text(text: str | bytes, name: str = "<string>", *, json_syntax: bool = False) -> LoadedSpec:
@@ -70,8 +77,18 @@ def load_spec_text(text: str | bytes, name: str = "<string>", *, json_syntax: bo
     return _validate(doc, diags)
 
 
-def _validate(doc: SourceDocument, diags: list[Diagnostic]) -> LoadedSpec:
+def validate_document(doc: SourceDocument, diags: list[Diagnostic]) -> LoadedSpec:
+    """Validate a document an importer built (its positions already point into the engine's file)."""
+    return _validate(doc, list(diags))
+
+
+def _validate(doc: SourceDocument, diags: list[Diagnostic], base: Path | None = None) -> LoadedSpec:
     data = doc.data
+    if isinstance(data, dict) and isinstance(data.get("model"), dict) and "from" in data["model"]:
+        try:
+            _model_from_file(doc, diags, base or Path("."))
+        except SourceError as exc:
+            return LoadedSpec(doc.file, None, doc, diags + list(exc.diagnostics), unreadable=exc.unreadable)
     if data is None:
         diags.append(
             doc.diagnostic(
@@ -102,6 +119,40 @@ def _validate(doc: SourceDocument, diags: list[Diagnostic]) -> LoadedSpec:
     if any(d.severity is Severity.error for d in diags):
         return LoadedSpec(doc.file, None, doc, _dedupe(diags))
     return LoadedSpec(doc.file, spec, doc, diags)
+
+
+def _model_from_file(doc: SourceDocument, diags: list[Diagnostic], base: Path) -> None:
+    """``model: {from: hf, path: config.json}``: the model read from an HF config (path relative to the spec)."""
+    from mixle_compile.importers.hf import hf_model, read_hf_document
+
+    from mixle_compile.spec.models import ModelFile
+
+    ref = doc.data["model"]
+    try:
+        ModelFile.model_validate(ref)
+    except ValidationError as exc:
+        err = exc.errors(include_url=False)[0]
+        key = err["loc"][0] if err["loc"] else "from"
+        what = f"unknown key `model.{key}`" if err["type"] == "extra_forbidden" else (
+            "`model.from` must be 'hf' with `model.path` naming a config.json")
+        raise SourceError([doc.diagnostic(
+            codes.UNKNOWN_KEY.code if err["type"] == "extra_forbidden" else codes.INVALID_VALUE.code,
+            f"a model read from a file: {what}", ("model", key),
+            hint="write `model: {from: hf, path: config.json}` (the path relative to this spec)")])
+    target = base / ref["path"]
+    hf = hf_model(read_hf_document(target, ref["path"]))
+    at = ("model", "path")
+    for message, hint, pos in hf.problems:
+        diags.append(doc.diagnostic("I004", f"{ref['path']}:{pos.line}:{pos.column}: {message}", at, hint=hint))
+    for key, pos in hf.ignored:
+        diags.append(doc.diagnostic("I002", f"{ref['path']}:{pos.line}:{pos.column}: `{key}` is ignored: the spec does not model it",
+                                    at, hint="see docs/importers.md for the keys that are read", severity=Severity.warning))
+    pos = doc.position(at)
+    doc.data["model"] = hf.model
+    for field_name in hf.model:
+        doc.values[("model", field_name)] = pos
+        if field_name in hf.keys:
+            doc.origins[("model", field_name)] = f"{ref['path']}: {hf.keys[field_name]}"
 
 
 def _dedupe(diags: list[Diagnostic]) -> list[Diagnostic]:

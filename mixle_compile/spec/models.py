@@ -392,6 +392,16 @@ class DistributionModel(StrictModel):
 FAMILIES = ("transformer", "modules", "distribution")
 
 
+class ModelFile(StrictModel):
+    """``model: {from: hf, path: config.json}``: a transformer read from an HF config.json, the path
+    relative to the spec. The loader replaces it with the model it reads before validation."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    from_: Literal["hf"] = Field(alias="from", description="the file's format: an HF config.json")
+    path: Name = Field(description="the config.json, relative to the spec file")
+
+
 def _family_tag(value: Any) -> str | None:
     if isinstance(value, dict):
         family = value.get("family")

@@ -40,6 +40,9 @@ class SourceDocument:
     data: Any = None
     values: dict[Path_, Position] = field(default_factory=dict)
     keys: dict[Path_, Position] = field(default_factory=dict)
+    # For a file read by an importer: its format, and which engine key gave each spec field.
+    source_format: str | None = None
+    origins: dict[Path_, str] = field(default_factory=dict)
 
     def position(self, path: Path_, *, prefer_key: bool = False) -> Position:
         """The closest known position for ``path`` (walking up to a parent when unknown)."""

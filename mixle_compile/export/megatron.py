@@ -1,0 +1,131 @@
+"""A spec as a Megatron-LM launch script: ``torchrun ... pretrain_gpt.py`` with its arguments.
+
+The flags and their meanings are those :mod:`mixle_compile.importers.megatron` reads back (see that
+module for the engine sources). Megatron has one data-parallel degree: it is ``dp_shard`` with the
+distributed optimizer, ``dp_replicate`` without; and no gradient-accumulation setting of its own (its
+micro-batches per step are ``global / (micro * dp)``).
+"""
+
+from __future__ import annotations
+
+import shlex
+
+from mixle_compile.export import Exported, ExportRefused, memory_text
+from mixle_compile.spec.models import Spec, parallel_plan
+
+# megatron/core/parallel_state.py initialize_model_parallel: order "tp-cp-ep-dp-pp", or "tp-cp-ep-pp-dp"
+# with use_tp_pp_dp_mapping (Megatron-LM's --use-tp-pp-dp-mapping).
+DEFAULT_ORDER, TP_PP_DP_ORDER = "tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp"
+
+
+def megatron_arguments(spec: Spec) -> list[str]:
+    m, t, mesh = spec.model, spec.training, spec.mesh
+    plan = parallel_plan(spec)
+    reasons: list[tuple[str, str]] = []
+    if plan.dp_replicate > 1 and plan.dp_shard > 1:
+        reasons.append(("mesh.dp_replicate", "Megatron-LM has one data-parallel degree (no replicate x shard mesh)"))
+    if plan.dp_shard > 1 and not t.distributed_optimizer:
+        reasons.append(("mesh.dp_shard", "Megatron shards over data ranks only with the distributed optimizer: set "
+                                         "training.distributed_optimizer: true, or use dp_replicate"))
+    if mesh.gradient_accumulation_steps != 1:
+        reasons.append(("mesh.gradient_accumulation_steps", "Megatron accumulates through its micro-batches: fold the "
+                                                            "accumulation steps into mesh.microbatches"))
+    if m.activation == "relu":
+        reasons.append(("model.activation", "relu: Megatron-LM's MLP is gelu or swiglu (or squared relu)"))
+    if t.optimizer == "adam":
+        reasons.append(("training.optimizer", "adam: Megatron-LM's adam applies decoupled weight decay (adamw)"))
+    if t.pipeline_schedule == "gpipe":
+        reasons.append(("training.pipeline_schedule", "Megatron-Core has no GPipe schedule"))
+    uneven = None
+    if isinstance(t.pipeline_layers, list):
+        split = t.pipeline_layers
+        middle = split[1:-1]
+        if t.virtual_pipeline_stages == 1 and len(split) >= 2 and len(set(middle)) <= 1:
+            uneven = (split[0], split[-1])
+        else:
+            reasons.append(("training.pipeline_layers", "Megatron-LM's arguments set the first and last stages' layers "
+                                                        "(--decoder-first/last-pipeline-num-layers) with the middle ones even"))
+    if t.attention is not None:
+        reasons.append(("training.attention", "not written by this exporter; remove it to export"))
+    if mesh.order not in (None, DEFAULT_ORDER, TP_PP_DP_ORDER):
+        reasons.append(("mesh.order", f"{mesh.order}: Megatron-LM's arguments give the order {DEFAULT_ORDER} or, with "
+                                      f"--use-tp-pp-dp-mapping, {TP_PP_DP_ORDER}"))
+    if m.vocab_size % mesh.tp:
+        reasons.append(("model.vocab_size", f"{m.vocab_size} is not a multiple of tp {mesh.tp}: Megatron pads it"))
+    if m.num_experts and m.moe_layer_frequency != 1:
+        pass  # written as --moe-layer-freq N
+    per_stage = None
+    if t.virtual_pipeline_stages > 1:
+        if m.num_layers % (mesh.pp * t.virtual_pipeline_stages):
+            reasons.append(("training.virtual_pipeline_stages", "Megatron splits the layers evenly into virtual stages"))
+        else:
+            per_stage = m.num_layers // (mesh.pp * t.virtual_pipeline_stages)
+    if reasons:
+        raise ExportRefused("megatron", reasons)
+    a = ["--num-layers", m.num_layers, "--hidden-size", m.hidden_size, "--num-attention-heads", m.num_heads,
+         "--ffn-hidden-size", m.ffn_hidden_size]
+    if m.num_kv_heads is not None:
+        a += ["--group-query-attention", "--num-query-groups", m.num_kv_heads]
+    if m.head_dim is not None:
+        a += ["--kv-channels", m.head_dim]
+    if m.activation == "swiglu":
+        a += ["--swiglu"]
+    a += ["--normalization", "RMSNorm" if m.norm == "rmsnorm" else "LayerNorm",
+          "--position-embedding-type", "rope" if m.position_embedding == "rope" else "learned_absolute"]
+    if not m.tie_embeddings:
+        a += ["--untie-embeddings-and-output-weights"]
+    a += ["--tokenizer-type", "NullTokenizer", "--vocab-size", m.vocab_size]
+    if m.vocab_size % (128 * mesh.tp):
+        a += ["--make-vocab-size-divisible-by", 1]
+    if m.num_experts:
+        a += ["--num-experts", m.num_experts, "--moe-router-topk", m.experts_per_token]
+        if m.moe_ffn_hidden_size is not None:
+            a += ["--moe-ffn-hidden-size", m.moe_ffn_hidden_size]
+        if m.moe_layer_frequency != 1:
+            a += ["--moe-layer-freq", m.moe_layer_frequency]
+    a += ["--seq-length", t.seq_len, "--max-position-embeddings", t.seq_len,
+          "--micro-batch-size", t.micro_batch_size, "--global-batch-size", t.global_batch_size,
+          "--tensor-model-parallel-size", mesh.tp, "--pipeline-model-parallel-size", mesh.pp,
+          "--context-parallel-size", mesh.cp, "--expert-model-parallel-size", mesh.ep,
+          "--expert-tensor-parallel-size", mesh.etp]
+    if per_stage is not None:
+        a += ["--num-layers-per-virtual-pipeline-stage", per_stage]
+    if uneven is not None:
+        a += ["--decoder-first-pipeline-num-layers", uneven[0], "--decoder-last-pipeline-num-layers", uneven[1]]
+    if mesh.order == TP_PP_DP_ORDER:
+        a += ["--use-tp-pp-dp-mapping"]
+    if t.sequence_parallel:
+        a += ["--sequence-parallel"]
+    if t.distributed_optimizer:
+        a += ["--use-distributed-optimizer"]
+    if t.precision == "fp8":
+        a += ["--bf16", "--fp8-format", "hybrid"]
+    elif t.precision in ("bf16", "fp16"):
+        a += [f"--{t.precision}"]
+    if t.activation_checkpointing == "selective":
+        a += ["--recompute-granularity", "selective"]
+    elif t.activation_checkpointing == "full":
+        a += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", 1]
+    if t.optimizer == "sgd":
+        a += ["--optimizer", "sgd"]
+    a += ["--lr", repr(t.learning_rate), "--train-iters", t.steps, "--seed", t.seed]
+    return [str(x) for x in a]
+
+
+def megatron_files(spec: Spec, stem: str) -> Exported:
+    args = megatron_arguments(spec)
+    devices = spec.resources.devices
+    per_node, nodes = (8, devices // 8) if devices > 8 and devices % 8 == 0 else (devices, 1)
+    lines = ["#!/bin/bash", "# Megatron-LM launch written by mixle-compile export --to megatron.",
+             f"# devices: {devices}{' ' + spec.resources.kind.upper() if spec.resources.kind else ''}, "
+             f"each with {memory_text(spec.resources.memory)}", "",
+             f"torchrun --nproc_per_node {per_node} --nnodes {nodes} pretrain_gpt.py \\"]
+    flags = []
+    for word in args:
+        if word.startswith("--"):
+            flags.append([word])
+        else:
+            flags[-1].append(shlex.quote(word))
+    lines += [f"    {' '.join(f)} \\" for f in flags[:-1]] + [f"    {' '.join(flags[-1])}", ""]
+    main = f"{stem}.sh"
+    return Exported("megatron", {main: "\n".join(lines)}, main)

@@ -1,0 +1,116 @@
+"""A spec as a torchtitan job TOML (torchtitan's JobConfig before its config registry: the 0.2 era).
+
+Every key written is one :mod:`mixle_compile.importers.torchtitan` reads back with the meaning it
+has in torchtitan (see that module for the engine sources). The device count and memory go in the
+preset comment torchtitan's own configs carry (``# NOTE: this toml config is a preset for 64 A100
+GPUs.``), which the importer reads.
+"""
+
+from __future__ import annotations
+
+from mixle_compile.export import Exported, ExportRefused, memory_text
+from mixle_compile.export.hf import hf_config, hf_config_text
+from mixle_compile.importers import flavors
+from mixle_compile.spec.models import Spec
+
+SCHEDULES = {"1f1b": "1F1B", "gpipe": "GPipe", "interleaved_1f1b": "Interleaved1F1B"}
+PRECISION = {"bf16": "bfloat16", "fp32": "float32"}
+
+
+def _toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return '"' + v.replace("\\\\", "\\\\\\\\").replace('"', '\\\\"') + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return repr(v)
+
+
+def _flavor_of(spec: Spec) -> tuple[str, str] | None:
+    model = spec.model.model_dump(exclude_none=True)
+    for name, table in flavors.FLAVORS.items():
+        for flavor_name, entry in table.items():
+            ref = dict(entry.model)
+            if _same_model(ref, model):
+                return name, flavor_name
+    return None
+
+
+def _same_model(a: dict, b: dict) -> bool:
+    from mixle_compile.spec.models import TransformerModel
+
+    return TransformerModel.model_validate(a) == TransformerModel.model_validate(b)
+
+
+def torchtitan_files(spec: Spec, stem: str) -> Exported:
+    t, m = spec.training, spec.mesh
+    reasons: list[tuple[str, str]] = []
+    if m.pp == 1 and m.microbatches > 1:
+        reasons.append(("mesh.microbatches", "torchtitan splits a batch into micro-batches only under a pipeline; "
+                                             "use gradient_accumulation_steps"))
+    if t.sequence_parallel != (m.tp > 1):
+        reasons.append(("training.sequence_parallel", "torchtitan 0.2 runs sequence parallelism exactly when tp > 1"))
+    if t.distributed_optimizer:
+        reasons.append(("training.distributed_optimizer", "torchtitan has no separate distributed optimizer (FSDP shards it)"))
+    if t.precision not in ("bf16", "fp32", "fp8"):
+        reasons.append(("training.precision", f"{t.precision}: torchtitan trains in bfloat16, float32 or with float8 linears"))
+    if t.optimizer == "sgd":
+        reasons.append(("training.optimizer", "sgd: torchtitan's job config builds Adam or AdamW"))
+    if t.pipeline_layers not in (None,) or t.attention is not None:
+        reasons.append(("training.pipeline_layers" if t.pipeline_layers is not None else "training.attention",
+                        "not a key of torchtitan's job TOML; remove it to export"))
+    stages_key = None
+    if m.pp > 1:
+        single = t.pipeline_schedule in ("1f1b", "gpipe")
+        if single and t.virtual_pipeline_stages != 1:
+            reasons.append(("training.virtual_pipeline_stages", f"{t.pipeline_schedule} runs one stage per rank"))
+        if not single and t.virtual_pipeline_stages != 2:
+            total, stages = spec.model.num_layers + 2, m.pp * t.virtual_pipeline_stages
+            if total % stages:
+                reasons.append(("training.virtual_pipeline_stages",
+                                f"torchtitan sets {stages} stages only through pipeline_parallel_layers_per_stage, and "
+                                f"{spec.model.num_layers} layers + embedding + output do not divide into {stages}"))
+            else:
+                stages_key = total // stages
+    if reasons:
+        raise ExportRefused("torchtitan", reasons)
+    files: dict[str, str] = {}
+    flavor = _flavor_of(spec)
+    if flavor is None:
+        config, why = hf_config(spec.model)
+        if config is None:
+            raise ExportRefused("torchtitan", [("model", f"not a published torchtitan flavor, and {why}")])
+        files[f"{stem}.hf/config.json"] = hf_config_text(config)
+        flavor = ("llama3", "custom")
+    res = spec.resources
+    kind = f"{res.kind.upper()} " if res.kind else ""
+    lines = [f"# NOTE: this toml config is a preset for {res.devices} {kind}GPUs (with {memory_text(res.memory)} memory).",
+             "# Written by mixle-compile export --to torchtitan.", "", "[model]",
+             f"name = {_toml_value(flavor[0])}", f"flavor = {_toml_value(flavor[1])}"]
+    if f"{stem}.hf/config.json" in files:
+        lines.append(f"hf_assets_path = {_toml_value(f'./{stem}.hf')}")
+    if t.precision == "fp8":
+        lines.append('converters = ["float8"]')
+    lines += ["", "[optimizer]", f"name = {_toml_value('AdamW' if t.optimizer == 'adamw' else 'Adam')}", f"lr = {t.learning_rate!r}",
+              "", "[training]"]
+    local = t.micro_batch_size * m.microbatches
+    lines += [f"local_batch_size = {local}", f"global_batch_size = {t.global_batch_size}", f"seq_len = {t.seq_len}",
+              f"steps = {t.steps}"]
+    if t.precision != "fp8":
+        lines.append(f"mixed_precision_param = {_toml_value(PRECISION[t.precision])}")
+    lines += ["", "[parallelism]",
+              f"data_parallel_replicate_degree = {m.dp_replicate}",
+              f"data_parallel_shard_degree = {-1 if m.dp_shard == 'auto' else m.dp_shard}",
+              f"tensor_parallel_degree = {m.tp}", f"pipeline_parallel_degree = {m.pp}",
+              f"context_parallel_degree = {m.cp}", f"expert_parallel_degree = {m.ep}",
+              f"expert_tensor_parallel_degree = {m.etp}"]
+    if m.pp > 1:
+        lines += [f"pipeline_parallel_schedule = {_toml_value(SCHEDULES[t.pipeline_schedule])}",
+                  f"pipeline_parallel_microbatch_size = {t.micro_batch_size}"]
+        if stages_key is not None:
+            lines.append(f"pipeline_parallel_layers_per_stage = {stages_key}")
+    lines += ["", "[activation_checkpoint]", f"mode = {_toml_value(t.activation_checkpointing)}",
+              "", "[debug]", f"seed = {t.seed}", ""]
+    main = f"{stem}.toml"
+    return Exported("torchtitan", {main: "\n".join(lines), **files}, main)

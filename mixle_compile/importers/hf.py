@@ -1,0 +1,175 @@
+"""An HF ``config.json`` as a transformer model.
+
+Reads the architectures the transformer family covers: Llama (and Llama-shaped: Mistral, Qwen2,
+Qwen3, Phi-3, InternLM2-free ones), Mixtral, Qwen2-MoE / Qwen3-MoE, GPT-NeoX and GPT-2. Every
+other ``model_type`` is refused by name. The defaults used when a key is absent are those of
+the architecture's configuration class in transformers (``models/<name>/configuration_<name>.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mixle_compile.spec.source import Position, SourceDocument, SourceError, parse_source
+
+# model_type -> the architecture's shape. tie: the configuration class's tie_word_embeddings
+# default (LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen3Config, Qwen2MoeConfig,
+# Qwen3MoeConfig, Phi3Config, GPTNeoXConfig: False; GPT2Config inherits PretrainedConfig's True).
+@dataclass(frozen=True)
+class _Arch:
+    norm: str
+    activation: str  # for hidden_act silu in a gated MLP: swiglu
+    position: str
+    tie: bool
+    moe: str | None = None  # key scheme: "mixtral" or "qwen"
+    gpt2_names: bool = False
+
+
+ARCHITECTURES: dict[str, _Arch] = {
+    "llama": _Arch("rmsnorm", "swiglu", "rope", False),
+    "mistral": _Arch("rmsnorm", "swiglu", "rope", False),
+    "qwen2": _Arch("rmsnorm", "swiglu", "rope", False),
+    "qwen3": _Arch("rmsnorm", "swiglu", "rope", False),
+    "phi3": _Arch("rmsnorm", "swiglu", "rope", False),
+    "mixtral": _Arch("rmsnorm", "swiglu", "rope", False, moe="mixtral"),
+    "qwen2_moe": _Arch("rmsnorm", "swiglu", "rope", False, moe="qwen"),
+    "qwen3_moe": _Arch("rmsnorm", "swiglu", "rope", False, moe="qwen"),
+    "gpt_neox": _Arch("layernorm", "gelu", "rope", False),
+    "gpt2": _Arch("layernorm", "gelu", "learned", True, gpt2_names=True),
+}
+
+# Keys that describe tokens, numerics of a kernel, inference or serialisation: nothing the plan's
+# sizes, memory or communication depend on. Read and ignored without a warning.
+IRRELEVANT = {
+    "_name_or_path", "architectures", "model_type", "transformers_version", "torch_dtype", "dtype",
+    "bos_token_id", "eos_token_id", "pad_token_id", "use_cache", "initializer_range", "rms_norm_eps",
+    "layer_norm_eps", "layer_norm_epsilon", "rope_theta", "rope_scaling", "rotary_pct", "rotary_emb_base",
+    "max_position_embeddings", "attention_dropout", "hidden_dropout", "attention_bias", "mlp_bias",
+    "pretraining_tp", "max_window_layers", "use_sliding_window", "sliding_window", "resid_pdrop",
+    "embd_pdrop", "attn_pdrop", "summary_type", "summary_use_proj", "summary_activation",
+    "summary_proj_to_labels", "summary_first_dropout", "task_specific_params", "n_ctx", "n_positions",
+    "use_parallel_residual", "classifier_dropout", "output_router_logits", "router_aux_loss_coef",
+    "router_jitter_noise", "norm_topk_prob", "scale_attn_weights", "reorder_and_upcast_attn",
+    "scale_attn_by_inverse_layer_idx", "layer_types", "original_max_position_embeddings",
+    "partial_rotary_factor", "rope_parameters", "qkv_bias", "use_qk_norm", "qk_layernorm",
+}
+
+
+@dataclass
+class HFModel:
+    """The transformer model read from a config.json, and where each field came from."""
+
+    model: dict[str, Any]
+    keys: dict[str, str]  # spec model field -> config.json key
+    positions: dict[str, Position]  # spec model field -> position of that key in config.json
+    problems: list[tuple[str, str, Position]] = field(default_factory=list)  # (message, hint, at)
+    ignored: list[tuple[str, Position]] = field(default_factory=list)  # unmodelled keys
+
+
+def read_hf_document(path: str | Path, display: str | None = None) -> SourceDocument:
+    name = display or str(path)
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as exc:
+        from mixle_compile.importers.builder import unreadable
+
+        raise unreadable(name, f"cannot read the HF model config {name}: {exc.strerror or exc}",
+                         "give the path of a `config.json` (relative to the file that names it)")
+    doc, diags = parse_source(raw, name, json_syntax=True)
+    if diags:
+        raise SourceError(diags, unreadable=True)
+    return doc
+
+
+def hf_model(doc: SourceDocument) -> HFModel:
+    """Translate an HF config document; problems are returned, never raised."""
+    data = doc.data
+    out = HFModel({"family": "transformer"}, {}, {})
+    if not isinstance(data, dict):
+        out.problems.append(("an HF config.json is a JSON object", "give the model's config.json", Position(1, 1)))
+        return out
+    model_type = data.get("model_type")
+    if not isinstance(model_type, str) or model_type not in ARCHITECTURES:
+        known = ", ".join(sorted(ARCHITECTURES))
+        shown = repr(model_type) if model_type is not None else "no model_type"
+        out.problems.append((f"HF model_type {shown} is not an architecture the transformer family covers",
+                             f"architectures read: {known}", doc.position(("model_type",))))
+        return out
+    arch = ARCHITECTURES[model_type]
+    used: set[str] = {"model_type"}
+
+    def take(field_name: str, *keys: str, default: Any = None, required: bool = True) -> Any:
+        for key in keys:
+            if key in data and data[key] is not None:
+                used.add(key)
+                out.keys[field_name] = key
+                out.positions[field_name] = doc.position((key,))
+                return data[key]
+            used.add(key)
+        if required and default is None:
+            out.problems.append((f"the HF config has no `{keys[0]}`", f"add `{keys[0]}` to the config.json",
+                                 Position(1, 1)))
+        return default
+
+    m = out.model
+    names = ("n_embd", "n_layer", "n_head") if arch.gpt2_names else ("hidden_size", "num_hidden_layers", "num_attention_heads")
+    m["vocab_size"] = take("vocab_size", "vocab_size")
+    m["hidden_size"] = take("hidden_size", names[0])
+    m["num_layers"] = take("num_layers", names[1])
+    m["num_heads"] = take("num_heads", names[2])
+    kv = take("num_kv_heads", "num_key_value_heads", required=False)
+    if kv is not None:
+        m["num_kv_heads"] = kv
+    head_dim = take("head_dim", "head_dim", required=False)
+    if head_dim is not None:
+        m["head_dim"] = head_dim
+    if arch.gpt2_names:  # GPT2Config: n_inner None means 4 * n_embd
+        inner = take("ffn_hidden_size", "n_inner", required=False)
+        hidden = m["hidden_size"]
+        m["ffn_hidden_size"] = inner if inner is not None else (4 * hidden if isinstance(hidden, int) else None)
+    else:
+        m["ffn_hidden_size"] = take("ffn_hidden_size", "intermediate_size")
+    tie = take("tie_embeddings", "tie_word_embeddings", required=False)
+    m["tie_embeddings"] = arch.tie if tie is None else tie
+    act = take("activation", "activation_function" if arch.gpt2_names else "hidden_act", required=False)
+    if arch.activation == "swiglu":
+        if act not in (None, "silu", "swish"):
+            out.problems.append((f"hidden_act {act!r}: the {model_type} MLP is gated and the spec models a gated MLP "
+                                 "only with silu (swiglu)", "the transformer family covers swiglu, gelu and relu MLPs",
+                                 out.positions.get("activation", Position(1, 1))))
+        m["activation"] = "swiglu"
+    else:
+        m["activation"] = "relu" if act == "relu" else "gelu"
+    m["norm"] = arch.norm
+    m["position_embedding"] = arch.position
+    if arch.moe == "mixtral":
+        m["num_experts"] = take("num_experts", "num_local_experts")
+        m["experts_per_token"] = take("experts_per_token", "num_experts_per_tok", default=2)
+        m["moe_ffn_hidden_size"] = m["ffn_hidden_size"]
+    elif arch.moe == "qwen":
+        m["num_experts"] = take("num_experts", "num_experts")
+        m["experts_per_token"] = take("experts_per_token", "num_experts_per_tok")
+        moe_ffn = take("moe_ffn_hidden_size", "moe_intermediate_size", required=False)
+        if moe_ffn is not None:
+            m["moe_ffn_hidden_size"] = moe_ffn
+        step = take("moe_layer_frequency", "decoder_sparse_step", required=False)
+        if step is not None:
+            m["moe_layer_frequency"] = step
+        for key in ("shared_expert_intermediate_size",):
+            if data.get(key):
+                used.add(key)
+                out.problems.append((f"`{key}` = {data[key]}: a shared expert beside the routed ones is not modelled",
+                                     "the transformer family has routed experts only", doc.position((key,))))
+        if data.get("mlp_only_layers"):
+            used.add("mlp_only_layers")
+            out.problems.append(("`mlp_only_layers` lists dense layers among the MoE ones; the spec spaces them "
+                                 "evenly only (moe_layer_frequency)", "remove mlp_only_layers or use a modules model",
+                                 doc.position(("mlp_only_layers",))))
+    for key in data:
+        if key not in used and key not in IRRELEVANT:
+            out.ignored.append((key, doc.keys.get((key,), Position(1, 1))))
+    m = {k: v for k, v in m.items() if v is not None}
+    out.model = m
+    return out

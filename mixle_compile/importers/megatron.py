@@ -1,0 +1,413 @@
+"""Megatron-LM arguments: a launch script (``torchrun ... pretrain_gpt.py --tensor-model-parallel-size 8
+...``) or an arguments file, read into a spec for ``backend: {name: megatron, entry: arguments}``.
+
+Defaults and derived values are Megatron-LM's own (megatron/training/arguments.py, ``validate_args``
+and the argument definitions), each cited where it is applied. The script is read by
+:mod:`mixle_compile.importers.shell` (never run), so every value keeps the position where the
+script writes it: a degree set through ``TP_SIZE=8`` and ``--tensor-model-parallel-size $TP_SIZE``
+is reported at ``TP_SIZE=8``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from mixle_compile.importers import codes
+from mixle_compile.importers.builder import ImportOptions, SpecBuilder, resources
+from mixle_compile.importers.shell import Shell, Word
+from mixle_compile.spec.source import Position, SourceDocument
+
+# Flags the spec reads: name -> "int", "float", "str" or "bool" (a store_true switch).
+READ = {
+    "--num-layers": "int", "--hidden-size": "int", "--num-attention-heads": "int", "--ffn-hidden-size": "int",
+    "--group-query-attention": "bool", "--num-query-groups": "int", "--kv-channels": "int",
+    "--swiglu": "bool", "--normalization": "str", "--position-embedding-type": "str",
+    "--use-rotary-position-embeddings": "bool", "--no-position-embedding": "bool",
+    "--untie-embeddings-and-output-weights": "bool", "--vocab-size": "int", "--tokenizer-type": "str",
+    "--make-vocab-size-divisible-by": "int", "--num-experts": "int", "--moe-router-topk": "int",
+    "--moe-ffn-hidden-size": "int", "--moe-layer-freq": "str", "--seq-length": "int",
+    "--micro-batch-size": "int", "--global-batch-size": "int", "--bf16": "bool", "--fp16": "bool",
+    "--fp8-format": "str", "--tensor-model-parallel-size": "int", "--pipeline-model-parallel-size": "int",
+    "--context-parallel-size": "int", "--expert-model-parallel-size": "int",
+    "--expert-tensor-parallel-size": "int", "--num-layers-per-virtual-pipeline-stage": "int",
+    "--virtual-pipeline-model-parallel-size": "int", "--sequence-parallel": "bool",
+    "--use-distributed-optimizer": "bool", "--recompute-activations": "bool", "--recompute-granularity": "str",
+    "--lr": "float", "--optimizer": "str", "--train-iters": "int", "--seed": "int", "--use-tp-pp-dp-mapping": "bool",
+    "--num-virtual-stages-per-pipeline-rank": "int", "--step-batch-size-schedule": "str", "--decoder-first-pipeline-num-layers": "int",
+    "--decoder-last-pipeline-num-layers": "int",
+}
+# Flags with no bearing on sizes, memory or communication as the spec models them (data, logging,
+# checkpoint paths, learning-rate schedule, kernel fusions, initialisation, dropout): read quietly.
+QUIET = re.compile(
+    r"^--(data-path|data-cache-path|split|vocab-file|merge-file|tokenizer-model|tiktoken-pattern|mock-data|"
+    r"save|load|save-interval|eval-interval|eval-iters|log-.*|tensorboard-.*|wandb-.*|exit-.*|"
+    r"lr-.*|min-lr|weight-decay|adam-.*|clip-grad|init-method-std|.*-dropout|train-samples|"
+    r"decoupled-.*|max-position-embeddings|rotary-.*|use-rope-scaling|no-rope-fusion|attention-backend|"
+    r"use-mcore-models|disable-bias-linear|no-masked-softmax-fusion|no-bias-.*-fusion|cross-entropy-.*|"
+    r"overlap-.*|num-workers|no-mmap-bin-files|no-create-attention-mask-in-dataloader|distributed-timeout-minutes|"
+    r"ckpt-format|no-load-.*|no-save-.*|profile.*|manual-gc.*|empty-unused-memory-level|calculate-per-token-loss|"
+    r"grad-reduce-in-bf16|fp8-amax-.*|fp8-param-gather|moe-router-load-balancing-type|moe-aux-loss-coeff|"
+    r"moe-token-dispatcher-type|moe-grouped-gemm|moe-router-dtype|moe-z-loss-coeff|moe-router-pre-softmax|"
+    r"moe-permute-fusion|moe-router-score-function|moe-router-enable-expert-bias|moe-router-bias-update-rate|"
+    r"apply-layernorm-1p|qk-layernorm|eod-mask-loss|timing-log-level|timing-log-option|"
+    r"distributed-backend|use-flash-attn|transformer-impl|accumulate-allreduce-grads-in-fp32|"
+    r"bf16-.*|fp16-.*|loss-scale.*|initial-loss-scale|hysteresis|seq-length-.*|dataloader-type|"
+    r"num-dataset-builder-threads|no-async-tensor-model-parallel-allreduce|tp-comm-overlap|"
+    r"deterministic-mode|use-checkpoint-args|finetune|micro-batch-size-.*|"
+    r"chat-template|trust-remote-code|untie-embeddings|no-gradient-accumulation-fusion|"
+    r"ddp-.*|check-for-nan-in-loss-and-grad|"
+    r"ckpt-.*|async-save|dist-ckpt-.*|auto-detect-ckpt-format|"
+    r"rerun-mode|fp8-recipe|first-last-layers-bf16|num-layers-at-.*-in-bf16|export-.*|kd-.*|"
+    r"reset-position-ids|reset-attention-mask|no-persist-layer-norm|use-distributed-checkpointing)$"
+)
+
+
+@dataclass
+class _Arg:
+    flag: Word
+    value: Word | None
+
+
+def parse_arguments(words: list[Word]) -> tuple[dict[str, _Arg], list[_Arg]]:
+    """Flags and their values, the last of a repeated flag winning (argparse), and flags seen twice."""
+    args: dict[str, _Arg] = {}
+    repeated: list[_Arg] = []
+    i = 0
+    while i < len(words):
+        w = words[i]
+        if not w.text.startswith("--"):
+            i += 1
+            continue
+        flag, value = w.text, None
+        if "=" in flag:
+            flag, _, text = flag.partition("=")
+            value = Word(text, w.pos)
+        elif READ.get(flag) != "bool" and i + 1 < len(words) and not _is_flag(words[i + 1].text):
+            value = words[i + 1]
+            i += 1
+        arg = _Arg(Word(flag, w.pos), value)
+        if flag in args:
+            repeated.append(args[flag])
+        args[flag] = arg
+        i += 1
+    return args, repeated
+
+
+def _is_flag(text: str) -> bool:
+    return text.startswith("--") or (text.startswith("-") and not re.fullmatch(r"-\d+(\.\d+)?", text))
+
+
+def launch_words(text: str) -> tuple[list[Word], list[Word], list[tuple[str, Position]], Word | None]:
+    """(the training script's arguments, the launcher's arguments, what the reader could not decide, the
+    training script) of a launch script or arguments file."""
+    run = Shell().execute(text)
+    notes = [(f"[ {t} ]", p, "a test that cannot be decided without running the script; its branch is skipped")
+             for t, p in run.undecided]
+    notes += [(f"{k} ...", p, "a loop or case block is not run by the reader") for k, p in run.skipped]
+    for command in run.commands:
+        for k, w in enumerate(command):
+            if re.search(r"(^|/)pretrain_\w+\.py$", w.text):
+                return command[k + 1:], command[:k], notes, w
+    # An arguments file: flags on their own lines, or in variables such as MODEL_ARGS="...".
+    words: list[Word] = []
+    for command in run.commands:
+        if command and command[0].text.startswith("--"):
+            words.extend(command)
+    for name, w in run.scalars.items():
+        if "--" in w.text and name.endswith("ARGS"):
+            words.extend(Word(part, w.pos) for part in w.text.split())
+    for name, items in run.arrays.items():
+        if name.endswith("ARGS") and not name.startswith("DISTRIBUTED"):
+            words.extend(Word(part, x.pos) for x in items for part in x.text.split())
+    return words, [], notes, None
+
+
+def read_megatron(text: str, name: str, options: ImportOptions) -> tuple[SourceDocument, list]:
+    words, launcher, notes, entry = launch_words(text)
+    b = SpecBuilder(name, "megatron")
+    for what, pos, why in notes:
+        b.unmodelled(what, pos, why)
+    if entry is not None and not entry.text.endswith("pretrain_gpt.py"):
+        b.refuse(f"{entry.text.rsplit('/', 1)[-1]} trains a model other than Megatron's GPT decoder, which the "
+                 "transformer family describes", entry.pos, "the reader takes pretrain_gpt.py launches and their arguments")
+        return b.result()
+    args, repeated = parse_arguments(words)
+    for arg in repeated:
+        b.unmodelled(arg.flag.text, arg.flag.pos, "given again later; the last value wins, as argparse does")
+
+    def has(flag: str) -> bool:
+        return flag in args
+
+    def at(flag: str) -> Position | None:
+        a = args.get(flag)
+        return (a.value or a.flag).pos if a else None
+
+    def num(flag: str, default=None, kind=int):
+        a = args.get(flag)
+        if a is None:
+            return default
+        if a.value is None:
+            b.refuse(f"`{flag}` needs a value", a.flag.pos, f"write `{flag} N`")
+            return default
+        try:
+            return kind(a.value.text)
+        except ValueError:
+            b.refuse(f"`{flag}` must be a number, got {a.value.text!r}", a.value.pos, "write a number, or define the variable it names")
+            return default
+
+    def text_of(flag: str, default: str | None = None) -> str | None:
+        a = args.get(flag)
+        return a.value.text if a and a.value else default
+
+    def set_(path, value, flag: str | None, origin: str | None = None) -> None:
+        b.set(path, value, at=at(flag) if flag else None, origin=origin or flag)
+
+    for flag, arg in args.items():
+        if flag not in READ and not QUIET.match(flag):
+            b.unmodelled(flag, arg.flag.pos)
+
+    # ---- model
+    for flag in ("--num-layers", "--hidden-size", "--num-attention-heads"):
+        if not has(flag) and options.model is None:
+            b.refuse(f"`{flag}` is not set: the model's size is unknown", None,
+                     f"add `{flag}` to the arguments, or give the model with `--model config.json`")
+    tp = num("--tensor-model-parallel-size", 1)
+    sized = all(has(f) for f in ("--num-layers", "--hidden-size", "--num-attention-heads"))
+    if options.model is not None and not sized:
+        _hf_model(b, options)
+    else:
+        layers, hidden, heads = num("--num-layers"), num("--hidden-size"), num("--num-attention-heads")
+        if b.failed:
+            return b.result()
+        set_(("model", "family"), "transformer", None, "pretrain_gpt.py (a GPT model)")
+        set_(("model", "num_layers"), layers, "--num-layers")
+        set_(("model", "hidden_size"), hidden, "--hidden-size")
+        set_(("model", "num_heads"), heads, "--num-attention-heads")
+        if has("--group-query-attention") and has("--num-query-groups"):
+            set_(("model", "num_kv_heads"), num("--num-query-groups"), "--num-query-groups")
+        if has("--kv-channels"):
+            set_(("model", "head_dim"), num("--kv-channels"), "--kv-channels")
+        swiglu = has("--swiglu")
+        if has("--ffn-hidden-size"):
+            set_(("model", "ffn_hidden_size"), num("--ffn-hidden-size"), "--ffn-hidden-size")
+        else:
+            # validate_args: swiglu -> int((4 * h * 2 / 3) / 64) * 64, else 4 * h.
+            ffn = int((4 * hidden * 2 / 3) / 64) * 64 if swiglu else 4 * hidden
+            set_(("model", "ffn_hidden_size"), ffn, None, "4 * --hidden-size (--ffn-hidden-size unset; 2/3 of it with --swiglu)")
+        set_(("model", "activation"), "swiglu" if swiglu else "gelu", "--swiglu" if swiglu else None,
+             "--swiglu" if swiglu else "Megatron's default MLP activation (gelu)")
+        norm = text_of("--normalization", "LayerNorm")
+        if norm not in ("LayerNorm", "RMSNorm"):
+            b.refuse(f"`--normalization {norm}` is not modelled", at("--normalization"), "the spec models LayerNorm and RMSNorm")
+        set_(("model", "norm"), "rmsnorm" if norm == "RMSNorm" else "layernorm", "--normalization" if has("--normalization") else None,
+             "--normalization" if has("--normalization") else "--normalization default LayerNorm")
+        position = text_of("--position-embedding-type", "learned_absolute")
+        rope = position in ("rope", "yarn", "mrope") or has("--use-rotary-position-embeddings")
+        learned = position == "learned_absolute" and not rope and not has("--no-position-embedding")
+        set_(("model", "position_embedding"), "learned" if learned else "rope",
+             "--position-embedding-type" if has("--position-embedding-type") else None,
+             "--position-embedding-type" if has("--position-embedding-type") else "--position-embedding-type default learned_absolute")
+        # --untie-embeddings-and-output-weights: Megatron ties them unless it is given.
+        set_(("model", "tie_embeddings"), not has("--untie-embeddings-and-output-weights"),
+             "--untie-embeddings-and-output-weights" if has("--untie-embeddings-and-output-weights") else None,
+             "--untie-embeddings-and-output-weights" if has("--untie-embeddings-and-output-weights") else "tied (no --untie-embeddings-and-output-weights)")
+        _vocab(b, args, num, text_of, at, tp, options)
+        experts = num("--num-experts", 0) or 0  # validate_args: 0 means dense
+        if experts:
+            set_(("model", "num_experts"), experts, "--num-experts")
+            # TransformerConfig.moe_router_topk defaults to 2 (megatron/core/transformer/transformer_config.py).
+            set_(("model", "experts_per_token"), num("--moe-router-topk", 2), "--moe-router-topk" if has("--moe-router-topk") else None,
+                 "--moe-router-topk" if has("--moe-router-topk") else "--moe-router-topk default 2")
+            if has("--moe-ffn-hidden-size"):
+                set_(("model", "moe_ffn_hidden_size"), num("--moe-ffn-hidden-size"), "--moe-ffn-hidden-size")
+            freq = text_of("--moe-layer-freq")
+            if freq is not None:
+                if freq.isdigit():
+                    set_(("model", "moe_layer_frequency"), int(freq), "--moe-layer-freq")
+                else:
+                    b.refuse(f"`--moe-layer-freq {freq}` (a per-layer pattern) is not modelled", at("--moe-layer-freq"),
+                             "the spec spaces MoE layers evenly: give an integer")
+    if b.failed:
+        return b.result()
+
+    # ---- world and mesh
+    devices, devices_at, devices_origin = _world(launcher)
+    pp = num("--pipeline-model-parallel-size", 1)
+    cp = num("--context-parallel-size", 1)
+    ep = num("--expert-model-parallel-size", 1)
+    etp = num("--expert-tensor-parallel-size", tp)  # validate_args: defaults to tp
+    kind, memory, memory_origin = _device_comment(text)
+    if kind is not None:
+        b.set(("resources", "kind"), kind, origin=memory_origin)
+    devices = resources(b, options, devices, devices_at, devices_origin, what="a Megatron-LM launch",
+                        divisor=math.lcm(tp * pp * cp, etp * ep * pp), memory=memory, memory_origin=memory_origin)
+    dp = max(1, devices // (tp * pp * cp))
+    set_(("mesh", "tp"), tp, "--tensor-model-parallel-size")
+    set_(("mesh", "pp"), pp, "--pipeline-model-parallel-size")
+    set_(("mesh", "cp"), cp, "--context-parallel-size")
+    set_(("mesh", "ep"), ep, "--expert-model-parallel-size")
+    set_(("mesh", "etp"), etp, "--expert-tensor-parallel-size" if has("--expert-tensor-parallel-size") else "--tensor-model-parallel-size",
+         None if has("--expert-tensor-parallel-size") else "--expert-tensor-parallel-size default (= tp)")
+    if has("--use-tp-pp-dp-mapping"):  # parallel_state.initialize_model_parallel: order tp-cp-ep-pp-dp
+        set_(("mesh", "order"), "tp-cp-ep-pp-dp", "--use-tp-pp-dp-mapping")
+    dist_opt = has("--use-distributed-optimizer")
+    set_(("mesh", "dp_shard" if dist_opt else "dp_replicate"), dp, "--use-distributed-optimizer" if dist_opt else None,
+         f"world {devices} / (tp * pp * cp)" + (" sharded by --use-distributed-optimizer" if dist_opt else ""))
+    set_(("training", "distributed_optimizer"), dist_opt, "--use-distributed-optimizer" if dist_opt else None)
+
+    if has("--step-batch-size-schedule") and has("--global-batch-size"):
+        # validate_args: "Cannot specify both --step-batch-size-schedule and --global-batch-size" (ValueError).
+        b.diagnostic(codes.ENGINE_REFUSES.code, "Megatron-LM refuses --step-batch-size-schedule together with "
+                     "--global-batch-size (validate_args raises ValueError)", at("--step-batch-size-schedule"),
+                     hint="keep one of them; the check below uses --global-batch-size", field=("training", "global_batch_size"))
+    # ---- batch (validate_args: --global-batch-size defaults to micro * dp)
+    mbs = num("--micro-batch-size", 1)
+    gbs = num("--global-batch-size", mbs * dp)
+    set_(("training", "micro_batch_size"), mbs, "--micro-batch-size")
+    set_(("training", "global_batch_size"), gbs, "--global-batch-size" if has("--global-batch-size") else None,
+         "--global-batch-size" if has("--global-batch-size") else "--global-batch-size default (micro * dp)")
+    set_(("mesh", "microbatches"), max(1, gbs // (mbs * dp)), "--global-batch-size" if has("--global-batch-size") else None,
+         "global / (micro * dp): Megatron's number of micro-batches")
+    seq = num("--seq-length", options.seq_len)
+    if seq is not None:
+        set_(("training", "seq_len"), seq, "--seq-length" if has("--seq-length") else None,
+             "--seq-length" if has("--seq-length") else "--seq-len")
+
+    # ---- pipeline schedule
+    layers = b.get(("model", "num_layers"))
+    vpp = num("--virtual-pipeline-model-parallel-size") or num("--num-virtual-stages-per-pipeline-rank")
+    per_stage = num("--num-layers-per-virtual-pipeline-stage")
+    if per_stage is not None and isinstance(layers, int):
+        if layers % (pp * per_stage):
+            b.refuse(f"--num-layers {layers} is not pp {pp} * --num-layers-per-virtual-pipeline-stage {per_stage} * a whole number",
+                     at("--num-layers-per-virtual-pipeline-stage"), "Megatron asserts the layers split evenly into virtual stages")
+        vpp = layers // (pp * per_stage)
+        flag = "--num-layers-per-virtual-pipeline-stage"
+    else:
+        flag = "--virtual-pipeline-model-parallel-size" if has("--virtual-pipeline-model-parallel-size") else \
+            "--num-virtual-stages-per-pipeline-rank"
+    if vpp is not None and vpp > 1:
+        set_(("training", "virtual_pipeline_stages"), vpp, flag)
+        set_(("training", "pipeline_schedule"), "interleaved_1f1b", flag)
+    else:
+        set_(("training", "pipeline_schedule"), "1f1b", None, "Megatron's non-interleaved 1F1B")
+
+    # Uneven pipeline: the first and last stages' layers, the rest split evenly over the middle stages
+    # (TransformerConfig.num_layers_in_first/last_pipeline_stage, megatron/core/transformer/transformer_config.py).
+    first, last = num("--decoder-first-pipeline-num-layers"), num("--decoder-last-pipeline-num-layers")
+    if (first is not None or last is not None) and isinstance(layers, int) and pp > 1:
+        stages = pp * (vpp or 1)
+        middle = stages - (first is not None) - (last is not None)
+        rest = layers - (first or 0) - (last or 0)
+        if rest < 0 or (middle and rest % middle) or (not middle and rest):
+            b.refuse(f"--num-layers {layers} does not split into first {first}, last {last} and {middle} even middle stages",
+                     at("--decoder-first-pipeline-num-layers") or at("--decoder-last-pipeline-num-layers"),
+                     "Megatron asserts the remaining layers divide evenly over the middle stages")
+            return b.result()
+        each = rest // middle if middle else 0
+        split = [each] * stages
+        if first is not None:
+            split[0] = first
+        if last is not None:
+            split[-1] = last
+        b.set(("training", "pipeline_layers"), split,
+              at=at("--decoder-first-pipeline-num-layers") or at("--decoder-last-pipeline-num-layers"),
+              origin="--decoder-first/last-pipeline-num-layers (the middle stages even)")
+
+    # ---- the rest of training
+    if has("--sequence-parallel"):
+        set_(("training", "sequence_parallel"), True, "--sequence-parallel")
+    if has("--fp8-format"):
+        set_(("training", "precision"), "fp8", "--fp8-format")
+    elif has("--bf16"):
+        set_(("training", "precision"), "bf16", "--bf16")
+    elif has("--fp16"):
+        set_(("training", "precision"), "fp16", "--fp16")
+    else:
+        set_(("training", "precision"), "fp32", None, "neither --bf16 nor --fp16")
+    granularity = text_of("--recompute-granularity")
+    if has("--recompute-activations"):  # validate_args: recompute_activations -> granularity selective
+        granularity = "selective"
+    if granularity in ("full", "selective"):
+        set_(("training", "activation_checkpointing"), granularity,
+             "--recompute-activations" if has("--recompute-activations") else "--recompute-granularity")
+    lr = num("--lr", None, float)
+    if lr is not None and lr > 0:
+        set_(("training", "learning_rate"), lr, "--lr")
+    optimizer = text_of("--optimizer", "adam")
+    if optimizer not in ("adam", "sgd"):
+        b.unmodelled(f"--optimizer {optimizer}", at("--optimizer"), "priced as adam (two moments per parameter)")
+    # Megatron's "adam" applies decoupled weight decay (AdamW).
+    set_(("training", "optimizer"), "sgd" if optimizer == "sgd" else "adamw", "--optimizer" if has("--optimizer") else None,
+         "--optimizer" if has("--optimizer") else "--optimizer default adam (decoupled weight decay)")
+    if has("--train-iters"):
+        set_(("training", "steps"), num("--train-iters"), "--train-iters")
+    if has("--seed"):
+        set_(("training", "seed"), num("--seed"), "--seed")
+    b.set(("backend",), {"name": "megatron", "entry": "arguments"}, origin="pretrain_gpt.py arguments")
+    return b.result()
+
+
+def _vocab(b: SpecBuilder, args, num, text_of, at, tp: int, options: ImportOptions) -> None:
+    tokenizer = text_of("--tokenizer-type")
+    hf_vocab = None
+    if options.model is not None:
+        from mixle_compile.importers.hf import read_hf_document
+
+        data = read_hf_document(options.model, options.model).data
+        hf_vocab = data.get("vocab_size") if isinstance(data, dict) else None
+    if "--vocab-size" in args:
+        vocab, origin, pos = num("--vocab-size"), "--vocab-size", at("--vocab-size")
+    elif isinstance(hf_vocab, int) and not isinstance(hf_vocab, bool):
+        vocab, origin, pos = hf_vocab, f"{options.model}: vocab_size (the tokenizer's vocabulary)", at("--tokenizer-type")
+    elif tokenizer == "GPT2BPETokenizer" or (tokenizer is None and "--vocab-file" in args):
+        vocab, origin, pos = 50257, "GPT-2 BPE vocabulary (50257 tokens)", at("--tokenizer-type") or at("--vocab-file")
+    elif tokenizer == "Llama2Tokenizer":
+        vocab, origin, pos = 32000, "Llama 2 sentencepiece vocabulary (32000 pieces)", at("--tokenizer-type")
+    else:
+        b.refuse(f"the vocabulary size is not in the arguments (tokenizer {tokenizer or 'unset'} reads it from a file)",
+                 at("--tokenizer-type"), "add `--vocab-size N`, or give the model's HF config with `--model config.json`",
+                 ("model", "vocab_size"))
+        return
+    if vocab is None:
+        return
+    # megatron/core/tokenizers/utils/build_tokenizer.py vocab_size_with_padding: up to a multiple of
+    # --make-vocab-size-divisible-by (default 128) * tp.
+    multiple = num("--make-vocab-size-divisible-by", 128) * tp
+    padded = int(math.ceil(vocab / multiple) * multiple)
+    b.set(("model", "vocab_size"), padded, at=pos, origin=f"{origin}, padded to a multiple of {multiple}")
+
+
+def _hf_model(b: SpecBuilder, options: ImportOptions) -> None:
+    from mixle_compile.importers.hf import hf_model, read_hf_document
+
+    hf = hf_model(read_hf_document(options.model, options.model))
+    for message, hint, pos in hf.problems:
+        b.refuse(f"{options.model}:{pos.line}:{pos.column}: {message}", None, hint, ("model",))
+    for field_name, v in hf.model.items():
+        b.set(("model", field_name), v, origin=f"{options.model}: {hf.keys.get(field_name, 'architecture')}")
+
+
+def _device_comment(text: str) -> tuple[str | None, str | None, str | None]:
+    """The device kind and memory that mixle-compile's own export notes: ``# devices: 8 H100, each with 80GiB``."""
+    m = re.search(r"^# devices: \d+(?: (\S+))?, each with (\S+)$", text, re.M)
+    if not m:
+        return None, None, None
+    return (m.group(1).lower() if m.group(1) else None), m.group(2), "the script's comment: " + m.group(0)[2:]
+
+
+def _world(launcher: list[Word]) -> tuple[int | None, Position | None, str | None]:
+    """torchrun's --nproc_per_node * --nnodes, when the launch names them."""
+    args, _ = parse_arguments(launcher)
+    per_node = args.get("--nproc_per_node") or args.get("--nproc-per-node")
+    nodes = args.get("--nnodes")
+    try:
+        n = int(per_node.value.text) if per_node and per_node.value else None
+        m = int(nodes.value.text) if nodes and nodes.value else 1
+    except ValueError:
+        return None, None, None
+    if n is None:
+        return None, None, None
+    return n * m, per_node.value.pos, "torchrun --nproc_per_node * --nnodes"

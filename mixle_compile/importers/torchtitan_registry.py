@@ -1,0 +1,163 @@
+"""torchtitan 0.3's Python configs: a ``config_registry`` function returning ``Trainer.Config``.
+
+``check --torchtitan module:function`` imports the module (torchtitan must be installed: the
+``torchtitan`` extra), calls the function and reads the ``Trainer.Config`` it returns through the
+same rules as a job TOML: ``parallelism`` (``ParallelismConfig``), ``training`` (``TrainingConfig``),
+``activation_checkpoint`` (``FullAC`` / ``SelectiveAC`` / ``MemoryBudgetAC`` configs, or none),
+``optimizer`` (its ``lr``) and the model spec's ``name`` and ``flavor``, sized from the flavor table.
+Diagnostics point at the line of the function that sets the field (or at its ``def``), and name the
+``Trainer.Config`` field.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import sys
+import inspect
+import re
+from pathlib import Path
+from typing import Any
+
+from mixle_compile.importers.builder import ImportOptions, unreadable
+from mixle_compile.spec.source import Position, SourceDocument, SourceError
+
+PARALLELISM = (
+    "data_parallel_replicate_degree", "data_parallel_shard_degree", "tensor_parallel_degree", "pipeline_parallel_degree",
+    "context_parallel_degree", "expert_parallel_degree", "expert_tensor_parallel_degree", "pipeline_parallel_schedule",
+    "pipeline_parallel_microbatch_size", "pipeline_parallel_layers_per_stage", "pipeline_parallel_first_stage_less_layers",
+    "pipeline_parallel_last_stage_less_layers", "enable_sequence_parallel",
+)
+TRAINING = ("local_batch_size", "global_batch_size", "seq_len", "steps", "mixed_precision_param")
+AC_MODES = {"FullAC": "full", "SelectiveAC": "selective", "MemoryBudgetAC": "memory_budget", "NoAC": "none"}
+
+
+def trainer_config_tables(config: Any) -> dict:
+    """The fields of a ``Trainer.Config`` that the spec reads, as a job TOML's tables."""
+    tables: dict[str, dict] = {"parallelism": {}, "training": {}, "model": {}, "optimizer": {}}
+    for table, fields in (("parallelism", PARALLELISM), ("training", TRAINING)):
+        section = getattr(config, table, None)
+        for key in fields:
+            if section is not None and hasattr(section, key) and getattr(section, key) is not None:
+                tables[table][key] = getattr(section, key)
+    spec = getattr(config, "model_spec", None)
+    if spec is not None:
+        tables["model"] = {"name": getattr(spec, "name", None), "flavor": getattr(spec, "flavor", None)}
+    ac = getattr(config, "activation_checkpoint", None)
+    owner = type(ac).__qualname__.split(".")[0] if ac is not None else "NoAC"
+    tables["activation_checkpoint"] = {"mode": AC_MODES.get(owner, "selective")}
+    lr = getattr(getattr(config, "optimizer", None), "lr", None)
+    if isinstance(lr, (int, float)):
+        tables["optimizer"] = {"name": "AdamW", "lr": lr}
+    return tables
+
+
+def model_sizes(model: Any) -> tuple[dict, dict] | None:
+    """A dense decoder's sizes read off torchtitan 0.3's model config (``Decoder.Config``: ``dim``,
+    ``vocab_size``, ``layers[i].attention``/``feed_forward``, ``enable_weight_tying``); None when its
+    layers are not all alike or have experts (the flavor table sizes those)."""
+    layers = getattr(model, "layers", None)
+    if not layers or any(getattr(layer, "moe", None) is not None for layer in layers):
+        return None
+    first = layers[0]
+    att, ffn = getattr(first, "attention", None), getattr(first, "feed_forward", None)
+    w1 = getattr(ffn, "w1", None)
+    try:
+        sizes = {"family": "transformer", "vocab_size": int(model.vocab_size), "hidden_size": int(model.dim),
+                 "num_layers": len(layers), "num_heads": int(att.n_heads), "ffn_hidden_size": int(w1.out_features),
+                 "tie_embeddings": bool(getattr(model, "enable_weight_tying", False))}
+    except (AttributeError, TypeError, ValueError):
+        return None
+    for layer in layers[1:]:
+        if (layer.attention.n_heads, layer.feed_forward.w1.out_features) != (sizes["num_heads"], sizes["ffn_hidden_size"]):
+            return None
+    where = "Trainer.Config.model_spec.model"
+    origins = {"vocab_size": f"{where}.vocab_size", "hidden_size": f"{where}.dim", "num_layers": f"len({where}.layers)",
+               "num_heads": f"{where}.layers[0].attention.n_heads", "ffn_hidden_size": f"{where}.layers[0].feed_forward.w1.out_features",
+               "tie_embeddings": f"{where}.enable_weight_tying", "family": f"{where} (a decoder)"}
+    kv = getattr(att, "n_kv_heads", None)
+    if kv:
+        sizes["num_kv_heads"], origins["num_kv_heads"] = int(kv), f"{where}.layers[0].attention.n_kv_heads"
+    head_dim = getattr(att, "head_dim", None)
+    if head_dim and int(head_dim) != sizes["hidden_size"] // sizes["num_heads"]:
+        sizes["head_dim"], origins["head_dim"] = int(head_dim), f"{where}.layers[0].attention.head_dim"
+    return sizes, origins
+
+
+def document_for(function: Any, config: Any, display: str) -> tuple[SourceDocument, str]:
+    """The tables with positions: the line in the function's source that names each field, else its ``def``."""
+    try:
+        lines, start = inspect.getsourcelines(function)
+        file = inspect.getsourcefile(function) or display
+    except (OSError, TypeError):
+        lines, start, file = [], 1, display
+    try:
+        file = str(Path(file).resolve().relative_to(Path.cwd()))
+    except ValueError:
+        pass
+    doc = SourceDocument(file=f"{file}", data=trainer_config_tables(config))
+    top = Position(start, 1)
+    for table, section in doc.data.items():
+        doc.keys[(table,)] = top
+        for key in section:
+            pos = top
+            for offset, line in enumerate(lines):
+                m = re.search(rf"\b{key}\s*=", line)
+                if m:
+                    pos = Position(start + offset, m.start() + 1)
+                    break
+            doc.keys[(table, key)] = doc.values[(table, key)] = pos
+    return doc, "".join(lines)
+
+
+def load_registry_function(target: str) -> tuple[Any, Any]:
+    """Import ``module:function`` and call it; refuses clearly when that cannot be done."""
+    module_name, _, function_name = target.partition(":")
+    if not module_name or not function_name:
+        raise unreadable(target, f"--torchtitan {target!r} must name MODULE:FUNCTION",
+                         "e.g. `--torchtitan torchtitan.models.llama3.config_registry:llama3_8b`")
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # what the module prints is not part of the report
+            module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise unreadable(target, f"cannot import {module_name} for --torchtitan: {exc}",
+                         "install torchtitan where the check runs (`pip install 'mixle-compile[torchtitan]'`) and run "
+                         "from the directory the module is importable from")
+    function = getattr(module, function_name, None)
+    if not callable(function):
+        raise unreadable(target, f"{module_name} has no function {function_name!r}",
+                         "name a function of the config registry that returns a Trainer.Config")
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            config = function()
+    except Exception as exc:  # the user's function: its failure is bad input, not ours
+        raise unreadable(target, f"{target}() raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+                         "fix the config function so that it returns a Trainer.Config")
+    if not hasattr(config, "parallelism") or not hasattr(config, "training"):
+        raise unreadable(target, f"{target}() returned {type(config).__name__}, not a torchtitan Trainer.Config",
+                         "name a function that returns Trainer.Config")
+    return function, config
+
+
+def read_trainer_config(function: Any, config: Any, display: str, options: ImportOptions) -> tuple[SourceDocument, list]:
+    from mixle_compile.importers.torchtitan import import_job
+
+    src, text = document_for(function, config, display)
+    spec = getattr(config, "model_spec", None)
+    model = model_sizes(getattr(spec, "model", None)) if spec is not None else None
+    return import_job(src, text, Path.cwd(), options, version="0.3", source_format="torchtitan-python", model=model)
+
+
+def check_registry_function(target: str, options: ImportOptions, *, suggest: bool = False):
+    """``check --torchtitan module:function``: the CheckResult of the config that function returns."""
+    from mixle_compile.check import check_loaded
+    from mixle_compile.spec.load import LoadedSpec, validate_document
+
+    try:
+        function, config = load_registry_function(target)
+        doc, diags = read_trainer_config(function, config, target, options)
+        if any(d.severity.value == "error" for d in diags):
+            raise SourceError(diags, unreadable=True)
+    except SourceError as exc:
+        return check_loaded(LoadedSpec(target, None, None, list(exc.diagnostics), unreadable=exc.unreadable))
+    return check_loaded(validate_document(doc, diags), suggest=suggest)

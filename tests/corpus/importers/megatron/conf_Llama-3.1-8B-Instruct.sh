@@ -1,0 +1,37 @@
+#!/bin/bash
+# Source: NVIDIA/Megatron-LM examples/post_training/modelopt/conf/meta-llama/Llama-3.1-8B-Instruct.sh @ d98e8a64ddf34856e74b24714e3bedb2f5a39553 (copied unchanged apart from this line)
+
+if [ -z ${HF_MODEL_CKPT} ]; then
+    HF_MODEL_CKPT=meta-llama/Llama-3.1-8B-Instruct
+    TOKENIZER_MODEL=nvidia/Llama-3.1-70B-Instruct-FP8
+else
+    TOKENIZER_MODEL=${HF_MODEL_CKPT}
+fi
+
+MODEL_ARGS=" \
+    --save-interval 100000 \
+    --micro-batch-size 1 \
+    --bf16 \
+    --no-masked-softmax-fusion \
+    --disable-bias-linear \
+    --untie-embeddings-and-output-weights \
+    --use-rotary-position-embeddings \
+    --rotary-percent 1.0 \
+    --no-rope-fusion \
+    --no-position-embedding \
+    --normalization RMSNorm \
+    --swiglu \
+    --num-layers 32 \
+    --hidden-size 4096 \
+    --ffn-hidden-size 14336 \
+    --num-attention-heads 32 \
+    --group-query-attention \
+    --num-query-groups 8 \
+    --seq-length 4096 \
+    --max-position-embeddings 8192 \
+    --tokenizer-type HuggingFaceTokenizer \
+    --make-vocab-size-divisible-by 1 \
+    --use-mcore-models \
+    --rotary-base 500000 \
+    --use-rope-scaling \
+"

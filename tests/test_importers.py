@@ -1,0 +1,651 @@
+"""Reading engine configs: torchtitan TOMLs, Megatron-LM launch scripts, DeepSpeed JSON, HF config.json.
+
+The real files live in tests/corpus/importers/ (sources: its SOURCES.md and each file's header).
+Expected values are read off each file by hand (and, for torchtitan, compared with the independent
+transcriptions of the same presets in tests/corpus/production/torchtitan/).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mixle_compile import cli
+from mixle_compile.importers import ImportOptions, detect_format, read_any
+from mixle_compile.importers.shell import Shell
+from mixle_compile.spec import load_spec
+from mixle_compile.spec.models import Spec
+from mixle_compile.spec.source import SourceError
+from tests.conftest import ROOT
+
+CORPUS = ROOT / "tests" / "corpus" / "importers"
+TT, MG, DS, HF = (CORPUS / d for d in ("torchtitan", "megatron", "deepspeed", "hf"))
+LLAMA = str(HF / "llama-3.1-8b.json")
+
+
+def run_cli(capsys, *argv):
+    status = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def imported(path, **options) -> dict:
+    doc, _ = read_any(path, str(path), ImportOptions(**options))
+    return doc.data
+
+
+def subset(data: dict, expected: dict) -> dict:
+    """The entries of ``data`` named in ``expected`` (nested one level), to compare as a whole."""
+    return {section: {k: data.get(section, {}).get(k) for k in fields} for section, fields in expected.items()}
+
+
+# --------------------------------------------------------------------------- detection
+
+
+@pytest.mark.parametrize(
+    "name, text, says",
+    [
+        ("pyproject.toml", "[project]\nname = 'x'\n", "a Python project file"),
+        ("notes.toml", "[server]\nport = 8\n", "a TOML file without torchtitan's"),
+        ("train.py", "print('hi')\n", "`check --torchtitan module:function`"),
+        ("run.sh", "#!/bin/bash\necho hello\n", "without Megatron-LM arguments"),
+        ("config.json", json.dumps({"model_type": "llama", "hidden_size": 8}), "an HF model config"),
+    ],
+)
+def test_an_unsupported_file_says_what_it_is_and_what_is_read(capsys, tmp_path, name, text, says):
+    path = tmp_path / name
+    path.write_text(text)
+    status, out, _ = run_cli(capsys, "check", path)
+    assert status == 2
+    assert "I001" in out and says in out and "YAML" not in out
+    assert "torchtitan job config" in out or "HF model config" in out  # the list of formats, or the way to use it
+
+
+def test_engine_configs_are_no_longer_read_as_yaml(capsys):
+    """The formats a new user tries first: none gives a YAML error or a spec key error."""
+    for path, extra in ((TT / "llama3_8b.toml", ()), (MG / "train_llama3_8b_h100_fp8.sh", ()),
+                        (DS / "bingbertsquad_bsz24.json", ("--model", LLAMA))):
+        status, out, _ = run_cli(capsys, "check", path, *extra)
+        assert not any(code in out for code in ("S001", "S003", "S004", "S006")), out
+        assert status in (0, 1)
+
+
+def test_detection_by_content_and_extension():
+    assert detect_format("a.toml", b"[model]\nname='llama3'\n") == "torchtitan"
+    assert detect_format("launch", b"torchrun pretrain_gpt.py --num-layers 2\n") == "megatron"
+    assert detect_format("args.txt", b"--tensor-model-parallel-size 2\n--num-layers 4\n") == "megatron"
+    assert detect_format("ds.json", b'{"train_batch_size": 8}') == "deepspeed"
+    assert detect_format("spec.json", b'{"model": {}}') == "spec"
+    assert detect_format("spec.yaml", b"model: {}\n") == "spec"
+
+
+def test_import_options_are_refused_for_a_spec(capsys):
+    status, out, _ = run_cli(capsys, "check", ROOT / "examples" / "tiny-transformer.yaml", "--devices", "8")
+    assert status == 2 and "are for engine configs" in out
+
+
+# --------------------------------------------------------------------------- torchtitan
+
+TORCHTITAN = {
+    # file: (model, mesh, training, devices)
+    "llama3_debug_model.toml": ({"hidden_size": 256, "num_layers": 6, "num_heads": 16, "ffn_hidden_size": 768, "vocab_size": 2048},
+                                {"dp_shard": "auto", "tp": 1, "pp": 1}, {"global_batch_size": 64, "micro_batch_size": 8, "seq_len": 2048}, 8),
+    "llama3_ft_debug_model.toml": ({"hidden_size": 256, "num_layers": 6, "vocab_size": 2048}, {"dp_shard": "auto"},
+                                   {"micro_batch_size": 8, "seq_len": 2048}, 8),
+    "llama3_8b.toml": ({"hidden_size": 4096, "num_layers": 32, "num_heads": 32, "num_kv_heads": 8, "ffn_hidden_size": 14336,
+                        "vocab_size": 128256}, {"dp_shard": "auto", "tp": 1}, {"global_batch_size": 64, "micro_batch_size": 1,
+                        "seq_len": 8192, "activation_checkpointing": "selective"}, 64),
+    "llama3_70b.toml": ({"hidden_size": 8192, "num_layers": 80, "num_heads": 64, "ffn_hidden_size": 28672}, {"tp": 8},
+                        {"global_batch_size": 64, "micro_batch_size": 8, "sequence_parallel": True, "activation_checkpointing": "full"}, 64),
+    "llama3_405b.toml": ({"hidden_size": 16384, "num_layers": 126, "num_heads": 128, "ffn_hidden_size": 53248}, {"tp": 8},
+                         {"global_batch_size": 32, "micro_batch_size": 2, "precision": "fp8"}, 128),
+    "llama4_17bx16e.toml": ({"hidden_size": 5120, "num_experts": 16, "experts_per_token": 1, "moe_ffn_hidden_size": 8192,
+                             "moe_layer_frequency": 1, "vocab_size": 202048}, {"tp": 8, "etp": 8}, {"global_batch_size": 64}, 64),
+    "llama4_17bx128e.toml": ({"num_experts": 128, "moe_layer_frequency": 2}, {"tp": 8, "pp": 4, "etp": 8, "microbatches": 1},
+                             {"micro_batch_size": 1, "pipeline_schedule": "1f1b"}, 32),
+    "qwen3_0.6b.toml": ({"hidden_size": 1024, "num_layers": 28, "head_dim": 128, "tie_embeddings": True, "vocab_size": 151936},
+                        {"dp_shard": "auto"}, {"micro_batch_size": 4, "seq_len": 4096}, 8),
+    "qwen3_1.7b.toml": ({"hidden_size": 2048, "ffn_hidden_size": 6144, "tie_embeddings": True}, {"dp_shard": "auto"},
+                        {"global_batch_size": 32}, 8),
+    "qwen3_32b.toml": ({"hidden_size": 5120, "num_layers": 64, "num_heads": 64, "ffn_hidden_size": 25600, "tie_embeddings": False},
+                       {"dp_shard": "auto"}, {"global_batch_size": 16, "micro_batch_size": 2}, 8),
+    "qwen3_moe_debug.toml": ({"num_experts": 64, "experts_per_token": 8, "moe_ffn_hidden_size": 768}, {"dp_shard": "auto"},
+                             {"micro_batch_size": 4}, 8),
+    "old_2024_llama3_8b.toml": ({"hidden_size": 4096, "ffn_hidden_size": 14336}, {"dp_shard": "auto"},
+                                {"micro_batch_size": 1, "seq_len": 8192}, 64),
+    "old_2024_llama3_405b.toml": ({"num_layers": 126}, {"tp": 8}, {"micro_batch_size": 2, "precision": "fp8",
+                                  "activation_checkpointing": "full"}, 128),
+    "old_2024_debug_model.toml": ({"hidden_size": 256, "vocab_size": 2048}, {"dp_shard": "auto"}, {"micro_batch_size": 8}, 8),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TORCHTITAN))
+def test_each_torchtitan_toml_imports_with_its_degrees_and_sizes(name):
+    """pytorch/torchtitan train configs (source in each file's first line)."""
+    model, mesh, training, devices = TORCHTITAN[name]
+    data = imported(TT / name)
+    assert subset(data, {"model": model, "mesh": mesh, "training": training}) == {"model": model, "mesh": mesh, "training": training}
+    assert data["resources"]["devices"] == devices
+    assert data["backend"] == {"name": "torchtitan", "version": "0.2"}
+    Spec.model_validate(data)  # a well-formed spec
+
+
+@pytest.mark.parametrize(
+    "toml, production",
+    [("llama3_8b.toml", "llama3_8b_64gpu_fsdp64_a100.yaml"), ("llama3_70b.toml", "llama3_70b_64gpu_fsdp8_tp8_a100.yaml"),
+     ("llama4_17bx16e.toml", "llama4_17bx16e_64gpu_fsdp8_tp8.yaml"), ("qwen3_1.7b.toml", "qwen3_1.7b_8gpu_fsdp8_tied.yaml"),
+     ("qwen3_32b.toml", "qwen3_32b_8gpu_fsdp8.yaml")],
+)
+def test_torchtitan_import_agrees_with_the_hand_transcription_of_the_same_preset(toml, production):
+    """tests/corpus/production/torchtitan/ transcribes these presets by hand, citing the flavors' args."""
+    ours = imported(TT / toml)
+    theirs = yaml.safe_load((ROOT / "tests" / "corpus" / "production" / "torchtitan" / production).read_text())
+    for key, value in theirs["model"].items():
+        assert ours["model"].get(key, {"norm": "rmsnorm", "activation": "swiglu", "position_embedding": "rope",
+                                       "moe_layer_frequency": 1}.get(key)) == value, key
+    for key in ("global_batch_size", "micro_batch_size", "seq_len", "activation_checkpointing"):
+        assert ours["training"][key] == theirs["training"][key], key
+    assert ours["resources"]["devices"] == theirs["resources"]["devices"]
+
+
+def test_torchtitan_diagnostics_point_into_the_toml(capsys):
+    status, out, _ = run_cli(capsys, "check", "--format", "json", TT / "llama4_17bx128e.toml")
+    found = json.loads(out)
+    p003 = next(d for d in found if d["code"] == "P003")
+    lines = (TT / "llama4_17bx128e.toml").read_text().splitlines()
+    assert status == 1 and "pipeline_parallel_degree" in lines[p003["line"] - 1] or "local_batch_size" in lines[p003["line"] - 1]
+
+
+def test_torchtitan_refuses_what_it_cannot_express(capsys):
+    status, out, _ = run_cli(capsys, "check", TT / "deepseek_v3_16b.toml")
+    assert status == 2 and "I004" in out and "Multi-Latent Attention" in out
+    line = int(out.split(".toml:")[1].split(":")[0])
+    assert (TT / "deepseek_v3_16b.toml").read_text().splitlines()[line - 1] == 'name = "deepseek_v3"'
+
+
+def test_torchtitan_unknown_keys_are_named(tmp_path, capsys):
+    path = tmp_path / "job.toml"
+    path.write_text('[model]\nname = "llama3"\nflavor = "8B"\n[parallelism]\ntensor_parallel_degree = 2\nshiny_new_degree = 4\n'
+                    '[training]\nlocal_batch_size = 2\nseq_len = 1024\n')
+    status, out, _ = run_cli(capsys, "check", path, "--devices", "8")
+    assert "I002" in out and "parallelism.shiny_new_degree" in out and f"{path}:6:1" in out
+
+
+def test_torchtitan_flavor_outside_the_table(tmp_path, capsys):
+    path = tmp_path / "job.toml"
+    path.write_text('[model]\nname = "llama3"\nflavor = "9B"\n')
+    status, out, _ = run_cli(capsys, "check", path)
+    assert status == 2 and "9B" in out and "8B, 70B, 405B" in out and f"{path}:3:" in out
+
+
+def test_torchtitan_model_from_an_hf_config_next_to_it(tmp_path):
+    assets = tmp_path / "assets"
+    assets.mkdir()
+    (assets / "config.json").write_text((HF / "qwen3-8b.json").read_text())
+    path = tmp_path / "job.toml"
+    path.write_text('[model]\nname = "qwen3"\nflavor = "custom"\nhf_assets_path = "./assets"\n[training]\nlocal_batch_size = 1\n')
+    data = imported(path, devices=8)
+    assert data["model"]["num_layers"] == 36 and data["model"]["ffn_hidden_size"] == 12288
+
+
+def test_invalid_toml_is_a_toml_error_at_its_position(tmp_path, capsys):
+    path = tmp_path / "job.toml"
+    path.write_text('[model]\nname = "llama3"\nflavor = \n')
+    status, out, _ = run_cli(capsys, "check", path)
+    assert status == 2 and "invalid TOML" in out and f"{path}:3:" in out
+
+
+# --------------------------------------------------------------------------- Megatron-LM
+
+MEGATRON = {
+    "train_llama3_8b_h100_fp8.sh": ({}, {"hidden_size": 4096, "num_layers": 32, "num_heads": 32, "num_kv_heads": 8, "head_dim": 128,
+                                         "ffn_hidden_size": 14336, "vocab_size": 128256, "tie_embeddings": False, "norm": "rmsnorm"},
+                                    {"tp": 1, "pp": 1, "cp": 1, "dp_shard": 8, "microbatches": 16},
+                                    {"global_batch_size": 128, "micro_batch_size": 1, "seq_len": 8192, "precision": "fp8",
+                                     "distributed_optimizer": True, "sequence_parallel": True}, 8),
+    "train_llama3_8b_fsdp_h100_fp8.sh": ({}, {"hidden_size": 4096, "num_kv_heads": 8, "ffn_hidden_size": 14336},
+                                         {"tp": 1, "cp": 1, "dp_shard": 8}, {"global_batch_size": 128, "precision": "fp8"}, 8),
+    "train_gpt3_175b_distributed.sh": ({}, {"hidden_size": 12288, "num_layers": 96, "num_heads": 96, "ffn_hidden_size": 49152,
+                                            "vocab_size": 51200, "tie_embeddings": True, "norm": "layernorm",
+                                            "position_embedding": "learned", "activation": "gelu"},
+                                       {"tp": 8, "pp": 16, "dp_replicate": 1},
+                                       {"global_batch_size": 1536, "micro_batch_size": 1, "seq_len": 2048, "precision": "fp16"}, 8),
+    "train_mixtral_8x7b_distributed.sh": ({"devices": 32}, {"num_experts": 8, "experts_per_token": 2, "vocab_size": 32000,
+                                                            "num_kv_heads": 8, "position_embedding": "rope"},
+                                          {"tp": 1, "pp": 4, "ep": 8, "etp": 1, "dp_shard": 8, "microbatches": 32},
+                                          {"global_batch_size": 256, "seq_len": 4096, "precision": "bf16", "steps": 500000}, 32),
+    "gptoss_02_train.sh": ({}, {"num_layers": 12, "vocab_size": 128256}, {"pp": 8}, {"global_batch_size": 128}, 8),
+    "conf_Llama-3.1-8B-Instruct.sh": ({"model": LLAMA}, {"hidden_size": 4096, "num_layers": 32, "ffn_hidden_size": 14336,
+                                                         "vocab_size": 128256, "num_kv_heads": 8},
+                                      {"tp": 1, "dp_replicate": 8}, {"micro_batch_size": 1, "seq_len": 4096, "precision": "bf16"}, 8),
+    "conf_Qwen3-30B-A3B.sh": ({"model": str(HF / "qwen3-30b-a3b.json")},
+                              {"hidden_size": 2048, "num_layers": 48, "num_kv_heads": 4, "head_dim": 128, "num_experts": 128,
+                               "experts_per_token": 8, "moe_ffn_hidden_size": 768, "vocab_size": 151936},
+                              {"tp": 1}, {"seq_len": 4096}, 8),
+    "conf_Qwen3-8B.sh": ({"model": str(HF / "qwen3-8b.json")}, {"hidden_size": 4096, "num_layers": 36, "ffn_hidden_size": 12288,
+                                                               "vocab_size": 151936}, {"tp": 1}, {"seq_len": 4096}, 8),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MEGATRON))
+def test_each_megatron_script_imports_with_its_degrees_and_sizes(name):
+    """NVIDIA/Megatron-LM examples (source in each file's second line)."""
+    options, model, mesh, training, devices = MEGATRON[name]
+    data = imported(MG / name, **options)
+    assert subset(data, {"model": model, "mesh": mesh, "training": training}) == {"model": model, "mesh": mesh, "training": training}
+    assert data["resources"]["devices"] == devices
+    assert data["backend"] == {"name": "megatron", "entry": "arguments"}
+    Spec.model_validate(data)
+
+
+@pytest.mark.parametrize(
+    "name, says",
+    [("conf_Llama-3.2-1B-Instruct.sh", "vocabulary size"), ("conf_Llama-4-Scout-17B-16E-Instruct.sh", "vocabulary size"),
+     ("conf_DeepSeek-V2-Lite.sh", "per-layer pattern"), ("train_bert_340m_distributed.sh", "pretrain_bert.py")],
+)
+def test_megatron_scripts_the_spec_cannot_express_are_refused_by_name(capsys, name, says):
+    status, out, _ = run_cli(capsys, "check", MG / name)
+    assert status == 2 and "I004" in out and says in out
+
+
+def test_megatron_values_are_reported_where_the_script_writes_them(capsys):
+    """GBS is set through GLOBAL_BATCH_SIZE=128 and passed as --global-batch-size $GLOBAL_BATCH_SIZE."""
+    path = MG / "train_llama3_8b_h100_fp8.sh"
+    doc, _ = read_any(path, str(path))
+    lines = path.read_text().splitlines()
+    assert lines[doc.position(("training", "global_batch_size")).line - 1].startswith("GLOBAL_BATCH_SIZE=128")
+    assert "--num-query-groups 8" in lines[doc.position(("model", "num_kv_heads")).line - 1]
+    status, out, _ = run_cli(capsys, "check", path)
+    q004 = next(line for line in out.splitlines() if " Q004 " in line)
+    assert "--sequence-parallel" in lines[int(q004.split(":")[1]) - 1]
+
+
+def test_the_gpt3_script_as_published_does_not_fit_its_own_node(capsys, tmp_path):
+    """TP 8 x PP 16 on the script's NUM_NODES=1 x 8 GPUs: the world size check names the degrees."""
+    # It also passes a batch-size schedule with --global-batch-size, which validate_args refuses: that comes first.
+    status, out, _ = run_cli(capsys, "check", MG / "train_gpt3_175b_distributed.sh")
+    assert status == 1 and "I005" in out and "--step-batch-size-schedule" in out
+    fixed = tmp_path / "train_gpt3_175b.sh"
+    fixed.write_text("\n".join(line for line in (MG / "train_gpt3_175b_distributed.sh").read_text().splitlines()
+                               if "--step-batch-size-schedule" not in line))
+    status, out, _ = run_cli(capsys, "check", fixed)
+    assert status == 1 and "D001" in out
+    status, out, _ = run_cli(capsys, "check", fixed, "--devices", "1024")
+    assert "D001" not in out
+
+
+def test_megatron_defaults_follow_validate_args(tmp_path):
+    path = tmp_path / "args.txt"
+    path.write_text("--num-layers 4\n--hidden-size 1000\n--num-attention-heads 8\n--swiglu\n--vocab-size 1000\n"
+                    "--tensor-model-parallel-size 2\n--micro-batch-size 2\n--num-experts 4\n")
+    data = imported(path, devices=8)
+    assert data["model"]["ffn_hidden_size"] == int((4 * 1000 * 2 / 3) / 64) * 64  # 2624
+    assert data["model"]["vocab_size"] == 1024  # padded to 128 * tp
+    assert data["model"]["experts_per_token"] == 2 and data["mesh"]["etp"] == 2
+    assert data["training"]["global_batch_size"] == 2 * 4 and data["mesh"]["dp_replicate"] == 4
+    assert data["model"]["tie_embeddings"] is True and data["model"]["position_embedding"] == "learned"
+
+
+def test_megatron_virtual_stages_from_layers_per_virtual_stage(tmp_path):
+    path = tmp_path / "args.txt"
+    path.write_text("--num-layers 16 --hidden-size 64 --num-attention-heads 4 --vocab-size 128 "
+                    "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2 --global-batch-size 8\n")
+    data = imported(path, devices=2)
+    assert data["training"]["virtual_pipeline_stages"] == 4 and data["training"]["pipeline_schedule"] == "interleaved_1f1b"
+    assert data["mesh"]["microbatches"] == 8
+
+
+# --------------------------------------------------------------------------- the shell reader
+
+
+def test_the_shell_reader_runs_the_subset_launch_scripts_use():
+    script = """\
+A=${UNSET:-4}
+B=$((A * 2))
+ARGS=(
+    --one $A \\
+    --two "$B"   # a comment
+)
+if [[ "$A" == "4" ]] || [ -z "$NOPE" ]; then
+    ARGS+=(--three)
+else
+    ARGS+=(--never)
+fi
+case $1 in
+    x) A=99 ;;
+esac
+torchrun --nproc_per_node $B pretrain_gpt.py ${ARGS[@]} \\
+    --four 'lit eral'
+"""
+    run = Shell().execute(script)
+    words = [w.text for w in run.commands[-1]]
+    assert words == ["torchrun", "--nproc_per_node", "8", "pretrain_gpt.py", "--one", "4", "--two", "8", "--three", "--four", "lit eral"]
+    assert run.scalars["A"].text == "4" and run.skipped
+    two = next(w for w in run.commands[-1] if w.text == "--two")
+    assert (two.pos.line, two.pos.column) == (5, 5)
+
+
+# --------------------------------------------------------------------------- DeepSpeed
+
+DEEPSPEED = {
+    # file: (options, mesh, training)
+    "bingbertsquad_bsz24.json": ({"devices": 8}, {"dp_replicate": 8, "gradient_accumulation_steps": 1},
+                                 {"global_batch_size": 24, "micro_batch_size": 3, "precision": "fp16", "optimizer": "adam"}),
+    "compression_gpt2.json": ({"devices": 2}, {"dp_replicate": 2, "gradient_accumulation_steps": 1},
+                              {"global_batch_size": 8, "micro_batch_size": 4, "precision": "fp16", "learning_rate": 0.001}),
+    "zenflow_finetuning.json": ({"devices": 8}, {"dp_replicate": 8, "gradient_accumulation_steps": 1},
+                                {"global_batch_size": 8, "micro_batch_size": 1, "precision": "bf16", "distributed_optimizer": True}),
+    "bing_bert_bsz4k_01adam_seq128.json": ({"devices": 64}, {"dp_replicate": 64, "gradient_accumulation_steps": 4},
+                                           {"global_batch_size": 4096, "micro_batch_size": 16, "precision": "fp16"}),
+    "pipeline_parallelism.json": ({"devices": 4}, {"dp_replicate": 4, "gradient_accumulation_steps": 8},
+                                  {"global_batch_size": 256, "micro_batch_size": 8, "precision": "fp32"}),
+    "imagenet_fp16_z1.json": ({"devices": 8}, {"dp_replicate": 8, "gradient_accumulation_steps": 1},
+                              {"global_batch_size": 256, "micro_batch_size": 32, "distributed_optimizer": True}),
+    "bf16_master_weight_full.json": ({"devices": 8}, {"dp_shard": 8, "gradient_accumulation_steps": 1},
+                                     {"global_batch_size": 32, "micro_batch_size": 4, "precision": "bf16", "optimizer": "adamw"}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DEEPSPEED))
+def test_each_deepspeed_config_imports_with_its_batch_and_zero_stage(name):
+    """deepspeedai/DeepSpeedExamples configs (sources in tests/corpus/importers/deepspeed/SOURCES.md)."""
+    options, mesh, training = DEEPSPEED[name]
+    data = imported(DS / name, model=LLAMA, seq_len=2048, **options)
+    assert subset(data, {"mesh": mesh, "training": training}) == {"mesh": mesh, "training": training}
+    assert data["model"]["hidden_size"] == 4096 and data["backend"] == "deepspeed"
+    Spec.model_validate(data)
+
+
+def test_deepspeed_world_size_follows_from_the_three_batch_sizes(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 96, "train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2,
+                                "zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}))
+    data = imported(path, model=LLAMA, seq_len=1024)
+    assert data["resources"]["devices"] == 16 and data["mesh"]["dp_shard"] == 16
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 8), st.integers(1, 8), st.integers(1, 16), st.sampled_from(["tbs+mbs", "tbs+gas", "mbs+gas", "tbs", "mbs"]))
+def test_deepspeed_batch_identity_holds_for_every_pair_given(tmp_path_factory, mbs, gas, dp, given_):
+    """train_batch_size = micro * accumulation * dp, whichever of them the config leaves out."""
+    full = {"train_batch_size": mbs * gas * dp, "train_micro_batch_size_per_gpu": mbs, "gradient_accumulation_steps": gas}
+    keep = {"tbs+mbs": ("train_batch_size", "train_micro_batch_size_per_gpu"), "tbs+gas": ("train_batch_size", "gradient_accumulation_steps"),
+            "mbs+gas": ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps"), "tbs": ("train_batch_size",),
+            "mbs": ("train_micro_batch_size_per_gpu",)}[given_]
+    path = tmp_path_factory.mktemp("ds") / "ds.json"
+    path.write_text(json.dumps({k: full[k] for k in keep}))
+    data = imported(path, model=LLAMA, seq_len=128, devices=dp)
+    t, m = data["training"], data["mesh"]
+    assert t["global_batch_size"] == t["micro_batch_size"] * m["gradient_accumulation_steps"] * dp
+    for key, field in (("train_batch_size", t["global_batch_size"]), ("train_micro_batch_size_per_gpu", t["micro_batch_size"]),
+                       ("gradient_accumulation_steps", m["gradient_accumulation_steps"])):
+        if key in keep:
+            assert field == full[key]
+
+
+def test_deepspeed_refusals(capsys, tmp_path):
+    status, out, _ = run_cli(capsys, "check", DS / "hf_integration_tp_auto.json", "--model", LLAMA)
+    assert status == 2 and out.count("I004") == 3 and '"auto"' in out and "S006" not in out
+    status, out, _ = run_cli(capsys, "check", DS / "bingbertsquad_bsz24.json")
+    assert status == 2 and "--model config.json" in out
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 1}))
+    status, out, _ = run_cli(capsys, "check", path, "--model", LLAMA)
+    assert status == 2 and "micro * accumulation * dp" in out
+
+
+def test_deepspeed_unmodelled_keys_are_named(capsys):
+    status, out, _ = run_cli(capsys, "check", DS / "zenflow_finetuning.json", "--model", LLAMA, "--devices", "8", "--seq-len", "512")
+    assert "zero_optimization.offload_optimizer" in out and "zero_optimization.zenflow" in out and "I002" in out
+
+
+# --------------------------------------------------------------------------- HF config.json
+
+
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("llama-3.1-8b.json", {"vocab_size": 128256, "hidden_size": 4096, "num_layers": 32, "num_heads": 32, "num_kv_heads": 8,
+                               "ffn_hidden_size": 14336, "tie_embeddings": False, "activation": "swiglu", "norm": "rmsnorm"}),
+        ("mixtral-8x7b-v0.1.json", {"num_experts": 8, "experts_per_token": 2, "moe_ffn_hidden_size": 14336, "vocab_size": 32000}),
+        ("qwen3-30b-a3b.json", {"num_experts": 128, "experts_per_token": 8, "moe_ffn_hidden_size": 768, "head_dim": 128,
+                                "num_kv_heads": 4, "moe_layer_frequency": 1}),
+        ("gpt-neox-20b.json", {"hidden_size": 6144, "num_layers": 44, "num_heads": 64, "ffn_hidden_size": 24576,
+                               "norm": "layernorm", "activation": "gelu", "vocab_size": 50432}),
+    ],
+)
+def test_a_spec_takes_its_model_from_an_hf_config(write, tmp_path, name, expected):
+    (tmp_path / "config.json").write_text((HF / name).read_text())
+    path = write(f"""\
+        model: {{from: hf, path: config.json}}
+        mesh: {{dp_shard: 8}}
+        training: {{global_batch_size: 8, seq_len: 128}}
+        backend: torch
+        resources: {{devices: 8, memory: 141GB}}
+        """)
+    loaded = load_spec(path)
+    assert loaded.spec is not None, [d.text() for d in loaded.diagnostics]
+    assert {k: getattr(loaded.spec.model, k) for k in expected} == expected
+
+
+def test_an_hf_architecture_outside_the_family_is_refused_by_name(write, tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba", "hidden_size": 8}))
+    path = write("model: {from: hf, path: config.json}\nmesh: {}\ntraining: {global_batch_size: 1, seq_len: 8}\n"
+                 "backend: torch\nresources: {devices: 1, memory: 1GiB}\n")
+    status, out, _ = run_cli(capsys, "check", path)
+    assert status == 1 and "I004" in out and "'mamba'" in out and "llama" in out and f"{path}:1:" in out
+
+
+# --------------------------------------------------------------------------- start-up
+
+
+def test_checking_an_engine_config_imports_no_torch():
+    code = ("import sys; from mixle_compile.cli import main; "
+            f"main(['check', {str(TT / 'llama3_8b.toml')!r}]); main(['check', {str(MG / 'train_llama3_8b_h100_fp8.sh')!r}]); "
+            "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True).stdout
+    assert out.splitlines()[-1] == "NO-TORCH"
+
+
+def test_reading_never_raises_for_a_bad_engine_file(tmp_path):
+    for name, text in (("a.toml", "[model]\nname = 3\n[parallelism]\ntensor_parallel_degree = 'x'\n"),
+                       ("a.sh", "torchrun pretrain_gpt.py --num-layers x --hidden-size\n"),
+                       ("a.json", '{"train_batch_size": -1}')):
+        path = tmp_path / name
+        path.write_text(text)
+        try:
+            read_any(path, name, ImportOptions(model=LLAMA))
+        except SourceError as exc:
+            assert exc.diagnostics
+
+
+# --------------------------------------------------------------------------- torchtitan 0.3 Python configs
+
+REGISTRY_MODULE = '''\
+from types import SimpleNamespace
+
+from torchtitan.config import ParallelismConfig, TrainingConfig
+from torchtitan.distributed.activation_checkpoint import FullAC
+
+
+def llama3_70b_tp8():
+    return SimpleNamespace(
+        model_spec=SimpleNamespace(name="llama3", flavor="70B"),
+        training=TrainingConfig(
+            local_batch_size=4,
+            seq_len=8192,
+            steps=100,
+        ),
+        parallelism=ParallelismConfig(
+            tensor_parallel_degree=8,
+            pipeline_parallel_degree=2,
+            pipeline_parallel_schedule="Interleaved1F1B",
+        ),
+        activation_checkpoint=FullAC.Config(),
+        optimizer=SimpleNamespace(lr=1e-4),
+    )
+
+
+def not_a_config():
+    return 3
+'''
+
+
+@pytest.fixture
+def registry(tmp_path, monkeypatch):
+    """A config-registry module built from torchtitan 0.3's own config classes."""
+    config = pytest.importorskip("torchtitan.config")
+    if not hasattr(config, "ParallelismConfig"):
+        pytest.skip("torchtitan before 0.3 has no Python config classes")
+    (tmp_path / "my_registry.py").write_text(REGISTRY_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def test_a_torchtitan_config_function_is_read_through_its_config_classes(registry):
+    from mixle_compile.importers.torchtitan_registry import load_registry_function, read_trainer_config
+
+    function, config = load_registry_function("my_registry:llama3_70b_tp8")
+    doc, _ = read_trainer_config(function, config, "my_registry:llama3_70b_tp8", ImportOptions(devices=64))
+    data = doc.data
+    assert data["model"]["hidden_size"] == 8192 and data["model"]["ffn_hidden_size"] == 28672
+    assert data["mesh"] == {"dp_replicate": 1, "tp": 8, "pp": 2, "cp": 1, "ep": 1, "etp": 1, "dp_shard": "auto",
+                            "gradient_accumulation_steps": 1, "microbatches": 4}
+    assert data["training"]["pipeline_schedule"] == "interleaved_1f1b" and data["training"]["virtual_pipeline_stages"] == 2
+    assert data["training"]["activation_checkpointing"] == "full" and data["training"]["sequence_parallel"] is True
+    assert data["training"]["global_batch_size"] == 4 * 4  # local * dp (64 / (8 * 2))
+    assert data["backend"] == {"name": "torchtitan", "version": "0.3"}
+    # positions: the line of the function that sets the field
+    assert doc.file == "my_registry.py"
+    line = doc.position(("mesh", "tp")).line
+    assert "tensor_parallel_degree=8" in REGISTRY_MODULE.splitlines()[line - 1]
+
+
+def test_check_torchtitan_module_function(registry, capsys):
+    status, out, _ = run_cli(capsys, "check", "--torchtitan", "my_registry:llama3_70b_tp8", "--devices", "64")
+    assert status in (0, 1) and "my_registry.py:" in out and "S0" not in out
+    status, out, _ = run_cli(capsys, "check", "--torchtitan", "my_registry:not_a_config")
+    assert status == 2 and "not a torchtitan Trainer.Config" in out
+    status, out, _ = run_cli(capsys, "check", "--torchtitan", "no_such_module:f")
+    assert status == 2 and "cannot import no_such_module" in out
+    status, out, _ = run_cli(capsys, "check")
+    assert status == 2
+
+
+@pytest.mark.parametrize("module, function, flavor", [
+    ("llama3", "llama3_debugmodel", "debugmodel"), ("llama3", "llama3_8b", "8B"), ("llama3", "llama3_70b", "70B"),
+    ("qwen3", "qwen3_0_6b", "0.6B"), ("qwen3", "qwen3_1_7b", "1.7B"), ("qwen3", "qwen3_32b", "32B"),
+])
+def test_torchtitan_own_config_registry(module, function, flavor, capsys):
+    """torchtitan 0.3.0's own config_registry functions, where torchtitan and its dependencies import: the degrees
+    and batch come from its ParallelismConfig and TrainingConfig, the sizes from its model config, and they agree
+    with the flavor table transcribed from the TOML era."""
+    from mixle_compile.importers import flavors
+    from mixle_compile.importers.torchtitan_registry import load_registry_function, read_trainer_config
+
+    target = f"torchtitan.models.{module}.config_registry:{function}"
+    try:
+        importlib.import_module(f"torchtitan.models.{module}.config_registry")
+    except ImportError as exc:  # its model code needs triton and its trainer torchdata, tensorboard, datasets
+        pytest.skip(f"torchtitan's model registry does not import here: {exc}")
+    fn, config = load_registry_function(target)
+    doc, _ = read_trainer_config(fn, config, target, ImportOptions(devices=64))
+    data = doc.data
+    p, t = config.parallelism, config.training
+    assert (data["mesh"]["tp"], data["mesh"]["pp"], data["mesh"]["cp"]) == (
+        p.tensor_parallel_degree, p.pipeline_parallel_degree, p.context_parallel_degree)
+    assert data["training"]["seq_len"] == t.seq_len and data["model"]["hidden_size"] == config.model_spec.model.dim
+    assert data["backend"] == {"name": "torchtitan", "version": "0.3"}
+    table = dict(flavors.flavor(module, flavor).model)
+    ours = dict(data["model"])
+    for m in (table, ours):  # an explicit head size equal to hidden / heads is the default
+        m["head_dim"] = m.get("head_dim") or m["hidden_size"] // m["num_heads"]
+    assert {k: ours.get(k) for k in table} == table
+    status, out, _ = run_cli(capsys, "check", "--torchtitan", target, "--devices", "64")
+    assert status in (0, 1) and "I004" not in out and "S0" not in out
+
+
+@pytest.mark.parametrize("name", sorted(n for n in TORCHTITAN if not n.startswith("old_2024")))
+def test_torchtitan_config_manager_reads_the_corpus_tomls_as_we_do(name):
+    """torchtitan 0.2.2's own ConfigManager (where that release is installed) and the importer agree on every
+    degree, batch size and sequence length of the real train configs."""
+    try:
+        from torchtitan.config.manager import ConfigManager
+    except ImportError:
+        pytest.skip("torchtitan is not installed")
+    if not hasattr(ConfigManager, "_maybe_load_toml"):
+        pytest.skip("torchtitan's TOML ConfigManager (0.2.x) is not installed")
+    job = ConfigManager().parse_args(["--job.config_file", str(TT / name)])
+    data = imported(TT / name)
+    p, mesh, t = job.parallelism, data["mesh"], data["training"]
+    assert (mesh["dp_replicate"], mesh["dp_shard"], mesh["tp"], mesh["pp"], mesh["cp"], mesh["ep"], mesh["etp"]) == (
+        p.data_parallel_replicate_degree, "auto" if p.data_parallel_shard_degree == -1 else p.data_parallel_shard_degree,
+        p.tensor_parallel_degree, p.pipeline_parallel_degree, p.context_parallel_degree, p.expert_parallel_degree,
+        p.expert_tensor_parallel_degree)
+    assert t["seq_len"] == job.training.seq_len and t["activation_checkpointing"] == job.activation_checkpoint.mode
+    assert t["micro_batch_size"] * mesh.get("microbatches", 1) == job.training.local_batch_size
+    assert (t["precision"] == "fp8") == ("float8" in job.model.converters)
+
+
+def deepspeed_config(path, dp: int, monkeypatch):
+    """DeepSpeed's own DeepSpeedConfig on ``dp`` data-parallel ranks (no process group: its rank is faked)."""
+    try:
+        from deepspeed.runtime import config as ds_config
+    except ImportError:
+        pytest.skip("deepspeed is not installed")
+    monkeypatch.setattr(ds_config.dist, "get_rank", lambda *args, **kwargs: 0)
+
+    class DataParallel:  # the mpu DeepSpeedConfig asks for the data-parallel world size
+        def get_data_parallel_world_size(self):
+            return dp
+
+    return ds_config.DeepSpeedConfig(str(path), mpu=DataParallel())
+
+
+@pytest.mark.parametrize("name", sorted(DEEPSPEED))
+def test_deepspeed_config_class_reads_the_corpus_configs_as_we_do(name, monkeypatch):
+    """DeepSpeed's DeepSpeedConfig (where deepspeed installs) derives the same batch sizes and ZeRO stage."""
+    options, mesh, _ = DEEPSPEED[name]
+    ds = deepspeed_config(DS / name, options["devices"], monkeypatch)
+    data = imported(DS / name, model=LLAMA, seq_len=2048, **options)
+    assert (ds.train_batch_size, ds.train_micro_batch_size_per_gpu, ds.gradient_accumulation_steps) == (
+        data["training"]["global_batch_size"], data["training"]["micro_batch_size"], data["mesh"]["gradient_accumulation_steps"])
+    assert ds.zero_optimization_stage in ({3} if "dp_shard" in mesh else {0, 1, 2})
+    precision = "bf16" if ds.bfloat16_config.enabled else "fp16" if ds.float16_config.enabled else "fp32"
+    assert precision == data["training"]["precision"]
+
+
+def test_megatron_uneven_pipeline_split(tmp_path):
+    path = tmp_path / "args.txt"
+    path.write_text("--num-layers 12 --hidden-size 64 --num-attention-heads 4 --vocab-size 128 --pipeline-model-parallel-size 4 "
+                    "--decoder-first-pipeline-num-layers 2 --decoder-last-pipeline-num-layers 2 --global-batch-size 8\n")
+    assert imported(path, devices=4)["training"]["pipeline_layers"] == [2, 4, 4, 2]
+    path.write_text("--num-layers 12 --hidden-size 64 --num-attention-heads 4 --vocab-size 128 --pipeline-model-parallel-size 4 "
+                    "--decoder-first-pipeline-num-layers 4 --global-batch-size 8 --use-megatron-fsdp\n")
+    with pytest.raises(SourceError) as info:
+        imported(path, devices=4)
+    assert "first 4" in info.value.diagnostics[-1].message
+
+
+def test_compile_diff_and_suggest_take_engine_configs(tmp_path, capsys):
+    plan = tmp_path / "plan.json"
+    status, _, _ = run_cli(capsys, "compile", TT / "llama3_8b.toml", "-o", plan)
+    assert status == 0 and json.loads(plan.read_text())["format_version"]
+    changed = tmp_path / "llama3_8b_tp2.toml"
+    changed.write_text((TT / "llama3_8b.toml").read_text().replace("tensor_parallel_degree = 1", "tensor_parallel_degree = 2"))
+    status, out, _ = run_cli(capsys, "diff", TT / "llama3_8b.toml", changed)
+    assert status == 1 and "tp" in out
+    fixed = tmp_path / "fixed_shard.toml"
+    fixed.write_text((TT / "llama3_8b.toml").read_text().replace("data_parallel_shard_degree = -1", "data_parallel_shard_degree = 8")
+                     .replace("tensor_parallel_degree = 1", "tensor_parallel_degree = 2"))
+    status, out, _ = run_cli(capsys, "check", "--suggest", fixed, "--devices", "8")
+    assert status == 1 and "D001" in out and "valid plan on the same 8 devices" in out
