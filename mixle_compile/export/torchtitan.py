@@ -110,7 +110,9 @@ def torchtitan_files(spec: Spec, stem: str) -> Exported:
                   f"pipeline_parallel_microbatch_size = {t.micro_batch_size}"]
         if stages_key is not None:
             lines.append(f"pipeline_parallel_layers_per_stage = {stages_key}")
-    lines += ["", "[activation_checkpoint]", f"mode = {_toml_value(t.activation_checkpointing)}",
-              "", "[debug]", f"seed = {t.seed}", ""]
+    lines += ["", "[activation_checkpoint]", f"mode = {_toml_value(t.activation_checkpointing)}"]
+    if t.compiled:
+        lines += ["", "[compile]", "enable = true", f"components = {_toml_value(list(t.compiled))}"]
+    lines += ["", "[debug]", f"seed = {t.seed}", ""]
     main = f"{stem}.toml"
     return Exported("torchtitan", {main: "\n".join(lines), **files}, main)

@@ -31,7 +31,7 @@ from mixle_compile.spec.source import Position, SourceDocument
 
 READ = {
     "model": {"name", "flavor", "hf_assets_path", "converters", "tokenizer_path"},
-    "training": {"local_batch_size", "batch_size", "global_batch_size", "seq_len", "steps", "mixed_precision_param", "seed"},
+    "training": {"local_batch_size", "batch_size", "global_batch_size", "seq_len", "steps", "mixed_precision_param", "seed", "compile"},
     "parallelism": {
         "data_parallel_replicate_degree", "data_parallel_shard_degree", "tensor_parallel_degree",
         "pipeline_parallel_degree", "context_parallel_degree", "expert_parallel_degree",
@@ -42,6 +42,7 @@ READ = {
     "activation_checkpoint": {"mode", "selective_ac_option"},
     "optimizer": {"name", "lr"},
     "float8": {"enable_float8_linear"},
+    "compile": {"enable", "components"},
 }
 # Before torchtitan moved them to [parallelism] (early 2025), the degrees sat in [training] and the
 # pipeline and context degrees in [experimental], with the number of micro-batches
@@ -50,11 +51,11 @@ PARALLEL_KEYS = READ["parallelism"] | {"pipeline_parallel_microbatches"}
 READ["training"] = READ["training"] | PARALLEL_KEYS
 READ["experimental"] = PARALLEL_KEYS
 # Tables and keys with no bearing on the plan's sizes, memory or communication: read quietly.
-QUIET_TABLES = {"job", "profiling", "metrics", "checkpoint", "lr_scheduler", "validation", "comm", "compile",
+QUIET_TABLES = {"job", "profiling", "metrics", "checkpoint", "lr_scheduler", "validation", "comm",
                 "mx", "quantize", "fault_tolerance", "memory_estimation", "debug"}
 QUIET_KEYS = {
     "training": {"max_norm", "dataset", "dataset_path", "warmup_steps", "gc_freq", "deterministic", "mixed_precision_reduce",
-                 "enable_cpu_offload", "compile", "gc_debug", "debug_moe_force_load_balance", "tensorboard", "dataloader"},
+                 "enable_cpu_offload", "gc_debug", "debug_moe_force_load_balance", "tensorboard", "dataloader"},
     "parallelism": {"fsdp_reshard_after_forward", "disable_loss_parallel", "enable_compiled_autograd",
                     "context_parallel_rotate_method", "pipeline_parallel_split_points", "module_fqns_per_model_part",
                     "pipeline_parallel_schedule_csv", "expert_parallel_comm_backend", "enable_compiled_autograd"},
@@ -63,6 +64,7 @@ QUIET_KEYS = {
                "scaling_type_input", "scaling_type_weight", "scaling_type_grad_output", "recipe_name", "filter_fqns",
                "emulate"},
     "experimental": {"enable_compiled_autograd", "custom_args_module", "custom_import", "custom_model_path"},
+    "compile": {"backend"},
     "optimizer": {"eps", "weight_decay", "beta1", "beta2", "implementation", "early_step_in_backward"},
     "activation_checkpoint": {"per_op_sac_force_recompute_mm_shapes_by_fqns", "preserve_rng_state", "determinism_check",
                               "early_stop", "debug"},
@@ -70,7 +72,7 @@ QUIET_KEYS = {
 SCHEDULES = {"1F1B": "1f1b", "GPipe": "gpipe", "Interleaved1F1B": "interleaved_1f1b"}
 SINGLE_STAGE = {"1F1B", "GPipe"}
 PRECISIONS = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
-_PRESET = re.compile(r"preset for (\d+) (?:([A-Za-z0-9]+) )?GPUs(?: \(with ([0-9.]+\s*[KMGT]i?B|\d+) memory\))?", re.I)
+_PRESET = re.compile(r"preset for (\d+) (?:([A-Za-z0-9][A-Za-z0-9-]*) )?GPUs(?: \(with ([0-9.]+\s*[KMGT]i?B|\d+) memory\))?", re.I)
 GPU_MEMORY = {"a100": "80GiB", "h100": "80GiB", "h200": "141GB", "b200": "180GB", "mi300x": "192GB"}
 
 
@@ -228,6 +230,19 @@ def import_job(src: SourceDocument, text: str, base: Path, options: ImportOption
                      "the compiler's budgeted recomputation is not modelled; priced as selective")
         mode = "selective"
     b.set(("training", "activation_checkpointing"), mode, at=at("activation_checkpoint", "mode"), origin="activation_checkpoint.mode")
+    # torch.compile: `[compile] enable` and `components` (default [model, loss], torchtitan/config/job_config.py
+    # Compile); the older layout's `[training] compile` compiled the model and, from torchtitan bbb1b61
+    # (April 2025), the loss too (components/loss.py build_cross_entropy_loss).
+    if get("compile", "enable") is not None:
+        enabled = get("compile", "enable") is True
+        components = get("compile", "components", ["model", "loss"])
+        if enabled and isinstance(components, list) and all(c in ("model", "loss") for c in components):
+            value = True if sorted(set(components)) == ["loss", "model"] else sorted(set(components))
+        else:
+            value = False
+        b.set(("training", "compile"), value if enabled else False, at=at("compile", "enable"), origin="compile.enable, compile.components")
+    elif get("training", "compile") is not None:
+        b.set(("training", "compile"), get("training", "compile") is True, at=at("training", "compile"), origin="training.compile")
     optimizer = str(get("optimizer", "name", "AdamW"))
     b.set(("training", "optimizer"), {"adamw": "adamw", "adam": "adam"}.get(optimizer.lower(), "adamw"),
           at=at("optimizer", "name"), origin="optimizer.name")
