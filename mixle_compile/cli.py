@@ -79,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     diff.add_argument("old", metavar="A", help="plan or spec before the change")
     diff.add_argument("new", metavar="B", help="plan or spec after the change")
     diff.add_argument("--format", choices=("text", "json"), default="text", help="output format (default: text)")
+    diff.add_argument("--exit-code", action="store_true",
+                      help="exit 1 when the plans differ (like git diff --exit-code); without it a difference exits 0")
     _import_arguments(diff)
     diff.set_defaults(run=_cmd_diff)
 
@@ -414,7 +416,7 @@ def _cmd_diff(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(diff_text(a, b, args.old, args.new))
         same = a.content_digest == b.content_digest
-    return EXIT_CLEAN if same else EXIT_VIOLATIONS  # like diff(1): 1 when they differ
+    return EXIT_VIOLATIONS if args.exit_code and not same else EXIT_CLEAN
 
 
 def _cmd_export(args: argparse.Namespace) -> int:

@@ -642,7 +642,7 @@ def test_compile_diff_and_suggest_take_engine_configs(tmp_path, capsys):
     assert status == 0 and json.loads(plan.read_text())["format_version"]
     changed = tmp_path / "llama3_8b_tp2.toml"
     changed.write_text((TT / "llama3_8b.toml").read_text().replace("tensor_parallel_degree = 1", "tensor_parallel_degree = 2"))
-    status, out, _ = run_cli(capsys, "diff", TT / "llama3_8b.toml", changed)
+    status, out, _ = run_cli(capsys, "diff", "--exit-code", TT / "llama3_8b.toml", changed)
     assert status == 1 and "tp" in out
     fixed = tmp_path / "fixed_shard.toml"
     fixed.write_text((TT / "llama3_8b.toml").read_text().replace("data_parallel_shard_degree = -1", "data_parallel_shard_degree = 8")

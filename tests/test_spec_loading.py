@@ -352,3 +352,19 @@ def test_a_flood_of_problems_is_capped_and_counted():
     r = load("\n".join(f"k{j}: {j}" for j in range(500)))
     assert len(r.diagnostics) == 101
     assert r.diagnostics[-1].code == "S010" and "more schema problems not shown" in r.diagnostics[-1].message
+
+
+@pytest.mark.parametrize("field, value, meant", [
+    ("precision", "BF16", "bf16"), ("precision", "bfloat16", "bf16"), ("precision", "float32", "fp32"),
+    ("optimizer", "AdamW", "adamw"), ("optimizer", "ADAM", "adam"), ("precision", "bf61", "bf16"),
+])
+def test_did_you_mean_matches_case_and_engine_spellings_first(field, value, meant):
+    text = f"""\
+model: {{family: transformer, vocab_size: 256, hidden_size: 64, num_layers: 4, num_heads: 4, ffn_hidden_size: 128}}
+mesh: {{dp_shard: 2}}
+training: {{global_batch_size: 2, seq_len: 32, {field}: {value}}}
+backend: torch
+resources: {{devices: 2, memory: 2GiB}}
+"""
+    (d,) = load_spec_text(text, "case.yaml").diagnostics
+    assert d.code == "S005" and d.hint == f"did you mean {meant!r}?"

@@ -14,6 +14,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+
+#: How the engines spell some of our values (torch dtypes, Megatron flags, optimizer class names).
+ENGINE_SPELLINGS = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32",
+                    "float8": "fp8", "e4m3": "fp8", "adam_w": "adamw"}
+
+
+def closest(value: str, choices, n: int = 1, cutoff: float = 0.5) -> list[str]:
+    """The likeliest meant choices: one equal but for case (or an engine's spelling of it) first,
+    then the closest by spelling, compared in lower case so that `BF16` means `bf16`, not `fp16`."""
+    choices = [str(c) for c in choices]
+    lowered = {c.lower(): c for c in choices}
+    key = str(value).strip().lower()
+    for candidate in (key, ENGINE_SPELLINGS.get(key), key.replace("-", "_")):
+        if candidate is not None and candidate in lowered:
+            return [lowered[candidate]]
+    return [lowered[c] for c in difflib.get_close_matches(key, list(lowered), n=n, cutoff=cutoff)]
+
+
 from pydantic import BaseModel, ValidationError
 
 from mixle_compile.diagnostics import Diagnostic, Severity
@@ -273,7 +291,7 @@ def _schema_diagnostic(err: dict, path: Path_, value: Any, complete: bool, doc: 
     if etype == "extra_forbidden":
         key = loc[-1]
         allowed = _allowed_keys(loc[:-1])
-        close = difflib.get_close_matches(str(key), allowed, n=1, cutoff=0.5)
+        close = closest(str(key), allowed, n=1, cutoff=0.5)
         parent = dotted(path[:-1]) or "the top level"
         hint = f"did you mean `{close[0]}`?" if close else ""
         if allowed:
@@ -295,7 +313,7 @@ def _schema_diagnostic(err: dict, path: Path_, value: Any, complete: bool, doc: 
         return doc.diagnostic(codes.WRONG_TYPE.code, f"`{where}` must be {expected}, got {_show(value)}", path, hint=hint)
     if etype == "literal_error":
         choices = re.findall(r"'([^']*)'", err.get("ctx", {}).get("expected", ""))
-        close = difflib.get_close_matches(str(value), choices, n=1, cutoff=0.4) if isinstance(value, str) else []
+        close = closest(str(value), choices, n=1, cutoff=0.4) if isinstance(value, str) else []
         hint = f"did you mean {close[0]!r}?" if close else f"use one of: {', '.join(choices)}"
         if not isinstance(value, str):
             return doc.diagnostic(codes.WRONG_TYPE.code, f"`{where}` must be one of {', '.join(choices)}, got {_show(value)}", path, hint=hint)
@@ -352,7 +370,7 @@ def _union_diagnostic(err: dict, path: Path_, value: Any, doc: SourceDocument) -
             prefer_key=True,
             extra_fields=((*path, key),),
         )
-    close = difflib.get_close_matches(str(tag), choices, n=1, cutoff=0.4)
+    close = closest(str(tag), choices, n=1, cutoff=0.4)
     hint = f"did you mean {close[0]!r}?" if close else f"use one of: {', '.join(choices)}"
     return doc.diagnostic(
         codes.INVALID_VALUE.code if isinstance(tag, str) else codes.WRONG_TYPE.code,
@@ -440,7 +458,7 @@ def _backend_diagnostics(spec: Spec, doc: SourceDocument) -> list[Diagnostic]:
     name = backend_name(spec.backend)
     at = ("backend",) if isinstance(spec.backend, str) else ("backend", "name")
     if name not in names:
-        close = difflib.get_close_matches(name, names, n=1, cutoff=0.4)
+        close = closest(name, names, n=1, cutoff=0.4)
         hint = (f"did you mean {close[0]!r}? " if close else "") + f"registered backends: {', '.join(names)}"
         return [doc.diagnostic(codes.UNKNOWN_BACKEND.code, f"`backend` {name!r} is not a registered training backend", at, hint=hint)]
     try:
@@ -603,7 +621,7 @@ def _distribution_diagnostics(model: DistributionModel, doc: SourceDocument) -> 
     def visit(node: Any, path: Path_, owner: str | None) -> None:
         if isinstance(node, Ref):
             if node.ref not in shared:
-                close = difflib.get_close_matches(node.ref, names, n=1, cutoff=0.4)
+                close = closest(node.ref, names, n=1, cutoff=0.4)
                 hint = f"did you mean {close[0]!r}? " if close else ""
                 hint += f"defined in model.shared: {', '.join(names)}" if names else "define it under `model.shared`"
                 out.append(doc.diagnostic(codes.UNKNOWN_REF.code, f"`ref: {node.ref}` names no entry of model.shared", (*path, "ref"), hint=hint))
