@@ -165,12 +165,17 @@ def torchrun_environment() -> tuple[int, int]:
     integer("MASTER_PORT", 1, 65535)
     if "MASTER_ADDR" in env and not env["MASTER_ADDR"].strip():
         raise RuntimeRefusal("MASTER_ADDR is empty; set it to the address of rank 0's machine (127.0.0.1 on one machine)")
-    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # not torchrun's store: the ranks meet at MASTER_ADDR:MASTER_PORT
+    return rank, world
+
+
+def require_rendezvous_address() -> None:
+    """Outside torchrun's own store the ranks meet at MASTER_ADDR:MASTER_PORT: both must be set."""
+    env = os.environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         for name in ("MASTER_ADDR", "MASTER_PORT"):
             if name not in env:
                 raise RuntimeRefusal(f"{name} is not set, but RANK and WORLD_SIZE are: rank 0 hosts the rendezvous at MASTER_ADDR:MASTER_PORT; "
                                      "set both (or launch with torchrun, which sets them)")
-    return rank, world
 
 
 OUTPUT_FILES = ("plan.json", "report.json", "receipts.jsonl")
@@ -264,6 +269,7 @@ def run_plan(
                 f"the plan's world size is {world} ({instructions.plan.factorisation()}) but this job has "
                 f"WORLD_SIZE={actual}; extra or missing ranks would train independent copies, so it does not start"
             )
+        require_rendezvous_address()
     else:
         _refuse_oversized(doc, world)
     out = Path(out_dir) if out_dir is not None else Path(tempfile.mkdtemp(prefix="mixle-run-"))
