@@ -192,3 +192,17 @@ def test_a_run_resumes_and_saves_in_a_root_whose_recommit_was_interrupted(tmp_pa
     assert resumed.data["run"]["first_step"] == 2
     assert [s for s, _, _ in ckpt.list_checkpoints(root)] == [1, 2, 3] and not list(root.glob(ckpt.REPLACED_PREFIX + "*"))
     assert ckpt.verify_checkpoint(root / ckpt.step_dir_name(2))["run_id"] == ckpt.verify_checkpoint(root / ckpt.step_dir_name(1))["run_id"]
+
+
+def test_a_run_never_replaces_committed_checkpoints_unless_asked(tmp_path):
+    root = tmp_path / "ckpts"
+    first = run_plan(plan_for(), steps=2, out_dir=tmp_path / "a", progress=False, save_every=1, checkpoint_dir=root)
+    assert first.ok, first.errors
+    sealed = ckpt.verify_checkpoint(root / ckpt.step_dir_name(2))["run_id"]
+    with pytest.raises(RuntimeRefusal, match=r"already holds committed checkpoints at step\(s\) 1, 2.*--overwrite-checkpoints"):
+        run_plan(plan_for(), steps=2, out_dir=tmp_path / "b", progress=False, save_every=1, checkpoint_dir=root)
+    assert ckpt.verify_checkpoint(root / ckpt.step_dir_name(2))["run_id"] == sealed  # nothing replaced
+    resumed = run_plan(plan_for(), steps=3, out_dir=tmp_path / "c", progress=False, save_every=1, checkpoint_dir=root, resume=root)
+    assert resumed.ok, resumed.errors  # resuming from the newest saves only later steps
+    again = run_plan(plan_for(), steps=2, out_dir=tmp_path / "d", progress=False, save_every=1, checkpoint_dir=root, overwrite_checkpoints=True)
+    assert again.ok and ckpt.verify_checkpoint(root / ckpt.step_dir_name(2))["run_id"] != sealed

@@ -51,6 +51,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--save-every", type=_count, metavar="N", help="save a checkpoint every N optimizer steps and after the last one (see docs/checkpoints.md)")
     parser.add_argument("--checkpoint-dir", metavar="DIR", help="where checkpoints go (default: OUT/checkpoints)")
     parser.add_argument("--keep-checkpoints", type=_count, metavar="K", help="keep only this run's K newest checkpoints, never deleting another run's (default: all)")
+    parser.add_argument("--overwrite-checkpoints", action="store_true",
+                        help="allow replacing committed checkpoints in --checkpoint-dir at steps this run will save (refused otherwise)")
     parser.add_argument(
         "--resume", metavar="CKPT",
         help="continue from a checkpoint: a checkpoint directory (its latest complete step) or one step-NNNNNNNN directory; "
@@ -65,7 +67,8 @@ def run_command(args: argparse.Namespace) -> int:
         report = run_plan(args.plan, steps=args.steps, out_dir=args.out, reference=args.reference, data_path=args.data,
                           timeout_s=args.timeout, progress=not args.quiet, save_every=getattr(args, "save_every", None),
                           checkpoint_dir=getattr(args, "checkpoint_dir", None), keep_checkpoints=getattr(args, "keep_checkpoints", None),
-                          resume=getattr(args, "resume", None), repeat_data=getattr(args, "repeat_data", False))
+                          resume=getattr(args, "resume", None), repeat_data=getattr(args, "repeat_data", False),
+                          overwrite_checkpoints=getattr(args, "overwrite_checkpoints", False))
     except RuntimeRefusal as exc:
         print(f"mixle-compile run: {exc}", file=sys.stderr)
         return EXIT_REFUSED

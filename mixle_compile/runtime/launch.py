@@ -226,6 +226,7 @@ def run_plan(
     keep_checkpoints: int | None = None,
     resume: str | Path | None = None,
     repeat_data: bool = False,
+    overwrite_checkpoints: bool = False,
 ) -> RunReport:
     """Replay a plan on real process groups and return its report (also written to ``out_dir``).
 
@@ -240,7 +241,9 @@ def run_plan(
     ``checkpoint_dir`` (default ``out_dir/checkpoints``), keeping the ``keep_checkpoints`` newest
     (default all). ``resume`` is a checkpoint root (its latest complete checkpoint) or one step
     directory; the plan may have another mesh. ``steps`` then counts from 0: a run resumed at step k
-    runs steps k .. steps - 1.
+    runs steps k .. steps - 1. Committed checkpoints in the root at steps after the one resumed
+    from (after 0 for a fresh run), which this run would replace, are refused unless
+    ``overwrite_checkpoints``.
     """
     _check_options(timeout_s=timeout_s, steps=steps, save_every=save_every, keep_checkpoints=keep_checkpoints)
     doc = plan if isinstance(plan, PlanDocument) else load_plan_or_spec(plan)
@@ -290,6 +293,12 @@ def run_plan(
         if resume is not None and not Path(resume).exists() and ckpt.step_of_dir(resume) is not None:
             # The lock finished an interrupted re-commit: the step resumed from moved back to its name.
             checkpoints["resume"] = Path(resume).parent / ckpt.step_dir_name(ckpt.step_of_dir(resume))
+        if not overwrite_checkpoints:
+            try:
+                _refuse_replacing(root, checkpoints.get("resume"), steps=steps, every=checkpoints.every)
+            except BaseException:
+                ckpt.unlock_root(lock)
+                raise
     try:
         if joined:
             return _run_joined(doc, steps=steps, out=out, reference=reference, data_path=data_path, timeout_s=timeout_s, progress=progress,
@@ -298,6 +307,24 @@ def run_plan(
                           checkpoints=checkpoints)
     finally:
         ckpt.unlock_root(lock)
+
+
+def _refuse_replacing(root, resume, *, steps: int, every: int) -> None:
+    """Refuse a run that would save over committed checkpoints: the steps it saves (every
+    ``every``-th and the last, as the worker does, after the one it starts from) that ``root``
+    already holds, another run's or this lineage's own: either is lost if replaced."""
+    from mixle_compile.runtime import checkpoint as ckpt
+
+    start = (ckpt.step_of_dir(resume) or 0) if resume is not None else 0
+    saves = {k for k in range(start + 1, steps + 1) if k % every == 0 or k == steps}
+    taken = [step for step, _, complete in ckpt.list_checkpoints(root) if complete and step in saves]
+    if taken:
+        shown = ", ".join(str(s) for s in taken[:5]) + (f" and {len(taken) - 5} more" if len(taken) > 5 else "")
+        raise RuntimeRefusal(
+            f"checkpoint directory {root} already holds committed checkpoints at step(s) {shown}, which this run would save "
+            f"again and so replace. Resume from the newest (--resume {root}), choose an empty --checkpoint-dir, or pass "
+            "--overwrite-checkpoints to replace them"
+        )
 
 
 class _Checkpoints(dict):
