@@ -143,7 +143,6 @@ SLOW_CASES = {
     "ep1-fsdp-tp2-sp-experts-whole": dict(ds=2, tp=2, sp=True, mb=2),
     "ep2-fsdp-bf16": dict(ds=2, ep=2, precision="bf16", optimizer="adamw", lr=1e-3),
     "ep4-fsdp4-eight-experts": dict(ds=4, ep=4, experts=8),
-    "ep2-ddp-distributed-optimizer": dict(dr=2, ep=2, dopt=True, optimizer="adamw", lr=1e-3),
     "ep1-tp2-cp2-sp": dict(tp=2, cp=2, sp=True),
     "ep1-pp2-tp2-sp-experts-split-over-tp": dict(pp=2, tp=2, etp=2, sp=True, mb=4),
     "ep1-pp2-cp2": dict(pp=2, cp=2, mb=4),
