@@ -206,3 +206,28 @@ def test_a_run_never_replaces_committed_checkpoints_unless_asked(tmp_path):
     assert resumed.ok, resumed.errors  # resuming from the newest saves only later steps
     again = run_plan(plan_for(), steps=2, out_dir=tmp_path / "d", progress=False, save_every=1, checkpoint_dir=root, overwrite_checkpoints=True)
     assert again.ok and ckpt.verify_checkpoint(root / ckpt.step_dir_name(2))["run_id"] != sealed
+
+
+def test_a_rendezvous_port_in_use_is_refused_at_once_naming_it(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    spec = tmp_path / "one.yaml"
+    spec.write_text(
+        "model: {family: transformer, vocab_size: 64, hidden_size: 32, num_layers: 2, num_heads: 4, ffn_hidden_size: 64}\n"
+        "mesh: {dp_shard: 1}\ntraining: {global_batch_size: 2, micro_batch_size: 2, seq_len: 16, steps: 1}\n"
+        "backend: torch\nresources: {devices: 1, kind: cpu, memory: 1GiB}\n"
+    )
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        env = {k: v for k, v in os.environ.items() if k not in TORCHRUN}
+        env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        started = time.monotonic()
+        done = subprocess.run([sys.executable, "-m", "mixle_compile", "run", str(spec), "--out", str(tmp_path / "out")],
+                              env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert f"MASTER_PORT={port}" in done.stderr and "already in use" in done.stderr and "Traceback" not in done.stderr
+    assert time.monotonic() - started < 60

@@ -13,7 +13,7 @@ import math
 import os
 import sys
 
-from mixle_compile.runtime.errors import RunFailed, RuntimeRefusal
+from mixle_compile.runtime.errors import CollectiveFailed, RunFailed, RuntimeRefusal
 
 EXIT_CLEAN, EXIT_VIOLATIONS, EXIT_REFUSED = 0, 1, 2
 DEFAULT_TIMEOUT_S = 60.0  # launch.DEFAULT_TIMEOUT_S; repeated so that building the parser imports nothing
@@ -72,7 +72,7 @@ def run_command(args: argparse.Namespace) -> int:
     except RuntimeRefusal as exc:
         print(f"mixle-compile run: {exc}", file=sys.stderr)
         return EXIT_REFUSED
-    except RunFailed as exc:
+    except (RunFailed, CollectiveFailed) as exc:  # under torchrun a rank's own collective failure reaches here
         print(f"mixle-compile run: the run failed:\n{exc}", file=sys.stderr)
         return EXIT_VIOLATIONS
     if os.environ.get("RANK", "0") == "0":

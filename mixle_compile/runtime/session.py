@@ -11,6 +11,7 @@ and the global example and token counts all-reduced over the data-parallel group
 from __future__ import annotations
 
 import datetime
+import errno
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -329,6 +330,11 @@ def join_process_group(world_size: int) -> bool:
             dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     except (RuntimeError, OSError, ValueError) as exc:  # DistStoreError and DistNetworkError are RuntimeErrors
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if "Address already in use" in str(exc) or getattr(exc, "errno", None) == errno.EADDRINUSE:
+            raise RuntimeRefusal(
+                f"rank {rank}: MASTER_PORT={os.environ.get('MASTER_PORT')} on {os.environ.get('MASTER_ADDR', '127.0.0.1')} is already in use "
+                "by another process, so the rendezvous cannot listen there; choose a free port (torchrun --master-port) or stop what holds it"
+            ) from None
         raise CollectiveFailed(
             f"rank {rank}: the process group of {world} ranks did not form within {seconds:g} s (a rank missing, stopped or "
             f"unreachable at MASTER_ADDR:MASTER_PORT; {RENDEZVOUS_ENV} sets this limit): {first}",
