@@ -93,3 +93,18 @@ def test_published_rows_are_predicted_within_15_percent(label):
     spec = load_spec_text(yaml.safe_dump(data), "row.yaml").spec
     ratio = predict_lowered(spec, lower(spec, schedule=False)).tokens_per_second_per_device / measured
     assert 0.85 <= ratio <= 1.15, ratio
+
+
+def test_the_topology_sets_the_links_a_group_crosses():
+    text = (SPEC.replace("DS", "4").replace("TP", "2").replace("GA", "1").replace("AC", "none").replace("GBS", "4").replace("SP", "true"))
+    def exposed_tp(topology: str) -> float:
+        spec = load_spec_text(text.replace("memory: 80GiB}", f"memory: 80GiB, topology: {topology}}}"), "t.yaml").spec
+        return predict_lowered(spec, lower(spec, schedule=False)).exposed_communication["tp"]
+
+    inside = exposed_tp("{devices_per_node: 8}")
+    across = exposed_tp("{devices_per_node: 1, inter_node_bandwidth: 400Gb/s}")  # every tp pair now spans two nodes
+    assert across == pytest.approx(inside * 450e9 / 50e9)
+    assert exposed_tp("{intra_node_bandwidth: 900GB/s}") == pytest.approx(inside / 2)
+    bad = load_spec_text(text.replace("memory: 80GiB}", "memory: 80GiB, topology: {inter_node_bandwidth: 3GiB/s}}"), "t.yaml")
+    (d,) = bad.diagnostics
+    assert d.code == "S005" and "cannot read bandwidth '3GiB/s'" in d.message

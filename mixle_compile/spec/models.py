@@ -81,20 +81,26 @@ def parse_memory(value: Any) -> int:
 _FLOPS_UNITS = {"FLOPS": 1, "KFLOPS": 1e3, "MFLOPS": 1e6, "GFLOPS": 1e9, "TFLOPS": 1e12, "PFLOPS": 1e15}
 
 
-def parse_throughput(value: Any) -> float:
-    """``"989TFLOPS"`` (or ``"989 TFLOP/s"``) -> 9.89e14 FLOP/s; a plain number is FLOP/s."""
+def _parse_rate(value: Any, *, what: str, example: str, units: dict[str, float], normalise=lambda unit: unit, also: str = "") -> float:
+    """A positive finite rate: a plain number in the base unit, or a number and one of ``units``."""
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise ValueError(f"must be a throughput such as '989TFLOPS' or a number of FLOP/s, got {_show(value)}")
+        raise ValueError(f"must be a {what} such as {example}, got {_show(value)}")
     if isinstance(value, str):
         m = _QUANTITY.match(value)
-        unit = m.group(2).upper().replace("FLOP/S", "FLOPS") if m else ""
-        if not m or unit not in _FLOPS_UNITS:
-            raise ValueError(f"cannot read throughput {value!r}; write a number and one of {', '.join(_FLOPS_UNITS)} (e.g. '989TFLOPS')")
-        value = float(m.group(1)) * _FLOPS_UNITS[unit]
+        unit = normalise(m.group(2)) if m else ""
+        if not m or unit not in units:
+            raise ValueError(f"cannot read {what} {value!r}; write a number and one of {', '.join(units)}{also} (e.g. {example.split(' or ')[0]})")
+        value = float(m.group(1)) * units[unit]
     value = float(value)
     if not (value > 0 and value < float("inf")):
-        raise ValueError(f"throughput must be a positive finite number, got {value}")
+        raise ValueError(f"{what} must be a positive finite number, got {value}")
     return value
+
+
+def parse_throughput(value: Any) -> float:
+    """``"989TFLOPS"`` (or ``"989 TFLOP/s"``) -> 9.89e14 FLOP/s; a plain number is FLOP/s."""
+    return _parse_rate(value, what="throughput", example="'989TFLOPS' or a number of FLOP/s", units=_FLOPS_UNITS,
+                       normalise=lambda unit: unit.upper().replace("FLOP/S", "FLOPS"))
 
 
 _BANDWIDTH_UNITS = {"B/s": 1, "KB/s": 1e3, "MB/s": 1e6, "GB/s": 1e9, "TB/s": 1e12, "Gb/s": 1e9 / 8, "Tb/s": 1e12 / 8}
@@ -102,18 +108,8 @@ _BANDWIDTH_UNITS = {"B/s": 1, "KB/s": 1e3, "MB/s": 1e6, "GB/s": 1e9, "TB/s": 1e1
 
 def parse_bandwidth(value: Any) -> float:
     """``"450GB/s"`` (bytes) or ``"400Gb/s"`` (bits) -> bytes per second; a plain number is bytes/s."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise ValueError(f"must be a bandwidth such as '450GB/s' or '400Gb/s', or a number of bytes/s, got {_show(value)}")
-    if isinstance(value, str):
-        m = _QUANTITY.match(value)
-        if not m or m.group(2) not in _BANDWIDTH_UNITS:
-            units = ", ".join(_BANDWIDTH_UNITS)
-            raise ValueError(f"cannot read bandwidth {value!r}; write a number and one of {units} (GB/s bytes, Gb/s bits)")
-        value = float(m.group(1)) * _BANDWIDTH_UNITS[m.group(2)]
-    value = float(value)
-    if not (value > 0 and value < float("inf")):
-        raise ValueError(f"bandwidth must be a positive finite number, got {value}")
-    return value
+    return _parse_rate(value, what="bandwidth", example="'450GB/s' or '400Gb/s', or a number of bytes/s", units=_BANDWIDTH_UNITS,
+                       also=" (GB/s bytes, Gb/s bits)")
 
 
 Bandwidth = Annotated[
