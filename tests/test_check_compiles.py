@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -81,9 +82,7 @@ def specs(draw) -> str:
     return json.dumps(spec)
 
 
-@settings(max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(text=specs())
-def test_every_spec_check_accepts_compiles(text):
+def check_accepts_compiles(text):
     loaded = load_spec_text(text, "generated.json", json_syntax=True)
     checked = check_loaded(loaded)
     result = compile_loaded(loaded)  # never raises: a lowering refusal is a diagnostic
@@ -93,6 +92,19 @@ def test_every_spec_check_accepts_compiles(text):
         assert result.plan is not None and not errors, [d.text() for d in errors]
     else:
         assert result.plan is None and {d.code for d in errors} == {d.code for d in checked.diagnostics if d.severity is Severity.error}
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(text=specs())
+def test_every_spec_check_accepts_compiles(text):
+    check_accepts_compiles(text)
+
+
+@pytest.mark.slow
+@settings(max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(text=specs())
+def test_every_spec_check_accepts_compiles_sweep(text):
+    check_accepts_compiles(text)
 
 
 ISSUE_EXAMPLE = """\
