@@ -107,7 +107,7 @@ def test_every_spec_check_accepts_compiles_sweep(text):
     check_accepts_compiles(text)
 
 
-ISSUE_EXAMPLE = """\
+RELAXED_INTERLEAVED = """\
 model: {family: transformer, vocab_size: 256, hidden_size: 64, num_layers: 8, num_heads: 4, ffn_hidden_size: 128}
 mesh: {pp: 4, microbatches: 10}
 training: {global_batch_size: 10, seq_len: 32, pipeline_schedule: interleaved_1f1b, virtual_pipeline_stages: 2, precision: fp32}
@@ -120,7 +120,7 @@ def test_torchs_relaxed_interleaved_schedule_compiles():
     # torch runs 2 rounds of 5 micro-batches over 4 stages (not a multiple of pp): check accepted it
     # and compile used to refuse it as an internal error. Its order only runs with sends that do not
     # block their stage, as torch's pipelining runtime issues them.
-    loaded = load_spec_text(ISSUE_EXAMPLE, "interleaved.yaml")
+    loaded = load_spec_text(RELAXED_INTERLEAVED, "interleaved.yaml")
     result = compile_loaded(loaded)
     assert result.plan is not None, [d.text() for d in result.check.diagnostics]
     schedule = result.plan["schedule"]
