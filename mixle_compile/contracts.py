@@ -274,8 +274,23 @@ def _sort_key(item: Any) -> str:
 class _Contract:
     """Shared ``as_dict``/``from_dict`` behaviour for the frozen dataclasses."""
 
-    #: keys that ``as_dict`` emits but that are derived, not constructor fields
+    #: keys that ``as_dict`` emits but that are derived, not constructor fields; ``from_dict``
+    #: accepts them when they agree with what the fields give (an integer of at least the minimum)
     _DERIVED_KEYS: ClassVar[tuple[str, ...]] = ()
+    _DERIVED_MINIMUM: ClassVar[int] = 0
+
+    def _derived_from(self, key: str, derived: int) -> str:
+        """What a derived key is computed from, for the message when a stated value disagrees."""
+        return f"the fields, which give {key}={derived}"
+
+    def _check_derived(self, d: Mapping[str, Any]) -> None:
+        owner = f"{type(self).__name__}.from_dict"
+        for key in self._DERIVED_KEYS:
+            if key in d:
+                stated = _require_int(owner, key, d[key], minimum=self._DERIVED_MINIMUM)
+                derived = getattr(self, key)
+                if stated != derived:
+                    raise ContractError(f"{owner}: {key}={stated} disagrees with {self._derived_from(key, derived)}")
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: _to_json(getattr(self, f.name)) for f in dataclasses.fields(self)}
@@ -300,7 +315,9 @@ class _Contract:
         missing = sorted(required - set(d))
         if missing:
             raise ContractError(f"{cls.__name__}.from_dict: missing required keys {missing}")
-        return cls(**{key: value for key, value in d.items() if key in names})
+        obj = cls(**{key: value for key, value in d.items() if key in names})
+        obj._check_derived(d)
+        return obj
 
 
 # ---------------------------------------------------------------------------
@@ -498,19 +515,10 @@ class ParallelPlan(_Contract):
         data["data_parallel_size"] = self.data_parallel_size
         return data
 
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> ParallelPlan:
-        plan = super().from_dict(d)
-        for key in cls._DERIVED_KEYS:
-            if key in d:
-                stated = _require_int("ParallelPlan.from_dict", key, d[key], minimum=1)
-                derived = getattr(plan, key)
-                if stated != derived:
-                    raise ContractError(
-                        f"ParallelPlan.from_dict: {key}={stated} disagrees with the "
-                        f"degrees, which give {key}={derived} ({plan.factorisation()})"
-                    )
-        return plan
+    _DERIVED_MINIMUM: ClassVar[int] = 1
+
+    def _derived_from(self, key: str, derived: int) -> str:
+        return f"the degrees, which give {key}={derived} ({self.factorisation()})"
 
 
 # ---------------------------------------------------------------------------
@@ -985,20 +993,8 @@ class StepReceipt(_Contract):
         data["global_tokens"] = self.global_tokens
         return data
 
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> StepReceipt:
-        receipt = super().from_dict(d)
-        for key in cls._DERIVED_KEYS:
-            if key in d:
-                stated = _require_int("StepReceipt.from_dict", key, d[key], minimum=0)
-                derived = getattr(receipt, key)
-                if stated != derived:
-                    raise ContractError(
-                        f"StepReceipt.from_dict: {key}={stated} disagrees with the receipt's "
-                        f"counts, which give {key}={derived}; drop {key} or state "
-                        f"{key}_observed"
-                    )
-        return receipt
+    def _derived_from(self, key: str, derived: int) -> str:
+        return f"the receipt's counts, which give {key}={derived}; drop {key} or state {key}_observed"
 
     @property
     def global_examples(self) -> int:

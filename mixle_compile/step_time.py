@@ -26,6 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from mixle_compile.spec.models import compiled_components
+
 #: Dense peak FLOP/s per precision, memory bandwidth, links, per device kind (vendor datasheets:
 #: NVIDIA A100 80GB SXM, H100 SXM5, H200 SXM; dense, without sparsity). Intra-node bandwidth is
 #: NVLink per direction; inter-node is the network per GPU (DGX A100: HDR 200Gb/s, DGX H100/H200:
@@ -83,15 +85,9 @@ def efficiency_of(kind: str, precision: str) -> float:
     return DEFAULT_EFFICIENCY
 
 
-def _compiled(training: dict) -> tuple[str, ...]:
-    value = training.get("compile", False)
-    return ("model", "loss") if value is True else tuple(value or ())
 
 #: Axes whose traffic the engines overlap with compute: data-parallel gradients and parameters.
 _DATA_AXES = frozenset({"dp_replicate", "dp_shard", "edp"})
-#: The rank order the plan's mesh expands its tokens to, innermost first (lower/groups.py).
-_DENSE_TOKENS = {"tp": ("tp",), "cp": ("cp",), "ep": (), "dp": ("dp_shard", "dp_replicate"), "pp": ("pp",)}
-_EXPERT_TOKENS = {"tp": ("etp",), "cp": (), "ep": ("ep",), "dp": ("edp",), "pp": ("pp",)}
 
 
 def ring_bytes(collective: str, group_size: int, payload_bytes: float) -> float:
@@ -240,12 +236,15 @@ def model_flops_per_token(model: dict, seq: float) -> float:
 
 
 def _link_bandwidth(axes: list[str], degrees: dict[str, int], order: str, table: dict) -> float:
-    """The bandwidth a group over ``axes`` gets: within a node if all its ranks are on one."""
+    """The bandwidth a group over ``axes`` gets: within a node if all its ranks are on one (the
+    ranks laid out by the mesh order as lower/groups.py lays them out)."""
+    from mixle_compile.lower.groups import DENSE_TOKEN_AXES, EXPERT_TOKEN_AXES
+
     expert = any(a in ("ep", "etp", "edp") for a in axes)
     sizes = dict(degrees)
     if expert:
         sizes["edp"] = max(1, degrees["world_size"] // max(1, degrees["ep"] * degrees["etp"] * degrees["pp"]))
-    tokens = _EXPERT_TOKENS if expert else _DENSE_TOKENS
+    tokens = EXPERT_TOKEN_AXES if expert else DENSE_TOKEN_AXES
     stride, span = 1, 0
     for token in order.split("-"):
         for axis in tokens.get(token, ()):
@@ -280,7 +279,7 @@ def predict(
     tokens = training["micro_batch_size"] * seq / cp  # one rank's tokens per micro-step
     moe_every = model.get("moe_layer_frequency", 1)
     activation_bytes = 4 if precision == "fp32" else 2
-    elementwise = ELEMENTWISE_BYTES["compiled" if "model" in _compiled(training) else "eager"]
+    elementwise = ELEMENTWISE_BYTES["compiled" if "model" in compiled_components(training.get("compile", False)) else "eager"]
 
     # The busiest stage's compute per micro-step (a layer's index fixes whether it is MoE).
     # Backward costs twice the forward; the tp ranks of a stage split its matrix multiplications,

@@ -74,15 +74,15 @@ _ORDER_TOKENS = ("tp", "cp", "ep", "dp", "pp")
 DENSE_AXES: tuple[str, ...] = ("dp_replicate", "dp_shard", "cp", "tp", "pp")
 EXPERT_AXES: tuple[str, ...] = ("edp", "ep", "etp", "pp")
 
-# What each order token expands to, innermost first.
-_DENSE_TOKEN_AXES = {
+#: What each order token expands to, innermost first.
+DENSE_TOKEN_AXES = {
     "tp": ("tp",),
     "cp": ("cp",),
     "ep": (),
     "dp": ("dp_shard", "dp_replicate"),
     "pp": ("pp",),
 }
-_EXPERT_TOKEN_AXES = {"tp": ("etp",), "cp": (), "ep": ("ep",), "dp": ("edp",), "pp": ("pp",)}
+EXPERT_TOKEN_AXES = {"tp": ("etp",), "cp": (), "ep": ("ep",), "dp": ("edp",), "pp": ("pp",)}
 
 #: Name of the tied-embedding rule: first and last pipeline stage of the same
 #: model-parallel position (their tied input/output embedding gradients meet there).
@@ -484,7 +484,7 @@ class RankGrid:
             "pp": plan.pp,
         }
         dense = RankLayout.build(
-            "dense", [(axis, degree[axis]) for t in tokens for axis in _DENSE_TOKEN_AXES[t]]
+            "dense", [(axis, degree[axis]) for t in tokens for axis in DENSE_TOKEN_AXES[t]]
         )
         expert_model = plan.etp * plan.ep * plan.pp
         if world % expert_model:
@@ -495,7 +495,7 @@ class RankGrid:
             )
         degree.update(etp=plan.etp, ep=plan.ep, edp=world // expert_model)
         expert = RankLayout.build(
-            "expert", [(axis, degree[axis]) for t in tokens for axis in _EXPERT_TOKEN_AXES[t]]
+            "expert", [(axis, degree[axis]) for t in tokens for axis in EXPERT_TOKEN_AXES[t]]
         )
         dense_pp, expert_pp = dense.dim("pp").stride, expert.dim("pp").stride
         if plan.pp > 1 and dense_pp != expert_pp:

@@ -418,6 +418,13 @@ ModelSpec = Annotated[
 # --------------------------------------------------------------------------- training, resources
 
 
+def compiled_components(value: Any) -> tuple[str, ...]:
+    """What ``training.compile`` compiles: () when off, torchtitan's default [model, loss] for ``true``."""
+    if value is True:
+        return ("model", "loss")
+    return tuple(dict.fromkeys(value or ()))
+
+
 class TrainingSpec(StrictModel):
     global_batch_size: Size
     micro_batch_size: Size = 1
@@ -454,10 +461,8 @@ class TrainingSpec(StrictModel):
 
     @property
     def compiled(self) -> tuple[str, ...]:
-        """The components torch.compile compiles: () when off, torchtitan's default for ``true``."""
-        if self.compile is True:
-            return ("model", "loss")
-        return tuple(dict.fromkeys(self.compile or ()))
+        """The components torch.compile compiles (:func:`compiled_components`)."""
+        return compiled_components(self.compile)
 
 
 class DeviceGroup(StrictModel):
