@@ -6,6 +6,7 @@ same views serve a freshly compiled spec and a plan file from a pull request.
 
 from __future__ import annotations
 
+import json
 import math
 from collections import Counter
 from pathlib import Path
@@ -220,15 +221,153 @@ def rank_groups_text(doc: PlanDocument, limit: int) -> str:
 # --------------------------------------------------------------------------- diff
 
 
+def spec_changes(a: Any, b: Any, path: str = "") -> list[dict[str, Any]]:
+    """Every difference between two JSON-ready values, as dotted paths (``training.optimizer``,
+    ``resources.devices[1].memory``): a recursive diff of the normalized specs (or of any section).
+    Each entry says ``changed`` (with ``from`` and ``to``), ``added`` (``to``) or ``removed`` (``from``)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        out: list[dict[str, Any]] = []
+        for key in sorted(set(a) | set(b), key=str):
+            sub = f"{path}.{key}" if path else str(key)
+            if key not in a:
+                out.append({"path": sub, "change": "added", "to": b[key]})
+            elif key not in b:
+                out.append({"path": sub, "change": "removed", "from": a[key]})
+            else:
+                out += spec_changes(a[key], b[key], sub)
+        return out
+    if isinstance(a, list) and isinstance(b, list) and any(isinstance(v, (dict, list)) for v in (*a, *b)):
+        out = []
+        for i in range(max(len(a), len(b))):
+            sub = f"{path}[{i}]"
+            if i >= len(a):
+                out.append({"path": sub, "change": "added", "to": b[i]})
+            elif i >= len(b):
+                out.append({"path": sub, "change": "removed", "from": a[i]})
+            else:
+                out += spec_changes(a[i], b[i], sub)
+        return out
+    if a == b and type(a) is type(b):
+        return []
+    return [{"path": path, "change": "changed", "from": a, "to": b}]
+
+
+def _from_to(a: Any, b: Any) -> dict[str, Any]:
+    return {"from": a, "to": b}
+
+
+def _pipeline_view(doc: PlanDocument) -> dict[str, Any] | None:
+    s = doc.schedule
+    if s is None:
+        return None
+    return {
+        "schedule": s.pipeline, "virtual_stages": s.virtual_stages, "micro_steps": s.micro_steps,
+        "bubble_fraction": s.bubble_fraction, "sends": s.sends, "deadlock_free": s.check.ok,
+        "ops_per_stage": [len(ops) for ops in s.stages],
+    }
+
+
+def _pipeline_change(a: PlanDocument, b: PlanDocument) -> dict[str, Any]:
+    va, vb = _pipeline_view(a), _pipeline_view(b)
+    if va is None or vb is None:
+        return {} if va == vb else {"pipeline": _from_to(va, vb)}
+    change = {k: _from_to(va[k], vb[k]) for k in va if va[k] != vb[k]}
+    if "ops_per_stage" not in change and a.schedule.stages != b.schedule.stages:
+        change["programs"] = _from_to("", "reordered")  # the same number of operations, in another order
+    return change
+
+
+def _update_key(u) -> str:
+    tensor = "" if u.node_id.startswith(u.tensor) else f" of {u.tensor}"
+    return f"{u.node_id}{tensor} ({u.phase}, stage {u.stage})"
+
+
+def _updates_change(a: PlanDocument, b: PlanDocument) -> dict[str, Any]:
+    ua = {_update_key(u): u.model_dump() for u in a.updates}
+    ub = {_update_key(u): u.model_dump() for u in b.updates}
+    changed = []
+    for key in sorted(set(ua) & set(ub)):
+        fields = {k: _from_to(ua[key][k], ub[key][k]) for k in ua[key] if ua[key][k] != ub[key][k]}
+        if fields:
+            changed.append({"update": key, "fields": fields})
+    return {
+        "count": _from_to(len(a.updates), len(b.updates)),
+        "added": sorted(set(ub) - set(ua)),
+        "removed": sorted(set(ua) - set(ub)),
+        "changed": changed,
+    }
+
+
+def _groups_change(a: PlanDocument, b: PlanDocument) -> dict[str, Any]:
+    ga = {r.name: r.model_dump() for r in a.groups.rules}
+    gb = {r.name: r.model_dump() for r in b.groups.rules}
+    out: dict[str, Any] = {}
+    if a.groups.order != b.groups.order:
+        out["order"] = _from_to(a.groups.order, b.groups.order)
+    rules = []
+    for name in [*ga, *(n for n in gb if n not in ga)]:
+        ra, rb = ga.get(name), gb.get(name)
+        if ra is None or rb is None:
+            rules.append({"rule": name, "change": "added" if ra is None else "removed"})
+            continue
+        fields = {k: _from_to(ra[k], rb[k]) for k in ("axes", "size", "num_groups", "dims", "base_dims") if ra[k] != rb[k]}
+        if fields:
+            rules.append({"rule": name, "change": "changed", "fields": fields})
+    if rules:
+        out["rules"] = rules
+    for grid in ("dense", "expert"):
+        if getattr(a.groups, grid) != getattr(b.groups, grid):
+            out[f"{grid}_grid"] = _from_to(getattr(a.groups, grid).model_dump(), getattr(b.groups, grid).model_dump())
+    return out
+
+
+def traffic_per_axis(doc: PlanDocument) -> dict[str, int]:
+    """Bytes a rank of the busiest stage moves over each set of mesh axes per step (all collectives)."""
+    per_stage: dict[tuple[str, int], int] = {}
+    for t in doc.traffic:
+        key = ("+".join(t.axes), t.stage)
+        per_stage[key] = per_stage.get(key, 0) + t.bytes_per_rank_per_step
+    out: dict[str, int] = {}
+    for (axes, _), total in per_stage.items():
+        out[axes] = max(out.get(axes, 0), total)
+    return dict(sorted(out.items()))
+
+
+def _verdict_change(a: PlanDocument, b: PlanDocument) -> dict[str, Any]:
+    out = {k: _from_to(getattr(a.verdict, k), getattr(b.verdict, k)) for k in ("ok", "errors", "warnings", "reductions_exactly_once")}
+    ca, cb = Counter(d.code for d in a.verdict.diagnostics), Counter(d.code for d in b.verdict.diagnostics)
+    out["new_findings"] = sorted((cb - ca).elements())
+    out["resolved_findings"] = sorted((ca - cb).elements())
+    by_code: dict[str, list[str]] = {}
+    for d in a.verdict.diagnostics:
+        by_code.setdefault(d.code, []).append(f"{d.message} (line {d.line})")
+    changed = []
+    for d in b.verdict.diagnostics:  # a finding both plans have, whose figures or place moved
+        before = by_code.get(d.code)
+        if before:
+            was, now = before.pop(0), f"{d.message} (line {d.line})"
+            if was != now:
+                changed.append({"code": d.code, "from": was, "to": now})
+    out["changed_findings"] = changed
+    return out
+
+
+#: The plan's sections that diff_data compares one by one (each under its own key); the digests and
+#: the spec itself are compared as a whole and field by field.
+_SECTIONS = ("spec", "mesh", "groups", "parameters", "updates", "schedule", "decomposition", "memory", "traffic", "verdict")
+
+
 def diff_data(a: PlanDocument, b: PlanDocument) -> dict[str, Any]:
-    """What changed from plan `a` to plan `b`."""
+    """What changed from plan `a` to plan `b`: every spec field (dotted paths) and every consequence
+    in the plan (mesh, pipeline, step time, memory, traffic, collectives, updates, groups, layouts, model cut)."""
     degrees = {
-        k: {"from": a.mesh.degrees.get(k), "to": b.mesh.degrees.get(k)}
+        k: _from_to(a.mesh.degrees.get(k), b.mesh.degrees.get(k))
         for k in sorted(set(a.mesh.degrees) | set(b.mesh.degrees))
         if a.mesh.degrees.get(k) != b.mesh.degrees.get(k)
     }
-    if a.mesh.order != b.mesh.order:
-        degrees["order"] = {"from": a.mesh.order, "to": b.mesh.order}
+    for f in ("order", "names", "shape"):
+        if getattr(a.mesh, f) != getattr(b.mesh, f):
+            degrees[f] = _from_to(getattr(a.mesh, f), getattr(b.mesh, f))
     la = {p.logical_id: p for p in a.parameters}
     lb = {p.logical_id: p for p in b.parameters}
     layouts = []
@@ -237,10 +376,7 @@ def diff_data(a: PlanDocument, b: PlanDocument) -> dict[str, Any]:
         if pa is None or pb is None:
             layouts.append({"parameter": name, "change": "added" if pa is None else "removed"})
             continue
-        fields = {}
-        for f in ("global_shape", "placements", "optimizer_state", "stage", "local_shape", "shared_group", "owner"):
-            if getattr(pa, f) != getattr(pb, f):
-                fields[f] = {"from": getattr(pa, f), "to": getattr(pb, f)}
+        fields = {f: _from_to(v, getattr(pb, f)) for f, v in pa.model_dump().items() if v != getattr(pb, f) and f != "logical_id"}
         if fields:
             layouts.append({"parameter": name, "change": "changed", "fields": fields})
     ca, cb = _collective_counts(a), _collective_counts(b)
@@ -260,6 +396,7 @@ def diff_data(a: PlanDocument, b: PlanDocument) -> dict[str, Any]:
             row[kind] = {"from": va, "to": vb, "delta": vb - va}
         if any(row[k]["delta"] for k in (*MEMORY_KINDS, "total")):
             memory.append(row)
+    peak = _from_to(max((m.total for m in a.memory), default=0), max((m.total for m in b.memory), default=0))
     ta = {(t.stage, tuple(t.axes), t.collective): t.bytes_per_rank_per_step for t in a.traffic}
     tb = {(t.stage, tuple(t.axes), t.collective): t.bytes_per_rank_per_step for t in b.traffic}
     traffic = [
@@ -268,72 +405,183 @@ def diff_data(a: PlanDocument, b: PlanDocument) -> dict[str, Any]:
         for s, axes, kind in [key]
         if ta.get(key, 0) != tb.get(key, 0)
     ]
+    xa, xb = traffic_per_axis(a), traffic_per_axis(b)
+    per_axis = [
+        {"axes": axes, "from": xa.get(axes, 0), "to": xb.get(axes, 0), "delta": xb.get(axes, 0) - xa.get(axes, 0)}
+        for axes in sorted(set(xa) | set(xb))
+        if xa.get(axes, 0) != xb.get(axes, 0)
+    ]
+    sections = {
+        name: getattr(a, name) != getattr(b, name) for name in _SECTIONS
+    }
     return {
         "same": a.content_digest == b.content_digest,
         "spec_changed": a.spec_digest != b.spec_digest,
+        "compiler": {k: _from_to(getattr(a, k), getattr(b, k)) for k in ("compiler_version", "format_version") if getattr(a, k) != getattr(b, k)},
+        "spec": spec_changes(a.spec, b.spec),
         "mesh": degrees,
+        "pipeline": _pipeline_change(a, b),
         "layouts": layouts,
         "collectives": collectives,
+        "updates": _updates_change(a, b),
+        "groups": _groups_change(a, b),
         "memory": memory,
+        "peak_memory": peak,
         "traffic": traffic,
-        "verdict": {"from": a.verdict.ok, "to": b.verdict.ok},
+        "traffic_per_axis": per_axis,
+        "model_cut": spec_changes(a.decomposition, b.decomposition, "decomposition"),
+        "verdict": _verdict_change(a, b),
         "step_time": _step_time_change(a, b),
+        "changed_sections": sorted(name for name, changed in sections.items() if changed),
     }
 
 
 def _step_time_change(a: PlanDocument, b: PlanDocument) -> dict[str, Any] | None:
+    """The predicted step time before and after; None where neither plan has a prediction for the same reason."""
     before, after = _step_time(a), _step_time(b)
     if "unavailable" in before or "unavailable" in after:
-        return None
-    keys = ("seconds", "compute", "bubble", "optimizer", "tokens_per_second")
-    change = {k: {"from": before[k], "to": after[k]} for k in keys}
+        reasons = (before.get("unavailable"), after.get("unavailable"))
+        return None if reasons[0] == reasons[1] else {"unavailable": _from_to(*reasons)}
+    keys = ("seconds", "compute", "bubble", "optimizer", "tokens_per_second", "mfu")
+    change = {k: _from_to(before[k], after[k]) for k in keys}
     for side, name in ((before, "from"), (after, "to")):
         for axes, seconds in side["exposed_communication"].items():
             change.setdefault(f"exposed {axes}", {"from": 0.0, "to": 0.0})[name] = seconds
     return change
 
 
-def diff_text(a: PlanDocument, b: PlanDocument, name_a: str = "a", name_b: str = "b") -> str:
+def _value(v: Any) -> str:
+    return json.dumps(v) if isinstance(v, (dict, list)) or v is None or isinstance(v, bool) else str(v)
+
+
+def _spec_line(entry: dict[str, Any]) -> str:
+    if entry["change"] == "added":
+        return f"  {entry['path']}: (absent) -> {_value(entry['to'])}"
+    if entry["change"] == "removed":
+        return f"  {entry['path']}: {_value(entry['from'])} -> (absent)"
+    return f"  {entry['path']}: {_value(entry['from'])} -> {_value(entry['to'])}"
+
+
+def _signed(n: int) -> str:
+    return human_bytes(n) if n < 0 else "+" + human_bytes(n)
+
+
+def _pipeline_lines(change: dict[str, Any]) -> list[str]:
+    if "pipeline" in change:
+        a, b = change["pipeline"]["from"], change["pipeline"]["to"]
+        show = lambda v: "none" if v is None else f"{v['schedule']} x{v['virtual_stages']} virtual, bubble {v['bubble_fraction']:.1%}"  # noqa: E731
+        return [f"  {show(a)} -> {show(b)}"]
+    out = []
+    for key, v in change.items():
+        if key == "bubble_fraction":
+            out.append(f"  bubble fraction: {v['from']:.1%} -> {v['to']:.1%}")
+        elif key == "ops_per_stage":
+            out.append(f"  operations per stage: {_value(v['from'])} -> {_value(v['to'])}")
+        elif key == "programs":
+            out.append("  stage programs: the same operations in another order")
+        else:
+            out.append(f"  {key.replace('_', ' ')}: {_value(v['from'])} -> {_value(v['to'])}")
+    return out
+
+
+def diff_text(a: PlanDocument, b: PlanDocument, name_a: str = "a", name_b: str = "b", limit: int = 20) -> str:
     d = diff_data(a, b)
     if d["same"]:
         return f"{name_a} and {name_b} are the same plan ({a.content_digest[:19]})\n"
     out = [f"--- {name_a}  {a.content_digest[:19]}", f"+++ {name_b}  {b.content_digest[:19]}"]
-    if d["verdict"]["from"] != d["verdict"]["to"]:
-        out.append(f"verdict: {'ok' if d['verdict']['from'] else 'NOT OK'} -> {'ok' if d['verdict']['to'] else 'NOT OK'}")
+    more = lambda n: [f"  ... and {n - limit} more (see --format json)"] if n > limit else []  # noqa: E731
+    for k, v in d["compiler"].items():
+        out.append(f"{k.replace('_', ' ')}: {v['from']} -> {v['to']}")
+    verdict = d["verdict"]
+    if verdict["ok"]["from"] != verdict["ok"]["to"]:
+        out.append(f"verdict: {'ok' if verdict['ok']['from'] else 'NOT OK'} -> {'ok' if verdict['ok']['to'] else 'NOT OK'}")
+    counts = [f"{k} {verdict[k]['from']} -> {verdict[k]['to']}" for k in ("errors", "warnings") if verdict[k]["from"] != verdict[k]["to"]]
+    found = ([f"new {', '.join(verdict['new_findings'])}"] if verdict["new_findings"] else []) + (
+        [f"resolved {', '.join(verdict['resolved_findings'])}"] if verdict["resolved_findings"] else [])
+    if counts or found:
+        out.append("findings: " + "; ".join(counts + found))
+    for f in verdict["changed_findings"][:limit]:
+        out.append(f"finding {f['code']}: {f['from']}")
+        out.append(f"     now {f['code']}: {f['to']}")
+    if d["spec"]:
+        out.append(f"spec: {len(d['spec'])} field(s) changed")
+        out += [_spec_line(e) for e in d["spec"][:limit]] + more(len(d["spec"]))
     if d["mesh"]:
         out.append("mesh:")
-        out += [f"  {k}: {v['from']} -> {v['to']}" for k, v in d["mesh"].items()]
-    if d["layouts"]:
-        out.append(f"layouts: {len(d['layouts'])} parameter(s) changed")
-        for entry in d["layouts"][:20]:
-            if entry["change"] != "changed":
-                out.append(f"  {entry['parameter']}: {entry['change']}")
-            else:
-                changes = "; ".join(f"{k} {v['from']} -> {v['to']}" for k, v in entry["fields"].items())
-                out.append(f"  {entry['parameter']}: {changes}")
-        if len(d["layouts"]) > 20:
-            out.append(f"  ... and {len(d['layouts']) - 20} more (see --format json)")
-    if d["collectives"]:
-        out.append("collectives (updates per step plan):")
-        out += [f"  {'+'.join(c['axes'])} {c['collective']}: {c['from']} -> {c['to']}" for c in d["collectives"]]
-    if d["memory"]:
-        out.append("memory per rank:")
-        for row in d["memory"]:
-            parts = [f"{k} {human_bytes(row[k]['delta']) if row[k]['delta'] < 0 else '+' + human_bytes(row[k]['delta'])}" for k in (*MEMORY_KINDS, "total") if row[k]["delta"]]
-            out.append(f"  stage {row['stage']}: " + ", ".join(parts) + f"  (total {human_bytes(row['total']['from'])} -> {human_bytes(row['total']['to'])})")
+        out += [f"  {k}: {_value(v['from'])} -> {_value(v['to'])}" for k, v in d["mesh"].items()]
+    if d["pipeline"]:
+        out.append("pipeline:")
+        out += _pipeline_lines(d["pipeline"])
     step = d["step_time"]
-    if step is not None and _changed(step["seconds"]["from"], step["seconds"]["to"]):
+    if step is not None and "unavailable" in step:
+        u = step["unavailable"]
+        out.append(f"predicted step time: {'not available' if u['from'] else 'available'} -> {'not available (' + u['to'] + ')' if u['to'] else 'available'}")
+    elif step is not None and _changed(step["seconds"]["from"], step["seconds"]["to"]):
         before, after = step["seconds"]["from"], step["seconds"]["to"]
         parts = [
             f"{k} {_seconds(v['from'])} -> {_seconds(v['to'])}"
-            for k, v in step.items() if k not in ("seconds", "tokens_per_second") and _changed(v["from"], v["to"])
+            for k, v in step.items() if k not in ("seconds", "tokens_per_second", "mfu") and _changed(v["from"], v["to"])
         ]
         out.append(f"predicted step time: {_seconds(before)} -> {_seconds(after)} ({after / before - 1:+.1%})" + (f"; {', '.join(parts)}" if parts else ""))
+        tps = step["tokens_per_second"]
+        out.append(f"  tokens/s: {tps['from']:,.0f} -> {tps['to']:,.0f}")
+    if d["memory"]:
+        peak = d["peak_memory"]
+        out.append(f"memory per rank: peak {human_bytes(peak['from'])} -> {human_bytes(peak['to'])}")
+        for row in d["memory"]:
+            parts = [f"{k} {_signed(row[k]['delta'])}" for k in (*MEMORY_KINDS, "total") if row[k]["delta"]]
+            out.append(f"  stage {row['stage']}: " + ", ".join(parts) + f"  (total {human_bytes(row['total']['from'])} -> {human_bytes(row['total']['to'])})")
+    if d["traffic_per_axis"]:
+        out.append("traffic per axis (per rank per step, busiest stage):")
+        out += [f"  {t['axes']}: {human_bytes(t['from'])} -> {human_bytes(t['to'])} ({_signed(t['delta'])})" for t in d["traffic_per_axis"]]
     if d["traffic"]:
         out.append("traffic per rank per step:")
-        for t in d["traffic"]:
-            sign = "+" if t["delta"] >= 0 else ""
-            out.append(f"  stage {t['stage']} {'+'.join(t['axes'])} {t['collective']}: {human_bytes(t['from'])} -> {human_bytes(t['to'])} ({sign}{human_bytes(t['delta'])})")
+        for t in d["traffic"][:limit]:
+            out.append(f"  stage {t['stage']} {'+'.join(t['axes'])} {t['collective']}: {human_bytes(t['from'])} -> {human_bytes(t['to'])} ({_signed(t['delta'])})")
+        out += more(len(d["traffic"]))
+    if d["collectives"]:
+        out.append("collectives (updates per step plan):")
+        out += [f"  {'+'.join(c['axes'])} {c['collective']}: {c['from']} -> {c['to']}" for c in d["collectives"]]
+    u = d["updates"]
+    if u["added"] or u["removed"] or u["changed"]:
+        fields = Counter(k for entry in u["changed"] for k in entry["fields"])
+        which = f": {', '.join(f'{k} in {n}' for k, n in fields.most_common())}" if fields else ""
+        out.append(f"updates: {u['count']['from']} -> {u['count']['to']} ({len(u['added'])} added, {len(u['removed'])} removed, "
+                   f"{len(u['changed'])} changed{which})")
+        few = 5  # the rest follow the same pattern; --format json lists every one
+        out += [f"  added: {name}" for name in u["added"][:few]] + [f"  removed: {name}" for name in u["removed"][:few]]
+        for entry in u["changed"][:few]:
+            changes = "; ".join(f"{k} {_value(v['from'])} -> {_value(v['to'])}" for k, v in entry["fields"].items())
+            out.append(f"  {entry['update']}: {changes}")
+        rest = max(len(u["added"]) - few, 0) + max(len(u["removed"]) - few, 0) + max(len(u["changed"]) - few, 0)
+        if rest:
+            out.append(f"  ... and {rest} more (see --format json)")
+    g = d["groups"]
+    if g:
+        out.append("rank groups:")
+        if "order" in g:
+            out.append(f"  order: {g['order']['from']} -> {g['order']['to']}")
+        for entry in g.get("rules", [])[:limit]:
+            if entry["change"] != "changed":
+                out.append(f"  {entry['rule']}: {entry['change']}")
+            else:
+                out.append(f"  {entry['rule']}: " + "; ".join(f"{k} {_value(v['from'])} -> {_value(v['to'])}" for k, v in entry["fields"].items()))
+        out += more(len(g.get("rules", [])))
+        for grid in ("dense_grid", "expert_grid"):
+            if grid in g:
+                out.append(f"  {grid.replace('_', ' ')} changed")
+    if d["layouts"]:
+        out.append(f"layouts: {len(d['layouts'])} parameter(s) changed")
+        for entry in d["layouts"][:limit]:
+            if entry["change"] != "changed":
+                out.append(f"  {entry['parameter']}: {entry['change']}")
+            else:
+                changes = "; ".join(f"{k} {_value(v['from'])} -> {_value(v['to'])}" for k, v in entry["fields"].items())
+                out.append(f"  {entry['parameter']}: {changes}")
+        out += more(len(d["layouts"]))
+    if d["model_cut"]:
+        out.append("model cut:")
+        out += [_spec_line(e) for e in d["model_cut"][:limit]] + more(len(d["model_cut"]))
     return "\n".join(out) + "\n"
 
 
