@@ -54,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="a diagnostic code such as T002, a spec file, a compiled plan, or a checkpoint directory (a run's checkpoint root or one step-NNNNNNNN)",
     )
     explain.add_argument("--format", choices=("text", "json"), default="text", help="output format for files (default: text)")
-    explain.add_argument("--plot", type=Path, metavar="PNG", help="also draw per-rank memory and traffic (needs the `plot` extra)")
+    explain.add_argument("--plot", type=Path, metavar="OUT.png|svg",
+                         help="also draw memory per rank, traffic per axis and the pipeline timeline (needs the `plot` extra)")
     explain.add_argument(
         "--ranks", type=int, nargs="?", const=8, metavar="N",
         help="also list the concrete ranks of the first N groups of every group rule (default 8); plans keep groups symbolic otherwise",
@@ -264,7 +265,7 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     doc, status = _plan_of(target, "explain", _import_options(args))
     if doc is None:
         return status
-    from mixle_compile.report import explain_data, explain_text, plot_plan, rank_groups, rank_groups_text
+    from mixle_compile.report import explain_data, explain_text, rank_groups, rank_groups_text
 
     if args.ranks is not None and args.ranks < 0:
         print("mixle-compile explain: error: --ranks takes a number of groups >= 0", file=sys.stderr)
@@ -288,9 +289,11 @@ def _cmd_explain(args: argparse.Namespace) -> int:
 
             sys.stdout.write(provenance_text(imported))
     if args.plot:
+        from mixle_compile.plot import PlotError, plot_plan
+
         try:
             plot_plan(doc, str(args.plot))
-        except RuntimeError as exc:
+        except PlotError as exc:
             print(f"mixle-compile explain: error: {exc}", file=sys.stderr)
             return EXIT_USAGE
         print(f"wrote {args.plot}", file=sys.stderr)

@@ -161,40 +161,6 @@ def explain_text(doc: PlanDocument) -> str:
     return "\n".join(out) + "\n"
 
 
-def plot_plan(doc: PlanDocument, path: str) -> None:
-    """Draw per-rank memory by kind and traffic per axis (needs matplotlib: the `plot` extra)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise RuntimeError("plotting needs matplotlib: pip install 'mixle-compile[plot]'") from exc
-    data = explain_data(doc)
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    stages = [m["stage"] for m in data["memory_per_rank"]]
-    bottom = [0.0] * len(stages)
-    for kind in MEMORY_KINDS:
-        values = [m[kind] / 2**30 for m in data["memory_per_rank"]]
-        left.bar([str(s) for s in stages], values, bottom=bottom, label=kind.replace("_", " "))
-        bottom = [b + v for b, v in zip(bottom, values)]
-    device = data["memory_per_rank"][0]["device_memory"] if data["memory_per_rank"] else None
-    if device:
-        left.axhline(device / 2**30, color="black", linestyle="--", linewidth=1, label="device memory")
-    left.set(title="memory per rank", xlabel="pipeline stage", ylabel="GiB")
-    left.legend(fontsize=8)
-    per_axis: dict[str, float] = {}
-    for t in data["traffic_per_step"]:
-        key = f"{'+'.join(t['axes'])} {t['collective']}"
-        per_axis[key] = max(per_axis.get(key, 0.0), t["bytes_per_rank_per_step"] / 2**30)
-    labels = sorted(per_axis, key=per_axis.get)
-    right.barh(labels, [per_axis[k] for k in labels])
-    right.set(title="traffic per rank per step (busiest stage)", xlabel="GiB")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def rank_groups(doc: PlanDocument, limit: int) -> list[dict[str, Any]]:
     """Concrete ranks of the plan's groups, in the global creation order: the first `limit` groups
     of each rule (the plan itself keeps groups symbolic, so large worlds are listed only on request)."""

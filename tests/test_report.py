@@ -98,7 +98,7 @@ def test_sarif_has_rules_results_and_locations(tmp_path, monkeypatch):
 
 def test_plot_draws_memory_and_traffic(plans, tmp_path):
     pytest.importorskip("matplotlib")
-    from mixle_compile.report import plot_plan
+    from mixle_compile.plot import plot_plan
 
     out = tmp_path / "plan.png"
     plot_plan(plans["mixtral-moe-ep.yaml"], str(out))

@@ -443,6 +443,8 @@ class Simulation:
     makespan: Fraction | float
     busy: Mapping[int, Fraction | float] = field(repr=False)
     deadlock: tuple[str, ...] = ()
+    #: Per rank, the compute ops as run: (start, duration, position in the rank's program).
+    spans: Mapping[int, tuple[tuple[Any, Any, int], ...]] = field(default_factory=dict, repr=False)
 
     @property
     def bubble(self) -> float:
@@ -550,6 +552,7 @@ def simulate_schedule(
     backward_cost: Fraction | float | int = 2,
     cost: Callable[[Op], Fraction | float | int] | None = None,
     exhaustive_limit: int = 1024,
+    buffered_sends: bool = False,
 ) -> Simulation:
     """Run the programs under the blocking model and time them.
 
@@ -557,6 +560,7 @@ def simulate_schedule(
     communication and the optimizer take no time unless ``cost`` (which
     overrides both) says otherwise.  Pass ``Fraction`` costs for exact
     answers.  Ops must be well formed (see :func:`check_schedule`).
+    ``buffered_sends`` as in :func:`check_schedule`.
     """
     world = _prepare(programs, grid, exhaustive_limit)
     if cost is None:
@@ -569,7 +573,7 @@ def simulate_schedule(
     bad = _check_ops(world)
     if bad:
         raise ValueError("cannot simulate malformed programs: " + "; ".join(bad[:3]))
-    return _simulate(world, cost)
+    return _simulate(world, cost, buffered_sends=buffered_sends)
 
 
 def schedule_bubble(
@@ -792,6 +796,7 @@ def _simulate(world: _World, cost: Callable[[Op], Any], *, buffered_sends: bool 
     pc = {r: 0 for r in ranks}
     clock: dict[int, Any] = {r: 0 for r in ranks}
     busy: dict[int, Any] = {r: 0 for r in ranks}
+    spans: dict[int, list[tuple[Any, Any, int]]] = {r: [] for r in ranks}
     posted = {r: False for r in ranks}
     matched: dict[tuple[int, int], Any] = {}  # (rank, position) -> time the op met its partner
     sent: dict[tuple[int, int], Any] = {}  # buffered sends posted, and when
@@ -813,6 +818,7 @@ def _simulate(world: _World, cost: Callable[[Op], Any], *, buffered_sends: bool 
             kind, positions = steps[rank][pc[rank]]
             if kind == "compute":
                 spent = cost(program[positions[0]])
+                spans[rank].append((clock[rank], spent, positions[0]))
                 clock[rank] += spent
                 busy[rank] += spent
                 pc[rank] += 1
@@ -867,7 +873,7 @@ def _simulate(world: _World, cost: Callable[[Op], Any], *, buffered_sends: bool 
     stuck = [r for r in ranks if pc[r] < len(steps[r])]
     deadlock = _explain_deadlock(world, stuck, steps, pc, partner, collective_key, members, arrivals, matched)
     makespan = max(clock.values(), default=0)
-    return Simulation(not stuck, makespan, busy, tuple(deadlock))
+    return Simulation(not stuck, makespan, busy, tuple(deadlock), {r: tuple(v) for r, v in spans.items()})
 
 
 def _explain_deadlock(world, stuck, steps, pc, partner, collective_key, members, arrivals, matched) -> list[str]:
