@@ -95,7 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     graph = sub.add_parser("graph", help="print the decomposition graph of a spec")
     graph.add_argument("spec", metavar="SPEC", help="spec file")
-    graph.add_argument("--format", choices=("dot", "mermaid"), default="dot", help="graph language (default: dot)")
+    graph.add_argument("--format", choices=("dot", "mermaid", "text"), default="dot",
+                       help="graph language, or text for an indented tree (default: dot)")
+    graph.add_argument("--expand", action="store_true",
+                       help="one node per layer; by default runs of identical layers are one node (layers.0..31 ×32)")
     graph.add_argument("-o", "--output", type=Path, help="write to this file instead of standard output")
     graph.set_defaults(run=_cmd_graph)
 
@@ -496,14 +499,19 @@ def _cmd_graph(args: argparse.Namespace) -> int:
             print(d.text(), file=sys.stderr)
         return EXIT_USAGE if loaded.unreadable else EXIT_VIOLATIONS
     from mixle_compile.graph import build_model_graph
-    from mixle_compile.graph.export import to_dot, to_mermaid
+    from mixle_compile.graph.export import to_dot, to_mermaid, to_text
 
     graph = build_model_graph(loaded.spec, loaded.document)
     for d in graph.diagnostics:
         print(d.text(), file=sys.stderr)
-    text = to_dot(graph) if args.format == "dot" else to_mermaid(graph)
+    render = {"dot": to_dot, "mermaid": to_mermaid, "text": to_text}[args.format]
+    text = render(graph, collapse=not args.expand)
     if args.output:
-        args.output.write_text(text, encoding="utf-8")
+        try:
+            args.output.write_text(text, encoding="utf-8")
+        except OSError as exc:
+            print(f"mixle-compile graph: error: cannot write {args.output}: {exc.strerror or exc}", file=sys.stderr)
+            return EXIT_USAGE
     else:
         sys.stdout.write(text)
     return EXIT_VIOLATIONS if not graph.ok else EXIT_CLEAN
