@@ -344,12 +344,16 @@ def _print_findings(result, fmt: str) -> None:
 def _cmd_compile(args: argparse.Namespace) -> int:
     from mixle_compile.compile import CompilerBug, compile_file
     from mixle_compile.plan import plan_text
+    from mixle_compile.progress import Progress
 
+    progress = Progress("compile", 4)
     try:
-        result = compile_file(args.spec, options=_import_options(args))
+        result = compile_file(args.spec, options=_import_options(args), progress=progress)
     except CompilerBug as exc:
         print(f"mixle-compile: internal error: {exc} (please report this)", file=sys.stderr)
         return EXIT_INTERNAL
+    finally:
+        progress.close()  # a phase that ended before its announcement stays quiet
     _print_findings(result.check, args.format)
     if result.plan is None:
         if result.check.unreadable:
@@ -357,7 +361,9 @@ def _cmd_compile(args: argparse.Namespace) -> int:
         errors = result.check.errors
         print(f"no plan written: {errors} error{'s' * (errors != 1)} in {args.spec}.", file=sys.stderr)
         return EXIT_VIOLATIONS
+    progress.step("writing the plan")
     text = plan_text(result.plan)
+    progress.close()
     if args.output is None:
         sys.stdout.write(text)
     else:
@@ -387,23 +393,37 @@ def _plan_of(path: str, verb: str, options=None):
         print(f"mixle-compile {verb}: error: cannot read {path}: {exc.strerror or exc}", file=sys.stderr)
         return None, EXIT_USAGE
     if p.suffix.lower() == ".json" and b'"format_version"' in raw[:4096]:
+        from mixle_compile.progress import Progress
+
+        progress = Progress(f"{verb}: {path}", 1)
+        progress.step("checking the plan against its spec and digests")
         try:
             return load_plan_text(raw, str(path)), EXIT_CLEAN
         except PlanError as exc:
             print(f"mixle-compile {verb}: error: {exc}", file=sys.stderr)
             return None, EXIT_VIOLATIONS
+        finally:
+            progress.close()
     from mixle_compile.compile import CompilerBug, compile_file
     from mixle_compile.plan import plan_text
+    from mixle_compile.progress import Progress
 
+    progress = Progress(f"{verb}: {path}", 4)  # compiling, then reading the plan back as a plan file is read
     try:
-        result = compile_file(path, options=options)
+        result = compile_file(path, options=options, progress=progress)
     except CompilerBug as exc:
         print(f"mixle-compile: internal error: {exc} (please report this)", file=sys.stderr)
         return None, EXIT_INTERNAL
+    finally:
+        progress.close()
     if result.plan is None:
         _print_findings(result.check, "text")
         return None, EXIT_USAGE if result.check.unreadable else EXIT_VIOLATIONS
-    return load_plan_text(plan_text(result.plan), str(path)), EXIT_CLEAN
+    progress.step("reading the plan back and checking its digests")
+    try:
+        return load_plan_text(plan_text(result.plan), str(path)), EXIT_CLEAN
+    finally:
+        progress.close()
 
 
 def _cmd_diff(args: argparse.Namespace) -> int:

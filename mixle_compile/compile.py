@@ -35,18 +35,24 @@ class CompileResult:
     plan: dict | None  # the JSON-ready plan; None when the spec has errors
 
 
-def compile_file(path: str | Path, *, options=None) -> CompileResult:
-    return compile_loaded(load_spec(path, options=options))
+def compile_file(path: str | Path, *, options=None, progress=None) -> CompileResult:
+    return compile_loaded(load_spec(path, options=options), progress=progress)
 
 
-def compile_loaded(loaded) -> CompileResult:
-    """Verify and lower a loaded spec (see :func:`compile_file`)."""
+def compile_loaded(loaded, progress=None) -> CompileResult:
+    """Verify and lower a loaded spec (see :func:`compile_file`). ``progress``
+    (:class:`mixle_compile.progress.Progress`) hears of each of the three phases as it begins."""
+    from mixle_compile.progress import Silent
+
+    progress = progress or Silent()
+    progress.step("verifying the spec")
     checked = check_loaded(loaded)
     if checked.errors or checked.unreadable or loaded.spec is None:
         return CompileResult(checked, None)
     from mixle_compile.lower.lowering import lower
     from mixle_compile.plan import build_plan
 
+    progress.step("lowering: layouts, updates, stage programs, the schedule check")
     try:
         lowered = lower(loaded.spec, document=loaded.document)
     except ValueError as exc:
@@ -62,4 +68,5 @@ def compile_loaded(loaded) -> CompileResult:
         raise CompilerBug(f"the lowered plan reduces a value incorrectly: {lowered.reduction_problems[0].message}")
     if lowered.schedule is not None and not lowered.schedule.check.ok:
         raise CompilerBug(f"the lowered schedule fails its check: {lowered.schedule.check.problems[0]}")
+    progress.step("building the plan")
     return CompileResult(checked, build_plan(loaded.spec, lowered, list(checked.diagnostics)))

@@ -19,6 +19,7 @@ distributed job gives determinism (bitwise equal records).
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -183,10 +184,12 @@ def run_reference(
     module: torch.nn.Module | None = None,
     loss_fn=None,
     values: Mapping[str, torch.Tensor] | None = None,
+    progress=None,
 ) -> ReferenceRecords:
     """Train the plan's model in this process for ``steps`` steps and keep what evidence needs.
 
     ``batches(step, accumulation, data_rank) -> (inputs, targets)`` defaults to the token source's.
+    ``progress(step, seconds)`` is called after each step (numbered from 1) with the time so far.
     """
     plan = instructions.plan
     dp, gas, mb = plan.data_parallel_size, plan.gradient_accumulation_steps, plan.microbatches
@@ -208,6 +211,7 @@ def run_reference(
     names = tuple(p.name for p in instructions.params)
     scale = 1.0 / (mb * gas)
     records = ReferenceRecords({}, {}, {}, acts, params.canonical)
+    started = time.perf_counter()
     for step in range(steps):
         records.before[step] = {n: m.detach().clone() for n, m in params.masters.items()}
         for a in range(gas):
@@ -232,6 +236,8 @@ def run_reference(
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         records.after[step] = {n: m.detach().clone() for n, m in params.masters.items()}
+        if progress is not None:
+            progress(step + 1, time.perf_counter() - started)
     return records
 
 

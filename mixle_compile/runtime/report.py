@@ -187,7 +187,8 @@ class RunReport:
         first, last = (self.losses[0], self.losses[-1]) if self.losses else (float("nan"), float("nan"))
         run = self.data.get("run", {})
         resumed = run.get("resumed_from")
-        span = f" (steps {run['first_step']}..{run['last_step'] - 1})" if resumed else ""
+        # numbered from 1, as the progress lines and the checkpoints are: resumed after step 1 of 3, it ran steps 2..3
+        span = f" (steps {run['first_step'] + 1}..{run['last_step']})" if resumed else ""
         lines.append(
             f"ran {self.steps} step(s){span} on {self.world_size} rank(s) in {self.wall_s:.1f} s: loss {first:.4f} -> {last:.4f}"
         )

@@ -105,6 +105,12 @@ class Diverged(RuntimeError):
     """The loss became NaN or infinite: the run stops at that step and fails."""
 
 
+def _say(show: bool, text: str) -> None:
+    """A progress line on standard error (rank 0, unless --quiet)."""
+    if show:
+        print(text, file=sys.stderr, flush=True)
+
+
 def train(
     session: DistributedSession,
     source: TokenSource,
@@ -115,8 +121,12 @@ def train(
     checkpoints: CheckpointPlan | None = None,
     data_source: dict | None = None,
     saved: list | None = None,
+    label: str = "",
 ) -> list[float]:
-    """Train from the session's step up to ``steps`` (a total); save checkpoints as ``checkpoints`` says."""
+    """Train from the session's step up to ``steps`` (a total); save checkpoints as ``checkpoints`` says.
+
+    Progress lines number steps from 1, as the summary and the checkpoints (``step-00000003`` is the
+    state after step 3) do; ``label`` names the pass (the reference's repeat) before them."""
     instructions = session.instructions
     layout = batch_layout(instructions)
     losses = []
@@ -138,7 +148,7 @@ def train(
             # The loss is reduced over every rank, so every rank stops here, at the same step.
             raise Diverged(f"training diverged: the loss of step {step + 1} is {receipt.loss} (every later step would train on it)")
         if progress and ((step + 1 - first) % every == 0 or step + 1 == steps):
-            print(f"step {step + 1}/{steps}  loss {receipt.loss:.4f}  {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
+            print(f"{label}step {step + 1}/{steps}  loss {receipt.loss:.4f}  {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
         if save_every and ((step + 1) % save_every == 0 or step + 1 == steps):
             from mixle_compile.runtime.checkpoint import prune_checkpoints, save_session
 
@@ -211,6 +221,7 @@ def run_rank(
             return described[0]
 
         saved: list[dict] = []
+        show = progress and rank == 0
         receipts = (out_dir / RECEIPTS_FILE).open("w", encoding="utf-8") if rank == 0 else None
         try:
             losses = train(session, source, steps, receipts=receipts, progress=progress and rank == 0, checkpoints=checkpoints,
@@ -224,9 +235,10 @@ def run_rank(
         repeat_ledgers = None
         if reference:
             # The repeat: the same job from the same start, for determinism (records as digests only).
+            _say(show, "reference 1/3: the same run again from its first step, for determinism")
             repeat = Recorder(keep_values=False)
             session2 = open_rank_session(doc, instructions, mesh, device=device, recorder=repeat)
-            train(session2, source, steps)
+            train(session2, source, steps, progress=show, label="repeat ")
             repeat_ledgers = session2.comm.bookkeeping_gather_object(session2.ledger.as_dict(), name="report:ledgers")
             evidence_dir = out_dir / "evidence"
             evidence_dir.mkdir(exist_ok=True)
@@ -257,7 +269,14 @@ def run_rank(
     report["run"].update(first_step=first_step, last_step=steps, resumed_from=resumed,
                          checkpoints={"root": str(checkpoints.root) if checkpoints.root else None, "every": checkpoints.every, "saved": saved})
     if reference:
-        records = run_reference(reference_instructions(doc, instructions), source, steps)
+        _say(show, f"reference 2/3: the same model trained in one process, {steps} step(s)")
+        every = max(1, steps // 10)
+        records = run_reference(
+            reference_instructions(doc, instructions), source, steps,
+            progress=(lambda step, seconds: _say(show and (step % every == 0 or step == steps),
+                                                 f"reference step {step}/{steps}  {seconds:.1f} s")),
+        )
+        _say(show, f"reference 3/3: comparing {len(doc.updates)} planned update(s) with the reference")
         saved = [torch.load(out_dir / "evidence" / f"rank{r}.pt", weights_only=True) for r in range(world)]
         found = compare(records, saved)
         evidence_id = f"run-{instructions.content_digest.removeprefix('sha256:')[:12]}-{steps}"
