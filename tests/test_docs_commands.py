@@ -1,4 +1,5 @@
-"""Every `mixle-compile ...` command in a fenced block of README.md and docs/*.md runs as written.
+"""Every `mixle-compile ...` (or `python -m mixle_compile...`) command in a fenced block of README.md
+and docs/*.md runs as written.
 
 The commands are found when the tests are collected, so a page added to docs/ is covered without
 touching this file. Each page runs in its own copy of the repository, its commands in page order
@@ -148,9 +149,11 @@ def _classify(page: Path, number: int, command: str, output: str) -> list[Comman
         return [Command(page, number, command, 0, skip=install)]
     if bare.startswith("torchrun "):
         return [Command(page, number, command, 0, skip="a torchrun launch (several machines or processes started by torchrun)")]
-    if not bare.startswith("mixle-compile "):
+    module = re.match(r"^python3? -m mixle_compile(?P<sub>\.runtime)?\s", bare)
+    if not bare.startswith("mixle-compile ") and not module:
         return []  # `. .venv/bin/activate`, `dot -Tsvg ...`: not this tool's commands
-    verb = bare.split()[1] if len(bare.split()) > 1 else ""
+    words = bare.split()
+    verb = "run" if module and module["sub"] else (words[3] if module else words[1]) if len(words) > (3 if module else 1) else ""
     expect = 1 if _FAILING.search(output) else 0
     return [Command(page, number, command, expect, skip=_needs(command), runtime=verb == "run")]
 
@@ -189,6 +192,10 @@ class _Pages:
         tool = self.bin / "mixle-compile"
         tool.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m mixle_compile "$@"\n')
         tool.chmod(tool.stat().st_mode | stat.S_IXUSR)
+        for name in ("python", "python3"):  # `python -m mixle_compile...` as the pages write it
+            shim = self.bin / name
+            shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+            shim.chmod(shim.stat().st_mode | stat.S_IXUSR)
         self.copies: dict[Path, Path] = {}
         self.done: dict[Path, set[int]] = {}
 
@@ -233,7 +240,8 @@ def test_the_pages_have_commands():
 def test_documented_command_runs_as_written(pages, command):
     pages.prepare(command)
     if command.runtime:
-        verb_args = _ENV.sub("", command.text).split()[2:]
+        words = _ENV.sub("", command.text).split()
+        verb_args = words[3:] if words[0].startswith("python") else words[2:]
         argument = next((a for a in verb_args if not a.startswith("-")), None)
         world = _world_size(pages.workdir(command.page), argument) if argument else None
         if world is not None and world > MAX_WORLD:
