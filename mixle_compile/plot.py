@@ -98,8 +98,8 @@ def timeline(doc: PlanDocument) -> dict[str, Any]:
             if start > clock:
                 idle.append((float(clock), float(start - clock)))
             if duration:
-                busy.append({"kind": op.kind.value, "microbatch": op.microbatch, "chunk": op.chunk,
-                             "start": float(start), "duration": float(duration)})
+                busy.append({"kind": op.kind.value, "name": op.name if op.name and op.name != op.kind.value else "",
+                             "microbatch": op.microbatch, "chunk": op.chunk, "start": float(start), "duration": float(duration)})
             clock = max(clock, start + duration)
         if sim.makespan > clock:
             idle.append((float(clock), float(sim.makespan - clock)))
@@ -192,20 +192,26 @@ def _draw_traffic(ax, doc: PlanDocument, human_bytes) -> None:
 
 
 def _draw_timeline(ax, doc: PlanDocument) -> None:
-    ax.set_title("pipeline schedule (one step; forward 1 unit, backward 2, communication not timed)")
     if doc.schedule is None:
+        ax.set_title("pipeline schedule")
         ax.text(0.5, 0.5, "no pipeline schedule", ha="center", va="center", transform=ax.transAxes)
         return
     t = timeline(doc)
+    trained = any(span["kind"] == "backward" for s in t["stages"] for span in s["busy"])
+    ax.set_title("pipeline schedule (one step; forward 1 unit, backward 2, communication not timed)" if trained else
+                 "step program (one iteration; each pass over the data 1 unit, communication not timed)")
     drawn: set[str] = set()
     few = sum(len(s["busy"]) for s in t["stages"]) <= 160  # micro-batch numbers where they fit
     for row, s in enumerate(t["stages"]):
         for span in s["busy"]:
             kind = span["kind"]
+            name = kind if trained or kind != "forward" else "pass over the data"
             ax.barh(row, span["duration"], left=span["start"], height=0.8, color=TIMELINE_COLOURS[kind],
-                    edgecolor="white", linewidth=0.5, label=None if kind in drawn else kind)
+                    edgecolor="white", linewidth=0.5, label=None if kind in drawn else name)
             drawn.add(kind)
-            if few and span["microbatch"] is not None:
+            if few and span["name"] and not trained:  # an EM iteration's passes, by name (e_step/score, ...)
+                ax.text(span["start"] + span["duration"] / 2, row, span["name"], ha="center", va="center", fontsize=8, color="white")
+            elif few and span["microbatch"] is not None:
                 text = f"{span['microbatch']}" + (f"/{span['chunk']}" if doc.schedule.virtual_stages > 1 else "")
                 ax.text(span["start"] + span["duration"] / 2, row, text, ha="center", va="center", fontsize=6, color="white")
         for start, duration in s["idle"]:
@@ -216,9 +222,10 @@ def _draw_timeline(ax, doc: PlanDocument) -> None:
     ax.invert_yaxis()
     chunks = doc.schedule.virtual_stages
     ax.set_xlabel(
-        f"time (units of one forward; {doc.schedule.pipeline}, {chunks} virtual, {doc.schedule.micro_steps} micro-steps; "
-        f"idle {t['idle_fraction']:.1%}, model bubble {doc.schedule.bubble_fraction:.1%})"
-        + ("; labels: micro-batch/chunk" if few and chunks > 1 else "; labels: micro-batch" if few else "")
+        (f"time (units of one forward; {doc.schedule.pipeline}, {chunks} virtual, {doc.schedule.micro_steps} micro-steps; "
+         f"idle {t['idle_fraction']:.1%}, model bubble {doc.schedule.bubble_fraction:.1%})" if trained else
+         f"time (units of one pass; idle {t['idle_fraction']:.1%})")
+        + ("" if not few or not trained else "; labels: micro-batch/chunk" if chunks > 1 else "; labels: micro-batch")
     )
     ax.set_ylabel("ranks of the stage")
     ax.set_xlim(0, max(t["makespan"], 1e-9))

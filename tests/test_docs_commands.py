@@ -34,7 +34,7 @@ import pytest
 from tests.conftest import ROOT
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-#: Fences whose lines are commands: console/session blocks (`$ ` prompts) and shell scripts.
+#: Fences whose lines are commands: console blocks (`$ ` prompts) and shell scripts.
 PROMPTED = {"console", "shell-session"}
 SCRIPTS = {"sh", "bash", "shell", "zsh", ""}
 MAX_WORLD = 4

@@ -154,3 +154,16 @@ def test_without_matplotlib_the_message_says_how_to_install_it(capsys, tmp_path,
     assert status == 2 and INSTALL_HINT in err and not (tmp_path / "p.png").exists()
     assert "pip install -e '.[plot]'" in err and "git+" in err
     assert "pip install mixle-compile" not in err and "pip install 'mixle-compile[plot]'" not in err
+
+
+def test_an_em_plan_draws_its_passes_by_name():
+    import matplotlib.pyplot as plt
+
+    doc = plan_of(EXAMPLES / "composite-nested-mixture.yaml")
+    fig = plan_figure(doc)
+    ax = panel(fig, "step program")
+    names = [op.name for stage in doc.schedule.stages for op in stage if op.kind == "forward"]
+    assert [t.get_text() for t in ax.texts] == names == ["e_step/score", "e_step/statistics"]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["pass over the data"]
+    assert "micro-batch" not in ax.get_xlabel()
+    plt.close(fig)
