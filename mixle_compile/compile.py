@@ -41,7 +41,7 @@ def compile_file(path: str | Path, *, options=None) -> CompileResult:
 
 def compile_loaded(loaded) -> CompileResult:
     """Verify and lower a loaded spec (see :func:`compile_file`)."""
-    checked = check_loaded(loaded)
+    checked = check_loaded(loaded, group=False)  # the plan lists every finding; `check` groups them
     if checked.errors or checked.unreadable or loaded.spec is None:
         return CompileResult(checked, None)
     from mixle_compile.lower.lowering import lower

@@ -72,6 +72,7 @@ class Suggestion:
     devices: int
     proved_nearest: bool  # every step of the search was decided, so nothing nearer exists
     dp_shard_auto_value: int | None = None  # what `dp_shard: auto` resolves to afterwards
+    new_warnings: tuple[str, ...] = ()  # warning rules the fix breaks (only when no clean fix exists)
 
     def yaml_patch(self) -> str:
         """The changes as YAML to merge into the spec, each with the value it replaces."""
@@ -86,6 +87,8 @@ class Suggestion:
             lines.append(f"  {key}: {change.display()}  # was {change.field.display()}")
         if self.dp_shard_auto_value is not None:
             lines.append(f"# mesh.dp_shard: auto now resolves to {self.dp_shard_auto_value}")
+        if self.new_warnings:
+            lines.append(f"# no plan within {MAX_CHANGES} changes avoids warning {', '.join(self.new_warnings)}, which this one brings")
         return "\n".join(lines) + "\n"
 
 
@@ -102,13 +105,41 @@ def _domain(symbol: str, facts: PlanFacts) -> list[int]:
 
 
 def nearest_valid_plan(facts: PlanFacts) -> Suggestion | None:
-    """The nearest plan that breaks no error rule, or None when no plan within MAX_CHANGES changes exists."""
+    """The nearest plan that breaks no error rule, or None when no plan within MAX_CHANGES changes exists.
+
+    A fix must not trade an error for a warning the spec does not have (a large pipeline bubble):
+    the search first asks for a plan that also keeps every warning rule the spec passes; only
+    when none exists within MAX_CHANGES is the nearest plan without errors offered, naming the
+    warnings it brings (:attr:`Suggestion.new_warnings`).
+    """
+    from mixle_compile.verify.engine import PlanVerifier
+
     # Rules about the elastic section (D002, D004, C005) are fixed there, not by the plan's settings.
-    rules = [
-        r
-        for r in rules_for(facts)
-        if r.constraint is not None and r.severity is Severity.error and "elastic_min_world_size" not in r.needs
-    ]
+    errors = _fix_rules(facts)
+    broken = {r.code for r in PlanVerifier().violated(facts)}
+    held = [r for r in rules_for(facts) if r.constraint is not None and r.severity is Severity.warning and r.code not in broken]
+    found = _search(facts, errors + held) if held else None
+    if found is not None:
+        return found
+    found = _search(facts, errors)
+    if found is None or not held:
+        return found
+    return Suggestion(found.changes, found.devices, found.proved_nearest, found.dp_shard_auto_value,
+                      tuple(r.code for r in held if not _holds(facts, r, found)))
+
+
+def _holds(facts: PlanFacts, rule, suggestion: "Suggestion") -> bool:
+    symbols = Symbols(facts)
+    solver = z3.Solver()
+    solver.add(*symbols.domain)
+    changed = {c.field.symbol: c.value for c in suggestion.changes}
+    solver.add(*[symbols.pin(f.symbol, changed.get(f.symbol, f.value)) for f in facts.fields])
+    solver.add(rule.constraint(symbols))
+    return solver.check() == z3.sat
+
+
+def _search(facts: PlanFacts, rules: list) -> Suggestion | None:
+    """The nearest plan on these devices under ``rules``: fewest changes, then the smallest."""
     symbols = Symbols(facts)
     solver = z3.Solver()
     solver.set("rlimit", SEARCH_RESOURCE_LIMIT)
@@ -189,3 +220,45 @@ def _minimise(solver: z3.Solver, objective: Any, model: Any) -> tuple[int, Any, 
         elif result != z3.sat:
             return high, model, False
     return high, model, True
+
+
+def _fix_rules(facts: PlanFacts) -> list:
+    """The error rules a fix must satisfy (the elastic section's own rules are fixed there)."""
+    return [
+        r
+        for r in rules_for(facts)
+        if r.constraint is not None and r.severity is Severity.error and "elastic_min_world_size" not in r.needs
+    ]
+
+
+def passing_values(facts: PlanFacts, symbol: str) -> list[str] | None:
+    """The values of one changeable setting that, every other field as in the spec, break no error
+    rule: what a finding's hint may offer. None when the setting is not one a fix changes."""
+    if symbol not in CHANGEABLE or not facts.has(symbol):
+        return None
+    field = facts.field(symbol)
+    symbols = Symbols(facts)
+    solver = z3.Then("simplify", "propagate-values", "solve-eqs", "simplify", "smt").solver()
+    solver.set("rlimit", SEARCH_RESOURCE_LIMIT)
+    solver.add(*symbols.domain)
+    solver.add(*[symbols.pin(f.symbol, f.value) for f in facts.fields if f.symbol != symbol])
+    for r in _fix_rules(facts):
+        solver.add(r.constraint(symbols))
+    var = symbols.variables[symbol]
+    if field.kind == "bool":
+        candidates = [False, True]
+    elif field.kind in ENUMS:
+        candidates = list(range(len(ENUMS[field.kind])))
+    else:
+        candidates = _domain(symbol, facts)
+    out = []
+    for value in candidates:
+        if value == field.value:
+            continue
+        solver.push()
+        solver.add(var == (z3.BoolVal(value) if field.kind == "bool" else value))
+        ok = solver.check() == z3.sat
+        solver.pop()
+        if ok:
+            out.append(Change(field, value).display())
+    return out
