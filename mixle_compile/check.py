@@ -6,12 +6,13 @@ it z3) is imported only once a file has loaded cleanly.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mixle_compile.diagnostics import Diagnostic, Severity, group_by_field, sort_key
 from mixle_compile.spec import LoadedSpec, load_spec
+from mixle_compile.spec.codes import AUTO_UNRESOLVABLE
 
 if TYPE_CHECKING:
     from mixle_compile.config import LintConfig
@@ -88,6 +89,8 @@ def check_loaded(loaded: LoadedSpec, *, suggest: bool = False, config: "LintConf
         notes = _proof_notes(verification)
         diagnostics = apply_suppressions(diagnostics, source_text, loaded.file, report_unused=True)
         diagnostics = select(diagnostics, config, loaded.file)
+    if loaded.unresolved is not None:
+        diagnostics = [replace(d, hint=_auto_hint(loaded.unresolved)) if d.code == AUTO_UNRESOLVABLE.code else d for d in diagnostics]
     searchable = loaded.spec or loaded.unresolved
     if suggest and searchable is not None and any(d.severity is Severity.error for d in diagnostics):
         from mixle_compile.verify import suggest_fix
@@ -166,6 +169,41 @@ def verification_diagnostics(verification: "Verification", document: "SourceDocu
 
 
 MAX_OFFERED = 6
+
+
+def _auto_hint(spec) -> str:
+    """S012's hint for a spec whose only error it is: the single changes (a degree, or the device
+    count) that resolve `dp_shard: auto` and break no error rule, the other fields as they are."""
+    from mixle_compile.verify import plan_facts
+    from mixle_compile.verify.suggest import passing_values
+
+    facts = plan_facts(spec)
+    options = []
+    for symbol in ("tp", "pp", "cp", "dp_replicate"):
+        values = passing_values(facts, symbol)
+        if values:
+            options.append(f"mesh.{symbol}: {_either(_nearest(values, facts.value(symbol)))}")
+    devices = facts.value("devices")
+    mesh = spec.mesh
+    product = mesh.dp_replicate * mesh.tp * mesh.pp * mesh.cp
+    near = sorted({max(product, devices // product * product), (devices // product + 1) * product})
+    counts = passing_values(facts, "devices", near) if isinstance(spec.resources.devices, int) else None
+    if counts:
+        options.append(f"{_either(counts)} devices")
+    if not options:
+        return ("no single change of tp, pp, cp, dp_replicate or the device count resolves it and passes every rule: "
+                "`mixle-compile check --suggest` searches changes of several settings")
+    return "what passes every rule, the other fields as they are: " + "; ".join(options)
+
+
+def _nearest(values: list[str], current: int) -> list[str]:
+    if len(values) <= MAX_OFFERED:
+        return values
+    return sorted(sorted(values, key=lambda v: (abs(int(v) - current), int(v)))[:MAX_OFFERED], key=int)
+
+
+def _either(values: list[str]) -> str:
+    return values[0] if len(values) == 1 else ", ".join(values[:-1]) + f" or {values[-1]}"
 
 
 def _agreed_hint(facts, field) -> str | None:

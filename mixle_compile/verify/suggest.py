@@ -231,10 +231,11 @@ def _fix_rules(facts: PlanFacts) -> list:
     ]
 
 
-def passing_values(facts: PlanFacts, symbol: str) -> list[str] | None:
+def passing_values(facts: PlanFacts, symbol: str, candidates: list | None = None) -> list[str] | None:
     """The values of one changeable setting that, every other field as in the spec, break no error
-    rule: what a finding's hint may offer. None when the setting is not one a fix changes."""
-    if symbol not in CHANGEABLE or not facts.has(symbol):
+    rule: what a finding's hint may offer. None when the setting is not one a fix changes.
+    ``candidates``: the values to try instead of the setting's domain (then any field may be asked)."""
+    if not facts.has(symbol) or (candidates is None and symbol not in CHANGEABLE):
         return None
     field = facts.field(symbol)
     symbols = Symbols(facts)
@@ -245,7 +246,9 @@ def passing_values(facts: PlanFacts, symbol: str) -> list[str] | None:
     for r in _fix_rules(facts):
         solver.add(r.constraint(symbols))
     var = symbols.variables[symbol]
-    if field.kind == "bool":
+    if candidates is not None:
+        pass
+    elif field.kind == "bool":
         candidates = [False, True]
     elif field.kind in ENUMS:
         candidates = list(range(len(ENUMS[field.kind])))
