@@ -352,6 +352,10 @@ def apply_suppressions(diagnostics: list[Diagnostic], text: str | None, file: st
         if not silenced:
             kept.append(d)
     if report_unused:
+        if any(code not in CATALOGUE for s in directives for code in s.codes):
+            from mixle_compile.verify.docs import load_catalogue
+
+            load_catalogue()  # a code is known once the pass that registers it is imported
         for s in directives:
             for code in s.codes:
                 if code in s.used:
