@@ -269,3 +269,24 @@ def test_fix_refuses_what_it_cannot_edit(capsys, tmp_path):
     assert status == 1 and "is not a YAML spec: --fix edits .yaml and .yml files" in err and spec.read_text() == before
     status, _, err = run_cli(capsys, "check", "--fix", "--format", "json", spec)
     assert status == 2 and "--fix and --diff print text" in err
+
+
+def test_an_explicit_config_is_used_for_every_file(capsys, tmp_path):
+    (tmp_path / "mixle-compile.toml").write_text('ignore = ["P008"]\n')  # would apply, but --config wins
+    other = tmp_path / "ci.toml"
+    other.write_text('warnings-as-errors = true\n')
+    bubble = tmp_path / "bubble.yaml"
+    bubble.write_text(BUBBLE)
+    assert run_cli(capsys, "check", bubble)[0] == 0
+    status, out, _ = run_cli(capsys, "check", "--config", other, bubble)
+    assert status == 1 and "P008" in out
+    status, _, err = run_cli(capsys, "check", "--config", tmp_path / "none.toml", bubble)
+    assert status == 2 and "none.toml: no such file" in err
+
+
+def test_diff_of_standard_input(capsys, monkeypatch):
+    text = (EXAMPLES / "tiny-transformer.yaml").read_text().replace("  tp: 2\n", "  tp: 3\n")
+    status, out, _ = run_cli(capsys, "check", "--diff", "-", "--stdin-filename", "configs/tiny.yaml", stdin=text, monkeypatch=monkeypatch)
+    assert status == 1 and "--- a/configs/tiny.yaml\n+++ b/configs/tiny.yaml\n" in out and "+  tp: 2\n" in out
+    status, _, err = run_cli(capsys, "check", "--fix", "-", stdin=text, monkeypatch=monkeypatch)
+    assert status == 2 and "use --diff" in err
