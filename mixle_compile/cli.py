@@ -199,7 +199,12 @@ def _cmd_check(args: argparse.Namespace) -> int:
     if args.torchtitan:
         from mixle_compile.importers.torchtitan_registry import check_registry_function
 
-        results.append(check_registry_function(args.torchtitan, options, suggest=args.suggest))
+        try:  # a function has no file: its configuration is the working directory's
+            config = config_for(Path("."), args.config).with_cli(chosen, ignored, args.warnings_as_errors)
+        except ConfigError as exc:
+            print(f"mixle-compile check: error: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+        results.append(check_registry_function(args.torchtitan, options, suggest=suggest, lint=config))
     edits = _fix_edits(results, targets, stdin_text)
     if args.fix:
         results = _write_fixes(results, targets, edits, args, extra, chosen, ignored)
@@ -229,7 +234,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
                 print(f"{r.file}: {note}")
             if r.suggestion_sought and not args.fix and not (args.diff and r.file in edits):
                 print(_suggestion_text(r))
-            elif suggest and r.errors and not r.suggestion_sought and not r.unreadable:
+            elif suggest and r.errors and not r.suggestion_sought and not r.unreadable and r.file not in edits:
                 print(f"# {r.file}: no suggestion: the spec did not load, so there are no settings to search from; fix its S-codes first")
         if args.diff:
             for r in results:
