@@ -11,7 +11,9 @@ the objective is lexicographic: the number of changed fields, then the sum of ab
 (a changed flag or choice counts 1). ``z3.Optimize`` does not terminate on these nonlinear
 constraints, so the solver is asked directly: for k = 0, 1, 2, ... whether a valid plan changes at
 most k fields (the first *sat* gives the fewest, every *unsat* before it proves there is no nearer
-count), then bisection on the total change among plans with exactly k changes. A search that may
+count), then bisection on the total change among plans with exactly k changes, then (so that the
+answer does not depend on the solver's state) the fields earlier in CHANGEABLE kept where they
+can be and each changed field at its smallest fitting value. A search that may
 change only a few fields is small, which is why counting up is fast; plans needing more than
 MAX_CHANGES changes are not offered as fixes.
 """
@@ -185,6 +187,8 @@ def _search(facts: PlanFacts, rules: list) -> Suggestion | None:
         return None
     best, model, settled = _minimise(solver, distance, model)
     decided = decided and settled
+    if settled:
+        model = _canonical(solver, distance, best, changeable, symbols, model, facts)
 
     changes = []
     for f in changeable:
@@ -200,6 +204,51 @@ def _search(facts: PlanFacts, rules: list) -> Suggestion | None:
         )
         auto_value = auto_value if auto_value != before else None
     return Suggestion(tuple(changes), facts.value("devices"), decided, auto_value)
+
+
+def _canonical(solver: z3.Solver, distance: Any, best: int, changeable: list[Field], symbols: Symbols, model: Any,
+               facts: PlanFacts) -> Any:
+    """One answer among equally near plans, whatever the solver's state: fields earlier in
+    CHANGEABLE are kept as they are where the nearest plans allow (so which of two equally near
+    plans is offered follows that order, never chance), then each changed field takes its
+    smallest value."""
+    solver.push()
+    try:
+        solver.add(distance == best)
+        order = sorted(changeable, key=lambda f: CHANGEABLE.index(f.symbol))
+        kept = set()
+        for f in order:
+            var = symbols.variables[f.symbol]
+            keep = var == (z3.BoolVal(bool(f.value)) if f.kind == "bool" else int(f.value))
+            solver.push()
+            solver.add(keep)
+            result = solver.check()
+            solver.pop()
+            if result == z3.sat:
+                solver.add(keep)
+                kept.add(f.symbol)
+        for f in order:
+            if f.symbol in kept:
+                continue
+            var = symbols.variables[f.symbol]
+            if f.kind == "bool":
+                values = [not bool(f.value)]
+            elif f.kind in ENUMS:
+                values = [v for v in range(len(ENUMS[f.kind])) if v != f.value]
+            else:
+                values = [v for v in _domain(f.symbol, facts) if v != f.value]
+            for value in values:
+                pin = var == (z3.BoolVal(value) if f.kind == "bool" else value)
+                solver.push()
+                solver.add(pin)
+                result = solver.check()
+                solver.pop()
+                if result == z3.sat:
+                    solver.add(pin)
+                    break
+        return solver.model() if solver.check() == z3.sat else model
+    finally:
+        solver.pop()
 
 
 def _minimise(solver: z3.Solver, objective: Any, model: Any) -> tuple[int, Any, bool]:
