@@ -1,7 +1,9 @@
 """Command line: parse arguments, call one pass per verb, print, return an exit status.
 
 Exit statuses: 0 clean, 1 violations found, 2 usage error or unreadable input, 3 internal error
-(reported in one line, never as a traceback).
+(reported in one line, never as a traceback). The same condition exits the same in every verb
+(tests/test_exit_codes.py): a spec with errors 1, a file that cannot be read 2, a plan that fails
+its digest or schema (tampered, truncated) 2.
 """
 
 from __future__ import annotations
@@ -30,14 +32,25 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     check = sub.add_parser("check", help="validate spec files and report diagnostics")
-    check.add_argument("files", nargs="*", metavar="FILE",
-                       help="spec files (.yaml, .yml or .json) or engine configs (torchtitan .toml, Megatron-LM .sh, DeepSpeed .json)")
+    check.add_argument("files", nargs="*", metavar="PATH",
+                       help="spec files (.yaml, .yml or .json), engine configs (torchtitan .toml, Megatron-LM .sh, DeepSpeed .json), "
+                            "directories (the files their configuration's `files` patterns select), globs, or - for standard input")
     check.add_argument("--format", choices=("text", "json", "sarif"), default="text", help="output format (default: text)")
     check.add_argument(
         "--suggest",
         action="store_true",
         help="for a file with errors, print the nearest valid settings on the same devices as a YAML patch",
     )
+    check.add_argument("--fix", action="store_true", help="write the suggested settings into each YAML spec (comments and layout kept), then check again")
+    check.add_argument("--diff", action="store_true", help="print the --fix edit of each file as a unified diff instead of writing it")
+    check.add_argument("--select", action="append", metavar="CODES",
+                       help="report only these codes or prefixes, comma-separated (T001,P or ALL); replaces the configuration's select")
+    check.add_argument("--ignore", action="append", metavar="CODES", help="never report these codes or prefixes; adds to the configuration's ignore")
+    check.add_argument("--warnings-as-errors", action="store_true", help="count warnings as errors (exit 1 on any finding)")
+    check.add_argument("--config", type=Path, metavar="TOML",
+                       help="use this mixle-compile.toml or pyproject.toml instead of the one found upward from each file")
+    check.add_argument("--stdin-filename", metavar="NAME",
+                       help="the name a spec read from standard input (-) is reported under, and where its configuration is found from")
     _import_arguments(check)
     check.set_defaults(run=_cmd_check)
 
@@ -148,41 +161,91 @@ def _import_options(args: argparse.Namespace):
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    from mixle_compile.check import check_file, exit_status
+    from mixle_compile.check import check_file, check_text, exit_status
+    from mixle_compile.config import ConfigError, check_selector, config_for
 
     if not args.files and not args.torchtitan:
-        print("mixle-compile check: error: give at least one FILE (or --torchtitan MODULE:FUNCTION)", file=sys.stderr)
+        print("mixle-compile check: error: give at least one PATH (or - for standard input, or --torchtitan MODULE:FUNCTION)", file=sys.stderr)
+        return EXIT_USAGE
+    if (args.fix or args.diff) and args.format != "text":
+        print("mixle-compile check: error: --fix and --diff print text; drop --format", file=sys.stderr)
+        return EXIT_USAGE
+    if args.fix and "-" in args.files:
+        print("mixle-compile check: error: --fix cannot write standard input back; use --diff", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        chosen = _selectors(args.select, "--select", check_selector)
+        ignored = _selectors(args.ignore, "--ignore", check_selector) or ()
+        targets = _check_targets(args)
+        if args.config is not None and not args.config.is_file():
+            raise ConfigError(f"--config {args.config}: no such file")
+    except ConfigError as exc:
+        print(f"mixle-compile check: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     options = _import_options(args)
     extra = {"options": options} if options.given else {}
-    results = [check_file(f, suggest=True, **extra) if args.suggest else check_file(f, **extra) for f in args.files]
+    suggest = args.suggest or args.fix or args.diff
+    results = []
+    stdin_text = None
+    for target in targets:
+        start = Path(args.stdin_filename or ".") if target == "-" else Path(target)
+        try:
+            config = config_for(start, args.config).with_cli(chosen, ignored, args.warnings_as_errors)
+        except ConfigError as exc:
+            print(f"mixle-compile check: error: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+        if target == "-":
+            raw = sys.stdin.buffer.read()
+            stdin_text = raw.decode("utf-8", errors="replace")
+            results.append(check_text(raw, args.stdin_filename or "-", suggest=suggest, config=config))
+        else:
+            results.append(check_file(target, suggest=suggest, config=config, **extra))
     if args.torchtitan:
         from mixle_compile.importers.torchtitan_registry import check_registry_function
 
-        results.append(check_registry_function(args.torchtitan, options, suggest=args.suggest))
+        try:  # a function has no file: its configuration is the working directory's
+            config = config_for(Path("."), args.config).with_cli(chosen, ignored, args.warnings_as_errors)
+        except ConfigError as exc:
+            print(f"mixle-compile check: error: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+        results.append(check_registry_function(args.torchtitan, options, suggest=suggest, lint=config))
+    edits = _fix_edits(results, targets, stdin_text)
+    if args.fix:
+        results = _write_fixes(results, targets, edits, args, extra, chosen, ignored)
     diagnostics = [d for r in results for d in r.diagnostics]
     if args.format == "sarif":
         from mixle_compile.sarif import sarif_log
         from mixle_compile.verify.docs import load_catalogue
 
         load_catalogue()  # every rule, not only those whose modules this run happened to import
-        print(json.dumps(sarif_log(diagnostics), indent=2))
+        print(json.dumps(sarif_log(diagnostics, fixes=edits), indent=2))
     elif args.format == "json":
-        found = [d.as_dict() for d in diagnostics]
-        if args.suggest:  # an object only when asked for, so the plain output stays a list
-            print(json.dumps({"diagnostics": found, "suggestions": [_suggestion_dict(r) for r in results if r.suggestion_sought]}, indent=2))
-        else:
-            print(json.dumps(found, indent=2))
+        # One shape with or without --suggest: a list of findings, each with its `fix` (null unless
+        # a suggestion was sought for its file; then the search's outcome, found or not).
+        found = []
+        for r in results:
+            fix = _suggestion_dict(r) if r.suggestion_sought else None
+            for d in r.diagnostics:
+                entry = d.as_dict()
+                entry["fix"] = fix if d.severity.value == "error" else None
+                found.append(entry)
+        print(json.dumps(found, indent=2))
     else:
         for d in diagnostics:
             print(d.text())
         for r in results:
             for note in r.notes:
                 print(f"{r.file}: {note}")
-            if r.suggestion_sought:
+            if r.suggestion_sought and not args.fix and not (args.diff and r.file in edits):
                 print(_suggestion_text(r))
+            elif suggest and r.errors and not r.suggestion_sought and not r.unreadable and r.file not in edits:
+                print(f"# {r.file}: no suggestion: the spec did not load, so there are no settings to search from; fix its S-codes first")
+        if args.diff:
+            for r in results:
+                if r.file in edits:
+                    sys.stdout.write(edits[r.file][2])
         errors = sum(r.errors for r in results)
-        warnings = len(diagnostics) - errors
+        warnings = sum(len(r.diagnostics) for r in results) - errors
         files = len(results)
         if errors:
             print(f"Found {errors} error{'s' * (errors != 1)} in {sum(1 for r in results if r.errors)} of {files} file{'s' * (files != 1)}.")
@@ -190,6 +253,86 @@ def _cmd_check(args: argparse.Namespace) -> int:
             tail = f" ({warnings} warning{'s' * (warnings != 1)})" if warnings else ""
             print(f"All checks passed: {files} file{'s' * (files != 1)}{tail}.")
     return exit_status(results)
+
+
+def _selectors(values: list[str] | None, option: str, check) -> tuple[str, ...] | None:
+    if values is None:
+        return None
+    return tuple(check(code, option) for value in values for code in value.split(",") if code.strip())
+
+
+def _check_targets(args: argparse.Namespace) -> list[str]:
+    """The files to check: each PATH as given, a directory's selected files, a glob's matches."""
+    import glob
+
+    from mixle_compile.config import ConfigError, config_for, files_in
+
+    out: list[str] = []
+    for item in args.files:
+        path = Path(item)
+        if item == "-":
+            out.append(item)
+        elif path.is_dir():
+            found = files_in(path, args.config)
+            if not found:
+                patterns = ", ".join(config_for(path, args.config).files)
+                raise ConfigError(f"no files under {item} match the `files` patterns ({patterns}); "
+                                  "set `files` in [tool.mixle-compile] or mixle-compile.toml")
+            out.extend(str(p) for p in found)
+        elif not path.exists() and glob.has_magic(item):
+            found = sorted(p for p in glob.glob(item, recursive=True) if Path(p).is_file())
+            if not found:
+                raise ConfigError(f"no files match {item}")
+            out.extend(found)
+        else:
+            out.append(item)
+    if args.stdin_filename is not None and "-" not in out:
+        raise ConfigError("--stdin-filename names standard input: give - as the PATH")
+    return list(dict.fromkeys(out))
+
+
+def _fix_edits(results, targets: list[str], stdin_text: str | None) -> dict[str, tuple[str, str, str]]:
+    """For each file whose suggestion changes something and which --fix can edit: (before, after, diff)."""
+    from mixle_compile.fix import FixRefused, fixable, fixed_text, unified_diff
+
+    edits = {}
+    paths = dict(zip((r.file for r in results), targets))
+    for r in results:
+        if r.suggestion is None or not r.suggestion.changes or r.file not in paths:
+            continue
+        target = paths[r.file]
+        try:
+            fixable(Path(r.file), r.source_format)
+            before = stdin_text if target == "-" else Path(target).read_text(encoding="utf-8")
+            after = fixed_text(before, r.suggestion)
+        except (FixRefused, OSError) as exc:
+            print(f"mixle-compile check: {exc}", file=sys.stderr)
+            continue
+        edits[r.file] = (before, after, unified_diff(r.file, before, after))
+    return edits
+
+
+def _write_fixes(results, targets, edits, args, extra, chosen, ignored) -> list:
+    """Write each edit and check the file again: what is left is what --fix could not fix."""
+    from mixle_compile.check import check_file
+    from mixle_compile.config import config_for
+
+    out = []
+    for r, target in zip(results, targets + [None] * (len(results) - len(targets))):
+        if r.file not in edits or target is None:
+            out.append(r)
+            continue
+        try:
+            Path(target).write_text(edits[r.file][1], encoding="utf-8")
+        except OSError as exc:
+            print(f"mixle-compile check: error: cannot write {target}: {exc.strerror or exc}", file=sys.stderr)
+            out.append(r)
+            continue
+        count = len(r.suggestion.changes)
+        print(f"fixed {target}: {count} field{'s' * (count != 1)} changed", file=sys.stderr)
+        config = config_for(Path(target), args.config).with_cli(chosen, ignored, args.warnings_as_errors)
+        out.append(check_file(target, config=config, **extra))
+    return out
 
 
 def _suggestion_text(result) -> str:
@@ -220,6 +363,7 @@ def _suggestion_dict(result) -> dict:
         "nearest": s.proved_nearest,
         "changes": {c.field.dotted: c.display() for c in s.changes},
         "patch": s.yaml_patch(),
+        "new_warnings": list(s.new_warnings),
     }
 
 
@@ -399,9 +543,9 @@ def _plan_of(path: str, verb: str, options=None):
         progress.step("checking the plan against its spec and digests")
         try:
             return load_plan_text(raw, str(path)), EXIT_CLEAN
-        except PlanError as exc:
+        except PlanError as exc:  # a tampered or malformed plan is input that cannot be used, in every verb
             print(f"mixle-compile {verb}: error: {exc}", file=sys.stderr)
-            return None, EXIT_VIOLATIONS
+            return None, EXIT_USAGE
         finally:
             progress.close()
     from mixle_compile.compile import CompilerBug, compile_file
@@ -431,10 +575,10 @@ def _cmd_diff(args: argparse.Namespace) -> int:
 
     a, status = _plan_of(args.old, "diff", _import_options(args))
     if a is None:
-        return max(status, EXIT_USAGE)
+        return status
     b, status = _plan_of(args.new, "diff", _import_options(args))
     if b is None:
-        return max(status, EXIT_USAGE)
+        return status
     if args.format == "json":
         data = diff_data(a, b)
         print(json.dumps(data, indent=2, sort_keys=True))
@@ -499,7 +643,7 @@ def _spec_of(path: str, options):
             return plan_spec(load_plan_text(p.read_bytes(), path)), EXIT_CLEAN
         except PlanError as exc:
             print(f"mixle-compile export: error: {exc}", file=sys.stderr)
-            return None, EXIT_VIOLATIONS
+            return None, EXIT_USAGE
     from mixle_compile.spec import load_spec
 
     loaded = load_spec(path, options=options)

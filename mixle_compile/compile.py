@@ -46,7 +46,7 @@ def compile_loaded(loaded, progress=None) -> CompileResult:
 
     progress = progress or Silent()
     progress.step("verifying the spec")
-    checked = check_loaded(loaded)
+    checked = check_loaded(loaded, group=False)  # the plan lists every finding; `check` groups them
     if checked.errors or checked.unreadable or loaded.spec is None:
         return CompileResult(checked, None)
     from mixle_compile.lower.lowering import lower

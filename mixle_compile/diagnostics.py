@@ -7,7 +7,7 @@ published, a code keeps its meaning forever.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 
 
@@ -26,9 +26,12 @@ class Diagnostic:
     line: int
     column: int
     fields: tuple[str, ...] = ()
+    # Findings caused by the same field at the same place, reported under this one (see
+    # :func:`group_by_field`): one mistake, one finding.
+    related: tuple["Diagnostic", ...] = ()
 
     def as_dict(self) -> dict:
-        return {
+        out = {
             "code": self.code,
             "severity": self.severity.value,
             "message": self.message,
@@ -38,6 +41,8 @@ class Diagnostic:
             "column": self.column,
             "fields": list(self.fields),
         }
+        out["related"] = [r.as_dict() for r in self.related]
+        return out
 
     def text(self) -> str:
         """ruff/mypy style: ``file:line:col: CODE message`` and an indented fix hint."""
@@ -45,6 +50,10 @@ class Diagnostic:
         if self.severity is Severity.warning:
             head += "(warning) "
         out = head + self.message
+        for r in self.related:
+            out += f"\n  also: {r.code} {r.message}"
+            if r.hint and r.hint != self.hint:  # a hint of its own (hints stated in one field agree)
+                out += f"\n    hint: {r.hint}"
         if self.hint:
             out += f"\n  hint: {self.hint}"
         return out
@@ -75,3 +84,29 @@ def register_code(entry: Code) -> Code:
 
 def sort_key(d: Diagnostic) -> tuple:
     return (d.file, d.line, d.column, d.code, d.message)
+
+
+def group_by_field(diagnostics: list[Diagnostic]) -> list[Diagnostic]:
+    """One finding per mistake: diagnostics at the same place whose first field is the same (``tp: 3``
+    breaking the device count and four shape rules) become one, the first error in code order,
+    with the others as its related notes. Diagnostics without a field stay as they are."""
+    groups: dict[tuple, list[Diagnostic]] = {}
+    order: list[tuple | Diagnostic] = []
+    for d in diagnostics:
+        if not d.fields:
+            order.append(d)
+            continue
+        key = (d.file, d.line, d.column, d.fields[0])
+        if key not in groups:
+            groups[key] = []
+            order.append(key)
+        groups[key].append(d)
+    result = []
+    for entry in order:
+        if isinstance(entry, Diagnostic):
+            result.append(entry)
+            continue
+        members = sorted(groups[entry], key=lambda m: (m.severity is not Severity.error, m.code, m.message))
+        primary, rest = members[0], tuple(members[1:])
+        result.append(replace(primary, related=primary.related + rest) if rest else primary)
+    return result

@@ -74,7 +74,7 @@ def test_explain_refuses_a_tampered_plan(capsys, tmp_path):
     raw[200] ^= 0x01
     plan.write_bytes(bytes(raw))
     status, out, err = run_cli(capsys, "explain", plan)
-    assert status == 1 and out == "" and "error:" in err and "Traceback" not in err
+    assert status == 2 and out == "" and "error:" in err and "Traceback" not in err
 
 
 def test_diff_of_plans_and_specs(capsys, tmp_path):
@@ -113,7 +113,7 @@ def test_check_sarif_lists_every_rule_and_locates_findings(capsys, monkeypatch):
     assert result["ruleId"] == "T001" and result["level"] == "error"
     location = result["locations"][0]["physicalLocation"]
     assert location["artifactLocation"]["uri"] == "examples/invalid/t001-heads-split-by-tp.yaml"
-    assert location["region"] == {"startLine": 4, "startColumn": 12}
+    assert location["region"] == {"startLine": 4, "startColumn": 12, "endLine": 4, "endColumn": 13}
 
 
 def test_explain_ranks_lists_concrete_groups_only_on_request(capsys, tmp_path):

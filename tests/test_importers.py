@@ -533,6 +533,10 @@ def test_a_torchtitan_config_function_is_read_through_its_config_classes(registr
 def test_check_torchtitan_module_function(registry, capsys):
     status, out, _ = run_cli(capsys, "check", "--torchtitan", "my_registry:llama3_70b_tp8", "--devices", "64")
     assert status in (0, 1) and "my_registry.py:" in out and "S0" not in out
+    assert "P008" in out  # 4 micro-batches over 2 stages; the working directory's configuration can ignore it
+    (registry / "mixle-compile.toml").write_text('ignore = ["P008"]\n')
+    assert "P008" not in run_cli(capsys, "check", "--torchtitan", "my_registry:llama3_70b_tp8", "--devices", "64")[1]
+    (registry / "mixle-compile.toml").unlink()
     status, out, _ = run_cli(capsys, "check", "--torchtitan", "my_registry:not_a_config")
     assert status == 2 and "not a torchtitan Trainer.Config" in out
     status, out, _ = run_cli(capsys, "check", "--torchtitan", "no_such_module:f")

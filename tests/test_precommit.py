@@ -24,9 +24,13 @@ def test_try_repo_passes_a_good_spec_and_fails_a_bad_one(tmp_path):
     if subprocess.run(["git", "ls-files", "--error-unmatch", ".pre-commit-hooks.yaml"], cwd=ROOT, capture_output=True).returncode:
         pytest.skip("pre-commit only sees committed hook manifests")
     repo = tmp_path / "user-repo"
-    repo.mkdir()
-    shutil.copy(EXAMPLES / "tiny-transformer.yaml", repo / "good.yaml")
-    shutil.copy(EXAMPLES / "invalid" / "s003-unknown-key.yaml", repo / "bad.yaml")
+    (repo / "configs").mkdir(parents=True)
+    (repo / ".github" / "workflows").mkdir(parents=True)
+    shutil.copy(EXAMPLES / "tiny-transformer.yaml", repo / "configs" / "good.yaml")
+    shutil.copy(EXAMPLES / "invalid" / "s003-unknown-key.yaml", repo / "configs" / "bad.yaml")
+    # Not specs: the default `files:` pattern leaves them alone.
+    (repo / ".github" / "workflows" / "ci.yml").write_text("on: [push]\njobs: {test: {runs-on: ubuntu-latest, steps: []}}\n")
+    (repo / "docker-compose.yml").write_text("services: {db: {image: postgres}}\n")
     git(repo, "init", "-q")
     git(repo, "add", ".")
     git(repo, "commit", "-qm", "specs")
@@ -38,13 +42,13 @@ def test_try_repo_passes_a_good_spec_and_fails_a_bad_one(tmp_path):
             cwd=repo, capture_output=True, text=True, env=env, timeout=600,
         )
 
-    good = try_repo("good.yaml")
+    good = try_repo("configs/good.yaml", ".github/workflows/ci.yml", "docker-compose.yml")
     assert good.returncode == 0, good.stdout + good.stderr
     assert "Passed" in good.stdout
-    both = try_repo("good.yaml", "bad.yaml")
+    both = try_repo("configs/good.yaml", "configs/bad.yaml", ".github/workflows/ci.yml", "docker-compose.yml")
     assert both.returncode == 1, both.stdout + both.stderr
-    assert "bad.yaml:5:3: S003 unknown key `mesh.dp_shards`" in both.stdout
-    assert "good.yaml:" not in both.stdout
+    assert "configs/bad.yaml:5:3: S003 unknown key `mesh.dp_shards`" in both.stdout
+    assert "good.yaml:" not in both.stdout and "ci.yml" not in both.stdout and "docker-compose" not in both.stdout
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git")

@@ -93,7 +93,7 @@ def test_sarif_has_rules_results_and_locations(tmp_path, monkeypatch):
     assert result["ruleId"] == "S003" and ids[result["ruleIndex"]] == "S003"
     location = result["locations"][0]["physicalLocation"]
     assert location["artifactLocation"]["uri"] == "examples/invalid/s003-unknown-key.yaml"
-    assert location["region"] == {"startLine": 5, "startColumn": 3}
+    assert location["region"] == {"startLine": 5, "startColumn": 3, "endLine": 5, "endColumn": 12}
 
 
 def test_plot_draws_memory_and_traffic(plans, tmp_path):

@@ -104,7 +104,8 @@ RULE_EXAMPLES = sorted(p for p in INVALID.glob("*.yaml") if p.name[0].upper() in
 def test_each_rule_example_points_at_its_first_conflicting_field(capsys, path):
     expected = re.search(r"#\s*expect:\s*(\S+)", path.read_text()).group(1)
     status, out, _ = run_cli(capsys, "check", "--format", "json", path)
-    (found,) = [d for d in json.loads(out) if d["code"] == expected]
+    flat = [x for d in json.loads(out) for x in (d, *d["related"])]  # grouped findings are related notes
+    (found,) = [d for d in flat if d["code"] == expected]
     assert status == 1 and found["message"] and found["hint"] and found["fields"]
     position = load_spec(path).document.position(path_of(found["fields"][0]))
     assert (found["line"], found["column"]) == (position.line, position.column)
@@ -256,11 +257,11 @@ def test_suggest_prints_a_patch_that_makes_the_spec_valid(capsys, write):
 
 def test_suggest_in_json(capsys):
     status, out, _ = run_cli(capsys, "check", "--format", "json", "--suggest", INVALID / "b001-global-batch-size.yaml")
-    document = json.loads(out)
-    assert status == 1 and [d["code"] for d in document["diagnostics"]] == ["B001"]
-    (suggestion,) = document["suggestions"]
+    document = json.loads(out)  # the same list of findings as without --suggest, each with its `fix`
+    assert status == 1 and [d["code"] for d in document] == ["B001"]
+    suggestion = document[0]["fix"]
     assert suggestion["found"] and suggestion["nearest"] and suggestion["changes"]
-    assert set(suggestion) == {"file", "found", "nearest", "changes", "patch"}
+    assert set(suggestion) == {"file", "found", "nearest", "changes", "patch", "new_warnings"}
 
 
 def test_suggest_says_when_no_setting_can_fix_the_plan(capsys, write):

@@ -148,8 +148,9 @@ def read_trainer_config(function: Any, config: Any, display: str, options: Impor
     return import_job(src, text, Path.cwd(), options, version="0.3", source_format="torchtitan-python", model=model)
 
 
-def check_registry_function(target: str, options: ImportOptions, *, suggest: bool = False):
-    """``check --torchtitan module:function``: the CheckResult of the config that function returns."""
+def check_registry_function(target: str, options: ImportOptions, *, suggest: bool = False, lint=None):
+    """``check --torchtitan module:function``: the CheckResult of the config that function returns
+    (``lint``: the rule selection, a :class:`~mixle_compile.config.LintConfig`)."""
     from mixle_compile.check import check_loaded
     from mixle_compile.spec.load import LoadedSpec, validate_document
 
@@ -160,4 +161,4 @@ def check_registry_function(target: str, options: ImportOptions, *, suggest: boo
             raise SourceError(diags, unreadable=True)
     except SourceError as exc:
         return check_loaded(LoadedSpec(target, None, None, list(exc.diagnostics), unreadable=exc.unreadable))
-    return check_loaded(validate_document(doc, diags), suggest=suggest)
+    return check_loaded(validate_document(doc, diags), suggest=suggest, config=lint)

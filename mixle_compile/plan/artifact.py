@@ -118,7 +118,8 @@ def build_plan(spec: Spec, lowered: Lowered, diagnostics: list[Diagnostic]) -> d
             "errors": errors,
             "warnings": len(diagnostics) - errors,
             "diagnostics": [
-                {k: v for k, v in d.as_dict().items() if k != "file"}  # no machine paths in the artifact
+                # no machine paths in the artifact; every finding listed on its own (none grouped)
+                {k: v for k, v in d.as_dict().items() if k not in ("file", "related")}
                 for d in diagnostics
             ],
             "reductions_exactly_once": not lowered.reduction_problems,

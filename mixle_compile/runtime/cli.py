@@ -13,7 +13,7 @@ import math
 import os
 import sys
 
-from mixle_compile.runtime.errors import CollectiveFailed, RunFailed, RuntimeRefusal
+from mixle_compile.runtime.errors import CollectiveFailed, RunFailed, RuntimeRefusal, SpecRejected
 
 EXIT_CLEAN, EXIT_VIOLATIONS, EXIT_REFUSED = 0, 1, 2
 DEFAULT_TIMEOUT_S = 60.0  # launch.DEFAULT_TIMEOUT_S; repeated so that building the parser imports nothing
@@ -69,6 +69,9 @@ def run_command(args: argparse.Namespace) -> int:
                           checkpoint_dir=getattr(args, "checkpoint_dir", None), keep_checkpoints=getattr(args, "keep_checkpoints", None),
                           resume=getattr(args, "resume", None), repeat_data=getattr(args, "repeat_data", False),
                           overwrite_checkpoints=getattr(args, "overwrite_checkpoints", False))
+    except SpecRejected as exc:  # a spec with errors exits 1 in every verb
+        print(f"mixle-compile run: {exc}", file=sys.stderr)
+        return EXIT_VIOLATIONS
     except RuntimeRefusal as exc:
         print(f"mixle-compile run: {exc}", file=sys.stderr)
         return EXIT_REFUSED

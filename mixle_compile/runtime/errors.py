@@ -7,6 +7,10 @@ class RuntimeRefusal(ValueError):
     """The runtime will not start this plan; the message says what is wrong and how to fix it."""
 
 
+class SpecRejected(RuntimeRefusal):
+    """The spec given to run has errors: a finding, not unusable input (exit 1, as `check` and `compile`)."""
+
+
 class PlanMismatch(RuntimeError):
     """The runtime was about to issue a collective the plan does not declare (or declares differently).
 

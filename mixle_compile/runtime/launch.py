@@ -30,7 +30,7 @@ from pathlib import Path
 from mixle_compile.plan import PlanDocument, load_plan_text
 from mixle_compile.plan.artifact import PlanError, plan_text
 from mixle_compile.plan.rederive import PlanMismatch, rederive
-from mixle_compile.runtime.errors import RunFailed, RuntimeRefusal
+from mixle_compile.runtime.errors import RunFailed, RuntimeRefusal, SpecRejected
 from mixle_compile.runtime.em_plan import is_distribution, read_em_instructions
 from mixle_compile.runtime.instructions import read_instructions
 from mixle_compile.runtime.report import REPORT_FILE, RunReport
@@ -79,7 +79,8 @@ def compile_spec_file(path: Path) -> PlanDocument:
     if result.plan is None:
         errors = [d for d in result.check.diagnostics if d.severity.value == "error"]
         shown = "\n".join(d.text() for d in errors[:5])
-        raise RuntimeRefusal(f"{path} does not check cleanly, so it is not run:\n{shown}")
+        refusal = RuntimeRefusal if result.check.unreadable else SpecRejected
+        raise refusal(f"{path} does not check cleanly, so it is not run:\n{shown}")
     return load_plan_text(plan_text(result.plan), str(path))
 
 

@@ -64,17 +64,22 @@ class LoadedSpec:
     document: SourceDocument | None
     diagnostics: list[Diagnostic] = field(default_factory=list)
     unreadable: bool = False
+    # A spec whose only errors are an unresolvable `dp_shard: auto` (S012): not valid, but its
+    # settings are whole, so the nearest valid plan can still be searched for from it.
+    unresolved: Spec | None = None
 
     @property
     def ok(self) -> bool:
         return self.spec is not None and not any(d.severity is Severity.error for d in self.diagnostics)
 
 
-def load_spec(path: str | Path, *, display_name: str | None = None, options: Any = None) -> LoadedSpec:
+def load_spec(path: str | Path, *, display_name: str | None = None, options: Any = None,
+              default_backend: str | None = None) -> LoadedSpec:
     """Load a spec file, or an engine config that an importer reads (see :mod:`mixle_compile.importers`).
 
     ``options`` (an :class:`~mixle_compile.importers.ImportOptions`) gives what an engine config may
-    not say: the device count and memory, an HF config.json for the model.
+    not say: the device count and memory, an HF config.json for the model. ``default_backend`` (a
+    configuration's ``backend``) is the backend of a spec that names none.
     """
     from mixle_compile.importers import read_any
 
@@ -83,16 +88,25 @@ def load_spec(path: str | Path, *, display_name: str | None = None, options: Any
         doc, diags = read_any(path, name, options)
     except SourceError as exc:
         return LoadedSpec(name, None, None, list(exc.diagnostics), unreadable=exc.unreadable)
+    _default_backend(doc, default_backend)
     return _validate(doc, diags, Path(path).parent)
 
 
-def load_spec_text(text: str | bytes, name: str = "<string>", *, json_syntax: bool = False) -> LoadedSpec:
+def load_spec_text(text: str | bytes, name: str = "<string>", *, json_syntax: bool = False, base: Path | None = None,
+                   default_backend: str | None = None) -> LoadedSpec:
+    """``base``: the folder a `model: {from: ...}` path is relative to (default: the working directory)."""
     raw = text.encode("utf-8") if isinstance(text, str) else text
     try:
         doc, diags = parse_source(raw, name, json_syntax=json_syntax)
     except SourceError as exc:
         return LoadedSpec(name, None, None, list(exc.diagnostics), unreadable=exc.unreadable)
-    return _validate(doc, diags)
+    _default_backend(doc, default_backend)
+    return _validate(doc, diags, base)
+
+
+def _default_backend(doc: SourceDocument, backend: str | None) -> None:
+    if backend is not None and isinstance(doc.data, dict) and "backend" not in doc.data:
+        doc.data["backend"] = backend
 
 
 def validate_document(doc: SourceDocument, diags: list[Diagnostic]) -> LoadedSpec:
@@ -134,8 +148,10 @@ def _validate(doc: SourceDocument, diags: list[Diagnostic], base: Path | None = 
         diags.append(doc.diagnostic(codes.LIMITS.code, "the spec nests too deeply to validate", hint="flatten the structure"))
         return LoadedSpec(doc.file, None, doc, diags)
     diags.extend(consistency_diagnostics(spec, doc))
-    if any(d.severity is Severity.error for d in diags):
-        return LoadedSpec(doc.file, None, doc, _dedupe(diags))
+    errors = [d for d in diags if d.severity is Severity.error]
+    if errors:
+        only_auto = all(d.code == codes.AUTO_UNRESOLVABLE.code for d in errors)
+        return LoadedSpec(doc.file, None, doc, _dedupe(diags), unresolved=spec if only_auto else None)
     return LoadedSpec(doc.file, spec, doc, diags)
 
 

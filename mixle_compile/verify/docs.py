@@ -30,8 +30,9 @@ TOPICS = {
 PASSES = {
     "G": "Decomposition graph and model cut",
     "L": "Lowering",
+    "M": "Suppression comments",
 }
-PASS_LABELS = {"G": "decompose", "L": "lower"}  # the pass, in the `rules` listing
+PASS_LABELS = {"G": "decompose", "L": "lower", "M": "suppression"}  # the pass, in the `rules` listing
 
 
 def load_catalogue() -> None:

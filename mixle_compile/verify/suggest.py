@@ -11,7 +11,9 @@ the objective is lexicographic: the number of changed fields, then the sum of ab
 (a changed flag or choice counts 1). ``z3.Optimize`` does not terminate on these nonlinear
 constraints, so the solver is asked directly: for k = 0, 1, 2, ... whether a valid plan changes at
 most k fields (the first *sat* gives the fewest, every *unsat* before it proves there is no nearer
-count), then bisection on the total change among plans with exactly k changes. A search that may
+count), then bisection on the total change among plans with exactly k changes, then (so that the
+answer does not depend on the solver's state) the fields earlier in CHANGEABLE kept where they
+can be and each changed field at its smallest fitting value. A search that may
 change only a few fields is small, which is why counting up is fast; plans needing more than
 MAX_CHANGES changes are not offered as fixes.
 """
@@ -72,6 +74,7 @@ class Suggestion:
     devices: int
     proved_nearest: bool  # every step of the search was decided, so nothing nearer exists
     dp_shard_auto_value: int | None = None  # what `dp_shard: auto` resolves to afterwards
+    new_warnings: tuple[str, ...] = ()  # warning rules the fix breaks (only when no clean fix exists)
 
     def yaml_patch(self) -> str:
         """The changes as YAML to merge into the spec, each with the value it replaces."""
@@ -86,6 +89,8 @@ class Suggestion:
             lines.append(f"  {key}: {change.display()}  # was {change.field.display()}")
         if self.dp_shard_auto_value is not None:
             lines.append(f"# mesh.dp_shard: auto now resolves to {self.dp_shard_auto_value}")
+        if self.new_warnings:
+            lines.append(f"# no plan within {MAX_CHANGES} changes avoids warning {', '.join(self.new_warnings)}, which this one brings")
         return "\n".join(lines) + "\n"
 
 
@@ -102,13 +107,41 @@ def _domain(symbol: str, facts: PlanFacts) -> list[int]:
 
 
 def nearest_valid_plan(facts: PlanFacts) -> Suggestion | None:
-    """The nearest plan that breaks no error rule, or None when no plan within MAX_CHANGES changes exists."""
+    """The nearest plan that breaks no error rule, or None when no plan within MAX_CHANGES changes exists.
+
+    A fix must not trade an error for a warning the spec does not have (a large pipeline bubble):
+    the search first asks for a plan that also keeps every warning rule the spec passes; only
+    when none exists within MAX_CHANGES is the nearest plan without errors offered, naming the
+    warnings it brings (:attr:`Suggestion.new_warnings`).
+    """
+    from mixle_compile.verify.engine import PlanVerifier
+
     # Rules about the elastic section (D002, D004, C005) are fixed there, not by the plan's settings.
-    rules = [
-        r
-        for r in rules_for(facts)
-        if r.constraint is not None and r.severity is Severity.error and "elastic_min_world_size" not in r.needs
-    ]
+    errors = _fix_rules(facts)
+    broken = {r.code for r in PlanVerifier().violated(facts)}
+    held = [r for r in rules_for(facts) if r.constraint is not None and r.severity is Severity.warning and r.code not in broken]
+    found = _search(facts, errors + held) if held else None
+    if found is not None:
+        return found
+    found = _search(facts, errors)
+    if found is None or not held:
+        return found
+    return Suggestion(found.changes, found.devices, found.proved_nearest, found.dp_shard_auto_value,
+                      tuple(r.code for r in held if not _holds(facts, r, found)))
+
+
+def _holds(facts: PlanFacts, rule, suggestion: "Suggestion") -> bool:
+    symbols = Symbols(facts)
+    solver = z3.Solver()
+    solver.add(*symbols.domain)
+    changed = {c.field.symbol: c.value for c in suggestion.changes}
+    solver.add(*[symbols.pin(f.symbol, changed.get(f.symbol, f.value)) for f in facts.fields])
+    solver.add(rule.constraint(symbols))
+    return solver.check() == z3.sat
+
+
+def _search(facts: PlanFacts, rules: list) -> Suggestion | None:
+    """The nearest plan on these devices under ``rules``: fewest changes, then the smallest."""
     symbols = Symbols(facts)
     solver = z3.Solver()
     solver.set("rlimit", SEARCH_RESOURCE_LIMIT)
@@ -154,6 +187,8 @@ def nearest_valid_plan(facts: PlanFacts) -> Suggestion | None:
         return None
     best, model, settled = _minimise(solver, distance, model)
     decided = decided and settled
+    if settled:
+        model = _canonical(solver, distance, best, changeable, symbols, model, facts)
 
     changes = []
     for f in changeable:
@@ -169,6 +204,51 @@ def nearest_valid_plan(facts: PlanFacts) -> Suggestion | None:
         )
         auto_value = auto_value if auto_value != before else None
     return Suggestion(tuple(changes), facts.value("devices"), decided, auto_value)
+
+
+def _canonical(solver: z3.Solver, distance: Any, best: int, changeable: list[Field], symbols: Symbols, model: Any,
+               facts: PlanFacts) -> Any:
+    """One answer among equally near plans, whatever the solver's state: fields earlier in
+    CHANGEABLE are kept as they are where the nearest plans allow (so which of two equally near
+    plans is offered follows that order, never chance), then each changed field takes its
+    smallest value."""
+    solver.push()
+    try:
+        solver.add(distance == best)
+        order = sorted(changeable, key=lambda f: CHANGEABLE.index(f.symbol))
+        kept = set()
+        for f in order:
+            var = symbols.variables[f.symbol]
+            keep = var == (z3.BoolVal(bool(f.value)) if f.kind == "bool" else int(f.value))
+            solver.push()
+            solver.add(keep)
+            result = solver.check()
+            solver.pop()
+            if result == z3.sat:
+                solver.add(keep)
+                kept.add(f.symbol)
+        for f in order:
+            if f.symbol in kept:
+                continue
+            var = symbols.variables[f.symbol]
+            if f.kind == "bool":
+                values = [not bool(f.value)]
+            elif f.kind in ENUMS:
+                values = [v for v in range(len(ENUMS[f.kind])) if v != f.value]
+            else:
+                values = [v for v in _domain(f.symbol, facts) if v != f.value]
+            for value in values:
+                pin = var == (z3.BoolVal(value) if f.kind == "bool" else value)
+                solver.push()
+                solver.add(pin)
+                result = solver.check()
+                solver.pop()
+                if result == z3.sat:
+                    solver.add(pin)
+                    break
+        return solver.model() if solver.check() == z3.sat else model
+    finally:
+        solver.pop()
 
 
 def _minimise(solver: z3.Solver, objective: Any, model: Any) -> tuple[int, Any, bool]:
@@ -189,3 +269,48 @@ def _minimise(solver: z3.Solver, objective: Any, model: Any) -> tuple[int, Any, 
         elif result != z3.sat:
             return high, model, False
     return high, model, True
+
+
+def _fix_rules(facts: PlanFacts) -> list:
+    """The error rules a fix must satisfy (the elastic section's own rules are fixed there)."""
+    return [
+        r
+        for r in rules_for(facts)
+        if r.constraint is not None and r.severity is Severity.error and "elastic_min_world_size" not in r.needs
+    ]
+
+
+def passing_values(facts: PlanFacts, symbol: str, candidates: list | None = None) -> list[str] | None:
+    """The values of one changeable setting that, every other field as in the spec, break no error
+    rule: what a finding's hint may offer. None when the setting is not one a fix changes.
+    ``candidates``: the values to try instead of the setting's domain (then any field may be asked)."""
+    if not facts.has(symbol) or (candidates is None and symbol not in CHANGEABLE):
+        return None
+    field = facts.field(symbol)
+    symbols = Symbols(facts)
+    solver = z3.Then("simplify", "propagate-values", "solve-eqs", "simplify", "smt").solver()
+    solver.set("rlimit", SEARCH_RESOURCE_LIMIT)
+    solver.add(*symbols.domain)
+    solver.add(*[symbols.pin(f.symbol, f.value) for f in facts.fields if f.symbol != symbol])
+    for r in _fix_rules(facts):
+        solver.add(r.constraint(symbols))
+    var = symbols.variables[symbol]
+    if candidates is not None:
+        pass
+    elif field.kind == "bool":
+        candidates = [False, True]
+    elif field.kind in ENUMS:
+        candidates = list(range(len(ENUMS[field.kind])))
+    else:
+        candidates = _domain(symbol, facts)
+    out = []
+    for value in candidates:
+        if value == field.value:
+            continue
+        solver.push()
+        solver.add(var == (z3.BoolVal(value) if field.kind == "bool" else value))
+        ok = solver.check() == z3.sat
+        solver.pop()
+        if ok:
+            out.append(Change(field, value).display())
+    return out
