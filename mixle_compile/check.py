@@ -38,8 +38,9 @@ def check_file(path: str | Path, *, suggest: bool = False, options=None) -> Chec
     return check_loaded(load_spec(path, options=options), suggest=suggest)
 
 
-def check_loaded(loaded: LoadedSpec, *, suggest: bool = False) -> CheckResult:
-    """Verify a loaded spec (the verifier runs only on a spec that loaded cleanly)."""
+def check_loaded(loaded: LoadedSpec, *, suggest: bool = False, verifier=None) -> CheckResult:
+    """Verify a loaded spec (the verifier runs only on a spec that loaded cleanly). ``verifier``: a
+    :class:`~mixle_compile.verify.engine.PlanVerifier` to reuse across many specs of one shape."""
     diagnostics = list(loaded.diagnostics)
     notes: tuple[str, ...] = ()
     suggestion = None
@@ -47,7 +48,7 @@ def check_loaded(loaded: LoadedSpec, *, suggest: bool = False) -> CheckResult:
     if loaded.ok:
         from mixle_compile.verify import suggest_fix, verify_plan
 
-        verification = verify_plan(loaded.spec)
+        verification = verify_plan(loaded.spec, verifier)
         diagnostics += verification_diagnostics(verification, loaded.document)
         notes = _proof_notes(verification)
         if suggest and any(d.severity is Severity.error for d in diagnostics):

@@ -95,9 +95,10 @@ def load_spec_text(text: str | bytes, name: str = "<string>", *, json_syntax: bo
     return _validate(doc, diags)
 
 
-def validate_document(doc: SourceDocument, diags: list[Diagnostic]) -> LoadedSpec:
-    """Validate a document an importer built (its positions already point into the engine's file)."""
-    return _validate(doc, list(diags))
+def validate_document(doc: SourceDocument, diags: list[Diagnostic], base: Path | None = None) -> LoadedSpec:
+    """Validate a document an importer built (its positions already point into the engine's file);
+    ``base``: the folder a ``model: {from: hf, path: ...}`` is relative to."""
+    return _validate(doc, list(diags), base)
 
 
 def _validate(doc: SourceDocument, diags: list[Diagnostic], base: Path | None = None) -> LoadedSpec:
