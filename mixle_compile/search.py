@@ -884,7 +884,8 @@ def _gib(n: float) -> str:
 def outcome_text(outcome: Outcome) -> str:
     req = outcome.request
     spec = req.spec
-    head = (f"{req.file}: {req.devices} {spec.resources.kind or 'devices'} devices, global batch {spec.training.global_batch_size}, "
+    kind = f"{spec.resources.kind} " if spec.resources.kind else ""
+    head = (f"{req.file}: {req.devices} {kind}devices, global batch {spec.training.global_batch_size}, "
             f"{spec.backend if isinstance(spec.backend, str) else spec.backend.name}: {outcome.enumerated:,} candidates, "
             f"{outcome.screened:,} screened, {outcome.confirmed} checked")
     lines = [head]
