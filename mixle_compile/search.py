@@ -237,9 +237,14 @@ class Mesh:
         return {**self.degrees, **batch, **schedule, "activation_checkpointing": ckpt, "distributed_optimizer": dist,
                 "sequence_parallel": self.sequence_parallel}
 
-    def candidates(self) -> list[dict]:
-        return [self.values(b, sc, c, d) for b in self.batches for sc in self.schedules for c in self.checkpointing
-                for d in self.distributed]
+    def candidates(self, refused=None) -> list[dict]:
+        """Every candidate, less the schedules ``refused`` (given one candidate of a schedule) refuses whole."""
+        out = []
+        for sc in self.schedules:
+            if refused is not None and refused(self.values(self.batches[0], sc, self.checkpointing[0], self.distributed[0])):
+                continue
+            out += [self.values(b, sc, c, d) for b in self.batches for c in self.checkpointing for d in self.distributed]
+        return out
 
     def outgrows(self, values: dict) -> bool:
         """Whether a candidate needs at least the memory of one that did not fit: the same schedule, a
@@ -717,7 +722,7 @@ def search(req: Request, top: int = DEFAULT_TOP) -> Outcome:
     from mixle_compile.verify.engine import PlanVerifier
     from mixle_compile.verify.facts import ENUMS
     from mixle_compile.verify.rule import rules_for
-    from mixle_compile.verify.symbols import broken_rules
+    from mixle_compile.verify.symbols import broken_rules, broken_rules_reading
 
     outcome = Outcome(req)
     meshes = enumerate_meshes(req)
@@ -748,6 +753,16 @@ def search(req: Request, top: int = DEFAULT_TOP) -> Outcome:
         outcome.rejections.update(r.code for r in broken)
         return bool(broken)
 
+    def group_refused(values: dict, mesh: Mesh) -> bool:
+        """Whether a rule other than memory refuses ``values`` reading none of the settings that vary
+        within its mesh and schedule: then it refuses every candidate of that group."""
+        outcome.screened += 1
+        for rule, read in broken_rules_reading(facts, cheap, _symbol_values(values, ENUMS)):
+            if "*" not in read and not read & VARYING:
+                outcome.rejections[rule.code] += len(mesh.batches) * len(mesh.checkpointing) * len(mesh.distributed)
+                return True
+        return False
+
     # Best first over meshes and candidates. A mesh waits in `pending` under a bound no candidate of
     # it is estimated below; when it comes first, the checkpointing modes that cannot fit are dropped
     # (the memory model grows with every setting its candidates vary, so a mode whose frugal candidate
@@ -770,7 +785,7 @@ def search(req: Request, top: int = DEFAULT_TOP) -> Outcome:
                 mesh.checkpointing = modes
                 heapq.heappush(pending, (pricer.bound(mesh), order, True, mesh))
                 continue
-            for values in mesh.candidates():
+            for values in mesh.candidates(refused=lambda group: group_refused(group, mesh)):
                 heapq.heappush(heap, (pricer.price(values).seconds, count, values, mesh))
                 count += 1
         if not heap:
@@ -804,6 +819,9 @@ def search(req: Request, top: int = DEFAULT_TOP) -> Outcome:
 
 
 MEMORY_RULE = "R001"
+#: The settings that vary among one mesh's candidates of one schedule.
+VARYING = frozenset({"micro_batch_size", "microbatches", "gradient_accumulation_steps", "activation_checkpointing",
+                     "distributed_optimizer"})
 
 
 def _symbol_values(values: dict, enums: dict) -> dict:

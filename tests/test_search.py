@@ -19,6 +19,7 @@ from mixle_compile.search import (
     MESH_FIELDS,
     SearchInputError,
     TOLERANCE,
+    VARYING,
     _Pricer,
     _symbol_values,
     enumerate_meshes,
@@ -33,7 +34,7 @@ from mixle_compile.verify.facts import ENUMS
 from mixle_compile.verify.rule import rules_for
 from mixle_compile.verify.logic import concrete
 from mixle_compile.verify.rules.memory import DEVICE_MEMORY, per_rank_bytes
-from mixle_compile.verify.symbols import Symbols, broken_rules, with_values
+from mixle_compile.verify.symbols import Symbols, broken_rules, broken_rules_reading, with_values
 from tests.conftest import ROOT
 
 DENSE = {"family": "transformer", "vocab_size": 1024, "hidden_size": 256, "num_layers": 8, "num_heads": 8,
@@ -165,6 +166,43 @@ def test_concrete_rules_agree_with_the_solver_on_random_plans():
                     assert float(read[kind]) == pytest.approx(float(exact.eval(term)), rel=1e-9), (path.name, kind, values)
             compared += 1
     assert compared >= 50
+
+
+def test_a_rule_refusing_without_reading_a_setting_refuses_whatever_that_setting_is():
+    loaded = load_spec(ROOT / "tests" / "corpus" / "production" / "torchtitan" / "llama3_8b_8gpu_fsdp8.yaml")
+    facts = plan_facts(loaded.spec.model_copy(update={"backend": "megatron"}))
+    rules = rules_for(facts)
+    rng = random.Random(3)
+    checked = 0
+    for _ in range(150):
+        values = {"pp": rng.choice([1, 2, 3, 5, 6]), "virtual_pipeline_stages": rng.choice([1, 2, 3]),
+                  "microbatches": rng.choice([1, 2, 4, 8]), "micro_batch_size": rng.choice([1, 2, 4]),
+                  "activation_checkpointing": rng.randrange(3), "pipeline_schedule": rng.randrange(3), "tp": rng.choice([1, 2, 3])}
+        for rule, read in broken_rules_reading(facts, rules, values):
+            if "*" in read:
+                continue
+            # the settings that vary within one mesh and schedule (search.VARYING)
+            for name, options in (("micro_batch_size", [1, 2, 4, 8]), ("microbatches", [1, 3, 16]),
+                                  ("gradient_accumulation_steps", [1, 2]), ("activation_checkpointing", [0, 1, 2]),
+                                  ("distributed_optimizer", [False, True])):
+                assert name in VARYING
+                if name in read:
+                    continue
+                for option in options:
+                    again = {r.code for r in broken_rules(facts, rules, {**values, name: option})}
+                    assert rule.code in again, (rule.code, read, values, name, option)
+                    checked += 1
+    assert checked > 100
+
+
+def test_what_a_refusing_rule_read_is_recorded():
+    loaded = load_spec(ROOT / "tests" / "corpus" / "production" / "torchtitan" / "llama3_8b_8gpu_fsdp8.yaml")
+    facts = plan_facts(loaded.spec.model_copy(update={"backend": "megatron"}))
+    reads = dict((r.code, read) for r, read in broken_rules_reading(
+        facts, rules_for(facts), {"pp": 3, "dp_shard": 1, "virtual_pipeline_stages": 2, "pipeline_schedule": 1}))
+    assert {"pp", "virtual_pipeline_stages", "layers"} <= reads["P001"]  # 32 layers over 3 * 2 stages
+    assert "pipeline_schedule" in reads["P007"]  # virtual stages need the interleaved schedule, read through is_
+    assert "R001" not in reads or "*" in reads["R001"]  # the memory rule reads the footprint beyond attributes
 
 
 def test_plan_cli_writes_a_spec_that_checks_clean(capsys, tmp_path):

@@ -146,3 +146,41 @@ def with_values(facts: PlanFacts, values: dict[str, Any]) -> PlanFacts:
         for f in facts.fields
     )
     return replace(facts, fields=fields)
+
+
+class _Reads:
+    """Concrete symbols that note which attributes a rule reads (for ``is_``, the enumeration). A
+    rule that reaches past the attributes (``facts``, ``variables``) reads "everything"."""
+
+    _OPAQUE = frozenset({"facts", "variables", "split_dimensions", "domain"})
+
+    def __init__(self, symbols: Symbols):
+        self._symbols = symbols
+        self.read: set[str] = set()
+
+    def __getattr__(self, name: str) -> Any:
+        symbols = self.__dict__["_symbols"]
+        if name == "is_":
+            def is_(enum: str, *choices: str) -> Any:
+                self.read.add(enum)
+                return symbols.is_(enum, *choices)
+            return is_
+        self.read.add("*" if name in self._OPAQUE else name)
+        return getattr(symbols, name)
+
+
+def broken_rules_reading(facts: PlanFacts, rules: tuple, values: dict[str, Any]) -> list[tuple[Any, frozenset[str]]]:
+    """:func:`broken_rules`, each with the attributes its constraint read ("*": more than attributes).
+    A plan that agrees on those attributes takes the same path through the rule and breaks it too.
+    Derived attributes (``data_parallel``, ``world``) are read as themselves: a plan agrees on them
+    when it agrees on the degrees they are made of."""
+    symbols = Symbols(with_values(facts, values), values={})
+    out = []
+    with concrete():
+        for rule in rules:
+            if rule.constraint is None:
+                continue
+            reads = _Reads(symbols)
+            if not rule.constraint(reads):
+                out.append((rule, frozenset(reads.read)))
+    return out
