@@ -814,6 +814,10 @@ def search(req: Request, top: int = DEFAULT_TOP) -> Outcome:
     chosen.sort(key=lambda p: (round(p.step.seconds / fastest, 6), p.memory_bytes))
     for above, plan in zip(chosen, chosen[1:]):
         plan.reason = loses_because(plan.step, above.step)
+        if not plan.reason:
+            more = plan.memory_bytes - above.memory_bytes
+            plan.reason = ("the same predicted step time, " + (f"{_gib(more)} more memory per rank" if more >= 2**26 else
+                           "the same memory per rank (ranked by its order in the search)"))
     outcome.plans = chosen
     return outcome
 
@@ -857,7 +861,7 @@ def _plan(req: Request, loaded, values: dict, st: step_time.StepTime) -> Plan:
 
 
 def loses_because(slower: step_time.StepTime, faster: step_time.StepTime) -> str:
-    """What makes ``slower`` slower than ``faster``: the part of the step that grew the most."""
+    """What makes ``slower`` slower than ``faster``: the part of the step that grew the most ("" for a tie)."""
     def parts(st: step_time.StepTime) -> dict[str, float]:
         out = {"compute": st.compute, "pipeline bubble": st.bubble, "optimizer step": st.optimizer}
         for axes, seconds in st.exposed_communication.items():
@@ -869,7 +873,7 @@ def loses_because(slower: step_time.StepTime, faster: step_time.StepTime) -> str
     key = max(sorted(deltas), key=lambda k: deltas[k])
     total = (slower.seconds - faster.seconds) / faster.seconds
     if total < 5e-4:
-        return "the same predicted step time; it needs more memory per rank"
+        return ""  # a tie: the caller says how the two compare in memory
     if deltas[key] <= 0:
         return f"+{total:.1%} step time"
     return f"+{deltas[key] / faster.seconds:.1%} {key} (+{total:.1%} step time)"
