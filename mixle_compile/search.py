@@ -1,8 +1,8 @@
 """Plan search: the fastest verified plan for a model on a device budget (`mixle-compile plan`).
 
 A spec leaves the settings it wants chosen open: a mesh field written ``auto`` (or left out, when
-``--devices`` gives the budget or the spec has no mesh), and the training settings of how to
-train that it does not state (micro-batch size, activation checkpointing, distributed optimizer,
+``--devices`` gives the budget or the spec has no mesh; micro-batches and accumulation steps
+whenever left out), and the training settings of how to train that it does not state (micro-batch size, activation checkpointing, distributed optimizer,
 pipeline schedule and virtual stages, sequence parallelism). What it states stays fixed: the model,
 the devices, the backend, the sequence length and the global batch, which a user fixes for
 convergence.
@@ -53,6 +53,7 @@ TRAINING_FIELDS = (
     "virtual_pipeline_stages", "sequence_parallel",
 )
 CHECKPOINTING = ("none", "selective", "full")
+BATCH_SPLIT = ("microbatches", "gradient_accumulation_steps")
 #: The largest micro-batch size and number of virtual stages tried (larger ones only add memory
 #: in the step-time model, which prices a micro-step's work by its tokens).
 MAX_MICRO_BATCH = 16
@@ -138,7 +139,9 @@ def read_request(path: str | Path, *, devices: int | None = None) -> Request:
         raise SearchInputError([f"{name}: `mesh` must be a mapping of degrees or `auto`"])
     mesh = dict(mesh)
     for key in MESH_FIELDS:
-        if mesh.get(key) == "auto" or (key not in mesh and (whole_mesh or devices is not None)):
+        # Micro-batching splits the global batch: like the micro-batch size, it is chosen unless stated.
+        open_when_absent = whole_mesh or devices is not None or key in BATCH_SPLIT
+        if mesh.get(key) == "auto" or (key not in mesh and open_when_absent):
             searched.add(f"mesh.{key}")
             mesh.pop(key, None)
     training = data.get("training")

@@ -124,6 +124,8 @@ def test_fixed_fields_stay_and_auto_fields_are_searched(tmp_path):
         assert plan.values["activation_checkpointing"] == "full"
     assert {"mesh.pp", "mesh.dp_shard"} <= outcome.request.searched
     assert "mesh.cp" not in outcome.request.searched
+    # micro-batching splits the batch: chosen with the micro-batch size unless the spec states it
+    assert {"mesh.microbatches", "mesh.gradient_accumulation_steps", "training.micro_batch_size"} <= outcome.request.searched
 
 
 def test_devices_flag_searches_the_mesh_fields_left_out(tmp_path):
