@@ -66,13 +66,14 @@ def _comment_text(path: Path) -> str | None:
 
 
 def check_loaded(loaded: LoadedSpec, *, suggest: bool = False, config: "LintConfig | None" = None,
-                 source_text: str | None = None, group: bool = True) -> CheckResult:
+                 source_text: str | None = None, group: bool = True, verifier=None) -> CheckResult:
     """Verify a loaded spec (the verifier runs only on a spec that loaded cleanly).
 
     For a spec that loaded, the file's suppression comments and then the configuration's selection
     apply; a file that did not load reports its load errors as they are (nothing after them was
     checked, so silencing them would pass a file that was never verified). Findings at one field
-    are grouped into one.
+    are grouped into one. ``verifier``: a :class:`~mixle_compile.verify.engine.PlanVerifier` to
+    reuse across many specs of one shape.
     """
     from mixle_compile.config import LintConfig, apply_suppressions, select
 
@@ -84,7 +85,7 @@ def check_loaded(loaded: LoadedSpec, *, suggest: bool = False, config: "LintConf
     if loaded.ok:
         from mixle_compile.verify import verify_plan
 
-        verification = verify_plan(loaded.spec)
+        verification = verify_plan(loaded.spec, verifier)
         diagnostics += verification_diagnostics(verification, loaded.document)
         notes = _proof_notes(verification)
         diagnostics = apply_suppressions(diagnostics, source_text, loaded.file, report_unused=True)

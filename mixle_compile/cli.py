@@ -106,6 +106,14 @@ def build_parser() -> argparse.ArgumentParser:
     _import_arguments(export)
     export.set_defaults(run=_cmd_export)
 
+    plan = sub.add_parser("plan", help="search the fastest verified mesh for a spec's open (auto) settings on its devices")
+    plan.add_argument("spec", metavar="SPEC", help="spec file whose mesh fields are `auto` or left out (see docs/search.md)")
+    plan.add_argument("--devices", type=_positive, metavar="N", help="the device budget (mesh fields left out are then searched)")
+    plan.add_argument("--top", type=_positive, default=5, metavar="K", help="how many plans to print (default: 5)")
+    plan.add_argument("--write", type=Path, metavar="OUT", help="write the best plan as a complete spec (YAML)")
+    plan.add_argument("--format", choices=("text", "json"), default="text", help="output format (default: text)")
+    plan.set_defaults(run=_cmd_plan)
+
     graph = sub.add_parser("graph", help="print the decomposition graph of a spec")
     graph.add_argument("spec", metavar="SPEC", help="spec file")
     graph.add_argument("--format", choices=("dot", "mermaid", "text"), default="dot",
@@ -652,6 +660,33 @@ def _spec_of(path: str, options):
             print(d.text(), file=sys.stderr)
         return None, EXIT_USAGE if loaded.unreadable else EXIT_VIOLATIONS
     return loaded.spec, EXIT_CLEAN
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from mixle_compile.search import SearchInputError, outcome_data, outcome_text, read_request, search, spec_yaml
+
+    try:
+        request = read_request(args.spec, devices=args.devices)
+    except SearchInputError as exc:
+        for line in exc.lines:
+            print(line, file=sys.stderr)
+        return EXIT_USAGE
+    outcome = search(request, top=args.top)
+    if args.format == "json":
+        print(json.dumps(outcome_data(outcome), indent=2, sort_keys=True))
+    else:
+        sys.stdout.write(outcome_text(outcome))
+    if not outcome.plans:
+        print(f"mixle-compile plan: no valid plan for {args.spec}: {outcome.reason}", file=sys.stderr)
+        return EXIT_VIOLATIONS
+    if args.write is not None:
+        try:
+            args.write.write_text(spec_yaml(outcome.plans[0], args.spec), encoding="utf-8")
+        except OSError as exc:
+            print(f"mixle-compile plan: error: cannot write {args.write}: {exc.strerror or exc}", file=sys.stderr)
+            return EXIT_USAGE
+        print(f"wrote {args.write}", file=sys.stderr)
+    return EXIT_CLEAN
 
 
 def _cmd_graph(args: argparse.Namespace) -> int:

@@ -255,12 +255,23 @@ def _link_bandwidth(axes: list[str], degrees: dict[str, int], order: str, table:
     return table["intra_node"] if span < table["devices_per_node"] else table["inter_node"]
 
 
-def predict(
-    spec: dict, updates: list[dict], degrees: dict[str, int], order: str, bubble_fraction: float,
-    stage_layers: list[int], memory: list[dict],
-) -> StepTime:
-    """The step time of a plan, from its JSON sections (spec, updates, mesh degrees and order,
-    the schedule's bubble fraction, layers per stage, memory per stage)."""
+@dataclass(frozen=True)
+class _Setting:
+    """What a plan's step time depends on besides its collectives."""
+
+    model: dict
+    training: dict
+    backend: str
+    precision: str
+    kind: str
+    throughput: float | None
+    table: dict
+    linear_peak: float
+    other_peak: float
+    efficiency: float
+
+
+def _setting(spec: dict) -> _Setting:
     model = spec["model"]
     if model.get("family") != "transformer":
         raise NoPrediction("a step time is predicted for transformer models (a modules spec states no forward pass)")
@@ -269,45 +280,70 @@ def predict(
     precision = training.get("precision", "bf16")
     kind, throughput, table = _device(spec)
     linear_peak, other_peak = _peak(kind, throughput, table, precision)
-    efficiency = efficiency_of(kind, precision)
+    return _Setting(model, training, backend, precision, kind, throughput, table, linear_peak, other_peak, efficiency_of(kind, precision))
+
+
+def stage_compute(spec: dict, tp: int, cp: int, stage_layers: list[int]) -> tuple[list[float], list[float]]:
+    """Seconds of one micro-step on each pipeline stage, and the attention part of each: the
+    compute half of :func:`predict` (the plan search prices its candidates with it)."""
+    return _stage_compute(_setting(spec), tp, cp, stage_layers)
+
+
+def _stage_compute(st: _Setting, tp: int, cp: int, stage_layers: list[int]) -> tuple[list[float], list[float]]:
+    model, training, table = st.model, st.training, st.table
     # Attention and the output head run in 16-bit even in an fp8 step (Float8 converts the linears),
     # at the bf16 peak, with the step's efficiency.
-    other_efficiency = efficiency
-    tp, cp, pp = degrees["tp"], degrees["cp"], degrees["pp"]
-    micro_steps = degrees["microbatches"] * degrees["gradient_accumulation_steps"]
+    efficiency = other_efficiency = st.efficiency
     seq = training["seq_len"]
     tokens = training["micro_batch_size"] * seq / cp  # one rank's tokens per micro-step
     moe_every = model.get("moe_layer_frequency", 1)
-    activation_bytes = 4 if precision == "fp32" else 2
+    activation_bytes = 4 if st.precision == "fp32" else 2
     elementwise = ELEMENTWISE_BYTES["compiled" if "model" in compiled_components(training.get("compile", False)) else "eager"]
 
-    # The busiest stage's compute per micro-step (a layer's index fixes whether it is MoE).
-    # Backward costs twice the forward; the tp ranks of a stage split its matrix multiplications,
-    # and the routed tokens' expert work spreads evenly over the ranks that hold them.
+    # Each stage's compute per micro-step (a layer's index fixes whether it is MoE). Backward costs
+    # twice the forward; the tp ranks of a stage split its matrix multiplications, and the routed
+    # tokens' expert work spreads evenly over the ranks that hold them.
     per_stage, attention_of = [], []
     first = 0
+    kinds: dict[bool, _Layer] = {}
     for stage, count in enumerate(stage_layers):
+        # Layers of one kind (dense or MoE) cost the same: count each kind once.
+        moe_layers = sum(1 for layer in range(first, first + count)
+                         if model.get("num_experts", 0) > 0 and (layer + 1) % moe_every == 0)
         linear = attention = moved = 0.0
-        for layer in range(first, first + count):
-            moe = model.get("num_experts", 0) > 0 and (layer + 1) % moe_every == 0
-            f = _layer_flops(model, training, seq, backend, moe, tp)
-            linear += (3 * f.linear + f.recompute_linear) / tp
-            attention += (3 * f.attention + f.recompute_attention) / tp
-            moved += f.passes * (f.elementwise_width * activation_bytes * elementwise + f.score_elements * SCORE_BYTES)
+        for moe, n in ((False, count - moe_layers), (True, moe_layers)):
+            if not n:
+                continue
+            f = kinds.get(moe)
+            if f is None:
+                f = kinds[moe] = _layer_flops(model, training, seq, st.backend, moe, tp)
+            linear += n * (3 * f.linear + f.recompute_linear) / tp
+            attention += n * (3 * f.attention + f.recompute_attention) / tp
+            moved += n * f.passes * (f.elementwise_width * activation_bytes * elementwise + f.score_elements * SCORE_BYTES)
         first += count
-        attention_seconds = tokens * attention / (other_peak * other_efficiency * ATTENTION_EFFICIENCY)
-        seconds = tokens * linear / (linear_peak * efficiency) + attention_seconds + tokens * moved / table["memory_bandwidth"]
+        attention_seconds = tokens * attention / (st.other_peak * other_efficiency * ATTENTION_EFFICIENCY)
+        seconds = tokens * linear / (st.linear_peak * efficiency) + attention_seconds + tokens * moved / table["memory_bandwidth"]
         if stage == len(stage_layers) - 1:
-            seconds += tokens * 3 * 2 * model["hidden_size"] * model["vocab_size"] / tp / (other_peak * other_efficiency)
+            seconds += tokens * 3 * 2 * model["hidden_size"] * model["vocab_size"] / tp / (st.other_peak * other_efficiency)
         per_stage.append(seconds)
         attention_of.append(attention_seconds)
-    busiest = max(range(len(per_stage)), key=per_stage.__getitem__)
-    compute = micro_steps * per_stage[busiest]
+    return per_stage, attention_of
 
-    exposed: dict[str, float] = {}
-    hidden: dict[str, float] = {}
-    data_seconds = 0.0
-    context_seconds = 0.0
+
+def predict(
+    spec: dict, updates: list[dict], degrees: dict[str, int], order: str, bubble_fraction: float,
+    stage_layers: list[int], memory: list[dict],
+) -> StepTime:
+    """The step time of a plan, from its JSON sections (spec, updates, mesh degrees and order,
+    the schedule's bubble fraction, layers per stage, memory per stage)."""
+    st = _setting(spec)
+    training, table, backend = st.training, st.table, st.backend
+    tp = degrees["tp"]
+    micro_steps = degrees["microbatches"] * degrees["gradient_accumulation_steps"]
+    per_stage, attention_of = _stage_compute(st, tp, degrees["cp"], stage_layers)
+    busiest = max(range(len(per_stage)), key=per_stage.__getitem__)
+
+    traffic = []
     for u in updates:
         if u["stage"] != busiest:
             continue
@@ -319,12 +355,32 @@ def predict(
             # over the node's links (the scatter/gather optimisation, Narayanan et al. SC21 4.1;
             # with sequence parallelism the output is already split).
             seconds /= tp
-        seconds /= _link_bandwidth(u["mesh_axes"], degrees, order, table)
-        key = "+".join(u["mesh_axes"])
-        if u["payload"] in ("gradient", "parameter") and set(u["mesh_axes"]) <= _DATA_AXES | {"cp"}:
+        traffic.append((u["mesh_axes"], u["payload"], seconds / _link_bandwidth(u["mesh_axes"], degrees, order, table)))
+    state = memory[busiest] if memory else {}
+    state_bytes = sum(state.get(k, 0) for k in ("parameters", "gradients", "optimizer_state"))
+    return combine(st, degrees, micro_steps * per_stage[busiest], micro_steps * attention_of[busiest], traffic,
+                   bubble_fraction, state_bytes)
+
+
+def combine(st: "_Setting | dict", degrees: dict[str, int], compute: float, attention_share: float,
+            traffic: list[tuple[list[str], str, float]], bubble_fraction: float, state_bytes: float,
+            flops_per_token: float | None = None) -> StepTime:
+    """A step from its busiest stage's compute over the step (and the attention part of it), its
+    collectives as (mesh axes, payload kind, seconds on their link), the bubble fraction and the
+    bytes of parameters, gradients and optimizer state the optimizer step reads and writes: what
+    each engine hides and what stays exposed (the module docstring). ``flops_per_token``: the
+    model's :func:`model_flops_per_token`, when the caller has it already."""
+    st = _setting(st) if isinstance(st, dict) else st
+    exposed: dict[str, float] = {}
+    hidden: dict[str, float] = {}
+    data_seconds = 0.0
+    context_seconds = 0.0
+    for axes, payload, seconds in traffic:
+        key = "+".join(axes)
+        if payload in ("gradient", "parameter") and set(axes) <= _DATA_AXES | {"cp"}:
             data_seconds += seconds
             hidden[key] = hidden.get(key, 0.0) + seconds
-        elif u["mesh_axes"] == ["cp"]:
+        elif list(axes) == ["cp"]:
             context_seconds += seconds
             hidden[key] = hidden.get(key, 0.0) + seconds
         else:
@@ -333,28 +389,32 @@ def predict(
     # context-parallel traffic behind attention.
     if data_seconds > compute:
         exposed["data-parallel"] = data_seconds - compute
-    attention_share = micro_steps * attention_of[busiest]
     if context_seconds > attention_share:
         exposed["cp"] = exposed.get("cp", 0.0) + context_seconds - attention_share
     busy = compute + sum(exposed.values())
     bubble = busy * bubble_fraction / (1 - bubble_fraction) if bubble_fraction < 1 else 0.0
-    state = memory[busiest] if memory else {}
-    state_bytes = sum(state.get(k, 0) for k in ("parameters", "gradients", "optimizer_state"))
-    optimizer = 2 * state_bytes / table["memory_bandwidth"]
+    optimizer = 2 * state_bytes / st.table["memory_bandwidth"]
     total = busy + bubble + optimizer
 
+    model, training = st.model, st.training
+    seq = training["seq_len"]
     world = degrees["world_size"]
     global_tokens = training["global_batch_size"] * seq
-    per_token = model_flops_per_token(model, seq)
+    per_token = model_flops_per_token(model, seq) if flops_per_token is None else flops_per_token
     tokens_per_second = global_tokens / total
     tflops = per_token * tokens_per_second / world
-    peak = table.get("peak", {}).get(precision) if throughput is None else throughput
+    peak = st.table.get("peak", {}).get(st.precision) if st.throughput is None else st.throughput
     return StepTime(
         seconds=total, compute=compute, bubble=bubble, exposed_communication=exposed, hidden_communication=hidden,
         optimizer=optimizer, tokens_per_second=tokens_per_second, tokens_per_second_per_device=tokens_per_second / world,
         model_flops_per_token=per_token, tflops_per_device=tflops / 1e12, mfu=tflops / peak if peak else None,
-        efficiency=efficiency, peak_flops=linear_peak,
+        efficiency=st.efficiency, peak_flops=st.linear_peak,
     )
+
+
+def link_bandwidth(axes: list[str], degrees: dict[str, int], order: str, spec: dict) -> float:
+    """The bandwidth a group over ``axes`` gets in a plan of these degrees (:func:`predict`'s)."""
+    return _link_bandwidth(axes, degrees, order, _device(spec)[2])
 
 
 def predict_lowered(spec: Any, lowered: Any) -> StepTime:

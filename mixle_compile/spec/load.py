@@ -109,9 +109,10 @@ def _default_backend(doc: SourceDocument, backend: str | None) -> None:
         doc.data["backend"] = backend
 
 
-def validate_document(doc: SourceDocument, diags: list[Diagnostic]) -> LoadedSpec:
-    """Validate a document an importer built (its positions already point into the engine's file)."""
-    return _validate(doc, list(diags))
+def validate_document(doc: SourceDocument, diags: list[Diagnostic], base: Path | None = None) -> LoadedSpec:
+    """Validate a document an importer built (its positions already point into the engine's file);
+    ``base``: the folder a ``model: {from: hf, path: ...}`` is relative to."""
+    return _validate(doc, list(diags), base)
 
 
 def _validate(doc: SourceDocument, diags: list[Diagnostic], base: Path | None = None) -> LoadedSpec:

@@ -20,6 +20,7 @@ from typing import Any
 import z3
 
 from mixle_compile.verify.facts import ENUMS, PlanFacts
+from mixle_compile.verify.logic import Integer, concrete
 
 # Optional model fields and what they default to in the spec.
 _DEFAULTS = {"num_kv_heads": "num_heads", "moe_ffn_hidden_size": "ffn_hidden_size"}
@@ -27,12 +28,21 @@ _COUNTS = {"num_experts"}  # may be 0; every other integer is >= 1
 
 
 class Symbols:
-    """Z3 terms for one spec's values and the quantities derived from them."""
+    """Z3 terms for one spec's values and the quantities derived from them.
 
-    def __init__(self, facts: PlanFacts, *, elastic_world: bool = False):
+    With ``values`` (symbol -> value, the facts' own values for the symbols it omits) every
+    variable is that concrete value instead (integers as :class:`~mixle_compile.verify.logic.Integer`),
+    and rules read inside :func:`mixle_compile.verify.logic.concrete` evaluate to plain booleans:
+    :func:`broken_rules`.
+    """
+
+    def __init__(self, facts: PlanFacts, *, elastic_world: bool = False, values: dict[str, Any] | None = None):
         self.facts = facts
         self.variables: dict[str, Any] = {}
         self.domain: list[Any] = []  # what every value satisfies whatever the pins say
+        if values is not None:
+            self._concrete(facts, values)
+            return
         for f in facts.fields:
             if f.kind == "bool":
                 var = z3.Bool(f.symbol)
@@ -73,12 +83,35 @@ class Symbols:
             self.num_experts = z3.IntVal(0)
         self.split_dimensions = tuple((d, self.variables[d.symbol]) for d in facts.split_dimensions)
 
+    def _concrete(self, facts: PlanFacts, values: dict[str, Any]) -> None:
+        """The same attributes as the solver terms, as values (``dp_shard`` must be a number)."""
+        for f in facts.fields:
+            value = values.get(f.symbol, f.value)
+            var = bool(value) if f.kind == "bool" else Integer(int(value))
+            self.variables[f.symbol] = var
+            if f.symbol.isidentifier():
+                setattr(self, f.symbol, var)
+        if facts.dp_shard_auto:
+            raise ValueError("concrete symbols need a plan with dp_shard given as a number")
+        self.data_parallel = self.dp_replicate * self.dp_shard
+        self.world = self.data_parallel * self.tp * self.pp * self.cp
+        for name, default in _DEFAULTS.items():
+            if name not in self.variables and default in self.variables:
+                setattr(self, name, self.variables[default])
+        if facts.family == "transformer":
+            self.layers = self.num_layers
+        if "num_experts" not in self.variables:
+            self.num_experts = Integer(0)
+        self.split_dimensions = tuple((d, self.variables[d.symbol]) for d in facts.split_dimensions)
+
     # -- enumerations --------------------------------------------------------------------------
 
     def is_(self, enum: str, *choices: str) -> Any:
         """``v.is_("pipeline_schedule", "1f1b", "interleaved_1f1b")``: the field is one of these."""
         values = ENUMS[enum]
         var = self.variables[enum]
+        if not z3.is_expr(var):
+            return any(var == values.index(c) for c in choices)
         return z3.Or(*[var == values.index(c) for c in choices]) if choices else z3.BoolVal(False)
 
     # -- pins ------------------------------------------------------------------------------------
@@ -90,3 +123,64 @@ class Symbols:
         if z3.is_bool(var):
             return var == z3.BoolVal(bool(value))
         return var == int(value)
+
+
+def broken_rules(facts: PlanFacts, rules: tuple, values: dict[str, Any]) -> list:
+    """The rules of ``rules`` that the plan of ``facts`` with ``values`` breaks, read with concrete
+    values rather than solved: the same constraints, no solver (a screen for many plans; the
+    solver's verdict, :func:`mixle_compile.verify.verify_plan`, is the one that counts)."""
+    facts = with_values(facts, values)
+    symbols = Symbols(facts, values={})
+    with concrete():
+        return [r for r in rules if r.constraint is not None and not r.constraint(symbols)]
+
+
+def with_values(facts: PlanFacts, values: dict[str, Any]) -> PlanFacts:
+    """The facts with some fields' values replaced (a rule may read ``v.facts.value(...)``)."""
+    from dataclasses import replace
+
+    from mixle_compile.verify.facts import Field
+
+    fields = tuple(
+        Field(f.symbol, f.path, values[f.symbol], f.kind) if f.symbol in values and values[f.symbol] != f.value else f
+        for f in facts.fields
+    )
+    return replace(facts, fields=fields)
+
+
+class _Reads:
+    """Concrete symbols that note which attributes a rule reads (for ``is_``, the enumeration). A
+    rule that reaches past the attributes (``facts``, ``variables``) reads "everything"."""
+
+    _OPAQUE = frozenset({"facts", "variables", "split_dimensions", "domain"})
+
+    def __init__(self, symbols: Symbols):
+        self._symbols = symbols
+        self.read: set[str] = set()
+
+    def __getattr__(self, name: str) -> Any:
+        symbols = self.__dict__["_symbols"]
+        if name == "is_":
+            def is_(enum: str, *choices: str) -> Any:
+                self.read.add(enum)
+                return symbols.is_(enum, *choices)
+            return is_
+        self.read.add("*" if name in self._OPAQUE else name)
+        return getattr(symbols, name)
+
+
+def broken_rules_reading(facts: PlanFacts, rules: tuple, values: dict[str, Any]) -> list[tuple[Any, frozenset[str]]]:
+    """:func:`broken_rules`, each with the attributes its constraint read ("*": more than attributes).
+    A plan that agrees on those attributes takes the same path through the rule and breaks it too.
+    Derived attributes (``data_parallel``, ``world``) are read as themselves: a plan agrees on them
+    when it agrees on the degrees they are made of."""
+    symbols = Symbols(with_values(facts, values), values={})
+    out = []
+    with concrete():
+        for rule in rules:
+            if rule.constraint is None:
+                continue
+            reads = _Reads(symbols)
+            if not rule.constraint(reads):
+                out.append((rule, frozenset(reads.read)))
+    return out

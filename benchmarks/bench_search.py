@@ -1,0 +1,134 @@
+"""Plan search: how long `mixle-compile plan` takes, and where it ranks published layouts.
+
+    python benchmarks/bench_search.py            # search time for Llama 3 8B/70B/405B at several device counts
+    python benchmarks/bench_search.py --anchors  # every published row of bench_step_time.py, searched
+
+Timing: each search runs in this process (imports and the first solver call warmed by a small
+search first); the wall time and the process's CPU time are printed side by side (the CPU time
+is what the search costs; the wall time also counts other processes on a shared machine), with
+the candidates enumerated, screened with the verifier's rules and confirmed by `check`.
+
+Anchors: for every row of benchmarks/bench_step_time.py (published measurements), the search gets
+the row's model, device count and kind, global batch, sequence length, precision, compile setting
+and engine, and chooses everything else (mesh, micro-batching, checkpointing, schedule, virtual
+stages, distributed optimizer, sequence parallelism). Printed per row: the published layout's rank
+among the search's top 20 (exact settings, and the first plan on the published mesh degrees), the
+top choice, and the predicted step time of the published layout over the top choice's (>= 1: the
+top choice is predicted at least as fast). Nothing asserts.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import yaml  # noqa: E402
+
+from mixle_compile.search import MESH_FIELDS, TRAINING_FIELDS, read_request, search  # noqa: E402
+
+LLAMA = {
+    "8B": dict(vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, ffn_hidden_size=14336),
+    "70B": dict(vocab_size=128256, hidden_size=8192, num_layers=80, num_heads=64, num_kv_heads=8, ffn_hidden_size=28672),
+    "405B": dict(vocab_size=128256, hidden_size=16384, num_layers=126, num_heads=128, num_kv_heads=8, ffn_hidden_size=53248),
+}
+#: Llama 3's published pre-training batch: 16M tokens of 8192 (Dubey et al. 2024, 3.4.1) for 405B; the
+#: same batch in sequences for the others keeps every device count below it in the data-parallel range.
+GLOBAL_BATCH = 2048
+
+
+def timing_spec(size: str, devices: int, backend: dict) -> dict:
+    return {
+        "model": {"family": "transformer", **LLAMA[size]},
+        "training": {"global_batch_size": GLOBAL_BATCH, "seq_len": 8192, "precision": "bf16"},
+        "backend": backend,
+        "resources": {"devices": devices, "kind": "h100", "memory": "80GiB"},
+    }
+
+
+def run(data: dict, top: int = 5):
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "spec.yaml"
+        path.write_text(yaml.safe_dump(data, sort_keys=False))
+        wall, cpu = time.perf_counter(), time.process_time()
+        outcome = search(read_request(path), top=top)
+        return outcome, time.perf_counter() - wall, time.process_time() - cpu
+
+
+def timings() -> None:
+    run(timing_spec("8B", 8, {"name": "torchtitan", "version": "0.2"}), top=1)  # warm imports and the solver
+    print(f"{'model':6} {'devices':>7} {'backend':10} {'wall s':>7} {'cpu s':>6} {'enumerated':>11} {'screened':>9} {'checked':>8}  best")
+    for size, counts in (("8B", (64, 1024, 16384)), ("70B", (64, 1024, 16384)), ("405B", (512, 4096, 16384))):
+        for devices in counts:
+            for backend in ({"name": "torchtitan", "version": "0.2"}, {"name": "megatron", "version": "0.16"}):
+                outcome, wall, cpu = run(timing_spec(size, devices, backend))
+                best = outcome.plans[0].mesh_text() if outcome.plans else f"none: {outcome.reason}"
+                print(f"{size:6} {devices:7} {backend['name']:10} {wall:7.2f} {cpu:6.2f} {outcome.enumerated:11,} "
+                      f"{outcome.screened:9,} {outcome.confirmed:8}  {best}")
+
+
+def _rank(outcome, values: dict, keys) -> int | None:
+    return next((i for i, p in enumerate(outcome.plans, 1) if all(p.values[k] == values[k] for k in keys)), None)
+
+
+def anchors() -> None:
+    import bench_step_time as rows
+    from mixle_compile.lower.lowering import lower
+    from mixle_compile.spec import load_spec_text
+    from mixle_compile.step_time import predict_lowered
+
+    print("rank: the published layout's place in the top 20 (all settings searched); mesh: the first plan on its mesh degrees;")
+    print("ratio: published predicted step / top choice's; the starred columns search the mesh alone, the row's")
+    print("micro-batch, checkpointing, schedule and optimizer kept.")
+    print()
+    print(f"{'row':34} {'rank':>5} {'mesh':>5} {'ratio':>6} {'rank*':>6} {'ratio*':>6}  top choice (all searched)")
+    in_top = in_top_mesh = counted = 0
+    for label, data, _ in rows.ROWS:
+        loaded = load_spec_text(yaml.safe_dump(data), "row.yaml")
+        published = loaded.spec
+        published_seconds = predict_lowered(published, lower(published, schedule=False)).seconds
+        values = {**published.mesh.model_dump(), **published.training.model_dump()}
+        results = []
+        for keep_training in (False, True):
+            request = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
+            request.pop("mesh")
+            request["training"].pop("pipeline_layers", None)
+            if not keep_training:
+                for key in TRAINING_FIELDS:
+                    request["training"].pop(key, None)
+            outcome, wall, _ = run(request, top=20)
+            results.append((outcome, wall))
+        (free, wall), (kept, _) = results
+        if not free.plans:
+            print(f"{label:34} no plan: {free.reason}")
+            continue
+        show = lambda r: str(r) if r is not None else ">20"  # noqa: E731
+        rank = _rank(free, values, (*MESH_FIELDS, *TRAINING_FIELDS))
+        mesh_rank = _rank(free, values, ("dp_replicate", "dp_shard", "tp", "pp", "cp"))
+        kept_rank = _rank(kept, values, MESH_FIELDS) if kept.plans else None
+        kept_ratio = f"{published_seconds / kept.plans[0].step.seconds:6.3f}" if kept.plans else "     -"
+        top = free.plans[0]
+        counted += 1
+        in_top += rank is not None and rank <= 5
+        in_top_mesh += kept_rank is not None and kept_rank <= 5
+        print(f"{label:34} {show(rank):>5} {show(mesh_rank):>5} {published_seconds / top.step.seconds:6.3f} {show(kept_rank):>6} "
+              f"{kept_ratio}  {top.mesh_text()}; {top.training_text()} ({wall:.1f}s)")
+    print(f"\npublished layout in the top 5: {in_top} of {counted} rows with every setting searched, "
+          f"{in_top_mesh} of {counted} with the row's training settings kept")
+
+
+def main(argv: list[str]) -> int:
+    if "--anchors" in argv:
+        anchors()
+    else:
+        timings()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

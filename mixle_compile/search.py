@@ -1,0 +1,966 @@
+"""Plan search: the fastest verified plan for a model on a device budget (`mixle-compile plan`).
+
+A spec leaves the settings it wants chosen open: a mesh field written ``auto`` (or left out, when
+``--devices`` gives the budget or the spec has no mesh; micro-batches and accumulation steps
+whenever left out), and the training settings of how to train that it does not state (micro-batch size, activation checkpointing, distributed optimizer,
+pipeline schedule and virtual stages, sequence parallelism). What it states stays fixed: the model,
+the devices, the backend, the sequence length and the global batch, which a user fixes for
+convergence.
+
+The search (docs/search.md):
+
+1. **enumerates** meshes: every factorisation of the device count into dp_replicate, dp_shard,
+   tp, pp, cp (and ep, etp for a mixture of experts) whose data-parallel size divides the global
+   batch, each with the settings its candidates vary (micro-batch sizes dividing a rank's share,
+   checkpointing modes, schedules and virtual stages, the distributed optimizer). Only pure
+   divisibility filters here (a speed path); validity is the verifier's.
+2. **prices** candidates with the step-time model (:mod:`mixle_compile.step_time`): each stage's
+   compute (``stage_compute``), the lowering's own collectives (lower/updates.py) for the model cut
+   to two layers, scaled to the stage's layers, micro-batch and micro-steps, and ``combine`` for
+   what each engine hides, the bubble and the optimizer step: the figure `explain` gives the
+   written spec (tests hold the two together).
+3. goes **best first**: a mesh is opened (its candidates priced) only when no priced candidate is
+   estimated below its lower bound (compute, tp and ep traffic, the data-parallel traffic that
+   compute cannot hide, the least bubble), so most meshes are never priced; checkpointing modes
+   whose most frugal candidate the memory rule refuses are dropped first (the memory model grows
+   with every setting a mesh's candidates vary).
+4. **screens** candidates in order of their step time with the verifier's own rules read with
+   values (:func:`mixle_compile.verify.symbols.broken_rules`: the same constraints, no solver) and
+   **confirms** each survivor with the real `check` (:func:`mixle_compile.check.check_loaded`, the
+   solver), until ``top`` plans pass.
+
+Every plan it returns is one `check` accepted.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mixle_compile import step_time
+from mixle_compile.diagnostics import Severity
+from mixle_compile.memory_model import fsdp_shards
+from mixle_compile.verify.wording import divisors
+
+#: Mesh fields the search chooses when the spec leaves them open.
+MESH_FIELDS = ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep", "etp", "microbatches", "gradient_accumulation_steps")
+#: Training settings of how to train that the search chooses when the spec does not state them.
+TRAINING_FIELDS = (
+    "micro_batch_size", "activation_checkpointing", "distributed_optimizer", "pipeline_schedule",
+    "virtual_pipeline_stages", "sequence_parallel",
+)
+CHECKPOINTING = ("none", "selective", "full")
+BATCH_SPLIT = ("microbatches", "gradient_accumulation_steps")
+#: The largest micro-batch size and number of virtual stages tried (larger ones only add memory
+#: in the step-time model, which prices a micro-step's work by its tokens).
+MAX_MICRO_BATCH = 16
+MAX_VIRTUAL_STAGES = 8
+DEFAULT_TOP = 5
+#: A mesh is not opened while a priced candidate is estimated within this fraction of its bound:
+#: plans that close are ties for the model, and opening every tie is what makes a search slow.
+TOLERANCE = 0.01
+
+
+class SearchInputError(ValueError):
+    """The spec cannot be searched as written (exit 2): each line says what, where and how to fix."""
+
+    def __init__(self, lines: list[str]):
+        super().__init__("; ".join(lines))
+        self.lines = lines
+
+
+@dataclass(frozen=True)
+class Request:
+    file: str
+    data: dict  # the spec as written, the searched fields at placeholder values or left out
+    searched: frozenset[str]  # "mesh.tp", "training.micro_batch_size", ...
+    devices: int
+    spec: Any  # the validated placeholder spec (pydantic Spec)
+
+
+@dataclass
+class Plan:
+    values: dict[str, Any]
+    spec_data: dict
+    step: step_time.StepTime
+    memory_bytes: float  # the heaviest rank, as the lowering prices it
+    device_memory: int
+    estimate: float
+    reason: str = ""  # why it loses to the plan above
+
+    def mesh_text(self) -> str:
+        return " ".join(f"{k} {self.values[k]}" for k in MESH_FIELDS if k in self.values)
+
+    def training_text(self) -> str:
+        return ", ".join(f"{k} {_show(self.values[k])}" for k in TRAINING_FIELDS if k in self.values)
+
+
+@dataclass
+class Outcome:
+    request: Request
+    plans: list[Plan] = field(default_factory=list)
+    enumerated: int = 0
+    screened: int = 0
+    confirmed: int = 0
+    rejections: Counter = field(default_factory=Counter)  # rule code -> candidates it refused
+    refused_by_check: int = 0  # screened valid, refused by the solver (should stay 0)
+    reason: str = ""  # why nothing was found
+
+
+def _show(value: Any) -> str:
+    return ("true" if value else "false") if isinstance(value, bool) else str(value)
+
+
+# --------------------------------------------------------------------------- reading the request
+
+
+def read_request(path: str | Path, *, devices: int | None = None) -> Request:
+    """The spec with its open fields marked; raises :class:`SearchInputError` for bad input."""
+    from mixle_compile.spec.load import validate_document
+    from mixle_compile.spec.source import SourceError, read_source
+
+    name = str(path)
+    try:
+        doc, diags = read_source(path, display_name=name)
+    except SourceError as exc:
+        raise SearchInputError([d.text() for d in exc.diagnostics])
+    data = doc.data
+    if not isinstance(data, dict):
+        raise SearchInputError([f"{name}: a spec is a mapping of sections (model, mesh, training, backend, resources)"])
+    searched: set[str] = set()
+    mesh = data.get("mesh")
+    whole_mesh = mesh is None or mesh == "auto"
+    if whole_mesh:
+        mesh = {}
+    if not isinstance(mesh, dict):
+        raise SearchInputError([f"{name}: `mesh` must be a mapping of degrees or `auto`"])
+    mesh = dict(mesh)
+    for key in MESH_FIELDS:
+        # Micro-batching splits the global batch: like the micro-batch size, it is chosen unless stated.
+        open_when_absent = whole_mesh or devices is not None or key in BATCH_SPLIT
+        if mesh.get(key) == "auto" or (key not in mesh and open_when_absent):
+            searched.add(f"mesh.{key}")
+            mesh.pop(key, None)
+    training = data.get("training")
+    if not isinstance(training, dict):
+        raise SearchInputError([f"{name}: `training` must be a mapping with at least global_batch_size and seq_len"])
+    training = dict(training)
+    if training.get("global_batch_size") in (None, "auto"):
+        raise SearchInputError([
+            f"{name}: `training.global_batch_size` must be given: the search keeps the global batch fixed "
+            "(it decides convergence) and chooses how to split it; write e.g. `global_batch_size: 256`"
+        ])
+    for key in TRAINING_FIELDS:
+        if training.get(key, "auto") == "auto":
+            searched.add(f"training.{key}")
+            training.pop(key, None)
+    if "mesh.pp" in searched and isinstance(training.get("pipeline_layers"), list):
+        raise SearchInputError([
+            f"{name}: `training.pipeline_layers` lists a split for one pipeline size while `mesh.pp` is searched; "
+            "remove the list (the engine's split is used) or give `mesh.pp`"
+        ])
+    if data.get("elastic") is not None:
+        raise SearchInputError([
+            f"{name}: the search chooses a plan for one world size; remove `elastic`, search, then add the range back "
+            "(`check` proves it over the chosen plan)"
+        ])
+    resources = data.get("resources")
+    if not isinstance(resources, dict):
+        raise SearchInputError([f"{name}: `resources` must be a mapping with devices, kind and memory"])
+    resources = dict(resources)
+    if devices is not None:
+        if isinstance(resources.get("devices"), list):
+            raise SearchInputError([f"{name}: --devices replaces a device count; this spec lists its device groups"])
+        resources["devices"] = devices
+    elif resources.get("devices") == "auto":
+        raise SearchInputError([f"{name}: `resources.devices: auto` needs the budget: give --devices N"])
+    world = resources.get("devices")
+    if isinstance(world, list):
+        world = sum(g.get("count", 1) for g in world if isinstance(g, dict))
+    if not isinstance(world, int) or isinstance(world, bool) or world < 1:
+        raise SearchInputError([f"{name}: `resources.devices` must be a device count (or give --devices N)"])
+
+    # Placeholders the spec validates with: the fixed degrees, dp_shard taking the rest.
+    fixed = 1
+    for key in ("dp_replicate", "tp", "pp", "cp"):
+        value = mesh.get(key, 1)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            fixed *= value
+    if "mesh.dp_shard" in searched:
+        if world % fixed:
+            raise SearchInputError([
+                f"{name}: the fixed mesh degrees multiply to {fixed}, which does not divide the {world} devices; "
+                "change them or set them to `auto`"
+            ])
+        mesh["dp_shard"] = world // fixed
+    base = {**data, "mesh": mesh, "training": training, "resources": resources}
+    doc.data = base
+    loaded = validate_document(doc, list(diags), Path(path).parent)
+    if not loaded.ok:
+        raise SearchInputError([d.text() for d in loaded.diagnostics if d.severity is Severity.error])
+    spec = loaded.spec
+    if getattr(spec.model, "family", None) != "transformer":
+        raise SearchInputError([
+            f"{name}: `plan` searches transformer specs (the step-time model prices a transformer's forward "
+            "and backward passes); this model is a {spec.model.family} model"
+        ])
+    if spec.mesh.dp_shard == "auto":
+        raise SearchInputError([f"{name}: write `mesh.dp_shard: auto` only with the other degrees fixed; for a search leave it out"])
+    if (spec.model.num_experts or 0) == 0:
+        for key in ("ep", "etp"):
+            searched.discard(f"mesh.{key}")
+    return Request(name, base, frozenset(searched), spec.resources.device_count, spec)
+
+
+# --------------------------------------------------------------------------- enumerating
+
+
+@dataclass
+class Mesh:
+    """A factorisation of the devices, and the settings its candidates vary over."""
+
+    degrees: dict[str, int]
+    batches: list[dict]
+    schedules: list[dict]
+    checkpointing: list[str]
+    distributed: list[bool]
+    sequence_parallel: bool
+    bound: float = 0.0  # no candidate of this mesh is estimated faster (seconds)
+    order: int = 0
+    too_large: list[dict] = field(default_factory=list)  # candidates the memory rule refused
+
+    @property
+    def size(self) -> int:
+        return len(self.batches) * len(self.schedules) * len(self.checkpointing) * len(self.distributed)
+
+    def values(self, batch: dict, schedule: dict, ckpt: str, dist: bool) -> dict:
+        return {**self.degrees, **batch, **schedule, "activation_checkpointing": ckpt, "distributed_optimizer": dist,
+                "sequence_parallel": self.sequence_parallel}
+
+    def candidates(self, refused=None) -> list[dict]:
+        """Every candidate, less the schedules ``refused`` (given one candidate of a schedule) refuses whole."""
+        out = []
+        for sc in self.schedules:
+            if refused is not None and refused(self.values(self.batches[0], sc, self.checkpointing[0], self.distributed[0])):
+                continue
+            out += [self.values(b, sc, c, d) for b in self.batches for c in self.checkpointing for d in self.distributed]
+        return out
+
+    def outgrows(self, values: dict) -> bool:
+        """Whether a candidate needs at least the memory of one that did not fit: the same schedule, a
+        micro-batch at least as large, no more recomputation, and no distributed optimizer where that
+        one had none (the memory model grows with each)."""
+        for other in self.too_large:
+            if (other["pipeline_schedule"] == values["pipeline_schedule"]
+                    and other["virtual_pipeline_stages"] == values["virtual_pipeline_stages"]
+                    and values["micro_batch_size"] >= other["micro_batch_size"]
+                    and CHECKPOINTING.index(values["activation_checkpointing"]) <= CHECKPOINTING.index(other["activation_checkpointing"])
+                    and values["distributed_optimizer"] <= other["distributed_optimizer"]):
+                return True
+        return False
+
+    def fitting_checkpointing(self, too_large) -> list[str]:
+        """The checkpointing modes whose frugal candidate the memory rule does not refuse (``too_large``
+        screens one candidate): the mode with the most recomputation first, then the lighter ones."""
+        modes = sorted(self.checkpointing, key=CHECKPOINTING.index, reverse=True)
+        fitting: list[str] = []
+        for mode in modes:
+            if too_large(self.frugal(mode)):
+                break
+            fitting.append(mode)
+        return sorted(fitting, key=CHECKPOINTING.index)
+
+    def frugal(self, ckpt: str | None = None) -> dict:
+        """The candidate that needs the least memory: the most recomputation, the smallest micro-batch, no
+        interleaving, the distributed optimizer where offered (the memory model grows with each of the others)."""
+        ckpt = ckpt or max(self.checkpointing, key=CHECKPOINTING.index)
+        schedule = min(self.schedules, key=lambda sc: sc["virtual_pipeline_stages"])
+        return self.values(self.batches[0], schedule, ckpt, self.distributed[-1])
+
+
+def enumerate_meshes(req: Request) -> list[Mesh]:
+    """Every factorisation of the devices the spec leaves open, with its candidates' settings (pure
+    divisibility filters only; validity is the verifier's)."""
+    spec = req.spec
+    model, mesh, t = spec.model, spec.mesh, spec.training
+    W = req.devices
+    gb = t.global_batch_size
+    s = req.searched
+
+    def choices(key: str, options) -> list:
+        section = "mesh" if key in MESH_FIELDS else "training"
+        return list(options) if f"{section}.{key}" in s else [getattr(mesh if section == "mesh" else t, key)]
+
+    heads = model.num_heads
+    experts = model.num_experts or 0
+    out: list[Mesh] = []
+    for tp in choices("tp", [d for d in divisors(W) if heads % d == 0]):
+        if W % tp:
+            continue
+        for cp in choices("cp", divisors(W // tp)):
+            if W % (tp * cp):
+                continue
+            for pp in choices("pp", [d for d in divisors(W // (tp * cp)) if d <= model.num_layers]):
+                if W % (tp * cp * pp):
+                    continue
+                dp = W // (tp * cp * pp)
+                if gb % dp:
+                    continue
+                batches = _batch_choices(choices, gb // dp, pp)
+                schedules = _schedule_choices(choices, pp, model.num_layers)
+                if not batches or not schedules:
+                    continue
+                for dp_shard in choices("dp_shard", divisors(dp)):
+                    if dp % dp_shard:
+                        continue
+                    dp_replicate = dp // dp_shard
+                    if "mesh.dp_replicate" not in s and dp_replicate != mesh.dp_replicate:
+                        continue
+                    distributed = choices("distributed_optimizer", (False, True) if dp_shard == 1 and dp_replicate > 1 else (False,))
+                    sp = choices("sequence_parallel", [tp > 1])[0]
+                    for ep, etp in _expert_choices(choices, experts, W // pp, tp):
+                        degrees = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp, "pp": pp, "cp": cp, "ep": ep, "etp": etp}
+                        out.append(Mesh(degrees, batches, schedules, choices("activation_checkpointing", CHECKPOINTING),
+                                        distributed, sp, order=len(out)))
+    return out
+
+
+def _expert_choices(choices, experts: int, non_pipeline: int, tp: int):
+    if experts == 0:
+        return [(1, 1)]
+    eps = choices("ep", [d for d in divisors(non_pipeline) if experts % d == 0])
+    return [(ep, etp) for ep in eps for etp in choices("etp", sorted({1, tp}))]
+
+
+def _batch_choices(choices, local: int, pp: int) -> list[dict]:
+    """Micro-batch size, micro-batches and accumulation splitting one data-parallel rank's share,
+    the smallest micro-batch first. Without a pipeline the share is accumulated; with one it runs
+    as micro-batches of one schedule (one flush per step: accumulation would only add bubbles)."""
+    out = []
+    for mbs in choices("micro_batch_size", [d for d in divisors(local) if d <= MAX_MICRO_BATCH]):
+        if local % mbs:
+            continue
+        steps = local // mbs
+        for m in choices("microbatches", [1] if pp == 1 else [steps]):
+            if steps % m:
+                continue
+            for ga in choices("gradient_accumulation_steps", [steps // m]):
+                if m * ga == steps:
+                    out.append({"micro_batch_size": mbs, "microbatches": m, "gradient_accumulation_steps": ga})
+    return sorted(out, key=lambda b: b["micro_batch_size"])
+
+
+def _schedule_choices(choices, pp: int, layers: int) -> list[dict]:
+    if pp == 1:
+        return [{"pipeline_schedule": s, "virtual_pipeline_stages": v}
+                for s in choices("pipeline_schedule", ["1f1b"]) for v in choices("virtual_pipeline_stages", [1])]
+    out = []
+    for schedule in choices("pipeline_schedule", ["1f1b", "interleaved_1f1b"]):
+        stages = [1] if schedule != "interleaved_1f1b" else [v for v in range(2, MAX_VIRTUAL_STAGES + 1) if pp * v <= layers]
+        for v in choices("virtual_pipeline_stages", stages):
+            out.append({"pipeline_schedule": schedule, "virtual_pipeline_stages": v})
+    return out
+
+
+# --------------------------------------------------------------------------- pricing
+
+
+class _Pricer:
+    """The arithmetic estimate of a candidate's step time (the search's order, not its verdict)."""
+
+    def __init__(self, req: Request):
+        from mixle_compile.engines import engine_profile
+        from mixle_compile.verify import plan_facts
+
+        self.req = req
+        self.spec_data = req.spec.model_dump(mode="json", exclude_none=True)
+        self.setting = step_time._setting(self.spec_data)
+        self.engine = engine_profile(req.spec.backend)
+        self.footprint = plan_facts(req.spec).footprint
+        self.order = req.spec.mesh.order or "tp-cp-ep-dp-pp"
+        self._compute: dict[tuple, tuple] = {}
+        self._links: dict[tuple, float] = {}
+        self._grad_cache: dict[tuple, Any] = {}
+        self._reduced_spec = None
+        self._kinds: dict[str, int] | None = None
+        self.flops_per_token = step_time.model_flops_per_token(self.spec_data["model"], req.spec.training.seq_len)
+
+    def _stage(self, v: dict) -> tuple[list[int], list[float], list[float], Any]:
+        """Layers per stage, and each stage's seconds (all, attention) per micro-step; a micro-step's
+        compute is proportional to its tokens, so it is computed once per micro-batch of one sample."""
+        from mixle_compile.layer_split import split_layers
+
+        key = (v["tp"], v["cp"], v["pp"], v["virtual_pipeline_stages"], v["activation_checkpointing"], v["sequence_parallel"])
+        hit = self._compute.get(key)
+        if hit is None:
+            t = self.req.spec.training
+            split = split_layers(self.req.spec.model.num_layers, v["pp"], v["virtual_pipeline_stages"], t.pipeline_layers,
+                                 self.engine.name)
+            layers = [split.layers_on_stage(st) for st in range(v["pp"])]
+            training = {**self.spec_data["training"], "micro_batch_size": 1,
+                        "activation_checkpointing": v["activation_checkpointing"], "sequence_parallel": v["sequence_parallel"]}
+            st = step_time._Setting(**{**self.setting.__dict__, "training": training})
+            per_stage, attention = step_time._stage_compute(st, v["tp"], v["cp"], layers)
+            hit = self._compute[key] = (layers, per_stage, attention, st)
+        layers, per_stage, attention, st = hit
+        b = v["micro_batch_size"]
+        return layers, [x * b for x in per_stage], [x * b for x in attention], st
+
+    def link(self, axes: tuple[str, ...], degrees: dict) -> float:
+        key = (axes, degrees["dp_replicate"], degrees["dp_shard"], degrees["tp"], degrees["pp"], degrees["cp"], degrees["ep"],
+               degrees["etp"])
+        bw = self._links.get(key)
+        if bw is None:
+            bw = self._links[key] = step_time.link_bandwidth(list(axes), degrees, self.order, self.spec_data)
+        return bw
+
+    def _reduced(self):
+        """The spec's model cut to its first two layers (a dense and a MoE one where it has both), as
+        the memory rule's footprint reads it."""
+        if self._reduced_spec is None:
+            spec = self.req.spec
+            model = spec.model
+            if model.num_layers > 2:
+                spec = spec.model_copy(update={"model": model.model_copy(update={"num_layers": 2})})
+            self._reduced_spec = spec
+        return self._reduced_spec
+
+    def _updates(self, v: dict) -> tuple[Any, list, Any]:
+        """The placed parameters of the two-layer model, and its updates per step, each with what its
+        count per step grows with ("steps": accumulation steps, "micro": micro-steps, "tokens": the
+        micro-batch's tokens times micro-steps, "once"), for one micro-batch of one sample."""
+        from mixle_compile.contracts import ParallelPlan
+        from mixle_compile.layer_split import split_layers
+        from mixle_compile.lower.layouts import place_parameters
+        from mixle_compile.lower.updates import activation_updates, gradient_updates
+        from mixle_compile.parameters import model_parameters
+
+        key = tuple(v[k] for k in ("dp_replicate", "dp_shard", "tp", "cp", "ep", "etp", "distributed_optimizer", "sequence_parallel"))
+        hit = self._grad_cache.get(key)
+        if hit is None:
+            spec = self._reduced()
+            spec = spec.model_copy(update={"training": spec.training.model_copy(update={
+                "micro_batch_size": 1, "sequence_parallel": v["sequence_parallel"], "distributed_optimizer": v["distributed_optimizer"]})})
+            model = spec.model
+            layers = model.num_layers
+
+            def plan(steps: int) -> ParallelPlan:
+                return ParallelPlan(dp_replicate=v["dp_replicate"], dp_shard=v["dp_shard"], tp=v["tp"], pp=1, cp=v["cp"], ep=v["ep"],
+                                    etp=v["etp"], microbatches=1, gradient_accumulation_steps=steps)
+
+            placed = place_parameters(
+                model_parameters(spec), plan(1), num_layers=layers, distributed_optimizer=v["distributed_optimizer"],
+                num_kv_heads=model.num_kv_heads or model.num_heads, fsdp_over_cp=self.engine.fsdp_over_cp,
+                layer_split=split_layers(layers, 1, 1, None, self.engine.name),
+            )
+            options = dict(sequence_parallel=v["sequence_parallel"], distributed_optimizer=v["distributed_optimizer"])
+            # Counted with 2 accumulation steps of 3 micro-steps each: a count of 1, 2 or 3 per step says
+            # whether an update runs once, per accumulation step or per micro-step.
+            grows = {1: "once", 2: "steps", 3: "micro"}
+            updates = [(u, grows[u.occurrences_per_step]) for u in gradient_updates(placed, plan(2), microbatches_per_step=3, **options)]
+            updates += self._activations(v)
+            hit = self._grad_cache[key] = (placed, updates, plan(1))
+        return hit
+
+    def _where(self, placed_parameter) -> str:
+        from mixle_compile.parameters import is_moe_layer
+
+        layer = placed_parameter.parameter.layer
+        if layer is None:
+            return "first" if placed_parameter.parameter.role == "embedding" else "last"
+        return "moe" if is_moe_layer(self._reduced().model, layer) else "dense"
+
+    def _kind_counts(self) -> dict[str, int]:
+        if self._kinds is None:
+            from mixle_compile.parameters import is_moe_layer
+
+            model = self._reduced().model
+            moe = sum(1 for i in range(model.num_layers) if is_moe_layer(model, i))
+            self._kinds = {"moe": moe, "dense": model.num_layers - moe, "first": 1, "last": 1}
+        return self._kinds
+
+    def _activations(self, v: dict) -> list:
+        """The activation updates alone (they depend on tp, cp, ep, etp and sequence parallelism only)."""
+        akey = ("activations", v["tp"], v["cp"], v["ep"], v["etp"], v["sequence_parallel"])
+        if akey not in self._grad_cache:
+            from mixle_compile.contracts import ParallelPlan
+            from mixle_compile.lower.updates import activation_updates
+
+            spec = self._reduced()
+            spec = spec.model_copy(update={"training": spec.training.model_copy(update={
+                "micro_batch_size": 1, "sequence_parallel": v["sequence_parallel"]})})
+            plan = ParallelPlan(dp_replicate=v["dp_replicate"], dp_shard=v["dp_shard"], tp=v["tp"], pp=1, cp=v["cp"], ep=v["ep"],
+                                etp=v["etp"])
+            layers = spec.model.num_layers
+            self._grad_cache[akey] = [(u, "tokens") for u in activation_updates(spec, plan, {i: 0 for i in range(layers)})]
+        return self._grad_cache[akey]
+
+    def _summary(self, v: dict, activations_only: bool) -> dict:
+        """The updates' bytes per step summed by (layer kind, what they grow with, axes, payload)."""
+        key = ("summary", activations_only, *(v[k] for k in ("tp", "cp", "ep", "etp", "sequence_parallel")),
+               *(() if activations_only else (v["dp_replicate"], v["dp_shard"], v["distributed_optimizer"])))
+        hit = self._grad_cache.get(key)
+        if hit is None:
+            if activations_only:
+                placed, updates = (), self._activations(v)
+            else:
+                placed, updates, _ = self._updates(v)
+            where = {p.name: self._where(p) for p in placed}
+            model = self._reduced().model
+            hit = {}
+            for u, grows in updates:
+                axes = tuple(str(getattr(a, "value", a)) for a in u.update.mesh_axes)
+                if "tied" in axes or axes == ("pp",):
+                    continue
+                kind = where.get(u.tensor) or _site_kind(u.tensor, model)
+                slot = hit.setdefault(kind, {}).setdefault(grows, {})
+                # per occurrence for gradients and gathers (scaled by what they grow with); activations
+                # carry their per-micro-step count (virtual boundaries) already
+                nbytes = u.bytes_per_rank_per_step / (u.occurrences_per_step if grows != "tokens" else 1)
+                slot[(axes, u.update.payload.value)] = slot.get((axes, u.update.payload.value), 0.0) + nbytes
+            self._grad_cache[key] = hit
+        return hit
+
+    def _traffic(self, v: dict, dense: int, moe: int, first: bool, last: bool, activations_only: bool = False) -> list:
+        """Bytes per step each rank of a stage with these layers sends, by axes and payload (no pp)."""
+        summary = self._summary(v, activations_only)
+        kinds = self._kind_counts()
+        times = {"dense": dense, "moe": moe, "first": int(first), "last": int(last)}
+        micro = v["microbatches"] * v["gradient_accumulation_steps"]
+        scale = {"once": 1, "steps": v["gradient_accumulation_steps"], "micro": micro, "tokens": micro * v["micro_batch_size"]}
+        out: dict[tuple, float] = {}
+        for kind, by_growth in summary.items():
+            if not times[kind] or not kinds[kind]:
+                continue
+            share = times[kind] / kinds[kind]
+            for grows, entries in by_growth.items():
+                factor = scale[grows] * share
+                for key, nbytes in entries.items():
+                    out[key] = out.get(key, 0.0) + nbytes * factor
+        return [(axes, payload, nbytes) for (axes, payload), nbytes in out.items()]
+
+    def _state_bytes(self, v: dict, dense: int, moe: int, first: bool, last: bool) -> float:
+        """Parameters, gradients and optimizer state a rank of the stage holds, as the lowering prices them."""
+        from mixle_compile.lower.memory import stage_memory
+
+        key = ("state", *(v[k] for k in ("dp_replicate", "dp_shard", "tp", "cp", "ep", "etp", "distributed_optimizer",
+                                         "sequence_parallel")))
+        per = self._grad_cache.get(key)
+        if per is None:
+            placed, _, plan = self._updates(v)
+            kinds = self._kind_counts()
+            per = {}
+            for kind in kinds:
+                mine = tuple(p for p in placed if self._where(p) == kind)
+                if mine and kinds[kind]:
+                    m = stage_memory(self._reduced(), plan, mine)[0]
+                    per[kind] = (m.parameters + m.gradients + m.optimizer_state) / kinds[kind]
+            self._grad_cache[key] = per
+        times = {"dense": dense, "moe": moe, "first": int(first), "last": int(last)}
+        return sum(per.get(kind, 0.0) * n for kind, n in times.items())
+
+    def bound(self, mesh: Mesh) -> float:
+        """Seconds no candidate of ``mesh`` is estimated below: the least compute over its layer splits
+        (no more recomputation than its lightest checkpointing), its tp, ep and pp traffic (the same for
+        every micro-batch split, pp's least without interleaving), and the bubble of its most micro-batches
+        and virtual stages; data-parallel and context-parallel exposure and the optimizer step count 0."""
+        from mixle_compile.schedules import bubble_fraction
+
+        batch = mesh.batches[0]
+        least = min(mesh.checkpointing, key=CHECKPOINTING.index)
+        micro_steps = batch["microbatches"] * batch["gradient_accumulation_steps"]
+        degrees = {**mesh.degrees, "world_size": self.req.devices}
+        key = ("bound", mesh.degrees["tp"], mesh.degrees["cp"], mesh.degrees["pp"], mesh.degrees["ep"], mesh.degrees["etp"],
+               mesh.sequence_parallel, least, batch["micro_batch_size"], micro_steps,
+               tuple(sc["virtual_pipeline_stages"] for sc in mesh.schedules))
+        hit = self._grad_cache.get(key)
+        if hit is None:
+            compute = exposed = math.inf
+            stages = []
+            for sc in mesh.schedules:
+                values = mesh.values(batch, sc, least, False)
+                layers, per_stage, _, _ = self._stage(values)
+                busiest = max(range(len(per_stage)), key=per_stage.__getitem__)
+                compute = min(compute, micro_steps * per_stage[busiest])
+                count = layers[busiest]
+                moe = self._moe_on(count)
+                seconds = sum(nbytes / self.link(axes, degrees) for axes, payload, nbytes in self._traffic(
+                    values, count - moe, moe, busiest == 0, busiest == len(layers) - 1, activations_only=True)
+                    if axes in (("tp",), ("ep",)))
+                exposed = min(exposed, seconds)
+                stages.append((count - moe, busiest == 0, busiest == len(layers) - 1))
+            hit = self._grad_cache[key] = (compute, exposed, stages)
+        compute, exposed, stages = hit
+        data = min(self._data_lower_bound(mesh, degrees, *stage) for stage in stages)
+        # Data-parallel traffic hides behind compute up to the compute's length: the step is busy for
+        # at least the longer of the two.
+        busy = max(compute, data) + exposed
+        pp = mesh.degrees["pp"]
+        if pp == 1:
+            return busy
+        runs = self.engine.schedule_microbatches(batch["microbatches"], batch["gradient_accumulation_steps"])
+        f = min(bubble_fraction(pp, runs, sc["virtual_pipeline_stages"] if sc["pipeline_schedule"] == "interleaved_1f1b" else 1)
+                for sc in mesh.schedules)
+        return busy + busy * f / (1 - f)
+
+    def _data_lower_bound(self, mesh: Mesh, degrees: dict, dense: int, first: bool, last: bool) -> float:
+        """Seconds the data-parallel collectives of a stage's dense parameters take at least: the
+        layouts' (lower/layouts.py) reduce-scatter and gathers over the FSDP axes, or all-reduce (a
+        distributed optimizer's reduce-scatter and gather) over the replicated ones, of the unpadded
+        shards, with the fewest micro-steps the mesh offers. Experts, padding, the replicas' reduction
+        and tp's own gradient reductions only add to it."""
+        fp = self.footprint
+        d = mesh.degrees
+        elements = 0.0
+        for place, n in (("every_layer", dense), ("dense_layer", dense), ("first_stage", int(first)), ("last_stage", int(last))):
+            if n:
+                elements += n * (fp.share(place, "tensor_parallel").elements / d["tp"] + fp.share(place, "replicated").elements)
+        batch = mesh.batches[-1]
+        micro = batch["microbatches"] * batch["gradient_accumulation_steps"]
+        element_bytes = 4 if self.req.spec.training.precision == "fp32" else 2
+        if fsdp_shards(dp_shard=d["dp_shard"], cp=d["cp"], over_cp=self.engine.fsdp_over_cp):
+            axes = tuple(a for a in ("dp_shard", "cp") if d[a] > 1)
+            n = math.prod(d[a] for a in axes)
+            nbytes = (n - 1) / n * elements * (4 * batch["gradient_accumulation_steps"] + 2 * micro * element_bytes)
+        else:
+            axes = tuple(a for a in ("dp_replicate", "dp_shard", "cp") if d[a] > 1)
+            if not axes:
+                return 0.0
+            n = math.prod(d[a] for a in axes)
+            nbytes = (n - 1) / n * elements * min(8, 4 + element_bytes if True in mesh.distributed else 8)
+        return nbytes / self.link(axes, degrees)
+
+    def _moe_on(self, count: int) -> int:
+        model = self.req.spec.model
+        if not model.num_experts:
+            return 0
+        return count // max(1, model.moe_layer_frequency) or (1 if count else 0)  # the stage's share
+
+    def price(self, v: dict) -> step_time.StepTime:
+        from mixle_compile.schedules import bubble_fraction
+
+        model = self.req.spec.model
+        t = self.req.spec.training
+        layers, per_stage, attention_of, st = self._stage(v)
+        tp, cp, pp, ep, etp = v["tp"], v["cp"], v["pp"], v["ep"], v["etp"]
+        world = self.req.devices
+        degrees = {k: v[k] for k in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep", "etp", "microbatches",
+                                     "gradient_accumulation_steps")}
+        degrees["world_size"] = world
+        micro_steps = v["microbatches"] * v["gradient_accumulation_steps"]
+        busiest = max(range(len(per_stage)), key=per_stage.__getitem__)
+        count = layers[busiest]
+        act = 4 if t.precision == "fp32" else 2
+        tokens = v["micro_batch_size"] * t.seq_len // cp
+        hidden = tokens * model.hidden_size * act
+        sp = v["sequence_parallel"]
+        traffic: list[tuple[tuple[str, ...], str, float]] = []
+
+        def add(axes: tuple[str, ...], payload: str, nbytes: float) -> None:
+            if nbytes > 0:
+                traffic.append((axes, payload, nbytes / self.link(axes, degrees)))
+
+        moe_layers = self._moe_on(count)
+        # Per-layer activation collectives (tp, cp, ep) and the data-parallel gradients and parameter
+        # gathers: the lowering's own updates (lower/updates.py) for the model cut to two layers,
+        # scaled to the stage's layers, micro-batch and micro-steps.
+        for axes, payload, nbytes in self._traffic(v, count - moe_layers, moe_layers, busiest == 0, busiest == pp - 1):
+            add(axes, payload, nbytes)
+        if pp > 1:
+            # Pipeline sends between stages (lower/updates.py activation_updates): the stage's output
+            # forward and its gradient backward, per micro-batch and virtual boundary.
+            boundary = hidden / (tp if sp else 1)
+            if self.engine.name == "megatron" and tp > 1 and not sp:
+                boundary /= tp
+            # The busiest stage sends forward over each virtual boundary it ends and backward over
+            # each it starts (virtual stage w hands over to w + 1 on stage (w + 1) % pp).
+            chunks = max(1, v["virtual_pipeline_stages"])
+            ends = sum(1 for w in range(pp * chunks - 1) if w % pp == busiest)
+            starts = sum(1 for w in range(pp * chunks - 1) if (w + 1) % pp == busiest)
+            add(("pp",), "activation", micro_steps * (ends + starts) * boundary)
+
+        state = self._state_bytes(v, count - moe_layers, moe_layers, busiest == 0, busiest == pp - 1)
+        bubble = 0.0
+        if pp > 1:
+            runs = self.engine.schedule_microbatches(v["microbatches"], v["gradient_accumulation_steps"])
+            bubble = bubble_fraction(pp, runs, v["virtual_pipeline_stages"] if v["pipeline_schedule"] == "interleaved_1f1b" else 1)
+        return step_time.combine(st, degrees, micro_steps * per_stage[busiest], micro_steps * attention_of[busiest],
+                                 [(list(a), p, sec) for a, p, sec in traffic], bubble, state, self.flops_per_token)
+
+
+def _site_kind(site: str, model) -> str:
+    """Where an activation collective's site sits: ``layers.3.attn`` in layer 3, ``embed`` first, ``lm_head`` last."""
+    from mixle_compile.parameters import is_moe_layer
+
+    if site.startswith("layers."):
+        layer = int(site.split(".")[1])
+        return "moe" if is_moe_layer(model, layer) else "dense"
+    return "first" if site.startswith("embed") else "last"
+
+
+# --------------------------------------------------------------------------- the search
+
+
+def spec_data_for(req: Request, values: dict) -> dict:
+    """The complete spec of a candidate (what --write emits)."""
+    data = {k: (dict(v) if isinstance(v, dict) else v) for k, v in req.data.items()}
+    mesh, training = data["mesh"], data["training"]
+    for key in MESH_FIELDS:
+        mesh[key] = values[key]
+    for key in TRAINING_FIELDS:
+        training[key] = values[key]
+    if values["pp"] == 1:
+        training["pipeline_schedule"] = req.spec.training.pipeline_schedule if "training.pipeline_schedule" not in req.searched else "1f1b"
+    return data
+
+
+def search(req: Request, top: int = DEFAULT_TOP) -> Outcome:
+    """The ``top`` fastest plans `check` accepts, best first (see the module docstring)."""
+    import heapq
+
+    from mixle_compile.verify import plan_facts
+    from mixle_compile.verify.engine import PlanVerifier
+    from mixle_compile.verify.facts import ENUMS
+    from mixle_compile.verify.rule import rules_for
+    from mixle_compile.verify.symbols import broken_rules, broken_rules_reading
+
+    outcome = Outcome(req)
+    meshes = enumerate_meshes(req)
+    outcome.enumerated = sum(m.size for m in meshes)
+    if not meshes:
+        outcome.reason = _no_factorisation(req)
+        return outcome
+    pricer = _Pricer(req)
+
+    facts = plan_facts(req.spec)
+    rules = tuple(r for r in rules_for(facts) if r.constraint is not None and r.severity is Severity.error)
+    verifier = PlanVerifier()  # one encoding for every candidate: they share the spec's structure
+
+    # The memory rule costs most to read: it is read only for a candidate the others accept.
+    cheap = tuple(r for r in rules if r.code != MEMORY_RULE)
+    memory = tuple(r for r in rules if r.code == MEMORY_RULE)
+
+    def screen(values: dict) -> list:
+        outcome.screened += 1
+        symbol_values = _symbol_values(values, ENUMS)
+        broken = broken_rules(facts, cheap, symbol_values) or broken_rules(facts, memory, symbol_values)
+        outcome.rejections.update(r.code for r in broken)
+        return broken
+
+    def too_large(values: dict) -> bool:
+        outcome.screened += 1
+        broken = broken_rules(facts, memory, _symbol_values(values, ENUMS))
+        outcome.rejections.update(r.code for r in broken)
+        return bool(broken)
+
+    def group_refused(values: dict, mesh: Mesh) -> bool:
+        """Whether a rule other than memory refuses ``values`` reading none of the settings that vary
+        within its mesh and schedule: then it refuses every candidate of that group."""
+        outcome.screened += 1
+        for rule, read in broken_rules_reading(facts, cheap, _symbol_values(values, ENUMS)):
+            if "*" not in read and not read & VARYING:
+                outcome.rejections[rule.code] += len(mesh.batches) * len(mesh.checkpointing) * len(mesh.distributed)
+                return True
+        return False
+
+    # Best first over meshes and candidates. A mesh waits in `pending` under a bound no candidate of
+    # it is estimated below; when it comes first, the checkpointing modes that cannot fit are dropped
+    # (the memory model grows with every setting its candidates vary, so a mode whose frugal candidate
+    # does not fit never does), its bound is recomputed, and once it is still first its candidates are
+    # priced into `heap`. Candidates thus leave `heap` in the order of their estimates.
+    pending = [(pricer.bound(m), m.order, False, m) for m in meshes]
+    heapq.heapify(pending)
+    heap: list[tuple[float, int, dict, Mesh]] = []
+    count = 0
+    chosen: list[Plan] = []
+    while len(chosen) < top:
+        while pending and (not heap or heap[0][0] > pending[0][0] * (1 + TOLERANCE)):
+            _, order, fitted, mesh = heapq.heappop(pending)
+            if not fitted:
+                modes = mesh.fitting_checkpointing(too_large)
+                if not modes:
+                    outcome.rejections[MEMORY_RULE] += mesh.size
+                    continue
+                outcome.rejections[MEMORY_RULE] += mesh.size // len(mesh.checkpointing) * (len(mesh.checkpointing) - len(modes))
+                mesh.checkpointing = modes
+                heapq.heappush(pending, (pricer.bound(mesh), order, True, mesh))
+                continue
+            for values in mesh.candidates(refused=lambda group: group_refused(group, mesh)):
+                heapq.heappush(heap, (pricer.price(values).seconds, count, values, mesh))
+                count += 1
+        if not heap:
+            break
+        estimate, _, values, mesh = heapq.heappop(heap)
+        if mesh.outgrows(values):
+            outcome.rejections[MEMORY_RULE] += 1
+            continue
+        broken = screen(values)
+        if broken:
+            if any(r.code == MEMORY_RULE for r in broken):
+                mesh.too_large.append(values)
+            continue
+        outcome.confirmed += 1
+        loaded = _check(req, values, verifier)
+        if loaded is None:
+            outcome.refused_by_check += 1
+            continue
+        chosen.append(_plan(req, loaded, values, pricer.price(values)))
+    if not chosen:
+        outcome.reason = _rejection_text(outcome)
+        return outcome
+    # Plans the model prices the same (to a millionth) are ranked by their memory: the one with more
+    # room left first.
+    fastest = min(p.step.seconds for p in chosen)
+    chosen.sort(key=lambda p: (round(p.step.seconds / fastest, 6), p.memory_bytes))
+    for above, plan in zip(chosen, chosen[1:]):
+        plan.reason = loses_because(plan.step, above.step)
+        if not plan.reason:
+            more = plan.memory_bytes - above.memory_bytes
+            plan.reason = ("the same predicted step time, " + (f"{_gib(more)} more memory per rank" if more >= 2**26 else
+                           "the same memory per rank (ranked by its order in the search)"))
+    outcome.plans = chosen
+    return outcome
+
+
+MEMORY_RULE = "R001"
+#: The settings that vary among one mesh's candidates of one schedule.
+VARYING = frozenset({"micro_batch_size", "microbatches", "gradient_accumulation_steps", "activation_checkpointing",
+                     "distributed_optimizer"})
+
+
+def _symbol_values(values: dict, enums: dict) -> dict:
+    out = dict(values)
+    for key in ("activation_checkpointing", "pipeline_schedule"):
+        out[key] = enums[key].index(values[key])
+    return out
+
+
+def _check(req: Request, values: dict, verifier) -> Any:
+    """The candidate's spec, loaded and accepted by the real check (the solver), or None."""
+    import yaml
+
+    from mixle_compile.check import check_loaded
+    from mixle_compile.spec import load_spec_text
+
+    loaded = load_spec_text(yaml.safe_dump(spec_data_for(req, values), sort_keys=False), req.file)
+    checked = check_loaded(loaded, verifier=verifier)
+    return None if checked.errors or loaded.spec is None else loaded
+
+
+def _plan(req: Request, loaded, values: dict, st: step_time.StepTime) -> Plan:
+    """A confirmed candidate with its step time and the memory rule's (R001) bound on its heaviest rank."""
+    from mixle_compile.verify import plan_facts
+    from mixle_compile.verify.logic import concrete
+    from mixle_compile.verify.rules.memory import per_rank_bytes
+    from mixle_compile.verify.symbols import Symbols
+
+    symbols = Symbols(plan_facts(loaded.spec), values={})
+    with concrete():
+        memory = float(sum(per_rank_bytes(symbols).values()))
+    return Plan(dict(values), spec_data_for(req, values), st, memory, int(loaded.spec.resources.memory or 0), st.seconds)
+
+
+def loses_because(slower: step_time.StepTime, faster: step_time.StepTime) -> str:
+    """What makes ``slower`` slower than ``faster``: the part of the step that grew the most ("" for a tie)."""
+    def parts(st: step_time.StepTime) -> dict[str, float]:
+        out = {"compute": st.compute, "pipeline bubble": st.bubble, "optimizer step": st.optimizer}
+        for axes, seconds in st.exposed_communication.items():
+            out[f"exposed {axes} communication"] = seconds
+        return out
+
+    a, b = parts(slower), parts(faster)
+    deltas = {k: a.get(k, 0.0) - b.get(k, 0.0) for k in set(a) | set(b)}
+    key = max(sorted(deltas), key=lambda k: deltas[k])
+    total = (slower.seconds - faster.seconds) / faster.seconds
+    if total < 5e-4:
+        return ""  # a tie: the caller says how the two compare in memory
+    if deltas[key] <= 0:
+        return f"+{total:.1%} step time"
+    return f"+{deltas[key] / faster.seconds:.1%} {key} (+{total:.1%} step time)"
+
+
+def _no_factorisation(req: Request) -> str:
+    gb = req.spec.training.global_batch_size
+    return (f"no mesh of the fixed and searched degrees uses exactly {req.devices} devices with a data-parallel size "
+            f"that divides the global batch {gb}: change the device count, the global batch or the fixed degrees")
+
+
+def _rejection_text(outcome: Outcome) -> str:
+    from mixle_compile.verify.rule import RULES
+
+    if not outcome.rejections:
+        return f"all {outcome.confirmed} screened candidates were refused by `check`"
+    common = outcome.rejections.most_common(3)
+    names = "; ".join(f"{code} {RULES[code].name} ({n:,} candidate{'s' * (n != 1)})" for code, n in common)
+    return (f"every one of the {outcome.screened:,} candidates breaks a verifier rule; most often: {names}. "
+            f"`mixle-compile explain {common[0][0]}` says what the rule needs")
+
+
+# --------------------------------------------------------------------------- reports
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f}GiB"
+
+
+def outcome_text(outcome: Outcome) -> str:
+    req = outcome.request
+    spec = req.spec
+    kind = f"{spec.resources.kind} " if spec.resources.kind else ""
+    head = (f"{req.file}: {req.devices} {kind}devices, global batch {spec.training.global_batch_size}, "
+            f"{spec.backend if isinstance(spec.backend, str) else spec.backend.name}: {outcome.enumerated:,} candidates, "
+            f"{outcome.screened:,} screened, {outcome.confirmed} checked")
+    lines = [head]
+    if not outcome.plans:
+        lines.append(f"no valid plan: {outcome.reason}")
+        return "\n".join(lines) + "\n"
+    for i, p in enumerate(outcome.plans, 1):
+        st = p.step
+        mfu = f", MFU {st.mfu:.1%}" if st.mfu is not None else ""
+        lines.append(f"#{i} {p.mesh_text()}")
+        lines.append(f"   {p.training_text()}")
+        lines.append(f"   step {st.seconds:.3f}s, {st.tokens_per_second_per_device:,.0f} tokens/s per device, "
+                     f"{st.tflops_per_device:.0f} TFLOP/s per device{mfu}")
+        exposed = ", ".join(f"{k} {v:.3f}s" for k, v in sorted(st.exposed_communication.items())) or "none"
+        lines.append(f"   compute {st.compute:.3f}s, exposed communication: {exposed}, bubble {st.bubble:.3f}s, "
+                     f"optimizer {st.optimizer:.3f}s; memory {_gib(p.memory_bytes)} of {_gib(p.device_memory)} per rank")
+        if p.reason:
+            lines.append(f"   loses to #{i - 1}: {p.reason}")
+    return "\n".join(lines) + "\n"
+
+
+def outcome_data(outcome: Outcome) -> dict:
+    return {
+        "file": outcome.request.file,
+        "devices": outcome.request.devices,
+        "searched": sorted(outcome.request.searched),
+        "enumerated": outcome.enumerated,
+        "screened": outcome.screened,
+        "checked": outcome.confirmed,
+        "found": bool(outcome.plans),
+        "reason": outcome.reason or None,
+        "rejections": dict(outcome.rejections.most_common()),
+        "plans": [
+            {
+                "rank": i,
+                "settings": p.values,
+                "step_time": p.step.as_dict(),
+                "memory_per_rank_bytes": p.memory_bytes,
+                "device_memory_bytes": p.device_memory,
+                "loses_because": p.reason or None,
+            }
+            for i, p in enumerate(outcome.plans, 1)
+        ],
+    }
+
+
+def spec_yaml(plan: Plan, source: str) -> str:
+    import yaml
+
+    st = plan.step
+    head = (f"# chosen by `mixle-compile plan {source}`: predicted step {st.seconds:.3f}s, "
+            f"{st.tokens_per_second_per_device:,.0f} tokens/s per device\n")
+    return head + yaml.safe_dump(plan.spec_data, sort_keys=False)

@@ -1,0 +1,278 @@
+"""`mixle-compile plan`: the search returns plans `check` accepts and the lowering builds, fastest
+first, on the spec's devices and global batch; the verifier's rules read with values agree with
+the solver; bad input exits 2, no valid plan exits 1 with the rules that refused."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mixle_compile import cli
+from mixle_compile.compile import compile_loaded
+from mixle_compile.lower.lowering import lower
+from mixle_compile.search import (
+    MESH_FIELDS,
+    SearchInputError,
+    TOLERANCE,
+    VARYING,
+    _Pricer,
+    _symbol_values,
+    enumerate_meshes,
+    read_request,
+    search,
+)
+from mixle_compile.spec import load_spec, load_spec_text
+from mixle_compile.step_time import predict_lowered
+from mixle_compile.verify import plan_facts
+from mixle_compile.verify.engine import PlanVerifier, Values
+from mixle_compile.verify.facts import ENUMS
+from mixle_compile.verify.rule import rules_for
+from mixle_compile.verify.logic import concrete
+from mixle_compile.verify.rules.memory import DEVICE_MEMORY, per_rank_bytes
+from mixle_compile.verify.symbols import Symbols, broken_rules, broken_rules_reading, with_values
+from tests.conftest import ROOT
+
+DENSE = {"family": "transformer", "vocab_size": 1024, "hidden_size": 256, "num_layers": 8, "num_heads": 8,
+         "num_kv_heads": 4, "ffn_hidden_size": 768}
+MOE = {**DENSE, "num_experts": 8, "experts_per_token": 2, "moe_ffn_hidden_size": 256, "moe_layer_frequency": 2}
+BACKENDS = ({"name": "torch"}, {"name": "torchtitan", "version": "0.2"}, {"name": "megatron", "version": "0.16"})
+
+
+def spec_text(model: dict, devices: int, backend: dict, *, memory: str = "8GiB", global_batch: int = 32, seq: int = 512,
+              mesh: dict | None = None, **training) -> str:
+    data = {"model": model, "training": {"global_batch_size": global_batch, "seq_len": seq, **training},
+            "backend": backend, "resources": {"devices": devices, "kind": "h100", "memory": memory}}
+    if mesh is not None:
+        data["mesh"] = mesh
+    return yaml.safe_dump(data, sort_keys=False)
+
+
+def searched(tmp_path: Path, text: str, top: int = 3, devices: int | None = None):
+    path = tmp_path / "spec.yaml"
+    path.write_text(text)
+    return search(read_request(path, devices=devices), top=top)
+
+
+def run_cli(capsys, *argv):
+    status = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+CASES = [(model, devices, backend) for model in ("dense", "moe") for devices in (4, 16) for backend in BACKENDS
+         if not (model == "moe" and backend["name"] == "torch" and devices == 4)]
+
+
+@pytest.mark.parametrize("model,devices,backend", CASES, ids=lambda x: x["name"] if isinstance(x, dict) else str(x))
+def test_every_returned_plan_checks_compiles_keeps_the_batch_and_is_ranked_by_its_step_time(tmp_path, model, devices, backend):
+    outcome = searched(tmp_path, spec_text(DENSE if model == "dense" else MOE, devices, backend))
+    assert outcome.plans, outcome.reason
+    assert outcome.refused_by_check == 0
+    seconds = [p.step.seconds for p in outcome.plans]
+    assert seconds == sorted(seconds)
+    for plan in outcome.plans:
+        loaded = load_spec_text(yaml.safe_dump(plan.spec_data), "plan.yaml")
+        result = compile_loaded(loaded)
+        assert result.plan is not None, [d.text() for d in result.check.diagnostics]
+        assert not result.check.errors
+        v = plan.values
+        assert loaded.spec.training.global_batch_size == 32
+        assert v["dp_replicate"] * v["dp_shard"] * v["micro_batch_size"] * v["microbatches"] * v["gradient_accumulation_steps"] == 32
+        assert v["dp_replicate"] * v["dp_shard"] * v["tp"] * v["pp"] * v["cp"] == devices
+        # The search's step time is the lowered plan's, which `explain` shows.
+        exact = predict_lowered(loaded.spec, lower(loaded.spec, schedule=False)).seconds
+        assert plan.step.seconds == pytest.approx(exact, rel=0.02)
+
+
+@pytest.mark.parametrize("backend", BACKENDS[1:], ids=lambda b: b["name"])
+def test_the_best_first_search_finds_the_best_of_an_exhaustive_screen(tmp_path, backend):
+    text = spec_text(DENSE, 32, backend, memory="1GiB", global_batch=64, seq=2048)
+    path = tmp_path / "spec.yaml"
+    path.write_text(text)
+    req = read_request(path)
+    outcome = search(req, top=3)
+    facts = plan_facts(req.spec)
+    rules = tuple(r for r in rules_for(facts) if r.constraint is not None and r.severity.value == "error")
+    pricer = _Pricer(req)
+    valid = []
+    for mesh in enumerate_meshes(req):
+        bound = pricer.bound(mesh)
+        for values in mesh.candidates():
+            seconds = pricer.price(values).seconds
+            assert bound <= seconds * (1 + 1e-9), (mesh.degrees, values)  # the bound is one
+            if not broken_rules(facts, rules, _symbol_values(values, ENUMS)):
+                valid.append(seconds)
+    valid.sort()
+    assert len(valid) > 10
+    assert len(outcome.plans) == 3
+    for plan, best in zip(outcome.plans, valid):
+        assert plan.step.seconds <= best * (1 + TOLERANCE) ** 2
+    assert outcome.screened < outcome.enumerated / 4  # the point of the bounds: few candidates are screened
+
+
+def test_fixed_fields_stay_and_auto_fields_are_searched(tmp_path):
+    text = spec_text(DENSE, 16, BACKENDS[1], mesh={"tp": 2, "dp_shard": "auto", "pp": "auto"}, activation_checkpointing="full")
+    outcome = searched(tmp_path, text, top=4)
+    assert outcome.plans
+    for plan in outcome.plans:
+        assert plan.values["tp"] == 2 and plan.values["cp"] == 1 and plan.values["dp_replicate"] == 1
+        assert plan.values["activation_checkpointing"] == "full"
+    assert {"mesh.pp", "mesh.dp_shard"} <= outcome.request.searched
+    assert "mesh.cp" not in outcome.request.searched
+    # micro-batching splits the batch: chosen with the micro-batch size unless the spec states it
+    assert {"mesh.microbatches", "mesh.gradient_accumulation_steps", "training.micro_batch_size"} <= outcome.request.searched
+
+
+def test_devices_flag_searches_the_mesh_fields_left_out(tmp_path):
+    outcome = searched(tmp_path, spec_text(DENSE, 4, BACKENDS[0], mesh={"tp": 1}), devices=8)
+    assert outcome.plans and outcome.request.devices == 8
+    assert all(p.values["tp"] == 1 for p in outcome.plans)
+    assert len({(p.values["dp_shard"], p.values["pp"], p.values["cp"]) for p in outcome.plans}) > 1
+
+
+def test_concrete_rules_agree_with_the_solver_on_random_plans():
+    rng = random.Random(7)
+    verifier = PlanVerifier()
+    files = sorted((ROOT / "tests" / "corpus" / "production" / "torchtitan").glob("*.yaml"))[:6]
+    files += sorted((ROOT / "examples").glob("*.yaml"))
+    compared = 0
+    for path in files:
+        loaded = load_spec(path)
+        if not loaded.ok or loaded.spec.model.family == "distribution":
+            continue
+        facts = plan_facts(loaded.spec)
+        if facts.dp_shard_auto or facts.pipeline_layers:
+            continue
+        rules = rules_for(facts)
+        for _ in range(12):
+            values = {s: rng.choice([1, 1, 2, 3, 4, 8]) for s in (*MESH_FIELDS, "micro_batch_size", "virtual_pipeline_stages")
+                      if facts.has(s)}
+            values.update(activation_checkpointing=rng.randrange(3), pipeline_schedule=rng.randrange(3),
+                          distributed_optimizer=rng.random() < 0.5, sequence_parallel=rng.random() < 0.5)
+            fields = tuple(dataclasses.replace(f, value=values.get(f.symbol, f.value)) for f in facts.fields)
+            pinned = dataclasses.replace(facts, fields=fields)
+            solved = {r.code for r in verifier.violated(pinned)}
+            assert {r.code for r in broken_rules(facts, rules, values)} == solved, (path.name, values)
+            # The memory rule's bound itself, not only its verdict, is the same number both ways.
+            if facts.footprint is not None:
+                encoding = verifier.encoding(pinned, (DEVICE_MEMORY,))
+                exact = Values(encoding.symbols, encoding.model(pinned), pinned)
+                with concrete():
+                    read = per_rank_bytes(Symbols(with_values(facts, values), values={}))
+                for kind, term in per_rank_bytes(encoding.symbols).items():
+                    assert float(read[kind]) == pytest.approx(float(exact.eval(term)), rel=1e-9), (path.name, kind, values)
+            compared += 1
+    assert compared >= 50
+
+
+def test_a_rule_refusing_without_reading_a_setting_refuses_whatever_that_setting_is():
+    loaded = load_spec(ROOT / "tests" / "corpus" / "production" / "torchtitan" / "llama3_8b_8gpu_fsdp8.yaml")
+    facts = plan_facts(loaded.spec.model_copy(update={"backend": "megatron"}))
+    rules = rules_for(facts)
+    rng = random.Random(3)
+    checked = 0
+    for _ in range(150):
+        values = {"pp": rng.choice([1, 2, 3, 5, 6]), "virtual_pipeline_stages": rng.choice([1, 2, 3]),
+                  "microbatches": rng.choice([1, 2, 4, 8]), "micro_batch_size": rng.choice([1, 2, 4]),
+                  "activation_checkpointing": rng.randrange(3), "pipeline_schedule": rng.randrange(3), "tp": rng.choice([1, 2, 3])}
+        for rule, read in broken_rules_reading(facts, rules, values):
+            if "*" in read:
+                continue
+            # the settings that vary within one mesh and schedule (search.VARYING)
+            for name, options in (("micro_batch_size", [1, 2, 4, 8]), ("microbatches", [1, 3, 16]),
+                                  ("gradient_accumulation_steps", [1, 2]), ("activation_checkpointing", [0, 1, 2]),
+                                  ("distributed_optimizer", [False, True])):
+                assert name in VARYING
+                if name in read:
+                    continue
+                for option in options:
+                    again = {r.code for r in broken_rules(facts, rules, {**values, name: option})}
+                    assert rule.code in again, (rule.code, read, values, name, option)
+                    checked += 1
+    assert checked > 100
+
+
+def test_what_a_refusing_rule_read_is_recorded():
+    loaded = load_spec(ROOT / "tests" / "corpus" / "production" / "torchtitan" / "llama3_8b_8gpu_fsdp8.yaml")
+    facts = plan_facts(loaded.spec.model_copy(update={"backend": "megatron"}))
+    reads = dict((r.code, read) for r, read in broken_rules_reading(
+        facts, rules_for(facts), {"pp": 3, "dp_shard": 1, "virtual_pipeline_stages": 2, "pipeline_schedule": 1}))
+    assert {"pp", "virtual_pipeline_stages", "layers"} <= reads["P001"]  # 32 layers over 3 * 2 stages
+    assert "pipeline_schedule" in reads["P007"]  # virtual stages need the interleaved schedule, read through is_
+    assert "R001" not in reads or "*" in reads["R001"]  # the memory rule reads the footprint beyond attributes
+
+
+def test_plan_cli_writes_a_spec_that_checks_clean(capsys, tmp_path):
+    spec = tmp_path / "auto.yaml"
+    spec.write_text(spec_text(DENSE, 8, BACKENDS[1], mesh={"dp_shard": "auto", "tp": "auto", "pp": "auto"}))
+    out_spec = tmp_path / "chosen.yaml"
+    status, out, err = run_cli(capsys, "plan", spec, "--top", "2", "--write", out_spec)
+    assert status == 0, err
+    assert "#1 " in out and "#2 " in out and "loses to #1" in out
+    assert run_cli(capsys, "check", out_spec)[0] == 0
+    written = yaml.safe_load(out_spec.read_text())
+    assert written["resources"]["memory"] == "8GiB"  # the spec's own spelling is kept
+    status, out, _ = run_cli(capsys, "plan", spec, "--format", "json", "--top", "3")
+    data = json.loads(out)
+    assert status == 0 and data["found"] and len(data["plans"]) == 3
+    assert [p["rank"] for p in data["plans"]] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("model: {family: transformer}\n", "global_batch_size"),
+    ("- a list\n", "mapping"),
+    (spec_text(DENSE, 8, BACKENDS[0]).replace("global_batch_size: 32", "global_batch_size: auto"), "global_batch_size"),
+    (spec_text(DENSE, 8, BACKENDS[0], mesh={"tp": "sideways"}), "tp"),
+    (spec_text(DENSE, 8, BACKENDS[0], mesh={"tp": 3, "dp_shard": "auto"}), "divide"),
+    (spec_text(DENSE, 8, BACKENDS[0]) + "elastic: {min_world_size: 4, max_world_size: 8}\n", "elastic"),
+    (spec_text(DENSE, 8, {"name": "torch"}, pipeline_layers=[4, 4]), "pipeline_layers"),
+])
+def test_bad_input_exits_2_with_a_message(capsys, tmp_path, text, needle):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    status, out, err = run_cli(capsys, "plan", path)
+    assert status == 2
+    assert needle in err and "Traceback" not in err
+
+
+def test_missing_file_and_bad_flags_exit_2(capsys, tmp_path):
+    assert run_cli(capsys, "plan", tmp_path / "nope.yaml")[0] == 2
+    path = tmp_path / "s.yaml"
+    path.write_text(spec_text(DENSE, 8, BACKENDS[0]))
+    assert run_cli(capsys, "plan", path, "--top", "0")[0] == 2
+    with pytest.raises(SearchInputError):
+        read_request(tmp_path / "nope.yaml")
+
+
+def test_no_valid_plan_exits_1_naming_the_rule_that_refused(capsys, tmp_path):
+    path = tmp_path / "huge.yaml"
+    big = {**DENSE, "hidden_size": 8192, "num_layers": 32, "num_heads": 64, "num_kv_heads": 8, "ffn_hidden_size": 28672}
+    path.write_text(spec_text(big, 2, BACKENDS[1], memory="1GiB"))
+    status, out, err = run_cli(capsys, "plan", path)
+    assert status == 1
+    assert "R001" in err and "device-memory" in err
+    assert "no valid plan" in out
+
+
+def test_no_factorisation_exits_1_saying_why(capsys, tmp_path):
+    path = tmp_path / "odd.yaml"
+    path.write_text(spec_text(DENSE, 8, BACKENDS[0], global_batch=3, mesh={"tp": 1, "pp": 1, "cp": 1}))
+    status, _, err = run_cli(capsys, "plan", path)
+    assert status == 1 and "divides the global batch 3" in err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("devices", [32, 64, 128, 256])
+@pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b["name"])
+def test_sweep_every_plan_checks_and_compiles(tmp_path, devices, backend):
+    for model in (DENSE, MOE, {**DENSE, "num_layers": 24, "hidden_size": 512, "num_heads": 16, "num_kv_heads": 8}):
+        outcome = searched(tmp_path, spec_text(model, devices, backend, global_batch=256, seq=1024, memory="2GiB"), top=5)
+        assert outcome.refused_by_check == 0
+        for plan in outcome.plans:
+            result = compile_loaded(load_spec_text(yaml.safe_dump(plan.spec_data), "plan.yaml"))
+            assert result.plan is not None and not result.check.errors
