@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mixle_compile.diagnostics import Diagnostic, Severity, sort_key
+from mixle_compile.heap import full_collections_paused
 from mixle_compile.spec import LoadedSpec, load_spec
 
 if TYPE_CHECKING:
@@ -35,7 +36,8 @@ class CheckResult:
 
 def check_file(path: str | Path, *, suggest: bool = False, options=None) -> CheckResult:
     """``options``: an :class:`~mixle_compile.importers.ImportOptions` for an engine config."""
-    return check_loaded(load_spec(path, options=options), suggest=suggest)
+    with full_collections_paused():
+        return check_loaded(load_spec(path, options=options), suggest=suggest)
 
 
 def check_loaded(loaded: LoadedSpec, *, suggest: bool = False) -> CheckResult:
