@@ -75,3 +75,12 @@ def test_documents_past_the_old_value_cap_are_read(suffix):
 def test_an_oversized_file_is_refused_by_its_size_alone():
     d = refusal(b"#" * (source.MAX_INPUT_BYTES + 1))
     assert d.code == "S010" and f"{source.MAX_INPUT_BYTES:,} bytes" in d.message
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".json"])
+def test_a_duplicate_key_keeps_the_later_value_and_only_its_positions(suffix):
+    text = "a: 1\nb: {x: 1, y: 2}\na: 2\nb: 3\n" if suffix == ".yaml" else '{"a": 1,\n"b": {"x": 1, "y": 2},\n"a": 2,\n"b": 3}'
+    doc, diagnostics = parse_source(text.encode(), "spec" + suffix, json_syntax=suffix == ".json")
+    assert doc.data == {"a": 2, "b": 3} and [d.code for d in diagnostics] == ["S002", "S002"]
+    assert doc.values[("a",)].line == 3 and doc.values[("b",)].line == 4
+    assert ("b", "x") not in doc.values and ("b", "y") not in doc.values

@@ -243,9 +243,13 @@ class _Reader:
                     fields=(dotted(child),),
                 )
             )
-            # The later value is the one kept; forget positions of the earlier subtree.
-            for known in [k for k in self.doc.values if k[: len(child)] == child]:
-                del self.doc.values[known]
+            # The later value is the one kept; forget positions of the earlier subtree (a scalar
+            # has only its own: no walk over every position for each duplicate of one).
+            if isinstance(mapping.get(key), (dict, list)):
+                for known in [k for k in self.doc.values if k[: len(child)] == child]:
+                    del self.doc.values[known]
+            else:
+                self.doc.values.pop(child, None)
         first_seen[key] = pos
         self.doc.keys[child] = pos
 
