@@ -3,7 +3,7 @@
 Reading, checking and compiling a spec allocate millions of small objects that live until the
 pass ends (positions, parameters, updates, plan entries). CPython's full collections walk every
 live object, and they come more often the more objects survive, so on a large spec they cost more
-than linear time (measured with ``benchmarks/bench_reader.py``: on a 8,000-tensor compile they
+than linear time (measured with ``benchmarks/bench_reader.py``: on an 8,000-tensor compile they
 were over a quarter of the time and grew 7x for 4x the tensors). The passes create almost no
 reference cycles, so they run with full collections paused: the young generations are still
 collected, and the setting is restored when the pass ends, however it ends.
