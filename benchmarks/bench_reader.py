@@ -106,7 +106,7 @@ def main() -> int:
         if n1 > n0:
             print(f"{fmt} {name}: exponent {math.log(t1 / t0) / math.log(n1 / n0):.2f} from {n0:,} to {n1:,} tensors")
     seconds, message = bomb_s()
-    print(f"alias bomb refused in {seconds * 1e3:.0f} ms: {message}")
+    print(f"alias bomb refused in {seconds * 1e3:.1f} ms: {message}")
     return 0
 
 
