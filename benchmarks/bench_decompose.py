@@ -1,6 +1,6 @@
 """Decomposition benchmark: cut quality against the optimum and the lower bound, and scaling.
 
-Run: ``python benchmarks/bench_decompose.py [--cases 200] [--seed 0]``
+Run: ``python benchmarks/bench_decompose.py [--cases 200] [--seed 0] [--units 1000,10000,100000,1000000]``
 
 Prints, side by side from one run:
 
@@ -8,7 +8,10 @@ Prints, side by side from one run:
   lower bound (median and max) for the exact contiguous cut, the exchangeable (reordering) cut,
   and the greedy split at cumulative-throughput quantiles that the previous planner used;
 * graph build + decomposition time for trees of 10^3, 10^4 and 10^5 nodes and the growth ratio
-  per tenfold (about 10 means linear).
+  per tenfold (about 10 means linear);
+* the cut alone (exact, and exchangeable) against the greedy split for 10^3 to 10^6 units: time,
+  ratio to the greedy, ratio to the smallest case, and the growth exponent between sizes (1.0 is
+  linear).
 
 Ratios are what to read; absolute times depend on the machine and gate nothing.
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import math
 import random
 import statistics
 import sys
@@ -168,14 +172,49 @@ def scaling(seed: int, repeats: int = 3) -> None:
         previous = total
 
 
+def best_time(run, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        gc.collect()
+        started = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def cut_scaling(seed: int, sizes: list[int], repeats: int = 3) -> None:
+    rng = random.Random(seed)
+    speeds = [400.0, 400.0, 100.0, 100.0, 100.0, 100.0, 100.0, 100.0]
+    print(f"the cut alone, {len(speeds)} heterogeneous devices, log-normal unit works (best of {repeats})")
+    print(f"  {'units':>9} {'greedy s':>9} {'exact s':>9} {'reorder s':>10} {'exact/greedy':>13} {'reorder/greedy':>15}"
+          f" {'exact/smallest':>15} {'exponent':>9} {'greedy/exact':>14}")
+    first = previous = None
+    for n in sizes:
+        works = [rng.lognormvariate(0.0, 1.0) for _ in range(n)]
+        unit_bytes, rooms = [1000] * n, [UNLIMITED] * len(speeds)
+        greedy = best_time(lambda: quantile_split_bottleneck(works, speeds), repeats)
+        exact = best_time(lambda: optimal_contiguous_cut(works, unit_bytes, speeds, rooms), repeats)
+        reorder = best_time(lambda: exchangeable_cut(works, unit_bytes, speeds, rooms), repeats)
+        gap = quantile_split_bottleneck(works, speeds) / optimal_contiguous_cut(works, unit_bytes, speeds, rooms).bottleneck
+        exponent = "" if previous is None else f"{math.log(exact / previous[1]) / math.log(n / previous[0]):.2f}"
+        first = first or (n, exact)
+        print(f"  {n:>9,} {greedy:9.3f} {exact:9.3f} {reorder:10.3f} {exact / greedy:13.2f} {reorder / greedy:15.2f}"
+              f" {exact / first[1]:15.1f} {exponent:>9} {gap:14.6f}")
+        previous = (n, exact)
+    print("  (exponent: growth of the exact cut's time between sizes; greedy/exact bottleneck in the last column)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--units", default="1000,10000,100000,1000000", help="unit counts for the cut alone")
     args = parser.parse_args()
     quality(args.cases, args.seed)
     print()
     scaling(args.seed)
+    print()
+    cut_scaling(args.seed, [int(u) for u in args.units.split(",")])
 
 
 if __name__ == "__main__":

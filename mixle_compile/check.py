@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mixle_compile.diagnostics import Diagnostic, Severity, group_by_field, sort_key
+from mixle_compile.heap import full_collections_paused
 from mixle_compile.spec import LoadedSpec, load_spec
 from mixle_compile.spec.codes import AUTO_UNRESOLVABLE
 
@@ -40,8 +41,9 @@ def check_file(path: str | Path, *, suggest: bool = False, options=None, config:
     """``options``: an :class:`~mixle_compile.importers.ImportOptions` for an engine config;
     ``config``: the rule selection (default: every code, as the file's own comments suppress)."""
     backend = config.backend if config is not None else None
-    loaded = load_spec(path, options=options, default_backend=backend)
-    return check_loaded(loaded, suggest=suggest, config=config, source_text=_comment_text(Path(path)) if loaded.ok else None)
+    with full_collections_paused():
+        loaded = load_spec(path, options=options, default_backend=backend)
+        return check_loaded(loaded, suggest=suggest, config=config, source_text=_comment_text(Path(path)) if loaded.ok else None)
 
 
 def check_text(raw: bytes, name: str, *, suggest: bool = False, config: "LintConfig | None" = None) -> CheckResult:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from mixle_compile.check import CheckResult, check_loaded
 from mixle_compile.diagnostics import Code, Severity, register_code, sort_key
+from mixle_compile.heap import full_collections_paused
 from mixle_compile.spec import load_spec
 
 LOWERING_REFUSED = register_code(
@@ -36,7 +37,8 @@ class CompileResult:
 
 
 def compile_file(path: str | Path, *, options=None, progress=None) -> CompileResult:
-    return compile_loaded(load_spec(path, options=options), progress=progress)
+    with full_collections_paused():
+        return compile_loaded(load_spec(path, options=options), progress=progress)
 
 
 def compile_loaded(loaded, progress=None) -> CompileResult:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from mixle_compile.diagnostics import Code, register_code
+from mixle_compile.spec.source import MAX_DEPTH, MAX_INPUT_BYTES, MAX_NODES
 
 SYNTAX = register_code(
     Code(
@@ -96,8 +97,10 @@ LIMITS = register_code(
         "S010",
         "input-limits",
         "The file is too large, nests too deeply or expands too far.",
-        "Spec files are limited to 8 MiB, 64 levels of nesting and 200,000 values after YAML alias "
-        "expansion, so a hostile or broken file cannot exhaust memory or time.",
+        f"Spec files are limited to {MAX_INPUT_BYTES // 2**20} MiB, {MAX_DEPTH} levels of nesting and "
+        f"{MAX_NODES:,} values after YAML alias expansion, so a hostile or broken file cannot exhaust "
+        "memory or time. The expansion is counted on the composed document before anything is built, "
+        "so an alias bomb is refused at once, naming the anchor that expands the most.",
     )
 )
 UNREADABLE = register_code(

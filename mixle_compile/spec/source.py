@@ -20,10 +20,14 @@ from mixle_compile.diagnostics import Diagnostic, Severity
 
 Path_ = tuple[str | int, ...]
 
-# Limits that keep a hostile or broken file from exhausting time or memory.
-MAX_INPUT_BYTES = 8 * 1024 * 1024
+# Limits that keep a hostile or broken file from exhausting time or memory. A `modules` spec of
+# 100,000 tensors is about 10 MiB of YAML or indented JSON and 800,000 values, so both limits
+# leave room above that; an alias bomb (anchors referencing anchors, growing exponentially) is
+# measured on the composed node graph before anything is built, so it is refused in the time it
+# takes to read its few lines.
+MAX_INPUT_BYTES = 64 * 1024 * 1024
 MAX_DEPTH = 64
-MAX_NODES = 200_000  # values after alias expansion
+MAX_NODES = 4_000_000  # values after alias expansion
 
 
 @dataclass(frozen=True)
@@ -239,9 +243,13 @@ class _Reader:
                     fields=(dotted(child),),
                 )
             )
-            # The later value is the one kept; forget positions of the earlier subtree.
-            for known in [k for k in self.doc.values if k[: len(child)] == child]:
-                del self.doc.values[known]
+            # The later value is the one kept; forget positions of the earlier subtree (a scalar
+            # has only its own: no walk over every position for each duplicate of one).
+            if isinstance(mapping.get(key), (dict, list)):
+                for known in [k for k in self.doc.values if k[: len(child)] == child]:
+                    del self.doc.values[known]
+            else:
+                self.doc.values.pop(child, None)
         first_seen[key] = pos
         self.doc.keys[child] = pos
 
@@ -265,9 +273,76 @@ class _YamlReader(_Reader):
             raise self.fail("S010", "the document nests too deeply to read", 1, 1, "flatten the structure")
         if node is None:
             return None
+        self._refuse_alias_expansion(node, yaml)
         self._constructor = yaml.SafeLoader("")
         self._yaml = yaml
         return self._build(node, ())
+
+    def _refuse_alias_expansion(self, root: Any, yaml: Any) -> None:
+        """Count the values the document expands to before building it, and refuse past ``MAX_NODES``.
+
+        An alias is the anchored node object itself, reused: the composed graph stays as small as
+        the text while its expansion can grow exponentially. Each distinct node's expanded size is
+        computed once (children first), so this costs the size of the graph, not of its expansion.
+        The error names the anchor whose repeated expansion contributes the most values.
+        """
+        if "&" not in self.text:
+            return  # no anchor, so no alias: the expansion is the text itself
+        size: dict[int, int] = {}
+        uses: dict[int, int] = {}
+        nodes: dict[int, Any] = {}
+        mapping, sequence = yaml.MappingNode, yaml.SequenceNode
+        pending = -1  # the size of a node whose children are being counted
+
+        def count(node: Any, depth: int) -> int:
+            key = id(node)
+            uses[key] = uses.get(key, 0) + 1
+            known = size.get(key)
+            if known is not None:
+                if known == pending:
+                    mark = node.start_mark
+                    raise self.fail(
+                        "S010",
+                        "a YAML alias refers to an anchor that contains it (the document would be infinite)",
+                        mark.line + 1,
+                        mark.column + 1,
+                        "remove the alias from inside its own anchor",
+                    )
+                return known
+            if depth > MAX_DEPTH:
+                return 1  # the build refuses the nesting, with its path
+            nodes[key] = node
+            size[key] = pending
+            total = 1
+            if isinstance(node, mapping):
+                for _, child in node.value:
+                    total += count(child, depth + 1)
+            elif isinstance(node, sequence):
+                for child in node.value:
+                    total += count(child, depth + 1)
+            size[key] = total
+            return total
+
+        count(root, 0)
+        total = size[id(root)]
+        if total <= MAX_NODES:
+            return
+        shared = [k for k, n in uses.items() if n > 1]
+        worst = max(shared, key=lambda k: (uses[k] - 1) * size[k], default=id(root))
+        mark = nodes[worst].start_mark
+        where = (
+            f"; the anchor at line {mark.line + 1}, column {mark.column + 1} is used {uses[worst]:,} times "
+            f"and expands to {size[worst]:,} values each"
+            if worst in shared
+            else ""
+        )
+        raise self.fail(
+            "S010",
+            f"the document expands to {total:,} values through its aliases, more than the limit of {MAX_NODES:,}{where}",
+            mark.line + 1,
+            mark.column + 1,
+            "repeat fewer aliases (an alias bomb?); a spec needs far fewer values",
+        )
 
     def _build(self, node: Any, path: Path_) -> Any:
         yaml = self._yaml
