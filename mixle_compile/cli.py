@@ -373,6 +373,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _plan_of(path: str, verb: str, options=None):
     """A verified plan from a plan file, or from a spec compiled on the fly: (plan, exit status)."""
     from mixle_compile.plan import PlanError, load_plan_text
+    from mixle_compile.plan.artifact import PlanFormatError
 
     p = Path(path)
     try:
@@ -385,7 +386,7 @@ def _plan_of(path: str, verb: str, options=None):
             return load_plan_text(raw, str(path)), EXIT_CLEAN
         except PlanError as exc:
             print(f"mixle-compile {verb}: error: {exc}", file=sys.stderr)
-            return None, EXIT_VIOLATIONS
+            return None, EXIT_USAGE if isinstance(exc, PlanFormatError) else EXIT_VIOLATIONS
     from mixle_compile.compile import CompilerBug, compile_file
     from mixle_compile.plan import plan_text
 
@@ -467,13 +468,13 @@ def _spec_of(path: str, options):
     p = Path(path)
     if p.suffix.lower() == ".json" and p.is_file() and b'"format_version"' in p.read_bytes()[:4096]:
         from mixle_compile.plan import PlanError, load_plan_text
-        from mixle_compile.plan.artifact import plan_spec
+        from mixle_compile.plan.artifact import PlanFormatError, plan_spec
 
         try:
             return plan_spec(load_plan_text(p.read_bytes(), path)), EXIT_CLEAN
         except PlanError as exc:
             print(f"mixle-compile export: error: {exc}", file=sys.stderr)
-            return None, EXIT_VIOLATIONS
+            return None, EXIT_USAGE if isinstance(exc, PlanFormatError) else EXIT_VIOLATIONS
     from mixle_compile.spec import load_spec
 
     loaded = load_spec(path, options=options)

@@ -16,6 +16,7 @@ from pydantic import ValidationError
 
 from mixle_compile import __version__
 from mixle_compile.diagnostics import Diagnostic, Severity
+from mixle_compile.lower.compact import program_dict
 from mixle_compile.lower.lowering import Lowered
 from mixle_compile.engines import engine_profile
 from mixle_compile.schedules import bubble_fraction
@@ -27,6 +28,10 @@ DIGEST_FIELD = "content_digest"
 
 class PlanError(ValueError):
     """A plan that cannot be trusted or read; the message says why and what to do."""
+
+
+class PlanFormatError(PlanError):
+    """A plan in another format version than this compiler writes: bad input (exit 2), recompile it."""
 
 
 def canonical_json(data: Any) -> str:
@@ -45,10 +50,6 @@ def spec_data(spec: Spec) -> dict:
     return spec.model_dump(mode="json")
 
 
-def _without_nones(data: dict) -> dict:
-    return {k: v for k, v in data.items() if v is not None and v != ""}
-
-
 def build_plan(spec: Spec, lowered: Lowered, diagnostics: list[Diagnostic]) -> dict:
     """The plan as a JSON-ready dict (with its content digest)."""
     plan = lowered.plan
@@ -64,7 +65,7 @@ def build_plan(spec: Spec, lowered: Lowered, diagnostics: list[Diagnostic]) -> d
             "virtual_stages": t.virtual_pipeline_stages if plan.pp > 1 else 1,
             "micro_steps": plan.microbatches * plan.gradient_accumulation_steps,
             "bubble_fraction": bubble_fraction(plan.pp, plan.microbatches, t.virtual_pipeline_stages if plan.pp > 1 else 1),
-            "stages": [[_without_nones(op.as_dict()) for op in program] for program in lowered.schedule.programs],
+            "stages": [program_dict(program) for program in lowered.schedule.stages],
             "sends": "buffered" if engine_profile(spec.backend).buffered_sends else "rendezvous",
             "check": {
                 "ok": check.ok,
@@ -169,12 +170,16 @@ def load_plan_text(text: str | bytes, name: str = "plan.json") -> PlanDocument:
     if isinstance(version, bool) or not isinstance(version, int):
         raise PlanError(f"{name}: format_version must be an integer, got {version!r}")
     if version > FORMAT_VERSION:
-        raise PlanError(
+        raise PlanFormatError(
             f"{name} is in plan format {version}, newer than this compiler reads (format {FORMAT_VERSION}, "
             f"mixle-compile {__version__}); upgrade mixle-compile or recompile the spec with this version"
         )
     if version < FORMAT_VERSION:
-        raise PlanError(f"{name} is in the old plan format {version}; recompile the spec with mixle-compile {__version__}")
+        raise PlanFormatError(
+            f"{name} is in the old plan format {version} (this compiler reads format {FORMAT_VERSION}, which states "
+            f"repeated programs once); recompile its spec with mixle-compile {__version__}: "
+            f"`mixle-compile compile SPEC -o {name}` (the spec is embedded in the plan as `spec`)"
+        )
     try:
         doc = PlanDocument.model_validate(data)
     except ValidationError as exc:

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: stage programs stated with their repetition (mixle_compile/lower/compact.py)
 
 #: An update's notes are one string in the plan: the notes of its DistributedUpdate joined by this.
 NOTES_SEPARATOR = "\n"
@@ -118,6 +118,32 @@ class PlanOp(_Section):
     bytes: int = 0
 
 
+class PlanLoop(_Section):
+    repeat: int = Field(description="times the ops are issued")
+    microbatch_step: int = Field(description="added to each op's micro-batch per repetition")
+    batch_step: int = Field(description="added to each op's batch per repetition")
+    ops: list[PlanOp]
+
+
+class PlanRepeatedOp(PlanOp):
+    times: int = Field(description="issued this many times in a row")
+
+
+class PlanStageProgram(_Section):
+    """One stage's program stated once with its repetition; the runtime expands it (lower/compact.py plan_programs)."""
+
+    stage: int
+    runs: int = Field(description="the body runs this many times back to back")
+    run_microbatches: int = Field(description="added to micro-batch numbers per run")
+    run_batches: int = Field(description="added to batch numbers per run")
+    optimizer: bool = Field(description="an optimizer op after the last run")
+    body: list[PlanLoop | PlanOp] = Field(description="one run's compute and point-to-point ops (loops folded)")
+    before_forward: list[PlanOp] = Field(description="collectives issued right before every forward (after its receive)")
+    after_backward: list[PlanOp] = Field(description="collectives issued right after every backward (before its send)")
+    after_last_backward: list[PlanRepeatedOp] = Field(description="after the last backward and its send batch: the gradient reductions")
+    end: list[PlanOp] = Field(description="after the optimizer: a distributed optimizer's gathers")
+
+
 class ScheduleVerdict(_Section):
     ok: bool
     problems: list[str]
@@ -131,7 +157,7 @@ class PlanSchedule(_Section):
     virtual_stages: int
     micro_steps: int = Field(description="micro-batches per optimizer step: microbatches x gradient accumulation")
     bubble_fraction: float
-    stages: list[list[PlanOp]] = Field(description="the program of each pipeline stage; every rank of a stage runs it")
+    stages: list[PlanStageProgram] = Field(description="the program of each pipeline stage; every rank of a stage runs it")
     sends: Literal["buffered", "rendezvous"] = Field(
         default="rendezvous",
         description="how the check modelled point-to-point sends: buffered (awaited at the end of the step, as torch's "
