@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from mixle_compile.lower.groups import RankGrid
-from mixle_compile.lower.schedule import INSERT_ANCHORS, Op, OpKind, ScheduleCheck, check_schedule, insert_collectives
+from mixle_compile.lower.schedule import Op, OpKind, ScheduleCheck, _copy, _insert, check_schedule
 
 #: Longest stretch of ops tried as the period of a loop (a 1F1B steady iteration is at most 6 ops;
 #: an interleaved one at most 10).
@@ -178,13 +178,11 @@ def _shifted(op: Op, dm: int, db: int) -> Op:
         return op
     # The op is valid and its numbers stay those of a valid op (a loop unrolls to the ops it folded),
     # so the copy skips Op's validation, which dominates unrolling a long run.
-    new = object.__new__(Op)
-    new.__dict__.update(op.__dict__)
-    if op.microbatch is not None:
-        new.__dict__["microbatch"] = op.microbatch + dm
-    if op.batch is not None:
-        new.__dict__["batch"] = op.batch + db
-    return new
+    return _copy(
+        op,
+        microbatch=None if op.microbatch is None else op.microbatch + dm,
+        batch=None if op.batch is None else op.batch + db,
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -203,7 +201,6 @@ def expand(program: StageProgram, *, runs: int | None = None, times: bool = True
     ops = [_shifted(op, r * program.run_microbatches, r * program.run_batches) for r in range(runs) for op in one]
     if program.optimizer:
         ops.append(Op(OpKind.optimizer, program.stage, name="optimizer"))
-    programs: tuple[tuple[Op, ...], ...] = (tuple(ops),)
     # Gradient reductions go in first, so that they land after the last backward's p2p batch; the
     # per-micro-batch collectives inserted later sit right next to their compute op, before any send.
     # (A tied-weight all_reduce placed before the last stage's final gradient send deadlocks stage 0.)
@@ -214,10 +211,9 @@ def expand(program: StageProgram, *, runs: int | None = None, times: bool = True
         ("before_forward", program.before_forward if blocks else ()),
         ("after_backward", program.after_backward if blocks else ()),
     ):
-        assert anchor in INSERT_ANCHORS
         if inserted:
-            programs = insert_collectives(programs, [dataclasses.replace(op, stage=0) for op in inserted], at=anchor)
-    return tuple(dataclasses.replace(op, stage=program.stage) if op.stage != program.stage else op for op in programs[0])
+            ops = _insert(ops, inserted, anchor, program.stage, None)
+    return tuple(ops)
 
 
 def expand_all(programs: Sequence[StageProgram]) -> tuple[tuple[Op, ...], ...]:
@@ -259,15 +255,14 @@ def check_compact(
     templates = []
     for p in programs:
         probe = [Op(OpKind.forward, p.stage, microbatch=0, name="forward"), Op(OpKind.backward, p.stage, microbatch=0, name="backward")]
-        probe = list(insert_collectives((tuple(probe),), [dataclasses.replace(op, stage=0) for op in p.before_forward], at="before_forward")[0]) if p.before_forward else probe
-        probe = list(insert_collectives((tuple(probe),), [dataclasses.replace(op, stage=0) for op in p.after_backward], at="after_backward")[0]) if p.after_backward else probe
-        templates.append(tuple(dataclasses.replace(op, stage=p.stage) for op in probe if op.kind is OpKind.collective))
+        probe = _insert(_insert(probe, p.before_forward, "before_forward", p.stage, None), p.after_backward, "after_backward", p.stage, None)
+        templates.append(tuple(op for op in probe if op.kind is OpKind.collective))
     block_check = check_schedule(templates, grid, exhaustive_limit=exhaustive_limit, buffered_sends=buffered_sends)
     problems += [f"a per-micro-batch collective: {text}" for text in block_check.problems]
     # 2-3. The reduced step: one run with the step's end, each repeated reduction once (its count in its tag).
     def reduced(p: StageProgram, runs: int, with_end: bool) -> tuple[Op, ...]:
         counted = dataclasses.replace(
-            p, after_last_backward=tuple((dataclasses.replace(op, tag=f"{op.tag} x{k}" if k > 1 else op.tag), 1) for op, k in p.after_last_backward)
+            p, after_last_backward=tuple((_copy(op, tag=f"{op.tag} x{k}") if k > 1 else op, 1) for op, k in p.after_last_backward)
         )
         if not with_end:
             counted = dataclasses.replace(counted, after_last_backward=(), end=(), optimizer=False)
