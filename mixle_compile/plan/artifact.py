@@ -21,6 +21,7 @@ from mixle_compile.lower.lowering import Lowered
 from mixle_compile.engines import engine_profile
 from mixle_compile.schedules import bubble_fraction
 from mixle_compile.plan.document import FORMAT_VERSION, NOTES_SEPARATOR, PlanDocument
+from mixle_compile.plan.layers import fold, unfold
 from mixle_compile.spec.models import Spec
 
 DIGEST_FIELD = "content_digest"
@@ -65,7 +66,7 @@ def build_plan(spec: Spec, lowered: Lowered, diagnostics: list[Diagnostic]) -> d
             "virtual_stages": t.virtual_pipeline_stages if plan.pp > 1 else 1,
             "micro_steps": plan.microbatches * plan.gradient_accumulation_steps,
             "bubble_fraction": bubble_fraction(plan.pp, plan.microbatches, t.virtual_pipeline_stages if plan.pp > 1 else 1),
-            "stages": [program_dict(program) for program in lowered.schedule.stages],
+            "stages": [_folded(program_dict(program), STAGE_LISTS) for program in lowered.schedule.stages],
             "sends": "buffered" if engine_profile(spec.backend).buffered_sends else "rendezvous",
             "check": {
                 "ok": check.ok,
@@ -126,10 +127,28 @@ def build_plan(spec: Spec, lowered: Lowered, diagnostics: list[Diagnostic]) -> d
             "reduction_problems": [p.message for p in lowered.reduction_problems],
         },
     }
+    doc = _folded(doc, ("parameters", "updates"))
     # Built in the schema's own JSON form (tests/test_plan.py checks that the schema's dump of every
     # example's plan is this dict), so it is encoded once, for its digest, and not validated again here.
     doc[DIGEST_FIELD] = content_digest(doc)
     return doc
+
+
+#: The lists of a stage program whose per-layer entries are folded (parameters and updates too).
+STAGE_LISTS = ("before_forward", "after_backward", "after_last_backward", "end")
+
+
+def _folded(data: dict, keys: tuple[str, ...]) -> dict:
+    return {**data, **{key: fold(data[key]) for key in keys}}
+
+
+def expanded(doc: dict) -> dict:
+    """A plan's JSON with its folded layers (plan/layers.py) unfolded: what loading reads."""
+    out = {**doc, "parameters": unfold(doc["parameters"]), "updates": unfold(doc["updates"])}
+    if doc.get("schedule") is not None:
+        stages = [{**s, **{key: unfold(s[key]) for key in STAGE_LISTS}} for s in doc["schedule"]["stages"]]
+        out["schedule"] = {**doc["schedule"], "stages": stages}
+    return out
 
 
 def content_digest(doc: dict) -> str:
