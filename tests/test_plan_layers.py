@@ -89,3 +89,15 @@ def test_a_malformed_folded_group_is_refused_clearly(deep, edit, said):
     edited["content_digest"] = content_digest(edited)
     with pytest.raises(PlanError, match=said):
         load_plan_text(plan_text(edited), "edited.plan.json")
+
+
+def test_a_plan_is_written_back_in_the_folded_form_its_digest_covers(deep):
+    from mixle_compile.plan.artifact import written_text
+    from mixle_compile.plan.document import PlanDocument
+
+    text = plan_text(deep)
+    assert written_text(load_plan_text(text)) == text
+    # a model built without its bytes (every entry unfolded) is folded again as compiled
+    rebuilt = PlanDocument.model_validate(load_plan_text(text).model_dump(mode="json"))
+    assert written_text(rebuilt) == text
+    load_plan_text(written_text(rebuilt))

@@ -224,7 +224,20 @@ def load_plan_text(text: str | bytes, name: str = "plan.json") -> PlanDocument:
         raise PlanError(f"{name}: the embedded spec does not validate ({exc.error_count()} problem(s)); recompile the plan") from None
     if spec_digest(spec) != doc.spec_digest:
         raise PlanError(f"{name}: spec digest mismatch; the embedded spec was modified after compiling")
+    doc._text = text
     return doc
+
+
+def written_text(doc: PlanDocument) -> str:
+    """The plan's bytes as written: those it was loaded from, else its model folded again as
+    build_plan folds (the digest covers the folded form, not the unfolded model)."""
+    if doc._text is not None:
+        return doc._text
+    data = doc.model_dump(mode="json")
+    data = _folded(data, ("parameters", "updates"))
+    if data.get("schedule") is not None:
+        data["schedule"] = {**data["schedule"], "stages": [_folded(s, STAGE_LISTS) for s in data["schedule"]["stages"]]}
+    return plan_text(data)
 
 
 def plan_spec(doc: PlanDocument) -> Spec:

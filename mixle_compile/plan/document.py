@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from mixle_compile.plan.layers import unfold
 
@@ -263,6 +263,7 @@ class PlanDocument(_Section):
     memory: list[StageMemoryEntry]
     traffic: list[TrafficEntryModel]
     verdict: PlanVerdict
+    _text: str | None = PrivateAttr(default=None)  # the bytes it was loaded from (plan/artifact.py written_text)
 
     @model_validator(mode="before")
     @classmethod
