@@ -95,3 +95,16 @@ def test_committed_plan_schema_matches_the_code():
 def test_plan_validates_against_the_committed_schema(tiny_plan):
     jsonschema = pytest.importorskip("jsonschema")
     jsonschema.validate(json.loads(tiny_plan), json.loads((ROOT / "schemas" / "plan.schema.json").read_text()))
+
+
+@pytest.mark.parametrize("example", sorted(p.name for p in (ROOT / "examples").glob("*.yaml")))
+def test_a_built_plan_is_already_in_the_schemas_form(example):
+    # build_plan writes the schema's JSON form directly (encoded once, not validated again), so the
+    # schema's own dump of it must give the same bytes: what is written is exactly what loading reads.
+    from mixle_compile.compile import compile_file
+    from mixle_compile.plan import canonical_json
+    from mixle_compile.plan.artifact import expanded
+    from mixle_compile.plan.document import PlanDocument
+
+    plan = compile_file(ROOT / "examples" / example).plan
+    assert canonical_json(PlanDocument.model_validate(plan).model_dump(mode="json")) == canonical_json(expanded(plan))

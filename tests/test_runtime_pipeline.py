@@ -16,6 +16,7 @@ the run for determinism, trains the same model in one process, and checks the ru
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -23,6 +24,7 @@ import textwrap
 
 import pytest
 
+from mixle_compile.lower.compact import plan_programs, program_dict, program_from
 from mixle_compile.runtime import run_plan
 from mixle_compile.runtime.errors import RunFailed, RuntimeRefusal
 from mixle_compile.runtime.instructions import read_instructions
@@ -325,7 +327,7 @@ def test_interleaved_plan_declares_every_boundary():
         "stage.0->1:activation/grad": 4,
     }
     sends = {}
-    for s, program in enumerate(doc.schedule.stages):
+    for s, program in enumerate(plan_programs(doc.schedule)):
         for op in program:
             if op.kind == "send":
                 name = f"stage.{s}->{op.peer}:activation" + ("/grad" if op.tag == "activation_grad" else "")
@@ -386,8 +388,9 @@ def test_pipeline_refusals(tmp_path):
         open_session(doc)
     # a program that skips a micro-batch is not replayed
     data = doc.model_dump(mode="json")
-    program = data["schedule"]["stages"][1]
-    program.remove(next(op for op in program if op["kind"] == "forward" and op["microbatch"] == 3))
+    stated = program_from(data["schedule"]["stages"][1])
+    ops = [op for op in stated.run_ops() if not (op.kind == "forward" and op.microbatch == 3)]
+    data["schedule"]["stages"][1] = program_dict(dataclasses.replace(stated, body=tuple(ops)))
     broken = type(doc).model_validate(data)
     with pytest.raises(RuntimeRefusal, match="for micro-batches \\[0, 1, 2\\]"):
         check_pipeline(broken, read_instructions(broken))

@@ -12,8 +12,8 @@ from mixle_compile.lower.groups import RankGrid
 from mixle_compile.layer_split import split_layers
 from mixle_compile.lower.layouts import PlacedParameter, place_parameters
 from mixle_compile.lower.memory import StageMemory, TrafficEntry, stage_memory, traffic
-from mixle_compile.lower.schedule import check_schedule
-from mixle_compile.lower.step import EXHAUSTIVE_RANKS, StepSchedule, grid_for, step_schedule
+from mixle_compile.lower.compact import check_compact
+from mixle_compile.lower.step import EXHAUSTIVE_RANKS, StepSchedule, grid_for, stated, step_schedule
 from mixle_compile.lower.updates import PlannedUpdate, activation_updates, gradient_updates
 from mixle_compile.parameters import model_parameters
 from mixle_compile.spec.load import SourceDocument
@@ -105,7 +105,8 @@ def _lower_distribution(spec: Spec, *, schedule: bool, document: SourceDocument 
     steps = None
     if schedule and not any(d.severity.value == "error" for d in low.diagnostics):
         buffered = engine_profile(spec.backend).buffered_sends
-        steps = StepSchedule(low.programs, check_schedule(low.programs, grid, exhaustive_limit=EXHAUSTIVE_RANKS, buffered_sends=buffered))
+        programs = stated(low.programs)
+        steps = StepSchedule(programs, check_compact(programs, grid, exhaustive_limit=EXHAUSTIVE_RANKS, buffered_sends=buffered))
     return Lowered(
         plan=plan,
         parameters=low.parameters,

@@ -162,6 +162,16 @@ class Op:
         return data
 
 
+def _copy(op: Op, **fields: Any) -> Op:
+    """``op`` with ``fields`` replaced, for copies whose values come from other valid ops (a stage,
+    chunk, micro-batch or batch number already checked): skips Op's validation, which dominates
+    building and expanding long programs."""
+    new = object.__new__(Op)
+    new.__dict__.update(op.__dict__)
+    new.__dict__.update(fields)
+    return new
+
+
 def _require_count(what: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{what} must be an integer >= 0, got {value!r}")
@@ -288,7 +298,7 @@ def pipeline_schedule(
             together = [op for unit in previous for op in message(stage, unit, True)]
             together += [op for unit in iteration for op in message(stage, unit, False)]
             if together:
-                ops += [dataclasses.replace(op, batch=batch) for op in together]
+                ops += [_copy(op, batch=batch) for op in together]
                 batch += 1
             ops += [Op(kind, stage, chunk, mb, kind.value) for kind, chunk, mb in iteration]
             previous = iteration
@@ -351,8 +361,8 @@ def insert_collectives(
 def _insert(program: list[Op], templates: Sequence[Op], at: str, stage: int, where) -> list[Op]:
     def copies(anchor: Op | None) -> list[Op]:
         if anchor is None:
-            return [dataclasses.replace(t, stage=stage) for t in templates]
-        return [dataclasses.replace(t, stage=stage, chunk=anchor.chunk, microbatch=anchor.microbatch) for t in templates]
+            return [_copy(t, stage=stage) for t in templates]
+        return [_copy(t, stage=stage, chunk=anchor.chunk, microbatch=anchor.microbatch) for t in templates]
 
     def skip_collectives(i: int) -> int:
         while i < len(program) and program[i].kind is OpKind.collective:

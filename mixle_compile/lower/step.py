@@ -11,35 +11,29 @@ order, every send meets its receive, and no rank waits in a cycle.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from mixle_compile.contracts import CollectiveKind, ParallelPlan
 from mixle_compile.lower.groups import RankGrid, rule_name
 from mixle_compile.engines import EngineProfile, engine_profile
-from mixle_compile.lower.schedule import (
-    Op,
-    OpKind,
-    ScheduleCheck,
-    check_schedule,
-    collective,
-    insert_collectives,
-    pipeline_schedule,
-)
+from mixle_compile.lower.compact import StageProgram, check_compact, compress, expand_all
+from mixle_compile.lower.schedule import Op, OpKind, ScheduleCheck, pipeline_schedule
 from mixle_compile.lower.updates import PlannedUpdate
 
 EXHAUSTIVE_RANKS = 16
 
-# Gradient reductions go in first, so that they land after the last backward's p2p batch; the
-# per-micro-batch collectives inserted later sit right next to their compute op, before any send.
-# (A tied-weight all_reduce placed before the last stage's final gradient send deadlocks stage 0.)
-_ANCHOR = {"gradient": "after_last_backward", "parameter": "end", "forward": "before_forward", "backward": "after_backward"}
-
-
 @dataclass(frozen=True)
 class StepSchedule:
-    programs: tuple[tuple[Op, ...], ...]  # one per pipeline stage; ranks of a stage run the same program
+    """One program per pipeline stage (every rank of a stage runs it), stated once with its
+    repetition (:mod:`mixle_compile.lower.compact`), and the check of the step they expand to."""
+
+    stages: tuple[StageProgram, ...]
     check: ScheduleCheck
+
+    @property
+    def programs(self) -> tuple[tuple[Op, ...], ...]:
+        """The explicit programs, every op of the step (built on request: micro-steps x layers)."""
+        return expand_all(self.stages)
 
 
 def grid_for(plan: ParallelPlan, updates: tuple[PlannedUpdate, ...], order: str | None) -> RankGrid:
@@ -61,43 +55,44 @@ def step_schedule(
         pipeline, virtual_stages = "gpipe", 1
     per_run = engine.schedule_microbatches(plan.microbatches, plan.gradient_accumulation_steps)
     runs = plan.microbatches * plan.gradient_accumulation_steps // per_run
-    programs = _repeated(pipeline_schedule(plan.pp, per_run, pipeline, virtual_stages, family=engine.schedules), runs, per_run)
-    for phase, anchor in _ANCHOR.items():
-        for stage in range(plan.pp):
-            # Per-micro-batch phases get one copy per compute op from the anchor; step-level phases
-            # repeat an update as often as it occurs in a step (FSDP reduces each accumulation window).
-            copies = (lambda u: 1) if phase in ("forward", "backward") else (lambda u: u.occurrences_per_step)
-            ops = [
-                collective(u.update.node_id, rule_name(u.update.mesh_axes), tag=u.update.collective.value, bytes=u.payload_bytes)
-                for u in updates
-                if u.phase == phase and u.stage == stage and u.update.collective is not CollectiveKind.P2P
-                for _ in range(copies(u))
-            ]
-            if ops:
-                programs = insert_collectives(programs, ops, at=anchor, stages=[stage])
+    one_run = pipeline_schedule(plan.pp, per_run, pipeline, virtual_stages, family=engine.schedules)
+    by_phase: dict[tuple[str, int], list[PlannedUpdate]] = {}
+    for u in updates:
+        if u.update.collective is not CollectiveKind.P2P:
+            by_phase.setdefault((u.phase, u.stage), []).append(u)
+
+    def ops(phase: str, stage: int) -> list[tuple[Op, int]]:
+        return [
+            (Op(OpKind.collective, stage, name=u.update.node_id, group=rule_name(u.update.mesh_axes), tag=u.update.collective.value, bytes=u.payload_bytes),
+             u.occurrences_per_step)
+            for u in by_phase.get((phase, stage), ())
+        ]
+
+    stages = []
+    for stage, program in enumerate(one_run):
+        body = [op for op in program if op.kind is not OpKind.optimizer]
+        # Per-micro-batch phases get one copy per compute op from their anchor (_ANCHOR); step-level
+        # phases repeat an update as often as it occurs in a step (FSDP reduces each accumulation window).
+        stages.append(
+            StageProgram(
+                stage=stage,
+                body=compress(body),
+                runs=runs,
+                run_microbatches=per_run,
+                run_batches=1 + max((op.batch for op in body if op.batch is not None), default=-1),
+                optimizer=any(op.kind is OpKind.optimizer for op in program),
+                before_forward=tuple(op for op, _ in ops("forward", stage)),
+                after_backward=tuple(op for op, _ in ops("backward", stage)),
+                after_last_backward=tuple(ops("gradient", stage)),
+                end=tuple(op for op, k in ops("parameter", stage) for _ in range(k)),
+            )
+        )
     # Ranks of a stage run one program, so one representative per stage is an exact check;
     # small worlds are also checked rank by rank.
-    check = check_schedule(programs, grid, exhaustive_limit=EXHAUSTIVE_RANKS, buffered_sends=engine.buffered_sends)
-    return StepSchedule(programs, check)
+    check = check_compact(stages, grid, exhaustive_limit=EXHAUSTIVE_RANKS, buffered_sends=engine.buffered_sends)
+    return StepSchedule(tuple(stages), check)
 
 
-def _repeated(programs: tuple[tuple[Op, ...], ...], runs: int, per_run: int) -> tuple[tuple[Op, ...], ...]:
-    """A step of `runs` schedule runs back to back (torchtitan runs one per accumulation step), the
-    micro-batches and point-to-point batches of each run numbered after the last; one optimizer step."""
-    if runs == 1:
-        return programs
-    out = []
-    for program in programs:
-        body = [op for op in program if op.kind is not OpKind.optimizer]
-        batches = 1 + max((op.batch for op in body if op.batch is not None), default=-1)
-        ops = [
-            dataclasses.replace(
-                op,
-                microbatch=None if op.microbatch is None else op.microbatch + r * per_run,
-                batch=None if op.batch is None else op.batch + r * batches,
-            )
-            for r in range(runs)
-            for op in body
-        ]
-        out.append(tuple(ops) + tuple(op for op in program if op.kind is OpKind.optimizer))
-    return tuple(out)
+def stated(programs: tuple[tuple[Op, ...], ...]) -> tuple[StageProgram, ...]:
+    """Explicit programs (collectives in place) stated with their repetition: one run, no blocks."""
+    return tuple(StageProgram(stage=s, body=compress(program), optimizer=False) for s, program in enumerate(programs))

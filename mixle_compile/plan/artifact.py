@@ -16,10 +16,12 @@ from pydantic import ValidationError
 
 from mixle_compile import __version__
 from mixle_compile.diagnostics import Diagnostic, Severity
+from mixle_compile.lower.compact import program_dict
 from mixle_compile.lower.lowering import Lowered
 from mixle_compile.engines import engine_profile
 from mixle_compile.schedules import bubble_fraction
 from mixle_compile.plan.document import FORMAT_VERSION, NOTES_SEPARATOR, PlanDocument
+from mixle_compile.plan.layers import fold, unfold
 from mixle_compile.spec.models import Spec
 
 DIGEST_FIELD = "content_digest"
@@ -27,6 +29,10 @@ DIGEST_FIELD = "content_digest"
 
 class PlanError(ValueError):
     """A plan that cannot be trusted or read; the message says why and what to do."""
+
+
+class PlanFormatError(PlanError):
+    """A plan in another format version than this compiler writes: bad input (exit 2), recompile it."""
 
 
 def canonical_json(data: Any) -> str:
@@ -45,10 +51,6 @@ def spec_data(spec: Spec) -> dict:
     return spec.model_dump(mode="json")
 
 
-def _without_nones(data: dict) -> dict:
-    return {k: v for k, v in data.items() if v is not None and v != ""}
-
-
 def build_plan(spec: Spec, lowered: Lowered, diagnostics: list[Diagnostic]) -> dict:
     """The plan as a JSON-ready dict (with its content digest)."""
     plan = lowered.plan
@@ -64,7 +66,7 @@ def build_plan(spec: Spec, lowered: Lowered, diagnostics: list[Diagnostic]) -> d
             "virtual_stages": t.virtual_pipeline_stages if plan.pp > 1 else 1,
             "micro_steps": plan.microbatches * plan.gradient_accumulation_steps,
             "bubble_fraction": bubble_fraction(plan.pp, plan.microbatches, t.virtual_pipeline_stages if plan.pp > 1 else 1),
-            "stages": [[_without_nones(op.as_dict()) for op in program] for program in lowered.schedule.programs],
+            "stages": [_folded(program_dict(program), STAGE_LISTS) for program in lowered.schedule.stages],
             "sends": "buffered" if engine_profile(spec.backend).buffered_sends else "rendezvous",
             "check": {
                 "ok": check.ok,
@@ -126,10 +128,28 @@ def build_plan(spec: Spec, lowered: Lowered, diagnostics: list[Diagnostic]) -> d
             "reduction_problems": [p.message for p in lowered.reduction_problems],
         },
     }
-    # Normalise through the schema so that what is written is exactly what loading accepts.
-    doc = PlanDocument.model_validate({**doc, DIGEST_FIELD: ""}).model_dump(mode="json")
+    doc = _folded(doc, ("parameters", "updates"))
+    # Built in the schema's own JSON form (tests/test_plan.py checks that the schema's dump of every
+    # example's plan is this dict), so it is encoded once, for its digest, and not validated again here.
     doc[DIGEST_FIELD] = content_digest(doc)
     return doc
+
+
+#: The lists of a stage program whose per-layer entries are folded (parameters and updates too).
+STAGE_LISTS = ("before_forward", "after_backward", "after_last_backward", "end")
+
+
+def _folded(data: dict, keys: tuple[str, ...]) -> dict:
+    return {**data, **{key: fold(data[key]) for key in keys}}
+
+
+def expanded(doc: dict) -> dict:
+    """A plan's JSON with its folded layers (plan/layers.py) unfolded: what loading reads."""
+    out = {**doc, "parameters": unfold(doc["parameters"]), "updates": unfold(doc["updates"])}
+    if doc.get("schedule") is not None:
+        stages = [{**s, **{key: unfold(s[key]) for key in STAGE_LISTS}} for s in doc["schedule"]["stages"]]
+        out["schedule"] = {**doc["schedule"], "stages": stages}
+    return out
 
 
 def content_digest(doc: dict) -> str:
@@ -170,12 +190,16 @@ def load_plan_text(text: str | bytes, name: str = "plan.json") -> PlanDocument:
     if isinstance(version, bool) or not isinstance(version, int):
         raise PlanError(f"{name}: format_version must be an integer, got {version!r}")
     if version > FORMAT_VERSION:
-        raise PlanError(
+        raise PlanFormatError(
             f"{name} is in plan format {version}, newer than this compiler reads (format {FORMAT_VERSION}, "
             f"mixle-compile {__version__}); upgrade mixle-compile or recompile the spec with this version"
         )
     if version < FORMAT_VERSION:
-        raise PlanError(f"{name} is in the old plan format {version}; recompile the spec with mixle-compile {__version__}")
+        raise PlanFormatError(
+            f"{name} is in the old plan format {version} (this compiler reads format {FORMAT_VERSION}, which states "
+            f"repeated programs once); recompile its spec with mixle-compile {__version__}: "
+            f"`mixle-compile compile SPEC -o {name}` (the spec is embedded in the plan as `spec`)"
+        )
     try:
         doc = PlanDocument.model_validate(data)
     except ValidationError as exc:
@@ -201,7 +225,20 @@ def load_plan_text(text: str | bytes, name: str = "plan.json") -> PlanDocument:
         raise PlanError(f"{name}: the embedded spec does not validate ({exc.error_count()} problem(s)); recompile the plan") from None
     if spec_digest(spec) != doc.spec_digest:
         raise PlanError(f"{name}: spec digest mismatch; the embedded spec was modified after compiling")
+    doc._text = text
     return doc
+
+
+def written_text(doc: PlanDocument) -> str:
+    """The plan's bytes as written: those it was loaded from, else its model folded again as
+    build_plan folds (the digest covers the folded form, not the unfolded model)."""
+    if doc._text is not None:
+        return doc._text
+    data = doc.model_dump(mode="json")
+    data = _folded(data, ("parameters", "updates"))
+    if data.get("schedule") is not None:
+        data["schedule"] = {**data["schedule"], "stages": [_folded(s, STAGE_LISTS) for s in data["schedule"]["stages"]]}
+    return plan_text(data)
 
 
 def plan_spec(doc: PlanDocument) -> Spec:

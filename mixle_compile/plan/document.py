@@ -8,9 +8,11 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
-FORMAT_VERSION = 1
+from mixle_compile.plan.layers import unfold
+
+FORMAT_VERSION = 2  # 2: stage programs stated with their repetition (mixle_compile/lower/compact.py)
 
 #: An update's notes are one string in the plan: the notes of its DistributedUpdate joined by this.
 NOTES_SEPARATOR = "\n"
@@ -118,6 +120,73 @@ class PlanOp(_Section):
     bytes: int = 0
 
 
+class PlanParameterLayers(_Section):
+    """A run of consecutive layers whose entries repeat: its first layer's entries (plan/layers.py)."""
+
+    layers: int = Field(description="how many consecutive layers, from the entries' own layer")
+    entries: list[PlanParameter]
+
+
+class PlanUpdateLayers(_Section):
+    """A run of consecutive layers whose updates repeat: its first layer's updates (plan/layers.py)."""
+
+    layers: int = Field(description="how many consecutive layers, from the entries' own layer")
+    entries: list[PlanUpdate]
+
+
+class PlanOpLayers(_Section):
+    layers: int = Field(description="how many consecutive layers, from the ops' own layer")
+    entries: list[PlanOp]
+
+
+class PlanLoop(_Section):
+    repeat: int = Field(description="times the ops are issued")
+    microbatch_step: int = Field(description="added to each op's micro-batch per repetition")
+    batch_step: int = Field(description="added to each op's batch per repetition")
+    ops: list[PlanOp]
+
+
+class PlanRepeatedOp(PlanOp):
+    times: int = Field(description="issued this many times in a row")
+
+
+class PlanRepeatedOpLayers(_Section):
+    layers: int = Field(description="how many consecutive layers, from the ops' own layer")
+    entries: list[PlanRepeatedOp]
+
+
+def _unfolded(data: Any, keys: tuple[str, ...]) -> Any:
+    """Folded layer groups (plan/layers.py) expanded before validation: readers see every entry."""
+    if isinstance(data, dict) and any(isinstance(data.get(k), list) for k in keys):
+        data = dict(data)
+        for key in keys:
+            if isinstance(data.get(key), list):
+                data[key] = unfold(data[key])
+    return data
+
+
+class PlanStageProgram(_Section):
+    """One stage's program stated once with its repetition; the runtime expands it (lower/compact.py plan_programs)."""
+
+    stage: int
+    runs: int = Field(description="the body runs this many times back to back")
+    run_microbatches: int = Field(description="added to micro-batch numbers per run")
+    run_batches: int = Field(description="added to batch numbers per run")
+    optimizer: bool = Field(description="an optimizer op after the last run")
+    body: list[PlanLoop | PlanOp] = Field(description="one run's compute and point-to-point ops (loops folded)")
+    before_forward: list[PlanOp | PlanOpLayers] = Field(description="collectives issued right before every forward (after its receive)")
+    after_backward: list[PlanOp | PlanOpLayers] = Field(description="collectives issued right after every backward (before its send)")
+    after_last_backward: list[PlanRepeatedOp | PlanRepeatedOpLayers] = Field(
+        description="after the last backward and its send batch: the gradient reductions"
+    )
+    end: list[PlanOp | PlanOpLayers] = Field(description="after the optimizer: a distributed optimizer's gathers")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _layers(cls, data: Any) -> Any:
+        return _unfolded(data, ("before_forward", "after_backward", "after_last_backward", "end"))
+
+
 class ScheduleVerdict(_Section):
     ok: bool
     problems: list[str]
@@ -131,7 +200,7 @@ class PlanSchedule(_Section):
     virtual_stages: int
     micro_steps: int = Field(description="micro-batches per optimizer step: microbatches x gradient accumulation")
     bubble_fraction: float
-    stages: list[list[PlanOp]] = Field(description="the program of each pipeline stage; every rank of a stage runs it")
+    stages: list[PlanStageProgram] = Field(description="the program of each pipeline stage; every rank of a stage runs it")
     sends: Literal["buffered", "rendezvous"] = Field(
         default="rendezvous",
         description="how the check modelled point-to-point sends: buffered (awaited at the end of the step, as torch's "
@@ -187,10 +256,16 @@ class PlanDocument(_Section):
     spec: dict[str, Any] = Field(description="the validated spec, so that a plan runs without its source file")
     mesh: PlanMesh
     groups: PlanGroups
-    parameters: list[PlanParameter]
-    updates: list[PlanUpdate]
+    parameters: list[PlanParameter | PlanParameterLayers] = Field(description="repeating layers folded (plan/layers.py); loading unfolds them")
+    updates: list[PlanUpdate | PlanUpdateLayers] = Field(description="repeating layers folded (plan/layers.py); loading unfolds them")
     schedule: PlanSchedule | None
     decomposition: dict[str, Any] | None = Field(description="the model cut for distribution models")
     memory: list[StageMemoryEntry]
     traffic: list[TrafficEntryModel]
     verdict: PlanVerdict
+    _text: str | None = PrivateAttr(default=None)  # the bytes it was loaded from (plan/artifact.py written_text)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _layers(cls, data: Any) -> Any:
+        return _unfolded(data, ("parameters", "updates"))

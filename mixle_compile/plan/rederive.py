@@ -32,7 +32,9 @@ def rederive(doc: PlanDocument) -> None:
         errors = [d for d in result.check.diagnostics if d.severity.value == "error"]
         shown = "; ".join(f"{d.code} {d.message}" for d in errors[:3])
         raise PlanMismatch(f"the plan's own spec does not check cleanly ({shown}), yet the plan says it was verified")
-    fresh = result.plan
+    from mixle_compile.plan.artifact import expanded
+
+    fresh = expanded(result.plan)  # as loading reads it: every layer's entries
     claimed = doc.model_dump(mode="json")
     # The verdict is its errors (warnings change nothing that runs, and a plan built through the
     # library may not carry the verifier's warnings).

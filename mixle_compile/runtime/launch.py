@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from mixle_compile.plan import PlanDocument, load_plan_text
-from mixle_compile.plan.artifact import PlanError, plan_text
+from mixle_compile.plan.artifact import PlanError, plan_text, written_text
 from mixle_compile.plan.rederive import PlanMismatch, rederive
 from mixle_compile.runtime.errors import RunFailed, RuntimeRefusal, SpecRejected
 from mixle_compile.runtime.em_plan import is_distribution, read_em_instructions
@@ -443,7 +443,7 @@ def _refuse_oversized(doc: PlanDocument, world: int) -> None:
 
 def _run_local(doc, world: int, *, steps, out, reference, data_path, timeout_s, progress, checkpoints) -> RunReport:
     plan_path = out / "plan.json"
-    plan_path.write_text(plan_text(doc.model_dump(mode="json")), encoding="utf-8")
+    plan_path.write_text(written_text(doc), encoding="utf-8")
     for stale in (out / REPORT_FILE, *(out / "errors").glob("rank*.json")):
         stale.unlink(missing_ok=True)
     logs = out / "logs"

@@ -5,7 +5,7 @@ Each rank is one pipeline stage (its ``pp`` coordinate) and holds the chunks the
 store the non-pipelined session uses, and its blocks run through the same ParallelOps, so tensor
 parallelism (with sequence parallelism), context parallelism, FSDP/HSDP, data parallelism and a
 distributed optimizer issue the plan's collectives for that stage exactly as they do without a
-pipeline. The rank walks its program in ``schedule.stages[s]`` op by op:
+pipeline. The rank walks its program, ``schedule.stages[s]`` expanded (lower/compact.py), op by op:
 
 - ``forward`` (micro-batch, chunk): the chunk's units on the micro-batch's input (token ids on the
   first virtual stage, else the received activation, a leaf that requires its gradient); the last
@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from mixle_compile.contracts import TORCH_CAPABILITIES, StepReceipt
+from mixle_compile.lower.compact import plan_programs
 from mixle_compile.plan.document import PlanDocument
 from mixle_compile.runtime.collectives import Collectives, Ledger
 from mixle_compile.runtime.errors import PlanMismatch
@@ -84,7 +85,7 @@ class PipelineSession:
         self.layout = check_pipeline(doc, instructions)
         self.stage = mesh.coord(PP)
         self.pp = self.plan.pp
-        self.program = list(doc.schedule.stages[self.stage])
+        self.program = list(plan_programs(doc.schedule)[self.stage])
         self.ledger = Ledger(instructions.collectives)
         self.comm = Collectives(mesh, self.ledger, device)
         self.shape = TransformerShape.from_spec(instructions.spec)

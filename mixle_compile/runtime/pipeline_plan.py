@@ -20,6 +20,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from mixle_compile.lower.compact import plan_programs
 from mixle_compile.plan.document import PlanDocument
 from mixle_compile.runtime.errors import RuntimeRefusal
 from mixle_compile.runtime.instructions import Collective, Instructions
@@ -118,7 +119,11 @@ def check_pipeline(doc: PlanDocument, instructions: Instructions) -> PipelineLay
     layout = read_layout(doc)
     if len(doc.schedule.stages) != plan.pp:
         raise RuntimeRefusal(f"the plan has pp={plan.pp} but {len(doc.schedule.stages)} stage program(s); recompile it")
-    for s, program in enumerate(doc.schedule.stages):
+    try:
+        programs = plan_programs(doc.schedule)
+    except ValueError as exc:
+        raise RuntimeRefusal(f"the plan's stage programs do not expand ({exc}); recompile it") from None
+    for s, program in enumerate(programs):
         seen: dict[tuple[str, int], list[int]] = {}
         for op in program:
             if op.kind in ("forward", "backward"):

@@ -1,0 +1,362 @@
+"""A step's stage programs stated once with their repetition, and their check on that form.
+
+The explicit program of a stage (:mod:`mixle_compile.lower.schedule`) lists every op of a step: the
+pipeline's forwards, backwards and point-to-point batches for every micro-batch, each forward
+preceded by the stage's forward-phase collectives and each backward followed by its backward-phase
+ones, then the step's gradient reductions, the optimizer and a distributed optimizer's gathers. Its
+size is micro-steps x layers. A :class:`StageProgram` states the same program in pieces that do not
+grow with either product:
+
+- ``body``: one run of the pipeline schedule's compute and point-to-point ops, where a stretch of
+  ops that repeats with the micro-batch and batch numbers advancing by fixed steps is one
+  :class:`Loop` (a 1F1B stage is a warm-up loop, a steady loop and a cool-down loop at any number
+  of micro-batches);
+- ``runs``: how many times the body runs back to back (torchtitan runs the schedule once per
+  accumulation step), micro-batches and batches numbered on from the last run;
+- ``before_forward`` / ``after_backward``: the collectives issued at every forward and backward,
+  stated once;
+- ``after_last_backward``: the gradient reductions, each with the number of times it is issued in
+  a row (FSDP reduces every accumulation window), and ``end``: what follows the optimizer.
+
+:func:`expand` gives the explicit program back, op for op (what the runtime executes and what
+``explain`` lists on request); the compile never builds it.
+
+The check (:func:`check_compact`) runs :func:`mixle_compile.lower.schedule.check_schedule` on a
+*reduced* program per stage, which is exact for the full step:
+
+1. Every op of every piece is checked where it is issued (its group rule exists and covers the
+   rank; its peer stage exists), on every rank of small worlds and one per stage otherwise.
+2. Collectives at every forward and backward whose groups stay inside one pipeline stage are left
+   out of the reduced program: every rank of a stage runs the same program, so the ranks of a
+   column (one rank per stage, the same other coordinates) run the same as every other column, and
+   a group inside one stage joins ranks that reach the collective in the same state. A collective
+   whose group spans stages (the tied group) stays in; with one the check falls back to the explicit
+   program.
+3. A gradient reduction issued ``k`` times in a row is kept once, its count part of what every
+   member must agree on: ``k`` consecutive collectives on one group complete together or not at all.
+4. With several runs, one run is checked alone as well as with the step's end: a run whose sends
+   meet their receives within the run and whose collectives balance within the run leaves every
+   rank where it started, so the next run behaves the same (the simulation's outcome does not
+   depend on the interleaving), and the step is that run repeated and then its end.
+
+The reduced program grows with micro-batches per run (as the pipeline's own dependencies do) but not
+with layers or accumulation runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from mixle_compile.lower.groups import RankGrid
+from mixle_compile.lower.schedule import Op, OpKind, ScheduleCheck, _copy, _insert, check_schedule
+
+#: Longest stretch of ops tried as the period of a loop (a 1F1B steady iteration is at most 6 ops;
+#: an interleaved one at most 10).
+MAX_PERIOD = 12
+
+
+@dataclass(frozen=True)
+class Loop:
+    """``ops`` issued ``repeat`` times; repetition ``i`` adds ``i * microbatch_step`` to every
+    micro-batch number and ``i * batch_step`` to every batch number of its ops."""
+
+    repeat: int
+    microbatch_step: int
+    batch_step: int
+    ops: tuple[Op, ...]
+
+    def __post_init__(self) -> None:
+        if self.repeat < 1 or not self.ops:
+            raise ValueError("a loop repeats at least once and has at least one op")
+
+    def unrolled(self) -> list[Op]:
+        return [_shifted(op, i * self.microbatch_step, i * self.batch_step) for i in range(self.repeat) for op in self.ops]
+
+
+@dataclass(frozen=True)
+class StageProgram:
+    """One pipeline stage's program, its repeated parts stated once (see the module docstring)."""
+
+    stage: int
+    body: tuple[Op | Loop, ...]
+    runs: int = 1
+    run_microbatches: int = 0  # added to micro-batch numbers per run
+    run_batches: int = 0  # added to batch numbers per run
+    optimizer: bool = True  # an optimizer op after the last run
+    before_forward: tuple[Op, ...] = ()
+    after_backward: tuple[Op, ...] = ()
+    after_last_backward: tuple[tuple[Op, int], ...] = ()  # (collective, times in a row)
+    end: tuple[Op, ...] = ()
+
+    def run_ops(self) -> list[Op]:
+        """One run's compute and point-to-point ops, unrolled."""
+        out: list[Op] = []
+        for item in self.body:
+            out.extend(item.unrolled() if isinstance(item, Loop) else (item,))
+        return out
+
+
+def compress(ops: Sequence[Op], max_period: int = MAX_PERIOD) -> tuple[Op | Loop, ...]:
+    """``ops`` with every stretch that repeats with fixed micro-batch and batch steps folded into a
+    :class:`Loop`; unrolling the result gives ``ops`` back exactly."""
+    keys = [_key(op) for op in ops]
+    out: list[Op | Loop] = []
+    i, n = 0, len(ops)
+    while i < n:
+        best = None  # (covered, period, repeats, microbatch step, batch step)
+        for period in range(1, min(max_period, (n - i) // 2) + 1):
+            steps = _steps(keys, i, i + period, period)
+            if steps is None:
+                continue
+            repeats = 2
+            while i + (repeats + 1) * period <= n and _same_steps(keys, i + (repeats - 1) * period, i + repeats * period, period, steps):
+                repeats += 1
+            if best is None or repeats * period > best[0]:
+                best = (repeats * period, period, repeats, *steps)
+        if best is None or best[0] <= best[1]:
+            out.append(ops[i])
+            i += 1
+            continue
+        covered, period, repeats, dm, db = best
+        out.append(Loop(repeats, dm, db, tuple(ops[i : i + period])))
+        i += covered
+    return tuple(out)
+
+
+def _key(op: Op) -> tuple:
+    """An op without its micro-batch and batch numbers, and those numbers."""
+    rest = (op.kind, op.stage, op.chunk, op.name, op.group, op.tag, op.peer, op.peer_chunk, op.bytes)
+    return rest, op.microbatch, op.batch
+
+
+def _delta(a: int | None, b: int | None) -> int | None | bool:
+    if (a is None) != (b is None):
+        return False
+    return None if a is None else b - a
+
+
+def _steps(keys: list, first: int, second: int, period: int) -> tuple[int, int] | None:
+    """The (micro-batch, batch) steps taking the period at ``first`` to the one at ``second``."""
+    dm = db = None
+    for j in range(period):
+        (ra, ma, ba), (rb, mb, bb) = keys[first + j], keys[second + j]
+        if ra != rb:
+            return None
+        m, b = _delta(ma, mb), _delta(ba, bb)
+        if m is False or b is False:
+            return None
+        if m is not None:
+            if dm is None:
+                dm = m
+            elif m != dm:
+                return None
+        if b is not None:
+            if db is None:
+                db = b
+            elif b != db:
+                return None
+    return dm or 0, db or 0
+
+
+def _same_steps(keys: list, first: int, second: int, period: int, steps: tuple[int, int]) -> bool:
+    dm, db = steps
+    for j in range(period):
+        (ra, ma, ba), (rb, mb, bb) = keys[first + j], keys[second + j]
+        if ra != rb or (ma is None) != (mb is None) or (ba is None) != (bb is None):
+            return False
+        if ma is not None and mb - ma != dm:
+            return False
+        if ba is not None and bb - ba != db:
+            return False
+    return True
+
+
+def _shifted(op: Op, dm: int, db: int) -> Op:
+    if not dm and not db:
+        return op
+    # The op is valid and its numbers stay those of a valid op (a loop unrolls to the ops it folded),
+    # so the copy skips Op's validation, which dominates unrolling a long run.
+    return _copy(
+        op,
+        microbatch=None if op.microbatch is None else op.microbatch + dm,
+        batch=None if op.batch is None else op.batch + db,
+    )
+
+
+# ---------------------------------------------------------------------------
+# Expansion
+# ---------------------------------------------------------------------------
+
+
+def expand(program: StageProgram, *, runs: int | None = None, times: bool = True, blocks: bool = True) -> tuple[Op, ...]:
+    """The explicit program: every op of the step in issue order.
+
+    ``runs`` overrides the number of runs, ``times=False`` issues each gradient reduction once, and
+    ``blocks=False`` leaves out the per-forward and per-backward collectives (the check's reduced
+    program uses these)."""
+    runs = program.runs if runs is None else runs
+    one = program.run_ops()
+    ops = [_shifted(op, r * program.run_microbatches, r * program.run_batches) for r in range(runs) for op in one]
+    if program.optimizer:
+        ops.append(Op(OpKind.optimizer, program.stage, name="optimizer"))
+    # Gradient reductions go in first, so that they land after the last backward's p2p batch; the
+    # per-micro-batch collectives inserted later sit right next to their compute op, before any send.
+    # (A tied-weight all_reduce placed before the last stage's final gradient send deadlocks stage 0.)
+    gradient = [op for op, k in program.after_last_backward for _ in range(k if times else 1)]
+    for anchor, inserted in (
+        ("after_last_backward", gradient),
+        ("end", program.end),
+        ("before_forward", program.before_forward if blocks else ()),
+        ("after_backward", program.after_backward if blocks else ()),
+    ):
+        if inserted:
+            ops = _insert(ops, inserted, anchor, program.stage, None)
+    return tuple(ops)
+
+
+def expand_all(programs: Sequence[StageProgram]) -> tuple[tuple[Op, ...], ...]:
+    return tuple(expand(p) for p in programs)
+
+
+# ---------------------------------------------------------------------------
+# The check on the stated form
+# ---------------------------------------------------------------------------
+
+
+def within_stage(grid: RankGrid, name: str | None) -> bool:
+    """Whether every group of the rule ``name`` lies inside one pipeline stage."""
+    try:
+        rule = grid.rule(name)
+    except (ValueError, KeyError):
+        return False
+    return "pp" not in rule.axes and rule.name != "tied" and rule.covers(0)
+
+
+def check_compact(
+    programs: Sequence[StageProgram],
+    grid: RankGrid,
+    *,
+    exhaustive_limit: int,
+    buffered_sends: bool = False,
+) -> ScheduleCheck:
+    """Check the step the stated programs expand to (see the module docstring for why the reduced
+    programs it simulates decide the full step)."""
+    if len(programs) != grid.plan.pp:
+        raise ValueError(f"got {len(programs)} stage programs for pp = {grid.plan.pp}")
+    blocks_local = all(within_stage(grid, op.group) for p in programs for op in (*p.before_forward, *p.after_backward))
+    if not blocks_local:
+        # A per-micro-batch collective spans stages: check the explicit step.
+        check = check_schedule(expand_all(programs), grid, exhaustive_limit=exhaustive_limit, buffered_sends=buffered_sends)
+        return dataclasses.replace(check, note=check.note + "; on the explicit programs (a per-micro-batch collective spans stages)")
+    problems: list[str] = []
+    # 1. Every piece's ops where they are issued: one forward and one backward carry the blocks.
+    templates = []
+    for p in programs:
+        probe = [Op(OpKind.forward, p.stage, microbatch=0, name="forward"), Op(OpKind.backward, p.stage, microbatch=0, name="backward")]
+        probe = _insert(_insert(probe, p.before_forward, "before_forward", p.stage, None), p.after_backward, "after_backward", p.stage, None)
+        templates.append(tuple(op for op in probe if op.kind is OpKind.collective))
+    block_check = check_schedule(templates, grid, exhaustive_limit=exhaustive_limit, buffered_sends=buffered_sends)
+    problems += [f"a per-micro-batch collective: {text}" for text in block_check.problems]
+    # 2-3. The reduced step: one run with the step's end, each repeated reduction once (its count in its tag).
+    def reduced(p: StageProgram, runs: int, with_end: bool) -> tuple[Op, ...]:
+        counted = dataclasses.replace(
+            p, after_last_backward=tuple((_copy(op, tag=f"{op.tag} x{k}") if k > 1 else op, 1) for op, k in p.after_last_backward)
+        )
+        if not with_end:
+            counted = dataclasses.replace(counted, after_last_backward=(), end=(), optimizer=False)
+        return expand(counted, runs=runs, times=False, blocks=False)
+
+    step = check_schedule([reduced(p, 1, True) for p in programs], grid, exhaustive_limit=exhaustive_limit, buffered_sends=buffered_sends)
+    problems += list(step.problems)
+    repeated = max(p.runs for p in programs) > 1
+    if repeated and not problems:
+        # 4. One run alone: self-contained, so the runs compose.
+        run = check_schedule([reduced(p, 1, False) for p in programs], grid, exhaustive_limit=exhaustive_limit, buffered_sends=buffered_sends)
+        problems += [f"one run of the schedule alone: {text}" for text in run.problems]
+        if len({p.runs for p in programs}) != 1:
+            problems.append(f"the stages run the schedule {sorted({p.runs for p in programs})} times; every stage must run it equally often")
+    note = (
+        f"{step.note}; on the stated programs: one run"
+        + (f" of {programs[0].runs} (each self-contained, so the runs compose)" if repeated else "")
+        + ", each repeated reduction once, per-micro-batch collectives inside a stage checked where issued"
+    )
+    return ScheduleCheck(tuple(problems), step.ranks_checked, step.representatives, note)
+
+
+# ---------------------------------------------------------------------------
+# JSON
+# ---------------------------------------------------------------------------
+
+
+def op_dict(op: Op) -> dict[str, Any]:
+    """An op as the plan writes it: every field (the plan's schema fills none in)."""
+    return {
+        "kind": op.kind.value, "stage": op.stage, "chunk": op.chunk, "microbatch": op.microbatch, "name": op.name,
+        "group": op.group, "tag": op.tag, "peer": op.peer, "peer_chunk": op.peer_chunk, "batch": op.batch, "bytes": op.bytes,
+    }
+
+
+def op_from(data: Any) -> Op:
+    """An op from its plan entry (a dict or a pydantic model with the same fields)."""
+    get = data.get if isinstance(data, dict) else (lambda name, default=None: getattr(data, name, default))
+    return Op(
+        OpKind(get("kind")), get("stage"), get("chunk", 0) or 0, get("microbatch"), get("name", "") or "",
+        get("group"), get("tag", "") or "", get("peer"), get("peer_chunk"), get("batch"), get("bytes", 0) or 0,
+    )
+
+
+def program_dict(p: StageProgram) -> dict[str, Any]:
+    body = [
+        {"repeat": item.repeat, "microbatch_step": item.microbatch_step, "batch_step": item.batch_step, "ops": [op_dict(op) for op in item.ops]}
+        if isinstance(item, Loop)
+        else op_dict(item)
+        for item in p.body
+    ]
+    return {
+        "stage": p.stage,
+        "runs": p.runs,
+        "run_microbatches": p.run_microbatches,
+        "run_batches": p.run_batches,
+        "optimizer": p.optimizer,
+        "body": body,
+        "before_forward": [op_dict(op) for op in p.before_forward],
+        "after_backward": [op_dict(op) for op in p.after_backward],
+        "after_last_backward": [{**op_dict(op), "times": k} for op, k in p.after_last_backward],
+        "end": [op_dict(op) for op in p.end],
+    }
+
+
+def program_from(data: Any) -> StageProgram:
+    """A stage program from its plan entry (a dict or the plan document's model)."""
+    get = data.get if isinstance(data, dict) else (lambda name, default=None: getattr(data, name, default))
+
+    def item(entry: Any) -> Op | Loop:
+        value = entry.get if isinstance(entry, dict) else (lambda name, default=None: getattr(entry, name, default))
+        if value("repeat") is not None:
+            return Loop(value("repeat"), value("microbatch_step"), value("batch_step"), tuple(op_from(op) for op in value("ops")))
+        return op_from(entry)
+
+    def times(entry: Any) -> int:
+        return entry["times"] if isinstance(entry, dict) else entry.times
+
+    return StageProgram(
+        stage=get("stage"),
+        body=tuple(item(e) for e in get("body")),
+        runs=get("runs"),
+        run_microbatches=get("run_microbatches"),
+        run_batches=get("run_batches"),
+        optimizer=get("optimizer"),
+        before_forward=tuple(op_from(op) for op in get("before_forward")),
+        after_backward=tuple(op_from(op) for op in get("after_backward")),
+        after_last_backward=tuple((op_from(op), times(op)) for op in get("after_last_backward")),
+        end=tuple(op_from(op) for op in get("end")),
+    )
+
+
+def plan_programs(schedule: Any) -> tuple[tuple[Op, ...], ...]:
+    """Every stage's explicit program from a plan's ``schedule`` (the document's model or its JSON):
+    what the runtime executes."""
+    stages = schedule["stages"] if isinstance(schedule, dict) else schedule.stages
+    return tuple(expand(program_from(stage)) for stage in stages)

@@ -1,0 +1,93 @@
+"""Repeated layers stated once: the plan's per-layer entries folded over consecutive layers.
+
+A transformer's layers give the same entries over and over: layer ``n + 1``'s parameter layouts,
+updates and per-layer collectives are layer ``n``'s with the index in their names (``layers.7.``)
+one higher, and its ``layer`` field too. The plan writes such a run as one group,
+``{"layers": count, "entries": [...]}``: the entries of the run's first layer, which stand for
+``count`` layers from it. Only runs that really repeat are folded (same stage, chunk, shapes, bytes,
+everything but the index), so unfolding gives every entry back exactly; the folded form is what
+the plan's digest covers, and loading unfolds it (:func:`unfold`), so readers see every entry.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+#: The fields that carry a layer's index in a name.
+NAMED = ("node_id", "tensor", "logical_id", "name", "shared_group")
+_INDEX = re.compile(r"(?<![\w.])layers\.(\d+)\.")
+GROUP_KEYS = frozenset({"layers", "entries"})
+
+
+def layer_of(entry: dict) -> int | None:
+    """The one layer an entry names (in its names and its ``layer`` field), or None."""
+    found = {int(m.group(1)) for key in NAMED if isinstance(entry.get(key), str) for m in _INDEX.finditer(entry[key])}
+    if isinstance(entry.get("layer"), int) and not isinstance(entry.get("layer"), bool):
+        found.add(entry["layer"])
+    return found.pop() if len(found) == 1 else None
+
+
+def shifted(entry: dict, layer: int, by: int) -> dict:
+    """``entry`` of layer ``layer`` as the same entry of layer ``layer + by``."""
+    if not by:
+        return entry
+    old, new = f"layers.{layer}.", f"layers.{layer + by}."
+    pattern = re.compile(r"(?<![\w.])" + re.escape(old))
+    out = dict(entry)
+    for key in NAMED:
+        if isinstance(out.get(key), str):
+            out[key] = pattern.sub(new, out[key])
+    if out.get("layer") == layer and not isinstance(out.get("layer"), bool):
+        out["layer"] = layer + by
+    return out
+
+
+def fold(entries: list[dict]) -> list[dict]:
+    """``entries`` with every run of consecutive layers that repeat written as one group."""
+    segments: list[tuple[int | None, list[dict]]] = []
+    for entry in entries:
+        layer = layer_of(entry)
+        if layer is not None and segments and segments[-1][0] == layer:
+            segments[-1][1].append(entry)
+        else:
+            segments.append((layer, [entry]))
+    out: list[dict] = []
+    i = 0
+    while i < len(segments):
+        layer, first = segments[i]
+        count = 1
+        if layer is not None:
+            while i + count < len(segments):
+                nxt_layer, nxt = segments[i + count]
+                if nxt_layer != layer + count or len(nxt) != len(first):
+                    break
+                if any(shifted(a, layer, count) != b for a, b in zip(first, nxt)):
+                    break
+                count += 1
+        if count > 1:
+            out.append({"layers": count, "entries": first})
+        else:
+            out.extend(first)
+        i += count
+    return out
+
+
+def unfold(items: list[Any]) -> list[Any]:
+    """Every entry of a folded list (entries already unfolded pass through)."""
+    out: list[Any] = []
+    for item in items:
+        if isinstance(item, dict) and set(item) == GROUP_KEYS:
+            count, entries = item["layers"], item["entries"]
+            if isinstance(count, bool) or not isinstance(count, int) or count < 1 or not isinstance(entries, list) or not entries:
+                raise ValueError("a folded group needs `layers` >= 1 and at least one entry")
+            if not all(isinstance(e, dict) for e in entries):
+                raise ValueError("a folded group's entries are objects")
+            layers = {layer_of(e) for e in entries}
+            if len(layers) != 1 or None in layers:
+                raise ValueError("the entries of a folded group must all name the same one layer")
+            (layer,) = layers
+            out.extend(shifted(e, layer, k) for k in range(count) for e in entries)
+        else:
+            out.append(item)
+    return out

@@ -1,0 +1,250 @@
+"""Stage programs stated with their repetition (lower/compact.py) against the explicit programs.
+
+The oracle is the explicit builder the plan used before (every op of the step, copied here as it
+was): on a grid of small cases the stated programs expand to exactly its programs, and the check
+on the stated form gives the explicit check's verdict, also on programs broken on purpose.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+import json
+import subprocess
+import sys
+
+import pytest
+
+from mixle_compile.contracts import CollectiveKind
+from mixle_compile.engines import engine_profile
+from mixle_compile.lower.compact import Loop, check_compact, compress, expand, expand_all, program_dict, program_from
+from mixle_compile.lower.groups import rule_name
+from mixle_compile.lower.lowering import lower
+from mixle_compile.lower.schedule import OpKind, check_schedule, collective, insert_collectives, pipeline_schedule
+from mixle_compile.lower.step import EXHAUSTIVE_RANKS
+from mixle_compile.plan import FORMAT_VERSION, PlanError, content_digest, load_plan_text, plan_text
+from mixle_compile.plan.rederive import PlanMismatch, rederive
+from mixle_compile.spec import load_spec_text
+from tests.conftest import ROOT
+from tests.test_runtime_support import compile_text
+
+ANCHOR = {"gradient": "after_last_backward", "parameter": "end", "forward": "before_forward", "backward": "after_backward"}
+
+
+def explicit_programs(low, pipeline: str, virtual: int, engine):
+    """The explicit step programs, built as the plan built them before it stated repetition."""
+    plan, updates = low.plan, low.updates
+    if plan.pp == 1:
+        pipeline, virtual = "gpipe", 1
+    per_run = engine.schedule_microbatches(plan.microbatches, plan.gradient_accumulation_steps)
+    runs = plan.microbatches * plan.gradient_accumulation_steps // per_run
+    one = pipeline_schedule(plan.pp, per_run, pipeline, virtual, family=engine.schedules)
+    programs = []
+    for program in one:
+        body = [op for op in program if op.kind is not OpKind.optimizer]
+        batches = 1 + max((op.batch for op in body if op.batch is not None), default=-1)
+        ops = [
+            dataclasses.replace(op, microbatch=None if op.microbatch is None else op.microbatch + r * per_run,
+                                batch=None if op.batch is None else op.batch + r * batches)
+            for r in range(runs) for op in body
+        ]
+        programs.append(tuple(ops) + tuple(op for op in program if op.kind is OpKind.optimizer))
+    programs = tuple(programs)
+    for phase, anchor in ANCHOR.items():
+        for stage in range(plan.pp):
+            copies = (lambda u: 1) if phase in ("forward", "backward") else (lambda u: u.occurrences_per_step)
+            ops = [
+                collective(u.update.node_id, rule_name(u.update.mesh_axes), tag=u.update.collective.value, bytes=u.payload_bytes)
+                for u in updates
+                if u.phase == phase and u.stage == stage and u.update.collective is not CollectiveKind.P2P
+                for _ in range(copies(u))
+            ]
+            if ops:
+                programs = insert_collectives(programs, ops, at=anchor, stages=[stage])
+    return programs
+
+
+def spec(*, pp=2, mb=4, gas=1, schedule="1f1b", virtual=1, ds=1, tp=1, tie=False, backend="torch", layers=4, dopt=False):
+    world = pp * ds * tp
+    text = f"""\
+model: {{family: transformer, vocab_size: 128, hidden_size: 32, num_layers: {layers}, num_heads: 4, num_kv_heads: 2,
+        ffn_hidden_size: 64, tie_embeddings: {str(tie).lower()}}}
+mesh: {{pp: {pp}, dp_shard: {ds}, tp: {tp}, microbatches: {mb}, gradient_accumulation_steps: {gas}}}
+training: {{global_batch_size: {2 * mb * ds * gas}, micro_batch_size: 2, seq_len: 16, pipeline_schedule: {schedule},
+           virtual_pipeline_stages: {virtual}, sequence_parallel: {str(tp > 1).lower()}, distributed_optimizer: {str(dopt).lower()}}}
+backend: {backend}
+resources: {{devices: {world}, memory: 80GiB}}
+"""
+    loaded = load_spec_text(text, "spec.yaml")
+    assert loaded.spec is not None, [d.text() for d in loaded.diagnostics]
+    return loaded.spec
+
+
+# (engine, accumulation, dp_shard, tied embeddings): torchtitan runs the schedule once per accumulation step
+VARIANTS = (("torch", 1, 1, False), ("torchtitan", 3, 1, True), ("megatron", 2, 2, True))
+GRID = [
+    dict(pp=pp, mb=mb, gas=gas, schedule=schedule, virtual=virtual, backend=backend, ds=ds, tie=tie)
+    for pp, mb, schedule, virtual, (backend, gas, ds, tie) in itertools.product(
+        (1, 2, 4), (2, 4, 6), ("gpipe", "1f1b", "interleaved_1f1b"), (1, 2), VARIANTS
+    )
+    if (virtual == 1 or schedule == "interleaved_1f1b") and not (virtual > 1 and pp == 1) and not (pp == 1 and schedule != "gpipe")
+]
+
+
+def _cases():
+    for case in GRID:
+        s = spec(**case, layers=8 if case["virtual"] > 1 else 4)
+        try:
+            low = lower(s)
+        except ValueError:
+            continue  # numbers the engine's schedule refuses (check refuses the spec first)
+        yield case, s, low
+
+
+def test_stated_programs_expand_to_the_explicit_ones_and_check_the_same():
+    compared = 0
+    for case, s, low in _cases():
+        engine = engine_profile(s.backend)
+        old = explicit_programs(low, s.training.pipeline_schedule, s.training.virtual_pipeline_stages, engine)
+        assert low.schedule.programs == old, case
+        verdict = check_schedule(old, low.grid, exhaustive_limit=EXHAUSTIVE_RANKS, buffered_sends=engine.buffered_sends)
+        assert low.schedule.check.ok == verdict.ok, case
+        # the stated form round-trips through the plan's JSON
+        assert tuple(program_from(json.loads(json.dumps(program_dict(p)))) for p in low.schedule.stages) == low.schedule.stages
+        compared += 1
+    assert compared > 30
+
+
+def _mutations(stages):
+    """Programs broken (or not) on purpose, each a tuple of stage programs."""
+    for s, p in enumerate(stages):
+        def put(new, s=s):
+            return stages[:s] + (new,) + stages[s + 1 :]
+
+        for i, item in enumerate(p.body):
+            yield put(dataclasses.replace(p, body=p.body[:i] + p.body[i + 1 :]))
+            if isinstance(item, Loop):
+                for repeat in (item.repeat - 1, item.repeat + 1):
+                    if repeat >= 1:
+                        yield put(dataclasses.replace(p, body=p.body[:i] + (dataclasses.replace(item, repeat=repeat),) + p.body[i + 1 :]))
+                if len(item.ops) > 1:
+                    ops = item.ops[1:] + item.ops[:1]
+                    yield put(dataclasses.replace(p, body=p.body[:i] + (dataclasses.replace(item, ops=ops),) + p.body[i + 1 :]))
+        if len(p.body) > 1:
+            yield put(dataclasses.replace(p, body=p.body[1:] + p.body[:1]))
+        yield put(dataclasses.replace(p, runs=p.runs + 1))
+        if p.after_last_backward:
+            (op, k), *rest = p.after_last_backward
+            yield put(dataclasses.replace(p, after_last_backward=((op, k + 1), *rest)))
+            yield put(dataclasses.replace(p, after_last_backward=tuple(rest)))
+        if p.before_forward:
+            yield put(dataclasses.replace(p, before_forward=p.before_forward[1:]))
+            yield put(dataclasses.replace(p, before_forward=p.before_forward[:1] + (dataclasses.replace(p.before_forward[0], group="tied"),)))
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(pp=2, mb=4, schedule="1f1b", tie=True),
+        dict(pp=4, mb=4, schedule="interleaved_1f1b", virtual=2, layers=8),
+        dict(pp=2, mb=2, gas=3, schedule="gpipe", backend="torchtitan", tie=True),
+        dict(pp=2, mb=4, schedule="1f1b", backend="megatron", ds=2, tie=True),
+    ],
+)
+def test_the_check_on_the_stated_form_gives_the_explicit_verdict_on_broken_programs(case):
+    s = spec(**case)
+    low = lower(s)
+    buffered = engine_profile(s.backend).buffered_sends
+    verdicts = set()
+    for mutated in _mutations(low.schedule.stages):
+        try:
+            explicit = check_schedule(expand_all(mutated), low.grid, exhaustive_limit=EXHAUSTIVE_RANKS, buffered_sends=buffered).ok
+        except ValueError:
+            explicit = False
+        try:
+            stated = check_compact(mutated, low.grid, exhaustive_limit=EXHAUSTIVE_RANKS, buffered_sends=buffered).ok
+        except ValueError:
+            stated = False
+        assert stated == explicit, mutated
+        verdicts.add(explicit)
+    assert verdicts == {True, False}  # both kinds of mutation occurred
+
+
+def test_compress_folds_repetition_and_unrolls_exactly():
+    (program,) = pipeline_schedule(1, 64, "gpipe")
+    body = [op for op in program if op.kind is not OpKind.optimizer]
+    folded = compress(body)
+    assert len(folded) == 2 and all(isinstance(item, Loop) and item.repeat == 64 for item in folded)
+    for stage in pipeline_schedule(4, 32, "1f1b"):
+        ops = [op for op in stage if op.kind is not OpKind.optimizer]
+        stated = compress(ops)
+        assert len(stated) <= 8
+        assert [op for item in stated for op in (item.unrolled() if isinstance(item, Loop) else [item])] == ops
+
+
+def _schedule_bytes(**case) -> tuple[int, int]:
+    doc = compile_text(_spec_text(**case)).model_dump(mode="json")
+    return len(json.dumps(doc["schedule"])), len(plan_text(doc))
+
+
+def _spec_text(*, pp, mb, gas):
+    return f"""\
+model: {{family: transformer, vocab_size: 128, hidden_size: 32, num_layers: 4, num_heads: 4, num_kv_heads: 2, ffn_hidden_size: 64}}
+mesh: {{pp: {pp}, dp_shard: 2, microbatches: {mb}, gradient_accumulation_steps: {gas}}}
+training: {{global_batch_size: {4 * mb * gas}, micro_batch_size: 2, seq_len: 16, pipeline_schedule: 1f1b}}
+backend: torch
+resources: {{devices: {2 * pp}, memory: 80GiB}}
+"""
+
+
+def test_plan_size_does_not_grow_with_micro_batches_or_accumulation():
+    small_schedule, small_plan = _schedule_bytes(pp=2, mb=4, gas=1)
+    for case in (dict(pp=2, mb=128, gas=1), dict(pp=2, mb=4, gas=64)):
+        schedule, whole = _schedule_bytes(**case)
+        # the same programs; only numbers (repeat counts, occurrences) have more digits
+        assert schedule < 1.05 * small_schedule and whole < 1.05 * small_plan, case
+
+
+def _resealed(data: dict):
+    data = copy.deepcopy(data)
+    data["content_digest"] = content_digest(data)
+    return load_plan_text(plan_text(data), "resealed.plan.json")
+
+
+def _first_loop(data):
+    return next(item for stage in data["schedule"]["stages"] for item in stage["body"] if "repeat" in item)
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda d: _first_loop(d).update(repeat=_first_loop(d)["repeat"] + 1),
+        lambda d: d["schedule"]["stages"][0]["before_forward"].pop(0),
+        lambda d: d["schedule"]["stages"][0].update(runs=2),
+        lambda d: d["schedule"]["stages"][1]["after_last_backward"][0].update(times=5),
+    ],
+)
+def test_an_edited_stated_schedule_is_caught(edit):
+    data = compile_text(_spec_text(pp=2, mb=4, gas=2)).model_dump(mode="json")
+    edited = copy.deepcopy(data)
+    edit(edited)
+    text = plan_text(edited)
+    with pytest.raises(PlanError, match="digest mismatch"):
+        load_plan_text(text, "edited.plan.json")
+    with pytest.raises(PlanMismatch, match="schedule.stages"):
+        rederive(_resealed(edited))
+
+
+def test_an_old_format_plan_is_refused_with_how_to_fix(tmp_path):
+    data = compile_text(_spec_text(pp=2, mb=4, gas=1)).model_dump(mode="json")
+    data["format_version"] = FORMAT_VERSION - 1
+    data["content_digest"] = content_digest(data)
+    path = tmp_path / "old.plan.json"
+    path.write_text(plan_text(data))
+    with pytest.raises(PlanError, match=f"old plan format {FORMAT_VERSION - 1}.*recompile"):
+        load_plan_text(path.read_text())
+    for verb in ("explain", "run"):
+        done = subprocess.run([sys.executable, "-m", "mixle_compile", verb, str(path)], capture_output=True, text=True, cwd=ROOT)
+        assert done.returncode == 2, (verb, done.stderr)
+        assert "recompile" in done.stderr and "Traceback" not in done.stderr
