@@ -537,7 +537,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _plan_of(path: str, verb: str, options=None):
     """A verified plan from a plan file, or from a spec compiled on the fly: (plan, exit status)."""
     from mixle_compile.plan import PlanError, load_plan_text
-    from mixle_compile.plan.artifact import PlanFormatError
 
     p = Path(path)
     try:
@@ -646,7 +645,7 @@ def _spec_of(path: str, options):
     p = Path(path)
     if p.suffix.lower() == ".json" and p.is_file() and b'"format_version"' in p.read_bytes()[:4096]:
         from mixle_compile.plan import PlanError, load_plan_text
-        from mixle_compile.plan.artifact import PlanFormatError, plan_spec
+        from mixle_compile.plan.artifact import plan_spec
 
         try:
             return plan_spec(load_plan_text(p.read_bytes(), path)), EXIT_CLEAN
