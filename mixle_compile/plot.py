@@ -62,9 +62,9 @@ def byte_unit(largest: float) -> tuple[str, float]:
 
 
 def _ops(doc: PlanDocument):
-    from mixle_compile.lower.schedule import Op
+    from mixle_compile.lower.compact import plan_programs
 
-    return [[Op(**op.model_dump()) for op in stage] for stage in doc.schedule.stages]
+    return [list(program) for program in plan_programs(doc.schedule)]
 
 
 def timeline(doc: PlanDocument) -> dict[str, Any]:

@@ -223,13 +223,15 @@ def _from_to(a: Any, b: Any) -> dict[str, Any]:
 
 
 def _pipeline_view(doc: PlanDocument) -> dict[str, Any] | None:
+    from mixle_compile.lower.compact import plan_programs
+
     s = doc.schedule
     if s is None:
         return None
     return {
         "schedule": s.pipeline, "virtual_stages": s.virtual_stages, "micro_steps": s.micro_steps,
         "bubble_fraction": s.bubble_fraction, "sends": s.sends, "deadlock_free": s.check.ok,
-        "ops_per_stage": [len(ops) for ops in s.stages],
+        "ops_per_stage": [len(ops) for ops in plan_programs(s)],
     }
 
 

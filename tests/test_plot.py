@@ -117,7 +117,9 @@ def test_the_timeline_draws_every_compute_op_and_the_bubble(tmp_path, schedule):
             drawn["backward"] += 1
         elif mc.to_hex(colour) == "#e6e6e6":
             idle += rect.get_width()
-    ops = [op.kind for stage in doc.schedule.stages for op in stage]
+    from mixle_compile.lower.compact import plan_programs
+
+    ops = [op.kind for program in plan_programs(doc.schedule) for op in program]
     assert drawn == {"forward": ops.count("forward"), "backward": ops.count("backward")}
     makespan = timeline(doc)["makespan"]
     assert ax.get_xlim()[1] == pytest.approx(makespan)
@@ -162,7 +164,9 @@ def test_an_em_plan_draws_its_passes_by_name():
     doc = plan_of(EXAMPLES / "composite-nested-mixture.yaml")
     fig = plan_figure(doc)
     ax = panel(fig, "step program")
-    names = [op.name for stage in doc.schedule.stages for op in stage if op.kind == "forward"]
+    from mixle_compile.lower.compact import plan_programs
+
+    names = [op.name for program in plan_programs(doc.schedule) for op in program if op.kind == "forward"]
     assert [t.get_text() for t in ax.texts] == names == ["e_step/score", "e_step/statistics"]
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ["pass over the data"]
     assert "micro-batch" not in ax.get_xlabel()
