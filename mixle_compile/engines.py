@@ -75,6 +75,20 @@ class EngineProfile:
         return self.name == "torchtitan"
 
     @property
+    def pipeline_receive_buffers(self) -> bool:
+        """The engine runs torch's pipelining runtime, whose stages allocate a receive buffer per
+        micro-batch for activations and for gradients (torch/distributed/pipelining/stage.py;
+        torchtitan builds its schedules from it). Megatron-Core and the in-tree runtime allocate a
+        receive tensor per transfer, which the stage's first layer then keeps as its input."""
+        return self.name == "torchtitan"
+
+    @property
+    def fsdp_reduce_scatter_copy(self) -> bool:
+        """FSDP2 reduces each unit's gradients through a flat fp32 copy of them (torchtitan applies
+        ``fully_shard`` with ``reduce_dtype`` float32; torch's ``foreach_reduce``)."""
+        return self.name == "torchtitan"
+
+    @property
     def op_level_selective(self) -> bool:
         """Selective checkpointing saves chosen ops' outputs (torchtitan's ``SelectiveAC``, op mode);
         elsewhere it recomputes attention's core (Korthikanti et al., Megatron's selective)."""

@@ -25,6 +25,10 @@ The model (bytes per rank):
   without checkpointing minus what checkpointing kept of it); the last stage adds the logits of
   one micro-batch and the loss's buffers, as the engine's cross-entropy allocates them
   (:func:`loss_bytes_per_logit`);
+- communication buffers: on engines that run torch's pipelining runtime, the receive buffers a
+  pipeline stage allocates once per micro-batch (:func:`pipeline_buffer_bytes`); under FSDP, the
+  reduce-scatter input of the unit whose gradients are being reduced
+  (:func:`reduce_scatter_buffer_bytes`);
 - allocator reserve: what the caching allocator holds beyond live tensors, a fraction of them
   (:data:`ALLOCATOR_RESERVE`).
 
@@ -39,7 +43,8 @@ MOMENT_BYTES = 8  # Adam(W): two fp32 moments per element
 MASTER_BYTES = 4  # an fp32 master copy of every element stored below fp32
 #: The terms of a rank's memory, in the order explain shows them (docs/memory.md defines each).
 MEMORY_KINDS = (
-    "parameters", "gathered_parameters", "gradients", "optimizer_state", "activations", "recompute", "loss", "reserve",
+    "parameters", "gathered_parameters", "gradients", "optimizer_state", "activations", "recompute", "loss", "buffers",
+    "reserve",
 )
 #: Loss implementations (:func:`loss_bytes_per_logit`).
 MATERIALIZED_LOSS = "materialized"  # fp32 logits materialised, their softmax or gradient beside them
@@ -53,6 +58,7 @@ LOSS_PARALLEL_LOSS = "loss_parallel"  # torch's DTensor loss parallelism over vo
 ALLOCATOR_RESERVE = 0.08
 FSDP_UNITS_IN_FLIGHT = 2  # the unit computing and the one prefetched
 ACCUMULATED_GRAD_BYTES = 4  # FSDP2 accumulates unsharded gradients in its fp32 reduce dtype
+REDUCE_BYTES = 4  # FSDP2 reduces gradients in fp32 (torchtitan's mixed_precision_reduce default "float32")
 
 
 def stored_dtype(precision: str) -> str:
@@ -219,3 +225,47 @@ def gathered_parameter_bytes(
         return in_flight
     whole_stage = stage_bytes + ACCUMULATED_GRAD_BYTES * stage_elements
     return ar.when(fsdp, ar.when(keeps_stage, whole_stage, in_flight), 0)
+
+
+def boundary_bytes(
+    ar: Arithmetic, *, seq_len: Any, cp: Any, micro_batch_size: Any, hidden_size: Any, tp: Any, sequence_parallel: Any, fp32: Any,
+) -> Any:
+    """One micro-batch of the hidden states that cross a pipeline-stage boundary: ``b * s * h``
+    elements of the local sequence (``seq_len / cp``) in the activation dtype, split over tp under
+    sequence parallelism (torchtitan's tensor-parallel plan ends each block with a row-parallel
+    linear whose output is sequence-sharded and local, ``use_local_output``)."""
+    s = ar.exact(seq_len) / ar.exact(cp)
+    elements = s * ar.exact(micro_batch_size) * ar.exact(hidden_size)
+    return ar.when(sequence_parallel, elements / ar.exact(tp), elements) * ar.when(fp32, 4, 2)
+
+
+def pipeline_buffer_bytes(
+    ar: Arithmetic, *, boundary: Any, microbatches: Any, activation_stages: Any, gradient_stages: Any, saved_inputs: Any = 0,
+) -> Any:
+    """The receive buffers of torch's pipelining runtime on one rank.
+
+    A ``PipelineStage`` allocates, when its schedule first runs and for as long as it lives, one
+    buffer per micro-batch for its input activations unless it is the first stage
+    (``_prepare_forward_infra``) and one per micro-batch for the gradients of its outputs unless it
+    is the last (``_prepare_backward_infra`` -> ``_create_grad_recv_info``),
+    torch/distributed/pipelining/stage.py. ``activation_stages`` / ``gradient_stages`` count the
+    rank's stages that hold each kind; ``saved_inputs`` are the received activations already priced
+    as the first layer's stored input (the micro-batches in flight: the received buffer is the
+    tensor the layer saves)."""
+    buffers = ar.exact(microbatches) * ar.exact(activation_stages) - ar.exact(saved_inputs)
+    buffers = buffers + ar.exact(microbatches) * ar.exact(gradient_stages)
+    return buffers * boundary
+
+
+def reduce_scatter_buffer_bytes(
+    ar: Arithmetic, *, fsdp: Any, unit_elements: Any, unit_bytes: Any, accumulated: Any = False,
+) -> Any:
+    """Under FSDP2, the reduce-scatter of one unit's gradients: ``foreach_reduce`` copies the
+    unsharded gradients (in the parameters' dtype, ``unit_bytes``) into one flat input in the
+    reduce dtype (fp32) and frees them only after the copy
+    (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py), so the largest unit's gradients and
+    their fp32 copy are live at once. Where the unsharded gradients are already priced as
+    accumulated fp32 (``accumulated``: a stage kept gathered under a pipeline), only the copy is
+    new."""
+    copy = ar.exact(unit_elements) * REDUCE_BYTES
+    return ar.when(fsdp, copy + ar.when(accumulated, 0, ar.exact(unit_bytes)), 0)

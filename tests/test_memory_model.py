@@ -27,6 +27,7 @@ KINDS = {  # lowering's name -> the rule's name
     "activations": "activations",
     "recompute": "recompute working set",
     "loss": "logits and loss",
+    "buffers": "communication buffers",
     "reserve": "allocator reserve",
 }
 
@@ -37,7 +38,7 @@ mesh: {{dp_replicate: {dr}, dp_shard: {ds}, tp: {tp}, pp: {pp}, cp: {cp}, ep: {e
 training: {{global_batch_size: {gbs}, micro_batch_size: 2, seq_len: 32, precision: {precision}, optimizer: {opt},
            sequence_parallel: {sp}, activation_checkpointing: {ckpt}, distributed_optimizer: {dopt},
            pipeline_schedule: {schedule}}}
-backend: torch
+backend: {backend}
 resources: {{devices: {world}, memory: 1TiB}}
 """
 
@@ -58,7 +59,7 @@ def transformer_spec(rng: random.Random):
             ep=ep, mb=mb, gbs=2 * mb * dr * ds, precision=rng.choice(["fp32", "bf16"]), opt=rng.choice(["sgd", "adamw"]),
             sp=str(tp > 1 and rng.random() < 0.5).lower(), ckpt=rng.choice(["none", "selective", "full"]),
             dopt=str(rng.random() < 0.3).lower(), schedule=rng.choice(["gpipe", "1f1b"]) if pp > 1 else "1f1b",
-            world=dr * ds * tp * pp * cp,
+            world=dr * ds * tp * pp * cp, backend=rng.choice(["torch", "torchtitan"]),
         )
         loaded = load_spec_text(text, "sample.yaml")
         assert loaded.ok, [d.text() for d in loaded.diagnostics]
@@ -98,7 +99,8 @@ def test_examples_agree_exactly_without_a_pipeline():
 def test_a_pipeline_bound_covers_every_stage_and_is_reached_by_the_first():
     spec = load_spec_text(TRANSFORMER.format(
         vocab=64, hidden=32, layers=8, heads=4, ffn=64, tie="false", moe="", dr=1, ds=1, tp=1, pp=4, cp=1, ep=1, mb=8,
-        gbs=16, precision="fp32", opt="adamw", sp="false", ckpt="none", dopt="false", schedule="1f1b", world=4), "pp.yaml").spec
+        gbs=16, precision="fp32", opt="adamw", sp="false", ckpt="none", dopt="false", schedule="1f1b", world=4,
+        backend="torch"), "pp.yaml").spec
     stages, bound = _figures(spec)
     assert len(stages) == 4
     # 1F1B: stage s keeps min(microbatches, pp - s) micro-batches in flight, so activations fall by stage.
@@ -242,3 +244,51 @@ def test_compile_is_read_by_torchtitan_only(backend, warned):
     codes = [d.code for d in check_loaded(load_spec_text(LOSS_SPEC.format(backend=backend, compile="true", precision="bf16"), "c.yaml")).diagnostics]
     assert ("C007" in codes) == warned
     assert "C007" not in [d.code for d in check_loaded(load_spec_text(LOSS_SPEC.format(backend=backend, compile="false", precision="bf16"), "c.yaml")).diagnostics]
+
+
+@pytest.mark.parametrize("schedule, virtual", [("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2)])
+def test_torchtitan_prices_the_pipelines_receive_buffers(schedule, virtual):
+    """torch's PipelineStage holds a receive buffer per micro-batch for activations (all stages but
+    the first) and for gradients (all but the last); the in-flight ones double as stored inputs."""
+    pp, mb, hidden, seq, b, tp = 4, 8, 32, 32, 2, 2
+    text = TRANSFORMER.format(
+        vocab=64, hidden=hidden, layers=8, heads=4, ffn=64, tie="false", moe="", dr=1, ds=1, tp=tp, pp=pp, cp=1, ep=1, mb=mb,
+        gbs=b * mb, precision="bf16", opt="adamw", sp="true", ckpt="full", dopt="false", schedule=schedule, world=pp * tp,
+        backend="torchtitan",
+    ).replace("pipeline_schedule:", f"virtual_pipeline_stages: {virtual}, pipeline_schedule:")
+    spec = load_spec_text(text, "pp.yaml").spec
+    stages, bound = _figures(spec)
+    boundary = b * seq * hidden // tp * 2  # sequence-sharded bf16 hidden states of one micro-batch
+    expected = []
+    for rank in range(pp):
+        model_stages = [rank + k * pp for k in range(virtual)]
+        count = sum(mb for s in model_stages if s > 0) + sum(mb for s in model_stages if s < pp * virtual - 1)
+        if virtual == 1 and rank > 0:
+            count -= mb if schedule == "gpipe" else min(mb, pp - rank)
+        expected.append(count * boundary)
+    assert [s.buffers for s in stages] == expected
+    assert max(expected) <= bound["communication buffers"] <= max(expected) * 1.0001
+    torch = load_spec_text(text.replace("backend: torchtitan", "backend: torch"), "pp.yaml").spec
+    assert all(s.buffers == 0 for s in _figures(torch)[0])  # per-transfer receives, kept as the first layer's input
+
+
+def test_fsdp2_reduces_the_largest_layer_through_an_fp32_copy():
+    text = TRANSFORMER.format(
+        vocab=64, hidden=32, layers=4, heads=4, ffn=64, tie="false", moe="", dr=1, ds=4, tp=1, pp=1, cp=1, ep=1, mb=1,
+        gbs=8, precision="bf16", opt="adamw", sp="false", ckpt="none", dopt="false", schedule="1f1b", world=4,
+        backend="torchtitan",
+    )
+    spec = load_spec_text(text, "fsdp.yaml").spec
+    (stage,), bound = _figures(spec)
+    layer = [p for p in spec_parameters(spec) if p.layer == 0]
+    elements = sum(p.numel for p in layer)
+    assert stage.buffers == elements * 2 + elements * 4  # its bf16 gradients and their fp32 copy
+    assert bound["communication buffers"] == pytest.approx(stage.buffers)
+    torch = load_spec_text(text.replace("backend: torchtitan", "backend: torch"), "fsdp.yaml").spec
+    assert _figures(torch)[0][0].buffers == 0
+
+
+def spec_parameters(spec):
+    from mixle_compile.parameters import model_parameters
+
+    return model_parameters(spec)

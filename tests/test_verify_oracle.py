@@ -199,8 +199,49 @@ def memory_bytes(spec: Spec, devices: int | None = None) -> Fraction:
         if held:
             layer_unit = weights(held[0][1], model_split) + max((weights(a, model_split) for _, a in held[1:]), default=Fraction(0))
         total += 2 * max(layer_unit, ends(weights, model_split))
-    live = total + activation_bytes(spec, v * c)
+    if fsdp and held and backend_of(spec) == "torchtitan":
+        # FSDP2 reduces the largest layer's gradients through an fp32 copy; the gradients in the
+        # parameters' dtype are live beside it unless already accumulated in fp32 (the pipeline case)
+        def layer_elements(amounts) -> Fraction:
+            return sum((Fraction(a[0] + a[1]) / model_split[k] for k, a in amounts.items()), Fraction(0))
+
+        def largest_layer(measure) -> Fraction:
+            return measure(held[0][1]) + max((measure(a) for _, a in held[1:]), default=Fraction(0))
+
+        total += 4 * largest_layer(layer_elements)
+        if pp == 1:
+            total += largest_layer(lambda a: weights(a, model_split))
+    live = total + activation_bytes(spec, v * c) + receive_buffer_bytes(spec)
     return live * (1 + Fraction(8, 100))  # the allocator's reserve
+
+
+def receive_buffer_bytes(spec: Spec) -> Fraction:
+    """torch's pipelining runtime (torchtitan): every stage but the first holds a receive buffer
+    per micro-batch for activations, every stage but the last one for gradients; the received
+    activations of the micro-batches in flight are the first layer's stored input. Brute force
+    over the pipeline ranks, the largest."""
+    model, m, t = spec.model, spec.mesh, spec.training
+    if backend_of(spec) != "torchtitan" or m.pp == 1 or not isinstance(model, TransformerModel):
+        return Fraction(0)
+    pp, mb = m.pp, m.microbatches
+    v = t.virtual_pipeline_stages if t.pipeline_schedule == "interleaved_1f1b" else 1
+    boundary = Fraction(t.seq_len, m.cp) * t.micro_batch_size * model.hidden_size
+    if t.sequence_parallel:
+        boundary /= m.tp
+    boundary *= 4 if t.precision == "fp32" else 2
+    most = Fraction(0)
+    for rank in range(pp):
+        stages = [rank + k * pp for k in range(v)]
+        count = 0
+        for stage in stages:
+            if stage > 0:
+                count += mb
+            if stage < pp * v - 1:
+                count += mb
+        if v == 1 and rank > 0:
+            count -= mb if t.pipeline_schedule == "gpipe" else min(mb, pp - rank)
+        most = max(most, count * boundary)
+    return most
 
 
 def backend_of(spec: Spec) -> str:

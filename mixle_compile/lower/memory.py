@@ -24,12 +24,15 @@ from mixle_compile.memory_model import (
     MEMORY_KINDS,
     NUMBERS,
     activation_bytes_per_layer,
+    boundary_bytes,
     fsdp_shards,
     gathered_parameter_bytes,
     logits_bytes,
     loss_bytes_per_logit,
     micro_batches_in_flight,
     optimizer_bytes_per_element,
+    pipeline_buffer_bytes,
+    reduce_scatter_buffer_bytes,
     reserve_bytes,
 )
 from mixle_compile.parameters import DTYPE_BYTES
@@ -48,6 +51,7 @@ class StageMemory:
     activations: int  # stored for the backward pass: per layer, times the micro-batches in flight
     recompute: int = 0  # the working set of the layer being recomputed under checkpointing
     loss: int = 0  # the last stage's logits and the loss's buffers
+    buffers: int = 0  # pipeline receive buffers and the FSDP reduce-scatter copy
     reserve: int = 0  # the caching allocator's reserve beyond live tensors
 
     @property
@@ -102,19 +106,34 @@ def stage_memory(
                 elems = ceil(elems / _data_ranks(p, plan))
             state += elems * optimizer_bytes_per_element(NUMBERS, adam=adam, below_fp32=p.parameter.dtype != "fp32")
         units: dict[object, int] = {}  # a layer, or (None) the embedding and head
+        unit_elements: dict[object, int] = {}
         for p in mine:
             units[p.parameter.layer] = units.get(p.parameter.layer, 0) + _tp_local_bytes(p, plan)
+            unit_elements[p.parameter.layer] = unit_elements.get(p.parameter.layer, 0) + _tp_local_bytes(p, plan) // DTYPE_BYTES[p.parameter.dtype]
+        fsdp = fsdp_shards(dp_shard=plan.dp_shard, cp=plan.cp, over_cp=engine.fsdp_over_cp)
+        keeps_stage = plan.pp > 1 and engine.fsdp_keeps_stage_under_pp
         gathered = gathered_parameter_bytes(
             NUMBERS,
-            fsdp=fsdp_shards(dp_shard=plan.dp_shard, cp=plan.cp, over_cp=engine.fsdp_over_cp),
+            fsdp=fsdp,
             largest_unit_bytes=max(units.values(), default=0),
-            keeps_stage=plan.pp > 1 and engine.fsdp_keeps_stage_under_pp,
+            keeps_stage=keeps_stage,
             stage_bytes=sum(units.values()),
-            stage_elements=sum(_tp_local_bytes(p, plan) // DTYPE_BYTES[p.parameter.dtype] for p in mine),
+            stage_elements=sum(unit_elements.values()),
         )
-        stored, recompute, loss = _activation_bytes(spec, plan, stage, split)
-        live = params + gathered + grads + state + stored + recompute + loss
-        out.append(StageMemory(stage, params, gathered, grads, state, stored, recompute, loss, int(reserve_bytes(NUMBERS, live))))
+        stored, recompute, loss, in_flight = _activation_bytes(spec, plan, stage, split)
+        buffers = _pipeline_buffers(spec, plan, stage, in_flight)
+        layers = [unit for unit in units if unit is not None]
+        if engine.fsdp_reduce_scatter_copy and layers:
+            # a layer's gradients are reduced while earlier layers' activations are still held; the
+            # embedding and head (the root unit) after the last layer's backward, when none are
+            largest = max(layers, key=lambda unit: units[unit])
+            buffers += int(reduce_scatter_buffer_bytes(
+                NUMBERS, fsdp=fsdp, unit_elements=unit_elements[largest], unit_bytes=units[largest], accumulated=keeps_stage,
+            ))
+        live = params + gathered + grads + state + stored + recompute + loss + buffers
+        out.append(StageMemory(
+            stage, params, gathered, grads, state, stored, recompute, loss, buffers, int(reserve_bytes(NUMBERS, live)),
+        ))
     return tuple(out)
 
 
@@ -136,12 +155,35 @@ def _tp_local_bytes(p: PlacedParameter, plan: ParallelPlan) -> int:
     return nbytes
 
 
-def _activation_bytes(spec: Spec, plan: ParallelPlan, stage: int, split: LayerSplit | None) -> tuple[int, int, int]:
-    """Stored activations, the recompute working set and the loss's bytes of one stage's rank."""
+def _pipeline_buffers(spec: Spec, plan: ParallelPlan, stage: int, in_flight: float) -> int:
+    """The receive buffers of torch's pipelining runtime on pipeline rank `stage`, which holds the
+    model stages stage, stage + pp, ... (memory_model.pipeline_buffer_bytes)."""
+    model = spec.model
+    t = spec.training
+    engine = engine_profile(spec.backend)
+    if plan.pp == 1 or not engine.pipeline_receive_buffers or not isinstance(model, TransformerModel):
+        return 0
+    virtual = t.virtual_pipeline_stages if t.pipeline_schedule == "interleaved_1f1b" else 1
+    boundary = boundary_bytes(
+        NUMBERS, seq_len=t.seq_len or 1, cp=plan.cp, micro_batch_size=t.micro_batch_size, hidden_size=model.hidden_size,
+        tp=plan.tp, sequence_parallel=t.sequence_parallel, fp32=t.precision == "fp32",
+    )
+    return int(pipeline_buffer_bytes(
+        NUMBERS, boundary=boundary, microbatches=engine.schedule_microbatches(plan.microbatches, plan.gradient_accumulation_steps),
+        activation_stages=virtual - (stage == 0), gradient_stages=virtual - (stage == plan.pp - 1),
+        # one stage per rank: the micro-batches in flight keep their received input as the first
+        # layer's stored input; with several, the count per stage is not tracked, none is subtracted
+        saved_inputs=in_flight if virtual == 1 and stage > 0 else 0,
+    ))
+
+
+def _activation_bytes(spec: Spec, plan: ParallelPlan, stage: int, split: LayerSplit | None) -> tuple[int, int, int, float]:
+    """Stored activations, the recompute working set and the loss's bytes of one stage's rank, and
+    the micro-batches it keeps in flight."""
     model = spec.model
     t = spec.training
     if not isinstance(model, TransformerModel):
-        return 0, 0, 0  # a modules spec lists parameters only; how activations flow is not known
+        return 0, 0, 0, 0  # a modules spec lists parameters only; how activations flow is not known
     shape = dict(seq_len=t.seq_len or 1, cp=plan.cp, micro_batch_size=t.micro_batch_size, tp=plan.tp)
     engine = engine_profile(spec.backend)
     def layer(full: bool, selective: bool) -> float:
@@ -166,7 +208,7 @@ def _activation_bytes(spec: Spec, plan: ParallelPlan, stage: int, split: LayerSp
             NUMBERS, implementation=engine.loss_implementation(compiled="loss" in t.compiled, tensor_parallel=plan.tp > 1), fp32=t.precision == "fp32"
         )
         loss = logits_bytes(NUMBERS, **shape, vocab_size=model.vocab_size, bytes_per_logit=per_logit)
-    return int(stored), int(recomputed if layers_here else 0), int(loss)
+    return int(stored), int(recomputed if layers_here else 0), int(loss), in_flight
 
 
 def traffic(updates: tuple[PlannedUpdate, ...]) -> tuple[TrafficEntry, ...]:

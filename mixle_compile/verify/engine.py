@@ -163,6 +163,10 @@ def _structure(facts: PlanFacts, rules: tuple[Rule, ...]) -> tuple:
         facts.dp_shard_auto,
         repr(facts.footprint),
         facts.split_dimensions,
+        # the memory rule reads a listed split, and the pipeline degree it is listed for, as numbers
+        facts.layer_split,
+        facts.pipeline_layers,
+        facts.value("pp") if facts.pipeline_layers is not None else None,
     )
 
 

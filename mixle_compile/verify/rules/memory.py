@@ -5,12 +5,15 @@ from __future__ import annotations
 from mixle_compile.memory_model import (
     ALLOCATOR_RESERVE,
     activation_bytes_per_layer,
+    boundary_bytes,
     fsdp_shards,
     gathered_parameter_bytes,
     logits_bytes,
     loss_bytes_per_logit,
     micro_batches_in_flight,
     optimizer_bytes_per_element,
+    pipeline_buffer_bytes,
+    reduce_scatter_buffer_bytes,
     reserve_bytes,
 )
 from mixle_compile.verify import logic
@@ -135,8 +138,48 @@ def per_rank_bytes(v) -> dict[str, object]:
         "optimizer state": optimizer,
         **activation_bytes(v, copies["every_layer"]),
     }
+    buffers = pipeline_buffers(v)
+    if v.facts.engine.fsdp_reduce_scatter_copy:
+        elements = lambda share: share.elements  # noqa: E731
+        # the largest layer: the embedding and head are reduced after the last layer's backward,
+        # when no activations are held (lower/memory.py prices the same unit)
+        unit = lambda measure: held([("every_layer", 1)], measure, unsharded) + larger(  # noqa: E731
+            held([("dense_layer", 1)], measure, unsharded), held([("moe_layer", 1)], measure, unsharded)
+        )
+        buffers = buffers + reduce_scatter_buffer_bytes(
+            TERMS, fsdp=fsdp, unit_elements=unit(elements), unit_bytes=unit(weight_bytes), accumulated=keeps_stage,
+        )
+    terms["communication buffers"] = buffers
     terms["allocator reserve"] = reserve_bytes(TERMS, sum(terms.values(), real(0)))
     return terms
+
+
+def pipeline_buffers(v) -> object:
+    """The most receive buffers torch's pipelining runtime holds on one pipeline rank
+    (memory_model.pipeline_buffer_bytes): with v > 1 stages per rank, a middle rank's v stages each
+    receive both kinds (2v - 1 kinds on either end rank, and on both ranks of a two-rank
+    pipeline); with one, rank pp - 2 receives gradients for all m micro-batches and activations
+    for those not in flight, m - min(m, 2), under 1F1B, and GPipe keeps every received input as a
+    stored one."""
+    fp = v.facts.footprint
+    if v.facts.family != "transformer" or not v.facts.engine.pipeline_receive_buffers:
+        return real(0)
+    boundary = boundary_bytes(
+        TERMS, seq_len=v.seq_len, cp=v.cp, micro_batch_size=v.micro_batch_size, hidden_size=fp.hidden_size, tp=v.tp,
+        sequence_parallel=v.sequence_parallel, fp32=v.is_("precision", "fp32"),
+    )
+    m = v.facts.engine.schedule_microbatches(v.microbatches, v.gradient_accumulation_steps)
+    virtual = v.virtual_pipeline_stages
+    interleaved = all_of(v.is_("pipeline_schedule", "interleaved_1f1b"), virtual > 1)
+    several = pipeline_buffer_bytes(
+        TERMS, boundary=boundary, microbatches=m, activation_stages=virtual, gradient_stages=when(v.pp > 2, virtual, virtual - 1),
+    )
+    one = pipeline_buffer_bytes(
+        TERMS, boundary=boundary, microbatches=m, activation_stages=when(v.pp > 2, 1, 0), gradient_stages=1,
+        saved_inputs=when(v.pp > 2, logic.smaller(m, 2), 0),
+    )
+    gpipe = pipeline_buffer_bytes(TERMS, boundary=boundary, microbatches=m, activation_stages=0, gradient_stages=1)
+    return when(v.pp == 1, real(0), when(interleaved, several, when(v.is_("pipeline_schedule", "gpipe"), gpipe, one)))
 
 
 def activation_bytes(v, layers_on_rank) -> dict[str, object]:
