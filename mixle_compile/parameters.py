@@ -79,7 +79,12 @@ def head_dim(model: TransformerModel) -> int:
 
 def is_moe_layer(model: TransformerModel, layer: int) -> bool:
     """Megatron's convention: with frequency k, layers 0, k, 2k, ... are mixture-of-experts layers."""
-    return model.num_experts > 0 and layer % model.moe_layer_frequency == 0
+    return moe_layer_at(layer, num_experts=model.num_experts, frequency=model.moe_layer_frequency)
+
+
+def moe_layer_at(layer: int, *, num_experts: int, frequency: int) -> bool:
+    """:func:`is_moe_layer` from the model's fields (a model written as a mapping)."""
+    return num_experts > 0 and layer % frequency == 0
 
 
 def transformer_parameters(model: TransformerModel, dtype: str, seq_len: int | None = None) -> tuple[Parameter, ...]:

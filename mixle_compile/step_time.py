@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from mixle_compile.parameters import moe_layer_at
 from mixle_compile.spec.models import compiled_components
 
 #: Dense peak FLOP/s per precision, memory bandwidth, links, per device kind (vendor datasheets:
@@ -229,7 +230,7 @@ def model_flops_per_token(model: dict, seq: float) -> float:
     d_q = heads * (model.get("head_dim") or h // heads)
     total = 0.0
     for layer in range(layers):
-        moe = model.get("num_experts", 0) > 0 and (layer + 1) % model.get("moe_layer_frequency", 1) == 0
+        moe = moe_layer_at(layer, num_experts=model.get("num_experts", 0), frequency=model.get("moe_layer_frequency", 1))
         flops = _layer_flops(model, {"activation_checkpointing": "none", "attention": "eager"}, seq, "torch", moe)
         total += 3 * flops.linear + 3 * flops.attention
     return total + 3 * 2 * h * model["vocab_size"]
@@ -309,7 +310,7 @@ def _stage_compute(st: _Setting, tp: int, cp: int, stage_layers: list[int]) -> t
     for stage, count in enumerate(stage_layers):
         # Layers of one kind (dense or MoE) cost the same: count each kind once.
         moe_layers = sum(1 for layer in range(first, first + count)
-                         if model.get("num_experts", 0) > 0 and (layer + 1) % moe_every == 0)
+                         if moe_layer_at(layer, num_experts=model.get("num_experts", 0), frequency=moe_every))
         linear = attention = moved = 0.0
         for moe, n in ((False, count - moe_layers), (True, moe_layers)):
             if not n:
