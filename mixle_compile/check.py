@@ -16,6 +16,7 @@ from mixle_compile.spec import LoadedSpec, load_spec
 if TYPE_CHECKING:
     from mixle_compile.spec.source import SourceDocument
     from mixle_compile.verify import Verification
+    from mixle_compile.importers.suggest import EnginePatch
     from mixle_compile.verify.suggest import Suggestion
 
 
@@ -27,6 +28,9 @@ class CheckResult:
     notes: tuple[str, ...] = ()  # what was proved (elastic ranges), for the text report
     suggestion: "Suggestion | None" = None
     suggestion_sought: bool = False  # --suggest was given and the file had errors
+    # For an engine config: the suggestion as edits of the engine's keys, or why it cannot be said so.
+    engine_patch: "EnginePatch | None" = None
+    engine_patch_refused: str | None = None
 
     @property
     def errors(self) -> int:
@@ -44,6 +48,7 @@ def check_loaded(loaded: LoadedSpec, *, suggest: bool = False) -> CheckResult:
     notes: tuple[str, ...] = ()
     suggestion = None
     sought = False
+    patch, refused = None, None
     if loaded.ok:
         from mixle_compile.verify import suggest_fix, verify_plan
 
@@ -53,6 +58,7 @@ def check_loaded(loaded: LoadedSpec, *, suggest: bool = False) -> CheckResult:
         if suggest and any(d.severity is Severity.error for d in diagnostics):
             sought = True
             suggestion = suggest_fix(loaded.spec)
+            patch, refused = _engine_patch(loaded, suggestion)
     return CheckResult(
         loaded.file,
         tuple(sorted(diagnostics, key=sort_key)),
@@ -60,7 +66,22 @@ def check_loaded(loaded: LoadedSpec, *, suggest: bool = False) -> CheckResult:
         notes,
         suggestion,
         sought,
+        patch,
+        refused,
     )
+
+
+def _engine_patch(loaded: LoadedSpec, suggestion) -> tuple["EnginePatch | None", str | None]:
+    """An engine config's fix in its own keys (none for a spec file, or when nothing is to be changed)."""
+    from mixle_compile.importers.suggest import ENGINE_FORMATS, NotExpressible, engine_patch
+
+    doc = loaded.document
+    if suggestion is None or not suggestion.changes or doc is None or doc.source_format not in ENGINE_FORMATS:
+        return None, None
+    try:
+        return engine_patch(loaded.spec, suggestion, doc), None
+    except NotExpressible as exc:
+        return None, str(exc)
 
 
 def verification_diagnostics(verification: "Verification", document: "SourceDocument") -> list[Diagnostic]:
@@ -74,7 +95,7 @@ def verification_diagnostics(verification: "Verification", document: "SourceDocu
                 finding.code,
                 finding.message,
                 first,
-                hint=finding.hint,
+                hint=finding.hint + _engine_keys_note(paths, document),
                 severity=finding.severity,
                 extra_fields=rest,
             )
@@ -83,6 +104,15 @@ def verification_diagnostics(verification: "Verification", document: "SourceDocu
     if proof is not None and not proof.proved:
         out.append(_elastic_diagnostic(proof, document))
     return out
+
+
+def _engine_keys_note(paths, document: "SourceDocument") -> str:
+    """For an engine config: which of its keys give the spec fields a finding names (its hint speaks of spec fields)."""
+    if document.source_format is None or not document.origins:
+        return ""
+    named = [f"{'.'.join(str(p) for p in path)} <- {document.origins[tuple(path)]}" for path in paths
+             if tuple(path) in document.origins and tuple(path)[0] in ("mesh", "training")]
+    return f" (in this file: {'; '.join(named)})" if named else ""
 
 
 def _range_text(proof) -> str:

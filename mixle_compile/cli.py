@@ -207,6 +207,10 @@ def _suggestion_text(result) -> str:
     nearest = "nearest" if s.proved_nearest else "a"
     count = len(s.changes)
     head = f"# {result.file}: {nearest} valid plan on the same {s.devices} devices ({count} field{'s' * (count != 1)} changed)"
+    if result.engine_patch is not None:
+        return head + ", in the config's own keys:\n" + result.engine_patch.text(result.file)
+    if result.engine_patch_refused is not None:
+        head += f"\n# (not expressible in the engine config's keys: {result.engine_patch_refused}; as spec fields:)"
     return head + "\n" + s.yaml_patch()
 
 
@@ -219,7 +223,9 @@ def _suggestion_dict(result) -> dict:
         "found": True,
         "nearest": s.proved_nearest,
         "changes": {c.field.dotted: c.display() for c in s.changes},
-        "patch": s.yaml_patch(),
+        "patch": s.yaml_patch() if result.engine_patch is None else result.engine_patch.text(result.file),
+        **({"engine_changes": [c.as_dict() for c in result.engine_patch.changes]} if result.engine_patch else {}),
+        **({"engine_changes_refused": result.engine_patch_refused} if result.engine_patch_refused else {}),
     }
 
 

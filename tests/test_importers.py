@@ -649,3 +649,106 @@ def test_compile_diff_and_suggest_take_engine_configs(tmp_path, capsys):
                      .replace("tensor_parallel_degree = 1", "tensor_parallel_degree = 2"))
     status, out, _ = run_cli(capsys, "check", "--suggest", fixed, "--devices", "8")
     assert status == 1 and "D001" in out and "valid plan on the same 8 devices" in out
+
+
+def _line_of(path, needle: str) -> int:
+    return next(i for i, line in enumerate(path.read_text().splitlines(), start=1) if line.lstrip().startswith(needle))
+
+
+@pytest.mark.parametrize("name, table", [("llama3_8b.toml", "parallelism"), ("old_2024_llama3_8b.toml", "training")])
+def test_suggest_on_a_torchtitan_toml_names_its_keys_at_their_lines(tmp_path, capsys, name, table):
+    """The fix is said as the TOML's own key, in the table this layout keeps it in, at the line it is written."""
+    path = tmp_path / name
+    path.write_text((TT / name).read_text().replace("data_parallel_shard_degree = -1", "data_parallel_shard_degree = 8")
+                    .replace("\ntensor_parallel_degree = 1", "\ntensor_parallel_degree = 2"))
+    status, out, _ = run_cli(capsys, "check", "--suggest", path, "--devices", "8")
+    line = _line_of(path, "tensor_parallel_degree")
+    assert status == 1
+    assert f"{path}:{line}:26: set [{table}] tensor_parallel_degree = 1  (was 2)" in out
+    assert "mesh:\n" not in out and "# (spec fields: mesh.tp)" in out
+    status, out, _ = run_cli(capsys, "check", "--suggest", "--format", "json", path, "--devices", "8")
+    (suggestion,) = json.loads(out)["suggestions"]
+    assert suggestion["engine_changes"] == [{"key": f"{table}.tensor_parallel_degree", "action": "set", "value": 1, "was": 2,
+                                             "line": line, "column": 26,
+                                             "edit": f"set [{table}] tensor_parallel_degree = 1  (was 2)"}]
+
+
+def test_suggest_on_a_megatron_script_names_its_flags(tmp_path, capsys):
+    """A degree set through a variable is fixed where the variable is assigned; etp, which follows tp when not
+    written (validate_args), and the vocabulary padding (a model size) are not part of the fix."""
+    path = tmp_path / "train.sh"
+    path.write_text("#!/bin/bash\nTP=3\ntorchrun --nproc_per_node 8 pretrain_gpt.py \\\n"
+                    "    --num-layers 12 --hidden-size 768 --num-attention-heads 12 \\\n"
+                    "    --seq-length 1024 --max-position-embeddings 1024 --vocab-size 50304 \\\n"
+                    "    --micro-batch-size 4 --global-batch-size 64 \\\n"
+                    "    --tensor-model-parallel-size $TP --bf16\n")
+    status, out, _ = run_cli(capsys, "check", "--suggest", "--format", "json", path)
+    assert status == 1
+    (suggestion,) = json.loads(out)["suggestions"]
+    changes = {c["key"]: c for c in suggestion["engine_changes"]}
+    tp = changes["--tensor-model-parallel-size"]
+    assert (tp["action"], tp["was"], tp["line"], tp["column"]) == ("set", "3", 2, 4) and tp["value"] in ("2", "4")
+    assert "--make-vocab-size-divisible-by" not in changes
+    # Several plans are equally near (tp 4 with etp 4 or 2, tp 2 with etp 2): etp is added only when it differs from tp.
+    etp = suggestion["changes"].get("mesh.etp")
+    if etp == tp["value"]:
+        assert "--expert-tensor-parallel-size" not in changes
+    else:
+        assert changes["--expert-tensor-parallel-size"]["action"] == "add"
+    status, out, _ = run_cli(capsys, "check", "--suggest", path)
+    assert f"{path}:2:4: set --tensor-model-parallel-size {tp['value']}  (was 3)" in out and "\nmesh:\n" not in out
+    # Given the fix tp 4 and etp 4, the flag for etp is not written: it follows tp.
+    from mixle_compile.importers.suggest import engine_patch
+    from mixle_compile.verify.facts import Field
+    from mixle_compile.verify.suggest import Change, Suggestion
+
+    loaded = load_spec(path)
+    both = Suggestion((Change(Field("tp", ("mesh", "tp"), 3), 4), Change(Field("etp", ("mesh", "etp"), 3), 4)), 8, True)
+    assert [c.key for c in engine_patch(loaded.spec, both, loaded.document).changes] == ["--tensor-model-parallel-size"]
+    apart = Suggestion((Change(Field("tp", ("mesh", "tp"), 3), 4), Change(Field("etp", ("mesh", "etp"), 3), 2)), 8, True)
+    assert [c.key for c in engine_patch(loaded.spec, apart, loaded.document).changes] == [
+        "--tensor-model-parallel-size", "--expert-tensor-parallel-size"]
+    # A switch the fix turns on is added where the file has none.
+    path.write_text("torchrun --nproc_per_node 8 pretrain_gpt.py --num-layers 32 --hidden-size 4096 --num-attention-heads 32 "
+                    "--seq-length 8192 --max-position-embeddings 8192 --vocab-size 128256 --micro-batch-size 4 "
+                    "--global-batch-size 64 --tensor-model-parallel-size 8 --bf16\n")
+    status, out, _ = run_cli(capsys, "check", "--suggest", "--format", "json", path, "--device-memory", "20GiB")
+    (suggestion,) = json.loads(out)["suggestions"]
+    assert suggestion["found"], suggestion
+    assert suggestion["engine_changes"]
+    for change in suggestion["engine_changes"]:
+        assert change["key"].startswith("--")
+        assert (change["action"], change["line"]) == ("add", None)
+
+
+def test_accumulation_steps_of_a_fix_are_said_as_the_engines_batching():
+    """Without a pipeline Megatron has only micro-batches and torchtitan only accumulation steps."""
+    from mixle_compile.importers.suggest import _engine_consistent
+
+    spec = load_spec(ROOT / "examples" / "llama3-8b-hsdp-tp.yaml").spec
+    data = spec.model_dump(mode="json", exclude_none=True)
+    data["mesh"].update(gradient_accumulation_steps=2, microbatches=2, pp=1)
+    fixed = Spec.model_validate(data)
+    megatron, torchtitan = _engine_consistent(spec, fixed, "megatron"), _engine_consistent(spec, fixed, "torchtitan")
+    assert (megatron.mesh.microbatches, megatron.mesh.gradient_accumulation_steps) == (4, 1)
+    assert (torchtitan.mesh.microbatches, torchtitan.mesh.gradient_accumulation_steps) == (1, 4)
+
+
+def test_suggest_on_a_deepspeed_config_names_its_json_path(tmp_path, capsys):
+    path = tmp_path / "ds_config.json"
+    path.write_text('{\n  "train_batch_size": 64,\n  "train_micro_batch_size_per_gpu": 1,\n  "gradient_accumulation_steps": 8,\n'
+                    '  "zero_optimization": {"stage": 0},\n  "bf16": {"enabled": true}\n}\n')
+    status, out, _ = run_cli(capsys, "check", "--suggest", path, "--model", LLAMA, "--seq-len", "1024")
+    assert status == 1
+    assert f'{path}:5:34: set "zero_optimization.stage": 1  (was 0)' in out
+    assert "# (spec fields: training.distributed_optimizer)" in out
+
+
+def test_hints_on_engine_configs_name_the_keys_of_the_fields(tmp_path, capsys):
+    path = tmp_path / "bad.toml"
+    path.write_text((TT / "llama3_8b.toml").read_text().replace("data_parallel_shard_degree = -1", "data_parallel_shard_degree = 8")
+                    .replace("tensor_parallel_degree = 1", "tensor_parallel_degree = 2"))
+    status, out, _ = run_cli(capsys, "check", path, "--devices", "8")
+    assert status == 1
+    assert ("(in this file: mesh.dp_shard <- parallelism.data_parallel_shard_degree; "
+            "mesh.tp <- parallelism.tensor_parallel_degree)") in out

@@ -144,6 +144,9 @@ def read_megatron(text: str, name: str, options: ImportOptions) -> tuple[SourceD
         a = args.get(flag)
         return (a.value or a.flag).pos if a else None
 
+    for flag in args:
+        b.doc.engine_keys[flag] = at(flag)
+
     def num(flag: str, default=None, kind=int):
         a = args.get(flag)
         if a is None:

@@ -43,6 +43,8 @@ class SourceDocument:
     # For a file read by an importer: its format, and which engine key gave each spec field.
     source_format: str | None = None
     origins: dict[Path_, str] = field(default_factory=dict)
+    # ... and where each engine key it read sits (``parallelism.tensor_parallel_degree``, ``--seq-length``).
+    engine_keys: dict[str, Position] = field(default_factory=dict)
 
     def position(self, path: Path_, *, prefer_key: bool = False) -> Position:
         """The closest known position for ``path`` (walking up to a parent when unknown)."""
