@@ -752,3 +752,93 @@ def test_hints_on_engine_configs_name_the_keys_of_the_fields(tmp_path, capsys):
     assert status == 1
     assert ("(in this file: mesh.dp_shard <- parallelism.data_parallel_shard_degree; "
             "mesh.tp <- parallelism.tensor_parallel_degree)") in out
+
+
+MEGATRON_TAIL = ("torchrun --nproc_per_node 8 pretrain_gpt.py ${MODEL_ARGS[@]} --seq-length 1024 --max-position-embeddings 1024 "
+                 "--vocab-size 50304 --micro-batch-size 4 --global-batch-size 64 --tensor-model-parallel-size $TP\n")
+
+
+def _diagnostics(path, **options):
+    from mixle_compile.spec.source import SourceError
+
+    try:
+        return read_any(path, str(path), ImportOptions(**options))
+    except SourceError as exc:
+        return None, exc.diagnostics
+
+
+def test_a_sourced_file_is_read_next_to_the_script_with_its_own_positions(tmp_path, monkeypatch):
+    """`source conf/model.sh` is found next to the script even when run from elsewhere; its values keep their
+    positions in that file, and `$(dirname $0)` is the sourcing file's directory."""
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "model.sh").write_text("# sizes\nMODEL_ARGS=(\n  --num-layers 12\n  --hidden-size 768 --num-attention-heads 12\n)\n"
+                                                ". $(dirname $0)/parallel.sh\n")
+    (tmp_path / "conf" / "parallel.sh").write_text("TP=3\n")
+    script = tmp_path / "launch.sh"
+    script.write_text("#!/bin/bash\nsource conf/model.sh\n" + MEGATRON_TAIL)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    doc, diags = read_any(script, str(script), ImportOptions(device_memory="80GiB"))
+    assert doc.data["model"]["num_layers"] == 12 and doc.data["mesh"]["tp"] == 3
+    pos = doc.values[("model", "num_layers")]
+    assert (pos.file, pos.line, pos.column) == (str(tmp_path / "conf" / "model.sh"), 3, 16)
+    assert not [d for d in diags if "source" in d.message]
+    # A finding at a value the sourced file sets is reported in that file.
+    result = check_file_result(script)
+    (d001,) = [d for d in result.diagnostics if d.code == "D001"]
+    assert (d001.file, d001.line, d001.column) == (str(tmp_path / "conf" / "parallel.sh"), 1, 4)
+
+
+def check_file_result(path, **options):
+    from mixle_compile.check import check_file
+
+    return check_file(path, options=ImportOptions(device_memory="80GiB", **options))
+
+
+def test_a_sourced_file_is_found_in_the_working_directory_as_bash_would(tmp_path, monkeypatch):
+    (tmp_path / "common").mkdir()
+    (tmp_path / "common" / "model.sh").write_text("MODEL_ARGS=(--num-layers 6 --hidden-size 512 --num-attention-heads 8)\nTP=2\n")
+    (tmp_path / "scripts").mkdir()
+    script = tmp_path / "scripts" / "launch.sh"
+    script.write_text("source common/model.sh\n" + MEGATRON_TAIL)
+    monkeypatch.chdir(tmp_path)
+    doc, _ = read_any(script, "scripts/launch.sh", ImportOptions(device_memory="80GiB"))
+    assert doc.data["model"]["num_layers"] == 6
+    assert doc.values[("model", "num_layers")].file == "common/model.sh"
+
+
+@pytest.mark.parametrize("line, expected", [
+    ("source missing.sh", "`source missing.sh` is ignored: missing.sh is not found (looked for "),
+    (". $CONF_DIR/model.sh", "`. $CONF_DIR/model.sh` is ignored: the path is computed from $CONF_DIR, which the script does not set"),
+    ("source $(find . -name model.sh)", "the path is computed from the command substitution $(find . -name model.sh)"),
+])
+def test_a_sourced_file_that_cannot_be_read_is_named(tmp_path, monkeypatch, line, expected):
+    monkeypatch.chdir(tmp_path)
+    script = tmp_path / "launch.sh"
+    script.write_text(f"MODEL_ARGS=(--num-layers 4 --hidden-size 256 --num-attention-heads 4)\nTP=2\n{line}\n" + MEGATRON_TAIL)
+    doc, diags = read_any(script, "launch.sh", ImportOptions(device_memory="80GiB"))
+    (warning,) = [d for d in diags if "ignored" in d.message and "source" in d.message or d.message.startswith("`.")]
+    assert expected in warning.message and (warning.code, warning.line, warning.column) == ("I002", 3, 1)
+    assert doc.data["model"]["num_layers"] == 4  # the rest of the script is still read
+
+
+def test_sourcing_cycles_and_depth_are_bounded_and_nothing_is_run(tmp_path, monkeypatch):
+    from mixle_compile.importers.shell import MAX_SOURCE_DEPTH
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a.sh").write_text("source b.sh\nMODEL_ARGS=(--num-layers 4 --hidden-size 256 --num-attention-heads 4)\n")
+    (tmp_path / "b.sh").write_text("source a.sh\ntouch ran-b\n$(touch ran-c)\nTP=2\n")
+    script = tmp_path / "launch.sh"
+    script.write_text("source a.sh\n" + MEGATRON_TAIL)
+    doc, diags = read_any(script, "launch.sh", ImportOptions(device_memory="80GiB"))
+    (cycle,) = [d for d in diags if "cycle" in d.message]
+    assert "a cycle (a.sh -> b.sh -> a.sh)" in cycle.message and (cycle.file, cycle.line) == ("b.sh", 1)
+    assert doc.data["mesh"]["tp"] == 2 and not (tmp_path / "ran-b").exists() and not (tmp_path / "ran-c").exists()
+    # A chain deeper than the limit stops there, with a warning at the file that would go deeper.
+    for k in range(MAX_SOURCE_DEPTH + 2):
+        (tmp_path / f"d{k}.sh").write_text(f"source d{k + 1}.sh\nLEVEL={k}\n")
+    script.write_text("MODEL_ARGS=(--num-layers 4 --hidden-size 256 --num-attention-heads 4)\nTP=2\nsource d0.sh\n" + MEGATRON_TAIL)
+    doc, diags = read_any(script, "launch.sh", ImportOptions(device_memory="80GiB"))
+    (deep,) = [d for d in diags if "deep" in d.message]
+    assert f"more than {MAX_SOURCE_DEPTH} deep" in deep.message and deep.file == f"d{MAX_SOURCE_DEPTH - 2}.sh"

@@ -44,7 +44,8 @@ class EngineChange:
 
     def as_dict(self) -> dict:
         return {"key": self.key, "action": self.action, "value": self.value, "was": self.was,
-                "line": self.at.line if self.at else None, "column": self.at.column if self.at else None, "edit": self.text}
+                "line": self.at.line if self.at else None, "column": self.at.column if self.at else None, "edit": self.text,
+                **({"file": self.at.file} if self.at and self.at.file else {})}
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ class EnginePatch:
     def text(self, file: str) -> str:
         lines = []
         for c in self.changes:
-            where = f"{file}:{c.at.line}:{c.at.column}: " if c.at else f"{file}: "
+            where = f"{c.at.file or file}:{c.at.line}:{c.at.column}: " if c.at else f"{file}: "
             lines.append(f"{where}{c.text}")
         lines.append(f"# (spec fields: {', '.join(self.fields)})")
         return "\n".join(lines) + "\n"

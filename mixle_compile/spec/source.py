@@ -30,6 +30,7 @@ MAX_NODES = 200_000  # values after alias expansion
 class Position:
     line: int  # 1-based
     column: int  # 1-based
+    file: str | None = None  # another file than the document's (a shell file the script sources)
 
 
 @dataclass
@@ -78,7 +79,7 @@ class SourceDocument:
             severity=severity,
             message=message,
             hint=hint,
-            file=self.file,
+            file=pos.file or self.file,
             line=pos.line,
             column=pos.column,
             fields=fields,
