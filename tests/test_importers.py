@@ -166,7 +166,9 @@ def test_torchtitan_diagnostics_point_into_the_toml(capsys):
 
 def test_torchtitan_refuses_what_it_cannot_express(capsys):
     status, out, _ = run_cli(capsys, "check", TT / "deepseek_v3_16b.toml")
-    assert status == 2 and "I004" in out and "Multi-Latent Attention" in out
+    assert status == 2 and "I004" in out and "recognised as DeepSeek-V3 (Multi-head Latent Attention, MLA)" in out
+    for named in ("kv_lora_rank", "q_lora_rank", "v_head_dim", "shared experts", "expressible are the vocabulary"):
+        assert named in out
     line = int(out.split(".toml:")[1].split(":")[0])
     assert (TT / "deepseek_v3_16b.toml").read_text().splitlines()[line - 1] == 'name = "deepseek_v3"'
 
@@ -842,3 +844,17 @@ def test_sourcing_cycles_and_depth_are_bounded_and_nothing_is_run(tmp_path, monk
     doc, diags = read_any(script, "launch.sh", ImportOptions(device_memory="80GiB"))
     (deep,) = [d for d in diags if "deep" in d.message]
     assert f"more than {MAX_SOURCE_DEPTH} deep" in deep.message and deep.file == f"d{MAX_SOURCE_DEPTH - 2}.sh"
+
+
+def test_an_hf_deepseek_v3_config_is_refused_saying_what_mla_is_missing(tmp_path, capsys):
+    """The sizes of deepseek-ai/DeepSeek-V3's config.json (model_type deepseek_v3, kv_lora_rank 512, ...)."""
+    hf = tmp_path / "config.json"
+    hf.write_text(json.dumps({"model_type": "deepseek_v3", "hidden_size": 7168, "num_hidden_layers": 61,
+                              "num_attention_heads": 128, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_nope_head_dim": 128,
+                              "qk_rope_head_dim": 64, "v_head_dim": 128, "vocab_size": 129280, "n_routed_experts": 256,
+                              "n_shared_experts": 1, "first_k_dense_replace": 3}))
+    ds = tmp_path / "ds.json"
+    ds.write_text('{"train_batch_size": 8, "train_micro_batch_size_per_gpu": 1}')
+    status, out, _ = run_cli(capsys, "check", ds, "--model", hf)
+    assert status == 2 and "HF model_type 'deepseek_v3': recognised as DeepSeek-V3 (Multi-head Latent Attention, MLA)" in out
+    assert "not expressible are MLA's low-rank key/value compression (kv_lora_rank" in out
