@@ -858,3 +858,76 @@ def test_an_hf_deepseek_v3_config_is_refused_saying_what_mla_is_missing(tmp_path
     status, out, _ = run_cli(capsys, "check", ds, "--model", hf)
     assert status == 2 and "HF model_type 'deepseek_v3': recognised as DeepSeek-V3 (Multi-head Latent Attention, MLA)" in out
     assert "not expressible are MLA's low-rank key/value compression (kv_lora_rank" in out
+
+
+TRICKY_TOML = '''# a = 1 in a comment
+[model]   # comment = with equals
+name = "llama3"  # x = y
+"quoted.key" = 1
+'lit' = 2
+dotted.inner = 3
+converters = [
+    "float8",  # k = v, an open [ in a comment
+    "x = y",
+]
+inline = { a = 1, b = { c = 2 } }
+desc = """
+fake = 5
+[not_a_table]
+"""
+lit_multi = \'\'\'
+also = 6
+\'\'\'
+esc = """ends with \\""""
+after = 8
+[ parallelism . "deep" ]
+k = 9
+[[array_of.tables]]
+m = 10
+[parallelism]
+pipeline_parallel_split_points = [
+    ["layers.4"]
+]
+tensor_parallel_degree = 2
+ indented = 11
+'''
+
+
+def test_toml_positions_on_the_tricky_cases():
+    """Multi-line arrays (one holding an array on its own line, which looks like a table header), inline
+    tables, dotted and quoted keys, comments with `=`, multi-line strings holding `key = value` and `[table]`."""
+    from mixle_compile.importers.toml_source import read_toml
+
+    doc = read_toml(TRICKY_TOML, "t.toml")
+    lines = TRICKY_TOML.splitlines()
+    expected = {
+        ("model", "name"): 3, ("model", "quoted.key"): 4, ("model", "lit"): 5, ("model", "dotted", "inner"): 6,
+        ("model", "converters"): 7, ("model", "inline"): 11, ("model", "desc"): 12, ("model", "lit_multi"): 16,
+        ("model", "esc"): 19, ("model", "after"): 20, ("parallelism", "deep", "k"): 22, ("array_of", "tables", "m"): 24,
+        ("parallelism", "pipeline_parallel_split_points"): 26, ("parallelism", "tensor_parallel_degree"): 29,
+        ("parallelism", "indented"): 30,
+    }
+    keyed = {path: pos.line for path, pos in doc.keys.items() if len(path) > 1 and path[-1] not in ("deep", "tables")}
+    assert keyed == expected
+    assert doc.values[("parallelism", "tensor_parallel_degree")].column == 26 and lines[28][25] == "2"
+    assert doc.keys[("parallelism", "indented")].column == 2
+    assert doc.data["model"]["desc"] == "fake = 5\n[not_a_table]\n"  # tomllib's values, the scanner's positions
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in TT.glob("*.toml")))
+def test_every_key_of_the_corpus_tomls_is_found_where_it_is_written(name):
+    from mixle_compile.importers.toml_source import read_toml
+
+    text = (TT / name).read_text()
+    doc, lines = read_toml(text, name), text.splitlines()
+
+    def leaves(data, prefix=()):
+        for k, v in data.items():
+            if isinstance(v, dict):
+                yield from leaves(v, (*prefix, k))
+            else:
+                yield (*prefix, k)
+
+    for path in leaves(doc.data):
+        pos = doc.keys[path]
+        assert lines[pos.line - 1][pos.column - 1:].startswith(path[-1]), (path, pos)
