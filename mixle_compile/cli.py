@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     export = sub.add_parser("export", help="write the engine's own config (torchtitan TOML, Megatron-LM launch script, DeepSpeed JSON) for a spec that verifies on it")
     export.add_argument("spec", metavar="SPEC|PLAN", help="a spec, a compiled plan, or an engine config")
     export.add_argument("--to", required=True, choices=("torchtitan", "megatron", "deepspeed"), help="the engine")
+    export.add_argument("--torchtitan-version", choices=("0.2", "0.3"), default=None,
+                        help="torchtitan 0.2 writes a job TOML, 0.3 a Python config function returning Trainer.Config "
+                             "(default: the spec's torchtitan backend version, else 0.2)")
     export.add_argument("-o", "--output", type=Path, metavar="FILE",
                         help="where to write the config (an HF config.json it needs is written beside it); default: standard output")
     _import_arguments(export)
@@ -459,7 +462,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
         return status
     stem = args.output.stem if args.output else "train"
     try:
-        exported = export_spec(spec, args.to, stem=stem)
+        exported = export_spec(spec, args.to, stem=stem, torchtitan_version=args.torchtitan_version)
     except ExportRefused as exc:
         for field_name, reason in exc.reasons:
             where = f" `{field_name}`" if field_name else ""
