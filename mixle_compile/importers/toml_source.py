@@ -3,7 +3,7 @@ maintained TOML 1.0 parser), positions from a scan of the same text for table he
 ``key = value`` lines. A syntax error is reported at tomllib's line and column.
 
 No maintained Python TOML parser gives the positions of parsed keys: tomllib and rtoml return plain
-values, and tomlkit keeps comments and layout for round-tripping but not line numbers (its issue
+values, and tomlkit keeps comments and layout for round-tripping but not line numbers (the request for them,
 python-poetry/tomlkit#55, "Get the line and column numbers of parsed elements", is open). The scan
 only has to find where each key tomllib read is written: it follows multi-line arrays and inline
 tables by their brackets and multi-line strings by their delimiters, skipping strings and comments,
