@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from mixle_compile.config import LintConfig
     from mixle_compile.spec.source import SourceDocument
     from mixle_compile.verify import Verification
+    from mixle_compile.importers.suggest import EnginePatch
     from mixle_compile.verify.suggest import Suggestion
 
 
@@ -31,6 +32,9 @@ class CheckResult:
     suggestion: "Suggestion | None" = None
     suggestion_sought: bool = False  # --suggest was given and the file had errors
     source_format: str | None = None  # the engine a config was imported from; None for a spec
+    # For an engine config: the suggestion as edits of the engine's keys, or why it cannot be said so.
+    engine_patch: "EnginePatch | None" = None
+    engine_patch_refused: str | None = None
 
     @property
     def errors(self) -> int:
@@ -84,6 +88,7 @@ def check_loaded(loaded: LoadedSpec, *, suggest: bool = False, config: "LintConf
     notes: tuple[str, ...] = ()
     suggestion = None
     sought = False
+    patch, refused = None, None
     if loaded.ok:
         from mixle_compile.verify import verify_plan
 
@@ -100,6 +105,8 @@ def check_loaded(loaded: LoadedSpec, *, suggest: bool = False, config: "LintConf
 
         sought = True
         suggestion = with_progress(f"{loaded.file}: searching for the nearest valid plan", lambda: suggest_fix(searchable))
+        if loaded.spec is not None and suggestion is not None:
+            patch, refused = _engine_patch(loaded, suggestion)
     return CheckResult(
         loaded.file,
         tuple((group_by_field if group else list)(sorted(diagnostics, key=sort_key))),
@@ -108,6 +115,8 @@ def check_loaded(loaded: LoadedSpec, *, suggest: bool = False, config: "LintConf
         suggestion,
         sought,
         loaded.document.source_format if loaded.document is not None else None,
+        patch,
+        refused,
     )
 
 
@@ -138,6 +147,19 @@ def with_progress(label: str, work):
             print(f"{label}: done in {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
 
 
+def _engine_patch(loaded: LoadedSpec, suggestion) -> tuple["EnginePatch | None", str | None]:
+    """An engine config's fix in its own keys (none for a spec file, or when nothing is to be changed)."""
+    from mixle_compile.importers.suggest import ENGINE_FORMATS, NotExpressible, engine_patch
+
+    doc = loaded.document
+    if suggestion is None or not suggestion.changes or doc is None or doc.source_format not in ENGINE_FORMATS:
+        return None, None
+    try:
+        return engine_patch(loaded.spec, suggestion, doc), None
+    except NotExpressible as exc:
+        return None, str(exc)
+
+
 def verification_diagnostics(verification: "Verification", document: "SourceDocument") -> list[Diagnostic]:
     """Findings as diagnostics, each at its first field's file:line:col.
 
@@ -160,7 +182,7 @@ def verification_diagnostics(verification: "Verification", document: "SourceDocu
                 finding.code,
                 finding.message,
                 first,
-                hint=hint,
+                hint=hint + _engine_keys_note(paths, document),
                 severity=finding.severity,
                 extra_fields=rest,
             )
@@ -228,6 +250,15 @@ def _agreed_hint(facts, field) -> str | None:
         return f"set {name} to {values[0]}: the one value that passes every rule with the other fields as they are"
     shown = ", ".join(values[:-1]) + f" or {values[-1]}"
     return f"set {name} to {shown}: each passes every rule with the other fields as they are"
+
+
+def _engine_keys_note(paths, document: "SourceDocument") -> str:
+    """For an engine config: which of its keys give the spec fields a finding names (its hint speaks of spec fields)."""
+    if document.source_format is None or not document.origins:
+        return ""
+    named = [f"{'.'.join(str(p) for p in path)} <- {document.origins[tuple(path)]}" for path in paths
+             if tuple(path) in document.origins and tuple(path)[0] in ("mesh", "training")]
+    return f" (in this file: {'; '.join(named)})" if named else ""
 
 
 def _range_text(proof) -> str:

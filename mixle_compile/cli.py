@@ -101,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     export = sub.add_parser("export", help="write the engine's own config (torchtitan TOML, Megatron-LM launch script, DeepSpeed JSON) for a spec that verifies on it")
     export.add_argument("spec", metavar="SPEC|PLAN", help="a spec, a compiled plan, or an engine config")
     export.add_argument("--to", required=True, choices=("torchtitan", "megatron", "deepspeed"), help="the engine")
+    export.add_argument("--torchtitan-version", choices=("0.2", "0.3"), default=None,
+                        help="torchtitan 0.2 writes a job TOML, 0.3 a Python config function returning Trainer.Config "
+                             "(default: the spec's torchtitan backend version, else 0.2)")
     export.add_argument("-o", "--output", type=Path, metavar="FILE",
                         help="where to write the config (an HF config.json it needs is written beside it); default: standard output")
     _import_arguments(export)
@@ -358,6 +361,10 @@ def _suggestion_text(result) -> str:
     nearest = "nearest" if s.proved_nearest else "a"
     count = len(s.changes)
     head = f"# {result.file}: {nearest} valid plan on the same {s.devices} devices ({count} field{'s' * (count != 1)} changed)"
+    if result.engine_patch is not None:
+        return head + ", in the config's own keys:\n" + result.engine_patch.text(result.file)
+    if result.engine_patch_refused is not None:
+        head += f"\n# (not expressible in the engine config's keys: {result.engine_patch_refused}; as spec fields:)"
     return head + "\n" + s.yaml_patch()
 
 
@@ -370,8 +377,10 @@ def _suggestion_dict(result) -> dict:
         "found": True,
         "nearest": s.proved_nearest,
         "changes": {c.field.dotted: c.display() for c in s.changes},
-        "patch": s.yaml_patch(),
+        "patch": s.yaml_patch() if result.engine_patch is None else result.engine_patch.text(result.file),
         "new_warnings": list(s.new_warnings),
+        **({"engine_changes": [c.as_dict() for c in result.engine_patch.changes]} if result.engine_patch else {}),
+        **({"engine_changes_refused": result.engine_patch_refused} if result.engine_patch_refused else {}),
     }
 
 
@@ -605,7 +614,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
         return status
     stem = args.output.stem if args.output else "train"
     try:
-        exported = export_spec(spec, args.to, stem=stem)
+        exported = export_spec(spec, args.to, stem=stem, torchtitan_version=args.torchtitan_version)
     except ExportRefused as exc:
         for field_name, reason in exc.reasons:
             where = f" `{field_name}`" if field_name else ""

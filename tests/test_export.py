@@ -300,3 +300,155 @@ def test_deepspeed_config_class_reads_the_exported_json_as_the_spec_says(tmp_pat
         spec.training.global_batch_size, micro, accumulation)
     assert ds.zero_optimization_stage == (3 if shard and dp > 1 else 1 if dp > 1 else 0)
     assert (ds.bfloat16_config.enabled, ds.float16_config.enabled) == (precision == "bf16", precision == "fp16")
+
+
+# ---- torchtitan 0.3: a Python config-registry function returning Trainer.Config
+
+def _torchtitan_source(relative: str) -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec("torchtitan")
+    if spec is None or spec.origin is None:
+        pytest.skip("torchtitan is not installed")
+    path = Path(spec.origin).parent / relative
+    if not path.is_file():
+        pytest.skip(f"this torchtitan has no {relative} (not 0.3)")
+    return path
+
+
+def _trainer_config_fields() -> set[str]:
+    """Trainer.Config's fields, read off torchtitan/trainer.py (importing it needs triton)."""
+    import ast
+
+    tree = ast.parse(_torchtitan_source("trainer.py").read_text())
+    trainer = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Trainer")
+    config = next(n for n in trainer.body if isinstance(n, ast.ClassDef) and n.name == "Config")
+    return {n.target.id for n in config.body if isinstance(n, ast.AnnAssign)}
+
+
+def _registered_flavors(family: str) -> set[str]:
+    import ast
+
+    tree = ast.parse(_torchtitan_source(f"models/{family}/__init__.py").read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == f"{family}_configs" for t in node.targets):
+            return {k.value for k in node.value.keys}
+    raise AssertionError(f"no {family}_configs in torchtitan/models/{family}/__init__.py")
+
+
+def _evaluated_config(text: str):
+    """The Trainer.Config keywords of the written function, each evaluated with torchtitan's own config classes
+    (torchtitan.config, activation_checkpoint, default_adamw, all importable without triton); the model is
+    named by its family and flavor, as ModelSpec.name/.flavor carry them."""
+    import ast
+    from types import SimpleNamespace
+
+    config_module = pytest.importorskip("torchtitan.config")
+    if not hasattr(config_module, "ParallelismConfig"):
+        pytest.skip("this torchtitan has no Python configs")
+    from torchtitan.components.optimizer import default_adamw
+    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+
+    tree = ast.parse(text)
+    (function,) = [n for n in tree.body if isinstance(n, ast.FunctionDef)]
+    (ret,) = [n for n in ast.walk(function) if isinstance(n, ast.Return)]
+    call = ret.value
+    assert ast.unparse(call.func) == "Trainer.Config"
+    names = {"default_adamw": default_adamw, "SelectiveAC": SelectiveAC, "FullAC": FullAC,
+             **{n: getattr(config_module, n) for n in ("CompileConfig", "DebugConfig", "ParallelismConfig", "TrainingConfig")}}
+    module = next(n.module for n in tree.body if isinstance(n, ast.ImportFrom) and any(a.name == "model_registry" for a in n.names))
+    values = {}
+    for kw in call.keywords:
+        if kw.arg == "model_spec":
+            assert ast.unparse(kw.value.func) == "model_registry"
+            family = module.rsplit(".", 1)[1]
+            values[kw.arg] = SimpleNamespace(name=family, flavor=kw.value.args[0].value, model=None)
+        else:
+            values[kw.arg] = eval(compile(ast.Expression(kw.value), "<exported>", "eval"), names)  # noqa: S307 (our own output)
+    return function.name, module, values
+
+
+def test_torchtitan_03_export_uses_torchtitans_own_classes_and_fields():
+    """Every keyword the written function passes is a field of the torchtitan 0.3.0 class it constructs
+    (the dataclasses of torchtitan/config/configs.py; Trainer.Config's fields from torchtitan/trainer.py) and
+    the flavor is one its model_registry registers."""
+    import dataclasses
+
+    exported = export_spec(load_spec(EXAMPLES / "llama3-8b-hsdp-tp.yaml").spec, "torchtitan", torchtitan_version="0.3")
+    assert exported.main == "train.py"
+    name, module, values = _evaluated_config(exported.files[exported.main])
+    assert name == "train" and module == "torchtitan.models.llama3"
+    assert set(values) <= _trainer_config_fields()
+    for table in ("training", "parallelism", "compile", "debug"):
+        assert dataclasses.is_dataclass(values[table])
+    assert values["model_spec"].flavor in _registered_flavors("llama3")
+    assert values["parallelism"].tensor_parallel_degree == 8 and values["training"].seq_len == 8192
+
+
+def test_torchtitan_03_export_round_trips_through_the_registry_reader(tmp_path):
+    """import(export(spec)) == spec for every example and production spec the 0.3 writer takes: the written
+    values, built by torchtitan's own config classes, are read by the same reader as `check --torchtitan`."""
+    from types import SimpleNamespace
+
+    from mixle_compile.importers.torchtitan import import_job
+    from mixle_compile.importers.torchtitan_registry import trainer_config_tables
+    from mixle_compile.spec.source import SourceDocument
+
+    done = []
+    for path in SPECS:
+        spec = load_spec(path).spec
+        try:
+            exported = export_spec(spec, "torchtitan", torchtitan_version="0.3")
+        except ExportRefused as exc:
+            assert exc.reasons and all(r for _, r in exc.reasons)
+            continue
+        text = exported.files[exported.main]
+        _, _, values = _evaluated_config(text)
+        doc = SourceDocument(file="train.py", data=trainer_config_tables(SimpleNamespace(**values)))
+        back, diags = import_job(doc, text, tmp_path, ImportOptions(), version="0.3", source_format="torchtitan-python")
+        assert not [d for d in diags if d.severity.value == "error"], [d.text() for d in diags]
+        want = canonical(on_backend(spec, "torchtitan", "0.3"))
+        assert canonical(Spec.model_validate(back.data)) == want, text
+        done.append(path.name)
+    assert len(done) >= 10, done
+
+
+def test_torchtitan_03_export_live_round_trip(tmp_path, monkeypatch, capsys):
+    """Where torchtitan's trainer imports, `check --torchtitan module:function` reads the written module itself."""
+    try:
+        import torchtitan.trainer  # noqa: F401
+        import torchtitan.models.llama3  # noqa: F401
+    except ImportError as exc:
+        pytest.skip(f"torchtitan 0.3's trainer or model registry does not import here: {exc} (torchtitan.trainer needs "
+                    "torchdata; the model registry imports triton through torchtitan/distributed/minimal_async_ep)")
+    spec = load_spec(EXAMPLES / "llama3-8b-hsdp-tp.yaml").spec
+    exported = export_spec(spec, "torchtitan", torchtitan_version="0.3", stem="exported_llama")
+    (tmp_path / exported.main).write_text(exported.files[exported.main])
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from mixle_compile.importers.torchtitan_registry import load_registry_function, read_trainer_config
+
+    function, config = load_registry_function("exported_llama:exported_llama")
+    doc, _ = read_trainer_config(function, config, "exported_llama:exported_llama", ImportOptions())
+    assert canonical(Spec.model_validate(doc.data)) == canonical(on_backend(spec, "torchtitan", "0.3"))
+
+
+def test_torchtitan_version_follows_the_spec_backend_and_refuses_what_03_cannot_say(write):
+    spec = load_spec(EXAMPLES / "llama3-8b-hsdp-tp.yaml").spec
+    data = spec.model_dump(mode="json", exclude_none=True)
+    on_03 = Spec.model_validate({**data, "backend": {"name": "torchtitan", "version": "0.3"}})
+    assert export_spec(on_03, "torchtitan").main == "train.py"
+    assert export_spec(on_03, "torchtitan", torchtitan_version="0.2").main == "train.toml"
+    custom = Spec.model_validate({**data, "model": {**data["model"], "num_layers": 30}})
+    with pytest.raises(ExportRefused) as info:
+        export_spec(custom, "torchtitan", torchtitan_version="0.3")
+    assert "model_registry(flavor)" in str(info.value) and "not a published flavor" in str(info.value)
+
+
+def test_export_cli_writes_a_torchtitan_03_module(tmp_path, capsys):
+    out = tmp_path / "my_llama.py"
+    status = cli.main(["export", "--to", "torchtitan", "--torchtitan-version", "0.3", str(EXAMPLES / "llama3-8b-hsdp-tp.yaml"),
+                       "-o", str(out)])
+    capsys.readouterr()
+    assert status == 0 and "def my_llama() -> Trainer.Config:" in out.read_text()
+    status = cli.main(["export", "--to", "torchtitan", "--torchtitan-version", "0.4", str(EXAMPLES / "llama3-8b-hsdp-tp.yaml")])
+    assert status == 2 and "invalid choice" in capsys.readouterr().err

@@ -166,7 +166,9 @@ def test_torchtitan_diagnostics_point_into_the_toml(capsys):
 
 def test_torchtitan_refuses_what_it_cannot_express(capsys):
     status, out, _ = run_cli(capsys, "check", TT / "deepseek_v3_16b.toml")
-    assert status == 2 and "I004" in out and "Multi-Latent Attention" in out
+    assert status == 2 and "I004" in out and "recognised as DeepSeek-V3 (Multi-head Latent Attention, MLA)" in out
+    for named in ("kv_lora_rank", "q_lora_rank", "v_head_dim", "shared experts", "expressible are the vocabulary"):
+        assert named in out
     line = int(out.split(".toml:")[1].split(":")[0])
     assert (TT / "deepseek_v3_16b.toml").read_text().splitlines()[line - 1] == 'name = "deepseek_v3"'
 
@@ -653,3 +655,286 @@ def test_compile_diff_and_suggest_take_engine_configs(tmp_path, capsys):
                      .replace("tensor_parallel_degree = 1", "tensor_parallel_degree = 2"))
     status, out, _ = run_cli(capsys, "check", "--suggest", fixed, "--devices", "8")
     assert status == 1 and "D001" in out and "valid plan on the same 8 devices" in out
+
+
+def _line_of(path, needle: str) -> int:
+    return next(i for i, line in enumerate(path.read_text().splitlines(), start=1) if line.lstrip().startswith(needle))
+
+
+@pytest.mark.parametrize("name, table", [("llama3_8b.toml", "parallelism"), ("old_2024_llama3_8b.toml", "training")])
+def test_suggest_on_a_torchtitan_toml_names_its_keys_at_their_lines(tmp_path, capsys, name, table):
+    """The fix is said as the TOML's own key, in the table this layout keeps it in, at the line it is written."""
+    path = tmp_path / name
+    path.write_text((TT / name).read_text().replace("data_parallel_shard_degree = -1", "data_parallel_shard_degree = 8")
+                    .replace("\ntensor_parallel_degree = 1", "\ntensor_parallel_degree = 2"))
+    status, out, _ = run_cli(capsys, "check", "--suggest", path, "--devices", "8")
+    line = _line_of(path, "tensor_parallel_degree")
+    assert status == 1
+    assert f"{path}:{line}:26: set [{table}] tensor_parallel_degree = 1  (was 2)" in out
+    assert "mesh:\n" not in out and "# (spec fields: mesh.tp)" in out
+    status, out, _ = run_cli(capsys, "check", "--suggest", "--format", "json", path, "--devices", "8")
+    (suggestion,) = json.loads(out)["suggestions"]
+    assert suggestion["engine_changes"] == [{"key": f"{table}.tensor_parallel_degree", "action": "set", "value": 1, "was": 2,
+                                             "line": line, "column": 26,
+                                             "edit": f"set [{table}] tensor_parallel_degree = 1  (was 2)"}]
+
+
+def test_suggest_on_a_megatron_script_names_its_flags(tmp_path, capsys):
+    """A degree set through a variable is fixed where the variable is assigned; etp, which follows tp when not
+    written (validate_args), and the vocabulary padding (a model size) are not part of the fix."""
+    path = tmp_path / "train.sh"
+    path.write_text("#!/bin/bash\nTP=3\ntorchrun --nproc_per_node 8 pretrain_gpt.py \\\n"
+                    "    --num-layers 12 --hidden-size 768 --num-attention-heads 12 \\\n"
+                    "    --seq-length 1024 --max-position-embeddings 1024 --vocab-size 50304 \\\n"
+                    "    --micro-batch-size 4 --global-batch-size 64 \\\n"
+                    "    --tensor-model-parallel-size $TP --bf16\n")
+    status, out, _ = run_cli(capsys, "check", "--suggest", "--format", "json", path)
+    assert status == 1
+    (suggestion,) = json.loads(out)["suggestions"]
+    changes = {c["key"]: c for c in suggestion["engine_changes"]}
+    tp = changes["--tensor-model-parallel-size"]
+    assert (tp["action"], tp["was"], tp["line"], tp["column"]) == ("set", "3", 2, 4) and tp["value"] in ("2", "4")
+    assert "--make-vocab-size-divisible-by" not in changes
+    # Several plans are equally near (tp 4 with etp 4 or 2, tp 2 with etp 2): etp is added only when it differs from tp.
+    etp = suggestion["changes"].get("mesh.etp")
+    if etp == tp["value"]:
+        assert "--expert-tensor-parallel-size" not in changes
+    else:
+        assert changes["--expert-tensor-parallel-size"]["action"] == "add"
+    status, out, _ = run_cli(capsys, "check", "--suggest", path)
+    assert f"{path}:2:4: set --tensor-model-parallel-size {tp['value']}  (was 3)" in out and "\nmesh:\n" not in out
+    # Given the fix tp 4 and etp 4, the flag for etp is not written: it follows tp.
+    from mixle_compile.importers.suggest import engine_patch
+    from mixle_compile.verify.facts import Field
+    from mixle_compile.verify.suggest import Change, Suggestion
+
+    loaded = load_spec(path)
+    both = Suggestion((Change(Field("tp", ("mesh", "tp"), 3), 4), Change(Field("etp", ("mesh", "etp"), 3), 4)), 8, True)
+    assert [c.key for c in engine_patch(loaded.spec, both, loaded.document).changes] == ["--tensor-model-parallel-size"]
+    apart = Suggestion((Change(Field("tp", ("mesh", "tp"), 3), 4), Change(Field("etp", ("mesh", "etp"), 3), 2)), 8, True)
+    assert [c.key for c in engine_patch(loaded.spec, apart, loaded.document).changes] == [
+        "--tensor-model-parallel-size", "--expert-tensor-parallel-size"]
+    # A switch the fix turns on is added where the file has none.
+    path.write_text("torchrun --nproc_per_node 8 pretrain_gpt.py --num-layers 32 --hidden-size 4096 --num-attention-heads 32 "
+                    "--seq-length 8192 --max-position-embeddings 8192 --vocab-size 128256 --micro-batch-size 4 "
+                    "--global-batch-size 64 --tensor-model-parallel-size 8 --bf16\n")
+    status, out, _ = run_cli(capsys, "check", "--suggest", "--format", "json", path, "--device-memory", "20GiB")
+    (suggestion,) = json.loads(out)["suggestions"]
+    assert suggestion["found"], suggestion
+    assert suggestion["engine_changes"]
+    # Equally near fixes may set a flag the script writes (--micro-batch-size) or add switches it lacks.
+    for change in suggestion["engine_changes"]:
+        assert change["key"].startswith("--")
+        assert (change["action"] == "add") == (change["line"] is None)
+    assert any(c["action"] == "add" for c in suggestion["engine_changes"]) or "--micro-batch-size" in {
+        c["key"] for c in suggestion["engine_changes"]}
+
+
+def test_accumulation_steps_of_a_fix_are_said_as_the_engines_batching():
+    """Without a pipeline Megatron has only micro-batches and torchtitan only accumulation steps."""
+    from mixle_compile.importers.suggest import _engine_consistent
+
+    spec = load_spec(ROOT / "examples" / "llama3-8b-hsdp-tp.yaml").spec
+    data = spec.model_dump(mode="json", exclude_none=True)
+    data["mesh"].update(gradient_accumulation_steps=2, microbatches=2, pp=1)
+    fixed = Spec.model_validate(data)
+    megatron, torchtitan = _engine_consistent(spec, fixed, "megatron"), _engine_consistent(spec, fixed, "torchtitan")
+    assert (megatron.mesh.microbatches, megatron.mesh.gradient_accumulation_steps) == (4, 1)
+    assert (torchtitan.mesh.microbatches, torchtitan.mesh.gradient_accumulation_steps) == (1, 4)
+
+
+def test_suggest_on_a_deepspeed_config_names_its_json_path(tmp_path, capsys):
+    path = tmp_path / "ds_config.json"
+    path.write_text('{\n  "train_batch_size": 64,\n  "train_micro_batch_size_per_gpu": 1,\n  "gradient_accumulation_steps": 8,\n'
+                    '  "zero_optimization": {"stage": 0},\n  "bf16": {"enabled": true}\n}\n')
+    status, out, _ = run_cli(capsys, "check", "--suggest", path, "--model", LLAMA, "--seq-len", "1024")
+    assert status == 1
+    assert f'{path}:5:34: set "zero_optimization.stage": 1  (was 0)' in out
+    assert "# (spec fields: training.distributed_optimizer)" in out
+
+
+def test_hints_on_engine_configs_name_the_keys_of_the_fields(tmp_path, capsys):
+    path = tmp_path / "bad.toml"
+    path.write_text((TT / "llama3_8b.toml").read_text().replace("data_parallel_shard_degree = -1", "data_parallel_shard_degree = 8")
+                    .replace("tensor_parallel_degree = 1", "tensor_parallel_degree = 2"))
+    status, out, _ = run_cli(capsys, "check", path, "--devices", "8")
+    assert status == 1
+    assert ("(in this file: mesh.dp_shard <- parallelism.data_parallel_shard_degree; "
+            "mesh.tp <- parallelism.tensor_parallel_degree)") in out
+
+
+MEGATRON_TAIL = ("torchrun --nproc_per_node 8 pretrain_gpt.py ${MODEL_ARGS[@]} --seq-length 1024 --max-position-embeddings 1024 "
+                 "--vocab-size 50304 --micro-batch-size 4 --global-batch-size 64 --tensor-model-parallel-size $TP\n")
+
+
+def _diagnostics(path, **options):
+    from mixle_compile.spec.source import SourceError
+
+    try:
+        return read_any(path, str(path), ImportOptions(**options))
+    except SourceError as exc:
+        return None, exc.diagnostics
+
+
+def test_a_sourced_file_is_read_next_to_the_script_with_its_own_positions(tmp_path, monkeypatch):
+    """`source conf/model.sh` is found next to the script even when run from elsewhere; its values keep their
+    positions in that file, and `$(dirname $0)` is the sourcing file's directory."""
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "model.sh").write_text("# sizes\nMODEL_ARGS=(\n  --num-layers 12\n  --hidden-size 768 --num-attention-heads 12\n)\n"
+                                                ". $(dirname $0)/parallel.sh\n")
+    (tmp_path / "conf" / "parallel.sh").write_text("TP=3\n")
+    script = tmp_path / "launch.sh"
+    script.write_text("#!/bin/bash\nsource conf/model.sh\n" + MEGATRON_TAIL)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    doc, diags = read_any(script, str(script), ImportOptions(device_memory="80GiB"))
+    assert doc.data["model"]["num_layers"] == 12 and doc.data["mesh"]["tp"] == 3
+    pos = doc.values[("model", "num_layers")]
+    assert (pos.file, pos.line, pos.column) == (str(tmp_path / "conf" / "model.sh"), 3, 16)
+    assert not [d for d in diags if "source" in d.message]
+    # A finding at a value the sourced file sets is reported in that file.
+    result = check_file_result(script)
+    (d001,) = [d for d in result.diagnostics if d.code == "D001"]
+    assert (d001.file, d001.line, d001.column) == (str(tmp_path / "conf" / "parallel.sh"), 1, 4)
+
+
+def check_file_result(path, **options):
+    from mixle_compile.check import check_file
+
+    return check_file(path, options=ImportOptions(device_memory="80GiB", **options))
+
+
+def test_a_sourced_file_is_found_in_the_working_directory_as_bash_would(tmp_path, monkeypatch):
+    (tmp_path / "common").mkdir()
+    (tmp_path / "common" / "model.sh").write_text("MODEL_ARGS=(--num-layers 6 --hidden-size 512 --num-attention-heads 8)\nTP=2\n")
+    (tmp_path / "scripts").mkdir()
+    script = tmp_path / "scripts" / "launch.sh"
+    script.write_text("source common/model.sh\n" + MEGATRON_TAIL)
+    monkeypatch.chdir(tmp_path)
+    doc, _ = read_any(script, "scripts/launch.sh", ImportOptions(device_memory="80GiB"))
+    assert doc.data["model"]["num_layers"] == 6
+    assert doc.values[("model", "num_layers")].file == "common/model.sh"
+
+
+@pytest.mark.parametrize("line, expected", [
+    ("source missing.sh", "`source missing.sh` is ignored: missing.sh is not found (looked for "),
+    (". $CONF_DIR/model.sh", "`. $CONF_DIR/model.sh` is ignored: the path is computed from $CONF_DIR, which the script does not set"),
+    ("source $(find . -name model.sh)", "the path is computed from the command substitution $(find . -name model.sh)"),
+])
+def test_a_sourced_file_that_cannot_be_read_is_named(tmp_path, monkeypatch, line, expected):
+    monkeypatch.chdir(tmp_path)
+    script = tmp_path / "launch.sh"
+    script.write_text(f"MODEL_ARGS=(--num-layers 4 --hidden-size 256 --num-attention-heads 4)\nTP=2\n{line}\n" + MEGATRON_TAIL)
+    doc, diags = read_any(script, "launch.sh", ImportOptions(device_memory="80GiB"))
+    (warning,) = [d for d in diags if "ignored" in d.message and "source" in d.message or d.message.startswith("`.")]
+    assert expected in warning.message and (warning.code, warning.line, warning.column) == ("I002", 3, 1)
+    assert doc.data["model"]["num_layers"] == 4  # the rest of the script is still read
+
+
+def test_sourcing_cycles_and_depth_are_bounded_and_nothing_is_run(tmp_path, monkeypatch):
+    from mixle_compile.importers.shell import MAX_SOURCE_DEPTH
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a.sh").write_text("source b.sh\nMODEL_ARGS=(--num-layers 4 --hidden-size 256 --num-attention-heads 4)\n")
+    (tmp_path / "b.sh").write_text("source a.sh\ntouch ran-b\n$(touch ran-c)\nTP=2\n")
+    script = tmp_path / "launch.sh"
+    script.write_text("source a.sh\n" + MEGATRON_TAIL)
+    doc, diags = read_any(script, "launch.sh", ImportOptions(device_memory="80GiB"))
+    (cycle,) = [d for d in diags if "cycle" in d.message]
+    assert "a cycle (a.sh -> b.sh -> a.sh)" in cycle.message and (cycle.file, cycle.line) == ("b.sh", 1)
+    assert doc.data["mesh"]["tp"] == 2 and not (tmp_path / "ran-b").exists() and not (tmp_path / "ran-c").exists()
+    # A chain deeper than the limit stops there, with a warning at the file that would go deeper.
+    for k in range(MAX_SOURCE_DEPTH + 2):
+        (tmp_path / f"d{k}.sh").write_text(f"source d{k + 1}.sh\nLEVEL={k}\n")
+    script.write_text("MODEL_ARGS=(--num-layers 4 --hidden-size 256 --num-attention-heads 4)\nTP=2\nsource d0.sh\n" + MEGATRON_TAIL)
+    doc, diags = read_any(script, "launch.sh", ImportOptions(device_memory="80GiB"))
+    (deep,) = [d for d in diags if "deep" in d.message]
+    assert f"more than {MAX_SOURCE_DEPTH} deep" in deep.message and deep.file == f"d{MAX_SOURCE_DEPTH - 2}.sh"
+
+
+def test_an_hf_deepseek_v3_config_is_refused_saying_what_mla_is_missing(tmp_path, capsys):
+    """The sizes of deepseek-ai/DeepSeek-V3's config.json (model_type deepseek_v3, kv_lora_rank 512, ...)."""
+    hf = tmp_path / "config.json"
+    hf.write_text(json.dumps({"model_type": "deepseek_v3", "hidden_size": 7168, "num_hidden_layers": 61,
+                              "num_attention_heads": 128, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_nope_head_dim": 128,
+                              "qk_rope_head_dim": 64, "v_head_dim": 128, "vocab_size": 129280, "n_routed_experts": 256,
+                              "n_shared_experts": 1, "first_k_dense_replace": 3}))
+    ds = tmp_path / "ds.json"
+    ds.write_text('{"train_batch_size": 8, "train_micro_batch_size_per_gpu": 1}')
+    status, out, _ = run_cli(capsys, "check", ds, "--model", hf)
+    assert status == 2 and "HF model_type 'deepseek_v3': recognised as DeepSeek-V3 (Multi-head Latent Attention, MLA)" in out
+    assert "not expressible are MLA's low-rank key/value compression (kv_lora_rank" in out
+
+
+TRICKY_TOML = '''# a = 1 in a comment
+[model]   # comment = with equals
+name = "llama3"  # x = y
+"quoted.key" = 1
+'lit' = 2
+dotted.inner = 3
+converters = [
+    "float8",  # k = v, an open [ in a comment
+    "x = y",
+]
+inline = { a = 1, b = { c = 2 } }
+desc = """
+fake = 5
+[not_a_table]
+"""
+lit_multi = \'\'\'
+also = 6
+\'\'\'
+esc = """ends with \\""""
+after = 8
+[ parallelism . "deep" ]
+k = 9
+[[array_of.tables]]
+m = 10
+[parallelism]
+pipeline_parallel_split_points = [
+    ["layers.4"]
+]
+tensor_parallel_degree = 2
+ indented = 11
+'''
+
+
+def test_toml_positions_on_the_tricky_cases():
+    """Multi-line arrays (one holding an array on its own line, which looks like a table header), inline
+    tables, dotted and quoted keys, comments with `=`, multi-line strings holding `key = value` and `[table]`."""
+    from mixle_compile.importers.toml_source import read_toml
+
+    doc = read_toml(TRICKY_TOML, "t.toml")
+    lines = TRICKY_TOML.splitlines()
+    expected = {
+        ("model", "name"): 3, ("model", "quoted.key"): 4, ("model", "lit"): 5, ("model", "dotted", "inner"): 6,
+        ("model", "converters"): 7, ("model", "inline"): 11, ("model", "desc"): 12, ("model", "lit_multi"): 16,
+        ("model", "esc"): 19, ("model", "after"): 20, ("parallelism", "deep", "k"): 22, ("array_of", "tables", "m"): 24,
+        ("parallelism", "pipeline_parallel_split_points"): 26, ("parallelism", "tensor_parallel_degree"): 29,
+        ("parallelism", "indented"): 30,
+    }
+    keyed = {path: pos.line for path, pos in doc.keys.items() if len(path) > 1 and path[-1] not in ("deep", "tables")}
+    assert keyed == expected
+    assert doc.values[("parallelism", "tensor_parallel_degree")].column == 26 and lines[28][25] == "2"
+    assert doc.keys[("parallelism", "indented")].column == 2
+    assert doc.data["model"]["desc"] == "fake = 5\n[not_a_table]\n"  # tomllib's values, the scanner's positions
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in TT.glob("*.toml")))
+def test_every_key_of_the_corpus_tomls_is_found_where_it_is_written(name):
+    from mixle_compile.importers.toml_source import read_toml
+
+    text = (TT / name).read_text()
+    doc, lines = read_toml(text, name), text.splitlines()
+
+    def leaves(data, prefix=()):
+        for k, v in data.items():
+            if isinstance(v, dict):
+                yield from leaves(v, (*prefix, k))
+            else:
+                yield (*prefix, k)
+
+    for path in leaves(doc.data):
+        pos = doc.keys[path]
+        assert lines[pos.line - 1][pos.column - 1:].startswith(path[-1]), (path, pos)

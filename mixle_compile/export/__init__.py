@@ -3,7 +3,8 @@
 :func:`export_spec` turns a :class:`~mixle_compile.spec.models.Spec` into the files an engine runs:
 
 * ``torchtitan``: a job TOML (the format the importers read back), with an HF ``config.json``
-  beside it when the model is not one of torchtitan's published flavors;
+  beside it when the model is not one of torchtitan's published flavors; or, for torchtitan 0.3, a
+  Python module with a config-registry function returning ``Trainer.Config``;
 * ``megatron``: a Megatron-LM launch script (``torchrun ... pretrain_gpt.py`` and its arguments);
 * ``deepspeed``: a DeepSpeed JSON config and the model's HF ``config.json``.
 
@@ -44,8 +45,9 @@ class Exported:
     main: str
 
 
-def on_backend(spec: Spec, target: str) -> Spec:
-    return Spec.model_validate({**spec.model_dump(mode="json", exclude_none=True), "backend": BACKENDS[target]})
+def on_backend(spec: Spec, target: str, version: str | None = None) -> Spec:
+    backend = BACKENDS[target] if version is None else {**BACKENDS[target], "version": version}
+    return Spec.model_validate({**spec.model_dump(mode="json", exclude_none=True), "backend": backend})
 
 
 def verification_errors(spec: Spec) -> list[tuple[str, str]]:
@@ -65,8 +67,19 @@ def verification_errors(spec: Spec) -> list[tuple[str, str]]:
             for f in verify_plan(spec).findings if f.severity is Severity.error]
 
 
-def export_spec(spec: Spec, target: str, *, stem: str = "train") -> Exported:
-    """The engine config of ``spec`` (raises :class:`ExportRefused`)."""
+def torchtitan_version_of(spec: Spec, asked: str | None) -> str:
+    """The torchtitan config generation to write: the one asked for, else the spec's torchtitan backend version
+    when it names 0.3 (Python config functions), else 0.2 (the job TOML)."""
+    if asked is not None:
+        return asked
+    backend = spec.model_dump(mode="json").get("backend")
+    version = backend.get("version") if isinstance(backend, dict) and backend.get("name") == "torchtitan" else None
+    return "0.3" if version == "0.3" else "0.2"
+
+
+def export_spec(spec: Spec, target: str, *, stem: str = "train", torchtitan_version: str | None = None) -> Exported:
+    """The engine config of ``spec`` (raises :class:`ExportRefused`); ``torchtitan_version`` "0.2" writes
+    the job TOML, "0.3" a config-registry Python function (default: from the spec's backend)."""
     if target not in TARGETS:
         raise ExportRefused(target, [("", f"no exporter for {target!r}; targets: {', '.join(TARGETS)}")])
     from mixle_compile.spec.models import TransformerModel
@@ -80,10 +93,17 @@ def export_spec(spec: Spec, target: str, *, stem: str = "train") -> Exported:
         reasons.append(("resources.devices", "a list of device groups: the engine configs run one kind of device"))
     if reasons:
         raise ExportRefused(target, reasons)
-    spec = on_backend(spec, target)
+    version = torchtitan_version_of(spec, torchtitan_version) if target == "torchtitan" else None
+    if version not in (None, "0.2", "0.3"):
+        raise ExportRefused(target, [("backend.version", f"torchtitan {version}: written are 0.2 (job TOML) and 0.3 (Python)")])
+    spec = on_backend(spec, target, version)
     errors = verification_errors(spec)
     if errors:
         raise ExportRefused(target, [(f, f"does not verify on the {target} backend: {m}") for f, m in errors])
+    if target == "torchtitan" and version == "0.3":
+        from mixle_compile.export.torchtitan_python import torchtitan_python_files
+
+        return torchtitan_python_files(spec, stem)
     if target == "torchtitan":
         from mixle_compile.export.torchtitan import torchtitan_files
 

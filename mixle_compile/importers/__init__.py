@@ -121,7 +121,7 @@ def _import(kind: str, raw: bytes, name: str, p: Path, options: ImportOptions) -
     if kind == "megatron":
         from mixle_compile.importers.megatron import read_megatron
 
-        return read_megatron(_text(raw, name), name, options)
+        return read_megatron(_text(raw, name), name, options, path=p)
     from mixle_compile.importers.deepspeed import read_deepspeed
 
     return read_deepspeed(raw, name, options)
@@ -134,7 +134,8 @@ def provenance(doc: SourceDocument) -> list[dict]:
     rows = []
     for path, origin in sorted(doc.origins.items(), key=lambda item: [str(p) for p in item[0]]):
         pos = doc.values.get(path)
-        rows.append({"field": dotted(path), "from": origin, "line": pos.line if pos else None, "column": pos.column if pos else None})
+        rows.append({"field": dotted(path), "from": origin, "line": pos.line if pos else None, "column": pos.column if pos else None,
+                     **({"file": pos.file} if pos and pos.file else {})})
     return rows
 
 
@@ -145,7 +146,7 @@ def provenance_text(doc: SourceDocument) -> str:
     width = max(len(r["field"]) for r in rows)
     out = [f"\nImported from {doc.file} ({doc.source_format}): spec field <- engine key"]
     for r in rows:
-        where = f"  ({r['line']}:{r['column']})" if r["line"] else ""
+        where = f"  ({r['file'] + ':' if r.get('file') else ''}{r['line']}:{r['column']})" if r["line"] else ""
         out.append(f"  {r['field']:<{width}}  <- {r['from']}{where}")
     return "\n".join(out) + "\n"
 

@@ -62,7 +62,7 @@ class SpecBuilder:
                    severity: Severity = Severity.error) -> None:
         pos = at or TOP
         self.diagnostics.append(
-            Diagnostic(code=code, severity=severity, message=message, hint=hint, file=self.doc.file,
+            Diagnostic(code=code, severity=severity, message=message, hint=hint, file=pos.file or self.doc.file,
                        line=pos.line, column=pos.column, fields=(dotted(field),) if field else ())
         )
 

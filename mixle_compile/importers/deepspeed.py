@@ -54,6 +54,9 @@ def read_deepspeed(raw: bytes, name: str, options: ImportOptions) -> tuple[Sourc
             "give the model's HF config with `--model config.json` (e.g. `mixle-compile check ds_config.json --model config.json`)",
         )
     b = SpecBuilder(name, "deepspeed")
+    for path in (*src.keys, *src.values):
+        if path and all(isinstance(p, str) for p in path):
+            b.doc.engine_keys[".".join(path)] = src.values.get(path) or src.keys[path]
 
     def at(*path: Any) -> Position | None:
         return src.keys.get(tuple(path)) or src.values.get(tuple(path))

@@ -91,9 +91,23 @@ FLAVORS: dict[str, dict[str, Flavor]] = {
 # Aliases torchtitan's model names take for the same tables (the llama3 flavors under "llama3_ft", etc.).
 ALIASES = {"llama3_ft": "llama3", "llama3.1": "llama3"}
 # Models whose attention the transformer family cannot express.
+# DeepSeek-V3's attention and MoE as torchtitan builds them: Multi-head Latent Attention with
+# q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim and v_head_dim
+# (torchtitan/models/deepseek_v3/model.py, Attention.Config), shared experts beside the routed ones
+# (num_shared_experts) and dense layers before the MoE ones (n_dense_layers)
+# (torchtitan/models/deepseek_v3/__init__.py); the HF config names them the same
+# (transformers/models/deepseek_v3/configuration_deepseek_v3.py: first_k_dense_replace, n_shared_experts).
+MLA_REFUSAL = (
+    "recognised as DeepSeek-V3 (Multi-head Latent Attention, MLA), which the transformer family cannot express: "
+    "not expressible are MLA's low-rank key/value compression (kv_lora_rank, a latent projected up per head) and "
+    "low-rank query (q_lora_rank), its query/key head size qk_nope_head_dim + qk_rope_head_dim that differs from the "
+    "value head size v_head_dim (the family has one head_dim for queries, keys and values), the RoPE key shared by "
+    "all heads, the shared experts beside the routed ones, and dense layers only before the first MoE layer "
+    "(moe_layer_frequency makes every k-th layer MoE); expressible are the vocabulary, hidden size, layer and head "
+    "counts, RMSNorm, SwiGLU, RoPE and the routed experts (num_experts, experts_per_token, moe_ffn_hidden_size)"
+)
 REFUSED = {
-    "deepseek_v3": "DeepSeek-V3's Multi-Latent Attention (low-rank query and key/value projections) and its shared "
-                   "experts have no counterpart in the transformer family",
+    "deepseek_v3": MLA_REFUSAL,
     "flux": "FLUX is a diffusion transformer, not a language model",
     "gpt_oss": "gpt-oss's attention sinks and sliding-window layers are not modelled",
 }

@@ -91,6 +91,14 @@ def hf_model(doc: SourceDocument) -> HFModel:
         out.problems.append(("an HF config.json is a JSON object", "give the model's config.json", Position(1, 1)))
         return out
     model_type = data.get("model_type")
+    if model_type in ("deepseek_v3", "deepseek_v2") or (model_type not in ARCHITECTURES and "kv_lora_rank" in data):
+        from mixle_compile.importers.flavors import MLA_REFUSAL
+
+        what = MLA_REFUSAL if model_type != "deepseek_v2" else MLA_REFUSAL.replace("as DeepSeek-V3", "as DeepSeek-V2")
+        out.problems.append((f"HF model_type {model_type!r}: {what}",
+                             "check a covered architecture, or give an approximating config (e.g. a llama or qwen3_moe "
+                             "config.json with the same sizes)", doc.position(("model_type",))))
+        return out
     if not isinstance(model_type, str) or model_type not in ARCHITECTURES:
         known = ", ".join(sorted(ARCHITECTURES))
         shown = repr(model_type) if model_type is not None else "no model_type"

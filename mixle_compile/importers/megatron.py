@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 from mixle_compile.importers import codes
 from mixle_compile.importers.builder import ImportOptions, SpecBuilder, resources
@@ -99,12 +100,13 @@ def _is_flag(text: str) -> bool:
     return text.startswith("--") or (text.startswith("-") and not re.fullmatch(r"-\d+(\.\d+)?", text))
 
 
-def launch_words(text: str) -> tuple[list[Word], list[Word], list[tuple[str, Position]], Word | None]:
+def launch_words(text: str, path: Path | None = None) -> tuple[list[Word], list[Word], list[tuple[str, Position]], Word | None]:
     """(the training script's arguments, the launcher's arguments, what the reader could not decide, the
-    training script) of a launch script or arguments file."""
-    run = Shell().execute(text)
+    training script) of a launch script or arguments file (at ``path``, from which sourced files are found)."""
+    run = Shell().execute(text, path=path)
     notes = [(f"[ {t} ]", p, "a test that cannot be decided without running the script; its branch is skipped")
              for t, p in run.undecided]
+    notes += [(what, p, why) for what, p, why in run.unsourced]
     notes += [(f"{k} ...", p, "a loop or case block is not run by the reader") for k, p in run.skipped]
     for command in run.commands:
         for k, w in enumerate(command):
@@ -124,8 +126,8 @@ def launch_words(text: str) -> tuple[list[Word], list[Word], list[tuple[str, Pos
     return words, [], notes, None
 
 
-def read_megatron(text: str, name: str, options: ImportOptions) -> tuple[SourceDocument, list]:
-    words, launcher, notes, entry = launch_words(text)
+def read_megatron(text: str, name: str, options: ImportOptions, path: Path | None = None) -> tuple[SourceDocument, list]:
+    words, launcher, notes, entry = launch_words(text, path)
     b = SpecBuilder(name, "megatron")
     for what, pos, why in notes:
         b.unmodelled(what, pos, why)
@@ -143,6 +145,9 @@ def read_megatron(text: str, name: str, options: ImportOptions) -> tuple[SourceD
     def at(flag: str) -> Position | None:
         a = args.get(flag)
         return (a.value or a.flag).pos if a else None
+
+    for flag in args:
+        b.doc.engine_keys[flag] = at(flag)
 
     def num(flag: str, default=None, kind=int):
         a = args.get(flag)

@@ -7,6 +7,14 @@ pretrain_gpt.py ${ARGS[@]}``. This reader runs exactly that subset: assignments 
 ``$((arithmetic))``, and ``if``/``elif``/``else``/``fi`` over ``[ ... ]``/``[[ ... ]]`` tests with
 ``-z``, ``-n``, ``==``, ``=``, ``!=``, ``-eq``..``-ge`` joined by ``||``/``&&``. Nothing is executed;
 a command substitution ``$(...)`` expands to nothing, and what cannot be decided is reported.
+
+``source FILE`` and ``. FILE`` read FILE with the same reader (its variables and arrays join the
+script's, its words keep their positions in FILE): a relative FILE is looked for next to the file that
+sources it, then in the working directory (where bash looks for a name with a slash; one without is
+searched on PATH first, which the reader does not do). ``$(dirname "$0")`` and ``$(dirname
+"${BASH_SOURCE[0]}")`` are that file's directory. A FILE that is missing, that is computed (a
+command substitution, a variable the script does not set), that sources a file already being read (a
+cycle) or that is nested more than :data:`MAX_SOURCE_DEPTH` deep is not read, and said so.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ import ast
 import operator
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from mixle_compile.spec.source import Position
 
@@ -47,9 +56,16 @@ class ShellRun:
     arrays: dict[str, list[Word]] = field(default_factory=dict)
     undecided: list[tuple[str, Position]] = field(default_factory=list)  # tests that could not be decided
     skipped: list[tuple[str, Position]] = field(default_factory=list)  # loops and case blocks, not run
+    unsourced: list[tuple[str, Position, str]] = field(default_factory=list)  # `source` not followed, and why
+    sourced: list[str] = field(default_factory=list)  # the files read through `source`, in order
 
 
-def tokenize(text: str) -> list[_Raw | tuple[str, Position]]:
+MAX_SOURCE_DEPTH = 8
+MAX_SOURCE_BYTES = 1 << 20
+_DIRNAME = re.compile(r"""\$\(\s*dirname\s+(?:"\$(?:0|\{0\}|\{BASH_SOURCE(?:\[0\])?\})"|\$(?:0|\{0\}|\{BASH_SOURCE(?:\[0\])?\}))\s*\)""")
+
+
+def tokenize(text: str, file: str | None = None) -> list[_Raw | tuple[str, Position]]:
     out: list = []
     i, line, col = 0, 1, 1
     n = len(text)
@@ -76,18 +92,18 @@ def tokenize(text: str) -> list[_Raw | tuple[str, Position]]:
                 advance()
             continue
         if ch == "\n" or ch == ";":
-            out.append((ch if ch == ";" else "\n", Position(line, col)))
+            out.append((ch if ch == ";" else "\n", Position(line, col, file)))
             advance()
             continue
         if text.startswith("&&", i) or text.startswith("||", i):
-            out.append((text[i:i + 2], Position(line, col)))
+            out.append((text[i:i + 2], Position(line, col, file)))
             advance(2)
             continue
         if ch in "()|&":
-            out.append((ch, Position(line, col)))
+            out.append((ch, Position(line, col, file)))
             advance()
             continue
-        start = Position(line, col)
+        start = Position(line, col, file)
         segments: list[tuple[str, str]] = []
         plain = ""
         while i < n:
@@ -160,9 +176,11 @@ _ARITH_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.m
 
 
 class Shell:
-    def __init__(self, env: dict[str, str] | None = None):
+    def __init__(self, env: dict[str, str] | None = None, cwd: Path | None = None):
         self.run = ShellRun()
         self.env = dict(env or {})
+        self.cwd = cwd or Path.cwd()
+        self._files: list[Path] = []  # the files being read, outermost first (a cycle is one already here)
 
     # -- expansion
     def _lookup(self, name: str) -> str:
@@ -259,8 +277,17 @@ class Shell:
         return [Word(part, pos) for part in text.split()]
 
     # -- execution
-    def execute(self, text: str) -> ShellRun:
-        tokens = tokenize(text)
+    def execute(self, text: str, path: str | Path | None = None, *, file: str | None = None) -> ShellRun:
+        """Read ``text`` (the file at ``path``, whose positions name ``file`` when it is not the document's)."""
+        if path is not None:
+            self._files.append(Path(path).resolve())
+        try:
+            return self._execute(tokenize(text, file))
+        finally:
+            if path is not None:
+                self._files.pop()
+
+    def _execute(self, tokens: list) -> ShellRun:
         statements: list[list] = [[]]
         depth = 0  # inside NAME=( ... ) newlines do not end the statement
         for tok in tokens:
@@ -377,6 +404,9 @@ class Shell:
     def _statement(self, st: list) -> None:
         while st and isinstance(st[0], _Raw) and st[0].literal in ("export", "local", "declare", "readonly"):
             st = st[1:]
+        if len(st) >= 2 and isinstance(st[0], _Raw) and st[0].literal in ("source", ".") and isinstance(st[1], _Raw):
+            self._source(st[0].literal, st[1], st[0].pos)
+            return
         i = 0
         while i < len(st) and isinstance(st[i], _Raw):
             m = re.match(r"^([A-Za-z_]\w*)(\+?)=", st[i].literal)
@@ -416,6 +446,62 @@ class Shell:
             self.run.commands.append(words)
 
 
+    # -- source
+    def _source(self, command: str, raw: _Raw, pos: Position) -> None:
+        written = raw.literal
+        what = f"{command} {written}"
+        here = self._files[-1].parent if self._files else None
+        unknown = []
+        for m in _VAR.finditer(_DIRNAME.sub("", written) if here else written):
+            if m.group(3) is not None:
+                unknown.append(f"the command substitution $({m.group(3)})")
+                continue
+            if m.group(2) is not None:
+                continue
+            body = m.group(1) if m.group(1) is not None else m.group(4)
+            name = re.match(r"[A-Za-z_]\w*|\d+|[@*#?]", body)
+            if not name or (":-" not in body and not self._lookup(name.group(0)) and name.group(0) not in self.run.scalars
+                            and name.group(0) not in self.env):
+                unknown.append(f"${name.group(0) if name else body}, which the script does not set")
+        if unknown:
+            self.run.unsourced.append((what, pos, f"the path is computed from {', '.join(unknown)}; the reader does not "
+                                                  "run the script, so the variables and arguments that file sets are not read"))
+            return
+        if here is not None:
+            raw = _Raw([(kind, _DIRNAME.sub(str(here), text)) for kind, text in raw.segments], raw.pos)
+        target = self.expand(raw, split=False)[0].text
+        given = Path(target).expanduser()
+        bases = [] if given.is_absolute() else [b for b in (here, self.cwd) if b is not None]
+        candidates = list(dict.fromkeys([given] if given.is_absolute() else [b / given for b in bases]))
+        found = next((c for c in candidates if c.is_file()), None)
+        if found is None:
+            places = " or ".join(str(c) for c in candidates)
+            self.run.unsourced.append((what, pos, f"{target} is not found (looked for {places}); the variables and "
+                                                  "arguments it sets are not read"))
+            return
+        resolved = found.resolve()
+        if resolved in self._files:
+            chain = " -> ".join(f.name for f in (*self._files[self._files.index(resolved):], resolved))
+            self.run.unsourced.append((what, pos, f"a cycle ({chain}): {target} is already being read; not read again"))
+            return
+        if len(self._files) >= MAX_SOURCE_DEPTH:
+            self.run.unsourced.append((what, pos, f"sourced files nest more than {MAX_SOURCE_DEPTH} deep; {target} is not read"))
+            return
+        try:
+            if resolved.stat().st_size > MAX_SOURCE_BYTES:
+                raise ValueError(f"larger than {MAX_SOURCE_BYTES} bytes")
+            text = resolved.read_text(encoding="utf-8-sig")
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            self.run.unsourced.append((what, pos, f"{target} cannot be read ({exc}); the variables and arguments it sets are not read"))
+            return
+        try:
+            display = str(resolved.relative_to(self.cwd.resolve()))
+        except ValueError:
+            display = str(resolved)
+        self.run.sourced.append(display)
+        self.execute(text, resolved, file=display)
+
+
 def _drop_prefix(segments: list[tuple[str, str]], k: int) -> list[tuple[str, str]]:
     out = []
     for kind, text in segments:
@@ -428,7 +514,7 @@ def _drop_prefix(segments: list[tuple[str, str]], k: int) -> list[tuple[str, str
 
 
 def _value_pos(pos: Position, offset: int) -> Position:
-    return Position(pos.line, pos.column + offset)
+    return Position(pos.line, pos.column + offset, pos.file)
 
 
 def _unquote(text: str) -> str:

@@ -1,6 +1,15 @@
 """TOML with the position of every key: values from the standard library's ``tomllib`` (a complete,
 maintained TOML 1.0 parser), positions from a scan of the same text for table headers and
-``key = value`` lines. A syntax error is reported at tomllib's line and column."""
+``key = value`` lines. A syntax error is reported at tomllib's line and column.
+
+No maintained Python TOML parser gives the positions of parsed keys: tomllib and rtoml return plain
+values, and tomlkit keeps comments and layout for round-tripping but not line numbers (the request for them,
+python-poetry/tomlkit#55, "Get the line and column numbers of parsed elements", is open). The scan
+only has to find where each key tomllib read is written: it follows multi-line arrays and inline
+tables by their brackets and multi-line strings by their delimiters, skipping strings and comments,
+so that an array on its own line inside an array, or ``[table]`` and ``key = value`` inside a string,
+are not taken for headers or keys.
+"""
 
 from __future__ import annotations
 
@@ -30,11 +39,10 @@ def read_toml(text: str, name: str) -> SourceDocument:
                                       name, line, col, ())], unreadable=True)
     doc = SourceDocument(file=name, data=data)
     table: Path_ = ()
-    in_multiline = None
+    state = _ValueState()
     for number, line in enumerate(text.splitlines(), start=1):
-        if in_multiline:
-            if in_multiline in line:
-                in_multiline = None
+        if state.open:  # inside a multi-line array or string: no header or key starts on this line
+            state.scan(line)
             continue
         h = _HEADER.match(line)
         if h and not _KEY.match(line):
@@ -46,8 +54,62 @@ def read_toml(text: str, name: str) -> SourceDocument:
             path = (*table, *_parts(k.group(2)))
             doc.keys[path] = Position(number, len(k.group(1)) + 1)
             doc.values[path] = Position(number, k.end() + 1)
-            rest = line[k.end():]
-            for quote in ('"""', "'''"):
-                if rest.startswith(quote) and rest.count(quote) == 1:
-                    in_multiline = quote
+            state.scan(line[k.end():])
     return doc
+
+
+_ML_BASIC, _ML_LITERAL = '"' * 3, "'" * 3
+
+
+class _ValueState:
+    """Where a value's text stands at the end of a line: inside a multi-line string (its delimiter) and how
+    many arrays or inline tables are open. Strings and comments are skipped, so a bracket or an ``=`` in
+    them counts for nothing."""
+
+    def __init__(self) -> None:
+        self.string: str | None = None  # the delimiter while a multi-line string is open
+        self.depth = 0
+
+    @property
+    def open(self) -> bool:
+        return self.string is not None or self.depth > 0
+
+    def scan(self, text: str) -> None:
+        i, n = 0, len(text)
+        while i < n:
+            if self.string is not None:
+                end = text.find(self.string, i)
+                while end != -1 and self.string == _ML_BASIC and _escaped(text, end):
+                    end = text.find(self.string, end + 1)
+                if end == -1:
+                    return
+                i = end + 3
+                while i < n and text[i] == self.string[0]:  # up to two quotes of the content may precede the end
+                    i += 1
+                self.string = None
+                continue
+            ch = text[i]
+            if ch == "#":
+                return
+            if text.startswith(_ML_BASIC, i) or text.startswith(_ML_LITERAL, i):
+                self.string = text[i:i + 3]
+                i += 3
+                continue
+            if ch in "\"'":
+                j = i + 1
+                while j < n and text[j] != ch:
+                    j += 2 if ch == '"' and text[j] == "\\" else 1
+                i = j + 1
+                continue
+            if ch in "[{":
+                self.depth += 1
+            elif ch in "]}":
+                self.depth = max(0, self.depth - 1)
+            i += 1
+
+
+def _escaped(text: str, at: int) -> bool:
+    backslashes = 0
+    while at - backslashes - 1 >= 0 and text[at - backslashes - 1] == "\\":
+        backslashes += 1
+    return backslashes % 2 == 1

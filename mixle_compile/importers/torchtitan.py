@@ -90,6 +90,9 @@ def import_job(src: SourceDocument, text: str, base: Path, options: ImportOption
     data: dict = src.data
     name = src.file
     b = SpecBuilder(name, source_format)
+    for path in (*src.keys, *src.values):
+        if len(path) == 2:
+            b.doc.engine_keys[f"{path[0]}.{path[1]}"] = src.values.get(path) or src.keys[path]
 
     def get(table: str, key: str, default: Any = None) -> Any:
         if table == "parallelism":

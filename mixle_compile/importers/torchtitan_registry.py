@@ -46,9 +46,22 @@ def trainer_config_tables(config: Any) -> dict:
     ac = getattr(config, "activation_checkpoint", None)
     owner = type(ac).__qualname__.split(".")[0] if ac is not None else "NoAC"
     tables["activation_checkpoint"] = {"mode": AC_MODES.get(owner, "selective")}
-    lr = getattr(getattr(config, "optimizer", None), "lr", None)
-    if isinstance(lr, (int, float)):
-        tables["optimizer"] = {"name": "AdamW", "lr": lr}
+    optimizer = getattr(config, "optimizer", None)
+    lr, name = getattr(optimizer, "lr", None), "AdamW"
+    # 0.3.0's OptimizersContainer.Config holds param_groups of ParamGroupConfig(optimizer_name, optimizer_kwargs)
+    # (torchtitan/components/optimizer/optimizer.py; default_adamw makes one catch-all AdamW group).
+    groups = getattr(optimizer, "param_groups", None)
+    if lr is None and isinstance(groups, list) and len(groups) == 1:
+        kwargs = getattr(groups[0], "optimizer_kwargs", None) or {}
+        lr, name = kwargs.get("lr"), str(getattr(groups[0], "optimizer_name", name))
+    if isinstance(lr, (int, float)) and not isinstance(lr, bool):
+        tables["optimizer"] = {"name": name, "lr": lr}
+    compile_ = getattr(config, "compile", None)  # CompileConfig (torchtitan/config/configs.py)
+    if compile_ is not None and isinstance(getattr(compile_, "enable", None), bool):
+        tables["compile"] = {"enable": compile_.enable, "components": list(getattr(compile_, "components", []) or [])}
+    seed = getattr(getattr(config, "debug", None), "seed", None)  # DebugConfig.seed
+    if isinstance(seed, int) and not isinstance(seed, bool):
+        tables["debug"] = {"seed": seed}
     return tables
 
 

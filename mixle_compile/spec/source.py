@@ -34,6 +34,7 @@ MAX_NODES = 4_000_000  # values after alias expansion
 class Position:
     line: int  # 1-based
     column: int  # 1-based
+    file: str | None = None  # another file than the document's (a shell file the script sources)
 
 
 @dataclass
@@ -47,6 +48,8 @@ class SourceDocument:
     # For a file read by an importer: its format, and which engine key gave each spec field.
     source_format: str | None = None
     origins: dict[Path_, str] = field(default_factory=dict)
+    # ... and where each engine key it read sits (``parallelism.tensor_parallel_degree``, ``--seq-length``).
+    engine_keys: dict[str, Position] = field(default_factory=dict)
 
     def position(self, path: Path_, *, prefer_key: bool = False) -> Position:
         """The closest known position for ``path`` (walking up to a parent when unknown)."""
@@ -80,7 +83,7 @@ class SourceDocument:
             severity=severity,
             message=message,
             hint=hint,
-            file=self.file,
+            file=pos.file or self.file,
             line=pos.line,
             column=pos.column,
             fields=fields,
