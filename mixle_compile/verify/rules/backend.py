@@ -214,3 +214,23 @@ COMPILE_UNUSED = define(
         elastic=False,
     )
 )
+
+
+FP64_DISTRIBUTION_ONLY = define(
+    Rule(
+        code="C008",
+        name="fp64-distribution-only",
+        title="training.precision fp64 is for distribution models, fitted by EM in float64.",
+        docs=(
+            "A distribution model is fitted by EM in float64 (as mixle fits its models), so `fp64` states the "
+            "precision its parameters are held and sized in. Neural models are trained in fp32, bf16, fp16 or fp8: "
+            "the torch runtime computes in fp32 or bf16 (`compute_dtype`), and none of the engines has a float64 "
+            "training mode."
+        ),
+        engine_reference="torch runtime: mixle_compile/runtime/model.py compute_dtype; mixle: every fit is float64",
+        constraint=lambda v: negation(v.is_("precision", "fp64")),
+        explain=lambda x: f"training.precision fp64 is for distribution models; a {x.facts.family} model trains in fp32 or a lower precision",
+        hint=lambda x: "use precision: fp32 (or bf16)",
+        fields=("precision",),
+    )
+)
