@@ -209,6 +209,13 @@ def test_cuts_equal_mixle_or_show_a_documented_mixle_bug(live, name, throughputs
         assert cut.device.name == devices[cut.device.rank].name
         assert cut.stop - cut.start >= min_units
         assert cut.param_bytes <= cut.device.memory_bytes
+    # ours is the best cut by our own works: no worse than mixle's cut, where that one fits our constraints
+    mixle_cut = _shards(theirs.cuts)
+    room = {d.name: UNBOUNDED_MEMORY if d.memory_bytes is None else d.memory_bytes for d in devices}
+    fits = all(stop - start >= min_units and sum(ours.unit_bytes[start:stop]) + ours.held_whole_bytes <= room[n]
+               for n, start, stop in mixle_cut)
+    if fits:
+        assert ours.bottleneck <= _time(mixle_cut, list(ours.unit_works), devices) * (1 + 1e-12)
     # the cut algorithms compared on mixle's own unit works and bytes
     cand = md.best_parallel_axis(model, len(devices))
     works, unit_bytes = list(cand.unit_works), list(cand.unit_bytes)
@@ -307,3 +314,16 @@ def test_one_em_iteration_equals_mixles(live, name):
             expected = theirs[node_id][key]
             assert not np.array_equal(value, start[node_id][key]), (node_id, key)  # the iteration moved it
             np.testing.assert_allclose(value, expected, rtol=1e-9, atol=0, err_msg=f"{name}: {node_id} {key}")
+
+
+def test_the_planning_example_in_docs_mixle_md_runs(capsys):
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "mixle.md").read_text(encoding="utf-8")
+    (code,) = [block.split("```", 1)[0] for block in text.split("```python\n")[1:] if "mixle.utils.parallel.planner" in block]
+    namespace: dict = {}
+    exec(compile(code, "docs/mixle.md", "exec"), namespace)
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0] == "880" and printed[1] == "model.root.factors[1]"
+    assert namespace["plan"].is_model_parallel
+    assert namespace["spec_model"]["root"]["factors"][1]["weights"] == [1 / 12] * 12

@@ -163,6 +163,20 @@ def test_a_refused_mixle_model_is_bad_input_at_its_line(tmp_path):
     assert "GammaDistribution" in text[line - 1][col - 1 :]
 
 
+def test_a_mixle_file_checked_alone_says_how_to_use_it():
+    loaded = load_spec(MODELS / "hmm.json")
+    assert loaded.unreadable and loaded.spec is None
+    (d,) = loaded.diagnostics
+    assert d.code == "I001" and "is a mixle model" in d.message and "model: {from: mixle, path: hmm.json}" in d.hint
+
+
+def test_a_missing_mixle_file_is_named(tmp_path):
+    spec = _spec(tmp_path, "hmm")
+    (tmp_path / "model.json").unlink()
+    loaded = load_spec(spec)
+    assert loaded.unreadable and any("cannot read the mixle model model.json" in d.message for d in loaded.diagnostics)
+
+
 def test_check_cli_exit_codes_for_mixle_models(tmp_path):
     def check(spec: Path) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "mixle_compile", "check", str(spec)], capture_output=True, text=True,

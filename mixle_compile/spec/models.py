@@ -39,6 +39,7 @@ Count = Annotated[StrictInt, Field(ge=0, le=MAX_SIZE)]
 Name = Annotated[StrictStr, Field(min_length=1, max_length=200)]
 # fp64: distribution models only (EM fits in float64, as mixle does); rule C008 refuses it for neural ones.
 Precision = Literal["fp32", "bf16", "fp16", "fp8", "fp64"]
+NeuralPrecision = Literal["fp32", "bf16", "fp16", "fp8"]  # a module parameter's own dtype
 
 
 class StrictModel(BaseModel):
@@ -247,7 +248,7 @@ ParameterRole = Literal["embedding", "column", "row", "norm", "expert", "router"
 class ModuleParameter(StrictModel):
     name: Name
     shape: Annotated[list[Size], Field(max_length=8)]
-    dtype: Precision | None = Field(default=None, description="defaults to training.precision")
+    dtype: NeuralPrecision | None = Field(default=None, description="defaults to training.precision")
     role: ParameterRole = "other"
     layer: Count | None = None
     shared_group: Name | None = Field(default=None, description="parameters tied to each other share a group")
