@@ -84,6 +84,8 @@ def test_an_object_mixle_holds_twice_is_one_shared_node():
     model = _model("shared_component")
     assert list(model.shared) == ["background"]
     assert model.root.factors[0].components[0].ref == "background" == model.root.factors[1].components[0].ref
+    (warning,) = mixle_model(_json("shared_component")).warnings
+    assert "in 2 places" in warning[0] and "fitted once, tied" in warning[0]
     graph = build_model_graph(model)
     # held once: two mixtures of two weights, two private and one shared diagonal gaussian of dim 2
     assert graph.node("model.shared.background").own_param_bytes == 8 * 4

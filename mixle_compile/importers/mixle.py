@@ -192,6 +192,11 @@ class _Reader:
                 label = next((p[1] for p in st["items"] if isinstance(p, list) and len(p) == 2 and p[0] == "name"), None)
             name = label if isinstance(label, str) and label and label not in self.shared_names.values() else rid
             self.shared_names[rid] = name
+            self.out.warnings.append((
+                f"{where}: mixle holds this {_short(obj.get('type'))} in {self.refs[rid] + 1} places; it is read as one "
+                f"shared node, model.shared.{name}, sized once (as mixle's planner sizes it) and fitted once, tied; "
+                "mixle's own EM fits each place separately unless their estimators share `keys`",
+                "to fit each place on its own, give mixle a copy of the object in each place", path))
             self.shared[name] = self._convert(obj, path, f"model.shared.{name}")
         return {"ref": self.shared_names[rid]}
 
