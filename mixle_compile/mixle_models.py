@@ -60,7 +60,7 @@ def from_mixle(model: Any, *, warnings: list | None = None) -> DistributionModel
     if read.problems:
         raise MixleModelError(read.problems)
     if warnings is not None:
-        warnings.extend(read.warnings)
+        warnings.extend(read.warnings + read.ignored)
     return DistributionModel.model_validate(read.model)
 
 

@@ -155,6 +155,18 @@ def test_a_spec_reads_its_model_from_mixle_json(tmp_path):
     assert loaded.document.origins[("model", "root")] == "model.json: mixle MixtureDistribution"
 
 
+def test_warnings_reach_the_spec_with_their_place(tmp_path):
+    loaded = load_spec(_spec(tmp_path, "shared_component"))
+    assert loaded.ok
+    (d,) = [d for d in loaded.diagnostics if d.code == "I003"]
+    assert d.severity.value == "warning" and "model.json:" in d.message and "fitted once, tied" in d.message
+    prior = {"__pysp_type__": "object", "id": "o0", "type": "x.PoissonDistribution",
+             "state": {"__pysp_type__": "dict", "items": [["lam", 2.0], ["prior", {"__pysp_type__": "object"}]]}}
+    read = mixle_model(prior)
+    assert read.problems == [] and read.warnings == [] and "prior is ignored" in read.ignored[0][0]
+    assert read.ignored[0][2] == ("state", "items", 1, 1)
+
+
 def test_a_refused_mixle_model_is_bad_input_at_its_line(tmp_path):
     loaded = load_spec(_spec(tmp_path, "refused_gamma"))
     assert loaded.spec is None and loaded.unreadable

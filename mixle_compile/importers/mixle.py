@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import base64
 import math
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,13 +53,15 @@ _DTYPES = {"<f8": ("d", 8), "<f4": ("f", 4), "<i8": ("q", 8), "<i4": ("i", 4)}
 class MixleModel:
     """The distribution model read from a mixle model's JSON, and what could not be read.
 
-    ``problems`` and ``warnings`` are ``(message, hint, json_path)``: the path indexes the JSON
-    (keys and list positions), so a file's reader turns it into a line and column.
+    ``problems`` (what cannot be expressed), ``warnings`` (a value read in a way to know about) and
+    ``ignored`` (what is read and not kept) are ``(message, hint, json_path)``: the path indexes the
+    JSON (keys and list positions), so a file's reader turns it into a line and column.
     """
 
     model: dict[str, Any]
     problems: list[tuple[str, str, JsonPath]] = field(default_factory=list)
     warnings: list[tuple[str, str, JsonPath]] = field(default_factory=list)
+    ignored: list[tuple[str, str, JsonPath]] = field(default_factory=list)
     classes: dict[str, str] = field(default_factory=dict)  # spec node path -> mixle class
 
 
@@ -151,8 +154,6 @@ class _Reader:
         if len(raw) != count * size:
             self.problem(f"{where}: `{name}` holds {len(raw)} bytes, but shape {shape} of {code} needs {count * size}",
                          "give the JSON exactly as `model.to_dict()` returns it", (*path, "data"))
-        import struct
-
         values = list(struct.unpack(f"<{count}{fmt}", raw))
         if not all(math.isfinite(v) for v in values):
             self.problem(f"{where}: `{name}` holds non-finite values", "fit the model to finite parameters first", path)
@@ -216,7 +217,7 @@ class _Reader:
             return name not in st or st[name][0] is None
 
         if not absent("prior") or st.get("has_conj_prior", (False,))[0] is True:
-            self.out.warnings.append((f"{here}: its prior is ignored: EM fits maximum likelihood", "fit without the prior to compare",
+            self.out.ignored.append((f"{here}: its prior is ignored: EM fits maximum likelihood", "fit without the prior to compare",
                                       st.get("prior", (None, path))[1]))
         if not absent("keys"):
             self.problem(f"{here}: keyed parameter tying (`keys` = {st['keys'][0]!r}) cannot be expressed",
@@ -272,7 +273,7 @@ class _Reader:
                                           "encode that column of the records as the index of each value in this order", pmap_path))
             default = st.get("default_value", (0.0,))[0]
             if isinstance(default, (int, float)) and default > 0:
-                self.out.warnings.append((f"{here}: default_value={default} (probability of values outside pmap) is ignored",
+                self.out.ignored.append((f"{here}: default_value={default} (probability of values outside pmap) is ignored",
                                           "the spec's categorical has exactly num_values values", st["default_value"][1]))
             total = sum(probs)
             if total > 0 and abs(total - 1.0) > 1e-6:
@@ -296,7 +297,7 @@ class _Reader:
         elif cls == "SequenceDistribution":
             node.update(type="sequence", base=self.node(*get("dist"), f"{where}.base"))
             if st.get("len_normalized", (False,))[0] is True:
-                self.out.warnings.append((f"{here}: len_normalized (the geometric-mean density) is ignored", "the spec scores the plain density",
+                self.out.ignored.append((f"{here}: len_normalized (the geometric-mean density) is ignored", "the spec scores the plain density",
                                           st["len_normalized"][1]))
             length = self._length(st, f"{where}.length")
             if length is not None:

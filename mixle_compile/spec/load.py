@@ -186,9 +186,10 @@ def _mixle_model(doc: SourceDocument, diags: list[Diagnostic], target: Path, dis
     for message, hint, path in read.problems:
         pos = source.position(path)
         diags.append(doc.diagnostic("I004", f"{display}:{pos.line}:{pos.column}: {message}", at, hint=hint))
-    for message, hint, path in read.warnings:
-        pos = source.position(path)
-        diags.append(doc.diagnostic("I003", f"{display}:{pos.line}:{pos.column}: {message}", at, hint=hint, severity=Severity.warning))
+    for code, notes in (("I003", read.warnings), ("I002", read.ignored)):
+        for message, hint, path in notes:
+            pos = source.position(path)
+            diags.append(doc.diagnostic(code, f"{display}:{pos.line}:{pos.column}: {message}", at, hint=hint, severity=Severity.warning))
     if read.problems:
         raise SourceError([], unreadable=True)
     pos = doc.position(at)
