@@ -1,7 +1,8 @@
 """mixle-compile: a declarative config compiler with static verification for distributed training plans.
 
 The package exports the training contracts under the names ``mixle.utils.parallel`` gives them, so
-code written against mixle's contracts runs unchanged with ``from mixle_compile import ...``.
+code written against mixle's contracts runs unchanged with ``from mixle_compile import ...``;
+:func:`from_mixle` reads a live mixle model into the spec's distribution model.
 """
 
 __version__ = "0.1.0"
@@ -33,6 +34,16 @@ __all__ = [
     "StepReceipt",
     "__version__",
     "available_training_backends",
+    "from_mixle",
     "get_training_backend",
     "register_training_backend",
 ]
+
+
+def __getattr__(name: str):
+    # Loaded on first use: it imports the spec models (pydantic), which `import mixle_compile` does not need.
+    if name in ("from_mixle", "MixleModelError"):
+        from mixle_compile import mixle_models
+
+        return getattr(mixle_models, name)
+    raise AttributeError(f"module 'mixle_compile' has no attribute {name!r}")

@@ -1188,7 +1188,8 @@ _ALL_AXES = frozenset(ParallelAxis)
 TORCH_CAPABILITIES = BackendCapabilities(
     name="torch",
     axes=_ALL_AXES,
-    precisions=frozenset({"fp32", "bf16"}),
+    # fp64: distribution models, fitted by EM in float64 (rule C008 keeps neural models off it).
+    precisions=frozenset({"fp32", "bf16", "fp64"}),
     requirements=("torch>=2.6",),
     incompatible_axis_sets=(),
     distributed_optimizer=True,

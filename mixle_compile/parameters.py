@@ -18,7 +18,7 @@ from math import prod
 from mixle_compile.memory_model import stored_dtype
 from mixle_compile.spec.models import ModulesModel, Spec, TransformerModel
 
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "fp64": 8}
 
 TIED_EMBEDDING_GROUP = "tied_embedding"
 

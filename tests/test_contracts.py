@@ -494,7 +494,7 @@ def test_builtin_capabilities():
                                     "torchtitan": TORCHTITAN_CAPABILITIES, "deepspeed": DEEPSPEED_CAPABILITIES}
     assert DEEPSPEED_CAPABILITIES.precisions == {"fp32", "bf16", "fp16"} and DEEPSPEED_CAPABILITIES.distributed_optimizer
     assert TORCH_CAPABILITIES.axes == frozenset(ParallelAxis)
-    assert TORCH_CAPABILITIES.precisions == {"fp32", "bf16"}
+    assert TORCH_CAPABILITIES.precisions == {"fp32", "bf16", "fp64"}
     assert TORCH_CAPABILITIES.distributed_optimizer and TORCH_CAPABILITIES.reshardable_checkpoint
     assert not TORCH_CAPABILITIES.elastic_restart
     assert TORCH_CAPABILITIES.requirements == ("torch>=2.6",)

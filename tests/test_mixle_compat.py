@@ -149,6 +149,76 @@ def test_model_decomposition_pickles_and_deep_copies(md):
 
 
 # ---------------------------------------------------------------------------
+# The planner on live mixle models (built with mixle's API, so both halves need mixle)
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def stats():
+    """mixle's model constructors."""
+    return pytest.importorskip("mixle.stats")
+
+
+@pytest.fixture
+def planner():
+    """mixle's Resources and DeviceSpec."""
+    return pytest.importorskip("mixle.utils.parallel.planner")
+
+
+def _mixture(stats, k=6, dim=2):
+    return stats.MixtureDistribution(
+        [stats.DiagonalGaussianDistribution([float(i)] * dim, [1.0] * dim) for i in range(k)], [1.0 / k] * k
+    )
+
+
+def test_size_model_tree_on_a_live_model(md, stats):
+    size = md.size_model_tree(_mixture(stats, 3))
+    assert isinstance(size, md.NodeSize)
+    assert (size.axis, size.num_units, len(size.children)) == (md.DecompAxis.COMPONENT, 3, 3)
+    assert all(c.axis is md.DecompAxis.NONE and c.num_units == 1 for c in size.children)
+    assert size.subtree_param_bytes == size.own_param_bytes + sum(c.subtree_param_bytes for c in size.children)
+    assert size.own_param_bytes > 0 and size.children[0].own_param_bytes > 0
+    assert size.subtree_work > sum(c.subtree_work for c in size.children) > 0
+
+
+def test_tree_axes_finds_a_mixture_nested_in_a_composite(md, stats):
+    model = stats.CompositeDistribution([stats.GaussianDistribution(0.0, 1.0), _mixture(stats, 6)])
+    axes = {(c.axis, c.num_units): c for c in md.tree_axes(model)}
+    assert set(axes) == {(md.DecompAxis.FACTOR, 2), (md.DecompAxis.COMPONENT, 6)}
+    for c in axes.values():
+        assert isinstance(c, md.AxisCandidate)
+        assert len(c.unit_works) == len(c.unit_bytes) == c.num_units
+        assert c.total_work == pytest.approx(sum(c.unit_works)) and min(c.unit_works) > 0
+    assert axes[(md.DecompAxis.FACTOR, 2)].reduction is md.ReductionOp.SUM
+    assert axes[(md.DecompAxis.COMPONENT, 6)].reduction is md.ReductionOp.LOGSUMEXP_RESPONSIBILITY
+    # the composite is thin: one factor carries almost all the work, so the mixture inside is chosen
+    best = md.best_parallel_axis(model, 4)
+    assert (best.axis, best.num_units) == (md.DecompAxis.COMPONENT, 6)
+    only_factors = md.best_parallel_axis(model, 4, allowed_axes=frozenset({md.DecompAxis.FACTOR}))
+    assert (only_factors.axis, only_factors.num_units) == (md.DecompAxis.FACTOR, 2)
+    assert md.best_parallel_axis(model, 4, allowed_axes=frozenset({md.DecompAxis.STATE})) is None
+    assert md.best_parallel_axis(stats.GaussianDistribution(0.0, 1.0), 4) is None
+
+
+def test_decompose_model_on_mixle_resources(md, stats, planner):
+    model = _mixture(stats, 6)
+    resources = planner.Resources(tuple(planner.DeviceSpec(f"gpu{i}", kind="cuda", memory_bytes=2**30) for i in range(3)))
+    replicated = md.decompose_model(_mixture(stats, 5), resources)  # fits, data dominates, under 2 units per device
+    assert isinstance(replicated, md.ModelDecomposition)
+    assert (replicated.axis, replicated.cuts, replicated.is_model_parallel) == (md.DecompAxis.NONE, (), False)
+    dec = md.decompose_model(model, resources, prefer_data_parallel=False)
+    assert dec.axis is md.DecompAxis.COMPONENT and dec.reduction is md.ReductionOp.LOGSUMEXP_RESPONSIBILITY
+    assert dec.is_model_parallel and dec.num_units == 6 and isinstance(dec.rationale, str)
+    assert [(c.device.name, c.start, c.stop) for c in dec.cuts] == [("gpu0", 0, 2), ("gpu1", 2, 4), ("gpu2", 4, 6)]
+    assert all(isinstance(c, md.ModelCut) and c.reduction is dec.reduction for c in dec.cuts)
+    assert "path" in dec.extra and dec.extra["total_work"] == pytest.approx(md.best_parallel_axis(model, 3).total_work)
+    one = planner.Resources.single_cpu()
+    assert md.decompose_model(model, one, prefer_data_parallel=False).axis is md.DecompAxis.NONE
+    for clone in (pickle.loads(pickle.dumps(dec)), copy.deepcopy(dec)):
+        assert clone == dec
+
+
+# ---------------------------------------------------------------------------
 # ParallelPlan
 # ---------------------------------------------------------------------------
 

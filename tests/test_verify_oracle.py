@@ -167,7 +167,7 @@ def memory_bytes(spec: Spec, devices: int | None = None) -> Fraction:
         state_extra = dict.fromkeys(model_split, Fraction(1))
     moments = 0 if t.optimizer == "sgd" else 8
     element = DTYPE_BYTES["bf16" if t.precision == "fp8" else t.precision]  # fp8 runs keep bf16 weights
-    low = t.precision != "fp32"
+    low = t.precision not in ("fp32", "fp64")
 
     def weights(amounts, split) -> Fraction:
         return sum((Fraction(a[0] * element + a[2]) / split[k] for k, a in amounts.items()), Fraction(0))
@@ -268,7 +268,7 @@ def activation_bytes(spec: Spec, layers_on_rank: int) -> Fraction:
             in_flight *= 1 + Fraction(pp - 1, pp * t.virtual_pipeline_stages)
     # The logits at the bytes per logit the engine's cross-entropy holds (docs/memory.md).
     s, b = Fraction(t.seq_len, m.cp), t.micro_batch_size
-    element = 4 if t.precision == "fp32" else 2
+    element = 4 if t.precision in ("fp32", "fp64") else 2
     backend = backend_of(spec)
     if backend == "megatron":
         per_logit = 4 if element == 4 else 4 + element
@@ -303,7 +303,7 @@ def layer_activation_bytes(spec: Spec, checkpointing: str) -> Fraction:
         per_layer = 34 * sbh / tp if t.sequence_parallel else sbh * (10 + Fraction(24, tp))
         if checkpointing == "none" and t.attention == "eager":  # flash is every engine's default
             per_layer += 5 * a * s * s * b / tp
-    if t.precision == "fp32":
+    if t.precision in ("fp32", "fp64"):
         per_layer *= 2
     return per_layer
 
@@ -429,6 +429,7 @@ def violations(
     degrees = {"dp_replicate": dpr, "dp_shard": dps, "tp": tp, "pp": pp, "cp": cp, "ep": ep, "etp": etp}
     rule("C001", all(degrees[a.value] == 1 for a in ParallelAxis if a not in caps.axes))
     rule("C002", t.precision in caps.precisions)
+    rule("C008", t.precision != "fp64", when=neural)  # fp64 is for distribution models
     rule("C003", not any(all(degrees[a.value] > 1 for a in axes) for axes in caps.incompatible_axis_sets))
     rule("C004", not t.distributed_optimizer or caps.distributed_optimizer)
     return out
@@ -640,7 +641,8 @@ def test_verdicts_equal_the_oracle_for_every_mesh_up_to_64_devices():
     assert plans == 3 * 3652
     # The sweep is only a test if every rule fails somewhere (and passes elsewhere, since no rule fails every plan).
     # Listed layer splits (P010) are not swept: its example and the check-compiles property cover it.
-    reachable = {code for code in RULES if code not in ("D003", "C001", "C003", "P010")}
+    # fp64 (C008) is for distribution models: test_fp64_agrees_with_the_oracle puts every shape in it.
+    reachable = {code for code in RULES if code not in ("D003", "C001", "C003", "P010", "C008")}
     assert reachable <= set(seen["broken"]), reachable - set(seen["broken"])
     assert all(seen["broken"][code] < plans for code in reachable)
 
@@ -654,6 +656,23 @@ def test_verdicts_equal_the_oracle_for_every_mesh_and_every_shape():
             for backend in ("torch", "megatron", "torchtitan"):
                 spec = valid_spec(plan(i, degrees, shape, backend))
                 assert verdict(verifier, spec) == violations(spec), (degrees, shape, backend, i)
+
+
+def test_fp64_agrees_with_the_oracle():
+    """Every shape on every engine in fp64: C008 for the neural ones, C002 where the engine lacks fp64, with the rest."""
+    verifier = PlanVerifier()
+    found = Counter()
+    for i, degrees in enumerate(meshes(8)):
+        for shape in SHAPE_NAMES:
+            for backend in ("torch", "megatron", "torchtitan"):
+                data = plan(i, degrees, shape, backend)
+                data["training"]["precision"] = "fp64"
+                spec = valid_spec(data)
+                expected = violations(spec)
+                assert verdict(verifier, spec) == expected, (degrees, shape, backend)
+                found.update(expected)
+    assert found["C008"] > 0
+    assert found["C002"] > 0  # megatron and torchtitan do not declare fp64
 
 
 def test_rules_only_a_plugin_backend_can_break_agree_with_the_oracle():

@@ -20,10 +20,11 @@ class Device:
     memory_bytes: int
     throughput: float
     throughput_stated: bool = True
+    name: str | None = None  # a mixle DeviceSpec's name, when the device came from one
 
     @property
     def label(self) -> str:
-        return f"{self.kind}#{self.rank}"
+        return self.name or f"{self.kind}#{self.rank}"
 
 
 def devices_from_resources(resources: Resources) -> tuple[Device, ...]:

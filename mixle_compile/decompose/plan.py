@@ -21,7 +21,7 @@ from mixle_compile.decompose.cut import (
     exchangeable_cut,
     optimal_contiguous_cut,
 )
-from mixle_compile.decompose.devices import Device, devices_from_resources
+from mixle_compile.decompose.devices import Device
 from mixle_compile.diagnostics import Code, Diagnostic, Severity, register_code
 from mixle_compile.graph import AxisCandidate, DecompAxis, ModelGraph, ReductionOp, best_parallel_axis, compute_cost
 from mixle_compile.spec.models import Resources
@@ -174,8 +174,8 @@ class ModelDecomposition:
 
 
 def decompose_model(
-    model: ModelGraph,
-    resources: Resources | Sequence[Device],
+    model: ModelGraph | Any,
+    resources: Resources | Sequence[Device] | Any,
     *,
     n_data: int | None = None,
     min_components_per_shard: int = 1,
@@ -193,10 +193,16 @@ def decompose_model(
     throughput)`` such that every shard fits its device and holds at least
     ``min_components_per_shard`` units; exchangeable units (mixture components, experts) may be
     reordered first. An impossible placement returns cuts ``()`` and diagnostics.
+
+    ``model`` may also be a spec, a distribution model or a live mixle model, and ``resources``
+    mixle's ``Resources`` or a sequence of its ``DeviceSpec`` (:mod:`mixle_compile.mixle_models`).
     """
     if min_components_per_shard < 1:
         raise ValueError(f"min_components_per_shard must be >= 1, got {min_components_per_shard}")
-    devices = devices_from_resources(resources) if isinstance(resources, Resources) else tuple(resources)
+    from mixle_compile.mixle_models import as_devices, as_model_graph
+
+    model = as_model_graph(model)
+    devices = as_devices(resources)
     if not devices:
         raise ValueError("decompose_model needs at least one device")
     root = model.node()

@@ -128,11 +128,15 @@ def spec_diagnostic(
     return Diagnostic(code, Severity.error, message, hint, UNKNOWN_FILE, 1, 1, fields)
 
 
-def build_model_graph(spec: Spec, document: SourceDocument | None = None) -> ModelGraph:
-    """Build the decomposition graph of ``spec.model`` (any family).
+def build_model_graph(spec: Spec | DistributionModel, document: SourceDocument | None = None, *, precision: str = "fp64") -> ModelGraph:
+    """Build the decomposition graph of ``spec.model`` (any family), or of a distribution model alone.
 
     ``document`` (from :func:`mixle_compile.spec.load_spec`) gives diagnostics their file:line:col.
+    A distribution model given without its spec is sized at ``precision`` (fp64 unless told: EM,
+    and mixle, fit in float64); a spec's own ``training.precision`` always wins.
     """
+    if isinstance(spec, DistributionModel):
+        spec = _ModelOnly(spec, _Precision(precision))
     # The build allocates many small, long-lived objects and frees none of them; the cyclic garbage
     # collector would rescan them all again and again (quadratic in the tree size), so it waits.
     collecting = gc.isenabled()
@@ -151,6 +155,19 @@ def build_model_graph(spec: Spec, document: SourceDocument | None = None) -> Mod
         if collecting:
             gc.enable()
     return ModelGraph(nx.freeze(g), root, tuple(order), tuple(builder.diagnostics), document)
+
+
+@dataclass(frozen=True)
+class _Precision:
+    precision: str
+
+
+@dataclass(frozen=True)
+class _ModelOnly:
+    """What the builder reads of a spec, for a distribution model given alone."""
+
+    model: DistributionModel
+    training: _Precision
 
 
 # --------------------------------------------------------------------------- building
@@ -412,9 +429,12 @@ def _distribution_children(node: Any) -> list[tuple[Path_, Any, int, int, str]]:
             out.append((("emission",), node.emission, node.num_states, node.num_states, "emission"))
         if node.transitions is not None:
             out.append((("transitions",), node.transitions, 1, 0, "transitions"))
+        if node.length is not None:
+            out.append((("length",), node.length, 1, 0, "length"))
     elif isinstance(node, Sequence):
         out.append((("base",), node.base, 1, 1, "base"))
-        out.append((("length",), node.length, 1, 0, "length"))
+        if node.length is not None:
+            out.append((("length",), node.length, 1, 0, "length"))
     return out
 
 

@@ -9,11 +9,27 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import networkx as nx
 
 from mixle_compile.graph.axes import DecompAxis, ReductionOp
 from mixle_compile.graph.build import ModelGraph
+
+
+def _graph(model) -> ModelGraph:
+    """The graph to query: a ModelGraph as it is; a spec, a distribution model or a live mixle
+    model built into one on the way in (mixle_compile.mixle_models.as_model_graph)."""
+    if isinstance(model, ModelGraph):
+        return model
+    from mixle_compile.mixle_models import as_model_graph
+
+    return as_model_graph(model)
+
+
+def as_decomp_axis(axis: Any) -> DecompAxis:
+    """A :class:`DecompAxis` from a member, its value, or a mixle ``DecompAxis`` (a plain Enum of the same values)."""
+    return DecompAxis(getattr(axis, "value", axis))
 
 
 @dataclass(frozen=True)
@@ -89,37 +105,42 @@ class AxisCandidate:
         return max((run.work for run in self.unit_runs), default=0.0)
 
 
-def shard_children(model: ModelGraph, node: str | None = None) -> tuple[tuple[str, int], ...]:
+def shard_children(model: ModelGraph | Any, node: str | None = None) -> tuple[tuple[str, int], ...]:
     """The children ``node`` splits along its axis, each with the number of units it provides.
 
     A repeated component is one child providing ``repeat`` units; a child held whole (an HMM's
     transitions, a sequence's length) is not listed. Empty for a node whose axis is ``none``.
     """
+    model = _graph(model)
     n = model.root if node is None else node
     if model.graph.nodes[n]["axis"] is DecompAxis.NONE:
         return ()
     return tuple((child, data["units"]) for child, data in model.graph.succ[n].items() if data["units"] > 0)
 
 
-def cost_children(model: ModelGraph, node: str | None = None) -> tuple[str, ...]:
+def cost_children(model: ModelGraph | Any, node: str | None = None) -> tuple[str, ...]:
     """Every child of ``node``, for cost: the shardable ones and those held whole."""
+    model = _graph(model)
     n = model.root if node is None else node
     return tuple(model.graph.succ[n])
 
 
-def subtree_work(model: ModelGraph, node: str | None = None) -> float:
+def subtree_work(model: ModelGraph | Any, node: str | None = None) -> float:
     """Work per observation of ``node`` and all its descendants, each shared node counted once."""
+    model = _graph(model)
     return model.graph.nodes[model.root if node is None else node]["subtree_work"]
 
 
-def compute_cost(model: ModelGraph, node: str | None = None) -> tuple[float, int]:
+def compute_cost(model: ModelGraph | Any, node: str | None = None) -> tuple[float, int]:
     """``(flops_per_observation_proxy, bytes)`` of a subtree (the whole model when ``node`` is omitted)."""
+    model = _graph(model)
     attrs = model.graph.nodes[model.root if node is None else node]
     return attrs["subtree_work"], attrs["subtree_param_bytes"]
 
 
-def size_model_tree(model: ModelGraph, node: str | None = None) -> NodeSize:
+def size_model_tree(model: ModelGraph | Any, node: str | None = None) -> NodeSize:
     """The :class:`NodeSize` tree under ``node``; a shared subtree is one value reused under each parent."""
+    model = _graph(model)
     g = model.graph
     top = model.root if node is None else node
     wanted = None if top == model.root else nx.descendants(g, top) | {top}
@@ -150,8 +171,9 @@ def size_model_tree(model: ModelGraph, node: str | None = None) -> NodeSize:
     return size(top, 1)
 
 
-def tree_axes(model: ModelGraph) -> list[AxisCandidate]:
+def tree_axes(model: ModelGraph | Any) -> list[AxisCandidate]:
     """Every shardable axis anywhere in the tree (two or more units), parents before children."""
+    model = _graph(model)
     nodes, succ = model.graph.nodes, model.graph.succ
     total_bytes = nodes[model.root]["subtree_param_bytes"]
     out: list[AxisCandidate] = []
@@ -197,7 +219,7 @@ def parallel_benefit(candidate: AxisCandidate, max_workers: int | None = None) -
 
 
 def best_parallel_axis(
-    model: ModelGraph,
+    model: ModelGraph | Any,
     max_workers: int | None = None,
     allowed_axes: Iterable[DecompAxis | str] | None = None,
 ) -> AxisCandidate | None:
@@ -206,7 +228,8 @@ def best_parallel_axis(
     ``allowed_axes`` restricts the choice (e.g. ``{"component"}``); ties go to the candidate
     nearer the root. ``None`` when the tree has no shardable axis, e.g. a single leaf.
     """
-    allowed = None if allowed_axes is None else {DecompAxis(a) for a in allowed_axes}
+    model = _graph(model)
+    allowed = None if allowed_axes is None else {as_decomp_axis(a) for a in allowed_axes}
     candidates = [c for c in tree_axes(model) if allowed is None or c.axis in allowed]
     if not candidates:
         return None

@@ -8,7 +8,8 @@ and whose positions point into the file the user wrote. Formats:
 * torchtitan job TOML (the configs before torchtitan's Python config registry): :mod:`.torchtitan`;
 * Megatron-LM launch scripts and argument files: :mod:`.megatron`;
 * DeepSpeed JSON configs, the model from an HF config.json: :mod:`.deepspeed`;
-* an HF config.json as the model of a spec (``model: {from: hf, path: ...}``): :mod:`.hf`.
+* an HF config.json as the model of a spec (``model: {from: hf, path: ...}``): :mod:`.hf`;
+* a mixle model's ``to_dict()`` JSON as the model of a spec (``model: {from: mixle, path: ...}``): :mod:`.mixle`.
 
 Anything else is refused with what it looks like and what is read (I001), never a YAML error.
 Nothing here imports torch or an engine.
@@ -41,7 +42,7 @@ _TOML_TABLE = re.compile(r"^\s*\[[A-Za-z_][\w.\-]*\]\s*(#.*)?$", re.M)
 
 
 def detect_format(path: str | Path, raw: bytes) -> str:
-    """One of: spec, plan, torchtitan, megatron, deepspeed, hf, or ``unsupported:<what it looks like>``."""
+    """One of: spec, plan, torchtitan, megatron, deepspeed, hf, mixle, or ``unsupported:<what it looks like>``."""
     suffix = Path(path).suffix.lower()
     text = raw[:200_000].decode("utf-8", errors="replace")
     stripped = text.lstrip("\ufeff \t\r\n")
@@ -66,6 +67,8 @@ def detect_format(path: str | Path, raw: bytes) -> str:
                 return "deepspeed"
             if "model_type" in keys or "architectures" in keys:
                 return "hf"
+            if "__pysp_type__" in keys:
+                return "mixle"
         return "spec"
     if suffix in (".yaml", ".yml"):
         return "spec"
@@ -97,6 +100,12 @@ def read_any(path: str | Path, name: str, options: ImportOptions | None = None) 
             name,
             f"{name} is an HF model config (config.json): it gives a model, not a training plan; `mixle-compile` reads {SUPPORTED}",
             f"use it as the model of a spec (`model: {{from: hf, path: {p.name}}}`) or with a DeepSpeed config (`--model {p.name}`)",
+        )
+    if kind == "mixle":
+        raise unreadable(
+            name,
+            f"{name} is a mixle model (its to_dict() JSON): it gives a model, not a training plan; `mixle-compile` reads {SUPPORTED}",
+            f"use it as the model of a spec (`model: {{from: mixle, path: {p.name}}}`, see docs/mixle.md)",
         )
     if kind == "plan":
         raise unreadable(name, f"{name} is a compiled plan, not a spec", "`check` reads specs; `explain`, `diff` and `run` read plans")

@@ -43,8 +43,9 @@ CANNOT_IMPORT = register_code(
         "cannot-import",
         "An engine config's value cannot be expressed as a spec.",
         "The value is read but has no counterpart in the spec (an HF architecture outside the transformer "
-        "family, a DeepSpeed `auto` left for another tool to fill in, a batch identity that does not hold, a "
-        "flavor the package's table does not list). The message names the key and what would make it "
+        "family, a mixle model class the distribution spec cannot express, a DeepSpeed `auto` left for another "
+        "tool to fill in, a batch identity that does not hold, a flavor the package's table does not list). The "
+        "message names the key (or the mixle class and where it is in the model's JSON) and what would make it "
         "importable.",
     )
 )

@@ -672,7 +672,7 @@ def run_em_rank(doc, *, steps: int, out_dir: Path, reference: bool, data_path: s
     report = {
         "ok": False,
         "errors": errors,
-        "warnings": [] if em.precision == "fp32" else [f"training.precision={em.precision!r}: EM runs in float64 regardless"],
+        "warnings": [] if em.precision in ("fp32", "fp64") else [f"training.precision={em.precision!r}: EM runs in float64 regardless"],
         "plan": {"content_digest": em.content_digest, "world_size": em.plan.world_size, "factorisation": em.plan.factorisation(),
                  "degrees": em.plan.as_dict(), "family": "distribution", "precision": "float64", "optimizer": "em"},
         "run": {"steps": ran, "first_step": first, "last_step": steps, "resumed_from": resumed,

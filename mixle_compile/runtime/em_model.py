@@ -163,6 +163,9 @@ def build_tree(model, seq_len: int | None) -> Tree:
             widths = {c.width for c, _ in node.children}
             if len(widths) != 1:
                 raise ModelError(f"{node_id}: the emissions of an hmm must read the same columns")
+            if spec.length is not None:
+                raise ModelError(f"{node_id}.length: EM fits sequences of one length (training.seq_len), so a length "
+                                 "distribution has nothing to fit; remove the hmm's `length` to fit it")
             if any(c.kind == "hmm" or _contains_hmm(c) for c, _ in node.children):
                 raise ModelError(f"{node_id}: an hmm's emissions cannot contain another hmm")
             if spec.transitions is not None:
@@ -224,7 +227,8 @@ def _views(tree: Tree, data: np.ndarray) -> dict[str, np.ndarray]:
 
 
 def initial_params(tree: Tree, data: np.ndarray, seed: int) -> Params:
-    """The start every rank (and the single-process reference) uses: seeded, from all rows."""
+    """The start every rank (and the single-process reference) uses: the values the spec states
+    (:func:`stated_values`), else seeded, from all rows."""
     rng = np.random.default_rng(seed)
     views = _views(tree, data)
     params: Params = {}
@@ -247,7 +251,34 @@ def initial_params(tree: Tree, data: np.ndarray, seed: int) -> Params:
             k = s.num_states
             params[node.id] = {"initial": rng.dirichlet(np.full(k, 5.0), size=n),
                                "transition": rng.dirichlet(np.full(k, 5.0), size=(n, k))}
+        # Values the spec states (a model read from mixle keeps its own) replace the seeded start;
+        # the draws above are made all the same, so the nodes that state none start as before.
+        for name, value in stated_values(node).items():
+            params[node.id][name] = np.broadcast_to(value, params[node.id][name].shape).copy()
     return params
+
+
+def stated_values(node: TreeNode) -> dict[str, np.ndarray]:
+    """The parameter values the spec states for ``node``, as one instance's arrays (float64)."""
+    s, out = node.spec, {}
+    if node.kind == "mixture" and s.weights is not None:
+        out["weights"] = np.asarray(s.weights, dtype=np.float64)
+    elif node.kind == "gaussian":
+        if s.mean is not None:
+            out["means"] = np.asarray(s.mean, dtype=np.float64)
+        cov = s.covariance_matrix if s.covariance == "full" else s.variance
+        if cov is not None:
+            out["covs"] = np.asarray(cov, dtype=np.float64)
+    elif node.kind == "categorical" and s.probs is not None:
+        out["probs"] = np.asarray(s.probs, dtype=np.float64)
+    elif node.kind in ("poisson", "exponential") and s.rate is not None:
+        out["rates"] = np.asarray(s.rate, dtype=np.float64)
+    elif node.kind == "transitions" or (node.kind == "hmm" and node.transitions is None):
+        if s.initial is not None:
+            out["initial"] = np.asarray(s.initial, dtype=np.float64)
+        if s.transition is not None:
+            out["transition"] = np.asarray(s.transition, dtype=np.float64)
+    return out
 
 
 def param_shapes(tree: Tree) -> dict[str, dict[str, tuple[int, ...]]]:

@@ -157,9 +157,8 @@ def _validate(doc: SourceDocument, diags: list[Diagnostic], base: Path | None = 
 
 
 def _model_from_file(doc: SourceDocument, diags: list[Diagnostic], base: Path) -> None:
-    """``model: {from: hf, path: config.json}``: the model read from an HF config (path relative to the spec)."""
-    from mixle_compile.importers.hf import hf_model, read_hf_document
-
+    """``model: {from: hf | mixle, path: FILE}``: the model read from an HF config.json or a mixle
+    model's ``to_dict()`` JSON (the path relative to the spec)."""
     from mixle_compile.spec.models import ModelFile
 
     ref = doc.data["model"]
@@ -169,14 +168,19 @@ def _model_from_file(doc: SourceDocument, diags: list[Diagnostic], base: Path) -
         err = exc.errors(include_url=False)[0]
         key = err["loc"][0] if err["loc"] else "from"
         what = f"unknown key `model.{key}`" if err["type"] == "extra_forbidden" else (
-            "`model.from` must be 'hf' with `model.path` naming a config.json")
+            "`model.from` must be 'hf' (an HF config.json) or 'mixle' (a mixle model's to_dict() JSON) with `model.path` naming the file")
         raise SourceError([doc.diagnostic(
             codes.UNKNOWN_KEY.code if err["type"] == "extra_forbidden" else codes.INVALID_VALUE.code,
             f"a model read from a file: {what}", ("model", key),
-            hint="write `model: {from: hf, path: config.json}` (the path relative to this spec)")])
+            hint="write `model: {from: hf, path: config.json}` or `model: {from: mixle, path: model.json}` (the path relative to this spec)")])
     target = base / ref["path"]
-    hf = hf_model(read_hf_document(target, ref["path"]))
     at = ("model", "path")
+    if ref["from"] == "mixle":
+        _mixle_model(doc, diags, target, ref["path"], at)
+        return
+    from mixle_compile.importers.hf import hf_model, read_hf_document
+
+    hf = hf_model(read_hf_document(target, ref["path"]))
     for message, hint, pos in hf.problems:
         diags.append(doc.diagnostic("I004", f"{ref['path']}:{pos.line}:{pos.column}: {message}", at, hint=hint))
     for key, pos in hf.ignored:
@@ -188,6 +192,28 @@ def _model_from_file(doc: SourceDocument, diags: list[Diagnostic], base: Path) -
         doc.values[("model", field_name)] = pos
         if field_name in hf.keys:
             doc.origins[("model", field_name)] = f"{ref['path']}: {hf.keys[field_name]}"
+
+
+def _mixle_model(doc: SourceDocument, diags: list[Diagnostic], target: Path, display: str, at: tuple) -> None:
+    """A mixle model's ``to_dict()`` JSON as the distribution model (mixle_compile/importers/mixle.py)."""
+    from mixle_compile.importers.mixle import mixle_model, read_mixle_document
+
+    source = read_mixle_document(target, display)
+    read = mixle_model(source.data)
+    for message, hint, path in read.problems:
+        pos = source.position(path)
+        diags.append(doc.diagnostic("I004", f"{display}:{pos.line}:{pos.column}: {message}", at, hint=hint))
+    for code, notes in (("I003", read.warnings), ("I002", read.ignored)):
+        for message, hint, path in notes:
+            pos = source.position(path)
+            diags.append(doc.diagnostic(code, f"{display}:{pos.line}:{pos.column}: {message}", at, hint=hint, severity=Severity.warning))
+    if read.problems:
+        raise SourceError([], unreadable=True)
+    pos = doc.position(at)
+    doc.data["model"] = read.model
+    for field_name in read.model:
+        doc.values[("model", field_name)] = pos
+    doc.origins[("model", "root")] = f"{display}: mixle {read.classes.get('model.root', 'model')}"
 
 
 def _dedupe(diags: list[Diagnostic]) -> list[Diagnostic]:

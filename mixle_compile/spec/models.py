@@ -37,7 +37,9 @@ Degree = Annotated[StrictInt, Field(ge=1, le=MAX_DEGREE)]
 Size = Annotated[StrictInt, Field(ge=1, le=MAX_SIZE)]
 Count = Annotated[StrictInt, Field(ge=0, le=MAX_SIZE)]
 Name = Annotated[StrictStr, Field(min_length=1, max_length=200)]
-Precision = Literal["fp32", "bf16", "fp16", "fp8"]
+# fp64: distribution models only (EM fits in float64, as mixle does); rule C008 refuses it for neural ones.
+Precision = Literal["fp32", "bf16", "fp16", "fp8", "fp64"]
+NeuralPrecision = Literal["fp32", "bf16", "fp16", "fp8"]  # a module parameter's own dtype
 
 
 class StrictModel(BaseModel):
@@ -246,7 +248,7 @@ ParameterRole = Literal["embedding", "column", "row", "norm", "expert", "router"
 class ModuleParameter(StrictModel):
     name: Name
     shape: Annotated[list[Size], Field(max_length=8)]
-    dtype: Precision | None = Field(default=None, description="defaults to training.precision")
+    dtype: NeuralPrecision | None = Field(default=None, description="defaults to training.precision")
     role: ParameterRole = "other"
     layer: Count | None = None
     shared_group: Name | None = Field(default=None, description="parameters tied to each other share a group")
@@ -264,32 +266,122 @@ class _Node(StrictModel):
     name: Name | None = Field(default=None, description="optional label used in paths and reports")
 
 
+Real = Annotated[StrictFloat | StrictInt, Field(allow_inf_nan=False)]
+MAX_PARAMETER_VALUES = 1 << 24  # values written in a spec; a larger model is planned from its shape alone
+
+
+def _check_values(owner: str, name: str, values: Any, *, length: int, positive: bool = False, non_negative: bool = False) -> None:
+    if len(values) != length:
+        raise ValueError(f"{owner} `{name}` has {len(values)} values, but the node needs {length}")
+    for v in values:
+        if (positive and not v > 0) or (non_negative and not v >= 0):
+            raise ValueError(f"{owner} `{name}` holds {v!r}; every value must be {'positive' if positive else 'non-negative'}")
+
+
+def _check_probabilities(owner: str, name: str, rows: list[list[float]]) -> None:
+    for i, row in enumerate(rows):
+        total = float(sum(row))
+        if abs(total - 1.0) > 1e-6:
+            where = f" row {i}" if len(rows) > 1 else ""
+            raise ValueError(f"{owner} `{name}`{where} sums to {total!r}; probabilities must sum to 1")
+
+
 class Gaussian(_Node):
     type: Literal["gaussian"]
     dim: Size
     covariance: Literal["diag", "full"] = "diag"
+    mean: Annotated[list[Real], Field(max_length=MAX_PARAMETER_VALUES)] | None = Field(
+        default=None, description="optional parameter values: the mean (dim values)")
+    variance: Annotated[list[Real], Field(max_length=MAX_PARAMETER_VALUES)] | None = Field(
+        default=None, description="optional parameter values, covariance diag: the variances (dim positive values)")
+    covariance_matrix: Annotated[list[Annotated[list[Real], Field(max_length=4096)]], Field(max_length=4096)] | None = Field(
+        default=None, description="optional parameter values, covariance full: the dim x dim covariance matrix")
+
+    @model_validator(mode="after")
+    def _parameters(self) -> "Gaussian":
+        if self.mean is not None:
+            _check_values("a gaussian's", "mean", self.mean, length=self.dim)
+        if self.variance is not None:
+            if self.covariance != "diag":
+                raise ValueError("`variance` is for covariance: diag; a full gaussian takes `covariance_matrix`")
+            _check_values("a gaussian's", "variance", self.variance, length=self.dim, positive=True)
+        if self.covariance_matrix is not None:
+            if self.covariance != "full":
+                raise ValueError("`covariance_matrix` is for covariance: full; a diag gaussian takes `variance`")
+            m = self.covariance_matrix
+            if len(m) != self.dim or any(len(row) != self.dim for row in m):
+                raise ValueError(f"a gaussian's `covariance_matrix` must be {self.dim} x {self.dim}")
+            if any(abs(m[i][j] - m[j][i]) > 1e-9 * max(abs(m[i][j]), abs(m[j][i]), 1e-300) for i in range(self.dim) for j in range(i)):
+                raise ValueError("a gaussian's `covariance_matrix` must be symmetric")
+            if any(not m[i][i] > 0 for i in range(self.dim)):
+                raise ValueError("a gaussian's `covariance_matrix` must have a positive diagonal")
+        return self
 
 
 class Categorical(_Node):
     type: Literal["categorical"]
     num_values: Size
+    probs: Annotated[list[Real], Field(max_length=MAX_PARAMETER_VALUES)] | None = Field(
+        default=None, description="optional parameter values: the probability of each value 0..num_values-1")
+
+    @model_validator(mode="after")
+    def _parameters(self) -> "Categorical":
+        if self.probs is not None:
+            _check_values("a categorical's", "probs", self.probs, length=self.num_values, non_negative=True)
+            _check_probabilities("a categorical's", "probs", [self.probs])
+        return self
 
 
-class Poisson(_Node):
+class _Rates(_Node):
+    dim: Size = 1
+    rate: Annotated[list[Real], Field(max_length=MAX_PARAMETER_VALUES)] | None = Field(
+        default=None, description="optional parameter values: the rate of each dimension (dim positive values)")
+
+    @model_validator(mode="after")
+    def _parameters(self):
+        if self.rate is not None:
+            _check_values(f"a {self.type}'s", "rate", self.rate, length=self.dim, positive=True)
+        return self
+
+
+class Poisson(_Rates):
     type: Literal["poisson"]
-    dim: Size = 1
 
 
-class Exponential(_Node):
+class Exponential(_Rates):
     type: Literal["exponential"]
-    dim: Size = 1
 
 
-class Transitions(_Node):
+class _TransitionValues(StrictModel):
+    """Optional initial and transition probabilities of an HMM's S states."""
+
+    initial: Annotated[list[Real], Field(max_length=4096)] | None = Field(
+        default=None, description="optional parameter values: the initial state probabilities (num_states values)")
+    transition: Annotated[list[Annotated[list[Real], Field(max_length=4096)]], Field(max_length=4096)] | None = Field(
+        default=None, description="optional parameter values: row i holds the probabilities of moving from state i")
+
+    def _check_transition_values(self, owner: str, num_states: int) -> None:
+        if self.initial is not None:
+            _check_values(owner, "initial", self.initial, length=num_states, non_negative=True)
+            _check_probabilities(owner, "initial", [self.initial])
+        if self.transition is not None:
+            if len(self.transition) != num_states or any(len(r) != num_states for r in self.transition):
+                raise ValueError(f"{owner} `transition` must be {num_states} x {num_states}")
+            for row in self.transition:
+                _check_values(owner, "transition", row, length=num_states, non_negative=True)
+            _check_probabilities(owner, "transition", self.transition)
+
+
+class Transitions(_Node, _TransitionValues):
     """An HMM's initial and transition probabilities, a dense S x S block held whole."""
 
     type: Literal["transitions"]
     num_states: Size
+
+    @model_validator(mode="after")
+    def _parameters(self) -> "Transitions":
+        self._check_transition_values("a transitions node's", self.num_states)
+        return self
 
 
 class Mixture(_Node):
@@ -297,6 +389,8 @@ class Mixture(_Node):
     components: Annotated[list["DistributionNode"], Field(min_length=1)] | None = None
     component: "DistributionNode | None" = Field(default=None, description="one component repeated `repeat` times")
     repeat: Size | None = None
+    weights: Annotated[list[Real], Field(max_length=MAX_PARAMETER_VALUES)] | None = Field(
+        default=None, description="optional parameter values: the weight of each component")
 
     @model_validator(mode="after")
     def _components_or_repeat(self) -> "Mixture":
@@ -306,6 +400,9 @@ class Mixture(_Node):
             raise ValueError("a mixture takes either `components` or `component` with `repeat`, not both")
         if not listed and (self.component is None or self.repeat is None):
             raise ValueError("a mixture needs `components` (a list) or `component` together with `repeat: K`")
+        if self.weights is not None:
+            _check_values("a mixture's", "weights", self.weights, length=self.num_components, non_negative=True)
+            _check_probabilities("a mixture's", "weights", [self.weights])
         return self
 
     @property
@@ -318,13 +415,16 @@ class Composite(_Node):
     factors: Annotated[list["DistributionNode"], Field(min_length=1)]
 
 
-class HMM(_Node):
+class HMM(_Node, _TransitionValues):
     type: Literal["hmm"]
     num_states: Size
     emission: "DistributionNode | None" = Field(default=None, description="one emission distribution repeated per state")
     emissions: Annotated[list["DistributionNode"], Field(min_length=1)] | None = None
     transitions: "DistributionNode | None" = Field(
         default=None, description="a `transitions` node (often a `ref:` to a shared one); defaults to the HMM's own"
+    )
+    length: "DistributionNode | None" = Field(
+        default=None, description="optional distribution of the sequence length, held whole (not cut with the states)"
     )
 
     @model_validator(mode="after")
@@ -333,13 +433,17 @@ class HMM(_Node):
             raise ValueError("an hmm takes exactly one of `emission` (repeated per state) or `emissions` (one per state)")
         if self.emissions is not None and len(self.emissions) != self.num_states:
             raise ValueError(f"an hmm with num_states={self.num_states} needs {self.num_states} emissions, got {len(self.emissions)}")
+        if self.transitions is not None and (self.initial is not None or self.transition is not None):
+            raise ValueError("an hmm with a `transitions` node takes its initial and transition values there")
+        self._check_transition_values("an hmm's", self.num_states)
         return self
 
 
 class Sequence(_Node):
     type: Literal["sequence"]
     base: "DistributionNode"
-    length: "DistributionNode"
+    length: "DistributionNode | None" = Field(
+        default=None, description="the distribution of the sequence length; omitted: lengths are not modelled")
 
 
 class Ref(StrictModel):
@@ -389,13 +493,16 @@ FAMILIES = ("transformer", "modules", "distribution")
 
 
 class ModelFile(StrictModel):
-    """``model: {from: hf, path: config.json}``: a transformer read from an HF config.json, the path
-    relative to the spec. The loader replaces it with the model it reads before validation."""
+    """``model: {from: hf, path: config.json}``: a transformer read from an HF config.json;
+    ``model: {from: mixle, path: model.json}``: a distribution read from a mixle model's ``to_dict()``
+    JSON. The path is relative to the spec. The loader replaces it with the model it reads before
+    validation."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
-    from_: Literal["hf"] = Field(alias="from", description="the file's format: an HF config.json")
-    path: Name = Field(description="the config.json, relative to the spec file")
+    from_: Literal["hf", "mixle"] = Field(
+        alias="from", description="the file's format: an HF config.json (hf) or a mixle model's to_dict() JSON (mixle)")
+    path: Name = Field(description="the file, relative to the spec file")
 
 
 def _family_tag(value: Any) -> str | None:

@@ -60,8 +60,8 @@ PRECISION = define(
         title="training.precision is one the backend supports.",
         docs=(
             "A backend declares the precisions it trains in (`BackendCapabilities.precisions`). The torch "
-            "runtime trains in fp32 and bf16; Megatron-Core also in fp16 (with loss scaling) and fp8 "
-            "(with Transformer Engine)."
+            "runtime trains in fp32 and bf16 and fits distribution models in fp64 (rule C008); Megatron-Core "
+            "also in fp16 (with loss scaling) and fp8 (with Transformer Engine)."
         ),
         engine_reference="the backend's declared `BackendCapabilities.precisions`",
         constraint=lambda v: v.is_("precision", *_supported(v.facts.capabilities)),
@@ -212,5 +212,26 @@ COMPILE_UNUSED = define(
         engines=frozenset({"torch", "megatron"}),
         severity=Severity.warning,
         elastic=False,
+    )
+)
+
+
+FP64_DISTRIBUTION_ONLY = define(
+    Rule(
+        code="C008",
+        name="fp64-distribution-only",
+        title="training.precision fp64 is for distribution models, fitted by EM in float64.",
+        docs=(
+            "A distribution model is fitted by EM in float64 (as mixle fits its models), so `fp64` states the "
+            "precision its parameters are held and sized in. Neural models are trained in fp32, bf16, fp16 or fp8: "
+            "the torch runtime computes in fp32 or bf16 (`compute_dtype`), and none of the engines has a float64 "
+            "training mode. The memory rule still prices such a spec (8-byte weights, activations and logits as "
+            "in fp32), so every other finding is reported with this one."
+        ),
+        engine_reference="torch runtime: mixle_compile/runtime/model.py compute_dtype; mixle: every fit is float64",
+        constraint=lambda v: negation(v.is_("precision", "fp64")),
+        explain=lambda x: f"training.precision fp64 is for distribution models; a {x.facts.family} model trains in fp32 or a lower precision",
+        hint=lambda x: "use precision: fp32 (or bf16)",
+        fields=("precision",),
     )
 )

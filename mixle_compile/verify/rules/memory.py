@@ -38,7 +38,9 @@ def per_rank_bytes(v) -> dict[str, object]:
     """The heaviest rank's bytes, as Z3 real terms, under the memory model of
     :mod:`mixle_compile.memory_model` (the one the lowering prices plans with)."""
     fp = v.facts.footprint
-    element_bytes = when(v.is_("precision", "fp32"), 4, 2)  # fp8 runs store bf16 weights (memory_model.stored_dtype)
+    # fp8 runs store bf16 weights (memory_model.stored_dtype); fp64 (refused for neural models by C008)
+    # is priced with 8-byte weights and, like fp32, full-width activations and logits.
+    element_bytes = when(v.is_("precision", "fp32"), 4, when(v.is_("precision", "fp64"), 8, 2))
     below_fp32 = v.is_("precision", "bf16", "fp16", "fp8")
     adam = v.is_("optimizer", "adam", "adamw")
 
@@ -195,7 +197,7 @@ def activation_bytes(v, layers_on_rank) -> dict[str, object]:
     def layer(full, selective):
         return activation_bytes_per_layer(
             TERMS, **shape, hidden_size=fp.hidden_size, num_heads=fp.num_heads, sequence_parallel=v.sequence_parallel,
-            full_recompute=full, selective_recompute=selective, fp32=v.is_("precision", "fp32"), eager_attention=v.eager_attention,
+            full_recompute=full, selective_recompute=selective, fp32=v.is_("precision", "fp32", "fp64"), eager_attention=v.eager_attention,
             op_level_selective=v.facts.engine.op_level_selective, query_width=fp.query_width, kv_width=fp.kv_width,
             ffn_width=fp.ffn_width,
         )
@@ -207,7 +209,7 @@ def activation_bytes(v, layers_on_rank) -> dict[str, object]:
         interleaved=all_of(v.is_("pipeline_schedule", "interleaved_1f1b"), v.virtual_pipeline_stages > 1),
         virtual_stages=v.virtual_pipeline_stages,
     )
-    fp32 = v.is_("precision", "fp32")
+    fp32 = v.is_("precision", "fp32", "fp64")
     engine = v.facts.engine
     def per_logit_when(compiled: bool) -> object:
         alone, split = (engine.loss_implementation(compiled=compiled, tensor_parallel=tp) for tp in (False, True))

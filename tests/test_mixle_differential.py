@@ -1,0 +1,388 @@
+"""Against mixle itself (the ``mixle`` extra; skipped where mixle is not installed).
+
+On real mixle models built with mixle's API (tests/mixle_models/make_models.py): the live models
+read like their committed to_dict() JSON, our sizing, axes and cuts against mixle's planner (each
+difference equal or a mixle bug docs/mixle.md documents), and one EM iteration of ours from the
+model's own parameters against mixle's own EM update, to 1e-9 relative.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import warnings
+
+import numpy as np
+import pytest
+
+mixle = pytest.importorskip("mixle", reason="the comparisons with mixle need the `mixle` extra")
+
+from mixle.utils.parallel import model_decomposition as md  # noqa: E402
+from mixle.utils.parallel.planner import DeviceSpec, Resources  # noqa: E402
+
+from mixle_compile import MixleModelError, from_mixle  # noqa: E402
+from mixle_compile.decompose import best_parallel_axis, decompose_model, tree_axes  # noqa: E402
+from mixle_compile.decompose.cut import optimal_contiguous_cut, prefix_sums  # noqa: E402
+from mixle_compile.graph import build_model_graph  # noqa: E402
+from mixle_compile.mixle_models import UNBOUNDED_MEMORY  # noqa: E402
+from mixle_compile.runtime import em_model  # noqa: E402
+from tests.test_mixle_models import MODELS, READABLE, _model  # noqa: E402
+
+sys.path.insert(0, str(MODELS))
+from make_models import build_models, build_refused  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def live():
+    return build_models()
+
+
+@pytest.mark.parametrize("name", READABLE)
+def test_a_live_model_reads_like_its_committed_json(live, name):
+    assert from_mixle(live[name]) == _model(name)
+
+
+def test_from_mixle_refuses_by_class_and_place():
+    with pytest.raises(MixleModelError, match=r"model.root.components\[1\]: mixle GammaDistribution cannot be expressed.*\$\.state\.items"):
+        from_mixle(build_refused()["refused_gamma"])
+    with pytest.raises(TypeError, match="takes a mixle model"):
+        from_mixle({"family": "distribution"})
+
+
+# Parameters each class holds (our bytes: 8 per scalar, in fp64) and the derived arrays mixle also
+# keeps in the object and counts as parameter bytes (model_decomposition._own_param_bytes sums every
+# ndarray attribute). Read from each class's __init__ in mixle/stats (docs/mixle.md).
+PARAMETERS = {
+    "GaussianDistribution": ("mu", "sigma2"),
+    "DiagonalGaussianDistribution": ("mu", "covar"),
+    "MultivariateGaussianDistribution": ("mu", "covar"),
+    "IntegerCategoricalDistribution": ("p_vec",),
+    "CategoricalDistribution": ("pmap",),
+    "PoissonDistribution": ("lam",),
+    "ExponentialDistribution": ("beta",),
+    "MixtureDistribution": ("w",),
+    "HiddenMarkovModelDistribution": ("w", "transitions"),
+    "CompositeDistribution": (),
+    "SequenceDistribution": (),
+    "NullDistribution": (),
+}
+DERIVED = {
+    "DiagonalGaussianDistribution": ("ca", "cb"),
+    "MultivariateGaussianDistribution": ("inv_covar",),
+    "IntegerCategoricalDistribution": ("log_p_vec",),
+    "MixtureDistribution": ("zw", "log_w"),
+    "HiddenMarkovModelDistribution": ("log_w", "log_transitions"),
+}
+
+
+def _live_nodes(model, node_id="model.root"):
+    """(our node id, live mixle node) for every node of a live model, shared objects once."""
+    seen, out, stack = set(), [], [(node_id, model)]
+    while stack:
+        nid, m = stack.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        out.append((nid, m))
+        cls = type(m).__name__
+        if cls == "MixtureDistribution":
+            stack += [(f"{nid}.components[{i}]", c) for i, c in enumerate(m.components)]
+        elif cls == "CompositeDistribution":
+            stack += [(f"{nid}.factors[{i}]", c) for i, c in enumerate(m.dists)]
+        elif cls == "HiddenMarkovModelDistribution":
+            stack += [(f"{nid}.emissions[{i}]", c) for i, c in enumerate(m.topics)]
+            if type(m.len_dist).__name__ != "NullDistribution":
+                stack.append((f"{nid}.length", m.len_dist))
+        elif cls == "SequenceDistribution":
+            stack.append((f"{nid}.base", m.dist))
+            if not m.null_len_dist:
+                stack.append((f"{nid}.length", m.len_dist))
+    return out
+
+
+def _scalars(value) -> int:
+    return len(value) if isinstance(value, dict) else int(np.size(value))
+
+
+@pytest.mark.parametrize("name", READABLE)
+def test_sizing_equals_mixle_but_for_its_documented_byte_count(live, name):
+    """Per node, our bytes are the parameters' float64 bytes; mixle's are the bytes of every ndarray
+    attribute: the parameters held as arrays plus its derived caches, without the parameters held as
+    Python floats or a dict (docs/mixle.md, sizing)."""
+    model = live[name]
+    graph = build_model_graph(from_mixle(model))
+    for nid, node in _live_nodes(model):
+        cls = type(node).__name__
+        ours_id = nid if nid in graph.graph.nodes else next(n for n in graph.order if n.startswith("model.shared."))
+        params = PARAMETERS[cls]
+        assert graph.node(ours_id).own_param_bytes == 8 * sum(_scalars(getattr(node, a)) for a in params), (name, nid)
+        arrays = {k: v for k, v in vars(node).items() if isinstance(v, np.ndarray)}
+        assert set(arrays) <= set(params) | set(DERIVED.get(cls, ())), (cls, sorted(arrays))
+        assert md.size_model_tree(node).own_param_bytes == sum(v.nbytes for v in arrays.values()), (name, nid)
+
+
+def _mixle_path(our_path: str) -> str:
+    """Our node id -> the path mixle's tree_axes gives the same node."""
+    rest = our_path.removeprefix("model.root")
+    parts = re.findall(r"\.(components|factors|emissions)\[(\d+)\]", rest)
+    roles = {"components": "component", "factors": "factor", "emissions": "state"}
+    return "/".join(f"{roles[kind]}_{i}" for kind, i in parts) or "/"
+
+
+@pytest.mark.parametrize("name", READABLE)
+def test_the_same_axes_and_the_same_choice(live, name):
+    model = live[name]
+    ours, theirs = tree_axes(model), md.tree_axes(model)
+    # the same candidates (each lists parents before children, in its own walk order)
+    assert sorted((_mixle_path(c.path), c.axis.value, c.num_units) for c in ours) == sorted((c.path, c.axis.value, c.num_units) for c in theirs)
+    for p in (2, 4, 16):
+        a, b = best_parallel_axis(model, p), md.best_parallel_axis(model, p)
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert (_mixle_path(a.path), a.axis.value, a.num_units, a.reduction.value) == (b.path, b.axis.value, b.num_units, b.reduction.value)
+
+
+def _resources(throughputs, memory=None):
+    return Resources(tuple(DeviceSpec(f"gpu{i}", kind="cuda", memory_bytes=None if memory is None else memory[i], throughput=t)
+                           for i, t in enumerate(throughputs)))
+
+
+def _shards(cuts):
+    return [(c.device.name, c.start, c.stop) for c in cuts]
+
+
+def _time(shards, works, devices):
+    prefix = prefix_sums(works)
+    speed = {d.name: d.throughput for d in devices}
+    return max((prefix[stop] - prefix[start]) / speed[name] for name, start, stop in shards)
+
+
+def _optimum(works, unit_bytes, devices, min_units=1):
+    caps = [UNBOUNDED_MEMORY if d.memory_bytes is None else d.memory_bytes for d in devices]
+    return optimal_contiguous_cut(works, unit_bytes, [d.throughput for d in devices], caps, min_units)
+
+
+CASES = [
+    # (model, throughputs, memory per device, min_components_per_shard)
+    ("big_mixture", (1.0, 1.0, 1.0, 1.0), None, 1),
+    ("nested", (1.0, 1.0, 1.0, 1.0), None, 1),
+    ("nested", (1.0, 2.0, 3.0, 4.0), None, 1),
+    ("diag_mixture", (1.0, 2.0, 3.0, 4.0), None, 1),
+    ("composite", (1.0, 2.0, 3.0, 4.0), None, 1),
+    ("big_mixture", (1.0, 1.0, 1.0, 8.0), None, 8),
+    ("big_mixture", (1.0, 1.0, 1.0, 8.0), (10**6, 10**6, 10**6, 2000), 1),
+    ("hmm", (1.0, 1.0, 1.0), None, 1),
+]
+
+
+def _mixle_bugs(dec, works, unit_bytes, devices, min_units):
+    """The documented mixle bugs this decomposition shows (docs/mixle.md)."""
+    bugs = set()
+    shards = _shards(dec.cuts)
+    names = [d.name for d in devices]
+    used = [name for name, _, _ in shards]
+    if len(shards) < min(len(devices), len(works) // min_units) and used == names[: len(used)]:
+        # empty shards dropped, the rest handed to the first devices: moving them onto the devices
+        # after the dropped ones would be faster
+        shifted = [(names[len(names) - len(shards) + i], s, e) for i, (_, s, e) in enumerate(shards)]
+        if _time(shifted, works, devices) < _time(shards, works, devices):
+            bugs.add("empty shards dropped, cuts on the wrong devices")
+    if any(stop - start < min_units for _, start, stop in shards):
+        bugs.add("min_components_per_shard not honoured")
+    memory = {d.name: d.memory_bytes for d in devices}
+    if any(memory[n] is not None and sum(unit_bytes[s:e]) > memory[n] for n, s, e in shards):
+        bugs.add("cuts ignore device memory")
+    return bugs
+
+
+@pytest.mark.parametrize("name, throughputs, memory, min_units", CASES)
+def test_cuts_equal_mixle_or_show_a_documented_mixle_bug(live, name, throughputs, memory, min_units):
+    model = live[name]
+    resources = _resources(throughputs, memory)
+    devices = resources.devices
+    theirs = md.decompose_model(model, resources, prefer_data_parallel=False, min_components_per_shard=min_units)
+    ours = decompose_model(model, resources, prefer_data_parallel=False, min_components_per_shard=min_units)
+    assert ours.ok
+    assert (_mixle_path(ours.path), ours.axis.value, ours.num_units) == (theirs.extra["path"], theirs.axis.value, theirs.num_units)
+    # ours: every shard on the device named, within its memory and minimum (our own byte count)
+    for cut in ours.cuts:
+        assert cut.device.name == devices[cut.device.rank].name
+        assert cut.stop - cut.start >= min_units
+        assert cut.param_bytes <= cut.device.memory_bytes
+    # ours is the best cut by our own works: no worse than mixle's cut, where that one fits our constraints
+    mixle_cut = _shards(theirs.cuts)
+    room = {d.name: UNBOUNDED_MEMORY if d.memory_bytes is None else d.memory_bytes for d in devices}
+    fits = all(stop - start >= min_units and sum(ours.unit_bytes[start:stop]) + ours.held_whole_bytes <= room[n]
+               for n, start, stop in mixle_cut)
+    if fits:
+        assert ours.bottleneck <= _time(mixle_cut, list(ours.unit_works), devices) * (1 + 1e-12)
+    # the cut algorithms compared on mixle's own unit works and bytes
+    cand = md.best_parallel_axis(model, len(devices))
+    works, unit_bytes = list(cand.unit_works), list(cand.unit_bytes)
+    best = _optimum(works, unit_bytes, devices, min_units)
+    optimum = [(devices[s.device].name, s.start, s.stop) for s in best.shards]
+    mixle_shards = _shards(theirs.cuts)
+    assert mixle_shards[0][1] == 0 and mixle_shards[-1][2] == len(works)  # contiguous cover, as ours
+    if mixle_shards == optimum:
+        return
+    bugs = _mixle_bugs(theirs, works, unit_bytes, devices, min_units)
+    if not bugs:
+        # a feasible cut mixle chose: its greedy quantile split is then merely no better than the optimum
+        assert _time(mixle_shards, works, devices) > best.bottleneck
+        bugs.add("greedy split above the optimum")
+    EXPECTED_BUGS[(name, throughputs, memory, min_units)] = bugs
+    assert bugs <= {"empty shards dropped, cuts on the wrong devices", "min_components_per_shard not honoured",
+                    "cuts ignore device memory", "greedy split above the optimum"}
+
+
+EXPECTED_BUGS: dict = {}
+
+
+def test_each_documented_cut_bug_is_seen(live):
+    """Each bug docs/mixle.md names is provoked by one of the cases above, on mixle 0.8.2."""
+    for case in CASES:
+        if case not in EXPECTED_BUGS:
+            test_cuts_equal_mixle_or_show_a_documented_mixle_bug(live, *case)
+    seen = set().union(*EXPECTED_BUGS.values())
+    assert {"empty shards dropped, cuts on the wrong devices", "min_components_per_shard not honoured", "cuts ignore device memory"} <= seen
+
+
+def test_data_parallel_preference_agrees(live):
+    """Both keep a model that fits replicated when the data dominates (mixle: memory unknown fits)."""
+    resources = _resources((1.0, 1.0, 1.0, 1.0))
+    for name in ("diag_mixture", "hmm", "composite"):
+        ours, theirs = decompose_model(live[name], resources), md.decompose_model(live[name], resources)
+        assert (ours.axis.value, ours.cuts) == (theirs.axis.value, ()) == ("none", ())
+
+
+# -- one EM iteration --------------------------------------------------------------------------
+
+
+def _record(obs) -> np.ndarray:
+    if isinstance(obs, tuple):
+        return np.concatenate([_record(x) for x in obs])
+    return np.atleast_1d(np.asarray(obs, dtype=np.float64)).ravel()
+
+
+def _mle_estimator(model):
+    """mixle's estimator for ``model``, with the full-covariance ridge off: mixle's
+    MultivariateGaussianEstimator adds ridge * cov_ii (ridge 1e-6) to each variance by default, and
+    1e-8 when the ridge is 0 unless min_covar is given (multivariate_gaussian.py,
+    _regularized_covar_and_ridge); min_covar must be positive, so 1e-300 leaves the maximum likelihood."""
+    from mixle.stats.combinator.composite import CompositeEstimator
+    from mixle.stats.latent.mixture import MixtureEstimator
+    from mixle.stats.multivariate.multivariate_gaussian import MultivariateGaussianEstimator
+
+    cls = type(model).__name__
+    if cls == "MultivariateGaussianDistribution":
+        return MultivariateGaussianEstimator(dim=model.dim, ridge=0.0, min_covar=1e-300)
+    if cls == "MixtureDistribution":
+        return MixtureEstimator([_mle_estimator(c) for c in model.components])
+    if cls == "CompositeDistribution":
+        return CompositeEstimator(tuple(_mle_estimator(d) for d in model.dists))
+    return model.estimator()
+
+
+EM_MODELS = ["diag_mixture", "full_mixture", "composite", "categorical_mixture", "nested", "hmm"]
+
+
+@pytest.mark.parametrize("name", EM_MODELS)
+def test_one_em_iteration_equals_mixles(live, name):
+    from mixle.stats.compute.sequence import seq_encode, seq_estimate
+
+    model = live[name]
+    spec_model = from_mixle(model)
+    if name == "hmm":  # mixle's sampler needs a length distribution; sequences of 20 steps drawn by ours
+        seq_len = 20
+        tree = em_model.build_tree(spec_model, seq_len)
+        rows = em_model.sample(tree, em_model.initial_params(tree, np.zeros((1, seq_len)), 0), 150, 3)
+        observations = [list(r) for r in rows]
+    else:
+        seq_len = None
+        observations = model.sampler(seed=11).sample(300)
+        rows = np.stack([_record(o) for o in observations])
+    with warnings.catch_warnings():  # mixle warns about small components after one iteration
+        warnings.simplefilter("ignore")
+        updated = seq_estimate(seq_encode(observations, model=model), _mle_estimator(model), model)
+    tree = em_model.build_tree(spec_model, seq_len)
+    ours, _, _ = em_model.reference_fit(tree, rows, 1, seed=0, micro_batch_size=64)
+    theirs = em_model.initial_params(em_model.build_tree(from_mixle(updated), seq_len), rows, 0)
+    start = em_model.initial_params(tree, rows, 0)
+    assert ours.keys() == theirs.keys()
+    for node_id, arrays in ours.items():
+        for key, value in arrays.items():
+            expected = theirs[node_id][key]
+            assert not np.array_equal(value, start[node_id][key]), (node_id, key)  # the iteration moved it
+            np.testing.assert_allclose(value, expected, rtol=1e-9, atol=0, err_msg=f"{name}: {node_id} {key}")
+
+
+def test_the_planning_example_in_docs_mixle_md_runs(capsys):
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "mixle.md").read_text(encoding="utf-8")
+    (code,) = [block.split("```", 1)[0] for block in text.split("```python\n")[1:] if "mixle.utils.parallel.planner" in block]
+    namespace: dict = {}
+    exec(compile(code, "docs/mixle.md", "exec"), namespace)
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0] == "880" and printed[1] == "model.root.factors[1]"
+    assert namespace["plan"].is_model_parallel
+    assert namespace["spec_model"]["root"]["factors"][1]["weights"] == [1 / 12] * 12
+
+
+def test_one_iteration_of_mixle_compile_run_equals_mixles(live, tmp_path):
+    """The distributed runtime itself: `run` on two data-parallel ranks, one iteration from the
+    model's to_dict() JSON, against mixle's own update on the same records."""
+    pytest.importorskip("torch")
+    import json
+    import os
+    import subprocess
+
+    from mixle.stats.compute.sequence import seq_encode, seq_estimate
+
+    model = live["diag_mixture"]
+    observations = model.sampler(seed=5).sample(300)
+    np.save(tmp_path / "data.npy", np.stack(observations))
+    (tmp_path / "model.json").write_text(json.dumps(model.to_dict()))
+    (tmp_path / "spec.yaml").write_text(
+        "model: {from: mixle, path: model.json}\n"
+        "mesh: {dp_replicate: 2}\n"
+        "training: {global_batch_size: 300, micro_batch_size: 150, precision: fp64, steps: 1}\n"
+        "backend: torch\n"
+        "resources: {devices: 2, kind: cpu, memory: 1GiB}\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(MODELS.parent.parent)}
+    done = subprocess.run([sys.executable, "-m", "mixle_compile", "run", "spec.yaml", "--data", "data.npy", "--out", "fit",
+                           "--save-every", "1", "--quiet"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    step = tmp_path / "fit" / "checkpoints" / "step-00000001"
+    arrays = json.loads((step / "manifest.json").read_text())["arrays"]
+    fitted = {name: np.load(step / "state" / a["file"]) for name, a in arrays.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        updated = seq_estimate(seq_encode(observations, model=model), model.estimator(), model)
+    expected = from_mixle(updated).root
+    np.testing.assert_allclose(fitted["model.root/weights"][0], expected.weights, rtol=1e-9, atol=0)
+    for k, comp in enumerate(expected.components):
+        np.testing.assert_allclose(fitted[f"model.root.components[{k}]/means"][0], comp.mean, rtol=1e-9, atol=0)
+        np.testing.assert_allclose(fitted[f"model.root.components[{k}]/covs"][0], comp.variance, rtol=1e-9, atol=0)
+    assert not np.allclose(fitted["model.root/weights"][0], from_mixle(model).root.weights, rtol=1e-6)  # it moved
+
+
+def test_mixle_fits_a_shared_object_in_each_place_separately(live):
+    """Why the reader warns about an object mixle holds twice: mixle's EM gives each place its own
+    estimator, so after one iteration the places differ; ours fits the one shared node once."""
+    from mixle.stats.compute.sequence import seq_encode, seq_estimate
+
+    model = live["shared_component"]
+    assert model.dists[0].components[0] is model.dists[1].components[0]
+    observations = model.sampler(seed=11).sample(300)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        updated = seq_estimate(seq_encode(observations, model=model), model.estimator(), model)
+    first, second = updated.dists[0].components[0], updated.dists[1].components[0]
+    assert first is not second and not np.allclose(first.mu, second.mu)
+    rows = np.stack([_record(o) for o in observations])
+    tree = em_model.build_tree(from_mixle(model), None)
+    ours, _, _ = em_model.reference_fit(tree, rows, 1, seed=0, micro_batch_size=300)
+    assert ours["model.shared.background"]["means"].shape == (1, 2)  # one node, one fitted mean
+
