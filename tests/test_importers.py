@@ -673,7 +673,7 @@ def test_suggest_on_a_torchtitan_toml_names_its_keys_at_their_lines(tmp_path, ca
     assert f"{path}:{line}:26: set [{table}] tensor_parallel_degree = 1  (was 2)" in out
     assert "mesh:\n" not in out and "# (spec fields: mesh.tp)" in out
     status, out, _ = run_cli(capsys, "check", "--suggest", "--format", "json", path, "--devices", "8")
-    (suggestion,) = json.loads(out)["suggestions"]
+    suggestion = next(f["fix"] for f in json.loads(out) if f["fix"])  # every error of the file carries its fix
     assert suggestion["engine_changes"] == [{"key": f"{table}.tensor_parallel_degree", "action": "set", "value": 1, "was": 2,
                                              "line": line, "column": 26,
                                              "edit": f"set [{table}] tensor_parallel_degree = 1  (was 2)"}]
@@ -690,7 +690,7 @@ def test_suggest_on_a_megatron_script_names_its_flags(tmp_path, capsys):
                     "    --tensor-model-parallel-size $TP --bf16\n")
     status, out, _ = run_cli(capsys, "check", "--suggest", "--format", "json", path)
     assert status == 1
-    (suggestion,) = json.loads(out)["suggestions"]
+    suggestion = next(f["fix"] for f in json.loads(out) if f["fix"])  # every error of the file carries its fix
     changes = {c["key"]: c for c in suggestion["engine_changes"]}
     tp = changes["--tensor-model-parallel-size"]
     assert (tp["action"], tp["was"], tp["line"], tp["column"]) == ("set", "3", 2, 4) and tp["value"] in ("2", "4")
@@ -719,7 +719,7 @@ def test_suggest_on_a_megatron_script_names_its_flags(tmp_path, capsys):
                     "--seq-length 8192 --max-position-embeddings 8192 --vocab-size 128256 --micro-batch-size 4 "
                     "--global-batch-size 64 --tensor-model-parallel-size 8 --bf16\n")
     status, out, _ = run_cli(capsys, "check", "--suggest", "--format", "json", path, "--device-memory", "20GiB")
-    (suggestion,) = json.loads(out)["suggestions"]
+    suggestion = next(f["fix"] for f in json.loads(out) if f["fix"])  # every error of the file carries its fix
     assert suggestion["found"], suggestion
     assert suggestion["engine_changes"]
     # Equally near fixes may set a flag the script writes (--micro-batch-size) or add switches it lacks.
