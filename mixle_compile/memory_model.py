@@ -258,7 +258,7 @@ def pipeline_buffer_bytes(
 
 
 def reduce_scatter_buffer_bytes(
-    ar: Arithmetic, *, fsdp: Any, unit_elements: Any, unit_bytes: Any, accumulated: Any = False,
+    ar: Arithmetic, *, fsdp: Any, unit_elements: Any, unit_bytes: Any, accumulated: Any = False, freed_before: Any = 0,
 ) -> Any:
     """Under FSDP2, the reduce-scatter of one unit's gradients: ``foreach_reduce`` copies the
     unsharded gradients (in the parameters' dtype, ``unit_bytes``) into one flat input in the
@@ -266,6 +266,8 @@ def reduce_scatter_buffer_bytes(
     (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py), so the largest unit's gradients and
     their fp32 copy are live at once. Where the unsharded gradients are already priced as
     accumulated fp32 (``accumulated``: a stage kept gathered under a pipeline), only the copy is
-    new."""
-    copy = ar.exact(unit_elements) * REDUCE_BYTES
-    return ar.when(fsdp, copy + ar.when(accumulated, 0, ar.exact(unit_bytes)), 0)
+    new. ``freed_before``: bytes priced elsewhere that are freed before any layer's gradients are
+    reduced (the loss's buffers, released by the head's backward, which runs first), so only what
+    the reduction needs beyond them adds to the peak."""
+    copy = ar.exact(unit_elements) * REDUCE_BYTES + ar.when(accumulated, 0, ar.exact(unit_bytes))
+    return ar.when(fsdp, copy - ar.smaller(copy, ar.exact(freed_before)), 0)

@@ -208,9 +208,11 @@ def memory_bytes(spec: Spec, devices: int | None = None) -> Fraction:
         def largest_layer(measure) -> Fraction:
             return measure(held[0][1]) + max((measure(a) for _, a in held[1:]), default=Fraction(0))
 
-        total += 4 * largest_layer(layer_elements)
-        if pp == 1:
-            total += largest_layer(lambda a: weights(a, model_split))
+        copy = 4 * largest_layer(layer_elements)
+        if pp == 1:  # the loss's buffers are freed by the head's backward, before any layer is reduced
+            copy += largest_layer(lambda a: weights(a, model_split))
+            copy = max(copy - logits_bytes(spec), Fraction(0))
+        total += copy
     live = total + activation_bytes(spec, v * c) + receive_buffer_bytes(spec)
     return live * (1 + Fraction(8, 100))  # the allocator's reserve
 
@@ -266,7 +268,14 @@ def activation_bytes(spec: Spec, layers_on_rank: int) -> Fraction:
         in_flight = Fraction(min(mb, pp))
         if t.virtual_pipeline_stages > 1:
             in_flight *= 1 + Fraction(pp - 1, pp * t.virtual_pipeline_stages)
-    # The logits at the bytes per logit the engine's cross-entropy holds (docs/memory.md).
+    return in_flight * layers_on_rank * kept + recomputed + logits_bytes(spec)
+
+
+def logits_bytes(spec: Spec) -> Fraction:
+    """The logits at the bytes per logit the engine's cross-entropy holds (docs/memory.md)."""
+    model, m, t = spec.model, spec.mesh, spec.training
+    if not isinstance(model, TransformerModel):
+        return Fraction(0)
     s, b = Fraction(t.seq_len, m.cp), t.micro_batch_size
     element = 4 if t.precision in ("fp32", "fp64") else 2
     backend = backend_of(spec)
@@ -278,8 +287,7 @@ def activation_bytes(spec: Spec, layers_on_rank: int) -> Fraction:
         per_logit = 16
     else:
         per_logit = 12
-    logits = s * b * model.vocab_size / m.tp * per_logit
-    return in_flight * layers_on_rank * kept + recomputed + logits
+    return s * b * model.vocab_size / m.tp * per_logit
 
 
 def layer_activation_bytes(spec: Spec, checkpointing: str) -> Fraction:

@@ -129,6 +129,7 @@ def stage_memory(
             largest = max(layers, key=lambda unit: units[unit])
             buffers += int(reduce_scatter_buffer_bytes(
                 NUMBERS, fsdp=fsdp, unit_elements=unit_elements[largest], unit_bytes=units[largest], accumulated=keeps_stage,
+                freed_before=loss,
             ))
         live = params + gathered + grads + state + stored + recompute + loss + buffers
         out.append(StageMemory(

@@ -150,6 +150,8 @@ def per_rank_bytes(v) -> dict[str, object]:
         )
         buffers = buffers + reduce_scatter_buffer_bytes(
             TERMS, fsdp=fsdp, unit_elements=unit(elements), unit_bytes=unit(weight_bytes), accumulated=keeps_stage,
+            # under a pipeline the stages without the loss reduce with nothing freed before
+            freed_before=when(v.pp == 1, terms["logits and loss"], real(0)),
         )
     terms["communication buffers"] = buffers
     terms["allocator reserve"] = reserve_bytes(TERMS, sum(terms.values(), real(0)))
