@@ -43,6 +43,28 @@ def _same_model(a: dict, b: dict) -> bool:
     return TransformerModel.model_validate(a) == TransformerModel.model_validate(b)
 
 
+def layers_per_stage(spec: Spec, reasons: list) -> int | None:
+    """torchtitan's ``pipeline_parallel_layers_per_stage`` for the spec's virtual stages (None where
+    its default of one stage per rank, or two for multi-stage schedules, gives them), adding to
+    ``reasons`` what torchtitan cannot set. Its split counts the embedding and the output as one
+    layer each (layer_split.py)."""
+    m, t = spec.mesh, spec.training
+    if m.pp == 1:
+        return None
+    single = t.pipeline_schedule in ("1f1b", "gpipe")
+    if single and t.virtual_pipeline_stages != 1:
+        reasons.append(("training.virtual_pipeline_stages", f"{t.pipeline_schedule} runs one stage per rank"))
+    if single or t.virtual_pipeline_stages == 2:
+        return None
+    total, stages = spec.model.num_layers + 2, m.pp * t.virtual_pipeline_stages
+    if total % stages:
+        reasons.append(("training.virtual_pipeline_stages",
+                        f"torchtitan sets {stages} stages only through pipeline_parallel_layers_per_stage, and "
+                        f"{spec.model.num_layers} layers + embedding + output do not divide into {stages}"))
+        return None
+    return total // stages
+
+
 def torchtitan_files(spec: Spec, stem: str) -> Exported:
     t, m = spec.training, spec.mesh
     reasons: list[tuple[str, str]] = []
@@ -60,19 +82,7 @@ def torchtitan_files(spec: Spec, stem: str) -> Exported:
     if t.pipeline_layers not in (None,) or t.attention is not None:
         reasons.append(("training.pipeline_layers" if t.pipeline_layers is not None else "training.attention",
                         "not a key of torchtitan's job TOML; remove it to export"))
-    stages_key = None
-    if m.pp > 1:
-        single = t.pipeline_schedule in ("1f1b", "gpipe")
-        if single and t.virtual_pipeline_stages != 1:
-            reasons.append(("training.virtual_pipeline_stages", f"{t.pipeline_schedule} runs one stage per rank"))
-        if not single and t.virtual_pipeline_stages != 2:
-            total, stages = spec.model.num_layers + 2, m.pp * t.virtual_pipeline_stages
-            if total % stages:
-                reasons.append(("training.virtual_pipeline_stages",
-                                f"torchtitan sets {stages} stages only through pipeline_parallel_layers_per_stage, and "
-                                f"{spec.model.num_layers} layers + embedding + output do not divide into {stages}"))
-            else:
-                stages_key = total // stages
+    stages_key = layers_per_stage(spec, reasons)
     if reasons:
         raise ExportRefused("torchtitan", reasons)
     files: dict[str, str] = {}

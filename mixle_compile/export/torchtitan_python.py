@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 
 from mixle_compile.export import Exported, ExportRefused, memory_text
-from mixle_compile.export.torchtitan import PRECISION, SCHEDULES, _flavor_of
+from mixle_compile.export.torchtitan import PRECISION, SCHEDULES, _flavor_of, layers_per_stage
 from mixle_compile.spec.models import Spec
 
 # The model families with a model_registry in torchtitan 0.3.0 that the flavor table sizes, and the
@@ -61,19 +61,7 @@ def torchtitan_python_files(spec: Spec, stem: str) -> Exported:
     if t.pipeline_layers is not None or t.attention is not None:
         reasons.append(("training.pipeline_layers" if t.pipeline_layers is not None else "training.attention",
                         "not a field of torchtitan's Trainer.Config; remove it to export"))
-    per_stage = None
-    if m.pp > 1:
-        single = t.pipeline_schedule in ("1f1b", "gpipe")
-        if single and t.virtual_pipeline_stages != 1:
-            reasons.append(("training.virtual_pipeline_stages", f"{t.pipeline_schedule} runs one stage per rank"))
-        if not single and t.virtual_pipeline_stages != 2:
-            total, stages = spec.model.num_layers + 2, m.pp * t.virtual_pipeline_stages
-            if total % stages:
-                reasons.append(("training.virtual_pipeline_stages",
-                                f"torchtitan sets {stages} stages only through pipeline_parallel_layers_per_stage, and "
-                                f"{spec.model.num_layers} layers + embedding + output do not divide into {stages}"))
-            else:
-                per_stage = total // stages
+    per_stage = layers_per_stage(spec, reasons)
     if reasons:
         raise ExportRefused("torchtitan", reasons)
     module = REGISTRIES[flavor[0]][0]

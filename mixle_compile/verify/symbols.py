@@ -74,14 +74,7 @@ class Symbols:
             steps = self.global_batch_size / (self.micro_batch_size * self.microbatches * self.data_parallel)
             self.gradient_accumulation_steps = z3.If(steps >= 1, steps, 1)
 
-        for name, default in _DEFAULTS.items():
-            if name not in self.variables and default in self.variables:
-                setattr(self, name, self.variables[default])
-        if facts.family == "transformer":
-            self.layers = self.num_layers
-        if "num_experts" not in self.variables:
-            self.num_experts = z3.IntVal(0)
-        self.split_dimensions = tuple((d, self.variables[d.symbol]) for d in facts.split_dimensions)
+        self._derived(facts, z3.IntVal(0))
 
     def _concrete(self, facts: PlanFacts, values: dict[str, Any]) -> None:
         """The same attributes as the solver terms, as values (``dp_shard`` must be a number)."""
@@ -95,13 +88,18 @@ class Symbols:
             raise ValueError("concrete symbols need a plan with dp_shard given as a number")
         self.data_parallel = self.dp_replicate * self.dp_shard
         self.world = self.data_parallel * self.tp * self.pp * self.cp
+        self._derived(facts, Integer(0))
+
+    def _derived(self, facts: PlanFacts, zero: Any) -> None:
+        """What both readings name the same way: defaults taken from other fields, the layer count,
+        no experts where the model has none, the split dimensions."""
         for name, default in _DEFAULTS.items():
             if name not in self.variables and default in self.variables:
                 setattr(self, name, self.variables[default])
         if facts.family == "transformer":
             self.layers = self.num_layers
         if "num_experts" not in self.variables:
-            self.num_experts = Integer(0)
+            self.num_experts = zero
         self.split_dimensions = tuple((d, self.variables[d.symbol]) for d in facts.split_dimensions)
 
     # -- enumerations --------------------------------------------------------------------------
