@@ -40,11 +40,11 @@ def fixed_text(text: str, suggestion) -> str:
     from ruamel.yaml import YAML
     from ruamel.yaml.comments import CommentedMap
 
-    yaml = YAML(typ="rt")
-    yaml.preserve_quotes = True
-    yaml.width = 4096  # never re-wrap a long line
-    _keep_indentation(yaml, text)
-    data = yaml.load(text)
+    round_trip = YAML(typ="rt")  # round-trip: plain mappings, lists and scalars, never Python objects
+    round_trip.preserve_quotes = True
+    round_trip.width = 4096  # never re-wrap a long line
+    _keep_indentation(round_trip, text)
+    data = round_trip.load(text)
     for change in suggestion.changes:
         node = data
         *parents, last = change.field.path
@@ -54,7 +54,7 @@ def fixed_text(text: str, suggestion) -> str:
             node = node[key]
         node[last] = _value(change)
     out = io.StringIO()
-    yaml.dump(data, out)
+    round_trip.dump(data, out)
     result = out.getvalue()
     if text.startswith("---") and not result.startswith("---"):
         result = "---\n" + result
