@@ -108,6 +108,24 @@ def resources(builder: SpecBuilder, options: ImportOptions, devices: int | None,
     return devices
 
 
+def read_json_document(path, display: str | None, what: str, hint: str) -> SourceDocument:
+    """A JSON file an importer reads (an HF config.json, a mixle model), with positions; a file that
+    cannot be read or parsed is refused naming ``what`` it should be and ``hint``."""
+    from pathlib import Path
+
+    from mixle_compile.spec.source import parse_source
+
+    name = display or str(path)
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as exc:
+        raise unreadable(name, f"cannot read the {what} {name}: {exc.strerror or exc}", hint) from exc
+    doc, diags = parse_source(raw, name, json_syntax=True)
+    if diags:
+        raise SourceError(diags, unreadable=True)
+    return doc
+
+
 def unreadable(file: str, message: str, hint: str, at: Position = TOP) -> SourceError:
     return SourceError(
         [Diagnostic(code=codes.UNSUPPORTED_FORMAT.code, severity=Severity.error, message=message, hint=hint,

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mixle_compile.spec.source import Position, SourceDocument, SourceError, parse_source
+from mixle_compile.spec.source import Position, SourceDocument
 
 # model_type -> the architecture's shape. tie: the configuration class's tie_word_embeddings
 # default (LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen3Config, Qwen2MoeConfig,
@@ -69,18 +69,9 @@ class HFModel:
 
 
 def read_hf_document(path: str | Path, display: str | None = None) -> SourceDocument:
-    name = display or str(path)
-    try:
-        raw = Path(path).read_bytes()
-    except OSError as exc:
-        from mixle_compile.importers.builder import unreadable
+    from mixle_compile.importers.builder import read_json_document
 
-        raise unreadable(name, f"cannot read the HF model config {name}: {exc.strerror or exc}",
-                         "give the path of a `config.json` (relative to the file that names it)")
-    doc, diags = parse_source(raw, name, json_syntax=True)
-    if diags:
-        raise SourceError(diags, unreadable=True)
-    return doc
+    return read_json_document(path, display, "HF model config", "give the path of a `config.json` (relative to the file that names it)")
 
 
 def hf_model(doc: SourceDocument) -> HFModel:

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mixle_compile.spec.source import SourceDocument, SourceError, parse_source
+from mixle_compile.spec.source import SourceDocument
 
 TAG = "__pysp_type__"
 JsonPath = tuple[Any, ...]
@@ -358,19 +358,11 @@ def mixle_model(data: Any) -> MixleModel:
 
 
 def read_mixle_document(path: str | Path, display: str | None = None) -> SourceDocument:
-    name = display or str(path)
-    try:
-        raw = Path(path).read_bytes()
-    except OSError as exc:
-        from mixle_compile.importers.builder import unreadable
+    from mixle_compile.importers.builder import read_json_document
 
-        raise unreadable(name, f"cannot read the mixle model {name}: {exc.strerror or exc}",
-                         "give the path of the JSON `model.to_dict()` returns (relative to the file that names it), "
-                         "written with `json.dump(model.to_dict(), f)`")
-    doc, diags = parse_source(raw, name, json_syntax=True)
-    if diags:
-        raise SourceError(diags, unreadable=True)
-    return doc
+    return read_json_document(path, display, "mixle model",
+                              "give the path of the JSON `model.to_dict()` returns (relative to the file that names it), "
+                              "written with `json.dump(model.to_dict(), f)`")
 
 
 def json_path_text(path: JsonPath) -> str:

@@ -220,12 +220,7 @@ def _canonical(solver: z3.Solver, distance: Any, best: int, changeable: list[Fie
         for f in order:
             var = symbols.variables[f.symbol]
             keep = var == (z3.BoolVal(bool(f.value)) if f.kind == "bool" else int(f.value))
-            solver.push()
-            solver.add(keep)
-            result = solver.check()
-            solver.pop()
-            if result == z3.sat:
-                solver.add(keep)
+            if _add_if_satisfiable(solver, keep):
                 kept.add(f.symbol)
         for f in order:
             if f.symbol in kept:
@@ -238,13 +233,7 @@ def _canonical(solver: z3.Solver, distance: Any, best: int, changeable: list[Fie
             else:
                 values = [v for v in _domain(f.symbol, facts) if v != f.value]
             for value in values:
-                pin = var == (z3.BoolVal(value) if f.kind == "bool" else value)
-                solver.push()
-                solver.add(pin)
-                result = solver.check()
-                solver.pop()
-                if result == z3.sat:
-                    solver.add(pin)
+                if _add_if_satisfiable(solver, var == (z3.BoolVal(value) if f.kind == "bool" else value)):
                     break
         return solver.model() if solver.check() == z3.sat else model
     finally:
@@ -314,3 +303,14 @@ def passing_values(facts: PlanFacts, symbol: str, candidates: list | None = None
         if ok:
             out.append(Change(field, value).display())
     return out
+
+
+def _add_if_satisfiable(solver, constraint) -> bool:
+    """Add ``constraint`` to ``solver`` where the solver can still be satisfied with it."""
+    solver.push()
+    solver.add(constraint)
+    result = solver.check()
+    solver.pop()
+    if result == z3.sat:
+        solver.add(constraint)
+    return result == z3.sat
