@@ -94,7 +94,7 @@ def check_accepts_compiles(text):
         assert result.plan is None and {d.code for d in errors} == {d.code for d in checked.diagnostics if d.severity is Severity.error}
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(text=specs())
 def test_every_spec_check_accepts_compiles(text):
     check_accepts_compiles(text)
