@@ -57,12 +57,21 @@ class Command:
         return f"{self.page.relative_to(ROOT)}:{self.line}"
 
 
+_LIST_ITEM = re.compile(r"^\s*(?:[-*+]|\d+[.)])\s")
+
+
 def _blocks(page: Path):
-    """(language, [(line number, text)]) of every fenced block."""
+    """(language, [(line number, text)]) of every fenced block, and of every indented code block
+    (four spaces after a blank line, outside a list item), which has no language."""
     lines = page.read_text(encoding="utf-8").splitlines()
     block, lang, fence = None, "", ""
+    indented: list[tuple[int, str]] = []
+    in_list = False  # the last paragraph was a list item, whose indented lines continue it
     for number, line in enumerate(lines, 1):
         m = _FENCE.match(line)
+        if block is None and indented and (line.strip() and not line.startswith("    ") or m):
+            yield "", indented
+            indented = []
         if block is None and m:
             block, lang, fence = [], m["lang"].lower(), m["fence"]
         elif block is not None and line.strip().startswith(fence) and not line.strip()[len(fence):].strip():
@@ -70,6 +79,13 @@ def _blocks(page: Path):
             block = None
         elif block is not None:
             block.append((number, line))
+        elif line.startswith("    ") and line.strip() and (indented or (number > 1 and not lines[number - 2].strip()
+                                                                          and not in_list)):
+            indented.append((number, line[4:]))
+        elif line.strip() and not line.startswith("    "):
+            in_list = bool(_LIST_ITEM.match(line)) or (in_list and line.startswith("  "))
+    if indented:
+        yield "", indented
 
 
 def _joined(entries: list[tuple[int, str]]):
@@ -163,9 +179,10 @@ def _classify(page: Path, number: int, command: str, output: str) -> list[Comman
     verb = "run" if module and module["sub"] else (words[3] if module else words[1]) if len(words) > (3 if module else 1) else ""
     expect = 1 if _FAILING.search(output) else 0
     if page.name == "configuration.md" and "configs/" in command:
-        # the page's commands run in the reader's own project, whose specs live in configs/; the
-        # outputs the page shows are checked by tests/test_configuration_doc.py
-        return [Command(page, number, command, expect, skip="runs on the reader's configs/ folder, which the repository does not have")]
+        # the page's commands run in the reader's own project, whose specs live in configs/:
+        # tests/test_configuration_doc.py builds that project and runs each of them there
+        return [Command(page, number, command, expect, skip="runs in the reader's project with its configs/ folder, "
+                        "which tests/test_configuration_doc.py builds and runs it in")]
     return [Command(page, number, command, expect, skip=_needs(command), runtime=verb == "run")]
 
 
@@ -245,6 +262,15 @@ def test_the_pages_have_commands():
     ids = {c.id.split(":")[0] for c in COMMANDS if not c.skip}
     assert {"README.md", "docs/quickstart.md", "docs/pictures.md"} <= ids
     assert any(c.skip.startswith("an install") for c in COMMANDS)  # the README's installs are listed, not run
+
+
+def test_indented_code_blocks_are_found_and_list_continuations_are_not(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("Text.\n\n    mixle-compile check a.yaml\n    mixle-compile check b.yaml\nAfter.\n\n"
+                    "- a list item\n\n    its continuation, mixle-compile check c.yaml\n\n```sh\nmixle-compile check d.yaml\n```\n")
+    blocks = list(_blocks(page))
+    assert blocks == [("", [(3, "mixle-compile check a.yaml"), (4, "mixle-compile check b.yaml")]),
+                      ("sh", [(12, "mixle-compile check d.yaml")])]
 
 
 @pytest.mark.parametrize("command", list(_params()))
