@@ -130,3 +130,12 @@ def test_ci_runs_the_readme_test_command():
     assert len(commands) == 2, "the README has exactly two set-up commands"
     test_command = next(c for c in commands if "pytest" in c)
     assert test_command in (ROOT / ".ci" / "run").read_text()
+
+
+def test_ci_and_the_pre_commit_configuration_run_the_pinned_ruff():
+    pinned = re.search(r"^ruff==(\S+)$", (ROOT / ".ci" / "constraints.txt").read_text(), flags=re.M)
+    assert pinned, "ruff is pinned in .ci/constraints.txt"
+    hooks = (ROOT / ".pre-commit-config.yaml").read_text()
+    assert hooks.count(f'"ruff=={pinned[1]}"') == 2 and "ruff check" in hooks and "ruff format --check" in hooks
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "ruff check ." in ci and "ruff format --check ." in ci
