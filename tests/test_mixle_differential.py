@@ -316,6 +316,134 @@ def test_one_em_iteration_equals_mixles(live, name):
             np.testing.assert_allclose(value, expected, rtol=1e-9, atol=0, err_msg=f"{name}: {node_id} {key}")
 
 
+def _length_rows(observations, seq_len: int) -> np.ndarray:
+    """mixle's variable-length sequences as our records: the length, then seq_len steps (zero after it)."""
+    rows = []
+    width = max(np.size(v) for obs in observations for v in obs)
+    for obs in observations:
+        steps = np.zeros((seq_len, width))
+        for t, value in enumerate(obs):
+            steps[t] = np.atleast_1d(np.asarray(value, dtype=np.float64))
+        rows.append(np.concatenate([[len(obs)], steps.ravel()]))
+    return np.stack(rows)
+
+
+LENGTH_MODELS = ["hmm_length", "sequence", "sequence_mixture"]
+
+
+@pytest.mark.parametrize("name", LENGTH_MODELS)
+def test_one_em_iteration_fits_lengths_and_sequences_as_mixle_does(live, name):
+    """An hmm with a length distribution, a sequence and a mixture of sequences: variable-length
+    sequences drawn by mixle's own sampler (an empty one and a one-step one added), one iteration
+    of ours from the model's parameters against mixle's own update, every parameter (the length
+    distributions' too) to 1e-9 relative."""
+    from mixle.stats.compute.sequence import seq_encode, seq_estimate
+
+    model = live[name]
+    observations = list(model.sampler(seed=11).sample(300))
+    observations += [[], observations[0][:1]]
+    seq_len = max(len(o) for o in observations)
+    rows = _length_rows(observations, seq_len)
+    assert rows[:, 0].min() == 0 and rows[:, 0].max() == seq_len > 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        updated = seq_estimate(seq_encode(observations, model=model), model.estimator(), model)
+    tree = em_model.build_tree(from_mixle(model), seq_len)
+    assert any(n.id.endswith(".length") for n in tree.with_statistics())
+    ours, lls, _ = em_model.reference_fit(tree, rows, 1, seed=0, micro_batch_size=64)
+    theirs = em_model.initial_params(em_model.build_tree(from_mixle(updated), seq_len), rows, 0)
+    start = em_model.initial_params(tree, rows, 0)
+    # the log-likelihood of the starting model is mixle's too
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected_ll = sum(model.log_density(o) for o in observations)
+    assert lls[0] == pytest.approx(expected_ll, rel=1e-12)
+    assert ours.keys() == theirs.keys()
+    for node_id, arrays in ours.items():
+        for key, value in arrays.items():
+            assert not np.array_equal(value, start[node_id][key]), (node_id, key)
+            np.testing.assert_allclose(value, theirs[node_id][key], rtol=1e-9, atol=0, err_msg=f"{name}: {node_id} {key}")
+
+
+FITTED = ["categorical_mixture", "composite", "diag_mixture", "full_mixture", "hmm", "hmm_length", "nested", "sequence",
+          "sequence_mixture", "shared_component"]
+
+
+@pytest.mark.parametrize("name", FITTED)
+def test_unchanged_parameters_come_back_as_the_same_mixle_model(live, name):
+    """mixle model -> ours -> its own parameters -> a mixle model (mixle's own loader) whose
+    to_dict() is the original's, byte for byte: parameters and every cache mixle derives."""
+    import json
+
+    from mixle_compile import to_mixle, to_mixle_dict
+
+    model = live[name]
+    tree = em_model.build_tree(from_mixle(model), 4)
+    params = em_model.initial_params(tree, np.ones((1, tree.width)), 0)  # the model's own values
+    back = to_mixle(params, model)
+    assert type(back) is type(model) and back is not model
+    assert json.dumps(back.to_dict(), sort_keys=True) == json.dumps(model.to_dict(), sort_keys=True)
+    assert to_mixle_dict(params, model) == model.to_dict()
+
+
+def _assert_close_json(ours, theirs, where="$", rtol=1e-9):
+    """Two to_dict() payloads alike but for floats, which agree to ``rtol`` (a fit's receipt ignored)."""
+    import base64
+
+    from mixle_compile.importers.mixle import TAG
+
+    if isinstance(theirs, dict) and theirs.get(TAG) == "ndarray":
+        assert ours.get(TAG) == "ndarray" and ours["shape"] == theirs["shape"] and ours["dtype"] == theirs["dtype"], where
+        dtype = np.dtype(theirs["dtype"]["value"])
+        a, b = (np.frombuffer(base64.b64decode(x["data"]), dtype=dtype) for x in (ours, theirs))
+        np.testing.assert_allclose(a, b, rtol=rtol, atol=0, err_msg=where)
+    elif isinstance(theirs, dict):
+        keys = set(theirs) - {"fit_provenance", "numerical_repairs"}
+        assert set(ours) - {"fit_provenance", "numerical_repairs"} == keys, where
+        for k in keys:
+            _assert_close_json(ours[k], theirs[k], f"{where}.{k}", rtol)
+    elif isinstance(theirs, list) and len(theirs) == 2 and theirs[0] == "pmap":
+        # mixle's CategoricalEstimator lists the categories in its own order; ours keeps the model's
+        # (the same distribution: the pairs compared by category)
+        pairs = [{p["items"][0]: p["items"][1] for p in (x[1]["items"] if isinstance(x[1], dict) else x[1])} for x in (ours, theirs)]
+        assert pairs[0].keys() == pairs[1].keys(), where
+        for k in pairs[1]:
+            assert pairs[0][k] == pytest.approx(pairs[1][k], rel=rtol, abs=0), f"{where}: category {k}"
+    elif isinstance(theirs, list):
+        assert isinstance(ours, list) and len(ours) == len(theirs), where
+        for i, (x, y) in enumerate(zip(ours, theirs)):
+            _assert_close_json(x, y, f"{where}[{i}]", rtol)
+    elif isinstance(theirs, float) and not isinstance(ours, bool):
+        assert ours == pytest.approx(theirs, rel=rtol, abs=0), where
+    else:
+        assert ours == theirs, where
+
+
+@pytest.mark.parametrize("name", ["diag_mixture", "composite", "categorical_mixture", "hmm_length", "sequence_mixture"])
+def test_one_em_iteration_comes_back_as_mixles_own_updated_model(live, name):
+    """Fitted by ours for one iteration and written back: the mixle model mixle's own EM update
+    gives, every parameter and derived cache to 1e-9 relative."""
+    from mixle.stats.compute.sequence import seq_encode, seq_estimate
+
+    from mixle_compile import to_mixle
+
+    model = live[name]
+    observations = list(model.sampler(seed=11).sample(300))
+    if name in LENGTH_MODELS:
+        seq_len = max(len(o) for o in observations)
+        rows = _length_rows(observations, seq_len)
+    else:
+        seq_len, rows = None, np.stack([_record(o) for o in observations])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        updated = seq_estimate(seq_encode(observations, model=model), model.estimator(), model)
+    tree = em_model.build_tree(from_mixle(model), seq_len)
+    ours, _, _ = em_model.reference_fit(tree, rows, 1, seed=0, micro_batch_size=300)
+    back = to_mixle(ours, model)
+    _assert_close_json(back.to_dict(), updated.to_dict())
+    assert back.to_dict() != model.to_dict()  # the iteration moved it
+
+
 def test_the_planning_example_in_docs_mixle_md_runs(capsys):
     from pathlib import Path
 

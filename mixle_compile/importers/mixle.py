@@ -63,6 +63,7 @@ class MixleModel:
     warnings: list[tuple[str, str, JsonPath]] = field(default_factory=list)
     ignored: list[tuple[str, str, JsonPath]] = field(default_factory=list)
     classes: dict[str, str] = field(default_factory=dict)  # spec node path -> mixle class
+    objects: dict[str, JsonPath] = field(default_factory=dict)  # spec node path -> where its object is in the JSON
 
 
 class _Unreadable(Exception):
@@ -206,6 +207,7 @@ class _Reader:
         cls = _short(tid)
         st = self.state(obj, path, where)
         self.out.classes[where] = cls
+        self.out.objects[where] = path
         here = f"{where} ({cls})"
 
         def get(name: str) -> tuple[Any, JsonPath]:
