@@ -480,8 +480,10 @@ def test_one_iteration_of_mixle_compile_run_equals_mixles(live, tmp_path):
     )
     env = {**os.environ, "PYTHONPATH": str(MODELS.parent.parent)}
     done = subprocess.run([sys.executable, "-m", "mixle_compile", "run", "spec.yaml", "--data", "data.npy", "--out", "fit",
-                           "--save-every", "1", "--quiet"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+                           "--save-every", "1", "--quiet", "--mixle-out", "fitted.json"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
+    assert "written to fitted.json as mixle's to_dict() JSON" in done.stdout
     step = tmp_path / "fit" / "checkpoints" / "step-00000001"
     arrays = json.loads((step / "manifest.json").read_text())["arrays"]
     fitted = {name: np.load(step / "state" / a["file"]) for name, a in arrays.items()}
@@ -494,6 +496,11 @@ def test_one_iteration_of_mixle_compile_run_equals_mixles(live, tmp_path):
         np.testing.assert_allclose(fitted[f"model.root.components[{k}]/means"][0], comp.mean, rtol=1e-9, atol=0)
         np.testing.assert_allclose(fitted[f"model.root.components[{k}]/covs"][0], comp.variance, rtol=1e-9, atol=0)
     assert not np.allclose(fitted["model.root/weights"][0], from_mixle(model).root.weights, rtol=1e-6)  # it moved
+    # --mixle-out: the fitted model, loaded by mixle itself, is mixle's own updated model
+    from mixle.stats.compute.pdist import ProbabilityDistribution
+
+    back = ProbabilityDistribution.from_dict(json.loads((tmp_path / "fitted.json").read_text()))
+    _assert_close_json(back.to_dict(), updated.to_dict())
 
 
 def test_mixle_fits_a_shared_object_in_each_place_separately(live):

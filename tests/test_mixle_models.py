@@ -310,3 +310,18 @@ def test_parameters_of_another_model_are_refused_by_name(tmp_path):
         to_mixle_dict({}, tmp_path / "absent.json")
     with pytest.raises(FittedParametersError, match="checkpoint"):
         to_mixle_dict(tmp_path, _json("diag_mixture"))
+
+
+def test_run_mixle_out_needs_a_spec_reading_a_mixle_model(tmp_path):
+    """`run --mixle-out` refuses, before any rank starts, a spec whose model is not read from mixle."""
+    (tmp_path / "written.yaml").write_text(
+        "model: {family: distribution, root: {type: mixture, component: {type: gaussian, dim: 2}, repeat: 2}}\n"
+        "mesh: {dp_replicate: 1}\ntraining: {global_batch_size: 8, micro_batch_size: 8, precision: fp64, steps: 1}\n"
+        "backend: torch\nresources: {devices: 1, kind: cpu, memory: 1GiB}\n")
+    for args, says in ((["written.yaml"], "written.yaml has a 'distribution' model written out"),
+                       (["absent.txt"], "absent.txt is not a spec file")):
+        done = subprocess.run([sys.executable, "-m", "mixle_compile", "run", *args, "--mixle-out", "out.json", "--quiet"], cwd=tmp_path,
+                              env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2, done.stdout + done.stderr
+        assert "PLAN must be a spec whose model is `{from: mixle, path: model.json}`" in done.stderr and says in done.stderr
+        assert not (tmp_path / "out.json").exists()
