@@ -8,6 +8,7 @@ model's own parameters against mixle's own EM update, to 1e-9 relative.
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 import warnings
@@ -521,3 +522,71 @@ def test_mixle_fits_a_shared_object_in_each_place_separately(live):
     ours, _, _ = em_model.reference_fit(tree, rows, 1, seed=0, micro_batch_size=300)
     assert ours["model.shared.background"]["means"].shape == (1, 2)  # one node, one fitted mean
 
+
+
+def _doc_block(lang: str, needle: str) -> str:
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "mixle.md").read_text(encoding="utf-8")
+    (block,) = [b.split("```", 1)[0] for b in text.split(f"```{lang}\n")[1:] if needle in b.split("```", 1)[0]]
+    return block
+
+
+def test_the_fitting_walkthrough_in_docs_mixle_md_runs_as_written(tmp_path):
+    """docs/mixle.md's script, run by the shell in an empty directory with `mixle-compile` and
+    `python` on PATH (the docs command test skips it: it writes its own inputs), then its Python
+    way back: the fitted model is mixle's, its weights those of the last checkpoint, and the
+    records helper lays out mixle's sequences as the EM reads them."""
+    import os
+    import subprocess
+
+    pytest.importorskip("torch")
+    from mixle_compile.runtime.checkpoint import read_array_checkpoint
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, target in (("mixle-compile", f'"{sys.executable}" -m mixle_compile'), ("python", f'"{sys.executable}"')):
+        (bin_dir / name).write_text(f'#!/bin/sh\nexec {target} "$@"\n')
+        (bin_dir / name).chmod(0o755)
+    work = tmp_path / "work"
+    work.mkdir()
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ.get('PATH', '/usr/bin:/bin')}", "PYTHONPATH": str(MODELS.parent.parent)}
+    done = subprocess.run(["bash", "-e", "-c", _doc_block("sh", "--mixle-out")], cwd=work, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "MixtureDistribution [" in done.stdout
+    namespace: dict = {}
+    cwd = os.getcwd()
+    os.chdir(work)
+    try:
+        exec(compile(_doc_block("python", "to_mixle_dict("), "docs/mixle.md", "exec"), namespace)
+    finally:
+        os.chdir(cwd)
+    _, arrays = read_array_checkpoint(work / "fit" / "checkpoints" / "step-00000005")
+    np.testing.assert_array_equal(namespace["fitted"].w, arrays["model.root/weights"][0])
+    from mixle.stats.compute.pdist import ProbabilityDistribution
+
+    last = ProbabilityDistribution.from_dict(namespace["payload"])
+    assert last.to_dict() == json.loads((work / "fitted.json").read_text())
+    exec(compile(_doc_block("python", "def records("), "docs/mixle.md", "exec"), namespace)
+    observations = list(build_models()["hmm_length"].sampler(seed=2).sample(20)) + [[]]
+    rows = namespace["records"](observations, max(len(o) for o in observations))
+    np.testing.assert_array_equal(rows, _length_rows(observations, max(len(o) for o in observations)))
+
+
+def test_a_length_from_one_is_told_to_start_from_zero():
+    """An integer-categorical length from min_val=1 cannot be fitted as read (a length column holds
+    the number of steps); the reader says so, and the length from 0 it suggests is mixle's same model."""
+    import mixle.stats as S
+
+    seq = S.SequenceDistribution(S.PoissonDistribution(2.0), S.IntegerCategoricalDistribution(1, [0.5, 0.5]))
+    notes = []
+    from_mixle(seq, warnings=notes)
+    assert any("model.root.length" in m and "fit it shifted by 1" in m and "IntegerCategoricalDistribution(0, [0.0] * 1" in h
+               for m, h, _ in notes)
+    same = S.SequenceDistribution(S.PoissonDistribution(2.0), S.IntegerCategoricalDistribution(0, [0.0, 0.5, 0.5]))
+    notes = []
+    from_mixle(same, warnings=notes)
+    assert not any("min_val" in m for m, _, _ in notes)
+    for obs in ([1.0], [0.0, 3.0]):
+        assert same.log_density(obs) == pytest.approx(seq.log_density(obs), rel=1e-15)
