@@ -536,7 +536,7 @@ def test_the_fitting_walkthrough_in_docs_mixle_md_runs_as_written(tmp_path):
     """docs/mixle.md's script, run by the shell in an empty directory with `mixle-compile` and
     `python` on PATH (the docs command test skips it: it writes its own inputs), then its Python
     way back: the fitted model is mixle's, its weights those of the last checkpoint, and the
-    records helper lays out mixle's sequences as the EM reads them."""
+    documented `records` lays out mixle's sequences as the EM reads them."""
     import os
     import subprocess
 
