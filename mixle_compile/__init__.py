@@ -2,7 +2,8 @@
 
 The package exports the training contracts under the names ``mixle.utils.parallel`` gives them, so
 code written against mixle's contracts runs unchanged with ``from mixle_compile import ...``;
-:func:`from_mixle` reads a live mixle model into the spec's distribution model.
+:func:`from_mixle` reads a live mixle model into the spec's distribution model, :func:`to_mixle` and
+:func:`to_mixle_dict` write fitted parameters back into it.
 """
 
 __version__ = "0.1.0"
@@ -42,7 +43,7 @@ __all__ = [
 
 def __getattr__(name: str):
     # Loaded on first use: it imports the spec models (pydantic), which `import mixle_compile` does not need.
-    if name in ("from_mixle", "MixleModelError"):
+    if name in ("from_mixle", "MixleModelError", "to_mixle", "to_mixle_dict", "FittedParametersError"):
         from mixle_compile import mixle_models
 
         return getattr(mixle_models, name)

@@ -8,6 +8,7 @@ model's own parameters against mixle's own EM update, to 1e-9 relative.
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 import warnings
@@ -316,6 +317,134 @@ def test_one_em_iteration_equals_mixles(live, name):
             np.testing.assert_allclose(value, expected, rtol=1e-9, atol=0, err_msg=f"{name}: {node_id} {key}")
 
 
+def _length_rows(observations, seq_len: int) -> np.ndarray:
+    """mixle's variable-length sequences as our records: the length, then seq_len steps (zero after it)."""
+    rows = []
+    width = max(np.size(v) for obs in observations for v in obs)
+    for obs in observations:
+        steps = np.zeros((seq_len, width))
+        for t, value in enumerate(obs):
+            steps[t] = np.atleast_1d(np.asarray(value, dtype=np.float64))
+        rows.append(np.concatenate([[len(obs)], steps.ravel()]))
+    return np.stack(rows)
+
+
+LENGTH_MODELS = ["hmm_length", "sequence", "sequence_mixture"]
+
+
+@pytest.mark.parametrize("name", LENGTH_MODELS)
+def test_one_em_iteration_fits_lengths_and_sequences_as_mixle_does(live, name):
+    """An hmm with a length distribution, a sequence and a mixture of sequences: variable-length
+    sequences drawn by mixle's own sampler (an empty one and a one-step one added), one iteration
+    of ours from the model's parameters against mixle's own update, every parameter (the length
+    distributions' too) to 1e-9 relative."""
+    from mixle.stats.compute.sequence import seq_encode, seq_estimate
+
+    model = live[name]
+    observations = list(model.sampler(seed=11).sample(300))
+    observations += [[], observations[0][:1]]
+    seq_len = max(len(o) for o in observations)
+    rows = _length_rows(observations, seq_len)
+    assert rows[:, 0].min() == 0 and rows[:, 0].max() == seq_len > 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        updated = seq_estimate(seq_encode(observations, model=model), model.estimator(), model)
+    tree = em_model.build_tree(from_mixle(model), seq_len)
+    assert any(n.id.endswith(".length") for n in tree.with_statistics())
+    ours, lls, _ = em_model.reference_fit(tree, rows, 1, seed=0, micro_batch_size=64)
+    theirs = em_model.initial_params(em_model.build_tree(from_mixle(updated), seq_len), rows, 0)
+    start = em_model.initial_params(tree, rows, 0)
+    # the log-likelihood of the starting model is mixle's too
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected_ll = sum(model.log_density(o) for o in observations)
+    assert lls[0] == pytest.approx(expected_ll, rel=1e-12)
+    assert ours.keys() == theirs.keys()
+    for node_id, arrays in ours.items():
+        for key, value in arrays.items():
+            assert not np.array_equal(value, start[node_id][key]), (node_id, key)
+            np.testing.assert_allclose(value, theirs[node_id][key], rtol=1e-9, atol=0, err_msg=f"{name}: {node_id} {key}")
+
+
+FITTED = ["categorical_mixture", "composite", "diag_mixture", "full_mixture", "hmm", "hmm_length", "nested", "sequence",
+          "sequence_mixture", "shared_component"]
+
+
+@pytest.mark.parametrize("name", FITTED)
+def test_unchanged_parameters_come_back_as_the_same_mixle_model(live, name):
+    """mixle model -> ours -> its own parameters -> a mixle model (mixle's own loader) whose
+    to_dict() is the original's, byte for byte: parameters and every cache mixle derives."""
+    import json
+
+    from mixle_compile import to_mixle, to_mixle_dict
+
+    model = live[name]
+    tree = em_model.build_tree(from_mixle(model), 4)
+    params = em_model.initial_params(tree, np.ones((1, tree.width)), 0)  # the model's own values
+    back = to_mixle(params, model)
+    assert type(back) is type(model) and back is not model
+    assert json.dumps(back.to_dict(), sort_keys=True) == json.dumps(model.to_dict(), sort_keys=True)
+    assert to_mixle_dict(params, model) == model.to_dict()
+
+
+def _assert_close_json(ours, theirs, where="$", rtol=1e-9):
+    """Two to_dict() payloads alike but for floats, which agree to ``rtol`` (a fit's receipt ignored)."""
+    import base64
+
+    from mixle_compile.importers.mixle import TAG
+
+    if isinstance(theirs, dict) and theirs.get(TAG) == "ndarray":
+        assert ours.get(TAG) == "ndarray" and ours["shape"] == theirs["shape"] and ours["dtype"] == theirs["dtype"], where
+        dtype = np.dtype(theirs["dtype"]["value"])
+        a, b = (np.frombuffer(base64.b64decode(x["data"]), dtype=dtype) for x in (ours, theirs))
+        np.testing.assert_allclose(a, b, rtol=rtol, atol=0, err_msg=where)
+    elif isinstance(theirs, dict):
+        keys = set(theirs) - {"fit_provenance", "numerical_repairs"}
+        assert set(ours) - {"fit_provenance", "numerical_repairs"} == keys, where
+        for k in keys:
+            _assert_close_json(ours[k], theirs[k], f"{where}.{k}", rtol)
+    elif isinstance(theirs, list) and len(theirs) == 2 and theirs[0] == "pmap":
+        # mixle's CategoricalEstimator lists the categories in its own order; ours keeps the model's
+        # (the same distribution: the pairs compared by category)
+        pairs = [{p["items"][0]: p["items"][1] for p in (x[1]["items"] if isinstance(x[1], dict) else x[1])} for x in (ours, theirs)]
+        assert pairs[0].keys() == pairs[1].keys(), where
+        for k in pairs[1]:
+            assert pairs[0][k] == pytest.approx(pairs[1][k], rel=rtol, abs=0), f"{where}: category {k}"
+    elif isinstance(theirs, list):
+        assert isinstance(ours, list) and len(ours) == len(theirs), where
+        for i, (x, y) in enumerate(zip(ours, theirs)):
+            _assert_close_json(x, y, f"{where}[{i}]", rtol)
+    elif isinstance(theirs, float) and not isinstance(ours, bool):
+        assert ours == pytest.approx(theirs, rel=rtol, abs=0), where
+    else:
+        assert ours == theirs, where
+
+
+@pytest.mark.parametrize("name", ["diag_mixture", "composite", "categorical_mixture", "hmm_length", "sequence_mixture"])
+def test_one_em_iteration_comes_back_as_mixles_own_updated_model(live, name):
+    """Fitted by ours for one iteration and written back: the mixle model mixle's own EM update
+    gives, every parameter and derived cache to 1e-9 relative."""
+    from mixle.stats.compute.sequence import seq_encode, seq_estimate
+
+    from mixle_compile import to_mixle
+
+    model = live[name]
+    observations = list(model.sampler(seed=11).sample(300))
+    if name in LENGTH_MODELS:
+        seq_len = max(len(o) for o in observations)
+        rows = _length_rows(observations, seq_len)
+    else:
+        seq_len, rows = None, np.stack([_record(o) for o in observations])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        updated = seq_estimate(seq_encode(observations, model=model), model.estimator(), model)
+    tree = em_model.build_tree(from_mixle(model), seq_len)
+    ours, _, _ = em_model.reference_fit(tree, rows, 1, seed=0, micro_batch_size=300)
+    back = to_mixle(ours, model)
+    _assert_close_json(back.to_dict(), updated.to_dict())
+    assert back.to_dict() != model.to_dict()  # the iteration moved it
+
+
 def test_the_planning_example_in_docs_mixle_md_runs(capsys):
     from pathlib import Path
 
@@ -352,8 +481,10 @@ def test_one_iteration_of_mixle_compile_run_equals_mixles(live, tmp_path):
     )
     env = {**os.environ, "PYTHONPATH": str(MODELS.parent.parent)}
     done = subprocess.run([sys.executable, "-m", "mixle_compile", "run", "spec.yaml", "--data", "data.npy", "--out", "fit",
-                           "--save-every", "1", "--quiet"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+                           "--save-every", "1", "--quiet", "--mixle-out", "fitted.json"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
+    assert "written to fitted.json as mixle's to_dict() JSON" in done.stdout
     step = tmp_path / "fit" / "checkpoints" / "step-00000001"
     arrays = json.loads((step / "manifest.json").read_text())["arrays"]
     fitted = {name: np.load(step / "state" / a["file"]) for name, a in arrays.items()}
@@ -366,6 +497,11 @@ def test_one_iteration_of_mixle_compile_run_equals_mixles(live, tmp_path):
         np.testing.assert_allclose(fitted[f"model.root.components[{k}]/means"][0], comp.mean, rtol=1e-9, atol=0)
         np.testing.assert_allclose(fitted[f"model.root.components[{k}]/covs"][0], comp.variance, rtol=1e-9, atol=0)
     assert not np.allclose(fitted["model.root/weights"][0], from_mixle(model).root.weights, rtol=1e-6)  # it moved
+    # --mixle-out: the fitted model, loaded by mixle itself, is mixle's own updated model
+    from mixle.stats.compute.pdist import ProbabilityDistribution
+
+    back = ProbabilityDistribution.from_dict(json.loads((tmp_path / "fitted.json").read_text()))
+    _assert_close_json(back.to_dict(), updated.to_dict())
 
 
 def test_mixle_fits_a_shared_object_in_each_place_separately(live):
@@ -386,3 +522,71 @@ def test_mixle_fits_a_shared_object_in_each_place_separately(live):
     ours, _, _ = em_model.reference_fit(tree, rows, 1, seed=0, micro_batch_size=300)
     assert ours["model.shared.background"]["means"].shape == (1, 2)  # one node, one fitted mean
 
+
+
+def _doc_block(lang: str, needle: str) -> str:
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "mixle.md").read_text(encoding="utf-8")
+    (block,) = [b.split("```", 1)[0] for b in text.split(f"```{lang}\n")[1:] if needle in b.split("```", 1)[0]]
+    return block
+
+
+def test_the_fitting_walkthrough_in_docs_mixle_md_runs_as_written(tmp_path):
+    """docs/mixle.md's script, run by the shell in an empty directory with `mixle-compile` and
+    `python` on PATH (the docs command test skips it: it writes its own inputs), then its Python
+    way back: the fitted model is mixle's, its weights those of the last checkpoint, and the
+    documented `records` lays out mixle's sequences as the EM reads them."""
+    import os
+    import subprocess
+
+    pytest.importorskip("torch")
+    from mixle_compile.runtime.checkpoint import read_array_checkpoint
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, target in (("mixle-compile", f'"{sys.executable}" -m mixle_compile'), ("python", f'"{sys.executable}"')):
+        (bin_dir / name).write_text(f'#!/bin/sh\nexec {target} "$@"\n')
+        (bin_dir / name).chmod(0o755)
+    work = tmp_path / "work"
+    work.mkdir()
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ.get('PATH', '/usr/bin:/bin')}", "PYTHONPATH": str(MODELS.parent.parent)}
+    done = subprocess.run(["bash", "-e", "-c", _doc_block("sh", "--mixle-out")], cwd=work, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "MixtureDistribution [" in done.stdout
+    namespace: dict = {}
+    cwd = os.getcwd()
+    os.chdir(work)
+    try:
+        exec(compile(_doc_block("python", "to_mixle_dict("), "docs/mixle.md", "exec"), namespace)
+    finally:
+        os.chdir(cwd)
+    _, arrays = read_array_checkpoint(work / "fit" / "checkpoints" / "step-00000005")
+    np.testing.assert_array_equal(namespace["fitted"].w, arrays["model.root/weights"][0])
+    from mixle.stats.compute.pdist import ProbabilityDistribution
+
+    last = ProbabilityDistribution.from_dict(namespace["payload"])
+    assert last.to_dict() == json.loads((work / "fitted.json").read_text())
+    exec(compile(_doc_block("python", "def records("), "docs/mixle.md", "exec"), namespace)
+    observations = list(build_models()["hmm_length"].sampler(seed=2).sample(20)) + [[]]
+    rows = namespace["records"](observations, max(len(o) for o in observations))
+    np.testing.assert_array_equal(rows, _length_rows(observations, max(len(o) for o in observations)))
+
+
+def test_a_length_from_one_is_told_to_start_from_zero():
+    """An integer-categorical length from min_val=1 cannot be fitted as read (a length column holds
+    the number of steps); the reader says so, and the length from 0 it suggests is mixle's same model."""
+    import mixle.stats as S
+
+    seq = S.SequenceDistribution(S.PoissonDistribution(2.0), S.IntegerCategoricalDistribution(1, [0.5, 0.5]))
+    notes = []
+    from_mixle(seq, warnings=notes)
+    assert any("model.root.length" in m and "fit it shifted by 1" in m and "IntegerCategoricalDistribution(0, [0.0] * 1" in h
+               for m, h, _ in notes)
+    same = S.SequenceDistribution(S.PoissonDistribution(2.0), S.IntegerCategoricalDistribution(0, [0.0, 0.5, 0.5]))
+    notes = []
+    from_mixle(same, warnings=notes)
+    assert not any("min_val" in m for m, _, _ in notes)
+    for obs in ([1.0], [0.0, 3.0]):
+        assert same.log_density(obs) == pytest.approx(seq.log_density(obs), rel=1e-15)

@@ -29,7 +29,7 @@ from mixle_compile.spec.models import DistributionModel
 MODELS = Path(__file__).parent / "mixle_models"
 ROOT = Path(__file__).parent.parent
 READABLE = ["big_mixture", "categorical_mixture", "composite", "diag_mixture", "full_mixture", "hmm", "hmm_length", "nested",
-            "sequence", "shared_component"]
+            "sequence", "sequence_mixture", "shared_component"]
 
 
 def _json(name: str):
@@ -249,3 +249,79 @@ def test_em_starts_from_the_stated_parameters():
     comp = model.root.components[2]
     assert np.array_equal(params["model.root.components[2]"]["means"][0], comp.mean)
     assert np.array_equal(params["model.root.components[2]"]["covs"][0], np.asarray(comp.covariance_matrix))
+
+
+# ---------------------------------------------------------------------------
+# The way back: fitted parameters into the model's to_dict() JSON (no mixle needed)
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", [n for n in READABLE if n != "big_mixture"])
+def test_the_models_own_parameters_write_back_its_own_json(name):
+    from mixle_compile import to_mixle_dict
+
+    tree = em_model.build_tree(_model(name), 4)
+    params = em_model.initial_params(tree, np.ones((1, tree.width)), 0)  # the values the JSON states
+    assert to_mixle_dict(params, MODELS / f"{name}.json") == _json(name)
+    flat = {f"{node}/{key}": a for node, arrays in params.items() for key, a in arrays.items()}
+    assert to_mixle_dict(flat, _json(name)) == _json(name)
+
+
+def test_written_back_parameters_and_what_mixle_derives_from_them():
+    import base64
+
+    from mixle_compile import to_mixle_dict
+
+    params = em_model.initial_params(em_model.build_tree(_model("composite"), None), np.ones((1, 4)), 0)
+    params["model.root.factors[0]"] = {"means": np.array([[0.5]]), "covs": np.array([[4.0]])}
+    params["model.root.factors[2]"]["rates"] = np.array([[2.0]])
+    params["model.root.factors[3]"]["rates"] = np.array([[4.0]])
+    out = to_mixle_dict(params, _json("composite"))
+    states = [dict(o["state"]["items"]) for o in out["state"]["items"][0][1]["items"]]
+    gauss, _, poisson, expo = states
+    assert (gauss["mu"], gauss["sigma2"]) == (0.5, 4.0)
+    assert gauss["log_const"] == pytest.approx(-0.5 * np.log(2 * np.pi * 4.0), rel=1e-15)
+    assert gauss["const"] == pytest.approx(1 / np.sqrt(2 * np.pi * 4.0), rel=1e-15)
+    assert (poisson["lam"], poisson["log_lambda"]) == (2.0, pytest.approx(np.log(2.0), rel=1e-15))
+    assert (expo["beta"], expo["log_beta"]) == (0.25, pytest.approx(np.log(0.25), rel=1e-15))  # beta is the scale
+    mixture = _json("diag_mixture")
+    params = em_model.initial_params(em_model.build_tree(_model("diag_mixture"), None), np.ones((1, 3)), 0)
+    params["model.root"]["weights"] = np.array([[0.5, 0.5, 0.0, 0.0, 0.0, 0.0]])
+    root = dict(to_mixle_dict(params, mixture)["state"]["items"])
+    decode = lambda a, dtype: np.frombuffer(base64.b64decode(a["data"]), dtype=dtype)  # noqa: E731
+    np.testing.assert_array_equal(decode(root["zw"], bool), [False, False, True, True, True, True])
+    np.testing.assert_array_equal(decode(root["log_w"], "<f8"), [np.log(0.5)] * 2 + [-np.inf] * 4)
+    assert mixture == _json("diag_mixture")  # the model given is not changed
+
+
+def test_parameters_of_another_model_are_refused_by_name(tmp_path):
+    from mixle_compile import FittedParametersError, to_mixle_dict
+
+    params = em_model.initial_params(em_model.build_tree(_model("diag_mixture"), None), np.ones((1, 3)), 0)
+    with pytest.raises(FittedParametersError, match=r"missing model.root.factors\[0\]/covs.*; not in the model: model.root.components\[0\]/covs"):
+        to_mixle_dict(params, _json("composite"))
+    params = em_model.initial_params(em_model.build_tree(_model("diag_mixture"), None), np.ones((1, 3)), 0)
+    params["model.root"]["weights"] = np.ones((1, 5)) / 5
+    with pytest.raises(FittedParametersError, match=r"model.root/weights has shape \[1, 5\], the model's is \[1, 6\]"):
+        to_mixle_dict(params, _json("diag_mixture"))
+    with pytest.raises(FittedParametersError, match="not fitted by EM"):
+        to_mixle_dict({}, _json("big_mixture"))
+    with pytest.raises(FittedParametersError, match="cannot read the mixle model"):
+        to_mixle_dict({}, tmp_path / "absent.json")
+    with pytest.raises(FittedParametersError, match="checkpoint"):
+        to_mixle_dict(tmp_path, _json("diag_mixture"))
+
+
+def test_run_mixle_out_needs_a_spec_reading_a_mixle_model(tmp_path):
+    """`run --mixle-out` refuses, before any rank starts, a spec whose model is not read from mixle."""
+    (tmp_path / "written.yaml").write_text(
+        "model: {family: distribution, root: {type: mixture, component: {type: gaussian, dim: 2}, repeat: 2}}\n"
+        "mesh: {dp_replicate: 1}\ntraining: {global_batch_size: 8, micro_batch_size: 8, precision: fp64, steps: 1}\n"
+        "backend: torch\nresources: {devices: 1, kind: cpu, memory: 1GiB}\n")
+    for args, says in ((["written.yaml"], "written.yaml has a 'distribution' model written out"),
+                       (["absent.txt"], "absent.txt is not a spec file")):
+        done = subprocess.run([sys.executable, "-m", "mixle_compile", "run", *args, "--mixle-out", "out.json", "--quiet"], cwd=tmp_path,
+                              env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2, done.stdout + done.stderr
+        assert "PLAN must be a spec whose model is `{from: mixle, path: model.json}`" in done.stderr and says in done.stderr
+        assert not (tmp_path / "out.json").exists()

@@ -262,6 +262,11 @@ SHAPES = {
       - type: mixture
         component: {type: hmm, num_states: 2, emission: {type: gaussian, dim: 2, covariance: full}}
         repeat: 4""", 5),
+    "mixture of a sequence and an hmm with lengths": ("""
+    type: mixture
+    components:
+      - {type: sequence, base: {type: categorical, num_values: 4}, length: {type: poisson}}
+      - {type: hmm, num_states: 2, emission: {type: categorical, num_values: 4}, length: {type: categorical, num_values: 9}}""", 8),
 }
 
 
@@ -447,6 +452,49 @@ def test_a_listed_categorical_mixture_cut_over_tp_reduces_each_component_on_its_
     # Each listed component's statistics are reduced by the two ranks of its owner only.
     assert all(rows[f"model.root.components[{k}]:statistics"]["ranks_executing"] == 2 for k in range(3))
     assert rows["model.root:statistics"]["ranks_executing"] == 4
+
+
+# --- sequences and their lengths ----------------------------------------------------------------
+
+
+LENGTHS = SHAPES["mixture of a sequence and an hmm with lengths"][0]
+
+
+def test_lengths_fit_over_data_ranks_and_a_component_cut(tmp_path):
+    """A mixture of a sequence and an hmm, each with a length distribution: variable-length
+    records (the length first, padding after it) fitted on dp x tp ranks equal the single-process
+    fit; each component's length node is reduced only by the tp rank that owns the component."""
+    doc = compiled(tmp_path, spec_text("", mesh="dp_replicate: 2, tp: 2", rows=120, micro=60, root=LENGTHS, seq_len=8))
+    em = read_em_instructions(doc)
+    data = sample_data(em)
+    assert data.shape == (120, 9) and 0 <= data[:, 0].min() < data[:, 0].max() <= 8
+    padded = np.arange(8)[None, :] >= data[:, :1]
+    data[:, 1:][padded] = 99.0  # padding is never read: any value
+    np.save(tmp_path / "seqs.npy", data)
+    report = run_plan(doc, steps=4, reference=True, data_path=tmp_path / "seqs.npy", out_dir=tmp_path / "out", progress=False)
+    rows = check_fit(report, 4, 120)
+    for k in range(2):
+        assert rows[f"model.root.components[{k}].length:statistics"]["ranks_executing"] == 2
+    bad = data.copy()
+    bad[0, 0] = 9
+    np.save(tmp_path / "bad.npy", bad)
+    with pytest.raises(ValueError, match=r"model.root.components\[0\] is each sequence's number of steps: integers in \[0, 8\]"):
+        load_data(em, str(tmp_path / "bad.npy"))
+    np.save(tmp_path / "short.npy", data[:, 1:])
+    with pytest.raises(ValueError, match=r"records of 9 values \(sequences of training.seq_len=8 steps, flattened step-major; "
+                                         r"model.root.components\[0\], model.root.components\[1\]: the number of steps first"):
+        load_data(em, str(tmp_path / "short.npy"))
+
+
+def test_a_length_must_read_one_column(tmp_path):
+    root = """
+    type: sequence
+    base: {type: poisson}
+    length: {type: poisson, dim: 2}"""
+    path = tmp_path / "s.yaml"
+    path.write_text(spec_text("", mesh="dp_replicate: 2", rows=20, micro=10, root=root, seq_len=4))
+    with pytest.raises(RuntimeRefusal, match=r"model.root.length: a length distribution reads one column"):
+        read_em_instructions(compile_spec_file(path))
 
 
 # --- HMMs with shared transitions --------------------------------------------------------------

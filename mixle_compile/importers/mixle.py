@@ -63,6 +63,7 @@ class MixleModel:
     warnings: list[tuple[str, str, JsonPath]] = field(default_factory=list)
     ignored: list[tuple[str, str, JsonPath]] = field(default_factory=list)
     classes: dict[str, str] = field(default_factory=dict)  # spec node path -> mixle class
+    objects: dict[str, JsonPath] = field(default_factory=dict)  # spec node path -> where its object is in the JSON
 
 
 class _Unreadable(Exception):
@@ -206,6 +207,7 @@ class _Reader:
         cls = _short(tid)
         st = self.state(obj, path, where)
         self.out.classes[where] = cls
+        self.out.objects[where] = path
         here = f"{where} ({cls})"
 
         def get(name: str) -> tuple[Any, JsonPath]:
@@ -250,7 +252,13 @@ class _Reader:
         elif cls == "IntegerCategoricalDistribution":
             probs, _ = self.array(*get("p_vec"), here, "p_vec")
             low, low_path = get("min_val")
-            if low != 0:
+            if low != 0 and where.endswith(".length"):
+                # A length column holds the number of steps itself (runtime/em_model.py), so it cannot be shifted.
+                self.out.warnings.append((f"{here}: a length distribution whose values start at min_val={low}: the spec's categorical "
+                                          f"reads a length L as value L (0..{len(probs) - 1}), so EM would fit it shifted by {low}",
+                                          f"give mixle the same length distribution from 0: IntegerCategoricalDistribution(0, "
+                                          f"[0.0] * {low} + list(p_vec))", low_path))
+            elif low != 0:
                 self.out.warnings.append((f"{here}: its values start at min_val={low}; the spec's categorical reads value - {low} (0..{len(probs) - 1})",
                                           f"subtract {low} from that column of the records to fit them", low_path))
             node.update(type="categorical", num_values=len(probs), probs=probs)

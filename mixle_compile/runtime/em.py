@@ -86,10 +86,7 @@ def load_data(em: EMInstructions, path: str | Path | None) -> np.ndarray:
 
 
 def _columns(em: EMInstructions) -> str:
-    root = em.tree.root
-    if root.kind == "hmm" or any(n.kind == "hmm" for n in em.tree.nodes.values()):
-        return f"sequences of training.seq_len={em.tree.seq_len} steps, flattened step-major"
-    return ", ".join(f"{n.id}: {n.width}" for n in em.tree.nodes.values() if not n.children and n.width) or "one per column"
+    return em_model.describe_columns(em.tree)
 
 
 def shard_rows(data: np.ndarray, data_rank: int, data_size: int) -> np.ndarray:

@@ -7,8 +7,19 @@ each node reads its own columns:
   ``poisson``: D non-negative integer columns; ``exponential``: D positive columns;
 - ``mixture``: the columns of its components (all components read the same number of columns);
 - ``composite``: its factors' columns side by side, in factor order;
-- ``hmm``: one fixed-length sequence, ``seq_len`` steps of its emissions' columns, step-major
-  (a data rank holds whole sequences).
+- ``hmm``: one sequence, ``seq_len`` steps of its emissions' columns, step-major (a data rank
+  holds whole sequences);
+- ``sequence``: ``seq_len`` steps of its base's columns, step-major, each step scored by the base
+  (the steps are independent);
+- an ``hmm`` or a ``sequence`` with a ``length`` distribution reads one more column first: the
+  sequence's number of steps ``L`` (an integer in ``[0, seq_len]``); only its first ``L`` steps are
+  read (the rest is padding, any value), and the length node scores ``L``. Without ``length`` every
+  sequence has ``seq_len`` steps. This is how mixle scores them: the forward likelihood (an hmm) or
+  the sum of the steps' log-densities (a sequence), plus ``len_dist.log_density(L)``
+  (mixle/stats/latent/hidden_markov.py, ``log_density``; mixle/stats/combinator/sequence.py,
+  ``log_density``), and how its EM fits them: the length estimator receives each sequence's
+  length with the sequence's weight, the steps the weight of their state or of the sequence
+  (``HiddenMarkovAccumulator.seq_update``, ``SequenceAccumulator.seq_update``).
 
 Node ids are the spec paths the plan uses (``model.root.components[0].emission``). A node held
 once per unit of a ``repeat`` (or per HMM state) has one row of parameters and statistics per
@@ -27,7 +38,8 @@ Sufficient statistics per instance (float64 elements; the plan sizes its updates
 | mixture, K | responsibilities' sums: K |
 
 A weight flows down the tree per row (1 at the root): a mixture splits it by the posterior, a
-composite hands it to every factor, an HMM turns it into per-step state occupancies.
+composite hands it to every factor, an HMM turns it into per-step state occupancies, a sequence
+hands it to each of its steps; a length node receives the weight of its sequence.
 """
 
 from __future__ import annotations
@@ -38,7 +50,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from mixle_compile.spec.models import HMM, Categorical, Composite, Exponential, Gaussian, Mixture, Poisson, Ref, Transitions
+from mixle_compile.spec.models import HMM, Categorical, Composite, Exponential, Gaussian, Mixture, Poisson, Ref, Sequence, Transitions
 
 LOG_2PI = float(np.log(2.0 * np.pi))
 # Below this weight an instance keeps its parameters (its maximiser is undefined).
@@ -59,7 +71,16 @@ class TreeNode:
     width: int = 0  # columns of one record of this node (an hmm: steps x emission columns)
     children: list[tuple[TreeNode, int]] = field(default_factory=list)  # (child, instances per own instance)
     transitions: TreeNode | None = None  # an hmm's transitions node (None: its own)
+    length: TreeNode | None = None  # an hmm's or a sequence's length distribution (None: every sequence has seq_len steps)
     shared: bool = False
+
+    def linked(self) -> list[TreeNode]:
+        """Every node this one reaches directly: its units, its transitions and its length."""
+        return [c for c, _ in self.children] + [n for n in (self.transitions, self.length) if n is not None]
+
+    def length_instance(self, inst: int) -> int:
+        """The instance of ``self.length`` that instance ``inst`` of this node holds."""
+        return 0 if self.length.shared else inst
 
     @property
     def num_units(self) -> int:
@@ -157,17 +178,15 @@ def build_tree(model, seq_len: int | None) -> Tree:
             node.width = sum(c.width for c, _ in node.children)
         elif isinstance(spec, HMM):
             if seq_len is None:
-                raise ModelError(f"{node_id}: an hmm reads fixed-length sequences; set training.seq_len to their length")
+                raise ModelError(f"{node_id}: an hmm reads sequences of up to training.seq_len steps; set training.seq_len")
             s = spec.num_states
             add_children(node, spec.emission, "emission", s, spec.emissions, "emissions", depth)
             widths = {c.width for c, _ in node.children}
             if len(widths) != 1:
                 raise ModelError(f"{node_id}: the emissions of an hmm must read the same columns")
-            if spec.length is not None:
-                raise ModelError(f"{node_id}.length: EM fits sequences of one length (training.seq_len), so a length "
-                                 "distribution has nothing to fit; remove the hmm's `length` to fit it")
-            if any(c.kind == "hmm" or _contains_hmm(c) for c, _ in node.children):
-                raise ModelError(f"{node_id}: an hmm's emissions cannot contain another hmm")
+            if any(c.kind in STEPPED or _contains_steps(c) for c, _ in node.children):
+                raise ModelError(f"{node_id}: an hmm's emissions cannot contain another hmm or a sequence (one training.seq_len)")
+            add_length(node, spec.length, depth)
             if spec.transitions is not None:
                 tid, tspec, ts = resolve(spec.transitions, f"{node_id}.transitions")
                 if not isinstance(tspec, Transitions):
@@ -175,10 +194,30 @@ def build_tree(model, seq_len: int | None) -> Tree:
                 if tspec.num_states != s:
                     raise ModelError(f"{tid}: {tspec.num_states} states, but the hmm {node_id} has {s}")
                 node.transitions = visit(tid, tspec, copies, ts, depth + 1)
-            node.width = seq_len * widths.pop()
+            node.width = (1 if node.length else 0) + seq_len * widths.pop()
+        elif isinstance(spec, Sequence):
+            if seq_len is None:
+                raise ModelError(f"{node_id}: a sequence reads up to training.seq_len steps; set training.seq_len")
+            bid, bspec, bs = resolve(spec.base, f"{node_id}.base")
+            base = visit(bid, bspec, copies, bs, depth + 1)
+            node.children.append((base, 1))
+            if base.kind in STEPPED or _contains_steps(base):
+                raise ModelError(f"{node_id}: a sequence's base cannot contain an hmm or another sequence (one training.seq_len)")
+            add_length(node, spec.length, depth)
+            node.width = (1 if node.length else 0) + seq_len * base.width
         else:
             raise ModelError(f"{node_id}: EM does not fit a {spec.type!r} node")
         return node
+
+    def add_length(node: TreeNode, length, depth: int) -> None:
+        """An hmm's or a sequence's length distribution: a node reading one column, the length."""
+        if length is None:
+            return
+        lid, lspec, ls = resolve(length, f"{node.id}.length")
+        node.length = visit(lid, lspec, node.instances, ls, depth + 1)
+        if node.length.width != 1 or node.length.kind in STEPPED or _contains_steps(node.length):
+            raise ModelError(f"{lid}: a length distribution reads one column (each sequence's number of steps); "
+                             f"this {node.length.kind} reads {node.length.width}")
 
     root_id, root_spec, root_shared = resolve(model.root, "model.root")
     if isinstance(root_spec, Transitions):
@@ -187,8 +226,12 @@ def build_tree(model, seq_len: int | None) -> Tree:
     return Tree(root, nodes, seq_len)
 
 
-def _contains_hmm(node: TreeNode) -> bool:
-    return any(c.kind == "hmm" or _contains_hmm(c) for c, _ in node.children)
+# Nodes that read sequences of up to training.seq_len steps.
+STEPPED = ("hmm", "sequence")
+
+
+def _contains_steps(node: TreeNode) -> bool:
+    return any(c.kind in STEPPED or _contains_steps(c) for c in node.linked())
 
 
 # -- parameters -----------------------------------------------------------------------------
@@ -214,16 +257,33 @@ def _views(tree: Tree, data: np.ndarray) -> dict[str, np.ndarray]:
             for c, _ in node.children:
                 walk(c, x[:, start : start + c.width])
                 start += c.width
-        elif node.kind == "hmm":
-            steps = x.reshape(len(x) * tree.seq_len, -1)
+        elif node.kind in STEPPED:
+            lengths, steps, mask = _stepped(tree, node, x)
             for c, _ in node.children:
-                walk(c, steps)
+                walk(c, steps[mask])
+            if node.length is not None:
+                walk(node.length, lengths[:, None].astype(np.float64))
         else:
             for c, _ in node.children:
                 walk(c, x)
 
     walk(tree.root, data)
     return views
+
+
+def _stepped(tree: Tree, node: TreeNode, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(lengths, steps, mask)`` of the records ``x`` of an hmm or a sequence: each record's number
+    of steps (``seq_len`` without a length node), its steps ``(n, seq_len, columns)`` and which of
+    them are read (``mask[i, t]``: ``t < lengths[i]``)."""
+    n, t_len = len(x), tree.seq_len
+    if node.length is not None:
+        with np.errstate(invalid="ignore"):
+            lengths = np.clip(np.nan_to_num(x[:, 0]), 0, t_len).astype(np.int64)
+        steps = x[:, 1:].reshape(n, t_len, -1)
+    else:
+        lengths = np.full(n, t_len, dtype=np.int64)
+        steps = x.reshape(n, t_len, -1)
+    return lengths, steps, np.arange(t_len)[None, :] < lengths[:, None]
 
 
 def initial_params(tree: Tree, data: np.ndarray, seed: int) -> Params:
@@ -351,23 +411,8 @@ def sample(tree: Tree, params: Params, rows: int, seed: int) -> np.ndarray:
             return out
         if node.kind == "composite":
             return np.hstack([draw(*_unit(node, j, inst)) for j in range(len(node.children))]) if n else np.zeros((0, node.width))
-        if node.kind == "hmm":
-            k, t_len = s.num_states, tree.seq_len
-            tp = params[node.transitions.id if node.transitions else node.id]
-            ti = np.zeros(n, dtype=np.int64) if node.transitions is not None and node.transitions.shared else inst
-            states = np.zeros((n, t_len), dtype=np.int64)
-            u = rng.random((n, t_len))
-            states[:, 0] = (u[:, 0, None] > np.cumsum(tp["initial"][ti], axis=1)).sum(axis=1).clip(0, k - 1)
-            for t in range(1, t_len):
-                cdf = np.cumsum(tp["transition"][ti, states[:, t - 1]], axis=1)
-                states[:, t] = (u[:, t, None] > cdf).sum(axis=1).clip(0, k - 1)
-            e_width = node.width // t_len
-            out = np.zeros((n, t_len, e_width))
-            for state in range(k):
-                which = np.argwhere(states == state)
-                child, ci = _unit(node, state, inst[which[:, 0]])
-                out[which[:, 0], which[:, 1]] = draw(child, ci)
-            return out.reshape(n, -1)
+        if node.kind in STEPPED:
+            return draw_steps(node, inst)
         if node.kind == "gaussian":
             z = rng.normal(size=(n, s.dim))
             if s.covariance == "full":
@@ -383,6 +428,35 @@ def sample(tree: Tree, params: Params, rows: int, seed: int) -> np.ndarray:
             return rng.exponential(1.0 / p["rates"][inst])
         raise ModelError(f"{node.id}: cannot sample a {node.kind!r} node")
 
+    def draw_steps(node: TreeNode, inst: np.ndarray) -> np.ndarray:
+        """Records of an hmm or a sequence: the lengths drawn from its length node (above seq_len:
+        seq_len), the steps after each length zero."""
+        n, t_len = len(inst), tree.seq_len
+        if node.kind == "hmm":
+            k = node.spec.num_states
+            tp = params[node.transitions.id if node.transitions else node.id]
+            ti = np.zeros(n, dtype=np.int64) if node.transitions is not None and node.transitions.shared else inst
+            states = np.zeros((n, t_len), dtype=np.int64)
+            u = rng.random((n, t_len))
+            states[:, 0] = (u[:, 0, None] > np.cumsum(tp["initial"][ti], axis=1)).sum(axis=1).clip(0, k - 1)
+            for t in range(1, t_len):
+                cdf = np.cumsum(tp["transition"][ti, states[:, t - 1]], axis=1)
+                states[:, t] = (u[:, t, None] > cdf).sum(axis=1).clip(0, k - 1)
+        else:
+            k, states = 1, np.zeros((n, t_len), dtype=np.int64)
+        e_width = node.children[0][0].width
+        out = np.zeros((n, t_len, e_width))
+        for state in range(k):
+            which = np.argwhere(states == state)
+            child, ci = _unit(node, state, inst[which[:, 0]])
+            out[which[:, 0], which[:, 1]] = draw(child, ci)
+        if node.length is None:
+            return out.reshape(n, -1)
+        linst = np.zeros_like(inst) if node.length.shared else inst
+        lengths = np.clip(np.rint(draw(node.length, linst)[:, 0]), 0, t_len)
+        out[np.arange(t_len)[None, :] >= lengths[:, None]] = 0.0
+        return np.hstack([lengths[:, None], out.reshape(n, -1)])
+
     return draw(tree.root, np.zeros(rows, dtype=np.int64))
 
 
@@ -395,9 +469,27 @@ def _unit(node: TreeNode, unit: int, inst: np.ndarray) -> tuple[TreeNode, np.nda
     return child, np.zeros_like(inst) if child.shared else inst
 
 
+def describe_columns(tree: Tree) -> str:
+    """What one record holds, for a message about a data file of the wrong shape."""
+    stepped = [n for n in tree.nodes.values() if n.kind in STEPPED]
+    if stepped:
+        lengths = [n.id for n in stepped if n.length is not None]
+        first = f"; {', '.join(lengths)}: the number of steps first, then the steps" if lengths else ""
+        return f"sequences of training.seq_len={tree.seq_len} steps, flattened step-major{first}"
+    return ", ".join(f"{n.id}: {n.width}" for n in tree.nodes.values() if not n.children and n.width) or "one per column"
+
+
 def check_records(tree: Tree, data: np.ndarray, where: str) -> None:
     """Raises ModelError when a column holds values its node cannot have produced."""
     views = _views(tree, data)
+    for node in tree.nodes.values():
+        x = views.get(node.id)
+        if x is not None and node.kind in STEPPED and node.length is not None:
+            lengths = x[:, 0]
+            if not np.all(np.isfinite(lengths)) or np.any(np.mod(lengths, 1) != 0) or lengths.min(initial=0) < 0 \
+                    or lengths.max(initial=0) > tree.seq_len:
+                raise ModelError(f"{where}: the first column of {node.id} is each sequence's number of steps: "
+                                 f"integers in [0, {tree.seq_len}] (training.seq_len)")
     for node in tree.nodes.values():
         x = views.get(node.id)
         if x is None or node.kind not in ("categorical", "poisson", "exponential", "gaussian"):
@@ -481,6 +573,18 @@ def score(tree: Tree, node: TreeNode, inst: int, x: np.ndarray, sc: Scoring):
         return total, acc
     if kind == "hmm":
         return _score_hmm(tree, node, inst, x, sc)
+    if kind == "sequence":
+        lengths, steps, mask = _stepped(tree, node, x)
+        rows = np.nonzero(mask)[0]
+        lp_steps, base_acc = score(tree, *node.unit_child(0, inst), steps[mask], sc)
+        lp = np.bincount(rows, weights=lp_steps, minlength=len(x)).astype(np.float64)
+        lp_len, len_acc = _score_length(tree, node, inst, lengths, sc)
+
+        def acc(w: np.ndarray) -> None:
+            base_acc(w[rows])
+            len_acc(w)
+
+        return lp + lp_len, acc
     p = sc.params[node.id]
     if kind == "gaussian":
         d = s.dim
@@ -524,14 +628,25 @@ def score(tree: Tree, node: TreeNode, inst: int, x: np.ndarray, sc: Scoring):
     raise ModelError(f"{node.id}: EM does not score a {kind!r} node")
 
 
+def _score_length(tree: Tree, node: TreeNode, inst: int, lengths: np.ndarray, sc: Scoring):
+    """(log p(length), acc) of an hmm's or a sequence's length node; zeros without one."""
+    if node.length is None:
+        return np.zeros(len(lengths)), lambda w: None
+    return score(tree, node.length, node.length_instance(inst), lengths[:, None].astype(np.float64), sc)
+
+
 def _score_hmm(tree: Tree, node: TreeNode, inst: int, x: np.ndarray, sc: Scoring):
-    """Forward-backward in log space over ``n`` sequences of ``seq_len`` steps at once."""
+    """Forward-backward in log space over ``n`` sequences of up to ``seq_len`` steps at once: a
+    sequence of ``L`` steps reads its first ``L`` (the steps after them score 0 and take no weight);
+    one of no steps scores only its length."""
     s, t_len, n = node.spec.num_states, tree.seq_len, len(x)
-    steps = x.reshape(n * t_len, -1)
+    lengths, steps, mask = _stepped(tree, node, x)
+    real = steps[mask]
     emitted = []
     for state in range(s):
-        emitted.append(score(tree, *node.unit_child(state, inst), steps, sc))
-    b = np.stack([lp for lp, _ in emitted], axis=1).reshape(n, t_len, s)
+        emitted.append(score(tree, *node.unit_child(state, inst), real, sc))
+    b = np.zeros((n, t_len, s))
+    b[mask] = np.stack([lp for lp, _ in emitted], axis=1)
     t_node = node.transitions or node
     t_inst = 0 if t_node.shared else inst
     tp = sc.params[t_node.id]
@@ -542,21 +657,25 @@ def _score_hmm(tree: Tree, node: TreeNode, inst: int, x: np.ndarray, sc: Scoring
         alpha[:, t] = _lse(alpha[:, t - 1, :, None] + log_a[None], axis=1) + b[:, t]
     beta = np.zeros((n, t_len, s))
     for t in range(t_len - 2, -1, -1):
-        beta[:, t] = _lse(log_a[None] + (b[:, t + 1] + beta[:, t + 1])[:, None, :], axis=2)
-    lp = _lse(alpha[:, -1], axis=1)
+        inside = (t < lengths - 1)[:, None]  # beta is 0 (log 1) at a sequence's last step and after it
+        beta[:, t] = np.where(inside, _lse(log_a[None] + (b[:, t + 1] + beta[:, t + 1])[:, None, :], axis=2), 0.0)
+    last = alpha[np.arange(n), np.maximum(lengths - 1, 0)]
+    chain = np.where(lengths > 0, _lse(last, axis=1), 0.0)
+    lp_len, len_acc = _score_length(tree, node, inst, lengths, sc)
 
     def acc(w: np.ndarray) -> None:
-        gamma = np.exp(alpha + beta - lp[:, None, None]) * w[:, None, None]
+        gamma = np.exp(alpha + beta - chain[:, None, None]) * (w[:, None] * mask)[:, :, None]
         row = sc.stats[t_node.id][t_inst]
         row[:s] += gamma[:, 0].sum(axis=0)
         if t_len > 1:
-            xi = np.exp(alpha[:, :-1, :, None] + log_a[None, None] + (b[:, 1:] + beta[:, 1:])[:, :, None, :] - lp[:, None, None, None])
-            row[s:] += np.einsum("n,ntij->ij", w, xi).ravel()
-        occupancy = gamma.reshape(n * t_len, s)
+            xi = np.exp(alpha[:, :-1, :, None] + log_a[None, None] + (b[:, 1:] + beta[:, 1:])[:, :, None, :] - chain[:, None, None, None])
+            row[s:] += np.einsum("nt,ntij->ij", w[:, None] * mask[:, 1:], xi).ravel()
+        occupancy = gamma[mask]
         for state, (_, child_acc) in enumerate(emitted):
             child_acc(occupancy[:, state])
+        len_acc(w)
 
-    return lp, acc
+    return chain + lp_len, acc
 
 
 def _log(a: np.ndarray) -> np.ndarray:

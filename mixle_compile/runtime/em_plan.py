@@ -1,7 +1,8 @@
 """A distribution plan, read as EM instructions. Torch-free, so that `run` refuses before starting.
 
-Executed: any tree of mixtures, composites and HMMs over Gaussian (diag, full), categorical,
-Poisson and exponential leaves (see ``em_model``), under data parallelism (dp_replicate,
+Executed: any tree of mixtures, composites, HMMs and sequences (with or without a length
+distribution) over Gaussian (diag, full), categorical, Poisson and exponential leaves (see
+``em_model``), under data parallelism (dp_replicate,
 dp_shard), a cut of one node's units over tp, or both. The cut node is a mixture (component cut:
 the posterior normaliser is a logsumexp across tp) or a composite (factor cut: the factors'
 log-likelihoods add up across tp), reached from the root through composites only, so that every
@@ -236,7 +237,7 @@ def _parents(tree: Tree) -> dict[str, list[str]]:
     stack = [tree.root]
     while stack:
         node = stack.pop()
-        for child in [c for c, _ in node.children] + ([node.transitions] if node.transitions else []):
+        for child in node.linked():
             if not child.shared and child.id not in out:
                 out[child.id] = out[node.id] + [node.id]
                 stack.append(child)
@@ -247,7 +248,7 @@ def _subtree(node: TreeNode) -> set[str]:
     seen, stack = {node.id}, [node]
     while stack:
         n = stack.pop()
-        for child in [c for c, _ in n.children] + ([n.transitions] if n.transitions else []):
+        for child in n.linked():
             if child.id not in seen:
                 seen.add(child.id)
                 stack.append(child)
@@ -271,7 +272,7 @@ def _roles(tree: Tree, cut: Cut | None) -> dict[str, tuple[str, int | None]]:
         if n.id == cut.path or n.id in reached_outside:
             continue
         reached_outside.add(n.id)
-        stack += [ch for ch, _ in n.children] + ([n.transitions] if n.transitions else [])
+        stack += n.linked()
     roles: dict[str, tuple[str, int | None]] = {cut.path: ("cut", None)}
     repeated = len(c.children) == 1 and c.num_units > 1
     for n, units in units_of.items():

@@ -71,6 +71,11 @@ def build_models() -> dict:
         [S.DiagonalGaussianDistribution(rng.normal(0, 3, 4 + (k % 5)), rng.uniform(0.5, 2.0, 4 + (k % 5))) for k in range(40)],
         rng.dirichlet(np.ones(40)),
     )
+    # Sequences of two kinds, short ones often empty: the posterior weights fit each kind's length.
+    models["sequence_mixture"] = S.MixtureDistribution([
+        S.SequenceDistribution(S.IntegerCategoricalDistribution(0, [0.6, 0.3, 0.1]), S.PoissonDistribution(1.5)),
+        S.SequenceDistribution(S.IntegerCategoricalDistribution(0, [0.1, 0.2, 0.7]), S.PoissonDistribution(7.0)),
+    ], [0.4, 0.6])
     return models
 
 
