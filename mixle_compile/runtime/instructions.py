@@ -23,14 +23,25 @@ from dataclasses import dataclass, replace
 from types import MappingProxyType
 
 from mixle_compile.contracts import ParallelPlan
-from mixle_compile.lower.groups import kv_replica_size, rule_name
-from mixle_compile.lower.layouts import EXPERT_DATA, KV_HEAD_AXIS, TIED_GROUP, expert_data_size
 from mixle_compile.plan.artifact import plan_spec
 from mixle_compile.plan.document import PlanDocument
+from mixle_compile.plan.vocabulary import (
+    ALL_DATA_AXES,
+    KV_HEAD_AXIS,
+    TIED_GROUP,
+    Axis,
+    Placement,
+    PlacementError,
+    Shard,
+    UpdateId,
+    UpdateIdError,
+    expert_data_size,
+    kv_replica_size,
+    rule_name,
+    shard_dim,
+)
 from mixle_compile.runtime.errors import RuntimeRefusal
 from mixle_compile.spec.models import ModulesModel, Spec, TransformerModel
-
-DATA_AXES = ("dp_replicate", "dp_shard", "cp")
 
 # The activation sites the transformer executes (see runtime/model.py); a planned update outside
 # these and the parameters' own updates is one this runtime does not implement.
@@ -197,7 +208,7 @@ def read_instructions(doc: PlanDocument) -> Instructions:
         tp_replicas = _kv_replicas(p.logical_id, placements, plan, tuple(p.global_shape), gradient)
         if tp_replicas > 1:
             tp_dim = int(placements[KV_HEAD_AXIS][len("shard(") : -1])
-        shard_axes = tuple(a for a in (*DATA_AXES, EXPERT_DATA) if placements.get(a, "replicate") != "replicate")
+        shard_axes = tuple(a for a in ALL_DATA_AXES if placements.get(a, "replicate") != "replicate")
         if "parameter" in gathers:
             mode = "zero"
             scatter = [u for u in gradient if u.collective == "reduce_scatter"]
