@@ -39,7 +39,8 @@ import torch
 import torch.distributed as dist
 
 from mixle_compile.contracts import TORCH_CAPABILITIES, StepReceipt
-from mixle_compile.lower.compact import plan_programs
+from mixle_compile.plan.programs import plan_programs
+from mixle_compile.plan.vocabulary import Axis, UpdateId
 from mixle_compile.plan.document import PlanDocument
 from mixle_compile.runtime.collectives import Collectives, Ledger
 from mixle_compile.runtime.errors import PlanMismatch
@@ -52,7 +53,7 @@ from mixle_compile.runtime.pipeline_plan import activation_shape, check_pipeline
 from mixle_compile.runtime.session import fsdp_units, make_optimizer
 from mixle_compile.runtime.tensor_parallel import TensorParallel
 
-PP = "pp"  # the group rule of the stage-boundary transfers
+PP = Axis.PP.value  # the group rule of the stage-boundary transfers
 WORLD = "world"
 
 
@@ -325,7 +326,7 @@ class PipelineSession:
             src, dst = op.peer, self.stage
             tensor = torch.empty(self.act_shape, dtype=self.shape.compute_dtype, device=self.device)
             (self._grads if grad else self._inputs)[key] = tensor
-        node_id = f"stage.{src}->{dst}:activation" + ("/grad" if grad else "")
+        node_id = str(UpdateId.transfer(src, dst, backward=grad))
         parts = ((node_id, tensor.numel() * tensor.element_size()),)
         self.ledger.check("p2p", PP, parts)
         receiving_chunk = op.chunk if op.kind == "recv" else op.peer_chunk
@@ -351,7 +352,7 @@ class PipelineSession:
                 self._inputs[key] = tensor.detach() if self.detach_received else tensor.requires_grad_(True)
                 site = self.layout.boundary(v - 1)
             else:
-                site = self.layout.boundary(v) + "/grad"
+                site = str(UpdateId.parse(self.layout.boundary(v)).backward())
             if self.recorder is not None:
                 mb = self.plan.microbatches
                 self._set_context(op.microbatch // mb, op.microbatch % mb)
