@@ -29,7 +29,7 @@ from types import MappingProxyType
 from typing import Mapping
 
 from mixle_compile.contracts import ParallelPlan
-from mixle_compile.lower.groups import rule_name
+from mixle_compile.plan.vocabulary import DATA_PARALLEL_AXES, Axis, rule_name
 from mixle_compile.plan.artifact import plan_spec
 from mixle_compile.plan.document import PlanDocument
 from mixle_compile.runtime.em_model import ModelError, Tree, TreeNode, build_tree
@@ -113,7 +113,7 @@ class EMInstructions:
 
     @property
     def data_axes(self) -> tuple[str, ...]:
-        return tuple(a for a in ("dp_replicate", "dp_shard") if self.plan.size(a) > 1)
+        return tuple(a for a in DATA_PARALLEL_AXES if self.plan.size(a) > 1)
 
     def owned(self, tp_coord: int) -> tuple[int, ...]:
         return self.cut.owned(tp_coord) if self.cut else ()
@@ -148,7 +148,7 @@ def read_em_instructions(doc: PlanDocument) -> EMInstructions:
     model = spec.model
     if not isinstance(model, DistributionModel):
         raise RuntimeRefusal(f"not a distribution model: {model.family!r}")
-    later = [f"{a}={plan.size(a)}" for a in ("pp", "cp", "ep", "etp") if plan.size(a) > 1]
+    later = [f"{a}={plan.size(a)}" for a in (Axis.PP, Axis.CP, Axis.EP, Axis.ETP) if plan.size(a) > 1]
     if later:
         raise RuntimeRefusal(f"a distribution model is fitted by EM over data ranks and a tp cut only; the plan has {', '.join(later)}")
     t = spec.training
@@ -179,7 +179,7 @@ def read_em_instructions(doc: PlanDocument) -> EMInstructions:
         if not node_id.endswith(STATISTICS) or node is None or not node.stat_width():
             raise RuntimeRefusal(f"the plan declares the collective {node_id!r} (over {', '.join(c.axes)}), which the EM runtime does not execute")
         statistics.append(_statistics_update(node_id, node, c, roles, cut, owners.get(node.id), plan))
-    data_axes = tuple(a for a in ("dp_replicate", "dp_shard") if plan.size(a) > 1)
+    data_axes = tuple(a for a in DATA_PARALLEL_AXES if plan.size(a) > 1)
     spanning = [n for n, (role, _) in roles.items() if role == "spanning" and f"{n}{STATISTICS}" not in collectives]
     if spanning:
         raise RuntimeRefusal(f"units on several tp ranks add to the statistics of {', '.join(spanning)}, but the plan never sums them over tp")

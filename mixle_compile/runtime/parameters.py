@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch.autograd import Function
 
-from mixle_compile.lower.groups import rule_name
+from mixle_compile.plan.vocabulary import rule_name
 from mixle_compile.runtime.collectives import Collectives
 from mixle_compile.runtime.errors import PlanMismatch
 from mixle_compile.runtime.instructions import Instructions, ParamInstruction
@@ -239,10 +239,6 @@ class ParamStore:
 
     def masters(self) -> list[torch.nn.Parameter]:
         return [p.master for p in self.params.values()]
-
-    @property
-    def has_fsdp(self) -> bool:
-        return any(p.mode == "fsdp" for p in self.params.values())
 
     # -- uses (forward) --------------------------------------------------------------------
 
