@@ -29,6 +29,8 @@ from mixle_compile.contracts import ParallelAxis, ParallelPlan, placement_dim
 
 __all__ = [
     "ALL_DATA_AXES",
+    "BACKWARD",
+    "GRADIENT_STEPS",
     "Axis",
     "DATA_AXES",
     "DATA_PARALLEL_AXES",
@@ -206,7 +208,7 @@ class UpdateIdError(ValueError):
 #: ``<subject>:<kind>[/<step>]``: the subject may contain anything but a colon at its end; kind and
 #: step are words (a step may carry a ``-phase``).
 _UPDATE_ID = re.compile(r"(?P<subject>.+):(?P<kind>[A-Za-z_]+)(?:/(?P<step>[A-Za-z_]+(?:-[A-Za-z_]+)?))?")
-_TRANSFER = re.compile(r"stage\.(0|[1-9][0-9]*)->(0|[1-9][0-9]*)")
+_TRANSFER = re.compile(r"stage\.(\d+)->(\d+)")
 
 #: The step of an activation update's backward conjugate (``layers.0.mlp:out/grad``).
 BACKWARD = "grad"
