@@ -118,3 +118,8 @@ def test_the_import_check_sees_an_import_of_the_lowering(tmp_path):
     sample = tmp_path / "sample.py"
     sample.write_text("def f():\n    from mixle_compile.lower.groups import rule_name\n    import mixle_compile.lower.layouts\n")
     assert _lower_imports(sample) == ["mixle_compile.lower.groups", "mixle_compile.lower.layouts"]
+
+
+def test_statistics_id_round_trip():
+    built = UpdateId.statistics("model.root.components[0]")
+    assert str(built) == "model.root.components[0]:statistics" and UpdateId.parse(str(built)) == built

@@ -41,6 +41,7 @@ __all__ = [
     "KV_HEAD_AXIS",
     "KV_REPLICA_PREFIX",
     "REPLICATE",
+    "STATISTICS",
     "TIED_ALIAS",
     "TIED_GROUP",
     "Placement",
@@ -215,6 +216,8 @@ BACKWARD = "grad"
 #: The kinds of a parameter's own updates.
 GRADIENT = "grad"
 PARAMETER = "param"
+#: The kind of a distribution model's sum of one node's sufficient statistics (EM).
+STATISTICS = "statistics"
 #: The gradient reduction steps, in the order they apply (lower/updates.py).
 GRADIENT_STEPS = ("tied", "tp", "kv", "scatter", "reduce")
 
@@ -261,6 +264,11 @@ class UpdateId:
         """A parameter all_gather: before its ``phase`` use (FSDP), or after the step (``None``: a
         distributed optimizer's gather of the updated shards)."""
         return cls(tensor, PARAMETER, f"gather-{phase}" if phase else "gather")
+
+    @classmethod
+    def statistics(cls, node: str) -> UpdateId:
+        """The sum of a distribution node's sufficient statistics (``model.root:statistics``)."""
+        return cls(node, STATISTICS)
 
     @classmethod
     def transfer(cls, src: int, dst: int, *, backward: bool = False) -> UpdateId:
