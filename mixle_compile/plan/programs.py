@@ -2,7 +2,7 @@
 
 A :class:`StageProgram` is what a format-2 plan's ``schedule.stages`` holds (the lowering builds and
 checks it in :mod:`mixle_compile.lower.compact`, which explains the form): a ``body`` of ops and
-:class:`Loop` s run ``runs`` times, the collectives issued at every forward and backward stated once,
+loops (:class:`Loop`) run ``runs`` times, the collectives issued at every forward and backward stated once,
 the gradient reductions with their counts and what follows the optimizer. :func:`expand` gives the
 explicit program back, op for op; :func:`plan_programs` reads every stage's explicit program from a
 plan, which is how the runtime reads a plan's schedule.
