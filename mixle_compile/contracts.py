@@ -643,8 +643,10 @@ class BackendCapabilities(_Contract):
 _SHARD = re.compile(r"shard\((0|[1-9][0-9]*)\)")
 
 
-def _placement_dim(placement: str) -> int | None:
-    """``None`` for ``"replicate"``, the dimension for ``"shard(<dim>)"``.
+def placement_dim(placement: str) -> int | None:
+    """``None`` for ``"replicate"``, the dimension for ``"shard(<dim>)"``: the one grammar of a
+    placement (this module stays standard-library only, so the plan vocabulary's typed
+    ``Placement`` reads placements through it).
 
     Raises ``ValueError`` for anything else.
     """
@@ -699,7 +701,7 @@ class ParameterLayout(_Contract):
             axis = _require_axis_name(owner, f"{label} mesh axis", pair[0])
             placement = _require_str(owner, f"{label} placement", pair[1])
             try:
-                dim = _placement_dim(placement)
+                dim = placement_dim(placement)
             except ValueError:
                 raise ContractError(
                     f"{owner}.{label}: malformed placement {placement!r} for mesh axis "

@@ -40,13 +40,27 @@ from __future__ import annotations
 
 import itertools
 import math
-import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
 from mixle_compile.contracts import ParallelPlan
+
+# The names rules are written in belong to the plan's vocabulary (the runtime reads them too).
+from mixle_compile.plan.vocabulary import (
+    DATA_AXES,
+    DATA_PARALLEL_AXES,
+    DENSE_AXES,
+    EMBEDDING_RULE,
+    EXPERT_AXES,
+    EXPERT_DATA,
+    TIED_ALIAS,
+    Axis,
+    kv_replica_axis,
+    kv_replica_size,
+    rule_name,
+)
 
 __all__ = [
     "DEFAULT_ORDER",
@@ -70,87 +84,35 @@ __all__ = [
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"
 _ORDER_TOKENS = ("tp", "cp", "ep", "dp", "pp")
 
-#: Axes of each grid, in the canonical order used to name rules.
-DENSE_AXES: tuple[str, ...] = ("dp_replicate", "dp_shard", "cp", "tp", "pp")
-EXPERT_AXES: tuple[str, ...] = ("edp", "ep", "etp", "pp")
-
 #: What each order token expands to, innermost first.
 DENSE_TOKEN_AXES = {
-    "tp": ("tp",),
-    "cp": ("cp",),
+    "tp": (Axis.TP,),
+    "cp": (Axis.CP,),
     "ep": (),
-    "dp": ("dp_shard", "dp_replicate"),
-    "pp": ("pp",),
+    "dp": (Axis.DP_SHARD, Axis.DP_REPLICATE),
+    "pp": (Axis.PP,),
 }
-EXPERT_TOKEN_AXES = {"tp": ("etp",), "cp": (), "ep": ("ep",), "dp": ("edp",), "pp": ("pp",)}
-
-#: Name of the tied-embedding rule: first and last pipeline stage of the same
-#: model-parallel position (their tied input/output embedding gradients meet there).
-EMBEDDING_RULE = "embedding"
-#: Another accepted name for the same rule (the layouts call the tied group ``tied``).
-TIED_ALIAS = "tied"
-
-#: KV-head replication (grouped-query attention with fewer KV heads than tp ranks): the tp ranks
-#: ``t`` with the same ``t // r`` hold the same KV head.  Their group is a block of ``r``
-#: consecutive tp coordinates; the axis name carries ``r`` so that a rule can be rebuilt from its
-#: name and the plan's degrees alone.
-KV_REPLICA_PREFIX = "tp_kv_replica"
-_KV_REPLICA = re.compile(r"tp_kv_replica([1-9][0-9]*)")
-
-
-def kv_replica_axis(replicas: int) -> str:
-    """The name of the sub-axis of tp whose ``replicas`` ranks share one KV head."""
-    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
-        raise ValueError(f"KV-head replicas must be a positive integer, got {replicas!r}")
-    return f"{KV_REPLICA_PREFIX}{replicas}"
-
-
-def kv_replica_size(axis: str) -> int | None:
-    """``r`` for a KV-replica axis name (``tp_kv_replica<r>``), ``None`` for any other name."""
-    match = _KV_REPLICA.fullmatch(axis) if isinstance(axis, str) else None
-    return int(match.group(1)) if match else None
-
+EXPERT_TOKEN_AXES = {"tp": (Axis.ETP,), "cp": (), "ep": (Axis.EP,), "dp": (EXPERT_DATA,), "pp": (Axis.PP,)}
 
 #: Rules every grid carries, in the global creation order.  Names join the axes
 #: with ``+`` in canonical order (see :func:`rule_name`).
 DEFAULT_RULES: tuple[tuple[str, ...], ...] = (
-    ("tp",),
-    ("cp",),
-    ("dp_shard",),
-    ("dp_replicate",),
-    ("pp",),
-    ("dp_shard", "cp"),  # FSDP shard group when cp folds into it
-    ("dp_replicate", "dp_shard"),  # data parallel
-    ("dp_replicate", "dp_shard", "cp"),  # dense gradient reduction
-    ("cp", "tp"),
-    ("tp", "pp"),  # model parallel
+    (Axis.TP,),
+    (Axis.CP,),
+    (Axis.DP_SHARD,),
+    (Axis.DP_REPLICATE,),
+    (Axis.PP,),
+    (Axis.DP_SHARD, Axis.CP),  # FSDP shard group when cp folds into it
+    DATA_PARALLEL_AXES,  # data parallel
+    DATA_AXES,  # dense gradient reduction
+    (Axis.CP, Axis.TP),
+    (Axis.TP, Axis.PP),  # model parallel
     (EMBEDDING_RULE,),
-    ("etp",),
-    ("ep",),
-    ("edp",),
-    ("ep", "etp"),
+    (Axis.ETP,),
+    (Axis.EP,),
+    (EXPERT_DATA,),
+    (Axis.EP, Axis.ETP),
 )
-
-
-def rule_name(axes: Iterable[str]) -> str:
-    """Canonical rule name: the axes joined by ``+`` in canonical axis order."""
-    axes = tuple(axes)
-    if axes in ((EMBEDDING_RULE,), (TIED_ALIAS,)):
-        return EMBEDDING_RULE
-    if any(kv_replica_size(a) is not None for a in axes):
-        if len(axes) != 1:
-            raise ValueError(f"rule {axes}: a KV-replica axis ({KV_REPLICA_PREFIX}<r>) forms a rule alone")
-        return axes[0]
-    canonical = DENSE_AXES + tuple(a for a in EXPERT_AXES if a not in DENSE_AXES)
-    unknown = [a for a in axes if a not in canonical]
-    if unknown:
-        raise ValueError(
-            f"unknown axis {unknown[0]!r} in rule {axes}; valid axes: {', '.join(canonical)}, "
-            f"or {EMBEDDING_RULE!r} alone"
-        )
-    if len(set(axes)) != len(axes):
-        raise ValueError(f"rule {axes} names an axis twice")
-    return "+".join(sorted(axes, key=canonical.index))
 
 
 # ---------------------------------------------------------------------------

@@ -27,20 +27,23 @@ from dataclasses import dataclass
 from math import ceil, prod
 
 from mixle_compile.contracts import ParallelPlan, ParameterLayout, StateLayout
-from mixle_compile.lower.groups import kv_replica_axis, kv_replica_size
+from mixle_compile.plan.vocabulary import (
+    EXPERT_DATA,
+    KV_HEAD_AXIS,
+    REPLICATE,
+    Axis,
+    Shard,
+    expert_data_size,
+    kv_replica_axis,
+    kv_replica_size,
+    shard_dim,
+)
 from mixle_compile.layer_split import LayerSplit, split_layers
 from mixle_compile.memory_model import fsdp_shards
 from mixle_compile.parameters import Parameter
 
-# Names of the communication domains used in layouts and updates. Physical mesh axes keep their
-# ParallelPlan names; `edp` (expert data parallel) and `tied` (first and last pipeline stage,
-# for tied embeddings) are groups cut from the same ranks.
-DATA_AXES = ("dp_replicate", "dp_shard", "cp")
-EXPERT_DATA = "edp"
-TIED_GROUP = "tied"
-# The KV head a tp rank holds when KV heads are replicated over tp (see the module docstring);
-# the ranks sharing a head form the sub-axis `kv_replica_axis(r)` (lower/groups.py).
-KV_HEAD_AXIS = "tp_kv_head"
+# The names of the axes and communication domains used in layouts and updates (`edp`, `tied`, the
+# KV head and its replicas) are the plan's vocabulary (plan/vocabulary.py).
 _KV_PROJECTIONS = (".attn.k_proj.weight", ".attn.k_proj.bias", ".attn.v_proj.weight", ".attn.v_proj.bias")
 
 
@@ -89,17 +92,14 @@ def model_parallel_splits(placed: PlacedParameter, plan: ParallelPlan) -> tuple[
     """``(dim, pieces)`` for every model-parallel split of a parameter (tp, ep, a KV head over tp)."""
     out = []
     for axis, placement in placed.layout.placements:
-        if placement == "replicate":
+        dim = shard_dim(placement)
+        if dim is None:
             continue
-        if axis in ("tp", "ep"):
-            out.append((int(placement[len("shard(") : -1]), plan.size(axis)))
+        if axis in (Axis.TP, Axis.EP):
+            out.append((dim, plan.size(axis)))
         elif axis == KV_HEAD_AXIS:
-            out.append((int(placement[len("shard(") : -1]), plan.tp // placed.kv_replicas))
+            out.append((dim, plan.tp // placed.kv_replicas))
     return tuple(out)
-
-
-def expert_data_size(plan: ParallelPlan) -> int:
-    return plan.world_size // (plan.etp * plan.ep * plan.pp)
 
 
 def place_parameters(
@@ -134,11 +134,11 @@ def place_parameters(
         shared_head = replicas if replicas > 1 and p.tp_dim is not None and is_kv_projection(p.name) else 1
         if p.role == "expert":
             if plan.ep > 1 and p.shape:
-                placements.append(("ep", "shard(0)"))
+                placements.append((Axis.EP, str(Shard(0))))
                 local[0] = ceil(local[0] / plan.ep)
             if plan.tp > 1:
                 over_tp = p.tp_dim is not None and plan.etp == plan.tp
-                placements.append(("tp", f"shard({p.tp_dim})" if over_tp else "replicate"))
+                placements.append((Axis.TP, str(Shard(p.tp_dim) if over_tp else REPLICATE)))
                 if over_tp:
                     local[p.tp_dim] = local[p.tp_dim] // plan.tp
             edp = expert_data_size(plan)
@@ -147,30 +147,30 @@ def place_parameters(
                 # torchtitan shards them), else the hidden dimension.
                 data_dim = 1 if len(p.shape) > 1 and p.shape[0] % (plan.ep * edp) else 0
                 if fsdp:
-                    placements.append((EXPERT_DATA, f"shard({data_dim})"))
+                    placements.append((EXPERT_DATA, str(Shard(data_dim))))
                     local[data_dim] = ceil(local[data_dim] / edp)
                 else:
-                    placements.append((EXPERT_DATA, "replicate"))
+                    placements.append((EXPERT_DATA, str(REPLICATE)))
         else:
             if shared_head > 1:
                 # Head tp_rank // r of num_kv_heads, the same on the r ranks of a KV-replica group.
-                placements.append((KV_HEAD_AXIS, f"shard({p.tp_dim})"))
-                placements.append((kv_replica_axis(shared_head), "replicate"))
+                placements.append((KV_HEAD_AXIS, str(Shard(p.tp_dim))))
+                placements.append((kv_replica_axis(shared_head), str(REPLICATE)))
                 local[p.tp_dim] = local[p.tp_dim] // (plan.tp // shared_head)
             elif plan.tp > 1:
-                placements.append(("tp", f"shard({p.tp_dim})" if p.tp_dim is not None else "replicate"))
+                placements.append((Axis.TP, str(Shard(p.tp_dim) if p.tp_dim is not None else REPLICATE)))
                 if p.tp_dim is not None:
                     local[p.tp_dim] = local[p.tp_dim] // plan.tp
             if plan.dp_replicate > 1:
-                placements.append(("dp_replicate", "replicate"))
-            for axis in ("dp_shard", "cp"):
+                placements.append((Axis.DP_REPLICATE, str(REPLICATE)))
+            for axis in (Axis.DP_SHARD, Axis.CP):
                 degree = plan.size(axis)
                 if degree > 1:
                     if fsdp and p.shape:
-                        placements.append((axis, "shard(0)"))
+                        placements.append((axis, str(Shard(0))))
                         local[0] = ceil(local[0] / degree)
                     else:
-                        placements.append((axis, "replicate"))
+                        placements.append((axis, str(REPLICATE)))
         layout = ParameterLayout(
             logical_id=p.name,
             global_shape=p.shape,

@@ -27,8 +27,18 @@ from dataclasses import dataclass
 
 from mixle_compile.step_time import ring_bytes
 from mixle_compile.contracts import CollectiveKind, DistributedUpdate, ParallelPlan, PayloadKind, StateLayout
-from mixle_compile.lower.groups import kv_replica_size
-from mixle_compile.lower.layouts import DATA_AXES, EXPERT_DATA, TIED_GROUP, PlacedParameter, expert_data_size, model_parallel_splits
+from mixle_compile.lower.layouts import PlacedParameter, model_parallel_splits
+from mixle_compile.plan.vocabulary import (
+    ALL_DATA_AXES,
+    EXPERT_DATA,
+    REPLICATE,
+    TIED_GROUP,
+    Axis,
+    UpdateId,
+    expert_data_size,
+    kv_replica_size,
+    shard_dim,
+)
 from mixle_compile.parameters import DTYPE_BYTES, head_dim, is_moe_layer
 from mixle_compile.spec.models import Spec, TransformerModel
 
@@ -84,7 +94,7 @@ def _grad_update(node: str, collective: CollectiveKind, axes: tuple[str, ...], l
 
 def gradient_updates(placed: tuple[PlacedParameter, ...], plan: ParallelPlan, *, sequence_parallel: bool, distributed_optimizer: bool, microbatches_per_step: int) -> list[PlannedUpdate]:
     """Gradient reductions and FSDP parameter gathers, derived from each layout's placements."""
-    data_differs = {*DATA_AXES, EXPERT_DATA} | ({"tp"} if sequence_parallel else set())
+    data_differs = {*ALL_DATA_AXES} | ({Axis.TP} if sequence_parallel else set())
     out: list[PlannedUpdate] = []
     dp = plan.data_parallel_size
     tied_seen: set[str] = set()
@@ -98,14 +108,14 @@ def gradient_updates(placed: tuple[PlacedParameter, ...], plan: ParallelPlan, *,
         if group is not None:
             tied_seen.add(group)
         grads: list[PlannedUpdate] = []
-        data = [(a, p) for a, p in layout.placements if a in data_differs and a != "tp"]
+        data = [(a, p) for a, p in layout.placements if a in data_differs and a != Axis.TP]
         if pp_.is_expert and not data and dp > 1:
             # Every token of the ep group reaches its expert, so the gradient is already summed over
             # the data ranks but must still be divided by the data degree (torchtitan #1551): the
             # expert-data reduction runs over its single rank and carries the divisor.
-            data = [(EXPERT_DATA, "replicate")]
-        sharded = [a for a, p in data if p != "replicate"]
-        replicated = [a for a, p in data if p == "replicate"]
+            data = [(EXPERT_DATA, str(REPLICATE))]
+        sharded = [a for a, p in data if shard_dim(p) is not None]
+        replicated = [a for a, p in data if shard_dim(p) is None]
         # A distributed optimizer shards replicated state for the step: reduce-scatter, then gather.
         if distributed_optimizer and not sharded and replicated:
             sharded, replicated = replicated, []
@@ -126,17 +136,17 @@ def gradient_updates(placed: tuple[PlacedParameter, ...], plan: ParallelPlan, *,
             # takes the whole (padded) gradient buffer, before any reduce-scatter.
             grads.append(
                 PlannedUpdate(
-                    _grad_update(f"{layout.shared_group}:grad/tied", CollectiveKind.ALL_REDUCE, (TIED_GROUP,), layout.optimizer_state,
+                    _grad_update(str(UpdateId.gradient(layout.shared_group, "tied")), CollectiveKind.ALL_REDUCE, (TIED_GROUP,), layout.optimizer_state,
                                  f"tied weight {layout.shared_group!r}: sum the first and last stage's whole gradients before any reduce-scatter"),
                     name, "gradient", stage, whole_local, 2, per_step,
                 )
             )
-        if "tp" in data_differs and dict(layout.placements).get("tp") == "replicate" and not pp_.is_expert:
+        if Axis.TP in data_differs and dict(layout.placements).get(Axis.TP) == str(REPLICATE) and not pp_.is_expert:
             # As often as the data reduction it precedes: under FSDP the whole gradient exists only
             # until that accumulation step's reduce-scatter.
             grads.append(
                 PlannedUpdate(
-                    _grad_update(f"{name}:grad/tp", CollectiveKind.ALL_REDUCE, ("tp",), layout.optimizer_state,
+                    _grad_update(str(UpdateId.gradient(name, "tp")), CollectiveKind.ALL_REDUCE, (Axis.TP,), layout.optimizer_state,
                                  "tp-replicated parameter whose inputs are sequence shards under sequence parallelism"),
                     name, "gradient", stage, whole_local, plan.tp, per_step,
                 )
@@ -146,7 +156,7 @@ def gradient_updates(placed: tuple[PlacedParameter, ...], plan: ParallelPlan, *,
             # Before the data reduction and as often: its evidence is the complete gradient of the head.
             grads.append(
                 PlannedUpdate(
-                    _grad_update(f"{name}:grad/kv", CollectiveKind.ALL_REDUCE, (kv_axis,), layout.optimizer_state,
+                    _grad_update(str(UpdateId.gradient(name, "kv")), CollectiveKind.ALL_REDUCE, (kv_axis,), layout.optimizer_state,
                                  f"KV head shared by {pp_.kv_replicas} tp ranks: each holds the part of its gradient that its own query heads contribute"),
                     name, "gradient", stage, whole_local, pp_.kv_replicas, per_step,
                 )
@@ -155,7 +165,7 @@ def gradient_updates(placed: tuple[PlacedParameter, ...], plan: ParallelPlan, *,
             axes = tuple(sharded)
             grads.append(
                 PlannedUpdate(
-                    _grad_update(f"{name}:grad/scatter", CollectiveKind.REDUCE_SCATTER, axes, StateLayout.SHARDED,
+                    _grad_update(str(UpdateId.gradient(name, "scatter")), CollectiveKind.REDUCE_SCATTER, axes, StateLayout.SHARDED,
                                  f"divide by the data-parallel size {dp}" if not replicated else "partial sum; the all_reduce that follows divides"),
                     name, "gradient", stage, _padded_bytes(pp_, plan, 4, group_size(axes, plan)), group_size(axes, plan), per_step,
                     gradient_divisor=1 if replicated else dp,
@@ -167,7 +177,7 @@ def gradient_updates(placed: tuple[PlacedParameter, ...], plan: ParallelPlan, *,
             payload = _padded_bytes(pp_, plan, 4, group_size(tuple(sharded), plan), shard=True) if sharded else local_full
             grads.append(
                 PlannedUpdate(
-                    _grad_update(f"{name}:grad/reduce", CollectiveKind.ALL_REDUCE, axes, layout.optimizer_state,
+                    _grad_update(str(UpdateId.gradient(name, "reduce")), CollectiveKind.ALL_REDUCE, axes, layout.optimizer_state,
                                  f"divide by the data-parallel size {dp}"),
                     name, "gradient", stage, payload, group_size(axes, plan), per_step, gradient_divisor=dp,
                 )
@@ -180,7 +190,7 @@ def gradient_updates(placed: tuple[PlacedParameter, ...], plan: ParallelPlan, *,
                 axes = tuple(sharded)
                 out.append(
                     PlannedUpdate(
-                        _grad_update(f"{name}:param/gather", CollectiveKind.ALL_GATHER, axes, StateLayout.SHARDED,
+                        _grad_update(str(UpdateId.gather(name)), CollectiveKind.ALL_GATHER, axes, StateLayout.SHARDED,
                                      "distributed optimizer: gather the updated shards", payload=PayloadKind.PARAMETER),
                         name, "parameter", stage, param_bytes, group_size(axes, plan), 1,
                     )
@@ -190,7 +200,7 @@ def gradient_updates(placed: tuple[PlacedParameter, ...], plan: ParallelPlan, *,
             for phase in ("forward", "backward"):
                 out.append(
                     PlannedUpdate(
-                        _grad_update(f"{name}:param/gather-{phase}", CollectiveKind.ALL_GATHER, axes, StateLayout.SHARDED,
+                        _grad_update(str(UpdateId.gather(name, phase)), CollectiveKind.ALL_GATHER, axes, StateLayout.SHARDED,
                                      f"FSDP: gather the parameter before its {phase} use", payload=PayloadKind.PARAMETER),
                         name, phase, stage, param_bytes, group_size(axes, plan), microbatches_per_step,
                     )
@@ -205,8 +215,8 @@ def _padded_bytes(pp_: PlacedParameter, plan: ParallelPlan, elem_bytes: int, sha
     dims = list(pp_.parameter.shape) or [1]
     for d, pieces in model_parallel_splits(pp_, plan):
         dims[d] //= pieces
-    data = [p for a, p in pp_.layout.placements if a in (*DATA_AXES, EXPERT_DATA) and p != "replicate"]
-    dim = int(data[0][len("shard(") : -1]) if data else 0
+    data = [shard_dim(p) for a, p in pp_.layout.placements if a in ALL_DATA_AXES]
+    dim = next((d for d in data if d is not None), 0)
     per = -(-dims[dim] // shards)
     dims[dim] = per if shard else per * shards
     size = elem_bytes
@@ -237,27 +247,27 @@ def activation_updates(spec: Spec, plan: ParallelPlan, stage_of: dict[int, int])
     sp = t.sequence_parallel
     out: list[PlannedUpdate] = []
 
-    def add(node: str, collective: CollectiveKind, axes: tuple[str, ...], phase: str, stage: int, nbytes: int, layout: StateLayout, notes: str, payload=PayloadKind.ACTIVATION, times: int = 1) -> None:
+    def add(node: UpdateId, collective: CollectiveKind, axes: tuple[str, ...], phase: str, stage: int, nbytes: int, layout: StateLayout, notes: str, payload=PayloadKind.ACTIVATION, times: int = 1) -> None:
         out.append(
             PlannedUpdate(
-                DistributedUpdate(node_id=node, payload=payload, collective=collective, mesh_axes=axes, state_layout=layout, notes=(notes,) if notes else (), contract_exact=True),
-                node.split(":")[0], phase, stage, nbytes, group_size(axes, plan), mb * times,
+                DistributedUpdate(node_id=str(node), payload=payload, collective=collective, mesh_axes=axes, state_layout=layout, notes=(notes,) if notes else (), contract_exact=True),
+                node.subject, phase, stage, nbytes, group_size(axes, plan), mb * times,
             )
         )
 
     last = plan.pp - 1
     if plan.tp > 1:
         if sp:
-            add("embed:out", CollectiveKind.REDUCE_SCATTER, ("tp",), "forward", 0, hidden_bytes, StateLayout.SHARDED, "vocabulary-parallel embedding: sum the vocabulary slices and scatter the sequence")
-            add("embed:out/grad", CollectiveKind.ALL_GATHER, ("tp",), "backward", 0, hidden_bytes, StateLayout.REPLICATED, "conjugate of the embedding's reduce_scatter")
-            add("lm_head:in", CollectiveKind.ALL_GATHER, ("tp",), "forward", last, hidden_bytes, StateLayout.REPLICATED, "sequence parallel: gather the sequence before the vocabulary-parallel head")
-            add("lm_head:in/grad", CollectiveKind.REDUCE_SCATTER, ("tp",), "backward", last, hidden_bytes, StateLayout.SHARDED, "conjugate of the head's input all_gather")
+            add(UpdateId.activation("embed", "out"), CollectiveKind.REDUCE_SCATTER, (Axis.TP,), "forward", 0, hidden_bytes, StateLayout.SHARDED, "vocabulary-parallel embedding: sum the vocabulary slices and scatter the sequence")
+            add(UpdateId.activation("embed", "out", backward=True), CollectiveKind.ALL_GATHER, (Axis.TP,), "backward", 0, hidden_bytes, StateLayout.REPLICATED, "conjugate of the embedding's reduce_scatter")
+            add(UpdateId.activation("lm_head", "in"), CollectiveKind.ALL_GATHER, (Axis.TP,), "forward", last, hidden_bytes, StateLayout.REPLICATED, "sequence parallel: gather the sequence before the vocabulary-parallel head")
+            add(UpdateId.activation("lm_head", "in", backward=True), CollectiveKind.REDUCE_SCATTER, (Axis.TP,), "backward", last, hidden_bytes, StateLayout.SHARDED, "conjugate of the head's input all_gather")
         else:
-            add("embed:out", CollectiveKind.ALL_REDUCE, ("tp",), "forward", 0, hidden_bytes, StateLayout.REPLICATED, "vocabulary-parallel embedding: each rank holds a slice of the vocabulary")
-            add("lm_head:in/grad", CollectiveKind.ALL_REDUCE, ("tp",), "backward", last, hidden_bytes, StateLayout.REPLICATED, "sum the input gradients of the vocabulary-parallel head")
+            add(UpdateId.activation("embed", "out"), CollectiveKind.ALL_REDUCE, (Axis.TP,), "forward", 0, hidden_bytes, StateLayout.REPLICATED, "vocabulary-parallel embedding: each rank holds a slice of the vocabulary")
+            add(UpdateId.activation("lm_head", "in", backward=True), CollectiveKind.ALL_REDUCE, (Axis.TP,), "backward", last, hidden_bytes, StateLayout.REPLICATED, "sum the input gradients of the vocabulary-parallel head")
         # One fp32 (log-sum-exp, target logit) pair per token from each vocabulary shard; every rank
         # then combines them into the same loss, and the backward needs no communication.
-        add("lm_head:loss", CollectiveKind.ALL_GATHER, ("tp",), "forward", last, plan.tp * 2 * tokens * 4, StateLayout.REPLICATED, "vocabulary-parallel cross entropy: gather each shard's log-sum-exp and target logit")
+        add(UpdateId.activation("lm_head", "loss"), CollectiveKind.ALL_GATHER, (Axis.TP,), "forward", last, plan.tp * 2 * tokens * 4, StateLayout.REPLICATED, "vocabulary-parallel cross entropy: gather each shard's log-sum-exp and target logit")
     # K and V of the KV heads a tp rank holds: its share, or the one head it shares with others.
     kv_heads = model.num_kv_heads or model.num_heads
     kv_bytes = tokens * max(kv_heads // plan.tp, 1) * head_dim(model) * act_bytes_per
@@ -266,23 +276,23 @@ def activation_updates(spec: Spec, plan: ParallelPlan, stage_of: dict[int, int])
         for block in ("attn", "mlp"):
             if plan.tp > 1:
                 if sp:
-                    add(f"layers.{i}.{block}:in", CollectiveKind.ALL_GATHER, ("tp",), "forward", stage, hidden_bytes, StateLayout.REPLICATED, "sequence parallel: gather the sequence before the column-parallel layer")
-                    add(f"layers.{i}.{block}:out", CollectiveKind.REDUCE_SCATTER, ("tp",), "forward", stage, hidden_bytes, StateLayout.SHARDED, "sequence parallel: reduce and scatter the row-parallel output over the sequence")
-                    add(f"layers.{i}.{block}:in/grad", CollectiveKind.REDUCE_SCATTER, ("tp",), "backward", stage, hidden_bytes, StateLayout.SHARDED, "conjugate of the input all_gather")
-                    add(f"layers.{i}.{block}:out/grad", CollectiveKind.ALL_GATHER, ("tp",), "backward", stage, hidden_bytes, StateLayout.REPLICATED, "conjugate of the output reduce_scatter")
+                    add(UpdateId.activation(f"layers.{i}.{block}", "in"), CollectiveKind.ALL_GATHER, (Axis.TP,), "forward", stage, hidden_bytes, StateLayout.REPLICATED, "sequence parallel: gather the sequence before the column-parallel layer")
+                    add(UpdateId.activation(f"layers.{i}.{block}", "out"), CollectiveKind.REDUCE_SCATTER, (Axis.TP,), "forward", stage, hidden_bytes, StateLayout.SHARDED, "sequence parallel: reduce and scatter the row-parallel output over the sequence")
+                    add(UpdateId.activation(f"layers.{i}.{block}", "in", backward=True), CollectiveKind.REDUCE_SCATTER, (Axis.TP,), "backward", stage, hidden_bytes, StateLayout.SHARDED, "conjugate of the input all_gather")
+                    add(UpdateId.activation(f"layers.{i}.{block}", "out", backward=True), CollectiveKind.ALL_GATHER, (Axis.TP,), "backward", stage, hidden_bytes, StateLayout.REPLICATED, "conjugate of the output reduce_scatter")
                 else:
-                    add(f"layers.{i}.{block}:out", CollectiveKind.ALL_REDUCE, ("tp",), "forward", stage, hidden_bytes, StateLayout.REPLICATED, "sum the row-parallel partial outputs")
-                    add(f"layers.{i}.{block}:in/grad", CollectiveKind.ALL_REDUCE, ("tp",), "backward", stage, hidden_bytes, StateLayout.REPLICATED, "sum the input gradients of the column-parallel layer")
+                    add(UpdateId.activation(f"layers.{i}.{block}", "out"), CollectiveKind.ALL_REDUCE, (Axis.TP,), "forward", stage, hidden_bytes, StateLayout.REPLICATED, "sum the row-parallel partial outputs")
+                    add(UpdateId.activation(f"layers.{i}.{block}", "in", backward=True), CollectiveKind.ALL_REDUCE, (Axis.TP,), "backward", stage, hidden_bytes, StateLayout.REPLICATED, "sum the input gradients of the column-parallel layer")
         if plan.cp > 1:
-            add(f"layers.{i}.attn:kv", CollectiveKind.ALL_GATHER, ("cp",), "forward", stage, 2 * kv_bytes * plan.cp, StateLayout.REPLICATED, "context parallel: gather K and V of every sequence chunk", payload=PayloadKind.KV_BLOCK)
-            add(f"layers.{i}.attn:kv/grad", CollectiveKind.REDUCE_SCATTER, ("cp",), "backward", stage, 2 * kv_bytes * plan.cp, StateLayout.SHARDED, "context parallel: return the K and V gradients to their chunks", payload=PayloadKind.KV_BLOCK)
+            add(UpdateId.activation(f"layers.{i}.attn", "kv"), CollectiveKind.ALL_GATHER, (Axis.CP,), "forward", stage, 2 * kv_bytes * plan.cp, StateLayout.REPLICATED, "context parallel: gather K and V of every sequence chunk", payload=PayloadKind.KV_BLOCK)
+            add(UpdateId.activation(f"layers.{i}.attn", "kv", backward=True), CollectiveKind.REDUCE_SCATTER, (Axis.CP,), "backward", stage, 2 * kv_bytes * plan.cp, StateLayout.SHARDED, "context parallel: return the K and V gradients to their chunks", payload=PayloadKind.KV_BLOCK)
         if plan.ep > 1 and is_moe_layer(model, i):
             # Under sequence parallelism each tp rank routes its own sequence shard when experts are
             # whole on it (etp = 1); split over tp (etp = tp), every tp rank routes all the gathered
             # tokens, each computing its slice of their experts' features.
             routed = hidden_bytes * (model.experts_per_token or 1) // (plan.tp if sp and plan.etp == 1 else 1)
-            for phase, what in (("forward", "dispatch"), ("forward", "combine"), ("backward", "dispatch/grad"), ("backward", "combine/grad")):
-                add(f"layers.{i}.moe:{what}", CollectiveKind.ALL_TO_ALL, ("ep",), phase, stage, routed, StateLayout.EXPERT_LOCAL, "expert parallel: tokens to their experts' ranks and back", payload=PayloadKind.TOKEN)
+            for phase, what in (("forward", "dispatch"), ("forward", "combine"), ("backward", "dispatch"), ("backward", "combine")):
+                add(UpdateId.activation(f"layers.{i}.moe", what, backward=phase == "backward"), CollectiveKind.ALL_TO_ALL, (Axis.EP,), phase, stage, routed, StateLayout.EXPERT_LOCAL, "expert parallel: tokens to their experts' ranks and back", payload=PayloadKind.TOKEN)
     if plan.pp > 1:
         boundary_bytes = hidden_bytes // (plan.tp if sp else 1)
         # Virtual stage w hands over to w + 1 on stage (w + 1) % pp: with interleaving the last stage
@@ -296,6 +306,6 @@ def activation_updates(spec: Spec, plan: ParallelPlan, stage_of: dict[int, int])
             if s not in boundaries:
                 continue
             n = (s + 1) % plan.pp
-            add(f"stage.{s}->{n}:activation", CollectiveKind.P2P, ("pp",), "forward", s, boundary_bytes, StateLayout.PIPELINE_LOCAL, "pipeline: activation to the next stage", times=boundaries[s])
-            add(f"stage.{n}->{s}:activation/grad", CollectiveKind.P2P, ("pp",), "backward", n, boundary_bytes, StateLayout.PIPELINE_LOCAL, "pipeline: activation gradient to the previous stage", times=boundaries[s])
+            add(UpdateId.transfer(s, n), CollectiveKind.P2P, (Axis.PP,), "forward", s, boundary_bytes, StateLayout.PIPELINE_LOCAL, "pipeline: activation to the next stage", times=boundaries[s])
+            add(UpdateId.transfer(n, s, backward=True), CollectiveKind.P2P, (Axis.PP,), "backward", n, boundary_bytes, StateLayout.PIPELINE_LOCAL, "pipeline: activation gradient to the previous stage", times=boundaries[s])
     return out

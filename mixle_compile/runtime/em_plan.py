@@ -30,7 +30,7 @@ from types import MappingProxyType
 from typing import Mapping
 
 from mixle_compile.contracts import ParallelPlan
-from mixle_compile.lower.groups import rule_name
+from mixle_compile.plan.vocabulary import DATA_PARALLEL_AXES, STATISTICS, Axis, UpdateId, UpdateIdError, rule_name
 from mixle_compile.plan.artifact import plan_spec
 from mixle_compile.plan.document import PlanDocument
 from mixle_compile.runtime.em_model import ModelError, Tree, TreeNode, build_tree
@@ -41,7 +41,6 @@ from mixle_compile.spec.models import DistributionModel
 FLOAT64_BYTES = 8
 ROOT = "model.root"
 LOG_LIKELIHOOD = "log_likelihood"
-STATISTICS = ":statistics"
 
 
 @dataclass(frozen=True)
@@ -114,7 +113,7 @@ class EMInstructions:
 
     @property
     def data_axes(self) -> tuple[str, ...]:
-        return tuple(a for a in ("dp_replicate", "dp_shard") if self.plan.size(a) > 1)
+        return tuple(a for a in DATA_PARALLEL_AXES if self.plan.size(a) > 1)
 
     def owned(self, tp_coord: int) -> tuple[int, ...]:
         return self.cut.owned(tp_coord) if self.cut else ()
@@ -140,6 +139,15 @@ def is_distribution(doc: PlanDocument) -> bool:
     return family == "distribution"
 
 
+def _statistics_of(node_id: str) -> str | None:
+    """The node whose sufficient statistics the update ``node_id`` sums, ``None`` for another update."""
+    try:
+        uid = UpdateId.parse(node_id)
+    except UpdateIdError:
+        return None
+    return uid.subject if uid.kind == STATISTICS and uid.step is None else None
+
+
 def read_em_instructions(doc: PlanDocument) -> EMInstructions:
     """The plan as EM instructions; raises RuntimeRefusal naming what this runtime cannot execute."""
     if not doc.verdict.ok:
@@ -149,7 +157,7 @@ def read_em_instructions(doc: PlanDocument) -> EMInstructions:
     model = spec.model
     if not isinstance(model, DistributionModel):
         raise RuntimeRefusal(f"not a distribution model: {model.family!r}")
-    later = [f"{a}={plan.size(a)}" for a in ("pp", "cp", "ep", "etp") if plan.size(a) > 1]
+    later = [f"{a}={plan.size(a)}" for a in (Axis.PP, Axis.CP, Axis.EP, Axis.ETP) if plan.size(a) > 1]
     if later:
         raise RuntimeRefusal(f"a distribution model is fitted by EM over data ranks and a tp cut only; the plan has {', '.join(later)}")
     t = spec.training
@@ -176,16 +184,17 @@ def read_em_instructions(doc: PlanDocument) -> EMInstructions:
             raise RuntimeRefusal(f"the plan declares {node_id!r} as {c.collective}; the EM runtime executes all_reduce only")
         if node_id in known:
             continue
-        node = tree.nodes.get(node_id.removesuffix(STATISTICS))
-        if not node_id.endswith(STATISTICS) or node is None or not node.stat_width():
+        subject = _statistics_of(node_id)
+        node = tree.nodes.get(subject) if subject is not None else None
+        if node is None or not node.stat_width():
             raise RuntimeRefusal(f"the plan declares the collective {node_id!r} (over {', '.join(c.axes)}), which the EM runtime does not execute")
         statistics.append(_statistics_update(node_id, node, c, roles, cut, owners.get(node.id), plan))
-    data_axes = tuple(a for a in ("dp_replicate", "dp_shard") if plan.size(a) > 1)
-    spanning = [n for n, (role, _) in roles.items() if role == "spanning" and f"{n}{STATISTICS}" not in collectives]
+    data_axes = tuple(a for a in DATA_PARALLEL_AXES if plan.size(a) > 1)
+    spanning = [n for n, (role, _) in roles.items() if role == "spanning" and str(UpdateId.statistics(n)) not in collectives]
     if spanning:
         raise RuntimeRefusal(f"units on several tp ranks add to the statistics of {', '.join(spanning)}, but the plan never sums them over tp")
     if data_axes:
-        missing = [n.id for n in tree.with_statistics() if f"{n.id}{STATISTICS}" not in collectives]
+        missing = [n.id for n in tree.with_statistics() if str(UpdateId.statistics(n.id)) not in collectives]
         if missing:
             raise RuntimeRefusal(f"the plan never reduces the statistics of {', '.join(missing)} over {', '.join(data_axes)}; recompile the spec")
     rows = t.global_batch_size

@@ -23,21 +23,38 @@ from dataclasses import dataclass, replace
 from types import MappingProxyType
 
 from mixle_compile.contracts import ParallelPlan
-from mixle_compile.lower.groups import kv_replica_size, rule_name
-from mixle_compile.lower.layouts import EXPERT_DATA, KV_HEAD_AXIS, TIED_GROUP, expert_data_size
 from mixle_compile.plan.artifact import plan_spec
 from mixle_compile.plan.document import PlanDocument
+from mixle_compile.plan.vocabulary import (
+    ALL_DATA_AXES,
+    BACKWARD,
+    REPLICATE,
+    KV_HEAD_AXIS,
+    TIED_GROUP,
+    Axis,
+    Placement,
+    PlacementError,
+    Shard,
+    UpdateId,
+    UpdateIdError,
+    expert_data_size,
+    kv_replica_size,
+    rule_name,
+)
 from mixle_compile.runtime.errors import RuntimeRefusal
 from mixle_compile.spec.models import ModulesModel, Spec, TransformerModel
 
-DATA_AXES = ("dp_replicate", "dp_shard", "cp")
-
-# The activation sites the transformer executes (see runtime/model.py); a planned update outside
-# these and the parameters' own updates is one this runtime does not implement.
-_ACTIVATION_SITE = re.compile(r"^(embed|lm_head|layers\.\d+\.(attn|mlp)):(in|out|loss)(/grad)?$|^layers\.\d+\.attn:kv(/grad)?$"
-                              r"|^layers\.\d+\.moe:(dispatch|combine)(/grad)?$")
-# The pipeline's stage-boundary transfers (runtime/pipeline.py, when pp > 1).
-_PIPELINE_SITE = re.compile(r"^stage\.\d+->\d+:activation(/grad)?$")
+# The activation sites the transformer executes (see runtime/model.py), by block, with the kinds of
+# collective each issues (every one also as its backward conjugate); a planned update outside these
+# and the parameters' own updates is one this runtime does not implement.
+_EXECUTED_SITES = {
+    "embed": ("in", "out", "loss"),
+    "lm_head": ("in", "out", "loss"),
+    "attn": ("in", "out", "loss", "kv"),
+    "mlp": ("in", "out", "loss"),
+    "moe": ("dispatch", "combine"),
+}
+_LAYER_BLOCK = re.compile(r"layers\.\d+\.(attn|mlp|moe)")
 
 
 @dataclass(frozen=True)
@@ -145,14 +162,46 @@ def read_instructions(doc: PlanDocument) -> Instructions:
 
     With pp > 1 the stage-boundary transfers are accepted too (runtime/pipeline_plan.py refuses the
     rest of what the pipeline runtime does not execute)."""
+    _refuse_unverified(doc)
+    spec = plan_spec(doc)
+    plan = plan_of(doc)
+    _refuse_unsupported(spec, plan)
+    collectives = _read_collectives(doc)
+    params = _read_params(doc, spec, plan, collectives)
+    params = _fold_ties(params)
+    _check_tied_layouts(params)
+    t = spec.training
+    return Instructions(
+        plan=plan,
+        spec=spec,
+        content_digest=doc.content_digest,
+        family=spec.model.family,
+        precision=t.precision,
+        optimizer=t.optimizer,
+        learning_rate=t.learning_rate,
+        seed=t.seed,
+        steps=t.steps,
+        micro_batch_size=t.micro_batch_size,
+        seq_len=t.seq_len,
+        global_batch_size=t.global_batch_size,
+        sequence_parallel=bool(t.sequence_parallel and plan.tp > 1),
+        params=tuple(params),
+        collectives=MappingProxyType(collectives),
+        activation_sites=_activation_sites(collectives, {p.name for p in params}, plan),
+    )
+
+
+def _refuse_unverified(doc: PlanDocument) -> None:
     if not doc.verdict.ok:
         first = doc.verdict.diagnostics[0].message if doc.verdict.diagnostics else "; ".join(doc.verdict.reduction_problems[:1]) or "its schedule check failed"
         raise RuntimeRefusal(
             f"the plan did not verify ({doc.verdict.errors} error(s); first: {first}); fix the spec and recompile instead of running it"
         )
-    spec = plan_spec(doc)
-    plan = plan_of(doc)
-    _refuse_unsupported(spec, plan)
+
+
+def _read_collectives(doc: PlanDocument) -> dict[str, Collective]:
+    """Every planned update by node id; one listed again (another stage's participant) is one
+    collective issued on several stages."""
     collectives: dict[str, Collective] = {}
     for u in doc.updates:
         c = Collective(
@@ -171,54 +220,36 @@ def read_instructions(doc: PlanDocument) -> Instructions:
         )
         seen = collectives.get(u.node_id)
         if seen is not None:
-            # The same update listed again (another stage's participant): one collective, many stages.
             if (seen.collective, seen.axes, seen.payload_bytes, seen.occurrences_per_step, seen.divisor) != (
                 c.collective, c.axes, c.payload_bytes, c.occurrences_per_step, c.divisor
             ):
                 raise RuntimeRefusal(f"the plan lists the update {u.node_id!r} twice with different collectives or sizes; recompile it")
             c = replace(seen, stages=tuple(sorted({*seen.stages, u.stage})))
         collectives[u.node_id] = c
+    return collectives
+
+
+def _read_params(doc: PlanDocument, spec: Spec, plan: ParallelPlan, collectives: Mapping[str, Collective]) -> list[ParamInstruction]:
     ties = _ties(spec, plan)
     copies = _stage_copies(spec, plan)
-    params = []
     names = {p.logical_id for p in doc.parameters}
     # The updates of each tensor, indexed once: scanning every update for every parameter made
     # reading a plan quadratic in the model.
     by_tensor: dict[str, list] = {}
     for u in doc.updates:
         by_tensor.setdefault(u.tensor, []).append(u)
+    params = []
     for p in doc.parameters:
         mine = by_tensor.get(p.logical_id, ())
         gradient = tuple(collectives[u.node_id] for u in mine if u.payload == "gradient")
         gathers = {u.phase: collectives[u.node_id] for u in mine if u.payload == "parameter" and u.collective == "all_gather"}
-        placements = dict((axis, placement) for axis, placement in p.placements)
-        tp = placements.get("tp", "replicate")
-        tp_dim = None if tp == "replicate" else int(tp[len("shard(") : -1])
+        placements = _placements(p.logical_id, p.placements)
+        tp_dim = placements.get(Axis.TP, REPLICATE).dim
         tp_replicas = _kv_replicas(p.logical_id, placements, plan, tuple(p.global_shape), gradient)
         if tp_replicas > 1:
-            tp_dim = int(placements[KV_HEAD_AXIS][len("shard(") : -1])
-        shard_axes = tuple(a for a in (*DATA_AXES, EXPERT_DATA) if placements.get(a, "replicate") != "replicate")
-        if "parameter" in gathers:
-            mode = "zero"
-            scatter = [u for u in gradient if u.collective == "reduce_scatter"]
-            shard_axes = scatter[0].axes if scatter else ()
-        elif shard_axes:
-            mode = "fsdp"
-            if any(placements[a] != "shard(0)" for a in shard_axes):
-                raise RuntimeRefusal(f"parameter {p.logical_id!r} is sharded on a dimension other than 0 over the data axes; this runtime shards dimension 0 only")
-            missing = {"forward", "backward"} - set(gathers)
-            if missing:
-                raise RuntimeRefusal(f"the plan shards {p.logical_id!r} over {', '.join(shard_axes)} but declares no parameter all_gather for its {' and '.join(sorted(missing))} use")
-        else:
-            mode = "replicated"
-        frequencies = {u.occurrences_per_step for u in gradient}
-        if len(frequencies) > 1:
-            raise RuntimeRefusal(
-                f"the plan reduces the gradient of {p.logical_id!r} at different frequencies ({sorted(frequencies)} times per step); "
-                "a gradient chain must run as one unit, so this plan cannot be replayed"
-            )
-        gas = plan.gradient_accumulation_steps
-        every_accumulation = bool(gradient) and gas > 1 and frequencies == {gas}
+            tp_dim = placements[KV_HEAD_AXIS].dim
+        mode, shard_axes = _holding(p.logical_id, placements, gradient, gathers)
+        every_accumulation = _reduces_every_accumulation(p.logical_id, gradient, plan)
         tied_to = ties.get(p.logical_id)
         if tied_to is not None and tied_to not in names:
             raise RuntimeRefusal(f"parameter {p.logical_id!r} is tied to {tied_to!r}, which the plan does not list")
@@ -240,68 +271,115 @@ def read_instructions(doc: PlanDocument) -> Instructions:
                 gathers=MappingProxyType(gathers),
                 reduce_every_accumulation=every_accumulation,
                 tp_replicas=tp_replicas,
-                ep_dim=None if placements.get("ep", "replicate") == "replicate" else int(placements["ep"][len("shard(") : -1]),
+                ep_dim=placements.get(Axis.EP, REPLICATE).dim,
                 tied_uses=group,
             )
         )
+    return params
+
+
+def _placements(name: str, entries) -> dict[str, Placement]:
+    """A parameter's (mesh axis, placement) pairs, read."""
+    try:
+        return {axis: Placement.parse(placement) for axis, placement in entries}
+    except PlacementError as e:
+        raise RuntimeRefusal(f"parameter {name!r}: {e}; recompile the plan") from None
+
+
+def _holding(name: str, placements: Mapping[str, Placement], gradient: tuple[Collective, ...], gathers: Mapping[str, Collective]) -> tuple[str, tuple[str, ...]]:
+    """How the parameter's state is held (replicated, fsdp or zero) and the data axes of its shard."""
+    shard_axes = tuple(a for a in ALL_DATA_AXES if placements.get(a, REPLICATE).dim is not None)
+    if "parameter" in gathers:
+        scatter = [u for u in gradient if u.collective == "reduce_scatter"]
+        return "zero", scatter[0].axes if scatter else ()
+    if not shard_axes:
+        return "replicated", shard_axes
+    if any(placements[a] != Shard(0) for a in shard_axes):
+        raise RuntimeRefusal(f"parameter {name!r} is sharded on a dimension other than 0 over the data axes; this runtime shards dimension 0 only")
+    missing = {"forward", "backward"} - set(gathers)
+    if missing:
+        raise RuntimeRefusal(f"the plan shards {name!r} over {', '.join(shard_axes)} but declares no parameter all_gather for its {' and '.join(sorted(missing))} use")
+    return "fsdp", shard_axes
+
+
+def _reduces_every_accumulation(name: str, gradient: tuple[Collective, ...], plan: ParallelPlan) -> bool:
+    """Whether the gradient is reduced at every accumulation step (else once per optimizer step)."""
+    frequencies = {u.occurrences_per_step for u in gradient}
+    if len(frequencies) > 1:
+        raise RuntimeRefusal(
+            f"the plan reduces the gradient of {name!r} at different frequencies ({sorted(frequencies)} times per step); "
+            "a gradient chain must run as one unit, so this plan cannot be replayed"
+        )
+    gas = plan.gradient_accumulation_steps
+    return bool(gradient) and gas > 1 and frequencies == {gas}
+
+
+def _fold_ties(params: list[ParamInstruction]) -> list[ParamInstruction]:
+    """One tensor on this stage: the plan reduces (and, with a distributed optimizer, gathers) it
+    once, as its first member, whose reductions then carry the other uses' gradients too."""
+    params = list(params)
     index = {p.name: i for i, p in enumerate(params)}
     for i, p in enumerate(params):
         if p.folded:
-            # One tensor on this stage: the plan reduces (and, with a distributed optimizer, gathers)
-            # it once, as its first member, whose reductions then carry this use's gradient too.
             j = index[p.tied_to]
             q = params[j]
             params[i] = replace(p, mode=q.mode, shard_axes=q.shard_axes)
             params[j] = replace(q, tied_uses=(*(q.tied_uses or (q.name,)), p.name))
+    return params
+
+
+def _check_tied_layouts(params: list[ParamInstruction]) -> None:
     by_name = {p.name: p for p in params}
     for p in params:
         if p.canonical != p.name:
             q = by_name[p.canonical]
             if (q.mode, q.global_shape, q.tp_dim, q.tp_replicas, q.shard_axes) != (p.mode, p.global_shape, p.tp_dim, p.tp_replicas, p.shard_axes):
                 raise RuntimeRefusal(f"tied parameters {q.name!r} and {p.name!r} are laid out differently; tied weights are one tensor and need one layout")
-    param_tensors = set(by_name)
-    activation_sites = []
+
+
+def _activation_sites(collectives: Mapping[str, Collective], param_tensors: set[str], plan: ParallelPlan) -> tuple[str, ...]:
+    """The node ids of the planned activation collectives; refuses one this runtime does not execute."""
+    sites = []
     for node_id, c in collectives.items():
         if c.tensor in param_tensors:
             continue
-        if not (_ACTIVATION_SITE.match(node_id) or (plan.pp > 1 and _PIPELINE_SITE.match(node_id))):
+        if not _executed(node_id, plan):
             raise RuntimeRefusal(f"the plan declares the collective {node_id!r} ({c.collective} over {', '.join(c.axes)}), which this runtime does not execute")
-        activation_sites.append(node_id)
-    t = spec.training
-    return Instructions(
-        plan=plan,
-        spec=spec,
-        content_digest=doc.content_digest,
-        family=spec.model.family,
-        precision=t.precision,
-        optimizer=t.optimizer,
-        learning_rate=t.learning_rate,
-        seed=t.seed,
-        steps=t.steps,
-        micro_batch_size=t.micro_batch_size,
-        seq_len=t.seq_len,
-        global_batch_size=t.global_batch_size,
-        sequence_parallel=bool(t.sequence_parallel and plan.tp > 1),
-        params=tuple(params),
-        collectives=MappingProxyType(collectives),
-        activation_sites=tuple(activation_sites),
-    )
+        sites.append(node_id)
+    return tuple(sites)
 
 
-def _kv_replicas(name: str, placements: Mapping[str, str], plan: ParallelPlan, shape: tuple[int, ...], gradient: tuple[Collective, ...]) -> int:
+def _executed(node_id: str, plan: ParallelPlan) -> bool:
+    """Whether the update ``node_id`` is an activation collective the transformer executes, or (with
+    pp > 1) a stage-boundary transfer of runtime/pipeline.py."""
+    try:
+        uid = UpdateId.parse(node_id)
+    except UpdateIdError:
+        return False
+    if uid.step not in (None, BACKWARD):
+        return False
+    if uid.stages is not None:
+        return plan.pp > 1
+    layer = _LAYER_BLOCK.fullmatch(uid.subject)
+    block = layer.group(1) if layer else uid.subject
+    return uid.kind in _EXECUTED_SITES.get(block, ())
+
+
+def _kv_replicas(name: str, placements: Mapping[str, Placement], plan: ParallelPlan, shape: tuple[int, ...], gradient: tuple[Collective, ...]) -> int:
     """tp ranks sharing the parameter's slice (a replicated KV head, lower/layouts.py), checked against
     the plan's reductions: its gradient must be summed over the ranks sharing it."""
     replica_axes = [(a, kv_replica_size(a)) for a in placements if kv_replica_size(a) is not None]
     head = placements.get(KV_HEAD_AXIS)
     if not replica_axes and head is None:
         return 1
-    if len(replica_axes) != 1 or head is None or head == "replicate" or "tp" in placements:
+    if len(replica_axes) != 1 or head is None or head.dim is None or Axis.TP in placements:
+        written = {axis: str(placement) for axis, placement in placements.items()}
         raise RuntimeRefusal(
-            f"parameter {name!r} has the placements {dict(placements)}; a KV head shared over tp is placed as "
+            f"parameter {name!r} has the placements {written}; a KV head shared over tp is placed as "
             f"{KV_HEAD_AXIS}: shard(dim) with one tp_kv_replica<r>: replicate, and nothing else on tp"
         )
     axis, replicas = replica_axes[0]
-    dim = int(head[len("shard(") : -1])
+    dim = head.dim
     if plan.tp % replicas or dim >= len(shape) or shape[dim] % (plan.tp // replicas):
         raise RuntimeRefusal(
             f"parameter {name!r}: {replicas} tp ranks per KV head do not split tp={plan.tp} and its shape {list(shape)} evenly"

@@ -16,13 +16,13 @@ from __future__ import annotations
 import torch
 from torch.autograd import Function
 
-from mixle_compile.lower.groups import kv_replica_size
+from mixle_compile.plan.vocabulary import Axis, UpdateId, kv_replica_size
 from mixle_compile.runtime.experts import expert_parallel
 from mixle_compile.runtime.model import cp_positions
 from mixle_compile.runtime.parameters import ParamStore
 from mixle_compile.runtime.tensor_parallel import LOSS_SITE, TensorParallel, VocabParallelCrossEntropy
 
-CP = "cp"  # the group rule of context parallelism
+CP = Axis.CP.value  # the group rule of context parallelism
 
 
 class ParallelOps:
@@ -84,12 +84,13 @@ class ParallelOps:
         local = torch.stack([k, v]).contiguous()  # [2, b, heads, s, d]
         _, b, heads, s, d = local.shape
         out = local.new_empty(local.numel() * self.cp_size)
-        self.store.comm.all_gather(out, local.reshape(-1), rule=CP, parts=f"{site}:kv")
+        node_id = str(UpdateId.activation(site, "kv"))
+        self.store.comm.all_gather(out, local.reshape(-1), rule=CP, parts=node_id)
         both = out.view(self.cp_size, 2, b, heads, s, d).permute(1, 2, 3, 0, 4, 5).reshape(2, b, heads, self.cp_size * s, d)
         if self._record is not None:
             seq = s * self.cp_size
             keys = [p for r in range(self.cp_size) for p in cp_positions(seq, self.cp_size, r)]
-            self._record(f"{site}:kv", both, ("act_at", f"{site}:kv", self.store.mesh.data_rank, self._head_slices(site, d), (3, tuple(keys))))
+            self._record(node_id, both, ("act_at", node_id, self.store.mesh.data_rank, self._head_slices(site, d), (3, tuple(keys))))
         return both[0], both[1]
 
     def _scatter_kv_grad(self, site: str, dk: torch.Tensor, dv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,13 +99,14 @@ class ParallelOps:
         s = seq // self.cp_size
         rank_major = both.view(2, b, heads, self.cp_size, s, d).permute(3, 0, 1, 2, 4, 5).contiguous().reshape(-1)
         out = rank_major.new_empty(rank_major.numel() // self.cp_size)
-        self.store.comm.reduce_scatter(out, rank_major, rule=CP, parts=f"{site}:kv/grad")
+        node_id = str(UpdateId.activation(site, "kv", backward=True))
+        self.store.comm.reduce_scatter(out, rank_major, rule=CP, parts=node_id)
         out = out.view(2, b, heads, s, d)
         if self._record is not None:
-            expect = ("act_at", f"{site}:kv/grad", self.store.mesh.data_rank, self._head_slices(site, d), (3, tuple(self._positions)))
+            expect = ("act_at", node_id, self.store.mesh.data_rank, self._head_slices(site, d), (3, tuple(self._positions)))
             sharing = self._kv_sharing(site)
             # A KV head shared over tp gets from each rank only its own query heads' part.
-            self._record(f"{site}:kv/grad", out, ("part", sharing, expect) if len(sharing) > 1 else expect)
+            self._record(node_id, out, ("part", sharing, expect) if len(sharing) > 1 else expect)
         return out[0], out[1]
 
     def _kv_sharing(self, site: str) -> tuple[int, ...]:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch.autograd import Function
 
-from mixle_compile.lower.groups import rule_name
+from mixle_compile.plan.vocabulary import EXPERT_DATA, Axis, rule_name
 from mixle_compile.runtime.collectives import Collectives
 from mixle_compile.runtime.errors import PlanMismatch
 from mixle_compile.runtime.instructions import Instructions, ParamInstruction
@@ -74,7 +74,7 @@ def ep_slice(p: ParamInstruction, mesh: Mesh) -> tuple[tuple[int, int, int], ...
     """``(dim, start, stop)`` of this rank's experts (an expert weight split over the ep group), or none."""
     if p.ep_dim is None:
         return ()
-    group = mesh.group("ep")
+    group = mesh.group(Axis.EP.value)
     n = p.global_shape[p.ep_dim] // group.size
     index = group.index_of(mesh.rank)
     return ((p.ep_dim, index * n, (index + 1) * n),)
@@ -90,13 +90,13 @@ def _context_parts(capture: Capture | None, instructions: Instructions, mesh: Me
     """Under context parallelism a gradient reduced over tp (or a KV-replica group) but not yet over
     cp holds only this cp rank's tokens' part: its record says so, naming the cp group, and the
     evidence compares the sum of the group's parts with the reference (see reference.compare)."""
-    if capture is None or mesh.degree("cp") == 1:
+    if capture is None or mesh.degree(Axis.CP) == 1:
         return capture
-    group = mesh.group("cp").ranks
+    group = mesh.group(Axis.CP.value).ranks
     partial: set[str] = set()
     for p in instructions.params:
         for c in p.gradient:
-            if "cp" in c.axes or "edp" in c.axes:  # the expert-data group holds the cp ranks
+            if Axis.CP in c.axes or EXPERT_DATA in c.axes:  # the expert-data group holds the cp ranks
                 break
             partial.add(c.node_id)
 
@@ -126,7 +126,7 @@ class LocalParameter:
         self.uses = uses
         self.mode = instr.mode
         self.dtype = DTYPES.get(instr.dtype, torch.float32)
-        self.tp_slices = tp_slice(instr, mesh.degree("tp"), mesh.coord("tp")) + ep_slice(instr, mesh)
+        self.tp_slices = tp_slice(instr, mesh.degree(Axis.TP), mesh.coord(Axis.TP)) + ep_slice(instr, mesh)
         full = apply_slices(value, self.tp_slices)
         self.full_shape = tuple(full.shape)
         self.rows = self.full_shape[0] if self.full_shape else 1
@@ -239,10 +239,6 @@ class ParamStore:
 
     def masters(self) -> list[torch.nn.Parameter]:
         return [p.master for p in self.params.values()]
-
-    @property
-    def has_fsdp(self) -> bool:
-        return any(p.mode == "fsdp" for p in self.params.values())
 
     # -- uses (forward) --------------------------------------------------------------------
 

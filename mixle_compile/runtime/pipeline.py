@@ -39,7 +39,8 @@ import torch
 import torch.distributed as dist
 
 from mixle_compile.contracts import TORCH_CAPABILITIES, StepReceipt
-from mixle_compile.lower.compact import plan_programs
+from mixle_compile.plan.programs import plan_programs
+from mixle_compile.plan.vocabulary import Axis, UpdateId
 from mixle_compile.plan.document import PlanDocument
 from mixle_compile.runtime.collectives import Collectives, Ledger
 from mixle_compile.runtime.errors import PlanMismatch
@@ -52,7 +53,7 @@ from mixle_compile.runtime.pipeline_plan import activation_shape, check_pipeline
 from mixle_compile.runtime.session import fsdp_units, make_optimizer
 from mixle_compile.runtime.tensor_parallel import TensorParallel
 
-PP = "pp"  # the group rule of the stage-boundary transfers
+PP = Axis.PP.value  # the group rule of the stage-boundary transfers
 WORLD = "world"
 
 
@@ -99,15 +100,15 @@ class PipelineSession:
             store = ParamStore(chunk_instructions, mesh, self.comm, device=device, capture=capture, units=fsdp_units(chunk_instructions))
             # One TensorParallel per chunk: under cp its evidence capture reads its own chunk's positions.
             tp = TensorParallel(
-                self.comm, mesh.degree("tp"), mesh.coord("tp"), instructions.sequence_parallel,
+                self.comm, mesh.degree(Axis.TP), mesh.coord(Axis.TP), instructions.sequence_parallel,
                 capture=self._capture_activation if recorder is not None else None,
             )
             self.stores[chunk] = store
             self.ops[chunk] = ParallelOps(store, tp)
-        self.sequence_parallel = instructions.sequence_parallel and mesh.degree("tp") > 1
+        self.sequence_parallel = instructions.sequence_parallel and mesh.degree(Axis.TP) > 1
         seq = instructions.seq_len or 1
-        cp = mesh.degree("cp")
-        self.positions = cp_positions(seq, cp, mesh.coord("cp")) if cp > 1 else list(range(seq))  # this rank's tokens
+        cp = mesh.degree(Axis.CP)
+        self.positions = cp_positions(seq, cp, mesh.coord(Axis.CP)) if cp > 1 else list(range(seq))  # this rank's tokens
         self.store = StageParameters(self.stores)  # every chunk's parameters: what checkpoints save and load
         self.optimizer = make_optimizer(instructions.optimizer, self.store.masters(), instructions.learning_rate)
         self.detach_received = detach_received  # a deliberately broken variant, for the tests
@@ -146,7 +147,7 @@ class PipelineSession:
         tokens = sum(int(y.numel()) for _, y in batches)
         # The step's loss lives on the last stage, the examples on every stage: one all_reduce over
         # the world, each quantity contributed once per data rank (the first tp and cp rank of its stage).
-        first_tp = self.mesh.coord("tp") == 0 and self.mesh.coord("cp") == 0
+        first_tp = self.mesh.coord(Axis.TP) == 0 and self.mesh.coord(Axis.CP) == 0
         counts = torch.tensor(
             [loss_sum if first_tp and self.stage == self.pp - 1 else 0.0,
              float(examples) if first_tp and self.stage == 0 else 0.0,
@@ -325,7 +326,7 @@ class PipelineSession:
             src, dst = op.peer, self.stage
             tensor = torch.empty(self.act_shape, dtype=self.shape.compute_dtype, device=self.device)
             (self._grads if grad else self._inputs)[key] = tensor
-        node_id = f"stage.{src}->{dst}:activation" + ("/grad" if grad else "")
+        node_id = str(UpdateId.transfer(src, dst, backward=grad))
         parts = ((node_id, tensor.numel() * tensor.element_size()),)
         self.ledger.check("p2p", PP, parts)
         receiving_chunk = op.chunk if op.kind == "recv" else op.peer_chunk
@@ -351,7 +352,7 @@ class PipelineSession:
                 self._inputs[key] = tensor.detach() if self.detach_received else tensor.requires_grad_(True)
                 site = self.layout.boundary(v - 1)
             else:
-                site = self.layout.boundary(v) + "/grad"
+                site = str(UpdateId.parse(self.layout.boundary(v)).backward())
             if self.recorder is not None:
                 mb = self.plan.microbatches
                 self._set_context(op.microbatch // mb, op.microbatch % mb)
@@ -369,16 +370,16 @@ class PipelineSession:
         ``site``, at this rank's positions (cp), its tensor-parallel sequence shard (sequence parallel)."""
         positions = self.positions
         if self.sequence_parallel:
-            n, r = tensor.shape[0], self.mesh.coord("tp")
+            n, r = tensor.shape[0], self.mesh.coord(Axis.TP)
             positions = positions[r * n : (r + 1) * n]
-        if self.mesh.degree("cp") > 1:
+        if self.mesh.degree(Axis.CP) > 1:
             return ("act_at", site, self.mesh.data_rank, (), (0, tuple(positions)))
         return ("act", site, self.mesh.data_rank, ((0, positions[0], positions[-1] + 1),) if self.sequence_parallel else ())
 
     def _capture_activation(self, node_id: str, tensor: torch.Tensor, seq_sharded: bool) -> None:
         slices = ()
         if seq_sharded:
-            n, r = tensor.shape[0], self.mesh.coord("tp")
+            n, r = tensor.shape[0], self.mesh.coord(Axis.TP)
             slices = ((0, r * n, (r + 1) * n),)
         self.recorder.capture(node_id, tensor, ("act", node_id, self.mesh.data_rank, slices))
 

@@ -16,16 +16,15 @@ runtime/pipeline.py.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from mixle_compile.lower.compact import plan_programs
 from mixle_compile.plan.document import PlanDocument
+from mixle_compile.plan.programs import plan_programs
+from mixle_compile.plan.vocabulary import Axis, UpdateId, UpdateIdError
 from mixle_compile.runtime.errors import RuntimeRefusal
 from mixle_compile.runtime.instructions import Collective, Instructions
 
-TRANSFER = re.compile(r"^stage\.(\d+)->(\d+):activation(/grad)?$")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 
 
@@ -52,19 +51,19 @@ class PipelineLayout:
         for v in range(virtual, -1, -1):
             layers = self.layers.get(self.location(v), ())
             if layers:
-                return f"layers.{layers[-1]}:boundary"
-        return "embed:boundary"
+                return str(UpdateId.activation(f"layers.{layers[-1]}", "boundary"))
+        return str(UpdateId.activation("embed", "boundary"))
 
     def boundary_sites(self) -> tuple[str, ...]:
         sites = []
         for v in range(self.last_virtual):
             site = self.boundary(v)
-            sites += [site, f"{site}/grad"]
+            sites += [site, str(UpdateId.parse(site).backward())]
         return tuple(dict.fromkeys(sites))
 
 
 def read_layout(doc: PlanDocument) -> PipelineLayout:
-    pp = int(doc.mesh.degrees.get("pp", 1))
+    pp = int(doc.mesh.degrees.get(Axis.PP, 1))
     chunks = 1 + max((int(p.chunk or 0) for p in doc.parameters), default=0)
     params: dict[tuple[int, int], list[str]] = {}
     layers: dict[tuple[int, int], set[int]] = {}
@@ -85,16 +84,24 @@ def stage_of_rank(doc: PlanDocument) -> tuple[int, ...]:
     """The pipeline stage (pp coordinate) of every rank, from the plan's dense grid."""
     world = doc.groups.world_size
     for d in doc.groups.dense.dims:
-        if d.axis == "pp":
+        if d.axis == Axis.PP:
             return tuple((rank // d.stride) % d.size for rank in range(world))
     return (0,) * world
 
 
+def transfer_stages(node_id: str) -> tuple[int, int] | None:
+    """``(src, dst)`` of a pipeline transfer's update id, ``None`` for any other update."""
+    try:
+        return UpdateId.parse(node_id).stages
+    except UpdateIdError:
+        return None
+
+
 def executing_stages(c: Collective) -> frozenset[int]:
     """The stages whose ranks issue update ``c`` (both ends of a transfer, else its own stage)."""
-    m = TRANSFER.match(c.node_id)
-    if m:
-        return frozenset({int(m.group(1)), int(m.group(2))})
+    ends = transfer_stages(c.node_id)
+    if ends is not None:
+        return frozenset(ends)
     return frozenset(c.stages or (c.stage,))
 
 
@@ -152,7 +159,7 @@ def check_pipeline(doc: PlanDocument, instructions: Instructions) -> PipelineLay
     shape = activation_shape(instructions)
     local = shape[0] * shape[1] * shape[2] * width
     for c in instructions.collectives.values():
-        if TRANSFER.match(c.node_id) and c.payload_bytes != local:
+        if transfer_stages(c.node_id) is not None and c.payload_bytes != local:
             raise RuntimeRefusal(
                 f"the plan sizes the transfer {c.node_id!r} at {c.payload_bytes} bytes, but a stage holds an activation of "
                 f"{list(shape)} x {width} bytes = {local} bytes between its blocks; recompile the plan"
