@@ -62,7 +62,7 @@ def byte_unit(largest: float) -> tuple[str, float]:
 
 
 def _ops(doc: PlanDocument):
-    from mixle_compile.lower.compact import plan_programs
+    from mixle_compile.plan.programs import plan_programs
 
     return [list(program) for program in plan_programs(doc.schedule)]
 

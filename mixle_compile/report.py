@@ -223,7 +223,7 @@ def _from_to(a: Any, b: Any) -> dict[str, Any]:
 
 
 def _pipeline_view(doc: PlanDocument) -> dict[str, Any] | None:
-    from mixle_compile.lower.compact import plan_programs
+    from mixle_compile.plan.programs import plan_programs
 
     s = doc.schedule
     if s is None:

@@ -29,7 +29,8 @@ from mixle_compile.contracts import CollectiveKind, DistributedUpdate, ParallelP
 from mixle_compile.decompose import Device, ModelDecomposition, decompose_model, devices_from_resources
 from mixle_compile.diagnostics import Code, Diagnostic, register_code
 from mixle_compile.graph import DecompAxis, ModelGraph, ReductionOp
-from mixle_compile.lower.groups import RankGrid, rule_name
+from mixle_compile.lower.groups import RankGrid
+from mixle_compile.plan.vocabulary import REPLICATE, Axis, Shard, UpdateId, rule_name
 from mixle_compile.lower.layouts import PlacedParameter
 from mixle_compile.lower.memory import StageMemory
 from mixle_compile.lower.schedule import Op, OpKind
@@ -142,7 +143,7 @@ def lower_distribution(spec: Spec, plan: ParallelPlan, graph: ModelGraph, grid: 
         units_here = _units_reaching(graph, cut, node_id) if cut is not None else set()
         if cut is not None and node_id == cut.path:
             # The cut node's own per-unit parameters (a mixture's weights) split with its units.
-            placements.append(("tp", "shard(0)"))
+            placements.append((Axis.TP.value, str(Shard(0))))
             local[0] = largest_share if len(shape) == 1 else shape[0] // num_units * largest_share
             state = StateLayout.SHARDED
         elif cut is not None and units_here and len(units_here) == 1:
@@ -150,11 +151,11 @@ def lower_distribution(spec: Spec, plan: ParallelPlan, graph: ModelGraph, grid: 
             state = StateLayout.SHARDED
         elif cut is not None and len(units_here) > 1 and node.instances > 1 and not node.shared:
             # One node held once per unit (`repeat: K`): its copies split like the units.
-            placements.append(("tp", "shard(0)"))
+            placements.append((Axis.TP.value, str(Shard(0))))
             local[0] = ceil(shape[0] / num_units) * largest_share
             state = StateLayout.SHARDED
         elif plan.tp > 1:
-            placements.append(("tp", "replicate"))
+            placements.append((Axis.TP.value, str(REPLICATE)))
         layout = ParameterLayout(logical_id=node_id, global_shape=shape, placements=tuple(placements), shared_group=None, optimizer_state=state)
         p = PlacedParameter(Parameter(node_id, shape, "distribution", t.precision), layout, 0, 0, tuple(local), owners.get(node_id))
         placed.append(p)
@@ -164,7 +165,7 @@ def lower_distribution(spec: Spec, plan: ParallelPlan, graph: ModelGraph, grid: 
         axes = data_axes + (("tp",) if cut is not None and len(units_here) > 1 and node.shared else ())
         if axes:
             updates.append(
-                _all_reduce(f"{node_id}:statistics", PayloadKind.SUFFICIENT_STATISTIC, axes, state,
+                _all_reduce(str(UpdateId.statistics(node_id)), PayloadKind.SUFFICIENT_STATISTIC, axes, state,
                             "sum the sufficient statistics (exact in exact arithmetic)", node_id, "gradient", statistics_bytes, plan, 1)
             )
     micro_steps = plan.microbatches * plan.gradient_accumulation_steps

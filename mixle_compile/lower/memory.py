@@ -17,7 +17,8 @@ from math import ceil
 
 from mixle_compile.contracts import ParallelPlan, StateLayout
 from mixle_compile.layer_split import LayerSplit
-from mixle_compile.lower.layouts import KV_HEAD_AXIS, PlacedParameter, expert_data_size
+from mixle_compile.lower.layouts import PlacedParameter
+from mixle_compile.plan.vocabulary import KV_HEAD_AXIS, REPLICATE, expert_data_size
 from mixle_compile.lower.updates import PlannedUpdate
 from mixle_compile.engines import engine_profile
 from mixle_compile.memory_model import (
@@ -151,7 +152,7 @@ def _tp_local_bytes(p: PlacedParameter, plan: ParallelPlan) -> int:
     for axis, placement in p.layout.placements:
         if axis in ("tp", "ep") and placement != "replicate":
             nbytes //= plan.size(axis)
-        elif axis == KV_HEAD_AXIS and placement != "replicate":  # one KV head of several, shared over tp
+        elif axis == KV_HEAD_AXIS and placement != str(REPLICATE):  # one KV head of several, shared over tp
             nbytes //= plan.tp // p.kv_replicas
     return nbytes
 
