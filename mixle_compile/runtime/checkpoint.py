@@ -1035,7 +1035,7 @@ def _run_guarded(session, name: str, call) -> None:
             warnings.simplefilter("ignore")  # DCP's "assuming the intent is to save in a single process": it is
             call()
     else:
-        session.comm._guard(name, group, call)
+        session.comm.guard(name, group, call)
 
 
 def save_session(

@@ -212,7 +212,7 @@ def fit_rank(em: EMInstructions, comm, mesh, data: np.ndarray, steps: int, *, re
                 return np.zeros(n), total[:n].numpy().copy()
             top = padded(a.max(axis=1) if a.shape[1] else np.full(n, -np.inf))
             # all_reduce MAX through the counting layer (checked against the plan, then counted).
-            comm._run("all_reduce", rule[cut.normaliser_max], comm._parts(cut.normaliser_max, top.numel() * 8),
+            comm.issue_planned("all_reduce", rule[cut.normaliser_max], comm.planned_parts(cut.normaliser_max, top.numel() * 8),
                       lambda g, async_op: dist.all_reduce(top, op=dist.ReduceOp.MAX, group=g, async_op=async_op))
             m = top[:n].numpy().copy()
             with np.errstate(invalid="ignore"):
