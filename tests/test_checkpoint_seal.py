@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from mixle_compile.runtime import checkpoint as ckpt
+from mixle_compile.runtime import faults
 from tests.conftest import ROOT
 
 
@@ -291,7 +292,7 @@ ckpt.write_array_checkpoint(root, step, {"means": np.full(4, value), "weights": 
 
 
 def commit_killed_at(root: Path, step_: int, value: float, k: int) -> int:
-    env = {**os.environ, ckpt.COMMIT_FAULT_ENV: f"{step_}:{k}", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, faults.COMMIT_FAULT_ENV: f"{step_}:{k}", "PYTHONPATH": str(ROOT)}
     return subprocess.run([sys.executable, "-c", WRITER, str(root), str(step_), str(value)], cwd=ROOT, env=env, timeout=60).returncode
 
 

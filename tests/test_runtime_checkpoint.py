@@ -24,7 +24,7 @@ import pytest
 from mixle_compile.runtime import RunFailed, RuntimeRefusal, run_plan
 from mixle_compile.runtime import checkpoint as ckpt
 from mixle_compile.runtime.data import BatchLayout
-from mixle_compile.runtime.worker import FAULT_ENV
+from mixle_compile.runtime.faults import FAULT_ENV
 from tests.conftest import ROOT
 from tests.test_runtime_support import compile_text, explain_without_torch, spec_text
 

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from mixle_compile.runtime import faults
 from mixle_compile.runtime.errors import RuntimeRefusal
 
 CHECKPOINT_FORMAT = "mixle-checkpoint"
@@ -67,9 +68,6 @@ _STEP_DIR = re.compile(r"^step-(\d{8,})$")
 _REPLACED_DIR = re.compile(r"^\.replaced-step-(\d{8,})$")
 TORCH_KIND = "torch-dcp"
 ARRAYS_KIND = "numpy-arrays"
-# For tests of the commit protocol: "STEP:K" ends the process (os._exit) just before the K-th rename
-# of step STEP's commit (in the order commit_checkpoint makes them; see docs/checkpoints.md).
-COMMIT_FAULT_ENV = "MIXLE_CHECKPOINT_FAULT"
 _HASH_CHUNK = 1 << 20
 # The run id of checkpoints this process writes without being given one (a single-process caller).
 PROCESS_RUN_ID = uuid.uuid4().hex
@@ -157,25 +155,6 @@ def _fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
-
-
-class _Renames:
-    """The renames of one commit, numbered; ``COMMIT_FAULT_ENV`` may end the process before one."""
-
-    def __init__(self, step: int) -> None:
-        self.count = 0
-        self.crash_at = None
-        spec = os.environ.get(COMMIT_FAULT_ENV)
-        if spec:
-            at_step, k = spec.split(":")
-            if int(at_step) == step:
-                self.crash_at = int(k)
-
-    def __call__(self, src: Path, dst: Path) -> None:
-        self.count += 1
-        if self.count == self.crash_at:
-            os._exit(75)
-        os.replace(src, dst)
 
 
 def _write_synced(path: Path, data: bytes, rename: Callable[[Path, Path], None] = os.replace) -> None:
@@ -287,7 +266,7 @@ def commit_checkpoint(pending: PendingCheckpoint, manifest: Mapping[str, Any], *
     moved back by the next writer (``recover_root``)."""
     run_id = run_id or PROCESS_RUN_ID
     final = pending.final_path
-    rename = _Renames(pending.step)
+    rename = faults.CommitRenames(pending.step)  # the commit-protocol tests may end the process before a rename
     try:
         files = seal_files(pending.path)
         body = dict(manifest)

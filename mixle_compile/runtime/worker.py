@@ -22,23 +22,13 @@ from pathlib import Path
 import torch
 
 from mixle_compile.plan.document import PlanDocument
+from mixle_compile.runtime import faults
 from mixle_compile.runtime.data import BatchLayout, FileTokens, SyntheticTokens, TokenSource, local_batch
 from mixle_compile.runtime.errors import CollectiveFailed
 from mixle_compile.runtime.instructions import Instructions, read_instructions
 from mixle_compile.runtime.mesh import Mesh
 from mixle_compile.runtime.report import EVIDENCE_TOLERANCE, RECEIPTS_FILE, REPORT_FILE, accounting
 from mixle_compile.runtime.session import DistributedSession, device_for_rank, join_process_group
-
-# For tests of failure handling: "kill:RANK:STEP", "stall:RANK:STEP" or "raise:RANK:STEP" makes
-# that rank die, hang or raise just before that step; "sigkill:RANK:STEP" sends that rank SIGKILL in
-# the middle of the step (in the backward of its first micro-batch, gradients half reduced);
-# "savekill:RANK:STEP" sends it SIGKILL while the checkpoint of STEP is being saved, after the
-# tensor state is written and before the checkpoint is committed; "detach:RANK:STEP" makes a
-# pipeline stage's rank detach the activations it receives from that step on (the silent bug of a
-# received activation without requires_grad: the run completes, earlier stages get no gradient);
-# "nojoin:RANK:0" makes that rank hang before it joins the process group (a peer that never arrives).
-FAULT_ENV = "MIXLE_RUNTIME_FAULT"
-
 
 @dataclass(frozen=True)
 class CheckpointPlan:
@@ -64,41 +54,6 @@ def token_source(instructions: Instructions, data_path: str | None) -> TokenSour
 def batch_layout(instructions: Instructions) -> BatchLayout:
     p = instructions.plan
     return BatchLayout(instructions.micro_batch_size, p.microbatches, p.gradient_accumulation_steps, p.data_parallel_size)
-
-
-def _fault_spec(rank: int, step: int) -> str | None:
-    spec = os.environ.get(FAULT_ENV)
-    if not spec:
-        return None
-    kind, fault_rank, fault_step = spec.split(":")
-    if int(fault_rank) != rank or int(fault_step) != step:
-        return None
-    return kind
-
-
-def _fault(rank: int, step: int, session: DistributedSession | None = None) -> None:
-    kind = _fault_spec(rank, step)
-    if kind is None:
-        return
-    if kind == "kill":
-        os._exit(17)
-    if kind == "stall":
-        time.sleep(3600)
-    if kind == "raise":
-        raise RuntimeError(f"injected fault on rank {rank} at step {step}")
-    if kind == "detach" and session is not None and hasattr(session, "detach_received"):
-        session.detach_received = True
-    if kind == "sigkill" and session is not None:
-        def die(use, grad):  # the first gradient of the step: mid-backward
-            os.kill(os.getpid(), signal.SIGKILL)
-
-        for store in getattr(session, "stores", {0: session.store}).values():  # a pipeline stage: every chunk's store
-            store.accumulate = die
-
-
-def _save_fault(rank: int, step: int) -> None:
-    if _fault_spec(rank, step) == "savekill":
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 class Diverged(RuntimeError):
@@ -135,7 +90,7 @@ def train(
     every = max(1, (steps - first) // 10)
     save_every = checkpoints.every if checkpoints is not None and checkpoints.root is not None else None
     for step in range(first, steps):
-        _fault(session.mesh.rank, step, session)
+        faults.before_step(session.mesh.rank, step, session)
         for a in range(layout.accumulation_steps):
             inputs, targets = local_batch(source, layout, step, a, session.mesh.data_rank)
             receipt = session.train_batch(inputs, targets)
@@ -154,7 +109,7 @@ def train(
 
             t0 = time.perf_counter()
             path = save_session(session, checkpoints.root, data_source=data_source() if callable(data_source) else data_source,
-                                on_written=lambda: _save_fault(session.mesh.rank, step + 1), run_id=checkpoints.run_id)
+                                on_written=lambda: faults.after_state_written(session.mesh.rank, step + 1), run_id=checkpoints.run_id)
             if saved is not None:
                 saved.append({"step": step + 1, "path": str(path), "save_s": time.perf_counter() - t0})
             if session.mesh.rank == 0 and checkpoints.keep:
@@ -189,8 +144,7 @@ def run_rank(
     instructions = read_instructions(doc)
     pipelined = instructions.plan.pp > 1
     source = token_source(instructions, data_path)
-    if _fault_spec(int(os.environ.get("RANK", "0")), 0) == "nojoin":
-        time.sleep(3600)
+    faults.before_join(int(os.environ.get("RANK", "0")))
     owns = join_process_group(instructions.plan.world_size)
     try:
         mesh = Mesh.create(doc.groups, timeout_s=timeout_s)
