@@ -81,6 +81,53 @@ def new_run_id() -> str:
     return uuid.uuid4().hex
 
 
+@dataclass(frozen=True)
+class CheckpointOptions:
+    """What a run saves and where it starts, the same for the launcher, the worker and EM.
+
+    ``root`` gets a checkpoint every ``every`` steps (and after the last one); the ``keep`` newest
+    of this run's own are kept (None: all); ``resume`` is a step directory to start from;
+    ``run_id`` names this run in the checkpoints it writes (default: the process's)."""
+
+    root: Path | None = None
+    every: int | None = None
+    keep: int | None = None
+    resume: Path | None = None
+    run_id: str | None = None
+
+    @classmethod
+    def checked(cls, *, save_every, checkpoint_dir, keep) -> CheckpointOptions:
+        """The options a run was given, refused (RuntimeRefusal) when no run can use them."""
+        for name, value in (("--save-every", save_every), ("--keep-checkpoints", keep)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise RuntimeRefusal(f"{name} must be a positive integer, got {value!r}")
+        if checkpoint_dir is not None and save_every is None:
+            raise RuntimeRefusal("--checkpoint-dir says where checkpoints go, but nothing saves them: add --save-every N")
+        if keep is not None and save_every is None:
+            raise RuntimeRefusal("--keep-checkpoints needs --save-every N")
+        return cls(root=Path(checkpoint_dir) if checkpoint_dir is not None else None, every=save_every, keep=keep)
+
+    @property
+    def saves(self) -> bool:
+        """Whether the run saves checkpoints (every N steps, into a root)."""
+        return self.every is not None and self.root is not None
+
+    def worker_arguments(self) -> list[str]:
+        """The options as the worker's command line (``python -m mixle_compile.runtime.worker``) reads them."""
+        args = []
+        for value, flag in ((self.root, "--checkpoint-dir"), (self.every, "--save-every"), (self.keep, "--keep-checkpoints"),
+                            (self.resume, "--resume"), (self.run_id, "--run-id")):
+            if value is not None:
+                args += [flag, str(Path(value).resolve()) if isinstance(value, Path) else str(value)]
+        return args
+
+    @classmethod
+    def from_worker_arguments(cls, args) -> CheckpointOptions:
+        """The options from the worker's parsed command line (``worker_arguments``' flags)."""
+        return cls(root=Path(args.checkpoint_dir) if args.checkpoint_dir else None, every=args.save_every, keep=args.keep_checkpoints,
+                   resume=Path(args.resume) if args.resume else None, run_id=args.run_id)
+
+
 # ---------------------------------------------------------------------------
 # directory layer (torch-free)
 # ---------------------------------------------------------------------------

@@ -544,20 +544,15 @@ def load_em_checkpoint(path: str | Path, em: EMInstructions, *, source: dict, st
 
 def run_options(em: EMInstructions, *, steps: int, reference: bool = False, data_path: str | Path | None = None,
                 save_every: int | None = None, checkpoint_dir: str | Path | None = None, keep: int | None = None,
-                resume: str | Path | None = None) -> dict:
+                resume: str | Path | None = None):
     """Check an EM run before any process starts (torch-free): the ``--data`` file's records and
-    the checkpoint options, a resume against this plan. Returns ``{every, keep, root, resume}``
+    the checkpoint options, a resume against this plan. Returns the ``checkpoint.CheckpointOptions``
     (``resume``: the step directory); raises RuntimeRefusal saying what is wrong."""
+    import dataclasses
+
     from mixle_compile.runtime import checkpoint as ckpt
 
-    for name, value in (("--save-every", save_every), ("--keep-checkpoints", keep)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise RuntimeRefusal(f"{name} must be a positive integer, got {value!r}")
-    if checkpoint_dir is not None and save_every is None:
-        raise RuntimeRefusal("--checkpoint-dir says where checkpoints go, but nothing saves them: add --save-every N")
-    if keep is not None and save_every is None:
-        raise RuntimeRefusal("--keep-checkpoints needs --save-every N")
-    options = {"every": save_every, "keep": keep, "root": Path(checkpoint_dir) if checkpoint_dir is not None else None, "resume": None}
+    options = ckpt.CheckpointOptions.checked(save_every=save_every, checkpoint_dir=checkpoint_dir, keep=keep)
     if data_path is None and resume is None:
         return options
     try:
@@ -571,7 +566,7 @@ def run_options(em: EMInstructions, *, steps: int, reference: bool = False, data
         path = ckpt.resolve_checkpoint(resume)
         check_em_resume(ckpt.read_manifest(path), em, source=data_source(em, data, data_path), steps=steps, path=path)
         ckpt.verify_checkpoint(path)  # every file against its seal, before any rank starts
-        options["resume"] = path.resolve()
+        options = dataclasses.replace(options, resume=path.resolve())
     return options
 
 
@@ -579,7 +574,7 @@ def run_em_rank(doc, *, steps: int, out_dir: Path, reference: bool, data_path: s
                 checkpoints=None) -> dict | None:
     """One rank of an EM run; rank 0 returns the report (also written to ``out_dir``), others None.
 
-    ``checkpoints`` (``root``, ``every``, ``keep``, ``resume``; see ``worker.CheckpointPlan``):
+    ``checkpoints`` (a ``checkpoint.CheckpointOptions``):
     save the whole model every ``every`` iterations and after the last one into ``root``, keeping
     the ``keep`` newest; start from the checkpoint ``resume``. ``steps`` is the total: a fit resumed
     after iteration k runs iterations k .. steps - 1."""
@@ -596,13 +591,14 @@ def run_em_rank(doc, *, steps: int, out_dir: Path, reference: bool, data_path: s
     em = read_em_instructions(doc)
     data = load_data(em, data_path)
     source = data_source(em, data, data_path)
-    root = getattr(checkpoints, "root", None)
-    every = getattr(checkpoints, "every", None) if root is not None else None
-    keep = getattr(checkpoints, "keep", None)
-    run_id = getattr(checkpoints, "run_id", None)
+    from mixle_compile.runtime.checkpoint import CheckpointOptions
+
+    checkpoints = checkpoints or CheckpointOptions()
+    root, keep, run_id = checkpoints.root, checkpoints.keep, checkpoints.run_id
+    every = checkpoints.every if checkpoints.saves else None
     start = resumed = None
     before: list[float] = []
-    if getattr(checkpoints, "resume", None) is not None:
+    if checkpoints.resume is not None:
         if reference:
             raise RuntimeRefusal("--reference fits the single-process reference from the initial parameters; it cannot check a resumed fit")
         t0 = time.perf_counter()

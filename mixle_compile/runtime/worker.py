@@ -16,32 +16,19 @@ import signal
 import sys
 import time
 import traceback
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from mixle_compile.plan.document import PlanDocument
 from mixle_compile.runtime import faults
+from mixle_compile.runtime.checkpoint import CheckpointOptions
 from mixle_compile.runtime.data import BatchLayout, FileTokens, SyntheticTokens, TokenSource, local_batch
 from mixle_compile.runtime.errors import CollectiveFailed
 from mixle_compile.runtime.instructions import Instructions, read_instructions
 from mixle_compile.runtime.mesh import Mesh
 from mixle_compile.runtime.report import EVIDENCE_TOLERANCE, RECEIPTS_FILE, REPORT_FILE, accounting
 from mixle_compile.runtime.session import DistributedSession, device_for_rank, join_process_group
-
-@dataclass(frozen=True)
-class CheckpointPlan:
-    """What a run saves and where it starts: ``root`` gets a checkpoint every ``every`` steps (and at
-    the end); ``keep`` newest of this run's own are kept (None: all); ``resume`` is a step directory
-    to start from; ``run_id`` names this run in the checkpoints it writes (default: the process's)."""
-
-    root: Path | None = None
-    every: int | None = None
-    keep: int | None = None
-    resume: Path | None = None
-    run_id: str | None = None
-
 
 def token_source(instructions: Instructions, data_path: str | None) -> TokenSource:
     vocab = instructions.spec.model.vocab_size
@@ -73,7 +60,7 @@ def train(
     *,
     receipts=None,
     progress: bool = False,
-    checkpoints: CheckpointPlan | None = None,
+    checkpoints: CheckpointOptions | None = None,
     data_source: dict | None = None,
     saved: list | None = None,
     label: str = "",
@@ -88,7 +75,7 @@ def train(
     started = time.perf_counter()
     first = session.step
     every = max(1, (steps - first) // 10)
-    save_every = checkpoints.every if checkpoints is not None and checkpoints.root is not None else None
+    save_every = checkpoints.every if checkpoints is not None and checkpoints.saves else None
     for step in range(first, steps):
         faults.before_step(session.mesh.rank, step, session)
         for a in range(layout.accumulation_steps):
@@ -126,7 +113,7 @@ def run_rank(
     data_path: str | None,
     timeout_s: float,
     progress: bool,
-    checkpoints: CheckpointPlan | None = None,
+    checkpoints: CheckpointOptions | None = None,
 ) -> dict | None:
     """Run this rank; rank 0 returns the report (also written to ``out_dir``), other ranks None.
 
@@ -152,7 +139,7 @@ def run_rank(
         rank, world = mesh.rank, mesh.world_size
         recorder = Recorder(keep_values=True) if reference else None
         session = open_rank_session(doc, instructions, mesh, device=device, recorder=recorder)
-        checkpoints = checkpoints or CheckpointPlan()
+        checkpoints = checkpoints or CheckpointOptions()
         resumed = None
         if checkpoints.resume is not None:
             from mixle_compile.runtime.checkpoint import load_session
@@ -367,13 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
         doc = load_plan_text(Path(args.plan).read_bytes(), args.plan)
-        checkpoints = CheckpointPlan(
-            root=Path(args.checkpoint_dir) if args.checkpoint_dir else None,
-            every=args.save_every,
-            keep=args.keep_checkpoints,
-            resume=Path(args.resume) if args.resume else None,
-            run_id=args.run_id,
-        )
+        checkpoints = CheckpointOptions.from_worker_arguments(args)
         run_rank(doc, steps=args.steps, out_dir=out_dir, reference=args.reference, data_path=args.data, timeout_s=args.timeout,
                  progress=args.progress, checkpoints=checkpoints)
     except BaseException as exc:  # every failure leaves its note for the launcher
