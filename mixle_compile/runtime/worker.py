@@ -1,4 +1,5 @@
-"""One rank of `run`: join the group, train, account, and (rank 0) write the report.
+"""One rank of `run`: the neural model's steps (``NeuralRank``) of the rank skeleton in
+runtime/rank.py (join the group, train, account, and, rank 0, write the report).
 
 Started by the local launcher (``python -m mixle_compile.runtime.worker``) or called in-process
 when torchrun started this process. A failure is written to ``errors/rank<N>.json`` (what failed,
@@ -27,8 +28,8 @@ from mixle_compile.runtime.data import BatchLayout, FileTokens, SyntheticTokens,
 from mixle_compile.runtime.errors import CollectiveFailed
 from mixle_compile.runtime.instructions import Instructions, read_instructions
 from mixle_compile.runtime.mesh import Mesh
-from mixle_compile.runtime.report import EVIDENCE_TOLERANCE, RECEIPTS_FILE, REPORT_FILE, accounting
-from mixle_compile.runtime.session import DistributedSession, device_for_rank, join_process_group
+from mixle_compile.runtime.report import EVIDENCE_TOLERANCE, RECEIPTS_FILE, accounting
+from mixle_compile.runtime.session import DistributedSession, device_for_rank
 
 def token_source(instructions: Instructions, data_path: str | None) -> TokenSource:
     vocab = instructions.spec.model.vocab_size
@@ -119,106 +120,126 @@ def run_rank(
 
     ``steps`` is the total: resumed from a checkpoint at step k, the rank runs steps k .. steps - 1."""
     from mixle_compile.runtime.em_plan import is_distribution
+    from mixle_compile.runtime.rank import run_job
 
+    options = dict(steps=steps, out_dir=out_dir, reference=reference, data_path=data_path, progress=progress,
+                   checkpoints=checkpoints or CheckpointOptions())
     if is_distribution(doc):  # a distribution model is fitted by EM (runtime/em.py)
-        from mixle_compile.runtime.em import run_em_rank
+        from mixle_compile.runtime.em import EMRank
 
-        return run_em_rank(doc, steps=steps, out_dir=out_dir, reference=reference, data_path=data_path, timeout_s=timeout_s, progress=progress,
-                           checkpoints=checkpoints)
-    from mixle_compile.runtime.reference import Recorder, compare, run_reference, with_evidence
+        job = EMRank(doc, **options)
+    else:
+        job = NeuralRank(doc, **options)
+    return run_job(job, doc.groups, out_dir=out_dir, timeout_s=timeout_s)
 
-    started = time.perf_counter()
-    instructions = read_instructions(doc)
-    pipelined = instructions.plan.pp > 1
-    source = token_source(instructions, data_path)
-    faults.before_join(int(os.environ.get("RANK", "0")))
-    owns = join_process_group(instructions.plan.world_size)
-    try:
-        mesh = Mesh.create(doc.groups, timeout_s=timeout_s)
-        device = device_for_rank()
-        rank, world = mesh.rank, mesh.world_size
-        recorder = Recorder(keep_values=True) if reference else None
-        session = open_rank_session(doc, instructions, mesh, device=device, recorder=recorder)
-        checkpoints = checkpoints or CheckpointOptions()
-        resumed = None
-        if checkpoints.resume is not None:
+
+class NeuralRank:
+    """One rank of a neural model's run, the steps ``rank.run_job`` calls: a (pipeline stage's)
+    training session, resumed from a DCP checkpoint, trained, with the reference's repeat."""
+
+    def __init__(self, doc: PlanDocument, *, steps: int, out_dir: Path, reference: bool, data_path: str | None, progress: bool,
+                 checkpoints: CheckpointOptions) -> None:
+        self.doc, self.steps, self.out_dir, self.reference, self.data_path = doc, steps, out_dir, reference, data_path
+        self.progress, self.checkpoints = progress, checkpoints
+        self.session = self.comm = self.recorder = None
+        self.resumed = None
+        self.saved: list[dict] = []
+        self.stage_stats = self.repeat_ledgers = None
+
+    def prepare(self) -> int:
+        self.instructions = read_instructions(self.doc)
+        self.pipelined = self.instructions.plan.pp > 1
+        self.source = token_source(self.instructions, self.data_path)
+        return self.instructions.plan.world_size
+
+    def open(self, mesh: Mesh) -> None:
+        from mixle_compile.runtime.reference import Recorder
+
+        self.mesh, self.device = mesh, device_for_rank()
+        self.show = self.progress and mesh.rank == 0
+        self.recorder = Recorder(keep_values=True) if self.reference else None
+        self.session = open_rank_session(self.doc, self.instructions, mesh, device=self.device, recorder=self.recorder)
+        self.comm = self.session.comm
+        if self.checkpoints.resume is not None:
             from mixle_compile.runtime.checkpoint import load_session
 
             t0 = time.perf_counter()
-            manifest = load_session(session, checkpoints.resume, hashes=False)  # the launcher verified every file's SHA-256
-            session.step = batch_layout(instructions).step_at(manifest["data"]["samples_consumed"])
-            resumed = {"path": str(checkpoints.resume), "step": session.step, "plan_digest": manifest["plan"]["content_digest"],
-                       "mesh": manifest["mesh"], "load_s": time.perf_counter() - t0}
-        first_step = session.step
+            manifest = load_session(self.session, self.checkpoints.resume, hashes=False)  # the launcher verified every file's SHA-256
+            self.session.step = batch_layout(self.instructions).step_at(manifest["data"]["samples_consumed"])
+            self.resumed = {"path": str(self.checkpoints.resume), "step": self.session.step, "plan_digest": manifest["plan"]["content_digest"],
+                            "mesh": manifest["mesh"], "load_s": time.perf_counter() - t0}
+        self.first_step = self.session.step
+
+    def train(self, receipts) -> None:
         from mixle_compile.runtime.checkpoint import source_description
 
         described: list[dict] = []
 
         def data_source() -> dict | None:  # rank 0 writes the manifest: only it hashes the token file, once
-            if rank != 0:
+            if self.mesh.rank != 0:
                 return None
             if not described:
-                described.append(source_description(data_path, instructions.seed))
+                described.append(source_description(self.data_path, self.instructions.seed))
             return described[0]
 
-        saved: list[dict] = []
-        show = progress and rank == 0
-        receipts = (out_dir / RECEIPTS_FILE).open("w", encoding="utf-8") if rank == 0 else None
-        try:
-            losses = train(session, source, steps, receipts=receipts, progress=progress and rank == 0, checkpoints=checkpoints,
-                           data_source=data_source, saved=saved)
-        finally:
-            if receipts is not None:
-                receipts.close()
-        train_s = time.perf_counter() - started
-        ledgers = session.comm.bookkeeping_gather_object(session.ledger.as_dict(), name="report:ledgers")
-        stage_stats = session.comm.bookkeeping_gather_object(session.stats(), name="report:pipeline") if pipelined else None
-        repeat_ledgers = None
-        if reference:
+        self.losses = train(self.session, self.source, self.steps, receipts=receipts, progress=self.show, checkpoints=self.checkpoints,
+                            data_source=data_source, saved=self.saved)
+
+    def gather(self, ledgers: list | None) -> None:
+        from mixle_compile.runtime.reference import Recorder
+
+        self.ledgers = ledgers
+        if self.pipelined:
+            self.stage_stats = self.comm.bookkeeping_gather_object(self.session.stats(), name="report:pipeline")
+        if self.reference:
             # The repeat: the same job from the same start, for determinism (records as digests only).
-            _say(show, "reference 1/3: the same run again from its first step, for determinism")
+            _say(self.show, "reference 1/3: the same run again from its first step, for determinism")
             repeat = Recorder(keep_values=False)
-            session2 = open_rank_session(doc, instructions, mesh, device=device, recorder=repeat)
-            train(session2, source, steps, progress=show, label="repeat ")
-            repeat_ledgers = session2.comm.bookkeeping_gather_object(session2.ledger.as_dict(), name="report:ledgers")
-            evidence_dir = out_dir / "evidence"
+            again = open_rank_session(self.doc, self.instructions, self.mesh, device=self.device, recorder=repeat)
+            train(again, self.source, self.steps, progress=self.show, label="repeat ")
+            self.repeat_ledgers = again.comm.bookkeeping_gather_object(again.ledger.as_dict(), name="report:ledgers")
+            evidence_dir = self.out_dir / "evidence"
             evidence_dir.mkdir(exist_ok=True)
             torch.save(
-                {"first": recorder.entries, "repeat": {key: d for key, _, _, d in repeat.entries}},
-                evidence_dir / f"rank{rank}.pt",
+                {"first": self.recorder.entries, "repeat": {key: d for key, _, _, d in repeat.entries}},
+                evidence_dir / f"rank{self.mesh.rank}.pt",
             )
-        session.comm.barrier("report:done")
-    finally:
-        if owns:
-            import torch.distributed as dist
 
-            # Every rank leaves the group together; the reference below needs no group.
-            dist.destroy_process_group()
-            session = session2 = None  # noqa: F841 (their group handles go with the mesh)
-            if "mesh" in locals():
-                mesh.release()
-    if rank != 0:
-        return None
-    report = _report(instructions, ledgers, repeat_ledgers, losses, steps - first_step, train_s, data_path,
-                     stages=[s["stage"] for s in stage_stats] if pipelined else None)
-    if pipelined:
-        from mixle_compile.runtime.pipeline_plan import pipeline_section
+    def close(self) -> None:
+        self.session = self.comm = None
 
-        report["pipeline"], problems = pipeline_section(doc, instructions, stage_stats)
-        report["errors"].extend(problems)
-        report["ok"] = not report["errors"]
-    report["run"].update(first_step=first_step, last_step=steps, resumed_from=resumed,
-                         checkpoints={"root": str(checkpoints.root) if checkpoints.root else None, "every": checkpoints.every, "saved": saved})
-    if reference:
+    def report(self, train_s: float) -> dict:
+        doc, instructions, steps = self.doc, self.instructions, self.steps
+        report = _report(instructions, self.ledgers, self.repeat_ledgers, self.losses, steps - self.first_step, train_s, self.data_path,
+                         stages=[s["stage"] for s in self.stage_stats] if self.pipelined else None)
+        if self.pipelined:
+            from mixle_compile.runtime.pipeline_plan import pipeline_section
+
+            report["pipeline"], problems = pipeline_section(doc, instructions, self.stage_stats)
+            report["errors"].extend(problems)
+            report["ok"] = not report["errors"]
+        checkpoints = self.checkpoints
+        report["run"].update(first_step=self.first_step, last_step=steps, resumed_from=self.resumed,
+                             checkpoints={"root": str(checkpoints.root) if checkpoints.root else None, "every": checkpoints.every,
+                                          "saved": self.saved})
+        if self.reference:
+            self._add_evidence(report)
+        return report
+
+    def _add_evidence(self, report: dict) -> None:
+        """The single-process reference, and every planned update's numerical evidence against it."""
+        from mixle_compile.runtime.reference import compare, run_reference, with_evidence
+
+        doc, instructions, steps, show = self.doc, self.instructions, self.steps, self.show
         _say(show, f"reference 2/3: the same model trained in one process, {steps} step(s)")
         every = max(1, steps // 10)
         records = run_reference(
-            reference_instructions(doc, instructions), source, steps,
+            reference_instructions(doc, instructions), self.source, steps,
             progress=(lambda step, seconds: _say(show and (step % every == 0 or step == steps),
                                                  f"reference step {step}/{steps}  {seconds:.1f} s")),
         )
         _say(show, f"reference 3/3: comparing {len(doc.updates)} planned update(s) with the reference")
-        saved = [torch.load(out_dir / "evidence" / f"rank{r}.pt", weights_only=True) for r in range(world)]
+        saved = [torch.load(self.out_dir / "evidence" / f"rank{r}.pt", weights_only=True) for r in range(self.mesh.world_size)]
         found = compare(records, saved)
         evidence_id = f"run-{instructions.content_digest.removeprefix('sha256:')[:12]}-{steps}"
         updates = [with_evidence(_planned_update(u), found.get(u.node_id), evidence_id) for u in doc.updates]
@@ -235,9 +256,6 @@ def run_rank(
                 report["errors"].append(f"{u.node_id}: executed but no evidence was recorded")
         report["evidence"] = {"tolerance": tolerance, "run_id": evidence_id, "updates": [u.as_dict() for u in updates]}
         report["ok"] = not report["errors"]
-    report["run"]["wall_s"] = time.perf_counter() - started
-    (out_dir / REPORT_FILE).write_text(json.dumps(report, indent=1, sort_keys=True) + "\n", encoding="utf-8")
-    return report
 
 
 def _planned_update(u):
