@@ -93,7 +93,8 @@ def train(
         if progress and ((step + 1 - first) % every == 0 or step + 1 == steps):
             print(f"{label}step {step + 1}/{steps}  loss {receipt.loss:.4f}  {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
         if save_every and ((step + 1) % save_every == 0 or step + 1 == steps):
-            from mixle_compile.runtime.checkpoint import prune_checkpoints, save_session
+            from mixle_compile.runtime.checkpoint import prune_checkpoints
+            from mixle_compile.runtime.checkpoint_dcp import save_session
 
             t0 = time.perf_counter()
             path = save_session(session, checkpoints.root, data_source=data_source() if callable(data_source) else data_source,
@@ -161,7 +162,7 @@ class NeuralRank:
         self.session = open_rank_session(self.doc, self.instructions, mesh, device=self.device, recorder=self.recorder)
         self.comm = self.session.comm
         if self.checkpoints.resume is not None:
-            from mixle_compile.runtime.checkpoint import load_session
+            from mixle_compile.runtime.checkpoint_dcp import load_session
 
             t0 = time.perf_counter()
             manifest = load_session(self.session, self.checkpoints.resume, hashes=False)  # the launcher verified every file's SHA-256
