@@ -22,6 +22,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter, _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from mixle_compile.runtime.checkpoint import (
     DCP_METADATA_FILE,
@@ -99,136 +112,124 @@ def _state_chunks(session) -> dict[str, GlobalChunk]:
     return chunks
 
 
-def _dcp():
-    """The DCP pieces, with a writer and a reader that keep DCP's metadata as JSON (no pickle)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-    from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter, _StorageInfo
-    from torch.distributed.checkpoint.metadata import (
-        ChunkStorageMetadata,
-        Metadata,
-        MetadataIndex,
-        StorageMeta,
-        TensorProperties,
-        TensorStorageMetadata,
-    )
-    from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
-    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+# The dtypes the JSON metadata may name.
+_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8, torch.bool)}
 
-    dtypes = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8, torch.bool)}
 
-    class ChunkSavePlanner(DefaultSavePlanner):
-        """Write each GlobalChunk as a shard of its global tensor (DCP drops duplicates across ranks)."""
+class ChunkSavePlanner(DefaultSavePlanner):
+    """Write each GlobalChunk as a shard of its global tensor (DCP drops duplicates across ranks)."""
 
-        def __init__(self) -> None:
-            super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
 
-        def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False) -> None:
-            self.state_dict = state_dict
-            self.is_coordinator = is_coordinator
+    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False) -> None:
+        self.state_dict = state_dict
+        self.is_coordinator = is_coordinator
 
-        def create_local_plan(self):
-            items = []
-            for fqn, c in self.state_dict.items():
-                items.append(
-                    WriteItem(
-                        index=MetadataIndex(fqn, c.offsets),
-                        type=WriteItemType.SHARD,
-                        tensor_data=TensorWriteData(
-                            chunk=ChunkStorageMetadata(offsets=torch.Size(c.offsets), sizes=torch.Size(c.tensor.shape)),
-                            properties=TensorProperties.create_from_tensor(c.tensor),
-                            size=torch.Size(c.global_shape),
-                        ),
-                    )
+    def create_local_plan(self):
+        items = []
+        for fqn, c in self.state_dict.items():
+            items.append(
+                WriteItem(
+                    index=MetadataIndex(fqn, c.offsets),
+                    type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(
+                        chunk=ChunkStorageMetadata(offsets=torch.Size(c.offsets), sizes=torch.Size(c.tensor.shape)),
+                        properties=TensorProperties.create_from_tensor(c.tensor),
+                        size=torch.Size(c.global_shape),
+                    ),
                 )
-            self.plan = SavePlan(items)
-            return self.plan
+            )
+        self.plan = SavePlan(items)
+        return self.plan
 
-        def lookup_object(self, index):
-            return self.state_dict[index.fqn].tensor
+    def lookup_object(self, index):
+        return self.state_dict[index.fqn].tensor
 
-    class ChunkLoadPlanner(DefaultLoadPlanner):
-        """Read into each GlobalChunk the parts of the saved chunks that overlap it."""
+class ChunkLoadPlanner(DefaultLoadPlanner):
+    """Read into each GlobalChunk the parts of the saved chunks that overlap it."""
 
-        def __init__(self) -> None:
-            super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
 
-        def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
-            self.state_dict = self.original_state_dict = state_dict
-            self.metadata = metadata
-            self.is_coordinator = is_coordinator
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
+        self.state_dict = self.original_state_dict = state_dict
+        self.metadata = metadata
+        self.is_coordinator = is_coordinator
 
-        def create_local_plan(self):
-            requests = []
-            for fqn, c in self.state_dict.items():
-                md = self.metadata.state_dict_metadata.get(fqn)
-                if md is None or not isinstance(md, TensorStorageMetadata):
-                    raise CheckpointError(f"the checkpoint's tensor state has no {fqn!r}")
-                if tuple(md.size) != tuple(c.global_shape):
-                    raise CheckpointError(f"{fqn!r} has shape {list(md.size)} in the checkpoint, {list(c.global_shape)} here")
-                local = ChunkStorageMetadata(offsets=torch.Size(c.offsets), sizes=torch.Size(c.tensor.shape))
-                reads = create_read_items_for_chunk_list(fqn, md, [local])
-                covered = sum(math.prod(r.lengths) for r in reads)
-                if covered != math.prod(c.tensor.shape):
-                    raise CheckpointError(
-                        f"the checkpoint's chunks of {fqn!r} cover {covered} of the {math.prod(c.tensor.shape)} values this rank needs "
-                        f"at offsets {list(c.offsets)}; the tensor state is incomplete"
-                    )
-                requests += reads
-            return LoadPlan(requests)
+    def create_local_plan(self):
+        requests = []
+        for fqn, c in self.state_dict.items():
+            md = self.metadata.state_dict_metadata.get(fqn)
+            if md is None or not isinstance(md, TensorStorageMetadata):
+                raise CheckpointError(f"the checkpoint's tensor state has no {fqn!r}")
+            if tuple(md.size) != tuple(c.global_shape):
+                raise CheckpointError(f"{fqn!r} has shape {list(md.size)} in the checkpoint, {list(c.global_shape)} here")
+            local = ChunkStorageMetadata(offsets=torch.Size(c.offsets), sizes=torch.Size(c.tensor.shape))
+            reads = create_read_items_for_chunk_list(fqn, md, [local])
+            covered = sum(math.prod(r.lengths) for r in reads)
+            if covered != math.prod(c.tensor.shape):
+                raise CheckpointError(
+                    f"the checkpoint's chunks of {fqn!r} cover {covered} of the {math.prod(c.tensor.shape)} values this rank needs "
+                    f"at offsets {list(c.offsets)}; the tensor state is incomplete"
+                )
+            requests += reads
+        return LoadPlan(requests)
 
-        def lookup_tensor(self, index):
-            return self.state_dict[index.fqn].tensor
+    def lookup_tensor(self, index):
+        return self.state_dict[index.fqn].tensor
 
-    class JsonWriter(FileSystemWriter):
-        def finish(self, metadata, results) -> None:
-            storage = []
-            for result_list in results:
-                for r in result_list:
-                    info = r.storage_data
-                    storage.append({
-                        "fqn": r.index.fqn, "offset": list(r.index.offset or ()), "index": r.index.index,
-                        "file": info.relative_path, "at": info.offset, "length": info.length,
-                        "transforms": list(info.transform_descriptors or []),
-                    })
-            tensors = {}
-            for fqn, md in metadata.state_dict_metadata.items():
-                if not isinstance(md, TensorStorageMetadata):
-                    raise CheckpointError(f"{fqn!r} is not a tensor; checkpoints hold tensors only")
-                tensors[fqn] = {
-                    "dtype": str(md.properties.dtype).removeprefix("torch."),
-                    "size": list(md.size),
-                    "chunks": [{"offsets": list(ch.offsets), "sizes": list(ch.sizes)} for ch in md.chunks],
-                }
-            body = {"dcp_version": metadata.version, "tensors": tensors, "storage": storage}
-            write_synced(Path(self.path) / DCP_METADATA_FILE, json.dumps(body, sort_keys=True).encode("utf-8"))
+class JsonWriter(FileSystemWriter):
+    """DCP's filesystem writer, its metadata written as JSON."""
 
-    class JsonReader(FileSystemReader):
-        def read_metadata(self, *args, **kwargs):
-            path = Path(self.path) / DCP_METADATA_FILE
-            try:
-                body = json.loads(path.read_text(encoding="utf-8"))
-                state = {}
-                for fqn, t in body["tensors"].items():
-                    if t["dtype"] not in dtypes:
-                        raise ValueError(f"dtype {t['dtype']!r} of {fqn!r}")
-                    state[fqn] = TensorStorageMetadata(
-                        properties=TensorProperties(dtype=dtypes[t["dtype"]]),
-                        size=torch.Size(t["size"]),
-                        chunks=[ChunkStorageMetadata(offsets=torch.Size(c["offsets"]), sizes=torch.Size(c["sizes"])) for c in t["chunks"]],
-                    )
-                storage = {}
-                for s in body["storage"]:
-                    if not safe_relative(s["file"]):
-                        raise ValueError(f"storage path {s['file']!r} leaves {self.path}")
-                    if not (Path(self.path) / s["file"]).is_file() or (Path(self.path) / s["file"]).is_symlink():
-                        raise ValueError(f"storage file {s['file']!r} is not a regular file of {self.path}")
-                    storage[MetadataIndex(s["fqn"], s["offset"], s["index"])] = _StorageInfo(s["file"], int(s["at"]), int(s["length"]), s["transforms"] or None)
-            except (OSError, ValueError, KeyError, TypeError) as exc:
-                raise CheckpointError(f"the tensor metadata {path} is missing or unreadable ({exc})") from None
-            return Metadata(state_dict_metadata=state, storage_data=storage, storage_meta=StorageMeta(load_id=self.load_id), version=body.get("dcp_version"))
+    def finish(self, metadata, results) -> None:
+        storage = []
+        for result_list in results:
+            for r in result_list:
+                info = r.storage_data
+                storage.append({
+                    "fqn": r.index.fqn, "offset": list(r.index.offset or ()), "index": r.index.index,
+                    "file": info.relative_path, "at": info.offset, "length": info.length,
+                    "transforms": list(info.transform_descriptors or []),
+                })
+        tensors = {}
+        for fqn, md in metadata.state_dict_metadata.items():
+            if not isinstance(md, TensorStorageMetadata):
+                raise CheckpointError(f"{fqn!r} is not a tensor; checkpoints hold tensors only")
+            tensors[fqn] = {
+                "dtype": str(md.properties.dtype).removeprefix("torch."),
+                "size": list(md.size),
+                "chunks": [{"offsets": list(ch.offsets), "sizes": list(ch.sizes)} for ch in md.chunks],
+            }
+        body = {"dcp_version": metadata.version, "tensors": tensors, "storage": storage}
+        write_synced(Path(self.path) / DCP_METADATA_FILE, json.dumps(body, sort_keys=True).encode("utf-8"))
 
-    return dcp, ChunkSavePlanner, ChunkLoadPlanner, JsonWriter, JsonReader
+class JsonReader(FileSystemReader):
+    """DCP's filesystem reader, its metadata read from the JSON the writer wrote (every storage path confined to the step)."""
+
+    def read_metadata(self, *args, **kwargs):
+        path = Path(self.path) / DCP_METADATA_FILE
+        try:
+            body = json.loads(path.read_text(encoding="utf-8"))
+            state = {}
+            for fqn, t in body["tensors"].items():
+                if t["dtype"] not in _DTYPES:
+                    raise ValueError(f"dtype {t['dtype']!r} of {fqn!r}")
+                state[fqn] = TensorStorageMetadata(
+                    properties=TensorProperties(dtype=_DTYPES[t["dtype"]]),
+                    size=torch.Size(t["size"]),
+                    chunks=[ChunkStorageMetadata(offsets=torch.Size(c["offsets"]), sizes=torch.Size(c["sizes"])) for c in t["chunks"]],
+                )
+            storage = {}
+            for s in body["storage"]:
+                if not safe_relative(s["file"]):
+                    raise ValueError(f"storage path {s['file']!r} leaves {self.path}")
+                if not (Path(self.path) / s["file"]).is_file() or (Path(self.path) / s["file"]).is_symlink():
+                    raise ValueError(f"storage file {s['file']!r} is not a regular file of {self.path}")
+                storage[MetadataIndex(s["fqn"], s["offset"], s["index"])] = _StorageInfo(s["file"], int(s["at"]), int(s["length"]), s["transforms"] or None)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"the tensor metadata {path} is missing or unreadable ({exc})") from None
+        return Metadata(state_dict_metadata=state, storage_data=storage, storage_meta=StorageMeta(load_id=self.load_id), version=body.get("dcp_version"))
 
 
 def _dcp_group(session):
@@ -271,7 +272,6 @@ def save_session(
             f"cannot save a checkpoint at step {session.step}: {session._accumulated} of {session.plan.gradient_accumulation_steps} "
             "accumulation steps have gradients pending; save after the optimizer step closes the window"
         )
-    dcp, ChunkSavePlanner, _, JsonWriter, _ = _dcp()
     rank = session.mesh.rank
     step = session.step
     started = time.perf_counter()
@@ -343,7 +343,6 @@ def load_session(session, path: str | Path, *, manifest: Mapping[str, Any] | Non
             raise CheckpointError(f"checkpoint {path} has no parameter {source[name]!r}")
         if list(saved[source[name]]["shape"]) != list(local.instr.global_shape):
             raise CheckpointError(f"checkpoint {path}: parameter {name!r} has shape {saved[source[name]]['shape']} there but {list(local.instr.global_shape)} in this plan")
-    dcp, _, ChunkLoadPlanner, _, JsonReader = _dcp()
     state_keys = set(manifest.get("optimizer", {}).get("state", []))
     targets: dict[str, GlobalChunk] = {}
     for name, local in session.store.params.items():
@@ -413,7 +412,6 @@ def read_global_state(path: str | Path, *, optimizer: bool = False) -> dict[str,
 
     path = resolve_checkpoint(path)
     manifest = verify_checkpoint(path, kind=TORCH_KIND)
-    dcp, _, ChunkLoadPlanner, _, JsonReader = _dcp()
     reader = JsonReader(path / STATE_DIR)
     metadata = reader.read_metadata()
     wanted = {}
