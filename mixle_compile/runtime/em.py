@@ -169,6 +169,41 @@ def not_owned(em: EMInstructions, tp_coord: int):
     return masks.get
 
 
+def combine_over_cut(em: EMInstructions, comm, rule: dict[str, str]):
+    """``Scoring.combine`` under a tp cut, over every tp rank's units: for a mixture cut, from this
+    rank's log-joints ``a`` (rows x its units), each row's max and sum of exponentials across the
+    group (all_reduce max, then sum); for a factor cut, from the rows' sum of this rank's factors,
+    (0, the sum over every rank's factors) (all_reduce sum). Rows are padded to micro_batch_size,
+    the planned size of the normaliser's collectives."""
+    import torch
+    import torch.distributed as dist
+
+    cut, width = em.cut, em.micro_batch_size
+
+    def padded(values: np.ndarray) -> torch.Tensor:
+        t = torch.zeros(width, dtype=torch.float64)
+        t[: len(values)] = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float64))
+        return t
+
+    def combine(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        n = len(a)
+        if cut.axis == "factor":
+            total = padded(a)
+            comm.all_reduce(total, rule=rule[cut.normaliser_sum], parts=cut.normaliser_sum)
+            return np.zeros(n), total[:n].numpy().copy()
+        top = padded(a.max(axis=1) if a.shape[1] else np.full(n, -np.inf))
+        # all_reduce MAX through the counting layer (checked against the plan, then counted).
+        comm.issue_planned("all_reduce", rule[cut.normaliser_max], comm.planned_parts(cut.normaliser_max, top.numel() * 8),
+                           lambda g, async_op: dist.all_reduce(top, op=dist.ReduceOp.MAX, group=g, async_op=async_op))
+        m = top[:n].numpy().copy()
+        with np.errstate(invalid="ignore"):
+            total = padded(np.exp(a - m[:, None]).sum(axis=1))
+        comm.all_reduce(total, rule=rule[cut.normaliser_sum], parts=cut.normaliser_sum)
+        return m, total[:n].numpy().copy()
+
+    return combine
+
+
 def fit_rank(em: EMInstructions, comm, mesh, data: np.ndarray, steps: int, *, receipts=None, progress: bool = False,
              start: tuple[int, dict] | None = None, after_iteration=None) -> dict:
     """EM on this rank's rows and units, iterations ``first .. steps - 1``. Returns this rank's
@@ -179,7 +214,6 @@ def fit_rank(em: EMInstructions, comm, mesh, data: np.ndarray, steps: int, *, re
     from the seeded initial parameters). ``after_iteration(done, params, lls)`` runs on every rank
     after each M-step (``done`` iterations are complete); checkpoints are saved there."""
     import torch
-    import torch.distributed as dist
 
     data_size, data_rank = mesh.data_parallel_size, mesh.data_rank
     local = shard_rows(data, data_rank, data_size)
@@ -194,35 +228,12 @@ def fit_rank(em: EMInstructions, comm, mesh, data: np.ndarray, steps: int, *, re
     rule = {c.node_id: c.rule for c in em.collectives.values()}
     keep = not_owned(em, tp)
     statistics = {su.update: su for su in em.statistics}
-    combine = None  # one process holds every unit: the normaliser is local
     if cut is not None:
         chunks = np.array_split(local, em.micro_steps)
-        width = em.micro_batch_size
-
-        def padded(values: np.ndarray) -> torch.Tensor:
-            t = torch.zeros(width, dtype=torch.float64)
-            t[: len(values)] = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float64))
-            return t
-
-        def combine_over_cut(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-            n = len(a)
-            if cut.axis == "factor":
-                total = padded(a)
-                comm.all_reduce(total, rule=rule[cut.normaliser_sum], parts=cut.normaliser_sum)
-                return np.zeros(n), total[:n].numpy().copy()
-            top = padded(a.max(axis=1) if a.shape[1] else np.full(n, -np.inf))
-            # all_reduce MAX through the counting layer (checked against the plan, then counted).
-            comm.issue_planned("all_reduce", rule[cut.normaliser_max], comm.planned_parts(cut.normaliser_max, top.numel() * 8),
-                      lambda g, async_op: dist.all_reduce(top, op=dist.ReduceOp.MAX, group=g, async_op=async_op))
-            m = top[:n].numpy().copy()
-            with np.errstate(invalid="ignore"):
-                total = padded(np.exp(a - m[:, None]).sum(axis=1))
-            comm.all_reduce(total, rule=rule[cut.normaliser_sum], parts=cut.normaliser_sum)
-            return m, total[:n].numpy().copy()
-
-        combine = combine_over_cut
+        combine = combine_over_cut(em, comm, rule)
     else:
         chunks = chunks_of(local, em.micro_batch_size)
+        combine = None  # one process holds every unit: the normaliser is local
 
     planned_bytes = sum(c.payload_bytes * c.occurrences_per_step for n, c in em.collectives.items() if em.executes(n, tp))
     lls, history = [], []
