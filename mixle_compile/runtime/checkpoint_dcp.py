@@ -146,6 +146,7 @@ class ChunkSavePlanner(DefaultSavePlanner):
     def lookup_object(self, index):
         return self.state_dict[index.fqn].tensor
 
+
 class ChunkLoadPlanner(DefaultLoadPlanner):
     """Read into each GlobalChunk the parts of the saved chunks that overlap it."""
 
@@ -179,6 +180,7 @@ class ChunkLoadPlanner(DefaultLoadPlanner):
     def lookup_tensor(self, index):
         return self.state_dict[index.fqn].tensor
 
+
 class JsonWriter(FileSystemWriter):
     """DCP's filesystem writer, its metadata written as JSON."""
 
@@ -203,6 +205,7 @@ class JsonWriter(FileSystemWriter):
             }
         body = {"dcp_version": metadata.version, "tensors": tensors, "storage": storage}
         write_synced(Path(self.path) / DCP_METADATA_FILE, json.dumps(body, sort_keys=True).encode("utf-8"))
+
 
 class JsonReader(FileSystemReader):
     """DCP's filesystem reader, its metadata read from the JSON the writer wrote (every storage path confined to the step)."""

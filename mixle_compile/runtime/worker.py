@@ -31,6 +31,7 @@ from mixle_compile.runtime.mesh import Mesh
 from mixle_compile.runtime.report import EVIDENCE_TOLERANCE, RECEIPTS_FILE, accounting
 from mixle_compile.runtime.session import DistributedSession, device_for_rank
 
+
 def token_source(instructions: Instructions, data_path: str | None) -> TokenSource:
     vocab = instructions.spec.model.vocab_size
     seq = instructions.seq_len or 1
