@@ -290,17 +290,7 @@ def run_plan(
     checkpoints = replace(checkpoints, run_id=ckpt.new_run_id())
     lock = None
     if checkpoints.every is not None and (not joined or rank == 0):  # one process per job writes the root: it holds the lock
-        lock = ckpt.lock_root(root, checkpoints.run_id)
-        resume = checkpoints.resume
-        if resume is not None and not Path(resume).exists() and ckpt.step_of_dir(resume) is not None:
-            # The lock finished an interrupted re-commit: the step resumed from moved back to its name.
-            checkpoints = replace(checkpoints, resume=Path(resume).parent / ckpt.step_dir_name(ckpt.step_of_dir(resume)))
-        if not overwrite_checkpoints:
-            try:
-                _refuse_replacing(root, checkpoints.resume, steps=steps, every=checkpoints.every)
-            except BaseException:
-                ckpt.unlock_root(lock)
-                raise
+        checkpoints, lock = _lock_root(checkpoints, steps=steps, overwrite=overwrite_checkpoints)
     try:
         if joined:
             return _run_joined(doc, steps=steps, out=out, reference=reference, data_path=data_path, timeout_s=timeout_s, progress=progress,
@@ -309,6 +299,27 @@ def run_plan(
                           checkpoints=checkpoints)
     finally:
         ckpt.unlock_root(lock)
+
+
+def _lock_root(checkpoints, *, steps: int, overwrite: bool):
+    """Take the lock of the checkpoint root this run saves into; return the options (their
+    ``resume`` where the lock moved the step back to its name) and the lock. Refuses, unlocked
+    again, a run that would replace committed checkpoints unless ``overwrite``."""
+    from mixle_compile.runtime import checkpoint as ckpt
+
+    root = checkpoints.root
+    lock = ckpt.lock_root(root, checkpoints.run_id)
+    resume = checkpoints.resume
+    if resume is not None and not Path(resume).exists() and ckpt.step_of_dir(resume) is not None:
+        # The lock finished an interrupted re-commit: the step resumed from moved back to its name.
+        checkpoints = replace(checkpoints, resume=Path(resume).parent / ckpt.step_dir_name(ckpt.step_of_dir(resume)))
+    if not overwrite:
+        try:
+            _refuse_replacing(root, checkpoints.resume, steps=steps, every=checkpoints.every)
+        except BaseException:
+            ckpt.unlock_root(lock)
+            raise
+    return checkpoints, lock
 
 
 def _refuse_replacing(root, resume, *, steps: int, every: int) -> None:
