@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from mixle_compile.runtime import checkpoint as ckpt
+from mixle_compile.runtime import faults
 from tests.conftest import ROOT
 
 
@@ -48,6 +49,30 @@ def first_state_file(step_dir: Path) -> Path:
 
 
 # ---------------------------------------------------------------------------- the seal
+
+
+def test_the_directory_layer_writes_verifies_and_chooses_checkpoints_with_torch_unimportable(tmp_path):
+    """runtime/checkpoint.py is the torch-free layer: with torch blocked it writes, verifies, lists and
+    resolves a checkpoint and validates the options; the DCP layer (checkpoint_dcp.py) is the one that needs torch."""
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "import numpy as np\n"
+        "from mixle_compile.runtime import checkpoint as ckpt\n"
+        "root = sys.argv[1]\n"
+        "ckpt.write_array_checkpoint(root, 2, {'means': np.zeros(3)}, {'model': 'm'})\n"
+        "path = ckpt.resolve_checkpoint(root)\n"
+        "ckpt.verify_checkpoint(path)\n"
+        "options = ckpt.CheckpointOptions.checked(save_every=2, checkpoint_dir=root, keep=None)\n"
+        "print(ckpt.step_of_dir(path), [s for s, _, ok in ckpt.list_checkpoints(root) if ok], options.worker_arguments()[2:4])\n"
+        "try:\n"
+        "    from mixle_compile.runtime import checkpoint_dcp\n"
+        "except ImportError:\n"
+        "    print('no DCP layer without torch')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, cwd=ROOT, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["2 [2] ['--save-every', '2']", "no DCP layer without torch"]
 
 
 def test_every_file_is_sealed_and_a_clean_checkpoint_verifies(tmp_path):
@@ -291,7 +316,7 @@ ckpt.write_array_checkpoint(root, step, {"means": np.full(4, value), "weights": 
 
 
 def commit_killed_at(root: Path, step_: int, value: float, k: int) -> int:
-    env = {**os.environ, ckpt.COMMIT_FAULT_ENV: f"{step_}:{k}", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, faults.COMMIT_FAULT_ENV: f"{step_}:{k}", "PYTHONPATH": str(ROOT)}
     return subprocess.run([sys.executable, "-c", WRITER, str(root), str(step_), str(value)], cwd=ROOT, env=env, timeout=60).returncode
 
 

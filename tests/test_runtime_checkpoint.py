@@ -23,8 +23,9 @@ import pytest
 
 from mixle_compile.runtime import RunFailed, RuntimeRefusal, run_plan
 from mixle_compile.runtime import checkpoint as ckpt
+from mixle_compile.runtime import checkpoint_dcp
 from mixle_compile.runtime.data import BatchLayout
-from mixle_compile.runtime.worker import FAULT_ENV
+from mixle_compile.runtime.faults import FAULT_ENV
 from tests.conftest import ROOT
 from tests.test_runtime_support import compile_text, explain_without_torch, spec_text
 
@@ -59,7 +60,7 @@ def uninterrupted(tmp_path_factory):
 
 
 def final_state(root: Path, step: int = STEPS) -> dict:
-    return ckpt.read_global_state(root / ckpt.step_dir_name(step))
+    return checkpoint_dcp.read_global_state(root / ckpt.step_dir_name(step))
 
 
 def assert_continues(resumed, resumed_root: Path, uninterrupted, step: int = STEPS) -> float:
@@ -333,10 +334,10 @@ def test_saving_with_gradients_pending_is_refused_and_a_save_round_trips(tmp_pat
     layout, source = batch_layout(session.instructions), token_source(session.instructions, None)
     session.train_batch(*local_batch(source, layout, 1, 0, 0))  # half of step 1's window
     with pytest.raises(ckpt.CheckpointError, match=r"1 of 2 accumulation steps have gradients pending"):
-        ckpt.save_session(session, tmp_path)
+        checkpoint_dcp.save_session(session, tmp_path)
     session.train_batch(*local_batch(source, layout, 1, 1, 0))
     rng_at_save = torch.get_rng_state()
-    path = ckpt.save_session(session, tmp_path, data_source=ckpt.source_description(None, 0))
+    path = checkpoint_dcp.save_session(session, tmp_path, data_source=ckpt.source_description(None, 0))
     assert path == tmp_path / "step-00000002" and not list(tmp_path.glob(".partial-*"))
     assert not list(path.rglob("*.metadata")) and (path / "state" / ckpt.DCP_METADATA_FILE).is_file()
     before = {n: p.master.detach().clone() for n, p in session.store.params.items()}
@@ -361,7 +362,7 @@ def test_non_finite_values_are_refused_on_load_naming_the_tensor(tmp_path, singl
     name = sorted(session.store.params)[0]
     with torch.no_grad():
         session.store.params[name].master.view(-1)[0] = float("nan")
-    ckpt.save_session(session, tmp_path)
+    checkpoint_dcp.save_session(session, tmp_path)
     fresh = make()
     with pytest.raises(ckpt.CheckpointError, match=rf"'model/{name}' holds NaN or infinite values"):
         fresh.load_checkpoint(tmp_path)

@@ -242,6 +242,7 @@ def test_expert_checkpoints_reshard_across_expert_layouts(tmp_path):
     # over ep 2 x cp 2: every expert's rows and features land where the new layout wants them, with
     # the AdamW state, and the run ends where the uninterrupted one ends.
     from mixle_compile.runtime import checkpoint as ckpt
+    from mixle_compile.runtime import checkpoint_dcp
 
     def relative(a, b):
         return max(float((a[n] - b[n]).norm() / b[n].norm()) for n in b)
@@ -251,10 +252,10 @@ def test_expert_checkpoints_reshard_across_expert_layouts(tmp_path):
                      out_dir=tmp_path / "a", save_every=1, progress=False, timeout_s=120)
     assert first.ok, first.errors
     saved = tmp_path / "a" / "checkpoints"
-    end = ckpt.read_global_state(saved / ckpt.step_dir_name(steps))
+    end = checkpoint_dcp.read_global_state(saved / ckpt.step_dir_name(steps))
     resumed = run_plan(moe_plan(ds=2, cp=2, ep=2, optimizer="adamw", lr=1e-3), steps=steps, out_dir=tmp_path / "b",
                        resume=saved / ckpt.step_dir_name(1), save_every=steps, progress=False, timeout_s=120)
     assert resumed.ok, resumed.errors
     assert list(resumed.losses) == pytest.approx(list(first.losses[1:]), rel=1e-5)
-    one_step = relative(ckpt.read_global_state(saved / ckpt.step_dir_name(steps - 1)), end)
-    assert relative(ckpt.read_global_state(tmp_path / "b" / "checkpoints" / ckpt.step_dir_name(steps)), end) < 1e-4 < one_step / 100
+    one_step = relative(checkpoint_dcp.read_global_state(saved / ckpt.step_dir_name(steps - 1)), end)
+    assert relative(checkpoint_dcp.read_global_state(tmp_path / "b" / "checkpoints" / ckpt.step_dir_name(steps)), end) < 1e-4 < one_step / 100

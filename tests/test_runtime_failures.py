@@ -12,7 +12,7 @@ import subprocess
 import pytest
 
 from mixle_compile.runtime import RunFailed, run_plan
-from mixle_compile.runtime.worker import FAULT_ENV
+from mixle_compile.runtime.faults import FAULT_ENV
 from tests.test_runtime_support import plan_for
 
 

@@ -15,7 +15,7 @@ import pytest
 from mixle_compile.runtime import RunFailed, RuntimeRefusal, run_plan
 from mixle_compile.runtime import checkpoint as ckpt
 from mixle_compile.runtime.launch import RENDEZVOUS_ENV
-from mixle_compile.runtime.worker import FAULT_ENV
+from mixle_compile.runtime.faults import FAULT_ENV
 from tests.test_runtime_failures import no_workers_left
 from tests.test_runtime_support import plan_for
 

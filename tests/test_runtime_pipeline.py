@@ -213,6 +213,7 @@ def test_checkpoints_resume_across_pipelined_and_flat_meshes(tmp_path):
     # step-1 checkpoint and must end where the uninterrupted pipelined run ends (AdamW: the optimizer
     # state travels too). Every checkpoint holds global tensors, whatever the mesh that wrote it.
     from mixle_compile.runtime import checkpoint as ckpt
+    from mixle_compile.runtime import checkpoint_dcp
 
     steps = 3
     pipelined = compile_text(pp_spec(optimizer="adamw"))
@@ -220,9 +221,9 @@ def test_checkpoints_resume_across_pipelined_and_flat_meshes(tmp_path):
     assert first.ok, first.errors
     saved = tmp_path / "a" / "checkpoints"
     assert [s for s, _, complete in ckpt.list_checkpoints(saved) if complete] == [1, 2, 3]
-    end = ckpt.read_global_state(saved / ckpt.step_dir_name(steps))
+    end = checkpoint_dcp.read_global_state(saved / ckpt.step_dir_name(steps))
     assert set(end) == {p.logical_id for p in pipelined.parameters}
-    one_step = max(_relative(ckpt.read_global_state(saved / ckpt.step_dir_name(steps - 1)), end).values())
+    one_step = max(_relative(checkpoint_dcp.read_global_state(saved / ckpt.step_dir_name(steps - 1)), end).values())
     for name, kwargs in (("flat", dict(pp=1, ds=2, mb=2)), ("pp-fsdp", dict(ds=2, mb=2))):
         doc = compile_text(pp_spec(optimizer="adamw", **kwargs))
         resumed = run_plan(doc, steps=steps, out_dir=tmp_path / name, resume=saved / ckpt.step_dir_name(1), save_every=steps,
@@ -230,7 +231,7 @@ def test_checkpoints_resume_across_pipelined_and_flat_meshes(tmp_path):
         assert resumed.ok, resumed.errors
         assert resumed.data["run"]["first_step"] == 1 and resumed.steps == steps - 1
         assert list(resumed.losses) == pytest.approx(list(first.losses[1:]), rel=1e-5)
-        errors = _relative(ckpt.read_global_state(tmp_path / name / "checkpoints" / ckpt.step_dir_name(steps)), end)
+        errors = _relative(checkpoint_dcp.read_global_state(tmp_path / name / "checkpoints" / ckpt.step_dir_name(steps)), end)
         assert max(errors.values()) < 1e-4 < one_step / 100, sorted(errors.items(), key=lambda kv: -kv[1])[:3]
 
 
@@ -272,6 +273,7 @@ def test_tied_checkpoints_reshard_between_pipelined_and_flat_meshes(tmp_path):
     # A tied pipelined run saves the weight once (the first stage's copy); a flat run, where the two
     # are one tensor, resumes from it and ends where the uninterrupted pipelined run ends.
     from mixle_compile.runtime import checkpoint as ckpt
+    from mixle_compile.runtime import checkpoint_dcp
 
     steps = 3
     first = run_plan(compile_text(pp_spec(tie=True, optimizer="adamw")), steps=steps, out_dir=tmp_path / "a", save_every=1,
@@ -281,13 +283,13 @@ def test_tied_checkpoints_reshard_between_pipelined_and_flat_meshes(tmp_path):
     manifest = ckpt.read_manifest(saved / ckpt.step_dir_name(1))
     assert manifest["tied"] == {"lm_head.weight": "embed.weight"}
     assert "lm_head.weight" not in {p["name"] for p in manifest["parameters"]}
-    end = ckpt.read_global_state(saved / ckpt.step_dir_name(steps))
+    end = checkpoint_dcp.read_global_state(saved / ckpt.step_dir_name(steps))
     flat = compile_text(pp_spec(pp=1, ds=2, mb=2, tie=True, optimizer="adamw"))
     resumed = run_plan(flat, steps=steps, out_dir=tmp_path / "flat", resume=saved / ckpt.step_dir_name(1), save_every=steps,
                        progress=False, timeout_s=90)
     assert resumed.ok, resumed.errors
     assert list(resumed.losses) == pytest.approx(list(first.losses[1:]), rel=1e-5)
-    errors = _relative(ckpt.read_global_state(tmp_path / "flat" / "checkpoints" / ckpt.step_dir_name(steps)), end)
+    errors = _relative(checkpoint_dcp.read_global_state(tmp_path / "flat" / "checkpoints" / ckpt.step_dir_name(steps)), end)
     assert max(errors.values()) < 1e-4, sorted(errors.items(), key=lambda kv: -kv[1])[:3]
 
 

@@ -127,17 +127,17 @@ class Collectives:
     # With ``async_op=True`` the call returns a Pending to wait on (the ledger counts it at issue).
 
     def all_reduce(self, tensor: torch.Tensor, *, rule: str, parts: Sequence[tuple[str, int]] | str, async_op: bool = False):
-        parts = self._parts(parts, nbytes(tensor))
-        return self._run("all_reduce", rule, parts, lambda g, a: dist.all_reduce(tensor, group=g, async_op=a), async_op=async_op)
+        parts = self.planned_parts(parts, nbytes(tensor))
+        return self.issue_planned("all_reduce", rule, parts, lambda g, a: dist.all_reduce(tensor, group=g, async_op=a), async_op=async_op)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, *, rule: str, parts: Sequence[tuple[str, int]] | str, async_op: bool = False):
-        parts = self._parts(parts, nbytes(input))
-        return self._run("reduce_scatter", rule, parts, lambda g, a: _reduce_scatter_flat(output, input, group=g, async_op=a),
+        parts = self.planned_parts(parts, nbytes(input))
+        return self.issue_planned("reduce_scatter", rule, parts, lambda g, a: _reduce_scatter_flat(output, input, group=g, async_op=a),
                          local=lambda: output.copy_(input), async_op=async_op)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, rule: str, parts: Sequence[tuple[str, int]] | str, async_op: bool = False):
-        parts = self._parts(parts, nbytes(output))
-        return self._run("all_gather", rule, parts, lambda g, a: _all_gather_flat(output, input, group=g, async_op=a),
+        parts = self.planned_parts(parts, nbytes(output))
+        return self.issue_planned("all_gather", rule, parts, lambda g, a: _all_gather_flat(output, input, group=g, async_op=a),
                          local=lambda: output.copy_(input), async_op=async_op)
 
     # -- bookkeeping ---------------------------------------------------------------------
@@ -148,9 +148,9 @@ class Collectives:
         if group.handle is None:
             return Pending(self, name, group, "bookkeeping", None) if async_op else None
         if async_op:
-            work = self._guard(name, group, lambda: dist.all_reduce(tensor, op=op, group=group.handle, async_op=True))
+            work = self.guard(name, group, lambda: dist.all_reduce(tensor, op=op, group=group.handle, async_op=True))
             return Pending(self, name, group, "bookkeeping", work)
-        self._guard(name, group, lambda: dist.all_reduce(tensor, op=op, group=group.handle))
+        self.guard(name, group, lambda: dist.all_reduce(tensor, op=op, group=group.handle))
         return None
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, *, rule: str, parts: str, nbytes: int,
@@ -165,7 +165,7 @@ class Collectives:
         row_out = output[0].numel() * output.element_size() if output.shape[0] else 0
         sent = sum(n for i, n in enumerate(input_splits) if i != me) * row_in
         received = sum(n for i, n in enumerate(output_splits) if i != me) * row_out
-        self._run("all_to_all", rule, self._parts(parts, nbytes),
+        self.issue_planned("all_to_all", rule, self.planned_parts(parts, nbytes),
                   lambda g, a: dist.all_to_all_single(output, input, list(output_splits), list(input_splits), group=g, async_op=a),
                   local=lambda: output.copy_(input))
         tally = self.ledger.exchanged.setdefault(parts, [0, 0, 0])
@@ -183,7 +183,7 @@ class Collectives:
         else:
             outs = None if output_splits is None else list(output_splits)
             ins = None if input_splits is None else list(input_splits)
-            self._guard(name, group, lambda: dist.all_to_all_single(output, input, outs, ins, group=group.handle))
+            self.guard(name, group, lambda: dist.all_to_all_single(output, input, outs, ins, group=group.handle))
 
     def bookkeeping_all_gather(self, output: torch.Tensor, input: torch.Tensor, *, rule: str, name: str) -> None:
         group = self.mesh.group(rule)
@@ -191,7 +191,7 @@ class Collectives:
         if group.handle is None:
             output.copy_(input)
         else:
-            self._guard(name, group, lambda: _all_gather_flat(output, input, group=group.handle))
+            self.guard(name, group, lambda: _all_gather_flat(output, input, group=group.handle))
 
     def bookkeeping_gather_object(self, obj: object, *, name: str) -> list | None:
         """Every rank's ``obj`` on rank 0 (None elsewhere)."""
@@ -200,14 +200,14 @@ class Collectives:
         if group.handle is None:
             return [obj]
         out = [None] * group.size if self.mesh.rank == 0 else None
-        self._guard(name, group, lambda: dist.gather_object(obj, out, dst=0, group=group.handle))
+        self.guard(name, group, lambda: dist.gather_object(obj, out, dst=0, group=group.handle))
         return out
 
     def bookkeeping_broadcast(self, tensor: torch.Tensor, *, name: str, src: int = 0) -> None:
         group = self.mesh.group("world")
         self.ledger.record_bookkeeping(name, nbytes(tensor))
         if group.handle is not None:
-            self._guard(name, group, lambda: dist.broadcast(tensor, src=src, group=group.handle))
+            self.guard(name, group, lambda: dist.broadcast(tensor, src=src, group=group.handle))
 
     def barrier(self, name: str) -> None:
         group = self.mesh.group("world")
@@ -215,19 +215,23 @@ class Collectives:
         if group.handle is not None:
             # A barrier as a one-element all_reduce: it honours the group's timeout on gloo.
             flag = torch.zeros(1, device=self.device)
-            self._guard(name, group, lambda: dist.all_reduce(flag, group=group.handle))
+            self.guard(name, group, lambda: dist.all_reduce(flag, group=group.handle))
 
-    # -- internals -----------------------------------------------------------------------
+    # -- building blocks (the collectives above, and callers with calls of their own) ----
 
     @staticmethod
-    def _parts(parts: Sequence[tuple[str, int]] | str, total: int) -> Sequence[tuple[str, int]]:
+    def planned_parts(parts: Sequence[tuple[str, int]] | str, total: int) -> Sequence[tuple[str, int]]:
+        """``parts`` as (node id, bytes) pairs: one update's name carries the call's ``total``;
+        the pairs of a coalesced call must add up to it."""
         if isinstance(parts, str):
             return ((parts, total),)
         if sum(n for _, n in parts) != total:
             raise PlanMismatch(f"a coalesced call of {total} bytes attributes {sum(n for _, n in parts)} bytes to its updates")
         return parts
 
-    def _run(self, kind: str, rule: str, parts: Sequence[tuple[str, int]], issue, local=None, async_op: bool = False):
+    def issue_planned(self, kind: str, rule: str, parts: Sequence[tuple[str, int]], issue, local=None, async_op: bool = False):
+        """Check ``parts`` against the plan, run ``issue(group_handle, async_op)`` on ``rule``'s group
+        (``local()`` instead on a one-rank group), and count it; a Pending when ``async_op``."""
         self.ledger.check(kind, rule, parts)
         group = self.mesh.group(rule)
         what = parts[0][0] if len(parts) == 1 else f"{parts[0][0]} (+{len(parts) - 1} coalesced)"
@@ -236,16 +240,18 @@ class Collectives:
             if local is not None:
                 local()
         elif async_op:
-            work = self._guard(what, group, lambda: issue(group.handle, True), kind=kind)
+            work = self.guard(what, group, lambda: issue(group.handle, True), kind=kind)
             pending = Pending(self, what, group, kind, work)
         else:
-            self._guard(what, group, lambda: issue(group.handle, False), kind=kind)
+            self.guard(what, group, lambda: issue(group.handle, False), kind=kind)
         self.ledger.record(parts)
         if async_op:
             return pending or Pending(self, what, group, kind, None)
         return None
 
-    def _guard(self, what: str, group, call, kind: str = "bookkeeping") -> None:
+    def guard(self, what: str, group, call, kind: str = "bookkeeping"):
+        """Run ``call()`` with ``what`` marked in flight; a failure or timeout becomes CollectiveFailed
+        naming the collective and its group. Returns what ``call`` returns."""
         self.ledger.in_flight = f"{kind} {what!r} on group {group.rule} (ranks {', '.join(map(str, group.ranks))})"
         try:
             result = call()
@@ -273,4 +279,4 @@ class Pending:
     def wait(self) -> None:
         if self.work is not None:
             work, self.work = self.work, None
-            self.comm._guard(self.what, self.group, work.wait, kind=self.kind)
+            self.comm.guard(self.what, self.group, work.wait, kind=self.kind)

@@ -166,6 +166,41 @@ def not_owned(em: EMInstructions, tp_coord: int):
     return masks.get
 
 
+def combine_over_cut(em: EMInstructions, comm, rule: dict[str, str]):
+    """``Scoring.combine`` under a tp cut, over every tp rank's units: for a mixture cut, from this
+    rank's log-joints ``a`` (rows x its units), each row's max and sum of exponentials across the
+    group (all_reduce max, then sum); for a factor cut, from the rows' sum of this rank's factors,
+    (0, the sum over every rank's factors) (all_reduce sum). Rows are padded to micro_batch_size,
+    the planned size of the normaliser's collectives."""
+    import torch
+    import torch.distributed as dist
+
+    cut, width = em.cut, em.micro_batch_size
+
+    def padded(values: np.ndarray) -> torch.Tensor:
+        t = torch.zeros(width, dtype=torch.float64)
+        t[: len(values)] = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float64))
+        return t
+
+    def combine(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        n = len(a)
+        if cut.axis == "factor":
+            total = padded(a)
+            comm.all_reduce(total, rule=rule[cut.normaliser_sum], parts=cut.normaliser_sum)
+            return np.zeros(n), total[:n].numpy().copy()
+        top = padded(a.max(axis=1) if a.shape[1] else np.full(n, -np.inf))
+        # all_reduce MAX through the counting layer (checked against the plan, then counted).
+        comm.issue_planned("all_reduce", rule[cut.normaliser_max], comm.planned_parts(cut.normaliser_max, top.numel() * 8),
+                           lambda g, async_op: dist.all_reduce(top, op=dist.ReduceOp.MAX, group=g, async_op=async_op))
+        m = top[:n].numpy().copy()
+        with np.errstate(invalid="ignore"):
+            total = padded(np.exp(a - m[:, None]).sum(axis=1))
+        comm.all_reduce(total, rule=rule[cut.normaliser_sum], parts=cut.normaliser_sum)
+        return m, total[:n].numpy().copy()
+
+    return combine
+
+
 def fit_rank(em: EMInstructions, comm, mesh, data: np.ndarray, steps: int, *, receipts=None, progress: bool = False,
              start: tuple[int, dict] | None = None, after_iteration=None) -> dict:
     """EM on this rank's rows and units, iterations ``first .. steps - 1``. Returns this rank's
@@ -176,7 +211,6 @@ def fit_rank(em: EMInstructions, comm, mesh, data: np.ndarray, steps: int, *, re
     from the seeded initial parameters). ``after_iteration(done, params, lls)`` runs on every rank
     after each M-step (``done`` iterations are complete); checkpoints are saved there."""
     import torch
-    import torch.distributed as dist
 
     data_size, data_rank = mesh.data_parallel_size, mesh.data_rank
     local = shard_rows(data, data_rank, data_size)
@@ -191,35 +225,12 @@ def fit_rank(em: EMInstructions, comm, mesh, data: np.ndarray, steps: int, *, re
     rule = {c.node_id: c.rule for c in em.collectives.values()}
     keep = not_owned(em, tp)
     statistics = {su.update: su for su in em.statistics}
-    combine = None  # one process holds every unit: the normaliser is local
     if cut is not None:
         chunks = np.array_split(local, em.micro_steps)
-        width = em.micro_batch_size
-
-        def padded(values: np.ndarray) -> torch.Tensor:
-            t = torch.zeros(width, dtype=torch.float64)
-            t[: len(values)] = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float64))
-            return t
-
-        def combine_over_cut(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-            n = len(a)
-            if cut.axis == "factor":
-                total = padded(a)
-                comm.all_reduce(total, rule=rule[cut.normaliser_sum], parts=cut.normaliser_sum)
-                return np.zeros(n), total[:n].numpy().copy()
-            top = padded(a.max(axis=1) if a.shape[1] else np.full(n, -np.inf))
-            # all_reduce MAX through the counting layer (checked against the plan, then counted).
-            comm._run("all_reduce", rule[cut.normaliser_max], comm._parts(cut.normaliser_max, top.numel() * 8),
-                      lambda g, async_op: dist.all_reduce(top, op=dist.ReduceOp.MAX, group=g, async_op=async_op))
-            m = top[:n].numpy().copy()
-            with np.errstate(invalid="ignore"):
-                total = padded(np.exp(a - m[:, None]).sum(axis=1))
-            comm.all_reduce(total, rule=rule[cut.normaliser_sum], parts=cut.normaliser_sum)
-            return m, total[:n].numpy().copy()
-
-        combine = combine_over_cut
+        combine = combine_over_cut(em, comm, rule)
     else:
         chunks = chunks_of(local, em.micro_batch_size)
+        combine = None  # one process holds every unit: the normaliser is local
 
     planned_bytes = sum(c.payload_bytes * c.occurrences_per_step for n, c in em.collectives.items() if em.executes(n, tp))
     lls, history = [], []
@@ -541,20 +552,15 @@ def load_em_checkpoint(path: str | Path, em: EMInstructions, *, source: dict, st
 
 def run_options(em: EMInstructions, *, steps: int, reference: bool = False, data_path: str | Path | None = None,
                 save_every: int | None = None, checkpoint_dir: str | Path | None = None, keep: int | None = None,
-                resume: str | Path | None = None) -> dict:
+                resume: str | Path | None = None):
     """Check an EM run before any process starts (torch-free): the ``--data`` file's records and
-    the checkpoint options, a resume against this plan. Returns ``{every, keep, root, resume}``
+    the checkpoint options, a resume against this plan. Returns the ``checkpoint.CheckpointOptions``
     (``resume``: the step directory); raises RuntimeRefusal saying what is wrong."""
+    import dataclasses
+
     from mixle_compile.runtime import checkpoint as ckpt
 
-    for name, value in (("--save-every", save_every), ("--keep-checkpoints", keep)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise RuntimeRefusal(f"{name} must be a positive integer, got {value!r}")
-    if checkpoint_dir is not None and save_every is None:
-        raise RuntimeRefusal("--checkpoint-dir says where checkpoints go, but nothing saves them: add --save-every N")
-    if keep is not None and save_every is None:
-        raise RuntimeRefusal("--keep-checkpoints needs --save-every N")
-    options = {"every": save_every, "keep": keep, "root": Path(checkpoint_dir) if checkpoint_dir is not None else None, "resume": None}
+    options = ckpt.CheckpointOptions.checked(save_every=save_every, checkpoint_dir=checkpoint_dir, keep=keep)
     if data_path is None and resume is None:
         return options
     try:
@@ -568,136 +574,135 @@ def run_options(em: EMInstructions, *, steps: int, reference: bool = False, data
         path = ckpt.resolve_checkpoint(resume)
         check_em_resume(ckpt.read_manifest(path), em, source=data_source(em, data, data_path), steps=steps, path=path)
         ckpt.verify_checkpoint(path)  # every file against its seal, before any rank starts
-        options["resume"] = path.resolve()
+        options = dataclasses.replace(options, resume=path.resolve())
     return options
 
 
-def run_em_rank(doc, *, steps: int, out_dir: Path, reference: bool, data_path: str | None, timeout_s: float, progress: bool,
-                checkpoints=None) -> dict | None:
-    """One rank of an EM run; rank 0 returns the report (also written to ``out_dir``), others None.
+class EMRank:
+    """One rank of an EM fit, the steps ``rank.run_job`` calls (see ``worker.run_rank``).
 
-    ``checkpoints`` (``root``, ``every``, ``keep``, ``resume``; see ``worker.CheckpointPlan``):
-    save the whole model every ``every`` iterations and after the last one into ``root``, keeping
-    the ``keep`` newest; start from the checkpoint ``resume``. ``steps`` is the total: a fit resumed
-    after iteration k runs iterations k .. steps - 1."""
-    import torch
-    import torch.distributed as dist
+    ``checkpoints`` (a ``checkpoint.CheckpointOptions``): save the whole model every ``every``
+    iterations and after the last one into ``root``, keeping the ``keep`` newest; start from the
+    checkpoint ``resume``. ``steps`` is the total: a fit resumed after iteration k runs iterations
+    k .. steps - 1."""
 
-    from mixle_compile.runtime.collectives import Collectives, Ledger
-    from mixle_compile.runtime.em_plan import read_em_instructions
-    from mixle_compile.runtime.mesh import Mesh
-    from mixle_compile.runtime.report import RECEIPTS_FILE, REPORT_FILE
-    from mixle_compile.runtime.session import join_process_group
+    def __init__(self, doc, *, steps: int, out_dir: Path, reference: bool, data_path: str | None, progress: bool, checkpoints) -> None:
+        self.doc, self.steps, self.out_dir, self.reference, self.data_path = doc, steps, out_dir, reference, data_path
+        self.progress, self.checkpoints = progress, checkpoints
+        self.every = checkpoints.every if checkpoints.saves else None
+        self.comm = None
+        self.start = self.resumed = None
+        self.before: list[float] = []  # the log-likelihoods of the iterations before a resume
+        self.saved: list[dict] = []
+        self.repeat_ledgers = self.repeat = None
 
-    started = time.perf_counter()
-    em = read_em_instructions(doc)
-    data = load_data(em, data_path)
-    source = data_source(em, data, data_path)
-    root = getattr(checkpoints, "root", None)
-    every = getattr(checkpoints, "every", None) if root is not None else None
-    keep = getattr(checkpoints, "keep", None)
-    run_id = getattr(checkpoints, "run_id", None)
-    start = resumed = None
-    before: list[float] = []
-    if getattr(checkpoints, "resume", None) is not None:
-        if reference:
-            raise RuntimeRefusal("--reference fits the single-process reference from the initial parameters; it cannot check a resumed fit")
-        t0 = time.perf_counter()
-        manifest, first, params0, path = load_em_checkpoint(checkpoints.resume, em, source=source, steps=steps)
-        start, before = (first, params0), list(manifest["fit"]["log_likelihoods"])
-        resumed = {"path": str(path), "step": first, "plan_digest": manifest["plan"]["content_digest"], "mesh": manifest["mesh"],
-                   "load_s": time.perf_counter() - t0}
-    saved: list[dict] = []
-    owns = join_process_group(em.plan.world_size)
-    try:
-        mesh = Mesh.create(doc.groups, timeout_s=timeout_s)
-        rank = mesh.rank
-        comm = Collectives(mesh, Ledger(planned=em.collectives))
-        tp_coord = mesh.coord("tp") if em.cut else 0
+    def prepare(self) -> int:
+        from mixle_compile.runtime.em_plan import read_em_instructions
 
-        def save(done: int, params, lls: list[float]) -> None:
-            if not every or (done % every and done != steps):
-                return
-            from mixle_compile.runtime.checkpoint import prune_checkpoints
-
+        em = self.em = read_em_instructions(self.doc)
+        self.data = load_data(em, self.data_path)
+        self.source = data_source(em, self.data, self.data_path)
+        if self.checkpoints.resume is not None:
+            if self.reference:
+                raise RuntimeRefusal("--reference fits the single-process reference from the initial parameters; it cannot check a resumed fit")
             t0 = time.perf_counter()
-            # Under a cut each rank holds its own units: rank 0 assembles them in global coordinates.
-            parts = comm.bookkeeping_gather_object({"tp": tp_coord, "params": params} if em.cut else None, name="checkpoint:gather")
-            if rank == 0:
-                whole = assemble(em, parts) if em.cut else params
-                path = write_em_checkpoint(root, done, em, whole, before + lls, source, run_id=run_id)
-                saved.append({"step": done, "path": str(path), "save_s": time.perf_counter() - t0})
-                if keep:
-                    prune_checkpoints(root, keep, run_id=run_id)
-            comm.barrier("checkpoint:committed")
+            manifest, first, params0, path = load_em_checkpoint(self.checkpoints.resume, em, source=self.source, steps=self.steps)
+            self.start, self.before = (first, params0), list(manifest["fit"]["log_likelihoods"])
+            self.resumed = {"path": str(path), "step": first, "plan_digest": manifest["plan"]["content_digest"], "mesh": manifest["mesh"],
+                            "load_s": time.perf_counter() - t0}
+        return em.plan.world_size
 
-        receipts = (out_dir / RECEIPTS_FILE).open("w", encoding="utf-8") if rank == 0 else None
-        try:
-            record = fit_rank(em, comm, mesh, data, steps, receipts=receipts, progress=progress and rank == 0, start=start,
-                              after_iteration=save)
-        finally:
-            if receipts is not None:
-                receipts.close()
-        train_s = time.perf_counter() - started
-        ledgers = comm.bookkeeping_gather_object(comm.ledger.as_dict(), name="report:ledgers")
-        records = comm.bookkeeping_gather_object(record, name="report:fit")
-        repeat_ledgers = repeat = None
-        if reference:
+    def open(self, mesh) -> None:
+        from mixle_compile.runtime.collectives import Collectives, Ledger
+
+        self.mesh, self.rank = mesh, mesh.rank
+        self.comm = Collectives(mesh, Ledger(planned=self.em.collectives))
+        self.tp_coord = mesh.coord("tp") if self.em.cut else 0
+
+    def save(self, done: int, params, lls: list[float]) -> None:
+        """After each iteration (every rank): the checkpoint, when one is due."""
+        em, comm, checkpoints = self.em, self.comm, self.checkpoints
+        if not self.every or (done % self.every and done != self.steps):
+            return
+        from mixle_compile.runtime.checkpoint import prune_checkpoints
+
+        t0 = time.perf_counter()
+        # Under a cut each rank holds its own units: rank 0 assembles them in global coordinates.
+        parts = comm.bookkeeping_gather_object({"tp": self.tp_coord, "params": params} if em.cut else None, name="checkpoint:gather")
+        if self.rank == 0:
+            whole = assemble(em, parts) if em.cut else params
+            path = write_em_checkpoint(checkpoints.root, done, em, whole, self.before + lls, self.source, run_id=checkpoints.run_id)
+            self.saved.append({"step": done, "path": str(path), "save_s": time.perf_counter() - t0})
+            if checkpoints.keep:
+                prune_checkpoints(checkpoints.root, checkpoints.keep, run_id=checkpoints.run_id)
+        comm.barrier("checkpoint:committed")
+
+    def train(self, receipts) -> None:
+        self.record = fit_rank(self.em, self.comm, self.mesh, self.data, self.steps, receipts=receipts,
+                               progress=self.progress and self.rank == 0, start=self.start, after_iteration=self.save)
+
+    def gather(self, ledgers: list | None) -> None:
+        from mixle_compile.runtime.collectives import Collectives, Ledger
+
+        self.ledgers = ledgers
+        self.records = self.comm.bookkeeping_gather_object(self.record, name="report:fit")
+        if self.reference:
             # The repeat: the same fit from the same start, for determinism.
-            comm2 = Collectives(mesh, Ledger(planned=em.collectives))
-            again = fit_rank(em, comm2, mesh, data, steps)
-            repeat_ledgers = comm2.bookkeeping_gather_object(comm2.ledger.as_dict(), name="report:ledgers")
-            repeat = comm2.bookkeeping_gather_object(again, name="report:fit")
-        comm.barrier("report:done")
-    finally:
-        if owns:
-            dist.destroy_process_group()
-            if "mesh" in locals():
-                mesh.release()
-    if rank != 0:
-        return None
-    lls = record["lls"]
-    first = record["first"]
-    ran = steps - first
-    history = before + lls
-    account = em_accounting(em, ledgers, ran, [rec["tp"] for rec in records])
-    errors = list(account["errors"]) + monotone_violations(history)
-    if any(rec["lls"] != lls for rec in records):
-        errors.append("the ranks disagree on the log-likelihood")
-    if repeat_ledgers is not None and [lg["updates"] for lg in repeat_ledgers] != [lg["updates"] for lg in ledgers]:
-        errors.append("the repeated fit issued different collectives from the first")
-    report = {
-        "ok": False,
-        "errors": errors,
-        "warnings": [] if em.precision in ("fp32", "fp64") else [f"training.precision={em.precision!r}: EM runs in float64 regardless"],
-        "plan": {"content_digest": em.content_digest, "world_size": em.plan.world_size, "factorisation": em.plan.factorisation(),
-                 "degrees": em.plan.as_dict(), "family": "distribution", "precision": "float64", "optimizer": "em"},
-        "run": {"steps": ran, "first_step": first, "last_step": steps, "resumed_from": resumed,
-                "checkpoints": {"root": str(root) if root is not None else None, "every": every, "saved": saved},
-                "train_s": train_s, "wall_s": train_s, "fit_s": max(rec["wall_s"] for rec in records),
-                "data": str(data_path) if data_path else "synthetic", "torch": torch.__version__, "rows": int(len(data)),
-                "model": em.describe(),
-                "cut": None if em.cut is None else {"path": em.cut.path, "axis": em.cut.axis, "owners": list(em.cut.owners)}},
-        # `losses` keeps the neural report's shape: the negative mean log-likelihood per row.
-        "losses": [-ll / len(data) for ll in lls],
-        "log_likelihoods": lls,
-        # Every iteration's log-likelihood from the first, those before a resume included.
-        "log_likelihood_history": history,
-        "log_likelihood_monotone": not monotone_violations(history),
-        "accounting": account,
-        "evidence": None,
-        "receipts": RECEIPTS_FILE,
-    }
-    if reference:
-        ref = reference_fit(em, data, steps)
-        updates, ev_errors = evidence(doc, em, records, repeat, ref, steps)
-        report["errors"] += ev_errors
-        if any(u["determinism_observed"] is False for u in updates):
-            report["errors"].append("the repeated fit reduced different values from the first")
-        report["evidence"] = {"tolerance": EM_TOLERANCE, "run_id": f"em-{em.content_digest.removeprefix('sha256:')[:12]}-{steps}",
-                              "updates": updates, "fit_max_relative_error": fit_error(assemble(em, records), ref[0]),
-                              "reference_log_likelihoods": ref[1]}
-    report["ok"] = not report["errors"]
-    report["run"]["wall_s"] = time.perf_counter() - started
-    (out_dir / REPORT_FILE).write_text(json.dumps(report, indent=1, sort_keys=True) + "\n", encoding="utf-8")
-    return report
+            comm2 = Collectives(self.mesh, Ledger(planned=self.em.collectives))
+            again = fit_rank(self.em, comm2, self.mesh, self.data, self.steps)
+            self.repeat_ledgers = comm2.bookkeeping_gather_object(comm2.ledger.as_dict(), name="report:ledgers")
+            self.repeat = comm2.bookkeeping_gather_object(again, name="report:fit")
+
+    def close(self) -> None:
+        self.comm = None
+
+    def report(self, train_s: float) -> dict:
+        import torch
+
+        from mixle_compile.runtime.report import RECEIPTS_FILE
+
+        em, data, steps, records, ledgers = self.em, self.data, self.steps, self.records, self.ledgers
+        lls = self.record["lls"]
+        first = self.record["first"]
+        ran = steps - first
+        history = self.before + lls
+        account = em_accounting(em, ledgers, ran, [rec["tp"] for rec in records])
+        errors = list(account["errors"]) + monotone_violations(history)
+        if any(rec["lls"] != lls for rec in records):
+            errors.append("the ranks disagree on the log-likelihood")
+        if self.repeat_ledgers is not None and [lg["updates"] for lg in self.repeat_ledgers] != [lg["updates"] for lg in ledgers]:
+            errors.append("the repeated fit issued different collectives from the first")
+        root = self.checkpoints.root
+        report = {
+            "ok": False,
+            "errors": errors,
+            "warnings": [] if em.precision in ("fp32", "fp64") else [f"training.precision={em.precision!r}: EM runs in float64 regardless"],
+            "plan": {"content_digest": em.content_digest, "world_size": em.plan.world_size, "factorisation": em.plan.factorisation(),
+                     "degrees": em.plan.as_dict(), "family": "distribution", "precision": "float64", "optimizer": "em"},
+            "run": {"steps": ran, "first_step": first, "last_step": steps, "resumed_from": self.resumed,
+                    "checkpoints": {"root": str(root) if root is not None else None, "every": self.every, "saved": self.saved},
+                    "train_s": train_s, "wall_s": train_s, "fit_s": max(rec["wall_s"] for rec in records),
+                    "data": str(self.data_path) if self.data_path else "synthetic", "torch": torch.__version__, "rows": int(len(data)),
+                    "model": em.describe(),
+                    "cut": None if em.cut is None else {"path": em.cut.path, "axis": em.cut.axis, "owners": list(em.cut.owners)}},
+            # `losses` keeps the neural report's shape: the negative mean log-likelihood per row.
+            "losses": [-ll / len(data) for ll in lls],
+            "log_likelihoods": lls,
+            # Every iteration's log-likelihood from the first, those before a resume included.
+            "log_likelihood_history": history,
+            "log_likelihood_monotone": not monotone_violations(history),
+            "accounting": account,
+            "evidence": None,
+            "receipts": RECEIPTS_FILE,
+        }
+        if self.reference:
+            ref = reference_fit(em, data, steps)
+            updates, ev_errors = evidence(self.doc, em, records, self.repeat, ref, steps)
+            report["errors"] += ev_errors
+            if any(u["determinism_observed"] is False for u in updates):
+                report["errors"].append("the repeated fit reduced different values from the first")
+            report["evidence"] = {"tolerance": EM_TOLERANCE, "run_id": f"em-{em.content_digest.removeprefix('sha256:')[:12]}-{steps}",
+                                  "updates": updates, "fit_max_relative_error": fit_error(assemble(em, records), ref[0]),
+                                  "reference_log_likelihoods": ref[1]}
+        report["ok"] = not report["errors"]
+        return report

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from mixle_compile.plan import PlanDocument, load_plan_text
@@ -278,7 +279,7 @@ def run_plan(
         _refuse_oversized(doc, world)
     out = Path(out_dir) if out_dir is not None else Path(tempfile.mkdtemp(prefix="mixle-run-"))
     if checkpoints.every is not None and checkpoints.root is None:
-        checkpoints["root"] = out / "checkpoints"
+        checkpoints = replace(checkpoints, root=out / "checkpoints")
     root = checkpoints.root
     if root is not None and Path(root).is_symlink():
         raise RuntimeRefusal(f"the checkpoint directory {root} is a symbolic link (to {os.readlink(root)}); checkpoints are never written "
@@ -286,20 +287,10 @@ def run_plan(
     prepare_out(out)
     from mixle_compile.runtime import checkpoint as ckpt
 
-    checkpoints["run_id"] = ckpt.new_run_id()
+    checkpoints = replace(checkpoints, run_id=ckpt.new_run_id())
     lock = None
     if checkpoints.every is not None and (not joined or rank == 0):  # one process per job writes the root: it holds the lock
-        lock = ckpt.lock_root(root, checkpoints["run_id"])
-        resume = checkpoints.get("resume")
-        if resume is not None and not Path(resume).exists() and ckpt.step_of_dir(resume) is not None:
-            # The lock finished an interrupted re-commit: the step resumed from moved back to its name.
-            checkpoints["resume"] = Path(resume).parent / ckpt.step_dir_name(ckpt.step_of_dir(resume))
-        if not overwrite_checkpoints:
-            try:
-                _refuse_replacing(root, checkpoints.get("resume"), steps=steps, every=checkpoints.every)
-            except BaseException:
-                ckpt.unlock_root(lock)
-                raise
+        checkpoints, lock = _lock_root(checkpoints, steps=steps, overwrite=overwrite_checkpoints)
     try:
         if joined:
             return _run_joined(doc, steps=steps, out=out, reference=reference, data_path=data_path, timeout_s=timeout_s, progress=progress,
@@ -308,6 +299,27 @@ def run_plan(
                           checkpoints=checkpoints)
     finally:
         ckpt.unlock_root(lock)
+
+
+def _lock_root(checkpoints, *, steps: int, overwrite: bool):
+    """Take the lock of the checkpoint root this run saves into; return the options (their
+    ``resume`` where the lock moved the step back to its name) and the lock. Refuses, unlocked
+    again, a run that would replace committed checkpoints unless ``overwrite``."""
+    from mixle_compile.runtime import checkpoint as ckpt
+
+    root = checkpoints.root
+    lock = ckpt.lock_root(root, checkpoints.run_id)
+    resume = checkpoints.resume
+    if resume is not None and not Path(resume).exists() and ckpt.step_of_dir(resume) is not None:
+        # The lock finished an interrupted re-commit: the step resumed from moved back to its name.
+        checkpoints = replace(checkpoints, resume=Path(resume).parent / ckpt.step_dir_name(ckpt.step_of_dir(resume)))
+    if not overwrite:
+        try:
+            _refuse_replacing(root, checkpoints.resume, steps=steps, every=checkpoints.every)
+        except BaseException:
+            ckpt.unlock_root(lock)
+            raise
+    return checkpoints, lock
 
 
 def _refuse_replacing(root, resume, *, steps: int, every: int) -> None:
@@ -328,57 +340,17 @@ def _refuse_replacing(root, resume, *, steps: int, every: int) -> None:
         )
 
 
-class _Checkpoints(dict):
-    """The checkpoint options of one run, validated (root, every, keep, resume)."""
-
-    @property
-    def every(self):
-        return self.get("every")
-
-    @property
-    def root(self):
-        return self.get("root")
-
-    def worker_arguments(self) -> list[str]:
-        args = []
-        for key, flag in (("root", "--checkpoint-dir"), ("every", "--save-every"), ("keep", "--keep-checkpoints"), ("resume", "--resume"),
-                          ("run_id", "--run-id")):
-            value = self.get(key)
-            if value is not None:
-                args += [flag, str(Path(value).resolve()) if isinstance(value, Path) else str(value)]
-        return args
-
-    def plan(self):
-        from mixle_compile.runtime.worker import CheckpointPlan
-
-        return CheckpointPlan(root=self.get("root"), every=self.get("every"), keep=self.get("keep"), resume=self.get("resume"),
-                              run_id=self.get("run_id"))
-
-
-def _positive(name: str, value) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise RuntimeRefusal(f"{name} must be a positive integer, got {value!r}")
-    return value
-
-
-def _checkpoint_options(doc, instructions, *, steps, reference, data_path, save_every, checkpoint_dir, keep, resume) -> _Checkpoints:
-    """Validate the checkpoint options before anything starts; a resume is checked against the plan here."""
+def _checkpoint_options(doc, instructions, *, steps, reference, data_path, save_every, checkpoint_dir, keep, resume):
+    """Validate the checkpoint options before anything starts (a ``checkpoint.CheckpointOptions``);
+    a resume is checked against the plan here."""
     from mixle_compile.runtime import checkpoint as ckpt
 
-    options = _Checkpoints(every=_positive("--save-every", save_every), keep=_positive("--keep-checkpoints", keep))
     if is_distribution(doc):  # EM checks its --data file and its own checkpoints (runtime/em.py), torch-free
         from mixle_compile.runtime.em import run_options
 
-        return _Checkpoints(run_options(instructions, steps=steps, reference=reference, data_path=data_path, save_every=save_every,
-                                        checkpoint_dir=checkpoint_dir, keep=keep, resume=resume))
-    if checkpoint_dir is not None:
-        if save_every is None:
-            raise RuntimeRefusal("--checkpoint-dir says where checkpoints go, but nothing saves them: add --save-every N")
-        options["root"] = Path(checkpoint_dir)
-    if keep is not None and save_every is None:
-        raise RuntimeRefusal("--keep-checkpoints needs --save-every N")
+        return run_options(instructions, steps=steps, reference=reference, data_path=data_path, save_every=save_every,
+                           checkpoint_dir=checkpoint_dir, keep=keep, resume=resume)
+    options = ckpt.CheckpointOptions.checked(save_every=save_every, checkpoint_dir=checkpoint_dir, keep=keep)
     if resume is not None:
         if reference:
             raise RuntimeRefusal("--reference trains the single-process reference from the initial values, so it cannot check a resumed run; drop --reference or --resume")
@@ -390,7 +362,7 @@ def _checkpoint_options(doc, instructions, *, steps, reference, data_path, save_
             if isinstance(exc, RuntimeRefusal):
                 raise
             raise RuntimeRefusal(f"checkpoint {path}: its manifest is malformed ({type(exc).__name__}: {exc}); it cannot be resumed") from None
-        options["resume"] = path.resolve()
+        options = replace(options, resume=path.resolve())
     return options
 
 
@@ -400,7 +372,7 @@ def _run_joined(doc, *, steps, out, reference, data_path, timeout_s, progress, c
     rank = int(os.environ["RANK"])
     try:
         report = run_rank(doc, steps=steps, out_dir=out, reference=reference, data_path=str(data_path) if data_path else None, timeout_s=timeout_s,
-                          progress=progress, checkpoints=checkpoints.plan())
+                          progress=progress, checkpoints=checkpoints)
     except BaseException as exc:
         write_failure(out, rank, exc)
         raise

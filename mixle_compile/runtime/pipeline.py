@@ -266,7 +266,7 @@ class PipelineSession:
                 self._optimizer_step()
         self._wait(pending)
         for work, op, key, tensor, group, node_id in self._sends_in_flight:
-            self.comm._guard(node_id, group, work.wait, kind="p2p")
+            self.comm.guard(node_id, group, work.wait, kind="p2p")
         self._sends_in_flight.clear()
         if self._outputs or self._grads or self._inputs:
             raise PlanMismatch(
@@ -332,7 +332,7 @@ class PipelineSession:
         receiving_chunk = op.chunk if op.kind == "recv" else op.peer_chunk
         tag = (op.microbatch * self.layout.chunks + receiving_chunk) * 2 + int(grad)
         issue = dist.isend if op.kind == "send" else dist.irecv
-        work = self.comm._guard(node_id, group, lambda: issue(tensor, peer_rank, group=group.handle, tag=tag), kind="p2p")
+        work = self.comm.guard(node_id, group, lambda: issue(tensor, peer_rank, group=group.handle, tag=tag), kind="p2p")
         self.ledger.record(parts)
         return (work, op, key, tensor, group, node_id)
 
@@ -344,7 +344,7 @@ class PipelineSession:
             if op.kind != "recv":
                 self._sends_in_flight.append(entry)
                 continue
-            self.comm._guard(node_id, group, work.wait, kind="p2p")
+            self.comm.guard(node_id, group, work.wait, kind="p2p")
             v = self.layout.virtual(self.stage, op.chunk)
             if op.tag == "activation":
                 # The received activation is a leaf of this stage's graph: without requires_grad the

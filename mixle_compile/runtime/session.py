@@ -183,14 +183,14 @@ class DistributedSession:
     def save_checkpoint(self, root: str | Path, *, extra: Mapping | None = None) -> Path:
         """Save parameters, optimizer state, step and RNG state into ``root/step-NNNNNNNN`` (collective:
         every rank calls it; refused while an accumulation window is open). See docs/checkpoints.md."""
-        from mixle_compile.runtime.checkpoint import save_session
+        from mixle_compile.runtime.checkpoint_dcp import save_session
 
         return save_session(self, root, extra=extra)
 
     def load_checkpoint(self, path: str | Path) -> dict:
         """Load a checkpoint (a step directory, or a root: its latest complete one) saved on any mesh of
         the same model into this session's layout (collective). Returns its manifest; ``step`` follows it."""
-        from mixle_compile.runtime.checkpoint import load_session
+        from mixle_compile.runtime.checkpoint_dcp import load_session
 
         return load_session(self, path)
 

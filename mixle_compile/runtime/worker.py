@@ -1,4 +1,5 @@
-"""One rank of `run`: join the group, train, account, and (rank 0) write the report.
+"""One rank of `run`: the neural model's steps (``NeuralRank``) of the rank skeleton in
+runtime/rank.py (join the group, train, account, and, rank 0, write the report).
 
 Started by the local launcher (``python -m mixle_compile.runtime.worker``) or called in-process
 when torchrun started this process. A failure is written to ``errors/rank<N>.json`` (what failed,
@@ -16,41 +17,19 @@ import signal
 import sys
 import time
 import traceback
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from mixle_compile.plan.document import PlanDocument
+from mixle_compile.runtime import faults
+from mixle_compile.runtime.checkpoint import CheckpointOptions
 from mixle_compile.runtime.data import BatchLayout, FileTokens, SyntheticTokens, TokenSource, local_batch
 from mixle_compile.runtime.errors import CollectiveFailed
 from mixle_compile.runtime.instructions import Instructions, read_instructions
 from mixle_compile.runtime.mesh import Mesh
-from mixle_compile.runtime.report import EVIDENCE_TOLERANCE, RECEIPTS_FILE, REPORT_FILE, accounting
-from mixle_compile.runtime.session import DistributedSession, device_for_rank, join_process_group
-
-# For tests of failure handling: "kill:RANK:STEP", "stall:RANK:STEP" or "raise:RANK:STEP" makes
-# that rank die, hang or raise just before that step; "sigkill:RANK:STEP" sends that rank SIGKILL in
-# the middle of the step (in the backward of its first micro-batch, gradients half reduced);
-# "savekill:RANK:STEP" sends it SIGKILL while the checkpoint of STEP is being saved, after the
-# tensor state is written and before the checkpoint is committed; "detach:RANK:STEP" makes a
-# pipeline stage's rank detach the activations it receives from that step on (the silent bug of a
-# received activation without requires_grad: the run completes, earlier stages get no gradient);
-# "nojoin:RANK:0" makes that rank hang before it joins the process group (a peer that never arrives).
-FAULT_ENV = "MIXLE_RUNTIME_FAULT"
-
-
-@dataclass(frozen=True)
-class CheckpointPlan:
-    """What a run saves and where it starts: ``root`` gets a checkpoint every ``every`` steps (and at
-    the end); ``keep`` newest of this run's own are kept (None: all); ``resume`` is a step directory
-    to start from; ``run_id`` names this run in the checkpoints it writes (default: the process's)."""
-
-    root: Path | None = None
-    every: int | None = None
-    keep: int | None = None
-    resume: Path | None = None
-    run_id: str | None = None
+from mixle_compile.runtime.report import EVIDENCE_TOLERANCE, RECEIPTS_FILE, accounting
+from mixle_compile.runtime.session import DistributedSession, device_for_rank
 
 
 def token_source(instructions: Instructions, data_path: str | None) -> TokenSource:
@@ -64,41 +43,6 @@ def token_source(instructions: Instructions, data_path: str | None) -> TokenSour
 def batch_layout(instructions: Instructions) -> BatchLayout:
     p = instructions.plan
     return BatchLayout(instructions.micro_batch_size, p.microbatches, p.gradient_accumulation_steps, p.data_parallel_size)
-
-
-def _fault_spec(rank: int, step: int) -> str | None:
-    spec = os.environ.get(FAULT_ENV)
-    if not spec:
-        return None
-    kind, fault_rank, fault_step = spec.split(":")
-    if int(fault_rank) != rank or int(fault_step) != step:
-        return None
-    return kind
-
-
-def _fault(rank: int, step: int, session: DistributedSession | None = None) -> None:
-    kind = _fault_spec(rank, step)
-    if kind is None:
-        return
-    if kind == "kill":
-        os._exit(17)
-    if kind == "stall":
-        time.sleep(3600)
-    if kind == "raise":
-        raise RuntimeError(f"injected fault on rank {rank} at step {step}")
-    if kind == "detach" and session is not None and hasattr(session, "detach_received"):
-        session.detach_received = True
-    if kind == "sigkill" and session is not None:
-        def die(use, grad):  # the first gradient of the step: mid-backward
-            os.kill(os.getpid(), signal.SIGKILL)
-
-        for store in getattr(session, "stores", {0: session.store}).values():  # a pipeline stage: every chunk's store
-            store.accumulate = die
-
-
-def _save_fault(rank: int, step: int) -> None:
-    if _fault_spec(rank, step) == "savekill":
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 class Diverged(RuntimeError):
@@ -118,7 +62,7 @@ def train(
     *,
     receipts=None,
     progress: bool = False,
-    checkpoints: CheckpointPlan | None = None,
+    checkpoints: CheckpointOptions | None = None,
     data_source: dict | None = None,
     saved: list | None = None,
     label: str = "",
@@ -133,9 +77,9 @@ def train(
     started = time.perf_counter()
     first = session.step
     every = max(1, (steps - first) // 10)
-    save_every = checkpoints.every if checkpoints is not None and checkpoints.root is not None else None
+    save_every = checkpoints.every if checkpoints is not None and checkpoints.saves else None
     for step in range(first, steps):
-        _fault(session.mesh.rank, step, session)
+        faults.before_step(session.mesh.rank, step, session)
         for a in range(layout.accumulation_steps):
             inputs, targets = local_batch(source, layout, step, a, session.mesh.data_rank)
             receipt = session.train_batch(inputs, targets)
@@ -150,11 +94,12 @@ def train(
         if progress and ((step + 1 - first) % every == 0 or step + 1 == steps):
             print(f"{label}step {step + 1}/{steps}  loss {receipt.loss:.4f}  {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
         if save_every and ((step + 1) % save_every == 0 or step + 1 == steps):
-            from mixle_compile.runtime.checkpoint import prune_checkpoints, save_session
+            from mixle_compile.runtime.checkpoint import prune_checkpoints
+            from mixle_compile.runtime.checkpoint_dcp import save_session
 
             t0 = time.perf_counter()
             path = save_session(session, checkpoints.root, data_source=data_source() if callable(data_source) else data_source,
-                                on_written=lambda: _save_fault(session.mesh.rank, step + 1), run_id=checkpoints.run_id)
+                                on_written=lambda: faults.after_state_written(session.mesh.rank, step + 1), run_id=checkpoints.run_id)
             if saved is not None:
                 saved.append({"step": step + 1, "path": str(path), "save_s": time.perf_counter() - t0})
             if session.mesh.rank == 0 and checkpoints.keep:
@@ -171,113 +116,132 @@ def run_rank(
     data_path: str | None,
     timeout_s: float,
     progress: bool,
-    checkpoints: CheckpointPlan | None = None,
+    checkpoints: CheckpointOptions | None = None,
 ) -> dict | None:
     """Run this rank; rank 0 returns the report (also written to ``out_dir``), other ranks None.
 
     ``steps`` is the total: resumed from a checkpoint at step k, the rank runs steps k .. steps - 1."""
     from mixle_compile.runtime.em_plan import is_distribution
+    from mixle_compile.runtime.rank import run_job
 
+    options = dict(steps=steps, out_dir=out_dir, reference=reference, data_path=data_path, progress=progress,
+                   checkpoints=checkpoints or CheckpointOptions())
     if is_distribution(doc):  # a distribution model is fitted by EM (runtime/em.py)
-        from mixle_compile.runtime.em import run_em_rank
+        from mixle_compile.runtime.em import EMRank
 
-        return run_em_rank(doc, steps=steps, out_dir=out_dir, reference=reference, data_path=data_path, timeout_s=timeout_s, progress=progress,
-                           checkpoints=checkpoints)
-    from mixle_compile.runtime.reference import Recorder, compare, run_reference, with_evidence
+        job = EMRank(doc, **options)
+    else:
+        job = NeuralRank(doc, **options)
+    return run_job(job, doc.groups, out_dir=out_dir, timeout_s=timeout_s)
 
-    started = time.perf_counter()
-    instructions = read_instructions(doc)
-    pipelined = instructions.plan.pp > 1
-    source = token_source(instructions, data_path)
-    if _fault_spec(int(os.environ.get("RANK", "0")), 0) == "nojoin":
-        time.sleep(3600)
-    owns = join_process_group(instructions.plan.world_size)
-    try:
-        mesh = Mesh.create(doc.groups, timeout_s=timeout_s)
-        device = device_for_rank()
-        rank, world = mesh.rank, mesh.world_size
-        recorder = Recorder(keep_values=True) if reference else None
-        session = open_rank_session(doc, instructions, mesh, device=device, recorder=recorder)
-        checkpoints = checkpoints or CheckpointPlan()
-        resumed = None
-        if checkpoints.resume is not None:
-            from mixle_compile.runtime.checkpoint import load_session
+
+class NeuralRank:
+    """One rank of a neural model's run, the steps ``rank.run_job`` calls: a (pipeline stage's)
+    training session, resumed from a DCP checkpoint, trained, with the reference's repeat."""
+
+    def __init__(self, doc: PlanDocument, *, steps: int, out_dir: Path, reference: bool, data_path: str | None, progress: bool,
+                 checkpoints: CheckpointOptions) -> None:
+        self.doc, self.steps, self.out_dir, self.reference, self.data_path = doc, steps, out_dir, reference, data_path
+        self.progress, self.checkpoints = progress, checkpoints
+        self.session = self.comm = self.recorder = None
+        self.resumed = None
+        self.saved: list[dict] = []
+        self.stage_stats = self.repeat_ledgers = None
+
+    def prepare(self) -> int:
+        self.instructions = read_instructions(self.doc)
+        self.pipelined = self.instructions.plan.pp > 1
+        self.source = token_source(self.instructions, self.data_path)
+        return self.instructions.plan.world_size
+
+    def open(self, mesh: Mesh) -> None:
+        from mixle_compile.runtime.reference import Recorder
+
+        self.mesh, self.device = mesh, device_for_rank()
+        self.show = self.progress and mesh.rank == 0
+        self.recorder = Recorder(keep_values=True) if self.reference else None
+        self.session = open_rank_session(self.doc, self.instructions, mesh, device=self.device, recorder=self.recorder)
+        self.comm = self.session.comm
+        if self.checkpoints.resume is not None:
+            from mixle_compile.runtime.checkpoint_dcp import load_session
 
             t0 = time.perf_counter()
-            manifest = load_session(session, checkpoints.resume, hashes=False)  # the launcher verified every file's SHA-256
-            session.step = batch_layout(instructions).step_at(manifest["data"]["samples_consumed"])
-            resumed = {"path": str(checkpoints.resume), "step": session.step, "plan_digest": manifest["plan"]["content_digest"],
-                       "mesh": manifest["mesh"], "load_s": time.perf_counter() - t0}
-        first_step = session.step
+            manifest = load_session(self.session, self.checkpoints.resume, hashes=False)  # the launcher verified every file's SHA-256
+            self.session.step = batch_layout(self.instructions).step_at(manifest["data"]["samples_consumed"])
+            self.resumed = {"path": str(self.checkpoints.resume), "step": self.session.step, "plan_digest": manifest["plan"]["content_digest"],
+                            "mesh": manifest["mesh"], "load_s": time.perf_counter() - t0}
+        self.first_step = self.session.step
+
+    def train(self, receipts) -> None:
         from mixle_compile.runtime.checkpoint import source_description
 
         described: list[dict] = []
 
         def data_source() -> dict | None:  # rank 0 writes the manifest: only it hashes the token file, once
-            if rank != 0:
+            if self.mesh.rank != 0:
                 return None
             if not described:
-                described.append(source_description(data_path, instructions.seed))
+                described.append(source_description(self.data_path, self.instructions.seed))
             return described[0]
 
-        saved: list[dict] = []
-        show = progress and rank == 0
-        receipts = (out_dir / RECEIPTS_FILE).open("w", encoding="utf-8") if rank == 0 else None
-        try:
-            losses = train(session, source, steps, receipts=receipts, progress=progress and rank == 0, checkpoints=checkpoints,
-                           data_source=data_source, saved=saved)
-        finally:
-            if receipts is not None:
-                receipts.close()
-        train_s = time.perf_counter() - started
-        ledgers = session.comm.bookkeeping_gather_object(session.ledger.as_dict(), name="report:ledgers")
-        stage_stats = session.comm.bookkeeping_gather_object(session.stats(), name="report:pipeline") if pipelined else None
-        repeat_ledgers = None
-        if reference:
+        self.losses = train(self.session, self.source, self.steps, receipts=receipts, progress=self.show, checkpoints=self.checkpoints,
+                            data_source=data_source, saved=self.saved)
+
+    def gather(self, ledgers: list | None) -> None:
+        from mixle_compile.runtime.reference import Recorder
+
+        self.ledgers = ledgers
+        if self.pipelined:
+            self.stage_stats = self.comm.bookkeeping_gather_object(self.session.stats(), name="report:pipeline")
+        if self.reference:
             # The repeat: the same job from the same start, for determinism (records as digests only).
-            _say(show, "reference 1/3: the same run again from its first step, for determinism")
+            _say(self.show, "reference 1/3: the same run again from its first step, for determinism")
             repeat = Recorder(keep_values=False)
-            session2 = open_rank_session(doc, instructions, mesh, device=device, recorder=repeat)
-            train(session2, source, steps, progress=show, label="repeat ")
-            repeat_ledgers = session2.comm.bookkeeping_gather_object(session2.ledger.as_dict(), name="report:ledgers")
-            evidence_dir = out_dir / "evidence"
+            again = open_rank_session(self.doc, self.instructions, self.mesh, device=self.device, recorder=repeat)
+            train(again, self.source, self.steps, progress=self.show, label="repeat ")
+            self.repeat_ledgers = again.comm.bookkeeping_gather_object(again.ledger.as_dict(), name="report:ledgers")
+            evidence_dir = self.out_dir / "evidence"
             evidence_dir.mkdir(exist_ok=True)
             torch.save(
-                {"first": recorder.entries, "repeat": {key: d for key, _, _, d in repeat.entries}},
-                evidence_dir / f"rank{rank}.pt",
+                {"first": self.recorder.entries, "repeat": {key: d for key, _, _, d in repeat.entries}},
+                evidence_dir / f"rank{self.mesh.rank}.pt",
             )
-        session.comm.barrier("report:done")
-    finally:
-        if owns:
-            import torch.distributed as dist
 
-            # Every rank leaves the group together; the reference below needs no group.
-            dist.destroy_process_group()
-            session = session2 = None  # noqa: F841 (their group handles go with the mesh)
-            if "mesh" in locals():
-                mesh.release()
-    if rank != 0:
-        return None
-    report = _report(instructions, ledgers, repeat_ledgers, losses, steps - first_step, train_s, data_path,
-                     stages=[s["stage"] for s in stage_stats] if pipelined else None)
-    if pipelined:
-        from mixle_compile.runtime.pipeline_plan import pipeline_section
+    def close(self) -> None:
+        self.session = self.comm = None
 
-        report["pipeline"], problems = pipeline_section(doc, instructions, stage_stats)
-        report["errors"].extend(problems)
-        report["ok"] = not report["errors"]
-    report["run"].update(first_step=first_step, last_step=steps, resumed_from=resumed,
-                         checkpoints={"root": str(checkpoints.root) if checkpoints.root else None, "every": checkpoints.every, "saved": saved})
-    if reference:
+    def report(self, train_s: float) -> dict:
+        doc, instructions, steps = self.doc, self.instructions, self.steps
+        report = _report(instructions, self.ledgers, self.repeat_ledgers, self.losses, steps - self.first_step, train_s, self.data_path,
+                         stages=[s["stage"] for s in self.stage_stats] if self.pipelined else None)
+        if self.pipelined:
+            from mixle_compile.runtime.pipeline_plan import pipeline_section
+
+            report["pipeline"], problems = pipeline_section(doc, instructions, self.stage_stats)
+            report["errors"].extend(problems)
+            report["ok"] = not report["errors"]
+        checkpoints = self.checkpoints
+        report["run"].update(first_step=self.first_step, last_step=steps, resumed_from=self.resumed,
+                             checkpoints={"root": str(checkpoints.root) if checkpoints.root else None, "every": checkpoints.every,
+                                          "saved": self.saved})
+        if self.reference:
+            self._add_evidence(report)
+        return report
+
+    def _add_evidence(self, report: dict) -> None:
+        """The single-process reference, and every planned update's numerical evidence against it."""
+        from mixle_compile.runtime.reference import compare, run_reference, with_evidence
+
+        doc, instructions, steps, show = self.doc, self.instructions, self.steps, self.show
         _say(show, f"reference 2/3: the same model trained in one process, {steps} step(s)")
         every = max(1, steps // 10)
         records = run_reference(
-            reference_instructions(doc, instructions), source, steps,
+            reference_instructions(doc, instructions), self.source, steps,
             progress=(lambda step, seconds: _say(show and (step % every == 0 or step == steps),
                                                  f"reference step {step}/{steps}  {seconds:.1f} s")),
         )
         _say(show, f"reference 3/3: comparing {len(doc.updates)} planned update(s) with the reference")
-        saved = [torch.load(out_dir / "evidence" / f"rank{r}.pt", weights_only=True) for r in range(world)]
+        saved = [torch.load(self.out_dir / "evidence" / f"rank{r}.pt", weights_only=True) for r in range(self.mesh.world_size)]
         found = compare(records, saved)
         evidence_id = f"run-{instructions.content_digest.removeprefix('sha256:')[:12]}-{steps}"
         updates = [with_evidence(_planned_update(u), found.get(u.node_id), evidence_id) for u in doc.updates]
@@ -294,9 +258,6 @@ def run_rank(
                 report["errors"].append(f"{u.node_id}: executed but no evidence was recorded")
         report["evidence"] = {"tolerance": tolerance, "run_id": evidence_id, "updates": [u.as_dict() for u in updates]}
         report["ok"] = not report["errors"]
-    report["run"]["wall_s"] = time.perf_counter() - started
-    (out_dir / REPORT_FILE).write_text(json.dumps(report, indent=1, sort_keys=True) + "\n", encoding="utf-8")
-    return report
 
 
 def _planned_update(u):
@@ -413,13 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
         doc = load_plan_text(Path(args.plan).read_bytes(), args.plan)
-        checkpoints = CheckpointPlan(
-            root=Path(args.checkpoint_dir) if args.checkpoint_dir else None,
-            every=args.save_every,
-            keep=args.keep_checkpoints,
-            resume=Path(args.resume) if args.resume else None,
-            run_id=args.run_id,
-        )
+        checkpoints = CheckpointOptions.from_worker_arguments(args)
         run_rank(doc, steps=args.steps, out_dir=out_dir, reference=args.reference, data_path=args.data, timeout_s=args.timeout,
                  progress=args.progress, checkpoints=checkpoints)
     except BaseException as exc:  # every failure leaves its note for the launcher
