@@ -33,9 +33,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from mixle_compile.runtime import run_plan  # noqa: E402
-from mixle_compile.runtime.em import sample_data  # noqa: E402
-from mixle_compile.runtime.em_model import Scoring, initial_params, m_step, score, zero_statistics  # noqa: E402
-from mixle_compile.runtime.em_plan import read_em_instructions  # noqa: E402
+from mixle_compile.runtime.em.fit import sample_data  # noqa: E402
+from mixle_compile.runtime.em.model import Scoring, initial_params, m_step, score, zero_statistics  # noqa: E402
+from mixle_compile.runtime.em.plan import read_em_instructions  # noqa: E402
 from mixle_compile.runtime.launch import compile_spec_file  # noqa: E402
 
 

@@ -146,7 +146,7 @@ def to_mixle_dict(fitted: Any, like: Any) -> dict:
     import numpy as np
 
     from mixle_compile.importers.mixle import TAG, mixle_model
-    from mixle_compile.runtime import em_model
+    from mixle_compile.runtime.em import model as em_model
 
     if is_mixle_model(like):
         template = like.to_dict()

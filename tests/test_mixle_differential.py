@@ -26,7 +26,7 @@ from mixle_compile.decompose import best_parallel_axis, decompose_model, tree_ax
 from mixle_compile.decompose.cut import optimal_contiguous_cut, prefix_sums  # noqa: E402
 from mixle_compile.graph import build_model_graph  # noqa: E402
 from mixle_compile.mixle_models import UNBOUNDED_MEMORY  # noqa: E402
-from mixle_compile.runtime import em_model  # noqa: E402
+from mixle_compile.runtime.em import model as em_model  # noqa: E402
 from tests.test_mixle_models import MODELS, READABLE, _model  # noqa: E402
 
 sys.path.insert(0, str(MODELS))

@@ -22,7 +22,7 @@ from mixle_compile.decompose.cut import optimal_contiguous_cut, prefix_sums
 from mixle_compile.graph import build_model_graph
 from mixle_compile.importers.mixle import mixle_model
 from mixle_compile.mixle_models import UNBOUNDED_MEMORY, as_devices
-from mixle_compile.runtime import em_model
+from mixle_compile.runtime.em import model as em_model
 from mixle_compile.spec.load import load_spec
 from mixle_compile.spec.models import DistributionModel
 

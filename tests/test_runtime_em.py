@@ -14,7 +14,7 @@ import pytest
 from mixle_compile.plan import load_plan_text
 from mixle_compile.plan.artifact import plan_text
 from mixle_compile.runtime import RuntimeRefusal, run_plan
-from mixle_compile.runtime.em import (
+from mixle_compile.runtime.em.fit import (
     EM_TOLERANCE,
     em_accounting,
     evidence,
@@ -25,8 +25,8 @@ from mixle_compile.runtime.em import (
     sample_data,
     shard_rows,
 )
-from mixle_compile.runtime.em_model import Scoring, build_tree, initial_params, m_step, score, zero_statistics
-from mixle_compile.runtime.em_plan import read_em_instructions
+from mixle_compile.runtime.em.model import Scoring, build_tree, initial_params, m_step, score, zero_statistics
+from mixle_compile.runtime.em.plan import read_em_instructions
 from mixle_compile.runtime.launch import compile_spec_file
 from mixle_compile.spec import load_spec_text
 
@@ -285,7 +285,7 @@ def test_every_planned_statistics_update_has_the_size_a_rank_reduces(tmp_path, s
         pytest.fail(str(exc))
     em = read_em_instructions(doc)
     stats = {n.id: np.zeros((n.instances, n.stat_width())) for n in em.tree.with_statistics()}
-    from mixle_compile.runtime.em import local_statistics
+    from mixle_compile.runtime.em.fit import local_statistics
 
     for su in em.statistics:
         lengths = [len(local_statistics(em, su, stats[su.node], tp)) for tp in range(em.plan.tp) if su.executes(tp)]

@@ -25,9 +25,9 @@ import pytest
 
 from mixle_compile.runtime import RuntimeRefusal, run_plan
 from mixle_compile.runtime import checkpoint as ckpt
-from mixle_compile.runtime.em import EM_TOLERANCE, data_source, load_data, monotone_violations, reference_fit, relative_error, sample_data
-from mixle_compile.runtime.em_model import initial_params, param_shapes
-from mixle_compile.runtime.em_plan import read_em_instructions
+from mixle_compile.runtime.em.fit import EM_TOLERANCE, data_source, load_data, monotone_violations, reference_fit, relative_error, sample_data
+from mixle_compile.runtime.em.model import initial_params, param_shapes
+from mixle_compile.runtime.em.plan import read_em_instructions
 from tests.test_runtime_em import DIAG, FULL, MODELS, compiled, spec_text
 from tests.test_runtime_support import explain_without_torch
 

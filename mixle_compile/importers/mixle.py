@@ -253,7 +253,7 @@ class _Reader:
             probs, _ = self.array(*get("p_vec"), here, "p_vec")
             low, low_path = get("min_val")
             if low != 0 and where.endswith(".length"):
-                # A length column holds the number of steps itself (runtime/em_model.py), so it cannot be shifted.
+                # A length column holds the number of steps itself (runtime/em/model.py), so it cannot be shifted.
                 self.out.warnings.append((f"{here}: a length distribution whose values start at min_val={low}: the spec's categorical "
                                           f"reads a length L as value L (0..{len(probs) - 1}), so EM would fit it shifted by {low}",
                                           f"give mixle the same length distribution from 0: IntegerCategoricalDistribution(0, "

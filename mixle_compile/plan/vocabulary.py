@@ -275,6 +275,13 @@ class UpdateId:
         """A pipeline transfer from stage ``src`` to ``dst`` (``stage.0->1:activation``)."""
         return cls(f"stage.{src}->{dst}", "activation", BACKWARD if backward else None)
 
+    @classmethod
+    def activation_pair(cls, site: str, kind: str) -> tuple[str, str]:
+        """The written ids of an activation collective and of its backward conjugate, the keys a
+        rank's observations are recorded under (``layers.0.mlp:out``, ``layers.0.mlp:out/grad``)."""
+        forward = cls.activation(site, kind)
+        return str(forward), str(forward.backward())
+
     # Readers.
 
     def backward(self) -> UpdateId:

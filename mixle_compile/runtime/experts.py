@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch.autograd import Function
 
 from mixle_compile.spec.models import TransformerModel
+from mixle_compile.plan.vocabulary import UpdateId
 
 _ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu}
 
@@ -169,9 +170,9 @@ def moe_mlp(ops, shape: ExpertShape, unit: str, h: torch.Tensor) -> torch.Tensor
         # The reference observes what an expert-parallel run exchanges: the rows the experts receive
         # (``moe:dispatch``) and what they return (``moe:combine``), with their gradients.
         observe = getattr(ops, "observe_activation", None) or (lambda forward_key, backward_key, t: t)
-        inputs = observe(f"{unit}.moe:dispatch", f"{unit}.moe:dispatch/grad", slot_inputs(tokens, shape.top_k))
+        inputs = observe(*UpdateId.activation_pair(f"{unit}.moe", "dispatch"), slot_inputs(tokens, shape.top_k))
         outputs = run_experts(inputs, experts.reshape(-1), gate, up, down, shape.activation)
-        outputs = observe(f"{unit}.moe:combine", f"{unit}.moe:combine/grad", outputs)
+        outputs = observe(*UpdateId.activation_pair(f"{unit}.moe", "combine"), outputs)
     out = combine(outputs, weights).view(x.shape)
     if rows is None:
         return out
@@ -222,11 +223,11 @@ class TokenExchange:
             self.comm.bookkeeping_all_to_all(ids, own, rule=EP, name=f"{unit}.moe:row-ids", output_splits=receive_splits, input_splits=send_splits)
             ids = (own, ids)
         send = slot_inputs(tokens, top_k).index_select(0, order)
-        received = _Exchange.apply(send, self, f"{unit}.moe:dispatch", receive_splits, send_splits, routed_bytes, ids, True)
+        received = _Exchange.apply(send, self, str(UpdateId.activation(f"{unit}.moe", "dispatch")), receive_splits, send_splits, routed_bytes, ids, True)
         local = torch.arange(self.local_experts, device=flat.device).repeat(self.size)
         expert_of_row = local.repeat_interleave(received_counts.view(-1))
         outputs = run_experts(received, expert_of_row, gate, up, down, activation)
-        back = _Exchange.apply(outputs, self, f"{unit}.moe:combine", send_splits, receive_splits, routed_bytes, ids, False)
+        back = _Exchange.apply(outputs, self, str(UpdateId.activation(f"{unit}.moe", "combine")), send_splits, receive_splits, routed_bytes, ids, False)
         return back.new_zeros(back.shape).index_copy(0, order, back)
 
     def exchange(self, node_id: str, rows: torch.Tensor, output_splits: list[int], input_splits: list[int], routed_bytes: int) -> torch.Tensor:
@@ -269,7 +270,7 @@ class _Exchange(Function):
     @staticmethod
     def backward(ctx, grad):
         output_splits, input_splits = ctx.splits
-        node_id = f"{ctx.node_id}/grad"
+        node_id = str(UpdateId.parse(ctx.node_id).backward())
         out = ctx.exchange.exchange(node_id, grad, input_splits, output_splits, ctx.routed_bytes)
         if ctx.ids is not None:  # dispatch/grad: back to the own rows; combine/grad: received
             ctx.exchange.record(node_id, out, ctx.ids[0] if ctx.outward else ctx.ids[1], None if ctx.outward else input_splits)

@@ -32,7 +32,7 @@ from mixle_compile.plan import PlanDocument, load_plan_text
 from mixle_compile.plan.artifact import PlanError, plan_text, written_text
 from mixle_compile.plan.rederive import PlanMismatch, rederive
 from mixle_compile.runtime.errors import RunFailed, RuntimeRefusal, SpecRejected
-from mixle_compile.runtime.em_plan import is_distribution, read_em_instructions
+from mixle_compile.runtime.em.plan import is_distribution, read_em_instructions
 from mixle_compile.runtime.instructions import read_instructions
 from mixle_compile.runtime.report import REPORT_FILE, RunReport
 
@@ -89,7 +89,7 @@ def preflight(doc: PlanDocument):
     """The plan read as instructions for the runtime that `run` starts (EM, or the neural replay with
     or without a pipeline), refusing what that runtime does not execute; nothing is started."""
     if is_distribution(doc):
-        return read_em_instructions(doc)  # EM (runtime/em.py); refuses what it does not execute
+        return read_em_instructions(doc)  # EM (runtime/em/fit.py); refuses what it does not execute
     instructions = read_instructions(doc)
     if instructions.family != "transformer":
         raise RuntimeRefusal(
@@ -345,8 +345,8 @@ def _checkpoint_options(doc, instructions, *, steps, reference, data_path, save_
     a resume is checked against the plan here."""
     from mixle_compile.runtime import checkpoint as ckpt
 
-    if is_distribution(doc):  # EM checks its --data file and its own checkpoints (runtime/em.py), torch-free
-        from mixle_compile.runtime.em import run_options
+    if is_distribution(doc):  # EM checks its --data file and its own checkpoints (runtime/em/fit.py), torch-free
+        from mixle_compile.runtime.em.fit import run_options
 
         return run_options(instructions, steps=steps, reference=reference, data_path=data_path, save_every=save_every,
                            checkpoint_dir=checkpoint_dir, keep=keep, resume=resume)

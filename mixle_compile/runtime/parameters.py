@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch.autograd import Function
 
-from mixle_compile.plan.vocabulary import EXPERT_DATA, Axis, rule_name
+from mixle_compile.plan.vocabulary import EXPERT_DATA, Axis, UpdateId, rule_name
 from mixle_compile.runtime.collectives import Collectives
 from mixle_compile.runtime.errors import PlanMismatch
 from mixle_compile.runtime.instructions import Instructions, ParamInstruction
@@ -269,7 +269,7 @@ class ParamStore:
             shards = [local.master.detach().to(dtype).reshape(-1) for local in locals_]
             flat = shards[0] if len(shards) == 1 else torch.cat(shards)
             out = torch.empty(flat.numel() * count, dtype=dtype, device=self.device)
-            parts = [(f"{u}:param/gather-{phase}", local.gathered_numel() * out.element_size()) for u, local in zip(uses, locals_)]
+            parts = [(str(UpdateId.gather(u, phase)), local.gathered_numel() * out.element_size()) for u, local in zip(uses, locals_)]
             pending = self.comm.all_gather(out, flat, rule=rule, parts=parts, async_op=async_op)
             issued.append((uses, out, pending, count, phase))
         return issued
@@ -288,7 +288,7 @@ class ParamStore:
                 offset += n
                 out_map[use] = whole
                 if self.capture is not None:
-                    self.capture(f"{use}:param/gather-{phase}", whole, ("param", use, local.tp_slices, str(local.dtype)))
+                    self.capture(str(UpdateId.gather(use, phase)), whole, ("param", use, local.tp_slices, str(local.dtype)))
         return out_map
 
     def _unit_gather(self, unit: str, phase: str) -> dict[str, torch.Tensor]:

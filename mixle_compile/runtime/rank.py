@@ -2,7 +2,7 @@
 resume, train, gather the ledgers, tear down, and (rank 0) write the report.
 
 What differs between a neural model (runtime/worker.py) and a distribution model fitted by EM
-(runtime/em.py) is supplied by a ``RankJob``: how the plan is read and a checkpoint loaded, what
+(runtime/em/fit.py) is supplied by a ``RankJob``: how the plan is read and a checkpoint loaded, what
 one rank trains, what else is gathered for the report, and how the report is built. The skeleton
 owns the order, the receipts file, the teardown (always, through ``finally``) and the report file.
 """

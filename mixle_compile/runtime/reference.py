@@ -33,6 +33,7 @@ from mixle_compile.runtime.model import LocalOps, TransformerShape, default_loss
 from mixle_compile.runtime.parameters import DTYPES, apply_slices, initial_value
 from mixle_compile.runtime.session import make_optimizer
 from mixle_compile.runtime.tensor_parallel import TensorParallel, VocabParallelCrossEntropy
+from mixle_compile.plan.vocabulary import UpdateId
 
 # An Expect is a plain tuple (it is saved with torch.save and compared on rank 0):
 #   ("param", use, slices, dtype)          the weight at the start of the step
@@ -144,14 +145,14 @@ class _ReferenceOps(LocalOps):
         return self.params.weight(use)
 
     def copy(self, site, x):
-        return self._observe(f"{site}:in", f"{site}:in/grad", x)
+        return self._observe(*UpdateId.activation_pair(site, "in"), x)
 
     def reduce(self, site, y):
-        return self._observe(f"{site}:out", f"{site}:out/grad", y)
+        return self._observe(*UpdateId.activation_pair(site, "out"), y)
 
     def unit_end(self, unit, y):
         # A pipeline stage boundary (runtime/pipeline_plan.py): the residual stream after ``unit``.
-        return self._observe(f"{unit}:boundary", f"{unit}:boundary/grad", y)
+        return self._observe(*UpdateId.activation_pair(unit, "boundary"), y)
 
     def observe_activation(self, forward_key, backward_key, x):
         """``x`` unchanged, recording its value and gradient under these keys when the plan has them
@@ -168,7 +169,7 @@ class _ReferenceOps(LocalOps):
 
     def gather_kv(self, site, k, v):
         # K and V of the whole sequence, [2, b, kv heads, s, d]: what a context-parallel gather yields.
-        key, grad_key = f"{site}:kv", f"{site}:kv/grad"
+        key, grad_key = UpdateId.activation_pair(site, "kv")
         if key in self.wanted or grad_key in self.wanted:
             both = _Observe.apply(torch.stack([k, v]), self.sink, key, grad_key)
             k, v = both[0], both[1]

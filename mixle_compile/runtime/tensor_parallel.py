@@ -25,6 +25,7 @@ import torch
 from torch.autograd import Function
 
 from mixle_compile.runtime.collectives import Collectives, nbytes
+from mixle_compile.plan.vocabulary import UpdateId
 
 TP = "tp"  # the group rule of tensor parallelism
 
@@ -100,13 +101,13 @@ class _CopyToParallel(Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.tp.all_reduce(f"{ctx.site}:in/grad", grad), None, None
+        return ctx.tp.all_reduce(str(UpdateId.activation(ctx.site, "in", backward=True)), grad), None, None
 
 
 class _ReduceFromParallel(Function):
     @staticmethod
     def forward(ctx, y, tp: TensorParallel, site: str):
-        return tp.all_reduce(f"{site}:out", y)
+        return tp.all_reduce(str(UpdateId.activation(site, "out")), y)
 
     @staticmethod
     def backward(ctx, grad):
@@ -117,22 +118,22 @@ class _GatherSequence(Function):
     @staticmethod
     def forward(ctx, x, tp: TensorParallel, site: str):
         ctx.tp, ctx.site = tp, site
-        return tp.gather_sequence(f"{site}:in", x)
+        return tp.gather_sequence(str(UpdateId.activation(site, "in")), x)
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.tp.scatter_sequence(f"{ctx.site}:in/grad", grad), None, None
+        return ctx.tp.scatter_sequence(str(UpdateId.activation(ctx.site, "in", backward=True)), grad), None, None
 
 
 class _ScatterSequence(Function):
     @staticmethod
     def forward(ctx, y, tp: TensorParallel, site: str):
         ctx.tp, ctx.site = tp, site
-        return tp.scatter_sequence(f"{site}:out", y)
+        return tp.scatter_sequence(str(UpdateId.activation(site, "out")), y)
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.tp.gather_sequence(f"{ctx.site}:out/grad", grad), None, None
+        return ctx.tp.gather_sequence(str(UpdateId.activation(ctx.site, "out", backward=True)), grad), None, None
 
 
 LOSS_SITE = "lm_head:loss"

@@ -121,13 +121,13 @@ def run_rank(
     """Run this rank; rank 0 returns the report (also written to ``out_dir``), other ranks None.
 
     ``steps`` is the total: resumed from a checkpoint at step k, the rank runs steps k .. steps - 1."""
-    from mixle_compile.runtime.em_plan import is_distribution
+    from mixle_compile.runtime.em.plan import is_distribution
     from mixle_compile.runtime.rank import run_job
 
     options = dict(steps=steps, out_dir=out_dir, reference=reference, data_path=data_path, progress=progress,
                    checkpoints=checkpoints or CheckpointOptions())
-    if is_distribution(doc):  # a distribution model is fitted by EM (runtime/em.py)
-        from mixle_compile.runtime.em import EMRank
+    if is_distribution(doc):  # a distribution model is fitted by EM (runtime/em/fit.py)
+        from mixle_compile.runtime.em.fit import EMRank
 
         job = EMRank(doc, **options)
     else:

@@ -2,7 +2,7 @@
 
 Executed: any tree of mixtures, composites, HMMs and sequences (with or without a length
 distribution) over Gaussian (diag, full), categorical, Poisson and exponential leaves (see
-``em_model``), under data parallelism (dp_replicate,
+``em.model``), under data parallelism (dp_replicate,
 dp_shard), a cut of one node's units over tp, or both. The cut node is a mixture (component cut:
 the posterior normaliser is a logsumexp across tp) or a composite (factor cut: the factors'
 log-likelihoods add up across tp), reached from the root through composites only, so that every
@@ -33,7 +33,7 @@ from mixle_compile.contracts import ParallelPlan
 from mixle_compile.plan.vocabulary import DATA_PARALLEL_AXES, STATISTICS, Axis, UpdateId, UpdateIdError, rule_name
 from mixle_compile.plan.artifact import plan_spec
 from mixle_compile.plan.document import PlanDocument
-from mixle_compile.runtime.em_model import ModelError, Tree, TreeNode, build_tree
+from mixle_compile.runtime.em.model import ModelError, Tree, TreeNode, build_tree
 from mixle_compile.runtime.errors import RuntimeRefusal
 from mixle_compile.runtime.instructions import Collective
 from mixle_compile.spec.models import DistributionModel

@@ -29,9 +29,9 @@ from pathlib import Path
 
 import numpy as np
 
-from mixle_compile.runtime import em_model
-from mixle_compile.runtime.em_model import ModelError, Scoring, chunks_of, initial_params, m_step, score, zero_statistics
-from mixle_compile.runtime.em_plan import LOG_LIKELIHOOD, EMInstructions, StatisticsUpdate
+from mixle_compile.runtime.em import model as em_model
+from mixle_compile.runtime.em.model import ModelError, Scoring, chunks_of, initial_params, m_step, score, zero_statistics
+from mixle_compile.runtime.em.plan import LOG_LIKELIHOOD, EMInstructions, StatisticsUpdate
 from mixle_compile.runtime.errors import RuntimeRefusal
 
 # The log-likelihood of an EM iteration may not fall below the previous one by more than this
@@ -597,7 +597,7 @@ class EMRank:
         self.repeat_ledgers = self.repeat = None
 
     def prepare(self) -> int:
-        from mixle_compile.runtime.em_plan import read_em_instructions
+        from mixle_compile.runtime.em.plan import read_em_instructions
 
         em = self.em = read_em_instructions(self.doc)
         self.data = load_data(em, self.data_path)
