@@ -1045,7 +1045,6 @@ class DistributedTrainingBackend(Protocol):
 
 
 _BACKEND_MEMBERS = ("capabilities", "prepare")
-_SESSION_METHODS = ("train_batch", "finish_accumulation", "discard_accumulation", "close")
 
 
 def _check_backend(obj: Any, context: str) -> None:
