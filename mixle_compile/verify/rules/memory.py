@@ -18,20 +18,9 @@ from mixle_compile.memory_model import (
 )
 from mixle_compile.verify import logic
 from mixle_compile.verify.facts import format_bytes
-from mixle_compile.verify.logic import all_of, larger, negation, real, when
+from mixle_compile.verify.logic import TERMS, all_of, larger, negation, real, when
 from mixle_compile.verify.memory import CATEGORIES
 from mixle_compile.verify.rule import Rule, define
-
-
-class _Terms:
-    """The memory model's arithmetic over Z3 terms."""
-
-    when = staticmethod(logic.when)
-    smaller = staticmethod(logic.smaller)
-    exact = staticmethod(real)
-
-
-TERMS = _Terms()
 
 
 def per_rank_bytes(v) -> dict[str, object]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from mixle_compile.diagnostics import Severity
 from mixle_compile.schedules import applies, bubble_fraction, requirement
-from mixle_compile.verify.logic import all_of, implies, larger, negation, when
+from mixle_compile.verify.logic import TERMS, all_of, implies, negation, when
 from mixle_compile.verify.rule import Rule, define
 from mixle_compile.verify.wording import alternatives, divisors, percent
 
@@ -74,18 +74,6 @@ STAGES_EXCEED_LAYERS = define(
     )
 )
 
-class _Z3Logic:
-    all_of = staticmethod(all_of)
-    larger = staticmethod(larger)
-
-    @staticmethod
-    def quotient(a, b):
-        return a / b  # Z3 integer division of positive terms rounds down
-
-
-Z3_LOGIC = _Z3Logic()
-
-
 def _schedule_microbatches(v):
     return v.facts.engine.schedule_microbatches(v.microbatches, v.gradient_accumulation_steps)
 
@@ -105,9 +93,9 @@ def _schedule_rule(code: str, name: str, title: str, docs: str, engines: frozens
             docs=docs,
             engine_reference=req.source,
             constraint=lambda v: implies(
-                applies(Z3_LOGIC, req, pp=v.pp, virtual_stages=v.virtual_pipeline_stages,
+                applies(TERMS, req, pp=v.pp, virtual_stages=v.virtual_pipeline_stages,
                         chosen=lambda s: v.is_("pipeline_schedule", s)),
-                req.holds(Z3_LOGIC, v.pp, _schedule_microbatches(v)),
+                req.holds(TERMS, v.pp, _schedule_microbatches(v)),
             ),
             explain=lambda x: req.broken(x.pp, _numbers_microbatches(x)),
             hint=lambda x: req.fix(x.pp, _numbers_microbatches(x)) + " (keep global_batch_size consistent, B001)",
