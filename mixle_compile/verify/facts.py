@@ -16,7 +16,7 @@ from typing import Any
 from mixle_compile.contracts import BackendCapabilities
 from mixle_compile.engines import EngineProfile, engine_profile
 from mixle_compile.layer_split import engine_rule
-from mixle_compile.spec.models import DistributionModel, ModulesModel, Spec, TrainingSpec, TransformerModel
+from mixle_compile.spec.models import AUTO, DistributionModel, ModulesModel, Spec, TrainingSpec, TransformerModel, is_auto
 from mixle_compile.spec.source import Path_, dotted
 from mixle_compile.verify.memory import ParameterFootprint, parameter_footprint
 
@@ -134,12 +134,12 @@ def plan_facts(spec: Spec) -> PlanFacts:
     def add(symbol: str, path: Path_, value: Any, kind: str = "int", shown: str = "") -> None:
         fields.append(Field(symbol, path, value, kind, shown))
 
-    auto = mesh.dp_shard == "auto"
+    auto = is_auto(mesh.dp_shard)
     for name in ("dp_replicate", "tp", "pp", "cp", "ep", "etp", "microbatches", "gradient_accumulation_steps"):
         add(name, ("mesh", name), getattr(mesh, name))
     if not auto:
         add("dp_shard", ("mesh", "dp_shard"), mesh.dp_shard)
-    add("dp_shard_auto", ("mesh", "dp_shard"), auto, "bool", "auto" if auto else str(mesh.dp_shard))
+    add("dp_shard_auto", ("mesh", "dp_shard"), auto, "bool", AUTO if auto else str(mesh.dp_shard))
 
     add("devices", ("resources", "devices"), resources.device_count)
     if isinstance(resources.devices, int):
