@@ -29,6 +29,7 @@ from pydantic import (
 )
 
 from mixle_compile.schedules import NUMBERS, Logic
+from mixle_compile.spec.kinds import Family
 
 # Bounds keep arithmetic meaningful and every later pass fast; no real cluster or model is
 # anywhere near them.
@@ -254,7 +255,7 @@ class MeshSpec(StrictModel):
 
 
 class TransformerModel(StrictModel):
-    family: Literal["transformer"]
+    family: Literal[Family.TRANSFORMER.value]
     vocab_size: Size
     hidden_size: Size
     num_layers: Size
@@ -285,7 +286,7 @@ class ModuleParameter(StrictModel):
 
 
 class ModulesModel(StrictModel):
-    family: Literal["modules"]
+    family: Literal[Family.MODULES.value]
     parameters: Annotated[list[ModuleParameter], Field(min_length=1)]
 
 
@@ -512,14 +513,14 @@ for _cls in (Mixture, Composite, HMM, Sequence):
 
 
 class DistributionModel(StrictModel):
-    family: Literal["distribution"]
+    family: Literal[Family.DISTRIBUTION.value]
     root: DistributionNode
     shared: dict[Name, DistributionNode] = Field(
         default_factory=dict, description="nodes defined once and used from several parents with {ref: NAME}"
     )
 
 
-FAMILIES = ("transformer", "modules", "distribution")
+FAMILIES = tuple(f.value for f in Family)
 
 
 class ModelFile(StrictModel):

@@ -19,6 +19,7 @@ from typing import Any
 
 import z3
 
+from mixle_compile.spec.kinds import Family
 from mixle_compile.verify.facts import ENUMS, PlanFacts
 from mixle_compile.spec.models import auto_dp_shard
 from mixle_compile.verify.logic import TERMS, Integer, concrete, larger
@@ -96,7 +97,7 @@ class Symbols:
         for name, default in _DEFAULTS.items():
             if name not in self.variables and default in self.variables:
                 setattr(self, name, self.variables[default])
-        if facts.family == "transformer":
+        if facts.family == Family.TRANSFORMER:
             self.layers = self.num_layers
         if "num_experts" not in self.variables:
             self.num_experts = zero

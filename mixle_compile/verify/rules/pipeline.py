@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+from mixle_compile.spec.kinds import Engine
 from mixle_compile.diagnostics import Severity
 from mixle_compile.schedules import applies, bubble_fraction, requirement
 from mixle_compile.verify.logic import TERMS, all_of, implies, negation, when
-from mixle_compile.verify.rule import Rule, define
+from mixle_compile.verify.rule import TRANSFORMER, Rule, define
 from mixle_compile.verify.wording import alternatives, divisors, percent
 
-TRANSFORMER = frozenset({"transformer"})
 
 
 def _stage_hint(x) -> str:
@@ -63,7 +63,7 @@ STAGES_EXCEED_LAYERS = define(
         # torchtitan splits layers + 2 slots (the embedding and the output count as one layer each),
         # so its stages may outnumber the layers by two (torchtitan/distributed/pipeline_parallel.py).
         constraint=lambda v: implies(
-            negation(v.listed_split), v.pp * v.virtual_pipeline_stages <= v.layers + 2 * (v.facts.layer_split == "torchtitan")
+            negation(v.listed_split), v.pp * v.virtual_pipeline_stages <= v.layers + 2 * (v.facts.layer_split == Engine.TORCHTITAN)
         ),
         explain=lambda x: (
             f"pp*virtual_pipeline_stages = {x.pp}*{x.virtual_pipeline_stages} = {x.pp * x.virtual_pipeline_stages} "
@@ -112,7 +112,7 @@ _COUNTED = (
     "accumulation step)."
 )
 
-TORCH_SCHEDULES = frozenset({"torch", "torchtitan"})
+TORCH_SCHEDULES = frozenset({Engine.TORCH, Engine.TORCHTITAN})
 
 TOO_FEW_MICROBATCHES = _schedule_rule(
     "P003",
@@ -136,7 +136,7 @@ INTERLEAVED_GROUPS = _schedule_rule(
         "the micro-batch count, and refuses a last group smaller than pp: with the default group, "
         "`m % pp == 0`. It interleaves only with virtual stages; with one it runs 1F1B." + _COUNTED
     ),
-    frozenset({"megatron"}),
+    frozenset({Engine.MEGATRON}),
 )
 
 INTERLEAVED_ROUNDS = _schedule_rule(
@@ -262,6 +262,6 @@ TORCHTITAN_TIED_PIPELINE = define(
         hint=lambda x: "set pp: 1, or model.tie_embeddings: false",
         fields=("tie_embeddings", "pp"),
         families=TRANSFORMER,
-        engines=frozenset({"torchtitan"}),
+        engines=frozenset({Engine.TORCHTITAN}),
     )
 )
