@@ -48,7 +48,13 @@ def check_file(path: str | Path, *, suggest: bool = False, options=None, config:
     backend = config.backend if config is not None else None
     with full_collections_paused():
         loaded = load_spec(path, options=options, default_backend=backend)
-        return check_loaded(loaded, suggest=suggest, config=config, source_text=_comment_text(Path(path)) if loaded.ok else None)
+        return check_loaded_file(loaded, path, suggest=suggest, config=config)
+
+
+def check_loaded_file(loaded: LoadedSpec, path: str | Path, *, suggest: bool = False,
+                      config: "LintConfig | None" = None) -> CheckResult:
+    """:func:`check_file` on a spec already loaded from ``path`` (its comments may suppress findings)."""
+    return check_loaded(loaded, suggest=suggest, config=config, source_text=_comment_text(Path(path)) if loaded.ok else None)
 
 
 def check_text(raw: bytes, name: str, *, suggest: bool = False, config: "LintConfig | None" = None) -> CheckResult:
