@@ -14,6 +14,7 @@ from mixle_compile.diagnostics import Diagnostic, Severity, group_by_field, sort
 from mixle_compile.heap import full_collections_paused
 from mixle_compile.spec import LoadedSpec, load_spec
 from mixle_compile.spec.codes import AUTO_UNRESOLVABLE
+from mixle_compile.spec.models import auto_divisor
 
 if TYPE_CHECKING:
     from mixle_compile.config import LintConfig
@@ -47,7 +48,13 @@ def check_file(path: str | Path, *, suggest: bool = False, options=None, config:
     backend = config.backend if config is not None else None
     with full_collections_paused():
         loaded = load_spec(path, options=options, default_backend=backend)
-        return check_loaded(loaded, suggest=suggest, config=config, source_text=_comment_text(Path(path)) if loaded.ok else None)
+        return check_loaded_file(loaded, path, suggest=suggest, config=config)
+
+
+def check_loaded_file(loaded: LoadedSpec, path: str | Path, *, suggest: bool = False,
+                      config: "LintConfig | None" = None) -> CheckResult:
+    """:func:`check_file` on a spec already loaded from ``path`` (its comments may suppress findings)."""
+    return check_loaded(loaded, suggest=suggest, config=config, source_text=_comment_text(Path(path)) if loaded.ok else None)
 
 
 def check_text(raw: bytes, name: str, *, suggest: bool = False, config: "LintConfig | None" = None) -> CheckResult:
@@ -210,7 +217,7 @@ def _auto_hint(spec) -> str:
             options.append(f"mesh.{symbol}: {_either(_nearest(values, facts.value(symbol)))}")
     devices = facts.value("devices")
     mesh = spec.mesh
-    product = mesh.dp_replicate * mesh.tp * mesh.pp * mesh.cp
+    product = auto_divisor(dp_replicate=mesh.dp_replicate, tp=mesh.tp, pp=mesh.pp, cp=mesh.cp)
     near = sorted({max(product, devices // product * product), (devices // product + 1) * product})
     counts = passing_values(facts, "devices", near) if isinstance(spec.resources.devices, int) else None
     if counts:

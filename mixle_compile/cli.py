@@ -117,7 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--format", choices=("text", "json"), default="text", help="output format (default: text)")
     plan.set_defaults(run=_cmd_plan)
 
-    graph = sub.add_parser("graph", help="print the decomposition graph of a spec")
+    graph = sub.add_parser("graph", help="print the decomposition graph of a spec",
+                           epilog="The graph is drawn for any spec that loads; the exit status is check's for the "
+                                  "same spec (1 when it breaks a rule, its findings on standard error).")
     graph.add_argument("spec", metavar="SPEC", help="spec file")
     graph.add_argument("--format", choices=("dot", "mermaid", "text"), default="dot",
                        help="graph language, or text for an indented tree (default: dot)")
@@ -153,6 +155,17 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def _write_output(path: Path, text: str, verb: str) -> int | None:
+    """Write a verb's output file (creating no folders): None when written, else the exit status
+    of input that cannot be used (2), with the reason on standard error."""
+    try:
+        path.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        print(f"mixle-compile {verb}: error: cannot write {path}: {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_USAGE
+    return None
 
 
 def _import_options(args: argparse.Namespace):
@@ -333,11 +346,8 @@ def _write_fixes(results, targets, edits, args, extra, chosen, ignored) -> list:
         if r.file not in edits or target is None:
             out.append(r)
             continue
-        try:
-            Path(target).write_text(edits[r.file][1], encoding="utf-8")
-        except OSError as exc:
-            print(f"mixle-compile check: error: cannot write {target}: {exc.strerror or exc}", file=sys.stderr)
-            out.append(r)
+        if _write_output(Path(target), edits[r.file][1], "check") is not None:
+            out.append(r)  # reported; the file keeps its findings
             continue
         count = len(r.suggestion.changes)
         print(f"fixed {target}: {count} field{'s' * (count != 1)} changed", file=sys.stderr)
@@ -502,38 +512,49 @@ def _print_findings(result, fmt: str) -> None:
         print(d.text(), file=sys.stderr)
 
 
-def _cmd_compile(args: argparse.Namespace) -> int:
+def _compile_or_report(path: str, progress, options=None, *, fmt: str = "text", every_finding: bool = False):
+    """Compile a spec, reporting on standard error what stops it: (result, exit status), the
+    result None unless a plan was built. The findings are printed when no plan is built (and
+    always with ``every_finding``, as `compile` does); a spec with errors exits 1, input that
+    cannot be read 2, a lowering that fails its own checks 3."""
     from mixle_compile.compile import CompilerBug, compile_file
+
+    try:
+        result = compile_file(path, options=options, progress=progress)
+    except CompilerBug as exc:
+        print(f"mixle-compile: internal error: {exc} (please report this)", file=sys.stderr)
+        return None, EXIT_INTERNAL
+    finally:
+        progress.close()  # a phase that ended before its announcement stays quiet
+    if every_finding or result.plan is None:
+        _print_findings(result.check, fmt)
+    if result.plan is not None:
+        return result, EXIT_CLEAN
+    if result.check.unreadable:
+        return None, EXIT_USAGE
+    errors = result.check.errors
+    print(f"no plan written: {errors} error{'s' * (errors != 1)} in {path}.", file=sys.stderr)
+    return None, EXIT_VIOLATIONS
+
+
+def _cmd_compile(args: argparse.Namespace) -> int:
     from mixle_compile.plan import plan_text
     from mixle_compile.progress import Progress
 
     progress = Progress("compile", 4)
-    try:
-        result = compile_file(args.spec, options=_import_options(args), progress=progress)
-    except CompilerBug as exc:
-        print(f"mixle-compile: internal error: {exc} (please report this)", file=sys.stderr)
-        return EXIT_INTERNAL
-    finally:
-        progress.close()  # a phase that ended before its announcement stays quiet
-    _print_findings(result.check, args.format)
-    if result.plan is None:
-        if result.check.unreadable:
-            return EXIT_USAGE
-        errors = result.check.errors
-        print(f"no plan written: {errors} error{'s' * (errors != 1)} in {args.spec}.", file=sys.stderr)
-        return EXIT_VIOLATIONS
+    result, status = _compile_or_report(args.spec, progress, _import_options(args), fmt=args.format, every_finding=True)
+    if result is None:
+        return status
     progress.step("writing the plan")
     text = plan_text(result.plan)
     progress.close()
     if args.output is None:
         sys.stdout.write(text)
-    else:
-        try:
-            args.output.write_text(text, encoding="utf-8")
-        except OSError as exc:
-            print(f"mixle-compile compile: error: cannot write {args.output}: {exc.strerror}", file=sys.stderr)
-            return EXIT_USAGE
-        print(f"wrote {args.output} ({result.plan['content_digest'][:19]}, {len(text):,} bytes)", file=sys.stderr)
+        return EXIT_CLEAN
+    failed = _write_output(args.output, text, "compile")
+    if failed is not None:
+        return failed
+    print(f"wrote {args.output} ({result.plan['content_digest'][:19]}, {len(text):,} bytes)", file=sys.stderr)
     return EXIT_CLEAN
 
 
@@ -565,21 +586,13 @@ def _plan_of(path: str, verb: str, options=None):
             return None, EXIT_USAGE
         finally:
             progress.close()
-    from mixle_compile.compile import CompilerBug, compile_file
     from mixle_compile.plan import plan_text
     from mixle_compile.progress import Progress
 
     progress = Progress(f"{verb}: {path}", 4)  # compiling, then reading the plan back as a plan file is read
-    try:
-        result = compile_file(path, options=options, progress=progress)
-    except CompilerBug as exc:
-        print(f"mixle-compile: internal error: {exc} (please report this)", file=sys.stderr)
-        return None, EXIT_INTERNAL
-    finally:
-        progress.close()
-    if result.plan is None:
-        _print_findings(result.check, "text")
-        return None, EXIT_USAGE if result.check.unreadable else EXIT_VIOLATIONS
+    result, status = _compile_or_report(path, progress, options)
+    if result is None:
+        return None, status
     progress.step("reading the plan back and checking its digests")
     try:
         return load_plan_text(plan_text(result.plan), str(path)), EXIT_CLEAN
@@ -635,14 +648,16 @@ def _cmd_export(args: argparse.Namespace) -> int:
         return EXIT_CLEAN
     folder = args.output.parent
     try:
-        for name, text in exported.files.items():
-            path = args.output if name == exported.main else folder / name
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text, encoding="utf-8")
-            print(f"wrote {path}", file=sys.stderr)
+        folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         print(f"mixle-compile export: error: cannot write {args.output}: {exc.strerror or exc}", file=sys.stderr)
         return EXIT_USAGE
+    for name, text in exported.files.items():
+        path = args.output if name == exported.main else folder / name
+        failed = _write_output(path, text, "export")
+        if failed is not None:
+            return failed
+        print(f"wrote {path}", file=sys.stderr)
     if args.to == "deepspeed":
         print(f"check it with: mixle-compile check {args.output} --model {folder / others[0]} --seq-len {spec.training.seq_len}",
               file=sys.stderr)
@@ -689,19 +704,24 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         print(f"mixle-compile plan: no valid plan for {args.spec}: {outcome.reason}", file=sys.stderr)
         return EXIT_VIOLATIONS
     if args.write is not None:
-        try:
-            args.write.write_text(spec_yaml(outcome.plans[0], args.spec), encoding="utf-8")
-        except OSError as exc:
-            print(f"mixle-compile plan: error: cannot write {args.write}: {exc.strerror or exc}", file=sys.stderr)
-            return EXIT_USAGE
+        failed = _write_output(args.write, spec_yaml(outcome.plans[0], args.spec), "plan")
+        if failed is not None:
+            return failed
         print(f"wrote {args.write}", file=sys.stderr)
     return EXIT_CLEAN
 
 
 def _cmd_graph(args: argparse.Namespace) -> int:
+    from mixle_compile.check import check_loaded_file, exit_status
+    from mixle_compile.config import ConfigError, config_for
     from mixle_compile.spec import load_spec
 
-    loaded = load_spec(args.spec)
+    try:
+        config = config_for(Path(args.spec))
+    except ConfigError as exc:
+        print(f"mixle-compile graph: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    loaded = load_spec(args.spec, default_backend=config.backend)
     if not loaded.ok:
         for d in loaded.diagnostics:
             print(d.text(), file=sys.stderr)
@@ -715,14 +735,17 @@ def _cmd_graph(args: argparse.Namespace) -> int:
     render = {"dot": to_dot, "mermaid": to_mermaid, "text": to_text}[args.format]
     text = render(graph, collapse=not args.expand)
     if args.output:
-        try:
-            args.output.write_text(text, encoding="utf-8")
-        except OSError as exc:
-            print(f"mixle-compile graph: error: cannot write {args.output}: {exc.strerror or exc}", file=sys.stderr)
-            return EXIT_USAGE
+        failed = _write_output(args.output, text, "graph")
+        if failed is not None:
+            return failed
     else:
         sys.stdout.write(text)
-    return EXIT_VIOLATIONS if not graph.ok else EXIT_CLEAN
+    # The model is drawn whatever the plan's verdict; the status is check's for the same spec.
+    checked = check_loaded_file(loaded, args.spec, config=config)
+    if checked.errors:
+        for d in checked.diagnostics:
+            print(d.text(), file=sys.stderr)
+    return max(exit_status([checked]), EXIT_CLEAN if graph.ok else EXIT_VIOLATIONS)
 
 
 def _cmd_schema(args: argparse.Namespace) -> int:
@@ -735,9 +758,8 @@ def _cmd_schema(args: argparse.Namespace) -> int:
 
         text = spec_schema_text()
     if args.output:
-        args.output.write_text(text, encoding="utf-8")
-    else:
-        sys.stdout.write(text)
+        return _write_output(args.output, text, "schema") or EXIT_CLEAN
+    sys.stdout.write(text)
     return EXIT_CLEAN
 
 

@@ -28,14 +28,11 @@ Conventions
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib
-import inspect
 import math
 import numbers
 import re
-import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum, StrEnum
 from types import MappingProxyType
@@ -65,17 +62,19 @@ __all__ = [
     # protocols
     "DistributedTrainingBackend",
     "DistributedTrainingSession",
-    # registry
-    "BackendRegistry",
-    "DEFAULT_BACKEND_REGISTRY",
-    "register_training_backend",
-    "get_training_backend",
-    "available_training_backends",
+    # registry (defined in mixle_compile.backends)
+    "BackendRegistry",  # noqa: F822  (module __getattr__)
+    "DEFAULT_BACKEND_REGISTRY",  # noqa: F822  (module __getattr__)
+    "register_training_backend",  # noqa: F822  (module __getattr__)
+    "get_training_backend",  # noqa: F822  (module __getattr__)
+    "available_training_backends",  # noqa: F822  (module __getattr__)
+    "normalize_backend_name",  # noqa: F822  (module __getattr__)
     # built-ins
-    "TORCH_CAPABILITIES",
-    "MEGATRON_CAPABILITIES",
-    "BUILTIN_CAPABILITIES",
-    "DEEPSPEED_CAPABILITIES",
+    "TORCH_CAPABILITIES",  # noqa: F822  (module __getattr__)
+    "MEGATRON_CAPABILITIES",  # noqa: F822  (module __getattr__)
+    "BUILTIN_CAPABILITIES",  # noqa: F822  (module __getattr__)
+    "DEEPSPEED_CAPABILITIES",  # noqa: F822  (module __getattr__)
+    "TORCHTITAN_CAPABILITIES",  # noqa: F822  (module __getattr__)
 ]
 
 
@@ -1046,279 +1045,22 @@ class DistributedTrainingBackend(Protocol):
     def prepare(self, module: Any, *, plan: ParallelPlan, **options: Any) -> DistributedTrainingSession: ...
 
 
-_BACKEND_MEMBERS = ("capabilities", "prepare")
-_SESSION_METHODS = ("train_batch", "finish_accumulation", "discard_accumulation", "close")
-
-
-def _check_backend(obj: Any, context: str) -> None:
-    """Raise ``TypeError`` unless ``obj`` is a backend *instance*."""
-    if isinstance(obj, type):
-        raise ContractTypeError(
-            f"{context}: got the class {obj.__qualname__}, not an instance; register an "
-            f"instance or a zero-argument factory function that returns one"
-        )
-    missing = [member for member in _BACKEND_MEMBERS if not hasattr(obj, member)]
-    if missing:
-        raise ContractTypeError(
-            f"{context}: {_describe(obj)} does not implement DistributedTrainingBackend "
-            f"(missing: {', '.join(missing)})"
-        )
-    name = getattr(obj, "name", None)
-    if name is not None and (not isinstance(name, str) or not name.strip()):
-        raise ContractTypeError(
-            f"{context}: backend.name, when given, must be a non-empty string, got {_describe(name)}"
-        )
-    if not isinstance(obj.capabilities, BackendCapabilities):
-        raise ContractTypeError(
-            f"{context}: backend.capabilities must be a BackendCapabilities, "
-            f"got {_describe(obj.capabilities)}"
-        )
-    if not callable(obj.prepare):
-        raise ContractTypeError(f"{context}: backend.prepare must be callable")
-
-
-def _is_factory(obj: Any) -> bool:
-    """Plain functions, lambdas, bound methods and ``functools.partial``."""
-    return inspect.isfunction(obj) or inspect.ismethod(obj) or isinstance(obj, functools.partial)
-
-
 # ---------------------------------------------------------------------------
-# Registry
+# The backend registry and the built-in backends (mixle_compile.backends)
 # ---------------------------------------------------------------------------
 
-
-def normalize_backend_name(name: Any) -> str:
-    if not isinstance(name, str):
-        raise ContractTypeError(f"backend name must be a string, got {_describe(name)}")
-    normalised = name.strip().lower().replace("-", "_")
-    if not normalised:
-        raise ContractError(f"backend name must be non-empty, got {name!r}")
-    return normalised
+def _backends() -> Any:
+    # mixle_compile.backends imports this module, so this one reads it on first use rather than
+    # importing it at the top (it needs the standard library only).
+    return importlib.import_module("mixle_compile.backends")
 
 
-@dataclass
-class _Entry:
-    instance: Any = None
-    factory: Callable[[], Any] | None = None
-    source: Any = None  # what was registered (the instance or the factory), for idempotence
+def __getattr__(name: str) -> Any:
+    """The registry's names (:data:`mixle_compile.backends.__all__`), read from there on first use."""
+    if not name.startswith("_") and name in _backends().__all__:
+        return getattr(_backends(), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-class BackendRegistry:
-    """Name -> training backend, with lazily constructed entries.
-
-    Names are normalised (stripped, lower-cased, ``-`` replaced by ``_``).
-    A backend is registered either as an instance or as a zero-argument
-    factory function, which is called once, on the first :meth:`get`, and
-    whose result is cached.
-    """
-
-    def __init__(self) -> None:
-        self._entries: dict[str, _Entry] = {}
-        self._lock = threading.RLock()
-
-    def register(self, name: str, backend: Any, *, override: bool = False) -> None:
-        """Register ``backend`` (an instance or a zero-argument factory) under ``name``.
-
-        Registering the very object already registered under ``name`` again does nothing;
-        replacing a different one needs ``override=True``.
-        """
-        key = normalize_backend_name(name)
-        _require_bool("BackendRegistry.register", "override", override)
-        context = f"cannot register training backend {key!r}"
-        if isinstance(backend, DistributedTrainingBackend):  # classes are refused here too
-            _check_backend(backend, context)
-            entry = _Entry(instance=backend, source=backend)
-        elif _is_factory(backend):
-            try:
-                inspect.signature(backend).bind()
-            except TypeError:
-                raise ContractTypeError(
-                    f"{context}: the factory {backend!r} must be callable with no arguments"
-                ) from None
-            except ValueError:  # signature unavailable; trust the caller
-                pass
-            entry = _Entry(factory=backend, source=backend)
-        else:
-            _check_backend(backend, context)  # raises with the missing members
-            raise AssertionError("unreachable")  # pragma: no cover
-        with self._lock:
-            current = self._entries.get(key)
-            if current is not None and current.source is backend:
-                return  # the same object again: nothing to do
-            if current is not None and not override:
-                raise ContractError(
-                    f"training backend {key!r} is already registered; pass override=True "
-                    f"to replace it"
-                )
-            self._entries[key] = entry
-
-    def get(self, name: str) -> DistributedTrainingBackend:
-        key = normalize_backend_name(name)
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is None:
-                raise UnknownBackendError(key, tuple(sorted(self._entries)))
-            if entry.instance is None:
-                assert entry.factory is not None
-                instance = entry.factory()
-                _check_backend(instance, f"the factory for training backend {key!r} returned an invalid backend")
-                entry.instance = instance
-                entry.factory = None
-            return entry.instance
-
-    def available(self) -> tuple[str, ...]:
-        with self._lock:
-            return tuple(sorted(self._entries))
-
-    def __contains__(self, name: object) -> bool:
-        try:
-            key = normalize_backend_name(name)
-        except ValueError:
-            return False
-        with self._lock:
-            return key in self._entries
-
-
-# ---------------------------------------------------------------------------
-# Built-in backends
-# ---------------------------------------------------------------------------
-
-_ALL_AXES = frozenset(ParallelAxis)
-
-#: The in-tree torch runtime, stating only what it actually executes: every axis, in every
-#: combination (what it cannot run on some model is a torch-only verifier rule).
-TORCH_CAPABILITIES = BackendCapabilities(
-    name="torch",
-    axes=_ALL_AXES,
-    # fp64: distribution models, fitted by EM in float64 (rule C008 keeps neural models off it).
-    precisions=frozenset({"fp32", "bf16", "fp64"}),
-    requirements=("torch>=2.6",),
-    incompatible_axis_sets=(),
-    distributed_optimizer=True,
-    reshardable_checkpoint=True,
-    elastic_restart=False,
-)
-
-#: Declared from Megatron-Core's documented parallelism; used to verify plans
-#: only (Megatron is never imported here).
-MEGATRON_CAPABILITIES = BackendCapabilities(
-    name="megatron",
-    axes=_ALL_AXES,
-    precisions=frozenset({"fp32", "bf16", "fp16", "fp8"}),
-    requirements=("megatron-core", "NVIDIA GPUs"),
-    incompatible_axis_sets=(),
-    distributed_optimizer=True,
-    reshardable_checkpoint=True,  # via dist_checkpointing
-    elastic_restart=False,
-)
-
-#: torchtitan: every axis (0.3 has no expert tensor parallelism: rule E010; experts
-#: shard over the `efsdp` axis, torchtitan/distributed/parallel_dims.py); Float8 linears.
-TORCHTITAN_CAPABILITIES = BackendCapabilities(
-    name="torchtitan",
-    axes=_ALL_AXES,
-    precisions=frozenset({"fp32", "bf16", "fp8"}),
-    requirements=("torchtitan", "NVIDIA or AMD GPUs"),
-    incompatible_axis_sets=(),
-    distributed_optimizer=False,  # FSDP2 shards the optimizer state; there is no separate ZeRO-1 optimizer
-    reshardable_checkpoint=True,  # torch.distributed.checkpoint
-    elastic_restart=False,
-)
-#: DeepSpeed, for configs read from a ds_config.json: verification with the common rules only.
-#: ZeRO 1/2 partition the optimizer state of replicated parameters (a distributed optimizer), ZeRO 3
-#: the parameters too (dp_shard); fp16 and bf16 (deepspeed/runtime/config.py).
-DEEPSPEED_CAPABILITIES = BackendCapabilities(
-    name="deepspeed",
-    axes=_ALL_AXES,
-    precisions=frozenset({"fp32", "bf16", "fp16"}),
-    requirements=("deepspeed", "GPUs"),
-    incompatible_axis_sets=(),
-    distributed_optimizer=True,
-    reshardable_checkpoint=True,  # universal checkpoints (deepspeed/checkpoint/ds_to_universal.py)
-    elastic_restart=False,
-)
-
-BUILTIN_CAPABILITIES: dict[str, BackendCapabilities] = {
-    "torch": TORCH_CAPABILITIES,
-    "megatron": MEGATRON_CAPABILITIES,
-    "torchtitan": TORCHTITAN_CAPABILITIES,
-    "deepspeed": DEEPSPEED_CAPABILITIES,
-}
-
-
-class _TorchBackend:
-    """Executes plans with ``mixle_compile.runtime`` (imported on use)."""
-
-    name = "torch"
-    capabilities = TORCH_CAPABILITIES
-
-    def prepare(self, module: Any, *, plan: ParallelPlan, **options: Any) -> DistributedTrainingSession:
-        self.capabilities.validate(plan, precision=options.get("precision", "fp32"))
-        try:
-            runtime = importlib.import_module("mixle_compile.runtime")
-        except ImportError as exc:
-            raise BackendUnavailableError(
-                f"the torch runtime is not installed/available in this version "
-                f"(importing mixle_compile.runtime failed: {exc})"
-            ) from exc
-        entry = getattr(runtime, "prepare", None)
-        if not callable(entry):
-            raise BackendUnavailableError(
-                "the torch runtime is not installed/available in this version "
-                "(mixle_compile.runtime has no prepare function)"
-            )
-        session = entry(module, plan=plan, **options)
-        if not isinstance(session, DistributedTrainingSession):
-            raise ContractTypeError(
-                f"mixle_compile.runtime.prepare returned {_describe(session)}, which does "
-                f"not implement DistributedTrainingSession"
-            )
-        return session
-
-    def __repr__(self) -> str:
-        return "<torch training backend>"
-
-
-class _VerificationBackend:
-    """An engine whose rules and declared capabilities check plans, but which this package cannot
-    run: training happens in the engine itself."""
-
-    def __init__(self, name: str, capabilities: BackendCapabilities):
-        self.name = name
-        self.capabilities = capabilities
-
-    def prepare(self, module: Any, *, plan: ParallelPlan, **options: Any) -> DistributedTrainingSession:
-        raise BackendNotExecutableError(
-            f"the {self.name!r} backend is declared for verification only: its capabilities "
-            f"are used to check plans, but it cannot execute training in this version"
-        )
-
-    def __repr__(self) -> str:
-        return f"<{self.name} training backend (verification only)>"
-
-
-def _make_torch_backend() -> _TorchBackend:
-    return _TorchBackend()
-
-
-def _make_megatron_backend() -> _VerificationBackend:
-    return _VerificationBackend("megatron", MEGATRON_CAPABILITIES)
-
-
-def _make_torchtitan_backend() -> _VerificationBackend:
-    return _VerificationBackend("torchtitan", TORCHTITAN_CAPABILITIES)
-
-
-def _make_deepspeed_backend() -> _VerificationBackend:
-    return _VerificationBackend("deepspeed", DEEPSPEED_CAPABILITIES)
-
-
-DEFAULT_BACKEND_REGISTRY = BackendRegistry()
-DEFAULT_BACKEND_REGISTRY.register("torch", _make_torch_backend)
-DEFAULT_BACKEND_REGISTRY.register("megatron", _make_megatron_backend)
-DEFAULT_BACKEND_REGISTRY.register("torchtitan", _make_torchtitan_backend)
-DEFAULT_BACKEND_REGISTRY.register("deepspeed", _make_deepspeed_backend)
-
-register_training_backend = DEFAULT_BACKEND_REGISTRY.register
-get_training_backend = DEFAULT_BACKEND_REGISTRY.get
-available_training_backends = DEFAULT_BACKEND_REGISTRY.available
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_backends().__all__})

@@ -136,14 +136,22 @@ def applies(logic: Logic, r: Requirement, *, pp: Any, virtual_stages: Any, chose
     return logic.all_of(pp > 1, chosen(r.schedule))
 
 
+def pipelined(schedule: str, pp: int, virtual_stages: int) -> tuple[str, int]:
+    """The schedule and virtual stages a plan states for a spec's choice: without a pipeline
+    (pp == 1) there is no schedule, and micro-batches are laid out as GPipe lays them out, one
+    chunk per stage, whatever the spec says."""
+    if pp == 1:
+        return "gpipe", 1
+    return schedule, virtual_stages
+
+
 def runs(family: ScheduleFamily, schedule: str, pp: int, virtual_stages: int) -> str:
     """The schedule the engine really runs for a spec's choice.
 
-    Without a pipeline there is no schedule (the builder lays micro-batches out as GPipe does);
-    Megatron interleaves only with virtual stages and otherwise runs 1F1B, even when asked for
-    GPipe, which it does not have."""
+    Without a pipeline there is no schedule (:func:`pipelined`); Megatron interleaves only with
+    virtual stages and otherwise runs 1F1B, even when asked for GPipe, which it does not have."""
     if pp == 1:
-        return "gpipe"
+        return pipelined(schedule, pp, virtual_stages)[0]
     if family is ScheduleFamily.MEGATRON and (schedule == "gpipe" or virtual_stages == 1):
         return "1f1b"
     return schedule

@@ -47,8 +47,6 @@ EXPECTED = {  # condition -> status, for every verb
 @pytest.mark.parametrize("condition", sorted(EXPECTED))
 @pytest.mark.parametrize("verb", sorted(VERBS))
 def test_the_same_condition_exits_the_same_in_every_verb(capsys, inputs, tmp_path, verb, condition):
-    if verb == "graph" and condition == "rejected spec":
-        pytest.skip("graph draws the model, which the plan's verdict does not change; it verifies nothing")
     argv = [a.format(inputs[condition], out=tmp_path / "out.json") for a in VERBS[verb]]
     status = main(argv)
     _, err = capsys.readouterr()
@@ -70,3 +68,45 @@ def test_run_refuses_with_the_same_status(capsys, inputs, tmp_path, condition):
     _, err = capsys.readouterr()
     assert status == EXPECTED[condition], err
     assert "Traceback" not in err
+
+
+def test_graph_of_a_rejected_spec_draws_the_model_and_exits_as_check_does(capsys, tmp_path):
+    """The model is drawn whatever the verdict; the status and the findings are check's."""
+    out = tmp_path / "graph.dot"
+    assert main(["check", str(REJECTED)]) == 1
+    checked = capsys.readouterr().out
+    assert main(["graph", str(REJECTED), "-o", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert out.read_text(encoding="utf-8").startswith("digraph")
+    assert "T001" in err and "T001" in checked
+    assert main(["graph", str(GOOD)]) == 0
+    assert "T001" not in capsys.readouterr().err
+
+
+# Every verb that writes a file, with the file in the {out} place.
+WRITERS = {
+    "compile": ["compile", str(GOOD), "-o", "{out}"],
+    "graph": ["graph", str(GOOD), "-o", "{out}"],
+    "schema": ["schema", "-o", "{out}"],
+    "schema --plan": ["schema", "--plan", "-o", "{out}"],
+    "export": ["export", str(EXPORTABLE), "--to", "torchtitan", "-o", "{out}"],
+}
+
+
+@pytest.mark.parametrize("verb", sorted(WRITERS))
+def test_an_output_that_cannot_be_written_exits_2_with_the_reason(capsys, tmp_path, verb):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("", encoding="utf-8")
+    out = blocker / "out.txt"  # under a file, not a folder: no one can write it
+    status = main([a.format(out=out) for a in WRITERS[verb]])
+    _, err = capsys.readouterr()
+    assert status == 2, err
+    assert f"error: cannot write {out}" in err, err
+    assert "Traceback" not in err and "internal error" not in err
+
+
+@pytest.mark.parametrize("verb", sorted(WRITERS))
+def test_an_output_that_can_be_written_is(capsys, tmp_path, verb):
+    out = tmp_path / "out.txt"
+    assert main([a.format(out=out) for a in WRITERS[verb]]) == 0, capsys.readouterr().err
+    assert out.stat().st_size > 0

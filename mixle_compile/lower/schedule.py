@@ -89,7 +89,6 @@ ACTIVATION_GRAD = "activation_grad"
 
 
 _P2P = (OpKind.send, OpKind.recv)
-_COMPUTE = (OpKind.forward, OpKind.backward, OpKind.optimizer)
 
 
 @dataclass(frozen=True)

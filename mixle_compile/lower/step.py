@@ -19,6 +19,7 @@ from mixle_compile.engines import EngineProfile, engine_profile
 from mixle_compile.lower.compact import StageProgram, check_compact, compress, expand_all
 from mixle_compile.lower.schedule import Op, OpKind, ScheduleCheck, pipeline_schedule
 from mixle_compile.lower.updates import PlannedUpdate
+from mixle_compile.schedules import pipelined
 
 EXHAUSTIVE_RANKS = 16
 
@@ -51,8 +52,7 @@ def step_schedule(
     engine: EngineProfile | None = None,
 ) -> StepSchedule:
     engine = engine or engine_profile("torch")
-    if plan.pp == 1:
-        pipeline, virtual_stages = "gpipe", 1
+    pipeline, virtual_stages = pipelined(pipeline, plan.pp, virtual_stages)
     per_run = engine.schedule_microbatches(plan.microbatches, plan.gradient_accumulation_steps)
     runs = plan.microbatches * plan.gradient_accumulation_steps // per_run
     one_run = pipeline_schedule(plan.pp, per_run, pipeline, virtual_stages, family=engine.schedules)

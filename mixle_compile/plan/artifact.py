@@ -19,7 +19,7 @@ from mixle_compile.diagnostics import Diagnostic, Severity
 from mixle_compile.lower.compact import program_dict
 from mixle_compile.lower.lowering import Lowered
 from mixle_compile.engines import engine_profile
-from mixle_compile.schedules import bubble_fraction
+from mixle_compile.schedules import bubble_fraction, pipelined
 from mixle_compile.plan.document import FORMAT_VERSION, NOTES_SEPARATOR, PlanDocument
 from mixle_compile.plan.layers import fold, unfold
 from mixle_compile.spec.models import Spec
@@ -61,11 +61,12 @@ def build_plan(spec: Spec, lowered: Lowered, diagnostics: list[Diagnostic]) -> d
     if lowered.schedule is not None:
         t = spec.training
         check = lowered.schedule.check
+        pipeline, virtual_stages = pipelined(t.pipeline_schedule, plan.pp, t.virtual_pipeline_stages)
         schedule = {
-            "pipeline": t.pipeline_schedule if plan.pp > 1 else "gpipe",
-            "virtual_stages": t.virtual_pipeline_stages if plan.pp > 1 else 1,
+            "pipeline": pipeline,
+            "virtual_stages": virtual_stages,
             "micro_steps": plan.microbatches * plan.gradient_accumulation_steps,
-            "bubble_fraction": bubble_fraction(plan.pp, plan.microbatches, t.virtual_pipeline_stages if plan.pp > 1 else 1),
+            "bubble_fraction": bubble_fraction(plan.pp, plan.microbatches, virtual_stages),
             "stages": [_folded(program_dict(program), STAGE_LISTS) for program in lowered.schedule.stages],
             "sends": "buffered" if engine_profile(spec.backend).buffered_sends else "rendezvous",
             "check": {

@@ -51,6 +51,9 @@ from mixle_compile.spec.models import (
     _family_tag,
     _node_tag,
     _show,
+    auto_divisor,
+    auto_resolves,
+    is_auto,
 )
 from mixle_compile.spec.source import Path_, SourceDocument, SourceError, dotted, parse_source, read_source
 
@@ -513,11 +516,11 @@ def _backend_diagnostics(spec: Spec, doc: SourceDocument) -> list[Diagnostic]:
 
 def _auto_diagnostics(spec: Spec, doc: SourceDocument) -> list[Diagnostic]:
     mesh = spec.mesh
-    if mesh.dp_shard != "auto":
+    if not is_auto(mesh.dp_shard):
         return []
-    others = mesh.dp_replicate * mesh.tp * mesh.pp * mesh.cp
+    others = auto_divisor(dp_replicate=mesh.dp_replicate, tp=mesh.tp, pp=mesh.pp, cp=mesh.cp)
     devices = spec.resources.device_count
-    if devices % others == 0:
+    if auto_resolves(devices, others):
         return []
     lower = (devices // others) * others
     return [

@@ -28,6 +28,9 @@ from pydantic import (
     model_validator,
 )
 
+from mixle_compile.schedules import NUMBERS, Logic
+from mixle_compile.spec.kinds import Family
+
 # Bounds keep arithmetic meaningful and every later pass fast; no real cluster or model is
 # anywhere near them.
 MAX_DEGREE = 1 << 20
@@ -128,11 +131,39 @@ Bandwidth = Annotated[
 ]
 
 
+#: `mesh.dp_shard: auto`: the data-parallel shard degree takes the ranks the other degrees leave,
+#: ``devices / (dp_replicate * tp * pp * cp)`` (``ep`` and ``etp`` are carved out of those ranks,
+#: not factors). Written once here and read as numbers (the loader's S012, :func:`parallel_plan`)
+#: and as solver terms (the verifier's symbols, rule D001's hint).
+AUTO = "auto"
+
+
+def is_auto(value: Any) -> bool:
+    """Whether a ``mesh.dp_shard`` value is ``auto`` (never true of a number)."""
+    return isinstance(value, str) and value == AUTO
+
+
+def auto_divisor(*, dp_replicate: Any, tp: Any, pp: Any, cp: Any) -> Any:
+    """What `dp_shard: auto` divides the devices by (numbers or solver terms)."""
+    return dp_replicate * tp * pp * cp
+
+
+def auto_resolves(devices: int, divisor: int) -> bool:
+    """Whether `dp_shard: auto` resolves to a whole degree on ``devices`` (S012 otherwise)."""
+    return devices % divisor == 0
+
+
+def auto_dp_shard(logic: Logic, *, devices: Any, dp_replicate: Any, tp: Any, pp: Any, cp: Any) -> Any:
+    """What `dp_shard: auto` resolves to, rounding down; ``logic`` is
+    :data:`mixle_compile.schedules.NUMBERS` for numbers or the verifier's ``TERMS``."""
+    return logic.quotient(devices, auto_divisor(dp_replicate=dp_replicate, tp=tp, pp=pp, cp=cp))
+
+
 def _parse_dp_shard(value: Any) -> int | str:
-    if value == "auto" and isinstance(value, str):
+    if is_auto(value):
         return value
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_DEGREE:
-        raise ValueError(f"must be an integer >= 1 or 'auto', got {_show(value)}")
+        raise ValueError(f"must be an integer >= 1 or '{AUTO}', got {_show(value)}")
     return value
 
 
@@ -179,9 +210,9 @@ Throughput = Annotated[
     ),
 ]
 DpShard = Annotated[
-    Union[int, Literal["auto"]],
+    Union[int, Literal[AUTO]],
     PlainValidator(_parse_dp_shard),
-    WithJsonSchema({"anyOf": [{"type": "integer", "minimum": 1, "maximum": MAX_DEGREE}, {"const": "auto"}]}),
+    WithJsonSchema({"anyOf": [{"type": "integer", "minimum": 1, "maximum": MAX_DEGREE}, {"const": AUTO}]}),
 ]
 
 
@@ -224,7 +255,7 @@ class MeshSpec(StrictModel):
 
 
 class TransformerModel(StrictModel):
-    family: Literal["transformer"]
+    family: Literal[Family.TRANSFORMER.value]
     vocab_size: Size
     hidden_size: Size
     num_layers: Size
@@ -255,7 +286,7 @@ class ModuleParameter(StrictModel):
 
 
 class ModulesModel(StrictModel):
-    family: Literal["modules"]
+    family: Literal[Family.MODULES.value]
     parameters: Annotated[list[ModuleParameter], Field(min_length=1)]
 
 
@@ -482,14 +513,14 @@ for _cls in (Mixture, Composite, HMM, Sequence):
 
 
 class DistributionModel(StrictModel):
-    family: Literal["distribution"]
+    family: Literal[Family.DISTRIBUTION.value]
     root: DistributionNode
     shared: dict[Name, DistributionNode] = Field(
         default_factory=dict, description="nodes defined once and used from several parents with {ref: NAME}"
     )
 
 
-FAMILIES = ("transformer", "modules", "distribution")
+FAMILIES = tuple(f.value for f in Family)
 
 
 class ModelFile(StrictModel):
@@ -686,8 +717,9 @@ def parallel_plan(spec: Spec):
 
     mesh = spec.mesh
     dp_shard = mesh.dp_shard
-    if dp_shard == "auto":
-        dp_shard = spec.resources.device_count // (mesh.dp_replicate * mesh.tp * mesh.pp * mesh.cp)
+    if is_auto(dp_shard):
+        dp_shard = auto_dp_shard(NUMBERS, devices=spec.resources.device_count, dp_replicate=mesh.dp_replicate,
+                                 tp=mesh.tp, pp=mesh.pp, cp=mesh.cp)
     return ParallelPlan(
         dp_replicate=mesh.dp_replicate,
         dp_shard=dp_shard,

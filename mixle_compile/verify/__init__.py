@@ -86,7 +86,7 @@ def memory_bound(spec: "Spec") -> dict[str, "Fraction"]:
 
     facts = plan_facts(spec)
     if facts.footprint is None:
-        raise ValueError(f"the memory rule does not apply to {facts.family!r} models")
+        raise ValueError(f"the memory rule does not apply to {str(facts.family)!r} models")
     encoding = PlanVerifier().encoding(facts, (DEVICE_MEMORY,))
     values = Values(encoding.symbols, encoding.model(facts), facts)
     return {kind: values.eval(term) for kind, term in per_rank_bytes(encoding.symbols).items()}

@@ -12,7 +12,8 @@ import pkgutil
 
 from mixle_compile.diagnostics import CATALOGUE, Code, Severity
 from mixle_compile.spec import codes as _spec_codes  # noqa: F401  (registers the S codes)
-from mixle_compile.verify.rule import ENGINES, RULES, Rule
+from mixle_compile.spec.kinds import Engine, Family
+from mixle_compile.verify.rule import RULE_SETS, RULES, Rule
 from mixle_compile.verify.rules import RULES as _RULES  # noqa: F401  (defines every rule)
 
 TOPICS = {
@@ -59,7 +60,7 @@ def rules_in(rule_set: str | None) -> list[Rule]:
 
 
 def _families(rule: Rule) -> str:
-    return ", ".join(f for f in ("transformer", "modules", "distribution") if f in rule.families)
+    return ", ".join(f for f in Family if f in rule.families)
 
 
 def rules_text(rule_set: str | None = None) -> str:
@@ -90,7 +91,7 @@ def rules_json(rule_set: str | None = None) -> str:
                 "name": r.name,
                 "severity": r.severity.value,
                 "kind": "rule",
-                "rule_sets": [e for e in (*ENGINES, "common") if r.in_rule_set(e)],
+                "rule_sets": [e for e in RULE_SETS if r.in_rule_set(e)],
                 "versions": {name: bound for name, bound in r.versions},
                 "entries": sorted(r.entries) if r.entries is not None else None,
                 "families": sorted(r.families),
@@ -125,7 +126,7 @@ def _mark(rule: Rule, rule_set: str) -> str:
         return ""
     bounds = [b for n, b in rule.versions if n == rule_set]
     text = " ".join(["yes", *bounds])
-    if rule_set == "megatron" and rule.entries is not None:
+    if rule_set == Engine.MEGATRON and rule.entries is not None:
         text += " (" + "/".join(sorted(rule.entries)) + ")"
     return text
 
@@ -133,7 +134,7 @@ def _mark(rule: Rule, rule_set: str) -> str:
 def _sets_text(rule: Rule) -> str:
     """The rule sets a rule is in, with the versions and front ends it holds for."""
     out = []
-    for name in (*ENGINES, "common"):
+    for name in RULE_SETS:
         mark = _mark(rule, name)
         if mark:
             out.append(name + mark[3:])
@@ -179,7 +180,7 @@ def rules_markdown() -> str:
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in RULES.values():
-        marks = " | ".join(_mark(r, s) for s in (*ENGINES, "common"))
+        marks = " | ".join(_mark(r, s) for s in RULE_SETS)
         out.append(f"| [{r.code}](#{r.code.lower()}-{r.name}) | {r.name} | {r.severity.value} | {marks} |")
     out += ["", "## Spec checks (S)", "", "Reading and schema validation of the spec file itself.", ""]
     for c in spec_codes():

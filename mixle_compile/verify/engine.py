@@ -232,14 +232,13 @@ class PlanVerifier:
         # depend on the order of the solver's core.
         position = {f.symbol: i for i, f in enumerate(facts.fields)}
         core.sort(key=lambda f: (f.kind == "int", f.path[0] != "model", position[f.symbol]))
-        dropped: list[Field] = []
         i = 0
         while i < len(core):
             candidate, rest = core[i], core[:i] + core[i + 1 :]
             if self._has_witness(refuter, symbols, candidate, facts) or not self._refuted(refuter, symbols, rest):
                 i += 1
             else:
-                core, dropped = rest, dropped + [candidate]
+                core = rest
         return _in_reading_order(core, rule, facts)
 
     @staticmethod

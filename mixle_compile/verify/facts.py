@@ -16,7 +16,8 @@ from typing import Any
 from mixle_compile.contracts import BackendCapabilities
 from mixle_compile.engines import EngineProfile, engine_profile
 from mixle_compile.layer_split import engine_rule
-from mixle_compile.spec.models import DistributionModel, ModulesModel, Spec, TrainingSpec, TransformerModel
+from mixle_compile.spec.kinds import Family
+from mixle_compile.spec.models import AUTO, DistributionModel, ModulesModel, Spec, TrainingSpec, TransformerModel, is_auto
 from mixle_compile.spec.source import Path_, dotted
 from mixle_compile.verify.memory import ParameterFootprint, parameter_footprint
 
@@ -36,8 +37,6 @@ ENUMS: dict[str, tuple[str, ...]] = {
     "pipeline_schedule": SCHEDULES,
     "activation_checkpointing": CHECKPOINTING,
 }
-
-NEURAL = frozenset({"transformer", "modules"})
 
 # Parameter roles whose tensor-parallel split dimension the layouts divide by tp
 # (torch convention [out, in]: column and vocabulary-parallel split dim 0, row splits dim 1).
@@ -134,12 +133,12 @@ def plan_facts(spec: Spec) -> PlanFacts:
     def add(symbol: str, path: Path_, value: Any, kind: str = "int", shown: str = "") -> None:
         fields.append(Field(symbol, path, value, kind, shown))
 
-    auto = mesh.dp_shard == "auto"
+    auto = is_auto(mesh.dp_shard)
     for name in ("dp_replicate", "tp", "pp", "cp", "ep", "etp", "microbatches", "gradient_accumulation_steps"):
         add(name, ("mesh", name), getattr(mesh, name))
     if not auto:
         add("dp_shard", ("mesh", "dp_shard"), mesh.dp_shard)
-    add("dp_shard_auto", ("mesh", "dp_shard"), auto, "bool", "auto" if auto else str(mesh.dp_shard))
+    add("dp_shard_auto", ("mesh", "dp_shard"), auto, "bool", AUTO if auto else str(mesh.dp_shard))
 
     add("devices", ("resources", "devices"), resources.device_count)
     if isinstance(resources.devices, int):
@@ -188,7 +187,7 @@ def plan_facts(spec: Spec) -> PlanFacts:
     split: tuple[SplitDimension, ...] = ()
     footprint = None
     if isinstance(model, TransformerModel):
-        family = "transformer"
+        family = Family.TRANSFORMER
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "ffn_hidden_size", "num_experts", "moe_layer_frequency"):
             add(name, ("model", name), getattr(model, name))
         if model.num_kv_heads is not None:
@@ -198,7 +197,7 @@ def plan_facts(spec: Spec) -> PlanFacts:
         add("tie_embeddings", ("model", "tie_embeddings"), model.tie_embeddings, "bool")
         footprint = parameter_footprint(spec)
     elif isinstance(model, ModulesModel):
-        family = "modules"
+        family = Family.MODULES
         dims = []
         for i, p in enumerate(model.parameters):
             dim = TP_SPLIT_DIM.get(p.role)
@@ -219,7 +218,7 @@ def plan_facts(spec: Spec) -> PlanFacts:
         footprint = parameter_footprint(spec)
     else:
         assert isinstance(model, DistributionModel)
-        family = "distribution"
+        family = Family.DISTRIBUTION
 
     backend = engine.name
     capabilities = BUILTIN_CAPABILITIES.get(backend) or get_training_backend(backend).capabilities

@@ -174,3 +174,25 @@ def _mod(a: int, b: int) -> int:
     if b == 0:
         return a
     return a - b * _div(a, b)
+
+
+class _Terms:
+    """The solver's reading of the formula sets written once for numbers and terms: the memory
+    model's arithmetic (:class:`mixle_compile.memory_model.Arithmetic`: ``when``, ``smaller``,
+    ``exact``) and the schedules' and mesh's (:class:`mixle_compile.schedules.Logic`: ``all_of``,
+    ``larger``, ``quotient``). Read inside :func:`concrete` they work on values."""
+
+    when = staticmethod(when)
+    smaller = staticmethod(smaller)
+    exact = staticmethod(real)
+    all_of = staticmethod(all_of)
+    larger = staticmethod(larger)
+
+    @staticmethod
+    def quotient(a: Any, b: Any) -> Any:
+        return a / b  # integer division of positive terms rounds down (Z3, and Integer with values)
+
+
+#: What rules pass to the formulas of :mod:`mixle_compile.memory_model` and
+#: :mod:`mixle_compile.schedules` (which pass their ``NUMBERS`` to the lowering's).
+TERMS = _Terms()

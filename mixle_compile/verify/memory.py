@@ -26,7 +26,6 @@ from mixle_compile.parameters import DTYPE_BYTES, is_moe_layer, model_parameters
 from mixle_compile.spec.models import ModulesModel, Spec, TransformerModel
 
 CATEGORIES = ("tensor_parallel", "replicated", "expert")
-PLACES = ("every_layer", "dense_layer", "moe_layer", "first_stage", "last_stage", "tied_copy")
 
 _CATEGORY_OF_ROLE = {
     "column": "tensor_parallel",

@@ -16,12 +16,18 @@ from typing import Any, Callable
 
 from mixle_compile.diagnostics import Code, Severity, register_code
 from mixle_compile.engines import EngineProfile, version_key
-from mixle_compile.verify.facts import NEURAL, PlanFacts
+from mixle_compile.spec.kinds import NEURAL, Engine, Family
+from mixle_compile.verify.facts import PlanFacts
 
 # Engines with a rule set of their own. A backend registered under another name is checked with
 # the rules every engine shares (the common set) plus its declared capabilities.
-ENGINES = ("torch", "torchtitan", "megatron")
-EVERY_FAMILY = frozenset({"transformer", "modules", "distribution"})
+ENGINES = tuple(Engine)
+COMMON = "common"  # the rule set of every other backend
+RULE_SETS = (*ENGINES, COMMON)
+# The families a rule applies to (Rule.families).
+EVERY_FAMILY = frozenset(Family)
+TRANSFORMER = frozenset({Family.TRANSFORMER})
+MODULES = frozenset({Family.MODULES})
 
 
 @dataclass(frozen=True)
@@ -68,7 +74,7 @@ class Rule:
         for e in names:
             bounds = [b for n, b in self.versions if n == e]
             text = e + (" " + " ".join(bounds) if bounds else "")
-            if e == "megatron" and self.entries is not None:
+            if e == Engine.MEGATRON and self.entries is not None:
                 text += " (" + "/".join(sorted(self.entries)) + ")"
             out.append(text)
         return ", ".join(out)
@@ -96,7 +102,7 @@ def define(rule: Rule) -> Rule:
 
 def rule_set_name(backend: str) -> str:
     """The rule set a backend is checked with: its own, or ``common``."""
-    return backend if backend in ENGINES else "common"
+    return backend if backend in ENGINES else COMMON
 
 
 def rules_for(facts: PlanFacts) -> tuple[Rule, ...]:

@@ -26,6 +26,8 @@ from typing import Any
 import z3
 
 from mixle_compile.diagnostics import Severity
+from mixle_compile.schedules import NUMBERS
+from mixle_compile.spec.models import auto_dp_shard
 from mixle_compile.verify.facts import ENUMS, Field, PlanFacts
 from mixle_compile.verify.rule import rules_for
 from mixle_compile.verify.symbols import Symbols
@@ -199,9 +201,8 @@ def _search(facts: PlanFacts, rules: list) -> Suggestion | None:
     auto_value = None
     if facts.dp_shard_auto:
         auto_value = model.eval(symbols.dp_shard, model_completion=True).as_long()
-        before = facts.value("devices") // (
-            facts.value("dp_replicate") * facts.value("tp") * facts.value("pp") * facts.value("cp")
-        )
+        before = auto_dp_shard(NUMBERS, devices=facts.value("devices"), **{
+            name: facts.value(name) for name in ("dp_replicate", "tp", "pp", "cp")})
         auto_value = auto_value if auto_value != before else None
     return Suggestion(tuple(changes), facts.value("devices"), decided, auto_value)
 

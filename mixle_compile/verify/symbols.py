@@ -19,8 +19,10 @@ from typing import Any
 
 import z3
 
+from mixle_compile.spec.kinds import Family
 from mixle_compile.verify.facts import ENUMS, PlanFacts
-from mixle_compile.verify.logic import Integer, concrete
+from mixle_compile.spec.models import auto_dp_shard
+from mixle_compile.verify.logic import TERMS, Integer, concrete, larger
 
 # Optional model fields and what they default to in the spec.
 _DEFAULTS = {"num_kv_heads": "num_heads", "moe_ffn_hidden_size": "ffn_hidden_size"}
@@ -58,9 +60,8 @@ class Symbols:
 
         # dp_shard: auto takes the ranks left over; the quotient is kept >= 1 so that no term
         # ever divides by zero (a world too small for the other degrees fails the world rule).
-        others = self.dp_replicate * self.tp * self.pp * self.cp
-        quotient = self.devices / others
-        auto_value = z3.If(quotient >= 1, quotient, 1)
+        auto_value = larger(auto_dp_shard(TERMS, devices=self.devices, dp_replicate=self.dp_replicate, tp=self.tp,
+                                          pp=self.pp, cp=self.cp), 1)
         if facts.dp_shard_auto:
             unpinned = z3.Int("mesh.dp_shard")
             self.domain.append(unpinned >= 1)
@@ -96,7 +97,7 @@ class Symbols:
         for name, default in _DEFAULTS.items():
             if name not in self.variables and default in self.variables:
                 setattr(self, name, self.variables[default])
-        if facts.family == "transformer":
+        if facts.family == Family.TRANSFORMER:
             self.layers = self.num_layers
         if "num_experts" not in self.variables:
             self.num_experts = zero

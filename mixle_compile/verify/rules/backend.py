@@ -7,11 +7,12 @@ these rules follow whatever a backend declares rather than a list kept here.
 
 from __future__ import annotations
 
+from mixle_compile.spec.kinds import Engine
 from mixle_compile.contracts import ParallelAxis
 from mixle_compile.diagnostics import Severity
 from mixle_compile.verify.facts import PRECISIONS
 from mixle_compile.verify.logic import all_of, implies, negation, truth
-from mixle_compile.verify.rule import EVERY_FAMILY, Rule, define
+from mixle_compile.verify.rule import EVERY_FAMILY, MODULES, Rule, define
 from mixle_compile.verify.wording import alternatives
 
 _AXES = tuple(a.value for a in ParallelAxis)
@@ -183,8 +184,8 @@ MODULES_DATA_PARALLEL = define(
         ),
         hint=lambda x: "set those degrees to 1 and use dp_replicate / dp_shard, or describe the model as a transformer",
         fields=_MODEL_AXES,
-        families=frozenset({"modules"}),
-        engines=frozenset({"torch"}),
+        families=MODULES,
+        engines=frozenset({Engine.TORCH}),
     )
 )
 
@@ -209,7 +210,7 @@ COMPILE_UNUSED = define(
         hint=lambda x: "remove training.compile, or use backend: torchtitan if that is the engine you train with",
         fields=("compiles",),
         families=EVERY_FAMILY,
-        engines=frozenset({"torch", "megatron"}),
+        engines=frozenset({Engine.TORCH, Engine.MEGATRON}),
         severity=Severity.warning,
         elastic=False,
     )

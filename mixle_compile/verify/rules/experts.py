@@ -8,7 +8,7 @@ to be 1 or `tp` (torchtitan 0.3 has no etp at all); Megatron-Core builds a separ
 
 from __future__ import annotations
 
-from mixle_compile.verify.facts import NEURAL
+from mixle_compile.spec.kinds import NEURAL, Engine
 from mixle_compile.verify.logic import all_of, any_of, implies
 from mixle_compile.verify.rule import EVERY_FAMILY, Rule, define
 from mixle_compile.verify.wording import alternatives, divisors
@@ -32,7 +32,7 @@ EXPERT_TENSOR_PARALLEL = define(
         explain=lambda x: f"etp={x.etp} is neither 1 nor tp={x.tp}",
         hint=lambda x: f"use etp: 1 (experts split only over ep) or etp: {x.tp} (experts split like the dense layers)",
         fields=("etp", "tp"),
-        engines=frozenset({"torch", "torchtitan"}),
+        engines=frozenset({Engine.TORCH, Engine.TORCHTITAN}),
     )
 )
 
@@ -69,7 +69,7 @@ EXPERT_PARALLEL_DOMAIN = define(
         explain=_domain_explain,
         hint=_domain_hint,
         fields=("ep", "dp_shard", "cp", "tp", "etp"),
-        engines=frozenset({"torch"}),
+        engines=frozenset({Engine.TORCH}),
     )
 )
 
@@ -94,7 +94,7 @@ EXPERT_GRID = define(
         ),
         hint=lambda x: f"choose etp*ep*pp dividing {x.devices}",
         fields=("ep", "etp", "pp", "devices"),
-        engines=frozenset({"megatron"}),
+        engines=frozenset({Engine.MEGATRON}),
     )
 )
 
@@ -150,7 +150,7 @@ MOE_NEEDS_SEQUENCE_PARALLEL = define(
         explain=lambda x: f"{x.num_experts} experts per MoE layer with tp={x.tp} run without sequence parallelism",
         hint=lambda x: "set training.sequence_parallel: true",
         fields=("sequence_parallel", "num_experts", "tp", "ep"),
-        engines=frozenset({"megatron"}),
+        engines=frozenset({Engine.MEGATRON}),
         families=NEURAL,
     )
 )
@@ -176,7 +176,7 @@ MOE_TENSOR_PARALLEL_TORCH = define(
         explain=lambda x: f"the model has mixture-of-experts layers and tp={x.tp} runs without sequence parallelism",
         hint=lambda x: "set training.sequence_parallel: true",
         fields=("sequence_parallel", "tp", "num_experts"),
-        engines=frozenset({"torch"}),
+        engines=frozenset({Engine.TORCH}),
     )
 )
 
@@ -208,7 +208,7 @@ EXPERTS_SHARDED_WHOLE = define(
             f"use a multiple of {x.world // (x.etp * x.pp)} experts, dp_shard: 1 (no FSDP), or fewer ranks per expert layer"
         ),
         fields=("num_experts", "dp_shard", "dp_replicate", "tp", "cp", "etp"),
-        engines=frozenset({"torch"}),
+        engines=frozenset({Engine.TORCH}),
     )
 )
 
@@ -235,7 +235,7 @@ TORCHTITAN_EXPERT_MESH = define(
         ),
         hint=lambda x: f"use an ep that divides {x.dp_shard * x.cp * x.tp // x.etp}",
         fields=("ep", "etp", "dp_shard", "cp", "tp"),
-        engines=frozenset({"torchtitan"}),
+        engines=frozenset({Engine.TORCHTITAN}),
         families=NEURAL,
     )
 )
@@ -255,8 +255,8 @@ TORCHTITAN_NO_ETP = define(
         explain=lambda x: f"etp={x.etp}, but torchtitan 0.3 has no expert tensor parallelism",
         hint=lambda x: 'set etp: 1, or name backend: {name: torchtitan, version: "0.2"}',
         fields=("etp",),
-        engines=frozenset({"torchtitan"}),
-        versions=(("torchtitan", ">=0.3"),),
+        engines=frozenset({Engine.TORCHTITAN}),
+        versions=((Engine.TORCHTITAN, ">=0.3"),),
         families=NEURAL,
     )
 )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from mixle_compile.spec.kinds import Engine, Family
 from mixle_compile.memory_model import (
     ALLOCATOR_RESERVE,
     activation_bytes_per_layer,
@@ -18,20 +19,9 @@ from mixle_compile.memory_model import (
 )
 from mixle_compile.verify import logic
 from mixle_compile.verify.facts import format_bytes
-from mixle_compile.verify.logic import all_of, larger, negation, real, when
+from mixle_compile.verify.logic import TERMS, all_of, larger, negation, real, when
 from mixle_compile.verify.memory import CATEGORIES
 from mixle_compile.verify.rule import Rule, define
-
-
-class _Terms:
-    """The memory model's arithmetic over Z3 terms."""
-
-    when = staticmethod(logic.when)
-    smaller = staticmethod(logic.smaller)
-    exact = staticmethod(real)
-
-
-TERMS = _Terms()
 
 
 def per_rank_bytes(v) -> dict[str, object]:
@@ -63,7 +53,7 @@ def per_rank_bytes(v) -> dict[str, object]:
     else:
         # The largest virtual stage: ceil(layers / stages) under even and balanced splits;
         # torchtitan splits layers + 2 slots (the embedding and the output count as one each).
-        slots = when(v.pp > 1, v.layers + 2, v.layers) if v.facts.layer_split == "torchtitan" else v.layers
+        slots = when(v.pp > 1, v.layers + 2, v.layers) if v.facts.layer_split == Engine.TORCHTITAN else v.layers
         chunk = (slots + stages - 1) / stages
         copies = {
             "every_layer": virtual * chunk,
@@ -166,7 +156,7 @@ def pipeline_buffers(v) -> object:
     for those not in flight, m - min(m, 2), under 1F1B, and GPipe keeps every received input as a
     stored one."""
     fp = v.facts.footprint
-    if v.facts.family != "transformer" or not v.facts.engine.pipeline_receive_buffers:
+    if v.facts.family != Family.TRANSFORMER or not v.facts.engine.pipeline_receive_buffers:
         return real(0)
     boundary = boundary_bytes(
         TERMS, seq_len=v.seq_len, cp=v.cp, micro_batch_size=v.micro_batch_size, hidden_size=fp.hidden_size, tp=v.tp,
@@ -191,7 +181,7 @@ def activation_bytes(v, layers_on_rank) -> dict[str, object]:
     in flight), the recompute working set, and the last stage's logits with the loss's buffers: a
     bound on any one stage."""
     fp = v.facts.footprint
-    if v.facts.family != "transformer":
+    if v.facts.family != Family.TRANSFORMER:
         # a modules spec lists parameters only; its activations are unknown
         return {"activations": real(0), "recompute working set": real(0), "logits and loss": real(0)}
     shape = dict(seq_len=v.seq_len, cp=v.cp, micro_batch_size=v.micro_batch_size, tp=v.tp)

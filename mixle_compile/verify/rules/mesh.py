@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+from mixle_compile.schedules import NUMBERS
+from mixle_compile.spec.models import auto_divisor, auto_dp_shard, auto_resolves
 from mixle_compile.verify.logic import all_of, implies
 from mixle_compile.verify.rule import EVERY_FAMILY, Rule, define
 from mixle_compile.verify.wording import alternatives
 
 
 def _world_hint(x) -> str:
-    others = x.dp_replicate * x.tp * x.pp * x.cp
-    if x.devices % others == 0:
-        return f"use dp_shard: {x.devices // others} (or dp_shard: auto)"
+    others = auto_divisor(dp_replicate=x.dp_replicate, tp=x.tp, pp=x.pp, cp=x.cp)
+    if auto_resolves(x.devices, others):
+        resolved = auto_dp_shard(NUMBERS, devices=x.devices, dp_replicate=x.dp_replicate, tp=x.tp, pp=x.pp, cp=x.cp)
+        return f"use dp_shard: {resolved} (or dp_shard: auto)"
     return f"choose degrees whose product is {x.devices}, e.g. leave dp_shard: auto and make dp_replicate*tp*pp*cp divide {x.devices}"
 
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+from mixle_compile.spec.kinds import Engine
 from mixle_compile.diagnostics import Severity
 from mixle_compile.schedules import applies, bubble_fraction, requirement
-from mixle_compile.verify.logic import all_of, implies, larger, negation, when
-from mixle_compile.verify.rule import Rule, define
+from mixle_compile.verify.logic import TERMS, all_of, implies, negation, when
+from mixle_compile.verify.rule import TRANSFORMER, Rule, define
 from mixle_compile.verify.wording import alternatives, divisors, percent
 
-TRANSFORMER = frozenset({"transformer"})
 
 
 def _stage_hint(x) -> str:
@@ -63,7 +63,7 @@ STAGES_EXCEED_LAYERS = define(
         # torchtitan splits layers + 2 slots (the embedding and the output count as one layer each),
         # so its stages may outnumber the layers by two (torchtitan/distributed/pipeline_parallel.py).
         constraint=lambda v: implies(
-            negation(v.listed_split), v.pp * v.virtual_pipeline_stages <= v.layers + 2 * (v.facts.layer_split == "torchtitan")
+            negation(v.listed_split), v.pp * v.virtual_pipeline_stages <= v.layers + 2 * (v.facts.layer_split == Engine.TORCHTITAN)
         ),
         explain=lambda x: (
             f"pp*virtual_pipeline_stages = {x.pp}*{x.virtual_pipeline_stages} = {x.pp * x.virtual_pipeline_stages} "
@@ -73,18 +73,6 @@ STAGES_EXCEED_LAYERS = define(
         fields=("pp", "layers", "num_layers", "virtual_pipeline_stages"),
     )
 )
-
-class _Z3Logic:
-    all_of = staticmethod(all_of)
-    larger = staticmethod(larger)
-
-    @staticmethod
-    def quotient(a, b):
-        return a / b  # Z3 integer division of positive terms rounds down
-
-
-Z3_LOGIC = _Z3Logic()
-
 
 def _schedule_microbatches(v):
     return v.facts.engine.schedule_microbatches(v.microbatches, v.gradient_accumulation_steps)
@@ -105,9 +93,9 @@ def _schedule_rule(code: str, name: str, title: str, docs: str, engines: frozens
             docs=docs,
             engine_reference=req.source,
             constraint=lambda v: implies(
-                applies(Z3_LOGIC, req, pp=v.pp, virtual_stages=v.virtual_pipeline_stages,
+                applies(TERMS, req, pp=v.pp, virtual_stages=v.virtual_pipeline_stages,
                         chosen=lambda s: v.is_("pipeline_schedule", s)),
-                req.holds(Z3_LOGIC, v.pp, _schedule_microbatches(v)),
+                req.holds(TERMS, v.pp, _schedule_microbatches(v)),
             ),
             explain=lambda x: req.broken(x.pp, _numbers_microbatches(x)),
             hint=lambda x: req.fix(x.pp, _numbers_microbatches(x)) + " (keep global_batch_size consistent, B001)",
@@ -124,7 +112,7 @@ _COUNTED = (
     "accumulation step)."
 )
 
-TORCH_SCHEDULES = frozenset({"torch", "torchtitan"})
+TORCH_SCHEDULES = frozenset({Engine.TORCH, Engine.TORCHTITAN})
 
 TOO_FEW_MICROBATCHES = _schedule_rule(
     "P003",
@@ -148,7 +136,7 @@ INTERLEAVED_GROUPS = _schedule_rule(
         "the micro-batch count, and refuses a last group smaller than pp: with the default group, "
         "`m % pp == 0`. It interleaves only with virtual stages; with one it runs 1F1B." + _COUNTED
     ),
-    frozenset({"megatron"}),
+    frozenset({Engine.MEGATRON}),
 )
 
 INTERLEAVED_ROUNDS = _schedule_rule(
@@ -274,6 +262,6 @@ TORCHTITAN_TIED_PIPELINE = define(
         hint=lambda x: "set pp: 1, or model.tie_embeddings: false",
         fields=("tie_embeddings", "pp"),
         families=TRANSFORMER,
-        engines=frozenset({"torchtitan"}),
+        engines=frozenset({Engine.TORCHTITAN}),
     )
 )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from mixle_compile.spec.kinds import Engine
 from mixle_compile.diagnostics import Severity
 from mixle_compile.verify.logic import all_of, implies, when
 from mixle_compile.verify.rule import Rule, define
@@ -45,7 +46,7 @@ SEQUENCE_PARALLEL_NEEDS_TP = define(
         explain=lambda x: "sequence_parallel is on with tp=1",
         hint=lambda x: "set training.sequence_parallel: false, or use tp > 1",
         fields=("sequence_parallel", "tp"),
-        engines=frozenset({"torch", "megatron"}),
+        engines=frozenset({Engine.TORCH, Engine.MEGATRON}),
         entries=frozenset({"core"}),
     )
 )
@@ -67,7 +68,7 @@ SEQUENCE_PARALLEL_TURNED_OFF = define(
         explain=lambda x: "sequence_parallel is on with tp=1; Megatron-LM turns it off",
         hint=lambda x: "set training.sequence_parallel: false to say what runs",
         fields=("sequence_parallel", "tp"),
-        engines=frozenset({"megatron"}),
+        engines=frozenset({Engine.MEGATRON}),
         entries=frozenset({"arguments"}),
         severity=Severity.warning,
         elastic=False,
@@ -92,7 +93,7 @@ SEQUENCE_PARALLEL_SPLIT = define(
         hint=lambda x: f"use a seq_len that is a multiple of {x.tp * x.cp}, or turn sequence_parallel off",
         fields=("sequence_parallel", "seq_len", "tp", "cp"),
         needs=("seq_len",),
-        engines=frozenset({"torch", "megatron"}),  # torchtitan's own divisor: Q005
+        engines=frozenset({Engine.TORCH, Engine.MEGATRON}),  # torchtitan's own divisor: Q005
     )
 )
 
@@ -131,6 +132,6 @@ TORCHTITAN_SEQ_LEN = define(
         hint=lambda x: f"use a seq_len that is a multiple of {_titan_divisor_value(x)}",
         fields=("seq_len", "tp", "cp", "sequence_parallel"),
         needs=("seq_len",),
-        engines=frozenset({"torchtitan"}),
+        engines=frozenset({Engine.TORCHTITAN}),
     )
 )

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from math import gcd
 
+from mixle_compile.spec.kinds import Engine
 from mixle_compile.verify.logic import all_of, any_of, implies
-from mixle_compile.verify.rule import Rule, define
+from mixle_compile.verify.rule import MODULES, TRANSFORMER, Rule, define
 from mixle_compile.verify.wording import alternatives, divisors
 
-TRANSFORMER = frozenset({"transformer"})
-MODULES = frozenset({"modules"})
 
 
 def _split_hint(what: str, size: int) -> str:
@@ -68,8 +67,8 @@ KV_HEADS_TORCH = define(
         fields=("tp", "num_kv_heads"),
         needs=("num_kv_heads",),  # without it KV heads are the query heads: T001
         families=TRANSFORMER,
-        engines=frozenset({"torch", "megatron"}),
-        versions=(("megatron", ">=0.16"),),
+        engines=frozenset({Engine.TORCH, Engine.MEGATRON}),
+        versions=((Engine.MEGATRON, ">=0.16"),),
     )
 )
 
@@ -94,8 +93,8 @@ KV_HEADS_MEGATRON = define(
         fields=("tp", "num_kv_heads"),
         needs=("num_kv_heads",),  # without it KV heads are the query heads: T001
         families=TRANSFORMER,
-        engines=frozenset({"megatron", "torchtitan"}),
-        versions=(("megatron", "<0.16"),),
+        engines=frozenset({Engine.MEGATRON, Engine.TORCHTITAN}),
+        versions=((Engine.MEGATRON, "<0.16"),),
     )
 )
 
@@ -136,7 +135,7 @@ VOCAB = define(
         hint=lambda x: _split_hint("vocab_size", x.vocab_size) + ", or pad the vocabulary",
         fields=("tp", "vocab_size"),
         families=TRANSFORMER,
-        engines=frozenset({"torch"}),
+        engines=frozenset({Engine.TORCH}),
     )
 )
 
