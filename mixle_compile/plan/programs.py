@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 # The op a program is made of, and its unchecked copy and insertion (the schedule's own).
-from mixle_compile.lower.schedule import Op, OpKind, _copy, _insert
+from mixle_compile.plan.ops import Op, OpKind
+from mixle_compile.plan.ops import copy_op as _copy
+from mixle_compile.plan.ops import insert_templates as _insert
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,174 @@
+"""The operations of a stage's step program, as a plan states them and a rank executes them.
+
+An :class:`Op` is one operation a pipeline stage issues (a forward, a backward, a point-to-point
+send or receive, a collective, the optimizer step). The lowering builds programs of them
+(lower/schedule.py) and the runtime reads them from the plan (plan/programs.py), so both import
+them from here; :func:`insert_templates` places collective templates at their anchors, which
+both the builder and the reader of a plan's stated form do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+__all__ = ["ACTIVATION", "ACTIVATION_GRAD", "Op", "OpKind", "copy_op", "insert_templates"]
+
+
+class OpKind(str, Enum):
+    """What an op does."""
+
+    forward = "forward"
+    backward = "backward"
+    send = "send"
+    recv = "recv"
+    collective = "collective"
+    optimizer = "optimizer"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+#: Payload tags of pipeline messages.
+ACTIVATION = "activation"
+ACTIVATION_GRAD = "activation_grad"
+
+
+_P2P = (OpKind.send, OpKind.recv)
+
+
+@dataclass(frozen=True)
+class Op:
+    """One operation of a rank's step program.
+
+    ``stage`` is the pipeline stage that issues it and ``chunk`` its virtual
+    chunk on that stage (model virtual stage ``chunk * pp + stage``).
+    Collectives name the group rule in ``group`` and what they carry in
+    ``tag``.  Sends and receives name the ``peer`` stage, the chunk there
+    (``peer_chunk``, default: the same chunk) and the payload in ``tag``
+    (:data:`ACTIVATION` or :data:`ACTIVATION_GRAD`); ``batch`` numbers the
+    batched call a point-to-point op is issued in (``None``: issued alone).
+    """
+
+    kind: OpKind
+    stage: int
+    chunk: int = 0
+    microbatch: int | None = None
+    name: str = ""
+    group: str | None = None
+    tag: str = ""
+    peer: int | None = None
+    peer_chunk: int | None = None
+    batch: int | None = None
+    bytes: int = 0
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "kind", OpKind(self.kind))
+        except ValueError:
+            valid = ", ".join(k.value for k in OpKind)
+            raise ValueError(f"Op.kind must be one of {valid}, got {self.kind!r}") from None
+        for name in ("stage", "chunk", "bytes"):
+            _require_count(f"Op.{name}", getattr(self, name))
+        for name in ("microbatch", "peer", "peer_chunk", "batch"):
+            if getattr(self, name) is not None:
+                _require_count(f"Op.{name}", getattr(self, name))
+        if self.kind is OpKind.collective and not self.group:
+            raise ValueError("a collective Op needs `group`, the name of its group rule (e.g. 'dp_shard+cp')")
+        if self.kind in _P2P and self.peer is None:
+            raise ValueError(f"a {self.kind.value} Op needs `peer`, the pipeline stage it talks to")
+
+    @property
+    def target_chunk(self) -> int:
+        """The peer's chunk of a send or receive."""
+        return self.chunk if self.peer_chunk is None else self.peer_chunk
+
+    def describe(self) -> str:
+        """Short human-readable form for reports."""
+        parts = [self.kind.value]
+        if self.name and self.name != self.kind.value:
+            parts.append(self.name)
+        if self.kind is OpKind.collective:
+            parts.append(f"on {self.group}")
+        if self.kind is OpKind.send:
+            parts.append(f"to stage {self.peer}")
+        if self.kind is OpKind.recv:
+            parts.append(f"from stage {self.peer}")
+        if self.tag:
+            parts.append(repr(self.tag))
+        if self.microbatch is not None:
+            parts.append(f"mb {self.microbatch}")
+        parts.append(f"chunk {self.chunk}")
+        return " ".join(parts)
+
+    def as_dict(self) -> dict[str, Any]:
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        data["kind"] = self.kind.value
+        return data
+
+
+def copy_op(op: Op, **fields: Any) -> Op:
+    """``op`` with ``fields`` replaced, for copies whose values come from other valid ops (a stage,
+    chunk, micro-batch or batch number already checked): skips Op's validation, which dominates
+    building and expanding long programs."""
+    new = object.__new__(Op)
+    new.__dict__.update(op.__dict__)
+    new.__dict__.update(fields)
+    return new
+
+
+def _require_count(what: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{what} must be an integer >= 0, got {value!r}")
+
+
+def insert_templates(program: list[Op], templates: Sequence[Op], at: str, stage: int, where) -> list[Op]:
+    def copies(anchor: Op | None) -> list[Op]:
+        if anchor is None:
+            return [copy_op(t, stage=stage) for t in templates]
+        return [copy_op(t, stage=stage, chunk=anchor.chunk, microbatch=anchor.microbatch) for t in templates]
+
+    def skip_collectives(i: int) -> int:
+        while i < len(program) and program[i].kind is OpKind.collective:
+            i += 1
+        return i
+
+    if at == "start":
+        position = skip_collectives(0)
+        return program[:position] + copies(None) + program[position:]
+    if at == "end":
+        return program + copies(None)
+    if at == "before_optimizer":
+        position = next((i for i, op in enumerate(program) if op.kind is OpKind.optimizer), len(program))
+        return program[:position] + copies(None) + program[position:]
+    if at == "after_last_backward":
+        last = max((i for i, op in enumerate(program) if op.kind is OpKind.backward), default=None)
+        if last is None:
+            return insert_templates(program, templates, "before_optimizer", stage, where)
+        position = last + 1
+        if position < len(program) and program[position].kind in _P2P:
+            batch = program[position].batch
+            position += 1
+            while (batch is not None and position < len(program) and program[position].kind in _P2P
+                   and program[position].batch == batch):
+                position += 1
+        position = skip_collectives(position)
+        return program[:position] + copies(None) + program[position:]
+    kind = OpKind.forward if at == "before_forward" else OpKind.backward
+    out: list[Op] = []
+    i = 0
+    while i < len(program):
+        op = program[i]
+        selected = op.kind is kind and (where is None or where(op))
+        if selected and kind is OpKind.forward:
+            out += copies(op)
+        out.append(op)
+        i += 1
+        if selected and kind is OpKind.backward:
+            end = skip_collectives(i)
+            out += program[i:end] + copies(op)
+            i = end
+    return out
