@@ -27,15 +27,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from mixle_compile.schedules import ScheduleFamily
+from mixle_compile.spec.kinds import Engine
 
 #: Versions supported per engine, oldest first; the last is what a bare name means.
 VERSIONS: dict[str, tuple[str, ...]] = {
-    "torch": ("2.13",),
-    "torchtitan": ("0.2", "0.3"),
-    "megatron": ("0.12", "0.13", "0.14", "0.15", "0.16"),
+    Engine.TORCH: ("2.13",),
+    Engine.TORCHTITAN: ("0.2", "0.3"),
+    Engine.MEGATRON: ("0.12", "0.13", "0.14", "0.15", "0.16"),
 }
 #: Front ends per engine, the default first.
-ENTRIES: dict[str, tuple[str, ...]] = {"megatron": ("arguments", "core")}
+ENTRIES: dict[str, tuple[str, ...]] = {Engine.MEGATRON: ("arguments", "core")}
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,7 @@ class EngineProfile:
 
     @property
     def schedules(self) -> ScheduleFamily:
-        return ScheduleFamily.MEGATRON if self.name == "megatron" else ScheduleFamily.TORCH
+        return ScheduleFamily.MEGATRON if self.name == Engine.MEGATRON else ScheduleFamily.TORCH
 
     @property
     def buffered_sends(self) -> bool:
@@ -57,7 +58,7 @@ class EngineProfile:
     @property
     def fsdp_over_cp(self) -> bool:
         """FSDP shards over dp_shard * cp whenever that product is above 1 (torchtitan)."""
-        return self.name == "torchtitan"
+        return self.name == Engine.TORCHTITAN
 
     @property
     def default_attention(self) -> str:
@@ -72,7 +73,7 @@ class EngineProfile:
         """Under a pipeline, FSDP keeps a stage's parameters gathered and their gradients unsharded
         for the whole step (torchtitan: ``fsdp_reshard_after_forward`` "default" = not pp; torch's
         ``PipelineStage`` backward without resharding or gradient sync until the last)."""
-        return self.name == "torchtitan"
+        return self.name == Engine.TORCHTITAN
 
     @property
     def pipeline_receive_buffers(self) -> bool:
@@ -80,19 +81,19 @@ class EngineProfile:
         micro-batch for activations and for gradients (torch/distributed/pipelining/stage.py;
         torchtitan builds its schedules from it). Megatron-Core and the in-tree runtime allocate a
         receive tensor per transfer, which the stage's first layer then keeps as its input."""
-        return self.name == "torchtitan"
+        return self.name == Engine.TORCHTITAN
 
     @property
     def fsdp_reduce_scatter_copy(self) -> bool:
         """FSDP2 reduces each unit's gradients through a flat fp32 copy of them (torchtitan applies
         ``fully_shard`` with ``reduce_dtype`` float32; torch's ``foreach_reduce``)."""
-        return self.name == "torchtitan"
+        return self.name == Engine.TORCHTITAN
 
     @property
     def op_level_selective(self) -> bool:
         """Selective checkpointing saves chosen ops' outputs (torchtitan's ``SelectiveAC``, op mode);
         elsewhere it recomputes attention's core (Korthikanti et al., Megatron's selective)."""
-        return self.name == "torchtitan"
+        return self.name == Engine.TORCHTITAN
 
     def loss_implementation(self, *, compiled: bool, tensor_parallel: bool) -> str:
         """How the engine's cross-entropy holds the logits (memory_model.loss_bytes_per_logit):
@@ -100,9 +101,9 @@ class EngineProfile:
         components include the loss, else under tensor parallelism torch's ``loss_parallel``
         (torchtitan ``ParallelDims.loss_parallel_enabled``), else eager ``F.cross_entropy``; the
         in-tree runtime's vocab-parallel one over fp32 logits."""
-        if self.name == "megatron":
+        if self.name == Engine.MEGATRON:
             return "vocab_parallel"
-        if self.name == "torchtitan":
+        if self.name == Engine.TORCHTITAN:
             return "compiled" if compiled else "loss_parallel" if tensor_parallel else "materialized"
         return "materialized"
 
@@ -110,7 +111,7 @@ class EngineProfile:
     def compiles(self) -> bool:
         """The engine applies ``torch.compile`` as ``training.compile`` asks (torchtitan's
         ``compile.enable`` and ``compile.components``); the in-tree runtime and Megatron do not."""
-        return self.name == "torchtitan"
+        return self.name == Engine.TORCHTITAN
 
     def schedule_microbatches(self, microbatches: Any, accumulation: Any) -> Any:
         """Micro-batches one run of the pipeline schedule takes. torchtitan runs its schedule once
@@ -118,7 +119,7 @@ class EngineProfile:
         (torchtitan/trainer.py ``train_step`` -> ``forward_backward_step`` -> ``pp_schedule.step``);
         Megatron counts every micro-batch of the step (``get_num_microbatches``), and the in-tree
         runtime runs one schedule over the step's micro-batches and accumulation steps."""
-        return microbatches if self.name == "torchtitan" else microbatches * accumulation
+        return microbatches if self.name == Engine.TORCHTITAN else microbatches * accumulation
 
     def at_least(self, version: str) -> bool:
         return self.version is not None and version_key(self.version) >= version_key(version)

@@ -145,6 +145,12 @@ def pipelined(schedule: str, pp: int, virtual_stages: int) -> tuple[str, int]:
     return schedule, virtual_stages
 
 
+def bubble_chunks(schedule: str, virtual_stages: int) -> int:
+    """The model chunks per stage that divide a schedule's pipeline bubble: the virtual stages
+    under an interleaved schedule, one under GPipe and 1F1B (which hold one chunk per stage)."""
+    return virtual_stages if schedule == "interleaved_1f1b" else 1
+
+
 def runs(family: ScheduleFamily, schedule: str, pp: int, virtual_stages: int) -> str:
     """The schedule the engine really runs for a spec's choice.
 

@@ -44,6 +44,8 @@ from mixle_compile import step_time
 from mixle_compile.diagnostics import Severity
 from mixle_compile.memory_model import fsdp_shards
 from mixle_compile.verify.wording import divisors
+from mixle_compile.spec.kinds import Family
+from mixle_compile.spec.models import is_auto
 
 #: Mesh fields the search chooses when the spec leaves them open.
 MESH_FIELDS = ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep", "etp", "microbatches", "gradient_accumulation_steps")
@@ -202,12 +204,12 @@ def read_request(path: str | Path, *, devices: int | None = None) -> Request:
     if not loaded.ok:
         raise SearchInputError([d.text() for d in loaded.diagnostics if d.severity is Severity.error])
     spec = loaded.spec
-    if getattr(spec.model, "family", None) != "transformer":
+    if getattr(spec.model, "family", None) != Family.TRANSFORMER:
         raise SearchInputError([
             f"{name}: `plan` searches transformer specs (the step-time model prices a transformer's forward "
             "and backward passes); this model is a {spec.model.family} model"
         ])
-    if spec.mesh.dp_shard == "auto":
+    if is_auto(spec.mesh.dp_shard):
         raise SearchInputError([f"{name}: write `mesh.dp_shard: auto` only with the other degrees fixed; for a search leave it out"])
     if (spec.model.num_experts or 0) == 0:
         for key in ("ep", "etp"):
@@ -567,7 +569,7 @@ class _Pricer:
         (no more recomputation than its lightest checkpointing), its tp, ep and pp traffic (the same for
         every micro-batch split, pp's least without interleaving), and the bubble of its most micro-batches
         and virtual stages; data-parallel and context-parallel exposure and the optimizer step count 0."""
-        from mixle_compile.schedules import bubble_fraction
+        from mixle_compile.schedules import bubble_chunks, bubble_fraction
 
         batch = mesh.batches[0]
         least = min(mesh.checkpointing, key=CHECKPOINTING.index)
@@ -602,7 +604,7 @@ class _Pricer:
         if pp == 1:
             return busy
         runs = self.engine.schedule_microbatches(batch["microbatches"], batch["gradient_accumulation_steps"])
-        f = min(bubble_fraction(pp, runs, sc["virtual_pipeline_stages"] if sc["pipeline_schedule"] == "interleaved_1f1b" else 1)
+        f = min(bubble_fraction(pp, runs, bubble_chunks(sc["pipeline_schedule"], sc["virtual_pipeline_stages"]))
                 for sc in mesh.schedules)
         return busy + busy * f / (1 - f)
 
@@ -640,7 +642,7 @@ class _Pricer:
         return count // max(1, model.moe_layer_frequency) or (1 if count else 0)  # the stage's share
 
     def price(self, v: dict) -> step_time.StepTime:
-        from mixle_compile.schedules import bubble_fraction
+        from mixle_compile.schedules import bubble_chunks, bubble_fraction
 
         model = self.req.spec.model
         t = self.req.spec.training
@@ -686,7 +688,7 @@ class _Pricer:
         bubble = 0.0
         if pp > 1:
             runs = self.engine.schedule_microbatches(v["microbatches"], v["gradient_accumulation_steps"])
-            bubble = bubble_fraction(pp, runs, v["virtual_pipeline_stages"] if v["pipeline_schedule"] == "interleaved_1f1b" else 1)
+            bubble = bubble_fraction(pp, runs, bubble_chunks(v["pipeline_schedule"], v["virtual_pipeline_stages"]))
         return step_time.combine(st, degrees, micro_steps * per_stage[busiest], micro_steps * attention_of[busiest],
                                  [(list(a), p, sec) for a, p, sec in traffic], bubble, state, self.flops_per_token)
 

@@ -421,7 +421,7 @@ def link_bandwidth(axes: list[str], degrees: dict[str, int], order: str, spec: d
 def predict_lowered(spec: Any, lowered: Any) -> StepTime:
     """:func:`predict` on a validated Spec and its lowering (``lower(spec, schedule=False)`` is enough)."""
     from mixle_compile.engines import engine_profile
-    from mixle_compile.schedules import bubble_fraction
+    from mixle_compile.schedules import bubble_chunks, bubble_fraction
 
     data = spec.model_dump(mode="json")
     plan = lowered.plan
@@ -430,7 +430,7 @@ def predict_lowered(spec: Any, lowered: Any) -> StepTime:
     bubble = 0.0
     if plan.pp > 1:
         runs = engine_profile(spec.backend).schedule_microbatches(plan.microbatches, plan.gradient_accumulation_steps)
-        v = t.virtual_pipeline_stages if t.pipeline_schedule == "interleaved_1f1b" else 1
+        v = bubble_chunks(t.pipeline_schedule, t.virtual_pipeline_stages)
         bubble = bubble_fraction(plan.pp, runs, v)
     updates = [
         {
