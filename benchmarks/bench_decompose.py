@@ -30,7 +30,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mixle_compile.decompose import (  # noqa: E402
-    Device,
     bottleneck_lower_bound,
     brute_force_contiguous_cut,
     decompose_model,
@@ -148,8 +147,7 @@ def tree_spec(num_nodes: int, rng: random.Random) -> Spec:
 
 def scaling(seed: int, repeats: int = 3) -> None:
     rng = random.Random(seed)
-    print("graph build + decomposition time (mixture of composites, 8 heterogeneous devices; best of "
-          f"{repeats})")
+    print(f"graph build + decomposition time (mixture of composites, 8 heterogeneous devices; best of {repeats})")
     previous = None
     for num_nodes in (10**3, 10**4, 10**5):
         spec = tree_spec(num_nodes, rng)
@@ -186,8 +184,10 @@ def cut_scaling(seed: int, sizes: list[int], repeats: int = 3) -> None:
     rng = random.Random(seed)
     speeds = [400.0, 400.0, 100.0, 100.0, 100.0, 100.0, 100.0, 100.0]
     print(f"the cut alone, {len(speeds)} heterogeneous devices, log-normal unit works (best of {repeats})")
-    print(f"  {'units':>9} {'greedy s':>9} {'exact s':>9} {'reorder s':>10} {'exact/greedy':>13} {'reorder/greedy':>15}"
-          f" {'exact/smallest':>15} {'exponent':>9} {'greedy/exact':>14}")
+    print(
+        f"  {'units':>9} {'greedy s':>9} {'exact s':>9} {'reorder s':>10} {'exact/greedy':>13} {'reorder/greedy':>15}"
+        f" {'exact/smallest':>15} {'exponent':>9} {'greedy/exact':>14}"
+    )
     first = previous = None
     for n in sizes:
         works = [rng.lognormvariate(0.0, 1.0) for _ in range(n)]
@@ -195,11 +195,16 @@ def cut_scaling(seed: int, sizes: list[int], repeats: int = 3) -> None:
         greedy = best_time(lambda: quantile_split_bottleneck(works, speeds), repeats)
         exact = best_time(lambda: optimal_contiguous_cut(works, unit_bytes, speeds, rooms), repeats)
         reorder = best_time(lambda: exchangeable_cut(works, unit_bytes, speeds, rooms), repeats)
-        gap = quantile_split_bottleneck(works, speeds) / optimal_contiguous_cut(works, unit_bytes, speeds, rooms).bottleneck
+        gap = (
+            quantile_split_bottleneck(works, speeds)
+            / optimal_contiguous_cut(works, unit_bytes, speeds, rooms).bottleneck
+        )
         exponent = "" if previous is None else f"{math.log(exact / previous[1]) / math.log(n / previous[0]):.2f}"
         first = first or (n, exact)
-        print(f"  {n:>9,} {greedy:9.3f} {exact:9.3f} {reorder:10.3f} {exact / greedy:13.2f} {reorder / greedy:15.2f}"
-              f" {exact / first[1]:15.1f} {exponent:>9} {gap:14.6f}")
+        print(
+            f"  {n:>9,} {greedy:9.3f} {exact:9.3f} {reorder:10.3f} {exact / greedy:13.2f} {reorder / greedy:15.2f}"
+            f" {exact / first[1]:15.1f} {exponent:>9} {gap:14.6f}"
+        )
         previous = (n, exact)
     print("  (exponent: growth of the exact cut's time between sizes; greedy/exact bottleneck in the last column)")
 

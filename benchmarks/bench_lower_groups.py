@@ -78,12 +78,16 @@ def main() -> None:
     for plan in (SMALL, LARGE):
         grid = RankGrid.from_plan(plan)
         returned.append(sum(len(grid.rules[rule].group_of(rank)) for rule, rank in queries(plan)))
-    print(f"{'ranks returned by the group_of queries':{width}}  {returned[0]:>16,}  {returned[1]:>16,}  "
-          f"{returned[1] / returned[0]:5.2f}")
+    print(
+        f"{'ranks returned by the group_of queries':{width}}  {returned[0]:>16,}  {returned[1]:>16,}  "
+        f"{returned[1] / returned[0]:5.2f}"
+    )
     grid = RankGrid.from_plan(LARGE)
     biggest = max(grid.rules, key=lambda r: r.size)
-    print(f"(largest group at {LARGE.world_size:,} ranks: {biggest.name}, {biggest.size:,} ranks; "
-          f"{sum(r.num_groups for r in grid.rules):,} groups in all, none listed)")
+    print(
+        f"(largest group at {LARGE.world_size:,} ranks: {biggest.name}, {biggest.size:,} ranks; "
+        f"{sum(r.num_groups for r in grid.rules):,} groups in all, none listed)"
+    )
 
 
 if __name__ == "__main__":

@@ -40,12 +40,25 @@ def main() -> None:
     from mixle_compile.runtime import run_plan
 
     layers = 2 * args.pp * 2  # two layers per virtual stage with 2 chunks
-    print(f"pp={args.pp}, {layers} layers, hidden {args.hidden}, {args.seq} tokens x {args.mbs} per micro-batch, "
-          f"{args.mb} micro-batches, {args.steps} steps")
+    print(
+        f"pp={args.pp}, {layers} layers, hidden {args.hidden}, {args.seq} tokens x {args.mbs} per micro-batch, "
+        f"{args.mb} micro-batches, {args.steps} steps"
+    )
     print(f"{'schedule':<22} {'model':>6} {'measured':>9}  per stage")
     for schedule, virtual in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)):
-        text = SPEC.format(hidden=args.hidden, layers=layers, ffn=3 * args.hidden, pp=args.pp, mb=args.mb, gbs=args.mb * args.mbs,
-                           mbs=args.mbs, seq=args.seq, schedule=schedule, virtual=virtual, steps=args.steps)
+        text = SPEC.format(
+            hidden=args.hidden,
+            layers=layers,
+            ffn=3 * args.hidden,
+            pp=args.pp,
+            mb=args.mb,
+            gbs=args.mb * args.mbs,
+            mbs=args.mbs,
+            seq=args.seq,
+            schedule=schedule,
+            virtual=virtual,
+            steps=args.steps,
+        )
         with tempfile.TemporaryDirectory() as tmp:
             spec = Path(tmp) / "spec.yaml"
             spec.write_text(textwrap.dedent(text))
@@ -53,8 +66,10 @@ def main() -> None:
         pipeline = report.data["pipeline"]
         per_stage = ", ".join(f"{v:.2f}" for v in pipeline["idle_fraction_per_stage"].values())
         label = schedule + (f" (v={virtual})" if virtual > 1 else "")
-        print(f"{label:<22} {pipeline['bubble_model']:>6.2f} {pipeline['idle_fraction']:>9.2f}  {per_stage}"
-              + ("" if report.ok else "  (run not ok: " + "; ".join(report.errors[:2]) + ")"))
+        print(
+            f"{label:<22} {pipeline['bubble_model']:>6.2f} {pipeline['idle_fraction']:>9.2f}  {per_stage}"
+            + ("" if report.ok else "  (run not ok: " + "; ".join(report.errors[:2]) + ")")
+        )
 
 
 if __name__ == "__main__":

@@ -86,7 +86,9 @@ def measure(data: dict, runs: int) -> tuple[float, int]:
 
 def sweep(title: str, what: str, cases: list[tuple[int, dict]], runs: int) -> list[tuple[int, float, int]]:
     print(f"\n{title}")
-    print(f"{what:>14} {'compile s':>10} {'plan bytes':>12} {'time x':>8} {'size x':>8} {'exp time':>9} {'exp size':>9}")
+    print(
+        f"{what:>14} {'compile s':>10} {'plan bytes':>12} {'time x':>8} {'size x':>8} {'exp time':>9} {'exp size':>9}"
+    )
     rows = []
     for n, data in cases:
         seconds, size = measure(data, runs)
@@ -106,15 +108,26 @@ def sweep(title: str, what: str, cases: list[tuple[int, dict]], runs: int) -> li
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--quick", action="store_true", help="fewer, smaller points (layers to 128, micro-batches to 64, accumulation to 16)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="fewer, smaller points (layers to 128, micro-batches to 64, accumulation to 16)",
+    )
     args = parser.parse_args()
     layers = [8, 32, 128] if args.quick else [8, 32, 128, 1000]
     micro = [16, 64] if args.quick else [16, 64, 512]
     accumulation = [1, 4, 16] if args.quick else [1, 8, 64]
     measure(example(8), 1)  # warm imports and caches
     sweep("layers (examples/llama3-8b-hsdp-tp.yaml, 64 ranks)", "layers", [(n, example(n)) for n in layers], args.runs)
-    sweep(f"micro-batches (pp 16, 16 layers, {BIG_WORLD:,} ranks)", "micro-batches", [(m, pipelined(16, m)) for m in micro], args.runs)
-    sweep("accumulation steps (8 layers, 64 ranks)", "accumulation", [(a, example(8, a)) for a in accumulation], args.runs)
+    sweep(
+        f"micro-batches (pp 16, 16 layers, {BIG_WORLD:,} ranks)",
+        "micro-batches",
+        [(m, pipelined(16, m)) for m in micro],
+        args.runs,
+    )
+    sweep(
+        "accumulation steps (8 layers, 64 ranks)", "accumulation", [(a, example(8, a)) for a in accumulation], args.runs
+    )
     if not args.quick:
         t_small, s_small = measure(example(8), args.runs)
         t_big, s_big = measure(pipelined(1000, 512), 1)

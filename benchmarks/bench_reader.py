@@ -100,7 +100,10 @@ def main() -> int:
                         m, previous = series[-1]
                         exponent = f"{math.log(seconds / previous) / math.log(n / m):.2f}"
                     series.append((n, seconds))
-                    print(f"{n:8d} {fmt:>6} {name:>8} {seconds:9.2f} {seconds / series[0][1]:10.1f} {exponent:>9}", flush=True)
+                    print(
+                        f"{n:8d} {fmt:>6} {name:>8} {seconds:9.2f} {seconds / series[0][1]:10.1f} {exponent:>9}",
+                        flush=True,
+                    )
     for (fmt, name), series in rows.items():
         (n0, t0), (n1, t1) = series[0], series[-1]
         if n1 > n0:

@@ -23,8 +23,8 @@ import socket
 import statistics
 import subprocess
 import sys
-import time
 import textwrap
+import time
 
 SPEC = """
 model: {{family: transformer, vocab_size: 2048, hidden_size: 256, num_layers: 4, num_heads: 8, num_kv_heads: 4,
@@ -62,7 +62,9 @@ def _native(instructions, kind: str):
         def __init__(self, names):
             super().__init__()
             self.names = list(names)
-            self.weights = nn.ParameterList([nn.Parameter(initial_value(instructions.param(n), instructions.seed)) for n in names])
+            self.weights = nn.ParameterList(
+                [nn.Parameter(initial_value(instructions.param(n), instructions.seed)) for n in names]
+            )
 
     def Ops(part):  # noqa: N802 (reads like the class it builds)
         return m.LocalOps(dict(zip(part.names, part.weights)))
@@ -130,10 +132,10 @@ def _rank_main(kind: str, steps: int, rounds: int) -> None:
     import torch.distributed as dist
 
     from mixle_compile.runtime.data import local_batch
+    from mixle_compile.runtime.instructions import read_instructions
     from mixle_compile.runtime.mesh import Mesh
     from mixle_compile.runtime.session import DistributedSession, join_process_group
     from mixle_compile.runtime.worker import batch_layout, token_source
-    from mixle_compile.runtime.instructions import read_instructions
 
     torch.set_num_threads(1)
     ranks = int(os.environ["WORLD_SIZE"])
@@ -188,9 +190,20 @@ def _launch(kind: str, ranks: int, steps: int, rounds: int) -> None:
         port = s.getsockname()[1]
     procs = []
     for rank in range(ranks):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(ranks), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, __file__, "--rank-main", kind, "--steps", str(steps), "--rounds", str(rounds)], env=env))
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": str(ranks),
+            "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, __file__, "--rank-main", kind, "--steps", str(steps), "--rounds", str(rounds)], env=env
+            )
+        )
     codes = [p.wait() for p in procs]
     if any(codes):
         raise SystemExit(f"{kind}: ranks exited with {codes}")

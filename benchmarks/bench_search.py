@@ -34,8 +34,12 @@ from mixle_compile.search import MESH_FIELDS, TRAINING_FIELDS, read_request, sea
 
 LLAMA = {
     "8B": dict(vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, ffn_hidden_size=14336),
-    "70B": dict(vocab_size=128256, hidden_size=8192, num_layers=80, num_heads=64, num_kv_heads=8, ffn_hidden_size=28672),
-    "405B": dict(vocab_size=128256, hidden_size=16384, num_layers=126, num_heads=128, num_kv_heads=8, ffn_hidden_size=53248),
+    "70B": dict(
+        vocab_size=128256, hidden_size=8192, num_layers=80, num_heads=64, num_kv_heads=8, ffn_hidden_size=28672
+    ),
+    "405B": dict(
+        vocab_size=128256, hidden_size=16384, num_layers=126, num_heads=128, num_kv_heads=8, ffn_hidden_size=53248
+    ),
 }
 #: Llama 3's published pre-training batch: 16M tokens of 8192 (Dubey et al. 2024, 3.4.1) for 405B; the
 #: same batch in sequences for the others keeps every device count below it in the data-parallel range.
@@ -62,14 +66,18 @@ def run(data: dict, top: int = 5):
 
 def timings() -> None:
     run(timing_spec("8B", 8, {"name": "torchtitan", "version": "0.2"}), top=1)  # warm imports and the solver
-    print(f"{'model':6} {'devices':>7} {'backend':10} {'wall s':>7} {'cpu s':>6} {'enumerated':>11} {'screened':>9} {'checked':>8}  best")
+    print(
+        f"{'model':6} {'devices':>7} {'backend':10} {'wall s':>7} {'cpu s':>6} {'enumerated':>11} {'screened':>9} {'checked':>8}  best"
+    )
     for size, counts in (("8B", (64, 1024, 16384)), ("70B", (64, 1024, 16384)), ("405B", (512, 4096, 16384))):
         for devices in counts:
             for backend in ({"name": "torchtitan", "version": "0.2"}, {"name": "megatron", "version": "0.16"}):
                 outcome, wall, cpu = run(timing_spec(size, devices, backend))
                 best = outcome.plans[0].mesh_text() if outcome.plans else f"none: {outcome.reason}"
-                print(f"{size:6} {devices:7} {backend['name']:10} {wall:7.2f} {cpu:6.2f} {outcome.enumerated:11,} "
-                      f"{outcome.screened:9,} {outcome.confirmed:8}  {best}")
+                print(
+                    f"{size:6} {devices:7} {backend['name']:10} {wall:7.2f} {cpu:6.2f} {outcome.enumerated:11,} "
+                    f"{outcome.screened:9,} {outcome.confirmed:8}  {best}"
+                )
 
 
 def _rank(outcome, values: dict, keys) -> int | None:
@@ -78,11 +86,14 @@ def _rank(outcome, values: dict, keys) -> int | None:
 
 def anchors() -> None:
     import bench_step_time as rows
+
     from mixle_compile.lower.lowering import lower
     from mixle_compile.spec import load_spec_text
     from mixle_compile.step_time import predict_lowered
 
-    print("rank: the published layout's place in the top 20 (all settings searched); mesh: the first plan on its mesh degrees;")
+    print(
+        "rank: the published layout's place in the top 20 (all settings searched); mesh: the first plan on its mesh degrees;"
+    )
     print("ratio: published predicted step / top choice's; the starred columns search the mesh alone, the row's")
     print("micro-batch, checkpointing, schedule and optimizer kept.")
     print()
@@ -116,10 +127,14 @@ def anchors() -> None:
         counted += 1
         in_top += rank is not None and rank <= 5
         in_top_mesh += kept_rank is not None and kept_rank <= 5
-        print(f"{label:34} {show(rank):>5} {show(mesh_rank):>5} {published_seconds / top.step.seconds:6.3f} {show(kept_rank):>6} "
-              f"{kept_ratio}  {top.mesh_text()}; {top.training_text()} ({wall:.1f}s)")
-    print(f"\npublished layout in the top 5: {in_top} of {counted} rows with every setting searched, "
-          f"{in_top_mesh} of {counted} with the row's training settings kept")
+        print(
+            f"{label:34} {show(rank):>5} {show(mesh_rank):>5} {published_seconds / top.step.seconds:6.3f} {show(kept_rank):>6} "
+            f"{kept_ratio}  {top.mesh_text()}; {top.training_text()} ({wall:.1f}s)"
+        )
+    print(
+        f"\npublished layout in the top 5: {in_top} of {counted} rows with every setting searched, "
+        f"{in_top_mesh} of {counted} with the row's training settings kept"
+    )
 
 
 def main(argv: list[str]) -> int:

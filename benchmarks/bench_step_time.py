@@ -33,18 +33,26 @@ sys.path.insert(0, str(ROOT))
 
 import yaml  # noqa: E402
 
+from mixle_compile import step_time  # noqa: E402
 from mixle_compile.lower.lowering import lower  # noqa: E402
 from mixle_compile.spec import load_spec_text  # noqa: E402
-from mixle_compile import step_time  # noqa: E402
 from mixle_compile.step_time import predict_lowered  # noqa: E402
 
 TITAN = ROOT / "tests" / "corpus" / "production" / "torchtitan"
 
-LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, ffn_hidden_size=14336)
-LLAMA3_70B = dict(vocab_size=128256, hidden_size=8192, num_layers=80, num_heads=64, num_kv_heads=8, ffn_hidden_size=28672)
-LLAMA3_405B = dict(vocab_size=128256, hidden_size=16384, num_layers=126, num_heads=128, num_kv_heads=8, ffn_hidden_size=53248)
+LLAMA3_8B = dict(
+    vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, ffn_hidden_size=14336
+)
+LLAMA3_70B = dict(
+    vocab_size=128256, hidden_size=8192, num_layers=80, num_heads=64, num_kv_heads=8, ffn_hidden_size=28672
+)
+LLAMA3_405B = dict(
+    vocab_size=128256, hidden_size=16384, num_layers=126, num_heads=128, num_kv_heads=8, ffn_hidden_size=53248
+)
 LLAMA2_13B = dict(vocab_size=32000, hidden_size=5120, num_layers=40, num_heads=40, ffn_hidden_size=13824)
-LLAMA2_70B = dict(vocab_size=32000, hidden_size=8192, num_layers=80, num_heads=64, num_kv_heads=8, ffn_hidden_size=28672)
+LLAMA2_70B = dict(
+    vocab_size=32000, hidden_size=8192, num_layers=80, num_heads=64, num_kv_heads=8, ffn_hidden_size=28672
+)
 
 
 def corpus(name: str, **training) -> dict:
@@ -54,18 +62,46 @@ def corpus(name: str, **training) -> dict:
     return data
 
 
-def spec(model: dict, *, devices: int, kind: str, memory: str, backend, dp_replicate=1, dp_shard=1, tp=1, pp=1, cp=1,
-         microbatches=1, accumulation=1, micro_batch_size=1, seq_len=8192, precision="bf16", checkpointing="none",
-         compile=False, schedule="1f1b", virtual=1, sequence_parallel=None, attention=None, gpt=False, distributed_optimizer=False,
-         pipeline_layers=None) -> dict:
+def spec(
+    model: dict,
+    *,
+    devices: int,
+    kind: str,
+    memory: str,
+    backend,
+    dp_replicate=1,
+    dp_shard=1,
+    tp=1,
+    pp=1,
+    cp=1,
+    microbatches=1,
+    accumulation=1,
+    micro_batch_size=1,
+    seq_len=8192,
+    precision="bf16",
+    checkpointing="none",
+    compile=False,
+    schedule="1f1b",
+    virtual=1,
+    sequence_parallel=None,
+    attention=None,
+    gpt=False,
+    distributed_optimizer=False,
+    pipeline_layers=None,
+) -> dict:
     data_parallel = dp_replicate * dp_shard
     model = {"family": "transformer", "tie_embeddings": False, **model}
     if gpt:
         model.update(norm="layernorm", activation="gelu", position_embedding="learned")
     training = {
-        "global_batch_size": micro_batch_size * microbatches * accumulation * data_parallel, "micro_batch_size": micro_batch_size,
-        "seq_len": seq_len, "precision": precision, "optimizer": "adamw", "activation_checkpointing": checkpointing,
-        "sequence_parallel": tp > 1 if sequence_parallel is None else sequence_parallel, "compile": compile,
+        "global_batch_size": micro_batch_size * microbatches * accumulation * data_parallel,
+        "micro_batch_size": micro_batch_size,
+        "seq_len": seq_len,
+        "precision": precision,
+        "optimizer": "adamw",
+        "activation_checkpointing": checkpointing,
+        "sequence_parallel": tp > 1 if sequence_parallel is None else sequence_parallel,
+        "compile": compile,
         "distributed_optimizer": distributed_optimizer,
     }
     if pp > 1:
@@ -76,9 +112,18 @@ def spec(model: dict, *, devices: int, kind: str, memory: str, backend, dp_repli
         training["attention"] = attention
     return {
         "model": model,
-        "mesh": {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp, "pp": pp, "cp": cp, "microbatches": microbatches,
-                 "gradient_accumulation_steps": accumulation},
-        "training": training, "backend": backend, "resources": {"devices": devices, "kind": kind, "memory": memory},
+        "mesh": {
+            "dp_replicate": dp_replicate,
+            "dp_shard": dp_shard,
+            "tp": tp,
+            "pp": pp,
+            "cp": cp,
+            "microbatches": microbatches,
+            "gradient_accumulation_steps": accumulation,
+        },
+        "training": training,
+        "backend": backend,
+        "resources": {"devices": devices, "kind": kind, "memory": memory},
     }
 
 
@@ -89,10 +134,28 @@ def sc21(heads, hidden, layers, gpus, tp, pp, mbs, gbs, virtual, tflops) -> tupl
     s, vocab = 2048, 51200
     flops_per_token = 96 * layers * hidden**2 * (1 + s / (6 * hidden) + vocab / (16 * layers * hidden))
     model = dict(vocab_size=vocab, hidden_size=hidden, num_layers=layers, num_heads=heads, ffn_hidden_size=4 * hidden)
-    row = spec(model, devices=gpus, kind="a100", memory="80GiB", backend={"name": "megatron", "version": "0.12"}, dp_replicate=dp,
-               tp=tp, pp=pp, microbatches=m if pp > 1 else 1, accumulation=1 if pp > 1 else m, micro_batch_size=mbs, seq_len=s,
-               precision="fp16", checkpointing="full", schedule="interleaved_1f1b" if virtual > 1 else "1f1b", virtual=virtual,
-               sequence_parallel=False, attention="eager", gpt=True, distributed_optimizer=False)
+    row = spec(
+        model,
+        devices=gpus,
+        kind="a100",
+        memory="80GiB",
+        backend={"name": "megatron", "version": "0.12"},
+        dp_replicate=dp,
+        tp=tp,
+        pp=pp,
+        microbatches=m if pp > 1 else 1,
+        accumulation=1 if pp > 1 else m,
+        micro_batch_size=mbs,
+        seq_len=s,
+        precision="fp16",
+        checkpointing="full",
+        schedule="interleaved_1f1b" if virtual > 1 else "1f1b",
+        virtual=virtual,
+        sequence_parallel=False,
+        attention="eager",
+        gpt=True,
+        distributed_optimizer=False,
+    )
     return row, tflops * 1e12 / flops_per_token
 
 
@@ -122,21 +185,84 @@ ROWS: list[tuple[str, dict, float]] = [
     ("titan H200 8B FSDP32 fp8", corpus("llama3_8b_h200_32gpu_fsdp32_fp8.yaml"), 10938),
     ("titan H200 8B FSDP64 fp8", corpus("llama3_8b_h200_64gpu_fsdp64_fp8.yaml"), 10753),
     # torchtitan docs/performance.md @ 1ea476e9f: 64 A100 80GB, FSDP 64, bf16, no compile (WPS per GPU)
-    ("titan A100 L3 8B op-SAC", spec(LLAMA3_8B, devices=64, dp_shard=64, checkpointing="selective", **A100_TITAN), 2973),
+    (
+        "titan A100 L3 8B op-SAC",
+        spec(LLAMA3_8B, devices=64, dp_shard=64, checkpointing="selective", **A100_TITAN),
+        2973,
+    ),
     ("titan A100 L3 70B full", spec(LLAMA3_70B, devices=64, dp_shard=64, checkpointing="full", **A100_TITAN), 331),
-    ("titan A100 L2 13B none", spec(LLAMA2_13B, devices=64, dp_shard=64, micro_batch_size=2, seq_len=4096, **A100_TITAN), 2162),
-    ("titan A100 L2 13B op-SAC", spec(LLAMA2_13B, devices=64, dp_shard=64, micro_batch_size=2, seq_len=4096, checkpointing="selective", **A100_TITAN), 1904),
-    ("titan A100 L2 70B op-SAC", spec(LLAMA2_70B, devices=64, dp_shard=64, seq_len=4096, checkpointing="selective", **A100_TITAN), 355),
-    ("titan A100 L2 70B full", spec(LLAMA2_70B, devices=64, dp_shard=64, micro_batch_size=2, seq_len=4096, checkpointing="full", **A100_TITAN), 353),
+    (
+        "titan A100 L2 13B none",
+        spec(LLAMA2_13B, devices=64, dp_shard=64, micro_batch_size=2, seq_len=4096, **A100_TITAN),
+        2162,
+    ),
+    (
+        "titan A100 L2 13B op-SAC",
+        spec(
+            LLAMA2_13B,
+            devices=64,
+            dp_shard=64,
+            micro_batch_size=2,
+            seq_len=4096,
+            checkpointing="selective",
+            **A100_TITAN,
+        ),
+        1904,
+    ),
+    (
+        "titan A100 L2 70B op-SAC",
+        spec(LLAMA2_70B, devices=64, dp_shard=64, seq_len=4096, checkpointing="selective", **A100_TITAN),
+        355,
+    ),
+    (
+        "titan A100 L2 70B full",
+        spec(LLAMA2_70B, devices=64, dp_shard=64, micro_batch_size=2, seq_len=4096, checkpointing="full", **A100_TITAN),
+        353,
+    ),
     # Megatron-Bridge docs/performance-summary.md @ 5776a6d9, 25.11, H100 FP8-CS (tokens/s/GPU)
-    ("bridge 8B FSDP8 GA16", spec(LLAMA3_8B, devices=8, dp_shard=8, accumulation=16, precision="fp8", **H100_BRIDGE), 14451),
-    ("bridge 70B TP4 PP8 VP5", spec(LLAMA3_70B, devices=64, dp_replicate=2, tp=4, pp=8, microbatches=64, precision="fp8",
-                                    schedule="interleaved_1f1b", virtual=5, distributed_optimizer=True, **H100_BRIDGE), 1602),
-    ("bridge 405B TP8 PP8 CP2 VP8", spec(LLAMA3_405B, devices=1024, dp_replicate=8, tp=8, pp=8, cp=2, microbatches=64, precision="fp8",
-                                         schedule="interleaved_1f1b", virtual=8, distributed_optimizer=True,
-                                         # the recipe counts the embedding and the loss as one layer each
-                                         # (account_for_embedding/loss_in_pipeline_split): 126 + 2 = 64 stages of 2
-                                         pipeline_layers=[1] + [2] * 62 + [1], **H100_BRIDGE), 292),
+    (
+        "bridge 8B FSDP8 GA16",
+        spec(LLAMA3_8B, devices=8, dp_shard=8, accumulation=16, precision="fp8", **H100_BRIDGE),
+        14451,
+    ),
+    (
+        "bridge 70B TP4 PP8 VP5",
+        spec(
+            LLAMA3_70B,
+            devices=64,
+            dp_replicate=2,
+            tp=4,
+            pp=8,
+            microbatches=64,
+            precision="fp8",
+            schedule="interleaved_1f1b",
+            virtual=5,
+            distributed_optimizer=True,
+            **H100_BRIDGE,
+        ),
+        1602,
+    ),
+    (
+        "bridge 405B TP8 PP8 CP2 VP8",
+        spec(
+            LLAMA3_405B,
+            devices=1024,
+            dp_replicate=8,
+            tp=8,
+            pp=8,
+            cp=2,
+            microbatches=64,
+            precision="fp8",
+            schedule="interleaved_1f1b",
+            virtual=8,
+            distributed_optimizer=True,
+            # the recipe counts the embedding and the loss as one layer each
+            # (account_for_embedding/loss_in_pipeline_split): 126 + 2 = 64 stages of 2
+            pipeline_layers=[1] + [2] * 62 + [1],
+            **H100_BRIDGE,
+        ),
+        292,
+    ),
 ]
 # Narayanan et al. (SC21) Table 1: heads, hidden, layers, GPUs, tp, pp, micro-batch, global batch, virtual stages, TFLOP/s per GPU
 for label, args in [
@@ -171,7 +297,9 @@ def lowered_rows():
 
 
 def ratios_of(rows) -> list[float]:
-    return [predict_lowered(spec, lowered).tokens_per_second_per_device / measured for _, spec, lowered, measured in rows]
+    return [
+        predict_lowered(spec, lowered).tokens_per_second_per_device / measured for _, spec, lowered, measured in rows
+    ]
 
 
 def fit(rows) -> None:
@@ -199,8 +327,10 @@ def fit(rows) -> None:
         if best is None or worst < best[0]:
             best = (worst, attention, eager, compiled, dict(step_time.EFFICIENCY))
     worst, attention, eager, compiled, efficiency = best
-    print(f"{worst[0]} rows outside 0.85-1.15, worst error {math.exp(worst[1]):.3f}x; ATTENTION_EFFICIENCY = {attention}; ELEMENTWISE_BYTES = "
-          f"{{'eager': {eager}, 'compiled': {compiled}}}")
+    print(
+        f"{worst[0]} rows outside 0.85-1.15, worst error {math.exp(worst[1]):.3f}x; ATTENTION_EFFICIENCY = {attention}; ELEMENTWISE_BYTES = "
+        f"{{'eager': {eager}, 'compiled': {compiled}}}"
+    )
     for key, value in sorted(efficiency.items()):
         print(f"    {key!r}: {value:.3f},")
 
@@ -220,12 +350,16 @@ def main(argv: list[str]) -> int:
         else:
             label += " *"
         exposed = ", ".join(f"{k} {v:.2f}" for k, v in st.exposed_communication.items()) or "-"
-        print(f"{label:34} {st.tokens_per_second_per_device:10.0f} {measured:10.0f} {ratio:6.2f}  "
-              f"{st.compute:.2f}, [{exposed}], {st.bubble:.2f} of {st.seconds:.2f}")
+        print(
+            f"{label:34} {st.tokens_per_second_per_device:10.0f} {measured:10.0f} {ratio:6.2f}  "
+            f"{st.compute:.2f}, [{exposed}], {st.bubble:.2f} of {st.seconds:.2f}"
+        )
     inside = sum(0.85 <= r <= 1.15 for r in ratios)
     print("\n* interconnect not published: shown, not counted")
-    print(f"predicted / measured over {len(ratios)} rows: min {min(ratios):.2f}, median {statistics.median(ratios):.2f}, "
-          f"max {max(ratios):.2f}; within 0.85-1.15: {inside}")
+    print(
+        f"predicted / measured over {len(ratios)} rows: min {min(ratios):.2f}, median {statistics.median(ratios):.2f}, "
+        f"max {max(ratios):.2f}; within 0.85-1.15: {inside}"
+    )
     return 0
 
 

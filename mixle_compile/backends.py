@@ -85,8 +85,7 @@ def _check_backend(obj: Any, context: str) -> None:
     missing = [member for member in _BACKEND_MEMBERS if not hasattr(obj, member)]
     if missing:
         raise ContractTypeError(
-            f"{context}: {_describe(obj)} does not implement DistributedTrainingBackend "
-            f"(missing: {', '.join(missing)})"
+            f"{context}: {_describe(obj)} does not implement DistributedTrainingBackend (missing: {', '.join(missing)})"
         )
     name = getattr(obj, "name", None)
     if name is not None and (not isinstance(name, str) or not name.strip()):
@@ -95,8 +94,7 @@ def _check_backend(obj: Any, context: str) -> None:
         )
     if not isinstance(obj.capabilities, BackendCapabilities):
         raise ContractTypeError(
-            f"{context}: backend.capabilities must be a BackendCapabilities, "
-            f"got {_describe(obj.capabilities)}"
+            f"{context}: backend.capabilities must be a BackendCapabilities, got {_describe(obj.capabilities)}"
         )
     if not callable(obj.prepare):
         raise ContractTypeError(f"{context}: backend.prepare must be callable")
@@ -139,7 +137,9 @@ def _entry_factory(key: str, entry: str) -> Callable[[], Any]:
                 f"training backend {key!r} is registered as {entry!r}, but importing it failed: {exc}"
             ) from exc
         except AttributeError as exc:
-            raise BackendUnavailableError(f"training backend {key!r} is registered as {entry!r}, which does not exist: {exc}") from exc
+            raise BackendUnavailableError(
+                f"training backend {key!r} is registered as {entry!r}, which does not exist: {exc}"
+            ) from exc
         return target() if _is_factory(target) else target
 
     return load
@@ -191,10 +191,7 @@ class BackendRegistry:
             if current is not None and (current.source is backend or (is_entry(backend) and current.source == backend)):
                 return  # the same object (or entry) again: nothing to do
             if current is not None and not override:
-                raise ContractError(
-                    f"training backend {key!r} is already registered; pass override=True "
-                    f"to replace it"
-                )
+                raise ContractError(f"training backend {key!r} is already registered; pass override=True to replace it")
             self._entries[key] = entry
 
     def get(self, name: str) -> DistributedTrainingBackend:

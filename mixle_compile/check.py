@@ -18,9 +18,9 @@ from mixle_compile.spec.models import auto_divisor
 
 if TYPE_CHECKING:
     from mixle_compile.config import LintConfig
+    from mixle_compile.importers.suggest import EnginePatch
     from mixle_compile.spec.source import SourceDocument
     from mixle_compile.verify import Verification
-    from mixle_compile.importers.suggest import EnginePatch
     from mixle_compile.verify.suggest import Suggestion
 
 
@@ -30,11 +30,11 @@ class CheckResult:
     diagnostics: tuple[Diagnostic, ...] = field(default_factory=tuple)
     unreadable: bool = False
     notes: tuple[str, ...] = ()  # what was proved (elastic ranges), for the text report
-    suggestion: "Suggestion | None" = None
+    suggestion: Suggestion | None = None
     suggestion_sought: bool = False  # --suggest was given and the file had errors
     source_format: str | None = None  # the engine a config was imported from; None for a spec
     # For an engine config: the suggestion as edits of the engine's keys, or why it cannot be said so.
-    engine_patch: "EnginePatch | None" = None
+    engine_patch: EnginePatch | None = None
     engine_patch_refused: str | None = None
 
     @property
@@ -42,7 +42,9 @@ class CheckResult:
         return sum(d.severity is Severity.error for d in self.diagnostics)
 
 
-def check_file(path: str | Path, *, suggest: bool = False, options=None, config: "LintConfig | None" = None) -> CheckResult:
+def check_file(
+    path: str | Path, *, suggest: bool = False, options=None, config: LintConfig | None = None
+) -> CheckResult:
     """``options``: an :class:`~mixle_compile.importers.ImportOptions` for an engine config;
     ``config``: the rule selection (default: every code, as the file's own comments suppress)."""
     backend = config.backend if config is not None else None
@@ -51,13 +53,16 @@ def check_file(path: str | Path, *, suggest: bool = False, options=None, config:
         return check_loaded_file(loaded, path, suggest=suggest, config=config)
 
 
-def check_loaded_file(loaded: LoadedSpec, path: str | Path, *, suggest: bool = False,
-                      config: "LintConfig | None" = None) -> CheckResult:
+def check_loaded_file(
+    loaded: LoadedSpec, path: str | Path, *, suggest: bool = False, config: LintConfig | None = None
+) -> CheckResult:
     """:func:`check_file` on a spec already loaded from ``path`` (its comments may suppress findings)."""
-    return check_loaded(loaded, suggest=suggest, config=config, source_text=_comment_text(Path(path)) if loaded.ok else None)
+    return check_loaded(
+        loaded, suggest=suggest, config=config, source_text=_comment_text(Path(path)) if loaded.ok else None
+    )
 
 
-def check_text(raw: bytes, name: str, *, suggest: bool = False, config: "LintConfig | None" = None) -> CheckResult:
+def check_text(raw: bytes, name: str, *, suggest: bool = False, config: LintConfig | None = None) -> CheckResult:
     """Check a spec given as bytes (standard input), reported under ``name``."""
     from mixle_compile.spec.load import load_spec_text
 
@@ -78,8 +83,15 @@ def _comment_text(path: Path) -> str | None:
         return None
 
 
-def check_loaded(loaded: LoadedSpec, *, suggest: bool = False, config: "LintConfig | None" = None,
-                 source_text: str | None = None, group: bool = True, verifier=None) -> CheckResult:
+def check_loaded(
+    loaded: LoadedSpec,
+    *,
+    suggest: bool = False,
+    config: LintConfig | None = None,
+    source_text: str | None = None,
+    group: bool = True,
+    verifier=None,
+) -> CheckResult:
     """Verify a loaded spec (the verifier runs only on a spec that loaded cleanly).
 
     For a spec that loaded, the file's suppression comments and then the configuration's selection
@@ -105,13 +117,18 @@ def check_loaded(loaded: LoadedSpec, *, suggest: bool = False, config: "LintConf
         diagnostics = apply_suppressions(diagnostics, source_text, loaded.file, report_unused=True)
         diagnostics = select(diagnostics, config, loaded.file)
     if loaded.unresolved is not None:
-        diagnostics = [replace(d, hint=_auto_hint(loaded.unresolved)) if d.code == AUTO_UNRESOLVABLE.code else d for d in diagnostics]
+        diagnostics = [
+            replace(d, hint=_auto_hint(loaded.unresolved)) if d.code == AUTO_UNRESOLVABLE.code else d
+            for d in diagnostics
+        ]
     searchable = loaded.spec or loaded.unresolved
     if suggest and searchable is not None and any(d.severity is Severity.error for d in diagnostics):
         from mixle_compile.verify import suggest_fix
 
         sought = True
-        suggestion = with_progress(f"{loaded.file}: searching for the nearest valid plan", lambda: suggest_fix(searchable))
+        suggestion = with_progress(
+            f"{loaded.file}: searching for the nearest valid plan", lambda: suggest_fix(searchable)
+        )
         if loaded.spec is not None and suggestion is not None:
             patch, refused = _engine_patch(loaded, suggestion)
     return CheckResult(
@@ -154,7 +171,7 @@ def with_progress(label: str, work):
             print(f"{label}: done in {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
 
 
-def _engine_patch(loaded: LoadedSpec, suggestion) -> tuple["EnginePatch | None", str | None]:
+def _engine_patch(loaded: LoadedSpec, suggestion) -> tuple[EnginePatch | None, str | None]:
     """An engine config's fix in its own keys (none for a spec file, or when nothing is to be changed)."""
     from mixle_compile.importers.suggest import ENGINE_FORMATS, NotExpressible, engine_patch
 
@@ -167,7 +184,7 @@ def _engine_patch(loaded: LoadedSpec, suggestion) -> tuple["EnginePatch | None",
         return None, str(exc)
 
 
-def verification_diagnostics(verification: "Verification", document: "SourceDocument") -> list[Diagnostic]:
+def verification_diagnostics(verification: Verification, document: SourceDocument) -> list[Diagnostic]:
     """Findings as diagnostics, each at its first field's file:line:col.
 
     An error's hint is stated in its first field (the one the finding points at) and offers only
@@ -223,8 +240,10 @@ def _auto_hint(spec) -> str:
     if counts:
         options.append(f"{_either(counts)} devices")
     if not options:
-        return ("no single change of tp, pp, cp, dp_replicate or the device count resolves it and passes every rule: "
-                "`mixle-compile check --suggest` searches changes of several settings")
+        return (
+            "no single change of tp, pp, cp, dp_replicate or the device count resolves it and passes every rule: "
+            "`mixle-compile check --suggest` searches changes of several settings"
+        )
     return "what passes every rule, the other fields as they are: " + "; ".join(options)
 
 
@@ -248,8 +267,10 @@ def _agreed_hint(facts, field) -> str | None:
         return None
     name = field.dotted
     if not values:
-        return (f"no other value of {name} alone passes every rule (the other fields as they are): change it together "
-                "with another; `mixle-compile check --suggest` finds the nearest valid plan")
+        return (
+            f"no other value of {name} alone passes every rule (the other fields as they are): change it together "
+            "with another; `mixle-compile check --suggest` finds the nearest valid plan"
+        )
     if field.kind == "int" and len(values) > MAX_OFFERED:
         nearest = sorted(values, key=lambda v: (abs(int(v) - int(field.value)), int(v)))[:MAX_OFFERED]
         values = sorted(nearest, key=int)
@@ -259,12 +280,15 @@ def _agreed_hint(facts, field) -> str | None:
     return f"set {name} to {shown}: each passes every rule with the other fields as they are"
 
 
-def _engine_keys_note(paths, document: "SourceDocument") -> str:
+def _engine_keys_note(paths, document: SourceDocument) -> str:
     """For an engine config: which of its keys give the spec fields a finding names (its hint speaks of spec fields)."""
     if document.source_format is None or not document.origins:
         return ""
-    named = [f"{'.'.join(str(p) for p in path)} <- {document.origins[tuple(path)]}" for path in paths
-             if tuple(path) in document.origins and tuple(path)[0] in ("mesh", "training")]
+    named = [
+        f"{'.'.join(str(p) for p in path)} <- {document.origins[tuple(path)]}"
+        for path in paths
+        if tuple(path) in document.origins and tuple(path)[0] in ("mesh", "training")
+    ]
     return f" (in this file: {'; '.join(named)})" if named else ""
 
 
@@ -274,7 +298,7 @@ def _range_text(proof) -> str:
     return f"{r.min_world_size}..{r.max_world_size}{step}"
 
 
-def _elastic_diagnostic(proof, document: "SourceDocument") -> Diagnostic:
+def _elastic_diagnostic(proof, document: SourceDocument) -> Diagnostic:
     if proof.smallest_failure is None:
         return document.diagnostic(
             "D003",
@@ -303,7 +327,7 @@ def _elastic_diagnostic(proof, document: "SourceDocument") -> Diagnostic:
     )
 
 
-def _proof_notes(verification: "Verification") -> tuple[str, ...]:
+def _proof_notes(verification: Verification) -> tuple[str, ...]:
     proof = verification.elastic
     if proof is None or not proof.proved:
         return ()

@@ -32,45 +32,89 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     check = sub.add_parser("check", help="validate spec files and report diagnostics")
-    check.add_argument("files", nargs="*", metavar="PATH",
-                       help="spec files (.yaml, .yml or .json), engine configs (torchtitan .toml, Megatron-LM .sh, DeepSpeed .json), "
-                            "directories (the files their configuration's `files` patterns select), globs, or - for standard input")
-    check.add_argument("--format", choices=("text", "json", "sarif"), default="text", help="output format (default: text)")
+    check.add_argument(
+        "files",
+        nargs="*",
+        metavar="PATH",
+        help="spec files (.yaml, .yml or .json), engine configs (torchtitan .toml, Megatron-LM .sh, DeepSpeed .json), "
+        "directories (the files their configuration's `files` patterns select), globs, or - for standard input",
+    )
+    check.add_argument(
+        "--format", choices=("text", "json", "sarif"), default="text", help="output format (default: text)"
+    )
     check.add_argument(
         "--suggest",
         action="store_true",
         help="for a file with errors, print the nearest valid settings on the same devices as a YAML patch",
     )
-    check.add_argument("--fix", action="store_true", help="write the suggested settings into each YAML spec (comments and layout kept), then check again")
-    check.add_argument("--diff", action="store_true", help="print the --fix edit of each file as a unified diff instead of writing it")
-    check.add_argument("--select", action="append", metavar="CODES",
-                       help="report only these codes or prefixes, comma-separated (T001,P or ALL); replaces the configuration's select")
-    check.add_argument("--ignore", action="append", metavar="CODES", help="never report these codes or prefixes; adds to the configuration's ignore")
-    check.add_argument("--warnings-as-errors", action="store_true", help="count warnings as errors (exit 1 on any finding)")
-    check.add_argument("--config", type=Path, metavar="TOML",
-                       help="use this mixle-compile.toml or pyproject.toml instead of the one found upward from each file")
-    check.add_argument("--stdin-filename", metavar="NAME",
-                       help="the name a spec read from standard input (-) is reported under, and where its configuration is found from")
+    check.add_argument(
+        "--fix",
+        action="store_true",
+        help="write the suggested settings into each YAML spec (comments and layout kept), then check again",
+    )
+    check.add_argument(
+        "--diff", action="store_true", help="print the --fix edit of each file as a unified diff instead of writing it"
+    )
+    check.add_argument(
+        "--select",
+        action="append",
+        metavar="CODES",
+        help="report only these codes or prefixes, comma-separated (T001,P or ALL); replaces the configuration's select",
+    )
+    check.add_argument(
+        "--ignore",
+        action="append",
+        metavar="CODES",
+        help="never report these codes or prefixes; adds to the configuration's ignore",
+    )
+    check.add_argument(
+        "--warnings-as-errors", action="store_true", help="count warnings as errors (exit 1 on any finding)"
+    )
+    check.add_argument(
+        "--config",
+        type=Path,
+        metavar="TOML",
+        help="use this mixle-compile.toml or pyproject.toml instead of the one found upward from each file",
+    )
+    check.add_argument(
+        "--stdin-filename",
+        metavar="NAME",
+        help="the name a spec read from standard input (-) is reported under, and where its configuration is found from",
+    )
     _import_arguments(check)
     check.set_defaults(run=_cmd_check)
 
     rules = sub.add_parser("rules", help="list every diagnostic code and verifier rule")
     rules.add_argument("--backend", metavar="NAME", help="only the rules of this backend's rule set")
-    rules.add_argument("--format", choices=("text", "markdown", "json"), default="text", help="output format (default: text)")
+    rules.add_argument(
+        "--format", choices=("text", "markdown", "json"), default="text", help="output format (default: text)"
+    )
     rules.set_defaults(run=_cmd_rules)
 
     explain = sub.add_parser(
-        "explain", help="explain a diagnostic code, a spec's or plan's memory, traffic, pipeline and model cut, or a checkpoint"
+        "explain",
+        help="explain a diagnostic code, a spec's or plan's memory, traffic, pipeline and model cut, or a checkpoint",
     )
     explain.add_argument(
-        "target", metavar="CODE|FILE|CHECKPOINT",
+        "target",
+        metavar="CODE|FILE|CHECKPOINT",
         help="a diagnostic code such as T002, a spec file, a compiled plan, or a checkpoint directory (a run's checkpoint root or one step-NNNNNNNN)",
     )
-    explain.add_argument("--format", choices=("text", "json"), default="text", help="output format for files (default: text)")
-    explain.add_argument("--plot", type=Path, metavar="OUT.png|svg",
-                         help="also draw memory per rank, traffic per axis and the pipeline timeline (needs the `plot` extra)")
     explain.add_argument(
-        "--ranks", type=int, nargs="?", const=8, metavar="N",
+        "--format", choices=("text", "json"), default="text", help="output format for files (default: text)"
+    )
+    explain.add_argument(
+        "--plot",
+        type=Path,
+        metavar="OUT.png|svg",
+        help="also draw memory per rank, traffic per axis and the pipeline timeline (needs the `plot` extra)",
+    )
+    explain.add_argument(
+        "--ranks",
+        type=int,
+        nargs="?",
+        const=8,
+        metavar="N",
         help="also list the concrete ranks of the first N groups of every group rule (default 8); plans keep groups symbolic otherwise",
     )
     _import_arguments(explain)
@@ -78,8 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     compile_ = sub.add_parser("compile", help="verify a spec and write its executable plan")
     compile_.add_argument("spec", metavar="SPEC", help="spec file (.yaml, .yml or .json)")
-    compile_.add_argument("-o", "--output", type=Path, metavar="PLAN", help="where to write the plan (default: standard output)")
-    compile_.add_argument("--format", choices=("text", "json"), default="text", help="format of the diagnostics (default: text)")
+    compile_.add_argument(
+        "-o", "--output", type=Path, metavar="PLAN", help="where to write the plan (default: standard output)"
+    )
+    compile_.add_argument(
+        "--format", choices=("text", "json"), default="text", help="format of the diagnostics (default: text)"
+    )
     _import_arguments(compile_)
     compile_.set_defaults(run=_cmd_compile)
 
@@ -93,38 +141,69 @@ def build_parser() -> argparse.ArgumentParser:
     diff.add_argument("old", metavar="A", help="plan or spec before the change")
     diff.add_argument("new", metavar="B", help="plan or spec after the change")
     diff.add_argument("--format", choices=("text", "json"), default="text", help="output format (default: text)")
-    diff.add_argument("--exit-code", action="store_true",
-                      help="exit 1 when the plans differ (like git diff --exit-code); without it a difference exits 0")
+    diff.add_argument(
+        "--exit-code",
+        action="store_true",
+        help="exit 1 when the plans differ (like git diff --exit-code); without it a difference exits 0",
+    )
     _import_arguments(diff)
     diff.set_defaults(run=_cmd_diff)
 
-    export = sub.add_parser("export", help="write the engine's own config (torchtitan TOML, Megatron-LM launch script, DeepSpeed JSON) for a spec that verifies on it")
+    export = sub.add_parser(
+        "export",
+        help="write the engine's own config (torchtitan TOML, Megatron-LM launch script, DeepSpeed JSON) for a spec that verifies on it",
+    )
     export.add_argument("spec", metavar="SPEC|PLAN", help="a spec, a compiled plan, or an engine config")
     export.add_argument("--to", required=True, choices=("torchtitan", "megatron", "deepspeed"), help="the engine")
-    export.add_argument("--torchtitan-version", choices=("0.2", "0.3"), default=None,
-                        help="torchtitan 0.2 writes a job TOML, 0.3 a Python config function returning Trainer.Config "
-                             "(default: the spec's torchtitan backend version, else 0.2)")
-    export.add_argument("-o", "--output", type=Path, metavar="FILE",
-                        help="where to write the config (an HF config.json it needs is written beside it); default: standard output")
+    export.add_argument(
+        "--torchtitan-version",
+        choices=("0.2", "0.3"),
+        default=None,
+        help="torchtitan 0.2 writes a job TOML, 0.3 a Python config function returning Trainer.Config "
+        "(default: the spec's torchtitan backend version, else 0.2)",
+    )
+    export.add_argument(
+        "-o",
+        "--output",
+        type=Path,
+        metavar="FILE",
+        help="where to write the config (an HF config.json it needs is written beside it); default: standard output",
+    )
     _import_arguments(export)
     export.set_defaults(run=_cmd_export)
 
-    plan = sub.add_parser("plan", help="search the fastest verified mesh for a spec's open (auto) settings on its devices")
-    plan.add_argument("spec", metavar="SPEC", help="spec file whose mesh fields are `auto` or left out (see docs/search.md)")
-    plan.add_argument("--devices", type=_positive, metavar="N", help="the device budget (mesh fields left out are then searched)")
+    plan = sub.add_parser(
+        "plan", help="search the fastest verified mesh for a spec's open (auto) settings on its devices"
+    )
+    plan.add_argument(
+        "spec", metavar="SPEC", help="spec file whose mesh fields are `auto` or left out (see docs/search.md)"
+    )
+    plan.add_argument(
+        "--devices", type=_positive, metavar="N", help="the device budget (mesh fields left out are then searched)"
+    )
     plan.add_argument("--top", type=_positive, default=5, metavar="K", help="how many plans to print (default: 5)")
     plan.add_argument("--write", type=Path, metavar="OUT", help="write the best plan as a complete spec (YAML)")
     plan.add_argument("--format", choices=("text", "json"), default="text", help="output format (default: text)")
     plan.set_defaults(run=_cmd_plan)
 
-    graph = sub.add_parser("graph", help="print the decomposition graph of a spec",
-                           epilog="The graph is drawn for any spec that loads; the exit status is check's for the "
-                                  "same spec (1 when it breaks a rule, its findings on standard error).")
+    graph = sub.add_parser(
+        "graph",
+        help="print the decomposition graph of a spec",
+        epilog="The graph is drawn for any spec that loads; the exit status is check's for the "
+        "same spec (1 when it breaks a rule, its findings on standard error).",
+    )
     graph.add_argument("spec", metavar="SPEC", help="spec file")
-    graph.add_argument("--format", choices=("dot", "mermaid", "text"), default="dot",
-                       help="graph language, or text for an indented tree (default: dot)")
-    graph.add_argument("--expand", action="store_true",
-                       help="one node per layer; by default runs of identical layers are one node (layers.0..31 ×32)")
+    graph.add_argument(
+        "--format",
+        choices=("dot", "mermaid", "text"),
+        default="dot",
+        help="graph language, or text for an indented tree (default: dot)",
+    )
+    graph.add_argument(
+        "--expand",
+        action="store_true",
+        help="one node per layer; by default runs of identical layers are one node (layers.0..31 ×32)",
+    )
     graph.add_argument("-o", "--output", type=Path, help="write to this file instead of standard output")
     graph.set_defaults(run=_cmd_graph)
 
@@ -137,14 +216,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _import_arguments(parser: argparse.ArgumentParser) -> None:
     """What an engine config (torchtitan TOML, Megatron-LM script, DeepSpeed JSON) may not say."""
-    group = parser.add_argument_group("engine configs", "for a torchtitan, Megatron-LM or DeepSpeed config (see docs/importers.md)")
-    group.add_argument("--model", metavar="CONFIG_JSON", help="an HF config.json giving the model (DeepSpeed; overrides the others' model)")
+    group = parser.add_argument_group(
+        "engine configs", "for a torchtitan, Megatron-LM or DeepSpeed config (see docs/importers.md)"
+    )
+    group.add_argument(
+        "--model",
+        metavar="CONFIG_JSON",
+        help="an HF config.json giving the model (DeepSpeed; overrides the others' model)",
+    )
     group.add_argument("--devices", type=_positive, metavar="N", help="how many devices run the config")
     group.add_argument("--device-memory", metavar="SIZE", help="memory per device, e.g. 80GiB")
-    group.add_argument("--seq-len", type=_positive, metavar="N", help="tokens per sample, where the config does not say")
+    group.add_argument(
+        "--seq-len", type=_positive, metavar="N", help="tokens per sample, where the config does not say"
+    )
     if parser.prog.endswith("check"):
-        group.add_argument("--torchtitan", metavar="MODULE:FUNCTION",
-                           help="check a torchtitan 0.3 config-registry function (needs torchtitan installed)")
+        group.add_argument(
+            "--torchtitan",
+            metavar="MODULE:FUNCTION",
+            help="check a torchtitan 0.3 config-registry function (needs torchtitan installed)",
+        )
 
 
 def _positive(text: str) -> int:
@@ -180,8 +270,12 @@ def _import_options(args: argparse.Namespace):
         except ValueError as exc:
             print(f"mixle-compile: error: --device-memory {exc}", file=sys.stderr)
             raise SystemExit(EXIT_USAGE)
-    return ImportOptions(devices=getattr(args, "devices", None), device_memory=memory,
-                         model=getattr(args, "model", None), seq_len=getattr(args, "seq_len", None))
+    return ImportOptions(
+        devices=getattr(args, "devices", None),
+        device_memory=memory,
+        model=getattr(args, "model", None),
+        seq_len=getattr(args, "seq_len", None),
+    )
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
@@ -189,7 +283,10 @@ def _cmd_check(args: argparse.Namespace) -> int:
     from mixle_compile.config import ConfigError, check_selector, config_for
 
     if not args.files and not args.torchtitan:
-        print("mixle-compile check: error: give at least one PATH (or - for standard input, or --torchtitan MODULE:FUNCTION)", file=sys.stderr)
+        print(
+            "mixle-compile check: error: give at least one PATH (or - for standard input, or --torchtitan MODULE:FUNCTION)",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
     if (args.fix or args.diff) and args.format != "text":
         print("mixle-compile check: error: --fix and --diff print text; drop --format", file=sys.stderr)
@@ -263,7 +360,9 @@ def _cmd_check(args: argparse.Namespace) -> int:
             if r.suggestion_sought and not args.fix and not (args.diff and r.file in edits):
                 print(_suggestion_text(r))
             elif suggest and r.errors and not r.suggestion_sought and not r.unreadable and r.file not in edits:
-                print(f"# {r.file}: no suggestion: the spec did not load, so there are no settings to search from; fix its S-codes first")
+                print(
+                    f"# {r.file}: no suggestion: the spec did not load, so there are no settings to search from; fix its S-codes first"
+                )
         if args.diff:
             for r in results:
                 if r.file in edits:
@@ -272,7 +371,9 @@ def _cmd_check(args: argparse.Namespace) -> int:
         warnings = sum(len(r.diagnostics) for r in results) - errors
         files = len(results)
         if errors:
-            print(f"Found {errors} error{'s' * (errors != 1)} in {sum(1 for r in results if r.errors)} of {files} file{'s' * (files != 1)}.")
+            print(
+                f"Found {errors} error{'s' * (errors != 1)} in {sum(1 for r in results if r.errors)} of {files} file{'s' * (files != 1)}."
+            )
         else:
             tail = f" ({warnings} warning{'s' * (warnings != 1)})" if warnings else ""
             print(f"All checks passed: {files} file{'s' * (files != 1)}{tail}.")
@@ -300,8 +401,10 @@ def _check_targets(args: argparse.Namespace) -> list[str]:
             found = files_in(path, args.config)
             if not found:
                 patterns = ", ".join(config_for(path, args.config).files)
-                raise ConfigError(f"no files under {item} match the `files` patterns ({patterns}); "
-                                  "set `files` in [tool.mixle-compile] or mixle-compile.toml")
+                raise ConfigError(
+                    f"no files under {item} match the `files` patterns ({patterns}); "
+                    "set `files` in [tool.mixle-compile] or mixle-compile.toml"
+                )
             out.extend(str(p) for p in found)
         elif not path.exists() and glob.has_magic(item):
             found = sorted(p for p in glob.glob(item, recursive=True) if Path(p).is_file())
@@ -408,7 +511,10 @@ def _cmd_rules(args: argparse.Namespace) -> int:
         name = normalize_backend_name(args.backend)
         if name not in available_training_backends():
             known = ", ".join(available_training_backends())
-            print(f"mixle-compile rules: error: no backend named {args.backend!r}; registered backends: {known}", file=sys.stderr)
+            print(
+                f"mixle-compile rules: error: no backend named {args.backend!r}; registered backends: {known}",
+                file=sys.stderr,
+            )
             return EXIT_USAGE
         rule_set = rule_set_name(name)
     if args.format == "markdown":
@@ -430,7 +536,10 @@ def _cmd_explain(args: argparse.Namespace) -> int:
 
         text = explain_text(target.upper())
         if text is None:
-            print(f"mixle-compile explain: error: no diagnostic code {target.upper()}; run `mixle-compile rules` to list them", file=sys.stderr)
+            print(
+                f"mixle-compile explain: error: no diagnostic code {target.upper()}; run `mixle-compile rules` to list them",
+                file=sys.stderr,
+            )
             return EXIT_USAGE
         sys.stdout.write(text)
         return EXIT_CLEAN
@@ -452,7 +561,11 @@ def _cmd_explain(args: argparse.Namespace) -> int:
         if imported is not None:
             from mixle_compile.importers import provenance
 
-            data["imported_from"] = {"file": imported.file, "format": imported.source_format, "fields": provenance(imported)}
+            data["imported_from"] = {
+                "file": imported.file,
+                "format": imported.source_format,
+                "fields": provenance(imported),
+            }
         print(json.dumps(data, indent=2, sort_keys=True))
     else:
         sys.stdout.write(explain_text(doc))
@@ -489,7 +602,10 @@ def _explain_checkpoint(target: str, args: argparse.Namespace) -> int:
     from mixle_compile.runtime.checkpoint import CheckpointError, checkpoint_view
 
     if args.plot or args.ranks is not None:
-        print("mixle-compile explain: error: --plot and --ranks explain a plan; a checkpoint has no such view", file=sys.stderr)
+        print(
+            "mixle-compile explain: error: --plot and --ranks explain a plan; a checkpoint has no such view",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
     try:
         view = checkpoint_view(target)
@@ -635,14 +751,21 @@ def _cmd_export(args: argparse.Namespace) -> int:
         return EXIT_VIOLATIONS
     others = [name for name in exported.files if name != exported.main]
     if isinstance(spec.resources.devices, int) and spec.resources.throughput is not None:
-        print(f"{args.spec}: note: resources.throughput is not written (no {args.to} key says a device's speed)", file=sys.stderr)
+        print(
+            f"{args.spec}: note: resources.throughput is not written (no {args.to} key says a device's speed)",
+            file=sys.stderr,
+        )
     if args.to == "deepspeed":
-        print(f"{args.spec}: note: training.steps and training.seed are not DeepSpeed config keys (the training script sets them)",
-              file=sys.stderr)
+        print(
+            f"{args.spec}: note: training.steps and training.seed are not DeepSpeed config keys (the training script sets them)",
+            file=sys.stderr,
+        )
     if args.output is None:
         if others:
-            print(f"mixle-compile export: error: the {args.to} config names a model file ({others[0]}); give -o FILE to write both",
-                  file=sys.stderr)
+            print(
+                f"mixle-compile export: error: the {args.to} config names a model file ({others[0]}); give -o FILE to write both",
+                file=sys.stderr,
+            )
             return EXIT_USAGE
         sys.stdout.write(exported.files[exported.main])
         return EXIT_CLEAN
@@ -659,8 +782,10 @@ def _cmd_export(args: argparse.Namespace) -> int:
             return failed
         print(f"wrote {path}", file=sys.stderr)
     if args.to == "deepspeed":
-        print(f"check it with: mixle-compile check {args.output} --model {folder / others[0]} --seq-len {spec.training.seq_len}",
-              file=sys.stderr)
+        print(
+            f"check it with: mixle-compile check {args.output} --model {folder / others[0]} --seq-len {spec.training.seq_len}",
+            file=sys.stderr,
+        )
     return EXIT_CLEAN
 
 

@@ -73,7 +73,7 @@ class LintConfig:
                     return False
         return True
 
-    def with_cli(self, select: tuple[str, ...] | None, ignore: tuple[str, ...], warnings_as_errors: bool) -> "LintConfig":
+    def with_cli(self, select: tuple[str, ...] | None, ignore: tuple[str, ...], warnings_as_errors: bool) -> LintConfig:
         return replace(
             self,
             select=select if select is not None else self.select,
@@ -167,26 +167,30 @@ def _parse(table: dict, path: Path, prefix: str) -> LintConfig:
 
     def codes(key: str, value) -> tuple[str, ...]:
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise ConfigError(f"{path}: `{prefix}{key}` must be a list of codes, e.g. [\"T001\", \"P\"]")
+            raise ConfigError(f'{path}: `{prefix}{key}` must be a list of codes, e.g. ["T001", "P"]')
         return tuple(check_selector(v, f"{path}: `{prefix}{key}`") for v in value)
 
     def patterns(key: str, value) -> tuple[str, ...]:
         if not isinstance(value, list) or not value or not all(isinstance(v, str) and v for v in value):
-            raise ConfigError(f"{path}: `{prefix}{key}` must be a non-empty list of glob patterns, e.g. [\"configs/**/*.yaml\"]")
+            raise ConfigError(
+                f'{path}: `{prefix}{key}` must be a non-empty list of glob patterns, e.g. ["configs/**/*.yaml"]'
+            )
         return tuple(value)
 
     out = LintConfig(path=path)
     if "backend" in table:
         backend = table["backend"]
         if not isinstance(backend, str) or not backend:
-            raise ConfigError(f"{path}: `{prefix}backend` must be a backend name such as \"torch\"")
+            raise ConfigError(f'{path}: `{prefix}backend` must be a backend name such as "torch"')
         from mixle_compile.contracts import available_training_backends, normalize_backend_name
 
         names = available_training_backends()
         if normalize_backend_name(backend) not in names:
             close = closest(backend, names)
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ConfigError(f"{path}: `{prefix}backend` {backend!r} is not a registered backend{hint} (registered: {', '.join(names)})")
+            raise ConfigError(
+                f"{path}: `{prefix}backend` {backend!r} is not a registered backend{hint} (registered: {', '.join(names)})"
+            )
         out = replace(out, backend=backend)
     if "select" in table:
         out = replace(out, select=codes("select", table["select"]))
@@ -201,8 +205,15 @@ def _parse(table: dict, path: Path, prefix: str) -> LintConfig:
     if "per-file-ignores" in table:
         value = table["per-file-ignores"]
         if not isinstance(value, dict):
-            raise ConfigError(f"{path}: `{prefix}per-file-ignores` must be a table of glob = [codes], e.g. \"configs/legacy/*.yaml\" = [\"P008\"]")
-        out = replace(out, per_file_ignores=tuple((pattern, codes(f"per-file-ignores.\"{pattern}\"", c)) for pattern, c in value.items()))
+            raise ConfigError(
+                f'{path}: `{prefix}per-file-ignores` must be a table of glob = [codes], e.g. "configs/legacy/*.yaml" = ["P008"]'
+            )
+        out = replace(
+            out,
+            per_file_ignores=tuple(
+                (pattern, codes(f'per-file-ignores."{pattern}"', c)) for pattern, c in value.items()
+            ),
+        )
     if "files" in table:
         out = replace(out, files=patterns("files", table["files"]))
     return out
@@ -219,7 +230,9 @@ def check_selector(value: str, where: str) -> str:
         return selector
     close = closest(selector, sorted(CATALOGUE))
     hint = f"; did you mean {close[0]}?" if close else ""
-    raise ConfigError(f"{where}: {value!r} is not a diagnostic code or a prefix of one{hint} (`mixle-compile rules` lists them)")
+    raise ConfigError(
+        f"{where}: {value!r} is not a diagnostic code or a prefix of one{hint} (`mixle-compile rules` lists them)"
+    )
 
 
 # --- paths and patterns ----------------------------------------------------------------------
@@ -332,7 +345,9 @@ def suppressions(text: str) -> list[Suppression]:
     return out
 
 
-def apply_suppressions(diagnostics: list[Diagnostic], text: str | None, file: str, *, report_unused: bool) -> list[Diagnostic]:
+def apply_suppressions(
+    diagnostics: list[Diagnostic], text: str | None, file: str, *, report_unused: bool
+) -> list[Diagnostic]:
     """Drop the suppressed findings; add an M001 for every code a directive names without effect."""
     if not text:
         return diagnostics
@@ -365,8 +380,17 @@ def apply_suppressions(diagnostics: list[Diagnostic], text: str | None, file: st
                     message = f"`# mixle: ignore[{code}]`: {code} is not a diagnostic code"
                 else:
                     message = f"unused suppression: no {code} finding on {where}"
-                kept.append(Diagnostic(UNUSED_SUPPRESSION.code, Severity.warning, message,
-                                       f"remove {code} from the comment", file, s.line, s.column))
+                kept.append(
+                    Diagnostic(
+                        UNUSED_SUPPRESSION.code,
+                        Severity.warning,
+                        message,
+                        f"remove {code} from the comment",
+                        file,
+                        s.line,
+                        s.column,
+                    )
+                )
     return kept
 
 

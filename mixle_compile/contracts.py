@@ -142,13 +142,9 @@ def _require_int(owner: str, name: str, value: Any, minimum: int = 0) -> int:
     such as ``2.0``), strings and ``None``.
     """
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ContractTypeError(
-            f"{owner}.{name} must be an integer >= {minimum}, got {_describe(value)}"
-        )
+        raise ContractTypeError(f"{owner}.{name} must be an integer >= {minimum}, got {_describe(value)}")
     if value < minimum:
-        raise ContractError(
-            f"{owner}.{name} must be an integer >= {minimum}, got {_describe(value)}"
-        )
+        raise ContractError(f"{owner}.{name} must be an integer >= {minimum}, got {_describe(value)}")
     return int(value)
 
 
@@ -196,9 +192,7 @@ def _require_error_bound(owner: str, name: str, value: Any) -> float | None:
         return None
     number = _require_real(owner, name, value)
     if not math.isfinite(number) or number < 0:
-        raise ContractError(
-            f"{owner}.{name} must be a finite number >= 0 when given, got {number!r}"
-        )
+        raise ContractError(f"{owner}.{name} must be a finite number >= 0 when given, got {number!r}")
     return number
 
 
@@ -208,9 +202,7 @@ _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 def _require_axis_name(owner: str, name: str, value: Any) -> str:
     text = _require_str(owner, name, value)
     if not _IDENTIFIER.fullmatch(text):
-        raise ContractError(
-            f"{owner}.{name} must be an identifier-like mesh axis name, got {text!r}"
-        )
+        raise ContractError(f"{owner}.{name} must be an identifier-like mesh axis name, got {text!r}")
     return text
 
 
@@ -220,15 +212,12 @@ def _coerce_enum(owner: str, name: str, enum_cls: type[Enum], value: Any) -> Any
     valid = ", ".join(member.value for member in enum_cls)
     if not isinstance(value, str):
         raise ContractTypeError(
-            f"{owner}.{name} must be a {enum_cls.__name__} or one of its values "
-            f"({valid}), got {_describe(value)}"
+            f"{owner}.{name} must be a {enum_cls.__name__} or one of its values ({valid}), got {_describe(value)}"
         )
     try:
         return enum_cls(value)
     except ValueError:
-        raise ContractError(
-            f"{owner}.{name}: unknown {enum_cls.__name__} {value!r}; valid values: {valid}"
-        ) from None
+        raise ContractError(f"{owner}.{name}: unknown {enum_cls.__name__} {value!r}; valid values: {valid}") from None
 
 
 def _require_sequence(owner: str, name: str, value: Any) -> tuple[Any, ...]:
@@ -238,9 +227,7 @@ def _require_sequence(owner: str, name: str, value: Any) -> tuple[Any, ...]:
     characters.
     """
     if isinstance(value, (str, bytes)) or isinstance(value, Mapping):
-        raise ContractTypeError(
-            f"{owner}.{name} must be a sequence, got {_describe(value)}"
-        )
+        raise ContractTypeError(f"{owner}.{name} must be a sequence, got {_describe(value)}")
     if not isinstance(value, Iterable):
         raise ContractTypeError(f"{owner}.{name} must be a sequence, got {_describe(value)}")
     return tuple(value)
@@ -307,9 +294,7 @@ class _Contract:
                 f"expected keys: {sorted(names | set(cls._DERIVED_KEYS))}"
             )
         required = {
-            f.name
-            for f in fields_
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+            f.name for f in fields_ if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         }
         missing = sorted(required - set(d))
         if missing:
@@ -480,9 +465,7 @@ class ParallelPlan(_Contract):
             return getattr(self, axis.value)
         if isinstance(axis, str) and axis in _PLAN_AXIS_FIELDS:
             return getattr(self, axis)
-        raise ContractError(
-            f"unknown parallel axis {axis!r}; valid axes: {', '.join(_PLAN_AXIS_FIELDS)}"
-        )
+        raise ContractError(f"unknown parallel axis {axis!r}; valid axes: {', '.join(_PLAN_AXIS_FIELDS)}")
 
     def factorisation(self) -> str:
         """Human-readable product that defines ``world_size``."""
@@ -527,10 +510,7 @@ class ParallelPlan(_Contract):
 
 def _axis_set(owner: str, name: str, value: Any) -> frozenset[ParallelAxis]:
     items = _require_sequence(owner, name, value)
-    return frozenset(
-        _coerce_enum(owner, f"{name}[{index}]", ParallelAxis, item)
-        for index, item in enumerate(items)
-    )
+    return frozenset(_coerce_enum(owner, f"{name}[{index}]", ParallelAxis, item) for index, item in enumerate(items))
 
 
 def _axes_text(axes: Iterable[ParallelAxis]) -> str:
@@ -604,9 +584,7 @@ class BackendCapabilities(_Contract):
         incompatible axis set whose axes are all active.
         """
         if not isinstance(plan, ParallelPlan):
-            raise ContractTypeError(
-                f"BackendCapabilities.validate expects a ParallelPlan, got {_describe(plan)}"
-            )
+            raise ContractTypeError(f"BackendCapabilities.validate expects a ParallelPlan, got {_describe(plan)}")
         _require_str("BackendCapabilities.validate", "precision", precision)
         problems: list[str] = []
         active = set(plan.active_axes)
@@ -614,15 +592,11 @@ class BackendCapabilities(_Contract):
         unexecuted = [axis for axis in plan.active_axes if axis not in self.axes]
         if unexecuted:
             listed = ", ".join(f"{axis.value}={plan.size(axis)}" for axis in unexecuted)
-            problems.append(
-                f"it does not execute the active axes {listed} "
-                f"(it executes {_axes_text(self.axes)})"
-            )
+            problems.append(f"it does not execute the active axes {listed} (it executes {_axes_text(self.axes)})")
 
         if precision not in self.precisions:
             problems.append(
-                f"it does not support precision {precision!r} "
-                f"(supported: {', '.join(sorted(self.precisions))})"
+                f"it does not support precision {precision!r} (supported: {', '.join(sorted(self.precisions))})"
             )
 
         for axes in self.incompatible_axis_sets:
@@ -630,9 +604,7 @@ class BackendCapabilities(_Contract):
                 problems.append(f"it cannot run the axes {_axes_text(axes)} active together")
 
         if problems:
-            raise CapabilityError(
-                f"backend {self.name!r} cannot run this plan: " + "; ".join(problems)
-            )
+            raise CapabilityError(f"backend {self.name!r} cannot run this plan: " + "; ".join(problems))
 
 
 # ---------------------------------------------------------------------------
@@ -678,10 +650,7 @@ class ParameterLayout(_Contract):
         _require_str(owner, "logical_id", self.logical_id)
 
         shape = _require_sequence(owner, "global_shape", self.global_shape)
-        shape = tuple(
-            _require_int(owner, f"global_shape[{index}]", dim, minimum=1)
-            for index, dim in enumerate(shape)
-        )
+        shape = tuple(_require_int(owner, f"global_shape[{index}]", dim, minimum=1) for index, dim in enumerate(shape))
         _set(self, "global_shape", shape)
 
         raw = self.placements
@@ -694,9 +663,7 @@ class ParameterLayout(_Contract):
             label = f"placements[{index}]"
             pair = _require_sequence(owner, label, entry)
             if len(pair) != 2:
-                raise ContractError(
-                    f"{owner}.{label} must be a (mesh_axis, placement) pair, got {entry!r}"
-                )
+                raise ContractError(f"{owner}.{label} must be a (mesh_axis, placement) pair, got {entry!r}")
             axis = _require_axis_name(owner, f"{label} mesh axis", pair[0])
             placement = _require_str(owner, f"{label} placement", pair[1])
             try:
@@ -713,9 +680,7 @@ class ParameterLayout(_Contract):
                     f"({len(shape)} dimensions)"
                 )
             if axis in seen:
-                raise ContractError(
-                    f"{owner}.placements lists mesh axis {axis!r} more than once"
-                )
+                raise ContractError(f"{owner}.placements lists mesh axis {axis!r} more than once")
             seen.add(axis)
             placements.append((axis, placement))
         _set(self, "placements", tuple(placements))
@@ -796,10 +761,7 @@ class DistributedUpdate(_Contract):
             _require_axis_name(owner, f"mesh_axes[{index}]", axis)
         duplicates = sorted({axis for axis in axes if axes.count(axis) > 1})
         if duplicates:
-            raise ContractError(
-                f"{owner} {self.node_id!r}: mesh_axes lists {', '.join(duplicates)} "
-                f"more than once"
-            )
+            raise ContractError(f"{owner} {self.node_id!r}: mesh_axes lists {', '.join(duplicates)} more than once")
         _set(self, "mesh_axes", axes)
 
         exact = _require_bool(owner, "exact", self.exact)
@@ -937,8 +899,7 @@ def _freeze_extra(owner: str, value: Any) -> Mapping[str, Any]:
             frozen[key] = tuple(item)
         else:
             raise ContractTypeError(
-                f"{owner}.extra[{key!r}] must be a JSON scalar or a flat list of them, "
-                f"got {_describe(item)}"
+                f"{owner}.extra[{key!r}] must be a JSON scalar or a flat list of them, got {_describe(item)}"
             )
     return ReadOnlyDict(frozen)
 
@@ -1048,6 +1009,7 @@ class DistributedTrainingBackend(Protocol):
 # ---------------------------------------------------------------------------
 # The backend registry and the built-in backends (mixle_compile.backends)
 # ---------------------------------------------------------------------------
+
 
 def _backends() -> Any:
     # mixle_compile.backends imports this module, so this one reads it on first use rather than

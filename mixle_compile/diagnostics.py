@@ -28,7 +28,7 @@ class Diagnostic:
     fields: tuple[str, ...] = ()
     # Findings caused by the same field at the same place, reported under this one (see
     # :func:`group_by_field`): one mistake, one finding.
-    related: tuple["Diagnostic", ...] = ()
+    related: tuple[Diagnostic, ...] = ()
 
     def as_dict(self) -> dict:
         out = {

@@ -21,7 +21,9 @@ class FixRefused(Exception):
 
 def fixable(path: Path, source_format: str | None) -> None:
     if source_format is not None:
-        raise FixRefused(f"{path} is a {source_format} config: --fix edits YAML specs; apply the patch to the engine's keys by hand")
+        raise FixRefused(
+            f"{path} is a {source_format} config: --fix edits YAML specs; apply the patch to the engine's keys by hand"
+        )
     if path.suffix.lower() not in (".yaml", ".yml"):
         raise FixRefused(f"{path} is not a YAML spec: --fix edits .yaml and .yml files; apply the patch by hand")
 
@@ -86,4 +88,8 @@ def _keep_indentation(yaml, text: str) -> None:
 def unified_diff(path: str, before: str, after: str) -> str:
     """git's spelling: a/PATH and b/PATH for a relative path, the path itself for an absolute one."""
     old, new = (path, path) if Path(path).is_absolute() else (f"a/{path}", f"b/{path}")
-    return "".join(difflib.unified_diff(before.splitlines(keepends=True), after.splitlines(keepends=True), fromfile=old, tofile=new))
+    return "".join(
+        difflib.unified_diff(
+            before.splitlines(keepends=True), after.splitlines(keepends=True), fromfile=old, tofile=new
+        )
+    )

@@ -42,7 +42,9 @@ def counts_for(rule: str, num_layers: int, stages: int) -> tuple[int, ...]:
         counts[0] -= 1
         counts[-1] -= 1
         if min(counts) < 0:
-            raise ValueError(f"torchtitan cannot split {num_layers} layers over {stages} stages: a stage would hold fewer than none")
+            raise ValueError(
+                f"torchtitan cannot split {num_layers} layers over {stages} stages: a stage would hold fewer than none"
+            )
         return tuple(counts)
     q, r = divmod(num_layers, stages)
     return tuple(q + 1 if i < r else q for i in range(stages))

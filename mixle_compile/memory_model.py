@@ -43,7 +43,14 @@ MOMENT_BYTES = 8  # Adam(W): two fp32 moments per element
 MASTER_BYTES = 4  # an fp32 master copy of every element stored below fp32
 #: The terms of a rank's memory, in the order explain shows them (docs/memory.md defines each).
 MEMORY_KINDS = (
-    "parameters", "gathered_parameters", "gradients", "optimizer_state", "activations", "recompute", "loss", "buffers",
+    "parameters",
+    "gathered_parameters",
+    "gradients",
+    "optimizer_state",
+    "activations",
+    "recompute",
+    "loss",
+    "buffers",
     "reserve",
 )
 #: Loss implementations (:func:`loss_bytes_per_logit`).
@@ -104,9 +111,23 @@ def fsdp_shards(*, dp_shard: Any, cp: Any, over_cp: bool) -> Any:
 
 
 def activation_bytes_per_layer(
-    ar: Arithmetic, *, seq_len: Any, cp: Any, micro_batch_size: Any, hidden_size: Any, num_heads: Any, tp: Any,
-    sequence_parallel: Any, full_recompute: Any, selective_recompute: Any, fp32: Any, eager_attention: Any = True,
-    op_level_selective: bool = False, query_width: Any = 0, kv_width: Any = 0, ffn_width: Any = 0,
+    ar: Arithmetic,
+    *,
+    seq_len: Any,
+    cp: Any,
+    micro_batch_size: Any,
+    hidden_size: Any,
+    num_heads: Any,
+    tp: Any,
+    sequence_parallel: Any,
+    full_recompute: Any,
+    selective_recompute: Any,
+    fp32: Any,
+    eager_attention: Any = True,
+    op_level_selective: bool = False,
+    query_width: Any = 0,
+    kv_width: Any = 0,
+    ffn_width: Any = 0,
 ) -> Any:
     """Bytes one transformer layer keeps for the backward pass, per micro-batch.
 
@@ -146,7 +167,14 @@ def activation_bytes_per_layer(
 
 
 def micro_batches_in_flight(
-    ar: Arithmetic, *, pp: Any, stage: Any, microbatches: Any, gpipe: Any, interleaved: Any, virtual_stages: Any,
+    ar: Arithmetic,
+    *,
+    pp: Any,
+    stage: Any,
+    microbatches: Any,
+    gpipe: Any,
+    interleaved: Any,
+    virtual_stages: Any,
 ) -> Any:
     """Micro-batches whose activations stage `stage` holds at once.
 
@@ -211,7 +239,13 @@ def reserve_bytes(ar: Arithmetic, live: Any) -> Any:
 
 
 def gathered_parameter_bytes(
-    ar: Arithmetic, *, fsdp: Any, largest_unit_bytes: Any, keeps_stage: Any = False, stage_bytes: Any = 0, stage_elements: Any = 0,
+    ar: Arithmetic,
+    *,
+    fsdp: Any,
+    largest_unit_bytes: Any,
+    keeps_stage: Any = False,
+    stage_bytes: Any = 0,
+    stage_elements: Any = 0,
 ) -> Any:
     """Under FSDP, the unsharded parameters of the units in flight.
 
@@ -228,7 +262,15 @@ def gathered_parameter_bytes(
 
 
 def boundary_bytes(
-    ar: Arithmetic, *, seq_len: Any, cp: Any, micro_batch_size: Any, hidden_size: Any, tp: Any, sequence_parallel: Any, fp32: Any,
+    ar: Arithmetic,
+    *,
+    seq_len: Any,
+    cp: Any,
+    micro_batch_size: Any,
+    hidden_size: Any,
+    tp: Any,
+    sequence_parallel: Any,
+    fp32: Any,
 ) -> Any:
     """One micro-batch of the hidden states that cross a pipeline-stage boundary: ``b * s * h``
     elements of the local sequence (``seq_len / cp``) in the activation dtype, split over tp under
@@ -240,7 +282,13 @@ def boundary_bytes(
 
 
 def pipeline_buffer_bytes(
-    ar: Arithmetic, *, boundary: Any, microbatches: Any, activation_stages: Any, gradient_stages: Any, saved_inputs: Any = 0,
+    ar: Arithmetic,
+    *,
+    boundary: Any,
+    microbatches: Any,
+    activation_stages: Any,
+    gradient_stages: Any,
+    saved_inputs: Any = 0,
 ) -> Any:
     """The receive buffers of torch's pipelining runtime on one rank.
 
@@ -258,7 +306,13 @@ def pipeline_buffer_bytes(
 
 
 def reduce_scatter_buffer_bytes(
-    ar: Arithmetic, *, fsdp: Any, unit_elements: Any, unit_bytes: Any, accumulated: Any = False, freed_before: Any = 0,
+    ar: Arithmetic,
+    *,
+    fsdp: Any,
+    unit_elements: Any,
+    unit_bytes: Any,
+    accumulated: Any = False,
+    freed_before: Any = 0,
 ) -> Any:
     """Under FSDP2, the reduce-scatter of one unit's gradients: ``foreach_reduce`` copies the
     unsharded gradients (in the parameters' dtype, ``unit_bytes``) into one flat input in the

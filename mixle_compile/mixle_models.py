@@ -39,7 +39,9 @@ class MixleModelError(ValueError):
         from mixle_compile.importers.mixle import json_path_text
 
         self.problems = problems
-        lines = [f"{message} (at {json_path_text(path)} of its to_dict() JSON); {hint}" for message, hint, path in problems]
+        lines = [
+            f"{message} (at {json_path_text(path)} of its to_dict() JSON); {hint}" for message, hint, path in problems
+        ]
         super().__init__("; ".join(lines) if lines else "the mixle model cannot be read")
 
 
@@ -57,7 +59,9 @@ def from_mixle(model: Any, *, warnings: list | None = None) -> DistributionModel
     ``(message, hint, json_path)`` of what was read but not kept (a prior, a categorical's labels).
     """
     if not is_mixle_model(model):
-        raise TypeError(f"from_mixle takes a mixle model (a mixle.stats distribution), got {type(model).__module__}.{type(model).__qualname__}")
+        raise TypeError(
+            f"from_mixle takes a mixle model (a mixle.stats distribution), got {type(model).__module__}.{type(model).__qualname__}"
+        )
     from mixle_compile.importers.mixle import mixle_model
 
     read = mixle_model(model.to_dict())
@@ -95,17 +99,29 @@ def as_devices(resources: Any) -> tuple:
         return devices_from_resources(resources)
     items = getattr(resources, "devices", resources)  # mixle's Resources holds a tuple of DeviceSpec
     if not isinstance(items, Sequence) or isinstance(items, (str, bytes)):
-        raise TypeError(f"devices must be the spec's Resources, mixle's Resources or a sequence of devices, got {type(resources).__qualname__}")
+        raise TypeError(
+            f"devices must be the spec's Resources, mixle's Resources or a sequence of devices, got {type(resources).__qualname__}"
+        )
     out = []
     for rank, d in enumerate(items):
         if isinstance(d, Device):
             out.append(d)
             continue
         if not hasattr(d, "throughput") or not hasattr(d, "memory_bytes"):
-            raise TypeError(f"device {rank} ({type(d).__qualname__}) has no `throughput` and `memory_bytes`; give a mixle DeviceSpec or a Device")
+            raise TypeError(
+                f"device {rank} ({type(d).__qualname__}) has no `throughput` and `memory_bytes`; give a mixle DeviceSpec or a Device"
+            )
         memory = d.memory_bytes
-        out.append(Device(rank=rank, kind=str(getattr(d, "kind", "gpu")), memory_bytes=UNBOUNDED_MEMORY if memory is None else int(memory),
-                          throughput=float(d.throughput), throughput_stated=True, name=getattr(d, "name", None)))
+        out.append(
+            Device(
+                rank=rank,
+                kind=str(getattr(d, "kind", "gpu")),
+                memory_bytes=UNBOUNDED_MEMORY if memory is None else int(memory),
+                throughput=float(d.throughput),
+                throughput_stated=True,
+                name=getattr(d, "name", None),
+            )
+        )
     return tuple(out)
 
 
@@ -158,7 +174,9 @@ def to_mixle_dict(fitted: Any, like: Any) -> dict:
     elif isinstance(like, dict):
         template = copy.deepcopy(like)
     else:
-        raise TypeError(f"to_mixle_dict takes the model as its to_dict() JSON, that file's path or a live mixle model, got {type(like).__qualname__}")
+        raise TypeError(
+            f"to_mixle_dict takes the model as its to_dict() JSON, that file's path or a live mixle model, got {type(like).__qualname__}"
+        )
     read = mixle_model(template)
     if read.problems:
         raise MixleModelError(read.problems)
@@ -166,18 +184,30 @@ def to_mixle_dict(fitted: Any, like: Any) -> dict:
     try:
         tree = em_model.build_tree(model, 1)  # the parameters' shapes do not depend on the sequences' length
     except em_model.ModelError as exc:
-        raise FittedParametersError(f"this model is not fitted by EM, so no parameters of it are fitted: {exc}") from None
+        raise FittedParametersError(
+            f"this model is not fitted by EM, so no parameters of it are fitted: {exc}"
+        ) from None
     shapes = em_model.param_shapes(tree)
     params = _fitted_arrays(fitted)
     wanted = {f"{node}/{name}": shape for node, names in shapes.items() for name, shape in names.items()}
     missing = sorted(set(wanted) - set(params))
     extra = sorted(set(params) - set(wanted))
-    wrong = [f"{name} has shape {list(np.shape(params[name]))}, the model's is {list(wanted[name])}"
-             for name in sorted(set(wanted) & set(params)) if tuple(np.shape(params[name])) != tuple(wanted[name])]
+    wrong = [
+        f"{name} has shape {list(np.shape(params[name]))}, the model's is {list(wanted[name])}"
+        for name in sorted(set(wanted) & set(params))
+        if tuple(np.shape(params[name])) != tuple(wanted[name])
+    ]
     if missing or extra or wrong:
-        told = ([f"missing {', '.join(missing)}"] if missing else []) + ([f"not in the model: {', '.join(extra)}"] if extra else []) + wrong
-        raise FittedParametersError("the fitted parameters are not of this model: " + "; ".join(told)
-                                    + ". Give the model the fit started from (the JSON its spec's `model: {from: mixle, path}` names)")
+        told = (
+            ([f"missing {', '.join(missing)}"] if missing else [])
+            + ([f"not in the model: {', '.join(extra)}"] if extra else [])
+            + wrong
+        )
+        raise FittedParametersError(
+            "the fitted parameters are not of this model: "
+            + "; ".join(told)
+            + ". Give the model the fit started from (the JSON its spec's `model: {from: mixle, path}` names)"
+        )
     for name, a in params.items():
         if not np.all(np.isfinite(np.asarray(a, dtype=np.float64))):
             raise FittedParametersError(f"the fitted {name} holds non-finite values")
@@ -206,8 +236,10 @@ def to_mixle(fitted: Any, like: Any):
     try:
         from mixle.stats.compute.pdist import ProbabilityDistribution
     except ImportError:
-        raise ImportError("to_mixle builds a live mixle model and needs mixle (pip install 'mixle-compile[mixle]'); "
-                          "to_mixle_dict writes its to_dict() JSON without it") from None
+        raise ImportError(
+            "to_mixle builds a live mixle model and needs mixle (pip install 'mixle-compile[mixle]'); "
+            "to_mixle_dict writes its to_dict() JSON without it"
+        ) from None
     return ProbabilityDistribution.from_dict(to_mixle_dict(fitted, like))
 
 
@@ -223,11 +255,15 @@ def _fitted_arrays(fitted: Any) -> dict:
         except CheckpointError as exc:
             raise FittedParametersError(str(exc)) from None
         if manifest.get("runtime") != "em":
-            raise FittedParametersError(f"checkpoint {fitted} holds {manifest.get('runtime') or manifest.get('kind')!r} state, not an EM fit "
-                                        "of a distribution model")
+            raise FittedParametersError(
+                f"checkpoint {fitted} holds {manifest.get('runtime') or manifest.get('kind')!r} state, not an EM fit "
+                "of a distribution model"
+            )
         return dict(arrays)
     if not isinstance(fitted, dict):
-        raise TypeError(f"the fitted parameters must be a checkpoint path or a mapping of arrays, got {type(fitted).__qualname__}")
+        raise TypeError(
+            f"the fitted parameters must be a checkpoint path or a mapping of arrays, got {type(fitted).__qualname__}"
+        )
     if all(isinstance(v, dict) for v in fitted.values()):
         return {f"{node}/{name}": a for node, arrays in fitted.items() for name, a in arrays.items()}
     return dict(fitted)
@@ -242,7 +278,9 @@ def _write_state(obj: dict, cls: str, values: dict, tag: str) -> None:
 
     def put(name: str, value) -> None:
         if name not in index:
-            raise FittedParametersError(f"mixle {cls} state has no `{name}`; give the JSON exactly as `model.to_dict()` returns it")
+            raise FittedParametersError(
+                f"mixle {cls} state has no `{name}`; give the JSON exactly as `model.to_dict()` returns it"
+            )
         items[index[name]][1] = _encode(value, items[index[name]][1], tag)
 
     with np.errstate(divide="ignore"):
@@ -273,7 +311,9 @@ def _write_state(obj: dict, cls: str, values: dict, tag: str) -> None:
             pairs = pmap["items"] if isinstance(pmap, dict) and pmap.get(tag) in ("list", "tuple", "dict") else pmap
             kvs = [pair["items"] if isinstance(pair, dict) and pair.get(tag) == "tuple" else pair for pair in pairs]
             keys = [kv[0] for kv in kvs]
-            by_key = all(isinstance(k, int) and not isinstance(k, bool) for k in keys) and sorted(keys) == list(range(len(keys)))
+            by_key = all(isinstance(k, int) and not isinstance(k, bool) for k in keys) and sorted(keys) == list(
+                range(len(keys))
+            )
             # The reader's order (importers/mixle.py): value k is key k when the keys are 0..n-1, else the i-th pair.
             for i, kv in enumerate(kvs):
                 kv[1] = float(values["probs"][kv[0] if by_key else i])

@@ -97,7 +97,12 @@ def transformer_parameters(model: TransformerModel, dtype: str, seq_len: int | N
     out: list[Parameter] = []
 
     def add(
-        name: str, shape: tuple[int, ...], role: str, layer: int | None = None, group: str | None = None, tp_dim: int | None = None
+        name: str,
+        shape: tuple[int, ...],
+        role: str,
+        layer: int | None = None,
+        group: str | None = None,
+        tp_dim: int | None = None,
     ) -> None:
         if tp_dim is None:
             tp_dim = role_tp_dim(role, len(shape))

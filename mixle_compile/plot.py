@@ -86,7 +86,9 @@ def timeline(doc: PlanDocument) -> dict[str, Any]:
 
     programs = _ops(doc)
     # One representative rank per stage (exhaustive_limit 0): every rank of a stage runs its program.
-    sim = simulate_schedule(programs, grid, cost=cost, exhaustive_limit=0, buffered_sends=doc.schedule.sends == "buffered")
+    sim = simulate_schedule(
+        programs, grid, cost=cost, exhaustive_limit=0, buffered_sends=doc.schedule.sends == "buffered"
+    )
     if not sim.finished:
         raise PlotError("the plan's schedule does not finish in simulation: " + "; ".join(sim.deadlock[:2]))
     stages = []
@@ -98,8 +100,16 @@ def timeline(doc: PlanDocument) -> dict[str, Any]:
             if start > clock:
                 idle.append((float(clock), float(start - clock)))
             if duration:
-                busy.append({"kind": op.kind.value, "name": op.name if op.name and op.name != op.kind.value else "",
-                             "microbatch": op.microbatch, "chunk": op.chunk, "start": float(start), "duration": float(duration)})
+                busy.append(
+                    {
+                        "kind": op.kind.value,
+                        "name": op.name if op.name and op.name != op.kind.value else "",
+                        "microbatch": op.microbatch,
+                        "chunk": op.chunk,
+                        "start": float(start),
+                        "duration": float(duration),
+                    }
+                )
             clock = max(clock, start + duration)
         if sim.makespan > clock:
             idle.append((float(clock), float(sim.makespan - clock)))
@@ -121,8 +131,10 @@ def plan_figure(doc: PlanDocument):
     _draw_timeline(schedule, doc)
     mesh = data["mesh"]
     fig.suptitle(
-        f"plan {doc.content_digest[:19]}: " + " x ".join(f"{n}={s}" for n, s in zip(mesh["names"], mesh["shape"]))
-        + f", world {mesh['world_size']}", fontsize=11,
+        f"plan {doc.content_digest[:19]}: "
+        + " x ".join(f"{n}={s}" for n, s in zip(mesh["names"], mesh["shape"]))
+        + f", world {mesh['world_size']}",
+        fontsize=11,
     )
     fig.tight_layout()
     return fig
@@ -147,8 +159,13 @@ def _draw_memory(ax, data: dict[str, Any], human_bytes) -> None:
         share = "" if not device else f" ({r['total'] / device:.0%})" if r["total"] >= device / 100 else " (<1%)"
         ax.annotate(human_bytes(r["total"]) + share, (x, r["total"] / scale), ha="center", va="bottom", fontsize=8)
     if line:
-        ax.axhline(device / scale, color="black", linestyle="--", linewidth=1, label=f"device memory {human_bytes(device)}")
-    ax.set(title="memory per rank (by pipeline stage)" + (f", of {human_bytes(device)} per device" if device else ""), ylabel=unit)
+        ax.axhline(
+            device / scale, color="black", linestyle="--", linewidth=1, label=f"device memory {human_bytes(device)}"
+        )
+    ax.set(
+        title="memory per rank (by pipeline stage)" + (f", of {human_bytes(device)} per device" if device else ""),
+        ylabel=unit,
+    )
     ax.margins(y=0.12)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
 
@@ -177,8 +194,12 @@ def _draw_traffic(ax, doc: PlanDocument, human_bytes) -> None:
     left = [0.0] * len(labels)
     for kind in kinds:
         values = [
-            sum(t.bytes_per_rank_per_step for t in doc.traffic
-                if "+".join(t.axes) == axes and t.stage == busiest[axes][0] and t.collective == kind) / scale
+            sum(
+                t.bytes_per_rank_per_step
+                for t in doc.traffic
+                if "+".join(t.axes) == axes and t.stage == busiest[axes][0] and t.collective == kind
+            )
+            / scale
             for axes in labels
         ]
         if any(values):
@@ -198,33 +219,66 @@ def _draw_timeline(ax, doc: PlanDocument) -> None:
         return
     t = timeline(doc)
     trained = any(span["kind"] == "backward" for s in t["stages"] for span in s["busy"])
-    ax.set_title("pipeline schedule (one step; forward 1 unit, backward 2, communication not timed)" if trained else
-                 "step program (one iteration; each pass over the data 1 unit, communication not timed)")
+    ax.set_title(
+        "pipeline schedule (one step; forward 1 unit, backward 2, communication not timed)"
+        if trained
+        else "step program (one iteration; each pass over the data 1 unit, communication not timed)"
+    )
     drawn: set[str] = set()
     few = sum(len(s["busy"]) for s in t["stages"]) <= 160  # micro-batch numbers where they fit
     for row, s in enumerate(t["stages"]):
         for span in s["busy"]:
             kind = span["kind"]
             name = kind if trained or kind != "forward" else "pass over the data"
-            ax.barh(row, span["duration"], left=span["start"], height=0.8, color=TIMELINE_COLOURS[kind],
-                    edgecolor="white", linewidth=0.5, label=None if kind in drawn else name)
+            ax.barh(
+                row,
+                span["duration"],
+                left=span["start"],
+                height=0.8,
+                color=TIMELINE_COLOURS[kind],
+                edgecolor="white",
+                linewidth=0.5,
+                label=None if kind in drawn else name,
+            )
             drawn.add(kind)
             if few and span["name"] and not trained:  # an EM iteration's passes, by name (e_step/score, ...)
-                ax.text(span["start"] + span["duration"] / 2, row, span["name"], ha="center", va="center", fontsize=8, color="white")
+                ax.text(
+                    span["start"] + span["duration"] / 2,
+                    row,
+                    span["name"],
+                    ha="center",
+                    va="center",
+                    fontsize=8,
+                    color="white",
+                )
             elif few and span["microbatch"] is not None:
                 text = f"{span['microbatch']}" + (f"/{span['chunk']}" if doc.schedule.virtual_stages > 1 else "")
-                ax.text(span["start"] + span["duration"] / 2, row, text, ha="center", va="center", fontsize=6, color="white")
+                ax.text(
+                    span["start"] + span["duration"] / 2, row, text, ha="center", va="center", fontsize=6, color="white"
+                )
         for start, duration in s["idle"]:
-            ax.barh(row, duration, left=start, height=0.8, color=TIMELINE_COLOURS["bubble"], hatch="//",
-                    edgecolor="#bbbbbb", linewidth=0, label=None if "bubble" in drawn else "bubble")
+            ax.barh(
+                row,
+                duration,
+                left=start,
+                height=0.8,
+                color=TIMELINE_COLOURS["bubble"],
+                hatch="//",
+                edgecolor="#bbbbbb",
+                linewidth=0,
+                label=None if "bubble" in drawn else "bubble",
+            )
             drawn.add("bubble")
     ax.set_yticks(range(len(t["stages"])), [f"stage {s['stage']}" for s in t["stages"]])
     ax.invert_yaxis()
     chunks = doc.schedule.virtual_stages
     ax.set_xlabel(
-        (f"time (units of one forward; {doc.schedule.pipeline}, {chunks} virtual, {doc.schedule.micro_steps} micro-steps; "
-         f"idle {t['idle_fraction']:.1%}, model bubble {doc.schedule.bubble_fraction:.1%})" if trained else
-         f"time (units of one pass; idle {t['idle_fraction']:.1%})")
+        (
+            f"time (units of one forward; {doc.schedule.pipeline}, {chunks} virtual, {doc.schedule.micro_steps} micro-steps; "
+            f"idle {t['idle_fraction']:.1%}, model bubble {doc.schedule.bubble_fraction:.1%})"
+            if trained
+            else f"time (units of one pass; idle {t['idle_fraction']:.1%})"
+        )
         + ("" if not few or not trained else "; labels: micro-batch/chunk" if chunks > 1 else "; labels: micro-batch")
     )
     ax.set_ylabel("ranks of the stage")

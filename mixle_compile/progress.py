@@ -32,7 +32,11 @@ class Progress:
                 return
             elapsed = time.perf_counter() - self.started
             stream = self.stream if self.stream is not None else sys.stderr
-            print(f"mixle-compile {self.label} [{number}/{self.total}] {what} ({elapsed:.1f} s so far)", file=stream, flush=True)
+            print(
+                f"mixle-compile {self.label} [{number}/{self.total}] {what} ({elapsed:.1f} s so far)",
+                file=stream,
+                flush=True,
+            )
 
     def step(self, what: str) -> None:
         """Phase `done + 1` of `total` begins; it is announced now if the work has run `after`

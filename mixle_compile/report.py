@@ -28,7 +28,9 @@ def human_bytes(n: float) -> str:
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
-    line = lambda cells: "  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
+    line = lambda cells: "  ".join(
+        str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(cells, widths))
+    )  # noqa: E731
     return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
 
 
@@ -42,7 +44,11 @@ def explain_data(doc: PlanDocument) -> dict[str, Any]:
         "verdict": {"ok": doc.verdict.ok, "errors": doc.verdict.errors, "warnings": doc.verdict.warnings},
         "mesh": {"names": doc.mesh.names, "shape": doc.mesh.shape, "order": doc.mesh.order, **degrees},
         "memory_per_rank": [
-            {**m.model_dump(), "device_memory": device_memory, "fraction_of_device": m.total / device_memory if device_memory else None}
+            {
+                **m.model_dump(),
+                "device_memory": device_memory,
+                "fraction_of_device": m.total / device_memory if device_memory else None,
+            }
             for m in doc.memory
         ],
         "traffic_per_step": [t.model_dump() for t in doc.traffic],
@@ -130,15 +136,36 @@ def explain_text(doc: PlanDocument) -> str:
     for m in data["memory_per_rank"]:
         share = f"{m['total'] / device:.0%}" if device else "-"
         rows.append([str(m["stage"]), *(human_bytes(m[k]) for k in MEMORY_KINDS), human_bytes(m["total"]), share])
-    out.append(_table(
-        ["stage", "params", "gathered", "grads", "optimizer", "activations", "recompute", "loss", "reserve", "total", "of device"], rows
-    ))
+    out.append(
+        _table(
+            [
+                "stage",
+                "params",
+                "gathered",
+                "grads",
+                "optimizer",
+                "activations",
+                "recompute",
+                "loss",
+                "reserve",
+                "total",
+                "of device",
+            ],
+            rows,
+        )
+    )
     out += ["", "traffic per rank per step (ring costs)"]
-    rows = [[str(t["stage"]), "+".join(t["axes"]), t["collective"], human_bytes(t["bytes_per_rank_per_step"])] for t in data["traffic_per_step"]]
+    rows = [
+        [str(t["stage"]), "+".join(t["axes"]), t["collective"], human_bytes(t["bytes_per_rank_per_step"])]
+        for t in data["traffic_per_step"]
+    ]
     out.append(_table(["stage", "axes", "collective", "bytes"], rows) if rows else "(no communication)")
     pipe = data["pipeline"]
     if pipe is not None and mesh["pp"] == 1:
-        out += ["", f"pipeline: none (one stage), {pipe['micro_steps']} micro-step(s) per step; {'deadlock-free' if pipe['deadlock_free'] else 'DEADLOCK'} ({pipe['check']})"]
+        out += [
+            "",
+            f"pipeline: none (one stage), {pipe['micro_steps']} micro-step(s) per step; {'deadlock-free' if pipe['deadlock_free'] else 'DEADLOCK'} ({pipe['check']})",
+        ]
     elif pipe is not None:
         out += [
             "",
@@ -153,7 +180,13 @@ def explain_text(doc: PlanDocument) -> str:
         out += ["", f"model cut: axis {cut['axis']} at {cut['path']} ({cut['num_units']} units)"]
         if cut["cuts"]:
             rows = [
-                [str(i), f"{c['device']['kind']}#{c['device']['rank']}", f"{c['start']}..{c['stop'] - 1}", f"{c['work']:.4g}", human_bytes(c["param_bytes"])]
+                [
+                    str(i),
+                    f"{c['device']['kind']}#{c['device']['rank']}",
+                    f"{c['start']}..{c['stop'] - 1}",
+                    f"{c['work']:.4g}",
+                    human_bytes(c["param_bytes"]),
+                ]
                 for i, c in enumerate(cut["cuts"])
             ]
             out.append(_table(["shard", "device", "positions", "work", "bytes"], rows))
@@ -171,7 +204,14 @@ def rank_groups(doc: PlanDocument, limit: int) -> list[dict[str, Any]]:
     grid = RankGrid.from_plan(plan, order=doc.groups.order, extra_rules=[tuple(r.axes) for r in doc.groups.rules])
     out = []
     for rule in grid.rules:
-        out.append({"rule": rule.name, "size": rule.size, "num_groups": rule.num_groups, "groups": [list(g) for g in enumerate_groups(rule, limit)]})
+        out.append(
+            {
+                "rule": rule.name,
+                "size": rule.size,
+                "num_groups": rule.num_groups,
+                "groups": [list(g) for g in enumerate_groups(rule, limit)],
+            }
+        )
     return out
 
 
@@ -179,7 +219,11 @@ def rank_groups_text(doc: PlanDocument, limit: int) -> str:
     lines = ["", f"rank groups (creation order; at most {limit} per rule)"]
     for entry in rank_groups(doc, limit):
         shown = " ".join("{" + ",".join(map(str, g)) + "}" for g in entry["groups"])
-        more = f" ... ({entry['num_groups'] - len(entry['groups'])} more)" if entry["num_groups"] > len(entry["groups"]) else ""
+        more = (
+            f" ... ({entry['num_groups'] - len(entry['groups'])} more)"
+            if entry["num_groups"] > len(entry["groups"])
+            else ""
+        )
         lines.append(f"  {entry['rule']} (size {entry['size']}, {entry['num_groups']} groups): {shown}{more}")
     return "\n".join(lines) + "\n"
 
@@ -229,8 +273,12 @@ def _pipeline_view(doc: PlanDocument) -> dict[str, Any] | None:
     if s is None:
         return None
     return {
-        "schedule": s.pipeline, "virtual_stages": s.virtual_stages, "micro_steps": s.micro_steps,
-        "bubble_fraction": s.bubble_fraction, "sends": s.sends, "deadlock_free": s.check.ok,
+        "schedule": s.pipeline,
+        "virtual_stages": s.virtual_stages,
+        "micro_steps": s.micro_steps,
+        "bubble_fraction": s.bubble_fraction,
+        "sends": s.sends,
+        "deadlock_free": s.check.ok,
         "ops_per_stage": [len(ops) for ops in plan_programs(s)],
     }
 
@@ -278,7 +326,9 @@ def _groups_change(a: PlanDocument, b: PlanDocument) -> dict[str, Any]:
         if ra is None or rb is None:
             rules.append({"rule": name, "change": "added" if ra is None else "removed"})
             continue
-        fields = {k: _from_to(ra[k], rb[k]) for k in ("axes", "size", "num_groups", "dims", "base_dims") if ra[k] != rb[k]}
+        fields = {
+            k: _from_to(ra[k], rb[k]) for k in ("axes", "size", "num_groups", "dims", "base_dims") if ra[k] != rb[k]
+        }
         if fields:
             rules.append({"rule": name, "change": "changed", "fields": fields})
     if rules:
@@ -302,7 +352,10 @@ def traffic_per_axis(doc: PlanDocument) -> dict[str, int]:
 
 
 def _verdict_change(a: PlanDocument, b: PlanDocument) -> dict[str, Any]:
-    out = {k: _from_to(getattr(a.verdict, k), getattr(b.verdict, k)) for k in ("ok", "errors", "warnings", "reductions_exactly_once")}
+    out = {
+        k: _from_to(getattr(a.verdict, k), getattr(b.verdict, k))
+        for k in ("ok", "errors", "warnings", "reductions_exactly_once")
+    }
     ca, cb = Counter(d.code for d in a.verdict.diagnostics), Counter(d.code for d in b.verdict.diagnostics)
     out["new_findings"] = sorted((cb - ca).elements())
     out["resolved_findings"] = sorted((ca - cb).elements())
@@ -322,7 +375,18 @@ def _verdict_change(a: PlanDocument, b: PlanDocument) -> dict[str, Any]:
 
 #: The plan's sections that diff_data compares one by one (each under its own key); the digests and
 #: the spec itself are compared as a whole and field by field.
-_SECTIONS = ("spec", "mesh", "groups", "parameters", "updates", "schedule", "decomposition", "memory", "traffic", "verdict")
+_SECTIONS = (
+    "spec",
+    "mesh",
+    "groups",
+    "parameters",
+    "updates",
+    "schedule",
+    "decomposition",
+    "memory",
+    "traffic",
+    "verdict",
+)
 
 
 def diff_data(a: PlanDocument, b: PlanDocument) -> dict[str, Any]:
@@ -344,7 +408,11 @@ def diff_data(a: PlanDocument, b: PlanDocument) -> dict[str, Any]:
         if pa is None or pb is None:
             layouts.append({"parameter": name, "change": "added" if pa is None else "removed"})
             continue
-        fields = {f: _from_to(v, getattr(pb, f)) for f, v in pa.model_dump().items() if v != getattr(pb, f) and f != "logical_id"}
+        fields = {
+            f: _from_to(v, getattr(pb, f))
+            for f, v in pa.model_dump().items()
+            if v != getattr(pb, f) and f != "logical_id"
+        }
         if fields:
             layouts.append({"parameter": name, "change": "changed", "fields": fields})
     ca, cb = _collective_counts(a), _collective_counts(b)
@@ -368,7 +436,14 @@ def diff_data(a: PlanDocument, b: PlanDocument) -> dict[str, Any]:
     ta = {(t.stage, tuple(t.axes), t.collective): t.bytes_per_rank_per_step for t in a.traffic}
     tb = {(t.stage, tuple(t.axes), t.collective): t.bytes_per_rank_per_step for t in b.traffic}
     traffic = [
-        {"stage": s, "axes": list(axes), "collective": kind, "from": ta.get(key, 0), "to": tb.get(key, 0), "delta": tb.get(key, 0) - ta.get(key, 0)}
+        {
+            "stage": s,
+            "axes": list(axes),
+            "collective": kind,
+            "from": ta.get(key, 0),
+            "to": tb.get(key, 0),
+            "delta": tb.get(key, 0) - ta.get(key, 0),
+        }
         for key in sorted(set(ta) | set(tb))
         for s, axes, kind in [key]
         if ta.get(key, 0) != tb.get(key, 0)
@@ -379,13 +454,15 @@ def diff_data(a: PlanDocument, b: PlanDocument) -> dict[str, Any]:
         for axes in sorted(set(xa) | set(xb))
         if xa.get(axes, 0) != xb.get(axes, 0)
     ]
-    sections = {
-        name: getattr(a, name) != getattr(b, name) for name in _SECTIONS
-    }
+    sections = {name: getattr(a, name) != getattr(b, name) for name in _SECTIONS}
     return {
         "same": a.content_digest == b.content_digest,
         "spec_changed": a.spec_digest != b.spec_digest,
-        "compiler": {k: _from_to(getattr(a, k), getattr(b, k)) for k in ("compiler_version", "format_version") if getattr(a, k) != getattr(b, k)},
+        "compiler": {
+            k: _from_to(getattr(a, k), getattr(b, k))
+            for k in ("compiler_version", "format_version")
+            if getattr(a, k) != getattr(b, k)
+        },
         "spec": spec_changes(a.spec, b.spec),
         "mesh": degrees,
         "pipeline": _pipeline_change(a, b),
@@ -437,7 +514,11 @@ def _signed(n: int) -> str:
 def _pipeline_lines(change: dict[str, Any]) -> list[str]:
     if "pipeline" in change:
         a, b = change["pipeline"]["from"], change["pipeline"]["to"]
-        show = lambda v: "none" if v is None else f"{v['schedule']} x{v['virtual_stages']} virtual, bubble {v['bubble_fraction']:.1%}"  # noqa: E731
+        show = lambda v: (
+            "none"
+            if v is None
+            else f"{v['schedule']} x{v['virtual_stages']} virtual, bubble {v['bubble_fraction']:.1%}"
+        )  # noqa: E731
         return [f"  {show(a)} -> {show(b)}"]
     out = []
     for key, v in change.items():
@@ -462,10 +543,17 @@ def diff_text(a: PlanDocument, b: PlanDocument, name_a: str = "a", name_b: str =
         out.append(f"{k.replace('_', ' ')}: {v['from']} -> {v['to']}")
     verdict = d["verdict"]
     if verdict["ok"]["from"] != verdict["ok"]["to"]:
-        out.append(f"verdict: {'ok' if verdict['ok']['from'] else 'NOT OK'} -> {'ok' if verdict['ok']['to'] else 'NOT OK'}")
-    counts = [f"{k} {verdict[k]['from']} -> {verdict[k]['to']}" for k in ("errors", "warnings") if verdict[k]["from"] != verdict[k]["to"]]
+        out.append(
+            f"verdict: {'ok' if verdict['ok']['from'] else 'NOT OK'} -> {'ok' if verdict['ok']['to'] else 'NOT OK'}"
+        )
+    counts = [
+        f"{k} {verdict[k]['from']} -> {verdict[k]['to']}"
+        for k in ("errors", "warnings")
+        if verdict[k]["from"] != verdict[k]["to"]
+    ]
     found = ([f"new {', '.join(verdict['new_findings'])}"] if verdict["new_findings"] else []) + (
-        [f"resolved {', '.join(verdict['resolved_findings'])}"] if verdict["resolved_findings"] else [])
+        [f"resolved {', '.join(verdict['resolved_findings'])}"] if verdict["resolved_findings"] else []
+    )
     if counts or found:
         out.append("findings: " + "; ".join(counts + found))
     for f in verdict["changed_findings"][:limit]:
@@ -483,14 +571,20 @@ def diff_text(a: PlanDocument, b: PlanDocument, name_a: str = "a", name_b: str =
     step = d["step_time"]
     if step is not None and "unavailable" in step:
         u = step["unavailable"]
-        out.append(f"predicted step time: {'not available' if u['from'] else 'available'} -> {'not available (' + u['to'] + ')' if u['to'] else 'available'}")
+        out.append(
+            f"predicted step time: {'not available' if u['from'] else 'available'} -> {'not available (' + u['to'] + ')' if u['to'] else 'available'}"
+        )
     elif step is not None and _changed(step["seconds"]["from"], step["seconds"]["to"]):
         before, after = step["seconds"]["from"], step["seconds"]["to"]
         parts = [
             f"{k} {_seconds(v['from'])} -> {_seconds(v['to'])}"
-            for k, v in step.items() if k not in ("seconds", "tokens_per_second", "mfu") and _changed(v["from"], v["to"])
+            for k, v in step.items()
+            if k not in ("seconds", "tokens_per_second", "mfu") and _changed(v["from"], v["to"])
         ]
-        out.append(f"predicted step time: {_seconds(before)} -> {_seconds(after)} ({after / before - 1:+.1%})" + (f"; {', '.join(parts)}" if parts else ""))
+        out.append(
+            f"predicted step time: {_seconds(before)} -> {_seconds(after)} ({after / before - 1:+.1%})"
+            + (f"; {', '.join(parts)}" if parts else "")
+        )
         tps = step["tokens_per_second"]
         out.append(f"  tokens/s: {tps['from']:,.0f} -> {tps['to']:,.0f}")
     if d["memory"]:
@@ -498,14 +592,23 @@ def diff_text(a: PlanDocument, b: PlanDocument, name_a: str = "a", name_b: str =
         out.append(f"memory per rank: peak {human_bytes(peak['from'])} -> {human_bytes(peak['to'])}")
         for row in d["memory"]:
             parts = [f"{k} {_signed(row[k]['delta'])}" for k in (*MEMORY_KINDS, "total") if row[k]["delta"]]
-            out.append(f"  stage {row['stage']}: " + ", ".join(parts) + f"  (total {human_bytes(row['total']['from'])} -> {human_bytes(row['total']['to'])})")
+            out.append(
+                f"  stage {row['stage']}: "
+                + ", ".join(parts)
+                + f"  (total {human_bytes(row['total']['from'])} -> {human_bytes(row['total']['to'])})"
+            )
     if d["traffic_per_axis"]:
         out.append("traffic per axis (per rank per step, busiest stage):")
-        out += [f"  {t['axes']}: {human_bytes(t['from'])} -> {human_bytes(t['to'])} ({_signed(t['delta'])})" for t in d["traffic_per_axis"]]
+        out += [
+            f"  {t['axes']}: {human_bytes(t['from'])} -> {human_bytes(t['to'])} ({_signed(t['delta'])})"
+            for t in d["traffic_per_axis"]
+        ]
     if d["traffic"]:
         out.append("traffic per rank per step:")
         for t in d["traffic"][:limit]:
-            out.append(f"  stage {t['stage']} {'+'.join(t['axes'])} {t['collective']}: {human_bytes(t['from'])} -> {human_bytes(t['to'])} ({_signed(t['delta'])})")
+            out.append(
+                f"  stage {t['stage']} {'+'.join(t['axes'])} {t['collective']}: {human_bytes(t['from'])} -> {human_bytes(t['to'])} ({_signed(t['delta'])})"
+            )
         out += more(len(d["traffic"]))
     if d["collectives"]:
         out.append("collectives (updates per step plan):")
@@ -514,8 +617,10 @@ def diff_text(a: PlanDocument, b: PlanDocument, name_a: str = "a", name_b: str =
     if u["added"] or u["removed"] or u["changed"]:
         fields = Counter(k for entry in u["changed"] for k in entry["fields"])
         which = f": {', '.join(f'{k} in {n}' for k, n in fields.most_common())}" if fields else ""
-        out.append(f"updates: {u['count']['from']} -> {u['count']['to']} ({len(u['added'])} added, {len(u['removed'])} removed, "
-                   f"{len(u['changed'])} changed{which})")
+        out.append(
+            f"updates: {u['count']['from']} -> {u['count']['to']} ({len(u['added'])} added, {len(u['removed'])} removed, "
+            f"{len(u['changed'])} changed{which})"
+        )
         few = 5  # the rest follow the same pattern; --format json lists every one
         out += [f"  added: {name}" for name in u["added"][:few]] + [f"  removed: {name}" for name in u["removed"][:few]]
         for entry in u["changed"][:few]:
@@ -533,7 +638,10 @@ def diff_text(a: PlanDocument, b: PlanDocument, name_a: str = "a", name_b: str =
             if entry["change"] != "changed":
                 out.append(f"  {entry['rule']}: {entry['change']}")
             else:
-                out.append(f"  {entry['rule']}: " + "; ".join(f"{k} {_value(v['from'])} -> {_value(v['to'])}" for k, v in entry["fields"].items()))
+                out.append(
+                    f"  {entry['rule']}: "
+                    + "; ".join(f"{k} {_value(v['from'])} -> {_value(v['to'])}" for k, v in entry["fields"].items())
+                )
         out += more(len(g.get("rules", [])))
         for grid in ("dense_grid", "expert_grid"):
             if grid in g:
@@ -566,13 +674,19 @@ def _saved_layout(p: dict[str, Any]) -> str:
 def checkpoint_text(view: dict[str, Any], limit: int = 12) -> str:
     """`explain CHECKPOINT`: what runtime.checkpoint.checkpoint_view read from the manifest."""
     plan, mesh, data = view.get("plan", {}), view.get("mesh", {}), view.get("data", {})
-    out = [f"checkpoint {view['checkpoint']}  (step {view['step']}, {view.get('kind')}, format {view.get('format_version')}, complete)"]
+    out = [
+        f"checkpoint {view['checkpoint']}  (step {view['step']}, {view.get('kind')}, format {view.get('format_version')}, complete)"
+    ]
     verified = view.get("verified")
     if verified:
-        out.append(f"sealed: {verified['files']} file(s), {verified['bytes']:,} bytes, verified against their SHA-256; run {verified.get('run_id')}")
+        out.append(
+            f"sealed: {verified['files']} file(s), {verified['bytes']:,} bytes, verified against their SHA-256; run {verified.get('run_id')}"
+        )
     fit = view.get("fit") or {}
     if plan and plan.get("optimizer") == "em":
-        out.append(f"plan: {plan.get('content_digest', '?')}  {plan.get('family', '?')}, fitted by EM in {plan.get('precision', '?')}")
+        out.append(
+            f"plan: {plan.get('content_digest', '?')}  {plan.get('family', '?')}, fitted by EM in {plan.get('precision', '?')}"
+        )
     elif plan:
         out.append(
             f"plan: {plan.get('content_digest', '?')}  {plan.get('family', '?')}, {plan.get('optimizer', '?')} "
@@ -582,7 +696,10 @@ def checkpoint_text(view: dict[str, Any], limit: int = 12) -> str:
         lls = fit.get("log_likelihoods") or []
         trend = f", log-likelihood {lls[0]:.6g} -> {lls[-1]:.6g} over {len(lls)} iteration(s)" if lls else ""
         cut = fit.get("cut")
-        out.append(f"fit: iteration {fit.get('iteration')}{trend}" + (f"; components cut at {cut.get('path')} over {cut.get('axis')}" if cut else ""))
+        out.append(
+            f"fit: iteration {fit.get('iteration')}{trend}"
+            + (f"; components cut at {cut.get('path')} over {cut.get('axis')}" if cut else "")
+        )
     if mesh:
         axes = " x ".join(f"{a}={mesh[a]}" for a in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep") if a in mesh)
         out.append(
@@ -591,10 +708,18 @@ def checkpoint_text(view: dict[str, Any], limit: int = 12) -> str:
         )
     if data:
         source = data.get("source") or {}
-        what = f"synthetic, seed {source.get('seed')}" if source.get("kind") == "synthetic" else f"file {source.get('name')}" if source else "?"
+        what = (
+            f"synthetic, seed {source.get('seed')}"
+            if source.get("kind") == "synthetic"
+            else f"file {source.get('name')}"
+            if source
+            else "?"
+        )
         seq = f", seq_len {data['seq_len']}" if data.get("seq_len") is not None else ""
         unit = "rows per iteration" if fit else "global batch"
-        out.append(f"data: {data.get('samples_consumed')} samples consumed ({view['step']} x {unit} {data.get('global_batch_size')}{seq}); {what}")
+        out.append(
+            f"data: {data.get('samples_consumed')} samples consumed ({view['step']} x {unit} {data.get('global_batch_size')}{seq}); {what}"
+        )
     optimizer = view.get("optimizer") or {}
     if optimizer:
         out.append(f"optimizer state: {', '.join(optimizer.get('state', [])) or 'none (saved before the first step)'}")
@@ -602,14 +727,21 @@ def checkpoint_text(view: dict[str, Any], limit: int = 12) -> str:
     if params:
         total = sum(math.prod(p["shape"]) for p in params)
         out += ["", f"parameters: {len(params)} tensors, {total:,} values"]
-        rows = [[p["name"], "x".join(map(str, p["shape"])), p.get("dtype", "?"), _saved_layout(p)] for p in params[:limit]]
+        rows = [
+            [p["name"], "x".join(map(str, p["shape"])), p.get("dtype", "?"), _saved_layout(p)] for p in params[:limit]
+        ]
         out.append(_table(["name", "shape", "dtype", "layout"], rows))
         if len(params) > limit:
             out.append(f"... and {len(params) - limit} more (see --format json)")
     arrays = view.get("arrays")
     if arrays:
         out += ["", f"arrays: {len(arrays)}"]
-        out.append(_table(["name", "shape", "dtype"], [[n, "x".join(map(str, a["shape"])) or "scalar", a["dtype"]] for n, a in sorted(arrays.items())]))
+        out.append(
+            _table(
+                ["name", "shape", "dtype"],
+                [[n, "x".join(map(str, a["shape"])) or "scalar", a["dtype"]] for n, a in sorted(arrays.items())],
+            )
+        )
     others = view.get("others_in_root") or []
     if others:
         shown = ", ".join(f"{o['step']}{'' if o['complete'] else ' (incomplete)'}" for o in others)

@@ -62,7 +62,12 @@ def _region(d: Diagnostic, sources: dict[str, list[str] | None]) -> dict:
             sources[d.file] = Path(d.file).read_text(encoding="utf-8", errors="replace").splitlines()
         except OSError:
             sources[d.file] = None
-    return {"startLine": d.line, "startColumn": d.column, "endLine": d.line, "endColumn": _end_column(sources[d.file], d.line, d.column)}
+    return {
+        "startLine": d.line,
+        "startColumn": d.column,
+        "endLine": d.line,
+        "endColumn": _end_column(sources[d.file], d.line, d.column),
+    }
 
 
 def _replacements(before: str, after: str) -> list[dict]:
@@ -75,10 +80,12 @@ def _replacements(before: str, after: str) -> list[dict]:
     for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(a=a, b=b, autojunk=False).get_opcodes():
         if tag == "equal":
             continue
-        out.append({
-            "deletedRegion": {"charOffset": starts[i1], "charLength": starts[i2] - starts[i1]},
-            "insertedContent": {"text": "".join(b[j1:j2])},
-        })
+        out.append(
+            {
+                "deletedRegion": {"charOffset": starts[i1], "charLength": starts[i2] - starts[i1]},
+                "insertedContent": {"text": "".join(b[j1:j2])},
+            }
+        )
     return out
 
 
@@ -98,7 +105,9 @@ def sarif_log(diagnostics: list[Diagnostic], fixes: dict[str, tuple] | None = No
                 "fullDescription": {"text": entry.docs if entry else code},
                 "help": {"text": entry.docs if entry else code},
                 "helpUri": help_uri(code),
-                "defaultConfiguration": {"level": "warning" if entry and entry.severity is Severity.warning else "error"},
+                "defaultConfiguration": {
+                    "level": "warning" if entry and entry.severity is Severity.warning else "error"
+                },
             }
         )
     sources: dict[str, list[str] | None] = {}
@@ -143,7 +152,14 @@ def sarif_log(diagnostics: list[Diagnostic], fixes: dict[str, tuple] | None = No
         "version": "2.1.0",
         "runs": [
             {
-                "tool": {"driver": {"name": "mixle-compile", "version": __version__, "informationUri": INFORMATION_URI, "rules": rules}},
+                "tool": {
+                    "driver": {
+                        "name": "mixle-compile",
+                        "version": __version__,
+                        "informationUri": INFORMATION_URI,
+                        "rules": rules,
+                    }
+                },
                 "originalUriBaseIds": {SRCROOT: {"uri": Path.cwd().resolve().as_uri() + "/"}},
                 "results": results,
             }

@@ -27,9 +27,10 @@ terms); :data:`NUMBERS` serves the builder, the verifier passes its Z3 version.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
@@ -163,7 +164,9 @@ def runs(family: ScheduleFamily, schedule: str, pp: int, virtual_stages: int) ->
     return schedule
 
 
-def refusal(family: ScheduleFamily, schedule: str, pp: int, microbatches: int, virtual_stages: int) -> Requirement | None:
+def refusal(
+    family: ScheduleFamily, schedule: str, pp: int, microbatches: int, virtual_stages: int
+) -> Requirement | None:
     """The first requirement the engine's schedule puts on these numbers that they break."""
     for r in REQUIREMENTS:
         if r.family is not family:

@@ -8,9 +8,7 @@ SPEC_SCHEMA_ID = "https://mixle-compile.dev/schemas/spec.schema.json"
 
 
 def spec_schema() -> dict:
-    from mixle_compile.spec.models import Spec
-
-    from mixle_compile.spec.models import ModelFile
+    from mixle_compile.spec.models import ModelFile, Spec
 
     schema = Spec.model_json_schema()
     # The loader reads `model: {from: hf, path: ...}` into a transformer before validating the spec,

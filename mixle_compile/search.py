@@ -43,16 +43,20 @@ from typing import Any
 from mixle_compile import step_time
 from mixle_compile.diagnostics import Severity
 from mixle_compile.memory_model import fsdp_shards
-from mixle_compile.verify.wording import divisors
 from mixle_compile.spec.kinds import Family
 from mixle_compile.spec.models import is_auto
+from mixle_compile.verify.wording import divisors
 
 #: Mesh fields the search chooses when the spec leaves them open.
 MESH_FIELDS = ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep", "etp", "microbatches", "gradient_accumulation_steps")
 #: Training settings of how to train that the search chooses when the spec does not state them.
 TRAINING_FIELDS = (
-    "micro_batch_size", "activation_checkpointing", "distributed_optimizer", "pipeline_schedule",
-    "virtual_pipeline_stages", "sequence_parallel",
+    "micro_batch_size",
+    "activation_checkpointing",
+    "distributed_optimizer",
+    "pipeline_schedule",
+    "virtual_pipeline_stages",
+    "sequence_parallel",
 )
 CHECKPOINTING = ("none", "selective", "full")
 BATCH_SPLIT = ("microbatches", "gradient_accumulation_steps")
@@ -151,24 +155,30 @@ def read_request(path: str | Path, *, devices: int | None = None) -> Request:
         raise SearchInputError([f"{name}: `training` must be a mapping with at least global_batch_size and seq_len"])
     training = dict(training)
     if training.get("global_batch_size") in (None, "auto"):
-        raise SearchInputError([
-            f"{name}: `training.global_batch_size` must be given: the search keeps the global batch fixed "
-            "(it decides convergence) and chooses how to split it; write e.g. `global_batch_size: 256`"
-        ])
+        raise SearchInputError(
+            [
+                f"{name}: `training.global_batch_size` must be given: the search keeps the global batch fixed "
+                "(it decides convergence) and chooses how to split it; write e.g. `global_batch_size: 256`"
+            ]
+        )
     for key in TRAINING_FIELDS:
         if training.get(key, "auto") == "auto":
             searched.add(f"training.{key}")
             training.pop(key, None)
     if "mesh.pp" in searched and isinstance(training.get("pipeline_layers"), list):
-        raise SearchInputError([
-            f"{name}: `training.pipeline_layers` lists a split for one pipeline size while `mesh.pp` is searched; "
-            "remove the list (the engine's split is used) or give `mesh.pp`"
-        ])
+        raise SearchInputError(
+            [
+                f"{name}: `training.pipeline_layers` lists a split for one pipeline size while `mesh.pp` is searched; "
+                "remove the list (the engine's split is used) or give `mesh.pp`"
+            ]
+        )
     if data.get("elastic") is not None:
-        raise SearchInputError([
-            f"{name}: the search chooses a plan for one world size; remove `elastic`, search, then add the range back "
-            "(`check` proves it over the chosen plan)"
-        ])
+        raise SearchInputError(
+            [
+                f"{name}: the search chooses a plan for one world size; remove `elastic`, search, then add the range back "
+                "(`check` proves it over the chosen plan)"
+            ]
+        )
     resources = data.get("resources")
     if not isinstance(resources, dict):
         raise SearchInputError([f"{name}: `resources` must be a mapping with devices, kind and memory"])
@@ -193,10 +203,12 @@ def read_request(path: str | Path, *, devices: int | None = None) -> Request:
             fixed *= value
     if "mesh.dp_shard" in searched:
         if world % fixed:
-            raise SearchInputError([
-                f"{name}: the fixed mesh degrees multiply to {fixed}, which does not divide the {world} devices; "
-                "change them or set them to `auto`"
-            ])
+            raise SearchInputError(
+                [
+                    f"{name}: the fixed mesh degrees multiply to {fixed}, which does not divide the {world} devices; "
+                    "change them or set them to `auto`"
+                ]
+            )
         mesh["dp_shard"] = world // fixed
     base = {**data, "mesh": mesh, "training": training, "resources": resources}
     doc.data = base
@@ -205,12 +217,16 @@ def read_request(path: str | Path, *, devices: int | None = None) -> Request:
         raise SearchInputError([d.text() for d in loaded.diagnostics if d.severity is Severity.error])
     spec = loaded.spec
     if getattr(spec.model, "family", None) != Family.TRANSFORMER:
-        raise SearchInputError([
-            f"{name}: `plan` searches transformer specs (the step-time model prices a transformer's forward "
-            "and backward passes); this model is a {spec.model.family} model"
-        ])
+        raise SearchInputError(
+            [
+                f"{name}: `plan` searches transformer specs (the step-time model prices a transformer's forward "
+                "and backward passes); this model is a {spec.model.family} model"
+            ]
+        )
     if is_auto(spec.mesh.dp_shard):
-        raise SearchInputError([f"{name}: write `mesh.dp_shard: auto` only with the other degrees fixed; for a search leave it out"])
+        raise SearchInputError(
+            [f"{name}: write `mesh.dp_shard: auto` only with the other degrees fixed; for a search leave it out"]
+        )
     if (spec.model.num_experts or 0) == 0:
         for key in ("ep", "etp"):
             searched.discard(f"mesh.{key}")
@@ -239,16 +255,26 @@ class Mesh:
         return len(self.batches) * len(self.schedules) * len(self.checkpointing) * len(self.distributed)
 
     def values(self, batch: dict, schedule: dict, ckpt: str, dist: bool) -> dict:
-        return {**self.degrees, **batch, **schedule, "activation_checkpointing": ckpt, "distributed_optimizer": dist,
-                "sequence_parallel": self.sequence_parallel}
+        return {
+            **self.degrees,
+            **batch,
+            **schedule,
+            "activation_checkpointing": ckpt,
+            "distributed_optimizer": dist,
+            "sequence_parallel": self.sequence_parallel,
+        }
 
     def candidates(self, refused=None) -> list[dict]:
         """Every candidate, less the schedules ``refused`` (given one candidate of a schedule) refuses whole."""
         out = []
         for sc in self.schedules:
-            if refused is not None and refused(self.values(self.batches[0], sc, self.checkpointing[0], self.distributed[0])):
+            if refused is not None and refused(
+                self.values(self.batches[0], sc, self.checkpointing[0], self.distributed[0])
+            ):
                 continue
-            out += [self.values(b, sc, c, d) for b in self.batches for c in self.checkpointing for d in self.distributed]
+            out += [
+                self.values(b, sc, c, d) for b in self.batches for c in self.checkpointing for d in self.distributed
+            ]
         return out
 
     def outgrows(self, values: dict) -> bool:
@@ -256,11 +282,14 @@ class Mesh:
         micro-batch at least as large, no more recomputation, and no distributed optimizer where that
         one had none (the memory model grows with each)."""
         for other in self.too_large:
-            if (other["pipeline_schedule"] == values["pipeline_schedule"]
-                    and other["virtual_pipeline_stages"] == values["virtual_pipeline_stages"]
-                    and values["micro_batch_size"] >= other["micro_batch_size"]
-                    and CHECKPOINTING.index(values["activation_checkpointing"]) <= CHECKPOINTING.index(other["activation_checkpointing"])
-                    and values["distributed_optimizer"] <= other["distributed_optimizer"]):
+            if (
+                other["pipeline_schedule"] == values["pipeline_schedule"]
+                and other["virtual_pipeline_stages"] == values["virtual_pipeline_stages"]
+                and values["micro_batch_size"] >= other["micro_batch_size"]
+                and CHECKPOINTING.index(values["activation_checkpointing"])
+                <= CHECKPOINTING.index(other["activation_checkpointing"])
+                and values["distributed_optimizer"] <= other["distributed_optimizer"]
+            ):
                 return True
         return False
 
@@ -321,12 +350,31 @@ def enumerate_meshes(req: Request) -> list[Mesh]:
                     dp_replicate = dp // dp_shard
                     if "mesh.dp_replicate" not in s and dp_replicate != mesh.dp_replicate:
                         continue
-                    distributed = choices("distributed_optimizer", (False, True) if dp_shard == 1 and dp_replicate > 1 else (False,))
+                    distributed = choices(
+                        "distributed_optimizer", (False, True) if dp_shard == 1 and dp_replicate > 1 else (False,)
+                    )
                     sp = choices("sequence_parallel", [tp > 1])[0]
                     for ep, etp in _expert_choices(choices, experts, W // pp, tp):
-                        degrees = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp, "pp": pp, "cp": cp, "ep": ep, "etp": etp}
-                        out.append(Mesh(degrees, batches, schedules, choices("activation_checkpointing", CHECKPOINTING),
-                                        distributed, sp, order=len(out)))
+                        degrees = {
+                            "dp_replicate": dp_replicate,
+                            "dp_shard": dp_shard,
+                            "tp": tp,
+                            "pp": pp,
+                            "cp": cp,
+                            "ep": ep,
+                            "etp": etp,
+                        }
+                        out.append(
+                            Mesh(
+                                degrees,
+                                batches,
+                                schedules,
+                                choices("activation_checkpointing", CHECKPOINTING),
+                                distributed,
+                                sp,
+                                order=len(out),
+                            )
+                        )
     return out
 
 
@@ -357,11 +405,16 @@ def _batch_choices(choices, local: int, pp: int) -> list[dict]:
 
 def _schedule_choices(choices, pp: int, layers: int) -> list[dict]:
     if pp == 1:
-        return [{"pipeline_schedule": s, "virtual_pipeline_stages": v}
-                for s in choices("pipeline_schedule", ["1f1b"]) for v in choices("virtual_pipeline_stages", [1])]
+        return [
+            {"pipeline_schedule": s, "virtual_pipeline_stages": v}
+            for s in choices("pipeline_schedule", ["1f1b"])
+            for v in choices("virtual_pipeline_stages", [1])
+        ]
     out = []
     for schedule in choices("pipeline_schedule", ["1f1b", "interleaved_1f1b"]):
-        stages = [1] if schedule != "interleaved_1f1b" else [v for v in range(2, MAX_VIRTUAL_STAGES + 1) if pp * v <= layers]
+        stages = (
+            [1] if schedule != "interleaved_1f1b" else [v for v in range(2, MAX_VIRTUAL_STAGES + 1) if pp * v <= layers]
+        )
         for v in choices("virtual_pipeline_stages", stages):
             out.append({"pipeline_schedule": schedule, "virtual_pipeline_stages": v})
     return out
@@ -395,15 +448,31 @@ class _Pricer:
         compute is proportional to its tokens, so it is computed once per micro-batch of one sample."""
         from mixle_compile.layer_split import split_layers
 
-        key = (v["tp"], v["cp"], v["pp"], v["virtual_pipeline_stages"], v["activation_checkpointing"], v["sequence_parallel"])
+        key = (
+            v["tp"],
+            v["cp"],
+            v["pp"],
+            v["virtual_pipeline_stages"],
+            v["activation_checkpointing"],
+            v["sequence_parallel"],
+        )
         hit = self._compute.get(key)
         if hit is None:
             t = self.req.spec.training
-            split = split_layers(self.req.spec.model.num_layers, v["pp"], v["virtual_pipeline_stages"], t.pipeline_layers,
-                                 self.engine.name)
+            split = split_layers(
+                self.req.spec.model.num_layers,
+                v["pp"],
+                v["virtual_pipeline_stages"],
+                t.pipeline_layers,
+                self.engine.name,
+            )
             layers = [split.layers_on_stage(st) for st in range(v["pp"])]
-            training = {**self.spec_data["training"], "micro_batch_size": 1,
-                        "activation_checkpointing": v["activation_checkpointing"], "sequence_parallel": v["sequence_parallel"]}
+            training = {
+                **self.spec_data["training"],
+                "micro_batch_size": 1,
+                "activation_checkpointing": v["activation_checkpointing"],
+                "sequence_parallel": v["sequence_parallel"],
+            }
             st = step_time._Setting(**{**self.setting.__dict__, "training": training})
             per_stage, attention = step_time._stage_compute(st, v["tp"], v["cp"], layers)
             hit = self._compute[key] = (layers, per_stage, attention, st)
@@ -412,8 +481,16 @@ class _Pricer:
         return layers, [x * b for x in per_stage], [x * b for x in attention], st
 
     def link(self, axes: tuple[str, ...], degrees: dict) -> float:
-        key = (axes, degrees["dp_replicate"], degrees["dp_shard"], degrees["tp"], degrees["pp"], degrees["cp"], degrees["ep"],
-               degrees["etp"])
+        key = (
+            axes,
+            degrees["dp_replicate"],
+            degrees["dp_shard"],
+            degrees["tp"],
+            degrees["pp"],
+            degrees["cp"],
+            degrees["ep"],
+            degrees["etp"],
+        )
         bw = self._links.get(key)
         if bw is None:
             bw = self._links[key] = step_time.link_bandwidth(list(axes), degrees, self.order, self.spec_data)
@@ -437,32 +514,60 @@ class _Pricer:
         from mixle_compile.contracts import ParallelPlan
         from mixle_compile.layer_split import split_layers
         from mixle_compile.lower.layouts import place_parameters
-        from mixle_compile.lower.updates import activation_updates, gradient_updates
+        from mixle_compile.lower.updates import gradient_updates
         from mixle_compile.parameters import model_parameters
 
-        key = tuple(v[k] for k in ("dp_replicate", "dp_shard", "tp", "cp", "ep", "etp", "distributed_optimizer", "sequence_parallel"))
+        key = tuple(
+            v[k]
+            for k in ("dp_replicate", "dp_shard", "tp", "cp", "ep", "etp", "distributed_optimizer", "sequence_parallel")
+        )
         hit = self._grad_cache.get(key)
         if hit is None:
             spec = self._reduced()
-            spec = spec.model_copy(update={"training": spec.training.model_copy(update={
-                "micro_batch_size": 1, "sequence_parallel": v["sequence_parallel"], "distributed_optimizer": v["distributed_optimizer"]})})
+            spec = spec.model_copy(
+                update={
+                    "training": spec.training.model_copy(
+                        update={
+                            "micro_batch_size": 1,
+                            "sequence_parallel": v["sequence_parallel"],
+                            "distributed_optimizer": v["distributed_optimizer"],
+                        }
+                    )
+                }
+            )
             model = spec.model
             layers = model.num_layers
 
             def plan(steps: int) -> ParallelPlan:
-                return ParallelPlan(dp_replicate=v["dp_replicate"], dp_shard=v["dp_shard"], tp=v["tp"], pp=1, cp=v["cp"], ep=v["ep"],
-                                    etp=v["etp"], microbatches=1, gradient_accumulation_steps=steps)
+                return ParallelPlan(
+                    dp_replicate=v["dp_replicate"],
+                    dp_shard=v["dp_shard"],
+                    tp=v["tp"],
+                    pp=1,
+                    cp=v["cp"],
+                    ep=v["ep"],
+                    etp=v["etp"],
+                    microbatches=1,
+                    gradient_accumulation_steps=steps,
+                )
 
             placed = place_parameters(
-                model_parameters(spec), plan(1), num_layers=layers, distributed_optimizer=v["distributed_optimizer"],
-                num_kv_heads=model.num_kv_heads or model.num_heads, fsdp_over_cp=self.engine.fsdp_over_cp,
+                model_parameters(spec),
+                plan(1),
+                num_layers=layers,
+                distributed_optimizer=v["distributed_optimizer"],
+                num_kv_heads=model.num_kv_heads or model.num_heads,
+                fsdp_over_cp=self.engine.fsdp_over_cp,
                 layer_split=split_layers(layers, 1, 1, None, self.engine.name),
             )
             options = dict(sequence_parallel=v["sequence_parallel"], distributed_optimizer=v["distributed_optimizer"])
             # Counted with 2 accumulation steps of 3 micro-steps each: a count of 1, 2 or 3 per step says
             # whether an update runs once, per accumulation step or per micro-step.
             grows = {1: "once", 2: "steps", 3: "micro"}
-            updates = [(u, grows[u.occurrences_per_step]) for u in gradient_updates(placed, plan(2), microbatches_per_step=3, **options)]
+            updates = [
+                (u, grows[u.occurrences_per_step])
+                for u in gradient_updates(placed, plan(2), microbatches_per_step=3, **options)
+            ]
             updates += self._activations(v)
             hit = self._grad_cache[key] = (placed, updates, plan(1))
         return hit
@@ -492,18 +597,36 @@ class _Pricer:
             from mixle_compile.lower.updates import activation_updates
 
             spec = self._reduced()
-            spec = spec.model_copy(update={"training": spec.training.model_copy(update={
-                "micro_batch_size": 1, "sequence_parallel": v["sequence_parallel"]})})
-            plan = ParallelPlan(dp_replicate=v["dp_replicate"], dp_shard=v["dp_shard"], tp=v["tp"], pp=1, cp=v["cp"], ep=v["ep"],
-                                etp=v["etp"])
+            spec = spec.model_copy(
+                update={
+                    "training": spec.training.model_copy(
+                        update={"micro_batch_size": 1, "sequence_parallel": v["sequence_parallel"]}
+                    )
+                }
+            )
+            plan = ParallelPlan(
+                dp_replicate=v["dp_replicate"],
+                dp_shard=v["dp_shard"],
+                tp=v["tp"],
+                pp=1,
+                cp=v["cp"],
+                ep=v["ep"],
+                etp=v["etp"],
+            )
             layers = spec.model.num_layers
-            self._grad_cache[akey] = [(u, "tokens") for u in activation_updates(spec, plan, {i: 0 for i in range(layers)})]
+            self._grad_cache[akey] = [
+                (u, "tokens") for u in activation_updates(spec, plan, {i: 0 for i in range(layers)})
+            ]
         return self._grad_cache[akey]
 
     def _summary(self, v: dict, activations_only: bool) -> dict:
         """The updates' bytes per step summed by (layer kind, what they grow with, axes, payload)."""
-        key = ("summary", activations_only, *(v[k] for k in ("tp", "cp", "ep", "etp", "sequence_parallel")),
-               *(() if activations_only else (v["dp_replicate"], v["dp_shard"], v["distributed_optimizer"])))
+        key = (
+            "summary",
+            activations_only,
+            *(v[k] for k in ("tp", "cp", "ep", "etp", "sequence_parallel")),
+            *(() if activations_only else (v["dp_replicate"], v["dp_shard"], v["distributed_optimizer"])),
+        )
         hit = self._grad_cache.get(key)
         if hit is None:
             if activations_only:
@@ -532,7 +655,12 @@ class _Pricer:
         kinds = self._kind_counts()
         times = {"dense": dense, "moe": moe, "first": int(first), "last": int(last)}
         micro = v["microbatches"] * v["gradient_accumulation_steps"]
-        scale = {"once": 1, "steps": v["gradient_accumulation_steps"], "micro": micro, "tokens": micro * v["micro_batch_size"]}
+        scale = {
+            "once": 1,
+            "steps": v["gradient_accumulation_steps"],
+            "micro": micro,
+            "tokens": micro * v["micro_batch_size"],
+        }
         out: dict[tuple, float] = {}
         for kind, by_growth in summary.items():
             if not times[kind] or not kinds[kind]:
@@ -548,8 +676,22 @@ class _Pricer:
         """Parameters, gradients and optimizer state a rank of the stage holds, as the lowering prices them."""
         from mixle_compile.lower.memory import stage_memory
 
-        key = ("state", *(v[k] for k in ("dp_replicate", "dp_shard", "tp", "cp", "ep", "etp", "distributed_optimizer",
-                                         "sequence_parallel")))
+        key = (
+            "state",
+            *(
+                v[k]
+                for k in (
+                    "dp_replicate",
+                    "dp_shard",
+                    "tp",
+                    "cp",
+                    "ep",
+                    "etp",
+                    "distributed_optimizer",
+                    "sequence_parallel",
+                )
+            ),
+        )
         per = self._grad_cache.get(key)
         if per is None:
             placed, _, plan = self._updates(v)
@@ -575,9 +717,19 @@ class _Pricer:
         least = min(mesh.checkpointing, key=CHECKPOINTING.index)
         micro_steps = batch["microbatches"] * batch["gradient_accumulation_steps"]
         degrees = {**mesh.degrees, "world_size": self.req.devices}
-        key = ("bound", mesh.degrees["tp"], mesh.degrees["cp"], mesh.degrees["pp"], mesh.degrees["ep"], mesh.degrees["etp"],
-               mesh.sequence_parallel, least, batch["micro_batch_size"], micro_steps,
-               tuple(sc["virtual_pipeline_stages"] for sc in mesh.schedules))
+        key = (
+            "bound",
+            mesh.degrees["tp"],
+            mesh.degrees["cp"],
+            mesh.degrees["pp"],
+            mesh.degrees["ep"],
+            mesh.degrees["etp"],
+            mesh.sequence_parallel,
+            least,
+            batch["micro_batch_size"],
+            micro_steps,
+            tuple(sc["virtual_pipeline_stages"] for sc in mesh.schedules),
+        )
         hit = self._grad_cache.get(key)
         if hit is None:
             compute = exposed = math.inf
@@ -589,9 +741,13 @@ class _Pricer:
                 compute = min(compute, micro_steps * per_stage[busiest])
                 count = layers[busiest]
                 moe = self._moe_on(count)
-                seconds = sum(nbytes / self.link(axes, degrees) for axes, payload, nbytes in self._traffic(
-                    values, count - moe, moe, busiest == 0, busiest == len(layers) - 1, activations_only=True)
-                    if axes in (("tp",), ("ep",)))
+                seconds = sum(
+                    nbytes / self.link(axes, degrees)
+                    for axes, payload, nbytes in self._traffic(
+                        values, count - moe, moe, busiest == 0, busiest == len(layers) - 1, activations_only=True
+                    )
+                    if axes in (("tp",), ("ep",))
+                )
                 exposed = min(exposed, seconds)
                 stages.append((count - moe, busiest == 0, busiest == len(layers) - 1))
             hit = self._grad_cache[key] = (compute, exposed, stages)
@@ -604,8 +760,10 @@ class _Pricer:
         if pp == 1:
             return busy
         runs = self.engine.schedule_microbatches(batch["microbatches"], batch["gradient_accumulation_steps"])
-        f = min(bubble_fraction(pp, runs, bubble_chunks(sc["pipeline_schedule"], sc["virtual_pipeline_stages"]))
-                for sc in mesh.schedules)
+        f = min(
+            bubble_fraction(pp, runs, bubble_chunks(sc["pipeline_schedule"], sc["virtual_pipeline_stages"]))
+            for sc in mesh.schedules
+        )
         return busy + busy * f / (1 - f)
 
     def _data_lower_bound(self, mesh: Mesh, degrees: dict, dense: int, first: bool, last: bool) -> float:
@@ -617,9 +775,16 @@ class _Pricer:
         fp = self.footprint
         d = mesh.degrees
         elements = 0.0
-        for place, n in (("every_layer", dense), ("dense_layer", dense), ("first_stage", int(first)), ("last_stage", int(last))):
+        for place, n in (
+            ("every_layer", dense),
+            ("dense_layer", dense),
+            ("first_stage", int(first)),
+            ("last_stage", int(last)),
+        ):
             if n:
-                elements += n * (fp.share(place, "tensor_parallel").elements / d["tp"] + fp.share(place, "replicated").elements)
+                elements += n * (
+                    fp.share(place, "tensor_parallel").elements / d["tp"] + fp.share(place, "replicated").elements
+                )
         batch = mesh.batches[-1]
         micro = batch["microbatches"] * batch["gradient_accumulation_steps"]
         element_bytes = 4 if self.req.spec.training.precision == "fp32" else 2
@@ -649,8 +814,20 @@ class _Pricer:
         layers, per_stage, attention_of, st = self._stage(v)
         tp, cp, pp, ep, etp = v["tp"], v["cp"], v["pp"], v["ep"], v["etp"]
         world = self.req.devices
-        degrees = {k: v[k] for k in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep", "etp", "microbatches",
-                                     "gradient_accumulation_steps")}
+        degrees = {
+            k: v[k]
+            for k in (
+                "dp_replicate",
+                "dp_shard",
+                "tp",
+                "pp",
+                "cp",
+                "ep",
+                "etp",
+                "microbatches",
+                "gradient_accumulation_steps",
+            )
+        }
         degrees["world_size"] = world
         micro_steps = v["microbatches"] * v["gradient_accumulation_steps"]
         busiest = max(range(len(per_stage)), key=per_stage.__getitem__)
@@ -689,8 +866,16 @@ class _Pricer:
         if pp > 1:
             runs = self.engine.schedule_microbatches(v["microbatches"], v["gradient_accumulation_steps"])
             bubble = bubble_fraction(pp, runs, bubble_chunks(v["pipeline_schedule"], v["virtual_pipeline_stages"]))
-        return step_time.combine(st, degrees, micro_steps * per_stage[busiest], micro_steps * attention_of[busiest],
-                                 [(list(a), p, sec) for a, p, sec in traffic], bubble, state, self.flops_per_token)
+        return step_time.combine(
+            st,
+            degrees,
+            micro_steps * per_stage[busiest],
+            micro_steps * attention_of[busiest],
+            [(list(a), p, sec) for a, p, sec in traffic],
+            bubble,
+            state,
+            self.flops_per_token,
+        )
 
 
 def _site_kind(site: str, model) -> str:
@@ -715,7 +900,9 @@ def spec_data_for(req: Request, values: dict) -> dict:
     for key in TRAINING_FIELDS:
         training[key] = values[key]
     if values["pp"] == 1:
-        training["pipeline_schedule"] = req.spec.training.pipeline_schedule if "training.pipeline_schedule" not in req.searched else "1f1b"
+        training["pipeline_schedule"] = (
+            req.spec.training.pipeline_schedule if "training.pipeline_schedule" not in req.searched else "1f1b"
+        )
     return data
 
 
@@ -786,7 +973,9 @@ def search(req: Request, top: int = DEFAULT_TOP) -> Outcome:
                 if not modes:
                     outcome.rejections[MEMORY_RULE] += mesh.size
                     continue
-                outcome.rejections[MEMORY_RULE] += mesh.size // len(mesh.checkpointing) * (len(mesh.checkpointing) - len(modes))
+                outcome.rejections[MEMORY_RULE] += (
+                    mesh.size // len(mesh.checkpointing) * (len(mesh.checkpointing) - len(modes))
+                )
                 mesh.checkpointing = modes
                 heapq.heappush(pending, (pricer.bound(mesh), order, True, mesh))
                 continue
@@ -821,16 +1010,26 @@ def search(req: Request, top: int = DEFAULT_TOP) -> Outcome:
         plan.reason = loses_because(plan.step, above.step)
         if not plan.reason:
             more = plan.memory_bytes - above.memory_bytes
-            plan.reason = ("the same predicted step time, " + (f"{_gib(more)} more memory per rank" if more >= 2**26 else
-                           "the same memory per rank (ranked by its order in the search)"))
+            plan.reason = "the same predicted step time, " + (
+                f"{_gib(more)} more memory per rank"
+                if more >= 2**26
+                else "the same memory per rank (ranked by its order in the search)"
+            )
     outcome.plans = chosen
     return outcome
 
 
 MEMORY_RULE = "R001"
 #: The settings that vary among one mesh's candidates of one schedule.
-VARYING = frozenset({"micro_batch_size", "microbatches", "gradient_accumulation_steps", "activation_checkpointing",
-                     "distributed_optimizer"})
+VARYING = frozenset(
+    {
+        "micro_batch_size",
+        "microbatches",
+        "gradient_accumulation_steps",
+        "activation_checkpointing",
+        "distributed_optimizer",
+    }
+)
 
 
 def _symbol_values(values: dict, enums: dict) -> dict:
@@ -862,11 +1061,14 @@ def _plan(req: Request, loaded, values: dict, st: step_time.StepTime) -> Plan:
     symbols = Symbols(plan_facts(loaded.spec), values={})
     with concrete():
         memory = float(sum(per_rank_bytes(symbols).values()))
-    return Plan(dict(values), spec_data_for(req, values), st, memory, int(loaded.spec.resources.memory or 0), st.seconds)
+    return Plan(
+        dict(values), spec_data_for(req, values), st, memory, int(loaded.spec.resources.memory or 0), st.seconds
+    )
 
 
 def loses_because(slower: step_time.StepTime, faster: step_time.StepTime) -> str:
     """What makes ``slower`` slower than ``faster``: the part of the step that grew the most ("" for a tie)."""
+
     def parts(st: step_time.StepTime) -> dict[str, float]:
         out = {"compute": st.compute, "pipeline bubble": st.bubble, "optimizer step": st.optimizer}
         for axes, seconds in st.exposed_communication.items():
@@ -886,8 +1088,10 @@ def loses_because(slower: step_time.StepTime, faster: step_time.StepTime) -> str
 
 def _no_factorisation(req: Request) -> str:
     gb = req.spec.training.global_batch_size
-    return (f"no mesh of the fixed and searched degrees uses exactly {req.devices} devices with a data-parallel size "
-            f"that divides the global batch {gb}: change the device count, the global batch or the fixed degrees")
+    return (
+        f"no mesh of the fixed and searched degrees uses exactly {req.devices} devices with a data-parallel size "
+        f"that divides the global batch {gb}: change the device count, the global batch or the fixed degrees"
+    )
 
 
 def _rejection_text(outcome: Outcome) -> str:
@@ -897,8 +1101,10 @@ def _rejection_text(outcome: Outcome) -> str:
         return f"all {outcome.confirmed} screened candidates were refused by `check`"
     common = outcome.rejections.most_common(3)
     names = "; ".join(f"{code} {RULES[code].name} ({n:,} candidate{'s' * (n != 1)})" for code, n in common)
-    return (f"every one of the {outcome.screened:,} candidates breaks a verifier rule; most often: {names}. "
-            f"`mixle-compile explain {common[0][0]}` says what the rule needs")
+    return (
+        f"every one of the {outcome.screened:,} candidates breaks a verifier rule; most often: {names}. "
+        f"`mixle-compile explain {common[0][0]}` says what the rule needs"
+    )
 
 
 # --------------------------------------------------------------------------- reports
@@ -912,9 +1118,11 @@ def outcome_text(outcome: Outcome) -> str:
     req = outcome.request
     spec = req.spec
     kind = f"{spec.resources.kind} " if spec.resources.kind else ""
-    head = (f"{req.file}: {req.devices} {kind}devices, global batch {spec.training.global_batch_size}, "
-            f"{spec.backend if isinstance(spec.backend, str) else spec.backend.name}: {outcome.enumerated:,} candidates, "
-            f"{outcome.screened:,} screened, {outcome.confirmed} checked")
+    head = (
+        f"{req.file}: {req.devices} {kind}devices, global batch {spec.training.global_batch_size}, "
+        f"{spec.backend if isinstance(spec.backend, str) else spec.backend.name}: {outcome.enumerated:,} candidates, "
+        f"{outcome.screened:,} screened, {outcome.confirmed} checked"
+    )
     lines = [head]
     if not outcome.plans:
         lines.append(f"no valid plan: {outcome.reason}")
@@ -924,11 +1132,15 @@ def outcome_text(outcome: Outcome) -> str:
         mfu = f", MFU {st.mfu:.1%}" if st.mfu is not None else ""
         lines.append(f"#{i} {p.mesh_text()}")
         lines.append(f"   {p.training_text()}")
-        lines.append(f"   step {st.seconds:.3f}s, {st.tokens_per_second_per_device:,.0f} tokens/s per device, "
-                     f"{st.tflops_per_device:.0f} TFLOP/s per device{mfu}")
+        lines.append(
+            f"   step {st.seconds:.3f}s, {st.tokens_per_second_per_device:,.0f} tokens/s per device, "
+            f"{st.tflops_per_device:.0f} TFLOP/s per device{mfu}"
+        )
         exposed = ", ".join(f"{k} {v:.3f}s" for k, v in sorted(st.exposed_communication.items())) or "none"
-        lines.append(f"   compute {st.compute:.3f}s, exposed communication: {exposed}, bubble {st.bubble:.3f}s, "
-                     f"optimizer {st.optimizer:.3f}s; memory {_gib(p.memory_bytes)} of {_gib(p.device_memory)} per rank")
+        lines.append(
+            f"   compute {st.compute:.3f}s, exposed communication: {exposed}, bubble {st.bubble:.3f}s, "
+            f"optimizer {st.optimizer:.3f}s; memory {_gib(p.memory_bytes)} of {_gib(p.device_memory)} per rank"
+        )
         if p.reason:
             lines.append(f"   loses to #{i - 1}: {p.reason}")
     return "\n".join(lines) + "\n"
@@ -963,6 +1175,8 @@ def spec_yaml(plan: Plan, source: str) -> str:
     import yaml
 
     st = plan.step
-    head = (f"# chosen by `mixle-compile plan {source}`: predicted step {st.seconds:.3f}s, "
-            f"{st.tokens_per_second_per_device:,.0f} tokens/s per device\n")
+    head = (
+        f"# chosen by `mixle-compile plan {source}`: predicted step {st.seconds:.3f}s, "
+        f"{st.tokens_per_second_per_device:,.0f} tokens/s per device\n"
+    )
     return head + yaml.safe_dump(plan.spec_data, sort_keys=False)

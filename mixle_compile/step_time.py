@@ -36,20 +36,32 @@ from mixle_compile.spec.models import compiled_components
 DEVICES: dict[str, dict[str, Any]] = {
     "a100": {
         "peak": {"fp32": 156e12, "bf16": 312e12, "fp16": 312e12},
-        "memory_bandwidth": 2.0e12, "intra_node": 300e9, "inter_node": 25e9, "devices_per_node": 8,
+        "memory_bandwidth": 2.0e12,
+        "intra_node": 300e9,
+        "inter_node": 25e9,
+        "devices_per_node": 8,
     },
     "h100": {
         "peak": {"fp32": 494e12, "bf16": 989e12, "fp16": 989e12, "fp8": 1979e12},
-        "memory_bandwidth": 3.35e12, "intra_node": 450e9, "inter_node": 50e9, "devices_per_node": 8,
+        "memory_bandwidth": 3.35e12,
+        "intra_node": 450e9,
+        "inter_node": 50e9,
+        "devices_per_node": 8,
     },
     # H100 SXM5 96GB HBM2e (the Grand Teton hosts of torchtitan's benchmarks, run at 500 W)
     "h100-96gb": {
         "peak": {"fp32": 494e12, "bf16": 989e12, "fp16": 989e12, "fp8": 1979e12},
-        "memory_bandwidth": 2.4e12, "intra_node": 450e9, "inter_node": 50e9, "devices_per_node": 8,
+        "memory_bandwidth": 2.4e12,
+        "intra_node": 450e9,
+        "inter_node": 50e9,
+        "devices_per_node": 8,
     },
     "h200": {
         "peak": {"fp32": 494e12, "bf16": 989e12, "fp16": 989e12, "fp8": 1979e12},
-        "memory_bandwidth": 4.8e12, "intra_node": 450e9, "inter_node": 50e9, "devices_per_node": 8,
+        "memory_bandwidth": 4.8e12,
+        "intra_node": 450e9,
+        "inter_node": 50e9,
+        "devices_per_node": 8,
     },
 }
 #: Assumed for a device kind not in :data:`DEVICES` (its peak must come from resources.throughput).
@@ -84,7 +96,6 @@ def efficiency_of(kind: str, precision: str) -> float:
         if key in EFFICIENCY:
             return EFFICIENCY[key]
     return DEFAULT_EFFICIENCY
-
 
 
 #: Axes whose traffic the engines overlap with compute: data-parallel gradients and parameters.
@@ -151,7 +162,9 @@ class _Layer:
     attention: float  # QK^T and AV
     recompute_linear: float  # what checkpointing runs again
     recompute_attention: float
-    elementwise_width: float = 0.0  # activation elements per token that element-wise operations read and write, per pass
+    elementwise_width: float = (
+        0.0  # activation elements per token that element-wise operations read and write, per pass
+    )
     score_elements: float = 0.0  # eager attention: score elements per token (softmax over s per head), per pass
     passes: int = 3  # forward, and backward counted as two
 
@@ -160,7 +173,10 @@ def _device(spec: dict) -> tuple[str, float | None, dict[str, Any]]:
     resources = spec["resources"]
     devices = resources["devices"]
     if isinstance(devices, list):  # a heterogeneous list: the slowest group decides
-        group = min(devices, key=lambda g: g.get("throughput") or DEVICES.get(g.get("kind", ""), {}).get("peak", {}).get("bf16", 0))
+        group = min(
+            devices,
+            key=lambda g: g.get("throughput") or DEVICES.get(g.get("kind", ""), {}).get("peak", {}).get("bf16", 0),
+        )
         kind, throughput = group.get("kind", "gpu"), group.get("throughput")
     else:
         kind, throughput = resources.get("kind") or "gpu", resources.get("throughput")
@@ -221,7 +237,6 @@ def _layer_flops(model: dict, training: dict, seq: float, backend: str, moe_laye
     return _Layer(projections + mlp, attention, 0.0, 0.0, **shape)
 
 
-
 def model_flops_per_token(model: dict, seq: float) -> float:
     """6N + 12 l d_q s: N the parameters in matrix multiplications (experts as routed, the output
     head, not the embedding lookup), the attention term non-causal, as torchtitan and PaLM count."""
@@ -230,7 +245,9 @@ def model_flops_per_token(model: dict, seq: float) -> float:
     d_q = heads * (model.get("head_dim") or h // heads)
     total = 0.0
     for layer in range(layers):
-        moe = moe_layer_at(layer, num_experts=model.get("num_experts", 0), frequency=model.get("moe_layer_frequency", 1))
+        moe = moe_layer_at(
+            layer, num_experts=model.get("num_experts", 0), frequency=model.get("moe_layer_frequency", 1)
+        )
         flops = _layer_flops(model, {"activation_checkpointing": "none", "attention": "eager"}, seq, "torch", moe)
         total += 3 * flops.linear + 3 * flops.attention
     return total + 3 * 2 * h * model["vocab_size"]
@@ -281,7 +298,18 @@ def _setting(spec: dict) -> _Setting:
     precision = training.get("precision", "bf16")
     kind, throughput, table = _device(spec)
     linear_peak, other_peak = _peak(kind, throughput, table, precision)
-    return _Setting(model, training, backend, precision, kind, throughput, table, linear_peak, other_peak, efficiency_of(kind, precision))
+    return _Setting(
+        model,
+        training,
+        backend,
+        precision,
+        kind,
+        throughput,
+        table,
+        linear_peak,
+        other_peak,
+        efficiency_of(kind, precision),
+    )
 
 
 def stage_compute(spec: dict, tp: int, cp: int, stage_layers: list[int]) -> tuple[list[float], list[float]]:
@@ -299,7 +327,9 @@ def _stage_compute(st: _Setting, tp: int, cp: int, stage_layers: list[int]) -> t
     tokens = training["micro_batch_size"] * seq / cp  # one rank's tokens per micro-step
     moe_every = model.get("moe_layer_frequency", 1)
     activation_bytes = 4 if st.precision == "fp32" else 2
-    elementwise = ELEMENTWISE_BYTES["compiled" if "model" in compiled_components(training.get("compile", False)) else "eager"]
+    elementwise = ELEMENTWISE_BYTES[
+        "compiled" if "model" in compiled_components(training.get("compile", False)) else "eager"
+    ]
 
     # Each stage's compute per micro-step (a layer's index fixes whether it is MoE). Backward costs
     # twice the forward; the tp ranks of a stage split its matrix multiplications, and the routed
@@ -309,8 +339,11 @@ def _stage_compute(st: _Setting, tp: int, cp: int, stage_layers: list[int]) -> t
     kinds: dict[bool, _Layer] = {}
     for stage, count in enumerate(stage_layers):
         # Layers of one kind (dense or MoE) cost the same: count each kind once.
-        moe_layers = sum(1 for layer in range(first, first + count)
-                         if moe_layer_at(layer, num_experts=model.get("num_experts", 0), frequency=moe_every))
+        moe_layers = sum(
+            1
+            for layer in range(first, first + count)
+            if moe_layer_at(layer, num_experts=model.get("num_experts", 0), frequency=moe_every)
+        )
         linear = attention = moved = 0.0
         for moe, n in ((False, count - moe_layers), (True, moe_layers)):
             if not n:
@@ -320,20 +353,33 @@ def _stage_compute(st: _Setting, tp: int, cp: int, stage_layers: list[int]) -> t
                 f = kinds[moe] = _layer_flops(model, training, seq, st.backend, moe, tp)
             linear += n * (3 * f.linear + f.recompute_linear) / tp
             attention += n * (3 * f.attention + f.recompute_attention) / tp
-            moved += n * f.passes * (f.elementwise_width * activation_bytes * elementwise + f.score_elements * SCORE_BYTES)
+            moved += (
+                n * f.passes * (f.elementwise_width * activation_bytes * elementwise + f.score_elements * SCORE_BYTES)
+            )
         first += count
         attention_seconds = tokens * attention / (st.other_peak * other_efficiency * ATTENTION_EFFICIENCY)
-        seconds = tokens * linear / (st.linear_peak * efficiency) + attention_seconds + tokens * moved / table["memory_bandwidth"]
+        seconds = (
+            tokens * linear / (st.linear_peak * efficiency)
+            + attention_seconds
+            + tokens * moved / table["memory_bandwidth"]
+        )
         if stage == len(stage_layers) - 1:
-            seconds += tokens * 3 * 2 * model["hidden_size"] * model["vocab_size"] / tp / (st.other_peak * other_efficiency)
+            seconds += (
+                tokens * 3 * 2 * model["hidden_size"] * model["vocab_size"] / tp / (st.other_peak * other_efficiency)
+            )
         per_stage.append(seconds)
         attention_of.append(attention_seconds)
     return per_stage, attention_of
 
 
 def predict(
-    spec: dict, updates: list[dict], degrees: dict[str, int], order: str, bubble_fraction: float,
-    stage_layers: list[int], memory: list[dict],
+    spec: dict,
+    updates: list[dict],
+    degrees: dict[str, int],
+    order: str,
+    bubble_fraction: float,
+    stage_layers: list[int],
+    memory: list[dict],
 ) -> StepTime:
     """The step time of a plan, from its JSON sections (spec, updates, mesh degrees and order,
     the schedule's bubble fraction, layers per stage, memory per stage)."""
@@ -359,13 +405,27 @@ def predict(
         traffic.append((u["mesh_axes"], u["payload"], seconds / _link_bandwidth(u["mesh_axes"], degrees, order, table)))
     state = memory[busiest] if memory else {}
     state_bytes = sum(state.get(k, 0) for k in ("parameters", "gradients", "optimizer_state"))
-    return combine(st, degrees, micro_steps * per_stage[busiest], micro_steps * attention_of[busiest], traffic,
-                   bubble_fraction, state_bytes)
+    return combine(
+        st,
+        degrees,
+        micro_steps * per_stage[busiest],
+        micro_steps * attention_of[busiest],
+        traffic,
+        bubble_fraction,
+        state_bytes,
+    )
 
 
-def combine(st: "_Setting | dict", degrees: dict[str, int], compute: float, attention_share: float,
-            traffic: list[tuple[list[str], str, float]], bubble_fraction: float, state_bytes: float,
-            flops_per_token: float | None = None) -> StepTime:
+def combine(
+    st: _Setting | dict,
+    degrees: dict[str, int],
+    compute: float,
+    attention_share: float,
+    traffic: list[tuple[list[str], str, float]],
+    bubble_fraction: float,
+    state_bytes: float,
+    flops_per_token: float | None = None,
+) -> StepTime:
     """A step from its busiest stage's compute over the step (and the attention part of it), its
     collectives as (mesh axes, payload kind, seconds on their link), the bubble fraction and the
     bytes of parameters, gradients and optimizer state the optimizer step reads and writes: what
@@ -406,10 +466,19 @@ def combine(st: "_Setting | dict", degrees: dict[str, int], compute: float, atte
     tflops = per_token * tokens_per_second / world
     peak = st.table.get("peak", {}).get(st.precision) if st.throughput is None else st.throughput
     return StepTime(
-        seconds=total, compute=compute, bubble=bubble, exposed_communication=exposed, hidden_communication=hidden,
-        optimizer=optimizer, tokens_per_second=tokens_per_second, tokens_per_second_per_device=tokens_per_second / world,
-        model_flops_per_token=per_token, tflops_per_device=tflops / 1e12, mfu=tflops / peak if peak else None,
-        efficiency=st.efficiency, peak_flops=st.linear_peak,
+        seconds=total,
+        compute=compute,
+        bubble=bubble,
+        exposed_communication=exposed,
+        hidden_communication=hidden,
+        optimizer=optimizer,
+        tokens_per_second=tokens_per_second,
+        tokens_per_second_per_device=tokens_per_second / world,
+        model_flops_per_token=per_token,
+        tflops_per_device=tflops / 1e12,
+        mfu=tflops / peak if peak else None,
+        efficiency=st.efficiency,
+        peak_flops=st.linear_peak,
     )
 
 
@@ -434,9 +503,13 @@ def predict_lowered(spec: Any, lowered: Any) -> StepTime:
         bubble = bubble_fraction(plan.pp, runs, v)
     updates = [
         {
-            "stage": u.stage, "collective": u.update.collective.value, "group_size": u.group_size,
-            "payload_bytes": u.payload_bytes, "occurrences_per_step": u.occurrences_per_step,
-            "payload": u.update.payload.value, "mesh_axes": [str(getattr(a, "value", a)) for a in u.update.mesh_axes],
+            "stage": u.stage,
+            "collective": u.update.collective.value,
+            "group_size": u.group_size,
+            "payload_bytes": u.payload_bytes,
+            "occurrences_per_step": u.occurrences_per_step,
+            "payload": u.update.payload.value,
+            "mesh_axes": [str(getattr(a, "value", a)) for a in u.update.mesh_axes],
         }
         for u in lowered.updates
     ]
@@ -450,8 +523,13 @@ def _split(spec: dict, degrees: dict) -> list[int]:
     training = spec["training"]
     backend = spec["backend"] if isinstance(spec["backend"], str) else spec["backend"]["name"]
     pp = degrees["pp"]
-    split = split_layers(spec["model"]["num_layers"], pp, training.get("virtual_pipeline_stages", 1) if pp > 1 else 1,
-                         training.get("pipeline_layers"), backend)
+    split = split_layers(
+        spec["model"]["num_layers"],
+        pp,
+        training.get("virtual_pipeline_stages", 1) if pp > 1 else 1,
+        training.get("pipeline_layers"),
+        backend,
+    )
     return [split.layers_on_stage(s) for s in range(pp)]
 
 
@@ -464,6 +542,11 @@ def predict_document(doc: Any) -> StepTime:
     layers = _split(spec, degrees)
     bubble = doc.schedule.bubble_fraction if doc.schedule is not None else 0.0
     return predict(
-        spec, [u.model_dump() for u in doc.updates], degrees, doc.mesh.order, bubble, layers,
+        spec,
+        [u.model_dump() for u in doc.updates],
+        degrees,
+        doc.mesh.order,
+        bubble,
+        layers,
         [m.model_dump() for m in doc.memory],
     )

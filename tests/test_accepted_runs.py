@@ -36,10 +36,21 @@ def candidate(rng: random.Random) -> str:
     gas = rng.choice([1, 2])
     heads = rng.choice([2, 4, 8])
     return SPEC.format(
-        vocab=rng.choice([64, 96, 128]), hidden=heads * rng.choice([4, 8]), layers=rng.choice([1, 2]), heads=heads,
-        kv=rng.choice([h for h in (1, 2, 4, 8) if heads % h == 0]), ffn=rng.choice([32, 48, 64]), tie=str(rng.random() < 0.5).lower(),
-        dr=dr, ds=ds, tp=tp, gas=gas, gbs=2 * gas * dr * ds, opt=rng.choice(["sgd", "adamw"]),
-        sp=str(tp > 1 and rng.random() < 0.5).lower(), world=dr * ds * tp,
+        vocab=rng.choice([64, 96, 128]),
+        hidden=heads * rng.choice([4, 8]),
+        layers=rng.choice([1, 2]),
+        heads=heads,
+        kv=rng.choice([h for h in (1, 2, 4, 8) if heads % h == 0]),
+        ffn=rng.choice([32, 48, 64]),
+        tie=str(rng.random() < 0.5).lower(),
+        dr=dr,
+        ds=ds,
+        tp=tp,
+        gas=gas,
+        gbs=2 * gas * dr * ds,
+        opt=rng.choice(["sgd", "adamw"]),
+        sp=str(tp > 1 and rng.random() < 0.5).lower(),
+        world=dr * ds * tp,
     )
 
 
@@ -99,12 +110,29 @@ def every_axis_candidate(rng: random.Random, max_world: int = 8) -> str:
     gas = rng.choice([1, 2])
     vpp = rng.choice([1, 2]) if pp > 1 else 1
     return EVERY_AXIS.format(
-        vocab=rng.choice([64, 128]), hidden=heads * rng.choice([4, 8]), layers=rng.choice([2, 4]), heads=heads,
-        kv=rng.choice([h for h in (1, 2, 4, 8) if heads % h == 0]), ffn=rng.choice([32, 64]), tie=str(rng.random() < 0.3).lower(),
+        vocab=rng.choice([64, 128]),
+        hidden=heads * rng.choice([4, 8]),
+        layers=rng.choice([2, 4]),
+        heads=heads,
+        kv=rng.choice([h for h in (1, 2, 4, 8) if heads % h == 0]),
+        ffn=rng.choice([32, 64]),
+        tie=str(rng.random() < 0.3).lower(),
         moe=f", num_experts: {experts}, experts_per_token: {rng.choice([1, 2])}" if experts else "",
-        dr=dr, ds=ds, tp=tp, pp=pp, cp=cp, ep=rng.choice([1, 2, 4]) if experts else 1, etp=rng.choice([1, tp]) if experts else 1,
-        mb=mb, gas=gas, gbs=2 * mb * gas * dr * ds, opt=rng.choice(["sgd", "adamw"]), sp=str(tp > 1 and (experts > 0 or rng.random() < 0.6)).lower(),
-        schedule="interleaved_1f1b" if vpp > 1 else rng.choice(["gpipe", "1f1b"]), vpp=vpp, dopt=str(rng.random() < 0.2).lower(),
+        dr=dr,
+        ds=ds,
+        tp=tp,
+        pp=pp,
+        cp=cp,
+        ep=rng.choice([1, 2, 4]) if experts else 1,
+        etp=rng.choice([1, tp]) if experts else 1,
+        mb=mb,
+        gas=gas,
+        gbs=2 * mb * gas * dr * ds,
+        opt=rng.choice(["sgd", "adamw"]),
+        sp=str(tp > 1 and (experts > 0 or rng.random() < 0.6)).lower(),
+        schedule="interleaved_1f1b" if vpp > 1 else rng.choice(["gpipe", "1f1b"]),
+        vpp=vpp,
+        dopt=str(rng.random() < 0.2).lower(),
         world=dr * ds * tp * pp * cp,
     )
 
@@ -162,7 +190,9 @@ def test_accepted_specs_on_every_axis_run_with_exact_accounting_wider(tmp_path, 
     assert report.ok and report.accounting_ok, report.summary()
 
 
-@pytest.mark.parametrize("name", ["t001-heads-split-by-tp.yaml", "b001-global-batch-size.yaml", "s003-unknown-key.yaml"])
+@pytest.mark.parametrize(
+    "name", ["t001-heads-split-by-tp.yaml", "b001-global-batch-size.yaml", "s003-unknown-key.yaml"]
+)
 def test_rejected_specs_never_reach_the_ranks(tmp_path, name):
     with pytest.raises(RuntimeRefusal, match="does not check cleanly"):
         run_plan(EXAMPLES / "invalid" / name, out_dir=tmp_path / "out", progress=False)

@@ -118,7 +118,9 @@ def test_a_runtime_backend_reads_its_entry_when_preparing(monkeypatch):
 
 
 def test_importing_the_registry_first_works_and_imports_no_torch():
-    code = ("import sys, mixle_compile.backends as b, mixle_compile.contracts as c; "
-            "assert c.get_training_backend('megatron').name == 'megatron'; print('torch' in sys.modules)")
+    code = (
+        "import sys, mixle_compile.backends as b, mixle_compile.contracts as c; "
+        "assert c.get_training_backend('megatron').name == 'megatron'; print('torch' in sys.modules)"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"

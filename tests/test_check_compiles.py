@@ -46,17 +46,25 @@ def specs(draw) -> str:
     schedule = draw(st.sampled_from(["gpipe", "1f1b", "interleaved_1f1b"]))
     split = draw(st.sampled_from([None, None, "even", "listed"]))
     model = {
-        "family": "transformer", "vocab_size": 64 * draw(st.sampled_from([1, 3])), "hidden_size": 32,
-        "num_layers": layers, "num_heads": 4, "num_kv_heads": draw(st.sampled_from([1, 2, 4])),
-        "ffn_hidden_size": 64, "tie_embeddings": draw(st.booleans()),
+        "family": "transformer",
+        "vocab_size": 64 * draw(st.sampled_from([1, 3])),
+        "hidden_size": 32,
+        "num_layers": layers,
+        "num_heads": 4,
+        "num_kv_heads": draw(st.sampled_from([1, 2, 4])),
+        "ffn_hidden_size": 64,
+        "tie_embeddings": draw(st.booleans()),
     }
     if experts:
         model.update(num_experts=experts, experts_per_token=2, moe_ffn_hidden_size=32)
     training = {
         "global_batch_size": micro_batch * microbatches * accumulation * dp_replicate * dp_shard,
-        "micro_batch_size": micro_batch, "seq_len": draw(st.sampled_from([16, 24, 32])),
-        "precision": draw(st.sampled_from(["fp32", "bf16"])), "optimizer": "adamw",
-        "sequence_parallel": draw(st.booleans()), "pipeline_schedule": schedule,
+        "micro_batch_size": micro_batch,
+        "seq_len": draw(st.sampled_from([16, 24, 32])),
+        "precision": draw(st.sampled_from(["fp32", "bf16"])),
+        "optimizer": "adamw",
+        "sequence_parallel": draw(st.booleans()),
+        "pipeline_schedule": schedule,
         "virtual_pipeline_stages": virtual,
         "activation_checkpointing": draw(st.sampled_from(["none", "selective", "full"])),
         "attention": draw(st.sampled_from([None, "flash", "eager"])),
@@ -71,12 +79,22 @@ def specs(draw) -> str:
         training["pipeline_layers"] = split
     training = {k: v for k, v in training.items() if v is not None}
     mesh = {
-        "dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp, "pp": pp, "cp": cp, "ep": ep,
-        "etp": draw(st.sampled_from([1, tp])), "microbatches": microbatches, "gradient_accumulation_steps": accumulation,
+        "dp_replicate": dp_replicate,
+        "dp_shard": dp_shard,
+        "tp": tp,
+        "pp": pp,
+        "cp": cp,
+        "ep": ep,
+        "etp": draw(st.sampled_from([1, tp])),
+        "microbatches": microbatches,
+        "gradient_accumulation_steps": accumulation,
     }
     world = dp_replicate * dp_shard * tp * pp * cp
     spec = {
-        "model": model, "mesh": mesh, "training": training, "backend": draw(st.sampled_from(BACKENDS)),
+        "model": model,
+        "mesh": mesh,
+        "training": training,
+        "backend": draw(st.sampled_from(BACKENDS)),
         "resources": {"devices": world, "memory": "4GiB"},
     }
     return json.dumps(spec)
@@ -91,7 +109,9 @@ def check_accepts_compiles(text):
     if checked.errors == 0:
         assert result.plan is not None and not errors, [d.text() for d in errors]
     else:
-        assert result.plan is None and {d.code for d in errors} == {d.code for d in checked.diagnostics if d.severity is Severity.error}
+        assert result.plan is None and {d.code for d in errors} == {
+            d.code for d in checked.diagnostics if d.severity is Severity.error
+        }
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])

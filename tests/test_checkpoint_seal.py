@@ -25,8 +25,13 @@ from tests.conftest import ROOT
 
 def write_steps(root: Path, steps=(1, 2, 3), run_id: str | None = None) -> None:
     for step in steps:
-        ckpt.write_array_checkpoint(root, step, {"means": np.arange(6.0).reshape(3, 2) * step, "weights": np.full(3, step / 3)},
-                                    {"model": "mixture"}, run_id=run_id)
+        ckpt.write_array_checkpoint(
+            root,
+            step,
+            {"means": np.arange(6.0).reshape(3, 2) * step, "weights": np.full(3, step / 3)},
+            {"model": "mixture"},
+            run_id=run_id,
+        )
 
 
 def step(root: Path, n: int) -> Path:
@@ -69,8 +74,14 @@ def test_the_directory_layer_writes_verifies_and_chooses_checkpoints_with_torch_
         "except ImportError:\n"
         "    print('no DCP layer without torch')\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, cwd=ROOT, timeout=60,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == ["2 [2] ['--save-every', '2']", "no DCP layer without torch"]
 
@@ -81,10 +92,15 @@ def test_every_file_is_sealed_and_a_clean_checkpoint_verifies(tmp_path):
     assert manifest["format_version"] == ckpt.FORMAT_VERSION == 2 and manifest["run_id"] == ckpt.PROCESS_RUN_ID
     assert sorted(manifest["files"]) == ["state/array-0000.npy", "state/array-0001.npy"]
     for rel, seal in manifest["files"].items():
-        assert seal["sha256"] == ckpt.file_sha256(step(tmp_path, 2) / rel) and seal["bytes"] == (step(tmp_path, 2) / rel).stat().st_size
+        assert (
+            seal["sha256"] == ckpt.file_sha256(step(tmp_path, 2) / rel)
+            and seal["bytes"] == (step(tmp_path, 2) / rel).stat().st_size
+        )
     marker = json.loads((step(tmp_path, 2) / ckpt.COMPLETE_MARKER).read_text())
     assert marker["step"] == 2 and marker["run_id"] == manifest["run_id"]
-    assert marker["manifest_sha256"] == hashlib.sha256((step(tmp_path, 2) / ckpt.MANIFEST_FILE).read_bytes()).hexdigest()
+    assert (
+        marker["manifest_sha256"] == hashlib.sha256((step(tmp_path, 2) / ckpt.MANIFEST_FILE).read_bytes()).hexdigest()
+    )
 
 
 def test_a_flipped_bit_in_a_payload_is_refused_naming_the_file(tmp_path):
@@ -118,7 +134,9 @@ def test_non_finite_values_are_refused_on_save_and_on_load(tmp_path):
     pending = ckpt.begin_checkpoint(tmp_path, 1)
     with open(pending.state_dir / "array-0000.npy", "wb") as f:
         np.save(f, np.array([1.0, np.nan]), allow_pickle=False)
-    ckpt.commit_checkpoint(pending, {"arrays": {"means": {"file": "array-0000.npy", "shape": [2], "dtype": "<f8"}}}, kind=ckpt.ARRAYS_KIND)
+    ckpt.commit_checkpoint(
+        pending, {"arrays": {"means": {"file": "array-0000.npy", "shape": [2], "dtype": "<f8"}}}, kind=ckpt.ARRAYS_KIND
+    )
     assert ckpt.verify_checkpoint(step(tmp_path, 1))  # the seal holds: the values are what was saved
     with pytest.raises(ckpt.CheckpointError, match=r"array 'means' in .*array-0000.npy holds NaN or infinite values"):
         ckpt.read_array_checkpoint(tmp_path)
@@ -132,7 +150,10 @@ def test_manifests_and_markers_swapped_between_steps_are_refused(tmp_path):
         os.replace(a, tmp)
         os.replace(b, a)
         os.replace(tmp, b)
-    with pytest.raises(ckpt.CheckpointError, match=r"step-00000002: the directory is named for step 2 but its manifest .* are of step 3"):
+    with pytest.raises(
+        ckpt.CheckpointError,
+        match=r"step-00000002: the directory is named for step 2 but its manifest .* are of step 3",
+    ):
         ckpt.verify_checkpoint(step(tmp_path, 2))
     with pytest.raises(ckpt.CheckpointError, match=r"named for step 3 but its manifest"):
         ckpt.read_array_checkpoint(tmp_path)
@@ -141,7 +162,9 @@ def test_manifests_and_markers_swapped_between_steps_are_refused(tmp_path):
 def test_a_manifest_swapped_without_its_marker_is_refused(tmp_path):
     write_steps(tmp_path)
     shutil.copy(step(tmp_path, 2) / ckpt.MANIFEST_FILE, step(tmp_path, 3) / ckpt.MANIFEST_FILE)
-    with pytest.raises(ckpt.CheckpointError, match=r"does not match the SHA-256 its completion marker records \(COMPLETE;"):
+    with pytest.raises(
+        ckpt.CheckpointError, match=r"does not match the SHA-256 its completion marker records \(COMPLETE;"
+    ):
         ckpt.verify_checkpoint(step(tmp_path, 3))
 
 
@@ -151,7 +174,9 @@ def test_state_directories_swapped_between_steps_are_refused_naming_a_file(tmp_p
     os.replace(a, tmp_path / "swap")
     os.replace(b, a)
     os.replace(tmp_path / "swap", b)
-    with pytest.raises(ckpt.CheckpointError, match=r"step-00000003: .*step-00000003/state/array-0000.npy does not match the SHA-256"):
+    with pytest.raises(
+        ckpt.CheckpointError, match=r"step-00000003: .*step-00000003/state/array-0000.npy does not match the SHA-256"
+    ):
         ckpt.read_array_checkpoint(tmp_path)
 
 
@@ -162,7 +187,10 @@ def test_truncated_missing_and_added_files_are_refused_naming_them(tmp_path):
     size = target.stat().st_size
     with open(target, "r+b") as f:
         f.truncate(size - 8)
-    with pytest.raises(ckpt.CheckpointError, match=rf"{target} has {size - 8} bytes, the manifest seals {size} \(truncated or overwritten\)"):
+    with pytest.raises(
+        ckpt.CheckpointError,
+        match=rf"{target} has {size - 8} bytes, the manifest seals {size} \(truncated or overwritten\)",
+    ):
         ckpt.verify_checkpoint(d, hashes=False)  # the size alone catches it, without reading the file
     target.unlink()
     with pytest.raises(ckpt.CheckpointError, match=rf"the file {target} is missing"):
@@ -180,7 +208,9 @@ def test_truncated_missing_and_added_files_are_refused_naming_them(tmp_path):
 def test_a_format_1_checkpoint_is_refused_as_unverifiable(tmp_path):
     write_steps(tmp_path, steps=(1,))
     reseal(step(tmp_path, 1), lambda m: m.update(format_version=1))
-    with pytest.raises(ckpt.CheckpointError, match=r"format version 1, which records no checksums of its files.* cannot verify it"):
+    with pytest.raises(
+        ckpt.CheckpointError, match=r"format version 1, which records no checksums of its files.* cannot verify it"
+    ):
         ckpt.read_array_checkpoint(tmp_path)
 
 
@@ -194,7 +224,9 @@ def test_symbolic_links_inside_a_checkpoint_are_refused(tmp_path):
     target = step(tmp_path / "root", 3) / ckpt.STATE_DIR / "array-0001.npy"
     target.unlink()
     target.symlink_to(outside)
-    with pytest.raises(ckpt.CheckpointError, match=rf"{target} is a symbolic link; a checkpoint holds regular files only"):
+    with pytest.raises(
+        ckpt.CheckpointError, match=rf"{target} is a symbolic link; a checkpoint holds regular files only"
+    ):
         ckpt.read_array_checkpoint(tmp_path / "root")
     manifest = step(tmp_path / "root", 2) / ckpt.MANIFEST_FILE
     manifest.rename(tmp_path / "real-manifest.json")
@@ -208,12 +240,16 @@ def test_a_step_directory_that_is_a_symbolic_link_is_refused(tmp_path):
     write_steps(tmp_path / "root", steps=(1,))
     link = step(tmp_path / "root", 9)
     link.symlink_to(step(tmp_path / "elsewhere", 9), target_is_directory=True)
-    with pytest.raises(ckpt.CheckpointError, match=r"holds step-00000009, a symbolic link .* never read through a link"):
+    with pytest.raises(
+        ckpt.CheckpointError, match=r"holds step-00000009, a symbolic link .* never read through a link"
+    ):
         ckpt.resolve_checkpoint(tmp_path / "root")
     with pytest.raises(ckpt.CheckpointError, match=r"step-00000009 is a symbolic link"):
         ckpt.resolve_checkpoint(link)
     assert [s for s, _, _ in ckpt.list_checkpoints(tmp_path / "root")] == [1]  # never listed, so never pruned through
-    with pytest.raises(ckpt.CheckpointError, match=r"holds step-00000009, a symbolic link .* never written through a link"):
+    with pytest.raises(
+        ckpt.CheckpointError, match=r"holds step-00000009, a symbolic link .* never written through a link"
+    ):
         ckpt.lock_root(tmp_path / "root", "run")  # a run refuses to save into that root before it starts
 
 
@@ -222,7 +258,9 @@ def test_paths_out_of_the_checkpoint_are_refused_even_when_resealed(tmp_path):
     np.save(tmp_path / "outside.npy", np.zeros((3, 2)), allow_pickle=False)
     d = step(tmp_path / "root", 1)
     reseal(d, lambda m: m["arrays"]["means"].update(file="../../../outside.npy"))
-    with pytest.raises(ckpt.CheckpointError, match=r"array 'means' names the file '../../../outside.npy', not a sealed file"):
+    with pytest.raises(
+        ckpt.CheckpointError, match=r"array 'means' names the file '../../../outside.npy', not a sealed file"
+    ):
         ckpt.read_array_checkpoint(d)
     d = step(tmp_path / "root", 2)
     reseal(d, lambda m: m["files"].update({"state/../../../outside.npy": {"bytes": 1, "sha256": "sha256:0"}}))
@@ -233,11 +271,20 @@ def test_paths_out_of_the_checkpoint_are_refused_even_when_resealed(tmp_path):
 def test_a_tensor_index_pointing_out_of_the_checkpoint_is_refused(tmp_path):
     """DCP's storage paths (state/dcp-metadata.json) must name sealed files of state/ (checked torch-free)."""
     (tmp_path / "secret").write_bytes(b"\0" * 64)
-    for name, file in (("escape", "../../secret"), ("absolute", str(tmp_path / "secret")), ("unsealed", "__9_0.distcp")):
+    for name, file in (
+        ("escape", "../../secret"),
+        ("absolute", str(tmp_path / "secret")),
+        ("unsealed", "__9_0.distcp"),
+    ):
         pending = ckpt.begin_checkpoint(tmp_path / name, 1)
         (pending.state_dir / "__0_0.distcp").write_bytes(b"\0" * 64)
-        index = {"dcp_version": "1", "tensors": {}, "storage": [{"fqn": "model/w", "offset": [0], "index": None, "file": file, "at": 0,
-                                                                  "length": 64, "transforms": []}]}
+        index = {
+            "dcp_version": "1",
+            "tensors": {},
+            "storage": [
+                {"fqn": "model/w", "offset": [0], "index": None, "file": file, "at": 0, "length": 64, "transforms": []}
+            ],
+        }
         (pending.state_dir / ckpt.DCP_METADATA_FILE).write_text(json.dumps(index))
         ckpt.commit_checkpoint(pending, {}, kind=ckpt.TORCH_KIND)
         with pytest.raises(ckpt.CheckpointError, match=rf"the tensor index .* points at {file!r}, not a sealed file"):
@@ -277,7 +324,9 @@ def test_token_data_is_identified_by_its_content_not_its_name_and_size(tmp_path)
 def test_a_second_run_cannot_lock_a_checkpoint_root_in_use(tmp_path):
     held = ckpt.lock_root(tmp_path, "run-a")
     try:
-        with pytest.raises(ckpt.CheckpointError, match=rf"{tmp_path} is in use by another run \(pid {os.getpid()}, run run-a\)"):
+        with pytest.raises(
+            ckpt.CheckpointError, match=rf"{tmp_path} is in use by another run \(pid {os.getpid()}, run run-a\)"
+        ):
             ckpt.lock_root(tmp_path, "run-b")
     finally:
         ckpt.unlock_root(held)
@@ -317,7 +366,9 @@ ckpt.write_array_checkpoint(root, step, {"means": np.full(4, value), "weights": 
 
 def commit_killed_at(root: Path, step_: int, value: float, k: int) -> int:
     env = {**os.environ, faults.COMMIT_FAULT_ENV: f"{step_}:{k}", "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-c", WRITER, str(root), str(step_), str(value)], cwd=ROOT, env=env, timeout=60).returncode
+    return subprocess.run(
+        [sys.executable, "-c", WRITER, str(root), str(step_), str(value)], cwd=ROOT, env=env, timeout=60
+    ).returncode
 
 
 def loads(root: Path) -> tuple[int, float]:
@@ -359,6 +410,10 @@ def test_the_marker_records_the_identity_the_manifest_states(tmp_path):
     ckpt.commit_checkpoint(pending, {"plan": {"content_digest": "sha256:abc"}}, kind="k", run_id="run-1")
     marker = json.loads((step(tmp_path, 5) / ckpt.COMPLETE_MARKER).read_text())
     assert (marker["step"], marker["run_id"], marker["plan_digest"]) == (5, "run-1", "sha256:abc")
-    reseal(step(tmp_path, 5), lambda m: m["plan"].update(content_digest="sha256:other"))  # the digest matches, the identity does not
-    with pytest.raises(ckpt.CheckpointError, match=r"the manifest's step, run and plan .*sha256:other.* differ from its marker's"):
+    reseal(
+        step(tmp_path, 5), lambda m: m["plan"].update(content_digest="sha256:other")
+    )  # the digest matches, the identity does not
+    with pytest.raises(
+        ckpt.CheckpointError, match=r"the manifest's step, run and plan .*sha256:other.* differ from its marker's"
+    ):
         ckpt.verify_checkpoint(step(tmp_path, 5))

@@ -24,8 +24,14 @@ def run_cli(capsys, *argv):
 
 def test_there_are_examples_of_every_family():
     names = {p.name for p in VALID}
-    assert {"llama3-8b-hsdp-tp.yaml", "mixtral-moe-ep.yaml", "tiny-transformer.yaml", "gaussian-mixture.yaml",
-            "hmm-shared-transitions.yaml", "composite-nested-mixture.yaml"} <= names
+    assert {
+        "llama3-8b-hsdp-tp.yaml",
+        "mixtral-moe-ep.yaml",
+        "tiny-transformer.yaml",
+        "gaussian-mixture.yaml",
+        "hmm-shared-transitions.yaml",
+        "composite-nested-mixture.yaml",
+    } <= names
     assert len(INVALID) >= 10
 
 
@@ -119,7 +125,9 @@ def test_check_subprocess_imports_no_torch(write):
 def test_python_dash_m_entry_point(write):
     proc = subprocess.run(
         [sys.executable, "-m", "mixle_compile", "check", str(write(TINY.replace("tp: 2}", "tp: 2.5}")))],
-        capture_output=True, text=True, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
     )
     assert proc.returncode == 1 and "S004" in proc.stdout and proc.stderr == ""
 

@@ -33,8 +33,13 @@ def test_compiling_every_example_twice_gives_identical_bytes(capsys, tmp_path, s
 def test_compile_in_another_process_gives_the_same_bytes(capsys, tmp_path):
     here = tmp_path / "here.json"
     run_cli(capsys, "compile", EXAMPLES / "mixtral-moe-ep.yaml", "-o", here)
-    other = subprocess.run([sys.executable, "-m", "mixle_compile", "compile", str(EXAMPLES / "mixtral-moe-ep.yaml")],
-                           capture_output=True, cwd=ROOT, env={"PYTHONHASHSEED": "99", "PATH": ""}, check=True).stdout
+    other = subprocess.run(
+        [sys.executable, "-m", "mixle_compile", "compile", str(EXAMPLES / "mixtral-moe-ep.yaml")],
+        capture_output=True,
+        cwd=ROOT,
+        env={"PYTHONHASHSEED": "99", "PATH": ""},
+        check=True,
+    ).stdout
     assert other == here.read_bytes()
 
 
@@ -80,15 +85,28 @@ def test_explain_refuses_a_tampered_plan(capsys, tmp_path):
 def test_diff_of_plans_and_specs(capsys, tmp_path):
     changed = tmp_path / "tp4.yaml"
     # tp 8 -> 4 doubles dp_shard (auto); halve accumulation to keep the global batch
-    changed.write_text((EXAMPLES / "llama3-8b-hsdp-tp.yaml").read_text().replace("tp: 8", "tp: 4").replace("gradient_accumulation_steps: 8", "gradient_accumulation_steps: 4"))
+    changed.write_text(
+        (EXAMPLES / "llama3-8b-hsdp-tp.yaml")
+        .read_text()
+        .replace("tp: 8", "tp: 4")
+        .replace("gradient_accumulation_steps: 8", "gradient_accumulation_steps: 4")
+    )
     status, out, _ = run_cli(capsys, "diff", EXAMPLES / "llama3-8b-hsdp-tp.yaml", changed)
     assert status == 0 and "tp: 8 -> 4" in out and "memory per rank:" in out  # a difference is not a failure
-    status, out, _ = run_cli(capsys, "diff", "--exit-code", EXAMPLES / "llama3-8b-hsdp-tp.yaml", changed, "--format", "json")
+    status, out, _ = run_cli(
+        capsys, "diff", "--exit-code", EXAMPLES / "llama3-8b-hsdp-tp.yaml", changed, "--format", "json"
+    )
     assert status == 1 and json.loads(out)["mesh"]["tp"] == {"from": 8, "to": 4}  # unless asked, like git diff
-    status, out, _ = run_cli(capsys, "diff", "--exit-code", EXAMPLES / "tiny-transformer.yaml", EXAMPLES / "tiny-transformer.yaml")
+    status, out, _ = run_cli(
+        capsys, "diff", "--exit-code", EXAMPLES / "tiny-transformer.yaml", EXAMPLES / "tiny-transformer.yaml"
+    )
     assert status == 0 and "same plan" in out
-    status, _, err = run_cli(capsys, "diff", EXAMPLES / "tiny-transformer.yaml", EXAMPLES / "invalid" / "t001-heads-split-by-tp.yaml")
-    assert status == 1 and "T001" in err  # a spec that does not compile cannot be compared: its findings, exit 1 as in every verb
+    status, _, err = run_cli(
+        capsys, "diff", EXAMPLES / "tiny-transformer.yaml", EXAMPLES / "invalid" / "t001-heads-split-by-tp.yaml"
+    )
+    assert (
+        status == 1 and "T001" in err
+    )  # a spec that does not compile cannot be compared: its findings, exit 1 as in every verb
 
 
 @pytest.mark.parametrize("fmt, head", [("dot", "digraph decomposition {"), ("mermaid", "flowchart TD")])

@@ -25,7 +25,9 @@ print(json.dumps({"status": status, "modules": sorted(sys.modules)}))
 
 def loaded(*argv: str) -> tuple[int, set[str]]:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    done = subprocess.run([sys.executable, "-c", PROBE, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
     last = done.stdout.strip().splitlines()[-1]
     report = json.loads(last)
     return report["status"], {m.split(".")[0] for m in report["modules"]}
@@ -35,11 +37,17 @@ def loaded(*argv: str) -> tuple[int, set[str]]:
 def test_check_imports_neither_torch_nor_the_graph_libraries(spec):
     status, roots = loaded("check", str(ROOT / "examples" / spec))
     assert status == 0
-    assert not roots & {"torch", "numpy", "networkx", "jsonschema", "matplotlib"}, roots & {"torch", "numpy", "networkx"}
+    assert not roots & {"torch", "numpy", "networkx", "jsonschema", "matplotlib"}, roots & {
+        "torch",
+        "numpy",
+        "networkx",
+    }
     assert "z3" in roots  # the verifier did run
 
 
 def test_compile_of_a_transformer_does_not_import_torch(tmp_path):
-    status, roots = loaded("compile", str(ROOT / "examples" / "tiny-transformer.yaml"), "-o", str(tmp_path / "plan.json"))
+    status, roots = loaded(
+        "compile", str(ROOT / "examples" / "tiny-transformer.yaml"), "-o", str(tmp_path / "plan.json")
+    )
     assert status == 0 and (tmp_path / "plan.json").exists()
     assert "torch" not in roots

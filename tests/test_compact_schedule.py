@@ -18,7 +18,7 @@ import pytest
 
 from mixle_compile.contracts import CollectiveKind
 from mixle_compile.engines import engine_profile
-from mixle_compile.lower.compact import Loop, check_compact, compress, expand, expand_all, program_dict, program_from
+from mixle_compile.lower.compact import Loop, check_compact, compress, expand_all, program_dict, program_from
 from mixle_compile.lower.groups import rule_name
 from mixle_compile.lower.lowering import lower
 from mixle_compile.lower.schedule import OpKind, check_schedule, collective, insert_collectives, pipeline_schedule
@@ -29,7 +29,12 @@ from mixle_compile.spec import load_spec_text
 from tests.conftest import ROOT
 from tests.test_runtime_support import compile_text
 
-ANCHOR = {"gradient": "after_last_backward", "parameter": "end", "forward": "before_forward", "backward": "after_backward"}
+ANCHOR = {
+    "gradient": "after_last_backward",
+    "parameter": "end",
+    "forward": "before_forward",
+    "backward": "after_backward",
+}
 
 
 def explicit_programs(low, pipeline: str, virtual: int, engine):
@@ -45,9 +50,13 @@ def explicit_programs(low, pipeline: str, virtual: int, engine):
         body = [op for op in program if op.kind is not OpKind.optimizer]
         batches = 1 + max((op.batch for op in body if op.batch is not None), default=-1)
         ops = [
-            dataclasses.replace(op, microbatch=None if op.microbatch is None else op.microbatch + r * per_run,
-                                batch=None if op.batch is None else op.batch + r * batches)
-            for r in range(runs) for op in body
+            dataclasses.replace(
+                op,
+                microbatch=None if op.microbatch is None else op.microbatch + r * per_run,
+                batch=None if op.batch is None else op.batch + r * batches,
+            )
+            for r in range(runs)
+            for op in body
         ]
         programs.append(tuple(ops) + tuple(op for op in program if op.kind is OpKind.optimizer))
     programs = tuple(programs)
@@ -55,7 +64,12 @@ def explicit_programs(low, pipeline: str, virtual: int, engine):
         for stage in range(plan.pp):
             copies = (lambda u: 1) if phase in ("forward", "backward") else (lambda u: u.occurrences_per_step)
             ops = [
-                collective(u.update.node_id, rule_name(u.update.mesh_axes), tag=u.update.collective.value, bytes=u.payload_bytes)
+                collective(
+                    u.update.node_id,
+                    rule_name(u.update.mesh_axes),
+                    tag=u.update.collective.value,
+                    bytes=u.payload_bytes,
+                )
                 for u in updates
                 if u.phase == phase and u.stage == stage and u.update.collective is not CollectiveKind.P2P
                 for _ in range(copies(u))
@@ -65,7 +79,9 @@ def explicit_programs(low, pipeline: str, virtual: int, engine):
     return programs
 
 
-def spec(*, pp=2, mb=4, gas=1, schedule="1f1b", virtual=1, ds=1, tp=1, tie=False, backend="torch", layers=4, dopt=False):
+def spec(
+    *, pp=2, mb=4, gas=1, schedule="1f1b", virtual=1, ds=1, tp=1, tie=False, backend="torch", layers=4, dopt=False
+):
     world = pp * ds * tp
     text = f"""\
 model: {{family: transformer, vocab_size: 128, hidden_size: 32, num_layers: {layers}, num_heads: 4, num_kv_heads: 2,
@@ -88,7 +104,9 @@ GRID = [
     for pp, mb, schedule, virtual, (backend, gas, ds, tie) in itertools.product(
         (1, 2, 4), (2, 4, 6), ("gpipe", "1f1b", "interleaved_1f1b"), (1, 2), VARIANTS
     )
-    if (virtual == 1 or schedule == "interleaved_1f1b") and not (virtual > 1 and pp == 1) and not (pp == 1 and schedule != "gpipe")
+    if (virtual == 1 or schedule == "interleaved_1f1b")
+    and not (virtual > 1 and pp == 1)
+    and not (pp == 1 and schedule != "gpipe")
 ]
 
 
@@ -111,7 +129,10 @@ def test_stated_programs_expand_to_the_explicit_ones_and_check_the_same():
         verdict = check_schedule(old, low.grid, exhaustive_limit=EXHAUSTIVE_RANKS, buffered_sends=engine.buffered_sends)
         assert low.schedule.check.ok == verdict.ok, case
         # the stated form round-trips through the plan's JSON
-        assert tuple(program_from(json.loads(json.dumps(program_dict(p)))) for p in low.schedule.stages) == low.schedule.stages
+        assert (
+            tuple(program_from(json.loads(json.dumps(program_dict(p)))) for p in low.schedule.stages)
+            == low.schedule.stages
+        )
         compared += 1
     assert compared > 30
 
@@ -119,6 +140,7 @@ def test_stated_programs_expand_to_the_explicit_ones_and_check_the_same():
 def _mutations(stages):
     """Programs broken (or not) on purpose, each a tuple of stage programs."""
     for s, p in enumerate(stages):
+
         def put(new, s=s):
             return stages[:s] + (new,) + stages[s + 1 :]
 
@@ -127,10 +149,18 @@ def _mutations(stages):
             if isinstance(item, Loop):
                 for repeat in (item.repeat - 1, item.repeat + 1):
                     if repeat >= 1:
-                        yield put(dataclasses.replace(p, body=p.body[:i] + (dataclasses.replace(item, repeat=repeat),) + p.body[i + 1 :]))
+                        yield put(
+                            dataclasses.replace(
+                                p, body=p.body[:i] + (dataclasses.replace(item, repeat=repeat),) + p.body[i + 1 :]
+                            )
+                        )
                 if len(item.ops) > 1:
                     ops = item.ops[1:] + item.ops[:1]
-                    yield put(dataclasses.replace(p, body=p.body[:i] + (dataclasses.replace(item, ops=ops),) + p.body[i + 1 :]))
+                    yield put(
+                        dataclasses.replace(
+                            p, body=p.body[:i] + (dataclasses.replace(item, ops=ops),) + p.body[i + 1 :]
+                        )
+                    )
         if len(p.body) > 1:
             yield put(dataclasses.replace(p, body=p.body[1:] + p.body[:1]))
         yield put(dataclasses.replace(p, runs=p.runs + 1))
@@ -140,7 +170,11 @@ def _mutations(stages):
             yield put(dataclasses.replace(p, after_last_backward=tuple(rest)))
         if p.before_forward:
             yield put(dataclasses.replace(p, before_forward=p.before_forward[1:]))
-            yield put(dataclasses.replace(p, before_forward=p.before_forward[:1] + (dataclasses.replace(p.before_forward[0], group="tied"),)))
+            yield put(
+                dataclasses.replace(
+                    p, before_forward=p.before_forward[:1] + (dataclasses.replace(p.before_forward[0], group="tied"),)
+                )
+            )
 
 
 @pytest.mark.parametrize(
@@ -159,7 +193,9 @@ def test_the_check_on_the_stated_form_gives_the_explicit_verdict_on_broken_progr
     verdicts = set()
     for mutated in _mutations(low.schedule.stages):
         try:
-            explicit = check_schedule(expand_all(mutated), low.grid, exhaustive_limit=EXHAUSTIVE_RANKS, buffered_sends=buffered).ok
+            explicit = check_schedule(
+                expand_all(mutated), low.grid, exhaustive_limit=EXHAUSTIVE_RANKS, buffered_sends=buffered
+            ).ok
         except ValueError:
             explicit = False
         try:
@@ -245,6 +281,8 @@ def test_an_old_format_plan_is_refused_with_how_to_fix(tmp_path):
     with pytest.raises(PlanError, match=f"old plan format {FORMAT_VERSION - 1}.*recompile"):
         load_plan_text(path.read_text())
     for verb in ("explain", "run"):
-        done = subprocess.run([sys.executable, "-m", "mixle_compile", verb, str(path)], capture_output=True, text=True, cwd=ROOT)
+        done = subprocess.run(
+            [sys.executable, "-m", "mixle_compile", verb, str(path)], capture_output=True, text=True, cwd=ROOT
+        )
         assert done.returncode == 2, (verb, done.stderr)
         assert "recompile" in done.stderr and "Traceback" not in done.stderr

@@ -68,7 +68,7 @@ def test_the_grouped_finding_and_the_diff_are_what_check_prints(capsys, tmp_path
     out = capsys.readouterr().out
     printed = shown.split("$ ")[0]
     assert printed.startswith("...\n")
-    assert out.endswith(printed[len("...\n"):])
+    assert out.endswith(printed[len("...\n") :])
     assert cli.main(fix.split()[1:]) == 0
     assert capsys.readouterr().out == "All checks passed: 1 file.\n"
 
@@ -104,13 +104,21 @@ IN_THE_PROJECT = {
     "mixle-compile check - --stdin-filename configs/llama.yaml < configs/llama.yaml": (0, {"All checks passed"}, set()),
 }
 #: The commands the other tests of this file run as the page writes them.
-RUN_ELSEWHERE = {"mixle-compile check configs/", "mixle-compile check configs/tiny.yaml",
-                 "mixle-compile check --diff configs/tiny.yaml", "mixle-compile check --fix configs/tiny.yaml"}
+RUN_ELSEWHERE = {
+    "mixle-compile check configs/",
+    "mixle-compile check configs/tiny.yaml",
+    "mixle-compile check --diff configs/tiny.yaml",
+    "mixle-compile check --fix configs/tiny.yaml",
+}
 
 
 def page_commands() -> list[str]:
-    return [re.sub(r"\s+#.*$", "", line[2:]).strip() for block in blocks("console") for line in block.splitlines()
-            if line.startswith("$ ")]
+    return [
+        re.sub(r"\s+#.*$", "", line[2:]).strip()
+        for block in blocks("console")
+        for line in block.splitlines()
+        if line.startswith("$ ")
+    ]
 
 
 def test_every_command_of_the_page_runs_in_a_test():

@@ -70,9 +70,7 @@ plans = st.builds(ParallelPlan, **{name: degrees for name in PLAN_FIELDS})
 axis_sets = st.frozensets(st.sampled_from(list(ParallelAxis)))
 precision_names = st.sampled_from(["fp32", "bf16", "fp16", "fp8", "tf32"])
 identifiers = st.from_regex(r"[a-z_][a-z0-9_]{0,8}", fullmatch=True)
-texts = st.text(
-    alphabet=st.characters(min_codepoint=33, max_codepoint=126), min_size=1, max_size=12
-)
+texts = st.text(alphabet=st.characters(min_codepoint=33, max_codepoint=126), min_size=1, max_size=12)
 
 
 @st.composite
@@ -286,11 +284,7 @@ def test_plan_mesh_matches_definition(plan):
 @given(plans)
 def test_plan_mesh_of_a_compiled_plan_always_has_dp_replicate(plan):
     names, shape = plan.plan_mesh
-    expected_names = [
-        a.value
-        for a in MESH_AXIS_ORDER
-        if getattr(plan, a.value) > 1 or a is ParallelAxis.DP_REPLICATE
-    ]
+    expected_names = [a.value for a in MESH_AXIS_ORDER if getattr(plan, a.value) > 1 or a is ParallelAxis.DP_REPLICATE]
     assert list(names) == expected_names
     assert shape == tuple(getattr(plan, n) for n in names)
     assert math.prod(shape) == plan.world_size
@@ -490,9 +484,15 @@ def test_capabilities_validate_requires_a_plan():
 
 
 def test_builtin_capabilities():
-    assert BUILTIN_CAPABILITIES == {"torch": TORCH_CAPABILITIES, "megatron": MEGATRON_CAPABILITIES,
-                                    "torchtitan": TORCHTITAN_CAPABILITIES, "deepspeed": DEEPSPEED_CAPABILITIES}
-    assert DEEPSPEED_CAPABILITIES.precisions == {"fp32", "bf16", "fp16"} and DEEPSPEED_CAPABILITIES.distributed_optimizer
+    assert BUILTIN_CAPABILITIES == {
+        "torch": TORCH_CAPABILITIES,
+        "megatron": MEGATRON_CAPABILITIES,
+        "torchtitan": TORCHTITAN_CAPABILITIES,
+        "deepspeed": DEEPSPEED_CAPABILITIES,
+    }
+    assert (
+        DEEPSPEED_CAPABILITIES.precisions == {"fp32", "bf16", "fp16"} and DEEPSPEED_CAPABILITIES.distributed_optimizer
+    )
     assert TORCH_CAPABILITIES.axes == frozenset(ParallelAxis)
     assert TORCH_CAPABILITIES.precisions == {"fp32", "bf16", "fp64"}
     assert TORCH_CAPABILITIES.distributed_optimizer and TORCH_CAPABILITIES.reshardable_checkpoint
@@ -558,7 +558,9 @@ def test_layout_rejects_bad_shape_dims(bad):
         layout(global_shape=(8, bad))
 
 
-@pytest.mark.parametrize("bad", ["shard(x)", "Shard(0)", "shard(-1)", "shard(01)", "shard( 0)", "split", "", "replicated"])
+@pytest.mark.parametrize(
+    "bad", ["shard(x)", "Shard(0)", "shard(-1)", "shard(01)", "shard( 0)", "split", "", "replicated"]
+)
 def test_layout_rejects_malformed_placements(bad):
     with pytest.raises(ValueError) as info:
         layout(placements=(("tp", bad),))
@@ -603,7 +605,9 @@ def test_update_round_trip(update):
 
 
 def test_update_accepts_enum_strings():
-    update = make_update(payload="gradient", collective="reduce_scatter", state_layout="sharded", mesh_axes=["dp_shard"])
+    update = make_update(
+        payload="gradient", collective="reduce_scatter", state_layout="sharded", mesh_axes=["dp_shard"]
+    )
     assert update.payload is PayloadKind.GRADIENT
     assert update.collective is CollectiveKind.REDUCE_SCATTER
     assert update.state_layout is StateLayout.SHARDED
@@ -691,7 +695,9 @@ def test_observed_errors_reject_non_numbers_and_coerce_ints():
 
 @pytest.mark.parametrize("bad", [True, 1.0, "3", None, -1])
 def test_sample_count_must_be_exact_non_negative_int(bad):
-    with pytest.raises((TypeError, ValueError), match=r"DistributedUpdate\.numerics_sample_count must be an integer >= 0"):
+    with pytest.raises(
+        (TypeError, ValueError), match=r"DistributedUpdate\.numerics_sample_count must be an integer >= 0"
+    ):
         make_update(numerics_sample_count=bad)
 
 

@@ -48,4 +48,6 @@ def test_every_failing_config_is_rejected_naming_its_fields(path):
     found = [d for d in result.diagnostics if d.code == code and d.severity is Severity.error]
     assert found, f"{path.name}: expected {code}, got {[d.code for d in result.diagnostics]}"
     named = set(found[0].fields)
-    assert named <= set(fields) and len(named) >= min(2, len(fields)), f"{path.name}: {code} names {sorted(named)}, expected among {fields}"
+    assert named <= set(fields) and len(named) >= min(2, len(fields)), (
+        f"{path.name}: {code} names {sorted(named)}, expected among {fields}"
+    )

@@ -121,7 +121,9 @@ def test_the_exchangeable_cut_is_the_better_of_the_two_orders_exactly(case):
     reordered = None
     if index is not None:
         order = index.tolist()
-        reordered = brute_force_contiguous_cut([works[i] for i in order], [unit_bytes[i] for i in order], speeds, rooms, m)
+        reordered = brute_force_contiguous_cut(
+            [works[i] for i in order], [unit_bytes[i] for i in order], speeds, rooms, m
+        )
     free = exchangeable_cut(*case)
     candidates = [c.bottleneck for c in (fixed, reordered) if c is not None]
     assert (free is None) == (not candidates)
@@ -165,5 +167,7 @@ def test_the_fill_ends_every_device_within_one_unit_of_a_common_finish():
     # a share that does not fit its room: nothing is placed
     tight = [10**9, 10, 10**9]
     before = device_of.copy()
-    assert not cut_module._fill_to_common_finish(units, device_of, list(load), tight, works, np.ones(5000, dtype=np.int64), speeds)
+    assert not cut_module._fill_to_common_finish(
+        units, device_of, list(load), tight, works, np.ones(5000, dtype=np.int64), speeds
+    )
     assert (device_of == before).all()

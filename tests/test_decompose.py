@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 from mixle_compile.decompose import (
     MAX_CUT_UNITS,
     ContiguousCut,
-    Device,
     bottleneck_lower_bound,
     brute_force_contiguous_cut,
     cut_bottleneck,
@@ -107,7 +106,11 @@ def test_allowed_axes_restricts_the_cut():
     plan = decompose(spec_of(root, 2), prefer_data_parallel=False)
     assert plan.path == "model.root.factors[0]"
     plan = decompose(spec_of(root, 2), prefer_data_parallel=False, allowed_axes={"factor"})
-    assert (plan.path, plan.axis, plan.permutation) == ("model.root", DecompAxis.FACTOR, (0, 1, 2))  # factors keep their order
+    assert (plan.path, plan.axis, plan.permutation) == (
+        "model.root",
+        DecompAxis.FACTOR,
+        (0, 1, 2),
+    )  # factors keep their order
     plan = decompose(spec_of(root, 2), allowed_axes={"state"})
     assert plan.axis is DecompAxis.NONE and "among the allowed axes" in plan.rationale
 
@@ -126,14 +129,21 @@ def test_the_decomposition_records_enough_to_recompute_its_bottleneck():
     assert [c.device.rank for c in plan.cuts] == sorted({c.device.rank for c in plan.cuts})
     # the same recomputation from the JSON form alone
     data = json.loads(json.dumps(plan.as_dict()))
-    again = max(sum(data["unit_works"][i] for i in data["permutation"][c["start"] : c["stop"]]) / c["device"]["throughput"] for c in data["cuts"])
+    again = max(
+        sum(data["unit_works"][i] for i in data["permutation"][c["start"] : c["stop"]]) / c["device"]["throughput"]
+        for c in data["cuts"]
+    )
     assert again == pytest.approx(data["bottleneck"], rel=1e-12)
 
 
 def test_an_empty_shard_does_not_shift_the_pairing_of_cuts_and_devices():
     # the first, fastest device cannot hold even one unit (32 bytes of weights + 288 > 300):
     # the cuts start on the second device and name it
-    devices = [group(300, 1, "1000GFLOPS", "tiny"), group("1GiB", 1, "100GFLOPS", "a"), group("1GiB", 1, "300GFLOPS", "b")]
+    devices = [
+        group(300, 1, "1000GFLOPS", "tiny"),
+        group("1GiB", 1, "100GFLOPS", "a"),
+        group("1GiB", 1, "300GFLOPS", "b"),
+    ]
     plan = decompose(spec_of(mixture(8), devices), prefer_data_parallel=False)
     assert plan.ok
     assert [(c.device.label, c.stop - c.start) for c in plan.cuts] == [("a#1", 2), ("b#2", 6)]
@@ -161,7 +171,10 @@ def test_min_components_per_shard_is_enforced():
 
 def test_a_unit_larger_than_every_device_is_a_diagnostic_with_path_and_numbers():
     big = {"type": "gaussian", "dim": 100, "covariance": "full"}  # 10100 scalars = 40400 bytes
-    root = {"type": "composite", "factors": [{"type": "poisson"}, {"type": "mixture", "components": [GAUSS_FULL_8, big]}]}
+    root = {
+        "type": "composite",
+        "factors": [{"type": "poisson"}, {"type": "mixture", "components": [GAUSS_FULL_8, big]}],
+    }
     plan = decompose(spec_of(root, [group("32KiB", 4)]), prefer_data_parallel=False)
     (d,) = plan.diagnostics
     assert d.code == "G002" and not plan.ok and plan.cuts == ()
@@ -181,7 +194,9 @@ def test_too_few_devices_is_a_diagnostic_with_the_count_needed():
 
 def test_memory_and_min_components_together_can_make_every_cut_impossible():
     # each device fits 5 units, but a shard must hold at least 6
-    plan = decompose(spec_of(mixture(10), [group(40 + 5 * 288, 4)]), prefer_data_parallel=False, min_components_per_shard=6)
+    plan = decompose(
+        spec_of(mixture(10), [group(40 + 5 * 288, 4)]), prefer_data_parallel=False, min_components_per_shard=6
+    )
     assert [d.code for d in plan.diagnostics] == ["G003"] and "at least 6 units" in plan.diagnostics[0].message
 
 
@@ -202,7 +217,11 @@ def test_an_axis_beyond_the_exact_cut_is_a_diagnostic_not_a_crash():
 
 
 def test_a_broken_graph_is_passed_on_not_placed():
-    spec = spec_of({"type": "mixture", "components": [{"ref": "a"}, {"type": "poisson"}]}, 2, {"a": {"type": "mixture", "components": [{"ref": "a"}]}})
+    spec = spec_of(
+        {"type": "mixture", "components": [{"ref": "a"}, {"type": "poisson"}]},
+        2,
+        {"a": {"type": "mixture", "components": [{"ref": "a"}]}},
+    )
     plan = decompose(spec)
     assert [d.code for d in plan.diagnostics] == ["G001"] and plan.axis is DecompAxis.NONE
 
@@ -219,7 +238,11 @@ def test_every_graph_code_is_documented():
 def test_devices_without_throughput_are_equal_and_mixed_ones_take_the_slowest_stated():
     equal = devices_from_resources(Resources.model_validate({"devices": 3, "memory": "1GiB"}))
     assert [d.throughput for d in equal] == [1.0] * 3 and [d.rank for d in equal] == [0, 1, 2]
-    mixed = devices_from_resources(Resources.model_validate({"devices": [group("1GiB", 1, "5TFLOPS"), group("1GiB", 1, "2TFLOPS"), group("1GiB", 1)]}))
+    mixed = devices_from_resources(
+        Resources.model_validate(
+            {"devices": [group("1GiB", 1, "5TFLOPS"), group("1GiB", 1, "2TFLOPS"), group("1GiB", 1)]}
+        )
+    )
     assert [d.throughput for d in mixed] == [5e12, 2e12, 2e12]
     assert [d.throughput_stated for d in mixed] == [True, True, False]
 

@@ -31,8 +31,11 @@ resources: {devices: 4, kind: cpu, memory: 2GiB}
 """
 # Everything outside the mesh: optimizer, learning rate, steps, seed, schedule and virtual stages.
 CHANGED = (
-    PIPELINED.replace("optimizer: adamw", "optimizer: sgd").replace("1.0e-3", "3.0e-4").replace("steps: 20", "steps: 40")
-    .replace("seed: 0", "seed: 1").replace("pipeline_schedule: 1f1b", "pipeline_schedule: interleaved_1f1b\n  virtual_pipeline_stages: 2")
+    PIPELINED.replace("optimizer: adamw", "optimizer: sgd")
+    .replace("1.0e-3", "3.0e-4")
+    .replace("steps: 20", "steps: 40")
+    .replace("seed: 0", "seed: 1")
+    .replace("pipeline_schedule: 1f1b", "pipeline_schedule: interleaved_1f1b\n  virtual_pipeline_stages: 2")
 )
 
 
@@ -49,7 +52,11 @@ def pair():
 
 def test_spec_changes_are_dotted_paths_through_dicts_and_lists():
     a = {"training": {"lr": 1, "steps": 2}, "resources": {"devices": [{"memory": 1}, {"memory": 2}]}, "gone": 0}
-    b = {"training": {"lr": 3, "steps": 2}, "resources": {"devices": [{"memory": 1}, {"memory": 5}, {"memory": 6}]}, "new": None}
+    b = {
+        "training": {"lr": 3, "steps": 2},
+        "resources": {"devices": [{"memory": 1}, {"memory": 5}, {"memory": 6}]},
+        "new": None,
+    }
     assert spec_changes(a, b) == [
         {"path": "gone", "change": "removed", "from": 0},
         {"path": "new", "change": "added", "to": None},
@@ -57,7 +64,9 @@ def test_spec_changes_are_dotted_paths_through_dicts_and_lists():
         {"path": "resources.devices[2]", "change": "added", "to": {"memory": 6}},
         {"path": "training.lr", "change": "changed", "from": 1, "to": 3},
     ]
-    assert spec_changes({"x": 1}, {"x": True}) == [{"path": "x", "change": "changed", "from": 1, "to": True}]  # 1 == True in Python
+    assert spec_changes({"x": 1}, {"x": True}) == [
+        {"path": "x", "change": "changed", "from": 1, "to": True}
+    ]  # 1 == True in Python
     assert spec_changes(a, a) == []
 
 
@@ -74,8 +83,14 @@ def test_every_spec_field_outside_the_mesh_is_shown(pair):
         "training.virtual_pipeline_stages": (1, 2),
     }
     text = diff_text(a, b)
-    for line in ("training.optimizer: adamw -> sgd", "training.learning_rate: 0.001 -> 0.0003", "training.steps: 20 -> 40",
-                 "training.seed: 0 -> 1", "training.pipeline_schedule: 1f1b -> interleaved_1f1b", "training.virtual_pipeline_stages: 1 -> 2"):
+    for line in (
+        "training.optimizer: adamw -> sgd",
+        "training.learning_rate: 0.001 -> 0.0003",
+        "training.steps: 20 -> 40",
+        "training.seed: 0 -> 1",
+        "training.pipeline_schedule: 1f1b -> interleaved_1f1b",
+        "training.virtual_pipeline_stages: 1 -> 2",
+    ):
         assert line in text
 
 
@@ -89,7 +104,9 @@ def test_the_pipeline_consequences_are_shown(pair):
 
     assert p["ops_per_stage"]["to"] == [len(ops) for ops in plan_programs(b.schedule)]
     text = diff_text(a, b)
-    assert f"bubble fraction: {a.schedule.bubble_fraction:.1%} -> {b.schedule.bubble_fraction:.1%}" in text  # 42.9% -> 27.3%
+    assert (
+        f"bubble fraction: {a.schedule.bubble_fraction:.1%} -> {b.schedule.bubble_fraction:.1%}" in text
+    )  # 42.9% -> 27.3%
     # P008 reports the bubble in its message: the finding stays, its figure moves, and diff says so
     (moved,) = d["verdict"]["changed_findings"]
     assert moved["code"] == "P008" and "43%" in moved["from"] and "27%" in moved["to"]
@@ -101,7 +118,10 @@ def test_updates_collectives_memory_and_traffic_per_axis(pair):
     d = diff_data(a, b)
     assert d["updates"]["count"] == {"from": len(a.updates), "to": len(b.updates)}
     changed = {e["update"]: e["fields"] for e in d["updates"]["changed"]}
-    assert changed["stage.0->1:activation (forward, stage 0)"]["occurrences_per_step"] == {"from": 4, "to": 8}  # 2 chunks
+    assert changed["stage.0->1:activation (forward, stage 0)"]["occurrences_per_step"] == {
+        "from": 4,
+        "to": 8,
+    }  # 2 chunks
     assert d["traffic_per_axis"] == [{"axes": "pp", "from": 128 * 1024, "to": 256 * 1024, "delta": 128 * 1024}]
     assert d["peak_memory"] == {"from": max(m.total for m in a.memory), "to": max(m.total for m in b.memory)}
     # sgd keeps no moments: the optimizer state falls on every stage
@@ -116,16 +136,28 @@ def test_updates_collectives_memory_and_traffic_per_axis(pair):
 def test_every_changed_section_of_the_plan_is_reported(pair):
     a, b = pair
     d = diff_data(a, b)
-    key = {"spec": "spec", "mesh": "mesh", "groups": "groups", "parameters": "layouts", "schedule": "pipeline",
-           "decomposition": "model_cut", "memory": "memory", "traffic": "traffic"}
+    key = {
+        "spec": "spec",
+        "mesh": "mesh",
+        "groups": "groups",
+        "parameters": "layouts",
+        "schedule": "pipeline",
+        "decomposition": "model_cut",
+        "memory": "memory",
+        "traffic": "traffic",
+    }
     assert d["changed_sections"]
     for section in d["changed_sections"]:
         if section == "updates":
             assert d["updates"]["changed"] or d["updates"]["added"] or d["updates"]["removed"]
         elif section == "verdict":
             v = d["verdict"]
-            assert v["changed_findings"] or v["new_findings"] or v["resolved_findings"] or any(
-                v[k]["from"] != v[k]["to"] for k in ("ok", "errors", "warnings", "reductions_exactly_once"))
+            assert (
+                v["changed_findings"]
+                or v["new_findings"]
+                or v["resolved_findings"]
+                or any(v[k]["from"] != v[k]["to"] for k in ("ok", "errors", "warnings", "reductions_exactly_once"))
+            )
         else:
             assert d[key[section]], section
 
@@ -153,7 +185,11 @@ def test_the_command_prints_the_same_changes_as_json(capsys, tmp_path):
     out = capsys.readouterr().out
     assert status == 0
     data = json.loads(out)
-    assert {e["path"] for e in data["spec"]} >= {"training.optimizer", "training.seed", "training.virtual_pipeline_stages"}
+    assert {e["path"] for e in data["spec"]} >= {
+        "training.optimizer",
+        "training.seed",
+        "training.virtual_pipeline_stages",
+    }
     assert data["pipeline"]["bubble_fraction"]["to"] < data["pipeline"]["bubble_fraction"]["from"]
     status = cli.main(["diff", str(tmp_path / "a.yaml"), str(tmp_path / "b.yaml")])
     out = capsys.readouterr().out

@@ -74,13 +74,16 @@ def _blocks(page: Path):
             indented = []
         if block is None and m:
             block, lang, fence = [], m["lang"].lower(), m["fence"]
-        elif block is not None and line.strip().startswith(fence) and not line.strip()[len(fence):].strip():
+        elif block is not None and line.strip().startswith(fence) and not line.strip()[len(fence) :].strip():
             yield lang, block
             block = None
         elif block is not None:
             block.append((number, line))
-        elif line.startswith("    ") and line.strip() and (indented or (number > 1 and not lines[number - 2].strip()
-                                                                          and not in_list)):
+        elif (
+            line.startswith("    ")
+            and line.strip()
+            and (indented or (number > 1 and not lines[number - 2].strip() and not in_list))
+        ):
             indented.append((number, line[4:]))
         elif line.strip() and not line.startswith("    "):
             in_list = bool(_LIST_ITEM.match(line)) or (in_list and line.startswith("  "))
@@ -123,7 +126,9 @@ def _world_size(workdir: Path, argument: str) -> int | None:
 
 def _needs(text: str) -> str:
     if "--torchtitan" in text and not (importlib.util.find_spec("torchtitan") and importlib.util.find_spec("triton")):
-        return "--torchtitan imports torchtitan's model code, which needs torchtitan and triton (the `torchtitan` extra)"
+        return (
+            "--torchtitan imports torchtitan's model code, which needs torchtitan and triton (the `torchtitan` extra)"
+        )
     if re.search(r"--device(?:s)?[ =]cuda|\bnccl\b", text):
         return "needs a GPU"
     return ""
@@ -140,7 +145,7 @@ def collect() -> list[Command]:
                         continue
                     command = text[2:].strip()
                     output = []
-                    for _, after in joined[k + 1:]:
+                    for _, after in joined[k + 1 :]:
                         if after.startswith("$ "):
                             break
                         output.append(after)
@@ -153,15 +158,30 @@ def collect() -> list[Command]:
                     if text.strip() and not text.lstrip().startswith("#"):
                         for c in _classify(page, number, text.strip(), ""):
                             if writes and not c.skip:
-                                c = Command(c.page, c.line, c.text, c.expect, "the script writes its own inputs first "
-                                            "(a heredoc), which the docs test does not run", c.runtime)
+                                c = Command(
+                                    c.page,
+                                    c.line,
+                                    c.text,
+                                    c.expect,
+                                    "the script writes its own inputs first "
+                                    "(a heredoc), which the docs test does not run",
+                                    c.runtime,
+                                )
                             found.append(c)
             else:  # YAML, TOML, text: CI steps and configs, not commands for this shell
                 for number, text in joined:
                     step = re.match(r"^\s*(?:-\s*)?run:\s*(?P<cmd>.*mixle-compile.*)$", text)
                     if step:
-                        found.append(Command(page, number, step["cmd"], 0, skip=_install(step["cmd"]) or
-                                             "a CI workflow step: it runs in the user's repository, on its configs"))
+                        found.append(
+                            Command(
+                                page,
+                                number,
+                                step["cmd"],
+                                0,
+                                skip=_install(step["cmd"])
+                                or "a CI workflow step: it runs in the user's repository, on its configs",
+                            )
+                        )
     return found
 
 
@@ -171,18 +191,36 @@ def _classify(page: Path, number: int, command: str, output: str) -> list[Comman
     if install:
         return [Command(page, number, command, 0, skip=install)]
     if bare.startswith("torchrun "):
-        return [Command(page, number, command, 0, skip="a torchrun launch (several machines or processes started by torchrun)")]
+        return [
+            Command(
+                page, number, command, 0, skip="a torchrun launch (several machines or processes started by torchrun)"
+            )
+        ]
     module = re.match(r"^python3? -m mixle_compile(?P<sub>\.runtime)?\s", bare)
     if not bare.startswith("mixle-compile ") and not module:
         return []  # `. .venv/bin/activate`, `dot -Tsvg ...`: not this tool's commands
     words = bare.split()
-    verb = "run" if module and module["sub"] else (words[3] if module else words[1]) if len(words) > (3 if module else 1) else ""
+    verb = (
+        "run"
+        if module and module["sub"]
+        else (words[3] if module else words[1])
+        if len(words) > (3 if module else 1)
+        else ""
+    )
     expect = 1 if _FAILING.search(output) else 0
     if page.name == "configuration.md" and "configs/" in command:
         # the page's commands run in the reader's own project, whose specs live in configs/:
         # tests/test_configuration_doc.py builds that project and runs each of them there
-        return [Command(page, number, command, expect, skip="runs in the reader's project with its configs/ folder, "
-                        "which tests/test_configuration_doc.py builds and runs it in")]
+        return [
+            Command(
+                page,
+                number,
+                command,
+                expect,
+                skip="runs in the reader's project with its configs/ folder, "
+                "which tests/test_configuration_doc.py builds and runs it in",
+            )
+        ]
     return [Command(page, number, command, expect, skip=_needs(command), runtime=verb == "run")]
 
 
@@ -230,25 +268,41 @@ class _Pages:
     def workdir(self, page: Path) -> Path:
         if page not in self.copies:
             target = self.base / page.stem
-            shutil.copytree(ROOT, target, ignore=shutil.ignore_patterns(".git", "__pycache__", ".pytest_cache", ".venv", "runs"))
+            shutil.copytree(
+                ROOT, target, ignore=shutil.ignore_patterns(".git", "__pycache__", ".pytest_cache", ".venv", "runs")
+            )
             self.copies[page] = target
             self.done[page] = set()
         return self.copies[page]
 
     def run(self, command: Command) -> subprocess.CompletedProcess:
         workdir = self.workdir(command.page)
-        env = {**os.environ, "PATH": f"{self.bin}{os.pathsep}{os.environ.get('PATH', '')}", "PYTHONPATH": str(workdir),
-               "MPLBACKEND": "Agg"}
+        env = {
+            **os.environ,
+            "PATH": f"{self.bin}{os.pathsep}{os.environ.get('PATH', '')}",
+            "PYTHONPATH": str(workdir),
+            "MPLBACKEND": "Agg",
+        }
         self.done[command.page].add(command.line)
-        return subprocess.run(["bash", "-c", command.text], cwd=workdir, env=env, capture_output=True, text=True,
-                              timeout=900 if command.runtime else 300)
+        return subprocess.run(
+            ["bash", "-c", command.text],
+            cwd=workdir,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900 if command.runtime else 300,
+        )
 
     def prepare(self, command: Command) -> None:
         """Run the page's earlier commands first (once), so that a command finds what they wrote."""
         for earlier in COMMANDS:
             if earlier.page != command.page or earlier.line >= command.line:
                 continue
-            if earlier.skip or (earlier.runtime and not command.runtime) or earlier.line in self.done.setdefault(command.page, set()):
+            if (
+                earlier.skip
+                or (earlier.runtime and not command.runtime)
+                or earlier.line in self.done.setdefault(command.page, set())
+            ):
                 continue
             self.run(earlier)
 
@@ -266,11 +320,15 @@ def test_the_pages_have_commands():
 
 def test_indented_code_blocks_are_found_and_list_continuations_are_not(tmp_path):
     page = tmp_path / "page.md"
-    page.write_text("Text.\n\n    mixle-compile check a.yaml\n    mixle-compile check b.yaml\nAfter.\n\n"
-                    "- a list item\n\n    its continuation, mixle-compile check c.yaml\n\n```sh\nmixle-compile check d.yaml\n```\n")
+    page.write_text(
+        "Text.\n\n    mixle-compile check a.yaml\n    mixle-compile check b.yaml\nAfter.\n\n"
+        "- a list item\n\n    its continuation, mixle-compile check c.yaml\n\n```sh\nmixle-compile check d.yaml\n```\n"
+    )
     blocks = list(_blocks(page))
-    assert blocks == [("", [(3, "mixle-compile check a.yaml"), (4, "mixle-compile check b.yaml")]),
-                      ("sh", [(12, "mixle-compile check d.yaml")])]
+    assert blocks == [
+        ("", [(3, "mixle-compile check a.yaml"), (4, "mixle-compile check b.yaml")]),
+        ("sh", [(12, "mixle-compile check d.yaml")]),
+    ]
 
 
 @pytest.mark.parametrize("command", list(_params()))

@@ -28,7 +28,9 @@ def _spec_text(devices: int, dp_replicate: int, tp: int, pp: int) -> str:
 
 
 def test_the_formula_reads_the_same_as_numbers_and_as_solver_terms():
-    for devices, dp_replicate, tp, pp, cp in itertools.product((1, 6, 8, 12, 64, 96), (1, 2, 3), (1, 2, 8), (1, 4), (1, 2)):
+    for devices, dp_replicate, tp, pp, cp in itertools.product(
+        (1, 6, 8, 12, 64, 96), (1, 2, 3), (1, 2, 8), (1, 4), (1, 2)
+    ):
         degrees = dict(dp_replicate=dp_replicate, tp=tp, pp=pp, cp=cp)
         number = auto_dp_shard(NUMBERS, devices=devices, **degrees)
         term = auto_dp_shard(TERMS, devices=z3.IntVal(devices), **{k: z3.IntVal(v) for k, v in degrees.items()})

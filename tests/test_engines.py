@@ -139,7 +139,9 @@ def test_one_f_one_b_warmups_equal_torch_pipelining():
 def megatron():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return pytest.importorskip("megatron.core.parallel_state"), pytest.importorskip("megatron.core.pipeline_parallel.schedules")
+        return pytest.importorskip("megatron.core.parallel_state"), pytest.importorskip(
+            "megatron.core.pipeline_parallel.schedules"
+        )
 
 
 def _meshes(world_limit: int):
@@ -169,7 +171,14 @@ def test_rank_groups_equal_megatron_rank_generator(megatron):
         except ValueError:
             continue  # a grid the plan refuses (E002/E003); Megatron's expert grid is checked below
         dense = parallel_state.RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order=order)
-        for token, axes in (("tp", "tp"), ("pp", "pp"), ("cp", "cp"), ("dp", ("dp_replicate", "dp_shard")), ("dp-cp", ("dp_replicate", "dp_shard", "cp")), ("tp-pp", ("tp", "pp"))):
+        for token, axes in (
+            ("tp", "tp"),
+            ("pp", "pp"),
+            ("cp", "cp"),
+            ("dp", ("dp_replicate", "dp_shard")),
+            ("dp-cp", ("dp_replicate", "dp_shard", "cp")),
+            ("tp-pp", ("tp", "pp")),
+        ):
             assert _groups(dense.get_ranks(token)) == set(enumerate_groups(grid.rule(axes))), (tp, pp, cp, dp, token)
         world = tp * pp * cp * dp
         expert = parallel_state.RankGenerator(tp=etp, ep=ep, dp=world // (etp * ep * pp), pp=pp, cp=1, order=order)
@@ -211,7 +220,9 @@ def test_megatron_warmups_and_interleaved_table_equal_megatron_core(megatron):
                     m, v, pp, p2p_communicator=_Communicator(pp, stage, v if v > 1 else None)
                 )
                 assert warmup == warmup_forwards(schedule, pp, m, v, stage, pp), (pp, v, m, stage)
-                forwards = [(mb, (vs - stage) // pp) for kind, vs, mb in _our_compute_order(programs, stage, pp) if kind == "F"]
+                forwards = [
+                    (mb, (vs - stage) // pp) for kind, vs, mb in _our_compute_order(programs, stage, pp) if kind == "F"
+                ]
                 if v > 1:
                     assert forwards == schedules.get_schedule_table(m, v, pp), (pp, v, m, stage)
 
@@ -242,11 +253,15 @@ def test_parallel_dims_accepts_exactly_the_meshes_check_accepts(torchtitan):
     seen = {True: 0, False: 0}
     for dpr, dps, tp, pp, cp, world in itertools.product((1, 2), (-1, 1, 2, 3), (1, 2), (1, 2), (1, 2), (4, 6, 8, 12)):
         try:
-            dims = parallel_dims.ParallelDims(dp_replicate=dpr, dp_shard=dps, cp=cp, tp=tp, pp=pp, ep=1, world_size=world)
+            dims = parallel_dims.ParallelDims(
+                dp_replicate=dpr, dp_shard=dps, cp=cp, tp=tp, pp=pp, ep=1, world_size=world
+            )
             accepted, shard = True, dims.dp_shard
         except AssertionError:
             accepted, shard = False, max(dps, 1)
-        text = SPEC.format(dpr=dpr, dps="auto" if dps == -1 else dps, tp=tp, pp=pp, cp=cp, world=world, batch=8 * dpr * shard)
+        text = SPEC.format(
+            dpr=dpr, dps="auto" if dps == -1 else dps, tp=tp, pp=pp, cp=cp, world=world, batch=8 * dpr * shard
+        )
         codes = {d.code for d in check_loaded(load_spec_text(text, "mesh.yaml")).diagnostics}
         assert accepted == (not {"D001", "S012"} & codes), (dpr, dps, tp, pp, cp, world, codes)
         seen[accepted] += 1

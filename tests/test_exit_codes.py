@@ -23,8 +23,14 @@ def inputs(tmp_path_factory):
     raw[200] ^= 0x01  # one flipped bit: the content digest no longer matches
     tampered = folder / "tampered.plan.json"
     tampered.write_bytes(bytes(raw))
-    return {"valid spec": str(GOOD), "plan": str(plan), "rejected spec": str(REJECTED), "unloadable spec": str(UNLOADABLE),
-            "missing file": str(folder / "missing.yaml"), "tampered plan": str(tampered)}
+    return {
+        "valid spec": str(GOOD),
+        "plan": str(plan),
+        "rejected spec": str(REJECTED),
+        "unloadable spec": str(UNLOADABLE),
+        "missing file": str(folder / "missing.yaml"),
+        "tampered plan": str(tampered),
+    }
 
 
 # Each verb with the input in the {} place (diff compares it with a valid spec).

@@ -45,8 +45,11 @@ def reimport(exported, folder: Path, spec: Spec) -> Spec:
         path.write_text(text)
     options = ImportOptions()
     if exported.target == "deepspeed":  # the JSON names neither the model file nor the sequence length
-        options = ImportOptions(model=str(folder / f"{Path(exported.main).stem}.model.json"), seq_len=spec.training.seq_len,
-                                device_memory=memory_text(spec.resources.memory))
+        options = ImportOptions(
+            model=str(folder / f"{Path(exported.main).stem}.model.json"),
+            seq_len=spec.training.seq_len,
+            device_memory=memory_text(spec.resources.memory),
+        )
     doc, _ = read_any(folder / exported.main, exported.main, options)
     return Spec.model_validate(doc.data)
 
@@ -115,7 +118,11 @@ def test_export_cli_writes_the_model_config_beside_the_deepspeed_json(tmp_path, 
     out = tmp_path / "ds_config.json"
     assert cli.main(["export", "--to", "deepspeed", str(spec), "-o", str(out)]) == 0
     data = json.loads(out.read_text())
-    assert data["zero_optimization"]["stage"] == 3 and data["train_batch_size"] == 64 and data["gradient_accumulation_steps"] == 2
+    assert (
+        data["zero_optimization"]["stage"] == 3
+        and data["train_batch_size"] == 64
+        and data["gradient_accumulation_steps"] == 2
+    )
     assert json.loads((tmp_path / "ds_config.model.json").read_text())["model_type"] == "llama"
     capsys.readouterr()
     status = cli.main(["check", str(out), "--model", str(tmp_path / "ds_config.model.json"), "--seq-len", "1024"])
@@ -125,7 +132,9 @@ def test_export_cli_writes_the_model_config_beside_the_deepspeed_json(tmp_path, 
 
 def test_export_from_an_engine_config_and_from_a_plan(tmp_path, capsys):
     toml = ROOT / "tests" / "corpus" / "importers" / "torchtitan" / "llama3_8b.toml"
-    assert cli.main(["export", "--to", "megatron", str(toml)]) == 1  # torchtitan's FSDP has no distributed optimizer flag
+    assert (
+        cli.main(["export", "--to", "megatron", str(toml)]) == 1
+    )  # torchtitan's FSDP has no distributed optimizer flag
     plan = tmp_path / "plan.json"
     assert cli.main(["compile", str(EXAMPLES / "llama3-8b-hsdp-tp.yaml"), "-o", str(plan)]) == 0
     capsys.readouterr()
@@ -151,29 +160,58 @@ def transformer_specs(draw):
     accumulation = draw(st.sampled_from([1, 2]))
     shard = draw(st.booleans())
     experts = draw(st.sampled_from([0, 0, 4]))
-    model = {"family": "transformer", "vocab_size": 256 * tp, "hidden_size": 32 * heads, "num_layers": layers,
-             "num_heads": heads, "ffn_hidden_size": 64 * heads, "tie_embeddings": draw(st.booleans()) and pp == 1,
-             "norm": draw(st.sampled_from(["rmsnorm", "layernorm"]))}
+    model = {
+        "family": "transformer",
+        "vocab_size": 256 * tp,
+        "hidden_size": 32 * heads,
+        "num_layers": layers,
+        "num_heads": heads,
+        "ffn_hidden_size": 64 * heads,
+        "tie_embeddings": draw(st.booleans()) and pp == 1,
+        "norm": draw(st.sampled_from(["rmsnorm", "layernorm"])),
+    }
     model["activation"] = "swiglu" if model["norm"] == "rmsnorm" else "gelu"
     if experts:
         model.update(num_experts=experts, experts_per_token=2, norm="rmsnorm", activation="swiglu")
     kv = draw(st.sampled_from([None, heads // 2]))
     if kv and kv % tp == 0:
         model["num_kv_heads"] = kv
-    mesh = {"dp_replicate": 1 if shard else dp, "dp_shard": dp if shard else 1, "tp": tp, "pp": pp, "cp": cp,
-            "microbatches": microbatches, "gradient_accumulation_steps": accumulation}
-    training = {"global_batch_size": micro * microbatches * accumulation * dp, "micro_batch_size": micro,
-                "seq_len": 64 * 2 * cp * tp, "precision": draw(st.sampled_from(["bf16", "fp32"])),
-                "sequence_parallel": tp > 1, "activation_checkpointing": draw(st.sampled_from(["none", "selective", "full"])),
-                "learning_rate": draw(st.sampled_from([1e-3, 3e-4])), "steps": draw(st.integers(1, 1000))}
+    mesh = {
+        "dp_replicate": 1 if shard else dp,
+        "dp_shard": dp if shard else 1,
+        "tp": tp,
+        "pp": pp,
+        "cp": cp,
+        "microbatches": microbatches,
+        "gradient_accumulation_steps": accumulation,
+    }
+    training = {
+        "global_batch_size": micro * microbatches * accumulation * dp,
+        "micro_batch_size": micro,
+        "seq_len": 64 * 2 * cp * tp,
+        "precision": draw(st.sampled_from(["bf16", "fp32"])),
+        "sequence_parallel": tp > 1,
+        "activation_checkpointing": draw(st.sampled_from(["none", "selective", "full"])),
+        "learning_rate": draw(st.sampled_from([1e-3, 3e-4])),
+        "steps": draw(st.integers(1, 1000)),
+    }
     if pp > 1 and draw(st.booleans()):
         training.update(pipeline_schedule="interleaved_1f1b", virtual_pipeline_stages=2)
     devices = dp * tp * pp * cp
-    return Spec.model_validate({"model": model, "mesh": mesh, "training": training, "backend": "torch",
-                                "resources": {"devices": devices, "memory": "80GiB"}})
+    return Spec.model_validate(
+        {
+            "model": model,
+            "mesh": mesh,
+            "training": training,
+            "backend": "torch",
+            "resources": {"devices": devices, "memory": "80GiB"},
+        }
+    )
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 @given(spec=transformer_specs(), target=st.sampled_from(TARGETS))
 def test_generated_specs_round_trip_or_are_refused(tmp_path_factory, spec, target):
     assert isinstance(spec.model, TransformerModel)
@@ -182,16 +220,37 @@ def test_generated_specs_round_trip_or_are_refused(tmp_path_factory, spec, targe
 
 def test_generated_specs_do_round_trip_on_every_engine(tmp_path):
     """Not every generated spec is refused: one per engine that each engine can run."""
-    base = {"model": {"family": "transformer", "vocab_size": 1024, "hidden_size": 256, "num_layers": 4, "num_heads": 8,
-                      "ffn_hidden_size": 512}, "backend": "torch", "resources": {"devices": 8, "memory": "80GiB"}}
+    base = {
+        "model": {
+            "family": "transformer",
+            "vocab_size": 1024,
+            "hidden_size": 256,
+            "num_layers": 4,
+            "num_heads": 8,
+            "ffn_hidden_size": 512,
+        },
+        "backend": "torch",
+        "resources": {"devices": 8, "memory": "80GiB"},
+    }
     cases = {
-        "torchtitan": {"mesh": {"dp_shard": 4, "tp": 2, "gradient_accumulation_steps": 2},
-                       "training": {"global_batch_size": 16, "micro_batch_size": 2, "seq_len": 256, "sequence_parallel": True}},
-        "megatron": {"mesh": {"dp_shard": 2, "tp": 2, "pp": 2, "microbatches": 4},
-                     "training": {"global_batch_size": 8, "micro_batch_size": 1, "seq_len": 256, "distributed_optimizer": True,
-                                  "sequence_parallel": True}},
-        "deepspeed": {"mesh": {"dp_shard": 8, "gradient_accumulation_steps": 2},
-                      "training": {"global_batch_size": 32, "micro_batch_size": 2, "seq_len": 256}},
+        "torchtitan": {
+            "mesh": {"dp_shard": 4, "tp": 2, "gradient_accumulation_steps": 2},
+            "training": {"global_batch_size": 16, "micro_batch_size": 2, "seq_len": 256, "sequence_parallel": True},
+        },
+        "megatron": {
+            "mesh": {"dp_shard": 2, "tp": 2, "pp": 2, "microbatches": 4},
+            "training": {
+                "global_batch_size": 8,
+                "micro_batch_size": 1,
+                "seq_len": 256,
+                "distributed_optimizer": True,
+                "sequence_parallel": True,
+            },
+        },
+        "deepspeed": {
+            "mesh": {"dp_shard": 8, "gradient_accumulation_steps": 2},
+            "training": {"global_batch_size": 32, "micro_batch_size": 2, "seq_len": 256},
+        },
     }
     for target, part in cases.items():
         spec = Spec.model_validate({**base, **part})
@@ -201,7 +260,9 @@ def test_generated_specs_do_round_trip_on_every_engine(tmp_path):
 # --------------------------------------------------------------------------- the engines' own parsers (the `engines` extra)
 
 
-@pytest.mark.parametrize("name", ["llama-3.1-8b.json", "mixtral-8x7b-v0.1.json", "qwen3-30b-a3b.json", "gpt-neox-20b.json"])
+@pytest.mark.parametrize(
+    "name", ["llama-3.1-8b.json", "mixtral-8x7b-v0.1.json", "qwen3-30b-a3b.json", "gpt-neox-20b.json"]
+)
 def test_transformers_autoconfig_reads_our_hf_configs_as_we_do(tmp_path, name):
     """The model config.json export writes (for torchtitan and DeepSpeed) is parsed by transformers' AutoConfig
     from the local file, and its sizes are the spec's."""
@@ -209,7 +270,9 @@ def test_transformers_autoconfig_reads_our_hf_configs_as_we_do(tmp_path, name):
     from mixle_compile.export.hf import hf_config, hf_config_text
     from mixle_compile.importers.hf import hf_model, read_hf_document
 
-    model = TransformerModel.model_validate(hf_model(read_hf_document(ROOT / "tests" / "corpus" / "importers" / "hf" / name)).model)
+    model = TransformerModel.model_validate(
+        hf_model(read_hf_document(ROOT / "tests" / "corpus" / "importers" / "hf" / name)).model
+    )
     config, why = hf_config(model)
     assert config is not None, why
     path = tmp_path / "config.json"
@@ -218,7 +281,11 @@ def test_transformers_autoconfig_reads_our_hf_configs_as_we_do(tmp_path, name):
     assert hf.model_type == config["model_type"]
     layers = getattr(hf, "num_hidden_layers", None) or hf.n_layer
     assert (hf.vocab_size, hf.hidden_size, layers, hf.num_attention_heads) == (
-        model.vocab_size, model.hidden_size, model.num_layers, model.num_heads)
+        model.vocab_size,
+        model.hidden_size,
+        model.num_layers,
+        model.num_heads,
+    )
     assert getattr(hf, "num_key_value_heads", hf.num_attention_heads) == (model.num_kv_heads or model.num_heads)
     assert hf.intermediate_size == model.ffn_hidden_size and bool(hf.tie_word_embeddings) == model.tie_embeddings
     if model.num_experts:
@@ -235,7 +302,9 @@ def _toml_era_config_manager():
     return ConfigManager if hasattr(ConfigManager, "_maybe_load_toml") else None
 
 
-@pytest.mark.parametrize("spec_file", ["llama3-8b-hsdp-tp.yaml", *[p.name for p in PRODUCTION if p.parent.name == "torchtitan"]])
+@pytest.mark.parametrize(
+    "spec_file", ["llama3-8b-hsdp-tp.yaml", *[p.name for p in PRODUCTION if p.parent.name == "torchtitan"]]
+)
 def test_torchtitan_config_manager_reads_the_exported_toml_as_we_do(tmp_path, spec_file):
     """torchtitan 0.2.2's own ConfigManager parses the exported job TOML (it refuses unknown keys), and the
     JobConfig it builds has the spec's degrees, batch, schedule and checkpointing. Needs torchtitan 0.2.x
@@ -243,7 +312,9 @@ def test_torchtitan_config_manager_reads_the_exported_toml_as_we_do(tmp_path, sp
     manager = _toml_era_config_manager()
     if manager is None:
         pytest.skip("torchtitan's TOML ConfigManager (0.2.x) is not installed")
-    path = EXAMPLES / spec_file if (EXAMPLES / spec_file).exists() else next(p for p in PRODUCTION if p.name == spec_file)
+    path = (
+        EXAMPLES / spec_file if (EXAMPLES / spec_file).exists() else next(p for p in PRODUCTION if p.name == spec_file)
+    )
     spec = on_backend(load_spec(path).spec, "torchtitan")
     try:
         exported = export_spec(spec, "torchtitan")
@@ -254,41 +325,84 @@ def test_torchtitan_config_manager_reads_the_exported_toml_as_we_do(tmp_path, sp
         (tmp_path / name).write_text(text)
     job = manager().parse_args(["--job.config_file", str(tmp_path / exported.main)])
     m, t, p = spec.mesh, spec.training, job.parallelism
-    assert (p.data_parallel_replicate_degree, p.data_parallel_shard_degree, p.tensor_parallel_degree, p.pipeline_parallel_degree,
-            p.context_parallel_degree, p.expert_parallel_degree, p.expert_tensor_parallel_degree) == (
-        m.dp_replicate, -1 if m.dp_shard == "auto" else m.dp_shard, m.tp, m.pp, m.cp, m.ep, m.etp)
-    assert (job.training.local_batch_size, job.training.global_batch_size, job.training.seq_len, job.training.steps) == (
-        t.micro_batch_size * m.microbatches, t.global_batch_size, t.seq_len, t.steps)
+    assert (
+        p.data_parallel_replicate_degree,
+        p.data_parallel_shard_degree,
+        p.tensor_parallel_degree,
+        p.pipeline_parallel_degree,
+        p.context_parallel_degree,
+        p.expert_parallel_degree,
+        p.expert_tensor_parallel_degree,
+    ) == (m.dp_replicate, -1 if m.dp_shard == "auto" else m.dp_shard, m.tp, m.pp, m.cp, m.ep, m.etp)
+    assert (
+        job.training.local_batch_size,
+        job.training.global_batch_size,
+        job.training.seq_len,
+        job.training.steps,
+    ) == (t.micro_batch_size * m.microbatches, t.global_batch_size, t.seq_len, t.steps)
     assert job.activation_checkpoint.mode == t.activation_checkpointing and job.debug.seed == t.seed
     assert job.optimizer.lr == t.learning_rate
     if m.pp > 1:
         assert p.pipeline_parallel_microbatch_size == t.micro_batch_size
-        assert p.pipeline_parallel_schedule == {"1f1b": "1F1B", "gpipe": "GPipe", "interleaved_1f1b": "Interleaved1F1B"}[t.pipeline_schedule]
+        assert (
+            p.pipeline_parallel_schedule
+            == {"1f1b": "1F1B", "gpipe": "GPipe", "interleaved_1f1b": "Interleaved1F1B"}[t.pipeline_schedule]
+        )
     assert ("float8" in job.model.converters) == (t.precision == "fp8")
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(micro=st.integers(1, 8), accumulation=st.integers(1, 4), dp=st.sampled_from([1, 2, 4, 8, 16]), shard=st.booleans(),
-       precision=st.sampled_from(["bf16", "fp16", "fp32"]))
-def test_deepspeed_config_class_reads_the_exported_json_as_the_spec_says(tmp_path_factory, micro, accumulation, dp, shard, precision):
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
+@given(
+    micro=st.integers(1, 8),
+    accumulation=st.integers(1, 4),
+    dp=st.sampled_from([1, 2, 4, 8, 16]),
+    shard=st.booleans(),
+    precision=st.sampled_from(["bf16", "fp16", "fp32"]),
+)
+def test_deepspeed_config_class_reads_the_exported_json_as_the_spec_says(
+    tmp_path_factory, micro, accumulation, dp, shard, precision
+):
     """DeepSpeed's own DeepSpeedConfig (where deepspeed installs) parses the exported JSON: its batch identity holds
     on the spec's data-parallel ranks, with the spec's sizes, ZeRO stage and precision."""
     try:
         from deepspeed.runtime import config as ds_config
     except ImportError:
         pytest.skip("deepspeed is not installed")
-    spec = Spec.model_validate({
-        "model": {"family": "transformer", "vocab_size": 1024, "hidden_size": 256, "num_layers": 2, "num_heads": 4, "ffn_hidden_size": 512},
-        "mesh": {"dp_shard": dp if shard else 1, "dp_replicate": 1 if shard else dp, "gradient_accumulation_steps": accumulation},
-        "training": {"global_batch_size": micro * accumulation * dp, "micro_batch_size": micro, "seq_len": 128, "precision": precision,
-                     "distributed_optimizer": not shard and dp > 1},
-        "backend": "torch", "resources": {"devices": dp, "memory": "80GiB"}})
+    spec = Spec.model_validate(
+        {
+            "model": {
+                "family": "transformer",
+                "vocab_size": 1024,
+                "hidden_size": 256,
+                "num_layers": 2,
+                "num_heads": 4,
+                "ffn_hidden_size": 512,
+            },
+            "mesh": {
+                "dp_shard": dp if shard else 1,
+                "dp_replicate": 1 if shard else dp,
+                "gradient_accumulation_steps": accumulation,
+            },
+            "training": {
+                "global_batch_size": micro * accumulation * dp,
+                "micro_batch_size": micro,
+                "seq_len": 128,
+                "precision": precision,
+                "distributed_optimizer": not shard and dp > 1,
+            },
+            "backend": "torch",
+            "resources": {"devices": dp, "memory": "80GiB"},
+        }
+    )
     exported = export_spec(spec, "deepspeed")
     path = tmp_path_factory.mktemp("ds") / exported.main
     path.write_text(exported.files[exported.main])
     original = ds_config.dist.get_rank
     ds_config.dist.get_rank = lambda *args, **kwargs: 0
     try:
+
         class DataParallel:
             def get_data_parallel_world_size(self):
                 return dp
@@ -297,12 +411,16 @@ def test_deepspeed_config_class_reads_the_exported_json_as_the_spec_says(tmp_pat
     finally:
         ds_config.dist.get_rank = original
     assert (ds.train_batch_size, ds.train_micro_batch_size_per_gpu, ds.gradient_accumulation_steps) == (
-        spec.training.global_batch_size, micro, accumulation)
+        spec.training.global_batch_size,
+        micro,
+        accumulation,
+    )
     assert ds.zero_optimization_stage == (3 if shard and dp > 1 else 1 if dp > 1 else 0)
     assert (ds.bfloat16_config.enabled, ds.float16_config.enabled) == (precision == "bf16", precision == "fp16")
 
 
 # ---- torchtitan 0.3: a Python config-registry function returning Trainer.Config
+
 
 def _torchtitan_source(relative: str) -> Path:
     import importlib.util
@@ -354,9 +472,20 @@ def _evaluated_config(text: str):
     (ret,) = [n for n in ast.walk(function) if isinstance(n, ast.Return)]
     call = ret.value
     assert ast.unparse(call.func) == "Trainer.Config"
-    names = {"default_adamw": default_adamw, "SelectiveAC": SelectiveAC, "FullAC": FullAC,
-             **{n: getattr(config_module, n) for n in ("CompileConfig", "DebugConfig", "ParallelismConfig", "TrainingConfig")}}
-    module = next(n.module for n in tree.body if isinstance(n, ast.ImportFrom) and any(a.name == "model_registry" for a in n.names))
+    names = {
+        "default_adamw": default_adamw,
+        "SelectiveAC": SelectiveAC,
+        "FullAC": FullAC,
+        **{
+            n: getattr(config_module, n)
+            for n in ("CompileConfig", "DebugConfig", "ParallelismConfig", "TrainingConfig")
+        },
+    }
+    module = next(
+        n.module
+        for n in tree.body
+        if isinstance(n, ast.ImportFrom) and any(a.name == "model_registry" for a in n.names)
+    )
     values = {}
     for kw in call.keywords:
         if kw.arg == "model_spec":
@@ -416,11 +545,13 @@ def test_torchtitan_03_export_round_trips_through_the_registry_reader(tmp_path):
 def test_torchtitan_03_export_live_round_trip(tmp_path, monkeypatch, capsys):
     """Where torchtitan's trainer imports, `check --torchtitan module:function` reads the written module itself."""
     try:
-        import torchtitan.trainer  # noqa: F401
         import torchtitan.models.llama3  # noqa: F401
+        import torchtitan.trainer  # noqa: F401
     except ImportError as exc:
-        pytest.skip(f"torchtitan 0.3's trainer or model registry does not import here: {exc} (torchtitan.trainer needs "
-                    "torchdata; the model registry imports triton through torchtitan/distributed/minimal_async_ep)")
+        pytest.skip(
+            f"torchtitan 0.3's trainer or model registry does not import here: {exc} (torchtitan.trainer needs "
+            "torchdata; the model registry imports triton through torchtitan/distributed/minimal_async_ep)"
+        )
     spec = load_spec(EXAMPLES / "llama3-8b-hsdp-tp.yaml").spec
     exported = export_spec(spec, "torchtitan", torchtitan_version="0.3", stem="exported_llama")
     (tmp_path / exported.main).write_text(exported.files[exported.main])
@@ -446,9 +577,21 @@ def test_torchtitan_version_follows_the_spec_backend_and_refuses_what_03_cannot_
 
 def test_export_cli_writes_a_torchtitan_03_module(tmp_path, capsys):
     out = tmp_path / "my_llama.py"
-    status = cli.main(["export", "--to", "torchtitan", "--torchtitan-version", "0.3", str(EXAMPLES / "llama3-8b-hsdp-tp.yaml"),
-                       "-o", str(out)])
+    status = cli.main(
+        [
+            "export",
+            "--to",
+            "torchtitan",
+            "--torchtitan-version",
+            "0.3",
+            str(EXAMPLES / "llama3-8b-hsdp-tp.yaml"),
+            "-o",
+            str(out),
+        ]
+    )
     capsys.readouterr()
     assert status == 0 and "def my_llama() -> Trainer.Config:" in out.read_text()
-    status = cli.main(["export", "--to", "torchtitan", "--torchtitan-version", "0.4", str(EXAMPLES / "llama3-8b-hsdp-tp.yaml")])
+    status = cli.main(
+        ["export", "--to", "torchtitan", "--torchtitan-version", "0.4", str(EXAMPLES / "llama3-8b-hsdp-tp.yaml")]
+    )
     assert status == 2 and "invalid choice" in capsys.readouterr().err

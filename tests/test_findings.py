@@ -34,7 +34,12 @@ def test_tp_3_in_the_quickstart_is_one_finding(capsys, tmp_path):
     path = spec(tmp_path, QUICKSTART.replace("  tp: 2\n", "  tp: 3\n"))
     status, out, _ = run_cli(capsys, "check", path)
     assert status == 1 and out.count(f"{path}:") == 1 and "Found 1 error in 1 of 1 file." in out
-    assert [line.split()[1] for line in out.splitlines() if line.startswith("  also:")] == ["T001", "T002", "T004", "T005"]
+    assert [line.split()[1] for line in out.splitlines() if line.startswith("  also:")] == [
+        "T001",
+        "T002",
+        "T004",
+        "T005",
+    ]
     assert "hint: set mesh.tp to 2: the one value that passes every rule" in out
     status, out, _ = run_cli(capsys, "check", "--format", "json", path)
     (finding,) = json.loads(out)
@@ -43,7 +48,9 @@ def test_tp_3_in_the_quickstart_is_one_finding(capsys, tmp_path):
 
 
 def test_findings_at_different_fields_stay_apart(capsys, tmp_path):
-    path = spec(tmp_path, QUICKSTART.replace("  tp: 2\n", "  tp: 3\n").replace("global_batch_size: 8", "global_batch_size: 12"))
+    path = spec(
+        tmp_path, QUICKSTART.replace("  tp: 2\n", "  tp: 3\n").replace("global_batch_size: 8", "global_batch_size: 12")
+    )
     found = json.loads(run_cli(capsys, "check", "--format", "json", path)[1])
     assert [d["fields"][0] for d in found] == ["mesh.tp", "training.global_batch_size"]
 
@@ -86,7 +93,9 @@ def test_suggest_says_when_nothing_is_found_and_why(capsys):
     assert "hint: what passes every rule, the other fields as they are: 8 devices" in out  # not 4: B001 would fail
     status, out, _ = run_cli(capsys, "check", "--suggest", EXAMPLES / "invalid" / "s003-unknown-key.yaml")
     assert status == 1 and "no suggestion: the spec did not load" in out
-    status, out, _ = run_cli(capsys, "check", "--format", "json", "--suggest", EXAMPLES / "invalid" / "s012-auto-unresolvable.yaml")
+    status, out, _ = run_cli(
+        capsys, "check", "--format", "json", "--suggest", EXAMPLES / "invalid" / "s012-auto-unresolvable.yaml"
+    )
     (finding,) = json.loads(out)
     assert finding["fix"] == {"file": str(EXAMPLES / "invalid" / "s012-auto-unresolvable.yaml"), "found": False}
 
@@ -94,18 +103,20 @@ def test_suggest_says_when_nothing_is_found_and_why(capsys):
 def test_suggest_does_not_trade_an_error_for_a_new_warning(tmp_path):
     """B001 (8 != 1*8*2): microbatches 4 would fix it in one change but leave a 4-microbatch, 2-stage
     pipeline idle a large part of each step (P008); a two-change plan without the warning exists."""
-    text = ("model: {family: transformer, vocab_size: 256, hidden_size: 64, num_layers: 4, num_heads: 4, ffn_hidden_size: 128}\n"
-            "mesh: {dp_shard: 2, pp: 2, microbatches: 8}\n"
-            "training: {global_batch_size: 8, micro_batch_size: 1, seq_len: 32}\n"
-            "backend: torch\nresources: {devices: 4, memory: 2GiB}\n")
+    text = (
+        "model: {family: transformer, vocab_size: 256, hidden_size: 64, num_layers: 4, num_heads: 4, ffn_hidden_size: 128}\n"
+        "mesh: {dp_shard: 2, pp: 2, microbatches: 8}\n"
+        "training: {global_batch_size: 8, micro_batch_size: 1, seq_len: 32}\n"
+        "backend: torch\nresources: {devices: 4, memory: 2GiB}\n"
+    )
     result = check_file(spec(tmp_path, text), suggest=True)
     assert [d.code for d in result.diagnostics] == ["B001"]
     s = result.suggestion
     assert s is not None and s.new_warnings == () and len(s.changes) == 2
     assert "microbatches" not in {c.field.symbol for c in s.changes}
+    from mixle_compile.spec import load_spec
     from mixle_compile.verify import plan_facts
     from mixle_compile.verify.suggest import _fix_rules, _search
-    from mixle_compile.spec import load_spec
 
     facts = plan_facts(load_spec(tmp_path / "spec.yaml").spec)
     errors_only = _search(facts, _fix_rules(facts))  # what the search gave before: one change, a new P008

@@ -37,12 +37,63 @@ EXAMPLES = ROOT / "examples"
 SEEDS = [yaml.safe_load(p.read_text()) for p in sorted(EXAMPLES.glob("*.yaml"))]
 
 WEIRD_VALUES = [
-    0, -1, -(10**30), 10**30, 2**63, 1.5, 8.0, float("inf"), True, False, None, "", "8", "auto", "x" * 300,
-    "80 gigs", "80GiB", [], {}, [1, 2], {"a": 1}, "\u0000", "\u202e", "ÿ", -0.0,
+    0,
+    -1,
+    -(10**30),
+    10**30,
+    2**63,
+    1.5,
+    8.0,
+    float("inf"),
+    True,
+    False,
+    None,
+    "",
+    "8",
+    "auto",
+    "x" * 300,
+    "80 gigs",
+    "80GiB",
+    [],
+    {},
+    [1, 2],
+    {"a": 1},
+    "\u0000",
+    "\u202e",
+    "ÿ",
+    -0.0,
 ]
-KEYS = ["model", "mesh", "training", "backend", "resources", "elastic", "family", "tp", "dp_shard", "dp_replicate",
-        "pp", "cp", "ep", "etp", "type", "ref", "shared", "root", "devices", "memory", "components", "repeat",
-        "num_heads", "seq_len", "global_batch_size", "dp_shards", "unknown", "<<", "on"]
+KEYS = [
+    "model",
+    "mesh",
+    "training",
+    "backend",
+    "resources",
+    "elastic",
+    "family",
+    "tp",
+    "dp_shard",
+    "dp_replicate",
+    "pp",
+    "cp",
+    "ep",
+    "etp",
+    "type",
+    "ref",
+    "shared",
+    "root",
+    "devices",
+    "memory",
+    "components",
+    "repeat",
+    "num_heads",
+    "seq_len",
+    "global_batch_size",
+    "dp_shards",
+    "unknown",
+    "<<",
+    "on",
+]
 
 
 @dataclass(frozen=True)
@@ -115,7 +166,22 @@ def _mutate_bytes(rng: random.Random, raw: bytes) -> bytes:
         if action == "flip":
             raw[at] ^= 1 << rng.randrange(8)
         elif action == "insert":
-            raw[at:at] = rng.choice([b"{", b"]", b":", b"\t", b"&a ", b"*a", b"- ", b"!!python/object:os.system ", b"'", b"\xff\xfe", b"\x00", b"<<: *a\n"])
+            raw[at:at] = rng.choice(
+                [
+                    b"{",
+                    b"]",
+                    b":",
+                    b"\t",
+                    b"&a ",
+                    b"*a",
+                    b"- ",
+                    b"!!python/object:os.system ",
+                    b"'",
+                    b"\xff\xfe",
+                    b"\x00",
+                    b"<<: *a\n",
+                ]
+            )
         elif action == "delete":
             del raw[at : at + rng.randint(1, 20)]
         elif action == "truncate":
@@ -234,7 +300,13 @@ def test_cli_subprocess_prints_no_traceback_on_hostile_input(tmp_path):
     for i, case in enumerate([_special(random.Random(i), i) for i in range(7)]):
         path = tmp_path / f"s{i}{case.suffix}"
         path.write_bytes(case.data)
-        proc = subprocess.run([sys.executable, "-m", "mixle_compile", "check", str(path)], capture_output=True, text=True, cwd=ROOT, timeout=120)
+        proc = subprocess.run(
+            [sys.executable, "-m", "mixle_compile", "check", str(path)],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=120,
+        )
         assert proc.returncode in (1, 2), (case.name, proc.returncode, proc.stderr)
         assert "Traceback" not in proc.stdout + proc.stderr, case.name
 

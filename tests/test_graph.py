@@ -113,7 +113,16 @@ def test_a_repeated_mixture_component_is_one_node_held_k_times():
         ({"type": "mixture", "component": {"type": "poisson"}, "repeat": 7}, 7, 7),
         ({"type": "composite", "factors": [{"type": "poisson"}]}, 0, 0),
         ({"type": "hmm", "num_states": 3, "emission": {"type": "poisson"}}, 12, 18),
-        ({"type": "hmm", "num_states": 3, "emission": {"type": "poisson"}, "transitions": {"type": "transitions", "num_states": 3}}, 0, 18),
+        (
+            {
+                "type": "hmm",
+                "num_states": 3,
+                "emission": {"type": "poisson"},
+                "transitions": {"type": "transitions", "num_states": 3},
+            },
+            0,
+            18,
+        ),
         ({"type": "sequence", "base": {"type": "poisson"}, "length": {"type": "poisson"}}, 0, 0),
     ],
 )
@@ -166,7 +175,12 @@ def test_inline_transitions_are_counted_per_hmm_and_an_hmm_of_its_own_shows_its_
     hmm = {"type": "hmm", "num_states": 4, "emission": {"type": "poisson"}}
     inline = {**hmm, "transitions": {"type": "transitions", "num_states": 4}}
     own = build_model_graph(dist({"type": "mixture", "components": [hmm, hmm]}))
-    shared = build_model_graph(dist({"type": "mixture", "components": [{**hmm, "transitions": {"ref": "t"}}] * 2}, {"t": {"type": "transitions", "num_states": 4}}))
+    shared = build_model_graph(
+        dist(
+            {"type": "mixture", "components": [{**hmm, "transitions": {"ref": "t"}}] * 2},
+            {"t": {"type": "transitions", "num_states": 4}},
+        )
+    )
     separate = build_model_graph(dist({"type": "mixture", "components": [inline, inline]}))
     block = (16 + 4) * FP32
     assert own.node("model.root.components[0]").own_param_bytes == block
@@ -264,7 +278,12 @@ def test_experts_are_one_component_axis_spanning_every_moe_layer():
     params = model_parameters(spec)
     experts = [p for p in params if p.role == "expert"]
     (axis,) = tree_axes(model)
-    assert (axis.path, axis.axis, axis.reduction, axis.num_units) == ("model.experts", DecompAxis.COMPONENT, ReductionOp.SUM, 8)
+    assert (axis.path, axis.axis, axis.reduction, axis.num_units) == (
+        "model.experts",
+        DecompAxis.COMPONENT,
+        ReductionOp.SUM,
+        8,
+    )
     assert axis.unit_bytes == (sum(p.bytes for p in experts) // 8,) * 8
     assert axis.held_whole_bytes == unique_parameter_bytes(params) - sum(p.bytes for p in experts)
     # top-2 of 8: each expert sees a quarter of the tokens

@@ -51,11 +51,20 @@ def test_children_come_in_the_models_order_and_expand_shows_every_layer():
 
 
 def test_only_identical_neighbours_are_collapsed():
-    spec = (EXAMPLES / "tiny-moe-every-axis.yaml").read_text().replace("moe_ffn_hidden_size: 48", "moe_ffn_hidden_size: 48\n  moe_layer_frequency: 2")
+    spec = (
+        (EXAMPLES / "tiny-moe-every-axis.yaml")
+        .read_text()
+        .replace("moe_ffn_hidden_size: 48", "moe_ffn_hidden_size: 48\n  moe_layer_frequency: 2")
+    )
     loaded = load_spec_text(spec, "alternating.yaml")
     graph = build_model_graph(loaded.spec, loaded.document)
     labels = [v.label for v in graph_view(graph)]
-    assert [x for x in labels if x.startswith("layers")] == ["layers.0", "layers.1", "layers.2", "layers.3"]  # dense, MoE, dense, MoE
+    assert [x for x in labels if x.startswith("layers")] == [
+        "layers.0",
+        "layers.1",
+        "layers.2",
+        "layers.3",
+    ]  # dense, MoE, dense, MoE
     tied = to_text(graph_of("tiny-moe-every-axis.yaml"))
     assert "layers.0..3 ×4" in tied and tied.count("tied.tied_embedding") == 2 and "(shared, above)" in tied
 

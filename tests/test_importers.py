@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import re
 import subprocess
 import sys
 
@@ -71,8 +70,11 @@ def test_an_unsupported_file_says_what_it_is_and_what_is_read(capsys, tmp_path, 
 
 def test_engine_configs_are_no_longer_read_as_yaml(capsys):
     """The formats a new user tries first: none gives a YAML error or a spec key error."""
-    for path, extra in ((TT / "llama3_8b.toml", ()), (MG / "train_llama3_8b_h100_fp8.sh", ()),
-                        (DS / "bingbertsquad_bsz24.json", ("--model", LLAMA))):
+    for path, extra in (
+        (TT / "llama3_8b.toml", ()),
+        (MG / "train_llama3_8b_h100_fp8.sh", ()),
+        (DS / "bingbertsquad_bsz24.json", ("--model", LLAMA)),
+    ):
         status, out, _ = run_cli(capsys, "check", path, *extra)
         assert not any(code in out for code in ("S001", "S003", "S004", "S006")), out
         assert status in (0, 1)
@@ -96,34 +98,104 @@ def test_import_options_are_refused_for_a_spec(capsys):
 
 TORCHTITAN = {
     # file: (model, mesh, training, devices)
-    "llama3_debug_model.toml": ({"hidden_size": 256, "num_layers": 6, "num_heads": 16, "ffn_hidden_size": 768, "vocab_size": 2048},
-                                {"dp_shard": "auto", "tp": 1, "pp": 1}, {"global_batch_size": 64, "micro_batch_size": 8, "seq_len": 2048}, 8),
-    "llama3_ft_debug_model.toml": ({"hidden_size": 256, "num_layers": 6, "vocab_size": 2048}, {"dp_shard": "auto"},
-                                   {"micro_batch_size": 8, "seq_len": 2048}, 8),
-    "llama3_8b.toml": ({"hidden_size": 4096, "num_layers": 32, "num_heads": 32, "num_kv_heads": 8, "ffn_hidden_size": 14336,
-                        "vocab_size": 128256}, {"dp_shard": "auto", "tp": 1}, {"global_batch_size": 64, "micro_batch_size": 1,
-                        "seq_len": 8192, "activation_checkpointing": "selective"}, 64),
-    "llama3_70b.toml": ({"hidden_size": 8192, "num_layers": 80, "num_heads": 64, "ffn_hidden_size": 28672}, {"tp": 8},
-                        {"global_batch_size": 64, "micro_batch_size": 8, "sequence_parallel": True, "activation_checkpointing": "full"}, 64),
-    "llama3_405b.toml": ({"hidden_size": 16384, "num_layers": 126, "num_heads": 128, "ffn_hidden_size": 53248}, {"tp": 8},
-                         {"global_batch_size": 32, "micro_batch_size": 2, "precision": "fp8"}, 128),
-    "llama4_17bx16e.toml": ({"hidden_size": 5120, "num_experts": 16, "experts_per_token": 1, "moe_ffn_hidden_size": 8192,
-                             "moe_layer_frequency": 1, "vocab_size": 202048}, {"tp": 8, "etp": 8}, {"global_batch_size": 64}, 64),
-    "llama4_17bx128e.toml": ({"num_experts": 128, "moe_layer_frequency": 2}, {"tp": 8, "pp": 4, "etp": 8, "microbatches": 1},
-                             {"micro_batch_size": 1, "pipeline_schedule": "1f1b"}, 32),
-    "qwen3_0.6b.toml": ({"hidden_size": 1024, "num_layers": 28, "head_dim": 128, "tie_embeddings": True, "vocab_size": 151936},
-                        {"dp_shard": "auto"}, {"micro_batch_size": 4, "seq_len": 4096}, 8),
-    "qwen3_1.7b.toml": ({"hidden_size": 2048, "ffn_hidden_size": 6144, "tie_embeddings": True}, {"dp_shard": "auto"},
-                        {"global_batch_size": 32}, 8),
-    "qwen3_32b.toml": ({"hidden_size": 5120, "num_layers": 64, "num_heads": 64, "ffn_hidden_size": 25600, "tie_embeddings": False},
-                       {"dp_shard": "auto"}, {"global_batch_size": 16, "micro_batch_size": 2}, 8),
-    "qwen3_moe_debug.toml": ({"num_experts": 64, "experts_per_token": 8, "moe_ffn_hidden_size": 768}, {"dp_shard": "auto"},
-                             {"micro_batch_size": 4}, 8),
-    "old_2024_llama3_8b.toml": ({"hidden_size": 4096, "ffn_hidden_size": 14336}, {"dp_shard": "auto"},
-                                {"micro_batch_size": 1, "seq_len": 8192}, 64),
-    "old_2024_llama3_405b.toml": ({"num_layers": 126}, {"tp": 8}, {"micro_batch_size": 2, "precision": "fp8",
-                                  "activation_checkpointing": "full"}, 128),
-    "old_2024_debug_model.toml": ({"hidden_size": 256, "vocab_size": 2048}, {"dp_shard": "auto"}, {"micro_batch_size": 8}, 8),
+    "llama3_debug_model.toml": (
+        {"hidden_size": 256, "num_layers": 6, "num_heads": 16, "ffn_hidden_size": 768, "vocab_size": 2048},
+        {"dp_shard": "auto", "tp": 1, "pp": 1},
+        {"global_batch_size": 64, "micro_batch_size": 8, "seq_len": 2048},
+        8,
+    ),
+    "llama3_ft_debug_model.toml": (
+        {"hidden_size": 256, "num_layers": 6, "vocab_size": 2048},
+        {"dp_shard": "auto"},
+        {"micro_batch_size": 8, "seq_len": 2048},
+        8,
+    ),
+    "llama3_8b.toml": (
+        {
+            "hidden_size": 4096,
+            "num_layers": 32,
+            "num_heads": 32,
+            "num_kv_heads": 8,
+            "ffn_hidden_size": 14336,
+            "vocab_size": 128256,
+        },
+        {"dp_shard": "auto", "tp": 1},
+        {"global_batch_size": 64, "micro_batch_size": 1, "seq_len": 8192, "activation_checkpointing": "selective"},
+        64,
+    ),
+    "llama3_70b.toml": (
+        {"hidden_size": 8192, "num_layers": 80, "num_heads": 64, "ffn_hidden_size": 28672},
+        {"tp": 8},
+        {"global_batch_size": 64, "micro_batch_size": 8, "sequence_parallel": True, "activation_checkpointing": "full"},
+        64,
+    ),
+    "llama3_405b.toml": (
+        {"hidden_size": 16384, "num_layers": 126, "num_heads": 128, "ffn_hidden_size": 53248},
+        {"tp": 8},
+        {"global_batch_size": 32, "micro_batch_size": 2, "precision": "fp8"},
+        128,
+    ),
+    "llama4_17bx16e.toml": (
+        {
+            "hidden_size": 5120,
+            "num_experts": 16,
+            "experts_per_token": 1,
+            "moe_ffn_hidden_size": 8192,
+            "moe_layer_frequency": 1,
+            "vocab_size": 202048,
+        },
+        {"tp": 8, "etp": 8},
+        {"global_batch_size": 64},
+        64,
+    ),
+    "llama4_17bx128e.toml": (
+        {"num_experts": 128, "moe_layer_frequency": 2},
+        {"tp": 8, "pp": 4, "etp": 8, "microbatches": 1},
+        {"micro_batch_size": 1, "pipeline_schedule": "1f1b"},
+        32,
+    ),
+    "qwen3_0.6b.toml": (
+        {"hidden_size": 1024, "num_layers": 28, "head_dim": 128, "tie_embeddings": True, "vocab_size": 151936},
+        {"dp_shard": "auto"},
+        {"micro_batch_size": 4, "seq_len": 4096},
+        8,
+    ),
+    "qwen3_1.7b.toml": (
+        {"hidden_size": 2048, "ffn_hidden_size": 6144, "tie_embeddings": True},
+        {"dp_shard": "auto"},
+        {"global_batch_size": 32},
+        8,
+    ),
+    "qwen3_32b.toml": (
+        {"hidden_size": 5120, "num_layers": 64, "num_heads": 64, "ffn_hidden_size": 25600, "tie_embeddings": False},
+        {"dp_shard": "auto"},
+        {"global_batch_size": 16, "micro_batch_size": 2},
+        8,
+    ),
+    "qwen3_moe_debug.toml": (
+        {"num_experts": 64, "experts_per_token": 8, "moe_ffn_hidden_size": 768},
+        {"dp_shard": "auto"},
+        {"micro_batch_size": 4},
+        8,
+    ),
+    "old_2024_llama3_8b.toml": (
+        {"hidden_size": 4096, "ffn_hidden_size": 14336},
+        {"dp_shard": "auto"},
+        {"micro_batch_size": 1, "seq_len": 8192},
+        64,
+    ),
+    "old_2024_llama3_405b.toml": (
+        {"num_layers": 126},
+        {"tp": 8},
+        {"micro_batch_size": 2, "precision": "fp8", "activation_checkpointing": "full"},
+        128,
+    ),
+    "old_2024_debug_model.toml": (
+        {"hidden_size": 256, "vocab_size": 2048},
+        {"dp_shard": "auto"},
+        {"micro_batch_size": 8},
+        8,
+    ),
 }
 
 
@@ -132,7 +204,11 @@ def test_each_torchtitan_toml_imports_with_its_degrees_and_sizes(name):
     """pytorch/torchtitan train configs (source in each file's first line)."""
     model, mesh, training, devices = TORCHTITAN[name]
     data = imported(TT / name)
-    assert subset(data, {"model": model, "mesh": mesh, "training": training}) == {"model": model, "mesh": mesh, "training": training}
+    assert subset(data, {"model": model, "mesh": mesh, "training": training}) == {
+        "model": model,
+        "mesh": mesh,
+        "training": training,
+    }
     assert data["resources"]["devices"] == devices
     assert data["backend"] == {"name": "torchtitan", "version": "0.2"}
     Spec.model_validate(data)  # a well-formed spec
@@ -140,17 +216,28 @@ def test_each_torchtitan_toml_imports_with_its_degrees_and_sizes(name):
 
 @pytest.mark.parametrize(
     "toml, production",
-    [("llama3_8b.toml", "llama3_8b_64gpu_fsdp64_a100.yaml"), ("llama3_70b.toml", "llama3_70b_64gpu_fsdp8_tp8_a100.yaml"),
-     ("llama4_17bx16e.toml", "llama4_17bx16e_64gpu_fsdp8_tp8.yaml"), ("qwen3_1.7b.toml", "qwen3_1.7b_8gpu_fsdp8_tied.yaml"),
-     ("qwen3_32b.toml", "qwen3_32b_8gpu_fsdp8.yaml")],
+    [
+        ("llama3_8b.toml", "llama3_8b_64gpu_fsdp64_a100.yaml"),
+        ("llama3_70b.toml", "llama3_70b_64gpu_fsdp8_tp8_a100.yaml"),
+        ("llama4_17bx16e.toml", "llama4_17bx16e_64gpu_fsdp8_tp8.yaml"),
+        ("qwen3_1.7b.toml", "qwen3_1.7b_8gpu_fsdp8_tied.yaml"),
+        ("qwen3_32b.toml", "qwen3_32b_8gpu_fsdp8.yaml"),
+    ],
 )
 def test_torchtitan_import_agrees_with_the_hand_transcription_of_the_same_preset(toml, production):
     """tests/corpus/production/torchtitan/ transcribes these presets by hand, citing the flavors' args."""
     ours = imported(TT / toml)
     theirs = yaml.safe_load((ROOT / "tests" / "corpus" / "production" / "torchtitan" / production).read_text())
     for key, value in theirs["model"].items():
-        assert ours["model"].get(key, {"norm": "rmsnorm", "activation": "swiglu", "position_embedding": "rope",
-                                       "moe_layer_frequency": 1}.get(key)) == value, key
+        assert (
+            ours["model"].get(
+                key,
+                {"norm": "rmsnorm", "activation": "swiglu", "position_embedding": "rope", "moe_layer_frequency": 1}.get(
+                    key
+                ),
+            )
+            == value
+        ), key
     for key in ("global_batch_size", "micro_batch_size", "seq_len", "activation_checkpointing"):
         assert ours["training"][key] == theirs["training"][key], key
     assert ours["resources"]["devices"] == theirs["resources"]["devices"]
@@ -161,7 +248,11 @@ def test_torchtitan_diagnostics_point_into_the_toml(capsys):
     found = json.loads(out)
     p003 = next(d for d in found if d["code"] == "P003")
     lines = (TT / "llama4_17bx128e.toml").read_text().splitlines()
-    assert status == 1 and "pipeline_parallel_degree" in lines[p003["line"] - 1] or "local_batch_size" in lines[p003["line"] - 1]
+    assert (
+        status == 1
+        and "pipeline_parallel_degree" in lines[p003["line"] - 1]
+        or "local_batch_size" in lines[p003["line"] - 1]
+    )
 
 
 def test_torchtitan_refuses_what_it_cannot_express(capsys):
@@ -175,8 +266,10 @@ def test_torchtitan_refuses_what_it_cannot_express(capsys):
 
 def test_torchtitan_unknown_keys_are_named(tmp_path, capsys):
     path = tmp_path / "job.toml"
-    path.write_text('[model]\nname = "llama3"\nflavor = "8B"\n[parallelism]\ntensor_parallel_degree = 2\nshiny_new_degree = 4\n'
-                    '[training]\nlocal_batch_size = 2\nseq_len = 1024\n')
+    path.write_text(
+        '[model]\nname = "llama3"\nflavor = "8B"\n[parallelism]\ntensor_parallel_degree = 2\nshiny_new_degree = 4\n'
+        "[training]\nlocal_batch_size = 2\nseq_len = 1024\n"
+    )
     status, out, _ = run_cli(capsys, "check", path, "--devices", "8")
     assert "I002" in out and "parallelism.shiny_new_degree" in out and f"{path}:6:1" in out
 
@@ -193,7 +286,9 @@ def test_torchtitan_model_from_an_hf_config_next_to_it(tmp_path):
     assets.mkdir()
     (assets / "config.json").write_text((HF / "qwen3-8b.json").read_text())
     path = tmp_path / "job.toml"
-    path.write_text('[model]\nname = "qwen3"\nflavor = "custom"\nhf_assets_path = "./assets"\n[training]\nlocal_batch_size = 1\n')
+    path.write_text(
+        '[model]\nname = "qwen3"\nflavor = "custom"\nhf_assets_path = "./assets"\n[training]\nlocal_batch_size = 1\n'
+    )
     data = imported(path, devices=8)
     assert data["model"]["num_layers"] == 36 and data["model"]["ffn_hidden_size"] == 12288
 
@@ -208,32 +303,98 @@ def test_invalid_toml_is_a_toml_error_at_its_position(tmp_path, capsys):
 # --------------------------------------------------------------------------- Megatron-LM
 
 MEGATRON = {
-    "train_llama3_8b_h100_fp8.sh": ({}, {"hidden_size": 4096, "num_layers": 32, "num_heads": 32, "num_kv_heads": 8, "head_dim": 128,
-                                         "ffn_hidden_size": 14336, "vocab_size": 128256, "tie_embeddings": False, "norm": "rmsnorm"},
-                                    {"tp": 1, "pp": 1, "cp": 1, "dp_shard": 8, "microbatches": 16},
-                                    {"global_batch_size": 128, "micro_batch_size": 1, "seq_len": 8192, "precision": "fp8",
-                                     "distributed_optimizer": True, "sequence_parallel": True}, 8),
-    "train_llama3_8b_fsdp_h100_fp8.sh": ({}, {"hidden_size": 4096, "num_kv_heads": 8, "ffn_hidden_size": 14336},
-                                         {"tp": 1, "cp": 1, "dp_shard": 8}, {"global_batch_size": 128, "precision": "fp8"}, 8),
-    "train_gpt3_175b_distributed.sh": ({}, {"hidden_size": 12288, "num_layers": 96, "num_heads": 96, "ffn_hidden_size": 49152,
-                                            "vocab_size": 51200, "tie_embeddings": True, "norm": "layernorm",
-                                            "position_embedding": "learned", "activation": "gelu"},
-                                       {"tp": 8, "pp": 16, "dp_replicate": 1},
-                                       {"global_batch_size": 1536, "micro_batch_size": 1, "seq_len": 2048, "precision": "fp16"}, 8),
-    "train_mixtral_8x7b_distributed.sh": ({"devices": 32}, {"num_experts": 8, "experts_per_token": 2, "vocab_size": 32000,
-                                                            "num_kv_heads": 8, "position_embedding": "rope"},
-                                          {"tp": 1, "pp": 4, "ep": 8, "etp": 1, "dp_shard": 8, "microbatches": 32},
-                                          {"global_batch_size": 256, "seq_len": 4096, "precision": "bf16", "steps": 500000}, 32),
+    "train_llama3_8b_h100_fp8.sh": (
+        {},
+        {
+            "hidden_size": 4096,
+            "num_layers": 32,
+            "num_heads": 32,
+            "num_kv_heads": 8,
+            "head_dim": 128,
+            "ffn_hidden_size": 14336,
+            "vocab_size": 128256,
+            "tie_embeddings": False,
+            "norm": "rmsnorm",
+        },
+        {"tp": 1, "pp": 1, "cp": 1, "dp_shard": 8, "microbatches": 16},
+        {
+            "global_batch_size": 128,
+            "micro_batch_size": 1,
+            "seq_len": 8192,
+            "precision": "fp8",
+            "distributed_optimizer": True,
+            "sequence_parallel": True,
+        },
+        8,
+    ),
+    "train_llama3_8b_fsdp_h100_fp8.sh": (
+        {},
+        {"hidden_size": 4096, "num_kv_heads": 8, "ffn_hidden_size": 14336},
+        {"tp": 1, "cp": 1, "dp_shard": 8},
+        {"global_batch_size": 128, "precision": "fp8"},
+        8,
+    ),
+    "train_gpt3_175b_distributed.sh": (
+        {},
+        {
+            "hidden_size": 12288,
+            "num_layers": 96,
+            "num_heads": 96,
+            "ffn_hidden_size": 49152,
+            "vocab_size": 51200,
+            "tie_embeddings": True,
+            "norm": "layernorm",
+            "position_embedding": "learned",
+            "activation": "gelu",
+        },
+        {"tp": 8, "pp": 16, "dp_replicate": 1},
+        {"global_batch_size": 1536, "micro_batch_size": 1, "seq_len": 2048, "precision": "fp16"},
+        8,
+    ),
+    "train_mixtral_8x7b_distributed.sh": (
+        {"devices": 32},
+        {
+            "num_experts": 8,
+            "experts_per_token": 2,
+            "vocab_size": 32000,
+            "num_kv_heads": 8,
+            "position_embedding": "rope",
+        },
+        {"tp": 1, "pp": 4, "ep": 8, "etp": 1, "dp_shard": 8, "microbatches": 32},
+        {"global_batch_size": 256, "seq_len": 4096, "precision": "bf16", "steps": 500000},
+        32,
+    ),
     "gptoss_02_train.sh": ({}, {"num_layers": 12, "vocab_size": 128256}, {"pp": 8}, {"global_batch_size": 128}, 8),
-    "conf_Llama-3.1-8B-Instruct.sh": ({"model": LLAMA}, {"hidden_size": 4096, "num_layers": 32, "ffn_hidden_size": 14336,
-                                                         "vocab_size": 128256, "num_kv_heads": 8},
-                                      {"tp": 1, "dp_replicate": 8}, {"micro_batch_size": 1, "seq_len": 4096, "precision": "bf16"}, 8),
-    "conf_Qwen3-30B-A3B.sh": ({"model": str(HF / "qwen3-30b-a3b.json")},
-                              {"hidden_size": 2048, "num_layers": 48, "num_kv_heads": 4, "head_dim": 128, "num_experts": 128,
-                               "experts_per_token": 8, "moe_ffn_hidden_size": 768, "vocab_size": 151936},
-                              {"tp": 1}, {"seq_len": 4096}, 8),
-    "conf_Qwen3-8B.sh": ({"model": str(HF / "qwen3-8b.json")}, {"hidden_size": 4096, "num_layers": 36, "ffn_hidden_size": 12288,
-                                                               "vocab_size": 151936}, {"tp": 1}, {"seq_len": 4096}, 8),
+    "conf_Llama-3.1-8B-Instruct.sh": (
+        {"model": LLAMA},
+        {"hidden_size": 4096, "num_layers": 32, "ffn_hidden_size": 14336, "vocab_size": 128256, "num_kv_heads": 8},
+        {"tp": 1, "dp_replicate": 8},
+        {"micro_batch_size": 1, "seq_len": 4096, "precision": "bf16"},
+        8,
+    ),
+    "conf_Qwen3-30B-A3B.sh": (
+        {"model": str(HF / "qwen3-30b-a3b.json")},
+        {
+            "hidden_size": 2048,
+            "num_layers": 48,
+            "num_kv_heads": 4,
+            "head_dim": 128,
+            "num_experts": 128,
+            "experts_per_token": 8,
+            "moe_ffn_hidden_size": 768,
+            "vocab_size": 151936,
+        },
+        {"tp": 1},
+        {"seq_len": 4096},
+        8,
+    ),
+    "conf_Qwen3-8B.sh": (
+        {"model": str(HF / "qwen3-8b.json")},
+        {"hidden_size": 4096, "num_layers": 36, "ffn_hidden_size": 12288, "vocab_size": 151936},
+        {"tp": 1},
+        {"seq_len": 4096},
+        8,
+    ),
 }
 
 
@@ -242,7 +403,11 @@ def test_each_megatron_script_imports_with_its_degrees_and_sizes(name):
     """NVIDIA/Megatron-LM examples (source in each file's second line)."""
     options, model, mesh, training, devices = MEGATRON[name]
     data = imported(MG / name, **options)
-    assert subset(data, {"model": model, "mesh": mesh, "training": training}) == {"model": model, "mesh": mesh, "training": training}
+    assert subset(data, {"model": model, "mesh": mesh, "training": training}) == {
+        "model": model,
+        "mesh": mesh,
+        "training": training,
+    }
     assert data["resources"]["devices"] == devices
     assert data["backend"] == {"name": "megatron", "entry": "arguments"}
     Spec.model_validate(data)
@@ -250,8 +415,12 @@ def test_each_megatron_script_imports_with_its_degrees_and_sizes(name):
 
 @pytest.mark.parametrize(
     "name, says",
-    [("conf_Llama-3.2-1B-Instruct.sh", "vocabulary size"), ("conf_Llama-4-Scout-17B-16E-Instruct.sh", "vocabulary size"),
-     ("conf_DeepSeek-V2-Lite.sh", "per-layer pattern"), ("train_bert_340m_distributed.sh", "pretrain_bert.py")],
+    [
+        ("conf_Llama-3.2-1B-Instruct.sh", "vocabulary size"),
+        ("conf_Llama-4-Scout-17B-16E-Instruct.sh", "vocabulary size"),
+        ("conf_DeepSeek-V2-Lite.sh", "per-layer pattern"),
+        ("train_bert_340m_distributed.sh", "pretrain_bert.py"),
+    ],
 )
 def test_megatron_scripts_the_spec_cannot_express_are_refused_by_name(capsys, name, says):
     status, out, _ = run_cli(capsys, "check", MG / name)
@@ -276,8 +445,13 @@ def test_the_gpt3_script_as_published_does_not_fit_its_own_node(capsys, tmp_path
     status, out, _ = run_cli(capsys, "check", MG / "train_gpt3_175b_distributed.sh")
     assert status == 1 and "I005" in out and "--step-batch-size-schedule" in out
     fixed = tmp_path / "train_gpt3_175b.sh"
-    fixed.write_text("\n".join(line for line in (MG / "train_gpt3_175b_distributed.sh").read_text().splitlines()
-                               if "--step-batch-size-schedule" not in line))
+    fixed.write_text(
+        "\n".join(
+            line
+            for line in (MG / "train_gpt3_175b_distributed.sh").read_text().splitlines()
+            if "--step-batch-size-schedule" not in line
+        )
+    )
     status, out, _ = run_cli(capsys, "check", fixed)
     assert status == 1 and "D001" in out
     status, out, _ = run_cli(capsys, "check", fixed, "--devices", "1024")
@@ -286,8 +460,10 @@ def test_the_gpt3_script_as_published_does_not_fit_its_own_node(capsys, tmp_path
 
 def test_megatron_defaults_follow_validate_args(tmp_path):
     path = tmp_path / "args.txt"
-    path.write_text("--num-layers 4\n--hidden-size 1000\n--num-attention-heads 8\n--swiglu\n--vocab-size 1000\n"
-                    "--tensor-model-parallel-size 2\n--micro-batch-size 2\n--num-experts 4\n")
+    path.write_text(
+        "--num-layers 4\n--hidden-size 1000\n--num-attention-heads 8\n--swiglu\n--vocab-size 1000\n"
+        "--tensor-model-parallel-size 2\n--micro-batch-size 2\n--num-experts 4\n"
+    )
     data = imported(path, devices=8)
     assert data["model"]["ffn_hidden_size"] == int((4 * 1000 * 2 / 3) / 64) * 64  # 2624
     assert data["model"]["vocab_size"] == 1024  # padded to 128 * tp
@@ -298,10 +474,14 @@ def test_megatron_defaults_follow_validate_args(tmp_path):
 
 def test_megatron_virtual_stages_from_layers_per_virtual_stage(tmp_path):
     path = tmp_path / "args.txt"
-    path.write_text("--num-layers 16 --hidden-size 64 --num-attention-heads 4 --vocab-size 128 "
-                    "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2 --global-batch-size 8\n")
+    path.write_text(
+        "--num-layers 16 --hidden-size 64 --num-attention-heads 4 --vocab-size 128 "
+        "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2 --global-batch-size 8\n"
+    )
     data = imported(path, devices=2)
-    assert data["training"]["virtual_pipeline_stages"] == 4 and data["training"]["pipeline_schedule"] == "interleaved_1f1b"
+    assert (
+        data["training"]["virtual_pipeline_stages"] == 4 and data["training"]["pipeline_schedule"] == "interleaved_1f1b"
+    )
     assert data["mesh"]["microbatches"] == 8
 
 
@@ -329,7 +509,19 @@ torchrun --nproc_per_node $B pretrain_gpt.py ${ARGS[@]} \\
 """
     run = Shell().execute(script)
     words = [w.text for w in run.commands[-1]]
-    assert words == ["torchrun", "--nproc_per_node", "8", "pretrain_gpt.py", "--one", "4", "--two", "8", "--three", "--four", "lit eral"]
+    assert words == [
+        "torchrun",
+        "--nproc_per_node",
+        "8",
+        "pretrain_gpt.py",
+        "--one",
+        "4",
+        "--two",
+        "8",
+        "--three",
+        "--four",
+        "lit eral",
+    ]
     assert run.scalars["A"].text == "4" and run.skipped
     two = next(w for w in run.commands[-1] if w.text == "--two")
     assert (two.pos.line, two.pos.column) == (5, 5)
@@ -339,20 +531,41 @@ torchrun --nproc_per_node $B pretrain_gpt.py ${ARGS[@]} \\
 
 DEEPSPEED = {
     # file: (options, mesh, training)
-    "bingbertsquad_bsz24.json": ({"devices": 8}, {"dp_replicate": 8, "gradient_accumulation_steps": 1},
-                                 {"global_batch_size": 24, "micro_batch_size": 3, "precision": "fp16", "optimizer": "adam"}),
-    "compression_gpt2.json": ({"devices": 2}, {"dp_replicate": 2, "gradient_accumulation_steps": 1},
-                              {"global_batch_size": 8, "micro_batch_size": 4, "precision": "fp16", "learning_rate": 0.001}),
-    "zenflow_finetuning.json": ({"devices": 8}, {"dp_replicate": 8, "gradient_accumulation_steps": 1},
-                                {"global_batch_size": 8, "micro_batch_size": 1, "precision": "bf16", "distributed_optimizer": True}),
-    "bing_bert_bsz4k_01adam_seq128.json": ({"devices": 64}, {"dp_replicate": 64, "gradient_accumulation_steps": 4},
-                                           {"global_batch_size": 4096, "micro_batch_size": 16, "precision": "fp16"}),
-    "pipeline_parallelism.json": ({"devices": 4}, {"dp_replicate": 4, "gradient_accumulation_steps": 8},
-                                  {"global_batch_size": 256, "micro_batch_size": 8, "precision": "fp32"}),
-    "imagenet_fp16_z1.json": ({"devices": 8}, {"dp_replicate": 8, "gradient_accumulation_steps": 1},
-                              {"global_batch_size": 256, "micro_batch_size": 32, "distributed_optimizer": True}),
-    "bf16_master_weight_full.json": ({"devices": 8}, {"dp_shard": 8, "gradient_accumulation_steps": 1},
-                                     {"global_batch_size": 32, "micro_batch_size": 4, "precision": "bf16", "optimizer": "adamw"}),
+    "bingbertsquad_bsz24.json": (
+        {"devices": 8},
+        {"dp_replicate": 8, "gradient_accumulation_steps": 1},
+        {"global_batch_size": 24, "micro_batch_size": 3, "precision": "fp16", "optimizer": "adam"},
+    ),
+    "compression_gpt2.json": (
+        {"devices": 2},
+        {"dp_replicate": 2, "gradient_accumulation_steps": 1},
+        {"global_batch_size": 8, "micro_batch_size": 4, "precision": "fp16", "learning_rate": 0.001},
+    ),
+    "zenflow_finetuning.json": (
+        {"devices": 8},
+        {"dp_replicate": 8, "gradient_accumulation_steps": 1},
+        {"global_batch_size": 8, "micro_batch_size": 1, "precision": "bf16", "distributed_optimizer": True},
+    ),
+    "bing_bert_bsz4k_01adam_seq128.json": (
+        {"devices": 64},
+        {"dp_replicate": 64, "gradient_accumulation_steps": 4},
+        {"global_batch_size": 4096, "micro_batch_size": 16, "precision": "fp16"},
+    ),
+    "pipeline_parallelism.json": (
+        {"devices": 4},
+        {"dp_replicate": 4, "gradient_accumulation_steps": 8},
+        {"global_batch_size": 256, "micro_batch_size": 8, "precision": "fp32"},
+    ),
+    "imagenet_fp16_z1.json": (
+        {"devices": 8},
+        {"dp_replicate": 8, "gradient_accumulation_steps": 1},
+        {"global_batch_size": 256, "micro_batch_size": 32, "distributed_optimizer": True},
+    ),
+    "bf16_master_weight_full.json": (
+        {"devices": 8},
+        {"dp_shard": 8, "gradient_accumulation_steps": 1},
+        {"global_batch_size": 32, "micro_batch_size": 4, "precision": "bf16", "optimizer": "adamw"},
+    ),
 }
 
 
@@ -368,27 +581,52 @@ def test_each_deepspeed_config_imports_with_its_batch_and_zero_stage(name):
 
 def test_deepspeed_world_size_follows_from_the_three_batch_sizes(tmp_path):
     path = tmp_path / "ds.json"
-    path.write_text(json.dumps({"train_batch_size": 96, "train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2,
-                                "zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}))
+    path.write_text(
+        json.dumps(
+            {
+                "train_batch_size": 96,
+                "train_micro_batch_size_per_gpu": 3,
+                "gradient_accumulation_steps": 2,
+                "zero_optimization": {"stage": 3},
+                "bf16": {"enabled": True},
+            }
+        )
+    )
     data = imported(path, model=LLAMA, seq_len=1024)
     assert data["resources"]["devices"] == 16 and data["mesh"]["dp_shard"] == 16
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.integers(1, 8), st.integers(1, 8), st.integers(1, 16), st.sampled_from(["tbs+mbs", "tbs+gas", "mbs+gas", "tbs", "mbs"]))
+@given(
+    st.integers(1, 8),
+    st.integers(1, 8),
+    st.integers(1, 16),
+    st.sampled_from(["tbs+mbs", "tbs+gas", "mbs+gas", "tbs", "mbs"]),
+)
 def test_deepspeed_batch_identity_holds_for_every_pair_given(tmp_path_factory, mbs, gas, dp, given_):
     """train_batch_size = micro * accumulation * dp, whichever of them the config leaves out."""
-    full = {"train_batch_size": mbs * gas * dp, "train_micro_batch_size_per_gpu": mbs, "gradient_accumulation_steps": gas}
-    keep = {"tbs+mbs": ("train_batch_size", "train_micro_batch_size_per_gpu"), "tbs+gas": ("train_batch_size", "gradient_accumulation_steps"),
-            "mbs+gas": ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps"), "tbs": ("train_batch_size",),
-            "mbs": ("train_micro_batch_size_per_gpu",)}[given_]
+    full = {
+        "train_batch_size": mbs * gas * dp,
+        "train_micro_batch_size_per_gpu": mbs,
+        "gradient_accumulation_steps": gas,
+    }
+    keep = {
+        "tbs+mbs": ("train_batch_size", "train_micro_batch_size_per_gpu"),
+        "tbs+gas": ("train_batch_size", "gradient_accumulation_steps"),
+        "mbs+gas": ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps"),
+        "tbs": ("train_batch_size",),
+        "mbs": ("train_micro_batch_size_per_gpu",),
+    }[given_]
     path = tmp_path_factory.mktemp("ds") / "ds.json"
     path.write_text(json.dumps({k: full[k] for k in keep}))
     data = imported(path, model=LLAMA, seq_len=128, devices=dp)
     t, m = data["training"], data["mesh"]
     assert t["global_batch_size"] == t["micro_batch_size"] * m["gradient_accumulation_steps"] * dp
-    for key, field in (("train_batch_size", t["global_batch_size"]), ("train_micro_batch_size_per_gpu", t["micro_batch_size"]),
-                       ("gradient_accumulation_steps", m["gradient_accumulation_steps"])):
+    for key, field in (
+        ("train_batch_size", t["global_batch_size"]),
+        ("train_micro_batch_size_per_gpu", t["micro_batch_size"]),
+        ("gradient_accumulation_steps", m["gradient_accumulation_steps"]),
+    ):
         if key in keep:
             assert field == full[key]
 
@@ -399,13 +637,17 @@ def test_deepspeed_refusals(capsys, tmp_path):
     status, out, _ = run_cli(capsys, "check", DS / "bingbertsquad_bsz24.json")
     assert status == 2 and "--model config.json" in out
     path = tmp_path / "ds.json"
-    path.write_text(json.dumps({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 1}))
+    path.write_text(
+        json.dumps({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 1})
+    )
     status, out, _ = run_cli(capsys, "check", path, "--model", LLAMA)
     assert status == 2 and "micro * accumulation * dp" in out
 
 
 def test_deepspeed_unmodelled_keys_are_named(capsys):
-    status, out, _ = run_cli(capsys, "check", DS / "zenflow_finetuning.json", "--model", LLAMA, "--devices", "8", "--seq-len", "512")
+    status, out, _ = run_cli(
+        capsys, "check", DS / "zenflow_finetuning.json", "--model", LLAMA, "--devices", "8", "--seq-len", "512"
+    )
     assert "zero_optimization.offload_optimizer" in out and "zero_optimization.zenflow" in out and "I002" in out
 
 
@@ -415,23 +657,57 @@ def test_deepspeed_unmodelled_keys_are_named(capsys):
 @pytest.mark.parametrize(
     "name, expected",
     [
-        ("llama-3.1-8b.json", {"vocab_size": 128256, "hidden_size": 4096, "num_layers": 32, "num_heads": 32, "num_kv_heads": 8,
-                               "ffn_hidden_size": 14336, "tie_embeddings": False, "activation": "swiglu", "norm": "rmsnorm"}),
-        ("mixtral-8x7b-v0.1.json", {"num_experts": 8, "experts_per_token": 2, "moe_ffn_hidden_size": 14336, "vocab_size": 32000}),
-        ("qwen3-30b-a3b.json", {"num_experts": 128, "experts_per_token": 8, "moe_ffn_hidden_size": 768, "head_dim": 128,
-                                "num_kv_heads": 4, "moe_layer_frequency": 1}),
-        ("gpt-neox-20b.json", {"hidden_size": 6144, "num_layers": 44, "num_heads": 64, "ffn_hidden_size": 24576,
-                               "norm": "layernorm", "activation": "gelu", "vocab_size": 50432}),
+        (
+            "llama-3.1-8b.json",
+            {
+                "vocab_size": 128256,
+                "hidden_size": 4096,
+                "num_layers": 32,
+                "num_heads": 32,
+                "num_kv_heads": 8,
+                "ffn_hidden_size": 14336,
+                "tie_embeddings": False,
+                "activation": "swiglu",
+                "norm": "rmsnorm",
+            },
+        ),
+        (
+            "mixtral-8x7b-v0.1.json",
+            {"num_experts": 8, "experts_per_token": 2, "moe_ffn_hidden_size": 14336, "vocab_size": 32000},
+        ),
+        (
+            "qwen3-30b-a3b.json",
+            {
+                "num_experts": 128,
+                "experts_per_token": 8,
+                "moe_ffn_hidden_size": 768,
+                "head_dim": 128,
+                "num_kv_heads": 4,
+                "moe_layer_frequency": 1,
+            },
+        ),
+        (
+            "gpt-neox-20b.json",
+            {
+                "hidden_size": 6144,
+                "num_layers": 44,
+                "num_heads": 64,
+                "ffn_hidden_size": 24576,
+                "norm": "layernorm",
+                "activation": "gelu",
+                "vocab_size": 50432,
+            },
+        ),
     ],
 )
 def test_a_spec_takes_its_model_from_an_hf_config(write, tmp_path, name, expected):
     (tmp_path / "config.json").write_text((HF / name).read_text())
-    path = write(f"""\
-        model: {{from: hf, path: config.json}}
-        mesh: {{dp_shard: 8}}
-        training: {{global_batch_size: 8, seq_len: 128}}
+    path = write("""\
+        model: {from: hf, path: config.json}
+        mesh: {dp_shard: 8}
+        training: {global_batch_size: 8, seq_len: 128}
         backend: torch
-        resources: {{devices: 8, memory: 141GB}}
+        resources: {devices: 8, memory: 141GB}
         """)
     loaded = load_spec(path)
     assert loaded.spec is not None, [d.text() for d in loaded.diagnostics]
@@ -440,8 +716,10 @@ def test_a_spec_takes_its_model_from_an_hf_config(write, tmp_path, name, expecte
 
 def test_an_hf_architecture_outside_the_family_is_refused_by_name(write, tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba", "hidden_size": 8}))
-    path = write("model: {from: hf, path: config.json}\nmesh: {}\ntraining: {global_batch_size: 1, seq_len: 8}\n"
-                 "backend: torch\nresources: {devices: 1, memory: 1GiB}\n")
+    path = write(
+        "model: {from: hf, path: config.json}\nmesh: {}\ntraining: {global_batch_size: 1, seq_len: 8}\n"
+        "backend: torch\nresources: {devices: 1, memory: 1GiB}\n"
+    )
     status, out, _ = run_cli(capsys, "check", path)
     assert status == 1 and "I004" in out and "'mamba'" in out and "llama" in out and f"{path}:1:" in out
 
@@ -450,17 +728,21 @@ def test_an_hf_architecture_outside_the_family_is_refused_by_name(write, tmp_pat
 
 
 def test_checking_an_engine_config_imports_no_torch():
-    code = ("import sys; from mixle_compile.cli import main; "
-            f"main(['check', {str(TT / 'llama3_8b.toml')!r}]); main(['check', {str(MG / 'train_llama3_8b_h100_fp8.sh')!r}]); "
-            "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')")
+    code = (
+        "import sys; from mixle_compile.cli import main; "
+        f"main(['check', {str(TT / 'llama3_8b.toml')!r}]); main(['check', {str(MG / 'train_llama3_8b_h100_fp8.sh')!r}]); "
+        "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True).stdout
     assert out.splitlines()[-1] == "NO-TORCH"
 
 
 def test_reading_never_raises_for_a_bad_engine_file(tmp_path):
-    for name, text in (("a.toml", "[model]\nname = 3\n[parallelism]\ntensor_parallel_degree = 'x'\n"),
-                       ("a.sh", "torchrun pretrain_gpt.py --num-layers x --hidden-size\n"),
-                       ("a.json", '{"train_batch_size": -1}')):
+    for name, text in (
+        ("a.toml", "[model]\nname = 3\n[parallelism]\ntensor_parallel_degree = 'x'\n"),
+        ("a.sh", "torchrun pretrain_gpt.py --num-layers x --hidden-size\n"),
+        ("a.json", '{"train_batch_size": -1}'),
+    ):
         path = tmp_path / name
         path.write_text(text)
         try:
@@ -471,7 +753,7 @@ def test_reading_never_raises_for_a_bad_engine_file(tmp_path):
 
 # --------------------------------------------------------------------------- torchtitan 0.3 Python configs
 
-REGISTRY_MODULE = '''\
+REGISTRY_MODULE = """\
 from types import SimpleNamespace
 
 from torchtitan.config import ParallelismConfig, TrainingConfig
@@ -498,7 +780,7 @@ def llama3_70b_tp8():
 
 def not_a_config():
     return 3
-'''
+"""
 
 
 @pytest.fixture
@@ -520,9 +802,20 @@ def test_a_torchtitan_config_function_is_read_through_its_config_classes(registr
     doc, _ = read_trainer_config(function, config, "my_registry:llama3_70b_tp8", ImportOptions(devices=64))
     data = doc.data
     assert data["model"]["hidden_size"] == 8192 and data["model"]["ffn_hidden_size"] == 28672
-    assert data["mesh"] == {"dp_replicate": 1, "tp": 8, "pp": 2, "cp": 1, "ep": 1, "etp": 1, "dp_shard": "auto",
-                            "gradient_accumulation_steps": 1, "microbatches": 4}
-    assert data["training"]["pipeline_schedule"] == "interleaved_1f1b" and data["training"]["virtual_pipeline_stages"] == 2
+    assert data["mesh"] == {
+        "dp_replicate": 1,
+        "tp": 8,
+        "pp": 2,
+        "cp": 1,
+        "ep": 1,
+        "etp": 1,
+        "dp_shard": "auto",
+        "gradient_accumulation_steps": 1,
+        "microbatches": 4,
+    }
+    assert (
+        data["training"]["pipeline_schedule"] == "interleaved_1f1b" and data["training"]["virtual_pipeline_stages"] == 2
+    )
     assert data["training"]["activation_checkpointing"] == "full" and data["training"]["sequence_parallel"] is True
     assert data["training"]["global_batch_size"] == 4 * 4  # local * dp (64 / (8 * 2))
     assert data["backend"] == {"name": "torchtitan", "version": "0.3"}
@@ -547,10 +840,17 @@ def test_check_torchtitan_module_function(registry, capsys):
     assert status == 2
 
 
-@pytest.mark.parametrize("module, function, flavor", [
-    ("llama3", "llama3_debugmodel", "debugmodel"), ("llama3", "llama3_8b", "8B"), ("llama3", "llama3_70b", "70B"),
-    ("qwen3", "qwen3_0_6b", "0.6B"), ("qwen3", "qwen3_1_7b", "1.7B"), ("qwen3", "qwen3_32b", "32B"),
-])
+@pytest.mark.parametrize(
+    "module, function, flavor",
+    [
+        ("llama3", "llama3_debugmodel", "debugmodel"),
+        ("llama3", "llama3_8b", "8B"),
+        ("llama3", "llama3_70b", "70B"),
+        ("qwen3", "qwen3_0_6b", "0.6B"),
+        ("qwen3", "qwen3_1_7b", "1.7B"),
+        ("qwen3", "qwen3_32b", "32B"),
+    ],
+)
 def test_torchtitan_own_config_registry(module, function, flavor, capsys):
     """torchtitan 0.3.0's own config_registry functions, where torchtitan and its dependencies import: the degrees
     and batch come from its ParallelismConfig and TrainingConfig, the sizes from its model config, and they agree
@@ -568,7 +868,10 @@ def test_torchtitan_own_config_registry(module, function, flavor, capsys):
     data = doc.data
     p, t = config.parallelism, config.training
     assert (data["mesh"]["tp"], data["mesh"]["pp"], data["mesh"]["cp"]) == (
-        p.tensor_parallel_degree, p.pipeline_parallel_degree, p.context_parallel_degree)
+        p.tensor_parallel_degree,
+        p.pipeline_parallel_degree,
+        p.context_parallel_degree,
+    )
     assert data["training"]["seq_len"] == t.seq_len and data["model"]["hidden_size"] == config.model_spec.model.dim
     assert data["backend"] == {"name": "torchtitan", "version": "0.3"}
     table = dict(flavors.flavor(module, flavor).model)
@@ -594,9 +897,14 @@ def test_torchtitan_config_manager_reads_the_corpus_tomls_as_we_do(name):
     data = imported(TT / name)
     p, mesh, t = job.parallelism, data["mesh"], data["training"]
     assert (mesh["dp_replicate"], mesh["dp_shard"], mesh["tp"], mesh["pp"], mesh["cp"], mesh["ep"], mesh["etp"]) == (
-        p.data_parallel_replicate_degree, "auto" if p.data_parallel_shard_degree == -1 else p.data_parallel_shard_degree,
-        p.tensor_parallel_degree, p.pipeline_parallel_degree, p.context_parallel_degree, p.expert_parallel_degree,
-        p.expert_tensor_parallel_degree)
+        p.data_parallel_replicate_degree,
+        "auto" if p.data_parallel_shard_degree == -1 else p.data_parallel_shard_degree,
+        p.tensor_parallel_degree,
+        p.pipeline_parallel_degree,
+        p.context_parallel_degree,
+        p.expert_parallel_degree,
+        p.expert_tensor_parallel_degree,
+    )
     assert t["seq_len"] == job.training.seq_len and t["activation_checkpointing"] == job.activation_checkpoint.mode
     assert t["micro_batch_size"] * mesh.get("microbatches", 1) == job.training.local_batch_size
     assert (t["precision"] == "fp8") == ("float8" in job.model.converters)
@@ -624,7 +932,10 @@ def test_deepspeed_config_class_reads_the_corpus_configs_as_we_do(name, monkeypa
     ds = deepspeed_config(DS / name, options["devices"], monkeypatch)
     data = imported(DS / name, model=LLAMA, seq_len=2048, **options)
     assert (ds.train_batch_size, ds.train_micro_batch_size_per_gpu, ds.gradient_accumulation_steps) == (
-        data["training"]["global_batch_size"], data["training"]["micro_batch_size"], data["mesh"]["gradient_accumulation_steps"])
+        data["training"]["global_batch_size"],
+        data["training"]["micro_batch_size"],
+        data["mesh"]["gradient_accumulation_steps"],
+    )
     assert ds.zero_optimization_stage in ({3} if "dp_shard" in mesh else {0, 1, 2})
     precision = "bf16" if ds.bfloat16_config.enabled else "fp16" if ds.float16_config.enabled else "fp32"
     assert precision == data["training"]["precision"]
@@ -632,11 +943,15 @@ def test_deepspeed_config_class_reads_the_corpus_configs_as_we_do(name, monkeypa
 
 def test_megatron_uneven_pipeline_split(tmp_path):
     path = tmp_path / "args.txt"
-    path.write_text("--num-layers 12 --hidden-size 64 --num-attention-heads 4 --vocab-size 128 --pipeline-model-parallel-size 4 "
-                    "--decoder-first-pipeline-num-layers 2 --decoder-last-pipeline-num-layers 2 --global-batch-size 8\n")
+    path.write_text(
+        "--num-layers 12 --hidden-size 64 --num-attention-heads 4 --vocab-size 128 --pipeline-model-parallel-size 4 "
+        "--decoder-first-pipeline-num-layers 2 --decoder-last-pipeline-num-layers 2 --global-batch-size 8\n"
+    )
     assert imported(path, devices=4)["training"]["pipeline_layers"] == [2, 4, 4, 2]
-    path.write_text("--num-layers 12 --hidden-size 64 --num-attention-heads 4 --vocab-size 128 --pipeline-model-parallel-size 4 "
-                    "--decoder-first-pipeline-num-layers 4 --global-batch-size 8 --use-megatron-fsdp\n")
+    path.write_text(
+        "--num-layers 12 --hidden-size 64 --num-attention-heads 4 --vocab-size 128 --pipeline-model-parallel-size 4 "
+        "--decoder-first-pipeline-num-layers 4 --global-batch-size 8 --use-megatron-fsdp\n"
+    )
     with pytest.raises(SourceError) as info:
         imported(path, devices=4)
     assert "first 4" in info.value.diagnostics[-1].message
@@ -647,12 +962,18 @@ def test_compile_diff_and_suggest_take_engine_configs(tmp_path, capsys):
     status, _, _ = run_cli(capsys, "compile", TT / "llama3_8b.toml", "-o", plan)
     assert status == 0 and json.loads(plan.read_text())["format_version"]
     changed = tmp_path / "llama3_8b_tp2.toml"
-    changed.write_text((TT / "llama3_8b.toml").read_text().replace("tensor_parallel_degree = 1", "tensor_parallel_degree = 2"))
+    changed.write_text(
+        (TT / "llama3_8b.toml").read_text().replace("tensor_parallel_degree = 1", "tensor_parallel_degree = 2")
+    )
     status, out, _ = run_cli(capsys, "diff", "--exit-code", TT / "llama3_8b.toml", changed)
     assert status == 1 and "tp" in out
     fixed = tmp_path / "fixed_shard.toml"
-    fixed.write_text((TT / "llama3_8b.toml").read_text().replace("data_parallel_shard_degree = -1", "data_parallel_shard_degree = 8")
-                     .replace("tensor_parallel_degree = 1", "tensor_parallel_degree = 2"))
+    fixed.write_text(
+        (TT / "llama3_8b.toml")
+        .read_text()
+        .replace("data_parallel_shard_degree = -1", "data_parallel_shard_degree = 8")
+        .replace("tensor_parallel_degree = 1", "tensor_parallel_degree = 2")
+    )
     status, out, _ = run_cli(capsys, "check", "--suggest", fixed, "--devices", "8")
     assert status == 1 and "D001" in out and "valid plan on the same 8 devices" in out
 
@@ -665,8 +986,12 @@ def _line_of(path, needle: str) -> int:
 def test_suggest_on_a_torchtitan_toml_names_its_keys_at_their_lines(tmp_path, capsys, name, table):
     """The fix is said as the TOML's own key, in the table this layout keeps it in, at the line it is written."""
     path = tmp_path / name
-    path.write_text((TT / name).read_text().replace("data_parallel_shard_degree = -1", "data_parallel_shard_degree = 8")
-                    .replace("\ntensor_parallel_degree = 1", "\ntensor_parallel_degree = 2"))
+    path.write_text(
+        (TT / name)
+        .read_text()
+        .replace("data_parallel_shard_degree = -1", "data_parallel_shard_degree = 8")
+        .replace("\ntensor_parallel_degree = 1", "\ntensor_parallel_degree = 2")
+    )
     status, out, _ = run_cli(capsys, "check", "--suggest", path, "--devices", "8")
     line = _line_of(path, "tensor_parallel_degree")
     assert status == 1
@@ -674,20 +999,30 @@ def test_suggest_on_a_torchtitan_toml_names_its_keys_at_their_lines(tmp_path, ca
     assert "mesh:\n" not in out and "# (spec fields: mesh.tp)" in out
     status, out, _ = run_cli(capsys, "check", "--suggest", "--format", "json", path, "--devices", "8")
     suggestion = next(f["fix"] for f in json.loads(out) if f["fix"])  # every error of the file carries its fix
-    assert suggestion["engine_changes"] == [{"key": f"{table}.tensor_parallel_degree", "action": "set", "value": 1, "was": 2,
-                                             "line": line, "column": 26,
-                                             "edit": f"set [{table}] tensor_parallel_degree = 1  (was 2)"}]
+    assert suggestion["engine_changes"] == [
+        {
+            "key": f"{table}.tensor_parallel_degree",
+            "action": "set",
+            "value": 1,
+            "was": 2,
+            "line": line,
+            "column": 26,
+            "edit": f"set [{table}] tensor_parallel_degree = 1  (was 2)",
+        }
+    ]
 
 
 def test_suggest_on_a_megatron_script_names_its_flags(tmp_path, capsys):
     """A degree set through a variable is fixed where the variable is assigned; etp, which follows tp when not
     written (validate_args), and the vocabulary padding (a model size) are not part of the fix."""
     path = tmp_path / "train.sh"
-    path.write_text("#!/bin/bash\nTP=3\ntorchrun --nproc_per_node 8 pretrain_gpt.py \\\n"
-                    "    --num-layers 12 --hidden-size 768 --num-attention-heads 12 \\\n"
-                    "    --seq-length 1024 --max-position-embeddings 1024 --vocab-size 50304 \\\n"
-                    "    --micro-batch-size 4 --global-batch-size 64 \\\n"
-                    "    --tensor-model-parallel-size $TP --bf16\n")
+    path.write_text(
+        "#!/bin/bash\nTP=3\ntorchrun --nproc_per_node 8 pretrain_gpt.py \\\n"
+        "    --num-layers 12 --hidden-size 768 --num-attention-heads 12 \\\n"
+        "    --seq-length 1024 --max-position-embeddings 1024 --vocab-size 50304 \\\n"
+        "    --micro-batch-size 4 --global-batch-size 64 \\\n"
+        "    --tensor-model-parallel-size $TP --bf16\n"
+    )
     status, out, _ = run_cli(capsys, "check", "--suggest", "--format", "json", path)
     assert status == 1
     suggestion = next(f["fix"] for f in json.loads(out) if f["fix"])  # every error of the file carries its fix
@@ -711,13 +1046,19 @@ def test_suggest_on_a_megatron_script_names_its_flags(tmp_path, capsys):
     loaded = load_spec(path)
     both = Suggestion((Change(Field("tp", ("mesh", "tp"), 3), 4), Change(Field("etp", ("mesh", "etp"), 3), 4)), 8, True)
     assert [c.key for c in engine_patch(loaded.spec, both, loaded.document).changes] == ["--tensor-model-parallel-size"]
-    apart = Suggestion((Change(Field("tp", ("mesh", "tp"), 3), 4), Change(Field("etp", ("mesh", "etp"), 3), 2)), 8, True)
+    apart = Suggestion(
+        (Change(Field("tp", ("mesh", "tp"), 3), 4), Change(Field("etp", ("mesh", "etp"), 3), 2)), 8, True
+    )
     assert [c.key for c in engine_patch(loaded.spec, apart, loaded.document).changes] == [
-        "--tensor-model-parallel-size", "--expert-tensor-parallel-size"]
+        "--tensor-model-parallel-size",
+        "--expert-tensor-parallel-size",
+    ]
     # A switch the fix turns on is added where the file has none.
-    path.write_text("torchrun --nproc_per_node 8 pretrain_gpt.py --num-layers 32 --hidden-size 4096 --num-attention-heads 32 "
-                    "--seq-length 8192 --max-position-embeddings 8192 --vocab-size 128256 --micro-batch-size 4 "
-                    "--global-batch-size 64 --tensor-model-parallel-size 8 --bf16\n")
+    path.write_text(
+        "torchrun --nproc_per_node 8 pretrain_gpt.py --num-layers 32 --hidden-size 4096 --num-attention-heads 32 "
+        "--seq-length 8192 --max-position-embeddings 8192 --vocab-size 128256 --micro-batch-size 4 "
+        "--global-batch-size 64 --tensor-model-parallel-size 8 --bf16\n"
+    )
     status, out, _ = run_cli(capsys, "check", "--suggest", "--format", "json", path, "--device-memory", "20GiB")
     suggestion = next(f["fix"] for f in json.loads(out) if f["fix"])  # every error of the file carries its fix
     assert suggestion["found"], suggestion
@@ -727,7 +1068,8 @@ def test_suggest_on_a_megatron_script_names_its_flags(tmp_path, capsys):
         assert change["key"].startswith("--")
         assert (change["action"] == "add") == (change["line"] is None)
     assert any(c["action"] == "add" for c in suggestion["engine_changes"]) or "--micro-batch-size" in {
-        c["key"] for c in suggestion["engine_changes"]}
+        c["key"] for c in suggestion["engine_changes"]
+    }
 
 
 def test_accumulation_steps_of_a_fix_are_said_as_the_engines_batching():
@@ -745,8 +1087,10 @@ def test_accumulation_steps_of_a_fix_are_said_as_the_engines_batching():
 
 def test_suggest_on_a_deepspeed_config_names_its_json_path(tmp_path, capsys):
     path = tmp_path / "ds_config.json"
-    path.write_text('{\n  "train_batch_size": 64,\n  "train_micro_batch_size_per_gpu": 1,\n  "gradient_accumulation_steps": 8,\n'
-                    '  "zero_optimization": {"stage": 0},\n  "bf16": {"enabled": true}\n}\n')
+    path.write_text(
+        '{\n  "train_batch_size": 64,\n  "train_micro_batch_size_per_gpu": 1,\n  "gradient_accumulation_steps": 8,\n'
+        '  "zero_optimization": {"stage": 0},\n  "bf16": {"enabled": true}\n}\n'
+    )
     status, out, _ = run_cli(capsys, "check", "--suggest", path, "--model", LLAMA, "--seq-len", "1024")
     assert status == 1
     assert f'{path}:5:34: set "zero_optimization.stage": 1  (was 0)' in out
@@ -755,16 +1099,24 @@ def test_suggest_on_a_deepspeed_config_names_its_json_path(tmp_path, capsys):
 
 def test_hints_on_engine_configs_name_the_keys_of_the_fields(tmp_path, capsys):
     path = tmp_path / "bad.toml"
-    path.write_text((TT / "llama3_8b.toml").read_text().replace("data_parallel_shard_degree = -1", "data_parallel_shard_degree = 8")
-                    .replace("tensor_parallel_degree = 1", "tensor_parallel_degree = 2"))
+    path.write_text(
+        (TT / "llama3_8b.toml")
+        .read_text()
+        .replace("data_parallel_shard_degree = -1", "data_parallel_shard_degree = 8")
+        .replace("tensor_parallel_degree = 1", "tensor_parallel_degree = 2")
+    )
     status, out, _ = run_cli(capsys, "check", path, "--devices", "8")
     assert status == 1
-    assert ("(in this file: mesh.dp_shard <- parallelism.data_parallel_shard_degree; "
-            "mesh.tp <- parallelism.tensor_parallel_degree)") in out
+    assert (
+        "(in this file: mesh.dp_shard <- parallelism.data_parallel_shard_degree; "
+        "mesh.tp <- parallelism.tensor_parallel_degree)"
+    ) in out
 
 
-MEGATRON_TAIL = ("torchrun --nproc_per_node 8 pretrain_gpt.py ${MODEL_ARGS[@]} --seq-length 1024 --max-position-embeddings 1024 "
-                 "--vocab-size 50304 --micro-batch-size 4 --global-batch-size 64 --tensor-model-parallel-size $TP\n")
+MEGATRON_TAIL = (
+    "torchrun --nproc_per_node 8 pretrain_gpt.py ${MODEL_ARGS[@]} --seq-length 1024 --max-position-embeddings 1024 "
+    "--vocab-size 50304 --micro-batch-size 4 --global-batch-size 64 --tensor-model-parallel-size $TP\n"
+)
 
 
 def _diagnostics(path, **options):
@@ -780,8 +1132,10 @@ def test_a_sourced_file_is_read_next_to_the_script_with_its_own_positions(tmp_pa
     """`source conf/model.sh` is found next to the script even when run from elsewhere; its values keep their
     positions in that file, and `$(dirname $0)` is the sourcing file's directory."""
     (tmp_path / "conf").mkdir()
-    (tmp_path / "conf" / "model.sh").write_text("# sizes\nMODEL_ARGS=(\n  --num-layers 12\n  --hidden-size 768 --num-attention-heads 12\n)\n"
-                                                ". $(dirname $0)/parallel.sh\n")
+    (tmp_path / "conf" / "model.sh").write_text(
+        "# sizes\nMODEL_ARGS=(\n  --num-layers 12\n  --hidden-size 768 --num-attention-heads 12\n)\n"
+        ". $(dirname $0)/parallel.sh\n"
+    )
     (tmp_path / "conf" / "parallel.sh").write_text("TP=3\n")
     script = tmp_path / "launch.sh"
     script.write_text("#!/bin/bash\nsource conf/model.sh\n" + MEGATRON_TAIL)
@@ -807,7 +1161,9 @@ def check_file_result(path, **options):
 
 def test_a_sourced_file_is_found_in_the_working_directory_as_bash_would(tmp_path, monkeypatch):
     (tmp_path / "common").mkdir()
-    (tmp_path / "common" / "model.sh").write_text("MODEL_ARGS=(--num-layers 6 --hidden-size 512 --num-attention-heads 8)\nTP=2\n")
+    (tmp_path / "common" / "model.sh").write_text(
+        "MODEL_ARGS=(--num-layers 6 --hidden-size 512 --num-attention-heads 8)\nTP=2\n"
+    )
     (tmp_path / "scripts").mkdir()
     script = tmp_path / "scripts" / "launch.sh"
     script.write_text("source common/model.sh\n" + MEGATRON_TAIL)
@@ -817,15 +1173,26 @@ def test_a_sourced_file_is_found_in_the_working_directory_as_bash_would(tmp_path
     assert doc.values[("model", "num_layers")].file == "common/model.sh"
 
 
-@pytest.mark.parametrize("line, expected", [
-    ("source missing.sh", "`source missing.sh` is ignored: missing.sh is not found (looked for "),
-    (". $CONF_DIR/model.sh", "`. $CONF_DIR/model.sh` is ignored: the path is computed from $CONF_DIR, which the script does not set"),
-    ("source $(find . -name model.sh)", "the path is computed from the command substitution $(find . -name model.sh)"),
-])
+@pytest.mark.parametrize(
+    "line, expected",
+    [
+        ("source missing.sh", "`source missing.sh` is ignored: missing.sh is not found (looked for "),
+        (
+            ". $CONF_DIR/model.sh",
+            "`. $CONF_DIR/model.sh` is ignored: the path is computed from $CONF_DIR, which the script does not set",
+        ),
+        (
+            "source $(find . -name model.sh)",
+            "the path is computed from the command substitution $(find . -name model.sh)",
+        ),
+    ],
+)
 def test_a_sourced_file_that_cannot_be_read_is_named(tmp_path, monkeypatch, line, expected):
     monkeypatch.chdir(tmp_path)
     script = tmp_path / "launch.sh"
-    script.write_text(f"MODEL_ARGS=(--num-layers 4 --hidden-size 256 --num-attention-heads 4)\nTP=2\n{line}\n" + MEGATRON_TAIL)
+    script.write_text(
+        f"MODEL_ARGS=(--num-layers 4 --hidden-size 256 --num-attention-heads 4)\nTP=2\n{line}\n" + MEGATRON_TAIL
+    )
     doc, diags = read_any(script, "launch.sh", ImportOptions(device_memory="80GiB"))
     (warning,) = [d for d in diags if "ignored" in d.message and "source" in d.message or d.message.startswith("`.")]
     assert expected in warning.message and (warning.code, warning.line, warning.column) == ("I002", 3, 1)
@@ -836,7 +1203,9 @@ def test_sourcing_cycles_and_depth_are_bounded_and_nothing_is_run(tmp_path, monk
     from mixle_compile.importers.shell import MAX_SOURCE_DEPTH
 
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "a.sh").write_text("source b.sh\nMODEL_ARGS=(--num-layers 4 --hidden-size 256 --num-attention-heads 4)\n")
+    (tmp_path / "a.sh").write_text(
+        "source b.sh\nMODEL_ARGS=(--num-layers 4 --hidden-size 256 --num-attention-heads 4)\n"
+    )
     (tmp_path / "b.sh").write_text("source a.sh\ntouch ran-b\n$(touch ran-c)\nTP=2\n")
     script = tmp_path / "launch.sh"
     script.write_text("source a.sh\n" + MEGATRON_TAIL)
@@ -847,7 +1216,9 @@ def test_sourcing_cycles_and_depth_are_bounded_and_nothing_is_run(tmp_path, monk
     # A chain deeper than the limit stops there, with a warning at the file that would go deeper.
     for k in range(MAX_SOURCE_DEPTH + 2):
         (tmp_path / f"d{k}.sh").write_text(f"source d{k + 1}.sh\nLEVEL={k}\n")
-    script.write_text("MODEL_ARGS=(--num-layers 4 --hidden-size 256 --num-attention-heads 4)\nTP=2\nsource d0.sh\n" + MEGATRON_TAIL)
+    script.write_text(
+        "MODEL_ARGS=(--num-layers 4 --hidden-size 256 --num-attention-heads 4)\nTP=2\nsource d0.sh\n" + MEGATRON_TAIL
+    )
     doc, diags = read_any(script, "launch.sh", ImportOptions(device_memory="80GiB"))
     (deep,) = [d for d in diags if "deep" in d.message]
     assert f"more than {MAX_SOURCE_DEPTH} deep" in deep.message and deep.file == f"d{MAX_SOURCE_DEPTH - 2}.sh"
@@ -856,14 +1227,32 @@ def test_sourcing_cycles_and_depth_are_bounded_and_nothing_is_run(tmp_path, monk
 def test_an_hf_deepseek_v3_config_is_refused_saying_what_mla_is_missing(tmp_path, capsys):
     """The sizes of deepseek-ai/DeepSeek-V3's config.json (model_type deepseek_v3, kv_lora_rank 512, ...)."""
     hf = tmp_path / "config.json"
-    hf.write_text(json.dumps({"model_type": "deepseek_v3", "hidden_size": 7168, "num_hidden_layers": 61,
-                              "num_attention_heads": 128, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_nope_head_dim": 128,
-                              "qk_rope_head_dim": 64, "v_head_dim": 128, "vocab_size": 129280, "n_routed_experts": 256,
-                              "n_shared_experts": 1, "first_k_dense_replace": 3}))
+    hf.write_text(
+        json.dumps(
+            {
+                "model_type": "deepseek_v3",
+                "hidden_size": 7168,
+                "num_hidden_layers": 61,
+                "num_attention_heads": 128,
+                "kv_lora_rank": 512,
+                "q_lora_rank": 1536,
+                "qk_nope_head_dim": 128,
+                "qk_rope_head_dim": 64,
+                "v_head_dim": 128,
+                "vocab_size": 129280,
+                "n_routed_experts": 256,
+                "n_shared_experts": 1,
+                "first_k_dense_replace": 3,
+            }
+        )
+    )
     ds = tmp_path / "ds.json"
     ds.write_text('{"train_batch_size": 8, "train_micro_batch_size_per_gpu": 1}')
     status, out, _ = run_cli(capsys, "check", ds, "--model", hf)
-    assert status == 2 and "HF model_type 'deepseek_v3': recognised as DeepSeek-V3 (Multi-head Latent Attention, MLA)" in out
+    assert (
+        status == 2
+        and "HF model_type 'deepseek_v3': recognised as DeepSeek-V3 (Multi-head Latent Attention, MLA)" in out
+    )
     assert "not expressible are MLA's low-rank key/value compression (kv_lora_rank" in out
 
 
@@ -908,10 +1297,20 @@ def test_toml_positions_on_the_tricky_cases():
     doc = read_toml(TRICKY_TOML, "t.toml")
     lines = TRICKY_TOML.splitlines()
     expected = {
-        ("model", "name"): 3, ("model", "quoted.key"): 4, ("model", "lit"): 5, ("model", "dotted", "inner"): 6,
-        ("model", "converters"): 7, ("model", "inline"): 11, ("model", "desc"): 12, ("model", "lit_multi"): 16,
-        ("model", "esc"): 19, ("model", "after"): 20, ("parallelism", "deep", "k"): 22, ("array_of", "tables", "m"): 24,
-        ("parallelism", "pipeline_parallel_split_points"): 26, ("parallelism", "tensor_parallel_degree"): 29,
+        ("model", "name"): 3,
+        ("model", "quoted.key"): 4,
+        ("model", "lit"): 5,
+        ("model", "dotted", "inner"): 6,
+        ("model", "converters"): 7,
+        ("model", "inline"): 11,
+        ("model", "desc"): 12,
+        ("model", "lit_multi"): 16,
+        ("model", "esc"): 19,
+        ("model", "after"): 20,
+        ("parallelism", "deep", "k"): 22,
+        ("array_of", "tables", "m"): 24,
+        ("parallelism", "pipeline_parallel_split_points"): 26,
+        ("parallelism", "tensor_parallel_degree"): 29,
         ("parallelism", "indented"): 30,
     }
     keyed = {path: pos.line for path, pos in doc.keys.items() if len(path) > 1 and path[-1] not in ("deep", "tables")}
@@ -937,4 +1336,4 @@ def test_every_key_of_the_corpus_tomls_is_found_where_it_is_written(name):
 
     for path in leaves(doc.data):
         pos = doc.keys[path]
-        assert lines[pos.line - 1][pos.column - 1:].startswith(path[-1]), (path, pos)
+        assert lines[pos.line - 1][pos.column - 1 :].startswith(path[-1]), (path, pos)

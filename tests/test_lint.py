@@ -42,7 +42,9 @@ def codes(out: str) -> list[str]:
 
 
 def test_the_nearest_configuration_wins(capsys, tmp_path):
-    (tmp_path / "pyproject.toml").write_text('[project]\nname = "x"\n\n[tool.mixle-compile]\nwarnings-as-errors = true\n')
+    (tmp_path / "pyproject.toml").write_text(
+        '[project]\nname = "x"\n\n[tool.mixle-compile]\nwarnings-as-errors = true\n'
+    )
     nested = tmp_path / "configs" / "legacy"
     nested.mkdir(parents=True)
     (nested / "mixle-compile.toml").write_text('ignore = ["P008"]\n')
@@ -55,7 +57,9 @@ def test_the_nearest_configuration_wins(capsys, tmp_path):
     assert (status, codes(out)) == (0, [])  # its own folder's file, which says nothing of warnings
 
 
-def test_mixle_compile_toml_wins_over_pyproject_in_one_folder_and_a_pyproject_without_our_table_is_passed_over(capsys, tmp_path):
+def test_mixle_compile_toml_wins_over_pyproject_in_one_folder_and_a_pyproject_without_our_table_is_passed_over(
+    capsys, tmp_path
+):
     (tmp_path / "mixle-compile.toml").write_text('ignore = ["P"]\n')
     inner = tmp_path / "inner"
     inner.mkdir()
@@ -63,7 +67,9 @@ def test_mixle_compile_toml_wins_over_pyproject_in_one_folder_and_a_pyproject_wi
     (inner / "bubble.yaml").write_text(BUBBLE)
     assert codes(run_cli(capsys, "check", "--format", "json", inner / "bubble.yaml")[1]) == []
     (tmp_path / "pyproject.toml").write_text("[tool.mixle-compile]\nselect = []\n")
-    assert codes(run_cli(capsys, "check", "--format", "json", inner / "bubble.yaml")[1]) == []  # still mixle-compile.toml
+    assert (
+        codes(run_cli(capsys, "check", "--format", "json", inner / "bubble.yaml")[1]) == []
+    )  # still mixle-compile.toml
 
 
 def test_unknown_keys_and_codes_are_named_with_the_closest_valid_one(capsys, tmp_path):
@@ -76,7 +82,11 @@ def test_unknown_keys_and_codes_are_named_with_the_closest_valid_one(capsys, tmp
     assert "did you mean `tool.mixle-compile.warnings-as-errors`?" in err
     config.write_text('[tool.mixle-compile]\nignore = ["P0088"]\n')
     status, _, err = run_cli(capsys, "check", tmp_path / "spec.yaml")
-    assert status == 2 and "`tool.mixle-compile.ignore`: 'P0088' is not a diagnostic code" in err and "did you mean P008?" in err
+    assert (
+        status == 2
+        and "`tool.mixle-compile.ignore`: 'P0088' is not a diagnostic code" in err
+        and "did you mean P008?" in err
+    )
     status, _, err = run_cli(capsys, "check", "--select", "X9", tmp_path / "spec.yaml")
     assert status == 2 and "--select: 'X9' is not a diagnostic code" in err
 
@@ -122,7 +132,9 @@ def test_select_on_the_command_line_replaces_the_configuration_and_ignore_adds_t
 
 
 def test_per_file_ignores_match_paths_relative_to_the_configuration(capsys, tmp_path):
-    (tmp_path / "mixle-compile.toml").write_text('warnings-as-errors = true\n[per-file-ignores]\n"legacy/**/*.yaml" = ["P008"]\n')
+    (tmp_path / "mixle-compile.toml").write_text(
+        'warnings-as-errors = true\n[per-file-ignores]\n"legacy/**/*.yaml" = ["P008"]\n'
+    )
     (tmp_path / "legacy" / "old").mkdir(parents=True)
     old, new = tmp_path / "legacy" / "old" / "a.yaml", tmp_path / "a.yaml"
     old.write_text(BUBBLE)
@@ -146,7 +158,9 @@ def test_default_backend_applies_to_a_spec_that_names_none(capsys, tmp_path):
 
 def test_glob_patterns():
     assert glob_matches("*.yaml", "a/b/c.yaml") and glob_matches("configs/**/*.yaml", "configs/c.yaml")
-    assert glob_matches("configs/**/*.yaml", "configs/x/y/c.yaml") and not glob_matches("configs/*.yaml", "configs/x/c.yaml")
+    assert glob_matches("configs/**/*.yaml", "configs/x/y/c.yaml") and not glob_matches(
+        "configs/*.yaml", "configs/x/c.yaml"
+    )
     assert not glob_matches("*.yaml", "a/b/c.yml") and glob_matches("**/train_configs/*.toml", "m/train_configs/x.toml")
     assert not glob_matches("train_configs/*.toml", "m/train_configs/x.toml")  # a pattern with a / starts at the root
 
@@ -162,7 +176,11 @@ def test_a_comment_on_the_line_or_alone_above_it_suppresses_and_an_unused_one_is
     spec.write_text(TP3.replace("  tp: 3\n", "  # mixle: ignore[D001,T001,T005]\n  tp: 3\n"))
     status, out, _ = run_cli(capsys, "check", "--format", "json", spec)
     assert status == 1 and codes(out) == ["T004"]
-    spec.write_text(TP3.replace("  tp: 3\n", "  tp: 3  # mixle: ignore[D001, T001, T004, T005, T002]\n").replace("tp: 2}", "tp: 2}  # mixle: ignore[B001]"))
+    spec.write_text(
+        TP3.replace("  tp: 3\n", "  tp: 3  # mixle: ignore[D001, T001, T004, T005, T002]\n").replace(
+            "tp: 2}", "tp: 2}  # mixle: ignore[B001]"
+        )
+    )
     status, out, _ = run_cli(capsys, "check", spec)
     assert status == 0
     assert "M001 (warning) unused suppression: no T002 finding on this line" in out
@@ -179,13 +197,19 @@ def test_a_suppression_of_no_code_at_all_is_reported(capsys, tmp_path):
 
 
 def test_suppressions_are_read_from_comments_only():
-    found = suppressions("a: 'x # mixle: ignore[T001]'\n# mixle: ignore[P008]\nb: 1 # mixle: ignore[t002 , D001]\nc: 2#mixle: ignore[S003]\n")
+    found = suppressions(
+        "a: 'x # mixle: ignore[T001]'\n# mixle: ignore[P008]\nb: 1 # mixle: ignore[t002 , D001]\nc: 2#mixle: ignore[S003]\n"
+    )
     assert [(s.line, s.applies_to, s.codes) for s in found] == [(2, 3, ("P008",)), (3, 3, ("T002", "D001"))]
 
 
 def test_a_file_that_does_not_load_keeps_its_errors(capsys, tmp_path):
     spec = tmp_path / "spec.yaml"
-    spec.write_text((EXAMPLES / "invalid" / "s003-unknown-key.yaml").read_text().replace("dp_shards: 2", "dp_shards: 2  # mixle: ignore[S003]"))
+    spec.write_text(
+        (EXAMPLES / "invalid" / "s003-unknown-key.yaml")
+        .read_text()
+        .replace("dp_shards: 2", "dp_shards: 2  # mixle: ignore[S003]")
+    )
     status, out, _ = run_cli(capsys, "check", "--ignore", "S", spec)
     assert status == 1 and "S003" in out and "M001" not in out
 
@@ -223,9 +247,13 @@ def test_a_glob_argument_is_expanded(capsys, tmp_path, monkeypatch):
 def test_standard_input_with_a_filename(capsys, tmp_path, monkeypatch):
     (tmp_path / "mixle-compile.toml").write_text('ignore = ["D001"]\n')
     name = tmp_path / "configs" / "from-editor.yaml"
-    status, out, _ = run_cli(capsys, "check", "--format", "json", "-", "--stdin-filename", name, stdin=TP3, monkeypatch=monkeypatch)
+    status, out, _ = run_cli(
+        capsys, "check", "--format", "json", "-", "--stdin-filename", name, stdin=TP3, monkeypatch=monkeypatch
+    )
     found = json.loads(out)
-    assert status == 1 and [d["code"] for d in found] == ["T001"]  # D001 ignored by the configuration found from the name
+    assert status == 1 and [d["code"] for d in found] == [
+        "T001"
+    ]  # D001 ignored by the configuration found from the name
     assert found[0]["file"] == str(name)
     status, out, _ = run_cli(capsys, "check", "-", stdin=TINY, monkeypatch=monkeypatch)
     assert status == 0 and "All checks passed: 1 file." in out
@@ -250,8 +278,11 @@ def test_fix_writes_the_suggestion_keeping_comments_and_layout(capsys, tmp_path)
 
 def test_fix_adds_a_key_the_file_does_not_write(capsys, tmp_path):
     spec = tmp_path / "bubble.yaml"  # B001: 8 != 1*8*2; the nearest clean plan adds cp
-    text = (BUBBLE.replace("microbatches: 2", "microbatches: 8").replace("micro_batch_size: 2", "micro_batch_size: 1")
-            .replace("num_layers: 2", "num_layers: 4"))
+    text = (
+        BUBBLE.replace("microbatches: 2", "microbatches: 8")
+        .replace("micro_batch_size: 2", "micro_batch_size: 1")
+        .replace("num_layers: 2", "num_layers: 4")
+    )
     spec.write_text(text)
     status, out, err = run_cli(capsys, "check", "--fix", spec)
     assert status == 0, out
@@ -264,10 +295,24 @@ def test_fix_adds_a_key_the_file_does_not_write(capsys, tmp_path):
 
 def test_fix_refuses_what_it_cannot_edit(capsys, tmp_path):
     spec = tmp_path / "spec.json"
-    spec.write_text(json.dumps({"model": {"family": "transformer", "vocab_size": 256, "hidden_size": 64, "num_layers": 2,
-                                          "num_heads": 4, "ffn_hidden_size": 128}, "mesh": {"dp_shard": 2, "tp": 3},
-                                "training": {"global_batch_size": 8, "micro_batch_size": 4, "seq_len": 32},
-                                "backend": "torch", "resources": {"devices": 4, "memory": "2GiB"}}))
+    spec.write_text(
+        json.dumps(
+            {
+                "model": {
+                    "family": "transformer",
+                    "vocab_size": 256,
+                    "hidden_size": 64,
+                    "num_layers": 2,
+                    "num_heads": 4,
+                    "ffn_hidden_size": 128,
+                },
+                "mesh": {"dp_shard": 2, "tp": 3},
+                "training": {"global_batch_size": 8, "micro_batch_size": 4, "seq_len": 32},
+                "backend": "torch",
+                "resources": {"devices": 4, "memory": "2GiB"},
+            }
+        )
+    )
     before = spec.read_text()
     status, out, err = run_cli(capsys, "check", "--fix", spec)
     assert status == 1 and "is not a YAML spec: --fix edits .yaml and .yml files" in err and spec.read_text() == before
@@ -278,7 +323,7 @@ def test_fix_refuses_what_it_cannot_edit(capsys, tmp_path):
 def test_an_explicit_config_is_used_for_every_file(capsys, tmp_path):
     (tmp_path / "mixle-compile.toml").write_text('ignore = ["P008"]\n')  # would apply, but --config wins
     other = tmp_path / "ci.toml"
-    other.write_text('warnings-as-errors = true\n')
+    other.write_text("warnings-as-errors = true\n")
     bubble = tmp_path / "bubble.yaml"
     bubble.write_text(BUBBLE)
     assert run_cli(capsys, "check", bubble)[0] == 0
@@ -290,7 +335,9 @@ def test_an_explicit_config_is_used_for_every_file(capsys, tmp_path):
 
 def test_diff_of_standard_input(capsys, monkeypatch):
     text = (EXAMPLES / "tiny-transformer.yaml").read_text().replace("  tp: 2\n", "  tp: 3\n")
-    status, out, _ = run_cli(capsys, "check", "--diff", "-", "--stdin-filename", "configs/tiny.yaml", stdin=text, monkeypatch=monkeypatch)
+    status, out, _ = run_cli(
+        capsys, "check", "--diff", "-", "--stdin-filename", "configs/tiny.yaml", stdin=text, monkeypatch=monkeypatch
+    )
     assert status == 1 and "--- a/configs/tiny.yaml\n+++ b/configs/tiny.yaml\n" in out and "+  tp: 2\n" in out
     status, _, err = run_cli(capsys, "check", "--fix", "-", stdin=text, monkeypatch=monkeypatch)
     assert status == 2 and "use --diff" in err

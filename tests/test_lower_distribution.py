@@ -6,10 +6,10 @@ import dataclasses
 
 import pytest
 
+from mixle_compile.graph import build_model_graph
 from mixle_compile.lower.distribution import check_statistics_once, lower_distribution
 from mixle_compile.lower.groups import RankGrid
 from mixle_compile.lower.lowering import lower
-from mixle_compile.graph import build_model_graph
 from mixle_compile.spec import load_spec, load_spec_text, parallel_plan
 from tests.conftest import EXAMPLES
 
@@ -26,7 +26,9 @@ def by_node(low):
     return {u.update.node_id: u for u in low.updates}
 
 
-@pytest.mark.parametrize("name", ["gaussian-mixture.yaml", "hmm-shared-transitions.yaml", "composite-nested-mixture.yaml"])
+@pytest.mark.parametrize(
+    "name", ["gaussian-mixture.yaml", "hmm-shared-transitions.yaml", "composite-nested-mixture.yaml"]
+)
 def test_examples_lower_cleanly(name):
     loaded = load_spec(EXAMPLES / name)
     low = lower(loaded.spec, document=loaded.document)
@@ -50,7 +52,10 @@ def test_nested_heavy_mixture_is_cut_with_a_logsumexp_boundary_and_faster_device
     sizes = [c["stop"] - c["start"] for c in dec["cuts"]]
     assert sizes == [32, 16, 16]  # the first device is twice as fast
     updates = by_node(low)
-    assert [updates[f"model.root.factors[2]:normaliser/{k}"].update.mesh_axes for k in ("max", "sum")] == [("tp",), ("tp",)]
+    assert [updates[f"model.root.factors[2]:normaliser/{k}"].update.mesh_axes for k in ("max", "sum")] == [
+        ("tp",),
+        ("tp",),
+    ]
     component = next(p for p in low.parameters if p.name == "model.root.factors[2].component")
     # A shard holds the units of the rank that owns the most (32 of 64), not 64 / 3.
     assert component.layout.placements == (("tp", "shard(0)"),) and component.local_shape[0] == 32
@@ -59,7 +64,9 @@ def test_nested_heavy_mixture_is_cut_with_a_logsumexp_boundary_and_faster_device
 
 
 def test_shared_transitions_under_a_component_cut_sum_over_tp_and_data():
-    low = lower(spec_of(HMMS.replace("dp_replicate: 2", "dp_replicate: 2\n  tp: 2").replace("devices: 2", "devices: 4")))
+    low = lower(
+        spec_of(HMMS.replace("dp_replicate: 2", "dp_replicate: 2\n  tp: 2").replace("devices: 2", "devices: 4"))
+    )
     assert low.decomposition["axis"] == "component"
     updates = by_node(low)
     assert updates["model.shared.weather:statistics"].update.mesh_axes == ("dp_replicate", "tp")
@@ -77,8 +84,12 @@ def test_missing_tp_sum_of_shared_statistics_is_caught():
     assert check_statistics_once(graph, low, plan) == ()
     broken = dataclasses.replace(low, updates=tuple(u for u in low.updates if u.tensor != "model.shared.weather"))
     problems = check_statistics_once(graph, broken, plan)
-    assert [p.message for p in problems] == ["model.shared.weather: its statistics are partial over tp but never summed over tp"]
-    doubled = dataclasses.replace(low, updates=low.updates + tuple(u for u in low.updates if u.tensor == "model.shared.weather"))
+    assert [p.message for p in problems] == [
+        "model.shared.weather: its statistics are partial over tp but never summed over tp"
+    ]
+    doubled = dataclasses.replace(
+        low, updates=low.updates + tuple(u for u in low.updates if u.tensor == "model.shared.weather")
+    )
     assert "summed 2 times over tp" in check_statistics_once(graph, doubled, plan)[0].message
 
 

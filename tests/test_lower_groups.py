@@ -25,7 +25,11 @@ from mixle_compile.lower.groups import (
 )
 
 TOKENS = ("tp", "cp", "ep", "dp", "pp")
-DENSE_RULES = [axes for axes in DEFAULT_RULES if axes == (EMBEDDING_RULE,) or all(a in {"tp", "cp", "dp_shard", "dp_replicate", "pp"} for a in axes)]
+DENSE_RULES = [
+    axes
+    for axes in DEFAULT_RULES
+    if axes == (EMBEDDING_RULE,) or all(a in {"tp", "cp", "dp_shard", "dp_replicate", "pp"} for a in axes)
+]
 EXPERT_RULES = [axes for axes in DEFAULT_RULES if axes not in DENSE_RULES]
 
 
@@ -79,6 +83,7 @@ def oracle_groups(table: list[dict[str, int]], varied: tuple[str, ...], pp: int)
 
 def factorisations(limit: int):
     """Every (dp_replicate, dp_shard, tp, pp, cp) whose product is at most ``limit``."""
+
     def divisors(n):
         return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -210,7 +215,14 @@ def test_megatrons_sixteen_gpu_example():
     grid = RankGrid.from_plan(ParallelPlan(tp=2, pp=4, dp_shard=2))
     assert enumerate_groups(grid.rule("tp")) == [(0, 1), (2, 3), (4, 5), (6, 7), (8, 9), (10, 11), (12, 13), (14, 15)]
     assert enumerate_groups(grid.rule(("dp_replicate", "dp_shard"))) == [
-        (0, 2), (1, 3), (4, 6), (5, 7), (8, 10), (9, 11), (12, 14), (13, 15)
+        (0, 2),
+        (1, 3),
+        (4, 6),
+        (5, 7),
+        (8, 10),
+        (9, 11),
+        (12, 14),
+        (13, 15),
     ]
     assert enumerate_groups(grid.rule("pp")) == [(0, 4, 8, 12), (1, 5, 9, 13), (2, 6, 10, 14), (3, 7, 11, 15)]
     # the tied embedding lives on the first and last stage of each model-parallel position
@@ -224,10 +236,17 @@ def test_masked_orthogonal_groups_with_pipeline_inside_data():
     plan = ParallelPlan(tp=2, pp=3, dp_shard=4, etp=2)
     grid = RankGrid.from_plan(plan, "tp-pp-cp-ep-dp")
     assert enumerate_groups(grid.rule("dp_shard")) == [
-        (0, 6, 12, 18), (1, 7, 13, 19), (2, 8, 14, 20), (3, 9, 15, 21), (4, 10, 16, 22), (5, 11, 17, 23)
+        (0, 6, 12, 18),
+        (1, 7, 13, 19),
+        (2, 8, 14, 20),
+        (3, 9, 15, 21),
+        (4, 10, 16, 22),
+        (5, 11, 17, 23),
     ]
     assert enumerate_groups(grid.rule(("dp_shard", "tp"))) == [
-        (0, 1, 6, 7, 12, 13, 18, 19), (2, 3, 8, 9, 14, 15, 20, 21), (4, 5, 10, 11, 16, 17, 22, 23)
+        (0, 1, 6, 7, 12, 13, 18, 19),
+        (2, 3, 8, 9, 14, 15, 20, 21),
+        (4, 5, 10, 11, 16, 17, 22, 23),
     ]
 
 
@@ -350,8 +369,13 @@ def test_as_dict_is_json_and_symbolic():
     assert [r["name"] for r in data["rules"]] == list(grid.rule_names)
     pp_rule = next(r for r in data["rules"] if r["name"] == "pp")
     assert pp_rule == {
-        "name": "pp", "grid": "dense", "axes": ["pp"], "size": 4, "num_groups": 4,
-        "dims": [[4, 4]], "base_dims": [[1, 2], [2, 2]],
+        "name": "pp",
+        "grid": "dense",
+        "axes": ["pp"],
+        "size": 4,
+        "num_groups": 4,
+        "dims": [[4, 4]],
+        "base_dims": [[1, 2], [2, 2]],
     }
     # the dims regenerate the groups: base + k * stride
     for index, group in enumerate(grid.rule("pp").groups()):
@@ -395,7 +419,9 @@ def test_a_131072_rank_plan_answers_group_of_without_enumerating(monkeypatch):
         assert grid.rule("pp").group_of(rank) == tuple(rank % stage + k * stage for k in range(16))
         # data and context ranks: every 8th rank of the stage, 1024 of them
         data_base = rank % 8 + (rank // stage) * stage
-        assert grid.rule(("dp_replicate", "dp_shard", "cp")).group_of(rank) == tuple(range(data_base, data_base + stage, 8))
+        assert grid.rule(("dp_replicate", "dp_shard", "cp")).group_of(rank) == tuple(
+            range(data_base, data_base + stage, 8)
+        )
         # dp_shard: stride tp * cp = 16, 64 long
         shard_base = rank - ((rank // 16) % 64) * 16
         assert grid.rule("dp_shard").group_of(rank) == tuple(range(shard_base, shard_base + 64 * 16, 16))
@@ -413,7 +439,9 @@ def test_creation_order_is_lazy_at_scale():
     grid = RankGrid.from_plan(BIG)
     first = list(itertools.islice(grid.creation_order(), 3))
     assert [(rule.name, index, ranks) for rule, index, ranks in first] == [
-        ("tp", 0, tuple(range(8))), ("tp", 1, tuple(range(8, 16))), ("tp", 2, tuple(range(16, 24)))
+        ("tp", 0, tuple(range(8))),
+        ("tp", 1, tuple(range(8, 16))),
+        ("tp", 2, tuple(range(16, 24))),
     ]
     assert sum(rule.num_groups for rule in grid.rules) > 100_000
     assert math.prod(d.size for d in grid.expert.dims) == 131_072

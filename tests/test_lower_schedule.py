@@ -25,13 +25,11 @@ from mixle_compile.lower.schedule import (
     simulate_schedule,
 )
 
-CASES = [
-    ("gpipe", pp, m, 1) for pp in (1, 2, 3, 4) for m in (1, 2, 3, 5, 8)
-] + [
-    ("1f1b", pp, m, 1) for pp in (1, 2, 3, 4) for m in (4, 5, 8) if m >= pp
-] + [
-    ("interleaved_1f1b", pp, m, v) for pp in (2, 3, 4) for m in (pp, 2 * pp, 3 * pp) for v in (2, 3)
-]
+CASES = (
+    [("gpipe", pp, m, 1) for pp in (1, 2, 3, 4) for m in (1, 2, 3, 5, 8)]
+    + [("1f1b", pp, m, 1) for pp in (1, 2, 3, 4) for m in (4, 5, 8) if m >= pp]
+    + [("interleaved_1f1b", pp, m, v) for pp in (2, 3, 4) for m in (pp, 2 * pp, 3 * pp) for v in (2, 3)]
+)
 
 
 def compute_units(program):
@@ -79,7 +77,9 @@ def test_bubble_formula_values():
     assert bubble_fraction(4, 8, 2) == pytest.approx(3 / 19)
     # interleaving shrinks the bubble of the emitted schedule, as the formula says
     plain = schedule_bubble(pipeline_schedule(4, 8, "1f1b"))
-    interleaved = schedule_bubble(pipeline_schedule(4, 8, "interleaved_1f1b", 2), forward_cost=Fraction(1, 2), backward_cost=1)
+    interleaved = schedule_bubble(
+        pipeline_schedule(4, 8, "interleaved_1f1b", 2), forward_cost=Fraction(1, 2), backward_cost=1
+    )
     assert interleaved < plain
 
 
@@ -89,7 +89,7 @@ def test_1f1b_steady_state_alternates_and_limits_microbatches_in_flight():
         units = compute_units(program)
         warmup = pp - stage - 1
         assert [k for k, _, _ in units[:warmup]] == [OpKind.forward] * warmup
-        steady = [k for k, _, _ in units[warmup: warmup + 2 * (m - warmup)]]
+        steady = [k for k, _, _ in units[warmup : warmup + 2 * (m - warmup)]]
         assert steady == [OpKind.forward, OpKind.backward] * (m - warmup)
         in_flight = peak = 0
         for kind, _, _ in units:
@@ -169,12 +169,12 @@ def test_gpipe_accepts_fewer_microbatches_than_stages():
 def without(program, predicate):
     """The program without the first op matching ``predicate``."""
     index = next(i for i, op in enumerate(program) if predicate(op))
-    return program[:index] + program[index + 1:]
+    return program[:index] + program[index + 1 :]
 
 
 def replace_first(program, predicate, **changes):
     index = next(i for i, op in enumerate(program) if predicate(op))
-    return program[:index] + (dataclasses.replace(program[index], **changes),) + program[index + 1:]
+    return program[:index] + (dataclasses.replace(program[index], **changes),) + program[index + 1 :]
 
 
 def test_a_missing_recv_is_caught():
@@ -197,7 +197,10 @@ def test_messages_received_out_of_order_are_caught():
     programs = list(pipeline_schedule(2, 2, "gpipe"))
     sends = [i for i, op in enumerate(programs[0]) if op.kind is OpKind.send]
     p = list(programs[0])
-    p[sends[0]], p[sends[1]] = dataclasses.replace(p[sends[1]], batch=p[sends[0]].batch), dataclasses.replace(p[sends[0]], batch=p[sends[1]].batch)
+    p[sends[0]], p[sends[1]] = (
+        dataclasses.replace(p[sends[1]], batch=p[sends[0]].batch),
+        dataclasses.replace(p[sends[0]], batch=p[sends[1]].batch),
+    )
     programs[0] = tuple(p)
     result = check_schedule(programs)
     assert any("out of order" in p for p in result.problems)
@@ -233,16 +236,22 @@ def test_a_group_member_skipping_a_collective_is_caught():
     per_rank[3] = without(per_rank[3], lambda op: op.kind is OpKind.collective)
     result = check_schedule(per_rank, grid)
     assert any(
-        "group dp_replicate+dp_shard+cp #1 (ranks 2, 3)" in p and "all_reduce 'grads' on rank 2 but missing on rank 3" in p
+        "group dp_replicate+dp_shard+cp #1 (ranks 2, 3)" in p
+        and "all_reduce 'grads' on rank 2 but missing on rank 3" in p
         for p in result.problems
     )
-    assert any("rank 2 (stage 1) waits in collective all_reduce" in p and "for rank 3, which has finished" in p for p in result.problems)
+    assert any(
+        "rank 2 (stage 1) waits in collective all_reduce" in p and "for rank 3, which has finished" in p
+        for p in result.problems
+    )
 
 
 def test_collectives_with_different_tags_are_caught():
     grid = RankGrid.from_plan(ParallelPlan(dp_shard=2))
-    per_rank = {0: (Op("collective", 0, name="all_reduce", group="dp_shard", tag="w1"),),
-                1: (Op("collective", 0, name="all_reduce", group="dp_shard", tag="w2"),)}
+    per_rank = {
+        0: (Op("collective", 0, name="all_reduce", group="dp_shard", tag="w1"),),
+        1: (Op("collective", 0, name="all_reduce", group="dp_shard", tag="w2"),),
+    }
     result = check_schedule(per_rank, grid)
     assert any("all_reduce 'w1' on rank 0 but all_reduce 'w2' on rank 1" in p for p in result.problems)
 
@@ -253,7 +262,9 @@ def test_a_tied_reduction_before_the_last_gradient_send_deadlocks():
     pp = 3
     tied = collective("all_reduce", "embedding", "tied")
     programs = insert_collectives(pipeline_schedule(pp, 3, "1f1b"), [tied], at="after_last_backward", stages=[0])
-    programs = insert_collectives(programs, [tied], at="after_backward", stages=[pp - 1], where=lambda op: op.microbatch == 2)
+    programs = insert_collectives(
+        programs, [tied], at="after_backward", stages=[pp - 1], where=lambda op: op.microbatch == 2
+    )
     result = check_schedule(programs)
     assert any(p.startswith("deadlock: a cycle of waits") for p in result.problems)
     assert "3 ranks cannot finish" in result.problems[-1]
@@ -263,8 +274,14 @@ def test_unbatched_sends_in_both_directions_deadlock_but_a_batched_pair_does_not
     # the model is rendezvous: a send waits for its receive to be posted
     def pair(first_batch, second_batch):
         return (
-            (Op("send", 0, 0, 0, tag="x", peer=1, batch=first_batch), Op("recv", 0, 0, 0, tag="y", peer=1, batch=first_batch)),
-            (Op("send", 1, 0, 0, tag="y", peer=0, batch=second_batch), Op("recv", 1, 0, 0, tag="x", peer=0, batch=second_batch)),
+            (
+                Op("send", 0, 0, 0, tag="x", peer=1, batch=first_batch),
+                Op("recv", 0, 0, 0, tag="y", peer=1, batch=first_batch),
+            ),
+            (
+                Op("send", 1, 0, 0, tag="y", peer=0, batch=second_batch),
+                Op("recv", 1, 0, 0, tag="x", peer=0, batch=second_batch),
+            ),
         )
 
     blocked = check_schedule(pair(None, None))
@@ -279,7 +296,9 @@ def test_ops_on_the_wrong_stage_or_unknown_groups_are_caught():
     problems = check_schedule(programs).problems
     assert any("belongs to stage 0, but rank 1 is on stage 1" in p for p in problems)
     assert any("unknown group rule 'nonsense_axis'" in p for p in problems)
-    middle = insert_collectives(pipeline_schedule(3, 3, "gpipe"), [collective("all_reduce", "embedding")], at="end", stages=[1])
+    middle = insert_collectives(
+        pipeline_schedule(3, 3, "gpipe"), [collective("all_reduce", "embedding")], at="end", stages=[1]
+    )
     assert any("rank 1 is in no group of rule 'embedding'" in p for p in check_schedule(middle).problems)
 
 
@@ -306,14 +325,14 @@ def test_insert_collectives_places_them_where_asked_and_keeps_call_order():
         kinds = [(op.name, op.tag) for op in program if op.kind is OpKind.collective]
         tail = [("reduce_scatter", "grads"), ("all_reduce", "grads")]
         head = [("all_reduce", "tied")] if stage in (0, 2) else []
-        assert kinds[-3 if head else -2:] == head + tail
+        assert kinds[-3 if head else -2 :] == head + tail
         # one gather right before each forward, carrying its microbatch
         for i, op in enumerate(program):
             if op.kind is OpKind.forward:
                 assert program[i - 1].name == "all_gather" and program[i - 1].microbatch == op.microbatch
         assert program[-1].kind is OpKind.optimizer
         last_backward = max(i for i, op in enumerate(program) if op.kind is OpKind.backward)
-        after = [op.kind for op in program[last_backward + 1:]]
+        after = [op.kind for op in program[last_backward + 1 :]]
         # only the final gradient send may come between the last backward and the reductions
         assert after[: after.index(OpKind.collective)] in ([], [OpKind.send])
     with pytest.raises(ValueError, match="unknown anchor"):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from mixle_compile.memory_model import MEMORY_KINDS
-
 import dataclasses
 
 import pytest
@@ -13,7 +11,7 @@ from hypothesis import strategies as st
 from mixle_compile.contracts import CollectiveKind, StateLayout
 from mixle_compile.lower.exactly_once import check_exactly_once
 from mixle_compile.lower.lowering import lower
-from mixle_compile.lower.updates import PlannedUpdate
+from mixle_compile.memory_model import MEMORY_KINDS
 from mixle_compile.spec import load_spec, load_spec_text
 from tests.conftest import EXAMPLES
 
@@ -30,8 +28,20 @@ resources: {{devices: {world}, memory: 8GiB}}
 def lowered(dr=1, ds=1, tp=1, pp=1, cp=1, ep=1, experts=0, tie=False, sp=False, dopt=False, kv=None):
     mb = max(pp, 1)
     text = SPEC.format(
-        dr=dr, ds=ds, tp=tp, pp=pp, cp=cp, ep=ep, mb=mb, gbs=mb * dr * ds, sp=str(sp).lower(), dopt=str(dopt).lower(),
-        world=dr * ds * tp * pp * cp, tie=str(tie).lower(), experts=experts, topk=2 if experts else "null",
+        dr=dr,
+        ds=ds,
+        tp=tp,
+        pp=pp,
+        cp=cp,
+        ep=ep,
+        mb=mb,
+        gbs=mb * dr * ds,
+        sp=str(sp).lower(),
+        dopt=str(dopt).lower(),
+        world=dr * ds * tp * pp * cp,
+        tie=str(tie).lower(),
+        experts=experts,
+        topk=2 if experts else "null",
     )
     if not experts:
         text = text.replace(", num_experts: 0, experts_per_token: null", "")
@@ -71,7 +81,9 @@ def test_hsdp_reduce_scatters_over_dp_shard_then_all_reduces_over_dp_replicate()
     assert [u.update.mesh_axes for u in norm] == [("tp",), ("dp_shard",), ("dp_replicate",)]
     placed = {p.name: p for p in low.parameters}
     assert placed["layers.0.attn.q_proj.weight"].layout.placements == (
-        ("tp", "shard(0)"), ("dp_replicate", "replicate"), ("dp_shard", "shard(0)"),
+        ("tp", "shard(0)"),
+        ("dp_replicate", "replicate"),
+        ("dp_shard", "shard(0)"),
     )
     assert placed["layers.0.attn.o_proj.weight"].layout.placements[0] == ("tp", "shard(1)")
     assert placed["layers.0.attn.q_proj.weight"].layout.optimizer_state is StateLayout.SHARDED
@@ -80,7 +92,11 @@ def test_hsdp_reduce_scatters_over_dp_shard_then_all_reduces_over_dp_replicate()
 def test_replicated_state_all_reduces_over_every_data_axis_including_cp():
     low = lowered(dr=2, cp=2)
     (u,) = updates_of(low, "embed.weight")
-    assert (u.update.collective, u.update.mesh_axes, u.gradient_divisor) == (CollectiveKind.ALL_REDUCE, ("dp_replicate", "cp"), 2)
+    assert (u.update.collective, u.update.mesh_axes, u.gradient_divisor) == (
+        CollectiveKind.ALL_REDUCE,
+        ("dp_replicate", "cp"),
+        2,
+    )
     assert low.reduction_problems == ()
 
 
@@ -111,7 +127,11 @@ def test_kv_heads_shared_over_tp_are_placed_by_head_and_summed_over_the_ranks_sh
     low = lowered(ds=2, tp=4, kv=2)  # 4 query heads of 16, 2 KV heads: tp ranks {0,1} share head 0, {2,3} head 1
     placed = {p.name: p for p in low.parameters}
     k = placed["layers.0.attn.k_proj.weight"]
-    assert k.layout.placements == (("tp_kv_head", "shard(0)"), ("tp_kv_replica2", "replicate"), ("dp_shard", "shard(0)"))
+    assert k.layout.placements == (
+        ("tp_kv_head", "shard(0)"),
+        ("tp_kv_replica2", "replicate"),
+        ("dp_shard", "shard(0)"),
+    )
     assert k.local_shape == (8, 64) and k.kv_replicas == 2  # one head's 16 rows, then half of them per data shard
     assert placed["layers.0.attn.q_proj.weight"].layout.placements[0] == ("tp", "shard(0)")
     assert placed["layers.0.attn.o_proj.weight"].layout.placements[0] == ("tp", "shard(1)")
@@ -126,7 +146,10 @@ def test_kv_heads_shared_over_tp_are_placed_by_head_and_summed_over_the_ranks_sh
     assert not [u for u in updates_of(low, "layers.0.attn.q_proj.weight") if u.update.node_id.endswith("/kv")]
     # The activations are unchanged: query heads split, attention output row-parallel.
     by_id = {u.update.node_id: u for u in low.updates}
-    assert (by_id["layers.0.attn:out"].update.collective, by_id["layers.0.attn:out"].update.mesh_axes) == (CollectiveKind.ALL_REDUCE, ("tp",))
+    assert (by_id["layers.0.attn:out"].update.collective, by_id["layers.0.attn:out"].update.mesh_axes) == (
+        CollectiveKind.ALL_REDUCE,
+        ("tp",),
+    )
     assert by_id["layers.0.attn:in/grad"].update.mesh_axes == ("tp",)
     rule = low.grid.rule("tp_kv_replica2")
     assert list(rule.groups()) == [(0, 1), (2, 3), (4, 5), (6, 7)]  # tp innermost, dp_shard outside
@@ -165,11 +188,14 @@ def test_a_kv_head_gradient_left_unsummed_over_the_ranks_sharing_it_is_caught():
     broken = [u for u in low.updates if not u.update.node_id.endswith(":grad/kv")]
     problems = recheck(low, broken, kv=2)
     assert {p.tensor for p in problems} == {f"layers.{i}.attn.{w}_proj.weight" for i in range(4) for w in "kv"}
-    assert all("partial sum over tp_kv_replica2 but is never reduced over tp_kv_replica2" in p.message for p in problems)
+    assert all(
+        "partial sum over tp_kv_replica2 but is never reduced over tp_kv_replica2" in p.message for p in problems
+    )
     # Summed over the wrong group (the whole of tp) is caught too.
     wrong = [
         dataclasses.replace(u, update=dataclasses.replace(u.update, mesh_axes=("tp",)), group_size=4)
-        if u.update.node_id.endswith(":grad/kv") else u
+        if u.update.node_id.endswith(":grad/kv")
+        else u
         for u in low.updates
     ]
     assert any("reduced over tp, where it is not a partial sum" in p.message for p in recheck(low, wrong, kv=2))
@@ -181,7 +207,8 @@ def test_cp_missing_from_the_gradient_reduction_is_caught():
     low = lowered(ds=2, cp=2)
     broken = [
         dataclasses.replace(u, update=dataclasses.replace(u.update, mesh_axes=("dp_shard",)))
-        if u.update.collective is CollectiveKind.REDUCE_SCATTER else u
+        if u.update.collective is CollectiveKind.REDUCE_SCATTER
+        else u
         for u in low.updates
     ]
     problems = recheck(low, broken)
@@ -229,15 +256,24 @@ def test_a_tensor_tied_on_one_stage_is_reduced_and_gathered_once(kwargs):
 
 def test_expert_gradients_divided_by_the_group_size_are_caught():
     low = lowered(ds=4, tp=2, ep=4, experts=4, sp=True)
-    broken = [dataclasses.replace(u, gradient_divisor=u.group_size) if u.update.mesh_axes == ("edp",) else u for u in low.updates]
+    broken = [
+        dataclasses.replace(u, gradient_divisor=u.group_size) if u.update.mesh_axes == ("edp",) else u
+        for u in low.updates
+    ]
     problems = recheck(low, broken)
     assert problems and all("divided by 2" in p.message and "data-parallel size 4" in p.message for p in problems)
 
 
 @settings(max_examples=40, deadline=None)
 @given(
-    st.sampled_from([1, 2]), st.sampled_from([1, 2]), st.sampled_from([1, 2]), st.sampled_from([1, 2]),
-    st.sampled_from([1, 2]), st.booleans(), st.booleans(), st.booleans(),
+    st.sampled_from([1, 2]),
+    st.sampled_from([1, 2]),
+    st.sampled_from([1, 2]),
+    st.sampled_from([1, 2]),
+    st.sampled_from([1, 2]),
+    st.booleans(),
+    st.booleans(),
+    st.booleans(),
 )
 def test_emitted_updates_always_pass_the_independent_check(dr, ds, tp, pp, cp, tie, sp, dopt):
     low = lowered(dr=dr, ds=ds, tp=tp, pp=pp, cp=cp, tie=tie, sp=sp and tp > 1, dopt=dopt)
@@ -245,7 +281,13 @@ def test_emitted_updates_always_pass_the_independent_check(dr, ds, tp, pp, cp, t
 
 
 @settings(max_examples=25, deadline=None)
-@given(st.sampled_from([1, 2]), st.sampled_from([1, 2]), st.sampled_from([(2, 1), (4, 1), (4, 2)]), st.booleans(), st.booleans())
+@given(
+    st.sampled_from([1, 2]),
+    st.sampled_from([1, 2]),
+    st.sampled_from([(2, 1), (4, 1), (4, 2)]),
+    st.booleans(),
+    st.booleans(),
+)
 def test_kv_heads_shared_over_tp_always_pass_the_independent_check(dr, ds, tp_kv, sp, dopt):
     tp, kv = tp_kv
     low = lowered(dr=dr, ds=ds, tp=tp, kv=kv, sp=sp, dopt=dopt)
@@ -259,7 +301,11 @@ def test_ring_costs():
     low = lowered(dr=2)
     u = updates_of(low, "embed.weight")[0]
     make = lambda kind, n: dataclasses.replace(  # noqa: E731
-        u, update=dataclasses.replace(u.update, collective=kind), group_size=n, payload_bytes=100, occurrences_per_step=1
+        u,
+        update=dataclasses.replace(u.update, collective=kind),
+        group_size=n,
+        payload_bytes=100,
+        occurrences_per_step=1,
     )
     assert make(CollectiveKind.ALL_REDUCE, 4).bytes_per_rank_per_step == 150
     assert make(CollectiveKind.REDUCE_SCATTER, 4).bytes_per_rank_per_step == 75
@@ -283,7 +329,14 @@ def test_memory_parameters_are_the_model_split_over_tp_and_fsdp():
 
 
 @settings(max_examples=25, deadline=None)
-@given(st.sampled_from([1, 2]), st.sampled_from([1, 2]), st.sampled_from([1, 2]), st.sampled_from([1, 2]), st.booleans(), st.booleans())
+@given(
+    st.sampled_from([1, 2]),
+    st.sampled_from([1, 2]),
+    st.sampled_from([1, 2]),
+    st.sampled_from([1, 2]),
+    st.booleans(),
+    st.booleans(),
+)
 def test_step_schedules_check_clean(dr, ds, tp, pp, tie, sp):
     low = lowered(dr=dr, ds=ds, tp=tp, pp=pp, tie=tie, sp=sp and tp > 1)
     assert low.schedule.check.ok, low.schedule.check.problems
@@ -332,9 +385,14 @@ def test_tensor_parallel_activations_have_both_halves_of_each_conjugate_pair():
     assert plain["lm_head:in/grad"].phase == "backward"
     sp = {u.update.node_id: u for u in lowered(tp=2, sp=True).updates}
     assert sp["embed:out/grad"].update.collective is CollectiveKind.ALL_GATHER
-    assert (sp["lm_head:in"].update.collective, sp["lm_head:in/grad"].update.collective) == (CollectiveKind.ALL_GATHER, CollectiveKind.REDUCE_SCATTER)
+    assert (sp["lm_head:in"].update.collective, sp["lm_head:in/grad"].update.collective) == (
+        CollectiveKind.ALL_GATHER,
+        CollectiveKind.REDUCE_SCATTER,
+    )
     loss = sp["lm_head:loss"]
-    assert loss.update.collective is CollectiveKind.ALL_GATHER and loss.payload_bytes == 2 * 2 * 32 * 4  # tp x (lse, logit) x tokens x fp32
+    assert (
+        loss.update.collective is CollectiveKind.ALL_GATHER and loss.payload_bytes == 2 * 2 * 32 * 4
+    )  # tp x (lse, logit) x tokens x fp32
 
 
 def test_step_programs_repeat_reductions_of_every_accumulation_window():

@@ -54,12 +54,29 @@ def transformer_spec(rng: random.Random):
         ep = rng.choice([e for e in (1, 2) if experts and (ds * cp * dr) % e == 0] or [1])
         mb = rng.choice([1, 4]) if pp > 1 else 1
         text = TRANSFORMER.format(
-            vocab=rng.choice([64, 128]), hidden=32, layers=rng.choice([4, 8]), heads=4, ffn=rng.choice([64, 96]),
-            tie=str(rng.random() < 0.5).lower(), moe=moe(experts, rng.choice([1, 2])), dr=dr, ds=ds, tp=tp, pp=pp, cp=cp,
-            ep=ep, mb=mb, gbs=2 * mb * dr * ds, precision=rng.choice(["fp32", "bf16"]), opt=rng.choice(["sgd", "adamw"]),
-            sp=str(tp > 1 and rng.random() < 0.5).lower(), ckpt=rng.choice(["none", "selective", "full"]),
-            dopt=str(rng.random() < 0.3).lower(), schedule=rng.choice(["gpipe", "1f1b"]) if pp > 1 else "1f1b",
-            world=dr * ds * tp * pp * cp, backend=rng.choice(["torch", "torchtitan"]),
+            vocab=rng.choice([64, 128]),
+            hidden=32,
+            layers=rng.choice([4, 8]),
+            heads=4,
+            ffn=rng.choice([64, 96]),
+            tie=str(rng.random() < 0.5).lower(),
+            moe=moe(experts, rng.choice([1, 2])),
+            dr=dr,
+            ds=ds,
+            tp=tp,
+            pp=pp,
+            cp=cp,
+            ep=ep,
+            mb=mb,
+            gbs=2 * mb * dr * ds,
+            precision=rng.choice(["fp32", "bf16"]),
+            opt=rng.choice(["sgd", "adamw"]),
+            sp=str(tp > 1 and rng.random() < 0.5).lower(),
+            ckpt=rng.choice(["none", "selective", "full"]),
+            dopt=str(rng.random() < 0.3).lower(),
+            schedule=rng.choice(["gpipe", "1f1b"]) if pp > 1 else "1f1b",
+            world=dr * ds * tp * pp * cp,
+            backend=rng.choice(["torch", "torchtitan"]),
         )
         loaded = load_spec_text(text, "sample.yaml")
         assert loaded.ok, [d.text() for d in loaded.diagnostics]
@@ -77,7 +94,9 @@ def _figures(spec):
     return stages, bound
 
 
-@pytest.mark.parametrize("spec", sample(60, 7), ids=lambda s: f"{s.mesh.dp_replicate}x{s.mesh.dp_shard}x{s.mesh.tp}x{s.mesh.pp}x{s.mesh.cp}")
+@pytest.mark.parametrize(
+    "spec", sample(60, 7), ids=lambda s: f"{s.mesh.dp_replicate}x{s.mesh.dp_shard}x{s.mesh.tp}x{s.mesh.pp}x{s.mesh.cp}"
+)
 def test_the_rule_bounds_the_heaviest_stage_the_lowering_prices(spec):
     stages, bound = _figures(spec)
     heaviest = max(s.total for s in stages)
@@ -97,10 +116,34 @@ def test_examples_agree_exactly_without_a_pipeline():
 
 
 def test_a_pipeline_bound_covers_every_stage_and_is_reached_by_the_first():
-    spec = load_spec_text(TRANSFORMER.format(
-        vocab=64, hidden=32, layers=8, heads=4, ffn=64, tie="false", moe="", dr=1, ds=1, tp=1, pp=4, cp=1, ep=1, mb=8,
-        gbs=16, precision="fp32", opt="adamw", sp="false", ckpt="none", dopt="false", schedule="1f1b", world=4,
-        backend="torch"), "pp.yaml").spec
+    spec = load_spec_text(
+        TRANSFORMER.format(
+            vocab=64,
+            hidden=32,
+            layers=8,
+            heads=4,
+            ffn=64,
+            tie="false",
+            moe="",
+            dr=1,
+            ds=1,
+            tp=1,
+            pp=4,
+            cp=1,
+            ep=1,
+            mb=8,
+            gbs=16,
+            precision="fp32",
+            opt="adamw",
+            sp="false",
+            ckpt="none",
+            dopt="false",
+            schedule="1f1b",
+            world=4,
+            backend="torch",
+        ),
+        "pp.yaml",
+    ).spec
     stages, bound = _figures(spec)
     assert len(stages) == 4
     # 1F1B: stage s keeps min(microbatches, pp - s) micro-batches in flight, so activations fall by stage.
@@ -111,7 +154,9 @@ def test_a_pipeline_bound_covers_every_stage_and_is_reached_by_the_first():
 
 def test_in_flight_micro_batches_follow_the_schedule():
     def flight(pp, stage, mb, gpipe=False, interleaved=False, v=1):
-        return micro_batches_in_flight(NUMBERS, pp=pp, stage=stage, microbatches=mb, gpipe=gpipe, interleaved=interleaved, virtual_stages=v)
+        return micro_batches_in_flight(
+            NUMBERS, pp=pp, stage=stage, microbatches=mb, gpipe=gpipe, interleaved=interleaved, virtual_stages=v
+        )
 
     assert flight(1, 0, 8) == 1  # no pipeline: each micro-batch's backward frees it
     assert flight(4, 0, 8, gpipe=True) == 8
@@ -124,8 +169,18 @@ def test_activation_formula_matches_korthikanti():
     s, b, h, a, t = 32, 2, 64, 4, 2
 
     def per_layer(**kw):
-        base = dict(seq_len=s, cp=1, micro_batch_size=b, hidden_size=h, num_heads=a, tp=t, sequence_parallel=False,
-                    full_recompute=False, selective_recompute=False, fp32=False)
+        base = dict(
+            seq_len=s,
+            cp=1,
+            micro_batch_size=b,
+            hidden_size=h,
+            num_heads=a,
+            tp=t,
+            sequence_parallel=False,
+            full_recompute=False,
+            selective_recompute=False,
+            fp32=False,
+        )
         return activation_bytes_per_layer(NUMBERS, **{**base, **kw})
 
     assert per_layer() == pytest.approx(s * b * h * (10 + 24 / t + 5 * a * s / (h * t)))
@@ -139,9 +194,9 @@ def test_activation_formula_matches_korthikanti():
 def test_a_transformers_footprint_is_read_from_one_layer_of_each_kind():
     # Layers of one kind hold the same tensors, so two layers show both kinds: the footprint of a
     # model of 2 layers priced for L layers equals the one enumerated over all L (dense and MoE).
+    from mixle_compile.parameters import is_moe_layer, model_parameters
     from mixle_compile.spec import load_spec_text
     from mixle_compile.verify.memory import _CATEGORY_OF_ROLE, CATEGORIES, ZERO, _share_of, parameter_footprint
-    from mixle_compile.parameters import is_moe_layer, model_parameters
 
     text = """\
 model: {family: transformer, vocab_size: 96, hidden_size: 32, num_layers: 7, num_heads: 4, ffn_hidden_size: 64,
@@ -203,7 +258,9 @@ resources: {{devices: 4, memory: 1TiB}}
 def test_the_loss_term_is_the_engines_cross_entropy(backend, compile, precision, per_logit):
     tp = 2 if backend.endswith("-tp") else 1
     text = LOSS_SPEC.format(backend=backend.removesuffix("-tp"), compile=compile, precision=precision)
-    spec = load_spec_text(text.replace("tp: 2", f"tp: {tp}").replace("devices: 4", f"devices: {2 * tp}"), "loss.yaml").spec
+    spec = load_spec_text(
+        text.replace("tp: 2", f"tp: {tp}").replace("devices: 4", f"devices: {2 * tp}"), "loss.yaml"
+    ).spec
     (stage,), bound = _figures(spec)
     logits = 2 * 32 * 1024 // tp  # micro_batch_size * seq_len * vocab / tp
     assert stage.loss == logits * per_logit
@@ -241,9 +298,19 @@ def test_r001_names_the_terms_that_dominate():
 def test_compile_is_read_by_torchtitan_only(backend, warned):
     from mixle_compile.check import check_loaded
 
-    codes = [d.code for d in check_loaded(load_spec_text(LOSS_SPEC.format(backend=backend, compile="true", precision="bf16"), "c.yaml")).diagnostics]
+    codes = [
+        d.code
+        for d in check_loaded(
+            load_spec_text(LOSS_SPEC.format(backend=backend, compile="true", precision="bf16"), "c.yaml")
+        ).diagnostics
+    ]
     assert ("C007" in codes) == warned
-    assert "C007" not in [d.code for d in check_loaded(load_spec_text(LOSS_SPEC.format(backend=backend, compile="false", precision="bf16"), "c.yaml")).diagnostics]
+    assert "C007" not in [
+        d.code
+        for d in check_loaded(
+            load_spec_text(LOSS_SPEC.format(backend=backend, compile="false", precision="bf16"), "c.yaml")
+        ).diagnostics
+    ]
 
 
 @pytest.mark.parametrize("schedule, virtual", [("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2)])
@@ -252,8 +319,28 @@ def test_torchtitan_prices_the_pipelines_receive_buffers(schedule, virtual):
     the first) and for gradients (all but the last); the in-flight ones double as stored inputs."""
     pp, mb, hidden, seq, b, tp = 4, 8, 32, 32, 2, 2
     text = TRANSFORMER.format(
-        vocab=64, hidden=hidden, layers=8, heads=4, ffn=64, tie="false", moe="", dr=1, ds=1, tp=tp, pp=pp, cp=1, ep=1, mb=mb,
-        gbs=b * mb, precision="bf16", opt="adamw", sp="true", ckpt="full", dopt="false", schedule=schedule, world=pp * tp,
+        vocab=64,
+        hidden=hidden,
+        layers=8,
+        heads=4,
+        ffn=64,
+        tie="false",
+        moe="",
+        dr=1,
+        ds=1,
+        tp=tp,
+        pp=pp,
+        cp=1,
+        ep=1,
+        mb=mb,
+        gbs=b * mb,
+        precision="bf16",
+        opt="adamw",
+        sp="true",
+        ckpt="full",
+        dopt="false",
+        schedule=schedule,
+        world=pp * tp,
         backend="torchtitan",
     ).replace("pipeline_schedule:", f"virtual_pipeline_stages: {virtual}, pipeline_schedule:")
     spec = load_spec_text(text, "pp.yaml").spec
@@ -274,8 +361,28 @@ def test_torchtitan_prices_the_pipelines_receive_buffers(schedule, virtual):
 
 def test_fsdp2_reduces_the_largest_layer_through_an_fp32_copy():
     text = TRANSFORMER.format(
-        vocab=64, hidden=32, layers=4, heads=4, ffn=64, tie="false", moe="", dr=1, ds=4, tp=1, pp=1, cp=1, ep=1, mb=1,
-        gbs=8, precision="bf16", opt="adamw", sp="false", ckpt="none", dopt="false", schedule="1f1b", world=4,
+        vocab=64,
+        hidden=32,
+        layers=4,
+        heads=4,
+        ffn=64,
+        tie="false",
+        moe="",
+        dr=1,
+        ds=4,
+        tp=1,
+        pp=1,
+        cp=1,
+        ep=1,
+        mb=1,
+        gbs=8,
+        precision="bf16",
+        opt="adamw",
+        sp="false",
+        ckpt="none",
+        dopt="false",
+        schedule="1f1b",
+        world=4,
         backend="torchtitan",
     )
     spec = load_spec_text(text, "fsdp.yaml").spec

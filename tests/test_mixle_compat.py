@@ -46,7 +46,15 @@ def md(request):
 # ---------------------------------------------------------------------------
 
 CONTRACT_ENUMS = {
-    "ParallelAxis": {"DP_REPLICATE": "dp_replicate", "DP_SHARD": "dp_shard", "TP": "tp", "PP": "pp", "CP": "cp", "EP": "ep", "ETP": "etp"},
+    "ParallelAxis": {
+        "DP_REPLICATE": "dp_replicate",
+        "DP_SHARD": "dp_shard",
+        "TP": "tp",
+        "PP": "pp",
+        "CP": "cp",
+        "EP": "ep",
+        "ETP": "etp",
+    },
     "PayloadKind": {
         "GRADIENT": "gradient",
         "SUFFICIENT_STATISTIC": "sufficient_statistic",
@@ -202,7 +210,9 @@ def test_tree_axes_finds_a_mixture_nested_in_a_composite(md, stats):
 
 def test_decompose_model_on_mixle_resources(md, stats, planner):
     model = _mixture(stats, 6)
-    resources = planner.Resources(tuple(planner.DeviceSpec(f"gpu{i}", kind="cuda", memory_bytes=2**30) for i in range(3)))
+    resources = planner.Resources(
+        tuple(planner.DeviceSpec(f"gpu{i}", kind="cuda", memory_bytes=2**30) for i in range(3))
+    )
     replicated = md.decompose_model(_mixture(stats, 5), resources)  # fits, data dominates, under 2 units per device
     assert isinstance(replicated, md.ModelDecomposition)
     assert (replicated.axis, replicated.cuts, replicated.is_model_parallel) == (md.DecompAxis.NONE, (), False)

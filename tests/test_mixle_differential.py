@@ -44,7 +44,10 @@ def test_a_live_model_reads_like_its_committed_json(live, name):
 
 
 def test_from_mixle_refuses_by_class_and_place():
-    with pytest.raises(MixleModelError, match=r"model.root.components\[1\]: mixle GammaDistribution cannot be expressed.*\$\.state\.items"):
+    with pytest.raises(
+        MixleModelError,
+        match=r"model.root.components\[1\]: mixle GammaDistribution cannot be expressed.*\$\.state\.items",
+    ):
         from_mixle(build_refused()["refused_gamma"])
     with pytest.raises(TypeError, match="takes a mixle model"):
         from_mixle({"family": "distribution"})
@@ -135,17 +138,28 @@ def test_the_same_axes_and_the_same_choice(live, name):
     model = live[name]
     ours, theirs = tree_axes(model), md.tree_axes(model)
     # the same candidates (each lists parents before children, in its own walk order)
-    assert sorted((_mixle_path(c.path), c.axis.value, c.num_units) for c in ours) == sorted((c.path, c.axis.value, c.num_units) for c in theirs)
+    assert sorted((_mixle_path(c.path), c.axis.value, c.num_units) for c in ours) == sorted(
+        (c.path, c.axis.value, c.num_units) for c in theirs
+    )
     for p in (2, 4, 16):
         a, b = best_parallel_axis(model, p), md.best_parallel_axis(model, p)
         assert (a is None) == (b is None)
         if a is not None:
-            assert (_mixle_path(a.path), a.axis.value, a.num_units, a.reduction.value) == (b.path, b.axis.value, b.num_units, b.reduction.value)
+            assert (_mixle_path(a.path), a.axis.value, a.num_units, a.reduction.value) == (
+                b.path,
+                b.axis.value,
+                b.num_units,
+                b.reduction.value,
+            )
 
 
 def _resources(throughputs, memory=None):
-    return Resources(tuple(DeviceSpec(f"gpu{i}", kind="cuda", memory_bytes=None if memory is None else memory[i], throughput=t)
-                           for i, t in enumerate(throughputs)))
+    return Resources(
+        tuple(
+            DeviceSpec(f"gpu{i}", kind="cuda", memory_bytes=None if memory is None else memory[i], throughput=t)
+            for i, t in enumerate(throughputs)
+        )
+    )
 
 
 def _shards(cuts):
@@ -204,7 +218,11 @@ def test_cuts_equal_mixle_or_show_a_documented_mixle_bug(live, name, throughputs
     theirs = md.decompose_model(model, resources, prefer_data_parallel=False, min_components_per_shard=min_units)
     ours = decompose_model(model, resources, prefer_data_parallel=False, min_components_per_shard=min_units)
     assert ours.ok
-    assert (_mixle_path(ours.path), ours.axis.value, ours.num_units) == (theirs.extra["path"], theirs.axis.value, theirs.num_units)
+    assert (_mixle_path(ours.path), ours.axis.value, ours.num_units) == (
+        theirs.extra["path"],
+        theirs.axis.value,
+        theirs.num_units,
+    )
     # ours: every shard on the device named, within its memory and minimum (our own byte count)
     for cut in ours.cuts:
         assert cut.device.name == devices[cut.device.rank].name
@@ -213,8 +231,10 @@ def test_cuts_equal_mixle_or_show_a_documented_mixle_bug(live, name, throughputs
     # ours is the best cut by our own works: no worse than mixle's cut, where that one fits our constraints
     mixle_cut = _shards(theirs.cuts)
     room = {d.name: UNBOUNDED_MEMORY if d.memory_bytes is None else d.memory_bytes for d in devices}
-    fits = all(stop - start >= min_units and sum(ours.unit_bytes[start:stop]) + ours.held_whole_bytes <= room[n]
-               for n, start, stop in mixle_cut)
+    fits = all(
+        stop - start >= min_units and sum(ours.unit_bytes[start:stop]) + ours.held_whole_bytes <= room[n]
+        for n, start, stop in mixle_cut
+    )
     if fits:
         assert ours.bottleneck <= _time(mixle_cut, list(ours.unit_works), devices) * (1 + 1e-12)
     # the cut algorithms compared on mixle's own unit works and bytes
@@ -232,8 +252,12 @@ def test_cuts_equal_mixle_or_show_a_documented_mixle_bug(live, name, throughputs
         assert _time(mixle_shards, works, devices) > best.bottleneck
         bugs.add("greedy split above the optimum")
     EXPECTED_BUGS[(name, throughputs, memory, min_units)] = bugs
-    assert bugs <= {"empty shards dropped, cuts on the wrong devices", "min_components_per_shard not honoured",
-                    "cuts ignore device memory", "greedy split above the optimum"}
+    assert bugs <= {
+        "empty shards dropped, cuts on the wrong devices",
+        "min_components_per_shard not honoured",
+        "cuts ignore device memory",
+        "greedy split above the optimum",
+    }
 
 
 EXPECTED_BUGS: dict = {}
@@ -245,7 +269,11 @@ def test_each_documented_cut_bug_is_seen(live):
         if case not in EXPECTED_BUGS:
             test_cuts_equal_mixle_or_show_a_documented_mixle_bug(live, *case)
     seen = set().union(*EXPECTED_BUGS.values())
-    assert {"empty shards dropped, cuts on the wrong devices", "min_components_per_shard not honoured", "cuts ignore device memory"} <= seen
+    assert {
+        "empty shards dropped, cuts on the wrong devices",
+        "min_components_per_shard not honoured",
+        "cuts ignore device memory",
+    } <= seen
 
 
 def test_data_parallel_preference_agrees(live):
@@ -363,11 +391,23 @@ def test_one_em_iteration_fits_lengths_and_sequences_as_mixle_does(live, name):
     for node_id, arrays in ours.items():
         for key, value in arrays.items():
             assert not np.array_equal(value, start[node_id][key]), (node_id, key)
-            np.testing.assert_allclose(value, theirs[node_id][key], rtol=1e-9, atol=0, err_msg=f"{name}: {node_id} {key}")
+            np.testing.assert_allclose(
+                value, theirs[node_id][key], rtol=1e-9, atol=0, err_msg=f"{name}: {node_id} {key}"
+            )
 
 
-FITTED = ["categorical_mixture", "composite", "diag_mixture", "full_mixture", "hmm", "hmm_length", "nested", "sequence",
-          "sequence_mixture", "shared_component"]
+FITTED = [
+    "categorical_mixture",
+    "composite",
+    "diag_mixture",
+    "full_mixture",
+    "hmm",
+    "hmm_length",
+    "nested",
+    "sequence",
+    "sequence_mixture",
+    "shared_component",
+]
 
 
 @pytest.mark.parametrize("name", FITTED)
@@ -394,7 +434,9 @@ def _assert_close_json(ours, theirs, where="$", rtol=1e-9):
     from mixle_compile.importers.mixle import TAG
 
     if isinstance(theirs, dict) and theirs.get(TAG) == "ndarray":
-        assert ours.get(TAG) == "ndarray" and ours["shape"] == theirs["shape"] and ours["dtype"] == theirs["dtype"], where
+        assert ours.get(TAG) == "ndarray" and ours["shape"] == theirs["shape"] and ours["dtype"] == theirs["dtype"], (
+            where
+        )
         dtype = np.dtype(theirs["dtype"]["value"])
         a, b = (np.frombuffer(base64.b64decode(x["data"]), dtype=dtype) for x in (ours, theirs))
         np.testing.assert_allclose(a, b, rtol=rtol, atol=0, err_msg=where)
@@ -406,7 +448,10 @@ def _assert_close_json(ours, theirs, where="$", rtol=1e-9):
     elif isinstance(theirs, list) and len(theirs) == 2 and theirs[0] == "pmap":
         # mixle's CategoricalEstimator lists the categories in its own order; ours keeps the model's
         # (the same distribution: the pairs compared by category)
-        pairs = [{p["items"][0]: p["items"][1] for p in (x[1]["items"] if isinstance(x[1], dict) else x[1])} for x in (ours, theirs)]
+        pairs = [
+            {p["items"][0]: p["items"][1] for p in (x[1]["items"] if isinstance(x[1], dict) else x[1])}
+            for x in (ours, theirs)
+        ]
         assert pairs[0].keys() == pairs[1].keys(), where
         for k in pairs[1]:
             assert pairs[0][k] == pytest.approx(pairs[1][k], rel=rtol, abs=0), f"{where}: category {k}"
@@ -449,7 +494,9 @@ def test_the_planning_example_in_docs_mixle_md_runs(capsys):
     from pathlib import Path
 
     text = (Path(__file__).resolve().parents[1] / "docs" / "mixle.md").read_text(encoding="utf-8")
-    (code,) = [block.split("```", 1)[0] for block in text.split("```python\n")[1:] if "mixle.utils.parallel.planner" in block]
+    (code,) = [
+        block.split("```", 1)[0] for block in text.split("```python\n")[1:] if "mixle.utils.parallel.planner" in block
+    ]
     namespace: dict = {}
     exec(compile(code, "docs/mixle.md", "exec"), namespace)
     printed = capsys.readouterr().out.splitlines()
@@ -480,9 +527,29 @@ def test_one_iteration_of_mixle_compile_run_equals_mixles(live, tmp_path):
         "resources: {devices: 2, kind: cpu, memory: 1GiB}\n"
     )
     env = {**os.environ, "PYTHONPATH": str(MODELS.parent.parent)}
-    done = subprocess.run([sys.executable, "-m", "mixle_compile", "run", "spec.yaml", "--data", "data.npy", "--out", "fit",
-                           "--save-every", "1", "--quiet", "--mixle-out", "fitted.json"], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mixle_compile",
+            "run",
+            "spec.yaml",
+            "--data",
+            "data.npy",
+            "--out",
+            "fit",
+            "--save-every",
+            "1",
+            "--quiet",
+            "--mixle-out",
+            "fitted.json",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "written to fitted.json as mixle's to_dict() JSON" in done.stdout
     step = tmp_path / "fit" / "checkpoints" / "step-00000001"
@@ -523,7 +590,6 @@ def test_mixle_fits_a_shared_object_in_each_place_separately(live):
     assert ours["model.shared.background"]["means"].shape == (1, 2)  # one node, one fitted mean
 
 
-
 def _doc_block(lang: str, needle: str) -> str:
     from pathlib import Path
 
@@ -550,9 +616,19 @@ def test_the_fitting_walkthrough_in_docs_mixle_md_runs_as_written(tmp_path):
         (bin_dir / name).chmod(0o755)
     work = tmp_path / "work"
     work.mkdir()
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ.get('PATH', '/usr/bin:/bin')}", "PYTHONPATH": str(MODELS.parent.parent)}
-    done = subprocess.run(["bash", "-e", "-c", _doc_block("sh", "--mixle-out")], cwd=work, env=env, capture_output=True, text=True,
-                          timeout=600)
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ.get('PATH', '/usr/bin:/bin')}",
+        "PYTHONPATH": str(MODELS.parent.parent),
+    }
+    done = subprocess.run(
+        ["bash", "-e", "-c", _doc_block("sh", "--mixle-out")],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "MixtureDistribution [" in done.stdout
     namespace: dict = {}
@@ -582,8 +658,10 @@ def test_a_length_from_one_is_told_to_start_from_zero():
     seq = S.SequenceDistribution(S.PoissonDistribution(2.0), S.IntegerCategoricalDistribution(1, [0.5, 0.5]))
     notes = []
     from_mixle(seq, warnings=notes)
-    assert any("model.root.length" in m and "fit it shifted by 1" in m and "IntegerCategoricalDistribution(0, [0.0] * 1" in h
-               for m, h, _ in notes)
+    assert any(
+        "model.root.length" in m and "fit it shifted by 1" in m and "IntegerCategoricalDistribution(0, [0.0] * 1" in h
+        for m, h, _ in notes
+    )
     same = S.SequenceDistribution(S.PoissonDistribution(2.0), S.IntegerCategoricalDistribution(0, [0.0, 0.5, 0.5]))
     notes = []
     from_mixle(same, warnings=notes)

@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 
 from mixle_compile.decompose import best_parallel_axis, decompose_model, size_model_tree, tree_axes
-from mixle_compile.decompose.cut import optimal_contiguous_cut, prefix_sums
 from mixle_compile.graph import build_model_graph
 from mixle_compile.importers.mixle import mixle_model
 from mixle_compile.mixle_models import UNBOUNDED_MEMORY, as_devices
@@ -28,8 +27,19 @@ from mixle_compile.spec.models import DistributionModel
 
 MODELS = Path(__file__).parent / "mixle_models"
 ROOT = Path(__file__).parent.parent
-READABLE = ["big_mixture", "categorical_mixture", "composite", "diag_mixture", "full_mixture", "hmm", "hmm_length", "nested",
-            "sequence", "sequence_mixture", "shared_component"]
+READABLE = [
+    "big_mixture",
+    "categorical_mixture",
+    "composite",
+    "diag_mixture",
+    "full_mixture",
+    "hmm",
+    "hmm_length",
+    "nested",
+    "sequence",
+    "sequence_mixture",
+    "shared_component",
+]
 
 
 def _json(name: str):
@@ -73,7 +83,12 @@ def test_hmm_length_and_sequence_length_are_read():
     hmm = _model("hmm_length").root
     assert hmm.length is not None and (hmm.length.type, hmm.length.rate) == ("poisson", [12.0])
     seq = _model("sequence").root
-    assert (seq.type, seq.base.type, seq.base.probs, seq.length.rate) == ("sequence", "categorical", [0.1, 0.2, 0.7], [5.0])
+    assert (seq.type, seq.base.type, seq.base.probs, seq.length.rate) == (
+        "sequence",
+        "categorical",
+        [0.1, 0.2, 0.7],
+        [5.0],
+    )
     graph = build_model_graph(_model("hmm_length"))
     # the length is held whole: it is not a unit of the state axis
     assert [c.num_units for c in tree_axes(graph)] == [2]
@@ -119,15 +134,56 @@ def test_a_class_the_spec_cannot_express_is_named_with_its_place():
         ([1, 2], "expected a mixle distribution object"),
         ({"__pysp_type__": "ref", "id": "o9"}, "names no object"),
         ({"__pysp_type__": "object", "id": "o0", "type": "x.PoissonDistribution", "state": {}}, "tagged dict"),
-        ({"__pysp_type__": "object", "id": "o0", "type": "x.PoissonDistribution",
-          "state": {"__pysp_type__": "dict", "items": [["lam", "3"]]}}, "`lam` must be a number"),
-        ({"__pysp_type__": "object", "id": "o0", "type": "x.DiagonalGaussianDistribution",
-          "state": {"__pysp_type__": "dict", "items": [["mu", {"__pysp_type__": "ndarray", "dtype": {"kind": "str", "value": "<f8"},
-                                                                 "shape": [2], "data": "AAAA"}], ["covar", [1.0, 1.0]]]}}, "holds 3 bytes"),
-        ({"__pysp_type__": "object", "id": "o0", "type": "x.HiddenMarkovModelDistribution",
-          "state": {"__pysp_type__": "dict", "items": [["taus", [[1.0]]]]}}, "`taus`"),
-        ({"__pysp_type__": "object", "id": "o0", "type": "x.PoissonDistribution",
-          "state": {"__pysp_type__": "dict", "items": [["lam", 2.0], ["keys", "k"]]}}, "keyed parameter tying"),
+        (
+            {
+                "__pysp_type__": "object",
+                "id": "o0",
+                "type": "x.PoissonDistribution",
+                "state": {"__pysp_type__": "dict", "items": [["lam", "3"]]},
+            },
+            "`lam` must be a number",
+        ),
+        (
+            {
+                "__pysp_type__": "object",
+                "id": "o0",
+                "type": "x.DiagonalGaussianDistribution",
+                "state": {
+                    "__pysp_type__": "dict",
+                    "items": [
+                        [
+                            "mu",
+                            {
+                                "__pysp_type__": "ndarray",
+                                "dtype": {"kind": "str", "value": "<f8"},
+                                "shape": [2],
+                                "data": "AAAA",
+                            },
+                        ],
+                        ["covar", [1.0, 1.0]],
+                    ],
+                },
+            },
+            "holds 3 bytes",
+        ),
+        (
+            {
+                "__pysp_type__": "object",
+                "id": "o0",
+                "type": "x.HiddenMarkovModelDistribution",
+                "state": {"__pysp_type__": "dict", "items": [["taus", [[1.0]]]]},
+            },
+            "`taus`",
+        ),
+        (
+            {
+                "__pysp_type__": "object",
+                "id": "o0",
+                "type": "x.PoissonDistribution",
+                "state": {"__pysp_type__": "dict", "items": [["lam", 2.0], ["keys", "k"]]},
+            },
+            "keyed parameter tying",
+        ),
     ],
 )
 def test_malformed_payloads_are_problems_not_tracebacks(payload, words):
@@ -138,13 +194,15 @@ def test_malformed_payloads_are_problems_not_tracebacks(payload, words):
 def _spec(tmp_path: Path, model_file: str, precision: str = "fp64") -> Path:
     (tmp_path / "model.json").write_text((MODELS / f"{model_file}.json").read_text())
     spec = tmp_path / "spec.yaml"
-    spec.write_text(textwrap.dedent(f"""\
+    spec.write_text(
+        textwrap.dedent(f"""\
         model: {{from: mixle, path: model.json}}
         mesh: {{dp_replicate: 2}}
         training: {{global_batch_size: 512, micro_batch_size: 256, precision: {precision}, steps: 5}}
         backend: torch
         resources: {{devices: 2, kind: cpu, memory: 1GiB}}
-        """))
+        """)
+    )
     return spec
 
 
@@ -160,8 +218,12 @@ def test_warnings_reach_the_spec_with_their_place(tmp_path):
     assert loaded.ok
     (d,) = [d for d in loaded.diagnostics if d.code == "I003"]
     assert d.severity.value == "warning" and "model.json:" in d.message and "fitted once, tied" in d.message
-    prior = {"__pysp_type__": "object", "id": "o0", "type": "x.PoissonDistribution",
-             "state": {"__pysp_type__": "dict", "items": [["lam", 2.0], ["prior", {"__pysp_type__": "object"}]]}}
+    prior = {
+        "__pysp_type__": "object",
+        "id": "o0",
+        "type": "x.PoissonDistribution",
+        "state": {"__pysp_type__": "dict", "items": [["lam", 2.0], ["prior", {"__pysp_type__": "object"}]]},
+    }
     read = mixle_model(prior)
     assert read.problems == [] and read.warnings == [] and "prior is ignored" in read.ignored[0][0]
     assert read.ignored[0][2] == ("state", "items", 1, 1)
@@ -193,8 +255,13 @@ def test_a_missing_mixle_file_is_named(tmp_path):
 
 def test_check_cli_exit_codes_for_mixle_models(tmp_path):
     def check(spec: Path) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "mixle_compile", "check", str(spec)], capture_output=True, text=True,
-                              cwd=tmp_path, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+        return subprocess.run(
+            [sys.executable, "-m", "mixle_compile", "check", str(spec)],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+        )
 
     ok = check(_spec(tmp_path, "hmm"))
     assert ok.returncode == 0, ok.stdout + ok.stderr
@@ -230,7 +297,9 @@ class _MixleStyleResources:
 
 def test_planner_takes_a_model_and_mixle_style_devices():
     model = _model("nested")
-    resources = _MixleStyleResources(tuple(_MixleStyleDevice(f"d{i}", memory_bytes=None if i else 10**6, throughput=1.0 + i) for i in range(3)))
+    resources = _MixleStyleResources(
+        tuple(_MixleStyleDevice(f"d{i}", memory_bytes=None if i else 10**6, throughput=1.0 + i) for i in range(3))
+    )
     devices = as_devices(resources)
     assert [d.label for d in devices] == ["d0", "d1", "d2"] and devices[1].memory_bytes == UNBOUNDED_MEMORY
     best = best_parallel_axis(model, 3)
@@ -298,7 +367,10 @@ def test_parameters_of_another_model_are_refused_by_name(tmp_path):
     from mixle_compile import FittedParametersError, to_mixle_dict
 
     params = em_model.initial_params(em_model.build_tree(_model("diag_mixture"), None), np.ones((1, 3)), 0)
-    with pytest.raises(FittedParametersError, match=r"missing model.root.factors\[0\]/covs.*; not in the model: model.root.components\[0\]/covs"):
+    with pytest.raises(
+        FittedParametersError,
+        match=r"missing model.root.factors\[0\]/covs.*; not in the model: model.root.components\[0\]/covs",
+    ):
         to_mixle_dict(params, _json("composite"))
     params = em_model.initial_params(em_model.build_tree(_model("diag_mixture"), None), np.ones((1, 3)), 0)
     params["model.root"]["weights"] = np.ones((1, 5)) / 5
@@ -317,11 +389,23 @@ def test_run_mixle_out_needs_a_spec_reading_a_mixle_model(tmp_path):
     (tmp_path / "written.yaml").write_text(
         "model: {family: distribution, root: {type: mixture, component: {type: gaussian, dim: 2}, repeat: 2}}\n"
         "mesh: {dp_replicate: 1}\ntraining: {global_batch_size: 8, micro_batch_size: 8, precision: fp64, steps: 1}\n"
-        "backend: torch\nresources: {devices: 1, kind: cpu, memory: 1GiB}\n")
-    for args, says in ((["written.yaml"], "written.yaml has a 'distribution' model written out"),
-                       (["absent.txt"], "absent.txt is not a spec file")):
-        done = subprocess.run([sys.executable, "-m", "mixle_compile", "run", *args, "--mixle-out", "out.json", "--quiet"], cwd=tmp_path,
-                              env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=120)
+        "backend: torch\nresources: {devices: 1, kind: cpu, memory: 1GiB}\n"
+    )
+    for args, says in (
+        (["written.yaml"], "written.yaml has a 'distribution' model written out"),
+        (["absent.txt"], "absent.txt is not a spec file"),
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "mixle_compile", "run", *args, "--mixle-out", "out.json", "--quiet"],
+            cwd=tmp_path,
+            env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert done.returncode == 2, done.stdout + done.stderr
-        assert "PLAN must be a spec whose model is `{from: mixle, path: model.json}`" in done.stderr and says in done.stderr
+        assert (
+            "PLAN must be a spec whose model is `{from: mixle, path: model.json}`" in done.stderr
+            and says in done.stderr
+        )
         assert not (tmp_path / "out.json").exists()

@@ -37,11 +37,16 @@ def test_plan_round_trips_and_holds_every_section(tiny_plan):
 
 def test_same_input_gives_the_same_bytes_in_another_process(tiny_plan):
     code = (
-        "import sys; sys.path.insert(0, 'tests/..');"
-        "from tests.test_plan import compiled; sys.stdout.write(compiled())"
+        "import sys; sys.path.insert(0, 'tests/..');from tests.test_plan import compiled; sys.stdout.write(compiled())"
     )
-    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True,
-                           env={"PYTHONHASHSEED": "12345", "PATH": ""}).stdout
+    other = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=True,
+        env={"PYTHONHASHSEED": "12345", "PATH": ""},
+    ).stdout
     assert other == tiny_plan
 
 

@@ -80,7 +80,10 @@ def test_an_edited_folded_group_is_caught(deep, edit, named):
     "edit,said",
     [
         (lambda d: _group(d, "updates").update(layers=0), "layers` >= 1"),
-        (lambda d: _group(d, "updates")["entries"][-1].update(node_id="layers.99.x:grad", tensor="layers.99.x"), "same one layer"),
+        (
+            lambda d: _group(d, "updates")["entries"][-1].update(node_id="layers.99.x:grad", tensor="layers.99.x"),
+            "same one layer",
+        ),
     ],
 )
 def test_a_malformed_folded_group_is_refused_clearly(deep, edit, said):

@@ -23,7 +23,10 @@ def test_phases_are_numbered_and_quiet_work_prints_nothing():
         p.step(what)
     p.close()
     assert [re.sub(r" \(.*", "", line) for line in out.getvalue().splitlines()] == [
-        "mixle-compile compile [1/3] a", "mixle-compile compile [2/3] b", "mixle-compile compile [3/3] c"]
+        "mixle-compile compile [1/3] a",
+        "mixle-compile compile [2/3] b",
+        "mixle-compile compile [3/3] c",
+    ]
     quiet = io.StringIO()
     p = Progress("compile", 2, after=30, stream=quiet)
     p.step("a"), p.step("b"), p.close()
@@ -54,11 +57,26 @@ def test_the_verbs_report_each_phase_of_a_compile(capsys, monkeypatch, tmp_path,
 
 
 def test_a_resumed_run_names_its_steps_from_one(tmp_path):
-    data = {"ok": True, "errors": [], "plan": {"world_size": 4}, "losses": [4.77, 4.67],
-            "run": {"steps": 2, "wall_s": 7.0, "first_step": 1, "last_step": 3,
-                    "resumed_from": {"path": "ckpt/step-00000001", "step": 1, "mesh": {"world_size": 4}, "plan_digest": "sha256:0"},
-                    "checkpoints": {"root": "ckpt", "saved": [{"step": 2, "save_s": 0.1}, {"step": 3, "save_s": 0.1}]}},
-            "accounting": {"ok": True, "updates_checked": 73, "collective_calls_per_rank": [80, 80]}}
+    data = {
+        "ok": True,
+        "errors": [],
+        "plan": {"world_size": 4},
+        "losses": [4.77, 4.67],
+        "run": {
+            "steps": 2,
+            "wall_s": 7.0,
+            "first_step": 1,
+            "last_step": 3,
+            "resumed_from": {
+                "path": "ckpt/step-00000001",
+                "step": 1,
+                "mesh": {"world_size": 4},
+                "plan_digest": "sha256:0",
+            },
+            "checkpoints": {"root": "ckpt", "saved": [{"step": 2, "save_s": 0.1}, {"step": 3, "save_s": 0.1}]},
+        },
+        "accounting": {"ok": True, "updates_checked": 73, "collective_calls_per_rank": [80, 80]},
+    }
     summary = RunReport.from_dict(data, tmp_path).summary()
     # resumed after step 1 of 3: it ran steps 2 and 3, the last checkpoint is step 3 (step-00000003)
     assert "ran 2 step(s) (steps 2..3)" in summary and "latest step 3" in summary
@@ -68,8 +86,23 @@ def test_a_resumed_run_names_its_steps_from_one(tmp_path):
 def test_run_reference_shows_each_phase(tmp_path):
     pytest.importorskip("torch")
     result = subprocess.run(
-        [sys.executable, "-m", "mixle_compile", "run", str(EXAMPLES / "tiny-transformer.yaml"), "--steps", "2", "--reference",
-         "--out", str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "mixle_compile",
+            "run",
+            str(EXAMPLES / "tiny-transformer.yaml"),
+            "--steps",
+            "2",
+            "--reference",
+            "--out",
+            str(tmp_path / "out"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     order = ["step 2/2", "reference 1/3", "repeat step 2/2", "reference 2/3", "reference step 2/2", "reference 3/3"]

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from mixle_compile.memory_model import MEMORY_KINDS
-
 import json
 
 import pytest
@@ -11,6 +9,7 @@ import pytest
 from mixle_compile.graph import build_model_graph
 from mixle_compile.graph.export import to_dot, to_mermaid
 from mixle_compile.lower.lowering import lower
+from mixle_compile.memory_model import MEMORY_KINDS
 from mixle_compile.plan import build_plan, load_plan_text, plan_text
 from mixle_compile.report import diff_data, diff_text, explain_data, explain_text, human_bytes
 from mixle_compile.sarif import sarif_log
@@ -22,7 +21,9 @@ EXAMPLE_NAMES = sorted(p.name for p in EXAMPLES.glob("*.yaml"))
 
 def plan_of(loaded):
     assert loaded.ok, [d.text() for d in loaded.diagnostics]
-    return load_plan_text(plan_text(build_plan(loaded.spec, lower(loaded.spec, document=loaded.document), loaded.diagnostics)))
+    return load_plan_text(
+        plan_text(build_plan(loaded.spec, lower(loaded.spec, document=loaded.document), loaded.diagnostics))
+    )
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +32,13 @@ def plans():
 
 
 def test_human_bytes():
-    assert [human_bytes(n) for n in (0, 1023, 1024, 3 * 2**30, -2**20)] == ["0 B", "1023 B", "1.00 KiB", "3.00 GiB", "-1.00 MiB"]
+    assert [human_bytes(n) for n in (0, 1023, 1024, 3 * 2**30, -(2**20))] == [
+        "0 B",
+        "1023 B",
+        "1.00 KiB",
+        "3.00 GiB",
+        "-1.00 MiB",
+    ]
 
 
 @pytest.mark.parametrize("name", EXAMPLE_NAMES)
@@ -67,7 +74,7 @@ def test_diff_names_mesh_layout_memory_and_traffic_changes(plans):
     assert any(t["axes"] == ["dp_shard"] and t["delta"] > 0 for t in d["traffic"])
     text = diff_text(a, b, "a.json", "b.json")
     assert "tp: 8 -> 4" in text and "memory per rank:" in text
-    assert diff_text(a, a) .endswith("are the same plan (" + a.content_digest[:19] + ")\n")
+    assert diff_text(a, a).endswith("are the same plan (" + a.content_digest[:19] + ")\n")
 
 
 def test_graph_exports_hold_every_node_and_the_shared_node_once():

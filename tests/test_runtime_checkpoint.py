@@ -21,9 +21,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mixle_compile.runtime import RunFailed, RuntimeRefusal, run_plan
+from mixle_compile.runtime import RunFailed, RuntimeRefusal, checkpoint_dcp, run_plan
 from mixle_compile.runtime import checkpoint as ckpt
-from mixle_compile.runtime import checkpoint_dcp
 from mixle_compile.runtime.data import BatchLayout
 from mixle_compile.runtime.faults import FAULT_ENV
 from tests.conftest import ROOT
@@ -83,7 +82,14 @@ def assert_continues(resumed, resumed_root: Path, uninterrupted, step: int = STE
 def resumed_ds4(tmp_path_factory, uninterrupted):
     """From step 1 of dp_shard=2 x tp=2 onto dp_shard=4 without accumulation (4 ranks), saving step 2."""
     out = tmp_path_factory.mktemp("ds4")
-    report = run_plan(plan(ds=4, gas=1), steps=2, out_dir=out, progress=False, save_every=1, resume=uninterrupted[1] / ckpt.step_dir_name(1))
+    report = run_plan(
+        plan(ds=4, gas=1),
+        steps=2,
+        out_dir=out,
+        progress=False,
+        save_every=1,
+        resume=uninterrupted[1] / ckpt.step_dir_name(1),
+    )
     assert report.ok, report.errors
     return report, out / "checkpoints"
 
@@ -100,8 +106,9 @@ def test_resume_tp2_to_tp1_and_dp_shard2_to_4(uninterrupted, resumed_ds4):
 
 def test_resume_dp_shard4_to_2_and_world4_to_2(tmp_path, uninterrupted, resumed_ds4):
     """dp_shard=4 (4 ranks, no accumulation) -> dp_shard=2 with 2 micro-batches (2 ranks)."""
-    report = run_plan(plan(ds=2, mb=2, gas=1), steps=STEPS, out_dir=tmp_path, progress=False, save_every=5,
-                      resume=resumed_ds4[1])  # the root: its latest complete checkpoint
+    report = run_plan(
+        plan(ds=2, mb=2, gas=1), steps=STEPS, out_dir=tmp_path, progress=False, save_every=5, resume=resumed_ds4[1]
+    )  # the root: its latest complete checkpoint
     assert report.ok, report.errors
     assert report.data["run"]["resumed_from"]["mesh"]["dp_shard"] == 4 and report.world_size == 2
     assert [s for s, _, ok in ckpt.list_checkpoints(tmp_path / "checkpoints") if ok] == [STEPS]  # saved at the end
@@ -112,7 +119,9 @@ def test_resume_dp_shard4_to_2_and_world4_to_2(tmp_path, uninterrupted, resumed_
 def resumed_tp1(tmp_path_factory, uninterrupted):
     """From step 1 of dp_shard=2 x tp=2 (4 ranks) onto dp_shard=2 (2 ranks), saving step 2."""
     out = tmp_path_factory.mktemp("tp1")
-    report = run_plan(plan(ds=2), steps=2, out_dir=out, progress=False, save_every=1, resume=uninterrupted[1] / ckpt.step_dir_name(1))
+    report = run_plan(
+        plan(ds=2), steps=2, out_dir=out, progress=False, save_every=1, resume=uninterrupted[1] / ckpt.step_dir_name(1)
+    )
     assert report.ok, report.errors
     return report, out / "checkpoints"
 
@@ -128,7 +137,9 @@ def test_resume_tp2_to_tp1_with_the_same_dp_shard(uninterrupted, resumed_tp1):
 def test_resume_world2_to_4_onto_a_distributed_optimizer_with_tp(tmp_path, uninterrupted, resumed_tp1):
     """dp_shard=2 (2 ranks) -> dp_replicate=2 x tp=2 with a distributed optimizer (4 ranks): optimizer
     state goes from FSDP row shards to dp_replicate shards of tp slices."""
-    report = run_plan(plan(dr=2, tp=2, dopt=True), steps=STEPS, out_dir=tmp_path, progress=False, save_every=1, resume=resumed_tp1[1])
+    report = run_plan(
+        plan(dr=2, tp=2, dopt=True), steps=STEPS, out_dir=tmp_path, progress=False, save_every=1, resume=resumed_tp1[1]
+    )
     assert report.ok, report.errors
     assert report.data["run"]["resumed_from"]["mesh"]["world_size"] == 2 and report.world_size == 4
     assert_continues(report, tmp_path / "checkpoints", uninterrupted)
@@ -148,7 +159,9 @@ def test_a_checkpoint_without_its_marker_is_never_loaded(tmp_path, uninterrupted
     (step_dir / ckpt.COMPLETE_MARKER).unlink()
     with pytest.raises(RuntimeRefusal, match=r"no completion marker COMPLETE"):
         run_plan(plan(ds=2), steps=STEPS, out_dir=tmp_path / "out", progress=False, resume=step_dir)
-    with pytest.raises(RuntimeRefusal, match=r"holds no complete checkpoint: step-00000002 lack\(s\) the completion marker COMPLETE"):
+    with pytest.raises(
+        RuntimeRefusal, match=r"holds no complete checkpoint: step-00000002 lack\(s\) the completion marker COMPLETE"
+    ):
         run_plan(plan(ds=2), steps=STEPS, out_dir=tmp_path / "out", progress=False, resume=step_dir.parent)
     assert ckpt.find_latest_checkpoint(step_dir.parent) is None
 
@@ -173,9 +186,17 @@ def test_a_different_model_is_refused_naming_the_parameter(tmp_path, uninterrupt
 
 def test_another_global_batch_or_optimizer_is_refused(tmp_path, uninterrupted):
     with pytest.raises(RuntimeRefusal, match=r"global_batch_size 8, this plan has 16"):
-        run_plan(plan(ds=2, gas=4), steps=STEPS, out_dir=tmp_path, progress=False, resume=uninterrupted[1] / "step-00000002")
+        run_plan(
+            plan(ds=2, gas=4), steps=STEPS, out_dir=tmp_path, progress=False, resume=uninterrupted[1] / "step-00000002"
+        )
     with pytest.raises(RuntimeRefusal, match=r"optimizer 'adamw', this plan uses 'sgd'"):
-        run_plan(plan(ds=2, optimizer="sgd"), steps=STEPS, out_dir=tmp_path, progress=False, resume=uninterrupted[1] / "step-00000002")
+        run_plan(
+            plan(ds=2, optimizer="sgd"),
+            steps=STEPS,
+            out_dir=tmp_path,
+            progress=False,
+            resume=uninterrupted[1] / "step-00000002",
+        )
     with pytest.raises(RuntimeRefusal, match=r"is at step 2; --steps 2 leaves nothing to run"):
         run_plan(plan(ds=2), steps=2, out_dir=tmp_path, progress=False, resume=uninterrupted[1] / "step-00000002")
     with pytest.raises(RuntimeRefusal, match=r"--reference .* cannot check a resumed run"):
@@ -197,8 +218,13 @@ def test_a_corrupted_missing_or_newer_manifest_is_refused(tmp_path, uninterrupte
     data = ckpt.manifest_bytes(newer)
     manifest.write_bytes(data)
     marker = json.loads((step_dir / ckpt.COMPLETE_MARKER).read_text())
-    (step_dir / ckpt.COMPLETE_MARKER).write_text(json.dumps({**marker, "manifest_sha256": hashlib.sha256(data).hexdigest()}))
-    with pytest.raises(ckpt.CheckpointError, match=rf"format version 3, newer than this mixle-compile reads \({ckpt.FORMAT_VERSION}\); upgrade"):
+    (step_dir / ckpt.COMPLETE_MARKER).write_text(
+        json.dumps({**marker, "manifest_sha256": hashlib.sha256(data).hexdigest()})
+    )
+    with pytest.raises(
+        ckpt.CheckpointError,
+        match=rf"format version 3, newer than this mixle-compile reads \({ckpt.FORMAT_VERSION}\); upgrade",
+    ):
         ckpt.read_manifest(step_dir)
 
 
@@ -207,13 +233,23 @@ def test_refusals_through_the_cli_are_one_line_with_exit_2(tmp_path, uninterrupt
     (step_dir / ckpt.COMPLETE_MARKER).unlink()
     spec = tmp_path / "spec.yaml"
     spec.write_text(spec_text(**BASE, ds=2), encoding="utf-8")
-    done = subprocess.run([sys.executable, "-m", "mixle_compile", "run", str(spec), "--resume", str(step_dir), "--quiet"],
-                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "mixle_compile", "run", str(spec), "--resume", str(step_dir), "--quiet"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert done.returncode == 2
     assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
     assert "no completion marker COMPLETE" in done.stderr
-    done = subprocess.run([sys.executable, "-m", "mixle_compile", "run", str(spec), "--checkpoint-dir", str(tmp_path / "c"), "--quiet"],
-                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "mixle_compile", "run", str(spec), "--checkpoint-dir", str(tmp_path / "c"), "--quiet"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert done.returncode == 2 and "add --save-every N" in done.stderr
 
 
@@ -239,8 +275,24 @@ def test_a_damaged_shard_is_refused_before_any_rank_starts_naming_the_file(tmp_p
     spec = tmp_path / "spec.yaml"
     spec.write_text(spec_text(**BASE, ds=2), encoding="utf-8")
     out = tmp_path / "out"
-    done = subprocess.run([sys.executable, "-m", "mixle_compile", "run", str(spec), "--resume", str(step_dir), "--out", str(out), "--quiet"],
-                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mixle_compile",
+            "run",
+            str(spec),
+            "--resume",
+            str(step_dir),
+            "--out",
+            str(out),
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert done.returncode == 2, done.stderr
     assert words in done.stderr and "Traceback" not in done.stderr
     assert not (out / "logs").exists()  # refused on the launcher: no rank started
@@ -250,7 +302,9 @@ def test_a_dcp_checkpoint_is_sealed_and_explain_verifies_it(uninterrupted):
     step_dir = uninterrupted[1] / ckpt.step_dir_name(2)
     manifest = ckpt.verify_checkpoint(step_dir)
     assert set(manifest["files"]) == {f"state/{p.name}" for p in shards(step_dir)} | {f"state/{ckpt.DCP_METADATA_FILE}"}
-    assert manifest["run_id"] == ckpt.verify_checkpoint(uninterrupted[1] / ckpt.step_dir_name(1))["run_id"]  # one run, one id
+    assert (
+        manifest["run_id"] == ckpt.verify_checkpoint(uninterrupted[1] / ckpt.step_dir_name(1))["run_id"]
+    )  # one run, one id
     done = explain_without_torch(step_dir)
     assert done.stdout.strip().splitlines()[-1] == "NO-TORCH 0", done.stderr
     assert f"sealed: {len(manifest['files'])} file(s)" in done.stdout and manifest["run_id"] in done.stdout
@@ -263,17 +317,32 @@ def test_a_rank_killed_mid_step_fails_the_job_and_resume_loses_only_the_steps_si
     spec = tmp_path / "spec.yaml"
     spec.write_text(spec_text(**BASE, ds=2, tp=2, steps=STEPS), encoding="utf-8")
     out = tmp_path / "run"
-    command = [sys.executable, "-m", "mixle_compile.runtime", str(spec), "--save-every", "1", "--out", str(out), "--quiet", "--timeout", "10"]
+    command = [
+        sys.executable,
+        "-m",
+        "mixle_compile.runtime",
+        str(spec),
+        "--save-every",
+        "1",
+        "--out",
+        str(out),
+        "--quiet",
+        "--timeout",
+        "10",
+    ]
     started = time.monotonic()
-    killed = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=180,
-                            env={**os.environ, FAULT_ENV: "sigkill:1:1"})
+    killed = subprocess.run(
+        command, capture_output=True, text=True, cwd=ROOT, timeout=180, env={**os.environ, FAULT_ENV: "sigkill:1:1"}
+    )
     elapsed = time.monotonic() - started
     assert killed.returncode == 1, killed.stderr
     assert "rank 1 died (killed by signal SIGKILL)" in killed.stderr
     assert elapsed < 60  # bounded: the dead peer breaks the others' collectives, the launcher stops them
     root = out / "checkpoints"
     assert [s for s, _, ok in ckpt.list_checkpoints(root) if ok] == [1]  # the second step never finished
-    resumed = subprocess.run([*command[:-2], "--resume", str(root)], capture_output=True, text=True, cwd=ROOT, timeout=180)
+    resumed = subprocess.run(
+        [*command[:-2], "--resume", str(root)], capture_output=True, text=True, cwd=ROOT, timeout=180
+    )
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from" in resumed.stdout and "(step 1," in resumed.stdout
     report = json.loads((out / "report.json").read_text())
@@ -341,7 +410,9 @@ def test_saving_with_gradients_pending_is_refused_and_a_save_round_trips(tmp_pat
     assert path == tmp_path / "step-00000002" and not list(tmp_path.glob(".partial-*"))
     assert not list(path.rglob("*.metadata")) and (path / "state" / ckpt.DCP_METADATA_FILE).is_file()
     before = {n: p.master.detach().clone() for n, p in session.store.params.items()}
-    state_before = {n: {k: v.clone() for k, v in session.optimizer.state[p.master].items()} for n, p in session.store.params.items()}
+    state_before = {
+        n: {k: v.clone() for k, v in session.optimizer.state[p.master].items()} for n, p in session.store.params.items()
+    }
     expected = one_step(session, 2).loss
     fresh = make()
     torch.manual_seed(1234)
@@ -369,7 +440,13 @@ def test_non_finite_values_are_refused_on_load_naming_the_tensor(tmp_path, singl
 
 
 def test_data_position_is_the_same_global_samples_on_any_layout():
-    layouts = [BatchLayout(2, 1, 2, 2), BatchLayout(2, 1, 1, 4), BatchLayout(2, 2, 1, 2), BatchLayout(2, 4, 1, 1), BatchLayout(4, 1, 2, 1)]
+    layouts = [
+        BatchLayout(2, 1, 2, 2),
+        BatchLayout(2, 1, 1, 4),
+        BatchLayout(2, 2, 1, 2),
+        BatchLayout(2, 4, 1, 1),
+        BatchLayout(4, 1, 2, 1),
+    ]
     assert {layout.global_batch for layout in layouts} == {8}
     for layout in layouts:
         for step in range(3):
@@ -391,7 +468,9 @@ def test_data_position_is_the_same_global_samples_on_any_layout():
 def test_numpy_arrays_checkpoint_atomically_for_other_runtimes(tmp_path):
     means = np.arange(6, dtype=np.float64).reshape(3, 2)
     for step in (1, 2, 3):
-        ckpt.write_array_checkpoint(tmp_path, step, {"means": means * step, "weights": np.full(3, 1 / 3)}, {"model": "mixture"})
+        ckpt.write_array_checkpoint(
+            tmp_path, step, {"means": means * step, "weights": np.full(3, 1 / 3)}, {"model": "mixture"}
+        )
     manifest, arrays = ckpt.read_array_checkpoint(tmp_path)
     assert manifest["step"] == 3 and manifest["model"] == "mixture" and manifest["kind"] == ckpt.ARRAYS_KIND
     np.testing.assert_array_equal(arrays["means"], means * 3)
@@ -412,8 +491,13 @@ def test_explain_shows_a_checkpoint_without_importing_torch(uninterrupted):
     assert f"step {STEPS}" in text and report.data["plan"]["content_digest"] in text
     assert "dp_shard=2" in text and "tp=2" in text and "world 4" in text and f"{8 * STEPS} samples consumed" in text
     assert "layers.0.attn.q_proj.weight" in text
-    done = subprocess.run([sys.executable, "-m", "mixle_compile", "explain", str(root / "step-00000002"), "--format", "json"],
-                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "mixle_compile", "explain", str(root / "step-00000002"), "--format", "json"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     view = json.loads(done.stdout)
     assert view["step"] == 2 and view["mesh"]["dp_shard"] == 2 and view["mesh"]["tp"] == 2
     assert view["plan"]["content_digest"] == report.data["plan"]["content_digest"]

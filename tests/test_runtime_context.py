@@ -37,17 +37,26 @@ def records_with(grad: torch.Tensor) -> ReferenceRecords:
 
 
 def run_of(entries):
-    return {"first": [(key, expect, value, "d") for key, expect, value in entries], "repeat": {key: "d" for key, _, _ in entries}}
+    return {
+        "first": [(key, expect, value, "d") for key, expect, value in entries],
+        "repeat": {key: "d" for key, _, _ in entries},
+    }
 
 
 def test_parts_of_a_cp_group_are_compared_by_their_sum():
     grad = torch.tensor([1.0, 2.0, 3.0])
     key = ("w:grad/tp", 0, 0, None, 0)
     part = ("part", (0, 1), ("grad", "w", (0,), (0,), 1, ()))
-    good = compare(records_with(grad), [run_of([(key, part, torch.tensor([0.5, 2.0, 1.0]))]), run_of([(key, part, torch.tensor([0.5, 0.0, 2.0]))])])
+    good = compare(
+        records_with(grad),
+        [run_of([(key, part, torch.tensor([0.5, 2.0, 1.0]))]), run_of([(key, part, torch.tensor([0.5, 0.0, 2.0]))])],
+    )
     assert good["w:grad/tp"].samples == 1 and good["w:grad/tp"].max_rel == 0.0
     # One part alone (a missed reduction elsewhere would leave exactly this) is far off.
-    wrong = compare(records_with(grad), [run_of([(key, part, torch.tensor([0.5, 2.0, 1.0]))]), run_of([(key, part, torch.tensor([0.5, 0.0, 0.0]))])])
+    wrong = compare(
+        records_with(grad),
+        [run_of([(key, part, torch.tensor([0.5, 2.0, 1.0]))]), run_of([(key, part, torch.tensor([0.5, 0.0, 0.0]))])],
+    )
     assert wrong["w:grad/tp"].max_rel > 0.1
     with pytest.raises(ValueError, match="1 of the ranks \\[0, 1\\] recorded their part"):
         compare(records_with(grad), [run_of([(key, part, grad)])])

@@ -50,13 +50,26 @@ COMPOSITE = """
       - {type: mixture, component: {type: gaussian, dim: 3, covariance: full}, repeat: 6}"""
 
 
-def spec_text(component: str, *, mesh: str, rows: int, micro: int, steps: int = 5, seed: int = 3, root: str | None = None,
-              shared: str = "", seq_len: int | None = None) -> str:
-    root = root or f"""
+def spec_text(
+    component: str,
+    *,
+    mesh: str,
+    rows: int,
+    micro: int,
+    steps: int = 5,
+    seed: int = 3,
+    root: str | None = None,
+    shared: str = "",
+    seq_len: int | None = None,
+) -> str:
+    root = (
+        root
+        or f"""
     type: mixture
     name: m
     component: {component}
     repeat: 3"""
+    )
     devices = 1
     for part in mesh.split(","):
         if part.strip() and part.split(":")[0].strip() not in ("microbatches", "gradient_accumulation_steps"):
@@ -86,7 +99,16 @@ def per_data_rank(mesh: str, rows: int) -> int:
 
 
 def hmm_spec(mesh: str, *, rows: int = 48, steps: int = 4) -> str:
-    return spec_text("", mesh=mesh, rows=rows, micro=per_data_rank(mesh, rows), steps=steps, root=HMM_MIXTURE, shared=HMM_SHARED, seq_len=12)
+    return spec_text(
+        "",
+        mesh=mesh,
+        rows=rows,
+        micro=per_data_rank(mesh, rows),
+        steps=steps,
+        root=HMM_MIXTURE,
+        shared=HMM_SHARED,
+        seq_len=12,
+    )
 
 
 def composite_spec(mesh: str, *, rows: int = 240, steps: int = 4) -> str:
@@ -167,7 +189,14 @@ resources: {devices: 1, memory: 1GiB}
     want_ll, init, trans, emit = 0.0, np.zeros(2), np.zeros((2, 2)), np.zeros((2, 3))
     for seq in x.astype(int):
         paths = list(itertools.product(range(2), repeat=4))
-        joint = np.array([pi[z[0]] * np.prod([a[z[t - 1], z[t]] for t in range(1, 4)]) * np.prod([b[z[t], seq[t]] for t in range(4)]) for z in paths])
+        joint = np.array(
+            [
+                pi[z[0]]
+                * np.prod([a[z[t - 1], z[t]] for t in range(1, 4)])
+                * np.prod([b[z[t], seq[t]] for t in range(4)])
+                for z in paths
+            ]
+        )
         want_ll += np.log(joint.sum())
         post = joint / joint.sum()
         for z, w in zip(paths, post):
@@ -192,9 +221,17 @@ def test_the_mixture_fit_equals_textbook_em_written_out_independently(tmp_path):
     cov = start["model.root.component"]["covs"].copy()
     lls = []
     for _ in range(3):
-        dens = np.stack([
-            np.exp(-0.5 * np.einsum("ni,ij,nj->n", data - mu[k], np.linalg.inv(cov[k]), data - mu[k]))
-            / np.sqrt(np.linalg.det(2 * np.pi * cov[k])) for k in range(3)], axis=1) * w
+        dens = (
+            np.stack(
+                [
+                    np.exp(-0.5 * np.einsum("ni,ij,nj->n", data - mu[k], np.linalg.inv(cov[k]), data - mu[k]))
+                    / np.sqrt(np.linalg.det(2 * np.pi * cov[k]))
+                    for k in range(3)
+                ],
+                axis=1,
+            )
+            * w
+        )
         lls.append(np.log(dens.sum(axis=1)).sum())
         r = dens / dens.sum(axis=1, keepdims=True)
         nk = r.sum(axis=0)
@@ -213,18 +250,27 @@ def test_accounting_and_evidence_catch_a_missing_or_wrong_reduction(tmp_path):
     em = read_em_instructions(doc)
     data = sample_data(em)
     ref = reference_fit(em, data, 3)
-    good = {"updates": {n: [3, em.expected_bytes(c) * 3] for n, c in em.collectives.items()}, "bookkeeping": {}, "calls": 9}
+    good = {
+        "updates": {n: [3, em.expected_bytes(c) * 3] for n, c in em.collectives.items()},
+        "bookkeeping": {},
+        "calls": 9,
+    }
     assert em_accounting(em, [good, good], 3)["ok"]
     missing = json.loads(json.dumps(good))
     missing["updates"]["model.root:statistics"] = [2, em.expected_bytes(em.collectives["model.root:statistics"]) * 2]
     account = em_accounting(em, [good, missing], 3)
     assert not account["ok"] and "rank 1" in account["errors"][0]
     # Evidence: the reference against itself is exact; statistics of one shard only are not.
-    history = [{"statistics": {f"{n}:statistics": h[n].ravel() for n in ("model.root", "model.root.component")}} for h in ref[2]]
+    history = [
+        {"statistics": {f"{n}:statistics": h[n].ravel() for n in ("model.root", "model.root.component")}}
+        for h in ref[2]
+    ]
     record = {"tp": 0, "owned": [], "data_rank": 0, "data_size": 1, "params": ref[0], "lls": ref[1], "history": history}
     _, errors = evidence(doc, em, [record], [record], ref, 3)
     assert not errors
-    halved = [{"statistics": {k: v / 2 if "component" in k else v for k, v in h["statistics"].items()}} for h in history]
+    halved = [
+        {"statistics": {k: v / 2 if "component" in k else v for k, v in h["statistics"].items()}} for h in history
+    ]
     updates, errors = evidence(doc, em, [dict(record, history=halved)], [dict(record, history=halved)], ref, 3)
     assert any("model.root.component:statistics" in e for e in errors)
     assert all(u["numerics_sample_count"] > 0 for u in updates)
@@ -240,40 +286,62 @@ def test_the_plan_sizes_statistics_as_the_runtime_reduces_them_and_a_mismatch_is
     assert sizes["model.root.components[0].emission"] == 3 * (1 + 2 + 2)
     assert sizes["model.root.components[2].emission"] == 3 * (1 + 2 + 4)
     assert {u.node_id: u.payload_bytes for u in doc.updates}["model.shared.weather:statistics"] == 12 * 8
-    tampered = doc.model_copy(update={"updates": [u.model_copy(update={"payload_bytes": u.payload_bytes - 8}) if u.node_id.endswith(":statistics") else u
-                                                  for u in doc.updates]})
+    tampered = doc.model_copy(
+        update={
+            "updates": [
+                u.model_copy(update={"payload_bytes": u.payload_bytes - 8}) if u.node_id.endswith(":statistics") else u
+                for u in doc.updates
+            ]
+        }
+    )
     with pytest.raises(RuntimeRefusal, match="recompile"):
         read_em_instructions(tampered)
 
 
 SHAPES = {
-    "hmm with its own transitions and listed emissions": ("""
+    "hmm with its own transitions and listed emissions": (
+        """
     type: hmm
     num_states: 2
-    emissions: [{type: poisson, dim: 2}, {type: poisson, dim: 2}]""", 6),
-    "mixture of composites": ("""
+    emissions: [{type: poisson, dim: 2}, {type: poisson, dim: 2}]""",
+        6,
+    ),
+    "mixture of composites": (
+        """
     type: mixture
     component: {type: composite, factors: [{type: exponential, dim: 2}, {type: categorical, num_values: 4}]}
-    repeat: 5""", None),
-    "composite of a mixture of hmms": ("""
+    repeat: 5""",
+        None,
+    ),
+    "composite of a mixture of hmms": (
+        """
     type: composite
     factors:
       - {type: gaussian, dim: 2}
       - type: mixture
         component: {type: hmm, num_states: 2, emission: {type: gaussian, dim: 2, covariance: full}}
-        repeat: 4""", 5),
-    "mixture of a sequence and an hmm with lengths": ("""
+        repeat: 4""",
+        5,
+    ),
+    "mixture of a sequence and an hmm with lengths": (
+        """
     type: mixture
     components:
       - {type: sequence, base: {type: categorical, num_values: 4}, length: {type: poisson}}
-      - {type: hmm, num_states: 2, emission: {type: categorical, num_values: 4}, length: {type: categorical, num_values: 9}}""", 8),
+      - {type: hmm, num_states: 2, emission: {type: categorical, num_values: 4}, length: {type: categorical, num_values: 9}}""",
+        8,
+    ),
 }
 
 
 @pytest.mark.parametrize(
     ("shape", "mesh"),
-    [(shape, mesh) for shape in sorted(SHAPES) for mesh in ("dp_replicate: 2", "dp_replicate: 2, tp: 2")
-     if not (shape.startswith("hmm") and "tp" in mesh)],  # an HMM's states are never cut
+    [
+        (shape, mesh)
+        for shape in sorted(SHAPES)
+        for mesh in ("dp_replicate: 2", "dp_replicate: 2, tp: 2")
+        if not (shape.startswith("hmm") and "tp" in mesh)
+    ],  # an HMM's states are never cut
 )
 def test_every_planned_statistics_update_has_the_size_a_rank_reduces(tmp_path, shape, mesh):
     """Reading the plan checks each update's bytes against the runtime's statistics; here every
@@ -356,21 +424,30 @@ def check_fit(report, steps: int, rows: int):
     assert report.ok, report.errors
     data = report.data
     assert report.accounting_ok and all(u["match"] for u in data["accounting"]["updates"])
-    assert all(u["observed_count"] == [u["planned_count"]] and u["observed_bytes"] == [u["planned_bytes"]] for u in data["accounting"]["updates"])
+    assert all(
+        u["observed_count"] == [u["planned_count"]] and u["observed_bytes"] == [u["planned_bytes"]]
+        for u in data["accounting"]["updates"]
+    )
     assert data["log_likelihood_monotone"] and len(data["log_likelihoods"]) == steps
     assert data["evidence"]["fit_max_relative_error"] <= EM_TOLERANCE
     assert report.max_relative_error <= EM_TOLERANCE
     assert all(u.has_numerics_evidence and u.determinism_observed for u in report.evidence)
-    np.testing.assert_allclose(data["log_likelihoods"], data["evidence"]["reference_log_likelihoods"], rtol=EM_TOLERANCE)
+    np.testing.assert_allclose(
+        data["log_likelihoods"], data["evidence"]["reference_log_likelihoods"], rtol=EM_TOLERANCE
+    )
     receipts = [json.loads(line) for line in report.receipts_path.read_text().splitlines()]
     assert [r["iteration"] for r in receipts] == list(range(steps))
     assert all(r["examples"] == rows for r in receipts)
-    assert all(r["collective_bytes"] == r["planned_collective_bytes"] == receipts[0]["collective_bytes"] > 0 for r in receipts)
+    assert all(
+        r["collective_bytes"] == r["planned_collective_bytes"] == receipts[0]["collective_bytes"] > 0 for r in receipts
+    )
     return {u["node_id"]: u for u in data["accounting"]["updates"]}
 
 
 def test_full_covariance_mixture_on_four_data_ranks(tmp_path):
-    report = run_plan(ROOT / "examples/gaussian-mixture.yaml", steps=4, reference=True, out_dir=tmp_path / "out", progress=False)
+    report = run_plan(
+        ROOT / "examples/gaussian-mixture.yaml", steps=4, reference=True, out_dir=tmp_path / "out", progress=False
+    )
     rows = check_fit(report, 4, 4096)
     assert report.world_size == 4
     receipt = json.loads(report.receipts_path.read_text().splitlines()[0])
@@ -382,7 +459,9 @@ def test_diagonal_mixture_from_a_npy_file_over_dp_shard(tmp_path):
     rng = np.random.default_rng(0)
     x = np.concatenate([rng.normal(-3, 1, (150, 3)), rng.normal(2, 0.5, (150, 3)), rng.normal(6, 1, (101, 3))])
     np.save(tmp_path / "x.npy", x)
-    report = run_plan(doc, steps=5, reference=True, data_path=tmp_path / "x.npy", out_dir=tmp_path / "out", progress=False)
+    report = run_plan(
+        doc, steps=5, reference=True, data_path=tmp_path / "x.npy", out_dir=tmp_path / "out", progress=False
+    )
     check_fit(report, 5, 401)
     assert {u["group"] for u in report.data["accounting"]["updates"]} == {"dp_shard"}
 
@@ -394,9 +473,16 @@ def test_categorical_mixture_from_a_csv_file(tmp_path):
     doc = compiled(tmp_path, spec_text("", mesh="dp_replicate: 2", rows=400, micro=200, root=root))
     values = np.random.default_rng(1).integers(0, 6, size=300)
     np.savetxt(tmp_path / "v.csv", values, delimiter=",", fmt="%d")
-    report = run_plan(doc, steps=4, reference=True, data_path=tmp_path / "v.csv", out_dir=tmp_path / "out", progress=False)
+    report = run_plan(
+        doc, steps=4, reference=True, data_path=tmp_path / "v.csv", out_dir=tmp_path / "out", progress=False
+    )
     rows = check_fit(report, 4, 300)
-    assert {"model.root.components[0]:statistics", "model.root.components[1]:statistics", "model.root:statistics", "log_likelihood"} == set(rows)
+    assert {
+        "model.root.components[0]:statistics",
+        "model.root.components[1]:statistics",
+        "model.root:statistics",
+        "log_likelihood",
+    } == set(rows)
 
 
 @pytest.mark.slow
@@ -414,7 +500,12 @@ def test_a_plan_file_round_trips_into_the_em_worker(tmp_path):
 
 
 def test_the_component_owners_follow_the_decomposition(tmp_path):
-    doc = compiled(tmp_path, spec_text("{type: gaussian, dim: 2, covariance: full}", mesh="tp: 2", rows=300, micro=300).replace("repeat: 3", "repeat: 5"))
+    doc = compiled(
+        tmp_path,
+        spec_text("{type: gaussian, dim: 2, covariance: full}", mesh="tp: 2", rows=300, micro=300).replace(
+            "repeat: 3", "repeat: 5"
+        ),
+    )
     em = read_em_instructions(doc)
     dec = doc.decomposition
     expected = [None] * 5
@@ -422,7 +513,10 @@ def test_the_component_owners_follow_the_decomposition(tmp_path):
         for position in range(cut["start"], cut["stop"]):
             expected[(dec["permutation"] or list(range(5)))[position]] = cut["device"]["rank"]
     assert list(em.cut.owners) == expected and sorted(em.owned(0) + em.owned(1)) == list(range(5))
-    assert em.cut.largest_share == 3 and set(em.collectives) == {"model.root:normaliser/max", "model.root:normaliser/sum"}
+    assert em.cut.largest_share == 3 and set(em.collectives) == {
+        "model.root:normaliser/max",
+        "model.root:normaliser/sum",
+    }
 
 
 def test_full_covariance_mixture_cut_over_two_tp_ranks(tmp_path):
@@ -430,12 +524,20 @@ def test_full_covariance_mixture_cut_over_two_tp_ranks(tmp_path):
     report = run_plan(doc, steps=5, reference=True, out_dir=tmp_path / "out", progress=False)
     rows = check_fit(report, 5, 300)
     # The normaliser: max then sum over tp, once per micro-batch, one float64 per row.
-    assert rows["model.root:normaliser/max"]["observed_count"] == [5] and rows["model.root:normaliser/max"]["group"] == "tp"
+    assert (
+        rows["model.root:normaliser/max"]["observed_count"] == [5]
+        and rows["model.root:normaliser/max"]["group"] == "tp"
+    )
     assert rows["model.root:normaliser/sum"]["observed_bytes"] == [5 * 300 * 8]
 
 
 def test_data_parallel_times_component_cut_on_four_ranks(tmp_path):
-    doc = compiled(tmp_path, spec_text(DIAG, mesh="dp_replicate: 2, tp: 2, microbatches: 2", rows=400, micro=100).replace("repeat: 3", "repeat: 5"))
+    doc = compiled(
+        tmp_path,
+        spec_text(DIAG, mesh="dp_replicate: 2, tp: 2, microbatches: 2", rows=400, micro=100).replace(
+            "repeat: 3", "repeat: 5"
+        ),
+    )
     report = run_plan(doc, steps=5, reference=True, out_dir=tmp_path / "out", progress=False)
     rows = check_fit(report, 5, 400)
     assert rows["model.root:normaliser/max"]["observed_count"] == [10]  # 2 micro-batches x 5 iterations
@@ -471,18 +573,25 @@ def test_lengths_fit_over_data_ranks_and_a_component_cut(tmp_path):
     padded = np.arange(8)[None, :] >= data[:, :1]
     data[:, 1:][padded] = 99.0  # padding is never read: any value
     np.save(tmp_path / "seqs.npy", data)
-    report = run_plan(doc, steps=4, reference=True, data_path=tmp_path / "seqs.npy", out_dir=tmp_path / "out", progress=False)
+    report = run_plan(
+        doc, steps=4, reference=True, data_path=tmp_path / "seqs.npy", out_dir=tmp_path / "out", progress=False
+    )
     rows = check_fit(report, 4, 120)
     for k in range(2):
         assert rows[f"model.root.components[{k}].length:statistics"]["ranks_executing"] == 2
     bad = data.copy()
     bad[0, 0] = 9
     np.save(tmp_path / "bad.npy", bad)
-    with pytest.raises(ValueError, match=r"model.root.components\[0\] is each sequence's number of steps: integers in \[0, 8\]"):
+    with pytest.raises(
+        ValueError, match=r"model.root.components\[0\] is each sequence's number of steps: integers in \[0, 8\]"
+    ):
         load_data(em, str(tmp_path / "bad.npy"))
     np.save(tmp_path / "short.npy", data[:, 1:])
-    with pytest.raises(ValueError, match=r"records of 9 values \(sequences of training.seq_len=8 steps, flattened step-major; "
-                                         r"model.root.components\[0\], model.root.components\[1\]: the number of steps first"):
+    with pytest.raises(
+        ValueError,
+        match=r"records of 9 values \(sequences of training.seq_len=8 steps, flattened step-major; "
+        r"model.root.components\[0\], model.root.components\[1\]: the number of steps first",
+    ):
         load_data(em, str(tmp_path / "short.npy"))
 
 
@@ -509,19 +618,30 @@ def test_hmm_mixture_with_shared_transitions(tmp_path, mesh, world):
     weather = rows["model.shared.weather:statistics"]
     # The transition matrix is held whole: its statistics are summed over the data ranks and,
     # when HMMs on different tp ranks use it, over tp as well.
-    assert weather["group"] == {"dp_replicate: 2": "dp_replicate", "tp: 2": "tp", "dp_replicate: 2, tp: 2": "dp_replicate+tp"}[mesh]
+    assert (
+        weather["group"]
+        == {"dp_replicate: 2": "dp_replicate", "tp: 2": "tp", "dp_replicate: 2, tp: 2": "dp_replicate+tp"}[mesh]
+    )
     assert weather["planned_bytes"] == 4 * (3 + 9) * 8 and weather["ranks_executing"] == world
     if "tp" in mesh:
         assert rows["model.root:normaliser/sum"]["observed_count"] == [4]
     if "tp" in mesh and "dp" in mesh:
-        assert {rows[f"model.root.components[{k}].emission:statistics"]["ranks_executing"] for k in range(3)} == {world // 2}
+        assert {rows[f"model.root.components[{k}].emission:statistics"]["ranks_executing"] for k in range(3)} == {
+            world // 2
+        }
 
 
 def test_hmm_example_fits_on_its_plan(tmp_path):
     data = np.random.default_rng(2).normal(size=(16, 100, 3))
     np.save(tmp_path / "seq.npy", data)
-    report = run_plan(ROOT / "examples/hmm-shared-transitions.yaml", steps=3, reference=True, data_path=tmp_path / "seq.npy",
-                      out_dir=tmp_path / "out", progress=False)
+    report = run_plan(
+        ROOT / "examples/hmm-shared-transitions.yaml",
+        steps=3,
+        reference=True,
+        data_path=tmp_path / "seq.npy",
+        out_dir=tmp_path / "out",
+        progress=False,
+    )
     check_fit(report, 3, 16)
 
 
@@ -559,7 +679,13 @@ def test_composite_factors_cut_across_ranks(tmp_path):
 
 @pytest.mark.slow
 def test_composite_example_fits_on_its_three_uneven_tp_ranks(tmp_path):
-    report = run_plan(ROOT / "examples/composite-nested-mixture.yaml", steps=3, reference=True, out_dir=tmp_path / "out", progress=False)
+    report = run_plan(
+        ROOT / "examples/composite-nested-mixture.yaml",
+        steps=3,
+        reference=True,
+        out_dir=tmp_path / "out",
+        progress=False,
+    )
     check_fit(report, 3, 1024)
     assert report.data["run"]["cut"]["owners"].count(0) == 32
 
@@ -568,10 +694,14 @@ def test_a_cut_of_a_nested_mixture_of_hmms_shards_their_transitions_and_emission
     """Combined plan, cut below the root: each tp rank holds the rows of its own HMMs (their own
     transitions, two emission states each), padded to the larger share."""
     root, seq_len = SHAPES["composite of a mixture of hmms"]
-    doc = compiled(tmp_path, spec_text("", mesh="dp_replicate: 2, tp: 2", rows=64, micro=32, root=root, seq_len=seq_len))
+    doc = compiled(
+        tmp_path, spec_text("", mesh="dp_replicate: 2, tp: 2", rows=64, micro=32, root=root, seq_len=seq_len)
+    )
     assert (doc.decomposition["axis"], doc.decomposition["path"]) == ("component", "model.root.factors[1]")
     report = run_plan(doc, steps=4, reference=True, out_dir=tmp_path / "out", progress=False)
     rows = check_fit(report, 4, 64)
     share = max(report.data["run"]["cut"]["owners"].count(r) for r in (0, 1))
     assert rows["model.root.factors[1].component:statistics"]["planned_bytes"] == 4 * share * (2 + 4) * 8
-    assert rows["model.root.factors[1].component.emission:statistics"]["planned_bytes"] == 4 * share * 2 * (1 + 2 + 4) * 8
+    assert (
+        rows["model.root.factors[1].component.emission:statistics"]["planned_bytes"] == 4 * share * 2 * (1 + 2 + 4) * 8
+    )

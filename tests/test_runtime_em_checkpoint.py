@@ -25,7 +25,15 @@ import pytest
 
 from mixle_compile.runtime import RuntimeRefusal, run_plan
 from mixle_compile.runtime import checkpoint as ckpt
-from mixle_compile.runtime.em.fit import EM_TOLERANCE, data_source, load_data, monotone_violations, reference_fit, relative_error, sample_data
+from mixle_compile.runtime.em.fit import (
+    EM_TOLERANCE,
+    data_source,
+    load_data,
+    monotone_violations,
+    reference_fit,
+    relative_error,
+    sample_data,
+)
 from mixle_compile.runtime.em.model import initial_params, param_shapes
 from mixle_compile.runtime.em.plan import read_em_instructions
 from tests.test_runtime_em import DIAG, FULL, MODELS, compiled, spec_text
@@ -103,7 +111,13 @@ def test_a_checkpoint_holds_the_whole_model_in_global_coordinates(cut_run):
     assert manifest["plan"]["content_digest"] == doc.content_digest
     assert (manifest["mesh"]["tp"], manifest["mesh"]["dp_replicate"], manifest["mesh"]["world_size"]) == (2, 2, 4)
     assert manifest["data"]["source"] == {"kind": "synthetic", "seed": 3, "rows": 400}
-    assert manifest["fit"]["cut"]["path"] == "model.root" and sorted(manifest["fit"]["cut"]["owners"]) == [0, 0, 0, 1, 1]
+    assert manifest["fit"]["cut"]["path"] == "model.root" and sorted(manifest["fit"]["cut"]["owners"]) == [
+        0,
+        0,
+        0,
+        1,
+        1,
+    ]
     # One iteration moves the parameters by far more than the tolerance: a skipped or repeated
     # iteration would not pass for a resumed fit.
     assert worst_error(arrays_at(root, STEPS - 1), arrays_at(root, STEPS)) > 1e4 * EM_TOLERANCE
@@ -122,8 +136,15 @@ def test_the_saved_shapes_are_those_the_fit_creates(tmp_path):
 def check_resumed(resumed, uninterrupted, root: Path, resumed_root: Path) -> float:
     assert resumed.ok, resumed.errors
     run = resumed.data["run"]
-    assert (run["first_step"], run["last_step"], run["steps"], resumed.steps) == (RESUME_AT, STEPS, STEPS - RESUME_AT, STEPS - RESUME_AT)
-    assert run["resumed_from"]["step"] == RESUME_AT and run["resumed_from"]["path"] == str(step_dir(root, RESUME_AT).resolve())
+    assert (run["first_step"], run["last_step"], run["steps"], resumed.steps) == (
+        RESUME_AT,
+        STEPS,
+        STEPS - RESUME_AT,
+        STEPS - RESUME_AT,
+    )
+    assert run["resumed_from"]["step"] == RESUME_AT and run["resumed_from"]["path"] == str(
+        step_dir(root, RESUME_AT).resolve()
+    )
     # The history continues: the saved iterations exactly, the new ones as the uninterrupted fit's.
     full = uninterrupted.data["log_likelihood_history"]
     history = resumed.data["log_likelihood_history"]
@@ -134,7 +155,9 @@ def check_resumed(resumed, uninterrupted, root: Path, resumed_root: Path) -> flo
     receipts = [json.loads(line) for line in resumed.receipts_path.read_text().splitlines()]
     assert [r["iteration"] for r in receipts] == list(range(RESUME_AT, STEPS))
     # Planned == observed over the iterations this run made.
-    assert resumed.accounting_ok and all(u["observed_count"] == [u["planned_count"]] for u in resumed.data["accounting"]["updates"])
+    assert resumed.accounting_ok and all(
+        u["observed_count"] == [u["planned_count"]] for u in resumed.data["accounting"]["updates"]
+    )
     assert all(u["planned_count"] % (STEPS - RESUME_AT) == 0 for u in resumed.data["accounting"]["updates"])
     worst = worst_error(arrays_at(resumed_root, STEPS), arrays_at(root, STEPS))
     assert worst <= EM_TOLERANCE
@@ -145,7 +168,9 @@ def test_resume_a_component_cut_on_a_mesh_without_a_cut(tmp_path, cut_run):
     """dp_replicate=2 x tp=2 (4 ranks, components cut) -> dp_replicate=2 (2 ranks, every rank holds all)."""
     _, uninterrupted, root = cut_run
     doc = compiled(tmp_path, cut_spec("dp_replicate: 2", micro=200))
-    resumed = run_plan(doc, steps=STEPS, out_dir=tmp_path / "out", progress=False, save_every=1, resume=step_dir(root, RESUME_AT))
+    resumed = run_plan(
+        doc, steps=STEPS, out_dir=tmp_path / "out", progress=False, save_every=1, resume=step_dir(root, RESUME_AT)
+    )
     assert resumed.world_size == 2 and resumed.data["run"]["cut"] is None
     assert resumed.data["run"]["resumed_from"]["mesh"]["tp"] == 2
     check_resumed(resumed, uninterrupted, root, tmp_path / "out" / "checkpoints")
@@ -159,8 +184,16 @@ def test_resume_four_data_ranks_on_two_from_the_same_file(tmp_path, file_run):
     doc = compiled(tmp_path, file_spec("dp_shard: 2", micro=200))
     copy = tmp_path / "copy.npy"
     shutil.copy(data, copy)
-    resumed = run_plan(doc, steps=STEPS, out_dir=tmp_path / "out", progress=False, save_every=1, keep_checkpoints=2, data_path=copy,
-                       resume=step_dir(root, RESUME_AT))
+    resumed = run_plan(
+        doc,
+        steps=STEPS,
+        out_dir=tmp_path / "out",
+        progress=False,
+        save_every=1,
+        keep_checkpoints=2,
+        data_path=copy,
+        resume=step_dir(root, RESUME_AT),
+    )
     assert resumed.world_size == 2 and resumed.data["run"]["resumed_from"]["mesh"]["data_parallel_size"] == 4
     check_resumed(resumed, uninterrupted, root, tmp_path / "out" / "checkpoints")
     assert [s for s, _, _ in ckpt.list_checkpoints(tmp_path / "out" / "checkpoints")] == [4, 5]
@@ -175,13 +208,20 @@ def test_a_different_model_is_refused_naming_the_node_and_both_shapes(tmp_path, 
     _, _, root = cut_run
     resume = step_dir(root, RESUME_AT)
     fewer = compiled(tmp_path, cut_spec("dp_replicate: 2", micro=200, repeat=4), "fewer.yaml")
-    with pytest.raises(ckpt.CheckpointError, match=r"node 'model.root.component' has means of shape \[5, 3\] in the checkpoint but \[4, 3\] in this plan"):
+    with pytest.raises(
+        ckpt.CheckpointError,
+        match=r"node 'model.root.component' has means of shape \[5, 3\] in the checkpoint but \[4, 3\] in this plan",
+    ):
         run_plan(fewer, steps=STEPS, out_dir=tmp_path / "a", progress=False, resume=resume)
     diag = compiled(tmp_path, cut_spec("dp_replicate: 2", micro=200, component=DIAG), "diag.yaml")
-    with pytest.raises(RuntimeRefusal, match=r"has covs of shape \[5, 3, 3\] in the checkpoint but \[5, 3\] in this plan"):
+    with pytest.raises(
+        RuntimeRefusal, match=r"has covs of shape \[5, 3, 3\] in the checkpoint but \[5, 3\] in this plan"
+    ):
         run_plan(diag, steps=STEPS, out_dir=tmp_path / "b", progress=False, resume=resume)
     poisson = compiled(tmp_path, cut_spec("dp_replicate: 2", micro=200, component="{type: poisson, dim: 3}"), "p.yaml")
-    with pytest.raises(RuntimeRefusal, match=r"node 'model.root.component' is a gaussian in the checkpoint but a poisson in this plan"):
+    with pytest.raises(
+        RuntimeRefusal, match=r"node 'model.root.component' is a gaussian in the checkpoint but a poisson in this plan"
+    ):
         run_plan(poisson, steps=STEPS, out_dir=tmp_path / "c", progress=False, resume=resume)
     assert not (tmp_path / "a").exists()  # refused before anything starts
 
@@ -189,22 +229,38 @@ def test_a_different_model_is_refused_naming_the_node_and_both_shapes(tmp_path, 
 def test_different_data_is_refused(tmp_path, cut_run, file_run):
     _, _, root = cut_run
     other_seed = compiled(tmp_path, cut_spec("dp_replicate: 2", micro=200, seed=4), "seed.yaml")
-    with pytest.raises(RuntimeRefusal, match=r"fitted on 400 synthetic records with seed 3, this run reads 400 synthetic records with seed 4"):
+    with pytest.raises(
+        RuntimeRefusal,
+        match=r"fitted on 400 synthetic records with seed 3, this run reads 400 synthetic records with seed 4",
+    ):
         run_plan(other_seed, steps=STEPS, out_dir=tmp_path / "a", progress=False, resume=step_dir(root, RESUME_AT))
     _, _, file_root, data = file_run
     doc = compiled(tmp_path, file_spec("dp_shard: 2", micro=200), "f.yaml")
     changed = records()
     changed[7, 1] += 1e-6
     np.save(tmp_path / "changed.npy", changed)
-    with pytest.raises(RuntimeRefusal, match=r"fitted on 401 records of .*x\.npy \(sha256:.*this run reads 401 records of .*changed\.npy.*pass the same --data"):
-        run_plan(doc, steps=STEPS, out_dir=tmp_path / "b", progress=False, data_path=tmp_path / "changed.npy", resume=step_dir(file_root, RESUME_AT))
+    with pytest.raises(
+        RuntimeRefusal,
+        match=r"fitted on 401 records of .*x\.npy \(sha256:.*this run reads 401 records of .*changed\.npy.*pass the same --data",
+    ):
+        run_plan(
+            doc,
+            steps=STEPS,
+            out_dir=tmp_path / "b",
+            progress=False,
+            data_path=tmp_path / "changed.npy",
+            resume=step_dir(file_root, RESUME_AT),
+        )
     with pytest.raises(RuntimeRefusal, match=r"this run reads 400 synthetic records with seed 3"):
         run_plan(doc, steps=STEPS, out_dir=tmp_path / "c", progress=False, resume=step_dir(file_root, RESUME_AT))
     # The records are what counts: the same values written as CSV name the same data.
     np.savetxt(tmp_path / "same.csv", records(), delimiter=",")
     em = read_em_instructions(doc)
     saved = ckpt.read_manifest(step_dir(file_root, RESUME_AT))["data"]["source"]
-    assert data_source(em, load_data(em, tmp_path / "same.csv"), tmp_path / "same.csv")["records_sha256"] == saved["records_sha256"]
+    assert (
+        data_source(em, load_data(em, tmp_path / "same.csv"), tmp_path / "same.csv")["records_sha256"]
+        == saved["records_sha256"]
+    )
     assert data_source(em, changed, tmp_path / "changed.npy")["records_sha256"] != saved["records_sha256"]
 
 
@@ -216,7 +272,9 @@ def test_a_checkpoint_without_its_marker_is_never_loaded(tmp_path, cut_run):
     doc = compiled(tmp_path, cut_spec("dp_replicate: 2", micro=200))
     with pytest.raises(RuntimeRefusal, match=r"no completion marker COMPLETE"):
         run_plan(doc, steps=STEPS, out_dir=tmp_path / "out", progress=False, resume=copy)
-    with pytest.raises(RuntimeRefusal, match=r"holds no complete checkpoint: step-00000002 lack\(s\) the completion marker"):
+    with pytest.raises(
+        RuntimeRefusal, match=r"holds no complete checkpoint: step-00000002 lack\(s\) the completion marker"
+    ):
         run_plan(doc, steps=STEPS, out_dir=tmp_path / "out", progress=False, resume=copy.parent)
     assert not (tmp_path / "out").exists()
 
@@ -246,11 +304,18 @@ def test_refusals_through_the_cli_are_one_line_with_exit_2(tmp_path, cut_run):
     _, _, root = cut_run
     spec = tmp_path / "spec.yaml"
     spec.write_text(cut_spec("dp_replicate: 2", micro=200, repeat=4), encoding="utf-8")
-    done = subprocess.run([sys.executable, "-m", "mixle_compile", "run", str(spec), "--resume", str(root), "--quiet"],
-                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "mixle_compile", "run", str(spec), "--resume", str(root), "--quiet"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
-    assert "step-00000005 is of a different model" in done.stderr and "[5, 3]" in done.stderr and "[4, 3]" in done.stderr
+    assert (
+        "step-00000005 is of a different model" in done.stderr and "[5, 3]" in done.stderr and "[4, 3]" in done.stderr
+    )
 
 
 def test_explain_shows_an_em_checkpoint_without_importing_torch(cut_run):
@@ -259,15 +324,30 @@ def test_explain_shows_an_em_checkpoint_without_importing_torch(cut_run):
     assert done.stdout.strip().splitlines()[-1] == "NO-TORCH 0", done.stderr
     text = done.stdout
     assert f"step {STEPS}" in text and doc.content_digest in text and "distribution" in text
-    assert "dp_replicate=2" in text and "tp=2" in text and "world 4" in text and f"{400 * STEPS} samples consumed" in text
+    assert (
+        "dp_replicate=2" in text and "tp=2" in text and "world 4" in text and f"{400 * STEPS} samples consumed" in text
+    )
     assert "model.root.component/covs" in text and "5x3x3" in text
-    assert "fitted by EM" in text and f"fit: iteration {STEPS}, log-likelihood" in text and "lr ?" not in text and "seq_len" not in text
-    done = subprocess.run([sys.executable, "-m", "mixle_compile", "explain", str(step_dir(root, RESUME_AT)), "--format", "json"],
-                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert (
+        "fitted by EM" in text
+        and f"fit: iteration {STEPS}, log-likelihood" in text
+        and "lr ?" not in text
+        and "seq_len" not in text
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "mixle_compile", "explain", str(step_dir(root, RESUME_AT)), "--format", "json"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     view = json.loads(done.stdout)
-    assert view["step"] == RESUME_AT and view["plan"]["content_digest"] == doc.content_digest and view["mesh"]["world_size"] == 4
+    assert (
+        view["step"] == RESUME_AT
+        and view["plan"]["content_digest"] == doc.content_digest
+        and view["mesh"]["world_size"] == 4
+    )
     assert view["arrays"]["model.root.component/means"]["shape"] == [5, 3]
-
 
 
 # ---------------------------------------------------------------------------- a rank killed
@@ -276,10 +356,26 @@ def test_explain_shows_an_em_checkpoint_without_importing_torch(cut_run):
 def test_a_rank_killed_mid_fit_fails_the_job_and_resume_continues_the_same_fit(tmp_path):
     steps = 60
     spec = tmp_path / "spec.yaml"
-    spec.write_text(cut_spec("dp_replicate: 2", micro=200).replace(f"steps: {STEPS}", f"steps: {steps}"), encoding="utf-8")
+    spec.write_text(
+        cut_spec("dp_replicate: 2", micro=200).replace(f"steps: {STEPS}", f"steps: {steps}"), encoding="utf-8"
+    )
     out = tmp_path / "out"
-    command = [sys.executable, "-m", "mixle_compile", "run", str(spec), "--save-every", "1", "--keep-checkpoints", "3", "--out", str(out),
-               "--quiet", "--timeout", "10"]
+    command = [
+        sys.executable,
+        "-m",
+        "mixle_compile",
+        "run",
+        str(spec),
+        "--save-every",
+        "1",
+        "--keep-checkpoints",
+        "3",
+        "--out",
+        str(out),
+        "--quiet",
+        "--timeout",
+        "10",
+    ]
     job = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 90

@@ -27,8 +27,27 @@ from tests.test_runtime_support import compile_text
 BOUND = {"sgd": 1e-5, "adamw": 1e-3, "bf16": 1e-1}
 
 
-def moe_spec(*, dr=1, ds=1, tp=1, ep=1, etp=1, sp=False, experts=4, k=2, frequency=1, activation="swiglu",
-             optimizer="sgd", lr=1e-2, gas=1, mb=1, precision="fp32", pp=1, dopt=False, cp=1) -> str:
+def moe_spec(
+    *,
+    dr=1,
+    ds=1,
+    tp=1,
+    ep=1,
+    etp=1,
+    sp=False,
+    experts=4,
+    k=2,
+    frequency=1,
+    activation="swiglu",
+    optimizer="sgd",
+    lr=1e-2,
+    gas=1,
+    mb=1,
+    precision="fp32",
+    pp=1,
+    dopt=False,
+    cp=1,
+) -> str:
     world = dr * ds * tp * pp * cp
     return textwrap.dedent(
         f"""\
@@ -80,8 +99,14 @@ def test_the_layer_is_every_tokens_weighted_sum_of_its_chosen_experts(activation
         probs = torch.softmax(weights["u.moe.router.weight"] @ tokens[t], dim=0)
         top = torch.argsort(probs, descending=True)[:k]
         want = sum(
-            probs[j] * expert_output(tokens[t : t + 1], None if gate is None else gate[j], weights["u.moe.experts.up_proj"][j],
-                                     weights["u.moe.experts.down_proj"][j], activation)[0]
+            probs[j]
+            * expert_output(
+                tokens[t : t + 1],
+                None if gate is None else gate[j],
+                weights["u.moe.experts.up_proj"][j],
+                weights["u.moe.experts.down_proj"][j],
+                activation,
+            )[0]
             for j in top.tolist()
         )
         assert torch.allclose(y.reshape(-1, h)[t], want, atol=1e-5)
@@ -100,7 +125,9 @@ def test_slot_ids_name_the_reference_rows_of_a_context_parallel_ranks_tokens():
 # --- the plan: expert gradients divided by the data degree --------------------------------------
 
 
-@pytest.mark.parametrize(("kwargs", "edp"), [(dict(ds=2, ep=2), 1), (dict(ds=4, ep=2), 2), (dict(ds=2, tp=2, ep=2, sp=True), 2)])
+@pytest.mark.parametrize(
+    ("kwargs", "edp"), [(dict(ds=2, ep=2), 1), (dict(ds=4, ep=2), 2), (dict(ds=2, tp=2, ep=2, sp=True), 2)]
+)
 def test_expert_gradients_are_divided_by_the_data_degree_whatever_the_expert_data_group(kwargs, edp):
     doc = moe_plan(**kwargs)
     assert doc.verdict.ok and doc.verdict.reductions_exactly_once
@@ -148,8 +175,12 @@ SLOW_CASES = {
     "ep1-pp2-cp2": dict(pp=2, cp=2, mb=4),
     "ep4-fsdp2-cp2-adamw": dict(ds=2, cp=2, ep=4, optimizer="adamw", lr=1e-3),
     "ep2-fsdp2-cp2-tp2-sp-eight-experts-world8": dict(ds=2, cp=2, tp=2, ep=2, sp=True, experts=8),
-    "ep2-fsdp2-cp2-tp2-sp-experts-split-over-tp-top3-world8": dict(ds=2, cp=2, tp=2, ep=2, etp=2, sp=True, experts=8, k=3),
-    "ep2-fsdp4-tp2-sp-experts-split-over-tp-adamw-world8": dict(ds=4, tp=2, ep=2, etp=2, sp=True, optimizer="adamw", lr=1e-3),
+    "ep2-fsdp2-cp2-tp2-sp-experts-split-over-tp-top3-world8": dict(
+        ds=2, cp=2, tp=2, ep=2, etp=2, sp=True, experts=8, k=3
+    ),
+    "ep2-fsdp4-tp2-sp-experts-split-over-tp-adamw-world8": dict(
+        ds=4, tp=2, ep=2, etp=2, sp=True, optimizer="adamw", lr=1e-3
+    ),
     "ep2-fsdp2-pp2-cp2": dict(ds=2, pp=2, cp=2, ep=2, mb=4),
     "ep2-fsdp2-pp2-tp2-sp-experts-split-over-tp-world8": dict(ds=2, pp=2, tp=2, ep=2, etp=2, sp=True, mb=4),
 }
@@ -190,7 +221,9 @@ def check_replay(tmp_path, kwargs) -> dict:
         assert rows[u.node_id]["match"] and rows[u.node_id]["observed_bytes"] == rows[u.node_id]["planned_bytes"] > 0
         t = traffic[u.node_id]
         # Every rank of the update's pipeline stage issues it (all ranks without a pipeline).
-        assert t["calls"] == rows[u.node_id]["planned_count"] * doc.mesh.degrees["world_size"] // doc.mesh.degrees.get("pp", 1)
+        assert t["calls"] == rows[u.node_id]["planned_count"] * doc.mesh.degrees["world_size"] // doc.mesh.degrees.get(
+            "pp", 1
+        )
         assert t["sent_bytes"] == t["received_bytes"] > 0
         assert 0 < t["measured_over_modelled"] <= u.group_size / (u.group_size - 1)
     assert any(name.endswith("moe:counts") for name in data["accounting"]["bookkeeping"])
@@ -229,7 +262,9 @@ def test_what_the_expert_runtime_does_not_execute_is_refused_with_the_reason(kwa
 def test_the_every_axis_example_runs_and_matches_the_reference(tmp_path):
     # examples/tiny-moe-every-axis.yaml: pp 2 with tied embeddings x FSDP 2 x tp 2 (sequence parallel),
     # 4 experts over ep 2, each split over tp: 8 ranks, every update against the reference.
-    report = run_plan(EXAMPLES / "tiny-moe-every-axis.yaml", out_dir=tmp_path, reference=True, progress=False, timeout_s=120)
+    report = run_plan(
+        EXAMPLES / "tiny-moe-every-axis.yaml", out_dir=tmp_path, reference=True, progress=False, timeout_s=120
+    )
     assert report.ok and report.accounting_ok, report.errors
     assert report.max_relative_error <= BOUND["adamw"]
     nodes = {u.node_id for u in report.evidence if u.has_numerics_evidence}
@@ -248,14 +283,31 @@ def test_expert_checkpoints_reshard_across_expert_layouts(tmp_path):
         return max(float((a[n] - b[n]).norm() / b[n].norm()) for n in b)
 
     steps = 3
-    first = run_plan(moe_plan(ds=2, tp=2, ep=2, etp=2, sp=True, optimizer="adamw", lr=1e-3), steps=steps,
-                     out_dir=tmp_path / "a", save_every=1, progress=False, timeout_s=120)
+    first = run_plan(
+        moe_plan(ds=2, tp=2, ep=2, etp=2, sp=True, optimizer="adamw", lr=1e-3),
+        steps=steps,
+        out_dir=tmp_path / "a",
+        save_every=1,
+        progress=False,
+        timeout_s=120,
+    )
     assert first.ok, first.errors
     saved = tmp_path / "a" / "checkpoints"
     end = checkpoint_dcp.read_global_state(saved / ckpt.step_dir_name(steps))
-    resumed = run_plan(moe_plan(ds=2, cp=2, ep=2, optimizer="adamw", lr=1e-3), steps=steps, out_dir=tmp_path / "b",
-                       resume=saved / ckpt.step_dir_name(1), save_every=steps, progress=False, timeout_s=120)
+    resumed = run_plan(
+        moe_plan(ds=2, cp=2, ep=2, optimizer="adamw", lr=1e-3),
+        steps=steps,
+        out_dir=tmp_path / "b",
+        resume=saved / ckpt.step_dir_name(1),
+        save_every=steps,
+        progress=False,
+        timeout_s=120,
+    )
     assert resumed.ok, resumed.errors
     assert list(resumed.losses) == pytest.approx(list(first.losses[1:]), rel=1e-5)
     one_step = relative(checkpoint_dcp.read_global_state(saved / ckpt.step_dir_name(steps - 1)), end)
-    assert relative(checkpoint_dcp.read_global_state(tmp_path / "b" / "checkpoints" / ckpt.step_dir_name(steps)), end) < 1e-4 < one_step / 100
+    assert (
+        relative(checkpoint_dcp.read_global_state(tmp_path / "b" / "checkpoints" / ckpt.step_dir_name(steps)), end)
+        < 1e-4
+        < one_step / 100
+    )

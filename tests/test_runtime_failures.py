@@ -17,7 +17,9 @@ from tests.test_runtime_support import plan_for
 
 
 def no_workers_left(out_dir) -> bool:
-    listing = subprocess.run(["ps", "-ww", "-eo", "args"], capture_output=True, text=True).stdout  # -ww: never truncated
+    listing = subprocess.run(
+        ["ps", "-ww", "-eo", "args"], capture_output=True, text=True
+    ).stdout  # -ww: never truncated
     return str(out_dir) not in listing
 
 
@@ -39,7 +41,17 @@ def test_a_failing_rank_is_named_and_the_job_stops(tmp_path, monkeypatch, fault,
     assert no_workers_left(tmp_path)
 
 
-@pytest.mark.parametrize("option,value", [("timeout_s", float("nan")), ("timeout_s", -5), ("timeout_s", float("inf")), ("steps", 0), ("save_every", -1), ("keep_checkpoints", 0)])
+@pytest.mark.parametrize(
+    "option,value",
+    [
+        ("timeout_s", float("nan")),
+        ("timeout_s", -5),
+        ("timeout_s", float("inf")),
+        ("steps", 0),
+        ("save_every", -1),
+        ("keep_checkpoints", 0),
+    ],
+)
 def test_options_no_run_can_use_are_refused_before_any_rank_starts(tmp_path, option, value):
     from mixle_compile.runtime.errors import RuntimeRefusal
 
@@ -75,8 +87,11 @@ def _launch_and_wait_for_ranks(tmp_path):
     spec = tmp_path / "long.yaml"
     spec.write_text(spec_text(ds=2, steps=100000))
     out = tmp_path / "out"
-    launcher = subprocess.Popen([sys.executable, "-m", "mixle_compile.cli", "run", str(spec), "--out", str(out), "--quiet"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "mixle_compile.cli", "run", str(spec), "--out", str(out), "--quiet"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         receipts = out / "receipts.jsonl"

@@ -14,14 +14,22 @@ import pytest
 
 from mixle_compile.runtime import RunFailed, RuntimeRefusal, run_plan
 from mixle_compile.runtime import checkpoint as ckpt
-from mixle_compile.runtime.launch import RENDEZVOUS_ENV
 from mixle_compile.runtime.faults import FAULT_ENV
+from mixle_compile.runtime.launch import RENDEZVOUS_ENV
 from tests.test_runtime_failures import no_workers_left
 from tests.test_runtime_support import plan_for
 
 torch = pytest.importorskip("torch")
 
-TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE")
+TORCHRUN = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_USE_AGENT_STORE",
+)
 
 
 @pytest.mark.parametrize(
@@ -30,13 +38,22 @@ TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR
         ({"RANK": "4", "WORLD_SIZE": "4"}, "RANK=4 is outside WORLD_SIZE=4"),
         ({"RANK": "x", "WORLD_SIZE": "4"}, "RANK='x' is not an integer"),
         ({"RANK": "1", "WORLD_SIZE": "0"}, "WORLD_SIZE=0 is out of range"),
-        ({"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "2"}, "LOCAL_RANK=2 is outside LOCAL_WORLD_SIZE=2"),
-        ({"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "8"}, "LOCAL_WORLD_SIZE=8 is above WORLD_SIZE=4"),
+        (
+            {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "2"},
+            "LOCAL_RANK=2 is outside LOCAL_WORLD_SIZE=2",
+        ),
+        (
+            {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "8"},
+            "LOCAL_WORLD_SIZE=8 is above WORLD_SIZE=4",
+        ),
         ({"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "4"}, "LOCAL_RANK=3 is above RANK=1"),
         ({"RANK": "0", "WORLD_SIZE": "4", "MASTER_PORT": "70000"}, "MASTER_PORT=70000 is out of range"),
         ({"RANK": "0", "WORLD_SIZE": "4", "MASTER_PORT": "http"}, "MASTER_PORT='http' is not an integer"),
         ({"RANK": "0", "WORLD_SIZE": "4", "MASTER_ADDR": " "}, "MASTER_ADDR is empty"),
-        ({"RANK": "0", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1"}, "MASTER_PORT is not set, but RANK and WORLD_SIZE are"),
+        (
+            {"RANK": "0", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1"},
+            "MASTER_PORT is not set, but RANK and WORLD_SIZE are",
+        ),
     ],
 )
 def test_inconsistent_torchrun_variables_are_refused_naming_the_variable(tmp_path, monkeypatch, capsys, env, words):
@@ -134,8 +151,17 @@ def test_resume_on_another_token_file_of_the_same_name_and_size_is_refused(tmp_p
     size = tokens.stat().st_size
     np.save(tokens, rng.integers(0, 128, 4000).astype(np.int64), allow_pickle=False)  # other tokens, same name and size
     assert tokens.stat().st_size == size
-    with pytest.raises(RuntimeRefusal, match=r"was trained on data token file tokens.npy .* this run reads token file tokens.npy"):
-        run_plan(plan_for(), steps=2, out_dir=tmp_path / "b", progress=False, data_path=tokens, resume=tmp_path / "a" / "checkpoints")
+    with pytest.raises(
+        RuntimeRefusal, match=r"was trained on data token file tokens.npy .* this run reads token file tokens.npy"
+    ):
+        run_plan(
+            plan_for(),
+            steps=2,
+            out_dir=tmp_path / "b",
+            progress=False,
+            data_path=tokens,
+            resume=tmp_path / "a" / "checkpoints",
+        )
     assert not (tmp_path / "b").exists()
 
 
@@ -147,7 +173,21 @@ def test_a_second_run_on_a_checkpoint_dir_in_use_is_refused(tmp_path, capsys):
     try:
         spec = tmp_path / "spec.yaml"
         spec.write_text(spec_text())
-        assert main([str(spec), "--out", str(tmp_path / "out"), "--save-every", "1", "--checkpoint-dir", str(tmp_path / "ckpts"), "--quiet"]) == 2
+        assert (
+            main(
+                [
+                    str(spec),
+                    "--out",
+                    str(tmp_path / "out"),
+                    "--save-every",
+                    "1",
+                    "--checkpoint-dir",
+                    str(tmp_path / "ckpts"),
+                    "--quiet",
+                ]
+            )
+            == 2
+        )
         err = capsys.readouterr().err
         assert "is in use by another run" in err and "the-first-run" in err and "--checkpoint-dir" in err
         assert not (tmp_path / "out" / "logs").exists()  # no rank was started
@@ -163,7 +203,15 @@ def test_a_non_finite_log_likelihood_ends_an_em_fit_naming_the_iteration(tmp_pat
     data[:5] = 1e200  # finite records whose squares overflow: the log-likelihood is NaN
     np.save(tmp_path / "huge.npy", data)
     with pytest.raises(RunFailed, match=r"the fit diverged: the log-likelihood of iteration 1 is nan") as caught:
-        run_plan(doc, steps=5, out_dir=tmp_path / "out", progress=False, data_path=tmp_path / "huge.npy", save_every=1, timeout_s=10)
+        run_plan(
+            doc,
+            steps=5,
+            out_dir=tmp_path / "out",
+            progress=False,
+            data_path=tmp_path / "huge.npy",
+            save_every=1,
+            timeout_s=10,
+        )
     assert set(caught.value.ranks) == {0, 1}
     assert not ckpt.list_checkpoints(tmp_path / "out" / "checkpoints")  # nothing diverged was saved
 
@@ -172,7 +220,15 @@ def test_retention_keeps_another_runs_and_stale_steps_and_this_runs_newest(tmp_p
     root = tmp_path / "ckpts"
     ckpt.write_array_checkpoint(root, 7, {"x": np.zeros(2)}, {"model": "another run's"}, run_id="another-run")
     (root / ckpt.step_dir_name(9)).mkdir()  # a stale step directory, never completed
-    report = run_plan(plan_for(), steps=3, out_dir=tmp_path / "out", progress=False, save_every=1, keep_checkpoints=1, checkpoint_dir=root)
+    report = run_plan(
+        plan_for(),
+        steps=3,
+        out_dir=tmp_path / "out",
+        progress=False,
+        save_every=1,
+        keep_checkpoints=1,
+        checkpoint_dir=root,
+    )
     assert report.ok, report.errors
     assert [s for s, _, _ in ckpt.list_checkpoints(root)] == [3, 7, 9]
     assert ckpt.verify_checkpoint(root / ckpt.step_dir_name(7))["run_id"] == "another-run"
@@ -187,11 +243,18 @@ def test_a_run_resumes_and_saves_in_a_root_whose_recommit_was_interrupted(tmp_pa
     (root / ckpt.step_dir_name(2)).rename(root / f"{ckpt.REPLACED_PREFIX}{ckpt.step_dir_name(2)}")
     (root / f"{ckpt.PARTIAL_PREFIX}{ckpt.step_dir_name(2)}").mkdir()
     assert ckpt.resolve_checkpoint(root).name == f"{ckpt.REPLACED_PREFIX}{ckpt.step_dir_name(2)}"  # read as step 2
-    resumed = run_plan(plan_for(), steps=3, out_dir=tmp_path / "b", progress=False, save_every=1, checkpoint_dir=root, resume=root)
+    resumed = run_plan(
+        plan_for(), steps=3, out_dir=tmp_path / "b", progress=False, save_every=1, checkpoint_dir=root, resume=root
+    )
     assert resumed.ok, resumed.errors
     assert resumed.data["run"]["first_step"] == 2
-    assert [s for s, _, _ in ckpt.list_checkpoints(root)] == [1, 2, 3] and not list(root.glob(ckpt.REPLACED_PREFIX + "*"))
-    assert ckpt.verify_checkpoint(root / ckpt.step_dir_name(2))["run_id"] == ckpt.verify_checkpoint(root / ckpt.step_dir_name(1))["run_id"]
+    assert [s for s, _, _ in ckpt.list_checkpoints(root)] == [1, 2, 3] and not list(
+        root.glob(ckpt.REPLACED_PREFIX + "*")
+    )
+    assert (
+        ckpt.verify_checkpoint(root / ckpt.step_dir_name(2))["run_id"]
+        == ckpt.verify_checkpoint(root / ckpt.step_dir_name(1))["run_id"]
+    )
 
 
 def test_a_run_never_replaces_committed_checkpoints_unless_asked(tmp_path):
@@ -199,12 +262,24 @@ def test_a_run_never_replaces_committed_checkpoints_unless_asked(tmp_path):
     first = run_plan(plan_for(), steps=2, out_dir=tmp_path / "a", progress=False, save_every=1, checkpoint_dir=root)
     assert first.ok, first.errors
     sealed = ckpt.verify_checkpoint(root / ckpt.step_dir_name(2))["run_id"]
-    with pytest.raises(RuntimeRefusal, match=r"already holds committed checkpoints at step\(s\) 1, 2.*--overwrite-checkpoints"):
+    with pytest.raises(
+        RuntimeRefusal, match=r"already holds committed checkpoints at step\(s\) 1, 2.*--overwrite-checkpoints"
+    ):
         run_plan(plan_for(), steps=2, out_dir=tmp_path / "b", progress=False, save_every=1, checkpoint_dir=root)
     assert ckpt.verify_checkpoint(root / ckpt.step_dir_name(2))["run_id"] == sealed  # nothing replaced
-    resumed = run_plan(plan_for(), steps=3, out_dir=tmp_path / "c", progress=False, save_every=1, checkpoint_dir=root, resume=root)
+    resumed = run_plan(
+        plan_for(), steps=3, out_dir=tmp_path / "c", progress=False, save_every=1, checkpoint_dir=root, resume=root
+    )
     assert resumed.ok, resumed.errors  # resuming from the newest saves only later steps
-    again = run_plan(plan_for(), steps=2, out_dir=tmp_path / "d", progress=False, save_every=1, checkpoint_dir=root, overwrite_checkpoints=True)
+    again = run_plan(
+        plan_for(),
+        steps=2,
+        out_dir=tmp_path / "d",
+        progress=False,
+        save_every=1,
+        checkpoint_dir=root,
+        overwrite_checkpoints=True,
+    )
     assert again.ok and ckpt.verify_checkpoint(root / ckpt.step_dir_name(2))["run_id"] != sealed
 
 
@@ -224,10 +299,22 @@ def test_a_rendezvous_port_in_use_is_refused_at_once_naming_it(tmp_path):
         held.listen()
         port = held.getsockname()[1]
         env = {k: v for k, v in os.environ.items() if k not in TORCHRUN}
-        env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        env.update(
+            RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_RANK="0",
+            LOCAL_WORLD_SIZE="1",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
         started = time.monotonic()
-        done = subprocess.run([sys.executable, "-m", "mixle_compile", "run", str(spec), "--out", str(tmp_path / "out")],
-                              env=env, capture_output=True, text=True, timeout=120)
+        done = subprocess.run(
+            [sys.executable, "-m", "mixle_compile", "run", str(spec), "--out", str(tmp_path / "out")],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     assert done.returncode == 2, done.stderr
     assert f"MASTER_PORT={port}" in done.stderr and "already in use" in done.stderr and "Traceback" not in done.stderr
     assert time.monotonic() - started < 60

@@ -20,7 +20,11 @@ torch = pytest.importorskip("torch")
 
 def torchrun(args: list[str], cwd, nproc: int = 2) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
-    env = {k: v for k, v in __import__("os").environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in __import__("os").environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
     env["PYTHONPATH"] = str(ROOT)
     return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=240, env=env)
 
@@ -42,7 +46,7 @@ def test_the_documented_example_trains(tmp_path):
     assert losses[-1] < losses[0] / 2  # counting upwards is easy to learn
 
 
-WORKER = '''
+WORKER = """
 import json, os, sys
 import torch
 from torch import nn
@@ -97,7 +101,7 @@ if session.mesh.rank == 0:
     moved = {n: float((p - start[n]).norm() / start[n].norm()) for n, p in ref.named_parameters()}
     json.dump({"errors": errors, "moved": moved, "receipts": receipts, "ledger": session.ledger.as_dict()}, open(sys.argv[2], "w"))
 session.close()
-'''
+"""
 
 SPEC = """\
 model:
@@ -117,14 +121,29 @@ resources: {{devices: 2, memory: 1GiB, kind: cpu}}
 
 def tied_spec(text: str) -> str:
     """SPEC with the output layer's weight tied to the embedding (one [32, 16] tensor, hidden width 16)."""
-    text = text.replace("{name: hidden.weight, shape: [24, 16], role: column}", "{name: hidden.weight, shape: [16, 16], role: column}")
+    text = text.replace(
+        "{name: hidden.weight, shape: [24, 16], role: column}", "{name: hidden.weight, shape: [16, 16], role: column}"
+    )
     text = text.replace("{name: hidden.bias, shape: [24], role: bias}", "{name: hidden.bias, shape: [16], role: bias}")
-    text = text.replace("{name: embed.weight, shape: [32, 16], role: embedding}", "{name: embed.weight, shape: [32, 16], role: embedding, shared_group: tied}")
-    return text.replace("{name: out.weight, shape: [32, 24], role: row}", "{name: out.weight, shape: [32, 16], role: head, shared_group: tied}")
+    text = text.replace(
+        "{name: embed.weight, shape: [32, 16], role: embedding}",
+        "{name: embed.weight, shape: [32, 16], role: embedding, shared_group: tied}",
+    )
+    return text.replace(
+        "{name: out.weight, shape: [32, 24], role: row}",
+        "{name: out.weight, shape: [32, 16], role: head, shared_group: tied}",
+    )
 
 
-@pytest.mark.parametrize(("mesh", "dopt", "tied"), [("dp_shard: 2", "false", False), ("dp_replicate: 2", "true", False),
-                                                    ("dp_shard: 2", "false", True), ("dp_replicate: 2", "true", True)])
+@pytest.mark.parametrize(
+    ("mesh", "dopt", "tied"),
+    [
+        ("dp_shard: 2", "false", False),
+        ("dp_replicate: 2", "true", False),
+        ("dp_shard: 2", "false", True),
+        ("dp_replicate: 2", "true", True),
+    ],
+)
 def test_a_user_module_trains_like_plain_torch(tmp_path, mesh, dopt, tied):
     # Tied: the plan reduces (and the distributed optimizer gathers) the one tensor once, as its
     # first use; the other use's gradient is added to it first.
@@ -140,15 +159,23 @@ def test_a_user_module_trains_like_plain_torch(tmp_path, mesh, dopt, tied):
     assert skipped == [True, False] * 3
     assert all(r["global_examples_observed"] == 16 for r in result["receipts"] if not r["skipped"])
     kinds = {name.split(":")[1] for name in result["ledger"]["updates"]}
-    assert kinds == ({"grad/scatter", "param/gather-forward", "param/gather-backward"} if "shard" in mesh else {"grad/scatter", "param/gather"})
+    assert kinds == (
+        {"grad/scatter", "param/gather-forward", "param/gather-backward"}
+        if "shard" in mesh
+        else {"grad/scatter", "param/gather"}
+    )
     reduced = {name.split(":")[0] for name in result["ledger"]["updates"] if ":grad/" in name}
     assert ("out.weight" in reduced) == (not tied) and "embed.weight" in reduced
 
 
 def test_prepare_names_parameters_that_do_not_match(tmp_path):
-    single = SPEC.format(mesh="dp_replicate: 1", dopt="false").replace("devices: 2", "devices: 1").replace("global_batch_size: 16", "global_batch_size: 8")
+    single = (
+        SPEC.format(mesh="dp_replicate: 1", dopt="false")
+        .replace("devices: 2", "devices: 1")
+        .replace("global_batch_size: 16", "global_batch_size: 8")
+    )
     (tmp_path / "spec.yaml").write_text(single)
-    script = textwrap.dedent('''
+    script = textwrap.dedent("""
         import torch
         from torch import nn
         from mixle_compile.contracts import get_training_backend
@@ -159,10 +186,16 @@ def test_prepare_names_parameters_that_do_not_match(tmp_path):
             get_training_backend("torch").prepare(model, plan=plan_of(doc), document=doc)
         except RuntimeRefusal as exc:
             print(exc)
-    ''')
+    """)
     (tmp_path / "bad.py").write_text(script)
-    out = subprocess.run([sys.executable, "bad.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
-                         env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    out = subprocess.run(
+        [sys.executable, "bad.py"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**__import__("os").environ, "PYTHONPATH": str(ROOT)},
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "the spec lists embed.weight, hidden.bias" in out.stdout
     assert "the module has 0.weight, 1.bias, 1.weight" in out.stdout

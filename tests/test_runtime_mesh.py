@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 
 from mixle_compile.runtime.mesh import device_mesh_layout, device_mesh_problems, rule_members  # noqa: E402
 
-WORKER = '''
+WORKER = """
 import json, sys
 import torch
 import torch.distributed as dist
@@ -48,12 +48,16 @@ out["k_slice"] = [list(s) for s in session.store.of_use["layers.0.attn.k_proj.we
 session.close()
 with open(f"{sys.argv[2]}.{out['rank']}.json", "w") as f:
     json.dump(out, f)
-'''
+"""
 
 
 def torchrun(args: list[str], cwd, nproc: int) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
-    env = {k: v for k, v in __import__("os").environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in __import__("os").environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
     env["PYTHONPATH"] = str(ROOT)
     return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=240, env=env)
 
@@ -67,7 +71,9 @@ def test_the_device_mesh_has_the_plans_groups_on_four_ranks(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     doc = plan_for(ds=2, tp=2, kv_heads=1)
     rules = {r.name: r for r in doc.groups.rules}
-    plan_groups = {name: [rule_members(rules[name], i) for i in range(rules[name].num_groups)] for name in ("dp_shard", "tp")}
+    plan_groups = {
+        name: [rule_members(rules[name], i) for i in range(rules[name].num_groups)] for name in ("dp_shard", "tp")
+    }
     assert plan_groups == {"dp_shard": [(0, 2), (1, 3)], "tp": [(0, 1), (2, 3)]}  # tp innermost
     for rank in range(4):
         out = json.loads((tmp_path / f"out.{rank}.json").read_text())
@@ -87,9 +93,21 @@ def test_the_mesh_tensor_follows_the_plans_rank_order():
     doc = plan_for(ds=2, tp=2)
     names, table = device_mesh_layout(doc.groups)
     assert names == ("dp_shard", "tp") and table.tolist() == [[0, 1], [2, 3]]
-    reordered = doc.groups.model_copy(update={"order": "dp-tp-cp-ep-pp", "dense": doc.groups.dense.model_copy(update={"dims": [
-        d.model_copy(update={"stride": {"dp_shard": 1, "dp_replicate": 2, "tp": 2, "cp": 4, "pp": 4}[d.axis]}) for d in doc.groups.dense.dims
-    ]})})
+    reordered = doc.groups.model_copy(
+        update={
+            "order": "dp-tp-cp-ep-pp",
+            "dense": doc.groups.dense.model_copy(
+                update={
+                    "dims": [
+                        d.model_copy(
+                            update={"stride": {"dp_shard": 1, "dp_replicate": 2, "tp": 2, "cp": 4, "pp": 4}[d.axis]}
+                        )
+                        for d in doc.groups.dense.dims
+                    ]
+                }
+            ),
+        }
+    )
     names, table = device_mesh_layout(reordered)
     assert names == ("tp", "dp_shard") and table.tolist() == [[0, 1], [2, 3]]
 
@@ -97,13 +115,19 @@ def test_the_mesh_tensor_follows_the_plans_rank_order():
 def test_group_rules_that_disagree_with_the_mesh_are_refused():
     doc = plan_for(ds=2, tp=2)
     names, table = device_mesh_layout(doc.groups)
-    members = {r.name: next(g for g in (rule_members(r, i) for i in range(r.num_groups)) if 0 in g)
-               for r in doc.groups.rules if r.grid == "dense" and r.name != "embedding"}
+    members = {
+        r.name: next(g for g in (rule_members(r, i) for i in range(r.num_groups)) if 0 in g)
+        for r in doc.groups.rules
+        if r.grid == "dense" and r.name != "embedding"
+    }
     assert device_mesh_problems(doc.groups, names, table, 0, members) == []
     # A tampered plan whose tp rule generates the data-parallel groups.
     tp = next(r for r in doc.groups.rules if r.name == "tp")
     shard = next(r for r in doc.groups.rules if r.name == "dp_shard")
-    rules = [r.model_copy(update={"dims": shard.dims, "base_dims": shard.base_dims}) if r is tp else r for r in doc.groups.rules]
+    rules = [
+        r.model_copy(update={"dims": shard.dims, "base_dims": shard.base_dims}) if r is tp else r
+        for r in doc.groups.rules
+    ]
     tampered = doc.groups.model_copy(update={"rules": rules})
     members["tp"] = rule_members(rules[[r.name for r in rules].index("tp")], 0)
     problems = device_mesh_problems(tampered, names, table, 0, members)

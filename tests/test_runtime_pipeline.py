@@ -39,9 +39,25 @@ from tests.test_runtime_support import compile_text
 BOUND = {"sgd": 1e-5, "adamw": 1e-3}
 
 
-def pp_spec(*, pp: int = 2, mb: int = 4, schedule: str = "1f1b", virtual: int = 1, layers: int = 4, dr: int = 1, ds: int = 1,
-            tp: int = 1, sp: bool = False, gas: int = 1, optimizer: str = "sgd", dopt: bool = False, cp: int = 1,
-            tie: bool = False, precision: str = "fp32", split: str | None = None) -> str:
+def pp_spec(
+    *,
+    pp: int = 2,
+    mb: int = 4,
+    schedule: str = "1f1b",
+    virtual: int = 1,
+    layers: int = 4,
+    dr: int = 1,
+    ds: int = 1,
+    tp: int = 1,
+    sp: bool = False,
+    gas: int = 1,
+    optimizer: str = "sgd",
+    dopt: bool = False,
+    cp: int = 1,
+    tie: bool = False,
+    precision: str = "fp32",
+    split: str | None = None,
+) -> str:
     world = pp * dr * ds * tp * cp
     layer_split = f", pipeline_layers: {split}" if split else ""
     return textwrap.dedent(
@@ -78,13 +94,19 @@ def check_run(doc, report, optimizer: str = "sgd") -> dict:
         row = rows[u.node_id]
         assert row["match"] and row["observed_count"] == u.occurrences_per_step * report.steps, u.node_id
         # executed by the ranks of its stage(s) only (a transfer: of both its stages)
-        ends = {int(s) for s in u.node_id[len("stage."):].split(":")[0].split("->")} if u.collective == "p2p" else listed[u.node_id]
+        ends = (
+            {int(s) for s in u.node_id[len("stage.") :].split(":")[0].split("->")}
+            if u.collective == "p2p"
+            else listed[u.node_id]
+        )
         assert row["ranks"] == [r for r, s in enumerate(stages) if s in ends], u.node_id
     evidence = {u.node_id: u for u in report.evidence}
     assert set(evidence) == {u.node_id for u in doc.updates}
     for u in evidence.values():
         assert u.numerics_sample_count > 0 and u.determinism_observed is True, u.node_id
-    assert report.max_relative_error <= BOUND[optimizer], sorted(evidence.values(), key=lambda u: -u.maximum_relative_error)[:3]
+    assert report.max_relative_error <= BOUND[optimizer], sorted(
+        evidence.values(), key=lambda u: -u.maximum_relative_error
+    )[:3]
     pipeline = report.data["pipeline"]
     assert pipeline["stages_without_gradient"] == [] and pipeline["parameters_without_gradient"] == {}
     assert pipeline["stage_of_rank"] == list(stages)
@@ -183,7 +205,16 @@ def test_pipeline_with_context_parallelism(tmp_path):
     assert rows["layers.3.attn:kv"]["ranks"] == [r for r, s in enumerate(stage_of_rank(doc)) if s == 1]
 
 
-@pytest.mark.parametrize("fault,message", [("kill", "rank 1 died"), ("stall", "rank 1 stalled: rank(s) 0 timed out after 5 s waiting for it in 'stage.1->0:activation/grad' (group pp)")])
+@pytest.mark.parametrize(
+    "fault,message",
+    [
+        ("kill", "rank 1 died"),
+        (
+            "stall",
+            "rank 1 stalled: rank(s) 0 timed out after 5 s waiting for it in 'stage.1->0:activation/grad' (group pp)",
+        ),
+    ],
+)
 def test_a_dead_or_stalled_stage_is_named(tmp_path, monkeypatch, fault, message):
     monkeypatch.setenv("MIXLE_RUNTIME_FAULT", f"{fault}:1:1")
     with pytest.raises(RunFailed) as failed:
@@ -195,8 +226,23 @@ def test_a_dead_or_stalled_stage_is_named(tmp_path, monkeypatch, fault, message)
 def test_run_command_prints_the_pipeline(tmp_path):
     spec = tmp_path / "spec.yaml"
     spec.write_text(pp_spec(schedule="gpipe"))  # compiled and verified by `run` itself
-    out = subprocess.run([sys.executable, "-m", "mixle_compile.runtime", str(spec), "--steps", "2", "--quiet", "--out", str(tmp_path / "out")],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mixle_compile.runtime",
+            str(spec),
+            "--steps",
+            "2",
+            "--quiet",
+            "--out",
+            str(tmp_path / "out"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     assert "pipeline: gpipe, pp=2, 4 micro-batches per step: measured idle fraction" in out.stdout
     assert "the plan's bubble model 0.20" in out.stdout
@@ -226,12 +272,21 @@ def test_checkpoints_resume_across_pipelined_and_flat_meshes(tmp_path):
     one_step = max(_relative(checkpoint_dcp.read_global_state(saved / ckpt.step_dir_name(steps - 1)), end).values())
     for name, kwargs in (("flat", dict(pp=1, ds=2, mb=2)), ("pp-fsdp", dict(ds=2, mb=2))):
         doc = compile_text(pp_spec(optimizer="adamw", **kwargs))
-        resumed = run_plan(doc, steps=steps, out_dir=tmp_path / name, resume=saved / ckpt.step_dir_name(1), save_every=steps,
-                           progress=False, timeout_s=90)
+        resumed = run_plan(
+            doc,
+            steps=steps,
+            out_dir=tmp_path / name,
+            resume=saved / ckpt.step_dir_name(1),
+            save_every=steps,
+            progress=False,
+            timeout_s=90,
+        )
         assert resumed.ok, resumed.errors
         assert resumed.data["run"]["first_step"] == 1 and resumed.steps == steps - 1
         assert list(resumed.losses) == pytest.approx(list(first.losses[1:]), rel=1e-5)
-        errors = _relative(checkpoint_dcp.read_global_state(tmp_path / name / "checkpoints" / ckpt.step_dir_name(steps)), end)
+        errors = _relative(
+            checkpoint_dcp.read_global_state(tmp_path / name / "checkpoints" / ckpt.step_dir_name(steps)), end
+        )
         assert max(errors.values()) < 1e-4 < one_step / 100, sorted(errors.items(), key=lambda kv: -kv[1])[:3]
 
 
@@ -252,7 +307,9 @@ def test_tied_embeddings_across_stages_stay_one_weight(tmp_path, kwargs):
     assert {(u.tensor, u.stage) for u in tied} == {("embed.weight", 0), ("lm_head.weight", last)}
     for name in ("embed.weight", "lm_head.weight"):
         chain = [u.node_id for u in doc.updates if u.tensor == name and u.payload == "gradient"]
-        assert chain[0] == "tied_embedding:grad/tied" and all(u.occurrences_per_step == 1 for u in doc.updates if u.node_id in chain)
+        assert chain[0] == "tied_embedding:grad/tied" and all(
+            u.occurrences_per_step == 1 for u in doc.updates if u.node_id in chain
+        )
     evidence = {u.node_id: u for u in report.evidence}
     assert evidence["tied_embedding:grad/tied"].numerics_sample_count >= 2 * 3  # both copies, every step
     distinct = len({u.node_id for u in doc.updates})  # the tied all_reduce is listed once per stage
@@ -276,8 +333,14 @@ def test_tied_checkpoints_reshard_between_pipelined_and_flat_meshes(tmp_path):
     from mixle_compile.runtime import checkpoint_dcp
 
     steps = 3
-    first = run_plan(compile_text(pp_spec(tie=True, optimizer="adamw")), steps=steps, out_dir=tmp_path / "a", save_every=1,
-                     progress=False, timeout_s=90)
+    first = run_plan(
+        compile_text(pp_spec(tie=True, optimizer="adamw")),
+        steps=steps,
+        out_dir=tmp_path / "a",
+        save_every=1,
+        progress=False,
+        timeout_s=90,
+    )
     assert first.ok, first.errors
     saved = tmp_path / "a" / "checkpoints"
     manifest = ckpt.read_manifest(saved / ckpt.step_dir_name(1))
@@ -285,11 +348,20 @@ def test_tied_checkpoints_reshard_between_pipelined_and_flat_meshes(tmp_path):
     assert "lm_head.weight" not in {p["name"] for p in manifest["parameters"]}
     end = checkpoint_dcp.read_global_state(saved / ckpt.step_dir_name(steps))
     flat = compile_text(pp_spec(pp=1, ds=2, mb=2, tie=True, optimizer="adamw"))
-    resumed = run_plan(flat, steps=steps, out_dir=tmp_path / "flat", resume=saved / ckpt.step_dir_name(1), save_every=steps,
-                       progress=False, timeout_s=90)
+    resumed = run_plan(
+        flat,
+        steps=steps,
+        out_dir=tmp_path / "flat",
+        resume=saved / ckpt.step_dir_name(1),
+        save_every=steps,
+        progress=False,
+        timeout_s=90,
+    )
     assert resumed.ok, resumed.errors
     assert list(resumed.losses) == pytest.approx(list(first.losses[1:]), rel=1e-5)
-    errors = _relative(checkpoint_dcp.read_global_state(tmp_path / "flat" / "checkpoints" / ckpt.step_dir_name(steps)), end)
+    errors = _relative(
+        checkpoint_dcp.read_global_state(tmp_path / "flat" / "checkpoints" / ckpt.step_dir_name(steps)), end
+    )
     assert max(errors.values()) < 1e-4, sorted(errors.items(), key=lambda kv: -kv[1])[:3]
 
 
@@ -305,8 +377,15 @@ def test_tied_checkpoints_reshard_between_pipelined_and_flat_meshes(tmp_path):
         dict(cp=2, tp=2, sp=True, schedule="interleaved_1f1b", virtual=2),
         dict(cp=2, ds=2, gas=2, mb=2, optimizer="adamw"),
     ],
-    ids=["pp3", "pp2-fsdp2-tp2-sp-8", "pp2-distributed-optimizer", "pp2-tp2-interleaved", "pp2-hsdp-accumulation-8",
-         "pp2-cp2-tp2-sp-interleaved-8", "pp2-cp2-fsdp2-accumulation-8"],
+    ids=[
+        "pp3",
+        "pp2-fsdp2-tp2-sp-8",
+        "pp2-distributed-optimizer",
+        "pp2-tp2-interleaved",
+        "pp2-hsdp-accumulation-8",
+        "pp2-cp2-tp2-sp-interleaved-8",
+        "pp2-cp2-fsdp2-accumulation-8",
+    ],
 )
 def test_more_combinations(tmp_path, kwargs):
     doc, report = run_pp(tmp_path, **kwargs)
@@ -348,7 +427,11 @@ def test_accounting_is_per_stage():
     def ledger(rank):
         updates = {}
         for c in instructions.collectives.values():
-            ends = {int(s) for s in c.node_id[len("stage."):].split(":")[0].split("->")} if c.collective == "p2p" else {c.stage}
+            ends = (
+                {int(s) for s in c.node_id[len("stage.") :].split(":")[0].split("->")}
+                if c.collective == "p2p"
+                else {c.stage}
+            )
             if stages[rank] in ends:
                 updates[c.node_id] = [c.occurrences_per_step * steps, c.payload_bytes * c.occurrences_per_step * steps]
         return {"updates": updates, "bookkeeping": {}, "calls": 1}
@@ -370,11 +453,20 @@ def test_accounting_is_per_stage():
 def test_gradient_check_flags_a_stage_without_gradients():
     doc = compile_text(pp_spec())
     instructions = read_instructions(doc)
-    good = {"stage": 0, "busy_s": [0.1, 0.1], "wall_s": [0.2, 0.2], "steps_without_gradient": [], "parameters_without_gradient": [], "parameters": 19}
+    good = {
+        "stage": 0,
+        "busy_s": [0.1, 0.1],
+        "wall_s": [0.2, 0.2],
+        "steps_without_gradient": [],
+        "parameters_without_gradient": [],
+        "parameters": 19,
+    }
     broken = dict(good, stage=1, steps_without_gradient=[0, 1], parameters_without_gradient=["lm_head.weight"])
     section, errors = pipeline_section(doc, instructions, [good, broken])
     assert section["stages_without_gradient"] == [1] and section["idle_fraction_per_rank"] == [pytest.approx(0.5)] * 2
-    assert errors == ["stage 1 (rank 1): none of its 19 parameters received a gradient in step(s) 0, 1; the backward did not reach this stage"]
+    assert errors == [
+        "stage 1 (rank 1): none of its 19 parameters received a gradient in step(s) 0, 1; the backward did not reach this stage"
+    ]
     one = dict(good, parameters_without_gradient=["layers.0.mlp.up_proj.weight"])
     assert pipeline_section(doc, instructions, [one, good | {"stage": 1}])[1] == [
         "stage 0 (rank 0): layers.0.mlp.up_proj.weight never received a non-zero gradient"

@@ -16,7 +16,6 @@ from mixle_compile.runtime.report import accounting
 from tests.conftest import EXAMPLES, ROOT
 from tests.test_runtime_support import compile_text, plan_for, spec_text
 
-
 # --- refusals, before torch or any process -------------------------------------------------------
 
 
@@ -70,7 +69,9 @@ def test_a_plan_whose_verdict_failed_is_refused():
 
 def test_a_modified_plan_file_is_refused(tmp_path):
     path = tmp_path / "plan.json"
-    path.write_text(plan_text(plan_for(dr=2).model_dump(mode="json")).replace('"learning_rate":0.01', '"learning_rate":0.02'))
+    path.write_text(
+        plan_text(plan_for(dr=2).model_dump(mode="json")).replace('"learning_rate":0.01', '"learning_rate":0.02')
+    )
     with pytest.raises(RuntimeRefusal, match="digest mismatch"):
         run_plan(path, out_dir=tmp_path / "out")
 
@@ -106,7 +107,11 @@ def test_modes_follow_the_layouts():
     assert (q.mode, q.shard_axes, q.reduce_every_accumulation) == ("fsdp", ("dp_shard",), True)
     assert set(q.gathers) == {"forward", "backward"}
     ddp = read_instructions(plan_for(dr=2, gas=2)).param("layers.0.attn.q_proj.weight")
-    assert (ddp.mode, ddp.reduce_every_accumulation, [c.collective for c in ddp.gradient]) == ("replicated", False, ["all_reduce"])
+    assert (ddp.mode, ddp.reduce_every_accumulation, [c.collective for c in ddp.gradient]) == (
+        "replicated",
+        False,
+        ["all_reduce"],
+    )
     zero = read_instructions(plan_for(dr=2, dopt=True)).param("layers.0.attn.q_proj.weight")
     assert (zero.mode, zero.shard_axes) == ("zero", ("dp_replicate",))
     tied = read_instructions(plan_for(dr=2, tie=True)).param("lm_head.weight")
@@ -177,8 +182,14 @@ def test_token_files_are_read_and_checked_against_the_vocabulary(tmp_path):
 def test_accounting_reports_a_missing_occurrence_and_an_unplanned_collective():
     ins = read_instructions(plan_for(dr=2, gas=2))
     steps = 3
-    good = {"updates": {c.node_id: [c.occurrences_per_step * steps, c.payload_bytes * c.occurrences_per_step * steps] for c in ins.collectives.values()},
-            "bookkeeping": {}, "calls": 1}
+    good = {
+        "updates": {
+            c.node_id: [c.occurrences_per_step * steps, c.payload_bytes * c.occurrences_per_step * steps]
+            for c in ins.collectives.values()
+        },
+        "bookkeeping": {},
+        "calls": 1,
+    }
     assert accounting(ins, [good, good], steps)["ok"]
     short = json.loads(json.dumps(good))
     node = "layers.1.mlp.up_proj.weight:grad/reduce"
@@ -195,7 +206,11 @@ def test_the_ledger_refuses_collectives_the_plan_does_not_declare():
     from mixle_compile.runtime import PlanMismatch
     from mixle_compile.runtime.collectives import Ledger
 
-    planned = {"x:grad/reduce": Collective("x:grad/reduce", "all_reduce", ("dp_replicate",), "dp_replicate", "gradient", 0, "x", 16, 2, 1, 2)}
+    planned = {
+        "x:grad/reduce": Collective(
+            "x:grad/reduce", "all_reduce", ("dp_replicate",), "dp_replicate", "gradient", 0, "x", 16, 2, 1, 2
+        )
+    }
     ledger = Ledger(planned)
     ledger.check("all_reduce", "dp_replicate", [("x:grad/reduce", 16)])
     with pytest.raises(PlanMismatch, match="does not declare"):

@@ -52,10 +52,14 @@ SLOW_CASES = {
     "distributed-optimizer-uneven-3": dict(dr=3, dopt=True, gas=2),
     "tp4-one-kv-head-sp": dict(tp=4, kv_heads=1, sp=True),
     "hsdp-tp2-one-kv-head-sp-8": dict(dr=2, ds=2, tp=2, kv_heads=1, sp=True, optimizer="adamw", lr=1e-3),
-    "distributed-optimizer-tp2-one-kv-head-sp": dict(dr=2, tp=2, kv_heads=1, sp=True, dopt=True, optimizer="adamw", lr=1e-3),
+    "distributed-optimizer-tp2-one-kv-head-sp": dict(
+        dr=2, tp=2, kv_heads=1, sp=True, dopt=True, optimizer="adamw", lr=1e-3
+    ),
     "cp4": dict(cp=4),
     "ddp-tp2-cp2-one-kv-head-8": dict(dr=2, tp=2, cp=2, kv_heads=1),
-    "tp2-cp2-layernorm-gelu-learned-untied": dict(tp=2, cp=2, tie=False, norm="layernorm", activation="gelu", position="learned"),
+    "tp2-cp2-layernorm-gelu-learned-untied": dict(
+        tp=2, cp=2, tie=False, norm="layernorm", activation="gelu", position="learned"
+    ),
     "distributed-optimizer-cp2-bf16": dict(dr=2, cp=2, dopt=True, precision="bf16", optimizer="adamw", lr=1e-3),
 }
 
@@ -107,7 +111,9 @@ def test_the_quickstart_compiles_verifies_and_trains(tmp_path):
     assert report.losses[-1] < report.losses[0] - 0.3  # the synthetic walk is learnable
     receipts = [json.loads(line) for line in report.receipts_path.read_text().splitlines()]
     assert len(receipts) == 20 and {r["global_tokens_observed"] for r in receipts} == {8 * 32}
-    assert json.loads(report.report_path.read_text())["plan"]["factorisation"].startswith("dp_replicate=1 * dp_shard=2 * tp=2")
+    assert json.loads(report.report_path.read_text())["plan"]["factorisation"].startswith(
+        "dp_replicate=1 * dp_shard=2 * tp=2"
+    )
 
 
 def test_what_the_runtime_does_not_apply_is_reported(tmp_path):
@@ -125,11 +131,14 @@ def test_training_on_a_token_file(tmp_path):
     assert json.loads(report.report_path.read_text())["run"]["data"] == str(tokens)
 
 
-@pytest.mark.parametrize("name,content,message", [
-    ("odd.bin", b"\x01\x00\x02", "odd number"),
-    ("big.txt", b"1 2 3 999 " * 100, "outside the model's vocabulary"),
-    ("short.txt", b" ".join(b"%d" % (i % 128) for i in range(40)), "fewer than one global batch"),
-])
+@pytest.mark.parametrize(
+    "name,content,message",
+    [
+        ("odd.bin", b"\x01\x00\x02", "odd number"),
+        ("big.txt", b"1 2 3 999 " * 100, "outside the model's vocabulary"),
+        ("short.txt", b" ".join(b"%d" % (i % 128) for i in range(40)), "fewer than one global batch"),
+    ],
+)
 def test_a_token_file_is_checked_on_the_launcher_before_any_rank_starts(tmp_path, name, content, message):
     from mixle_compile.runtime.errors import RuntimeRefusal
 
@@ -143,7 +152,9 @@ def test_a_token_file_is_checked_on_the_launcher_before_any_rank_starts(tmp_path
 def test_a_short_token_file_repeats_only_when_asked(tmp_path):
     tokens = tmp_path / "short.txt"
     tokens.write_text(" ".join(str(i % 128) for i in range(40)))
-    report = run_plan(plan_for(dr=2), steps=1, out_dir=tmp_path / "run", data_path=tokens, progress=False, repeat_data=True)
+    report = run_plan(
+        plan_for(dr=2), steps=1, out_dir=tmp_path / "run", data_path=tokens, progress=False, repeat_data=True
+    )
     assert report.ok, report.errors
 
 

@@ -11,8 +11,22 @@ from tests.conftest import EXAMPLES, ROOT
 
 
 def torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), "-m", "mixle_compile.runtime", *args]
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        "-m",
+        "mixle_compile.runtime",
+        *args,
+    ]
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240, env=env)
 
 
@@ -36,7 +50,17 @@ def test_torchrun_with_the_wrong_number_of_ranks_is_refused(tmp_path):
 def test_checkpoints_under_torchrun_are_sealed_by_one_run(tmp_path):
     from mixle_compile.runtime import checkpoint as ckpt
 
-    out = torchrun(4, str(EXAMPLES / "tiny-transformer.yaml"), "--steps", "2", "--save-every", "1", "--out", str(tmp_path), "--quiet")
+    out = torchrun(
+        4,
+        str(EXAMPLES / "tiny-transformer.yaml"),
+        "--steps",
+        "2",
+        "--save-every",
+        "1",
+        "--out",
+        str(tmp_path),
+        "--quiet",
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     root = tmp_path / "checkpoints"
     run_ids = {ckpt.verify_checkpoint(root / ckpt.step_dir_name(s))["run_id"] for s in (1, 2)}

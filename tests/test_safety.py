@@ -15,7 +15,13 @@ def calls(tree):
             f = node.func
             name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
             # "" for a bare call such as eval(...); "." for a method of an expression (z3's model.eval)
-            owner = "" if isinstance(f, ast.Name) else f.value.id if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) else "."
+            owner = (
+                ""
+                if isinstance(f, ast.Name)
+                else f.value.id
+                if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name)
+                else "."
+            )
             yield node, owner, name
 
 
@@ -26,7 +32,9 @@ def test_no_eval_exec_or_pickle_of_input():
         where = path.relative_to(ROOT)
         for node in ast.walk(tree):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
-                names = [a.name for a in node.names] + ([node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+                names = [a.name for a in node.names] + (
+                    [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+                )
                 if any(n.split(".")[0] in ("pickle", "marshal", "shelve", "dill", "cloudpickle") for n in names):
                     found.append(f"{where}:{node.lineno} imports a pickle-like module")
         for node, owner, name in calls(tree):
@@ -37,7 +45,9 @@ def test_no_eval_exec_or_pickle_of_input():
                 found.append(f"{line} uses yaml.{name} (use the safe loader)")
             if owner == "torch" and name == "load":
                 weights_only = [k for k in node.keywords if k.arg == "weights_only"]
-                if not weights_only or not (isinstance(weights_only[0].value, ast.Constant) and weights_only[0].value.value is True):
+                if not weights_only or not (
+                    isinstance(weights_only[0].value, ast.Constant) and weights_only[0].value.value is True
+                ):
                     found.append(f"{line} calls torch.load without weights_only=True")
             if owner in ("np", "numpy") and name == "load":
                 allow = [k for k in node.keywords if k.arg == "allow_pickle"]

@@ -59,9 +59,11 @@ def test_a_log_with_grouped_findings_and_a_fix_is_valid(capsys, tmp_path, monkey
     (change,) = fix["artifactChanges"]
     (replacement,) = change["replacements"]
     offset = TP3.index("  tp: 3\n")
-    assert replacement == {"deletedRegion": {"charOffset": offset, "charLength": len("  tp: 3\n")},
-                           "insertedContent": {"text": "  tp: 2\n"}}
-    fixed = TP3[:offset] + replacement["insertedContent"]["text"] + TP3[offset + len("  tp: 3\n"):]
+    assert replacement == {
+        "deletedRegion": {"charOffset": offset, "charLength": len("  tp: 3\n")},
+        "insertedContent": {"text": "  tp: 2\n"},
+    }
+    fixed = TP3[:offset] + replacement["insertedContent"]["text"] + TP3[offset + len("  tp: 3\n") :]
     spec.write_text(fixed)
     status, log = sarif(capsys, spec)
     assert status == 0 and log["runs"][0]["results"] == []

@@ -31,7 +31,9 @@ def _symbols(engine, schedule, pp, m, accumulation, v, number):
     """What the schedule rules read of a spec, as solver numerals or as concrete integers."""
     return SimpleNamespace(
         facts=SimpleNamespace(engine=engine),
-        pp=number(pp), microbatches=number(m), gradient_accumulation_steps=number(accumulation),
+        pp=number(pp),
+        microbatches=number(m),
+        gradient_accumulation_steps=number(accumulation),
         virtual_pipeline_stages=number(v),
         is_=lambda enum, *choices: (z3.BoolVal if number is z3.IntVal else bool)(schedule in choices),
     )

@@ -17,9 +17,9 @@ from mixle_compile.compile import compile_loaded
 from mixle_compile.lower.lowering import lower
 from mixle_compile.search import (
     MESH_FIELDS,
-    SearchInputError,
     TOLERANCE,
     VARYING,
+    SearchInputError,
     _Pricer,
     _symbol_values,
     enumerate_meshes,
@@ -31,22 +31,42 @@ from mixle_compile.step_time import predict_lowered
 from mixle_compile.verify import plan_facts
 from mixle_compile.verify.engine import PlanVerifier, Values
 from mixle_compile.verify.facts import ENUMS
-from mixle_compile.verify.rule import rules_for
 from mixle_compile.verify.logic import concrete
+from mixle_compile.verify.rule import rules_for
 from mixle_compile.verify.rules.memory import DEVICE_MEMORY, per_rank_bytes
 from mixle_compile.verify.symbols import Symbols, broken_rules, broken_rules_reading, with_values
 from tests.conftest import ROOT
 
-DENSE = {"family": "transformer", "vocab_size": 1024, "hidden_size": 256, "num_layers": 8, "num_heads": 8,
-         "num_kv_heads": 4, "ffn_hidden_size": 768}
+DENSE = {
+    "family": "transformer",
+    "vocab_size": 1024,
+    "hidden_size": 256,
+    "num_layers": 8,
+    "num_heads": 8,
+    "num_kv_heads": 4,
+    "ffn_hidden_size": 768,
+}
 MOE = {**DENSE, "num_experts": 8, "experts_per_token": 2, "moe_ffn_hidden_size": 256, "moe_layer_frequency": 2}
 BACKENDS = ({"name": "torch"}, {"name": "torchtitan", "version": "0.2"}, {"name": "megatron", "version": "0.16"})
 
 
-def spec_text(model: dict, devices: int, backend: dict, *, memory: str = "8GiB", global_batch: int = 32, seq: int = 512,
-              mesh: dict | None = None, **training) -> str:
-    data = {"model": model, "training": {"global_batch_size": global_batch, "seq_len": seq, **training},
-            "backend": backend, "resources": {"devices": devices, "kind": "h100", "memory": memory}}
+def spec_text(
+    model: dict,
+    devices: int,
+    backend: dict,
+    *,
+    memory: str = "8GiB",
+    global_batch: int = 32,
+    seq: int = 512,
+    mesh: dict | None = None,
+    **training,
+) -> str:
+    data = {
+        "model": model,
+        "training": {"global_batch_size": global_batch, "seq_len": seq, **training},
+        "backend": backend,
+        "resources": {"devices": devices, "kind": "h100", "memory": memory},
+    }
     if mesh is not None:
         data["mesh"] = mesh
     return yaml.safe_dump(data, sort_keys=False)
@@ -64,12 +84,19 @@ def run_cli(capsys, *argv):
     return status, out, err
 
 
-CASES = [(model, devices, backend) for model in ("dense", "moe") for devices in (4, 16) for backend in BACKENDS
-         if not (model == "moe" and backend["name"] == "torch" and devices == 4)]
+CASES = [
+    (model, devices, backend)
+    for model in ("dense", "moe")
+    for devices in (4, 16)
+    for backend in BACKENDS
+    if not (model == "moe" and backend["name"] == "torch" and devices == 4)
+]
 
 
 @pytest.mark.parametrize("model,devices,backend", CASES, ids=lambda x: x["name"] if isinstance(x, dict) else str(x))
-def test_every_returned_plan_checks_compiles_keeps_the_batch_and_is_ranked_by_its_step_time(tmp_path, model, devices, backend):
+def test_every_returned_plan_checks_compiles_keeps_the_batch_and_is_ranked_by_its_step_time(
+    tmp_path, model, devices, backend
+):
     outcome = searched(tmp_path, spec_text(DENSE if model == "dense" else MOE, devices, backend))
     assert outcome.plans, outcome.reason
     assert outcome.refused_by_check == 0
@@ -82,7 +109,14 @@ def test_every_returned_plan_checks_compiles_keeps_the_batch_and_is_ranked_by_it
         assert not result.check.errors
         v = plan.values
         assert loaded.spec.training.global_batch_size == 32
-        assert v["dp_replicate"] * v["dp_shard"] * v["micro_batch_size"] * v["microbatches"] * v["gradient_accumulation_steps"] == 32
+        assert (
+            v["dp_replicate"]
+            * v["dp_shard"]
+            * v["micro_batch_size"]
+            * v["microbatches"]
+            * v["gradient_accumulation_steps"]
+            == 32
+        )
         assert v["dp_replicate"] * v["dp_shard"] * v["tp"] * v["pp"] * v["cp"] == devices
         # The search's step time is the lowered plan's, which `explain` shows.
         exact = predict_lowered(loaded.spec, lower(loaded.spec, schedule=False)).seconds
@@ -116,7 +150,9 @@ def test_the_best_first_search_finds_the_best_of_an_exhaustive_screen(tmp_path, 
 
 
 def test_fixed_fields_stay_and_auto_fields_are_searched(tmp_path):
-    text = spec_text(DENSE, 16, BACKENDS[1], mesh={"tp": 2, "dp_shard": "auto", "pp": "auto"}, activation_checkpointing="full")
+    text = spec_text(
+        DENSE, 16, BACKENDS[1], mesh={"tp": 2, "dp_shard": "auto", "pp": "auto"}, activation_checkpointing="full"
+    )
     outcome = searched(tmp_path, text, top=4)
     assert outcome.plans
     for plan in outcome.plans:
@@ -125,7 +161,11 @@ def test_fixed_fields_stay_and_auto_fields_are_searched(tmp_path):
     assert {"mesh.pp", "mesh.dp_shard"} <= outcome.request.searched
     assert "mesh.cp" not in outcome.request.searched
     # micro-batching splits the batch: chosen with the micro-batch size unless the spec states it
-    assert {"mesh.microbatches", "mesh.gradient_accumulation_steps", "training.micro_batch_size"} <= outcome.request.searched
+    assert {
+        "mesh.microbatches",
+        "mesh.gradient_accumulation_steps",
+        "training.micro_batch_size",
+    } <= outcome.request.searched
 
 
 def test_devices_flag_searches_the_mesh_fields_left_out(tmp_path):
@@ -150,10 +190,17 @@ def test_concrete_rules_agree_with_the_solver_on_random_plans():
             continue
         rules = rules_for(facts)
         for _ in range(12):
-            values = {s: rng.choice([1, 1, 2, 3, 4, 8]) for s in (*MESH_FIELDS, "micro_batch_size", "virtual_pipeline_stages")
-                      if facts.has(s)}
-            values.update(activation_checkpointing=rng.randrange(3), pipeline_schedule=rng.randrange(3),
-                          distributed_optimizer=rng.random() < 0.5, sequence_parallel=rng.random() < 0.5)
+            values = {
+                s: rng.choice([1, 1, 2, 3, 4, 8])
+                for s in (*MESH_FIELDS, "micro_batch_size", "virtual_pipeline_stages")
+                if facts.has(s)
+            }
+            values.update(
+                activation_checkpointing=rng.randrange(3),
+                pipeline_schedule=rng.randrange(3),
+                distributed_optimizer=rng.random() < 0.5,
+                sequence_parallel=rng.random() < 0.5,
+            )
             fields = tuple(dataclasses.replace(f, value=values.get(f.symbol, f.value)) for f in facts.fields)
             pinned = dataclasses.replace(facts, fields=fields)
             solved = {r.code for r in verifier.violated(pinned)}
@@ -165,7 +212,11 @@ def test_concrete_rules_agree_with_the_solver_on_random_plans():
                 with concrete():
                     read = per_rank_bytes(Symbols(with_values(facts, values), values={}))
                 for kind, term in per_rank_bytes(encoding.symbols).items():
-                    assert float(read[kind]) == pytest.approx(float(exact.eval(term)), rel=1e-9), (path.name, kind, values)
+                    assert float(read[kind]) == pytest.approx(float(exact.eval(term)), rel=1e-9), (
+                        path.name,
+                        kind,
+                        values,
+                    )
             compared += 1
     assert compared >= 50
 
@@ -177,16 +228,26 @@ def test_a_rule_refusing_without_reading_a_setting_refuses_whatever_that_setting
     rng = random.Random(3)
     checked = 0
     for _ in range(150):
-        values = {"pp": rng.choice([1, 2, 3, 5, 6]), "virtual_pipeline_stages": rng.choice([1, 2, 3]),
-                  "microbatches": rng.choice([1, 2, 4, 8]), "micro_batch_size": rng.choice([1, 2, 4]),
-                  "activation_checkpointing": rng.randrange(3), "pipeline_schedule": rng.randrange(3), "tp": rng.choice([1, 2, 3])}
+        values = {
+            "pp": rng.choice([1, 2, 3, 5, 6]),
+            "virtual_pipeline_stages": rng.choice([1, 2, 3]),
+            "microbatches": rng.choice([1, 2, 4, 8]),
+            "micro_batch_size": rng.choice([1, 2, 4]),
+            "activation_checkpointing": rng.randrange(3),
+            "pipeline_schedule": rng.randrange(3),
+            "tp": rng.choice([1, 2, 3]),
+        }
         for rule, read in broken_rules_reading(facts, rules, values):
             if "*" in read:
                 continue
             # the settings that vary within one mesh and schedule (search.VARYING)
-            for name, options in (("micro_batch_size", [1, 2, 4, 8]), ("microbatches", [1, 3, 16]),
-                                  ("gradient_accumulation_steps", [1, 2]), ("activation_checkpointing", [0, 1, 2]),
-                                  ("distributed_optimizer", [False, True])):
+            for name, options in (
+                ("micro_batch_size", [1, 2, 4, 8]),
+                ("microbatches", [1, 3, 16]),
+                ("gradient_accumulation_steps", [1, 2]),
+                ("activation_checkpointing", [0, 1, 2]),
+                ("distributed_optimizer", [False, True]),
+            ):
                 assert name in VARYING
                 if name in read:
                     continue
@@ -200,8 +261,12 @@ def test_a_rule_refusing_without_reading_a_setting_refuses_whatever_that_setting
 def test_what_a_refusing_rule_read_is_recorded():
     loaded = load_spec(ROOT / "tests" / "corpus" / "production" / "torchtitan" / "llama3_8b_8gpu_fsdp8.yaml")
     facts = plan_facts(loaded.spec.model_copy(update={"backend": "megatron"}))
-    reads = dict((r.code, read) for r, read in broken_rules_reading(
-        facts, rules_for(facts), {"pp": 3, "dp_shard": 1, "virtual_pipeline_stages": 2, "pipeline_schedule": 1}))
+    reads = dict(
+        (r.code, read)
+        for r, read in broken_rules_reading(
+            facts, rules_for(facts), {"pp": 3, "dp_shard": 1, "virtual_pipeline_stages": 2, "pipeline_schedule": 1}
+        )
+    )
     assert {"pp", "virtual_pipeline_stages", "layers"} <= reads["P001"]  # 32 layers over 3 * 2 stages
     assert "pipeline_schedule" in reads["P007"]  # virtual stages need the interleaved schedule, read through is_
     assert "R001" not in reads or "*" in reads["R001"]  # the memory rule reads the footprint beyond attributes
@@ -223,15 +288,21 @@ def test_plan_cli_writes_a_spec_that_checks_clean(capsys, tmp_path):
     assert [p["rank"] for p in data["plans"]] == [1, 2, 3]
 
 
-@pytest.mark.parametrize("text,needle", [
-    ("model: {family: transformer}\n", "global_batch_size"),
-    ("- a list\n", "mapping"),
-    (spec_text(DENSE, 8, BACKENDS[0]).replace("global_batch_size: 32", "global_batch_size: auto"), "global_batch_size"),
-    (spec_text(DENSE, 8, BACKENDS[0], mesh={"tp": "sideways"}), "tp"),
-    (spec_text(DENSE, 8, BACKENDS[0], mesh={"tp": 3, "dp_shard": "auto"}), "divide"),
-    (spec_text(DENSE, 8, BACKENDS[0]) + "elastic: {min_world_size: 4, max_world_size: 8}\n", "elastic"),
-    (spec_text(DENSE, 8, {"name": "torch"}, pipeline_layers=[4, 4]), "pipeline_layers"),
-])
+@pytest.mark.parametrize(
+    "text,needle",
+    [
+        ("model: {family: transformer}\n", "global_batch_size"),
+        ("- a list\n", "mapping"),
+        (
+            spec_text(DENSE, 8, BACKENDS[0]).replace("global_batch_size: 32", "global_batch_size: auto"),
+            "global_batch_size",
+        ),
+        (spec_text(DENSE, 8, BACKENDS[0], mesh={"tp": "sideways"}), "tp"),
+        (spec_text(DENSE, 8, BACKENDS[0], mesh={"tp": 3, "dp_shard": "auto"}), "divide"),
+        (spec_text(DENSE, 8, BACKENDS[0]) + "elastic: {min_world_size: 4, max_world_size: 8}\n", "elastic"),
+        (spec_text(DENSE, 8, {"name": "torch"}, pipeline_layers=[4, 4]), "pipeline_layers"),
+    ],
+)
 def test_bad_input_exits_2_with_a_message(capsys, tmp_path, text, needle):
     path = tmp_path / "bad.yaml"
     path.write_text(text)
@@ -271,7 +342,9 @@ def test_no_factorisation_exits_1_saying_why(capsys, tmp_path):
 @pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b["name"])
 def test_sweep_every_plan_checks_and_compiles(tmp_path, devices, backend):
     for model in (DENSE, MOE, {**DENSE, "num_layers": 24, "hidden_size": 512, "num_heads": 16, "num_kv_heads": 8}):
-        outcome = searched(tmp_path, spec_text(model, devices, backend, global_batch=256, seq=1024, memory="2GiB"), top=5)
+        outcome = searched(
+            tmp_path, spec_text(model, devices, backend, global_batch=256, seq=1024, memory="2GiB"), top=5
+        )
         assert outcome.refused_by_check == 0
         for plan in outcome.plans:
             result = compile_loaded(load_spec_text(yaml.safe_dump(plan.spec_data), "plan.yaml"))

@@ -66,7 +66,11 @@ def test_merge_keys_count_what_they_merge(monkeypatch):
 def test_documents_past_the_old_value_cap_are_read(suffix):
     # 300,000 values: above the cap that once made any spec of more than ~40,000 tensors unreadable
     data = {"values": [i % 7 for i in range(300_000)]}
-    raw = json.dumps(data).encode() if suffix == ".json" else ("values: [" + ", ".join(map(str, data["values"])) + "]").encode()
+    raw = (
+        json.dumps(data).encode()
+        if suffix == ".json"
+        else ("values: [" + ", ".join(map(str, data["values"])) + "]").encode()
+    )
     doc, diagnostics = parse_source(raw, "spec" + suffix, json_syntax=suffix == ".json")
     assert doc.data == data and diagnostics == []
     assert doc.position(("values", 299_999)).line == 1
@@ -79,7 +83,11 @@ def test_an_oversized_file_is_refused_by_its_size_alone():
 
 @pytest.mark.parametrize("suffix", [".yaml", ".json"])
 def test_a_duplicate_key_keeps_the_later_value_and_only_its_positions(suffix):
-    text = "a: 1\nb: {x: 1, y: 2}\na: 2\nb: 3\n" if suffix == ".yaml" else '{"a": 1,\n"b": {"x": 1, "y": 2},\n"a": 2,\n"b": 3}'
+    text = (
+        "a: 1\nb: {x: 1, y: 2}\na: 2\nb: 3\n"
+        if suffix == ".yaml"
+        else '{"a": 1,\n"b": {"x": 1, "y": 2},\n"a": 2,\n"b": 3}'
+    )
     doc, diagnostics = parse_source(text.encode(), "spec" + suffix, json_syntax=suffix == ".json")
     assert doc.data == {"a": 2, "b": 3} and [d.code for d in diagnostics] == ["S002", "S002"]
     assert doc.values[("a",)].line == 3 and doc.values[("b",)].line == 4

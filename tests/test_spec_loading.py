@@ -39,7 +39,9 @@ def test_auto_dp_shard_takes_the_ranks_left_over():
 
 
 def test_auto_dp_shard_that_does_not_divide_is_reported_with_fits():
-    d = only(load(TINY.replace("dp_shard: 2, tp: 2", "dp_shard: auto, tp: 4").replace("devices: 4", "devices: 6")), "S012")
+    d = only(
+        load(TINY.replace("dp_shard: 2, tp: 2", "dp_shard: auto, tp: 4").replace("devices: 4", "devices: 6")), "S012"
+    )
     assert "6 devices" in d.message and "= 4" in d.message
     assert "4 or 8 devices" in d.hint
     assert d.fields == ("mesh.dp_shard", "resources.devices")
@@ -202,7 +204,9 @@ def test_deep_nesting_is_stopped():
 
 
 def test_yaml_merge_keys_are_supported():
-    text = TINY.replace("resources: {devices: 4, memory: 2GiB}", "base: &b {devices: 4}\nresources: {<<: *b, memory: 2GiB}")
+    text = TINY.replace(
+        "resources: {devices: 4, memory: 2GiB}", "base: &b {devices: 4}\nresources: {<<: *b, memory: 2GiB}"
+    )
     r = load(text)
     # The anchor's holder is an unknown top-level key, but the merged resources are read.
     assert [d.code for d in r.diagnostics] == ["S003"]
@@ -223,7 +227,12 @@ def test_memory_and_throughput_units():
 
 
 def test_device_list_and_count_forms():
-    r = load(TINY.replace("resources: {devices: 4, memory: 2GiB}", "resources:\n  devices:\n    - {kind: a, memory: 1GiB, count: 3}\n    - {kind: b, memory: 2GiB}"))
+    r = load(
+        TINY.replace(
+            "resources: {devices: 4, memory: 2GiB}",
+            "resources:\n  devices:\n    - {kind: a, memory: 1GiB, count: 3}\n    - {kind: b, memory: 2GiB}",
+        )
+    )
     assert r.ok, [d.text() for d in r.diagnostics]
     assert r.spec.resources.device_count == 4
     assert [g.kind for g in r.spec.resources.device_list()] == ["a", "a", "a", "b"]
@@ -354,10 +363,17 @@ def test_a_flood_of_problems_is_capped_and_counted():
     assert r.diagnostics[-1].code == "S010" and "more schema problems not shown" in r.diagnostics[-1].message
 
 
-@pytest.mark.parametrize("field, value, meant", [
-    ("precision", "BF16", "bf16"), ("precision", "bfloat16", "bf16"), ("precision", "float32", "fp32"),
-    ("optimizer", "AdamW", "adamw"), ("optimizer", "ADAM", "adam"), ("precision", "bf61", "bf16"),
-])
+@pytest.mark.parametrize(
+    "field, value, meant",
+    [
+        ("precision", "BF16", "bf16"),
+        ("precision", "bfloat16", "bf16"),
+        ("precision", "float32", "fp32"),
+        ("optimizer", "AdamW", "adamw"),
+        ("optimizer", "ADAM", "adam"),
+        ("precision", "bf61", "bf16"),
+    ],
+)
 def test_did_you_mean_matches_case_and_engine_spellings_first(field, value, meant):
     text = f"""\
 model: {{family: transformer, vocab_size: 256, hidden_size: 64, num_layers: 4, num_heads: 4, ffn_hidden_size: 128}}

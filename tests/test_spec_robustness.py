@@ -12,12 +12,35 @@ from mixle_compile.spec import load_spec_text
 from tests.conftest import TINY
 
 scalars = st.one_of(
-    st.none(), st.booleans(), st.integers(min_value=-(10**30), max_value=10**30),
-    st.floats(allow_nan=False), st.text(max_size=12),
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(10**30), max_value=10**30),
+    st.floats(allow_nan=False),
+    st.text(max_size=12),
 )
-keys = st.sampled_from(["model", "mesh", "training", "backend", "resources", "elastic", "family", "tp",
-                        "dp_shard", "type", "ref", "shared", "root", "devices", "memory", "x"])
-documents = st.recursive(scalars, lambda kids: st.lists(kids, max_size=4) | st.dictionaries(keys, kids, max_size=5), max_leaves=30)
+keys = st.sampled_from(
+    [
+        "model",
+        "mesh",
+        "training",
+        "backend",
+        "resources",
+        "elastic",
+        "family",
+        "tp",
+        "dp_shard",
+        "type",
+        "ref",
+        "shared",
+        "root",
+        "devices",
+        "memory",
+        "x",
+    ]
+)
+documents = st.recursive(
+    scalars, lambda kids: st.lists(kids, max_size=4) | st.dictionaries(keys, kids, max_size=5), max_leaves=30
+)
 
 
 def assert_clean(result):
@@ -48,7 +71,10 @@ def test_random_bytes_give_diagnostics(raw):
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.integers(min_value=0, max_value=len(TINY) - 1), st.sampled_from(["", "{", "]", ":", "\t", "&a", "*a", "- ", "!!python/object:os.system ", "0.5", "'"]))
+@given(
+    st.integers(min_value=0, max_value=len(TINY) - 1),
+    st.sampled_from(["", "{", "]", ":", "\t", "&a", "*a", "- ", "!!python/object:os.system ", "0.5", "'"]),
+)
 def test_mutated_valid_spec_gives_diagnostics(at, insert):
     result = load_spec_text(TINY[:at] + insert + TINY[at:], "mutant.yaml")
     assert_clean(result)

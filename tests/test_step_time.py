@@ -26,8 +26,14 @@ resources: {devices: 8, kind: h100, memory: 80GiB}
 
 
 def predicted(ds=8, tp=1, ga=1, ac="none"):
-    text = (SPEC.replace("DS", str(ds)).replace("TP", str(tp)).replace("GA", str(ga)).replace("AC", ac)
-            .replace("GBS", str(ds * ga)).replace("SP", str(tp > 1).lower()))
+    text = (
+        SPEC.replace("DS", str(ds))
+        .replace("TP", str(tp))
+        .replace("GA", str(ga))
+        .replace("AC", ac)
+        .replace("GBS", str(ds * ga))
+        .replace("SP", str(tp > 1).lower())
+    )
     spec = load_spec_text(text, "s.yaml").spec
     return predict_lowered(spec, lower(spec, schedule=False))
 
@@ -68,7 +74,9 @@ def test_explain_and_diff_show_the_prediction(capsys, tmp_path):
     assert "predicted step time:" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("name, reason", [("modules-mlp.yaml", "transformer"), ("tiny-transformer.yaml", "resources.throughput")])
+@pytest.mark.parametrize(
+    "name, reason", [("modules-mlp.yaml", "transformer"), ("tiny-transformer.yaml", "resources.throughput")]
+)
 def test_a_plan_without_a_prediction_says_why(capsys, tmp_path, name, reason):
     plan = tmp_path / "m.json"
     assert cli.main(["compile", str(EXAMPLES / name), "-o", str(plan)]) == 0
@@ -85,18 +93,35 @@ def _bench():
     return module
 
 
-@pytest.mark.parametrize("label", ["titan T1 8B FSDP", "titan T1 8B FSDP+compile+fp8", "SC21 GPT 1.7B", "SC21 GPT 7.5B",
-                                   "bridge 8B FSDP8 GA16", "titan H200 8B FSDP32 fp8"])
+@pytest.mark.parametrize(
+    "label",
+    [
+        "titan T1 8B FSDP",
+        "titan T1 8B FSDP+compile+fp8",
+        "SC21 GPT 1.7B",
+        "SC21 GPT 7.5B",
+        "bridge 8B FSDP8 GA16",
+        "titan H200 8B FSDP32 fp8",
+    ],
+)
 def test_published_rows_are_predicted_within_15_percent(label):
     bench = _bench()
-    (data, measured), = [(d, m) for name, d, m in bench.ROWS if name == label]
+    ((data, measured),) = [(d, m) for name, d, m in bench.ROWS if name == label]
     spec = load_spec_text(yaml.safe_dump(data), "row.yaml").spec
     ratio = predict_lowered(spec, lower(spec, schedule=False)).tokens_per_second_per_device / measured
     assert 0.85 <= ratio <= 1.15, ratio
 
 
 def test_the_topology_sets_the_links_a_group_crosses():
-    text = (SPEC.replace("DS", "4").replace("TP", "2").replace("GA", "1").replace("AC", "none").replace("GBS", "4").replace("SP", "true"))
+    text = (
+        SPEC.replace("DS", "4")
+        .replace("TP", "2")
+        .replace("GA", "1")
+        .replace("AC", "none")
+        .replace("GBS", "4")
+        .replace("SP", "true")
+    )
+
     def exposed_tp(topology: str) -> float:
         spec = load_spec_text(text.replace("memory: 80GiB}", f"memory: 80GiB, topology: {topology}}}"), "t.yaml").spec
         return predict_lowered(spec, lower(spec, schedule=False)).exposed_communication["tp"]
@@ -105,6 +130,8 @@ def test_the_topology_sets_the_links_a_group_crosses():
     across = exposed_tp("{devices_per_node: 1, inter_node_bandwidth: 400Gb/s}")  # every tp pair now spans two nodes
     assert across == pytest.approx(inside * 450e9 / 50e9)
     assert exposed_tp("{intra_node_bandwidth: 900GB/s}") == pytest.approx(inside / 2)
-    bad = load_spec_text(text.replace("memory: 80GiB}", "memory: 80GiB, topology: {inter_node_bandwidth: 3GiB/s}}"), "t.yaml")
+    bad = load_spec_text(
+        text.replace("memory: 80GiB}", "memory: 80GiB, topology: {inter_node_bandwidth: 3GiB/s}}"), "t.yaml"
+    )
     (d,) = bad.diagnostics
     assert d.code == "S005" and "cannot read bandwidth '3GiB/s'" in d.message

@@ -97,7 +97,9 @@ def test_a_plugin_backend_is_checked_with_the_common_rules():
 # --------------------------------------------------------------------------- messages and conflicts
 
 
-RULE_EXAMPLES = sorted(p for p in INVALID.glob("*.yaml") if p.name[0].upper() in "DETPBQCR" and not p.name.startswith("d003"))
+RULE_EXAMPLES = sorted(
+    p for p in INVALID.glob("*.yaml") if p.name[0].upper() in "DETPBQCR" and not p.name.startswith("d003")
+)
 
 
 @pytest.mark.parametrize("path", RULE_EXAMPLES, ids=lambda p: p.name)
@@ -112,8 +114,10 @@ def test_each_rule_example_points_at_its_first_conflicting_field(capsys, path):
 
 
 def test_kv_heads_conflict_reads_as_the_two_fields_and_the_arithmetic(capsys, write):
-    text = LLAMA.replace("num_heads: 32", "num_heads: 48").replace("num_kv_heads: 8", "num_kv_heads: 6").replace(
-        "hidden_size: 4096", "hidden_size: 6144"
+    text = (
+        LLAMA.replace("num_heads: 32", "num_heads: 48")
+        .replace("num_kv_heads: 8", "num_kv_heads: 6")
+        .replace("hidden_size: 4096", "hidden_size: 6144")
     )
     path = write(text)
     status, out, _ = run_cli(capsys, "check", "--format", "json", path)
@@ -204,7 +208,11 @@ resources: {devices: 8, memory: 8GiB}
 
 def moe(backend, *, tp=8, pp=1, ep=8, etp=1, kv=8, vocab=256, tie="false", sp="true", mb=1):
     batch = mb * 8 // (tp * pp)  # one sample per micro-batch on each data-parallel rank
-    return codes(MOE.substitute(backend=backend, tp=tp, pp=pp, ep=ep, etp=etp, kv=kv, vocab=vocab, tie=tie, sp=sp, mb=mb, batch=batch))
+    return codes(
+        MOE.substitute(
+            backend=backend, tp=tp, pp=pp, ep=ep, etp=etp, kv=kv, vocab=vocab, tie=tie, sp=sp, mb=mb, batch=batch
+        )
+    )
 
 
 def test_tp_8_with_ep_8_is_valid_on_both_engines():
@@ -237,7 +245,12 @@ def test_warnings_do_not_change_the_exit_status(capsys):
 
 
 def test_suggest_prints_a_patch_that_makes_the_spec_valid(capsys, write):
-    for name in ("t002-kv-heads-split-or-replicated.yaml", "p003-too-few-microbatches.yaml", "p002-stages-exceed-layers.yaml", "c002-backend-precision.yaml"):
+    for name in (
+        "t002-kv-heads-split-or-replicated.yaml",
+        "p003-too-few-microbatches.yaml",
+        "p002-stages-exceed-layers.yaml",
+        "c002-backend-precision.yaml",
+    ):
         source = (INVALID / name).read_text()
         status, out, _ = run_cli(capsys, "check", "--suggest", INVALID / name)
         assert status == 1
@@ -277,7 +290,10 @@ def test_suggest_leaves_the_elastic_section_to_its_hints(capsys):
 
 
 def test_elastic_proof_is_reported(capsys, write):
-    proved = LLAMA.replace("backend: torch", "backend: megatron") + "elastic: {min_world_size: 32, max_world_size: 64, multiple_of: 32}\n"
+    proved = (
+        LLAMA.replace("backend: torch", "backend: megatron")
+        + "elastic: {min_world_size: 32, max_world_size: 64, multiple_of: 32}\n"
+    )
     status, out, _ = run_cli(capsys, "check", write(proved))
     assert "elastic range 32..64, multiples of 32: proved valid at every one of its 2 world sizes" in out
     assert "C005" in out and status == 1  # megatron declares no elastic restart

@@ -160,7 +160,11 @@ def memory_bytes(spec: Spec, devices: int | None = None) -> Fraction:
     fsdp = dps > 1 or (backend_of(spec) == "torchtitan" and dps * cp > 1)  # torchtitan shards over dp_shard * cp
     edp = Fraction(m.dp_replicate * dps * cp * tp, ep * etp)
     model_split = {"tp": Fraction(tp), "replicated": Fraction(1), "expert": Fraction(ep * etp)}
-    data_split = {"tp": Fraction(dps * cp), "replicated": Fraction(dps * cp), "expert": edp} if fsdp else dict.fromkeys(model_split, Fraction(1))
+    data_split = (
+        {"tp": Fraction(dps * cp), "replicated": Fraction(dps * cp), "expert": edp}
+        if fsdp
+        else dict.fromkeys(model_split, Fraction(1))
+    )
     if t.distributed_optimizer and not fsdp:
         state_extra = {"tp": Fraction(m.dp_replicate * cp), "replicated": Fraction(m.dp_replicate * cp), "expert": edp}
     else:
@@ -174,12 +178,19 @@ def memory_bytes(spec: Spec, devices: int | None = None) -> Fraction:
 
     def state(amounts, split) -> Fraction:
         return sum(
-            (Fraction(moments * (a[0] + a[1]) + 4 * ((a[0] if low else 0) + a[3])) / split[k] for k, a in amounts.items()),
+            (
+                Fraction(moments * (a[0] + a[1]) + 4 * ((a[0] if low else 0) + a[3])) / split[k]
+                for k, a in amounts.items()
+            ),
             Fraction(0),
         )
 
     def ends(measure, split) -> Fraction:
-        f, la, ti = measure(group_amounts(first), split), measure(group_amounts(last), split), measure(group_amounts(tied), split)
+        f, la, ti = (
+            measure(group_amounts(first), split),
+            measure(group_amounts(last), split),
+            measure(group_amounts(tied), split),
+        )
         return f + la - ti if pp == 1 else max(f, la)
 
     local = {k: model_split[k] * data_split[k] for k in model_split}
@@ -193,11 +204,15 @@ def memory_bytes(spec: Spec, devices: int | None = None) -> Fraction:
             return sum((Fraction(a[0] + a[1]) / split[k] for k, a in amounts.items()), Fraction(0))
 
         for measure in (weights, lambda a, split: 4 * elements(a, split)):
-            total += sum((count * measure(a, model_split) for count, a in held), Fraction(0)) + ends(measure, model_split)
+            total += sum((count * measure(a, model_split) for count, a in held), Fraction(0)) + ends(
+                measure, model_split
+            )
     elif fsdp:  # two unsharded units in flight: the heaviest layer (by kind) or the two ends
         layer_unit = Fraction(0)
         if held:
-            layer_unit = weights(held[0][1], model_split) + max((weights(a, model_split) for _, a in held[1:]), default=Fraction(0))
+            layer_unit = weights(held[0][1], model_split) + max(
+                (weights(a, model_split) for _, a in held[1:]), default=Fraction(0)
+            )
         total += 2 * max(layer_unit, ends(weights, model_split))
     if fsdp and held and backend_of(spec) == "torchtitan":
         # FSDP2 reduces the largest layer's gradients through an fp32 copy; the gradients in the
@@ -377,7 +392,12 @@ def violations(
         rule("D004", e.min_world_size <= devices <= e.max_world_size and devices % e.multiple_of == 0)
         rule("C005", caps.elastic_restart and caps.reshardable_checkpoint)
     rule("E001", etp in (1, tp), when=neural, only=("torch", "torchtitan"))
-    rule("E002", (etp != tp or (dps * cp) % ep == 0) and (etp != 1 or (dps * cp * tp) % ep == 0), when=neural, only="torch")
+    rule(
+        "E002",
+        (etp != tp or (dps * cp) % ep == 0) and (etp != 1 or (dps * cp * tp) % ep == 0),
+        when=neural,
+        only="torch",
+    )
     rule("E003", devices % (etp * ep * pp) == 0, when=neural, only="megatron")
     rule("E004", experts == 0 or experts % ep == 0, when=neural)
     titan_03 = rule_set == "torchtitan" and version >= (0, 3)
@@ -386,12 +406,21 @@ def violations(
     rule("E005", ep == 1 or experts > 0)
     rule("E006", not (experts > 0 and tp > 1) or sp, when=neural, only="megatron")
     rule("E007", experts == 0 or tp == 1 or sp, when=neural, only="torch")
-    rule("E008", experts == 0 or dps == 1 or experts % ((dpr * dps * tp * pp * cp) // (etp * pp)) == 0, when=neural, only="torch")
+    rule(
+        "E008",
+        experts == 0 or dps == 1 or experts % ((dpr * dps * tp * pp * cp) // (etp * pp)) == 0,
+        when=neural,
+        only="torch",
+    )
     if transformer:
         kv = model.num_kv_heads
         rule("T001", model.num_heads % tp == 0)
         rule("T002", kv is None or kv % tp == 0 or tp % kv == 0, when=rule_set == "torch" or megatron_16)
-        rule("T003", kv is None or kv % tp == 0, when=rule_set == "torchtitan" or (rule_set == "megatron" and not megatron_16))
+        rule(
+            "T003",
+            kv is None or kv % tp == 0,
+            when=rule_set == "torchtitan" or (rule_set == "megatron" and not megatron_16),
+        )
         dense_layers = model.num_experts == 0 or model.moe_layer_frequency > 1
         rule("T004", not dense_layers or model.ffn_hidden_size % tp == 0)
         rule("T005", model.vocab_size % tp == 0, only="torch")
@@ -413,7 +442,11 @@ def violations(
         steps = mb if rule_set == "torchtitan" else mb * gas
         rule("P003", pp == 1 or schedule != "1f1b" or steps >= pp, only=("torch", "torchtitan"))
         rule("P004", pp == 1 or schedule != "interleaved_1f1b" or vpp == 1 or steps % pp == 0, only="megatron")
-        rule("P005", pp == 1 or schedule != "interleaved_1f1b" or steps % max(1, steps // pp) == 0, only=("torch", "torchtitan"))
+        rule(
+            "P005",
+            pp == 1 or schedule != "interleaved_1f1b" or steps % max(1, steps // pp) == 0,
+            only=("torch", "torchtitan"),
+        )
         rule("P006", vpp == 1 or pp > 1)
         rule("P011", not transformer or not model.tie_embeddings or pp == 1, only="torchtitan")
         rule("P007", vpp == 1 or pp == 1 or schedule == "interleaved_1f1b")
@@ -460,7 +493,17 @@ def smallest_failing_world_size(spec: Spec) -> int | None:
     return None
 
 
-CHANGEABLE_MESH = ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep", "etp", "microbatches", "gradient_accumulation_steps")
+CHANGEABLE_MESH = (
+    "dp_replicate",
+    "dp_shard",
+    "tp",
+    "pp",
+    "cp",
+    "ep",
+    "etp",
+    "microbatches",
+    "gradient_accumulation_steps",
+)
 CHANGEABLE_TRAINING = (
     "micro_batch_size",
     "virtual_pipeline_stages",
@@ -536,13 +579,27 @@ def nearest_fix_cost(spec: Spec, max_changes: int = 3) -> tuple[int, int] | None
 
 SHAPES = {
     "dense": {
-        "family": "transformer", "vocab_size": 256, "hidden_size": 64, "num_layers": 4, "num_heads": 4,
-        "num_kv_heads": 2, "ffn_hidden_size": 96,
+        "family": "transformer",
+        "vocab_size": 256,
+        "hidden_size": 64,
+        "num_layers": 4,
+        "num_heads": 4,
+        "num_kv_heads": 2,
+        "ffn_hidden_size": 96,
     },
     "moe": {
-        "family": "transformer", "vocab_size": 250, "hidden_size": 48, "num_layers": 6, "num_heads": 6,
-        "num_kv_heads": 3, "ffn_hidden_size": 96, "num_experts": 4, "experts_per_token": 2,
-        "moe_layer_frequency": 2, "moe_ffn_hidden_size": 72, "tie_embeddings": True,
+        "family": "transformer",
+        "vocab_size": 250,
+        "hidden_size": 48,
+        "num_layers": 6,
+        "num_heads": 6,
+        "num_kv_heads": 3,
+        "ffn_hidden_size": 96,
+        "num_experts": 4,
+        "experts_per_token": 2,
+        "moe_layer_frequency": 2,
+        "moe_ffn_hidden_size": 72,
+        "tie_embeddings": True,
     },
     "modules": {
         "family": "modules",
@@ -566,6 +623,7 @@ SHAPE_NAMES = tuple(SHAPES)
 
 def meshes(limit: int = 64):
     """Every (dp_replicate, dp_shard, tp, pp, cp) whose product is at most ``limit``."""
+
     def split(n: int, parts: int):
         if parts == 1:
             yield (n,)
@@ -598,14 +656,24 @@ def plan(i: int, degrees: tuple[int, ...], shape: str, backend: str) -> dict:
     gas, mbs = (1, 2)[i // 3 % 2], (1, 2)[i // 7 % 2]
     batch = mbs * mb * gas * dpr * dps + (1 if i % 13 == 0 else 0)
     mesh = {
-        "dp_replicate": dpr, "dp_shard": "auto" if auto else dps, "tp": tp, "pp": pp, "cp": cp,
-        "ep": (1, 2, 4, 3, 8)[i % 5], "etp": (1, tp, 2, 1)[i // 5 % 4], "microbatches": mb,
+        "dp_replicate": dpr,
+        "dp_shard": "auto" if auto else dps,
+        "tp": tp,
+        "pp": pp,
+        "cp": cp,
+        "ep": (1, 2, 4, 3, 8)[i % 5],
+        "etp": (1, tp, 2, 1)[i // 5 % 4],
+        "microbatches": mb,
         "gradient_accumulation_steps": gas,
     }
     training = {
-        "global_batch_size": batch, "micro_batch_size": mbs, "seq_len": (32, 30, 24, 48)[i // 2 % 4],
-        "precision": ("bf16", "fp32", "fp16", "fp8")[i // 9 % 4], "optimizer": ("adamw", "sgd", "adam")[i % 3],
-        "sequence_parallel": i % 3 == 0, "distributed_optimizer": i // 2 % 2 == 1,
+        "global_batch_size": batch,
+        "micro_batch_size": mbs,
+        "seq_len": (32, 30, 24, 48)[i // 2 % 4],
+        "precision": ("bf16", "fp32", "fp16", "fp8")[i // 9 % 4],
+        "optimizer": ("adamw", "sgd", "adam")[i % 3],
+        "sequence_parallel": i % 3 == 0,
+        "distributed_optimizer": i // 2 % 2 == 1,
         "pipeline_schedule": ("1f1b", "gpipe", "interleaved_1f1b")[i // 7 % 3],
         "virtual_pipeline_stages": (1, 1, 2, 3)[i // 6 % 4],
         "activation_checkpointing": ("none", "selective", "full")[i // 5 % 3],
@@ -613,11 +681,18 @@ def plan(i: int, degrees: tuple[int, ...], shape: str, backend: str) -> dict:
     }
     devices = n if auto or i % 11 else n + 1
     spec = {
-        "model": SHAPES[shape], "mesh": mesh, "training": training, "backend": _versioned(i, backend),
+        "model": SHAPES[shape],
+        "mesh": mesh,
+        "training": training,
+        "backend": _versioned(i, backend),
         "resources": {"devices": devices, "memory": ("64KiB", "1MiB", "4MiB", "1GiB")[i // 10 % 4]},
     }
     if i % 17 == 0:
-        spec["elastic"] = {"min_world_size": max(1, n // 2), "max_world_size": 2 * n, "multiple_of": (1, 2)[i // 17 % 2]}
+        spec["elastic"] = {
+            "min_world_size": max(1, n // 2),
+            "max_world_size": 2 * n,
+            "multiple_of": (1, 2)[i // 17 % 2],
+        }
     return spec
 
 
@@ -789,14 +864,34 @@ backend: BACKEND
 resources: {devices: 8, memory: MEMORY}
 """
     cases = {
-        "kv-heads": ("{tp: 4, dp_shard: 2}", "{global_batch_size: 8, micro_batch_size: 4, seq_len: 32}", "torch", "2GiB"),
+        "kv-heads": (
+            "{tp: 4, dp_shard: 2}",
+            "{global_batch_size: 8, micro_batch_size: 4, seq_len: 32}",
+            "torch",
+            "2GiB",
+        ),
         "batch": ("{tp: 2, dp_shard: 4}", "{global_batch_size: 12, micro_batch_size: 4, seq_len: 32}", "torch", "2GiB"),
         "pipeline": ("{tp: 2, pp: 4}", "{global_batch_size: 4, micro_batch_size: 4, seq_len: 32}", "torch", "2GiB"),
-        "precision": ("{tp: 2, dp_shard: 4}", "{global_batch_size: 16, micro_batch_size: 4, seq_len: 32, precision: fp16}", "torch", "2GiB"),
-        "memory": ("{tp: 1, dp_shard: 8}", "{global_batch_size: 16, micro_batch_size: 2, seq_len: 32}", "torch", "1200KiB"),
+        "precision": (
+            "{tp: 2, dp_shard: 4}",
+            "{global_batch_size: 16, micro_batch_size: 4, seq_len: 32, precision: fp16}",
+            "torch",
+            "2GiB",
+        ),
+        "memory": (
+            "{tp: 1, dp_shard: 8}",
+            "{global_batch_size: 16, micro_batch_size: 2, seq_len: 32}",
+            "torch",
+            "1200KiB",
+        ),
     }
     for name, (mesh, training, backend, memory) in cases.items():
-        text = base.replace("MESH", mesh).replace("TRAINING", training).replace("BACKEND", backend).replace("MEMORY", memory)
+        text = (
+            base.replace("MESH", mesh)
+            .replace("TRAINING", training)
+            .replace("BACKEND", backend)
+            .replace("MEMORY", memory)
+        )
         loaded = load_spec_text(text, f"{name}.yaml")
         assert loaded.ok, [d.text() for d in loaded.diagnostics]
         yield pytest.param(loaded.spec, id=name)
@@ -817,7 +912,10 @@ def test_suggestion_is_as_near_as_the_brute_force_nearest(spec):
         updates[section][name] = new
         cost += 1 if isinstance(old, (bool, str)) else abs(new - old)
     fixed = spec.model_copy(
-        update={"mesh": spec.mesh.model_copy(update=updates["mesh"]), "training": spec.training.model_copy(update=updates["training"])}
+        update={
+            "mesh": spec.mesh.model_copy(update=updates["mesh"]),
+            "training": spec.training.model_copy(update=updates["training"]),
+        }
     )
     assert not errors(fixed)
     # ... and no plan with fewer changes, or as few but smaller ones, exists.

@@ -38,7 +38,9 @@ def test_placement_types():
     assert shard_dim("replicate") is None
 
 
-@pytest.mark.parametrize("text", ["shard(01)", "Shard(0)", "shard()", "shard(-1)", "replicated", " shard(0)", "", 3, None])
+@pytest.mark.parametrize(
+    "text", ["shard(01)", "Shard(0)", "shard()", "shard(-1)", "replicated", " shard(0)", "", 3, None]
+)
 def test_bad_placement_is_refused_with_the_grammar(text):
     with pytest.raises(PlacementError, match=r"malformed placement .*expected 'replicate' or 'shard\(<dim>\)'"):
         Placement.parse(text)
@@ -100,7 +102,9 @@ def _lower_imports(path: Path) -> list[str]:
         if isinstance(node, ast.Import):
             found += [a.name for a in node.names if a.name.startswith("mixle_compile.lower")]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            if node.module.startswith("mixle_compile.lower") or (node.module == "mixle_compile" and any(a.name == "lower" for a in node.names)):
+            if node.module.startswith("mixle_compile.lower") or (
+                node.module == "mixle_compile" and any(a.name == "lower" for a in node.names)
+            ):
                 found.append(node.module)
         elif isinstance(node, ast.ImportFrom) and node.level and (node.module or "").startswith("lower"):
             found.append("." * node.level + node.module)
@@ -111,12 +115,16 @@ def test_no_runtime_module_imports_the_lowering():
     modules = sorted(RUNTIME.rglob("*.py"))  # subpackages too
     assert len(modules) > 10
     offenders = {str(p.relative_to(RUNTIME)): _lower_imports(p) for p in modules if _lower_imports(p)}
-    assert offenders == {}, f"runtime modules import mixle_compile.lower: {offenders}; import the plan's vocabulary instead"
+    assert offenders == {}, (
+        f"runtime modules import mixle_compile.lower: {offenders}; import the plan's vocabulary instead"
+    )
 
 
 def test_the_import_check_sees_an_import_of_the_lowering(tmp_path):
     sample = tmp_path / "sample.py"
-    sample.write_text("def f():\n    from mixle_compile.lower.groups import rule_name\n    import mixle_compile.lower.layouts\n")
+    sample.write_text(
+        "def f():\n    from mixle_compile.lower.groups import rule_name\n    import mixle_compile.lower.layouts\n"
+    )
     assert _lower_imports(sample) == ["mixle_compile.lower.groups", "mixle_compile.lower.layouts"]
 
 

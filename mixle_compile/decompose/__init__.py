@@ -6,16 +6,6 @@ and the decomposition vocabulary of :mod:`mixle_compile.graph`, so it holds ever
 ``model_decomposition`` module has.
 """
 
-from mixle_compile.graph import (
-    AxisCandidate,
-    DecompAxis,
-    NodeSize,
-    ReductionOp,
-    best_parallel_axis,
-    size_model_tree,
-    tree_axes,
-)
-
 from mixle_compile.decompose.cut import (
     ContiguousCut,
     Shard,
@@ -35,6 +25,15 @@ from mixle_compile.decompose.plan import (
     ModelCut,
     ModelDecomposition,
     decompose_model,
+)
+from mixle_compile.graph import (
+    AxisCandidate,
+    DecompAxis,
+    NodeSize,
+    ReductionOp,
+    best_parallel_axis,
+    size_model_tree,
+    tree_axes,
 )
 
 __all__ = [

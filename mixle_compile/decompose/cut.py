@@ -446,7 +446,6 @@ class _Sweep:
         return end
 
 
-
 def _merge(runs: Runs, added: Runs) -> Runs:
     """The union of two sets of runs, as sorted disjoint runs with touching ones joined."""
     out: Runs = []
@@ -486,7 +485,7 @@ def _longest_first_order(
     head = longest_first[:_ONE_BY_ONE_UNITS].tolist()
     if not _assign_one_by_one(head, device_of, load, room, unit_works, unit_bytes, throughputs):
         return None
-    rest = longest_first[len(head):]
+    rest = longest_first[len(head) :]
     if len(rest) and not _fill_to_common_finish(rest, device_of, load, room, unit_works, unit_bytes, throughputs):
         if not _assign_one_by_one(rest.tolist(), device_of, load, room, unit_works, unit_bytes, throughputs):
             return None

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mixle_compile.contracts import ReadOnlyDict
-
 from mixle_compile.decompose.cut import (
     ContiguousCut,
     bottleneck_lower_bound,
@@ -207,7 +206,9 @@ def decompose_model(
         raise ValueError("decompose_model needs at least one device")
     root = model.node()
     if not model.ok:
-        return _replicated(model, "the model graph has errors (see the diagnostics); nothing is placed", model.diagnostics)
+        return _replicated(
+            model, "the model graph has errors (see the diagnostics); nothing is placed", model.diagnostics
+        )
     total_work, total_bytes = compute_cost(model)
     best = best_parallel_axis(model, len(devices), allowed_axes)
     smallest = min(d.memory_bytes for d in devices)
@@ -250,7 +251,9 @@ def decompose_model(
     return _cut(model, best, devices, min_components_per_shard, total_work)
 
 
-def _replicated(model: ModelGraph, rationale: str, diagnostics: tuple[Diagnostic, ...], num_units: int = 1) -> ModelDecomposition:
+def _replicated(
+    model: ModelGraph, rationale: str, diagnostics: tuple[Diagnostic, ...], num_units: int = 1
+) -> ModelDecomposition:
     return ModelDecomposition(
         DecompAxis.NONE,
         ReductionOp.REPLICATE,
@@ -263,7 +266,9 @@ def _replicated(model: ModelGraph, rationale: str, diagnostics: tuple[Diagnostic
     )
 
 
-def _cut(model: ModelGraph, best: AxisCandidate, devices: tuple[Device, ...], min_units: int, total_work: float) -> ModelDecomposition:
+def _cut(
+    model: ModelGraph, best: AxisCandidate, devices: tuple[Device, ...], min_units: int, total_work: float
+) -> ModelDecomposition:
     def refuse(diagnostic: Diagnostic, why: str) -> ModelDecomposition:
         return ModelDecomposition(
             best.axis,

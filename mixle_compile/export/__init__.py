@@ -57,14 +57,20 @@ def verification_errors(spec: Spec) -> list[tuple[str, str]]:
     from mixle_compile.verify import verify_plan
 
     doc = SourceDocument(file="<spec>", data=spec.model_dump(mode="json"))
-    errors = [(", ".join(d.fields), f"{d.code} {d.message}") for d in consistency_diagnostics(spec, doc)
-              if d.severity is Severity.error]
+    errors = [
+        (", ".join(d.fields), f"{d.code} {d.message}")
+        for d in consistency_diagnostics(spec, doc)
+        if d.severity is Severity.error
+    ]
     if errors:
         return errors
     from mixle_compile.spec.source import dotted
 
-    return [(", ".join(dotted(p) for p in f.paths[:1]), f"{f.code} {f.message}")
-            for f in verify_plan(spec).findings if f.severity is Severity.error]
+    return [
+        (", ".join(dotted(p) for p in f.paths[:1]), f"{f.code} {f.message}")
+        for f in verify_plan(spec).findings
+        if f.severity is Severity.error
+    ]
 
 
 def torchtitan_version_of(spec: Spec, asked: str | None) -> str:
@@ -95,7 +101,9 @@ def export_spec(spec: Spec, target: str, *, stem: str = "train", torchtitan_vers
         raise ExportRefused(target, reasons)
     version = torchtitan_version_of(spec, torchtitan_version) if target == "torchtitan" else None
     if version not in (None, "0.2", "0.3"):
-        raise ExportRefused(target, [("backend.version", f"torchtitan {version}: written are 0.2 (job TOML) and 0.3 (Python)")])
+        raise ExportRefused(
+            target, [("backend.version", f"torchtitan {version}: written are 0.2 (job TOML) and 0.3 (Python)")]
+        )
     spec = on_backend(spec, target, version)
     errors = verification_errors(spec)
     if errors:
@@ -119,7 +127,15 @@ def export_spec(spec: Spec, target: str, *, stem: str = "train", torchtitan_vers
 
 def memory_text(nbytes: int) -> str:
     """A spec memory size as the shortest exact text the spec reads back (``80GiB``, ``141GB``, bytes)."""
-    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("TB", 10**12), ("GB", 10**9), ("MiB", 2**20), ("MB", 10**6), ("KiB", 2**10)):
+    for unit, size in (
+        ("TiB", 2**40),
+        ("GiB", 2**30),
+        ("TB", 10**12),
+        ("GB", 10**9),
+        ("MiB", 2**20),
+        ("MB", 10**6),
+        ("KiB", 2**10),
+    ):
         if nbytes % size == 0:
             return f"{nbytes // size}{unit}"
     return str(nbytes)

@@ -20,22 +20,38 @@ from mixle_compile.spec.models import Spec, parallel_plan
 def deepspeed_files(spec: Spec, stem: str) -> Exported:
     t, mesh = spec.training, spec.mesh
     plan = parallel_plan(spec)
-    reasons = [(f"mesh.{axis}", f"{axis}={getattr(mesh, axis)}: a DeepSpeed JSON config has no {axis} degree")
-               for axis in ("tp", "pp", "cp", "ep", "etp") if getattr(mesh, axis) != 1]
+    reasons = [
+        (f"mesh.{axis}", f"{axis}={getattr(mesh, axis)}: a DeepSpeed JSON config has no {axis} degree")
+        for axis in ("tp", "pp", "cp", "ep", "etp")
+        if getattr(mesh, axis) != 1
+    ]
     if mesh.microbatches != 1:
-        reasons.append(("mesh.microbatches", "without a pipeline DeepSpeed accumulates: use gradient_accumulation_steps"))
+        reasons.append(
+            ("mesh.microbatches", "without a pipeline DeepSpeed accumulates: use gradient_accumulation_steps")
+        )
     if plan.dp_replicate > 1 and plan.dp_shard > 1:
-        reasons.append(("mesh.dp_replicate", "DeepSpeed's ZeRO partitions over all data ranks (no replicate x shard mesh)"))
+        reasons.append(
+            ("mesh.dp_replicate", "DeepSpeed's ZeRO partitions over all data ranks (no replicate x shard mesh)")
+        )
     if plan.dp_shard > 1 and t.distributed_optimizer:
         reasons.append(("training.distributed_optimizer", "ZeRO-3 (dp_shard) partitions the optimizer state already"))
     if t.activation_checkpointing != "none":
-        reasons.append(("training.activation_checkpointing", "DeepSpeed's JSON configures checkpointing, but the model's "
-                                                             "code turns it on: the config cannot say it is on"))
+        reasons.append(
+            (
+                "training.activation_checkpointing",
+                "DeepSpeed's JSON configures checkpointing, but the model's "
+                "code turns it on: the config cannot say it is on",
+            )
+        )
     if t.precision == "fp8":
         reasons.append(("training.precision", "fp8 is not a DeepSpeed JSON precision"))
     if t.pipeline_layers is not None or t.attention is not None:
-        reasons.append(("training.attention" if t.attention is not None else "training.pipeline_layers",
-                        "not a DeepSpeed config key; remove it to export"))
+        reasons.append(
+            (
+                "training.attention" if t.attention is not None else "training.pipeline_layers",
+                "not a DeepSpeed config key; remove it to export",
+            )
+        )
     config, why = hf_config(spec.model)
     if config is None:
         reasons.append(("model", why))
@@ -49,7 +65,12 @@ def deepspeed_files(spec: Spec, stem: str) -> Exported:
         "zero_optimization": {"stage": stage},
         "bf16": {"enabled": t.precision == "bf16"},
         "fp16": {"enabled": t.precision == "fp16"},
-        "optimizer": {"type": {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD"}[t.optimizer], "params": {"lr": t.learning_rate}},
+        "optimizer": {
+            "type": {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD"}[t.optimizer],
+            "params": {"lr": t.learning_rate},
+        },
     }
     main = f"{stem}.json"
-    return Exported("deepspeed", {main: json.dumps(data, indent=2) + "\n", f"{stem}.model.json": hf_config_text(config)}, main)
+    return Exported(
+        "deepspeed", {main: json.dumps(data, indent=2) + "\n", f"{stem}.model.json": hf_config_text(config)}, main
+    )

@@ -11,33 +11,75 @@ def hf_config(model: TransformerModel) -> tuple[dict | None, str]:
     """(config, "") or (None, why it cannot be written)."""
     m = model
     base = {"vocab_size": m.vocab_size, "tie_word_embeddings": m.tie_embeddings}
-    heads = {"hidden_size": m.hidden_size, "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_heads,
-             "num_key_value_heads": m.num_kv_heads or m.num_heads, "intermediate_size": m.ffn_hidden_size}
+    heads = {
+        "hidden_size": m.hidden_size,
+        "num_hidden_layers": m.num_layers,
+        "num_attention_heads": m.num_heads,
+        "num_key_value_heads": m.num_kv_heads or m.num_heads,
+        "intermediate_size": m.ffn_hidden_size,
+    }
     if m.head_dim is not None:
         heads["head_dim"] = m.head_dim
     if m.norm == "rmsnorm" and m.activation == "swiglu" and m.position_embedding == "rope":
         if m.num_experts == 0:
-            return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu", **heads, **base}, ""
+            return {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "hidden_act": "silu",
+                **heads,
+                **base,
+            }, ""
         moe_ffn = m.moe_ffn_hidden_size or m.ffn_hidden_size
         if moe_ffn == m.ffn_hidden_size and m.moe_layer_frequency == 1:
-            return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_act": "silu", **heads, **base,
-                    "num_local_experts": m.num_experts, "num_experts_per_tok": m.experts_per_token}, ""
-        return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_act": "silu",
-                **heads, "head_dim": m.head_dim or m.hidden_size // m.num_heads, **base, "num_experts": m.num_experts,
-                "num_experts_per_tok": m.experts_per_token, "moe_intermediate_size": moe_ffn,
-                "decoder_sparse_step": m.moe_layer_frequency, "mlp_only_layers": []}, ""
+            return {
+                "architectures": ["MixtralForCausalLM"],
+                "model_type": "mixtral",
+                "hidden_act": "silu",
+                **heads,
+                **base,
+                "num_local_experts": m.num_experts,
+                "num_experts_per_tok": m.experts_per_token,
+            }, ""
+        return {
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_moe",
+            "hidden_act": "silu",
+            **heads,
+            "head_dim": m.head_dim or m.hidden_size // m.num_heads,
+            **base,
+            "num_experts": m.num_experts,
+            "num_experts_per_tok": m.experts_per_token,
+            "moe_intermediate_size": moe_ffn,
+            "decoder_sparse_step": m.moe_layer_frequency,
+            "mlp_only_layers": [],
+        }, ""
     if m.num_experts:
         return None, "a mixture of experts is written only for RMSNorm + SwiGLU + RoPE models (Mixtral, Qwen3-MoE)"
     if m.norm == "layernorm" and m.activation == "gelu" and m.position_embedding == "rope":
-        return {"architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox", "hidden_act": "gelu", **heads, **base}, ""
+        return {
+            "architectures": ["GPTNeoXForCausalLM"],
+            "model_type": "gpt_neox",
+            "hidden_act": "gelu",
+            **heads,
+            **base,
+        }, ""
     if m.norm == "layernorm" and m.activation == "gelu" and m.position_embedding == "learned":
         if (m.num_kv_heads not in (None, m.num_heads)) or m.head_dim not in (None, m.hidden_size // m.num_heads):
             return None, "GPT-2 has multi-head attention only (no grouped KV heads, no separate head_dim)"
-        return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "activation_function": "gelu",
-                "n_embd": m.hidden_size, "n_layer": m.num_layers, "n_head": m.num_heads, "n_inner": m.ffn_hidden_size,
-                **base}, ""
-    return None, (f"no HF architecture has norm {m.norm}, activation {m.activation} and {m.position_embedding} positions "
-                  "(written: Llama, Mixtral, Qwen3-MoE, GPT-NeoX, GPT-2)")
+        return {
+            "architectures": ["GPT2LMHeadModel"],
+            "model_type": "gpt2",
+            "activation_function": "gelu",
+            "n_embd": m.hidden_size,
+            "n_layer": m.num_layers,
+            "n_head": m.num_heads,
+            "n_inner": m.ffn_hidden_size,
+            **base,
+        }, ""
+    return None, (
+        f"no HF architecture has norm {m.norm}, activation {m.activation} and {m.position_embedding} positions "
+        "(written: Llama, Mixtral, Qwen3-MoE, GPT-NeoX, GPT-2)"
+    )
 
 
 def hf_config_text(config: dict) -> str:

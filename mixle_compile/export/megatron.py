@@ -25,11 +25,20 @@ def megatron_arguments(spec: Spec) -> list[str]:
     if plan.dp_replicate > 1 and plan.dp_shard > 1:
         reasons.append(("mesh.dp_replicate", "Megatron-LM has one data-parallel degree (no replicate x shard mesh)"))
     if plan.dp_shard > 1 and not t.distributed_optimizer:
-        reasons.append(("mesh.dp_shard", "Megatron shards over data ranks only with the distributed optimizer: set "
-                                         "training.distributed_optimizer: true, or use dp_replicate"))
+        reasons.append(
+            (
+                "mesh.dp_shard",
+                "Megatron shards over data ranks only with the distributed optimizer: set "
+                "training.distributed_optimizer: true, or use dp_replicate",
+            )
+        )
     if mesh.gradient_accumulation_steps != 1:
-        reasons.append(("mesh.gradient_accumulation_steps", "Megatron accumulates through its micro-batches: fold the "
-                                                            "accumulation steps into mesh.microbatches"))
+        reasons.append(
+            (
+                "mesh.gradient_accumulation_steps",
+                "Megatron accumulates through its micro-batches: fold the accumulation steps into mesh.microbatches",
+            )
+        )
     if m.activation == "relu":
         reasons.append(("model.activation", "relu: Megatron-LM's MLP is gelu or swiglu (or squared relu)"))
     if t.optimizer == "adam":
@@ -43,13 +52,23 @@ def megatron_arguments(spec: Spec) -> list[str]:
         if t.virtual_pipeline_stages == 1 and len(split) >= 2 and len(set(middle)) <= 1:
             uneven = (split[0], split[-1])
         else:
-            reasons.append(("training.pipeline_layers", "Megatron-LM's arguments set the first and last stages' layers "
-                                                        "(--decoder-first/last-pipeline-num-layers) with the middle ones even"))
+            reasons.append(
+                (
+                    "training.pipeline_layers",
+                    "Megatron-LM's arguments set the first and last stages' layers "
+                    "(--decoder-first/last-pipeline-num-layers) with the middle ones even",
+                )
+            )
     if t.attention is not None:
         reasons.append(("training.attention", "not written by this exporter; remove it to export"))
     if mesh.order not in (None, DEFAULT_ORDER, TP_PP_DP_ORDER):
-        reasons.append(("mesh.order", f"{mesh.order}: Megatron-LM's arguments give the order {DEFAULT_ORDER} or, with "
-                                      f"--use-tp-pp-dp-mapping, {TP_PP_DP_ORDER}"))
+        reasons.append(
+            (
+                "mesh.order",
+                f"{mesh.order}: Megatron-LM's arguments give the order {DEFAULT_ORDER} or, with "
+                f"--use-tp-pp-dp-mapping, {TP_PP_DP_ORDER}",
+            )
+        )
     if m.vocab_size % mesh.tp:
         reasons.append(("model.vocab_size", f"{m.vocab_size} is not a multiple of tp {mesh.tp}: Megatron pads it"))
     if m.num_experts and m.moe_layer_frequency != 1:
@@ -57,21 +76,35 @@ def megatron_arguments(spec: Spec) -> list[str]:
     per_stage = None
     if t.virtual_pipeline_stages > 1:
         if m.num_layers % (mesh.pp * t.virtual_pipeline_stages):
-            reasons.append(("training.virtual_pipeline_stages", "Megatron splits the layers evenly into virtual stages"))
+            reasons.append(
+                ("training.virtual_pipeline_stages", "Megatron splits the layers evenly into virtual stages")
+            )
         else:
             per_stage = m.num_layers // (mesh.pp * t.virtual_pipeline_stages)
     if reasons:
         raise ExportRefused("megatron", reasons)
-    a = ["--num-layers", m.num_layers, "--hidden-size", m.hidden_size, "--num-attention-heads", m.num_heads,
-         "--ffn-hidden-size", m.ffn_hidden_size]
+    a = [
+        "--num-layers",
+        m.num_layers,
+        "--hidden-size",
+        m.hidden_size,
+        "--num-attention-heads",
+        m.num_heads,
+        "--ffn-hidden-size",
+        m.ffn_hidden_size,
+    ]
     if m.num_kv_heads is not None:
         a += ["--group-query-attention", "--num-query-groups", m.num_kv_heads]
     if m.head_dim is not None:
         a += ["--kv-channels", m.head_dim]
     if m.activation == "swiglu":
         a += ["--swiglu"]
-    a += ["--normalization", "RMSNorm" if m.norm == "rmsnorm" else "LayerNorm",
-          "--position-embedding-type", "rope" if m.position_embedding == "rope" else "learned_absolute"]
+    a += [
+        "--normalization",
+        "RMSNorm" if m.norm == "rmsnorm" else "LayerNorm",
+        "--position-embedding-type",
+        "rope" if m.position_embedding == "rope" else "learned_absolute",
+    ]
     if not m.tie_embeddings:
         a += ["--untie-embeddings-and-output-weights"]
     a += ["--tokenizer-type", "NullTokenizer", "--vocab-size", m.vocab_size]
@@ -83,11 +116,26 @@ def megatron_arguments(spec: Spec) -> list[str]:
             a += ["--moe-ffn-hidden-size", m.moe_ffn_hidden_size]
         if m.moe_layer_frequency != 1:
             a += ["--moe-layer-freq", m.moe_layer_frequency]
-    a += ["--seq-length", t.seq_len, "--max-position-embeddings", t.seq_len,
-          "--micro-batch-size", t.micro_batch_size, "--global-batch-size", t.global_batch_size,
-          "--tensor-model-parallel-size", mesh.tp, "--pipeline-model-parallel-size", mesh.pp,
-          "--context-parallel-size", mesh.cp, "--expert-model-parallel-size", mesh.ep,
-          "--expert-tensor-parallel-size", mesh.etp]
+    a += [
+        "--seq-length",
+        t.seq_len,
+        "--max-position-embeddings",
+        t.seq_len,
+        "--micro-batch-size",
+        t.micro_batch_size,
+        "--global-batch-size",
+        t.global_batch_size,
+        "--tensor-model-parallel-size",
+        mesh.tp,
+        "--pipeline-model-parallel-size",
+        mesh.pp,
+        "--context-parallel-size",
+        mesh.cp,
+        "--expert-model-parallel-size",
+        mesh.ep,
+        "--expert-tensor-parallel-size",
+        mesh.etp,
+    ]
     if per_stage is not None:
         a += ["--num-layers-per-virtual-pipeline-stage", per_stage]
     if uneven is not None:
@@ -116,10 +164,14 @@ def megatron_files(spec: Spec, stem: str) -> Exported:
     args = megatron_arguments(spec)
     devices = spec.resources.devices
     per_node, nodes = (8, devices // 8) if devices > 8 and devices % 8 == 0 else (devices, 1)
-    lines = ["#!/bin/bash", "# Megatron-LM launch written by mixle-compile export --to megatron.",
-             f"# devices: {devices}{' ' + spec.resources.kind.upper() if spec.resources.kind else ''}, "
-             f"each with {memory_text(spec.resources.memory)}", "",
-             f"torchrun --nproc_per_node {per_node} --nnodes {nodes} pretrain_gpt.py \\"]
+    lines = [
+        "#!/bin/bash",
+        "# Megatron-LM launch written by mixle-compile export --to megatron.",
+        f"# devices: {devices}{' ' + spec.resources.kind.upper() if spec.resources.kind else ''}, "
+        f"each with {memory_text(spec.resources.memory)}",
+        "",
+        f"torchrun --nproc_per_node {per_node} --nnodes {nodes} pretrain_gpt.py \\",
+    ]
     flags = []
     for word in args:
         if word.startswith("--"):

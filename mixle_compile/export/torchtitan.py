@@ -58,9 +58,13 @@ def layers_per_stage(spec: Spec, reasons: list) -> int | None:
         return None
     total, stages = spec.model.num_layers + 2, m.pp * t.virtual_pipeline_stages
     if total % stages:
-        reasons.append(("training.virtual_pipeline_stages",
-                        f"torchtitan sets {stages} stages only through pipeline_parallel_layers_per_stage, and "
-                        f"{spec.model.num_layers} layers + embedding + output do not divide into {stages}"))
+        reasons.append(
+            (
+                "training.virtual_pipeline_stages",
+                f"torchtitan sets {stages} stages only through pipeline_parallel_layers_per_stage, and "
+                f"{spec.model.num_layers} layers + embedding + output do not divide into {stages}",
+            )
+        )
         return None
     return total // stages
 
@@ -69,19 +73,31 @@ def torchtitan_files(spec: Spec, stem: str) -> Exported:
     t, m = spec.training, spec.mesh
     reasons: list[tuple[str, str]] = []
     if m.pp == 1 and m.microbatches > 1:
-        reasons.append(("mesh.microbatches", "torchtitan splits a batch into micro-batches only under a pipeline; "
-                                             "use gradient_accumulation_steps"))
+        reasons.append(
+            (
+                "mesh.microbatches",
+                "torchtitan splits a batch into micro-batches only under a pipeline; use gradient_accumulation_steps",
+            )
+        )
     if t.sequence_parallel != (m.tp > 1):
         reasons.append(("training.sequence_parallel", "torchtitan 0.2 runs sequence parallelism exactly when tp > 1"))
     if t.distributed_optimizer:
-        reasons.append(("training.distributed_optimizer", "torchtitan has no separate distributed optimizer (FSDP shards it)"))
+        reasons.append(
+            ("training.distributed_optimizer", "torchtitan has no separate distributed optimizer (FSDP shards it)")
+        )
     if t.precision not in ("bf16", "fp32", "fp8"):
-        reasons.append(("training.precision", f"{t.precision}: torchtitan trains in bfloat16, float32 or with float8 linears"))
+        reasons.append(
+            ("training.precision", f"{t.precision}: torchtitan trains in bfloat16, float32 or with float8 linears")
+        )
     if t.optimizer == "sgd":
         reasons.append(("training.optimizer", "sgd: torchtitan's job config builds Adam or AdamW"))
     if t.pipeline_layers not in (None,) or t.attention is not None:
-        reasons.append(("training.pipeline_layers" if t.pipeline_layers is not None else "training.attention",
-                        "not a key of torchtitan's job TOML; remove it to export"))
+        reasons.append(
+            (
+                "training.pipeline_layers" if t.pipeline_layers is not None else "training.attention",
+                "not a key of torchtitan's job TOML; remove it to export",
+            )
+        )
     stages_key = layers_per_stage(spec, reasons)
     if reasons:
         raise ExportRefused("torchtitan", reasons)
@@ -95,29 +111,51 @@ def torchtitan_files(spec: Spec, stem: str) -> Exported:
         flavor = ("llama3", "custom")
     res = spec.resources
     kind = f"{res.kind.upper()} " if res.kind else ""
-    lines = [f"# NOTE: this toml config is a preset for {res.devices} {kind}GPUs (with {memory_text(res.memory)} memory).",
-             "# Written by mixle-compile export --to torchtitan.", "", "[model]",
-             f"name = {_toml_value(flavor[0])}", f"flavor = {_toml_value(flavor[1])}"]
+    lines = [
+        f"# NOTE: this toml config is a preset for {res.devices} {kind}GPUs (with {memory_text(res.memory)} memory).",
+        "# Written by mixle-compile export --to torchtitan.",
+        "",
+        "[model]",
+        f"name = {_toml_value(flavor[0])}",
+        f"flavor = {_toml_value(flavor[1])}",
+    ]
     if f"{stem}.hf/config.json" in files:
         lines.append(f"hf_assets_path = {_toml_value(f'./{stem}.hf')}")
     if t.precision == "fp8":
         lines.append('converters = ["float8"]')
-    lines += ["", "[optimizer]", f"name = {_toml_value('AdamW' if t.optimizer == 'adamw' else 'Adam')}", f"lr = {t.learning_rate!r}",
-              "", "[training]"]
+    lines += [
+        "",
+        "[optimizer]",
+        f"name = {_toml_value('AdamW' if t.optimizer == 'adamw' else 'Adam')}",
+        f"lr = {t.learning_rate!r}",
+        "",
+        "[training]",
+    ]
     local = t.micro_batch_size * m.microbatches
-    lines += [f"local_batch_size = {local}", f"global_batch_size = {t.global_batch_size}", f"seq_len = {t.seq_len}",
-              f"steps = {t.steps}"]
+    lines += [
+        f"local_batch_size = {local}",
+        f"global_batch_size = {t.global_batch_size}",
+        f"seq_len = {t.seq_len}",
+        f"steps = {t.steps}",
+    ]
     if t.precision != "fp8":
         lines.append(f"mixed_precision_param = {_toml_value(PRECISION[t.precision])}")
-    lines += ["", "[parallelism]",
-              f"data_parallel_replicate_degree = {m.dp_replicate}",
-              f"data_parallel_shard_degree = {-1 if m.dp_shard == 'auto' else m.dp_shard}",
-              f"tensor_parallel_degree = {m.tp}", f"pipeline_parallel_degree = {m.pp}",
-              f"context_parallel_degree = {m.cp}", f"expert_parallel_degree = {m.ep}",
-              f"expert_tensor_parallel_degree = {m.etp}"]
+    lines += [
+        "",
+        "[parallelism]",
+        f"data_parallel_replicate_degree = {m.dp_replicate}",
+        f"data_parallel_shard_degree = {-1 if m.dp_shard == 'auto' else m.dp_shard}",
+        f"tensor_parallel_degree = {m.tp}",
+        f"pipeline_parallel_degree = {m.pp}",
+        f"context_parallel_degree = {m.cp}",
+        f"expert_parallel_degree = {m.ep}",
+        f"expert_tensor_parallel_degree = {m.etp}",
+    ]
     if m.pp > 1:
-        lines += [f"pipeline_parallel_schedule = {_toml_value(SCHEDULES[t.pipeline_schedule])}",
-                  f"pipeline_parallel_microbatch_size = {t.micro_batch_size}"]
+        lines += [
+            f"pipeline_parallel_schedule = {_toml_value(SCHEDULES[t.pipeline_schedule])}",
+            f"pipeline_parallel_microbatch_size = {t.micro_batch_size}",
+        ]
         if stages_key is not None:
             lines.append(f"pipeline_parallel_layers_per_stage = {stages_key}")
     lines += ["", "[activation_checkpoint]", f"mode = {_toml_value(t.activation_checkpointing)}"]

@@ -26,8 +26,10 @@ from mixle_compile.spec.models import Spec
 # torchtitan/models/qwen3/__init__.py). Llama 4 has no 0.3 registry.
 REGISTRIES = {
     "llama3": ("torchtitan.models.llama3", ("debugmodel", "1B", "3B", "8B", "70B", "405B")),
-    "qwen3": ("torchtitan.models.qwen3", ("debugmodel", "debugmodel_moe", "0.6B", "1.7B", "4B", "8B", "14B", "32B",
-                                          "30B-A3B", "235B-A22B")),
+    "qwen3": (
+        "torchtitan.models.qwen3",
+        ("debugmodel", "debugmodel_moe", "0.6B", "1.7B", "4B", "8B", "14B", "32B", "30B-A3B", "235B-A22B"),
+    ),
 }
 
 
@@ -41,43 +43,73 @@ def torchtitan_python_files(spec: Spec, stem: str) -> Exported:
     reasons: list[tuple[str, str]] = []
     flavor = _flavor_of(spec)
     if flavor is None or flavor[0] not in REGISTRIES or flavor[1] not in REGISTRIES[flavor[0]][1]:
-        reasons.append(("model", "torchtitan 0.3's config functions take the model from a family's model_registry(flavor); "
-                                 f"this model is {'not a published flavor' if flavor is None else f'{flavor[0]}/{flavor[1]}, which has no 0.3 registry entry'} "
-                                 "(export to the 0.2 TOML, which carries an HF config.json)"))
+        reasons.append(
+            (
+                "model",
+                "torchtitan 0.3's config functions take the model from a family's model_registry(flavor); "
+                f"this model is {'not a published flavor' if flavor is None else f'{flavor[0]}/{flavor[1]}, which has no 0.3 registry entry'} "
+                "(export to the 0.2 TOML, which carries an HF config.json)",
+            )
+        )
     if m.pp == 1 and m.microbatches > 1:
-        reasons.append(("mesh.microbatches", "torchtitan splits a batch into micro-batches only under a pipeline; "
-                                             "use gradient_accumulation_steps"))
+        reasons.append(
+            (
+                "mesh.microbatches",
+                "torchtitan splits a batch into micro-batches only under a pipeline; use gradient_accumulation_steps",
+            )
+        )
     if m.etp != 1:
         reasons.append(("mesh.etp", "torchtitan 0.3's ParallelismConfig has no expert tensor-parallel degree"))
     if t.sequence_parallel and m.tp == 1:
         reasons.append(("training.sequence_parallel", "sequence parallelism needs tp > 1"))
     if t.distributed_optimizer:
-        reasons.append(("training.distributed_optimizer", "torchtitan has no separate distributed optimizer (FSDP shards it)"))
+        reasons.append(
+            ("training.distributed_optimizer", "torchtitan has no separate distributed optimizer (FSDP shards it)")
+        )
     if t.precision not in ("bf16", "fp32"):
-        reasons.append(("training.precision", f"{t.precision}: written are bfloat16 and float32 "
-                                              "(TrainingConfig.mixed_precision_param)"))
+        reasons.append(
+            (
+                "training.precision",
+                f"{t.precision}: written are bfloat16 and float32 (TrainingConfig.mixed_precision_param)",
+            )
+        )
     if t.optimizer != "adamw":
         reasons.append(("training.optimizer", f"{t.optimizer}: written is default_adamw"))
     if t.pipeline_layers is not None or t.attention is not None:
-        reasons.append(("training.pipeline_layers" if t.pipeline_layers is not None else "training.attention",
-                        "not a field of torchtitan's Trainer.Config; remove it to export"))
+        reasons.append(
+            (
+                "training.pipeline_layers" if t.pipeline_layers is not None else "training.attention",
+                "not a field of torchtitan's Trainer.Config; remove it to export",
+            )
+        )
     per_stage = layers_per_stage(spec, reasons)
     if reasons:
         raise ExportRefused("torchtitan", reasons)
     module = REGISTRIES[flavor[0]][0]
     res = spec.resources
     kind = f"{res.kind.upper()} " if res.kind else ""
-    training = [f"local_batch_size={t.micro_batch_size * m.microbatches}", f"global_batch_size={t.global_batch_size}",
-                f"seq_len={t.seq_len}", f"steps={t.steps}", f"mixed_precision_param={PRECISION[t.precision]!r}"]
-    parallelism = [f"data_parallel_replicate_degree={m.dp_replicate}",
-                   f"data_parallel_shard_degree={-1 if m.dp_shard == 'auto' else m.dp_shard}",
-                   f"tensor_parallel_degree={m.tp}", f"pipeline_parallel_degree={m.pp}",
-                   f"context_parallel_degree={m.cp}", f"expert_parallel_degree={m.ep}"]
+    training = [
+        f"local_batch_size={t.micro_batch_size * m.microbatches}",
+        f"global_batch_size={t.global_batch_size}",
+        f"seq_len={t.seq_len}",
+        f"steps={t.steps}",
+        f"mixed_precision_param={PRECISION[t.precision]!r}",
+    ]
+    parallelism = [
+        f"data_parallel_replicate_degree={m.dp_replicate}",
+        f"data_parallel_shard_degree={-1 if m.dp_shard == 'auto' else m.dp_shard}",
+        f"tensor_parallel_degree={m.tp}",
+        f"pipeline_parallel_degree={m.pp}",
+        f"context_parallel_degree={m.cp}",
+        f"expert_parallel_degree={m.ep}",
+    ]
     if m.tp > 1 and not t.sequence_parallel:
         parallelism.append("enable_sequence_parallel=False")
     if m.pp > 1:
-        parallelism += [f"pipeline_parallel_schedule={SCHEDULES[t.pipeline_schedule]!r}",
-                        f"pipeline_parallel_microbatch_size={t.micro_batch_size}"]
+        parallelism += [
+            f"pipeline_parallel_schedule={SCHEDULES[t.pipeline_schedule]!r}",
+            f"pipeline_parallel_microbatch_size={t.micro_batch_size}",
+        ]
         if per_stage is not None:
             parallelism.append(f"pipeline_parallel_layers_per_stage={per_stage}")
     ac = {"selective": "SelectiveAC.Config()", "full": "FullAC.Config()", "none": "None"}[t.activation_checkpointing]
@@ -89,7 +121,9 @@ def torchtitan_python_files(spec: Spec, stem: str) -> Exported:
         return f"{cls}(\n{inner}        )"
 
     name = function_name(stem)
-    ac_import = sorted({"SelectiveAC" if t.activation_checkpointing == "selective" else "FullAC"}) if ac != "None" else []
+    ac_import = (
+        sorted({"SelectiveAC" if t.activation_checkpointing == "selective" else "FullAC"}) if ac != "None" else []
+    )
     lines = [
         f'"""A torchtitan 0.3 config function ({name}), written by mixle-compile export --to torchtitan --torchtitan-version 0.3.',
         "",

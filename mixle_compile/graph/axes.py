@@ -20,5 +20,7 @@ class ReductionOp(StrEnum):
     """How per-shard sufficient statistics recombine across shards."""
 
     SUM = "sum"  # additive statistics: one all-reduce of the shard sums, exact
-    LOGSUMEXP_RESPONSIBILITY = "logsumexp"  # responsibilities are normalised across shards: a scalar log-sum-exp, then sum
+    LOGSUMEXP_RESPONSIBILITY = (
+        "logsumexp"  # responsibilities are normalised across shards: a scalar log-sum-exp, then sum
+    )
     REPLICATE = "replicate"  # not split: held whole and identical on every shard

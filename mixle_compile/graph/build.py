@@ -12,7 +12,6 @@ terminates.
 from __future__ import annotations
 
 import gc
-
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -107,7 +106,9 @@ class ModelGraph:
         attrs = self.graph.nodes[self.root if node_id is None else node_id]
         return DecompositionNode(**{name: attrs[name] for name in DecompositionNode.__dataclass_fields__})
 
-    def diagnostic(self, code: str, message: str, field_path: Path_, *, hint: str = "", extra_fields: tuple[Path_, ...] = ()) -> Diagnostic:
+    def diagnostic(
+        self, code: str, message: str, field_path: Path_, *, hint: str = "", extra_fields: tuple[Path_, ...] = ()
+    ) -> Diagnostic:
         """A diagnostic at ``field_path`` of the spec, with file:line:col when the source is known."""
         return spec_diagnostic(self.document, code, message, field_path, hint=hint, extra_fields=extra_fields)
 
@@ -128,7 +129,9 @@ def spec_diagnostic(
     return Diagnostic(code, Severity.error, message, hint, UNKNOWN_FILE, 1, 1, fields)
 
 
-def build_model_graph(spec: Spec | DistributionModel, document: SourceDocument | None = None, *, precision: str = "fp64") -> ModelGraph:
+def build_model_graph(
+    spec: Spec | DistributionModel, document: SourceDocument | None = None, *, precision: str = "fp64"
+) -> ModelGraph:
     """Build the decomposition graph of ``spec.model`` (any family), or of a distribution model alone.
 
     ``document`` (from :func:`mixle_compile.spec.load_spec`) gives diagnostics their file:line:col.
@@ -150,7 +153,9 @@ def build_model_graph(spec: Spec | DistributionModel, document: SourceDocument |
         _annotate_sizes(builder.nodes, builder.children, root, order)
         g = nx.DiGraph()
         g.add_nodes_from(builder.nodes.items())
-        g.add_edges_from((parent, child, data) for parent, kids in builder.children.items() for child, data in kids.items())
+        g.add_edges_from(
+            (parent, child, data) for parent, kids in builder.children.items() for child, data in kids.items()
+        )
     finally:
         if collecting:
             gc.enable()
@@ -235,7 +240,9 @@ class _Builder:
             held_whole: tuple[str, ...] = ()
             if isinstance(node, HMM) and node.transitions is not None:
                 t = node.transitions
-                held_whole = (dotted(("model", "shared", t.ref)) if isinstance(t, Ref) else dotted((*field_path, "transitions")),)
+                held_whole = (
+                    dotted(("model", "shared", t.ref)) if isinstance(t, Ref) else dotted((*field_path, "transitions")),
+                )
             self.add_node(
                 node_id,
                 kind=node.type,
@@ -292,7 +299,7 @@ class _Builder:
             target = found[0]
             if target in grey:
                 on_stack = [f[0] for f in stack]
-                cycle = on_stack[on_stack.index(target):] + [target]
+                cycle = on_stack[on_stack.index(target) :] + [target]
                 self.diagnostics.append(
                     spec_diagnostic(
                         self.document,
@@ -460,7 +467,9 @@ def _children_first(children: dict[str, dict[str, Any]], root: str) -> list[str]
     return order
 
 
-def _annotate_sizes(nodes: dict[str, dict[str, Any]], children: dict[str, dict[str, Any]], root: str, order: list[str]) -> None:
+def _annotate_sizes(
+    nodes: dict[str, dict[str, Any]], children: dict[str, dict[str, Any]], root: str, order: list[str]
+) -> None:
     """Copies, private and subtree sizes of every node, in one pass each way over ``order``.
 
     A shared node is held once, however many parents use it: it is left out of its parents'

@@ -49,9 +49,21 @@ def _signature(graph: ModelGraph, parent: str, child: str):
     """What must agree for siblings to be drawn as one: kind, sizes, axis, edge and children."""
     n = graph.node(child)
     edge = graph.graph.edges[parent, child]
-    below = tuple((c, graph.graph.edges[child, c].get("role", ""), graph.graph.edges[child, c].get("multiplicity", 1))
-                  for c in graph.graph.successors(child))
-    return (n.kind, n.own_param_bytes, n.axis, n.num_units, n.reduction, n.shared, edge.get("role"), edge.get("multiplicity", 1), below)
+    below = tuple(
+        (c, graph.graph.edges[child, c].get("role", ""), graph.graph.edges[child, c].get("multiplicity", 1))
+        for c in graph.graph.successors(child)
+    )
+    return (
+        n.kind,
+        n.own_param_bytes,
+        n.axis,
+        n.num_units,
+        n.reduction,
+        n.shared,
+        edge.get("role"),
+        edge.get("multiplicity", 1),
+        below,
+    )
 
 
 def _runs(graph: ModelGraph, parent: str, children: list[str], collapse: bool) -> list[tuple[str, ...]]:
@@ -61,9 +73,14 @@ def _runs(graph: ModelGraph, parent: str, children: list[str], collapse: bool) -
         if collapse and out:
             last = out[-1]
             a, b = _NUMBERED.match(_short(last[-1])), _NUMBERED.match(_short(child))
-            if (a and b and a["prefix"] == b["prefix"] and int(b["index"]) == int(a["index"]) + 1
-                    and not graph.node(child).shared
-                    and _signature(graph, parent, child) == _signature(graph, parent, last[0])):
+            if (
+                a
+                and b
+                and a["prefix"] == b["prefix"]
+                and int(b["index"]) == int(a["index"]) + 1
+                and not graph.node(child).shared
+                and _signature(graph, parent, child) == _signature(graph, parent, last[0])
+            ):
                 last.append(child)
                 continue
         out.append([child])
@@ -112,8 +129,11 @@ def _facts(graph: ModelGraph, v: ViewNode) -> list[str]:
         parts.append(f"{n.axis.value} ×{n.num_units} ({n.reduction.value})")
     if n.own_param_bytes:
         count = len(v.members)
-        parts.append(f"{human_bytes(n.own_param_bytes)} each, {human_bytes(count * n.own_param_bytes)} in all"
-                     if count > 1 else human_bytes(n.own_param_bytes))
+        parts.append(
+            f"{human_bytes(n.own_param_bytes)} each, {human_bytes(count * n.own_param_bytes)} in all"
+            if count > 1
+            else human_bytes(n.own_param_bytes)
+        )
     if v.depth == 0 and n.subtree_param_bytes:
         parts.append(f"{human_bytes(n.subtree_param_bytes)} of parameters")
     if n.shared:

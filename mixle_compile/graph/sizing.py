@@ -46,7 +46,7 @@ class NodeSize:
     own_param_bytes: int
     subtree_param_bytes: int
     subtree_work: float = 1.0  # as mixle: a node with no stated work weighs one unit
-    children: tuple["NodeSize", ...] = ()
+    children: tuple[NodeSize, ...] = ()
     copies: int = 1
     shared: bool = False
 

@@ -34,10 +34,21 @@ SUPPORTED = (
 
 SPEC_SECTIONS = {"model", "mesh", "training", "backend", "resources", "elastic"}
 DEEPSPEED_KEYS = {
-    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "zero_optimization",
-    "fp16", "bf16", "optimizer", "scheduler", "gradient_clipping", "steps_per_print", "wall_clock_breakdown",
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "zero_optimization",
+    "fp16",
+    "bf16",
+    "optimizer",
+    "scheduler",
+    "gradient_clipping",
+    "steps_per_print",
+    "wall_clock_breakdown",
 }
-_MEGATRON_FLAG = re.compile(r"--(tensor|pipeline)-model-parallel-size|--num-layers\b|--micro-batch-size|pretrain_\w+\.py")
+_MEGATRON_FLAG = re.compile(
+    r"--(tensor|pipeline)-model-parallel-size|--num-layers\b|--micro-batch-size|pretrain_\w+\.py"
+)
 _TOML_TABLE = re.compile(r"^\s*\[[A-Za-z_][\w.\-]*\]\s*(#.*)?$", re.M)
 
 
@@ -46,7 +57,9 @@ def detect_format(path: str | Path, raw: bytes) -> str:
     suffix = Path(path).suffix.lower()
     text = raw[:200_000].decode("utf-8", errors="replace")
     stripped = text.lstrip("\ufeff \t\r\n")
-    if suffix == ".toml" or (_TOML_TABLE.search(text) and re.search(r"^\s*\w+\s*=", text, re.M) and suffix not in (".yaml", ".yml", ".json")):
+    if suffix == ".toml" or (
+        _TOML_TABLE.search(text) and re.search(r"^\s*\w+\s*=", text, re.M) and suffix not in (".yaml", ".yml", ".json")
+    ):
         if Path(path).name == "pyproject.toml" or re.search(r"^\s*\[(project|tool\.|build-system)", text, re.M):
             return "unsupported:a Python project file, not a training config"
         if re.search(r"^\s*\[(model|parallelism|training|job)\]", text, re.M):
@@ -93,8 +106,11 @@ def read_any(path: str | Path, name: str, options: ImportOptions | None = None) 
         return read_source(path, display_name=name)
     kind = detect_format(p, raw)
     if kind.startswith("unsupported:"):
-        raise unreadable(name, f"{name} is {kind.split(':', 1)[1]}; `mixle-compile` reads {SUPPORTED}",
-                         "see docs/importers.md for what each format needs")
+        raise unreadable(
+            name,
+            f"{name} is {kind.split(':', 1)[1]}; `mixle-compile` reads {SUPPORTED}",
+            "see docs/importers.md for what each format needs",
+        )
     if kind == "hf":
         raise unreadable(
             name,
@@ -108,12 +124,19 @@ def read_any(path: str | Path, name: str, options: ImportOptions | None = None) 
             f"use it as the model of a spec (`model: {{from: mixle, path: {p.name}}}`, see docs/mixle.md)",
         )
     if kind == "plan":
-        raise unreadable(name, f"{name} is a compiled plan, not a spec", "`check` reads specs; `explain`, `diff` and `run` read plans")
+        raise unreadable(
+            name,
+            f"{name} is a compiled plan, not a spec",
+            "`check` reads specs; `explain`, `diff` and `run` read plans",
+        )
     if kind == "spec":
         doc, diags = parse_source(raw, name, json_syntax=p.suffix.lower() == ".json")
         if options.given:
-            raise unreadable(name, f"{name} is a spec: --model, --devices, --device-memory and --seq-len are for engine configs",
-                             "write the model, devices and memory in the spec itself")
+            raise unreadable(
+                name,
+                f"{name} is a spec: --model, --devices, --device-memory and --seq-len are for engine configs",
+                "write the model, devices and memory in the spec itself",
+            )
         return doc, diags
     doc, diags = _import(kind, raw, name, p, options)
     if any(d.severity.value == "error" and d.code != codes.ENGINE_REFUSES.code for d in diags):
@@ -143,8 +166,15 @@ def provenance(doc: SourceDocument) -> list[dict]:
     rows = []
     for path, origin in sorted(doc.origins.items(), key=lambda item: [str(p) for p in item[0]]):
         pos = doc.values.get(path)
-        rows.append({"field": dotted(path), "from": origin, "line": pos.line if pos else None, "column": pos.column if pos else None,
-                     **({"file": pos.file} if pos and pos.file else {})})
+        rows.append(
+            {
+                "field": dotted(path),
+                "from": origin,
+                "line": pos.line if pos else None,
+                "column": pos.column if pos else None,
+                **({"file": pos.file} if pos and pos.file else {}),
+            }
+        )
     return rows
 
 

@@ -58,17 +58,38 @@ class SpecBuilder:
             cur = cur[part]
         return cur
 
-    def diagnostic(self, code: str, message: str, at: Position | None, *, hint: str = "", field: Path_ = (),
-                   severity: Severity = Severity.error) -> None:
+    def diagnostic(
+        self,
+        code: str,
+        message: str,
+        at: Position | None,
+        *,
+        hint: str = "",
+        field: Path_ = (),
+        severity: Severity = Severity.error,
+    ) -> None:
         pos = at or TOP
         self.diagnostics.append(
-            Diagnostic(code=code, severity=severity, message=message, hint=hint, file=pos.file or self.doc.file,
-                       line=pos.line, column=pos.column, fields=(dotted(field),) if field else ())
+            Diagnostic(
+                code=code,
+                severity=severity,
+                message=message,
+                hint=hint,
+                file=pos.file or self.doc.file,
+                line=pos.line,
+                column=pos.column,
+                fields=(dotted(field),) if field else (),
+            )
         )
 
     def unmodelled(self, key: str, at: Position | None, why: str = "the spec does not model it") -> None:
-        self.diagnostic(codes.UNMODELLED_KEY.code, f"`{key}` is ignored: {why}", at,
-                        hint="see docs/importers.md for the keys that are read", severity=Severity.warning)
+        self.diagnostic(
+            codes.UNMODELLED_KEY.code,
+            f"`{key}` is ignored: {why}",
+            at,
+            hint="see docs/importers.md for the keys that are read",
+            severity=Severity.warning,
+        )
 
     def assumed(self, message: str, at: Position | None, hint: str, field: Path_ = ()) -> None:
         self.diagnostic(codes.ASSUMED_VALUE.code, message, at, hint=hint, field=field, severity=Severity.warning)
@@ -84,26 +105,43 @@ class SpecBuilder:
         return self.doc, self.diagnostics
 
 
-def resources(builder: SpecBuilder, options: ImportOptions, devices: int | None, devices_at: Position | None,
-              devices_origin: str | None, *, what: str, memory: str | None = None, memory_origin: str | None = None,
-              divisor: int = 1) -> int:
+def resources(
+    builder: SpecBuilder,
+    options: ImportOptions,
+    devices: int | None,
+    devices_at: Position | None,
+    devices_origin: str | None,
+    *,
+    what: str,
+    memory: str | None = None,
+    memory_origin: str | None = None,
+    divisor: int = 1,
+) -> int:
     """Fill ``resources`` from the config's device count or the command line; assume (and say so) otherwise."""
     if options.devices is not None:
         devices, devices_at, devices_origin = options.devices, None, "--devices"
     if devices is None:
         # One node of 8, or the fewest nodes of 8 that the config's fixed degrees divide.
         devices = math.lcm(8, divisor)
-        builder.assumed(f"{what} does not say how many devices run it; assumed {devices} "
-                        f"({'one node' if devices == 8 else f'{devices // 8} nodes'} of 8)",
-                        None, "pass `--devices N` to check the real world size", ("resources", "devices"))
+        builder.assumed(
+            f"{what} does not say how many devices run it; assumed {devices} "
+            f"({'one node' if devices == 8 else f'{devices // 8} nodes'} of 8)",
+            None,
+            "pass `--devices N` to check the real world size",
+            ("resources", "devices"),
+        )
         devices_origin = "assumed"
     builder.set(("resources", "devices"), devices, at=devices_at, origin=devices_origin)
     if options.device_memory is not None:
         memory, memory_origin = options.device_memory, "--device-memory"
     if memory is None:
         memory, memory_origin = "80GiB", "assumed"
-        builder.assumed(f"{what} does not say how much memory each device has; assumed 80GiB",
-                        None, "pass `--device-memory 80GiB` (or the real size)", ("resources", "memory"))
+        builder.assumed(
+            f"{what} does not say how much memory each device has; assumed 80GiB",
+            None,
+            "pass `--device-memory 80GiB` (or the real size)",
+            ("resources", "memory"),
+        )
     builder.set(("resources", "memory"), memory, origin=memory_origin)
     return devices
 
@@ -128,7 +166,17 @@ def read_json_document(path, display: str | None, what: str, hint: str) -> Sourc
 
 def unreadable(file: str, message: str, hint: str, at: Position = TOP) -> SourceError:
     return SourceError(
-        [Diagnostic(code=codes.UNSUPPORTED_FORMAT.code, severity=Severity.error, message=message, hint=hint,
-                    file=file, line=at.line, column=at.column, fields=())],
+        [
+            Diagnostic(
+                code=codes.UNSUPPORTED_FORMAT.code,
+                severity=Severity.error,
+                message=message,
+                hint=hint,
+                file=file,
+                line=at.line,
+                column=at.column,
+                fields=(),
+            )
+        ],
         unreadable=True,
     )

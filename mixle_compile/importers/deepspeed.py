@@ -20,23 +20,64 @@ from mixle_compile.spec.source import Position, SourceDocument, SourceError, par
 
 # Keys with no bearing on the plan's sizes, memory or communication: read and ignored quietly.
 IRRELEVANT = {
-    "steps_per_print", "wall_clock_breakdown", "prescale_gradients", "gradient_predivide_factor",
-    "gradient_clipping", "scheduler", "tensorboard", "wandb", "csv_monitor", "comms_logger",
-    "flops_profiler", "dump_state", "zero_allow_untested_optimizer", "memory_breakdown", "sparse_gradients",
-    "communication_data_type", "seq_parallel_communication_data_type", "checkpoint", "data_types",
-    "elasticity", "aio", "autotuning", "compile",
+    "steps_per_print",
+    "wall_clock_breakdown",
+    "prescale_gradients",
+    "gradient_predivide_factor",
+    "gradient_clipping",
+    "scheduler",
+    "tensorboard",
+    "wandb",
+    "csv_monitor",
+    "comms_logger",
+    "flops_profiler",
+    "dump_state",
+    "zero_allow_untested_optimizer",
+    "memory_breakdown",
+    "sparse_gradients",
+    "communication_data_type",
+    "seq_parallel_communication_data_type",
+    "checkpoint",
+    "data_types",
+    "elasticity",
+    "aio",
+    "autotuning",
+    "compile",
 }
 ZERO_IRRELEVANT = {
-    "stage", "contiguous_gradients", "overlap_comm", "reduce_scatter", "reduce_bucket_size",
-    "allgather_partitions", "allgather_bucket_size", "round_robin_gradients", "stage3_prefetch_bucket_size",
-    "stage3_param_persistence_threshold", "stage3_max_live_parameters", "stage3_max_reuse_distance",
-    "stage3_gather_16bit_weights_on_model_save", "sub_group_size", "elastic_checkpoint",
-    "load_from_fp32_weights", "ignore_unused_parameters", "legacy_stage1", "cpu_offload",
+    "stage",
+    "contiguous_gradients",
+    "overlap_comm",
+    "reduce_scatter",
+    "reduce_bucket_size",
+    "allgather_partitions",
+    "allgather_bucket_size",
+    "round_robin_gradients",
+    "stage3_prefetch_bucket_size",
+    "stage3_param_persistence_threshold",
+    "stage3_max_live_parameters",
+    "stage3_max_reuse_distance",
+    "stage3_gather_16bit_weights_on_model_save",
+    "sub_group_size",
+    "elastic_checkpoint",
+    "load_from_fp32_weights",
+    "ignore_unused_parameters",
+    "legacy_stage1",
+    "cpu_offload",
     "stage3_gather_fp16_weights_on_model_save",
 }
 # Loss scaling and autocast settings: no effect on sizes or memory.
-PRECISION_QUIET = {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
-                   "consecutive_hysteresis", "min_loss_scale", "auto_cast", "immediate_grad_update"}
+PRECISION_QUIET = {
+    "enabled",
+    "loss_scale",
+    "initial_scale_power",
+    "loss_scale_window",
+    "hysteresis",
+    "consecutive_hysteresis",
+    "min_loss_scale",
+    "auto_cast",
+    "immediate_grad_update",
+}
 OPTIMIZERS = {"adam": "adam", "adamw": "adamw", "sgd": "sgd", "fusedadam": "adam", "cpuadam": "adam"}
 # Optimizers that keep Adam's two moments per parameter (priced as adam, with a warning).
 ADAM_LIKE = {"onebitadam", "zerooneadam", "onebitlamb", "lamb", "adagrad", "muadam", "muadamw", "adafactor"}
@@ -71,13 +112,24 @@ def read_deepspeed(raw: bytes, name: str, options: ImportOptions) -> tuple[Sourc
 
     for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
         if value(key) == "auto":
-            b.refuse(f"`{key}` is \"auto\": the HF Trainer fills it in from its own arguments at launch",
-                     at(key), f"write the number the run uses for `{key}`")
+            b.refuse(
+                f'`{key}` is "auto": the HF Trainer fills it in from its own arguments at launch',
+                at(key),
+                f"write the number the run uses for `{key}`",
+            )
     if b.failed:
         return b.result()
     _model(b, options, name)
-    tbs, mbs, gas = value("train_batch_size"), value("train_micro_batch_size_per_gpu"), value("gradient_accumulation_steps")
-    for key, v in (("train_batch_size", tbs), ("train_micro_batch_size_per_gpu", mbs), ("gradient_accumulation_steps", gas)):
+    tbs, mbs, gas = (
+        value("train_batch_size"),
+        value("train_micro_batch_size_per_gpu"),
+        value("gradient_accumulation_steps"),
+    )
+    for key, v in (
+        ("train_batch_size", tbs),
+        ("train_micro_batch_size_per_gpu", mbs),
+        ("gradient_accumulation_steps", gas),
+    ):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             b.refuse(f"`{key}` must be a positive integer, got {v!r}", at(key), "write a whole number")
     if b.failed:
@@ -86,8 +138,12 @@ def read_deepspeed(raw: bytes, name: str, options: ImportOptions) -> tuple[Sourc
     devices_at, devices_origin = None, None
     if devices is None and tbs is not None and mbs is not None and gas is not None:
         if tbs % (mbs * gas):
-            b.refuse(f"train_batch_size {tbs} is not train_micro_batch_size_per_gpu {mbs} * gradient_accumulation_steps {gas} "
-                     "* a number of data-parallel ranks", at("train_batch_size"), "DeepSpeed asserts train = micro * accumulation * dp")
+            b.refuse(
+                f"train_batch_size {tbs} is not train_micro_batch_size_per_gpu {mbs} * gradient_accumulation_steps {gas} "
+                "* a number of data-parallel ranks",
+                at("train_batch_size"),
+                "DeepSpeed asserts train = micro * accumulation * dp",
+            )
             return b.result()
         devices, devices_at = tbs // (mbs * gas), at("train_batch_size")
         devices_origin = "train_batch_size / (train_micro_batch_size_per_gpu * gradient_accumulation_steps)"
@@ -103,19 +159,33 @@ def read_deepspeed(raw: bytes, name: str, options: ImportOptions) -> tuple[Sourc
     elif tbs is not None and mbs is None and gas is None:
         gas, mbs = 1, tbs // dp if tbs % dp == 0 else None
     if tbs is None and mbs is None:
-        b.refuse("the config gives neither train_batch_size nor train_micro_batch_size_per_gpu", None,
-                 "DeepSpeed needs at least one of them")
+        b.refuse(
+            "the config gives neither train_batch_size nor train_micro_batch_size_per_gpu",
+            None,
+            "DeepSpeed needs at least one of them",
+        )
         return b.result()
     if mbs is None or gas is None or tbs != mbs * gas * dp:
-        b.refuse(f"the batch sizes do not satisfy DeepSpeed's identity train_batch_size = micro * accumulation * dp "
-                 f"on {dp} data-parallel ranks (train {tbs}, micro {mbs}, accumulation {gas})",
-                 at("train_batch_size"), "fix the batch sizes, or pass the real world size with --devices")
+        b.refuse(
+            f"the batch sizes do not satisfy DeepSpeed's identity train_batch_size = micro * accumulation * dp "
+            f"on {dp} data-parallel ranks (train {tbs}, micro {mbs}, accumulation {gas})",
+            at("train_batch_size"),
+            "fix the batch sizes, or pass the real world size with --devices",
+        )
         return b.result()
     b.set(("training", "global_batch_size"), tbs, at=at("train_batch_size"), origin="train_batch_size")
-    b.set(("training", "micro_batch_size"), mbs, at=at("train_micro_batch_size_per_gpu"),
-          origin="train_micro_batch_size_per_gpu")
-    b.set(("mesh", "gradient_accumulation_steps"), gas, at=at("gradient_accumulation_steps"),
-          origin="gradient_accumulation_steps")
+    b.set(
+        ("training", "micro_batch_size"),
+        mbs,
+        at=at("train_micro_batch_size_per_gpu"),
+        origin="train_micro_batch_size_per_gpu",
+    )
+    b.set(
+        ("mesh", "gradient_accumulation_steps"),
+        gas,
+        at=at("gradient_accumulation_steps"),
+        origin="gradient_accumulation_steps",
+    )
     stage = value("zero_optimization", "stage") or 0
     zero_at = at("zero_optimization", "stage")
     if stage not in (0, 1, 2, 3):
@@ -126,28 +196,50 @@ def read_deepspeed(raw: bytes, name: str, options: ImportOptions) -> tuple[Sourc
     else:
         b.set(("mesh", "dp_replicate"), dp, at=zero_at, origin=f"zero_optimization.stage = {stage}")
         if stage >= 1:
-            b.set(("training", "distributed_optimizer"), True, at=zero_at,
-                  origin=f"zero_optimization.stage = {stage} (optimizer state partitioned)")
+            b.set(
+                ("training", "distributed_optimizer"),
+                True,
+                at=zero_at,
+                origin=f"zero_optimization.stage = {stage} (optimizer state partitioned)",
+            )
         if stage == 2:
-            b.unmodelled("zero_optimization.stage = 2", zero_at,
-                         "gradient partitioning is not modelled; gradients are priced whole (an upper bound)")
+            b.unmodelled(
+                "zero_optimization.stage = 2",
+                zero_at,
+                "gradient partitioning is not modelled; gradients are priced whole (an upper bound)",
+            )
     zero = value("zero_optimization")
     if isinstance(zero, dict):
         for key in zero:
             if key not in ZERO_IRRELEVANT:
-                b.unmodelled(f"zero_optimization.{key}", at("zero_optimization", key),
-                             "offloading and other ZeRO options are not modelled (memory is priced on the device)")
+                b.unmodelled(
+                    f"zero_optimization.{key}",
+                    at("zero_optimization", key),
+                    "offloading and other ZeRO options are not modelled (memory is priced on the device)",
+                )
     for section in ("bf16", "fp16"):
         if isinstance(data.get(section), dict):
             for key in data[section]:
                 if key not in PRECISION_QUIET:
-                    b.unmodelled(f"{section}.{key}", at(section, key), "the spec prices master weights, gradients and "
-                                 "optimizer state in fp32 with bf16/fp16 compute (an upper bound)")
+                    b.unmodelled(
+                        f"{section}.{key}",
+                        at(section, key),
+                        "the spec prices master weights, gradients and "
+                        "optimizer state in fp32 with bf16/fp16 compute (an upper bound)",
+                    )
     _precision(b, data, at)
     _optimizer(b, data, at)
     b.set(("backend",), "deepspeed", origin="a DeepSpeed config")
-    known = IRRELEVANT | {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-                          "zero_optimization", "fp16", "bf16", "amp", "optimizer"}
+    known = IRRELEVANT | {
+        "train_batch_size",
+        "train_micro_batch_size_per_gpu",
+        "gradient_accumulation_steps",
+        "zero_optimization",
+        "fp16",
+        "bf16",
+        "amp",
+        "optimizer",
+    }
     for key in data:
         if key not in known:
             b.unmodelled(key, at(key))
@@ -172,8 +264,12 @@ def _model(b: SpecBuilder, options: ImportOptions, name: str) -> None:
     seq = doc.data.get("max_position_embeddings") or doc.data.get("n_positions") if isinstance(doc.data, dict) else None
     if isinstance(seq, int) and seq > 0:
         b.set(("training", "seq_len"), seq, origin=f"{options.model}: max_position_embeddings")
-        b.assumed(f"the sequence length is not in a DeepSpeed config; assumed the model's max_position_embeddings ({seq})",
-                  None, "pass `--seq-len N` with the length the run trains on", ("training", "seq_len"))
+        b.assumed(
+            f"the sequence length is not in a DeepSpeed config; assumed the model's max_position_embeddings ({seq})",
+            None,
+            "pass `--seq-len N` with the length the run trains on",
+            ("training", "seq_len"),
+        )
 
 
 def _precision(b: SpecBuilder, data: dict, at) -> None:
@@ -200,11 +296,14 @@ def _optimizer(b: SpecBuilder, data: dict, at) -> None:
         b.set(("training", "optimizer"), OPTIMIZERS[kind], at=at("optimizer", "type"), origin="optimizer.type")
     else:
         b.set(("training", "optimizer"), "adam", at=at("optimizer", "type"), origin="optimizer.type")
-        b.unmodelled(f"optimizer.type = {opt.get('type')!r}", at("optimizer", "type"),
-                     "priced as adam (two moments per parameter)" if kind in ADAM_LIKE else "priced as adam")
+        b.unmodelled(
+            f"optimizer.type = {opt.get('type')!r}",
+            at("optimizer", "type"),
+            "priced as adam (two moments per parameter)" if kind in ADAM_LIKE else "priced as adam",
+        )
     params = opt.get("params")
     lr = params.get("lr") if isinstance(params, dict) else None
     if isinstance(lr, (int, float)) and not isinstance(lr, bool) and lr > 0:
-        b.set(("training", "learning_rate"), float(lr), at=at("optimizer", "params", "lr"), origin="optimizer.params.lr")
-
-
+        b.set(
+            ("training", "learning_rate"), float(lr), at=at("optimizer", "params", "lr"), origin="optimizer.params.lr"
+        )

@@ -34,10 +34,18 @@ class Flavor:
     approximations: tuple[str, ...] = field(default=())
 
 
-def _llama3(dim: int, layers: int, heads: int, kv: int | None, multiplier: float | None, multiple_of: int,
-            vocab: int = 128256) -> Flavor:
-    m = {"family": "transformer", "vocab_size": vocab, "hidden_size": dim, "num_layers": layers, "num_heads": heads,
-         "ffn_hidden_size": llama_ffn(dim, multiple_of, multiplier), "tie_embeddings": False}
+def _llama3(
+    dim: int, layers: int, heads: int, kv: int | None, multiplier: float | None, multiple_of: int, vocab: int = 128256
+) -> Flavor:
+    m = {
+        "family": "transformer",
+        "vocab_size": vocab,
+        "hidden_size": dim,
+        "num_layers": layers,
+        "num_heads": heads,
+        "ffn_hidden_size": llama_ffn(dim, multiple_of, multiplier),
+        "tie_embeddings": False,
+    }
     if kv is not None:
         m["num_kv_heads"] = kv
     return Flavor(m)
@@ -46,17 +54,46 @@ def _llama3(dim: int, layers: int, heads: int, kv: int | None, multiplier: float
 def _llama4(experts: int, moe_step: int) -> Flavor:
     # TransformerModelArgs defaults: vocab 202048, MoEArgs top_k 1, num_shared_experts 1, auto_scale_hidden_dim.
     dim, mult, multiple_of = 5120, 1.2, 2048
-    m = {"family": "transformer", "vocab_size": 202048, "hidden_size": dim, "num_layers": 48, "num_heads": 40,
-         "num_kv_heads": 8, "ffn_hidden_size": llama_ffn(dim, multiple_of, mult), "tie_embeddings": False,
-         "num_experts": experts, "experts_per_token": 1,
-         "moe_ffn_hidden_size": llama_ffn(dim, multiple_of, mult, divide_by=2), "moe_layer_frequency": moe_step}
-    return Flavor(m, ("each MoE layer's shared expert (num_shared_experts 1), which the transformer family has no field for",))
+    m = {
+        "family": "transformer",
+        "vocab_size": 202048,
+        "hidden_size": dim,
+        "num_layers": 48,
+        "num_heads": 40,
+        "num_kv_heads": 8,
+        "ffn_hidden_size": llama_ffn(dim, multiple_of, mult),
+        "tie_embeddings": False,
+        "num_experts": experts,
+        "experts_per_token": 1,
+        "moe_ffn_hidden_size": llama_ffn(dim, multiple_of, mult, divide_by=2),
+        "moe_layer_frequency": moe_step,
+    }
+    return Flavor(
+        m, ("each MoE layer's shared expert (num_shared_experts 1), which the transformer family has no field for",)
+    )
 
 
-def _qwen3(dim: int, layers: int, heads: int, kv: int, hidden: int, tied: bool, moe: tuple[int, int, int] | None = None,
-           vocab: int = 151936) -> Flavor:
-    m = {"family": "transformer", "vocab_size": vocab, "hidden_size": dim, "num_layers": layers, "num_heads": heads,
-         "num_kv_heads": kv, "head_dim": 128, "ffn_hidden_size": hidden, "tie_embeddings": tied}
+def _qwen3(
+    dim: int,
+    layers: int,
+    heads: int,
+    kv: int,
+    hidden: int,
+    tied: bool,
+    moe: tuple[int, int, int] | None = None,
+    vocab: int = 151936,
+) -> Flavor:
+    m = {
+        "family": "transformer",
+        "vocab_size": vocab,
+        "hidden_size": dim,
+        "num_layers": layers,
+        "num_heads": heads,
+        "num_kv_heads": kv,
+        "head_dim": 128,
+        "ffn_hidden_size": hidden,
+        "tie_embeddings": tied,
+    }
     if moe is not None:
         experts, top_k, inter = moe
         m.update(num_experts=experts, experts_per_token=top_k, moe_ffn_hidden_size=inter)
@@ -75,8 +112,19 @@ FLAVORS: dict[str, dict[str, Flavor]] = {
         "17bx128e": _llama4(128, 2),  # interleave_moe_layer_step default 2
     },
     "qwen3": {
-        "debugmodel": Flavor({"family": "transformer", "vocab_size": 2048, "hidden_size": 256, "num_layers": 8, "num_heads": 16,
-                              "num_kv_heads": 8, "head_dim": 128, "ffn_hidden_size": 3072, "tie_embeddings": True}),
+        "debugmodel": Flavor(
+            {
+                "family": "transformer",
+                "vocab_size": 2048,
+                "hidden_size": 256,
+                "num_layers": 8,
+                "num_heads": 16,
+                "num_kv_heads": 8,
+                "head_dim": 128,
+                "ffn_hidden_size": 3072,
+                "tie_embeddings": True,
+            }
+        ),
         "debugmodel_moe": _qwen3(256, 8, 16, 8, 3072, False, (64, 8, 768), vocab=2048),
         "0.6B": _qwen3(1024, 28, 16, 8, 3072, True),
         "1.7B": _qwen3(2048, 28, 16, 8, 6144, True),

@@ -14,6 +14,7 @@ from typing import Any
 
 from mixle_compile.spec.source import Position, SourceDocument
 
+
 # model_type -> the architecture's shape. tie: the configuration class's tie_word_embeddings
 # default (LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen3Config, Qwen2MoeConfig,
 # Qwen3MoeConfig, Phi3Config, GPTNeoXConfig: False; GPT2Config inherits PretrainedConfig's True).
@@ -43,17 +44,60 @@ ARCHITECTURES: dict[str, _Arch] = {
 # Keys that describe tokens, numerics of a kernel, inference or serialisation: nothing the plan's
 # sizes, memory or communication depend on. Read and ignored without a warning.
 IRRELEVANT = {
-    "_name_or_path", "architectures", "model_type", "transformers_version", "torch_dtype", "dtype",
-    "bos_token_id", "eos_token_id", "pad_token_id", "use_cache", "initializer_range", "rms_norm_eps",
-    "layer_norm_eps", "layer_norm_epsilon", "rope_theta", "rope_scaling", "rotary_pct", "rotary_emb_base",
-    "max_position_embeddings", "attention_dropout", "hidden_dropout", "attention_bias", "mlp_bias",
-    "pretraining_tp", "max_window_layers", "use_sliding_window", "sliding_window", "resid_pdrop",
-    "embd_pdrop", "attn_pdrop", "summary_type", "summary_use_proj", "summary_activation",
-    "summary_proj_to_labels", "summary_first_dropout", "task_specific_params", "n_ctx", "n_positions",
-    "use_parallel_residual", "classifier_dropout", "output_router_logits", "router_aux_loss_coef",
-    "router_jitter_noise", "norm_topk_prob", "scale_attn_weights", "reorder_and_upcast_attn",
-    "scale_attn_by_inverse_layer_idx", "layer_types", "original_max_position_embeddings",
-    "partial_rotary_factor", "rope_parameters", "qkv_bias", "use_qk_norm", "qk_layernorm",
+    "_name_or_path",
+    "architectures",
+    "model_type",
+    "transformers_version",
+    "torch_dtype",
+    "dtype",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "use_cache",
+    "initializer_range",
+    "rms_norm_eps",
+    "layer_norm_eps",
+    "layer_norm_epsilon",
+    "rope_theta",
+    "rope_scaling",
+    "rotary_pct",
+    "rotary_emb_base",
+    "max_position_embeddings",
+    "attention_dropout",
+    "hidden_dropout",
+    "attention_bias",
+    "mlp_bias",
+    "pretraining_tp",
+    "max_window_layers",
+    "use_sliding_window",
+    "sliding_window",
+    "resid_pdrop",
+    "embd_pdrop",
+    "attn_pdrop",
+    "summary_type",
+    "summary_use_proj",
+    "summary_activation",
+    "summary_proj_to_labels",
+    "summary_first_dropout",
+    "task_specific_params",
+    "n_ctx",
+    "n_positions",
+    "use_parallel_residual",
+    "classifier_dropout",
+    "output_router_logits",
+    "router_aux_loss_coef",
+    "router_jitter_noise",
+    "norm_topk_prob",
+    "scale_attn_weights",
+    "reorder_and_upcast_attn",
+    "scale_attn_by_inverse_layer_idx",
+    "layer_types",
+    "original_max_position_embeddings",
+    "partial_rotary_factor",
+    "rope_parameters",
+    "qkv_bias",
+    "use_qk_norm",
+    "qk_layernorm",
 }
 
 
@@ -71,7 +115,9 @@ class HFModel:
 def read_hf_document(path: str | Path, display: str | None = None) -> SourceDocument:
     from mixle_compile.importers.builder import read_json_document
 
-    return read_json_document(path, display, "HF model config", "give the path of a `config.json` (relative to the file that names it)")
+    return read_json_document(
+        path, display, "HF model config", "give the path of a `config.json` (relative to the file that names it)"
+    )
 
 
 def hf_model(doc: SourceDocument) -> HFModel:
@@ -86,15 +132,25 @@ def hf_model(doc: SourceDocument) -> HFModel:
         from mixle_compile.importers.flavors import MLA_REFUSAL
 
         what = MLA_REFUSAL if model_type != "deepseek_v2" else MLA_REFUSAL.replace("as DeepSeek-V3", "as DeepSeek-V2")
-        out.problems.append((f"HF model_type {model_type!r}: {what}",
-                             "check a covered architecture, or give an approximating config (e.g. a llama or qwen3_moe "
-                             "config.json with the same sizes)", doc.position(("model_type",))))
+        out.problems.append(
+            (
+                f"HF model_type {model_type!r}: {what}",
+                "check a covered architecture, or give an approximating config (e.g. a llama or qwen3_moe "
+                "config.json with the same sizes)",
+                doc.position(("model_type",)),
+            )
+        )
         return out
     if not isinstance(model_type, str) or model_type not in ARCHITECTURES:
         known = ", ".join(sorted(ARCHITECTURES))
         shown = repr(model_type) if model_type is not None else "no model_type"
-        out.problems.append((f"HF model_type {shown} is not an architecture the transformer family covers",
-                             f"architectures read: {known}", doc.position(("model_type",))))
+        out.problems.append(
+            (
+                f"HF model_type {shown} is not an architecture the transformer family covers",
+                f"architectures read: {known}",
+                doc.position(("model_type",)),
+            )
+        )
         return out
     arch = ARCHITECTURES[model_type]
     used: set[str] = {"model_type"}
@@ -108,12 +164,17 @@ def hf_model(doc: SourceDocument) -> HFModel:
                 return data[key]
             used.add(key)
         if required and default is None:
-            out.problems.append((f"the HF config has no `{keys[0]}`", f"add `{keys[0]}` to the config.json",
-                                 Position(1, 1)))
+            out.problems.append(
+                (f"the HF config has no `{keys[0]}`", f"add `{keys[0]}` to the config.json", Position(1, 1))
+            )
         return default
 
     m = out.model
-    names = ("n_embd", "n_layer", "n_head") if arch.gpt2_names else ("hidden_size", "num_hidden_layers", "num_attention_heads")
+    names = (
+        ("n_embd", "n_layer", "n_head")
+        if arch.gpt2_names
+        else ("hidden_size", "num_hidden_layers", "num_attention_heads")
+    )
     m["vocab_size"] = take("vocab_size", "vocab_size")
     m["hidden_size"] = take("hidden_size", names[0])
     m["num_layers"] = take("num_layers", names[1])
@@ -135,9 +196,14 @@ def hf_model(doc: SourceDocument) -> HFModel:
     act = take("activation", "activation_function" if arch.gpt2_names else "hidden_act", required=False)
     if arch.activation == "swiglu":
         if act not in (None, "silu", "swish"):
-            out.problems.append((f"hidden_act {act!r}: the {model_type} MLP is gated and the spec models a gated MLP "
-                                 "only with silu (swiglu)", "the transformer family covers swiglu, gelu and relu MLPs",
-                                 out.positions.get("activation", Position(1, 1))))
+            out.problems.append(
+                (
+                    f"hidden_act {act!r}: the {model_type} MLP is gated and the spec models a gated MLP "
+                    "only with silu (swiglu)",
+                    "the transformer family covers swiglu, gelu and relu MLPs",
+                    out.positions.get("activation", Position(1, 1)),
+                )
+            )
         m["activation"] = "swiglu"
     else:
         m["activation"] = "relu" if act == "relu" else "gelu"
@@ -159,13 +225,23 @@ def hf_model(doc: SourceDocument) -> HFModel:
         for key in ("shared_expert_intermediate_size",):
             if data.get(key):
                 used.add(key)
-                out.problems.append((f"`{key}` = {data[key]}: a shared expert beside the routed ones is not modelled",
-                                     "the transformer family has routed experts only", doc.position((key,))))
+                out.problems.append(
+                    (
+                        f"`{key}` = {data[key]}: a shared expert beside the routed ones is not modelled",
+                        "the transformer family has routed experts only",
+                        doc.position((key,)),
+                    )
+                )
         if data.get("mlp_only_layers"):
             used.add("mlp_only_layers")
-            out.problems.append(("`mlp_only_layers` lists dense layers among the MoE ones; the spec spaces them "
-                                 "evenly only (moe_layer_frequency)", "remove mlp_only_layers or use a modules model",
-                                 doc.position(("mlp_only_layers",))))
+            out.problems.append(
+                (
+                    "`mlp_only_layers` lists dense layers among the MoE ones; the spec spaces them "
+                    "evenly only (moe_layer_frequency)",
+                    "remove mlp_only_layers or use a modules model",
+                    doc.position(("mlp_only_layers",)),
+                )
+            )
     for key in data:
         if key not in used and key not in IRRELEVANT:
             out.ignored.append((key, doc.keys.get((key,), Position(1, 1))))

@@ -22,21 +22,51 @@ from mixle_compile.spec.source import Position, SourceDocument
 
 # Flags the spec reads: name -> "int", "float", "str" or "bool" (a store_true switch).
 READ = {
-    "--num-layers": "int", "--hidden-size": "int", "--num-attention-heads": "int", "--ffn-hidden-size": "int",
-    "--group-query-attention": "bool", "--num-query-groups": "int", "--kv-channels": "int",
-    "--swiglu": "bool", "--normalization": "str", "--position-embedding-type": "str",
-    "--use-rotary-position-embeddings": "bool", "--no-position-embedding": "bool",
-    "--untie-embeddings-and-output-weights": "bool", "--vocab-size": "int", "--tokenizer-type": "str",
-    "--make-vocab-size-divisible-by": "int", "--num-experts": "int", "--moe-router-topk": "int",
-    "--moe-ffn-hidden-size": "int", "--moe-layer-freq": "str", "--seq-length": "int",
-    "--micro-batch-size": "int", "--global-batch-size": "int", "--bf16": "bool", "--fp16": "bool",
-    "--fp8-format": "str", "--tensor-model-parallel-size": "int", "--pipeline-model-parallel-size": "int",
-    "--context-parallel-size": "int", "--expert-model-parallel-size": "int",
-    "--expert-tensor-parallel-size": "int", "--num-layers-per-virtual-pipeline-stage": "int",
-    "--virtual-pipeline-model-parallel-size": "int", "--sequence-parallel": "bool",
-    "--use-distributed-optimizer": "bool", "--recompute-activations": "bool", "--recompute-granularity": "str",
-    "--lr": "float", "--optimizer": "str", "--train-iters": "int", "--seed": "int", "--use-tp-pp-dp-mapping": "bool",
-    "--num-virtual-stages-per-pipeline-rank": "int", "--step-batch-size-schedule": "str", "--decoder-first-pipeline-num-layers": "int",
+    "--num-layers": "int",
+    "--hidden-size": "int",
+    "--num-attention-heads": "int",
+    "--ffn-hidden-size": "int",
+    "--group-query-attention": "bool",
+    "--num-query-groups": "int",
+    "--kv-channels": "int",
+    "--swiglu": "bool",
+    "--normalization": "str",
+    "--position-embedding-type": "str",
+    "--use-rotary-position-embeddings": "bool",
+    "--no-position-embedding": "bool",
+    "--untie-embeddings-and-output-weights": "bool",
+    "--vocab-size": "int",
+    "--tokenizer-type": "str",
+    "--make-vocab-size-divisible-by": "int",
+    "--num-experts": "int",
+    "--moe-router-topk": "int",
+    "--moe-ffn-hidden-size": "int",
+    "--moe-layer-freq": "str",
+    "--seq-length": "int",
+    "--micro-batch-size": "int",
+    "--global-batch-size": "int",
+    "--bf16": "bool",
+    "--fp16": "bool",
+    "--fp8-format": "str",
+    "--tensor-model-parallel-size": "int",
+    "--pipeline-model-parallel-size": "int",
+    "--context-parallel-size": "int",
+    "--expert-model-parallel-size": "int",
+    "--expert-tensor-parallel-size": "int",
+    "--num-layers-per-virtual-pipeline-stage": "int",
+    "--virtual-pipeline-model-parallel-size": "int",
+    "--sequence-parallel": "bool",
+    "--use-distributed-optimizer": "bool",
+    "--recompute-activations": "bool",
+    "--recompute-granularity": "str",
+    "--lr": "float",
+    "--optimizer": "str",
+    "--train-iters": "int",
+    "--seed": "int",
+    "--use-tp-pp-dp-mapping": "bool",
+    "--num-virtual-stages-per-pipeline-rank": "int",
+    "--step-batch-size-schedule": "str",
+    "--decoder-first-pipeline-num-layers": "int",
     "--decoder-last-pipeline-num-layers": "int",
 }
 # Flags with no bearing on sizes, memory or communication as the spec models them (data, logging,
@@ -100,18 +130,22 @@ def _is_flag(text: str) -> bool:
     return text.startswith("--") or (text.startswith("-") and not re.fullmatch(r"-\d+(\.\d+)?", text))
 
 
-def launch_words(text: str, path: Path | None = None) -> tuple[list[Word], list[Word], list[tuple[str, Position]], Word | None]:
+def launch_words(
+    text: str, path: Path | None = None
+) -> tuple[list[Word], list[Word], list[tuple[str, Position]], Word | None]:
     """(the training script's arguments, the launcher's arguments, what the reader could not decide, the
     training script) of a launch script or arguments file (at ``path``, from which sourced files are found)."""
     run = Shell().execute(text, path=path)
-    notes = [(f"[ {t} ]", p, "a test that cannot be decided without running the script; its branch is skipped")
-             for t, p in run.undecided]
+    notes = [
+        (f"[ {t} ]", p, "a test that cannot be decided without running the script; its branch is skipped")
+        for t, p in run.undecided
+    ]
     notes += [(what, p, why) for what, p, why in run.unsourced]
     notes += [(f"{k} ...", p, "a loop or case block is not run by the reader") for k, p in run.skipped]
     for command in run.commands:
         for k, w in enumerate(command):
             if re.search(r"(^|/)pretrain_\w+\.py$", w.text):
-                return command[k + 1:], command[:k], notes, w
+                return command[k + 1 :], command[:k], notes, w
     # An arguments file: flags on their own lines, or in variables such as MODEL_ARGS="...".
     words: list[Word] = []
     for command in run.commands:
@@ -126,14 +160,20 @@ def launch_words(text: str, path: Path | None = None) -> tuple[list[Word], list[
     return words, [], notes, None
 
 
-def read_megatron(text: str, name: str, options: ImportOptions, path: Path | None = None) -> tuple[SourceDocument, list]:
+def read_megatron(
+    text: str, name: str, options: ImportOptions, path: Path | None = None
+) -> tuple[SourceDocument, list]:
     words, launcher, notes, entry = launch_words(text, path)
     b = SpecBuilder(name, "megatron")
     for what, pos, why in notes:
         b.unmodelled(what, pos, why)
     if entry is not None and not entry.text.endswith("pretrain_gpt.py"):
-        b.refuse(f"{entry.text.rsplit('/', 1)[-1]} trains a model other than Megatron's GPT decoder, which the "
-                 "transformer family describes", entry.pos, "the reader takes pretrain_gpt.py launches and their arguments")
+        b.refuse(
+            f"{entry.text.rsplit('/', 1)[-1]} trains a model other than Megatron's GPT decoder, which the "
+            "transformer family describes",
+            entry.pos,
+            "the reader takes pretrain_gpt.py launches and their arguments",
+        )
         return b.result()
     args, repeated = parse_arguments(words)
     for arg in repeated:
@@ -159,7 +199,11 @@ def read_megatron(text: str, name: str, options: ImportOptions, path: Path | Non
         try:
             return kind(a.value.text)
         except ValueError:
-            b.refuse(f"`{flag}` must be a number, got {a.value.text!r}", a.value.pos, "write a number, or define the variable it names")
+            b.refuse(
+                f"`{flag}` must be a number, got {a.value.text!r}",
+                a.value.pos,
+                "write a number, or define the variable it names",
+            )
             return default
 
     def text_of(flag: str, default: str | None = None) -> str | None:
@@ -176,8 +220,11 @@ def read_megatron(text: str, name: str, options: ImportOptions, path: Path | Non
     # ---- model
     for flag in ("--num-layers", "--hidden-size", "--num-attention-heads"):
         if not has(flag) and options.model is None:
-            b.refuse(f"`{flag}` is not set: the model's size is unknown", None,
-                     f"add `{flag}` to the arguments, or give the model with `--model config.json`")
+            b.refuse(
+                f"`{flag}` is not set: the model's size is unknown",
+                None,
+                f"add `{flag}` to the arguments, or give the model with `--model config.json`",
+            )
     tp = num("--tensor-model-parallel-size", 1)
     sized = all(has(f) for f in ("--num-layers", "--hidden-size", "--num-attention-heads"))
     if options.model is not None and not sized:
@@ -200,31 +247,62 @@ def read_megatron(text: str, name: str, options: ImportOptions, path: Path | Non
         else:
             # validate_args: swiglu -> int((4 * h * 2 / 3) / 64) * 64, else 4 * h.
             ffn = int((4 * hidden * 2 / 3) / 64) * 64 if swiglu else 4 * hidden
-            set_(("model", "ffn_hidden_size"), ffn, None, "4 * --hidden-size (--ffn-hidden-size unset; 2/3 of it with --swiglu)")
-        set_(("model", "activation"), "swiglu" if swiglu else "gelu", "--swiglu" if swiglu else None,
-             "--swiglu" if swiglu else "Megatron's default MLP activation (gelu)")
+            set_(
+                ("model", "ffn_hidden_size"),
+                ffn,
+                None,
+                "4 * --hidden-size (--ffn-hidden-size unset; 2/3 of it with --swiglu)",
+            )
+        set_(
+            ("model", "activation"),
+            "swiglu" if swiglu else "gelu",
+            "--swiglu" if swiglu else None,
+            "--swiglu" if swiglu else "Megatron's default MLP activation (gelu)",
+        )
         norm = text_of("--normalization", "LayerNorm")
         if norm not in ("LayerNorm", "RMSNorm"):
-            b.refuse(f"`--normalization {norm}` is not modelled", at("--normalization"), "the spec models LayerNorm and RMSNorm")
-        set_(("model", "norm"), "rmsnorm" if norm == "RMSNorm" else "layernorm", "--normalization" if has("--normalization") else None,
-             "--normalization" if has("--normalization") else "--normalization default LayerNorm")
+            b.refuse(
+                f"`--normalization {norm}` is not modelled",
+                at("--normalization"),
+                "the spec models LayerNorm and RMSNorm",
+            )
+        set_(
+            ("model", "norm"),
+            "rmsnorm" if norm == "RMSNorm" else "layernorm",
+            "--normalization" if has("--normalization") else None,
+            "--normalization" if has("--normalization") else "--normalization default LayerNorm",
+        )
         position = text_of("--position-embedding-type", "learned_absolute")
         rope = position in ("rope", "yarn", "mrope") or has("--use-rotary-position-embeddings")
         learned = position == "learned_absolute" and not rope and not has("--no-position-embedding")
-        set_(("model", "position_embedding"), "learned" if learned else "rope",
-             "--position-embedding-type" if has("--position-embedding-type") else None,
-             "--position-embedding-type" if has("--position-embedding-type") else "--position-embedding-type default learned_absolute")
+        set_(
+            ("model", "position_embedding"),
+            "learned" if learned else "rope",
+            "--position-embedding-type" if has("--position-embedding-type") else None,
+            "--position-embedding-type"
+            if has("--position-embedding-type")
+            else "--position-embedding-type default learned_absolute",
+        )
         # --untie-embeddings-and-output-weights: Megatron ties them unless it is given.
-        set_(("model", "tie_embeddings"), not has("--untie-embeddings-and-output-weights"),
-             "--untie-embeddings-and-output-weights" if has("--untie-embeddings-and-output-weights") else None,
-             "--untie-embeddings-and-output-weights" if has("--untie-embeddings-and-output-weights") else "tied (no --untie-embeddings-and-output-weights)")
+        set_(
+            ("model", "tie_embeddings"),
+            not has("--untie-embeddings-and-output-weights"),
+            "--untie-embeddings-and-output-weights" if has("--untie-embeddings-and-output-weights") else None,
+            "--untie-embeddings-and-output-weights"
+            if has("--untie-embeddings-and-output-weights")
+            else "tied (no --untie-embeddings-and-output-weights)",
+        )
         _vocab(b, args, num, text_of, at, tp, options)
         experts = num("--num-experts", 0) or 0  # validate_args: 0 means dense
         if experts:
             set_(("model", "num_experts"), experts, "--num-experts")
             # TransformerConfig.moe_router_topk defaults to 2 (megatron/core/transformer/transformer_config.py).
-            set_(("model", "experts_per_token"), num("--moe-router-topk", 2), "--moe-router-topk" if has("--moe-router-topk") else None,
-                 "--moe-router-topk" if has("--moe-router-topk") else "--moe-router-topk default 2")
+            set_(
+                ("model", "experts_per_token"),
+                num("--moe-router-topk", 2),
+                "--moe-router-topk" if has("--moe-router-topk") else None,
+                "--moe-router-topk" if has("--moe-router-topk") else "--moe-router-topk default 2",
+            )
             if has("--moe-ffn-hidden-size"):
                 set_(("model", "moe_ffn_hidden_size"), num("--moe-ffn-hidden-size"), "--moe-ffn-hidden-size")
             freq = text_of("--moe-layer-freq")
@@ -232,8 +310,11 @@ def read_megatron(text: str, name: str, options: ImportOptions, path: Path | Non
                 if freq.isdigit():
                     set_(("model", "moe_layer_frequency"), int(freq), "--moe-layer-freq")
                 else:
-                    b.refuse(f"`--moe-layer-freq {freq}` (a per-layer pattern) is not modelled", at("--moe-layer-freq"),
-                             "the spec spaces MoE layers evenly: give an integer")
+                    b.refuse(
+                        f"`--moe-layer-freq {freq}` (a per-layer pattern) is not modelled",
+                        at("--moe-layer-freq"),
+                        "the spec spaces MoE layers evenly: give an integer",
+                    )
     if b.failed:
         return b.result()
 
@@ -246,39 +327,73 @@ def read_megatron(text: str, name: str, options: ImportOptions, path: Path | Non
     kind, memory, memory_origin = _device_comment(text)
     if kind is not None:
         b.set(("resources", "kind"), kind, origin=memory_origin)
-    devices = resources(b, options, devices, devices_at, devices_origin, what="a Megatron-LM launch",
-                        divisor=math.lcm(tp * pp * cp, etp * ep * pp), memory=memory, memory_origin=memory_origin)
+    devices = resources(
+        b,
+        options,
+        devices,
+        devices_at,
+        devices_origin,
+        what="a Megatron-LM launch",
+        divisor=math.lcm(tp * pp * cp, etp * ep * pp),
+        memory=memory,
+        memory_origin=memory_origin,
+    )
     dp = max(1, devices // (tp * pp * cp))
     set_(("mesh", "tp"), tp, "--tensor-model-parallel-size")
     set_(("mesh", "pp"), pp, "--pipeline-model-parallel-size")
     set_(("mesh", "cp"), cp, "--context-parallel-size")
     set_(("mesh", "ep"), ep, "--expert-model-parallel-size")
-    set_(("mesh", "etp"), etp, "--expert-tensor-parallel-size" if has("--expert-tensor-parallel-size") else "--tensor-model-parallel-size",
-         None if has("--expert-tensor-parallel-size") else "--expert-tensor-parallel-size default (= tp)")
+    set_(
+        ("mesh", "etp"),
+        etp,
+        "--expert-tensor-parallel-size" if has("--expert-tensor-parallel-size") else "--tensor-model-parallel-size",
+        None if has("--expert-tensor-parallel-size") else "--expert-tensor-parallel-size default (= tp)",
+    )
     if has("--use-tp-pp-dp-mapping"):  # parallel_state.initialize_model_parallel: order tp-cp-ep-pp-dp
         set_(("mesh", "order"), "tp-cp-ep-pp-dp", "--use-tp-pp-dp-mapping")
     dist_opt = has("--use-distributed-optimizer")
-    set_(("mesh", "dp_shard" if dist_opt else "dp_replicate"), dp, "--use-distributed-optimizer" if dist_opt else None,
-         f"world {devices} / (tp * pp * cp)" + (" sharded by --use-distributed-optimizer" if dist_opt else ""))
+    set_(
+        ("mesh", "dp_shard" if dist_opt else "dp_replicate"),
+        dp,
+        "--use-distributed-optimizer" if dist_opt else None,
+        f"world {devices} / (tp * pp * cp)" + (" sharded by --use-distributed-optimizer" if dist_opt else ""),
+    )
     set_(("training", "distributed_optimizer"), dist_opt, "--use-distributed-optimizer" if dist_opt else None)
 
     if has("--step-batch-size-schedule") and has("--global-batch-size"):
         # validate_args: "Cannot specify both --step-batch-size-schedule and --global-batch-size" (ValueError).
-        b.diagnostic(codes.ENGINE_REFUSES.code, "Megatron-LM refuses --step-batch-size-schedule together with "
-                     "--global-batch-size (validate_args raises ValueError)", at("--step-batch-size-schedule"),
-                     hint="keep one of them; the check below uses --global-batch-size", field=("training", "global_batch_size"))
+        b.diagnostic(
+            codes.ENGINE_REFUSES.code,
+            "Megatron-LM refuses --step-batch-size-schedule together with "
+            "--global-batch-size (validate_args raises ValueError)",
+            at("--step-batch-size-schedule"),
+            hint="keep one of them; the check below uses --global-batch-size",
+            field=("training", "global_batch_size"),
+        )
     # ---- batch (validate_args: --global-batch-size defaults to micro * dp)
     mbs = num("--micro-batch-size", 1)
     gbs = num("--global-batch-size", mbs * dp)
     set_(("training", "micro_batch_size"), mbs, "--micro-batch-size")
-    set_(("training", "global_batch_size"), gbs, "--global-batch-size" if has("--global-batch-size") else None,
-         "--global-batch-size" if has("--global-batch-size") else "--global-batch-size default (micro * dp)")
-    set_(("mesh", "microbatches"), max(1, gbs // (mbs * dp)), "--global-batch-size" if has("--global-batch-size") else None,
-         "global / (micro * dp): Megatron's number of micro-batches")
+    set_(
+        ("training", "global_batch_size"),
+        gbs,
+        "--global-batch-size" if has("--global-batch-size") else None,
+        "--global-batch-size" if has("--global-batch-size") else "--global-batch-size default (micro * dp)",
+    )
+    set_(
+        ("mesh", "microbatches"),
+        max(1, gbs // (mbs * dp)),
+        "--global-batch-size" if has("--global-batch-size") else None,
+        "global / (micro * dp): Megatron's number of micro-batches",
+    )
     seq = num("--seq-length", options.seq_len)
     if seq is not None:
-        set_(("training", "seq_len"), seq, "--seq-length" if has("--seq-length") else None,
-             "--seq-length" if has("--seq-length") else "--seq-len")
+        set_(
+            ("training", "seq_len"),
+            seq,
+            "--seq-length" if has("--seq-length") else None,
+            "--seq-length" if has("--seq-length") else "--seq-len",
+        )
 
     # ---- pipeline schedule
     layers = b.get(("model", "num_layers"))
@@ -286,13 +401,19 @@ def read_megatron(text: str, name: str, options: ImportOptions, path: Path | Non
     per_stage = num("--num-layers-per-virtual-pipeline-stage")
     if per_stage is not None and isinstance(layers, int):
         if layers % (pp * per_stage):
-            b.refuse(f"--num-layers {layers} is not pp {pp} * --num-layers-per-virtual-pipeline-stage {per_stage} * a whole number",
-                     at("--num-layers-per-virtual-pipeline-stage"), "Megatron asserts the layers split evenly into virtual stages")
+            b.refuse(
+                f"--num-layers {layers} is not pp {pp} * --num-layers-per-virtual-pipeline-stage {per_stage} * a whole number",
+                at("--num-layers-per-virtual-pipeline-stage"),
+                "Megatron asserts the layers split evenly into virtual stages",
+            )
         vpp = layers // (pp * per_stage)
         flag = "--num-layers-per-virtual-pipeline-stage"
     else:
-        flag = "--virtual-pipeline-model-parallel-size" if has("--virtual-pipeline-model-parallel-size") else \
-            "--num-virtual-stages-per-pipeline-rank"
+        flag = (
+            "--virtual-pipeline-model-parallel-size"
+            if has("--virtual-pipeline-model-parallel-size")
+            else "--num-virtual-stages-per-pipeline-rank"
+        )
     if vpp is not None and vpp > 1:
         set_(("training", "virtual_pipeline_stages"), vpp, flag)
         set_(("training", "pipeline_schedule"), "interleaved_1f1b", flag)
@@ -307,9 +428,11 @@ def read_megatron(text: str, name: str, options: ImportOptions, path: Path | Non
         middle = stages - (first is not None) - (last is not None)
         rest = layers - (first or 0) - (last or 0)
         if rest < 0 or (middle and rest % middle) or (not middle and rest):
-            b.refuse(f"--num-layers {layers} does not split into first {first}, last {last} and {middle} even middle stages",
-                     at("--decoder-first-pipeline-num-layers") or at("--decoder-last-pipeline-num-layers"),
-                     "Megatron asserts the remaining layers divide evenly over the middle stages")
+            b.refuse(
+                f"--num-layers {layers} does not split into first {first}, last {last} and {middle} even middle stages",
+                at("--decoder-first-pipeline-num-layers") or at("--decoder-last-pipeline-num-layers"),
+                "Megatron asserts the remaining layers divide evenly over the middle stages",
+            )
             return b.result()
         each = rest // middle if middle else 0
         split = [each] * stages
@@ -317,9 +440,12 @@ def read_megatron(text: str, name: str, options: ImportOptions, path: Path | Non
             split[0] = first
         if last is not None:
             split[-1] = last
-        b.set(("training", "pipeline_layers"), split,
-              at=at("--decoder-first-pipeline-num-layers") or at("--decoder-last-pipeline-num-layers"),
-              origin="--decoder-first/last-pipeline-num-layers (the middle stages even)")
+        b.set(
+            ("training", "pipeline_layers"),
+            split,
+            at=at("--decoder-first-pipeline-num-layers") or at("--decoder-last-pipeline-num-layers"),
+            origin="--decoder-first/last-pipeline-num-layers (the middle stages even)",
+        )
 
     # ---- the rest of training
     if has("--sequence-parallel"):
@@ -336,8 +462,11 @@ def read_megatron(text: str, name: str, options: ImportOptions, path: Path | Non
     if has("--recompute-activations"):  # validate_args: recompute_activations -> granularity selective
         granularity = "selective"
     if granularity in ("full", "selective"):
-        set_(("training", "activation_checkpointing"), granularity,
-             "--recompute-activations" if has("--recompute-activations") else "--recompute-granularity")
+        set_(
+            ("training", "activation_checkpointing"),
+            granularity,
+            "--recompute-activations" if has("--recompute-activations") else "--recompute-granularity",
+        )
     lr = num("--lr", None, float)
     if lr is not None and lr > 0:
         set_(("training", "learning_rate"), lr, "--lr")
@@ -345,8 +474,12 @@ def read_megatron(text: str, name: str, options: ImportOptions, path: Path | Non
     if optimizer not in ("adam", "sgd"):
         b.unmodelled(f"--optimizer {optimizer}", at("--optimizer"), "priced as adam (two moments per parameter)")
     # Megatron's "adam" applies decoupled weight decay (AdamW).
-    set_(("training", "optimizer"), "sgd" if optimizer == "sgd" else "adamw", "--optimizer" if has("--optimizer") else None,
-         "--optimizer" if has("--optimizer") else "--optimizer default adam (decoupled weight decay)")
+    set_(
+        ("training", "optimizer"),
+        "sgd" if optimizer == "sgd" else "adamw",
+        "--optimizer" if has("--optimizer") else None,
+        "--optimizer" if has("--optimizer") else "--optimizer default adam (decoupled weight decay)",
+    )
     if has("--train-iters"):
         set_(("training", "steps"), num("--train-iters"), "--train-iters")
     if has("--seed"):
@@ -366,15 +499,22 @@ def _vocab(b: SpecBuilder, args, num, text_of, at, tp: int, options: ImportOptio
     if "--vocab-size" in args:
         vocab, origin, pos = num("--vocab-size"), "--vocab-size", at("--vocab-size")
     elif isinstance(hf_vocab, int) and not isinstance(hf_vocab, bool):
-        vocab, origin, pos = hf_vocab, f"{options.model}: vocab_size (the tokenizer's vocabulary)", at("--tokenizer-type")
+        vocab, origin, pos = (
+            hf_vocab,
+            f"{options.model}: vocab_size (the tokenizer's vocabulary)",
+            at("--tokenizer-type"),
+        )
     elif tokenizer == "GPT2BPETokenizer" or (tokenizer is None and "--vocab-file" in args):
         vocab, origin, pos = 50257, "GPT-2 BPE vocabulary (50257 tokens)", at("--tokenizer-type") or at("--vocab-file")
     elif tokenizer == "Llama2Tokenizer":
         vocab, origin, pos = 32000, "Llama 2 sentencepiece vocabulary (32000 pieces)", at("--tokenizer-type")
     else:
-        b.refuse(f"the vocabulary size is not in the arguments (tokenizer {tokenizer or 'unset'} reads it from a file)",
-                 at("--tokenizer-type"), "add `--vocab-size N`, or give the model's HF config with `--model config.json`",
-                 ("model", "vocab_size"))
+        b.refuse(
+            f"the vocabulary size is not in the arguments (tokenizer {tokenizer or 'unset'} reads it from a file)",
+            at("--tokenizer-type"),
+            "add `--vocab-size N`, or give the model's HF config with `--model config.json`",
+            ("model", "vocab_size"),
+        )
         return
     if vocab is None:
         return

@@ -62,7 +62,9 @@ class ShellRun:
 
 MAX_SOURCE_DEPTH = 8
 MAX_SOURCE_BYTES = 1 << 20
-_DIRNAME = re.compile(r"""\$\(\s*dirname\s+(?:"\$(?:0|\{0\}|\{BASH_SOURCE(?:\[0\])?\})"|\$(?:0|\{0\}|\{BASH_SOURCE(?:\[0\])?\}))\s*\)""")
+_DIRNAME = re.compile(
+    r"""\$\(\s*dirname\s+(?:"\$(?:0|\{0\}|\{BASH_SOURCE(?:\[0\])?\})"|\$(?:0|\{0\}|\{BASH_SOURCE(?:\[0\])?\}))\s*\)"""
+)
 
 
 def tokenize(text: str, file: str | None = None) -> list[_Raw | tuple[str, Position]]:
@@ -96,7 +98,7 @@ def tokenize(text: str, file: str | None = None) -> list[_Raw | tuple[str, Posit
             advance()
             continue
         if text.startswith("&&", i) or text.startswith("||", i):
-            out.append((text[i:i + 2], Position(line, col, file)))
+            out.append((text[i : i + 2], Position(line, col, file)))
             advance(2)
             continue
         if ch in "()|&":
@@ -158,7 +160,7 @@ def tokenize(text: str, file: str | None = None) -> list[_Raw | tuple[str, Posit
                         if depth == 0:
                             break
                     j += 1
-                plain += text[i:j + 1]
+                plain += text[i : j + 1]
                 advance(j + 1 - i)
                 continue
             plain += ch
@@ -171,8 +173,14 @@ def tokenize(text: str, file: str | None = None) -> list[_Raw | tuple[str, Posit
 
 
 _VAR = re.compile(r"\$(?:\{([^}]*)\}|\(\((.*?)\)\)|\(([^)]*)\)|([A-Za-z_]\w*|[0-9@*#?]))", re.S)
-_ARITH_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
-              ast.Div: operator.floordiv, ast.Mod: operator.mod}
+_ARITH_OPS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.FloorDiv: operator.floordiv,
+    ast.Div: operator.floordiv,
+    ast.Mod: operator.mod,
+}
 
 
 class Shell:
@@ -382,7 +390,14 @@ class Shell:
             negate, raw = True, raw[1:]
         args = [" ".join(x.text for x in self.expand(w, split=False)) if isinstance(w, _Raw) else w for w in raw]
         ops = {"==": operator.eq, "=": operator.eq, "!=": operator.ne}
-        nums = {"-eq": operator.eq, "-ne": operator.ne, "-lt": operator.lt, "-le": operator.le, "-gt": operator.gt, "-ge": operator.ge}
+        nums = {
+            "-eq": operator.eq,
+            "-ne": operator.ne,
+            "-lt": operator.lt,
+            "-le": operator.le,
+            "-gt": operator.gt,
+            "-ge": operator.ge,
+        }
         value: bool | None = None
         if len(args) == 2 and args[0] in ("-z", "-n"):
             value = (args[1] == "") == (args[0] == "-z")
@@ -414,8 +429,12 @@ class Shell:
                 break
             name, append = m.group(1), m.group(2) == "+"
             rest = _Raw(_drop_prefix(st[i].segments, len(m.group(0))), st[i].pos)
-            if not rest.segments and i + 1 < len(st) and st[i + 1] == "(" or (
-                    not rest.segments and i + 1 < len(st) and isinstance(st[i + 1], tuple) and st[i + 1][0] == "("):
+            if (
+                not rest.segments
+                and i + 1 < len(st)
+                and st[i + 1] == "("
+                or (not rest.segments and i + 1 < len(st) and isinstance(st[i + 1], tuple) and st[i + 1][0] == "(")
+            ):
                 j = i + 2
                 items: list[Word] = []
                 while j < len(st) and not (isinstance(st[j], tuple) and st[j][0] == ")"):
@@ -445,7 +464,6 @@ class Shell:
         if words:
             self.run.commands.append(words)
 
-
     # -- source
     def _source(self, command: str, raw: _Raw, pos: Position) -> None:
         written = raw.literal
@@ -460,12 +478,22 @@ class Shell:
                 continue
             body = m.group(1) if m.group(1) is not None else m.group(4)
             name = re.match(r"[A-Za-z_]\w*|\d+|[@*#?]", body)
-            if not name or (":-" not in body and not self._lookup(name.group(0)) and name.group(0) not in self.run.scalars
-                            and name.group(0) not in self.env):
+            if not name or (
+                ":-" not in body
+                and not self._lookup(name.group(0))
+                and name.group(0) not in self.run.scalars
+                and name.group(0) not in self.env
+            ):
                 unknown.append(f"${name.group(0) if name else body}, which the script does not set")
         if unknown:
-            self.run.unsourced.append((what, pos, f"the path is computed from {', '.join(unknown)}; the reader does not "
-                                                  "run the script, so the variables and arguments that file sets are not read"))
+            self.run.unsourced.append(
+                (
+                    what,
+                    pos,
+                    f"the path is computed from {', '.join(unknown)}; the reader does not "
+                    "run the script, so the variables and arguments that file sets are not read",
+                )
+            )
             return
         if here is not None:
             raw = _Raw([(kind, _DIRNAME.sub(str(here), text)) for kind, text in raw.segments], raw.pos)
@@ -476,23 +504,32 @@ class Shell:
         found = next((c for c in candidates if c.is_file()), None)
         if found is None:
             places = " or ".join(str(c) for c in candidates)
-            self.run.unsourced.append((what, pos, f"{target} is not found (looked for {places}); the variables and "
-                                                  "arguments it sets are not read"))
+            self.run.unsourced.append(
+                (
+                    what,
+                    pos,
+                    f"{target} is not found (looked for {places}); the variables and arguments it sets are not read",
+                )
+            )
             return
         resolved = found.resolve()
         if resolved in self._files:
-            chain = " -> ".join(f.name for f in (*self._files[self._files.index(resolved):], resolved))
+            chain = " -> ".join(f.name for f in (*self._files[self._files.index(resolved) :], resolved))
             self.run.unsourced.append((what, pos, f"a cycle ({chain}): {target} is already being read; not read again"))
             return
         if len(self._files) >= MAX_SOURCE_DEPTH:
-            self.run.unsourced.append((what, pos, f"sourced files nest more than {MAX_SOURCE_DEPTH} deep; {target} is not read"))
+            self.run.unsourced.append(
+                (what, pos, f"sourced files nest more than {MAX_SOURCE_DEPTH} deep; {target} is not read")
+            )
             return
         try:
             if resolved.stat().st_size > MAX_SOURCE_BYTES:
                 raise ValueError(f"larger than {MAX_SOURCE_BYTES} bytes")
             text = resolved.read_text(encoding="utf-8-sig")
         except (OSError, UnicodeDecodeError, ValueError) as exc:
-            self.run.unsourced.append((what, pos, f"{target} cannot be read ({exc}); the variables and arguments it sets are not read"))
+            self.run.unsourced.append(
+                (what, pos, f"{target} cannot be read ({exc}); the variables and arguments it sets are not read")
+            )
             return
         try:
             display = str(resolved.relative_to(self.cwd.resolve()))

@@ -43,9 +43,16 @@ class EngineChange:
     text: str  # the edit as the engine writes it
 
     def as_dict(self) -> dict:
-        return {"key": self.key, "action": self.action, "value": self.value, "was": self.was,
-                "line": self.at.line if self.at else None, "column": self.at.column if self.at else None, "edit": self.text,
-                **({"file": self.at.file} if self.at and self.at.file else {})}
+        return {
+            "key": self.key,
+            "action": self.action,
+            "value": self.value,
+            "was": self.was,
+            "line": self.at.line if self.at else None,
+            "column": self.at.column if self.at else None,
+            "edit": self.text,
+            **({"file": self.at.file} if self.at and self.at.file else {}),
+        }
 
 
 @dataclass(frozen=True)
@@ -92,8 +99,11 @@ def engine_patch(spec, suggestion, document: SourceDocument) -> EnginePatch:
             changes.append(EngineChange(written, None, old, "remove", at, f"remove {_flag(written, old)}"))
             continue
         action = "set" if at is not None else "add"
-        changes.append(EngineChange(written, new, None if old is _ABSENT else old, action, at,
-                                    _edit(fmt, written, new, old, action)))
+        changes.append(
+            EngineChange(
+                written, new, None if old is _ABSENT else old, action, at, _edit(fmt, written, new, old, action)
+            )
+        )
     if not changes:
         raise NotExpressible("the engine's config reads the same before and after the fix")
     return EnginePatch(fmt, tuple(changes), tuple(c.field.dotted for c in suggestion.changes))
@@ -212,7 +222,7 @@ def _edit(fmt: str, key: str, new: object, old: object, action: str) -> str:
         return f"set [{table}] {name} = {_toml_value(new)}{was}"
     if fmt == "torchtitan-python":
         return f"{action} {key} = {new!r}{was}"
-    return f"{action} \"{key}\": {json.dumps(new)}{was}"
+    return f'{action} "{key}": {json.dumps(new)}{was}'
 
 
 def _shown(fmt: str, value: object) -> str:

@@ -20,7 +20,9 @@ from mixle_compile.diagnostics import Diagnostic, Severity
 from mixle_compile.spec.source import Path_, Position, SourceDocument, SourceError
 
 _HEADER = re.compile(r"^(\s*)\[\[?\s*([^\]]+?)\s*\]\]?\s*(#.*)?$")
-_KEY = re.compile(r"^(\s*)((?:[A-Za-z0-9_\-]+|\"[^\"]*\"|'[^']*')(?:\s*\.\s*(?:[A-Za-z0-9_\-]+|\"[^\"]*\"|'[^']*'))*)\s*=\s*")
+_KEY = re.compile(
+    r"^(\s*)((?:[A-Za-z0-9_\-]+|\"[^\"]*\"|'[^']*')(?:\s*\.\s*(?:[A-Za-z0-9_\-]+|\"[^\"]*\"|'[^']*'))*)\s*=\s*"
+)
 _ERROR_AT = re.compile(r"\(at line (\d+), column (\d+)\)")
 
 
@@ -35,8 +37,21 @@ def read_toml(text: str, name: str) -> SourceDocument:
         m = _ERROR_AT.search(str(exc))
         line, col = (int(m.group(1)), int(m.group(2))) if m else (1, 1)
         message = _ERROR_AT.sub("", str(exc)).strip()
-        raise SourceError([Diagnostic("S001", Severity.error, f"invalid TOML: {message}", "fix the TOML syntax at this position",
-                                      name, line, col, ())], unreadable=True)
+        raise SourceError(
+            [
+                Diagnostic(
+                    "S001",
+                    Severity.error,
+                    f"invalid TOML: {message}",
+                    "fix the TOML syntax at this position",
+                    name,
+                    line,
+                    col,
+                    (),
+                )
+            ],
+            unreadable=True,
+        )
     doc = SourceDocument(file=name, data=data)
     table: Path_ = ()
     state = _ValueState()
@@ -54,7 +69,7 @@ def read_toml(text: str, name: str) -> SourceDocument:
             path = (*table, *_parts(k.group(2)))
             doc.keys[path] = Position(number, len(k.group(1)) + 1)
             doc.values[path] = Position(number, k.end() + 1)
-            state.scan(line[k.end():])
+            state.scan(line[k.end() :])
     return doc
 
 
@@ -92,7 +107,7 @@ class _ValueState:
             if ch == "#":
                 return
             if text.startswith(_ML_BASIC, i) or text.startswith(_ML_LITERAL, i):
-                self.string = text[i:i + 3]
+                self.string = text[i : i + 3]
                 i += 3
                 continue
             if ch in "\"'":

@@ -31,13 +31,31 @@ from mixle_compile.spec.source import Position, SourceDocument
 
 READ = {
     "model": {"name", "flavor", "hf_assets_path", "converters", "tokenizer_path"},
-    "training": {"local_batch_size", "batch_size", "global_batch_size", "seq_len", "steps", "mixed_precision_param", "seed", "compile"},
+    "training": {
+        "local_batch_size",
+        "batch_size",
+        "global_batch_size",
+        "seq_len",
+        "steps",
+        "mixed_precision_param",
+        "seed",
+        "compile",
+    },
     "parallelism": {
-        "data_parallel_replicate_degree", "data_parallel_shard_degree", "tensor_parallel_degree",
-        "pipeline_parallel_degree", "context_parallel_degree", "expert_parallel_degree",
-        "expert_tensor_parallel_degree", "pipeline_parallel_schedule", "pipeline_parallel_microbatch_size",
-        "pipeline_parallel_layers_per_stage", "pipeline_parallel_first_stage_less_layers",
-        "pipeline_parallel_last_stage_less_layers", "enable_async_tensor_parallel", "enable_sequence_parallel",
+        "data_parallel_replicate_degree",
+        "data_parallel_shard_degree",
+        "tensor_parallel_degree",
+        "pipeline_parallel_degree",
+        "context_parallel_degree",
+        "expert_parallel_degree",
+        "expert_tensor_parallel_degree",
+        "pipeline_parallel_schedule",
+        "pipeline_parallel_microbatch_size",
+        "pipeline_parallel_layers_per_stage",
+        "pipeline_parallel_first_stage_less_layers",
+        "pipeline_parallel_last_stage_less_layers",
+        "enable_async_tensor_parallel",
+        "enable_sequence_parallel",
     },
     "activation_checkpoint": {"mode", "selective_ac_option"},
     "optimizer": {"name", "lr"},
@@ -51,28 +69,74 @@ PARALLEL_KEYS = READ["parallelism"] | {"pipeline_parallel_microbatches"}
 READ["training"] = READ["training"] | PARALLEL_KEYS
 READ["experimental"] = PARALLEL_KEYS
 # Tables and keys with no bearing on the plan's sizes, memory or communication: read quietly.
-QUIET_TABLES = {"job", "profiling", "metrics", "checkpoint", "lr_scheduler", "validation", "comm",
-                "mx", "quantize", "fault_tolerance", "memory_estimation", "debug"}
+QUIET_TABLES = {
+    "job",
+    "profiling",
+    "metrics",
+    "checkpoint",
+    "lr_scheduler",
+    "validation",
+    "comm",
+    "mx",
+    "quantize",
+    "fault_tolerance",
+    "memory_estimation",
+    "debug",
+}
 QUIET_KEYS = {
-    "training": {"max_norm", "dataset", "dataset_path", "warmup_steps", "gc_freq", "deterministic", "mixed_precision_reduce",
-                 "enable_cpu_offload", "gc_debug", "debug_moe_force_load_balance", "tensorboard", "dataloader"},
-    "parallelism": {"fsdp_reshard_after_forward", "disable_loss_parallel", "enable_compiled_autograd",
-                    "context_parallel_rotate_method", "pipeline_parallel_split_points", "module_fqns_per_model_part",
-                    "pipeline_parallel_schedule_csv", "expert_parallel_comm_backend", "enable_compiled_autograd"},
+    "training": {
+        "max_norm",
+        "dataset",
+        "dataset_path",
+        "warmup_steps",
+        "gc_freq",
+        "deterministic",
+        "mixed_precision_reduce",
+        "enable_cpu_offload",
+        "gc_debug",
+        "debug_moe_force_load_balance",
+        "tensorboard",
+        "dataloader",
+    },
+    "parallelism": {
+        "fsdp_reshard_after_forward",
+        "disable_loss_parallel",
+        "enable_compiled_autograd",
+        "context_parallel_rotate_method",
+        "pipeline_parallel_split_points",
+        "module_fqns_per_model_part",
+        "pipeline_parallel_schedule_csv",
+        "expert_parallel_comm_backend",
+    },
     "model": {"print_after_conversion", "print_model", "hf_assets_path", "norm_type"},
-    "float8": {"enable_fsdp_float8_all_gather", "precompute_float8_dynamic_scale_for_fsdp", "force_recompute_fp8_weight_in_bwd",
-               "scaling_type_input", "scaling_type_weight", "scaling_type_grad_output", "recipe_name", "filter_fqns",
-               "emulate"},
+    "float8": {
+        "enable_fsdp_float8_all_gather",
+        "precompute_float8_dynamic_scale_for_fsdp",
+        "force_recompute_fp8_weight_in_bwd",
+        "scaling_type_input",
+        "scaling_type_weight",
+        "scaling_type_grad_output",
+        "recipe_name",
+        "filter_fqns",
+        "emulate",
+    },
     "experimental": {"enable_compiled_autograd", "custom_args_module", "custom_import", "custom_model_path"},
     "compile": {"backend"},
     "optimizer": {"eps", "weight_decay", "beta1", "beta2", "implementation", "early_step_in_backward"},
-    "activation_checkpoint": {"per_op_sac_force_recompute_mm_shapes_by_fqns", "preserve_rng_state", "determinism_check",
-                              "early_stop", "debug"},
+    "activation_checkpoint": {
+        "per_op_sac_force_recompute_mm_shapes_by_fqns",
+        "preserve_rng_state",
+        "determinism_check",
+        "early_stop",
+        "debug",
+    },
 }
 SCHEDULES = {"1F1B": "1f1b", "GPipe": "gpipe", "Interleaved1F1B": "interleaved_1f1b"}
 SINGLE_STAGE = {"1F1B", "GPipe"}
 PRECISIONS = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
-_PRESET = re.compile(r"preset for (\d+) (?:([A-Za-z0-9][A-Za-z0-9-]*) )?GPUs(?: \(with ([0-9.]+\s*[KMGT]i?B|\d+) memory\))?", re.I)
+_PRESET = re.compile(
+    r"preset for (\d+) (?:([A-Za-z0-9][A-Za-z0-9-]*) )?GPUs(?: \(with ([0-9.]+\s*[KMGT]i?B|\d+) memory\))?", re.I
+)
 GPU_MEMORY = {"a100": "80GiB", "h100": "80GiB", "h200": "141GB", "b200": "180GB", "mi300x": "192GB"}
 
 
@@ -80,8 +144,16 @@ def read_torchtitan_toml(text: str, name: str, base: Path, options: ImportOption
     return import_job(read_toml(text, name), text, base, options, version="0.2")
 
 
-def import_job(src: SourceDocument, text: str, base: Path, options: ImportOptions, *, version: str,
-               source_format: str = "torchtitan", model: tuple[dict, dict] | None = None) -> tuple[SourceDocument, list]:
+def import_job(
+    src: SourceDocument,
+    text: str,
+    base: Path,
+    options: ImportOptions,
+    *,
+    version: str,
+    source_format: str = "torchtitan",
+    model: tuple[dict, dict] | None = None,
+) -> tuple[SourceDocument, list]:
     """A job's tables (TOML's, or a config-registry function's Trainer.Config read as tables) as a spec.
 
     ``text`` is searched for torchtitan's preset comment; ``version`` is the backend version the spec names;
@@ -110,7 +182,9 @@ def import_job(src: SourceDocument, text: str, base: Path, options: ImportOption
         if v in allow:
             return v
         if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-            b.refuse(f"`{table}.{key}` must be an integer >= {minimum}, got {v!r}", at(table, key), "write a whole number")
+            b.refuse(
+                f"`{table}.{key}` must be an integer >= {minimum}, got {v!r}", at(table, key), "write a whole number"
+            )
             return default
         return v
 
@@ -135,26 +209,56 @@ def import_job(src: SourceDocument, text: str, base: Path, options: ImportOption
     devices, devices_at, origin, memory = _preset(text, options, b)
     if devices is None and shard != -1:
         devices, origin = rep * shard * tp * pp * cp, "the product of the parallel degrees"
-    devices = resources(b, options, devices, devices_at, origin, what="a torchtitan job config",
-                        memory=memory, memory_origin=origin if memory else None, divisor=rep * tp * pp * cp)
-    for key, path, v in (("data_parallel_replicate_degree", "dp_replicate", rep), ("tensor_parallel_degree", "tp", tp),
-                         ("pipeline_parallel_degree", "pp", pp), ("context_parallel_degree", "cp", cp),
-                         ("expert_parallel_degree", "ep", ep), ("expert_tensor_parallel_degree", "etp", etp)):
+    devices = resources(
+        b,
+        options,
+        devices,
+        devices_at,
+        origin,
+        what="a torchtitan job config",
+        memory=memory,
+        memory_origin=origin if memory else None,
+        divisor=rep * tp * pp * cp,
+    )
+    for key, path, v in (
+        ("data_parallel_replicate_degree", "dp_replicate", rep),
+        ("tensor_parallel_degree", "tp", tp),
+        ("pipeline_parallel_degree", "pp", pp),
+        ("context_parallel_degree", "cp", cp),
+        ("expert_parallel_degree", "ep", ep),
+        ("expert_tensor_parallel_degree", "etp", etp),
+    ):
         given = at("parallelism", key)
-        b.set(("mesh", path), v, at=given, origin=f"{_parallel_table(data, key)}.{key}" + ("" if given else f" (default {v})"))
+        b.set(
+            ("mesh", path),
+            v,
+            at=given,
+            origin=f"{_parallel_table(data, key)}.{key}" + ("" if given else f" (default {v})"),
+        )
     if shard == -1:
-        b.set(("mesh", "dp_shard"), "auto", at=at("parallelism", "data_parallel_shard_degree"),
-              origin="parallelism.data_parallel_shard_degree = -1 (the devices the other degrees leave)")
+        b.set(
+            ("mesh", "dp_shard"),
+            "auto",
+            at=at("parallelism", "data_parallel_shard_degree"),
+            origin="parallelism.data_parallel_shard_degree = -1 (the devices the other degrees leave)",
+        )
         others = rep * tp * pp * cp
         dp_shard = devices // others if devices % others == 0 else None
     else:
-        b.set(("mesh", "dp_shard"), shard, at=at("parallelism", "data_parallel_shard_degree"),
-              origin="parallelism.data_parallel_shard_degree")
+        b.set(
+            ("mesh", "dp_shard"),
+            shard,
+            at=at("parallelism", "data_parallel_shard_degree"),
+            origin="parallelism.data_parallel_shard_degree",
+        )
         dp_shard = shard
     if dp_shard is None:
-        b.refuse(f"data_parallel_shard_degree = -1 takes the devices the other degrees leave, but {devices} devices are not a "
-                 f"multiple of replicate * tp * pp * cp = {rep * tp * pp * cp}", at("parallelism", "data_parallel_shard_degree"),
-                 f"run on a multiple of {rep * tp * pp * cp} devices (`--devices`), or change the degrees")
+        b.refuse(
+            f"data_parallel_shard_degree = -1 takes the devices the other degrees leave, but {devices} devices are not a "
+            f"multiple of replicate * tp * pp * cp = {rep * tp * pp * cp}",
+            at("parallelism", "data_parallel_shard_degree"),
+            f"run on a multiple of {rep * tp * pp * cp} devices (`--devices`), or change the degrees",
+        )
         return b.result()
 
     # ---- batch (train.py: global -1 = local * dp; accumulation = global / (local * dp))
@@ -163,17 +267,28 @@ def import_job(src: SourceDocument, text: str, base: Path, options: ImportOption
     dp = rep * dp_shard
     gbs = get("training", "global_batch_size", -1)
     if gbs == -1 or gbs is None:
-        gbs, gbs_origin, gbs_at = local * dp, f"training.{local_key} * dp (global_batch_size -1)", at("training", local_key)
+        gbs, gbs_origin, gbs_at = (
+            local * dp,
+            f"training.{local_key} * dp (global_batch_size -1)",
+            at("training", local_key),
+        )
     else:
         gbs = integer("training", "global_batch_size", local * dp)
         gbs_origin, gbs_at = "training.global_batch_size", at("training", "global_batch_size")
     if gbs % (local * dp):
-        b.refuse(f"training.global_batch_size {gbs} is not a multiple of local_batch_size {local} * dp {dp}",
-                 at("training", "global_batch_size"), "torchtitan asserts global = local * dp * accumulation steps")
+        b.refuse(
+            f"training.global_batch_size {gbs} is not a multiple of local_batch_size {local} * dp {dp}",
+            at("training", "global_batch_size"),
+            "torchtitan asserts global = local * dp * accumulation steps",
+        )
         return b.result()
     b.set(("training", "global_batch_size"), gbs, at=gbs_at, origin=gbs_origin)
-    b.set(("mesh", "gradient_accumulation_steps"), gbs // (local * dp), at=gbs_at,
-          origin="global_batch_size / (local_batch_size * dp)")
+    b.set(
+        ("mesh", "gradient_accumulation_steps"),
+        gbs // (local * dp),
+        at=gbs_at,
+        origin="global_batch_size / (local_batch_size * dp)",
+    )
     schedule = get("parallelism", "pipeline_parallel_schedule", "1F1B")
     if pp > 1:
         micro = integer("parallelism", "pipeline_parallel_microbatch_size", 1)
@@ -185,23 +300,45 @@ def import_job(src: SourceDocument, text: str, base: Path, options: ImportOption
             stages = pp * (b.get(("training", "virtual_pipeline_stages")) or 1)
             count = integer("parallelism", "pipeline_parallel_microbatches", stages) if count is not None else stages
             if local % count:
-                b.refuse(f"training.{local_key} {local} does not split into {count} micro-batches", at("training", local_key),
-                         "make the local batch a multiple of the number of micro-batches")
+                b.refuse(
+                    f"training.{local_key} {local} does not split into {count} micro-batches",
+                    at("training", local_key),
+                    "make the local batch a multiple of the number of micro-batches",
+                )
                 return b.result()
-            b.set(("training", "micro_batch_size"), local // count, at=at("training", local_key),
-                  origin=f"training.{local_key} / micro-batches")
-            b.set(("mesh", "microbatches"), count, at=at("parallelism", "pipeline_parallel_microbatches") or at("training", local_key),
-                  origin="pipeline_parallel_microbatches (default: one per stage)")
+            b.set(
+                ("training", "micro_batch_size"),
+                local // count,
+                at=at("training", local_key),
+                origin=f"training.{local_key} / micro-batches",
+            )
+            b.set(
+                ("mesh", "microbatches"),
+                count,
+                at=at("parallelism", "pipeline_parallel_microbatches") or at("training", local_key),
+                origin="pipeline_parallel_microbatches (default: one per stage)",
+            )
             micro = None
         if micro is not None and local % micro:
-            b.refuse(f"training.{local_key} {local} is not divisible by pipeline_parallel_microbatch_size {micro}",
-                     at("parallelism", "pipeline_parallel_microbatch_size"), "torchtitan refuses a batch that does not split")
+            b.refuse(
+                f"training.{local_key} {local} is not divisible by pipeline_parallel_microbatch_size {micro}",
+                at("parallelism", "pipeline_parallel_microbatch_size"),
+                "torchtitan refuses a batch that does not split",
+            )
             return b.result()
         if micro is not None:
-            b.set(("training", "micro_batch_size"), micro, at=at("parallelism", "pipeline_parallel_microbatch_size"),
-                  origin="parallelism.pipeline_parallel_microbatch_size")
-            b.set(("mesh", "microbatches"), local // micro, at=at("training", local_key),
-                  origin=f"training.{local_key} / pipeline_parallel_microbatch_size")
+            b.set(
+                ("training", "micro_batch_size"),
+                micro,
+                at=at("parallelism", "pipeline_parallel_microbatch_size"),
+                origin="parallelism.pipeline_parallel_microbatch_size",
+            )
+            b.set(
+                ("mesh", "microbatches"),
+                local // micro,
+                at=at("training", local_key),
+                origin=f"training.{local_key} / pipeline_parallel_microbatch_size",
+            )
             _schedule(b, schedule, pp, get, at)
     else:
         b.set(("training", "micro_batch_size"), local, at=at("training", local_key), origin=f"training.{local_key}")
@@ -210,8 +347,12 @@ def import_job(src: SourceDocument, text: str, base: Path, options: ImportOption
     # on the norms, models/llama3/infra/parallelize.py apply_tp); 0.3 has ParallelismConfig.enable_sequence_parallel
     # (default True, torchtitan/config/configs.py).
     sp = get("parallelism", "enable_sequence_parallel", True)
-    b.set(("training", "sequence_parallel"), tp > 1 and sp is not False, at=at("parallelism", "tensor_parallel_degree"),
-          origin="parallelism.tensor_parallel_degree > 1 (torchtitan's TP plan is sequence-parallel)")
+    b.set(
+        ("training", "sequence_parallel"),
+        tp > 1 and sp is not False,
+        at=at("parallelism", "tensor_parallel_degree"),
+        origin="parallelism.tensor_parallel_degree > 1 (torchtitan's TP plan is sequence-parallel)",
+    )
     seq = get("training", "seq_len", 2048)
     if options.seq_len is not None:
         seq = options.seq_len
@@ -220,19 +361,40 @@ def import_job(src: SourceDocument, text: str, base: Path, options: ImportOption
     if any("float8" in str(c) for c in converters):
         b.set(("training", "precision"), "fp8", at=at("model", "converters"), origin="model.converters (float8)")
     elif get("float8", "enable_float8_linear") is True:
-        b.set(("training", "precision"), "fp8", at=at("float8", "enable_float8_linear"), origin="float8.enable_float8_linear")
+        b.set(
+            ("training", "precision"),
+            "fp8",
+            at=at("float8", "enable_float8_linear"),
+            origin="float8.enable_float8_linear",
+        )
     else:
         param = get("training", "mixed_precision_param", "bfloat16")
-        b.set(("training", "precision"), PRECISIONS.get(param, "bf16"), at=at("training", "mixed_precision_param"),
-              origin="training.mixed_precision_param" + ("" if at("training", "mixed_precision_param") else " (default bfloat16)"))
+        b.set(
+            ("training", "precision"),
+            PRECISIONS.get(param, "bf16"),
+            at=at("training", "mixed_precision_param"),
+            origin="training.mixed_precision_param"
+            + ("" if at("training", "mixed_precision_param") else " (default bfloat16)"),
+        )
     mode = get("activation_checkpoint", "mode", "selective")
     if mode not in ("none", "selective", "full", "memory_budget"):
-        b.refuse(f"`activation_checkpoint.mode` {mode!r} is not one of none, selective, full", at("activation_checkpoint", "mode"))
+        b.refuse(
+            f"`activation_checkpoint.mode` {mode!r} is not one of none, selective, full",
+            at("activation_checkpoint", "mode"),
+        )
     elif mode == "memory_budget":
-        b.unmodelled("activation_checkpoint.mode = \"memory_budget\"", at("activation_checkpoint", "mode"),
-                     "the compiler's budgeted recomputation is not modelled; priced as selective")
+        b.unmodelled(
+            'activation_checkpoint.mode = "memory_budget"',
+            at("activation_checkpoint", "mode"),
+            "the compiler's budgeted recomputation is not modelled; priced as selective",
+        )
         mode = "selective"
-    b.set(("training", "activation_checkpointing"), mode, at=at("activation_checkpoint", "mode"), origin="activation_checkpoint.mode")
+    b.set(
+        ("training", "activation_checkpointing"),
+        mode,
+        at=at("activation_checkpoint", "mode"),
+        origin="activation_checkpoint.mode",
+    )
     # torch.compile: `[compile] enable` and `components` (default [model, loss], torchtitan/config/job_config.py
     # Compile); the older layout's `[training] compile` compiled the model and, from torchtitan bbb1b61
     # (April 2025), the loss too (components/loss.py build_cross_entropy_loss).
@@ -243,12 +405,26 @@ def import_job(src: SourceDocument, text: str, base: Path, options: ImportOption
             value = True if sorted(set(components)) == ["loss", "model"] else sorted(set(components))
         else:
             value = False
-        b.set(("training", "compile"), value if enabled else False, at=at("compile", "enable"), origin="compile.enable, compile.components")
+        b.set(
+            ("training", "compile"),
+            value if enabled else False,
+            at=at("compile", "enable"),
+            origin="compile.enable, compile.components",
+        )
     elif get("training", "compile") is not None:
-        b.set(("training", "compile"), get("training", "compile") is True, at=at("training", "compile"), origin="training.compile")
+        b.set(
+            ("training", "compile"),
+            get("training", "compile") is True,
+            at=at("training", "compile"),
+            origin="training.compile",
+        )
     optimizer = str(get("optimizer", "name", "AdamW"))
-    b.set(("training", "optimizer"), {"adamw": "adamw", "adam": "adam"}.get(optimizer.lower(), "adamw"),
-          at=at("optimizer", "name"), origin="optimizer.name")
+    b.set(
+        ("training", "optimizer"),
+        {"adamw": "adamw", "adam": "adam"}.get(optimizer.lower(), "adamw"),
+        at=at("optimizer", "name"),
+        origin="optimizer.name",
+    )
     if optimizer.lower() not in ("adamw", "adam"):
         b.unmodelled(f"optimizer.name = {optimizer!r}", at("optimizer", "name"), "priced as AdamW")
     lr = get("optimizer", "lr")
@@ -262,8 +438,11 @@ def import_job(src: SourceDocument, text: str, base: Path, options: ImportOption
     steps = get("training", "steps")
     if isinstance(steps, int) and not isinstance(steps, bool) and steps > 0:
         b.set(("training", "steps"), steps, at=at("training", "steps"), origin="training.steps")
-    b.set(("backend",), {"name": "torchtitan", "version": version},
-          origin="a torchtitan job TOML (the 0.2-era format)" if version == "0.2" else "a torchtitan Trainer.Config")
+    b.set(
+        ("backend",),
+        {"name": "torchtitan", "version": version},
+        origin="a torchtitan job TOML (the 0.2-era format)" if version == "0.2" else "a torchtitan Trainer.Config",
+    )
     return b.result()
 
 
@@ -277,11 +456,18 @@ def _parallel_table(data: dict, key: str) -> str:
 
 def _schedule(b: SpecBuilder, schedule: str, pp: int, get, at) -> None:
     if schedule not in SCHEDULES:
-        b.refuse(f"pipeline_parallel_schedule {schedule!r} is not modelled", at("parallelism", "pipeline_parallel_schedule"),
-                 f"the spec models {', '.join(SCHEDULES)}")
+        b.refuse(
+            f"pipeline_parallel_schedule {schedule!r} is not modelled",
+            at("parallelism", "pipeline_parallel_schedule"),
+            f"the spec models {', '.join(SCHEDULES)}",
+        )
         return
-    b.set(("training", "pipeline_schedule"), SCHEDULES[schedule], at=at("parallelism", "pipeline_parallel_schedule"),
-          origin="parallelism.pipeline_parallel_schedule")
+    b.set(
+        ("training", "pipeline_schedule"),
+        SCHEDULES[schedule],
+        at=at("parallelism", "pipeline_parallel_schedule"),
+        origin="parallelism.pipeline_parallel_schedule",
+    )
     single = schedule in SINGLE_STAGE
     per_stage = get("parallelism", "pipeline_parallel_layers_per_stage")
     layers = b.get(("model", "num_layers"))
@@ -290,22 +476,34 @@ def _schedule(b: SpecBuilder, schedule: str, pp: int, get, at) -> None:
         last = get("parallelism", "pipeline_parallel_last_stage_less_layers", 1)
         stages = math.ceil((layers + first + last) / per_stage)
         if stages % pp:
-            b.refuse(f"{stages} pipeline stages ({layers} layers + {first} + {last} over {per_stage} per stage) do not divide "
-                     f"over pipeline_parallel_degree {pp}", at("parallelism", "pipeline_parallel_layers_per_stage"),
-                     "torchtitan requires the virtual stages to divide by pp")
+            b.refuse(
+                f"{stages} pipeline stages ({layers} layers + {first} + {last} over {per_stage} per stage) do not divide "
+                f"over pipeline_parallel_degree {pp}",
+                at("parallelism", "pipeline_parallel_layers_per_stage"),
+                "torchtitan requires the virtual stages to divide by pp",
+            )
             return
         per_rank, where = stages // pp, at("parallelism", "pipeline_parallel_layers_per_stage")
     else:
         per_rank, where = (1 if single else 2), at("parallelism", "pipeline_parallel_schedule")
     if single and per_rank != 1:
-        b.refuse(f"{schedule} runs one stage per rank, but the layers per stage give {per_rank}",
-                 at("parallelism", "pipeline_parallel_layers_per_stage"), "raise pipeline_parallel_layers_per_stage")
+        b.refuse(
+            f"{schedule} runs one stage per rank, but the layers per stage give {per_rank}",
+            at("parallelism", "pipeline_parallel_layers_per_stage"),
+            "raise pipeline_parallel_layers_per_stage",
+        )
         return
-    b.set(("training", "virtual_pipeline_stages"), per_rank, at=where,
-          origin="stages per rank (2 for a multi-stage schedule unless pipeline_parallel_layers_per_stage sets them)")
+    b.set(
+        ("training", "virtual_pipeline_stages"),
+        per_rank,
+        at=where,
+        origin="stages per rank (2 for a multi-stage schedule unless pipeline_parallel_layers_per_stage sets them)",
+    )
 
 
-def _preset(text: str, options: ImportOptions, b: SpecBuilder) -> tuple[int | None, Position | None, str | None, str | None]:
+def _preset(
+    text: str, options: ImportOptions, b: SpecBuilder
+) -> tuple[int | None, Position | None, str | None, str | None]:
     """torchtitan's presets say what they are for: '# NOTE: this toml config is a preset for 64 A100 GPUs.'
     Returns the device count, its position, where it came from and the memory of that GPU (80GiB for an
     A100 or H100: the larger of their models)."""
@@ -338,24 +536,41 @@ def _model(b: SpecBuilder, data: dict, base: Path, options: ImportOptions, at, g
         for message, hint, pos in hf.problems:
             b.refuse(f"{hf_path}:{pos.line}:{pos.column}: {message}", at("model", "name"), hint, ("model",))
         for field_name, v in hf.model.items():
-            b.set(("model", field_name), v, at=at("model", "flavor"), origin=f"{hf_path}: {hf.keys.get(field_name, 'architecture')}")
+            b.set(
+                ("model", field_name),
+                v,
+                at=at("model", "flavor"),
+                origin=f"{hf_path}: {hf.keys.get(field_name, 'architecture')}",
+            )
         return
     if name in flavors.REFUSED:
-        b.refuse(f"model {name!r}: {flavors.REFUSED[name]}", at("model", "name"),
-                 "check a covered architecture, or give an approximating HF config with `--model config.json`")
+        b.refuse(
+            f"model {name!r}: {flavors.REFUSED[name]}",
+            at("model", "name"),
+            "check a covered architecture, or give an approximating HF config with `--model config.json`",
+        )
         return
     entry = flavors.flavor(str(name), str(flavor_name))
     if entry is None:
         known = flavors.FLAVORS.get(flavors.ALIASES.get(str(name), str(name)))
-        listed = (f"the flavors of {name}: {', '.join(known)}" if known else
-                  f"models in the table: {', '.join(flavors.FLAVORS)}")
-        b.refuse(f"model {name!r} flavor {flavor_name!r} is not in the table of torchtitan's published flavors",
-                 at("model", "flavor") if known else at("model", "name"),
-                 f"{listed}; or give its HF config with `--model config.json`")
+        listed = (
+            f"the flavors of {name}: {', '.join(known)}"
+            if known
+            else f"models in the table: {', '.join(flavors.FLAVORS)}"
+        )
+        b.refuse(
+            f"model {name!r} flavor {flavor_name!r} is not in the table of torchtitan's published flavors",
+            at("model", "flavor") if known else at("model", "name"),
+            f"{listed}; or give its HF config with `--model config.json`",
+        )
         return
     for field_name, v in entry.model.items():
-        b.set(("model", field_name), v, at=at("model", "flavor"),
-              origin=f"model.name/flavor = {name}/{flavor_name} (torchtitan models/{flavors.ALIASES.get(name, name)}/__init__.py)")
+        b.set(
+            ("model", field_name),
+            v,
+            at=at("model", "flavor"),
+            origin=f"model.name/flavor = {name}/{flavor_name} (torchtitan models/{flavors.ALIASES.get(name, name)}/__init__.py)",
+        )
     for text in entry.approximations:
         b.unmodelled(f"model {name}/{flavor_name}", at("model", "flavor"), f"not modelled: {text}")
 

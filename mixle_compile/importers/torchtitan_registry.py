@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import sys
 import inspect
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +23,19 @@ from mixle_compile.importers.builder import ImportOptions, unreadable
 from mixle_compile.spec.source import Position, SourceDocument, SourceError
 
 PARALLELISM = (
-    "data_parallel_replicate_degree", "data_parallel_shard_degree", "tensor_parallel_degree", "pipeline_parallel_degree",
-    "context_parallel_degree", "expert_parallel_degree", "expert_tensor_parallel_degree", "pipeline_parallel_schedule",
-    "pipeline_parallel_microbatch_size", "pipeline_parallel_layers_per_stage", "pipeline_parallel_first_stage_less_layers",
-    "pipeline_parallel_last_stage_less_layers", "enable_sequence_parallel",
+    "data_parallel_replicate_degree",
+    "data_parallel_shard_degree",
+    "tensor_parallel_degree",
+    "pipeline_parallel_degree",
+    "context_parallel_degree",
+    "expert_parallel_degree",
+    "expert_tensor_parallel_degree",
+    "pipeline_parallel_schedule",
+    "pipeline_parallel_microbatch_size",
+    "pipeline_parallel_layers_per_stage",
+    "pipeline_parallel_first_stage_less_layers",
+    "pipeline_parallel_last_stage_less_layers",
+    "enable_sequence_parallel",
 )
 TRAINING = ("local_batch_size", "global_batch_size", "seq_len", "steps", "mixed_precision_param")
 AC_MODES = {"FullAC": "full", "SelectiveAC": "selective", "MemoryBudgetAC": "memory_budget", "NoAC": "none"}
@@ -76,18 +85,33 @@ def model_sizes(model: Any) -> tuple[dict, dict] | None:
     att, ffn = getattr(first, "attention", None), getattr(first, "feed_forward", None)
     w1 = getattr(ffn, "w1", None)
     try:
-        sizes = {"family": "transformer", "vocab_size": int(model.vocab_size), "hidden_size": int(model.dim),
-                 "num_layers": len(layers), "num_heads": int(att.n_heads), "ffn_hidden_size": int(w1.out_features),
-                 "tie_embeddings": bool(getattr(model, "enable_weight_tying", False))}
+        sizes = {
+            "family": "transformer",
+            "vocab_size": int(model.vocab_size),
+            "hidden_size": int(model.dim),
+            "num_layers": len(layers),
+            "num_heads": int(att.n_heads),
+            "ffn_hidden_size": int(w1.out_features),
+            "tie_embeddings": bool(getattr(model, "enable_weight_tying", False)),
+        }
     except (AttributeError, TypeError, ValueError):
         return None
     for layer in layers[1:]:
-        if (layer.attention.n_heads, layer.feed_forward.w1.out_features) != (sizes["num_heads"], sizes["ffn_hidden_size"]):
+        if (layer.attention.n_heads, layer.feed_forward.w1.out_features) != (
+            sizes["num_heads"],
+            sizes["ffn_hidden_size"],
+        ):
             return None
     where = "Trainer.Config.model_spec.model"
-    origins = {"vocab_size": f"{where}.vocab_size", "hidden_size": f"{where}.dim", "num_layers": f"len({where}.layers)",
-               "num_heads": f"{where}.layers[0].attention.n_heads", "ffn_hidden_size": f"{where}.layers[0].feed_forward.w1.out_features",
-               "tie_embeddings": f"{where}.enable_weight_tying", "family": f"{where} (a decoder)"}
+    origins = {
+        "vocab_size": f"{where}.vocab_size",
+        "hidden_size": f"{where}.dim",
+        "num_layers": f"len({where}.layers)",
+        "num_heads": f"{where}.layers[0].attention.n_heads",
+        "ffn_hidden_size": f"{where}.layers[0].feed_forward.w1.out_features",
+        "tie_embeddings": f"{where}.enable_weight_tying",
+        "family": f"{where} (a decoder)",
+    }
     kv = getattr(att, "n_kv_heads", None)
     if kv:
         sizes["num_kv_heads"], origins["num_kv_heads"] = int(kv), f"{where}.layers[0].attention.n_kv_heads"
@@ -127,32 +151,49 @@ def load_registry_function(target: str) -> tuple[Any, Any]:
     """Import ``module:function`` and call it; refuses clearly when that cannot be done."""
     module_name, _, function_name = target.partition(":")
     if not module_name or not function_name:
-        raise unreadable(target, f"--torchtitan {target!r} must name MODULE:FUNCTION",
-                         "e.g. `--torchtitan torchtitan.models.llama3.config_registry:llama3_8b`")
+        raise unreadable(
+            target,
+            f"--torchtitan {target!r} must name MODULE:FUNCTION",
+            "e.g. `--torchtitan torchtitan.models.llama3.config_registry:llama3_8b`",
+        )
     try:
         with contextlib.redirect_stdout(sys.stderr):  # what the module prints is not part of the report
             module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise unreadable(target, f"cannot import {module_name} for --torchtitan: {exc}",
-                         "install torchtitan where the check runs (`pip install 'mixle-compile[torchtitan]'`) and run "
-                         "from the directory the module is importable from")
+        raise unreadable(
+            target,
+            f"cannot import {module_name} for --torchtitan: {exc}",
+            "install torchtitan where the check runs (`pip install 'mixle-compile[torchtitan]'`) and run "
+            "from the directory the module is importable from",
+        )
     function = getattr(module, function_name, None)
     if not callable(function):
-        raise unreadable(target, f"{module_name} has no function {function_name!r}",
-                         "name a function of the config registry that returns a Trainer.Config")
+        raise unreadable(
+            target,
+            f"{module_name} has no function {function_name!r}",
+            "name a function of the config registry that returns a Trainer.Config",
+        )
     try:
         with contextlib.redirect_stdout(sys.stderr):
             config = function()
     except Exception as exc:  # the user's function: its failure is bad input, not ours
-        raise unreadable(target, f"{target}() raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
-                         "fix the config function so that it returns a Trainer.Config")
+        raise unreadable(
+            target,
+            f"{target}() raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+            "fix the config function so that it returns a Trainer.Config",
+        )
     if not hasattr(config, "parallelism") or not hasattr(config, "training"):
-        raise unreadable(target, f"{target}() returned {type(config).__name__}, not a torchtitan Trainer.Config",
-                         "name a function that returns Trainer.Config")
+        raise unreadable(
+            target,
+            f"{target}() returned {type(config).__name__}, not a torchtitan Trainer.Config",
+            "name a function that returns Trainer.Config",
+        )
     return function, config
 
 
-def read_trainer_config(function: Any, config: Any, display: str, options: ImportOptions) -> tuple[SourceDocument, list]:
+def read_trainer_config(
+    function: Any, config: Any, display: str, options: ImportOptions
+) -> tuple[SourceDocument, list]:
     from mixle_compile.importers.torchtitan import import_job
 
     src, text = document_for(function, config, display)

@@ -46,7 +46,7 @@ with layers or accumulation runs.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 from mixle_compile.lower.groups import RankGrid
 from mixle_compile.lower.schedule import Op, OpKind, ScheduleCheck, _copy, _insert, check_schedule
@@ -83,7 +83,9 @@ def compress(ops: Sequence[Op], max_period: int = MAX_PERIOD) -> tuple[Op | Loop
             if steps is None:
                 continue
             repeats = 2
-            while i + (repeats + 1) * period <= n and _same_steps(keys, i + (repeats - 1) * period, i + repeats * period, period, steps):
+            while i + (repeats + 1) * period <= n and _same_steps(
+                keys, i + (repeats - 1) * period, i + repeats * period, period, steps
+            ):
                 repeats += 1
             if best is None or repeats * period > best[0]:
                 best = (repeats * period, period, repeats, *steps)
@@ -173,35 +175,61 @@ def check_compact(
     blocks_local = all(within_stage(grid, op.group) for p in programs for op in (*p.before_forward, *p.after_backward))
     if not blocks_local:
         # A per-micro-batch collective spans stages: check the explicit step.
-        check = check_schedule(expand_all(programs), grid, exhaustive_limit=exhaustive_limit, buffered_sends=buffered_sends)
-        return dataclasses.replace(check, note=check.note + "; on the explicit programs (a per-micro-batch collective spans stages)")
+        check = check_schedule(
+            expand_all(programs), grid, exhaustive_limit=exhaustive_limit, buffered_sends=buffered_sends
+        )
+        return dataclasses.replace(
+            check, note=check.note + "; on the explicit programs (a per-micro-batch collective spans stages)"
+        )
     problems: list[str] = []
     # 1. Every piece's ops where they are issued: one forward and one backward carry the blocks.
     templates = []
     for p in programs:
-        probe = [Op(OpKind.forward, p.stage, microbatch=0, name="forward"), Op(OpKind.backward, p.stage, microbatch=0, name="backward")]
-        probe = _insert(_insert(probe, p.before_forward, "before_forward", p.stage, None), p.after_backward, "after_backward", p.stage, None)
+        probe = [
+            Op(OpKind.forward, p.stage, microbatch=0, name="forward"),
+            Op(OpKind.backward, p.stage, microbatch=0, name="backward"),
+        ]
+        probe = _insert(
+            _insert(probe, p.before_forward, "before_forward", p.stage, None),
+            p.after_backward,
+            "after_backward",
+            p.stage,
+            None,
+        )
         templates.append(tuple(op for op in probe if op.kind is OpKind.collective))
     block_check = check_schedule(templates, grid, exhaustive_limit=exhaustive_limit, buffered_sends=buffered_sends)
     problems += [f"a per-micro-batch collective: {text}" for text in block_check.problems]
+
     # 2-3. The reduced step: one run with the step's end, each repeated reduction once (its count in its tag).
     def reduced(p: StageProgram, runs: int, with_end: bool) -> tuple[Op, ...]:
         counted = dataclasses.replace(
-            p, after_last_backward=tuple((_copy(op, tag=f"{op.tag} x{k}") if k > 1 else op, 1) for op, k in p.after_last_backward)
+            p,
+            after_last_backward=tuple(
+                (_copy(op, tag=f"{op.tag} x{k}") if k > 1 else op, 1) for op, k in p.after_last_backward
+            ),
         )
         if not with_end:
             counted = dataclasses.replace(counted, after_last_backward=(), end=(), optimizer=False)
         return expand(counted, runs=runs, times=False, blocks=False)
 
-    step = check_schedule([reduced(p, 1, True) for p in programs], grid, exhaustive_limit=exhaustive_limit, buffered_sends=buffered_sends)
+    step = check_schedule(
+        [reduced(p, 1, True) for p in programs], grid, exhaustive_limit=exhaustive_limit, buffered_sends=buffered_sends
+    )
     problems += list(step.problems)
     repeated = max(p.runs for p in programs) > 1
     if repeated and not problems:
         # 4. One run alone: self-contained, so the runs compose.
-        run = check_schedule([reduced(p, 1, False) for p in programs], grid, exhaustive_limit=exhaustive_limit, buffered_sends=buffered_sends)
+        run = check_schedule(
+            [reduced(p, 1, False) for p in programs],
+            grid,
+            exhaustive_limit=exhaustive_limit,
+            buffered_sends=buffered_sends,
+        )
         problems += [f"one run of the schedule alone: {text}" for text in run.problems]
         if len({p.runs for p in programs}) != 1:
-            problems.append(f"the stages run the schedule {sorted({p.runs for p in programs})} times; every stage must run it equally often")
+            problems.append(
+                f"the stages run the schedule {sorted({p.runs for p in programs})} times; every stage must run it equally often"
+            )
     note = (
         f"{step.note}; on the stated programs: one run"
         + (f" of {programs[0].runs} (each self-contained, so the runs compose)" if repeated else "")

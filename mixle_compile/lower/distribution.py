@@ -25,17 +25,24 @@ from dataclasses import dataclass
 from math import ceil
 from typing import TYPE_CHECKING
 
-from mixle_compile.contracts import CollectiveKind, DistributedUpdate, ParallelPlan, ParameterLayout, PayloadKind, StateLayout
+from mixle_compile.contracts import (
+    CollectiveKind,
+    DistributedUpdate,
+    ParallelPlan,
+    ParameterLayout,
+    PayloadKind,
+    StateLayout,
+)
 from mixle_compile.decompose import Device, ModelDecomposition, decompose_model, devices_from_resources
 from mixle_compile.diagnostics import Code, Diagnostic, register_code
 from mixle_compile.graph import DecompAxis, ModelGraph, ReductionOp
 from mixle_compile.lower.groups import RankGrid
-from mixle_compile.plan.vocabulary import REPLICATE, Axis, Shard, UpdateId, rule_name
 from mixle_compile.lower.layouts import PlacedParameter
 from mixle_compile.lower.memory import StageMemory
 from mixle_compile.lower.schedule import Op, OpKind
 from mixle_compile.lower.updates import PlannedUpdate, group_size
 from mixle_compile.parameters import DTYPE_BYTES, Parameter
+from mixle_compile.plan.vocabulary import REPLICATE, Axis, Shard, UpdateId, rule_name
 from mixle_compile.spec.models import Spec
 
 if TYPE_CHECKING:
@@ -87,7 +94,12 @@ class DistributionLowering:
 
 def lower_distribution(spec: Spec, plan: ParallelPlan, graph: ModelGraph, grid: RankGrid) -> DistributionLowering:
     diagnostics = [
-        graph.diagnostic(UNSUPPORTED_AXIS.code, f"mesh.{axis}={plan.size(axis)} has no meaning for a distribution model fitted by EM", ("mesh", axis), hint=f"set mesh.{axis} to 1")
+        graph.diagnostic(
+            UNSUPPORTED_AXIS.code,
+            f"mesh.{axis}={plan.size(axis)} has no meaning for a distribution model fitted by EM",
+            ("mesh", axis),
+            hint=f"set mesh.{axis} to 1",
+        )
         for axis in ("pp", "cp", "ep", "etp")
         if plan.size(axis) > 1
     ]
@@ -156,36 +168,85 @@ def lower_distribution(spec: Spec, plan: ParallelPlan, graph: ModelGraph, grid: 
             state = StateLayout.SHARDED
         elif plan.tp > 1:
             placements.append((Axis.TP.value, str(REPLICATE)))
-        layout = ParameterLayout(logical_id=node_id, global_shape=shape, placements=tuple(placements), shared_group=None, optimizer_state=state)
-        p = PlacedParameter(Parameter(node_id, shape, "distribution", t.precision), layout, 0, 0, tuple(local), owners.get(node_id))
+        layout = ParameterLayout(
+            logical_id=node_id,
+            global_shape=shape,
+            placements=tuple(placements),
+            shared_group=None,
+            optimizer_state=state,
+        )
+        p = PlacedParameter(
+            Parameter(node_id, shape, "distribution", t.precision), layout, 0, 0, tuple(local), owners.get(node_id)
+        )
         placed.append(p)
         extra = STATISTICS_BEYOND_PARAMETERS.get(node.kind, 0)
-        statistics_bytes = (p.local_numel + extra if len(shape) == 1 else local[0] * (elements + extra)) * STATISTICS_BYTES
+        statistics_bytes = (
+            p.local_numel + extra if len(shape) == 1 else local[0] * (elements + extra)
+        ) * STATISTICS_BYTES
         # Partial over tp: a node held whole on every shard whose users sit on several shards.
         axes = data_axes + (("tp",) if cut is not None and len(units_here) > 1 and node.shared else ())
         if axes:
             updates.append(
-                _all_reduce(str(UpdateId.statistics(node_id)), PayloadKind.SUFFICIENT_STATISTIC, axes, state,
-                            "sum the sufficient statistics (exact in exact arithmetic)", node_id, "gradient", statistics_bytes, plan, 1)
+                _all_reduce(
+                    str(UpdateId.statistics(node_id)),
+                    PayloadKind.SUFFICIENT_STATISTIC,
+                    axes,
+                    state,
+                    "sum the sufficient statistics (exact in exact arithmetic)",
+                    node_id,
+                    "gradient",
+                    statistics_bytes,
+                    plan,
+                    1,
+                )
             )
     micro_steps = plan.microbatches * plan.gradient_accumulation_steps
     row_bytes = t.micro_batch_size * 8  # one float64 per row
     if cut is not None:
-        steps = (("max", "max of the local log-densities"), ("sum", "sum of exponentials")) if cut.reduction is ReductionOp.LOGSUMEXP_RESPONSIBILITY else (("sum", "sum of the factors' log-likelihoods"),)
+        steps = (
+            (("max", "max of the local log-densities"), ("sum", "sum of exponentials"))
+            if cut.reduction is ReductionOp.LOGSUMEXP_RESPONSIBILITY
+            else (("sum", "sum of the factors' log-likelihoods"),)
+        )
         for what, notes in steps:
             updates.append(
-                _all_reduce(f"{cut.path}:normaliser/{what}", PayloadKind.MESSAGE, ("tp",), StateLayout.REPLICATED,
-                            f"{cut.reduction.value} boundary of the {cut.axis.value} cut: {notes}", cut.path, "forward", row_bytes, plan, micro_steps)
+                _all_reduce(
+                    f"{cut.path}:normaliser/{what}",
+                    PayloadKind.MESSAGE,
+                    ("tp",),
+                    StateLayout.REPLICATED,
+                    f"{cut.reduction.value} boundary of the {cut.axis.value} cut: {notes}",
+                    cut.path,
+                    "forward",
+                    row_bytes,
+                    plan,
+                    micro_steps,
+                )
             )
     if data_axes:
         updates.append(
-            _all_reduce("log_likelihood", PayloadKind.MESSAGE, data_axes, StateLayout.REPLICATED,
-                        "the iteration's total log-likelihood, reported and checked never to decrease", "log_likelihood", "gradient", 8, plan, 1)
+            _all_reduce(
+                "log_likelihood",
+                PayloadKind.MESSAGE,
+                data_axes,
+                StateLayout.REPLICATED,
+                "the iteration's total log-likelihood, reported and checked never to decrease",
+                "log_likelihood",
+                "gradient",
+                8,
+                plan,
+                1,
+            )
         )
-    local_units = max((c.stop - c.start for c in cut.cuts), default=1) if cut is not None else max(1, graph.node(graph.root).num_units)
+    local_units = (
+        max((c.stop - c.start for c in cut.cuts), default=1)
+        if cut is not None
+        else max(1, graph.node(graph.root).num_units)
+    )
     responsibilities = t.micro_batch_size * local_units * 8
     params_bytes = sum(p.local_numel * dtype_bytes for p in placed if p.name not in owners) + max(
-        (sum(p.local_numel * dtype_bytes for p in placed if owners.get(p.name) == k) for k in set(owners.values())), default=0
+        (sum(p.local_numel * dtype_bytes for p in placed if owners.get(p.name) == k) for k in set(owners.values())),
+        default=0,
     )
     memory = (StageMemory(0, params_bytes, 0, params_bytes, 0, responsibilities),)
     return DistributionLowering(
@@ -198,10 +259,27 @@ def lower_distribution(spec: Spec, plan: ParallelPlan, graph: ModelGraph, grid: 
     )
 
 
-def _all_reduce(node_id: str, payload: PayloadKind, axes: tuple[str, ...], state: StateLayout, notes: str,
-                tensor: str, phase: str, nbytes: int, plan: ParallelPlan, occurrences: int) -> PlannedUpdate:
-    update = DistributedUpdate(node_id=node_id, payload=payload, collective=CollectiveKind.ALL_REDUCE, mesh_axes=axes,
-                               state_layout=state, notes=(notes,) if notes else (), contract_exact=True)
+def _all_reduce(
+    node_id: str,
+    payload: PayloadKind,
+    axes: tuple[str, ...],
+    state: StateLayout,
+    notes: str,
+    tensor: str,
+    phase: str,
+    nbytes: int,
+    plan: ParallelPlan,
+    occurrences: int,
+) -> PlannedUpdate:
+    update = DistributedUpdate(
+        node_id=node_id,
+        payload=payload,
+        collective=CollectiveKind.ALL_REDUCE,
+        mesh_axes=axes,
+        state_layout=state,
+        notes=(notes,) if notes else (),
+        contract_exact=True,
+    )
     return PlannedUpdate(update, tensor, phase, 0, nbytes, group_size(axes, plan), occurrences)
 
 
@@ -241,11 +319,30 @@ def em_program(updates: list[PlannedUpdate], micro_steps: int) -> tuple[Op, ...]
         ops.append(Op(OpKind.forward, 0, microbatch=mb, name="e_step/score"))
         for u in updates:
             if u.phase == "forward":
-                ops.append(Op(OpKind.collective, 0, microbatch=mb, name=u.update.node_id, group=_group(u), tag=u.update.collective.value, bytes=u.payload_bytes))
+                ops.append(
+                    Op(
+                        OpKind.collective,
+                        0,
+                        microbatch=mb,
+                        name=u.update.node_id,
+                        group=_group(u),
+                        tag=u.update.collective.value,
+                        bytes=u.payload_bytes,
+                    )
+                )
         ops.append(Op(OpKind.forward, 0, microbatch=mb, name="e_step/statistics"))
     for u in updates:
         if u.phase == "gradient":
-            ops.append(Op(OpKind.collective, 0, name=u.update.node_id, group=_group(u), tag=u.update.collective.value, bytes=u.payload_bytes))
+            ops.append(
+                Op(
+                    OpKind.collective,
+                    0,
+                    name=u.update.node_id,
+                    group=_group(u),
+                    tag=u.update.collective.value,
+                    bytes=u.payload_bytes,
+                )
+            )
     ops.append(Op(OpKind.optimizer, 0, name="m_step"))
     return tuple(ops)
 
@@ -254,7 +351,9 @@ def _group(u: PlannedUpdate) -> str:
     return rule_name(u.update.mesh_axes)
 
 
-def check_statistics_once(graph: ModelGraph, low: DistributionLowering, plan: ParallelPlan) -> tuple[ReductionProblem, ...]:
+def check_statistics_once(
+    graph: ModelGraph, low: DistributionLowering, plan: ParallelPlan
+) -> tuple[ReductionProblem, ...]:
     """Independent check: each node's statistics are summed exactly once over the ranks that each
     hold a part of them: the data ranks, plus the tp ranks when units owned by different tp ranks
     all feed one node held whole.
@@ -299,10 +398,23 @@ def check_statistics_once(graph: ModelGraph, low: DistributionLowering, plan: Pa
             expected.add("tp")
         seen_axes = [a for axes in reduced.get(p.name, []) for a in axes]
         for axis in sorted(expected - set(seen_axes)):
-            problems.append(ReductionProblem(p.name, f"{p.name}: its statistics are partial over {axis} but never summed over {axis}"))
+            problems.append(
+                ReductionProblem(
+                    p.name, f"{p.name}: its statistics are partial over {axis} but never summed over {axis}"
+                )
+            )
         for axis in sorted(set(seen_axes)):
             if axis not in expected:
-                problems.append(ReductionProblem(p.name, f"{p.name}: its statistics are summed over {axis}, where ranks do not hold parts of them"))
+                problems.append(
+                    ReductionProblem(
+                        p.name,
+                        f"{p.name}: its statistics are summed over {axis}, where ranks do not hold parts of them",
+                    )
+                )
             elif seen_axes.count(axis) > 1:
-                problems.append(ReductionProblem(p.name, f"{p.name}: its statistics are summed {seen_axes.count(axis)} times over {axis}"))
+                problems.append(
+                    ReductionProblem(
+                        p.name, f"{p.name}: its statistics are summed {seen_axes.count(axis)} times over {axis}"
+                    )
+                )
     return tuple(problems)

@@ -31,7 +31,9 @@ class ReductionProblem:
 _KV_WEIGHTS = (".attn.k_proj.weight", ".attn.k_proj.bias", ".attn.v_proj.weight", ".attn.v_proj.bias")
 
 
-def expected_partial_axes(placed: PlacedParameter, plan: ParallelPlan, *, sequence_parallel: bool, num_kv_heads: int | None = None) -> set[str]:
+def expected_partial_axes(
+    placed: PlacedParameter, plan: ParallelPlan, *, sequence_parallel: bool, num_kv_heads: int | None = None
+) -> set[str]:
     """From first principles: where do ranks hold the same weights but see different data?
 
     ``num_kv_heads``: a transformer's KV heads. With fewer of them than tp ranks, tp / num_kv_heads
@@ -86,22 +88,45 @@ def check_exactly_once(
             # One tensor with several uses: their gradients add up locally, and the first member's
             # reductions reduce the sum; a reduction of its own would count it twice.
             for u in by_tensor.get(p.name, []):
-                problems.append(ReductionProblem(
-                    p.name, f"{p.name}: it is tied to {tied_first[group]} on the same stage, whose reductions already reduce "
-                    f"its gradient; {u.update.node_id} reduces it a second time"))
+                problems.append(
+                    ReductionProblem(
+                        p.name,
+                        f"{p.name}: it is tied to {tied_first[group]} on the same stage, whose reductions already reduce "
+                        f"its gradient; {u.update.node_id} reduces it a second time",
+                    )
+                )
             continue
         reductions = [u for u in by_tensor.get(p.name, []) if u.update.collective in _REDUCTIONS]
         others = [u for u in by_tensor.get(p.name, []) if u.update.collective not in _REDUCTIONS]
         for u in others:
-            problems.append(ReductionProblem(p.name, f"{p.name}: gradient update {u.update.node_id} uses {u.update.collective.value}, which does not reduce"))
+            problems.append(
+                ReductionProblem(
+                    p.name,
+                    f"{p.name}: gradient update {u.update.node_id} uses {u.update.collective.value}, which does not reduce",
+                )
+            )
         covered = Counter(axis for u in reductions for axis in u.update.mesh_axes)
         for axis in sorted(expected - set(covered)):
-            problems.append(ReductionProblem(p.name, f"{p.name}: its gradient is a partial sum over {axis} but is never reduced over {axis}"))
+            problems.append(
+                ReductionProblem(
+                    p.name, f"{p.name}: its gradient is a partial sum over {axis} but is never reduced over {axis}"
+                )
+            )
         for axis, count in sorted(covered.items()):
             if axis not in expected:
-                problems.append(ReductionProblem(p.name, f"{p.name}: its gradient is reduced over {axis}, where it is not a partial sum (ranks there already agree or hold other slices)"))
+                problems.append(
+                    ReductionProblem(
+                        p.name,
+                        f"{p.name}: its gradient is reduced over {axis}, where it is not a partial sum (ranks there already agree or hold other slices)",
+                    )
+                )
             elif count > 1:
-                problems.append(ReductionProblem(p.name, f"{p.name}: its gradient is reduced {count} times over {axis}; it must be reduced exactly once"))
+                problems.append(
+                    ReductionProblem(
+                        p.name,
+                        f"{p.name}: its gradient is reduced {count} times over {axis}; it must be reduced exactly once",
+                    )
+                )
         divisor = 1
         for u in reductions:
             divisor *= u.gradient_divisor
@@ -109,10 +134,18 @@ def check_exactly_once(
         want = plan.data_parallel_size if data_reduced else 1
         if divisor != want:
             problems.append(
-                ReductionProblem(p.name, f"{p.name}: its reduced gradient is divided by {divisor}; the loss is a mean over the global batch, so divide by the data-parallel size {want}")
+                ReductionProblem(
+                    p.name,
+                    f"{p.name}: its reduced gradient is divided by {divisor}; the loss is a mean over the global batch, so divide by the data-parallel size {want}",
+                )
             )
         tied_at = [i for i, u in enumerate(reductions) if "tied" in u.update.mesh_axes]
         scatter_at = [i for i, u in enumerate(reductions) if u.update.collective is CollectiveKind.REDUCE_SCATTER]
         if tied_at and scatter_at and min(scatter_at) < min(tied_at):
-            problems.append(ReductionProblem(p.name, f"{p.name}: the tied-weight all_reduce must see whole gradients, but it comes after a reduce_scatter"))
+            problems.append(
+                ReductionProblem(
+                    p.name,
+                    f"{p.name}: the tied-weight all_reduce must see whole gradients, but it comes after a reduce_scatter",
+                )
+            )
     return tuple(problems)

@@ -230,9 +230,7 @@ class GroupRule:
     @cached_property
     def dims(self) -> tuple[tuple[int, int], ...]:
         """``(stride, length)`` steps generating a group from its base rank, innermost first."""
-        steps = [
-            (self.layout.dim(s.axis).stride * s.step, s.count) for s in self.spans if s.count > 1
-        ]
+        steps = [(self.layout.dim(s.axis).stride * s.step, s.count) for s in self.spans if s.count > 1]
         return tuple(sorted(steps))
 
     @cached_property
@@ -268,9 +266,7 @@ class GroupRule:
     @cached_property
     def _coordinate_digits(self) -> tuple[tuple[int, int, int, int], ...]:
         """``(stride, size, step, count)`` of every spanned axis, for the per-rank queries."""
-        return tuple(
-            (d.stride, d.size, s.step, s.count) for s in self.spans for d in (self.layout.dim(s.axis),)
-        )
+        return tuple((d.stride, d.size, s.step, s.count) for s in self.spans for d in (self.layout.dim(s.axis),))
 
     @cached_property
     def _runs(self) -> tuple[int, int, tuple[int, ...]]:
@@ -364,11 +360,7 @@ class GroupRule:
         if len(offsets) == 1:
             start = base + offsets[0]
             return tuple(range(start, start + step * length, step))
-        return tuple(
-            itertools.chain.from_iterable(
-                range(base + o, base + o + step * length, step) for o in offsets
-            )
-        )
+        return tuple(itertools.chain.from_iterable(range(base + o, base + o + step * length, step) for o in offsets))
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready and symbolic: how to generate the groups, never their ranks."""
@@ -445,9 +437,7 @@ class RankGrid:
             "dp_replicate": plan.dp_replicate,
             "pp": plan.pp,
         }
-        dense = RankLayout.build(
-            "dense", [(axis, degree[axis]) for t in tokens for axis in DENSE_TOKEN_AXES[t]]
-        )
+        dense = RankLayout.build("dense", [(axis, degree[axis]) for t in tokens for axis in DENSE_TOKEN_AXES[t]])
         expert_model = plan.etp * plan.ep * plan.pp
         if world % expert_model:
             raise ValueError(
@@ -456,9 +446,7 @@ class RankGrid:
                 f"change ep or etp so that it does"
             )
         degree.update(etp=plan.etp, ep=plan.ep, edp=world // expert_model)
-        expert = RankLayout.build(
-            "expert", [(axis, degree[axis]) for t in tokens for axis in EXPERT_TOKEN_AXES[t]]
-        )
+        expert = RankLayout.build("expert", [(axis, degree[axis]) for t in tokens for axis in EXPERT_TOKEN_AXES[t]])
         dense_pp, expert_pp = dense.dim("pp").stride, expert.dim("pp").stride
         if plan.pp > 1 and dense_pp != expert_pp:
             # Same pp size, so the pp groups coincide exactly when the strides do.

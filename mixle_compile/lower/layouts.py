@@ -27,6 +27,9 @@ from dataclasses import dataclass
 from math import ceil, prod
 
 from mixle_compile.contracts import ParallelPlan, ParameterLayout, StateLayout
+from mixle_compile.layer_split import LayerSplit, split_layers
+from mixle_compile.memory_model import fsdp_shards
+from mixle_compile.parameters import Parameter
 from mixle_compile.plan.vocabulary import (
     EXPERT_DATA,
     KV_HEAD_AXIS,
@@ -38,9 +41,6 @@ from mixle_compile.plan.vocabulary import (
     kv_replica_size,
     shard_dim,
 )
-from mixle_compile.layer_split import LayerSplit, split_layers
-from mixle_compile.memory_model import fsdp_shards
-from mixle_compile.parameters import Parameter
 
 # The names of the axes and communication domains used in layouts and updates (`edp`, `tied`, the
 # KV head and its replicas) are the plan's vocabulary (plan/vocabulary.py).

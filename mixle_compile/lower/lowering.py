@@ -7,12 +7,12 @@ from dataclasses import dataclass
 from mixle_compile.contracts import ParallelPlan
 from mixle_compile.diagnostics import Diagnostic
 from mixle_compile.engines import engine_profile
+from mixle_compile.layer_split import split_layers
+from mixle_compile.lower.compact import check_compact
 from mixle_compile.lower.exactly_once import ReductionProblem, check_exactly_once
 from mixle_compile.lower.groups import RankGrid
-from mixle_compile.layer_split import split_layers
 from mixle_compile.lower.layouts import PlacedParameter, place_parameters
 from mixle_compile.lower.memory import StageMemory, TrafficEntry, stage_memory, traffic
-from mixle_compile.lower.compact import check_compact
 from mixle_compile.lower.step import EXHAUSTIVE_RANKS, StepSchedule, grid_for, stated, step_schedule
 from mixle_compile.lower.updates import PlannedUpdate, activation_updates, gradient_updates
 from mixle_compile.parameters import model_parameters
@@ -74,7 +74,11 @@ def lower(spec: Spec, *, schedule: bool = True, document: SourceDocument | None 
     grid = grid_for(plan, updates, spec.mesh.order)
     steps = (
         step_schedule(
-            plan, updates, grid, pipeline=t.pipeline_schedule, virtual_stages=t.virtual_pipeline_stages,
+            plan,
+            updates,
+            grid,
+            pipeline=t.pipeline_schedule,
+            virtual_stages=t.virtual_pipeline_stages,
             engine=engine,
         )
         if schedule
@@ -86,7 +90,9 @@ def lower(spec: Spec, *, schedule: bool = True, document: SourceDocument | None 
         updates=updates,
         memory=stage_memory(spec, plan, placed, split),
         traffic=traffic(updates),
-        reduction_problems=check_exactly_once(placed, updates, plan, sequence_parallel=t.sequence_parallel, num_kv_heads=kv_heads),
+        reduction_problems=check_exactly_once(
+            placed, updates, plan, sequence_parallel=t.sequence_parallel, num_kv_heads=kv_heads
+        ),
         grid=grid,
         schedule=steps,
     )
@@ -106,7 +112,9 @@ def _lower_distribution(spec: Spec, *, schedule: bool, document: SourceDocument 
     if schedule and not any(d.severity.value == "error" for d in low.diagnostics):
         buffered = engine_profile(spec.backend).buffered_sends
         programs = stated(low.programs)
-        steps = StepSchedule(programs, check_compact(programs, grid, exhaustive_limit=EXHAUSTIVE_RANKS, buffered_sends=buffered))
+        steps = StepSchedule(
+            programs, check_compact(programs, grid, exhaustive_limit=EXHAUSTIVE_RANKS, buffered_sends=buffered)
+        )
     return Lowered(
         plan=plan,
         parameters=low.parameters,

@@ -16,11 +16,10 @@ from dataclasses import dataclass
 from math import ceil
 
 from mixle_compile.contracts import ParallelPlan, StateLayout
+from mixle_compile.engines import engine_profile
 from mixle_compile.layer_split import LayerSplit
 from mixle_compile.lower.layouts import PlacedParameter
-from mixle_compile.plan.vocabulary import KV_HEAD_AXIS, REPLICATE, expert_data_size
 from mixle_compile.lower.updates import PlannedUpdate
-from mixle_compile.engines import engine_profile
 from mixle_compile.memory_model import (
     MEMORY_KINDS,
     NUMBERS,
@@ -37,9 +36,9 @@ from mixle_compile.memory_model import (
     reserve_bytes,
 )
 from mixle_compile.parameters import DTYPE_BYTES
-from mixle_compile.verify.memory import activation_widths
+from mixle_compile.plan.vocabulary import KV_HEAD_AXIS, REPLICATE, expert_data_size
 from mixle_compile.spec.models import Spec, TransformerModel
-
+from mixle_compile.verify.memory import activation_widths
 
 
 @dataclass(frozen=True)
@@ -110,7 +109,9 @@ def stage_memory(
         unit_elements: dict[object, int] = {}
         for p in mine:
             units[p.parameter.layer] = units.get(p.parameter.layer, 0) + _tp_local_bytes(p, plan)
-            unit_elements[p.parameter.layer] = unit_elements.get(p.parameter.layer, 0) + _tp_local_bytes(p, plan) // DTYPE_BYTES[p.parameter.dtype]
+            unit_elements[p.parameter.layer] = (
+                unit_elements.get(p.parameter.layer, 0) + _tp_local_bytes(p, plan) // DTYPE_BYTES[p.parameter.dtype]
+            )
         fsdp = fsdp_shards(dp_shard=plan.dp_shard, cp=plan.cp, over_cp=engine.fsdp_over_cp)
         keeps_stage = plan.pp > 1 and engine.fsdp_keeps_stage_under_pp
         gathered = gathered_parameter_bytes(
@@ -128,19 +129,39 @@ def stage_memory(
             # a layer's gradients are reduced while earlier layers' activations are still held; the
             # embedding and head (the root unit) after the last layer's backward, when none are
             largest = max(layers, key=lambda unit: units[unit])
-            buffers += int(reduce_scatter_buffer_bytes(
-                NUMBERS, fsdp=fsdp, unit_elements=unit_elements[largest], unit_bytes=units[largest], accumulated=keeps_stage,
-                freed_before=loss,
-            ))
+            buffers += int(
+                reduce_scatter_buffer_bytes(
+                    NUMBERS,
+                    fsdp=fsdp,
+                    unit_elements=unit_elements[largest],
+                    unit_bytes=units[largest],
+                    accumulated=keeps_stage,
+                    freed_before=loss,
+                )
+            )
         live = params + gathered + grads + state + stored + recompute + loss + buffers
-        out.append(StageMemory(
-            stage, params, gathered, grads, state, stored, recompute, loss, buffers, int(reserve_bytes(NUMBERS, live)),
-        ))
+        out.append(
+            StageMemory(
+                stage,
+                params,
+                gathered,
+                grads,
+                state,
+                stored,
+                recompute,
+                loss,
+                buffers,
+                int(reserve_bytes(NUMBERS, live)),
+            )
+        )
     return tuple(out)
 
 
 def _data_sharded(p: PlacedParameter) -> bool:
-    return any(axis in ("dp_shard", "cp", "dp_replicate", "edp") and placement != "replicate" for axis, placement in p.layout.placements)
+    return any(
+        axis in ("dp_shard", "cp", "dp_replicate", "edp") and placement != "replicate"
+        for axis, placement in p.layout.placements
+    )
 
 
 def _data_ranks(p: PlacedParameter, plan: ParallelPlan) -> int:
@@ -167,19 +188,32 @@ def _pipeline_buffers(spec: Spec, plan: ParallelPlan, stage: int, in_flight: flo
         return 0
     virtual = t.virtual_pipeline_stages if t.pipeline_schedule == "interleaved_1f1b" else 1
     boundary = boundary_bytes(
-        NUMBERS, seq_len=t.seq_len or 1, cp=plan.cp, micro_batch_size=t.micro_batch_size, hidden_size=model.hidden_size,
-        tp=plan.tp, sequence_parallel=t.sequence_parallel, fp32=t.precision == "fp32",
+        NUMBERS,
+        seq_len=t.seq_len or 1,
+        cp=plan.cp,
+        micro_batch_size=t.micro_batch_size,
+        hidden_size=model.hidden_size,
+        tp=plan.tp,
+        sequence_parallel=t.sequence_parallel,
+        fp32=t.precision == "fp32",
     )
-    return int(pipeline_buffer_bytes(
-        NUMBERS, boundary=boundary, microbatches=engine.schedule_microbatches(plan.microbatches, plan.gradient_accumulation_steps),
-        activation_stages=virtual - (stage == 0), gradient_stages=virtual - (stage == plan.pp - 1),
-        # one stage per rank: the micro-batches in flight keep their received input as the first
-        # layer's stored input; with several, the count per stage is not tracked, none is subtracted
-        saved_inputs=in_flight if virtual == 1 and stage > 0 else 0,
-    ))
+    return int(
+        pipeline_buffer_bytes(
+            NUMBERS,
+            boundary=boundary,
+            microbatches=engine.schedule_microbatches(plan.microbatches, plan.gradient_accumulation_steps),
+            activation_stages=virtual - (stage == 0),
+            gradient_stages=virtual - (stage == plan.pp - 1),
+            # one stage per rank: the micro-batches in flight keep their received input as the first
+            # layer's stored input; with several, the count per stage is not tracked, none is subtracted
+            saved_inputs=in_flight if virtual == 1 and stage > 0 else 0,
+        )
+    )
 
 
-def _activation_bytes(spec: Spec, plan: ParallelPlan, stage: int, split: LayerSplit | None) -> tuple[int, int, int, float]:
+def _activation_bytes(
+    spec: Spec, plan: ParallelPlan, stage: int, split: LayerSplit | None
+) -> tuple[int, int, int, float]:
     """Stored activations, the recompute working set and the loss's bytes of one stage's rank, and
     the micro-batches it keeps in flight."""
     model = spec.model
@@ -188,26 +222,41 @@ def _activation_bytes(spec: Spec, plan: ParallelPlan, stage: int, split: LayerSp
         return 0, 0, 0, 0  # a modules spec lists parameters only; how activations flow is not known
     shape = dict(seq_len=t.seq_len or 1, cp=plan.cp, micro_batch_size=t.micro_batch_size, tp=plan.tp)
     engine = engine_profile(spec.backend)
+
     def layer(full: bool, selective: bool) -> float:
         return activation_bytes_per_layer(
-            NUMBERS, **shape, hidden_size=model.hidden_size, num_heads=model.num_heads, sequence_parallel=t.sequence_parallel,
-            full_recompute=full, selective_recompute=selective, fp32=t.precision == "fp32",
+            NUMBERS,
+            **shape,
+            hidden_size=model.hidden_size,
+            num_heads=model.num_heads,
+            sequence_parallel=t.sequence_parallel,
+            full_recompute=full,
+            selective_recompute=selective,
+            fp32=t.precision == "fp32",
             eager_attention=(t.attention or engine.default_attention) == "eager",
-            op_level_selective=engine.op_level_selective, **activation_widths(model),
+            op_level_selective=engine.op_level_selective,
+            **activation_widths(model),
         )
 
     per_layer = layer(t.activation_checkpointing == "full", t.activation_checkpointing == "selective")
     recomputed = layer(False, False) - per_layer  # the layer being recomputed holds all of it once more
     layers_here = split.layers_on_stage(stage) if split is not None else model.num_layers
     in_flight = micro_batches_in_flight(
-        NUMBERS, pp=plan.pp, stage=stage, microbatches=plan.microbatches, gpipe=t.pipeline_schedule == "gpipe",
-        interleaved=t.pipeline_schedule == "interleaved_1f1b" and t.virtual_pipeline_stages > 1, virtual_stages=t.virtual_pipeline_stages,
+        NUMBERS,
+        pp=plan.pp,
+        stage=stage,
+        microbatches=plan.microbatches,
+        gpipe=t.pipeline_schedule == "gpipe",
+        interleaved=t.pipeline_schedule == "interleaved_1f1b" and t.virtual_pipeline_stages > 1,
+        virtual_stages=t.virtual_pipeline_stages,
     )
     stored = per_layer * layers_here * in_flight
     loss = 0
     if stage == plan.pp - 1:
         per_logit = loss_bytes_per_logit(
-            NUMBERS, implementation=engine.loss_implementation(compiled="loss" in t.compiled, tensor_parallel=plan.tp > 1), fp32=t.precision == "fp32"
+            NUMBERS,
+            implementation=engine.loss_implementation(compiled="loss" in t.compiled, tensor_parallel=plan.tp > 1),
+            fp32=t.precision == "fp32",
         )
         loss = logits_bytes(NUMBERS, **shape, vocab_size=model.vocab_size, bytes_per_logit=per_logit)
     return int(stored), int(recomputed if layers_here else 0), int(loss), in_flight

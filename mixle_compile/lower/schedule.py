@@ -29,19 +29,17 @@ given ops, a condition that stays true once it holds.
 
 from __future__ import annotations
 
-import dataclasses
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from enum import Enum
 from fractions import Fraction
 from typing import Any, Union
 
 from mixle_compile.contracts import ParallelPlan
+from mixle_compile.lower.groups import GroupRule, RankGrid
 from mixle_compile.plan.ops import _P2P, ACTIVATION, ACTIVATION_GRAD, Op, OpKind, _require_count
 from mixle_compile.plan.ops import copy_op as _copy
 from mixle_compile.plan.ops import insert_templates as _insert
-from mixle_compile.lower.groups import GroupRule, RankGrid
 from mixle_compile.schedules import (
     SCHEDULES,
     ScheduleFamily,
@@ -175,9 +173,19 @@ def pipeline_schedule(
         other = chunk * pp + stage + (1 if forward == send else -1)
         if not 0 <= other <= last_virtual:
             return []
-        return [Op(OpKind.send if send else OpKind.recv, stage, chunk, mb, "send" if send else "recv",
-                   tag=ACTIVATION if forward else ACTIVATION_GRAD, peer=other % pp,
-                   peer_chunk=other // pp, bytes=activation_bytes)]
+        return [
+            Op(
+                OpKind.send if send else OpKind.recv,
+                stage,
+                chunk,
+                mb,
+                "send" if send else "recv",
+                tag=ACTIVATION if forward else ACTIVATION_GRAD,
+                peer=other % pp,
+                peer_chunk=other // pp,
+                bytes=activation_bytes,
+            )
+        ]
 
     programs = []
     for stage in range(pp):
@@ -420,12 +428,14 @@ def simulate_schedule(
     """
     world = _prepare(programs, grid, exhaustive_limit)
     if cost is None:
+
         def cost(op: Op):
             if op.kind is OpKind.forward:
                 return forward_cost
             if op.kind is OpKind.backward:
                 return backward_cost
             return 0
+
     bad = _check_ops(world)
     if bad:
         raise ValueError("cannot simulate malformed programs: " + "; ".join(bad[:3]))
@@ -519,7 +529,9 @@ def _check_collective_sequences(world: _World) -> list[str]:
             other = seqs[rank]
             if other == reference:
                 continue
-            position = next((i for i, (a, b) in enumerate(zip(reference, other)) if a != b), min(len(reference), len(other)))
+            position = next(
+                (i for i, (a, b) in enumerate(zip(reference, other)) if a != b), min(len(reference), len(other))
+            )
             mine = _show_item(reference, position)
             theirs = _show_item(other, position)
             problems.append(
@@ -615,8 +627,12 @@ def _simulate(world: _World, cost: Callable[[Op], Any], *, buffered_sends: bool 
         for position, op in enumerate(program):
             if op.kind in _P2P:
                 previous = out[-1] if out else None
-                if (previous and previous[0] == "p2p" and op.batch is not None
-                        and program[previous[1][-1]].batch == op.batch):
+                if (
+                    previous
+                    and previous[0] == "p2p"
+                    and op.batch is not None
+                    and program[previous[1][-1]].batch == op.batch
+                ):
                     previous[1].append(position)
                     continue
                 out.append(("p2p", [position]))
@@ -704,7 +720,9 @@ def _simulate(world: _World, cost: Callable[[Op], Any], *, buffered_sends: bool 
                         # The message waits for its receive; the sender goes on.
                         sent[(rank, position)] = clock[rank]
                         matched[(rank, position)] = clock[rank]
-                        waiting = posted[other] and pc[other] < len(steps[other]) and step_of[(other, other_pos)] == pc[other]
+                        waiting = (
+                            posted[other] and pc[other] < len(steps[other]) and step_of[(other, other_pos)] == pc[other]
+                        )
                         if waiting and (other, other_pos) not in matched:
                             matched[(other, other_pos)] = clock[rank]
                             if batch_done(other):
@@ -808,7 +826,7 @@ def _find_cycle(graph: Mapping[int, list[int]]) -> list[int]:
             advanced = False
             for child in children:
                 if child in on_path:
-                    return path[on_path[child]:]
+                    return path[on_path[child] :]
                 if child not in colour:
                     colour[child] = 1
                     on_path[child] = len(path)

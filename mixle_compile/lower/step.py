@@ -14,14 +14,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mixle_compile.contracts import CollectiveKind, ParallelPlan
-from mixle_compile.lower.groups import RankGrid, rule_name
 from mixle_compile.engines import EngineProfile, engine_profile
 from mixle_compile.lower.compact import StageProgram, check_compact, compress, expand_all
+from mixle_compile.lower.groups import RankGrid, rule_name
 from mixle_compile.lower.schedule import Op, OpKind, ScheduleCheck, pipeline_schedule
 from mixle_compile.lower.updates import PlannedUpdate
 from mixle_compile.schedules import pipelined
 
 EXHAUSTIVE_RANKS = 16
+
 
 @dataclass(frozen=True)
 class StepSchedule:
@@ -63,8 +64,17 @@ def step_schedule(
 
     def ops(phase: str, stage: int) -> list[tuple[Op, int]]:
         return [
-            (Op(OpKind.collective, stage, name=u.update.node_id, group=rule_name(u.update.mesh_axes), tag=u.update.collective.value, bytes=u.payload_bytes),
-             u.occurrences_per_step)
+            (
+                Op(
+                    OpKind.collective,
+                    stage,
+                    name=u.update.node_id,
+                    group=rule_name(u.update.mesh_axes),
+                    tag=u.update.collective.value,
+                    bytes=u.payload_bytes,
+                ),
+                u.occurrences_per_step,
+            )
             for u in by_phase.get((phase, stage), ())
         ]
 

@@ -25,9 +25,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mixle_compile.step_time import ring_bytes
 from mixle_compile.contracts import CollectiveKind, DistributedUpdate, ParallelPlan, PayloadKind, StateLayout
 from mixle_compile.lower.layouts import PlacedParameter, model_parallel_splits
+from mixle_compile.parameters import DTYPE_BYTES, head_dim, is_moe_layer
 from mixle_compile.plan.vocabulary import (
     ALL_DATA_AXES,
     EXPERT_DATA,
@@ -39,8 +39,8 @@ from mixle_compile.plan.vocabulary import (
     kv_replica_size,
     shard_dim,
 )
-from mixle_compile.parameters import DTYPE_BYTES, head_dim, is_moe_layer
 from mixle_compile.spec.models import Spec, TransformerModel
+from mixle_compile.step_time import ring_bytes
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,14 @@ def domain_size(axis: str, plan: ParallelPlan) -> int:
     return plan.size(axis)
 
 
-def _grad_update(node: str, collective: CollectiveKind, axes: tuple[str, ...], layout: StateLayout, notes: str, payload=PayloadKind.GRADIENT) -> DistributedUpdate:
+def _grad_update(
+    node: str,
+    collective: CollectiveKind,
+    axes: tuple[str, ...],
+    layout: StateLayout,
+    notes: str,
+    payload=PayloadKind.GRADIENT,
+) -> DistributedUpdate:
     return DistributedUpdate(
         node_id=node,
         payload=payload,
@@ -92,7 +99,14 @@ def _grad_update(node: str, collective: CollectiveKind, axes: tuple[str, ...], l
     )
 
 
-def gradient_updates(placed: tuple[PlacedParameter, ...], plan: ParallelPlan, *, sequence_parallel: bool, distributed_optimizer: bool, microbatches_per_step: int) -> list[PlannedUpdate]:
+def gradient_updates(
+    placed: tuple[PlacedParameter, ...],
+    plan: ParallelPlan,
+    *,
+    sequence_parallel: bool,
+    distributed_optimizer: bool,
+    microbatches_per_step: int,
+) -> list[PlannedUpdate]:
     """Gradient reductions and FSDP parameter gathers, derived from each layout's placements."""
     data_differs = {*ALL_DATA_AXES} | ({Axis.TP} if sequence_parallel else set())
     out: list[PlannedUpdate] = []
@@ -127,7 +141,11 @@ def gradient_updates(placed: tuple[PlacedParameter, ...], plan: ParallelPlan, *,
         # weight's copies live on different pipeline stages, which finish an accumulation window at
         # different points of their programs: their whole gradients accumulate over the step (FSDP's
         # no-sync accumulation) and meet once, after both stages' last backward.
-        per_step = plan.gradient_accumulation_steps if sharded and not scatter_then_gather and layout.shared_group is None else 1
+        per_step = (
+            plan.gradient_accumulation_steps
+            if sharded and not scatter_then_gather and layout.shared_group is None
+            else 1
+        )
         # The whole tp-local gradient as a rank holds it (padded to equal data shards when the state
         # is sharded), which is what an all_reduce before the data reduction takes in.
         whole_local = _padded_bytes(pp_, plan, 4, group_size(tuple(sharded), plan)) if sharded else local_full
@@ -136,9 +154,19 @@ def gradient_updates(placed: tuple[PlacedParameter, ...], plan: ParallelPlan, *,
             # takes the whole (padded) gradient buffer, before any reduce-scatter.
             grads.append(
                 PlannedUpdate(
-                    _grad_update(str(UpdateId.gradient(layout.shared_group, "tied")), CollectiveKind.ALL_REDUCE, (TIED_GROUP,), layout.optimizer_state,
-                                 f"tied weight {layout.shared_group!r}: sum the first and last stage's whole gradients before any reduce-scatter"),
-                    name, "gradient", stage, whole_local, 2, per_step,
+                    _grad_update(
+                        str(UpdateId.gradient(layout.shared_group, "tied")),
+                        CollectiveKind.ALL_REDUCE,
+                        (TIED_GROUP,),
+                        layout.optimizer_state,
+                        f"tied weight {layout.shared_group!r}: sum the first and last stage's whole gradients before any reduce-scatter",
+                    ),
+                    name,
+                    "gradient",
+                    stage,
+                    whole_local,
+                    2,
+                    per_step,
                 )
             )
         if Axis.TP in data_differs and dict(layout.placements).get(Axis.TP) == str(REPLICATE) and not pp_.is_expert:
@@ -146,9 +174,19 @@ def gradient_updates(placed: tuple[PlacedParameter, ...], plan: ParallelPlan, *,
             # until that accumulation step's reduce-scatter.
             grads.append(
                 PlannedUpdate(
-                    _grad_update(str(UpdateId.gradient(name, "tp")), CollectiveKind.ALL_REDUCE, (Axis.TP,), layout.optimizer_state,
-                                 "tp-replicated parameter whose inputs are sequence shards under sequence parallelism"),
-                    name, "gradient", stage, whole_local, plan.tp, per_step,
+                    _grad_update(
+                        str(UpdateId.gradient(name, "tp")),
+                        CollectiveKind.ALL_REDUCE,
+                        (Axis.TP,),
+                        layout.optimizer_state,
+                        "tp-replicated parameter whose inputs are sequence shards under sequence parallelism",
+                    ),
+                    name,
+                    "gradient",
+                    stage,
+                    whole_local,
+                    plan.tp,
+                    per_step,
                 )
             )
         kv_axis = pp_.kv_replica_axis
@@ -156,43 +194,93 @@ def gradient_updates(placed: tuple[PlacedParameter, ...], plan: ParallelPlan, *,
             # Before the data reduction and as often: its evidence is the complete gradient of the head.
             grads.append(
                 PlannedUpdate(
-                    _grad_update(str(UpdateId.gradient(name, "kv")), CollectiveKind.ALL_REDUCE, (kv_axis,), layout.optimizer_state,
-                                 f"KV head shared by {pp_.kv_replicas} tp ranks: each holds the part of its gradient that its own query heads contribute"),
-                    name, "gradient", stage, whole_local, pp_.kv_replicas, per_step,
+                    _grad_update(
+                        str(UpdateId.gradient(name, "kv")),
+                        CollectiveKind.ALL_REDUCE,
+                        (kv_axis,),
+                        layout.optimizer_state,
+                        f"KV head shared by {pp_.kv_replicas} tp ranks: each holds the part of its gradient that its own query heads contribute",
+                    ),
+                    name,
+                    "gradient",
+                    stage,
+                    whole_local,
+                    pp_.kv_replicas,
+                    per_step,
                 )
             )
         if sharded:
             axes = tuple(sharded)
             grads.append(
                 PlannedUpdate(
-                    _grad_update(str(UpdateId.gradient(name, "scatter")), CollectiveKind.REDUCE_SCATTER, axes, StateLayout.SHARDED,
-                                 f"divide by the data-parallel size {dp}" if not replicated else "partial sum; the all_reduce that follows divides"),
-                    name, "gradient", stage, _padded_bytes(pp_, plan, 4, group_size(axes, plan)), group_size(axes, plan), per_step,
+                    _grad_update(
+                        str(UpdateId.gradient(name, "scatter")),
+                        CollectiveKind.REDUCE_SCATTER,
+                        axes,
+                        StateLayout.SHARDED,
+                        f"divide by the data-parallel size {dp}"
+                        if not replicated
+                        else "partial sum; the all_reduce that follows divides",
+                    ),
+                    name,
+                    "gradient",
+                    stage,
+                    _padded_bytes(pp_, plan, 4, group_size(axes, plan)),
+                    group_size(axes, plan),
+                    per_step,
                     gradient_divisor=1 if replicated else dp,
                 )
             )
         if replicated:
             axes = tuple(replicated)
             # After a reduce-scatter it reduces the (padded) shard.
-            payload = _padded_bytes(pp_, plan, 4, group_size(tuple(sharded), plan), shard=True) if sharded else local_full
+            payload = (
+                _padded_bytes(pp_, plan, 4, group_size(tuple(sharded), plan), shard=True) if sharded else local_full
+            )
             grads.append(
                 PlannedUpdate(
-                    _grad_update(str(UpdateId.gradient(name, "reduce")), CollectiveKind.ALL_REDUCE, axes, layout.optimizer_state,
-                                 f"divide by the data-parallel size {dp}"),
-                    name, "gradient", stage, payload, group_size(axes, plan), per_step, gradient_divisor=dp,
+                    _grad_update(
+                        str(UpdateId.gradient(name, "reduce")),
+                        CollectiveKind.ALL_REDUCE,
+                        axes,
+                        layout.optimizer_state,
+                        f"divide by the data-parallel size {dp}",
+                    ),
+                    name,
+                    "gradient",
+                    stage,
+                    payload,
+                    group_size(axes, plan),
+                    per_step,
+                    gradient_divisor=dp,
                 )
             )
         if not folded:
             out.extend(grads)
-        param_bytes = _padded_bytes(pp_, plan, DTYPE_BYTES[pp_.parameter.dtype], group_size(tuple(sharded), plan)) if sharded else 0
+        param_bytes = (
+            _padded_bytes(pp_, plan, DTYPE_BYTES[pp_.parameter.dtype], group_size(tuple(sharded), plan))
+            if sharded
+            else 0
+        )
         if scatter_then_gather:
             if not folded:  # a tied tensor's updated shards are gathered once, for all its uses
                 axes = tuple(sharded)
                 out.append(
                     PlannedUpdate(
-                        _grad_update(str(UpdateId.gather(name)), CollectiveKind.ALL_GATHER, axes, StateLayout.SHARDED,
-                                     "distributed optimizer: gather the updated shards", payload=PayloadKind.PARAMETER),
-                        name, "parameter", stage, param_bytes, group_size(axes, plan), 1,
+                        _grad_update(
+                            str(UpdateId.gather(name)),
+                            CollectiveKind.ALL_GATHER,
+                            axes,
+                            StateLayout.SHARDED,
+                            "distributed optimizer: gather the updated shards",
+                            payload=PayloadKind.PARAMETER,
+                        ),
+                        name,
+                        "parameter",
+                        stage,
+                        param_bytes,
+                        group_size(axes, plan),
+                        1,
                     )
                 )
         elif sharded:
@@ -200,15 +288,28 @@ def gradient_updates(placed: tuple[PlacedParameter, ...], plan: ParallelPlan, *,
             for phase in ("forward", "backward"):
                 out.append(
                     PlannedUpdate(
-                        _grad_update(str(UpdateId.gather(name, phase)), CollectiveKind.ALL_GATHER, axes, StateLayout.SHARDED,
-                                     f"FSDP: gather the parameter before its {phase} use", payload=PayloadKind.PARAMETER),
-                        name, phase, stage, param_bytes, group_size(axes, plan), microbatches_per_step,
+                        _grad_update(
+                            str(UpdateId.gather(name, phase)),
+                            CollectiveKind.ALL_GATHER,
+                            axes,
+                            StateLayout.SHARDED,
+                            f"FSDP: gather the parameter before its {phase} use",
+                            payload=PayloadKind.PARAMETER,
+                        ),
+                        name,
+                        phase,
+                        stage,
+                        param_bytes,
+                        group_size(axes, plan),
+                        microbatches_per_step,
                     )
                 )
     return out
 
 
-def _padded_bytes(pp_: PlacedParameter, plan: ParallelPlan, elem_bytes: int, shards: int, *, shard: bool = False) -> int:
+def _padded_bytes(
+    pp_: PlacedParameter, plan: ParallelPlan, elem_bytes: int, shards: int, *, shard: bool = False
+) -> int:
     """Bytes of the tp-local tensor split into ``shards`` equal data shards (the last one padded, as
     FSDP pads): the whole padded tensor, which an all_gather outputs and a reduce_scatter takes in,
     or one shard."""
@@ -247,27 +348,114 @@ def activation_updates(spec: Spec, plan: ParallelPlan, stage_of: dict[int, int])
     sp = t.sequence_parallel
     out: list[PlannedUpdate] = []
 
-    def add(node: UpdateId, collective: CollectiveKind, axes: tuple[str, ...], phase: str, stage: int, nbytes: int, layout: StateLayout, notes: str, payload=PayloadKind.ACTIVATION, times: int = 1) -> None:
+    def add(
+        node: UpdateId,
+        collective: CollectiveKind,
+        axes: tuple[str, ...],
+        phase: str,
+        stage: int,
+        nbytes: int,
+        layout: StateLayout,
+        notes: str,
+        payload=PayloadKind.ACTIVATION,
+        times: int = 1,
+    ) -> None:
         out.append(
             PlannedUpdate(
-                DistributedUpdate(node_id=str(node), payload=payload, collective=collective, mesh_axes=axes, state_layout=layout, notes=(notes,) if notes else (), contract_exact=True),
-                node.subject, phase, stage, nbytes, group_size(axes, plan), mb * times,
+                DistributedUpdate(
+                    node_id=str(node),
+                    payload=payload,
+                    collective=collective,
+                    mesh_axes=axes,
+                    state_layout=layout,
+                    notes=(notes,) if notes else (),
+                    contract_exact=True,
+                ),
+                node.subject,
+                phase,
+                stage,
+                nbytes,
+                group_size(axes, plan),
+                mb * times,
             )
         )
 
     last = plan.pp - 1
     if plan.tp > 1:
         if sp:
-            add(UpdateId.activation("embed", "out"), CollectiveKind.REDUCE_SCATTER, (Axis.TP,), "forward", 0, hidden_bytes, StateLayout.SHARDED, "vocabulary-parallel embedding: sum the vocabulary slices and scatter the sequence")
-            add(UpdateId.activation("embed", "out", backward=True), CollectiveKind.ALL_GATHER, (Axis.TP,), "backward", 0, hidden_bytes, StateLayout.REPLICATED, "conjugate of the embedding's reduce_scatter")
-            add(UpdateId.activation("lm_head", "in"), CollectiveKind.ALL_GATHER, (Axis.TP,), "forward", last, hidden_bytes, StateLayout.REPLICATED, "sequence parallel: gather the sequence before the vocabulary-parallel head")
-            add(UpdateId.activation("lm_head", "in", backward=True), CollectiveKind.REDUCE_SCATTER, (Axis.TP,), "backward", last, hidden_bytes, StateLayout.SHARDED, "conjugate of the head's input all_gather")
+            add(
+                UpdateId.activation("embed", "out"),
+                CollectiveKind.REDUCE_SCATTER,
+                (Axis.TP,),
+                "forward",
+                0,
+                hidden_bytes,
+                StateLayout.SHARDED,
+                "vocabulary-parallel embedding: sum the vocabulary slices and scatter the sequence",
+            )
+            add(
+                UpdateId.activation("embed", "out", backward=True),
+                CollectiveKind.ALL_GATHER,
+                (Axis.TP,),
+                "backward",
+                0,
+                hidden_bytes,
+                StateLayout.REPLICATED,
+                "conjugate of the embedding's reduce_scatter",
+            )
+            add(
+                UpdateId.activation("lm_head", "in"),
+                CollectiveKind.ALL_GATHER,
+                (Axis.TP,),
+                "forward",
+                last,
+                hidden_bytes,
+                StateLayout.REPLICATED,
+                "sequence parallel: gather the sequence before the vocabulary-parallel head",
+            )
+            add(
+                UpdateId.activation("lm_head", "in", backward=True),
+                CollectiveKind.REDUCE_SCATTER,
+                (Axis.TP,),
+                "backward",
+                last,
+                hidden_bytes,
+                StateLayout.SHARDED,
+                "conjugate of the head's input all_gather",
+            )
         else:
-            add(UpdateId.activation("embed", "out"), CollectiveKind.ALL_REDUCE, (Axis.TP,), "forward", 0, hidden_bytes, StateLayout.REPLICATED, "vocabulary-parallel embedding: each rank holds a slice of the vocabulary")
-            add(UpdateId.activation("lm_head", "in", backward=True), CollectiveKind.ALL_REDUCE, (Axis.TP,), "backward", last, hidden_bytes, StateLayout.REPLICATED, "sum the input gradients of the vocabulary-parallel head")
+            add(
+                UpdateId.activation("embed", "out"),
+                CollectiveKind.ALL_REDUCE,
+                (Axis.TP,),
+                "forward",
+                0,
+                hidden_bytes,
+                StateLayout.REPLICATED,
+                "vocabulary-parallel embedding: each rank holds a slice of the vocabulary",
+            )
+            add(
+                UpdateId.activation("lm_head", "in", backward=True),
+                CollectiveKind.ALL_REDUCE,
+                (Axis.TP,),
+                "backward",
+                last,
+                hidden_bytes,
+                StateLayout.REPLICATED,
+                "sum the input gradients of the vocabulary-parallel head",
+            )
         # One fp32 (log-sum-exp, target logit) pair per token from each vocabulary shard; every rank
         # then combines them into the same loss, and the backward needs no communication.
-        add(UpdateId.activation("lm_head", "loss"), CollectiveKind.ALL_GATHER, (Axis.TP,), "forward", last, plan.tp * 2 * tokens * 4, StateLayout.REPLICATED, "vocabulary-parallel cross entropy: gather each shard's log-sum-exp and target logit")
+        add(
+            UpdateId.activation("lm_head", "loss"),
+            CollectiveKind.ALL_GATHER,
+            (Axis.TP,),
+            "forward",
+            last,
+            plan.tp * 2 * tokens * 4,
+            StateLayout.REPLICATED,
+            "vocabulary-parallel cross entropy: gather each shard's log-sum-exp and target logit",
+        )
     # K and V of the KV heads a tp rank holds: its share, or the one head it shares with others.
     kv_heads = model.num_kv_heads or model.num_heads
     kv_bytes = tokens * max(kv_heads // plan.tp, 1) * head_dim(model) * act_bytes_per
@@ -276,23 +464,112 @@ def activation_updates(spec: Spec, plan: ParallelPlan, stage_of: dict[int, int])
         for block in ("attn", "mlp"):
             if plan.tp > 1:
                 if sp:
-                    add(UpdateId.activation(f"layers.{i}.{block}", "in"), CollectiveKind.ALL_GATHER, (Axis.TP,), "forward", stage, hidden_bytes, StateLayout.REPLICATED, "sequence parallel: gather the sequence before the column-parallel layer")
-                    add(UpdateId.activation(f"layers.{i}.{block}", "out"), CollectiveKind.REDUCE_SCATTER, (Axis.TP,), "forward", stage, hidden_bytes, StateLayout.SHARDED, "sequence parallel: reduce and scatter the row-parallel output over the sequence")
-                    add(UpdateId.activation(f"layers.{i}.{block}", "in", backward=True), CollectiveKind.REDUCE_SCATTER, (Axis.TP,), "backward", stage, hidden_bytes, StateLayout.SHARDED, "conjugate of the input all_gather")
-                    add(UpdateId.activation(f"layers.{i}.{block}", "out", backward=True), CollectiveKind.ALL_GATHER, (Axis.TP,), "backward", stage, hidden_bytes, StateLayout.REPLICATED, "conjugate of the output reduce_scatter")
+                    add(
+                        UpdateId.activation(f"layers.{i}.{block}", "in"),
+                        CollectiveKind.ALL_GATHER,
+                        (Axis.TP,),
+                        "forward",
+                        stage,
+                        hidden_bytes,
+                        StateLayout.REPLICATED,
+                        "sequence parallel: gather the sequence before the column-parallel layer",
+                    )
+                    add(
+                        UpdateId.activation(f"layers.{i}.{block}", "out"),
+                        CollectiveKind.REDUCE_SCATTER,
+                        (Axis.TP,),
+                        "forward",
+                        stage,
+                        hidden_bytes,
+                        StateLayout.SHARDED,
+                        "sequence parallel: reduce and scatter the row-parallel output over the sequence",
+                    )
+                    add(
+                        UpdateId.activation(f"layers.{i}.{block}", "in", backward=True),
+                        CollectiveKind.REDUCE_SCATTER,
+                        (Axis.TP,),
+                        "backward",
+                        stage,
+                        hidden_bytes,
+                        StateLayout.SHARDED,
+                        "conjugate of the input all_gather",
+                    )
+                    add(
+                        UpdateId.activation(f"layers.{i}.{block}", "out", backward=True),
+                        CollectiveKind.ALL_GATHER,
+                        (Axis.TP,),
+                        "backward",
+                        stage,
+                        hidden_bytes,
+                        StateLayout.REPLICATED,
+                        "conjugate of the output reduce_scatter",
+                    )
                 else:
-                    add(UpdateId.activation(f"layers.{i}.{block}", "out"), CollectiveKind.ALL_REDUCE, (Axis.TP,), "forward", stage, hidden_bytes, StateLayout.REPLICATED, "sum the row-parallel partial outputs")
-                    add(UpdateId.activation(f"layers.{i}.{block}", "in", backward=True), CollectiveKind.ALL_REDUCE, (Axis.TP,), "backward", stage, hidden_bytes, StateLayout.REPLICATED, "sum the input gradients of the column-parallel layer")
+                    add(
+                        UpdateId.activation(f"layers.{i}.{block}", "out"),
+                        CollectiveKind.ALL_REDUCE,
+                        (Axis.TP,),
+                        "forward",
+                        stage,
+                        hidden_bytes,
+                        StateLayout.REPLICATED,
+                        "sum the row-parallel partial outputs",
+                    )
+                    add(
+                        UpdateId.activation(f"layers.{i}.{block}", "in", backward=True),
+                        CollectiveKind.ALL_REDUCE,
+                        (Axis.TP,),
+                        "backward",
+                        stage,
+                        hidden_bytes,
+                        StateLayout.REPLICATED,
+                        "sum the input gradients of the column-parallel layer",
+                    )
         if plan.cp > 1:
-            add(UpdateId.activation(f"layers.{i}.attn", "kv"), CollectiveKind.ALL_GATHER, (Axis.CP,), "forward", stage, 2 * kv_bytes * plan.cp, StateLayout.REPLICATED, "context parallel: gather K and V of every sequence chunk", payload=PayloadKind.KV_BLOCK)
-            add(UpdateId.activation(f"layers.{i}.attn", "kv", backward=True), CollectiveKind.REDUCE_SCATTER, (Axis.CP,), "backward", stage, 2 * kv_bytes * plan.cp, StateLayout.SHARDED, "context parallel: return the K and V gradients to their chunks", payload=PayloadKind.KV_BLOCK)
+            add(
+                UpdateId.activation(f"layers.{i}.attn", "kv"),
+                CollectiveKind.ALL_GATHER,
+                (Axis.CP,),
+                "forward",
+                stage,
+                2 * kv_bytes * plan.cp,
+                StateLayout.REPLICATED,
+                "context parallel: gather K and V of every sequence chunk",
+                payload=PayloadKind.KV_BLOCK,
+            )
+            add(
+                UpdateId.activation(f"layers.{i}.attn", "kv", backward=True),
+                CollectiveKind.REDUCE_SCATTER,
+                (Axis.CP,),
+                "backward",
+                stage,
+                2 * kv_bytes * plan.cp,
+                StateLayout.SHARDED,
+                "context parallel: return the K and V gradients to their chunks",
+                payload=PayloadKind.KV_BLOCK,
+            )
         if plan.ep > 1 and is_moe_layer(model, i):
             # Under sequence parallelism each tp rank routes its own sequence shard when experts are
             # whole on it (etp = 1); split over tp (etp = tp), every tp rank routes all the gathered
             # tokens, each computing its slice of their experts' features.
             routed = hidden_bytes * (model.experts_per_token or 1) // (plan.tp if sp and plan.etp == 1 else 1)
-            for phase, what in (("forward", "dispatch"), ("forward", "combine"), ("backward", "dispatch"), ("backward", "combine")):
-                add(UpdateId.activation(f"layers.{i}.moe", what, backward=phase == "backward"), CollectiveKind.ALL_TO_ALL, (Axis.EP,), phase, stage, routed, StateLayout.EXPERT_LOCAL, "expert parallel: tokens to their experts' ranks and back", payload=PayloadKind.TOKEN)
+            for phase, what in (
+                ("forward", "dispatch"),
+                ("forward", "combine"),
+                ("backward", "dispatch"),
+                ("backward", "combine"),
+            ):
+                add(
+                    UpdateId.activation(f"layers.{i}.moe", what, backward=phase == "backward"),
+                    CollectiveKind.ALL_TO_ALL,
+                    (Axis.EP,),
+                    phase,
+                    stage,
+                    routed,
+                    StateLayout.EXPERT_LOCAL,
+                    "expert parallel: tokens to their experts' ranks and back",
+                    payload=PayloadKind.TOKEN,
+                )
     if plan.pp > 1:
         boundary_bytes = hidden_bytes // (plan.tp if sp else 1)
         # Virtual stage w hands over to w + 1 on stage (w + 1) % pp: with interleaving the last stage
@@ -306,6 +583,26 @@ def activation_updates(spec: Spec, plan: ParallelPlan, stage_of: dict[int, int])
             if s not in boundaries:
                 continue
             n = (s + 1) % plan.pp
-            add(UpdateId.transfer(s, n), CollectiveKind.P2P, (Axis.PP,), "forward", s, boundary_bytes, StateLayout.PIPELINE_LOCAL, "pipeline: activation to the next stage", times=boundaries[s])
-            add(UpdateId.transfer(n, s, backward=True), CollectiveKind.P2P, (Axis.PP,), "backward", n, boundary_bytes, StateLayout.PIPELINE_LOCAL, "pipeline: activation gradient to the previous stage", times=boundaries[s])
+            add(
+                UpdateId.transfer(s, n),
+                CollectiveKind.P2P,
+                (Axis.PP,),
+                "forward",
+                s,
+                boundary_bytes,
+                StateLayout.PIPELINE_LOCAL,
+                "pipeline: activation to the next stage",
+                times=boundaries[s],
+            )
+            add(
+                UpdateId.transfer(n, s, backward=True),
+                CollectiveKind.P2P,
+                (Axis.PP,),
+                "backward",
+                n,
+                boundary_bytes,
+                StateLayout.PIPELINE_LOCAL,
+                "pipeline: activation gradient to the previous stage",
+                times=boundaries[s],
+            )
     return out

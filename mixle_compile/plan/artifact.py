@@ -16,12 +16,12 @@ from pydantic import ValidationError
 
 from mixle_compile import __version__
 from mixle_compile.diagnostics import Diagnostic, Severity
+from mixle_compile.engines import engine_profile
 from mixle_compile.lower.compact import program_dict
 from mixle_compile.lower.lowering import Lowered
-from mixle_compile.engines import engine_profile
-from mixle_compile.schedules import bubble_fraction, pipelined
 from mixle_compile.plan.document import FORMAT_VERSION, NOTES_SEPARATOR, PlanDocument
 from mixle_compile.plan.layers import fold, unfold
+from mixle_compile.schedules import bubble_fraction, pipelined
 from mixle_compile.spec.models import Spec
 
 DIGEST_FIELD = "content_digest"
@@ -117,7 +117,9 @@ def build_plan(spec: Spec, lowered: Lowered, diagnostics: list[Diagnostic]) -> d
         "memory": [m.as_dict() for m in lowered.memory],
         "traffic": [t.as_dict() for t in lowered.traffic],
         "verdict": {
-            "ok": errors == 0 and not lowered.reduction_problems and (lowered.schedule is None or lowered.schedule.check.ok),
+            "ok": errors == 0
+            and not lowered.reduction_problems
+            and (lowered.schedule is None or lowered.schedule.check.ok),
             "errors": errors,
             "warnings": len(diagnostics) - errors,
             "diagnostics": [
@@ -174,7 +176,9 @@ def load_plan_text(text: str | bytes, name: str = "plan.json") -> PlanDocument:
         out = {}
         for key, value in pairs:
             if key in out:
-                raise PlanError(f"{name} has the key {key!r} twice; a compiled plan never does, so it was edited or corrupted")
+                raise PlanError(
+                    f"{name} has the key {key!r} twice; a compiled plan never does, so it was edited or corrupted"
+                )
             out[key] = value
         return out
 
@@ -184,9 +188,13 @@ def load_plan_text(text: str | bytes, name: str = "plan.json") -> PlanDocument:
     try:
         data = json.loads(text, object_pairs_hook=refuse_duplicates, parse_constant=refuse_constant)
     except json.JSONDecodeError as exc:
-        raise PlanError(f"{name} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}); recompile the plan") from None
+        raise PlanError(
+            f"{name} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}); recompile the plan"
+        ) from None
     if not isinstance(data, dict) or "format_version" not in data:
-        raise PlanError(f"{name} is not a mixle-compile plan (no format_version); produce one with `mixle-compile compile SPEC -o {name}`")
+        raise PlanError(
+            f"{name} is not a mixle-compile plan (no format_version); produce one with `mixle-compile compile SPEC -o {name}`"
+        )
     version = data["format_version"]
     if isinstance(version, bool) or not isinstance(version, int):
         raise PlanError(f"{name}: format_version must be an integer, got {version!r}")
@@ -207,8 +215,12 @@ def load_plan_text(text: str | bytes, name: str = "plan.json") -> PlanDocument:
         first = exc.errors(include_url=False)[0]
         where = ".".join(str(p) for p in first["loc"]) or "the plan"
         if first["type"] == "extra_forbidden":
-            raise PlanError(f"{name}: unknown field `{where}`; this compiler does not know it (a newer or edited plan), so it refuses the plan") from None
-        raise PlanError(f"{name}: `{where}`: {first['msg']} ({exc.error_count()} problem(s) in all); recompile the plan") from None
+            raise PlanError(
+                f"{name}: unknown field `{where}`; this compiler does not know it (a newer or edited plan), so it refuses the plan"
+            ) from None
+        raise PlanError(
+            f"{name}: `{where}`: {first['msg']} ({exc.error_count()} problem(s) in all); recompile the plan"
+        ) from None
     expected = content_digest(data)
     if data.get(DIGEST_FIELD) != expected:
         raise PlanError(
@@ -223,7 +235,9 @@ def load_plan_text(text: str | bytes, name: str = "plan.json") -> PlanDocument:
     try:
         spec = Spec.model_validate(doc.spec)
     except ValidationError as exc:
-        raise PlanError(f"{name}: the embedded spec does not validate ({exc.error_count()} problem(s)); recompile the plan") from None
+        raise PlanError(
+            f"{name}: the embedded spec does not validate ({exc.error_count()} problem(s)); recompile the plan"
+        ) from None
     if spec_digest(spec) != doc.spec_digest:
         raise PlanError(f"{name}: spec digest mismatch; the embedded spec was modified after compiling")
     doc._text = text

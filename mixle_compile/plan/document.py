@@ -23,7 +23,9 @@ class _Section(BaseModel):
 
 
 class PlanMesh(_Section):
-    degrees: dict[str, int] = Field(description="ParallelPlan.as_dict(): degrees, micro-batching, world and data-parallel size")
+    degrees: dict[str, int] = Field(
+        description="ParallelPlan.as_dict(): degrees, micro-batching, world and data-parallel size"
+    )
     names: list[str] = Field(description="physical mesh dimensions, outermost first")
     shape: list[int]
     order: str = Field(description="rank order of the axes, innermost first (Megatron style)")
@@ -72,7 +74,9 @@ class PlanParameter(_Section):
     stage: int
     chunk: int
     local_shape: list[int]
-    owner: int | None = Field(description="tp coordinate of the only rank holding it (a unit of a model cut); null: every rank of its placements")
+    owner: int | None = Field(
+        description="tp coordinate of the only rank holding it (a unit of a model cut); null: every rank of its placements"
+    )
 
 
 class PlanUpdate(_Section):
@@ -174,8 +178,12 @@ class PlanStageProgram(_Section):
     run_batches: int = Field(description="added to batch numbers per run")
     optimizer: bool = Field(description="an optimizer op after the last run")
     body: list[PlanLoop | PlanOp] = Field(description="one run's compute and point-to-point ops (loops folded)")
-    before_forward: list[PlanOp | PlanOpLayers] = Field(description="collectives issued right before every forward (after its receive)")
-    after_backward: list[PlanOp | PlanOpLayers] = Field(description="collectives issued right after every backward (before its send)")
+    before_forward: list[PlanOp | PlanOpLayers] = Field(
+        description="collectives issued right before every forward (after its receive)"
+    )
+    after_backward: list[PlanOp | PlanOpLayers] = Field(
+        description="collectives issued right after every backward (before its send)"
+    )
     after_last_backward: list[PlanRepeatedOp | PlanRepeatedOpLayers] = Field(
         description="after the last backward and its send batch: the gradient reductions"
     )
@@ -200,7 +208,9 @@ class PlanSchedule(_Section):
     virtual_stages: int
     micro_steps: int = Field(description="micro-batches per optimizer step: microbatches x gradient accumulation")
     bubble_fraction: float
-    stages: list[PlanStageProgram] = Field(description="the program of each pipeline stage; every rank of a stage runs it")
+    stages: list[PlanStageProgram] = Field(
+        description="the program of each pipeline stage; every rank of a stage runs it"
+    )
     sends: Literal["buffered", "rendezvous"] = Field(
         default="rendezvous",
         description="how the check modelled point-to-point sends: buffered (awaited at the end of the step, as torch's "
@@ -212,7 +222,9 @@ class PlanSchedule(_Section):
 class StageMemoryEntry(_Section):
     stage: int
     parameters: int
-    gathered_parameters: int = Field(description="FSDP's unsharded parameters in flight (or the whole stage, where kept)")
+    gathered_parameters: int = Field(
+        description="FSDP's unsharded parameters in flight (or the whole stage, where kept)"
+    )
     gradients: int
     optimizer_state: int
     activations: int = Field(description="stored for the backward pass: per layer, times the micro-batches in flight")
@@ -257,8 +269,12 @@ class PlanDocument(_Section):
     spec: dict[str, Any] = Field(description="the validated spec, so that a plan runs without its source file")
     mesh: PlanMesh
     groups: PlanGroups
-    parameters: list[PlanParameter | PlanParameterLayers] = Field(description="repeating layers folded (plan/layers.py); loading unfolds them")
-    updates: list[PlanUpdate | PlanUpdateLayers] = Field(description="repeating layers folded (plan/layers.py); loading unfolds them")
+    parameters: list[PlanParameter | PlanParameterLayers] = Field(
+        description="repeating layers folded (plan/layers.py); loading unfolds them"
+    )
+    updates: list[PlanUpdate | PlanUpdateLayers] = Field(
+        description="repeating layers folded (plan/layers.py); loading unfolds them"
+    )
     schedule: PlanSchedule | None
     decomposition: dict[str, Any] | None = Field(description="the model cut for distribution models")
     memory: list[StageMemoryEntry]

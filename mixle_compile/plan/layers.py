@@ -79,7 +79,13 @@ def unfold(items: list[Any]) -> list[Any]:
     for item in items:
         if isinstance(item, dict) and set(item) == GROUP_KEYS:
             count, entries = item["layers"], item["entries"]
-            if isinstance(count, bool) or not isinstance(count, int) or count < 1 or not isinstance(entries, list) or not entries:
+            if (
+                isinstance(count, bool)
+                or not isinstance(count, int)
+                or count < 1
+                or not isinstance(entries, list)
+                or not entries
+            ):
                 raise ValueError("a folded group needs `layers` >= 1 and at least one entry")
             if not all(isinstance(e, dict) for e in entries):
                 raise ValueError("a folded group's entries are objects")

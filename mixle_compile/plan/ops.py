@@ -152,8 +152,12 @@ def insert_templates(program: list[Op], templates: Sequence[Op], at: str, stage:
         if position < len(program) and program[position].kind in _P2P:
             batch = program[position].batch
             position += 1
-            while (batch is not None and position < len(program) and program[position].kind in _P2P
-                   and program[position].batch == batch):
+            while (
+                batch is not None
+                and position < len(program)
+                and program[position].kind in _P2P
+                and program[position].batch == batch
+            ):
                 position += 1
         position = skip_collectives(position)
         return program[:position] + copies(None) + program[position:]

@@ -10,8 +10,9 @@ plan, which is how the runtime reads a plan's schedule.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 # The op a program is made of, and its unchecked copy and insertion (the schedule's own).
 from mixle_compile.plan.ops import Op, OpKind
@@ -34,7 +35,9 @@ class Loop:
             raise ValueError("a loop repeats at least once and has at least one op")
 
     def unrolled(self) -> list[Op]:
-        return [_shifted(op, i * self.microbatch_step, i * self.batch_step) for i in range(self.repeat) for op in self.ops]
+        return [
+            _shifted(op, i * self.microbatch_step, i * self.batch_step) for i in range(self.repeat) for op in self.ops
+        ]
 
 
 @dataclass(frozen=True)
@@ -60,8 +63,6 @@ class StageProgram:
         return out
 
 
-
-
 def _shifted(op: Op, dm: int, db: int) -> Op:
     if not dm and not db:
         return op
@@ -79,7 +80,9 @@ def _shifted(op: Op, dm: int, db: int) -> Op:
 # ---------------------------------------------------------------------------
 
 
-def expand(program: StageProgram, *, runs: int | None = None, times: bool = True, blocks: bool = True) -> tuple[Op, ...]:
+def expand(
+    program: StageProgram, *, runs: int | None = None, times: bool = True, blocks: bool = True
+) -> tuple[Op, ...]:
     """The explicit program: every op of the step in issue order.
 
     ``runs`` overrides the number of runs, ``times=False`` issues each gradient reduction once, and
@@ -109,8 +112,6 @@ def expand_all(programs: Sequence[StageProgram]) -> tuple[tuple[Op, ...], ...]:
     return tuple(expand(p) for p in programs)
 
 
-
-
 # ---------------------------------------------------------------------------
 # JSON
 # ---------------------------------------------------------------------------
@@ -119,8 +120,17 @@ def expand_all(programs: Sequence[StageProgram]) -> tuple[tuple[Op, ...], ...]:
 def op_dict(op: Op) -> dict[str, Any]:
     """An op as the plan writes it: every field (the plan's schema fills none in)."""
     return {
-        "kind": op.kind.value, "stage": op.stage, "chunk": op.chunk, "microbatch": op.microbatch, "name": op.name,
-        "group": op.group, "tag": op.tag, "peer": op.peer, "peer_chunk": op.peer_chunk, "batch": op.batch, "bytes": op.bytes,
+        "kind": op.kind.value,
+        "stage": op.stage,
+        "chunk": op.chunk,
+        "microbatch": op.microbatch,
+        "name": op.name,
+        "group": op.group,
+        "tag": op.tag,
+        "peer": op.peer,
+        "peer_chunk": op.peer_chunk,
+        "batch": op.batch,
+        "bytes": op.bytes,
     }
 
 
@@ -128,14 +138,28 @@ def op_from(data: Any) -> Op:
     """An op from its plan entry (a dict or a pydantic model with the same fields)."""
     get = data.get if isinstance(data, dict) else (lambda name, default=None: getattr(data, name, default))
     return Op(
-        OpKind(get("kind")), get("stage"), get("chunk", 0) or 0, get("microbatch"), get("name", "") or "",
-        get("group"), get("tag", "") or "", get("peer"), get("peer_chunk"), get("batch"), get("bytes", 0) or 0,
+        OpKind(get("kind")),
+        get("stage"),
+        get("chunk", 0) or 0,
+        get("microbatch"),
+        get("name", "") or "",
+        get("group"),
+        get("tag", "") or "",
+        get("peer"),
+        get("peer_chunk"),
+        get("batch"),
+        get("bytes", 0) or 0,
     )
 
 
 def program_dict(p: StageProgram) -> dict[str, Any]:
     body = [
-        {"repeat": item.repeat, "microbatch_step": item.microbatch_step, "batch_step": item.batch_step, "ops": [op_dict(op) for op in item.ops]}
+        {
+            "repeat": item.repeat,
+            "microbatch_step": item.microbatch_step,
+            "batch_step": item.batch_step,
+            "ops": [op_dict(op) for op in item.ops],
+        }
         if isinstance(item, Loop)
         else op_dict(item)
         for item in p.body
@@ -161,7 +185,12 @@ def program_from(data: Any) -> StageProgram:
     def item(entry: Any) -> Op | Loop:
         value = entry.get if isinstance(entry, dict) else (lambda name, default=None: getattr(entry, name, default))
         if value("repeat") is not None:
-            return Loop(value("repeat"), value("microbatch_step"), value("batch_step"), tuple(op_from(op) for op in value("ops")))
+            return Loop(
+                value("repeat"),
+                value("microbatch_step"),
+                value("batch_step"),
+                tuple(op_from(op) for op in value("ops")),
+            )
         return op_from(entry)
 
     def times(entry: Any) -> int:

@@ -36,6 +36,7 @@ def rederive(doc: PlanDocument) -> None:
 
     fresh = expanded(result.plan)  # as loading reads it: every layer's entries
     claimed = doc.model_dump(mode="json")
+
     # The verdict is its errors (warnings change nothing that runs, and a plan built through the
     # library may not carry the verifier's warnings).
     def verdict(plan: dict) -> dict:
@@ -48,7 +49,9 @@ def rederive(doc: PlanDocument) -> None:
     for section in DERIVED:
         where = first_difference(claimed.get(section), fresh.get(section), section)
         if where is not None:
-            raise PlanMismatch(f"the plan's {where}; its spec compiles to another plan, so it was edited (or is from another spec)")
+            raise PlanMismatch(
+                f"the plan's {where}; its spec compiles to another plan, so it was edited (or is from another spec)"
+            )
 
 
 def first_difference(claimed: Any, fresh: Any, path: str) -> str | None:

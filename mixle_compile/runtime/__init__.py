@@ -55,7 +55,9 @@ def prepare(module, *, plan, **options):
     except ImportError as exc:
         from mixle_compile.contracts import BackendUnavailableError
 
-        raise BackendUnavailableError(f"the torch runtime needs torch: pip install 'mixle-compile[runtime]' ({exc})") from exc
+        raise BackendUnavailableError(
+            f"the torch runtime needs torch: pip install 'mixle-compile[runtime]' ({exc})"
+        ) from exc
     return _prepare(module, plan=plan, **options)
 
 

@@ -96,7 +96,9 @@ class CheckpointOptions:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise RuntimeRefusal(f"{name} must be a positive integer, got {value!r}")
         if checkpoint_dir is not None and save_every is None:
-            raise RuntimeRefusal("--checkpoint-dir says where checkpoints go, but nothing saves them: add --save-every N")
+            raise RuntimeRefusal(
+                "--checkpoint-dir says where checkpoints go, but nothing saves them: add --save-every N"
+            )
         if keep is not None and save_every is None:
             raise RuntimeRefusal("--keep-checkpoints needs --save-every N")
         return cls(root=Path(checkpoint_dir) if checkpoint_dir is not None else None, every=save_every, keep=keep)
@@ -109,8 +111,13 @@ class CheckpointOptions:
     def worker_arguments(self) -> list[str]:
         """The options as the worker's command line (``python -m mixle_compile.runtime.worker``) reads them."""
         args = []
-        for value, flag in ((self.root, "--checkpoint-dir"), (self.every, "--save-every"), (self.keep, "--keep-checkpoints"),
-                            (self.resume, "--resume"), (self.run_id, "--run-id")):
+        for value, flag in (
+            (self.root, "--checkpoint-dir"),
+            (self.every, "--save-every"),
+            (self.keep, "--keep-checkpoints"),
+            (self.resume, "--resume"),
+            (self.run_id, "--run-id"),
+        ):
             if value is not None:
                 args += [flag, str(Path(value).resolve()) if isinstance(value, Path) else str(value)]
         return args
@@ -118,8 +125,13 @@ class CheckpointOptions:
     @classmethod
     def from_worker_arguments(cls, args) -> CheckpointOptions:
         """The options from the worker's parsed command line (``worker_arguments``' flags)."""
-        return cls(root=Path(args.checkpoint_dir) if args.checkpoint_dir else None, every=args.save_every, keep=args.keep_checkpoints,
-                   resume=Path(args.resume) if args.resume else None, run_id=args.run_id)
+        return cls(
+            root=Path(args.checkpoint_dir) if args.checkpoint_dir else None,
+            every=args.save_every,
+            keep=args.keep_checkpoints,
+            resume=Path(args.resume) if args.resume else None,
+            run_id=args.run_id,
+        )
 
 
 # ---------------------------------------------------------------------------
@@ -239,20 +251,27 @@ def _walk_state(step_dir: Path) -> dict[str, Path]:
             path = Path(entry.path)
             mode = entry.stat(follow_symlinks=False).st_mode
             if stat.S_ISLNK(mode):
-                raise CheckpointError(f"checkpoint {step_dir}: {path} is a symbolic link; a checkpoint holds regular files only, "
-                                      "so nothing outside it is ever read")
+                raise CheckpointError(
+                    f"checkpoint {step_dir}: {path} is a symbolic link; a checkpoint holds regular files only, "
+                    "so nothing outside it is ever read"
+                )
             if stat.S_ISDIR(mode):
                 pending.append(path)
             elif stat.S_ISREG(mode):
                 found[path.relative_to(step_dir).as_posix()] = path
             else:
-                raise CheckpointError(f"checkpoint {step_dir}: {path} is not a regular file; a checkpoint holds regular files only")
+                raise CheckpointError(
+                    f"checkpoint {step_dir}: {path} is not a regular file; a checkpoint holds regular files only"
+                )
     return found
 
 
 def seal_files(step_dir: Path) -> dict[str, dict[str, Any]]:
     """``{relative path: {"bytes", "sha256"}}`` of every file under ``step_dir/state``."""
-    return {rel: {"bytes": path.stat().st_size, "sha256": file_sha256(path)} for rel, path in sorted(_walk_state(step_dir).items())}
+    return {
+        rel: {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
+        for rel, path in sorted(_walk_state(step_dir).items())
+    }
 
 
 def safe_relative(text: Any) -> bool:
@@ -294,7 +313,9 @@ def _plan_digest(manifest: Mapping[str, Any]) -> str | None:
     return plan.get("content_digest") if isinstance(plan, dict) else None
 
 
-def commit_checkpoint(pending: PendingCheckpoint, manifest: Mapping[str, Any], *, kind: str, run_id: str | None = None) -> Path:
+def commit_checkpoint(
+    pending: PendingCheckpoint, manifest: Mapping[str, Any], *, kind: str, run_id: str | None = None
+) -> Path:
     """Seal the payload, write the manifest, then the completion marker, then move the directory to its final name.
 
     ``manifest`` is the caller's JSON-ready description; ``format``, ``format_version``, ``kind``,
@@ -312,17 +333,33 @@ def commit_checkpoint(pending: PendingCheckpoint, manifest: Mapping[str, Any], *
     try:
         files = seal_files(pending.path)
         body = dict(manifest)
-        body.update(format=CHECKPOINT_FORMAT, format_version=FORMAT_VERSION, kind=kind, step=pending.step, saved_unix=time.time(),
-                    run_id=run_id, files=files)
+        body.update(
+            format=CHECKPOINT_FORMAT,
+            format_version=FORMAT_VERSION,
+            kind=kind,
+            step=pending.step,
+            saved_unix=time.time(),
+            run_id=run_id,
+            files=files,
+        )
         data = manifest_bytes(body)
         write_synced(pending.path / MANIFEST_FILE, data, rename)
-        marker = {"format_version": FORMAT_VERSION, "step": pending.step, "run_id": run_id, "plan_digest": _plan_digest(body),
-                  "manifest_sha256": hashlib.sha256(data).hexdigest()}
-        write_synced(pending.path / COMPLETE_MARKER, (json.dumps(marker, sort_keys=True) + "\n").encode("utf-8"), rename)
+        marker = {
+            "format_version": FORMAT_VERSION,
+            "step": pending.step,
+            "run_id": run_id,
+            "plan_digest": _plan_digest(body),
+            "manifest_sha256": hashlib.sha256(data).hexdigest(),
+        }
+        write_synced(
+            pending.path / COMPLETE_MARKER, (json.dumps(marker, sort_keys=True) + "\n").encode("utf-8"), rename
+        )
         _fsync_dir(pending.path)
         _recover(pending.root, pending.step)
         if final.is_symlink():
-            raise CheckpointError(f"cannot commit the checkpoint {final}: it is a symbolic link, which a checkpoint never writes through; remove it")
+            raise CheckpointError(
+                f"cannot commit the checkpoint {final}: it is a symbolic link, which a checkpoint never writes through; remove it"
+            )
         if final.exists():  # the same step saved again (a rerun into the same root): replace it
             aside = pending.root / f"{REPLACED_PREFIX}{final.name}"
             _remove(aside)
@@ -393,7 +430,9 @@ def names_only_in_one(what: str, in_plan: list[str], in_checkpoint: list[str]) -
 
 def _linked_steps(root: Path) -> list[Path]:
     try:
-        return sorted(e for e in root.iterdir() if e.is_symlink() and (_STEP_DIR.match(e.name) or _REPLACED_DIR.match(e.name)))
+        return sorted(
+            e for e in root.iterdir() if e.is_symlink() and (_STEP_DIR.match(e.name) or _REPLACED_DIR.match(e.name))
+        )
     except OSError:
         return []
 
@@ -404,18 +443,26 @@ def resolve_checkpoint(path: str | Path) -> Path:
     Refused: a step directory that is a symbolic link, passed itself or found in the root."""
     path = Path(path)
     if path.is_symlink() and is_checkpoint_dir(path):
-        raise CheckpointError(f"checkpoint {path} is a symbolic link (to {os.readlink(path)}); a checkpoint's step directory is never "
-                              "read through a link: pass the directory it points to")
+        raise CheckpointError(
+            f"checkpoint {path} is a symbolic link (to {os.readlink(path)}); a checkpoint's step directory is never "
+            "read through a link: pass the directory it points to"
+        )
     if not path.exists():
-        raise CheckpointError(f"checkpoint {path} does not exist; pass a checkpoint root (the --checkpoint-dir of a run) or one of its step-NNNNNNNN directories")
+        raise CheckpointError(
+            f"checkpoint {path} does not exist; pass a checkpoint root (the --checkpoint-dir of a run) or one of its step-NNNNNNNN directories"
+        )
     if not path.is_dir():
-        raise CheckpointError(f"checkpoint {path} is not a directory; pass a checkpoint root or one of its step-NNNNNNNN directories")
+        raise CheckpointError(
+            f"checkpoint {path} is not a directory; pass a checkpoint root or one of its step-NNNNNNNN directories"
+        )
     if is_checkpoint_dir(path):
         return path
     linked = _linked_steps(path)
     if linked:
-        raise CheckpointError(f"{path} holds {linked[0].name}, a symbolic link (to {os.readlink(linked[0])}); a checkpoint's step directory "
-                              "is never read through a link: remove it, or pass the step directory to resume from")
+        raise CheckpointError(
+            f"{path} holds {linked[0].name}, a symbolic link (to {os.readlink(linked[0])}); a checkpoint's step directory "
+            "is never read through a link: remove it, or pass the step directory to resume from"
+        )
     entries = list_checkpoints(path)
     latest = find_latest_checkpoint(path)
     if latest is not None:
@@ -426,7 +473,9 @@ def resolve_checkpoint(path: str | Path) -> Path:
             f"{path} holds no complete checkpoint: {shown} lack(s) the completion marker {COMPLETE_MARKER} "
             "(the save was interrupted); resume from an earlier complete checkpoint or start afresh"
         )
-    raise CheckpointError(f"{path} holds no checkpoint (no step-NNNNNNNN directory); pass the --checkpoint-dir of a run that saved one")
+    raise CheckpointError(
+        f"{path} holds no checkpoint (no step-NNNNNNNN directory); pass the --checkpoint-dir of a run that saved one"
+    )
 
 
 def _read_regular(path: Path, what: str, where: str) -> bytes:
@@ -457,7 +506,9 @@ def read_manifest(path: str | Path, *, kind: str | None = None) -> dict[str, Any
         marker = json.loads(_read_regular(marker_path, "the completion marker", where))
         expected = marker["manifest_sha256"]
     except (ValueError, KeyError, TypeError):
-        raise CheckpointError(f"{where}: the completion marker {marker_path} is unreadable; the checkpoint cannot be trusted") from None
+        raise CheckpointError(
+            f"{where}: the completion marker {marker_path} is unreadable; the checkpoint cannot be trusted"
+        ) from None
     manifest_path = path / MANIFEST_FILE
     if not manifest_path.is_file() and not manifest_path.is_symlink():
         raise CheckpointError(f"{where}: cannot read its manifest {manifest_path}: it is missing")
@@ -487,9 +538,15 @@ def read_manifest(path: str | Path, *, kind: str | None = None) -> dict[str, Any
             f"(format {FORMAT_VERSION}) cannot verify it and does not load it; resume it with the mixle-compile that wrote it, or start afresh"
         )
     identity = (manifest.get("step"), manifest.get("run_id"), _plan_digest(manifest))
-    if not isinstance(manifest.get("step"), int) or identity != (marker.get("step"), marker.get("run_id"), marker.get("plan_digest")):
-        raise CheckpointError(f"{where}: the manifest's step, run and plan {identity} differ from its marker's "
-                              f"{(marker.get('step'), marker.get('run_id'), marker.get('plan_digest'))}; the checkpoint cannot be trusted")
+    if not isinstance(manifest.get("step"), int) or identity != (
+        marker.get("step"),
+        marker.get("run_id"),
+        marker.get("plan_digest"),
+    ):
+        raise CheckpointError(
+            f"{where}: the manifest's step, run and plan {identity} differ from its marker's "
+            f"{(marker.get('step'), marker.get('run_id'), marker.get('plan_digest'))}; the checkpoint cannot be trusted"
+        )
     named = step_of_dir(path)
     if named is not None and named != manifest["step"]:
         raise CheckpointError(
@@ -497,7 +554,9 @@ def read_manifest(path: str | Path, *, kind: str | None = None) -> dict[str, Any
             "(moved or swapped from another checkpoint); it is not loaded"
         )
     if kind is not None and manifest.get("kind") != kind:
-        raise CheckpointError(f"{where} holds {manifest.get('kind')!r} state, not {kind!r}; it was written by another runtime")
+        raise CheckpointError(
+            f"{where} holds {manifest.get('kind')!r} state, not {kind!r}; it was written by another runtime"
+        )
     return manifest
 
 
@@ -523,29 +582,41 @@ def verify_checkpoint(path: str | Path, *, kind: str | None = None, hashes: bool
             continue
         if name == STATE_DIR and entry.is_dir() and not entry.is_symlink():
             continue
-        raise CheckpointError(f"{where}: {entry} is not part of a checkpoint (only {MANIFEST_FILE}, {COMPLETE_MARKER} and {STATE_DIR}/ are); "
-                              "it was added after saving: remove it")
+        raise CheckpointError(
+            f"{where}: {entry} is not part of a checkpoint (only {MANIFEST_FILE}, {COMPLETE_MARKER} and {STATE_DIR}/ are); "
+            "it was added after saving: remove it"
+        )
     for rel in sealed:
         if not safe_relative(rel) or not rel.startswith(STATE_DIR + "/"):
-            raise CheckpointError(f"{where}: its manifest lists the file {rel!r}, a path outside {path / STATE_DIR}; it is not loaded")
+            raise CheckpointError(
+                f"{where}: its manifest lists the file {rel!r}, a path outside {path / STATE_DIR}; it is not loaded"
+            )
     present = _walk_state(path) if (path / STATE_DIR).is_dir() else {}
     for rel in sorted(present):
         if rel not in sealed:
-            raise CheckpointError(f"{where}: {present[rel]} is not sealed by the manifest (added or renamed after saving); it is not loaded")
+            raise CheckpointError(
+                f"{where}: {present[rel]} is not sealed by the manifest (added or renamed after saving); it is not loaded"
+            )
     for rel, seal in sorted(sealed.items()):
         file = path / rel
         if rel not in present:
-            raise CheckpointError(f"{where}: the file {file} is missing (the manifest seals it); the checkpoint is incomplete")
+            raise CheckpointError(
+                f"{where}: the file {file} is missing (the manifest seals it); the checkpoint is incomplete"
+            )
         try:
             size, digest = int(seal["bytes"]), str(seal["sha256"])
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(f"{where}: the manifest's seal of {rel} is malformed") from None
         actual = present[rel].stat().st_size
         if actual != size:
-            raise CheckpointError(f"{where}: {file} has {actual} bytes, the manifest seals {size} (truncated or overwritten); it is not loaded")
+            raise CheckpointError(
+                f"{where}: {file} has {actual} bytes, the manifest seals {size} (truncated or overwritten); it is not loaded"
+            )
         if hashes and file_sha256(present[rel]) != digest:
-            raise CheckpointError(f"{where}: {file} does not match the SHA-256 its manifest seals (corrupted, overwritten, or from another "
-                                  "checkpoint); it is not loaded")
+            raise CheckpointError(
+                f"{where}: {file} does not match the SHA-256 its manifest seals (corrupted, overwritten, or from another "
+                "checkpoint); it is not loaded"
+            )
     if manifest.get("kind") == TORCH_KIND:
         _check_dcp_index(path, sealed)
     return manifest
@@ -555,7 +626,9 @@ def _check_dcp_index(path: Path, sealed: Mapping[str, Any]) -> None:
     """Every storage path of DCP's index is a sealed file of this checkpoint's state/ (torch-free)."""
     index = path / STATE_DIR / DCP_METADATA_FILE
     if f"{STATE_DIR}/{DCP_METADATA_FILE}" not in sealed:
-        raise CheckpointError(f"checkpoint {path} has no tensor index {index}; its tensor state is missing, so it cannot be resumed")
+        raise CheckpointError(
+            f"checkpoint {path} has no tensor index {index}; its tensor state is missing, so it cannot be resumed"
+        )
     try:
         body = json.loads(index.read_bytes())
         files = [s["file"] for s in body["storage"]]
@@ -563,8 +636,10 @@ def _check_dcp_index(path: Path, sealed: Mapping[str, Any]) -> None:
         raise CheckpointError(f"checkpoint {path}: the tensor index {index} is unreadable ({exc})") from None
     for file in files:
         if not safe_relative(file) or f"{STATE_DIR}/{file}" not in sealed:
-            raise CheckpointError(f"checkpoint {path}: the tensor index {index} points at {file!r}, not a sealed file of {path / STATE_DIR}; "
-                                  "it is not loaded")
+            raise CheckpointError(
+                f"checkpoint {path}: the tensor index {index} points at {file!r}, not a sealed file of {path / STATE_DIR}; "
+                "it is not loaded"
+            )
 
 
 def lock_root(root: str | Path, run_id: str) -> int:
@@ -595,10 +670,14 @@ def lock_root(root: str | Path, run_id: str) -> int:
     linked = _linked_steps(root)
     if linked:
         os.close(fd)
-        raise CheckpointError(f"the checkpoint directory {root} holds {linked[0].name}, a symbolic link (to {os.readlink(linked[0])}); "
-                              "a checkpoint is never written through a link: remove it, or pass another --checkpoint-dir")
+        raise CheckpointError(
+            f"the checkpoint directory {root} holds {linked[0].name}, a symbolic link (to {os.readlink(linked[0])}); "
+            "a checkpoint is never written through a link: remove it, or pass another --checkpoint-dir"
+        )
     os.ftruncate(fd, 0)
-    os.pwrite(fd, (json.dumps({"pid": os.getpid(), "run_id": run_id, "since_unix": time.time()}) + "\n").encode("utf-8"), 0)
+    os.pwrite(
+        fd, (json.dumps({"pid": os.getpid(), "run_id": run_id, "since_unix": time.time()}) + "\n").encode("utf-8"), 0
+    )
     recover_root(root)
     return fd
 
@@ -635,8 +714,9 @@ def prune_checkpoints(root: str | Path, keep: int, *, run_id: str | None = None)
     return removed
 
 
-def write_array_checkpoint(root: str | Path, step: int, arrays: Mapping[str, Any], manifest: Mapping[str, Any], *,
-                           run_id: str | None = None) -> Path:
+def write_array_checkpoint(
+    root: str | Path, step: int, arrays: Mapping[str, Any], manifest: Mapping[str, Any], *, run_id: str | None = None
+) -> Path:
     """Save named numpy arrays and a JSON manifest atomically (single-process callers, such as EM).
     Refused: an array of Python objects, or one holding NaN or infinite values."""
     import numpy as np
@@ -647,7 +727,9 @@ def write_array_checkpoint(root: str | Path, step: int, arrays: Mapping[str, Any
         if a.dtype.hasobject:
             raise CheckpointError(f"array {name!r} holds Python objects; a checkpoint stores numbers only")
         if a.dtype.kind in "fc" and not np.isfinite(a).all():
-            raise CheckpointError(f"array {name!r} holds NaN or infinite values; a checkpoint of step {step} would not be resumable")
+            raise CheckpointError(
+                f"array {name!r} holds NaN or infinite values; a checkpoint of step {step} would not be resumable"
+            )
         checked[name] = a
     pending = begin_checkpoint(root, step)
     entries = {}
@@ -676,17 +758,23 @@ def read_array_checkpoint(path: str | Path) -> tuple[dict[str, Any], dict[str, A
     for name, entry in entries.items():
         rel = entry.get("file") if isinstance(entry, dict) else None
         if not safe_relative(rel) or "/" in rel or f"{STATE_DIR}/{rel}" not in manifest["files"]:
-            raise CheckpointError(f"checkpoint {path}: array {name!r} names the file {rel!r}, not a sealed file of {path / STATE_DIR}; "
-                                  "it is not loaded")
+            raise CheckpointError(
+                f"checkpoint {path}: array {name!r} names the file {rel!r}, not a sealed file of {path / STATE_DIR}; "
+                "it is not loaded"
+            )
         file = path / STATE_DIR / rel
         try:
             a = np.load(file, allow_pickle=False)
         except (OSError, ValueError) as exc:
             raise CheckpointError(f"checkpoint {path}: cannot read array {name!r} from {file}: {exc}") from None
         if list(a.shape) != entry["shape"] or a.dtype.str != entry["dtype"]:
-            raise CheckpointError(f"checkpoint {path}: array {name!r} is {a.dtype.str}{list(a.shape)}, the manifest says {entry['dtype']}{entry['shape']}")
+            raise CheckpointError(
+                f"checkpoint {path}: array {name!r} is {a.dtype.str}{list(a.shape)}, the manifest says {entry['dtype']}{entry['shape']}"
+            )
         if a.dtype.kind in "fc" and not np.isfinite(a).all():
-            raise CheckpointError(f"checkpoint {path}: array {name!r} in {file} holds NaN or infinite values; it is not loaded")
+            raise CheckpointError(
+                f"checkpoint {path}: array {name!r} in {file} holds NaN or infinite values; it is not loaded"
+            )
         arrays[name] = a
     return manifest, arrays
 
@@ -733,8 +821,14 @@ def mesh_summary(instructions) -> dict[str, Any]:
 def parameter_summary(instructions) -> list[dict[str, Any]]:
     out = []
     for p in instructions.params:
-        entry = {"name": p.name, "shape": list(p.global_shape), "dtype": p.dtype, "layout": p.mode,
-                 "shard_axes": list(p.shard_axes), "tp_dim": p.tp_dim}
+        entry = {
+            "name": p.name,
+            "shape": list(p.global_shape),
+            "dtype": p.dtype,
+            "layout": p.mode,
+            "shard_axes": list(p.shard_axes),
+            "tp_dim": p.tp_dim,
+        }
         if p.canonical != p.name:  # tied on one stage, or a copy on another: one logical tensor
             entry["tied_to"] = p.canonical
         out.append(entry)
@@ -747,7 +841,9 @@ def tied_names(instructions) -> dict[str, str]:
     return {p.name: p.canonical for p in instructions.params if p.canonical != p.name}
 
 
-def check_resume(manifest: Mapping[str, Any], instructions, *, data: Mapping[str, Any] | None, steps: int, path: str | Path) -> int:
+def check_resume(
+    manifest: Mapping[str, Any], instructions, *, data: Mapping[str, Any] | None, steps: int, path: str | Path
+) -> int:
     """Refuse a plan that cannot continue ``manifest``'s training; return the step to continue from.
 
     Allowed: any other mesh (degrees, world size, micro-batches, accumulation), precision or
@@ -756,7 +852,9 @@ def check_resume(manifest: Mapping[str, Any], instructions, *, data: Mapping[str
     samples, consumed one global batch per step), other data, or ``steps`` not beyond the checkpoint."""
     where = f"checkpoint {path}"
     if manifest.get("kind") != TORCH_KIND:
-        raise CheckpointError(f"{where} holds {manifest.get('kind')!r} state; `run` resumes a transformer from {TORCH_KIND!r} checkpoints only")
+        raise CheckpointError(
+            f"{where} holds {manifest.get('kind')!r} state; `run` resumes a transformer from {TORCH_KIND!r} checkpoints only"
+        )
     saved = {p["name"]: p for p in manifest.get("parameters", [])}
     new = {p.name: p for p in instructions.params if p.canonical == p.name}
     problems = []
@@ -770,7 +868,9 @@ def check_resume(manifest: Mapping[str, Any], instructions, *, data: Mapping[str
             problems.append(f"parameter {name!r} has shape {old_shape} in the checkpoint but {new_shape} in this plan")
     problems += names_only_in_one("parameter", sorted(new), sorted(saved))
     if problems:
-        raise CheckpointError(f"{where} is of a different model: " + "; ".join(problems) + ". Resume with the spec it was trained with")
+        raise CheckpointError(
+            f"{where} is of a different model: " + "; ".join(problems) + ". Resume with the spec it was trained with"
+        )
     plan = manifest.get("plan", {})
     if plan.get("optimizer") != instructions.optimizer:
         raise CheckpointError(
@@ -785,7 +885,9 @@ def check_resume(manifest: Mapping[str, Any], instructions, *, data: Mapping[str
             f"optimisation: set training.global_batch_size: {position.get('global_batch_size')} (any mesh that divides it resumes)"
         )
     if position.get("seq_len") != instructions.seq_len:
-        raise CheckpointError(f"{where} was trained on sequences of {position.get('seq_len')} tokens, this plan on {instructions.seq_len}: set training.seq_len: {position.get('seq_len')}")
+        raise CheckpointError(
+            f"{where} was trained on sequences of {position.get('seq_len')} tokens, this plan on {instructions.seq_len}: set training.seq_len: {position.get('seq_len')}"
+        )
     if data is not None and position.get("source") is not None and not same_source(position["source"], data):
         raise CheckpointError(
             f"{where} was trained on data {_describe_source(position['source'])}, this run reads {_describe_source(data)}; "
@@ -794,9 +896,13 @@ def check_resume(manifest: Mapping[str, Any], instructions, *, data: Mapping[str
     step = int(manifest["step"])
     samples = position.get("samples_consumed")
     if samples != step * instructions.global_batch_size:
-        raise CheckpointError(f"{where}: the data position ({samples} samples) is not {step} whole global batches; the manifest is inconsistent")
+        raise CheckpointError(
+            f"{where}: the data position ({samples} samples) is not {step} whole global batches; the manifest is inconsistent"
+        )
     if steps <= step:
-        raise CheckpointError(f"{where} is at step {step}; --steps {steps} leaves nothing to run: pass --steps greater than {step} (the total, counting the steps already done)")
+        raise CheckpointError(
+            f"{where} is at step {step}; --steps {steps} leaves nothing to run: pass --steps greater than {step} (the total, counting the steps already done)"
+        )
     return step
 
 
@@ -807,7 +913,11 @@ def same_source(saved: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
         return False
     if new.get("kind") == "synthetic":
         return saved.get("seed") == new.get("seed")
-    return saved.get("sha256") is not None and saved.get("sha256") == new.get("sha256") and saved.get("bytes") == new.get("bytes")
+    return (
+        saved.get("sha256") is not None
+        and saved.get("sha256") == new.get("sha256")
+        and saved.get("bytes") == new.get("bytes")
+    )
 
 
 def _describe_source(source: Mapping[str, Any]) -> str:
@@ -826,7 +936,11 @@ def checkpoint_view(path: str | Path) -> dict[str, Any]:
     return {
         "checkpoint": str(path),
         "complete": True,
-        "verified": {"files": len(files), "bytes": sum(int(f.get("bytes", 0)) for f in files.values()), "run_id": manifest.get("run_id")},
+        "verified": {
+            "files": len(files),
+            "bytes": sum(int(f.get("bytes", 0)) for f in files.values()),
+            "run_id": manifest.get("run_id"),
+        },
         "kind": manifest.get("kind"),
         "format_version": manifest.get("format_version"),
         "step": manifest.get("step"),
@@ -840,7 +954,9 @@ def checkpoint_view(path: str | Path) -> dict[str, Any]:
         "arrays": manifest.get("arrays"),
         "runtime": manifest.get("runtime"),
         "fit": manifest.get("fit"),
-        "others_in_root": [{"step": s, "path": str(p), "complete": ok} for s, p, ok in list_checkpoints(root) if p != path],
+        "others_in_root": [
+            {"step": s, "path": str(p), "complete": ok} for s, p, ok in list_checkpoints(root) if p != path
+        ],
     }
 
 

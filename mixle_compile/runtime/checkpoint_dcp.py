@@ -96,7 +96,9 @@ def _state_chunks(session) -> dict[str, GlobalChunk]:
             continue  # a shard of padding only
         master = local.master.detach()
         part = master[:rows] if local.sharded else master
-        chunks[f"model/{name}"] = GlobalChunk(part.to("cpu", copy=True).contiguous(), offsets, tuple(local.instr.global_shape))
+        chunks[f"model/{name}"] = GlobalChunk(
+            part.to("cpu", copy=True).contiguous(), offsets, tuple(local.instr.global_shape)
+        )
         for key, value in optimizer_state.get(local.master, {}).items():
             if not torch.is_tensor(value):
                 continue
@@ -104,16 +106,32 @@ def _state_chunks(session) -> dict[str, GlobalChunk]:
                 chunks[f"optim/{name}/{key}"] = GlobalChunk(value.detach().to("cpu", copy=True).reshape(()), (), ())
             elif tuple(value.shape) == tuple(master.shape):
                 v = value.detach()[:rows] if local.sharded else value.detach()
-                chunks[f"optim/{name}/{key}"] = GlobalChunk(v.to("cpu", copy=True).contiguous(), offsets, tuple(local.instr.global_shape))
+                chunks[f"optim/{name}/{key}"] = GlobalChunk(
+                    v.to("cpu", copy=True).contiguous(), offsets, tuple(local.instr.global_shape)
+                )
             else:
-                raise CheckpointError(f"optimizer state {key!r} of {name!r} has shape {tuple(value.shape)}, neither a scalar nor the parameter's; it cannot be checkpointed")
+                raise CheckpointError(
+                    f"optimizer state {key!r} of {name!r} has shape {tuple(value.shape)}, neither a scalar nor the parameter's; it cannot be checkpointed"
+                )
     state = torch.get_rng_state().reshape(1, -1)
     chunks[_rng_key()] = GlobalChunk(state.clone(), (session.mesh.rank, 0), (session.mesh.world_size, state.shape[1]))
     return chunks
 
 
 # The dtypes the JSON metadata may name.
-_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8, torch.bool)}
+_DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float32,
+        torch.float64,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.uint8,
+        torch.bool,
+    )
+}
 
 
 class ChunkSavePlanner(DefaultSavePlanner):
@@ -165,7 +183,9 @@ class ChunkLoadPlanner(DefaultLoadPlanner):
             if md is None or not isinstance(md, TensorStorageMetadata):
                 raise CheckpointError(f"the checkpoint's tensor state has no {fqn!r}")
             if tuple(md.size) != tuple(c.global_shape):
-                raise CheckpointError(f"{fqn!r} has shape {list(md.size)} in the checkpoint, {list(c.global_shape)} here")
+                raise CheckpointError(
+                    f"{fqn!r} has shape {list(md.size)} in the checkpoint, {list(c.global_shape)} here"
+                )
             local = ChunkStorageMetadata(offsets=torch.Size(c.offsets), sizes=torch.Size(c.tensor.shape))
             reads = create_read_items_for_chunk_list(fqn, md, [local])
             covered = sum(math.prod(r.lengths) for r in reads)
@@ -189,11 +209,17 @@ class JsonWriter(FileSystemWriter):
         for result_list in results:
             for r in result_list:
                 info = r.storage_data
-                storage.append({
-                    "fqn": r.index.fqn, "offset": list(r.index.offset or ()), "index": r.index.index,
-                    "file": info.relative_path, "at": info.offset, "length": info.length,
-                    "transforms": list(info.transform_descriptors or []),
-                })
+                storage.append(
+                    {
+                        "fqn": r.index.fqn,
+                        "offset": list(r.index.offset or ()),
+                        "index": r.index.index,
+                        "file": info.relative_path,
+                        "at": info.offset,
+                        "length": info.length,
+                        "transforms": list(info.transform_descriptors or []),
+                    }
+                )
         tensors = {}
         for fqn, md in metadata.state_dict_metadata.items():
             if not isinstance(md, TensorStorageMetadata):
@@ -221,7 +247,10 @@ class JsonReader(FileSystemReader):
                 state[fqn] = TensorStorageMetadata(
                     properties=TensorProperties(dtype=_DTYPES[t["dtype"]]),
                     size=torch.Size(t["size"]),
-                    chunks=[ChunkStorageMetadata(offsets=torch.Size(c["offsets"]), sizes=torch.Size(c["sizes"])) for c in t["chunks"]],
+                    chunks=[
+                        ChunkStorageMetadata(offsets=torch.Size(c["offsets"]), sizes=torch.Size(c["sizes"]))
+                        for c in t["chunks"]
+                    ],
                 )
             storage = {}
             for s in body["storage"]:
@@ -229,10 +258,17 @@ class JsonReader(FileSystemReader):
                     raise ValueError(f"storage path {s['file']!r} leaves {self.path}")
                 if not (Path(self.path) / s["file"]).is_file() or (Path(self.path) / s["file"]).is_symlink():
                     raise ValueError(f"storage file {s['file']!r} is not a regular file of {self.path}")
-                storage[MetadataIndex(s["fqn"], s["offset"], s["index"])] = _StorageInfo(s["file"], int(s["at"]), int(s["length"]), s["transforms"] or None)
+                storage[MetadataIndex(s["fqn"], s["offset"], s["index"])] = _StorageInfo(
+                    s["file"], int(s["at"]), int(s["length"]), s["transforms"] or None
+                )
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise CheckpointError(f"the tensor metadata {path} is missing or unreadable ({exc})") from None
-        return Metadata(state_dict_metadata=state, storage_data=storage, storage_meta=StorageMeta(load_id=self.load_id), version=body.get("dcp_version"))
+        return Metadata(
+            state_dict_metadata=state,
+            storage_data=storage,
+            storage_meta=StorageMeta(load_id=self.load_id),
+            version=body.get("dcp_version"),
+        )
 
 
 def _dcp_group(session):
@@ -286,7 +322,9 @@ def save_session(
     _run_guarded(
         session,
         "checkpoint:save",
-        lambda: dcp.save(chunks, storage_writer=writer, planner=ChunkSavePlanner(), process_group=handle, no_dist=handle is None),
+        lambda: dcp.save(
+            chunks, storage_writer=writer, planner=ChunkSavePlanner(), process_group=handle, no_dist=handle is None
+        ),
     )
     if on_written is not None:
         on_written()
@@ -299,15 +337,27 @@ def save_session(
             "mesh": mesh_summary(instructions),
             "parameters": [p for p in parameter_summary(instructions) if "tied_to" not in p],
             "tied": tied_names(instructions),
-            "optimizer": {"name": instructions.optimizer, "learning_rate": instructions.learning_rate, "state": optimizer_keys},
+            "optimizer": {
+                "name": instructions.optimizer,
+                "learning_rate": instructions.learning_rate,
+                "state": optimizer_keys,
+            },
             "data": {
                 "samples_consumed": _samples_before(session, step),
                 "global_batch_size": instructions.global_batch_size,
                 "seq_len": instructions.seq_len,
                 "source": dict(data_source) if data_source is not None else None,
             },
-            "rng": {"torch_cpu": _rng_key(), "ranks": session.mesh.world_size, "note": "rank r resumes with the state of saved rank r mod ranks"},
-            "state": {"directory": STATE_DIR, "engine": "torch.distributed.checkpoint", "metadata": f"{STATE_DIR}/{DCP_METADATA_FILE}"},
+            "rng": {
+                "torch_cpu": _rng_key(),
+                "ranks": session.mesh.world_size,
+                "note": "rank r resumes with the state of saved rank r mod ranks",
+            },
+            "state": {
+                "directory": STATE_DIR,
+                "engine": "torch.distributed.checkpoint",
+                "metadata": f"{STATE_DIR}/{DCP_METADATA_FILE}",
+            },
             **(dict(extra) if extra else {}),
         }
 
@@ -322,11 +372,18 @@ def _samples_before(session, step: int) -> int:
     from mixle_compile.runtime.data import BatchLayout
 
     plan = session.plan
-    layout = BatchLayout(session.instructions.micro_batch_size, plan.microbatches, plan.gradient_accumulation_steps, plan.data_parallel_size)
+    layout = BatchLayout(
+        session.instructions.micro_batch_size,
+        plan.microbatches,
+        plan.gradient_accumulation_steps,
+        plan.data_parallel_size,
+    )
     return layout.samples_before(step)
 
 
-def load_session(session, path: str | Path, *, manifest: Mapping[str, Any] | None = None, hashes: bool = True) -> dict[str, Any]:
+def load_session(
+    session, path: str | Path, *, manifest: Mapping[str, Any] | None = None, hashes: bool = True
+) -> dict[str, Any]:
     """Load a checkpoint into ``session`` in the session's own layout (collective: every rank calls it).
 
     ``path`` is a step directory or a root (its latest complete checkpoint). Parameters and
@@ -345,26 +402,40 @@ def load_session(session, path: str | Path, *, manifest: Mapping[str, Any] | Non
         if source[name] not in saved:
             raise CheckpointError(f"checkpoint {path} has no parameter {source[name]!r}")
         if list(saved[source[name]]["shape"]) != list(local.instr.global_shape):
-            raise CheckpointError(f"checkpoint {path}: parameter {name!r} has shape {saved[source[name]]['shape']} there but {list(local.instr.global_shape)} in this plan")
+            raise CheckpointError(
+                f"checkpoint {path}: parameter {name!r} has shape {saved[source[name]]['shape']} there but {list(local.instr.global_shape)} in this plan"
+            )
     state_keys = set(manifest.get("optimizer", {}).get("state", []))
     targets: dict[str, GlobalChunk] = {}
     for name, local in session.store.params.items():
         shape = tuple(local.instr.global_shape)
         whole_offsets, whole_sizes = _parameter_region(local, shard=local.mode != "zero")
-        targets[f"model/{source[name]}"] = GlobalChunk(torch.empty(whole_sizes, dtype=torch.float32), whole_offsets, shape)
+        targets[f"model/{source[name]}"] = GlobalChunk(
+            torch.empty(whole_sizes, dtype=torch.float32), whole_offsets, shape
+        )
         offsets, sizes = _parameter_region(local, shard=True)
         for key in sorted(state_keys):
             if key == "step":
                 targets[f"optim/{source[name]}/step"] = GlobalChunk(torch.zeros((), dtype=torch.float32), (), ())
             else:
-                targets[f"optim/{source[name]}/{key}"] = GlobalChunk(torch.zeros(sizes, dtype=torch.float32), offsets, shape)
+                targets[f"optim/{source[name]}/{key}"] = GlobalChunk(
+                    torch.zeros(sizes, dtype=torch.float32), offsets, shape
+                )
     targets = {k: v for k, v in targets.items() if all(v.tensor.shape) or v.tensor.dim() == 0}
     saved_ranks = int(manifest.get("rng", {}).get("ranks", 1))
     rng_len = torch.get_rng_state().numel()
-    targets[_rng_key()] = GlobalChunk(torch.empty((1, rng_len), dtype=torch.uint8), (session.mesh.rank % saved_ranks, 0), (saved_ranks, rng_len))
+    targets[_rng_key()] = GlobalChunk(
+        torch.empty((1, rng_len), dtype=torch.uint8), (session.mesh.rank % saved_ranks, 0), (saved_ranks, rng_len)
+    )
     _, handle = _dcp_group(session)
     reader = JsonReader(path / STATE_DIR)
-    _run_guarded(session, "checkpoint:load", lambda: dcp.load(targets, storage_reader=reader, planner=ChunkLoadPlanner(), process_group=handle, no_dist=handle is None))
+    _run_guarded(
+        session,
+        "checkpoint:load",
+        lambda: dcp.load(
+            targets, storage_reader=reader, planner=ChunkLoadPlanner(), process_group=handle, no_dist=handle is None
+        ),
+    )
     _refuse_non_finite(path, {k: c.tensor for k, c in targets.items()})
     with torch.no_grad():
         for name, local in session.store.params.items():
@@ -404,8 +475,10 @@ def _refuse_non_finite(path: Path, tensors: Mapping[str, Any]) -> None:
 
     for key, t in sorted(tensors.items()):
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise CheckpointError(f"checkpoint {path}: {key!r} holds NaN or infinite values (in {path / STATE_DIR}); it is not loaded: "
-                                  "resume from an earlier checkpoint")
+            raise CheckpointError(
+                f"checkpoint {path}: {key!r} holds NaN or infinite values (in {path / STATE_DIR}); it is not loaded: "
+                "resume from an earlier checkpoint"
+            )
 
 
 def read_global_state(path: str | Path, *, optimizer: bool = False) -> dict[str, Any]:

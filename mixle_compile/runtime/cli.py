@@ -41,28 +41,67 @@ def _count(text: str) -> int:
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("plan", metavar="PLAN", help="a plan.json written by `compile`, or a spec file (compiled first)")
-    parser.add_argument("--steps", type=_count, help="optimizer steps (default: the spec's training.steps)")
-    parser.add_argument("--reference", action="store_true", help="also train in one process and record every update's numerical evidence")
-    parser.add_argument("--out", metavar="DIR", help="directory for receipts.jsonl, report.json and logs (default: a new temporary directory)")
-    parser.add_argument("--data", metavar="FILE", help="token ids (.npy, .bin uint16, or whitespace-separated text); default: seeded synthetic tokens")
-    parser.add_argument("--timeout", type=_positive_seconds, default=DEFAULT_TIMEOUT_S, metavar="S", help=f"collective timeout in seconds (default {DEFAULT_TIMEOUT_S:g})")
-    parser.add_argument("--repeat-data", action="store_true", help="allow a --data file shorter than one global batch (its samples repeat)")
-    parser.add_argument("--quiet", action="store_true", help="no progress lines")
-    parser.add_argument("--save-every", type=_count, metavar="N", help="save a checkpoint every N optimizer steps and after the last one (see docs/checkpoints.md)")
-    parser.add_argument("--checkpoint-dir", metavar="DIR", help="where checkpoints go (default: OUT/checkpoints)")
-    parser.add_argument("--keep-checkpoints", type=_count, metavar="K", help="keep only this run's K newest checkpoints, never deleting another run's (default: all)")
-    parser.add_argument("--overwrite-checkpoints", action="store_true",
-                        help="allow replacing committed checkpoints in --checkpoint-dir at steps this run will save (refused otherwise)")
     parser.add_argument(
-        "--mixle-out", metavar="FILE",
-        help="write the fitted model as mixle's to_dict() JSON (load it with mixle's from_dict); PLAN must be a spec whose "
-             "model is {from: mixle, path: model.json}; saves a checkpoint after the last step where --save-every does not",
+        "plan", metavar="PLAN", help="a plan.json written by `compile`, or a spec file (compiled first)"
+    )
+    parser.add_argument("--steps", type=_count, help="optimizer steps (default: the spec's training.steps)")
+    parser.add_argument(
+        "--reference",
+        action="store_true",
+        help="also train in one process and record every update's numerical evidence",
     )
     parser.add_argument(
-        "--resume", metavar="CKPT",
+        "--out",
+        metavar="DIR",
+        help="directory for receipts.jsonl, report.json and logs (default: a new temporary directory)",
+    )
+    parser.add_argument(
+        "--data",
+        metavar="FILE",
+        help="token ids (.npy, .bin uint16, or whitespace-separated text); default: seeded synthetic tokens",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=_positive_seconds,
+        default=DEFAULT_TIMEOUT_S,
+        metavar="S",
+        help=f"collective timeout in seconds (default {DEFAULT_TIMEOUT_S:g})",
+    )
+    parser.add_argument(
+        "--repeat-data",
+        action="store_true",
+        help="allow a --data file shorter than one global batch (its samples repeat)",
+    )
+    parser.add_argument("--quiet", action="store_true", help="no progress lines")
+    parser.add_argument(
+        "--save-every",
+        type=_count,
+        metavar="N",
+        help="save a checkpoint every N optimizer steps and after the last one (see docs/checkpoints.md)",
+    )
+    parser.add_argument("--checkpoint-dir", metavar="DIR", help="where checkpoints go (default: OUT/checkpoints)")
+    parser.add_argument(
+        "--keep-checkpoints",
+        type=_count,
+        metavar="K",
+        help="keep only this run's K newest checkpoints, never deleting another run's (default: all)",
+    )
+    parser.add_argument(
+        "--overwrite-checkpoints",
+        action="store_true",
+        help="allow replacing committed checkpoints in --checkpoint-dir at steps this run will save (refused otherwise)",
+    )
+    parser.add_argument(
+        "--mixle-out",
+        metavar="FILE",
+        help="write the fitted model as mixle's to_dict() JSON (load it with mixle's from_dict); PLAN must be a spec whose "
+        "model is {from: mixle, path: model.json}; saves a checkpoint after the last step where --save-every does not",
+    )
+    parser.add_argument(
+        "--resume",
+        metavar="CKPT",
         help="continue from a checkpoint: a checkpoint directory (its latest complete step) or one step-NNNNNNNN directory; "
-             "the plan may have another mesh; --steps stays the total",
+        "the plan may have another mesh; --steps stays the total",
     )
 
 
@@ -71,8 +110,10 @@ def mixle_source(plan: str) -> Path:
     (RuntimeRefusal when ``plan`` is not such a spec: the fitted values go back into that model)."""
     from mixle_compile.spec.source import SourceError, read_source
 
-    usage = ("--mixle-out writes the fitted parameters back into the mixle model they were fitted from, so PLAN must be a spec "
-             "whose model is `{from: mixle, path: model.json}`")
+    usage = (
+        "--mixle-out writes the fitted parameters back into the mixle model they were fitted from, so PLAN must be a spec "
+        "whose model is `{from: mixle, path: model.json}`"
+    )
     path = Path(plan)
     if path.suffix not in (".yaml", ".yml", ".json"):
         raise RuntimeRefusal(f"{usage}; {plan} is not a spec file")
@@ -82,8 +123,13 @@ def mixle_source(plan: str) -> Path:
         raise RuntimeRefusal(f"{usage}; {plan} cannot be read as a spec") from None
     model = doc.data.get("model") if isinstance(doc.data, dict) else None
     if not (isinstance(model, dict) and model.get("from") == "mixle" and isinstance(model.get("path"), str)):
-        what = (f"a model read from {model.get('from')!r}" if isinstance(model, dict) and "from" in model else
-                f"a {model.get('family')!r} model written out" if isinstance(model, dict) and "family" in model else "no model")
+        what = (
+            f"a model read from {model.get('from')!r}"
+            if isinstance(model, dict) and "from" in model
+            else f"a {model.get('family')!r} model written out"
+            if isinstance(model, dict) and "family" in model
+            else "no model"
+        )
         if "format_version" in (doc.data or {}):
             what = "a compiled plan (it holds the model, not the mixle file it was read from)"
         raise RuntimeRefusal(f"{usage}; {plan} has {what}")
@@ -117,11 +163,21 @@ def run_command(args: argparse.Namespace) -> int:
             source = mixle_source(args.plan)
             if save_every is None:
                 save_every = 2**31  # a checkpoint after the last step only (every N steps and after the last)
-        report = run_plan(args.plan, steps=args.steps, out_dir=args.out, reference=args.reference, data_path=args.data,
-                          timeout_s=args.timeout, progress=not args.quiet, save_every=save_every,
-                          checkpoint_dir=getattr(args, "checkpoint_dir", None), keep_checkpoints=getattr(args, "keep_checkpoints", None),
-                          resume=getattr(args, "resume", None), repeat_data=getattr(args, "repeat_data", False),
-                          overwrite_checkpoints=getattr(args, "overwrite_checkpoints", False))
+        report = run_plan(
+            args.plan,
+            steps=args.steps,
+            out_dir=args.out,
+            reference=args.reference,
+            data_path=args.data,
+            timeout_s=args.timeout,
+            progress=not args.quiet,
+            save_every=save_every,
+            checkpoint_dir=getattr(args, "checkpoint_dir", None),
+            keep_checkpoints=getattr(args, "keep_checkpoints", None),
+            resume=getattr(args, "resume", None),
+            repeat_data=getattr(args, "repeat_data", False),
+            overwrite_checkpoints=getattr(args, "overwrite_checkpoints", False),
+        )
     except SpecRejected as exc:  # a spec with errors exits 1 in every verb
         print(f"mixle-compile run: {exc}", file=sys.stderr)
         return EXIT_VIOLATIONS
@@ -135,7 +191,10 @@ def run_command(args: argparse.Namespace) -> int:
         print(report.summary())
         if mixle_out is not None:
             if not report.ok:
-                print(f"mixle-compile run: the run did not pass its checks, so {mixle_out} is not written", file=sys.stderr)
+                print(
+                    f"mixle-compile run: the run did not pass its checks, so {mixle_out} is not written",
+                    file=sys.stderr,
+                )
                 return EXIT_VIOLATIONS
             try:
                 print(write_mixle_out(report, source, mixle_out))
@@ -146,6 +205,8 @@ def run_command(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mixle_compile.runtime", description="Replay a compiled plan on real process groups.")
+    parser = argparse.ArgumentParser(
+        prog="python -m mixle_compile.runtime", description="Replay a compiled plan on real process groups."
+    )
     add_run_arguments(parser)
     return run_command(parser.parse_args(argv))

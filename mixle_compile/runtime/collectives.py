@@ -60,7 +60,9 @@ class Ledger:
         for node_id, _ in parts:
             planned = self.planned.get(node_id)
             if planned is None:
-                raise PlanMismatch(f"the runtime was about to issue {kind} {node_id!r} on group {rule!r}, which the plan does not declare")
+                raise PlanMismatch(
+                    f"the runtime was about to issue {kind} {node_id!r} on group {rule!r}, which the plan does not declare"
+                )
             if (planned.collective, planned.rule) != (kind, rule):
                 raise PlanMismatch(
                     f"the runtime was about to issue {node_id!r} as {kind} on group {rule!r}, but the plan declares "
@@ -126,23 +128,57 @@ class Collectives:
     # -- planned updates -----------------------------------------------------------------
     # With ``async_op=True`` the call returns a Pending to wait on (the ledger counts it at issue).
 
-    def all_reduce(self, tensor: torch.Tensor, *, rule: str, parts: Sequence[tuple[str, int]] | str, async_op: bool = False):
+    def all_reduce(
+        self, tensor: torch.Tensor, *, rule: str, parts: Sequence[tuple[str, int]] | str, async_op: bool = False
+    ):
         parts = self.planned_parts(parts, nbytes(tensor))
-        return self.issue_planned("all_reduce", rule, parts, lambda g, a: dist.all_reduce(tensor, group=g, async_op=a), async_op=async_op)
+        return self.issue_planned(
+            "all_reduce", rule, parts, lambda g, a: dist.all_reduce(tensor, group=g, async_op=a), async_op=async_op
+        )
 
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, *, rule: str, parts: Sequence[tuple[str, int]] | str, async_op: bool = False):
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        *,
+        rule: str,
+        parts: Sequence[tuple[str, int]] | str,
+        async_op: bool = False,
+    ):
         parts = self.planned_parts(parts, nbytes(input))
-        return self.issue_planned("reduce_scatter", rule, parts, lambda g, a: _reduce_scatter_flat(output, input, group=g, async_op=a),
-                         local=lambda: output.copy_(input), async_op=async_op)
+        return self.issue_planned(
+            "reduce_scatter",
+            rule,
+            parts,
+            lambda g, a: _reduce_scatter_flat(output, input, group=g, async_op=a),
+            local=lambda: output.copy_(input),
+            async_op=async_op,
+        )
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, rule: str, parts: Sequence[tuple[str, int]] | str, async_op: bool = False):
+    def all_gather(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        *,
+        rule: str,
+        parts: Sequence[tuple[str, int]] | str,
+        async_op: bool = False,
+    ):
         parts = self.planned_parts(parts, nbytes(output))
-        return self.issue_planned("all_gather", rule, parts, lambda g, a: _all_gather_flat(output, input, group=g, async_op=a),
-                         local=lambda: output.copy_(input), async_op=async_op)
+        return self.issue_planned(
+            "all_gather",
+            rule,
+            parts,
+            lambda g, a: _all_gather_flat(output, input, group=g, async_op=a),
+            local=lambda: output.copy_(input),
+            async_op=async_op,
+        )
 
     # -- bookkeeping ---------------------------------------------------------------------
 
-    def bookkeeping_all_reduce(self, tensor: torch.Tensor, *, rule: str, name: str, op=dist.ReduceOp.SUM, async_op: bool = False):
+    def bookkeeping_all_reduce(
+        self, tensor: torch.Tensor, *, rule: str, name: str, op=dist.ReduceOp.SUM, async_op: bool = False
+    ):
         group = self.mesh.group(rule)
         self.ledger.record_bookkeeping(name, nbytes(tensor))
         if group.handle is None:
@@ -153,8 +189,17 @@ class Collectives:
         self.guard(name, group, lambda: dist.all_reduce(tensor, op=op, group=group.handle))
         return None
 
-    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, *, rule: str, parts: str, nbytes: int,
-                   output_splits: Sequence[int], input_splits: Sequence[int]) -> None:
+    def all_to_all(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        *,
+        rule: str,
+        parts: str,
+        nbytes: int,
+        output_splits: Sequence[int],
+        input_splits: Sequence[int],
+    ) -> None:
         """``all_to_all_single`` with uneven splits (rows of dimension 0 to and from each rank of the
         group, in group order). Its data-dependent size cannot be the plan's ``payload_bytes``, so the
         caller states the bytes the update counts (``nbytes``); what actually crossed to and from the
@@ -165,16 +210,30 @@ class Collectives:
         row_out = output[0].numel() * output.element_size() if output.shape[0] else 0
         sent = sum(n for i, n in enumerate(input_splits) if i != me) * row_in
         received = sum(n for i, n in enumerate(output_splits) if i != me) * row_out
-        self.issue_planned("all_to_all", rule, self.planned_parts(parts, nbytes),
-                  lambda g, a: dist.all_to_all_single(output, input, list(output_splits), list(input_splits), group=g, async_op=a),
-                  local=lambda: output.copy_(input))
+        self.issue_planned(
+            "all_to_all",
+            rule,
+            self.planned_parts(parts, nbytes),
+            lambda g, a: dist.all_to_all_single(
+                output, input, list(output_splits), list(input_splits), group=g, async_op=a
+            ),
+            local=lambda: output.copy_(input),
+        )
         tally = self.ledger.exchanged.setdefault(parts, [0, 0, 0])
         tally[0] += 1
         tally[1] += sent
         tally[2] += received
 
-    def bookkeeping_all_to_all(self, output: torch.Tensor, input: torch.Tensor, *, rule: str, name: str,
-                               output_splits: Sequence[int] | None = None, input_splits: Sequence[int] | None = None) -> None:
+    def bookkeeping_all_to_all(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        *,
+        rule: str,
+        name: str,
+        output_splits: Sequence[int] | None = None,
+        input_splits: Sequence[int] | None = None,
+    ) -> None:
         """Rows of ``input`` to every rank of the group (equal splits unless given), in group order."""
         group = self.mesh.group(rule)
         self.ledger.record_bookkeeping(name, nbytes(input))
@@ -226,10 +285,14 @@ class Collectives:
         if isinstance(parts, str):
             return ((parts, total),)
         if sum(n for _, n in parts) != total:
-            raise PlanMismatch(f"a coalesced call of {total} bytes attributes {sum(n for _, n in parts)} bytes to its updates")
+            raise PlanMismatch(
+                f"a coalesced call of {total} bytes attributes {sum(n for _, n in parts)} bytes to its updates"
+            )
         return parts
 
-    def issue_planned(self, kind: str, rule: str, parts: Sequence[tuple[str, int]], issue, local=None, async_op: bool = False):
+    def issue_planned(
+        self, kind: str, rule: str, parts: Sequence[tuple[str, int]], issue, local=None, async_op: bool = False
+    ):
         """Check ``parts`` against the plan, run ``issue(group_handle, async_op)`` on ``rule``'s group
         (``local()`` instead on a one-rank group), and count it; a Pending when ``async_op``."""
         self.ledger.check(kind, rule, parts)

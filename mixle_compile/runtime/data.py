@@ -50,10 +50,14 @@ class FileTokens(TokenSource):
         self.vocab_size, self.seq_len = vocab_size, seq_len
         self.tokens = read_tokens(path)
         if self.tokens.numel() < seq_len + 2:
-            raise RuntimeRefusal(f"{path} holds {self.tokens.numel()} tokens; a sample needs seq_len + 1 = {seq_len + 1}")
+            raise RuntimeRefusal(
+                f"{path} holds {self.tokens.numel()} tokens; a sample needs seq_len + 1 = {seq_len + 1}"
+            )
         top = int(self.tokens.max())
         if top >= vocab_size or int(self.tokens.min()) < 0:
-            raise RuntimeRefusal(f"{path} holds token id {top}, outside the model's vocabulary of {vocab_size}; tokenise with a matching vocabulary")
+            raise RuntimeRefusal(
+                f"{path} holds token id {top}, outside the model's vocabulary of {vocab_size}; tokenise with a matching vocabulary"
+            )
 
     def sample(self, index: int) -> torch.Tensor:
         span = self.tokens.numel() - self.seq_len
@@ -75,7 +79,9 @@ def read_tokens(path: str | Path) -> torch.Tensor:
 
         array = np.load(path, allow_pickle=False)
         if array.ndim != 1 or array.dtype.kind not in "iu":
-            raise RuntimeRefusal(f"{path} must hold a one-dimensional integer array of token ids, got {array.dtype} of shape {array.shape}")
+            raise RuntimeRefusal(
+                f"{path} must hold a one-dimensional integer array of token ids, got {array.dtype} of shape {array.shape}"
+            )
         return torch.from_numpy(array.astype("int64"))
     if path.suffix == ".bin":
         import numpy as np
@@ -89,7 +95,9 @@ def read_tokens(path: str | Path) -> torch.Tensor:
     try:
         return torch.tensor([int(tok) for tok in path.read_text(encoding="utf-8").split()], dtype=torch.int64)
     except ValueError:
-        raise RuntimeRefusal(f"{path} is not a token file: write whitespace-separated integer token ids, or use .npy / .bin") from None
+        raise RuntimeRefusal(
+            f"{path} is not a token file: write whitespace-separated integer token ids, or use .npy / .bin"
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -126,7 +134,9 @@ class BatchLayout:
         return step
 
 
-def local_batch(source: TokenSource, layout: BatchLayout, step: int, accumulation: int, data_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+def local_batch(
+    source: TokenSource, layout: BatchLayout, step: int, accumulation: int, data_rank: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(inputs, targets)`` of one accumulation step on one data rank: ``[per_rank, seq_len]`` each."""
     first = layout.first_sample(step, accumulation, data_rank)
     rows = torch.stack([source.sample(first + i) for i in range(layout.per_rank)])

@@ -40,8 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd import Function
 
-from mixle_compile.spec.models import TransformerModel
 from mixle_compile.plan.vocabulary import UpdateId
+from mixle_compile.spec.models import TransformerModel
 
 _ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu}
 
@@ -72,7 +72,9 @@ def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]
     return weights[:, :top_k], experts[:, :top_k]
 
 
-def expert_output(x: torch.Tensor, gate: torch.Tensor | None, up: torch.Tensor, down: torch.Tensor, activation: str) -> torch.Tensor:
+def expert_output(
+    x: torch.Tensor, gate: torch.Tensor | None, up: torch.Tensor, down: torch.Tensor, activation: str
+) -> torch.Tensor:
     """One expert on its tokens ``x`` (``[n, hidden]``): the dense MLP's function on its weights."""
     hidden = F.linear(x, up)
     if gate is not None:
@@ -109,7 +111,9 @@ def combine(outputs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 class ExpertParallel:
     """How this rank's mixture-of-experts layers split their work (see the module docstring)."""
 
-    def __init__(self, tp_size: int, tp_rank: int, etp: int, exchange: TokenExchange | None = None, cp_size: int = 1) -> None:
+    def __init__(
+        self, tp_size: int, tp_rank: int, etp: int, exchange: TokenExchange | None = None, cp_size: int = 1
+    ) -> None:
         self.tp_size, self.tp_rank = tp_size, tp_rank
         self.cp_size = cp_size
         # etp = 1 under tp > 1: each tp rank takes the tokens of its own sequence shard.
@@ -124,7 +128,9 @@ class ExpertParallel:
         return self.tp_rank * n, (self.tp_rank + 1) * n
 
 
-def slot_ids(positions: torch.Tensor | None, seq: int, batch: int, top_k: int, rows: tuple[int, int] | None, device) -> torch.Tensor:
+def slot_ids(
+    positions: torch.Tensor | None, seq: int, batch: int, top_k: int, rows: tuple[int, int] | None, device
+) -> torch.Tensor:
     """The single-process reference's slot of every slot a rank routes (``[tokens * top_k]``): slot
     ``(p * batch + b) * top_k + j`` is the ``j``-th choice of sequence position ``p`` of sample ``b``.
     ``positions``: the global positions of the rank's ``seq`` rows under context parallelism (None:
@@ -201,7 +207,17 @@ class TokenExchange:
         # the gradients of their inputs) is its slice's part; the tp ranks' parts add up to the whole.
         self.tp_parts = mesh.group("tp").ranks if split_experts else None  # (etp > 1 means etp = tp)
 
-    def run(self, unit: str, tokens: torch.Tensor, experts: torch.Tensor, slots: torch.Tensor | None, gate, up, down, activation: str) -> torch.Tensor:
+    def run(
+        self,
+        unit: str,
+        tokens: torch.Tensor,
+        experts: torch.Tensor,
+        slots: torch.Tensor | None,
+        gate,
+        up,
+        down,
+        activation: str,
+    ) -> torch.Tensor:
         """The experts' outputs of every (token, choice) row, ``[tokens * top_k, hidden]`` in slot order
         (``slots``: each row's slot in the reference, when recording evidence)."""
         top_k = experts.shape[1]
@@ -220,20 +236,50 @@ class TokenExchange:
             # Which reference row each row is (token position and choice), for the evidence.
             own = slots.index_select(0, order)
             ids = torch.empty(sum(receive_splits), dtype=own.dtype, device=own.device)
-            self.comm.bookkeeping_all_to_all(ids, own, rule=EP, name=f"{unit}.moe:row-ids", output_splits=receive_splits, input_splits=send_splits)
+            self.comm.bookkeeping_all_to_all(
+                ids, own, rule=EP, name=f"{unit}.moe:row-ids", output_splits=receive_splits, input_splits=send_splits
+            )
             ids = (own, ids)
         send = slot_inputs(tokens, top_k).index_select(0, order)
-        received = _Exchange.apply(send, self, str(UpdateId.activation(f"{unit}.moe", "dispatch")), receive_splits, send_splits, routed_bytes, ids, True)
+        received = _Exchange.apply(
+            send,
+            self,
+            str(UpdateId.activation(f"{unit}.moe", "dispatch")),
+            receive_splits,
+            send_splits,
+            routed_bytes,
+            ids,
+            True,
+        )
         local = torch.arange(self.local_experts, device=flat.device).repeat(self.size)
         expert_of_row = local.repeat_interleave(received_counts.view(-1))
         outputs = run_experts(received, expert_of_row, gate, up, down, activation)
-        back = _Exchange.apply(outputs, self, str(UpdateId.activation(f"{unit}.moe", "combine")), send_splits, receive_splits, routed_bytes, ids, False)
+        back = _Exchange.apply(
+            outputs,
+            self,
+            str(UpdateId.activation(f"{unit}.moe", "combine")),
+            send_splits,
+            receive_splits,
+            routed_bytes,
+            ids,
+            False,
+        )
         return back.new_zeros(back.shape).index_copy(0, order, back)
 
-    def exchange(self, node_id: str, rows: torch.Tensor, output_splits: list[int], input_splits: list[int], routed_bytes: int) -> torch.Tensor:
+    def exchange(
+        self, node_id: str, rows: torch.Tensor, output_splits: list[int], input_splits: list[int], routed_bytes: int
+    ) -> torch.Tensor:
         rows = rows.contiguous()
         out = rows.new_empty((sum(output_splits), *rows.shape[1:]))
-        self.comm.all_to_all(out, rows, rule=EP, parts=node_id, nbytes=routed_bytes, output_splits=output_splits, input_splits=input_splits)
+        self.comm.all_to_all(
+            out,
+            rows,
+            rule=EP,
+            parts=node_id,
+            nbytes=routed_bytes,
+            output_splits=output_splits,
+            input_splits=input_splits,
+        )
         return out
 
     def record(self, node_id: str, rows: torch.Tensor, ids: torch.Tensor, splits: list[int] | None) -> None:
@@ -246,7 +292,9 @@ class TokenExchange:
         for source, n in enumerate(splits):
             if n:
                 block = (0, tuple(ids[start : start + n].tolist()))
-                self.capture(node_id, rows[start : start + n], ("act_at", node_id, self.source_data_ranks[source], (), block))
+                self.capture(
+                    node_id, rows[start : start + n], ("act_at", node_id, self.source_data_ranks[source], (), block)
+                )
             start += n
 
 
@@ -258,7 +306,17 @@ class _Exchange(Function):
     gradients the other way (``/grad``)."""
 
     @staticmethod
-    def forward(ctx, rows, exchange: TokenExchange, node_id: str, output_splits, input_splits, routed_bytes: int, ids, outward: bool):
+    def forward(
+        ctx,
+        rows,
+        exchange: TokenExchange,
+        node_id: str,
+        output_splits,
+        input_splits,
+        routed_bytes: int,
+        ids,
+        outward: bool,
+    ):
         ctx.exchange, ctx.node_id = exchange, node_id
         ctx.splits = (output_splits, input_splits)
         ctx.routed_bytes, ctx.ids, ctx.outward = routed_bytes, ids, outward
@@ -273,5 +331,7 @@ class _Exchange(Function):
         node_id = str(UpdateId.parse(ctx.node_id).backward())
         out = ctx.exchange.exchange(node_id, grad, input_splits, output_splits, ctx.routed_bytes)
         if ctx.ids is not None:  # dispatch/grad: back to the own rows; combine/grad: received
-            ctx.exchange.record(node_id, out, ctx.ids[0] if ctx.outward else ctx.ids[1], None if ctx.outward else input_splits)
+            ctx.exchange.record(
+                node_id, out, ctx.ids[0] if ctx.outward else ctx.ids[1], None if ctx.outward else input_splits
+            )
         return out, None, None, None, None, None, None, None

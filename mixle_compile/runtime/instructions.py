@@ -28,8 +28,8 @@ from mixle_compile.plan.document import PlanDocument
 from mixle_compile.plan.vocabulary import (
     ALL_DATA_AXES,
     BACKWARD,
-    REPLICATE,
     KV_HEAD_AXIS,
+    REPLICATE,
     TIED_GROUP,
     Axis,
     Placement,
@@ -193,7 +193,11 @@ def read_instructions(doc: PlanDocument) -> Instructions:
 
 def _refuse_unverified(doc: PlanDocument) -> None:
     if not doc.verdict.ok:
-        first = doc.verdict.diagnostics[0].message if doc.verdict.diagnostics else "; ".join(doc.verdict.reduction_problems[:1]) or "its schedule check failed"
+        first = (
+            doc.verdict.diagnostics[0].message
+            if doc.verdict.diagnostics
+            else "; ".join(doc.verdict.reduction_problems[:1]) or "its schedule check failed"
+        )
         raise RuntimeRefusal(
             f"the plan did not verify ({doc.verdict.errors} error(s); first: {first}); fix the spec and recompile instead of running it"
         )
@@ -221,15 +225,23 @@ def _read_collectives(doc: PlanDocument) -> dict[str, Collective]:
         seen = collectives.get(u.node_id)
         if seen is not None:
             if (seen.collective, seen.axes, seen.payload_bytes, seen.occurrences_per_step, seen.divisor) != (
-                c.collective, c.axes, c.payload_bytes, c.occurrences_per_step, c.divisor
+                c.collective,
+                c.axes,
+                c.payload_bytes,
+                c.occurrences_per_step,
+                c.divisor,
             ):
-                raise RuntimeRefusal(f"the plan lists the update {u.node_id!r} twice with different collectives or sizes; recompile it")
+                raise RuntimeRefusal(
+                    f"the plan lists the update {u.node_id!r} twice with different collectives or sizes; recompile it"
+                )
             c = replace(seen, stages=tuple(sorted({*seen.stages, u.stage})))
         collectives[u.node_id] = c
     return collectives
 
 
-def _read_params(doc: PlanDocument, spec: Spec, plan: ParallelPlan, collectives: Mapping[str, Collective]) -> list[ParamInstruction]:
+def _read_params(
+    doc: PlanDocument, spec: Spec, plan: ParallelPlan, collectives: Mapping[str, Collective]
+) -> list[ParamInstruction]:
     ties = _ties(spec, plan)
     copies = _stage_copies(spec, plan)
     names = {p.logical_id for p in doc.parameters}
@@ -242,7 +254,9 @@ def _read_params(doc: PlanDocument, spec: Spec, plan: ParallelPlan, collectives:
     for p in doc.parameters:
         mine = by_tensor.get(p.logical_id, ())
         gradient = tuple(collectives[u.node_id] for u in mine if u.payload == "gradient")
-        gathers = {u.phase: collectives[u.node_id] for u in mine if u.payload == "parameter" and u.collective == "all_gather"}
+        gathers = {
+            u.phase: collectives[u.node_id] for u in mine if u.payload == "parameter" and u.collective == "all_gather"
+        }
         placements = _placements(p.logical_id, p.placements)
         tp_dim = placements.get(Axis.TP, REPLICATE).dim
         tp_replicas = _kv_replicas(p.logical_id, placements, plan, tuple(p.global_shape), gradient)
@@ -286,7 +300,9 @@ def _placements(name: str, entries) -> dict[str, Placement]:
         raise RuntimeRefusal(f"parameter {name!r}: {e}; recompile the plan") from None
 
 
-def _holding(name: str, placements: Mapping[str, Placement], gradient: tuple[Collective, ...], gathers: Mapping[str, Collective]) -> tuple[str, tuple[str, ...]]:
+def _holding(
+    name: str, placements: Mapping[str, Placement], gradient: tuple[Collective, ...], gathers: Mapping[str, Collective]
+) -> tuple[str, tuple[str, ...]]:
     """How the parameter's state is held (replicated, fsdp or zero) and the data axes of its shard."""
     shard_axes = tuple(a for a in ALL_DATA_AXES if placements.get(a, REPLICATE).dim is not None)
     if "parameter" in gathers:
@@ -295,10 +311,14 @@ def _holding(name: str, placements: Mapping[str, Placement], gradient: tuple[Col
     if not shard_axes:
         return "replicated", shard_axes
     if any(placements[a] != Shard(0) for a in shard_axes):
-        raise RuntimeRefusal(f"parameter {name!r} is sharded on a dimension other than 0 over the data axes; this runtime shards dimension 0 only")
+        raise RuntimeRefusal(
+            f"parameter {name!r} is sharded on a dimension other than 0 over the data axes; this runtime shards dimension 0 only"
+        )
     missing = {"forward", "backward"} - set(gathers)
     if missing:
-        raise RuntimeRefusal(f"the plan shards {name!r} over {', '.join(shard_axes)} but declares no parameter all_gather for its {' and '.join(sorted(missing))} use")
+        raise RuntimeRefusal(
+            f"the plan shards {name!r} over {', '.join(shard_axes)} but declares no parameter all_gather for its {' and '.join(sorted(missing))} use"
+        )
     return "fsdp", shard_axes
 
 
@@ -333,18 +353,30 @@ def _check_tied_layouts(params: list[ParamInstruction]) -> None:
     for p in params:
         if p.canonical != p.name:
             q = by_name[p.canonical]
-            if (q.mode, q.global_shape, q.tp_dim, q.tp_replicas, q.shard_axes) != (p.mode, p.global_shape, p.tp_dim, p.tp_replicas, p.shard_axes):
-                raise RuntimeRefusal(f"tied parameters {q.name!r} and {p.name!r} are laid out differently; tied weights are one tensor and need one layout")
+            if (q.mode, q.global_shape, q.tp_dim, q.tp_replicas, q.shard_axes) != (
+                p.mode,
+                p.global_shape,
+                p.tp_dim,
+                p.tp_replicas,
+                p.shard_axes,
+            ):
+                raise RuntimeRefusal(
+                    f"tied parameters {q.name!r} and {p.name!r} are laid out differently; tied weights are one tensor and need one layout"
+                )
 
 
-def _activation_sites(collectives: Mapping[str, Collective], param_tensors: set[str], plan: ParallelPlan) -> tuple[str, ...]:
+def _activation_sites(
+    collectives: Mapping[str, Collective], param_tensors: set[str], plan: ParallelPlan
+) -> tuple[str, ...]:
     """The node ids of the planned activation collectives; refuses one this runtime does not execute."""
     sites = []
     for node_id, c in collectives.items():
         if c.tensor in param_tensors:
             continue
         if not _executed(node_id, plan):
-            raise RuntimeRefusal(f"the plan declares the collective {node_id!r} ({c.collective} over {', '.join(c.axes)}), which this runtime does not execute")
+            raise RuntimeRefusal(
+                f"the plan declares the collective {node_id!r} ({c.collective} over {', '.join(c.axes)}), which this runtime does not execute"
+            )
         sites.append(node_id)
     return tuple(sites)
 
@@ -365,7 +397,13 @@ def _executed(node_id: str, plan: ParallelPlan) -> bool:
     return uid.kind in _EXECUTED_SITES.get(block, ())
 
 
-def _kv_replicas(name: str, placements: Mapping[str, Placement], plan: ParallelPlan, shape: tuple[int, ...], gradient: tuple[Collective, ...]) -> int:
+def _kv_replicas(
+    name: str,
+    placements: Mapping[str, Placement],
+    plan: ParallelPlan,
+    shape: tuple[int, ...],
+    gradient: tuple[Collective, ...],
+) -> int:
     """tp ranks sharing the parameter's slice (a replicated KV head, lower/layouts.py), checked against
     the plan's reductions: its gradient must be summed over the ranks sharing it."""
     replica_axes = [(a, kv_replica_size(a)) for a in placements if kv_replica_size(a) is not None]
@@ -425,7 +463,9 @@ def _check_tied_sync(name: str, group: tuple[str, ...], names: set[str], gradien
     """A copy of a tied weight must first sum its whole gradient with the other stage's copy."""
     missing = [g for g in group if g not in names]
     if missing:
-        raise RuntimeRefusal(f"parameter {name!r} is tied to {', '.join(map(repr, missing))}, which the plan does not list")
+        raise RuntimeRefusal(
+            f"parameter {name!r} is tied to {', '.join(map(repr, missing))}, which the plan does not list"
+        )
     if not gradient or gradient[0].axes != (TIED_GROUP,) or gradient[0].collective != "all_reduce":
         raise RuntimeRefusal(
             f"the plan keeps {name!r} on one pipeline stage as a copy of the tied weight {' and '.join(map(repr, group))}, but its "
@@ -440,10 +480,14 @@ def _refuse_unsupported(spec: Spec, plan: ParallelPlan) -> None:
             f"the torch runtime executes neural models (families transformer and modules); this plan's model is a {model.family!r} model"
         )
     if plan.pp > 1 and isinstance(model, ModulesModel):
-        raise RuntimeRefusal(f"pipeline parallelism (pp={plan.pp}) is executed for transformer models only; compile the spec with pp: 1")
+        raise RuntimeRefusal(
+            f"pipeline parallelism (pp={plan.pp}) is executed for transformer models only; compile the spec with pp: 1"
+        )
     t = spec.training
     if spec.training.precision not in ("fp32", "bf16"):
-        raise RuntimeRefusal(f"training.precision {t.precision!r} is not executed by the torch runtime; use fp32 or bf16")
+        raise RuntimeRefusal(
+            f"training.precision {t.precision!r} is not executed by the torch runtime; use fp32 or bf16"
+        )
     per_step = t.micro_batch_size * plan.microbatches * plan.gradient_accumulation_steps * plan.data_parallel_size
     if t.global_batch_size != per_step:
         raise RuntimeRefusal(
@@ -487,12 +531,16 @@ def _refuse_unsupported(spec: Spec, plan: ParallelPlan) -> None:
         checks.append(("training.seq_len", t.seq_len or 1))
     for name, value in checks:
         if value % tp:
-            raise RuntimeRefusal(f"{name}={value} is not divisible by tp={tp}, so tensor parallelism cannot split it evenly; choose tp dividing it")
+            raise RuntimeRefusal(
+                f"{name}={value} is not divisible by tp={tp}, so tensor parallelism cannot split it evenly; choose tp dividing it"
+            )
     if head_dim % 2 and model.position_embedding == "rope":
         raise RuntimeRefusal(f"rotary position embeddings need an even head size, got {head_dim}")
     cp = plan.cp
     if cp > 1 and (t.seq_len or 1) % (2 * cp):
-        raise RuntimeRefusal(f"context parallelism cuts training.seq_len={t.seq_len} into 2 * cp = {2 * cp} equal chunks; choose a multiple of {2 * cp}")
+        raise RuntimeRefusal(
+            f"context parallelism cuts training.seq_len={t.seq_len} into 2 * cp = {2 * cp} equal chunks; choose a multiple of {2 * cp}"
+        )
     if t.sequence_parallel and tp > 1 and ((t.seq_len or 1) // cp) % tp:
         raise RuntimeRefusal(
             f"sequence parallelism splits each rank's {(t.seq_len or 1) // cp} tokens (training.seq_len={t.seq_len} over cp={cp}) "
@@ -506,7 +554,9 @@ def _refuse_unsupported_experts(model: TransformerModel, plan: ParallelPlan, t) 
     if not 1 <= k <= experts:
         raise RuntimeRefusal(f"model.experts_per_token={k} must be between 1 and num_experts={experts}")
     if plan.etp not in (1, plan.tp):
-        raise RuntimeRefusal(f"etp={plan.etp}: this runtime splits experts over all of tp (etp = tp) or not at all (etp = 1); set etp to 1 or {plan.tp}")
+        raise RuntimeRefusal(
+            f"etp={plan.etp}: this runtime splits experts over all of tp (etp = tp) or not at all (etp = 1); set etp to 1 or {plan.tp}"
+        )
     if plan.tp > 1 and not t.sequence_parallel:
         raise RuntimeRefusal(
             f"mixture-of-experts layers with tp={plan.tp} need sequence parallelism, as in Megatron: the router's gradient is "
@@ -514,7 +564,9 @@ def _refuse_unsupported_experts(model: TransformerModel, plan: ParallelPlan, t) 
         )
     hidden = model.moe_ffn_hidden_size or model.ffn_hidden_size
     if plan.etp > 1 and hidden % plan.etp:
-        raise RuntimeRefusal(f"model.moe_ffn_hidden_size={hidden} is not divisible by etp={plan.etp}; choose etp dividing it")
+        raise RuntimeRefusal(
+            f"model.moe_ffn_hidden_size={hidden} is not divisible by etp={plan.etp}; choose etp dividing it"
+        )
     edp = expert_data_size(plan)
     if plan.dp_shard > 1 and edp > 1 and experts % (plan.ep * edp):
         raise RuntimeRefusal(

@@ -31,8 +31,8 @@ from pathlib import Path
 from mixle_compile.plan import PlanDocument, load_plan_text
 from mixle_compile.plan.artifact import PlanError, plan_text, written_text
 from mixle_compile.plan.rederive import PlanMismatch, rederive
-from mixle_compile.runtime.errors import RunFailed, RuntimeRefusal, SpecRejected
 from mixle_compile.runtime.em.plan import is_distribution, read_em_instructions
+from mixle_compile.runtime.errors import RunFailed, RuntimeRefusal, SpecRejected
 from mixle_compile.runtime.instructions import read_instructions
 from mixle_compile.runtime.report import REPORT_FILE, RunReport
 
@@ -146,27 +146,41 @@ def torchrun_environment() -> tuple[int, int]:
         try:
             value = int(text.strip())
         except ValueError:
-            raise RuntimeRefusal(f"{name}={text!r} is not an integer; torchrun sets it (check the environment this rank was started with)") from None
+            raise RuntimeRefusal(
+                f"{name}={text!r} is not an integer; torchrun sets it (check the environment this rank was started with)"
+            ) from None
         if value < low or (high is not None and value > high):
             span = f"{low}..{high}" if high is not None else f"at least {low}"
-            raise RuntimeRefusal(f"{name}={value} is out of range ({span}); the ranks' environment is inconsistent, so nothing is started")
+            raise RuntimeRefusal(
+                f"{name}={value} is out of range ({span}); the ranks' environment is inconsistent, so nothing is started"
+            )
         return value
 
     world = integer("WORLD_SIZE", 1)
     rank = integer("RANK", 0)
     if rank >= world:
-        raise RuntimeRefusal(f"RANK={rank} is outside WORLD_SIZE={world} (ranks are 0..{world - 1}); the ranks' environment is inconsistent")
+        raise RuntimeRefusal(
+            f"RANK={rank} is outside WORLD_SIZE={world} (ranks are 0..{world - 1}); the ranks' environment is inconsistent"
+        )
     local_world = integer("LOCAL_WORLD_SIZE", 1)
     if local_world is not None and local_world > world:
-        raise RuntimeRefusal(f"LOCAL_WORLD_SIZE={local_world} is above WORLD_SIZE={world}; a node cannot hold more ranks than the job")
+        raise RuntimeRefusal(
+            f"LOCAL_WORLD_SIZE={local_world} is above WORLD_SIZE={world}; a node cannot hold more ranks than the job"
+        )
     local = integer("LOCAL_RANK", 0)
     if local is not None and local_world is not None and local >= local_world:
-        raise RuntimeRefusal(f"LOCAL_RANK={local} is outside LOCAL_WORLD_SIZE={local_world} (local ranks are 0..{local_world - 1})")
+        raise RuntimeRefusal(
+            f"LOCAL_RANK={local} is outside LOCAL_WORLD_SIZE={local_world} (local ranks are 0..{local_world - 1})"
+        )
     if local is not None and local > rank:
-        raise RuntimeRefusal(f"LOCAL_RANK={local} is above RANK={rank}; a rank's local index on its node cannot exceed its global one")
+        raise RuntimeRefusal(
+            f"LOCAL_RANK={local} is above RANK={rank}; a rank's local index on its node cannot exceed its global one"
+        )
     integer("MASTER_PORT", 1, 65535)
     if "MASTER_ADDR" in env and not env["MASTER_ADDR"].strip():
-        raise RuntimeRefusal("MASTER_ADDR is empty; set it to the address of rank 0's machine (127.0.0.1 on one machine)")
+        raise RuntimeRefusal(
+            "MASTER_ADDR is empty; set it to the address of rank 0's machine (127.0.0.1 on one machine)"
+        )
     return rank, world
 
 
@@ -176,8 +190,10 @@ def require_rendezvous_address() -> None:
     if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         for name in ("MASTER_ADDR", "MASTER_PORT"):
             if name not in env:
-                raise RuntimeRefusal(f"{name} is not set, but RANK and WORLD_SIZE are: rank 0 hosts the rendezvous at MASTER_ADDR:MASTER_PORT; "
-                                     "set both (or launch with torchrun, which sets them)")
+                raise RuntimeRefusal(
+                    f"{name} is not set, but RANK and WORLD_SIZE are: rank 0 hosts the rendezvous at MASTER_ADDR:MASTER_PORT; "
+                    "set both (or launch with torchrun, which sets them)"
+                )
 
 
 OUTPUT_FILES = ("plan.json", "report.json", "receipts.jsonl")
@@ -205,9 +221,16 @@ def prepare_out(out: Path) -> None:
         raise RuntimeRefusal(f"cannot prepare the output directory {out}: {exc.strerror or exc}") from None
 
 
-def _check_options(*, timeout_s: float, steps: int | None, save_every: int | None, keep_checkpoints: int | None) -> None:
+def _check_options(
+    *, timeout_s: float, steps: int | None, save_every: int | None, keep_checkpoints: int | None
+) -> None:
     """Refuse options no run can use before any rank starts (they used to fail inside the ranks)."""
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not math.isfinite(timeout_s) or timeout_s <= 0:
+    if (
+        isinstance(timeout_s, bool)
+        or not isinstance(timeout_s, (int, float))
+        or not math.isfinite(timeout_s)
+        or timeout_s <= 0
+    ):
         raise RuntimeRefusal(f"timeout must be a positive, finite number of seconds, got {timeout_s!r}")
     for name, value in (("steps", steps), ("save_every", save_every), ("keep_checkpoints", keep_checkpoints)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -262,8 +285,17 @@ def run_plan(
         raise RuntimeRefusal(f"token file {data_path} does not exist")
     if data_path is not None and not is_distribution(doc):
         _preflight_tokens(instructions, data_path, repeat_data=repeat_data)
-    checkpoints = _checkpoint_options(doc, instructions, steps=steps, reference=reference, data_path=data_path, save_every=save_every,
-                                      checkpoint_dir=checkpoint_dir, keep=keep_checkpoints, resume=resume)
+    checkpoints = _checkpoint_options(
+        doc,
+        instructions,
+        steps=steps,
+        reference=reference,
+        data_path=data_path,
+        save_every=save_every,
+        checkpoint_dir=checkpoint_dir,
+        keep=keep_checkpoints,
+        resume=resume,
+    )
     world = instructions.plan.world_size
     joined = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     rendezvous_timeout()  # a bad MIXLE_RENDEZVOUS_TIMEOUT is refused here, not in the ranks
@@ -282,21 +314,42 @@ def run_plan(
         checkpoints = replace(checkpoints, root=out / "checkpoints")
     root = checkpoints.root
     if root is not None and Path(root).is_symlink():
-        raise RuntimeRefusal(f"the checkpoint directory {root} is a symbolic link (to {os.readlink(root)}); checkpoints are never written "
-                             "through a link: pass the directory it points to as --checkpoint-dir")
+        raise RuntimeRefusal(
+            f"the checkpoint directory {root} is a symbolic link (to {os.readlink(root)}); checkpoints are never written "
+            "through a link: pass the directory it points to as --checkpoint-dir"
+        )
     prepare_out(out)
     from mixle_compile.runtime import checkpoint as ckpt
 
     checkpoints = replace(checkpoints, run_id=ckpt.new_run_id())
     lock = None
-    if checkpoints.every is not None and (not joined or rank == 0):  # one process per job writes the root: it holds the lock
+    if checkpoints.every is not None and (
+        not joined or rank == 0
+    ):  # one process per job writes the root: it holds the lock
         checkpoints, lock = _lock_root(checkpoints, steps=steps, overwrite=overwrite_checkpoints)
     try:
         if joined:
-            return _run_joined(doc, steps=steps, out=out, reference=reference, data_path=data_path, timeout_s=timeout_s, progress=progress,
-                               checkpoints=checkpoints)
-        return _run_local(doc, world, steps=steps, out=out, reference=reference, data_path=data_path, timeout_s=timeout_s, progress=progress,
-                          checkpoints=checkpoints)
+            return _run_joined(
+                doc,
+                steps=steps,
+                out=out,
+                reference=reference,
+                data_path=data_path,
+                timeout_s=timeout_s,
+                progress=progress,
+                checkpoints=checkpoints,
+            )
+        return _run_local(
+            doc,
+            world,
+            steps=steps,
+            out=out,
+            reference=reference,
+            data_path=data_path,
+            timeout_s=timeout_s,
+            progress=progress,
+            checkpoints=checkpoints,
+        )
     finally:
         ckpt.unlock_root(lock)
 
@@ -348,20 +401,40 @@ def _checkpoint_options(doc, instructions, *, steps, reference, data_path, save_
     if is_distribution(doc):  # EM checks its --data file and its own checkpoints (runtime/em/fit.py), torch-free
         from mixle_compile.runtime.em.fit import run_options
 
-        return run_options(instructions, steps=steps, reference=reference, data_path=data_path, save_every=save_every,
-                           checkpoint_dir=checkpoint_dir, keep=keep, resume=resume)
+        return run_options(
+            instructions,
+            steps=steps,
+            reference=reference,
+            data_path=data_path,
+            save_every=save_every,
+            checkpoint_dir=checkpoint_dir,
+            keep=keep,
+            resume=resume,
+        )
     options = ckpt.CheckpointOptions.checked(save_every=save_every, checkpoint_dir=checkpoint_dir, keep=keep)
     if resume is not None:
         if reference:
-            raise RuntimeRefusal("--reference trains the single-process reference from the initial values, so it cannot check a resumed run; drop --reference or --resume")
+            raise RuntimeRefusal(
+                "--reference trains the single-process reference from the initial values, so it cannot check a resumed run; drop --reference or --resume"
+            )
         path = ckpt.resolve_checkpoint(resume)
-        manifest = ckpt.verify_checkpoint(path, kind=ckpt.TORCH_KIND)  # every file against its seal, before any rank starts
+        manifest = ckpt.verify_checkpoint(
+            path, kind=ckpt.TORCH_KIND
+        )  # every file against its seal, before any rank starts
         try:
-            ckpt.check_resume(manifest, instructions, data=ckpt.source_description(data_path, instructions.seed), steps=steps, path=path)
+            ckpt.check_resume(
+                manifest,
+                instructions,
+                data=ckpt.source_description(data_path, instructions.seed),
+                steps=steps,
+                path=path,
+            )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             if isinstance(exc, RuntimeRefusal):
                 raise
-            raise RuntimeRefusal(f"checkpoint {path}: its manifest is malformed ({type(exc).__name__}: {exc}); it cannot be resumed") from None
+            raise RuntimeRefusal(
+                f"checkpoint {path}: its manifest is malformed ({type(exc).__name__}: {exc}); it cannot be resumed"
+            ) from None
         options = replace(options, resume=path.resolve())
     return options
 
@@ -371,14 +444,32 @@ def _run_joined(doc, *, steps, out, reference, data_path, timeout_s, progress, c
 
     rank = int(os.environ["RANK"])
     try:
-        report = run_rank(doc, steps=steps, out_dir=out, reference=reference, data_path=str(data_path) if data_path else None, timeout_s=timeout_s,
-                          progress=progress, checkpoints=checkpoints)
+        report = run_rank(
+            doc,
+            steps=steps,
+            out_dir=out,
+            reference=reference,
+            data_path=str(data_path) if data_path else None,
+            timeout_s=timeout_s,
+            progress=progress,
+            checkpoints=checkpoints,
+        )
     except BaseException as exc:
         write_failure(out, rank, exc)
         raise
     if report is None:  # not rank 0: rank 0 writes the report
-        return RunReport(ok=True, errors=(), out_dir=str(out), steps=steps, world_size=doc.groups.world_size, losses=(), wall_s=0.0,
-                         accounting_ok=True, updates_checked=0, collective_calls_per_rank=())
+        return RunReport(
+            ok=True,
+            errors=(),
+            out_dir=str(out),
+            steps=steps,
+            world_size=doc.groups.world_size,
+            losses=(),
+            wall_s=0.0,
+            accounting_ok=True,
+            updates_checked=0,
+            collective_calls_per_rank=(),
+        )
     return RunReport.from_dict(report, out)
 
 
@@ -431,8 +522,19 @@ def _run_local(doc, world: int, *, steps, out, reference, data_path, timeout_s, 
         "LOCAL_WORLD_SIZE": str(world),
         "OMP_NUM_THREADS": str(threads),
     }
-    command = [sys.executable, "-m", "mixle_compile.runtime.worker", "--plan", str(plan_path), "--out", str(out),
-               "--steps", str(steps), "--timeout", str(timeout_s)]
+    command = [
+        sys.executable,
+        "-m",
+        "mixle_compile.runtime.worker",
+        "--plan",
+        str(plan_path),
+        "--out",
+        str(out),
+        "--steps",
+        str(steps),
+        "--timeout",
+        str(timeout_s),
+    ]
     if reference:
         command.append("--reference")
     if data_path is not None:
@@ -447,7 +549,11 @@ def _run_local(doc, world: int, *, steps, out, reference, data_path, timeout_s, 
             log = (logs / f"rank{rank}.log").open("w", encoding="utf-8")
             files.append(log)
             show = progress and rank == 0
-            procs.append(subprocess.Popen(command + (["--progress"] if show else []), env=env, stdout=log, stderr=None if show else log))
+            procs.append(
+                subprocess.Popen(
+                    command + (["--progress"] if show else []), env=env, stdout=log, stderr=None if show else log
+                )
+            )
         _watch(procs, out, timeout_s)
     finally:
         if previous is not None:
@@ -505,7 +611,9 @@ def _watch(procs: list[subprocess.Popen], out: Path, timeout_s: float) -> None:
     still_running = [r for r, p in enumerate(procs) if p.poll() is None]
     for r in still_running:
         procs[r].kill()
-    raise RunFailed(_failure_message(procs, order, still_running, out, timeout_s), ranks=tuple(_culprits(order, still_running, out)))
+    raise RunFailed(
+        _failure_message(procs, order, still_running, out, timeout_s), ranks=tuple(_culprits(order, still_running, out))
+    )
 
 
 def _failure_note(out: Path, rank: int) -> dict | None:
@@ -549,7 +657,9 @@ def _failure_message(procs, order, still_running, out, timeout_s) -> str:
     lines = []
     for r in culprits:
         if r in still_running:
-            waiting = sorted(q for q in order if notes[q] and notes[q].get("timed_out") and r in notes[q].get("group_ranks", ()))
+            waiting = sorted(
+                q for q in order if notes[q] and notes[q].get("timed_out") and r in notes[q].get("group_ranks", ())
+            )
             what = notes[waiting[0]].get("collective", "?") if waiting else "?"
             if what == "rendezvous":
                 lines.append(

@@ -81,8 +81,9 @@ def device_mesh_layout(groups: PlanGroups) -> tuple[tuple[str, ...], torch.Tenso
     return names, table
 
 
-def device_mesh_problems(groups: PlanGroups, names: tuple[str, ...], table: torch.Tensor, rank: int,
-                         members: Mapping[str, tuple[int, ...]]) -> list[str]:
+def device_mesh_problems(
+    groups: PlanGroups, names: tuple[str, ...], table: torch.Tensor, rank: int, members: Mapping[str, tuple[int, ...]]
+) -> list[str]:
     """Every dense rule whose axes are all on the mesh (or of degree 1) whose group of ``rank`` differs
     from the ranks the mesh tensor gives ``rank`` along those dimensions."""
     where = (table == rank).nonzero()
@@ -147,7 +148,12 @@ class Mesh:
     @staticmethod
     def single(groups: PlanGroups) -> Mesh:
         """The mesh of a one-rank plan, without process groups."""
-        return Mesh(groups, 0, 1, {rule.name: Group(rule.name, (0,), None) for rule in groups.rules} | {WORLD: Group(WORLD, (0,), None)})
+        return Mesh(
+            groups,
+            0,
+            1,
+            {rule.name: Group(rule.name, (0,), None) for rule in groups.rules} | {WORLD: Group(WORLD, (0,), None)},
+        )
 
     def release(self) -> None:
         """Drop this mesh's process-group handles (after destroy_process_group), so that they are torn
@@ -162,7 +168,9 @@ class Mesh:
         try:
             return self._groups[rule]
         except KeyError:
-            raise KeyError(f"the plan has no group rule {rule!r}; its rules: {', '.join(sorted(self._groups))}") from None
+            raise KeyError(
+                f"the plan has no group rule {rule!r}; its rules: {', '.join(sorted(self._groups))}"
+            ) from None
 
     def coord(self, axis: str) -> int:
         return self.coords.get(axis, 0)
@@ -213,11 +221,15 @@ def _device_mesh(groups: PlanGroups, rank: int, mine: Mapping[str, Group]):
     missing = [name for name in names if name not in mine or mine[name].handle is None]
     problems += [f"the plan has no group rule for the mesh axis {name!r}" for name in missing]
     if problems:
-        raise RuntimeRefusal("the plan's rank groups disagree with its own mesh: " + "; ".join(problems) + "; recompile the plan")
+        raise RuntimeRefusal(
+            "the plan's rank groups disagree with its own mesh: " + "; ".join(problems) + "; recompile the plan"
+        )
     if not names:
         return None
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    device_mesh = DeviceMesh.from_group([mine[name].handle for name in names], device_type, mesh=table, mesh_dim_names=names)
+    device_mesh = DeviceMesh.from_group(
+        [mine[name].handle for name in names], device_type, mesh=table, mesh_dim_names=names
+    )
     for name in names:
         ranks = tuple(sorted(dist.get_process_group_ranks(device_mesh.get_group(name))))
         if ranks != mine[name].ranks:

@@ -52,7 +52,9 @@ class Ops(Protocol):
 
     def context_positions(self, seq: int, device) -> torch.Tensor | None: ...
 
-    def gather_kv(self, site: str, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]: ...
+    def gather_kv(
+        self, site: str, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]: ...
 
     def context_mean(self, loss: torch.Tensor) -> torch.Tensor: ...
 
@@ -60,7 +62,9 @@ class Ops(Protocol):
 def cp_positions(seq: int, cp: int, cp_rank: int) -> list[int]:
     """Global positions cp rank ``cp_rank`` holds: chunks ``cp_rank`` and ``2cp - 1 - cp_rank`` of ``2cp``."""
     if seq % (2 * cp):
-        raise ValueError(f"context parallelism cuts a sequence of {seq} tokens into 2 * cp = {2 * cp} equal chunks; it does not divide")
+        raise ValueError(
+            f"context parallelism cuts a sequence of {seq} tokens into 2 * cp = {2 * cp} equal chunks; it does not divide"
+        )
     chunk = seq // (2 * cp)
     late = 2 * cp - 1 - cp_rank
     return list(range(cp_rank * chunk, (cp_rank + 1) * chunk)) + list(range(late * chunk, (late + 1) * chunk))
@@ -141,11 +145,22 @@ class TransformerShape:
 
 def transformer_loss(ops: Ops, shape: TransformerShape, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross entropy of one micro-batch (``inputs``, ``targets``: ``[b, s]`` token ids)."""
-    return stage_forward(ops, shape, tuple(range(shape.num_layers)), first=True, last=True, x=None, inputs=inputs, targets=targets)
+    return stage_forward(
+        ops, shape, tuple(range(shape.num_layers)), first=True, last=True, x=None, inputs=inputs, targets=targets
+    )
 
 
-def stage_forward(ops: Ops, shape: TransformerShape, layers: tuple[int, ...], *, first: bool, last: bool,
-                  x: torch.Tensor | None, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def stage_forward(
+    ops: Ops,
+    shape: TransformerShape,
+    layers: tuple[int, ...],
+    *,
+    first: bool,
+    last: bool,
+    x: torch.Tensor | None,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+) -> torch.Tensor:
     """One (virtual pipeline) stage of the transformer: (the embedding), its blocks, (the final norm, the
     head and the micro-batch's mean loss). Returns the residual stream, or the loss on the last stage."""
     ids = inputs.t()  # sequence-first
@@ -202,7 +217,9 @@ def _norm(ops: Ops, shape: TransformerShape, x: torch.Tensor, prefix: str) -> to
     return (y * w.float()).to(x.dtype)
 
 
-def _rope_tables(seq: int, head_dim: int, dtype: torch.dtype, device, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _rope_tables(
+    seq: int, head_dim: int, dtype: torch.dtype, device, positions: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables of the rotary embedding at ``positions`` (default: 0 .. seq - 1)."""
     inv = 1.0 / (ROPE_THETA ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
     at = torch.arange(seq, device=device, dtype=torch.float32) if positions is None else positions.to(torch.float32)
@@ -222,7 +239,9 @@ def _heads(t: torch.Tensor, head_dim: int) -> torch.Tensor:
     return t.view(s, b, width // head_dim, head_dim).permute(1, 2, 0, 3)  # [b, heads, s, d]
 
 
-def _attention(ops: Ops, shape: TransformerShape, unit: str, h: torch.Tensor, rope, positions: torch.Tensor | None = None) -> torch.Tensor:
+def _attention(
+    ops: Ops, shape: TransformerShape, unit: str, h: torch.Tensor, rope, positions: torch.Tensor | None = None
+) -> torch.Tensor:
     """Causal grouped-query attention; ``positions``: the global positions of ``h``'s tokens under
     context parallelism (K and V of every position are gathered, the mask compares positions)."""
     d = shape.head_dim

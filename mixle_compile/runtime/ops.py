@@ -86,11 +86,19 @@ class ParallelOps:
         out = local.new_empty(local.numel() * self.cp_size)
         node_id = str(UpdateId.activation(site, "kv"))
         self.store.comm.all_gather(out, local.reshape(-1), rule=CP, parts=node_id)
-        both = out.view(self.cp_size, 2, b, heads, s, d).permute(1, 2, 3, 0, 4, 5).reshape(2, b, heads, self.cp_size * s, d)
+        both = (
+            out.view(self.cp_size, 2, b, heads, s, d)
+            .permute(1, 2, 3, 0, 4, 5)
+            .reshape(2, b, heads, self.cp_size * s, d)
+        )
         if self._record is not None:
             seq = s * self.cp_size
             keys = [p for r in range(self.cp_size) for p in cp_positions(seq, self.cp_size, r)]
-            self._record(node_id, both, ("act_at", node_id, self.store.mesh.data_rank, self._head_slices(site, d), (3, tuple(keys))))
+            self._record(
+                node_id,
+                both,
+                ("act_at", node_id, self.store.mesh.data_rank, self._head_slices(site, d), (3, tuple(keys))),
+            )
         return both[0], both[1]
 
     def _scatter_kv_grad(self, site: str, dk: torch.Tensor, dv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,7 +111,13 @@ class ParallelOps:
         self.store.comm.reduce_scatter(out, rank_major, rule=CP, parts=node_id)
         out = out.view(2, b, heads, s, d)
         if self._record is not None:
-            expect = ("act_at", node_id, self.store.mesh.data_rank, self._head_slices(site, d), (3, tuple(self._positions)))
+            expect = (
+                "act_at",
+                node_id,
+                self.store.mesh.data_rank,
+                self._head_slices(site, d),
+                (3, tuple(self._positions)),
+            )
             sharing = self._kv_sharing(site)
             # A KV head shared over tp gets from each rank only its own query heads' part.
             self._record(node_id, out, ("part", sharing, expect) if len(sharing) > 1 else expect)

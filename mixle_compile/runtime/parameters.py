@@ -121,7 +121,14 @@ class _Handle:
 class LocalParameter:
     """One tensor of this rank (tied uses share it)."""
 
-    def __init__(self, instr: ParamInstruction, uses: list[ParamInstruction], value: torch.Tensor, mesh: Mesh, device: torch.device) -> None:
+    def __init__(
+        self,
+        instr: ParamInstruction,
+        uses: list[ParamInstruction],
+        value: torch.Tensor,
+        mesh: Mesh,
+        device: torch.device,
+    ) -> None:
         self.instr = instr
         self.uses = uses
         self.mode = instr.mode
@@ -144,7 +151,9 @@ class LocalParameter:
             self.shard_rule, self.shard_count, self.shard_index, self.shard_rows = "", 1, 0, self.rows
             self.master = torch.nn.Parameter(full.clone().to(device))
         # zero: the whole tensor every rank computes with (the optimizer updates only the shard)
-        self.compute = full.to(device=device, dtype=self.dtype, copy=True).requires_grad_(True) if self.mode == "zero" else None
+        self.compute = (
+            full.to(device=device, dtype=self.dtype, copy=True).requires_grad_(True) if self.mode == "zero" else None
+        )
 
     @property
     def sharded(self) -> bool:
@@ -204,7 +213,9 @@ class ParamStore:
                 continue
             value = values[p.name] if values is not None else initial_value(p, instructions.seed)
             if tuple(value.shape) != p.global_shape:
-                raise ValueError(f"the initial value of {p.name!r} has shape {tuple(value.shape)}, the plan says {p.global_shape}")
+                raise ValueError(
+                    f"the initial value of {p.name!r} has shape {tuple(value.shape)}, the plan says {p.global_shape}"
+                )
             local = LocalParameter(p, uses[p.name], value.detach().float().cpu(), mesh, device)
             self.params[p.name] = local
             for u in uses[p.name]:
@@ -219,12 +230,15 @@ class ParamStore:
         self._waiting: dict[str, set[str]] = {}
         # FSDP units: the weights gathered together, freed together, regathered together.
         self.units = {
-            unit: tuple(u for u in members if self.of_use[u].mode == "fsdp")
-            for unit, members in (units or {}).items()
+            unit: tuple(u for u in members if self.of_use[u].mode == "fsdp") for unit, members in (units or {}).items()
         }
         self.unit_order = [unit for unit, members in self.units.items() if members]
         self.buffers: dict[str, torch.Tensor] = {}
-        self.reducer = GradientReducer(mesh, comm, device, _context_parts(capture, instructions, mesh)) if comm is not None else None
+        self.reducer = (
+            GradientReducer(mesh, comm, device, _context_parts(capture, instructions, mesh))
+            if comm is not None
+            else None
+        )
         self.closing_accumulation = False  # the micro-batch in flight ends an accumulation step
         self.closing_step = False  # ... and the optimizer step's window
         self._gathers: dict[tuple[str, str], list] = {}  # issued (maybe in flight) unit gathers
@@ -269,7 +283,10 @@ class ParamStore:
             shards = [local.master.detach().to(dtype).reshape(-1) for local in locals_]
             flat = shards[0] if len(shards) == 1 else torch.cat(shards)
             out = torch.empty(flat.numel() * count, dtype=dtype, device=self.device)
-            parts = [(str(UpdateId.gather(u, phase)), local.gathered_numel() * out.element_size()) for u, local in zip(uses, locals_)]
+            parts = [
+                (str(UpdateId.gather(u, phase)), local.gathered_numel() * out.element_size())
+                for u, local in zip(uses, locals_)
+            ]
             pending = self.comm.all_gather(out, flat, rule=rule, parts=parts, async_op=async_op)
             issued.append((uses, out, pending, count, phase))
         return issued
@@ -288,7 +305,9 @@ class ParamStore:
                 offset += n
                 out_map[use] = whole
                 if self.capture is not None:
-                    self.capture(str(UpdateId.gather(use, phase)), whole, ("param", use, local.tp_slices, str(local.dtype)))
+                    self.capture(
+                        str(UpdateId.gather(use, phase)), whole, ("param", use, local.tp_slices, str(local.dtype))
+                    )
         return out_map
 
     def _unit_gather(self, unit: str, phase: str) -> dict[str, torch.Tensor]:
@@ -414,7 +433,12 @@ class ParamStore:
     def reduce_gradients(self, *, every_accumulation: bool, accumulations: tuple[int, ...]) -> None:
         """Run the plan's gradient updates due now, and add the results to the tensors' gradients."""
         self._waiting.clear()
-        results = self.reducer.finish(every_accumulation=every_accumulation, accumulations=accumulations, uses=self.plan_order, buffers=self.buffers)
+        results = self.reducer.finish(
+            every_accumulation=every_accumulation,
+            accumulations=accumulations,
+            uses=self.plan_order,
+            buffers=self.buffers,
+        )
         for _, local, grad in results:
             if local.master.grad is None:
                 local.master.grad = grad
@@ -424,7 +448,13 @@ class ParamStore:
     def after_optimizer_step(self) -> None:
         """The distributed optimizer's gathers: every rank computes with the updated whole tensor."""
         # (a tensor tied on one stage is gathered once, by its first use)
-        members = [(use, local) for local in self.params.values() if local.mode == "zero" for use in local.uses if "parameter" in use.gathers]
+        members = [
+            (use, local)
+            for local in self.params.values()
+            if local.mode == "zero"
+            for use in local.uses
+            if "parameter" in use.gathers
+        ]
         if not members:
             return
         groups: dict[tuple, list] = {}
@@ -434,7 +464,9 @@ class ParamStore:
             count = group[0][1].shard_count
             flat = torch.cat([local.master.detach().to(dtype).reshape(-1) for _, local in group])
             out = torch.empty(flat.numel() * count, dtype=dtype, device=self.device)
-            parts = [(use.gathers["parameter"].node_id, local.gathered_numel() * out.element_size()) for use, local in group]
+            parts = [
+                (use.gathers["parameter"].node_id, local.gathered_numel() * out.element_size()) for use, local in group
+            ]
             self.comm.all_gather(out, flat, rule=rule, parts=parts)
             rows = out.view(count, -1)
             offset = 0
@@ -445,7 +477,11 @@ class ParamStore:
                 with torch.no_grad():
                     local.compute.copy_(whole)
                 if self.capture is not None:
-                    self.capture(use.gathers["parameter"].node_id, whole, ("param_after", use.name, local.tp_slices, str(local.dtype)))
+                    self.capture(
+                        use.gathers["parameter"].node_id,
+                        whole,
+                        ("param_after", use.name, local.tp_slices, str(local.dtype)),
+                    )
 
     def zero_grad(self) -> None:
         self.buffers.clear()

@@ -39,9 +39,9 @@ import torch
 import torch.distributed as dist
 
 from mixle_compile.contracts import TORCH_CAPABILITIES, StepReceipt
+from mixle_compile.plan.document import PlanDocument
 from mixle_compile.plan.programs import plan_programs
 from mixle_compile.plan.vocabulary import Axis, UpdateId
-from mixle_compile.plan.document import PlanDocument
 from mixle_compile.runtime.collectives import Collectives, Ledger
 from mixle_compile.runtime.errors import PlanMismatch
 from mixle_compile.runtime.instructions import Instructions
@@ -76,8 +76,16 @@ class PipelineSession:
 
     capabilities = TORCH_CAPABILITIES
 
-    def __init__(self, doc: PlanDocument, instructions: Instructions, mesh: Mesh, *, device: torch.device, recorder=None,
-                 detach_received: bool = False) -> None:
+    def __init__(
+        self,
+        doc: PlanDocument,
+        instructions: Instructions,
+        mesh: Mesh,
+        *,
+        device: torch.device,
+        recorder=None,
+        detach_received: bool = False,
+    ) -> None:
         self.instructions = instructions
         self.plan = instructions.plan
         self.mesh = mesh
@@ -96,11 +104,23 @@ class PipelineSession:
         self.ops: dict[int, ParallelOps] = {}
         for chunk in range(self.layout.chunks):
             names = set(self.layout.params.get((self.stage, chunk), ()))
-            chunk_instructions = dataclasses.replace(instructions, params=tuple(p for p in instructions.params if p.name in names))
-            store = ParamStore(chunk_instructions, mesh, self.comm, device=device, capture=capture, units=fsdp_units(chunk_instructions))
+            chunk_instructions = dataclasses.replace(
+                instructions, params=tuple(p for p in instructions.params if p.name in names)
+            )
+            store = ParamStore(
+                chunk_instructions,
+                mesh,
+                self.comm,
+                device=device,
+                capture=capture,
+                units=fsdp_units(chunk_instructions),
+            )
             # One TensorParallel per chunk: under cp its evidence capture reads its own chunk's positions.
             tp = TensorParallel(
-                self.comm, mesh.degree(Axis.TP), mesh.coord(Axis.TP), instructions.sequence_parallel,
+                self.comm,
+                mesh.degree(Axis.TP),
+                mesh.coord(Axis.TP),
+                instructions.sequence_parallel,
                 capture=self._capture_activation if recorder is not None else None,
             )
             self.stores[chunk] = store
@@ -108,7 +128,9 @@ class PipelineSession:
         self.sequence_parallel = instructions.sequence_parallel and mesh.degree(Axis.TP) > 1
         seq = instructions.seq_len or 1
         cp = mesh.degree(Axis.CP)
-        self.positions = cp_positions(seq, cp, mesh.coord(Axis.CP)) if cp > 1 else list(range(seq))  # this rank's tokens
+        self.positions = (
+            cp_positions(seq, cp, mesh.coord(Axis.CP)) if cp > 1 else list(range(seq))
+        )  # this rank's tokens
         self.store = StageParameters(self.stores)  # every chunk's parameters: what checkpoints save and load
         self.optimizer = make_optimizer(instructions.optimizer, self.store.masters(), instructions.learning_rate)
         self.detach_received = detach_received  # a deliberately broken variant, for the tests
@@ -137,10 +159,18 @@ class PipelineSession:
         plan = self.plan
         inputs, targets = torch.as_tensor(inputs, device=self.device), torch.as_tensor(targets, device=self.device)
         if inputs.shape[0] % plan.microbatches:
-            raise ValueError(f"a batch of {inputs.shape[0]} examples does not split into microbatches={plan.microbatches} equal micro-batches")
+            raise ValueError(
+                f"a batch of {inputs.shape[0]} examples does not split into microbatches={plan.microbatches} equal micro-batches"
+            )
         self._batches.extend(zip(inputs.chunk(plan.microbatches), targets.chunk(plan.microbatches)))
         if len(self._batches) < self.instructions.micro_steps:
-            return self._receipt(loss=None, skipped=True, collective_bytes=0, counts=None, accumulated=len(self._batches) // plan.microbatches)
+            return self._receipt(
+                loss=None,
+                skipped=True,
+                collective_bytes=0,
+                counts=None,
+                accumulated=len(self._batches) // plan.microbatches,
+            )
         batches, self._batches = self._batches, []
         loss_sum = self._run_program(batches)
         examples = sum(int(x.shape[0]) for x, _ in batches)
@@ -149,10 +179,13 @@ class PipelineSession:
         # the world, each quantity contributed once per data rank (the first tp and cp rank of its stage).
         first_tp = self.mesh.coord(Axis.TP) == 0 and self.mesh.coord(Axis.CP) == 0
         counts = torch.tensor(
-            [loss_sum if first_tp and self.stage == self.pp - 1 else 0.0,
-             float(examples) if first_tp and self.stage == 0 else 0.0,
-             float(tokens) if first_tp and self.stage == 0 else 0.0],
-            dtype=torch.float64, device=self.device,
+            [
+                loss_sum if first_tp and self.stage == self.pp - 1 else 0.0,
+                float(examples) if first_tp and self.stage == 0 else 0.0,
+                float(tokens) if first_tp and self.stage == 0 else 0.0,
+            ],
+            dtype=torch.float64,
+            device=self.device,
         )
         self.comm.bookkeeping_all_reduce(counts, rule=WORLD, name="receipt:global-counts")
         self._examples, self._tokens = examples, tokens
@@ -191,7 +224,9 @@ class PipelineSession:
                 last_of_step[op.chunk] = i
         ends_accumulation = set(last_of_accumulation.values())
         ends_step = set(last_of_step.values())
-        return {i: (i in ends_accumulation, i in ends_step) for i, op in enumerate(self.program) if op.kind == "backward"}
+        return {
+            i: (i in ends_accumulation, i in ends_step) for i, op in enumerate(self.program) if op.kind == "backward"
+        }
 
     def _run_program(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
         start = time.perf_counter()
@@ -225,8 +260,16 @@ class PipelineSession:
                 t0 = time.perf_counter()
                 x_in, y = batches[op.microbatch]
                 with store.saved_tensor_hooks():
-                    out = stage_forward(self.ops[op.chunk], self.shape, self.layout.layers.get((self.stage, op.chunk), ()),
-                                        first=v == 0, last=v == last, x=self._inputs.get(key), inputs=x_in, targets=y)
+                    out = stage_forward(
+                        self.ops[op.chunk],
+                        self.shape,
+                        self.layout.layers.get((self.stage, op.chunk), ()),
+                        first=v == 0,
+                        last=v == last,
+                        x=self._inputs.get(key),
+                        inputs=x_in,
+                        targets=y,
+                    )
                 store.end_micro_batch()
                 self._outputs[key] = out
                 if v == last:
@@ -255,7 +298,9 @@ class PipelineSession:
             elif op.kind == "collective":
                 c = self.instructions.collectives.get(op.name)
                 if c is None:
-                    raise PlanMismatch(f"stage {self.stage}'s program names the collective {op.name!r}, which the plan does not declare")
+                    raise PlanMismatch(
+                        f"stage {self.stage}'s program names the collective {op.name!r}, which the plan does not declare"
+                    )
                 if not reduced and c.phase == "gradient":
                     self._reduce_gradients(gas)
                     reduced = True
@@ -321,7 +366,9 @@ class PipelineSession:
             else:
                 tensor = self._outputs[key].detach().contiguous()
             if tuple(tensor.shape) != self.act_shape:
-                raise PlanMismatch(f"stage {self.stage} was about to send a {list(tensor.shape)} activation; the plan's transfers carry {list(self.act_shape)}")
+                raise PlanMismatch(
+                    f"stage {self.stage} was about to send a {list(tensor.shape)} activation; the plan's transfers carry {list(self.act_shape)}"
+                )
         else:
             src, dst = op.peer, self.stage
             tensor = torch.empty(self.act_shape, dtype=self.shape.compute_dtype, device=self.device)
@@ -332,7 +379,9 @@ class PipelineSession:
         receiving_chunk = op.chunk if op.kind == "recv" else op.peer_chunk
         tag = (op.microbatch * self.layout.chunks + receiving_chunk) * 2 + int(grad)
         issue = dist.isend if op.kind == "send" else dist.irecv
-        work = self.comm.guard(node_id, group, lambda: issue(tensor, peer_rank, group=group.handle, tag=tag), kind="p2p")
+        work = self.comm.guard(
+            node_id, group, lambda: issue(tensor, peer_rank, group=group.handle, tag=tag), kind="p2p"
+        )
         self.ledger.record(parts)
         return (work, op, key, tensor, group, node_id)
 
@@ -374,7 +423,12 @@ class PipelineSession:
             positions = positions[r * n : (r + 1) * n]
         if self.mesh.degree(Axis.CP) > 1:
             return ("act_at", site, self.mesh.data_rank, (), (0, tuple(positions)))
-        return ("act", site, self.mesh.data_rank, ((0, positions[0], positions[-1] + 1),) if self.sequence_parallel else ())
+        return (
+            "act",
+            site,
+            self.mesh.data_rank,
+            ((0, positions[0], positions[-1] + 1),) if self.sequence_parallel else (),
+        )
 
     def _capture_activation(self, node_id: str, tensor: torch.Tensor, seq_sharded: bool) -> None:
         slices = ()

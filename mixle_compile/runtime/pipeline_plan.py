@@ -134,14 +134,24 @@ def check_pipeline(doc: PlanDocument, instructions: Instructions) -> PipelineLay
         seen: dict[tuple[str, int], list[int]] = {}
         for op in program:
             if op.kind in ("forward", "backward"):
-                if op.microbatch is None or not 0 <= op.microbatch < instructions.micro_steps or not 0 <= op.chunk < layout.chunks:
-                    raise RuntimeRefusal(f"stage {s}'s program has a {op.kind} of micro-batch {op.microbatch}, chunk {op.chunk}, outside the plan's step")
+                if (
+                    op.microbatch is None
+                    or not 0 <= op.microbatch < instructions.micro_steps
+                    or not 0 <= op.chunk < layout.chunks
+                ):
+                    raise RuntimeRefusal(
+                        f"stage {s}'s program has a {op.kind} of micro-batch {op.microbatch}, chunk {op.chunk}, outside the plan's step"
+                    )
                 seen.setdefault((op.kind, op.chunk), []).append(op.microbatch)
             elif op.kind in ("send", "recv"):
                 if op.peer is None or not 0 <= op.peer < plan.pp or op.tag not in ("activation", "activation_grad"):
-                    raise RuntimeRefusal(f"stage {s}'s program has a {op.kind} the pipeline runtime does not understand (peer {op.peer}, tag {op.tag!r})")
+                    raise RuntimeRefusal(
+                        f"stage {s}'s program has a {op.kind} the pipeline runtime does not understand (peer {op.peer}, tag {op.tag!r})"
+                    )
             elif op.kind not in ("collective", "optimizer"):
-                raise RuntimeRefusal(f"stage {s}'s program has a {op.kind!r} op, which the pipeline runtime does not execute")
+                raise RuntimeRefusal(
+                    f"stage {s}'s program has a {op.kind!r} op, which the pipeline runtime does not execute"
+                )
         for c in range(layout.chunks):
             for kind in ("forward", "backward"):
                 order = seen.get((kind, c), [])
@@ -152,7 +162,9 @@ def check_pipeline(doc: PlanDocument, instructions: Instructions) -> PipelineLay
                         "that covers the whole step"
                     )
                 if kind == "backward" and order != sorted(order):
-                    raise RuntimeRefusal(f"stage {s}'s program runs the backward of chunk {c} out of micro-batch order ({order})")
+                    raise RuntimeRefusal(
+                        f"stage {s}'s program runs the backward of chunk {c} out of micro-batch order ({order})"
+                    )
         if sum(1 for op in program if op.kind == "optimizer") != 1:
             raise RuntimeRefusal(f"stage {s}'s program must end the step with one optimizer op")
     width = DTYPE_BYTES.get(instructions.precision, 4)
@@ -218,7 +230,9 @@ def pipeline_section(doc: PlanDocument, instructions: Instructions, stats: list[
         "stage_of_rank": stages,
         "busy_s_per_rank": [sum(s["busy_s"]) for s in stats],
         "wall_s_per_rank": [sum(s["wall_s"]) for s in stats],
-        "parameters_without_gradient": {str(r): s["parameters_without_gradient"] for r, s in enumerate(stats) if s["parameters_without_gradient"]},
+        "parameters_without_gradient": {
+            str(r): s["parameters_without_gradient"] for r, s in enumerate(stats) if s["parameters_without_gradient"]
+        },
         "stages_without_gradient": sorted({s["stage"] for s in stats if s["steps_without_gradient"]}),
     }
     return section, errors

@@ -164,7 +164,9 @@ class GradientReducer:
             pending = self.comm.reduce_scatter(out, source, rule=rule, parts=parts, async_op=async_op)
             bucket.flat, bucket.layout = out, "shard"
         else:
-            raise PlanMismatch(f"{chains[0].node_id}: the runtime reduces gradients with all_reduce and reduce_scatter, not {kind}")
+            raise PlanMismatch(
+                f"{chains[0].node_id}: the runtime reduces gradients with all_reduce and reduce_scatter, not {kind}"
+            )
         bucket.stage += 1
         bucket.pending = pending if async_op else None
 
@@ -193,7 +195,10 @@ class GradientReducer:
             piece = bucket.flat[offset : offset + n]
             offset += n
             if bucket.layout == "shard":
-                shown, slices = piece.view(local.shard_rows, *local.full_shape[1:])[: local.valid_shard_rows], local.shard_slices()
+                shown, slices = (
+                    piece.view(local.shard_rows, *local.full_shape[1:])[: local.valid_shard_rows],
+                    local.shard_slices(),
+                )
             else:
                 shown, slices = piece.view(local.buffer_shape())[: local.rows], local.tp_slices
             # Tied uses: the copies of a weight on several stages (the chain's first all_reduce sums

@@ -27,13 +27,13 @@ import torch
 from torch.autograd import Function
 
 from mixle_compile.contracts import DistributedUpdate
+from mixle_compile.plan.vocabulary import UpdateId
 from mixle_compile.runtime.data import BatchLayout, TokenSource, local_batch
 from mixle_compile.runtime.instructions import Instructions
 from mixle_compile.runtime.model import LocalOps, TransformerShape, default_loss, module_loss, transformer_loss
 from mixle_compile.runtime.parameters import DTYPES, apply_slices, initial_value
 from mixle_compile.runtime.session import make_optimizer
 from mixle_compile.runtime.tensor_parallel import TensorParallel, VocabParallelCrossEntropy
-from mixle_compile.plan.vocabulary import UpdateId
 
 # An Expect is a plain tuple (it is saved with torch.save and compared on rank 0):
 #   ("param", use, slices, dtype)          the weight at the start of the step
@@ -352,7 +352,9 @@ def assemble_global(session) -> dict[str, torch.Tensor]:
         if local.tp_slices and local.tp_slices[0][0] != local.instr.ep_dim:
             dim = local.tp_slices[0][0]
             moved = part.movedim(dim, 0).contiguous()
-            whole = torch.empty((moved.shape[0] * mesh.degree("tp"), *moved.shape[1:]), dtype=part.dtype, device=part.device)
+            whole = torch.empty(
+                (moved.shape[0] * mesh.degree("tp"), *moved.shape[1:]), dtype=part.dtype, device=part.device
+            )
             comm.bookkeeping_all_gather(whole, moved, rule="tp", name="parameters:gather")
             replicas = local.instr.tp_replicas
             if replicas > 1:  # a KV head shared by `replicas` consecutive tp ranks: keep one copy of each

@@ -29,7 +29,9 @@ RECEIPTS_FILE = "receipts.jsonl"
 EVIDENCE_TOLERANCE = {"fp32": 1e-2, "bf16": 1e-1}
 
 
-def accounting(instructions: Instructions, ledgers: Sequence[Mapping], steps: int, stages: Sequence[int] | None = None) -> dict:
+def accounting(
+    instructions: Instructions, ledgers: Sequence[Mapping], steps: int, stages: Sequence[int] | None = None
+) -> dict:
     """Planned vs observed per update, over every rank's ledger (see Ledger.as_dict).
 
     ``stages``: the pipeline stage of every rank (pp > 1); an update is then planned on the ranks of
@@ -200,8 +202,10 @@ class RunReport:
             )
         saved = (run.get("checkpoints") or {}).get("saved") or []
         if saved:
-            lines.append(f"checkpoints: {len(saved)} saved in {run['checkpoints']['root']}, latest step {saved[-1]['step']} "
-                         f"({max(s['save_s'] for s in saved):.2f} s per save at most)")
+            lines.append(
+                f"checkpoints: {len(saved)} saved in {run['checkpoints']['root']}, latest step {saved[-1]['step']} "
+                f"({max(s['save_s'] for s in saved):.2f} s per save at most)"
+            )
         calls = self.collective_calls_per_rank
         lines.append(
             f"accounting: {self.updates_checked} planned updates, planned == observed on every rank: "
@@ -218,15 +222,20 @@ class RunReport:
         pipeline = self.data.get("pipeline")
         if pipeline:
             idle = pipeline.get("idle_fraction")
-            per_stage = ", ".join(f"{v:.2f}" if v is not None else "?" for v in pipeline.get("idle_fraction_per_stage", {}).values())
+            per_stage = ", ".join(
+                f"{v:.2f}" if v is not None else "?" for v in pipeline.get("idle_fraction_per_stage", {}).values()
+            )
             lines.append(
                 f"pipeline: {pipeline['schedule']}, pp={pipeline['pp']}"
                 + (f" x {pipeline['virtual_stages']} virtual stages" if pipeline["virtual_stages"] > 1 else "")
                 + f", {pipeline['micro_steps']} micro-batches per step: measured idle fraction "
                 + (f"{idle:.2f} (per stage {per_stage})" if idle is not None else "not measured")
                 + f", the plan's bubble model {pipeline['bubble_model']:.2f}"
-                + (f" ({pipeline['bubble_model_per_step']:.2f} over the step's micro-batches)"
-                   if abs(pipeline["bubble_model_per_step"] - pipeline["bubble_model"]) > 1e-12 else "")
+                + (
+                    f" ({pipeline['bubble_model_per_step']:.2f} over the step's micro-batches)"
+                    if abs(pipeline["bubble_model_per_step"] - pipeline["bubble_model"]) > 1e-12
+                    else ""
+                )
             )
         for warning in self.warnings:
             lines.append(f"warning: {warning}")

@@ -48,7 +48,12 @@ def fsdp_units(instructions: Instructions) -> dict[str, tuple[str, ...]]:
         else:
             unit = "head"
         units.setdefault(unit, []).append(p.name)
-    order = ["embed", *sorted((u for u in units if u.startswith("layers.")), key=lambda u: int(u.split(".")[1])), "head", "module"]
+    order = [
+        "embed",
+        *sorted((u for u in units if u.startswith("layers.")), key=lambda u: int(u.split(".")[1])),
+        "head",
+        "module",
+    ]
     return {u: tuple(units[u]) for u in order if u in units}
 
 
@@ -88,9 +93,20 @@ class DistributedSession:
         self.comm = Collectives(mesh, self.ledger, device)
         self.recorder = recorder
         store_capture = recorder.capture if recorder is not None else None
-        self.store = ParamStore(instructions, mesh, self.comm, device=device, values=values, capture=store_capture, units=fsdp_units(instructions))
+        self.store = ParamStore(
+            instructions,
+            mesh,
+            self.comm,
+            device=device,
+            values=values,
+            capture=store_capture,
+            units=fsdp_units(instructions),
+        )
         self.tp = TensorParallel(
-            self.comm, mesh.degree("tp"), mesh.coord("tp"), instructions.sequence_parallel,
+            self.comm,
+            mesh.degree("tp"),
+            mesh.coord("tp"),
+            instructions.sequence_parallel,
             capture=self._capture_activation if recorder is not None else None,
         )
         self.ops = ParallelOps(self.store, self.tp)
@@ -114,7 +130,9 @@ class DistributedSession:
         plan = self.plan
         inputs, targets = torch.as_tensor(inputs, device=self.device), torch.as_tensor(targets, device=self.device)
         if inputs.shape[0] % plan.microbatches:
-            raise ValueError(f"a batch of {inputs.shape[0]} examples does not split into microbatches={plan.microbatches} equal micro-batches")
+            raise ValueError(
+                f"a batch of {inputs.shape[0]} examples does not split into microbatches={plan.microbatches} equal micro-batches"
+            )
         scale = 1.0 / (plan.microbatches * plan.gradient_accumulation_steps)
         accumulation = self._accumulated
         for micro, (x, y) in enumerate(zip(inputs.chunk(plan.microbatches), targets.chunk(plan.microbatches))):
@@ -232,7 +250,9 @@ class DistributedSession:
                 if p.grad is not None:
                     p.grad.mul_(factor)
         # The receipt's global counts travel while the optimizer steps.
-        counts = torch.tensor([self._loss_sum, float(self._examples), float(self._tokens)], dtype=torch.float64, device=self.device)
+        counts = torch.tensor(
+            [self._loss_sum, float(self._examples), float(self._tokens)], dtype=torch.float64, device=self.device
+        )
         pending = self.comm.bookkeeping_all_reduce(counts, rule=DATA_GROUP, name="receipt:global-counts", async_op=True)
         self.optimizer.step()
         self.store.zero_grad()
@@ -326,7 +346,13 @@ def join_process_group(world_size: int) -> bool:
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun's agent hosts the store
             dist.init_process_group(backend, timeout=timeout)
         else:
-            store = rendezvous_store(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500")), rank, world, timeout)
+            store = rendezvous_store(
+                os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                int(os.environ.get("MASTER_PORT", "29500")),
+                rank,
+                world,
+                timeout,
+            )
             dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     except (RuntimeError, OSError, ValueError) as exc:  # DistStoreError and DistNetworkError are RuntimeErrors
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -338,7 +364,10 @@ def join_process_group(world_size: int) -> bool:
         raise CollectiveFailed(
             f"rank {rank}: the process group of {world} ranks did not form within {seconds:g} s (a rank missing, stopped or "
             f"unreachable at MASTER_ADDR:MASTER_PORT; {RENDEZVOUS_ENV} sets this limit): {first}",
-            node_id="rendezvous", rule="world", ranks=tuple(range(world)), timed_out=True,
+            node_id="rendezvous",
+            rule="world",
+            ranks=tuple(range(world)),
+            timed_out=True,
         ) from None
     return True
 
@@ -408,7 +437,14 @@ def open_session(
     elif module is not None:
         raise RuntimeRefusal("a `transformer` plan materialises its own model from the spec; call prepare(None, ...)")
     session = DistributedSession(
-        instructions, mesh, device=device, module=module, loss_fn=loss_fn, values=values, recorder=recorder, owns_process_group=owns
+        instructions,
+        mesh,
+        device=device,
+        module=module,
+        loss_fn=loss_fn,
+        values=values,
+        recorder=recorder,
+        owns_process_group=owns,
     )
     if instructions.family == "modules" and world > 1:
         # Every rank must start from the same values: rank 0's, once, as bookkeeping.
@@ -429,7 +465,10 @@ def _module_values(module: torch.nn.Module, instructions: Instructions) -> dict[
         if extra:
             parts.append(f"the module has {', '.join(extra)}, which the spec does not list")
         if wrong:
-            parts.append("shapes differ for " + ", ".join(f"{n} (module {list(named[n].shape)}, spec {list(planned[n])})" for n in wrong))
+            parts.append(
+                "shapes differ for "
+                + ", ".join(f"{n} (module {list(named[n].shape)}, spec {list(planned[n])})" for n in wrong)
+            )
         raise RuntimeRefusal("the module's parameters do not match the plan: " + "; ".join(parts))
     return {name: named[name].detach().float().cpu() for name in planned}
 
@@ -447,8 +486,16 @@ def _broadcast_start(session: DistributedSession, values) -> None:
                 local.compute.copy_(rebuilt.compute)
 
 
-def prepare(module, *, plan: ParallelPlan, document=None, precision: str | None = None, loss_fn: Callable | None = None,
-            timeout_s: float = DEFAULT_TIMEOUT_S, **options) -> DistributedSession:
+def prepare(
+    module,
+    *,
+    plan: ParallelPlan,
+    document=None,
+    precision: str | None = None,
+    loss_fn: Callable | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    **options,
+) -> DistributedSession:
     """Prepare ``module`` for training under ``plan`` (the `torch` backend's entry point).
 
     ``document`` is the compiled plan (a PlanDocument, or the path of a plan.json or spec file) whose
@@ -462,7 +509,11 @@ def prepare(module, *, plan: ParallelPlan, document=None, precision: str | None 
     doc = load_document(document)
     instructions = read_instructions(doc)
     if plan != instructions.plan:
-        raise RuntimeRefusal(f"prepare(plan=...) is {plan.factorisation()}, but the plan document says {instructions.plan.factorisation()}")
+        raise RuntimeRefusal(
+            f"prepare(plan=...) is {plan.factorisation()}, but the plan document says {instructions.plan.factorisation()}"
+        )
     if precision is not None and precision != instructions.precision:
-        raise RuntimeRefusal(f"precision {precision!r} differs from the plan's training.precision {instructions.precision!r}; recompile the spec")
+        raise RuntimeRefusal(
+            f"precision {precision!r} differs from the plan's training.precision {instructions.precision!r}; recompile the spec"
+        )
     return open_session(doc, module=module, loss_fn=loss_fn, timeout_s=timeout_s)

@@ -24,8 +24,8 @@ from collections.abc import Callable
 import torch
 from torch.autograd import Function
 
-from mixle_compile.runtime.collectives import Collectives, nbytes
 from mixle_compile.plan.vocabulary import UpdateId
+from mixle_compile.runtime.collectives import Collectives, nbytes
 
 TP = "tp"  # the group rule of tensor parallelism
 
@@ -36,8 +36,16 @@ Capture = Callable[[str, torch.Tensor, bool], None]
 class TensorParallel:
     """This rank's tensor-parallel group and how activations cross it."""
 
-    def __init__(self, comm: Collectives | None, size: int, rank: int, sequence_parallel: bool, capture: Capture | None = None,
-                 *, observe_local: bool = False) -> None:
+    def __init__(
+        self,
+        comm: Collectives | None,
+        size: int,
+        rank: int,
+        sequence_parallel: bool,
+        capture: Capture | None = None,
+        *,
+        observe_local: bool = False,
+    ) -> None:
         self.comm = comm
         self.observe_local = observe_local  # the reference records sites where no collective runs
         self.size = size

@@ -42,7 +42,9 @@ def token_source(instructions: Instructions, data_path: str | None) -> TokenSour
 
 def batch_layout(instructions: Instructions) -> BatchLayout:
     p = instructions.plan
-    return BatchLayout(instructions.micro_batch_size, p.microbatches, p.gradient_accumulation_steps, p.data_parallel_size)
+    return BatchLayout(
+        instructions.micro_batch_size, p.microbatches, p.gradient_accumulation_steps, p.data_parallel_size
+    )
 
 
 class Diverged(RuntimeError):
@@ -90,16 +92,27 @@ def train(
             receipts.flush()
         if not math.isfinite(receipt.loss):
             # The loss is reduced over every rank, so every rank stops here, at the same step.
-            raise Diverged(f"training diverged: the loss of step {step + 1} is {receipt.loss} (every later step would train on it)")
+            raise Diverged(
+                f"training diverged: the loss of step {step + 1} is {receipt.loss} (every later step would train on it)"
+            )
         if progress and ((step + 1 - first) % every == 0 or step + 1 == steps):
-            print(f"{label}step {step + 1}/{steps}  loss {receipt.loss:.4f}  {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
+            print(
+                f"{label}step {step + 1}/{steps}  loss {receipt.loss:.4f}  {time.perf_counter() - started:.1f} s",
+                file=sys.stderr,
+                flush=True,
+            )
         if save_every and ((step + 1) % save_every == 0 or step + 1 == steps):
             from mixle_compile.runtime.checkpoint import prune_checkpoints
             from mixle_compile.runtime.checkpoint_dcp import save_session
 
             t0 = time.perf_counter()
-            path = save_session(session, checkpoints.root, data_source=data_source() if callable(data_source) else data_source,
-                                on_written=lambda: faults.after_state_written(session.mesh.rank, step + 1), run_id=checkpoints.run_id)
+            path = save_session(
+                session,
+                checkpoints.root,
+                data_source=data_source() if callable(data_source) else data_source,
+                on_written=lambda: faults.after_state_written(session.mesh.rank, step + 1),
+                run_id=checkpoints.run_id,
+            )
             if saved is not None:
                 saved.append({"step": step + 1, "path": str(path), "save_s": time.perf_counter() - t0})
             if session.mesh.rank == 0 and checkpoints.keep:
@@ -124,8 +137,14 @@ def run_rank(
     from mixle_compile.runtime.em.plan import is_distribution
     from mixle_compile.runtime.rank import run_job
 
-    options = dict(steps=steps, out_dir=out_dir, reference=reference, data_path=data_path, progress=progress,
-                   checkpoints=checkpoints or CheckpointOptions())
+    options = dict(
+        steps=steps,
+        out_dir=out_dir,
+        reference=reference,
+        data_path=data_path,
+        progress=progress,
+        checkpoints=checkpoints or CheckpointOptions(),
+    )
     if is_distribution(doc):  # a distribution model is fitted by EM (runtime/em/fit.py)
         from mixle_compile.runtime.em.fit import EMRank
 
@@ -139,8 +158,17 @@ class NeuralRank:
     """One rank of a neural model's run, the steps ``rank.run_job`` calls: a (pipeline stage's)
     training session, resumed from a DCP checkpoint, trained, with the reference's repeat."""
 
-    def __init__(self, doc: PlanDocument, *, steps: int, out_dir: Path, reference: bool, data_path: str | None, progress: bool,
-                 checkpoints: CheckpointOptions) -> None:
+    def __init__(
+        self,
+        doc: PlanDocument,
+        *,
+        steps: int,
+        out_dir: Path,
+        reference: bool,
+        data_path: str | None,
+        progress: bool,
+        checkpoints: CheckpointOptions,
+    ) -> None:
         self.doc, self.steps, self.out_dir, self.reference, self.data_path = doc, steps, out_dir, reference, data_path
         self.progress, self.checkpoints = progress, checkpoints
         self.session = self.comm = self.recorder = None
@@ -166,10 +194,17 @@ class NeuralRank:
             from mixle_compile.runtime.checkpoint_dcp import load_session
 
             t0 = time.perf_counter()
-            manifest = load_session(self.session, self.checkpoints.resume, hashes=False)  # the launcher verified every file's SHA-256
+            manifest = load_session(
+                self.session, self.checkpoints.resume, hashes=False
+            )  # the launcher verified every file's SHA-256
             self.session.step = batch_layout(self.instructions).step_at(manifest["data"]["samples_consumed"])
-            self.resumed = {"path": str(self.checkpoints.resume), "step": self.session.step, "plan_digest": manifest["plan"]["content_digest"],
-                            "mesh": manifest["mesh"], "load_s": time.perf_counter() - t0}
+            self.resumed = {
+                "path": str(self.checkpoints.resume),
+                "step": self.session.step,
+                "plan_digest": manifest["plan"]["content_digest"],
+                "mesh": manifest["mesh"],
+                "load_s": time.perf_counter() - t0,
+            }
         self.first_step = self.session.step
 
     def train(self, receipts) -> None:
@@ -184,8 +219,16 @@ class NeuralRank:
                 described.append(source_description(self.data_path, self.instructions.seed))
             return described[0]
 
-        self.losses = train(self.session, self.source, self.steps, receipts=receipts, progress=self.show, checkpoints=self.checkpoints,
-                            data_source=data_source, saved=self.saved)
+        self.losses = train(
+            self.session,
+            self.source,
+            self.steps,
+            receipts=receipts,
+            progress=self.show,
+            checkpoints=self.checkpoints,
+            data_source=data_source,
+            saved=self.saved,
+        )
 
     def gather(self, ledgers: list | None) -> None:
         from mixle_compile.runtime.reference import Recorder
@@ -212,8 +255,16 @@ class NeuralRank:
 
     def report(self, train_s: float) -> dict:
         doc, instructions, steps = self.doc, self.instructions, self.steps
-        report = _report(instructions, self.ledgers, self.repeat_ledgers, self.losses, steps - self.first_step, train_s, self.data_path,
-                         stages=[s["stage"] for s in self.stage_stats] if self.pipelined else None)
+        report = _report(
+            instructions,
+            self.ledgers,
+            self.repeat_ledgers,
+            self.losses,
+            steps - self.first_step,
+            train_s,
+            self.data_path,
+            stages=[s["stage"] for s in self.stage_stats] if self.pipelined else None,
+        )
         if self.pipelined:
             from mixle_compile.runtime.pipeline_plan import pipeline_section
 
@@ -221,9 +272,16 @@ class NeuralRank:
             report["errors"].extend(problems)
             report["ok"] = not report["errors"]
         checkpoints = self.checkpoints
-        report["run"].update(first_step=self.first_step, last_step=steps, resumed_from=self.resumed,
-                             checkpoints={"root": str(checkpoints.root) if checkpoints.root else None, "every": checkpoints.every,
-                                          "saved": self.saved})
+        report["run"].update(
+            first_step=self.first_step,
+            last_step=steps,
+            resumed_from=self.resumed,
+            checkpoints={
+                "root": str(checkpoints.root) if checkpoints.root else None,
+                "every": checkpoints.every,
+                "saved": self.saved,
+            },
+        )
         if self.reference:
             self._add_evidence(report)
         return report
@@ -236,12 +294,20 @@ class NeuralRank:
         _say(show, f"reference 2/3: the same model trained in one process, {steps} step(s)")
         every = max(1, steps // 10)
         records = run_reference(
-            reference_instructions(doc, instructions), self.source, steps,
-            progress=(lambda step, seconds: _say(show and (step % every == 0 or step == steps),
-                                                 f"reference step {step}/{steps}  {seconds:.1f} s")),
+            reference_instructions(doc, instructions),
+            self.source,
+            steps,
+            progress=(
+                lambda step, seconds: _say(
+                    show and (step % every == 0 or step == steps), f"reference step {step}/{steps}  {seconds:.1f} s"
+                )
+            ),
         )
         _say(show, f"reference 3/3: comparing {len(doc.updates)} planned update(s) with the reference")
-        saved = [torch.load(self.out_dir / "evidence" / f"rank{r}.pt", weights_only=True) for r in range(self.mesh.world_size)]
+        saved = [
+            torch.load(self.out_dir / "evidence" / f"rank{r}.pt", weights_only=True)
+            for r in range(self.mesh.world_size)
+        ]
         found = compare(records, saved)
         evidence_id = f"run-{instructions.content_digest.removeprefix('sha256:')[:12]}-{steps}"
         updates = [with_evidence(_planned_update(u), found.get(u.node_id), evidence_id) for u in doc.updates]
@@ -288,7 +354,9 @@ def reference_instructions(doc: PlanDocument, instructions: Instructions) -> Ins
     return dataclasses.replace(instructions, activation_sites=(*instructions.activation_sites, *sites))
 
 
-def _report(instructions: Instructions, ledgers, repeat_ledgers, losses, steps, train_s, data_path, stages=None) -> dict:
+def _report(
+    instructions: Instructions, ledgers, repeat_ledgers, losses, steps, train_s, data_path, stages=None
+) -> dict:
     account = accounting(instructions, ledgers, steps, stages)
     errors = list(account["errors"])
     if repeat_ledgers is not None and [lg["updates"] for lg in repeat_ledgers] != [lg["updates"] for lg in ledgers]:
@@ -314,7 +382,13 @@ def _report(instructions: Instructions, ledgers, repeat_ledgers, losses, steps, 
             "optimizer": instructions.optimizer,
             "sequence_parallel": instructions.sequence_parallel,
         },
-        "run": {"steps": steps, "train_s": train_s, "wall_s": train_s, "data": data_path or "synthetic", "torch": torch.__version__},
+        "run": {
+            "steps": steps,
+            "train_s": train_s,
+            "wall_s": train_s,
+            "data": data_path or "synthetic",
+            "torch": torch.__version__,
+        },
         "losses": losses,
         "accounting": account,
         "evidence": None,
@@ -375,8 +449,16 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
         doc = load_plan_text(Path(args.plan).read_bytes(), args.plan)
         checkpoints = CheckpointOptions.from_worker_arguments(args)
-        run_rank(doc, steps=args.steps, out_dir=out_dir, reference=args.reference, data_path=args.data, timeout_s=args.timeout,
-                 progress=args.progress, checkpoints=checkpoints)
+        run_rank(
+            doc,
+            steps=args.steps,
+            out_dir=out_dir,
+            reference=args.reference,
+            data_path=args.data,
+            timeout_s=args.timeout,
+            progress=args.progress,
+            checkpoints=checkpoints,
+        )
     except BaseException as exc:  # every failure leaves its note for the launcher
         write_failure(out_dir, rank, exc)
         print(f"rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)

@@ -40,7 +40,7 @@ WRONG_TYPE = register_code(
         "S004",
         "wrong-type",
         "A value has the wrong type.",
-        "Integers must be written as integers: `8`, not `8.0`, `\"8\"` or `true`. Booleans must be "
+        'Integers must be written as integers: `8`, not `8.0`, `"8"` or `true`. Booleans must be '
         "`true`/`false`. Sections must be mappings and lists must be lists. Keys must be strings "
         "(YAML 1.1 reads unquoted `yes`, `no`, `on`, `off` as booleans).",
     )

@@ -14,10 +14,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-
 #: How the engines spell some of our values (torch dtypes, Megatron flags, optimizer class names).
-ENGINE_SPELLINGS = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32",
-                    "float8": "fp8", "e4m3": "fp8", "adam_w": "adamw"}
+ENGINE_SPELLINGS = {
+    "bfloat16": "bf16",
+    "float16": "fp16",
+    "half": "fp16",
+    "float32": "fp32",
+    "float": "fp32",
+    "float8": "fp8",
+    "e4m3": "fp8",
+    "adam_w": "adamw",
+}
 
 
 def closest(value: str, choices, n: int = 1, cutoff: float = 0.5) -> list[str]:
@@ -55,7 +62,7 @@ from mixle_compile.spec.models import (
     auto_resolves,
     is_auto,
 )
-from mixle_compile.spec.source import Path_, SourceDocument, SourceError, dotted, parse_source, read_source
+from mixle_compile.spec.source import Path_, SourceDocument, SourceError, dotted, parse_source
 
 
 @dataclass
@@ -76,8 +83,9 @@ class LoadedSpec:
         return self.spec is not None and not any(d.severity is Severity.error for d in self.diagnostics)
 
 
-def load_spec(path: str | Path, *, display_name: str | None = None, options: Any = None,
-              default_backend: str | None = None) -> LoadedSpec:
+def load_spec(
+    path: str | Path, *, display_name: str | None = None, options: Any = None, default_backend: str | None = None
+) -> LoadedSpec:
     """Load a spec file, or an engine config that an importer reads (see :mod:`mixle_compile.importers`).
 
     ``options`` (an :class:`~mixle_compile.importers.ImportOptions`) gives what an engine config may
@@ -95,8 +103,14 @@ def load_spec(path: str | Path, *, display_name: str | None = None, options: Any
     return _validate(doc, diags, Path(path).parent)
 
 
-def load_spec_text(text: str | bytes, name: str = "<string>", *, json_syntax: bool = False, base: Path | None = None,
-                   default_backend: str | None = None) -> LoadedSpec:
+def load_spec_text(
+    text: str | bytes,
+    name: str = "<string>",
+    *,
+    json_syntax: bool = False,
+    base: Path | None = None,
+    default_backend: str | None = None,
+) -> LoadedSpec:
     """``base``: the folder a `model: {from: ...}` path is relative to (default: the working directory)."""
     raw = text.encode("utf-8") if isinstance(text, str) else text
     try:
@@ -149,7 +163,9 @@ def _validate(doc: SourceDocument, diags: list[Diagnostic], base: Path | None = 
         diags.extend(_schema_diagnostics(exc, doc))
         return LoadedSpec(doc.file, None, doc, _dedupe(diags))
     except RecursionError:
-        diags.append(doc.diagnostic(codes.LIMITS.code, "the spec nests too deeply to validate", hint="flatten the structure"))
+        diags.append(
+            doc.diagnostic(codes.LIMITS.code, "the spec nests too deeply to validate", hint="flatten the structure")
+        )
         return LoadedSpec(doc.file, None, doc, diags)
     diags.extend(consistency_diagnostics(spec, doc))
     errors = [d for d in diags if d.severity is Severity.error]
@@ -170,12 +186,23 @@ def _model_from_file(doc: SourceDocument, diags: list[Diagnostic], base: Path) -
     except ValidationError as exc:
         err = exc.errors(include_url=False)[0]
         key = err["loc"][0] if err["loc"] else "from"
-        what = f"unknown key `model.{key}`" if err["type"] == "extra_forbidden" else (
-            "`model.from` must be 'hf' (an HF config.json) or 'mixle' (a mixle model's to_dict() JSON) with `model.path` naming the file")
-        raise SourceError([doc.diagnostic(
-            codes.UNKNOWN_KEY.code if err["type"] == "extra_forbidden" else codes.INVALID_VALUE.code,
-            f"a model read from a file: {what}", ("model", key),
-            hint="write `model: {from: hf, path: config.json}` or `model: {from: mixle, path: model.json}` (the path relative to this spec)")])
+        what = (
+            f"unknown key `model.{key}`"
+            if err["type"] == "extra_forbidden"
+            else (
+                "`model.from` must be 'hf' (an HF config.json) or 'mixle' (a mixle model's to_dict() JSON) with `model.path` naming the file"
+            )
+        )
+        raise SourceError(
+            [
+                doc.diagnostic(
+                    codes.UNKNOWN_KEY.code if err["type"] == "extra_forbidden" else codes.INVALID_VALUE.code,
+                    f"a model read from a file: {what}",
+                    ("model", key),
+                    hint="write `model: {from: hf, path: config.json}` or `model: {from: mixle, path: model.json}` (the path relative to this spec)",
+                )
+            ]
+        )
     target = base / ref["path"]
     at = ("model", "path")
     if ref["from"] == "mixle":
@@ -187,8 +214,15 @@ def _model_from_file(doc: SourceDocument, diags: list[Diagnostic], base: Path) -
     for message, hint, pos in hf.problems:
         diags.append(doc.diagnostic("I004", f"{ref['path']}:{pos.line}:{pos.column}: {message}", at, hint=hint))
     for key, pos in hf.ignored:
-        diags.append(doc.diagnostic("I002", f"{ref['path']}:{pos.line}:{pos.column}: `{key}` is ignored: the spec does not model it",
-                                    at, hint="see docs/importers.md for the keys that are read", severity=Severity.warning))
+        diags.append(
+            doc.diagnostic(
+                "I002",
+                f"{ref['path']}:{pos.line}:{pos.column}: `{key}` is ignored: the spec does not model it",
+                at,
+                hint="see docs/importers.md for the keys that are read",
+                severity=Severity.warning,
+            )
+        )
     pos = doc.position(at)
     doc.data["model"] = hf.model
     for field_name in hf.model:
@@ -209,7 +243,11 @@ def _mixle_model(doc: SourceDocument, diags: list[Diagnostic], target: Path, dis
     for code, notes in (("I003", read.warnings), ("I002", read.ignored)):
         for message, hint, path in notes:
             pos = source.position(path)
-            diags.append(doc.diagnostic(code, f"{display}:{pos.line}:{pos.column}: {message}", at, hint=hint, severity=Severity.warning))
+            diags.append(
+                doc.diagnostic(
+                    code, f"{display}:{pos.line}:{pos.column}: {message}", at, hint=hint, severity=Severity.warning
+                )
+            )
     if read.problems:
         raise SourceError([], unreadable=True)
     pos = doc.position(at)
@@ -356,18 +394,32 @@ def _schema_diagnostic(err: dict, path: Path_, value: Any, complete: bool, doc: 
             hint = "write a number, not true/false"
         elif isinstance(value, str) and expected == "true or false":
             hint = "write true or false without quotes"
-        return doc.diagnostic(codes.WRONG_TYPE.code, f"`{where}` must be {expected}, got {_show(value)}", path, hint=hint)
+        return doc.diagnostic(
+            codes.WRONG_TYPE.code, f"`{where}` must be {expected}, got {_show(value)}", path, hint=hint
+        )
     if etype == "literal_error":
         choices = re.findall(r"'([^']*)'", err.get("ctx", {}).get("expected", ""))
         close = closest(str(value), choices, n=1, cutoff=0.4) if isinstance(value, str) else []
         hint = f"did you mean {close[0]!r}?" if close else f"use one of: {', '.join(choices)}"
         if not isinstance(value, str):
-            return doc.diagnostic(codes.WRONG_TYPE.code, f"`{where}` must be one of {', '.join(choices)}, got {_show(value)}", path, hint=hint)
-        return doc.diagnostic(codes.INVALID_VALUE.code, f"`{where}` must be one of {', '.join(choices)}, got {value!r}", path, hint=hint)
+            return doc.diagnostic(
+                codes.WRONG_TYPE.code,
+                f"`{where}` must be one of {', '.join(choices)}, got {_show(value)}",
+                path,
+                hint=hint,
+            )
+        return doc.diagnostic(
+            codes.INVALID_VALUE.code, f"`{where}` must be one of {', '.join(choices)}, got {value!r}", path, hint=hint
+        )
     if etype in _RANGE_WORDS:
         op, key = _RANGE_WORDS[etype]
         bound = err.get("ctx", {}).get(key)
-        return doc.diagnostic(codes.INVALID_VALUE.code, f"`{where}` must be {op} {bound}, got {value!r}", path, hint=f"use a value {op} {bound}")
+        return doc.diagnostic(
+            codes.INVALID_VALUE.code,
+            f"`{where}` must be {op} {bound}, got {value!r}",
+            path,
+            hint=f"use a value {op} {bound}",
+        )
     if etype in ("too_short", "too_long", "string_too_short", "string_too_long"):
         ctx = err.get("ctx", {})
         if etype == "too_short":
@@ -506,7 +558,11 @@ def _backend_diagnostics(spec: Spec, doc: SourceDocument) -> list[Diagnostic]:
     if name not in names:
         close = closest(name, names, n=1, cutoff=0.4)
         hint = (f"did you mean {close[0]!r}? " if close else "") + f"registered backends: {', '.join(names)}"
-        return [doc.diagnostic(codes.UNKNOWN_BACKEND.code, f"`backend` {name!r} is not a registered training backend", at, hint=hint)]
+        return [
+            doc.diagnostic(
+                codes.UNKNOWN_BACKEND.code, f"`backend` {name!r} is not a registered training backend", at, hint=hint
+            )
+        ]
     try:
         engine_profile(spec.backend)
     except UnknownVersion as exc:
@@ -670,7 +726,14 @@ def _distribution_diagnostics(model: DistributionModel, doc: SourceDocument) -> 
                 close = closest(node.ref, names, n=1, cutoff=0.4)
                 hint = f"did you mean {close[0]!r}? " if close else ""
                 hint += f"defined in model.shared: {', '.join(names)}" if names else "define it under `model.shared`"
-                out.append(doc.diagnostic(codes.UNKNOWN_REF.code, f"`ref: {node.ref}` names no entry of model.shared", (*path, "ref"), hint=hint))
+                out.append(
+                    doc.diagnostic(
+                        codes.UNKNOWN_REF.code,
+                        f"`ref: {node.ref}` names no entry of model.shared",
+                        (*path, "ref"),
+                        hint=hint,
+                    )
+                )
             elif owner is not None:
                 edges[owner].append(node.ref)
             return
@@ -760,7 +823,7 @@ def _cycles(edges: dict[str, list[str]]) -> list[tuple[str, list[str]]]:
                 stack[-1] = (name, i + 1)
                 nxt = targets[i]
                 if colour.get(nxt) == GREY:
-                    cycle = trail[trail.index(nxt):] + [nxt]
+                    cycle = trail[trail.index(nxt) :] + [nxt]
                     key = frozenset(cycle)
                     if key not in reported:
                         reported.add(key)

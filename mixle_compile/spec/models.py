@@ -10,7 +10,7 @@ meant, because each of those is usually a mistake that a lax parser would hide.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -76,7 +76,9 @@ def parse_memory(value: Any) -> int:
     m = _QUANTITY.match(value)
     if not m or m.group(2) not in _MEMORY_UNITS:
         units = ", ".join(_MEMORY_UNITS)
-        raise ValueError(f"cannot read memory size {value!r}; write a number and one of the units {units} (e.g. '80GiB')")
+        raise ValueError(
+            f"cannot read memory size {value!r}; write a number and one of the units {units} (e.g. '80GiB')"
+        )
     nbytes = int(float(m.group(1)) * _MEMORY_UNITS[m.group(2)])
     if nbytes < 1:
         raise ValueError(f"memory size {value!r} is zero")
@@ -86,7 +88,9 @@ def parse_memory(value: Any) -> int:
 _FLOPS_UNITS = {"FLOPS": 1, "KFLOPS": 1e3, "MFLOPS": 1e6, "GFLOPS": 1e9, "TFLOPS": 1e12, "PFLOPS": 1e15}
 
 
-def _parse_rate(value: Any, *, what: str, example: str, units: dict[str, float], normalise=lambda unit: unit, also: str = "") -> float:
+def _parse_rate(
+    value: Any, *, what: str, example: str, units: dict[str, float], normalise=lambda unit: unit, also: str = ""
+) -> float:
     """A positive finite rate: a plain number in the base unit, or a number and one of ``units``."""
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise ValueError(f"must be a {what} such as {example}, got {_show(value)}")
@@ -94,7 +98,9 @@ def _parse_rate(value: Any, *, what: str, example: str, units: dict[str, float],
         m = _QUANTITY.match(value)
         unit = normalise(m.group(2)) if m else ""
         if not m or unit not in units:
-            raise ValueError(f"cannot read {what} {value!r}; write a number and one of {', '.join(units)}{also} (e.g. {example.split(' or ')[0]})")
+            raise ValueError(
+                f"cannot read {what} {value!r}; write a number and one of {', '.join(units)}{also} (e.g. {example.split(' or ')[0]})"
+            )
         value = float(m.group(1)) * units[unit]
     value = float(value)
     if not (value > 0 and value < float("inf")):
@@ -104,8 +110,13 @@ def _parse_rate(value: Any, *, what: str, example: str, units: dict[str, float],
 
 def parse_throughput(value: Any) -> float:
     """``"989TFLOPS"`` (or ``"989 TFLOP/s"``) -> 9.89e14 FLOP/s; a plain number is FLOP/s."""
-    return _parse_rate(value, what="throughput", example="'989TFLOPS' or a number of FLOP/s", units=_FLOPS_UNITS,
-                       normalise=lambda unit: unit.upper().replace("FLOP/S", "FLOPS"))
+    return _parse_rate(
+        value,
+        what="throughput",
+        example="'989TFLOPS' or a number of FLOP/s",
+        units=_FLOPS_UNITS,
+        normalise=lambda unit: unit.upper().replace("FLOP/S", "FLOPS"),
+    )
 
 
 _BANDWIDTH_UNITS = {"B/s": 1, "KB/s": 1e3, "MB/s": 1e6, "GB/s": 1e9, "TB/s": 1e12, "Gb/s": 1e9 / 8, "Tb/s": 1e12 / 8}
@@ -113,8 +124,13 @@ _BANDWIDTH_UNITS = {"B/s": 1, "KB/s": 1e3, "MB/s": 1e6, "GB/s": 1e9, "TB/s": 1e1
 
 def parse_bandwidth(value: Any) -> float:
     """``"450GB/s"`` (bytes) or ``"400Gb/s"`` (bits) -> bytes per second; a plain number is bytes/s."""
-    return _parse_rate(value, what="bandwidth", example="'450GB/s' or '400Gb/s', or a number of bytes/s", units=_BANDWIDTH_UNITS,
-                       also=" (GB/s bytes, Gb/s bits)")
+    return _parse_rate(
+        value,
+        what="bandwidth",
+        example="'450GB/s' or '400Gb/s', or a number of bytes/s",
+        units=_BANDWIDTH_UNITS,
+        also=" (GB/s bytes, Gb/s bits)",
+    )
 
 
 Bandwidth = Annotated[
@@ -210,7 +226,7 @@ Throughput = Annotated[
     ),
 ]
 DpShard = Annotated[
-    Union[int, Literal[AUTO]],
+    int | Literal[AUTO],
     PlainValidator(_parse_dp_shard),
     WithJsonSchema({"anyOf": [{"type": "integer", "minimum": 1, "maximum": MAX_DEGREE}, {"const": AUTO}]}),
 ]
@@ -301,12 +317,16 @@ Real = Annotated[StrictFloat | StrictInt, Field(allow_inf_nan=False)]
 MAX_PARAMETER_VALUES = 1 << 24  # values written in a spec; a larger model is planned from its shape alone
 
 
-def _check_values(owner: str, name: str, values: Any, *, length: int, positive: bool = False, non_negative: bool = False) -> None:
+def _check_values(
+    owner: str, name: str, values: Any, *, length: int, positive: bool = False, non_negative: bool = False
+) -> None:
     if len(values) != length:
         raise ValueError(f"{owner} `{name}` has {len(values)} values, but the node needs {length}")
     for v in values:
         if (positive and not v > 0) or (non_negative and not v >= 0):
-            raise ValueError(f"{owner} `{name}` holds {v!r}; every value must be {'positive' if positive else 'non-negative'}")
+            raise ValueError(
+                f"{owner} `{name}` holds {v!r}; every value must be {'positive' if positive else 'non-negative'}"
+            )
 
 
 def _check_probabilities(owner: str, name: str, rows: list[list[float]]) -> None:
@@ -322,14 +342,17 @@ class Gaussian(_Node):
     dim: Size
     covariance: Literal["diag", "full"] = "diag"
     mean: Annotated[list[Real], Field(max_length=MAX_PARAMETER_VALUES)] | None = Field(
-        default=None, description="optional parameter values: the mean (dim values)")
+        default=None, description="optional parameter values: the mean (dim values)"
+    )
     variance: Annotated[list[Real], Field(max_length=MAX_PARAMETER_VALUES)] | None = Field(
-        default=None, description="optional parameter values, covariance diag: the variances (dim positive values)")
-    covariance_matrix: Annotated[list[Annotated[list[Real], Field(max_length=4096)]], Field(max_length=4096)] | None = Field(
-        default=None, description="optional parameter values, covariance full: the dim x dim covariance matrix")
+        default=None, description="optional parameter values, covariance diag: the variances (dim positive values)"
+    )
+    covariance_matrix: Annotated[list[Annotated[list[Real], Field(max_length=4096)]], Field(max_length=4096)] | None = (
+        Field(default=None, description="optional parameter values, covariance full: the dim x dim covariance matrix")
+    )
 
     @model_validator(mode="after")
-    def _parameters(self) -> "Gaussian":
+    def _parameters(self) -> Gaussian:
         if self.mean is not None:
             _check_values("a gaussian's", "mean", self.mean, length=self.dim)
         if self.variance is not None:
@@ -342,7 +365,11 @@ class Gaussian(_Node):
             m = self.covariance_matrix
             if len(m) != self.dim or any(len(row) != self.dim for row in m):
                 raise ValueError(f"a gaussian's `covariance_matrix` must be {self.dim} x {self.dim}")
-            if any(abs(m[i][j] - m[j][i]) > 1e-9 * max(abs(m[i][j]), abs(m[j][i]), 1e-300) for i in range(self.dim) for j in range(i)):
+            if any(
+                abs(m[i][j] - m[j][i]) > 1e-9 * max(abs(m[i][j]), abs(m[j][i]), 1e-300)
+                for i in range(self.dim)
+                for j in range(i)
+            ):
                 raise ValueError("a gaussian's `covariance_matrix` must be symmetric")
             if any(not m[i][i] > 0 for i in range(self.dim)):
                 raise ValueError("a gaussian's `covariance_matrix` must have a positive diagonal")
@@ -353,10 +380,11 @@ class Categorical(_Node):
     type: Literal["categorical"]
     num_values: Size
     probs: Annotated[list[Real], Field(max_length=MAX_PARAMETER_VALUES)] | None = Field(
-        default=None, description="optional parameter values: the probability of each value 0..num_values-1")
+        default=None, description="optional parameter values: the probability of each value 0..num_values-1"
+    )
 
     @model_validator(mode="after")
-    def _parameters(self) -> "Categorical":
+    def _parameters(self) -> Categorical:
         if self.probs is not None:
             _check_values("a categorical's", "probs", self.probs, length=self.num_values, non_negative=True)
             _check_probabilities("a categorical's", "probs", [self.probs])
@@ -366,7 +394,8 @@ class Categorical(_Node):
 class _Rates(_Node):
     dim: Size = 1
     rate: Annotated[list[Real], Field(max_length=MAX_PARAMETER_VALUES)] | None = Field(
-        default=None, description="optional parameter values: the rate of each dimension (dim positive values)")
+        default=None, description="optional parameter values: the rate of each dimension (dim positive values)"
+    )
 
     @model_validator(mode="after")
     def _parameters(self):
@@ -387,9 +416,11 @@ class _TransitionValues(StrictModel):
     """Optional initial and transition probabilities of an HMM's S states."""
 
     initial: Annotated[list[Real], Field(max_length=4096)] | None = Field(
-        default=None, description="optional parameter values: the initial state probabilities (num_states values)")
+        default=None, description="optional parameter values: the initial state probabilities (num_states values)"
+    )
     transition: Annotated[list[Annotated[list[Real], Field(max_length=4096)]], Field(max_length=4096)] | None = Field(
-        default=None, description="optional parameter values: row i holds the probabilities of moving from state i")
+        default=None, description="optional parameter values: row i holds the probabilities of moving from state i"
+    )
 
     def _check_transition_values(self, owner: str, num_states: int) -> None:
         if self.initial is not None:
@@ -410,21 +441,22 @@ class Transitions(_Node, _TransitionValues):
     num_states: Size
 
     @model_validator(mode="after")
-    def _parameters(self) -> "Transitions":
+    def _parameters(self) -> Transitions:
         self._check_transition_values("a transitions node's", self.num_states)
         return self
 
 
 class Mixture(_Node):
     type: Literal["mixture"]
-    components: Annotated[list["DistributionNode"], Field(min_length=1)] | None = None
-    component: "DistributionNode | None" = Field(default=None, description="one component repeated `repeat` times")
+    components: Annotated[list[DistributionNode], Field(min_length=1)] | None = None
+    component: DistributionNode | None = Field(default=None, description="one component repeated `repeat` times")
     repeat: Size | None = None
     weights: Annotated[list[Real], Field(max_length=MAX_PARAMETER_VALUES)] | None = Field(
-        default=None, description="optional parameter values: the weight of each component")
+        default=None, description="optional parameter values: the weight of each component"
+    )
 
     @model_validator(mode="after")
-    def _components_or_repeat(self) -> "Mixture":
+    def _components_or_repeat(self) -> Mixture:
         listed = self.components is not None
         repeated = self.component is not None or self.repeat is not None
         if listed and repeated:
@@ -443,27 +475,31 @@ class Mixture(_Node):
 
 class Composite(_Node):
     type: Literal["composite"]
-    factors: Annotated[list["DistributionNode"], Field(min_length=1)]
+    factors: Annotated[list[DistributionNode], Field(min_length=1)]
 
 
 class HMM(_Node, _TransitionValues):
     type: Literal["hmm"]
     num_states: Size
-    emission: "DistributionNode | None" = Field(default=None, description="one emission distribution repeated per state")
-    emissions: Annotated[list["DistributionNode"], Field(min_length=1)] | None = None
-    transitions: "DistributionNode | None" = Field(
+    emission: DistributionNode | None = Field(default=None, description="one emission distribution repeated per state")
+    emissions: Annotated[list[DistributionNode], Field(min_length=1)] | None = None
+    transitions: DistributionNode | None = Field(
         default=None, description="a `transitions` node (often a `ref:` to a shared one); defaults to the HMM's own"
     )
-    length: "DistributionNode | None" = Field(
+    length: DistributionNode | None = Field(
         default=None, description="optional distribution of the sequence length, held whole (not cut with the states)"
     )
 
     @model_validator(mode="after")
-    def _emissions(self) -> "HMM":
+    def _emissions(self) -> HMM:
         if (self.emission is None) == (self.emissions is None):
-            raise ValueError("an hmm takes exactly one of `emission` (repeated per state) or `emissions` (one per state)")
+            raise ValueError(
+                "an hmm takes exactly one of `emission` (repeated per state) or `emissions` (one per state)"
+            )
         if self.emissions is not None and len(self.emissions) != self.num_states:
-            raise ValueError(f"an hmm with num_states={self.num_states} needs {self.num_states} emissions, got {len(self.emissions)}")
+            raise ValueError(
+                f"an hmm with num_states={self.num_states} needs {self.num_states} emissions, got {len(self.emissions)}"
+            )
         if self.transitions is not None and (self.initial is not None or self.transition is not None):
             raise ValueError("an hmm with a `transitions` node takes its initial and transition values there")
         self._check_transition_values("an hmm's", self.num_states)
@@ -472,16 +508,27 @@ class HMM(_Node, _TransitionValues):
 
 class Sequence(_Node):
     type: Literal["sequence"]
-    base: "DistributionNode"
-    length: "DistributionNode | None" = Field(
-        default=None, description="the distribution of the sequence length; omitted: lengths are not modelled")
+    base: DistributionNode
+    length: DistributionNode | None = Field(
+        default=None, description="the distribution of the sequence length; omitted: lengths are not modelled"
+    )
 
 
 class Ref(StrictModel):
     ref: Name
 
 
-NODE_TYPES = ("gaussian", "categorical", "poisson", "exponential", "transitions", "mixture", "composite", "hmm", "sequence")
+NODE_TYPES = (
+    "gaussian",
+    "categorical",
+    "poisson",
+    "exponential",
+    "transitions",
+    "mixture",
+    "composite",
+    "hmm",
+    "sequence",
+)
 
 
 def _node_tag(value: Any) -> str | None:
@@ -493,18 +540,16 @@ def _node_tag(value: Any) -> str | None:
 
 
 DistributionNode = Annotated[
-    Union[
-        Annotated[Gaussian, Tag("gaussian")],
-        Annotated[Categorical, Tag("categorical")],
-        Annotated[Poisson, Tag("poisson")],
-        Annotated[Exponential, Tag("exponential")],
-        Annotated[Transitions, Tag("transitions")],
-        Annotated[Mixture, Tag("mixture")],
-        Annotated[Composite, Tag("composite")],
-        Annotated[HMM, Tag("hmm")],
-        Annotated[Sequence, Tag("sequence")],
-        Annotated[Ref, Tag("ref")],
-    ],
+    Annotated[Gaussian, Tag("gaussian")]
+    | Annotated[Categorical, Tag("categorical")]
+    | Annotated[Poisson, Tag("poisson")]
+    | Annotated[Exponential, Tag("exponential")]
+    | Annotated[Transitions, Tag("transitions")]
+    | Annotated[Mixture, Tag("mixture")]
+    | Annotated[Composite, Tag("composite")]
+    | Annotated[HMM, Tag("hmm")]
+    | Annotated[Sequence, Tag("sequence")]
+    | Annotated[Ref, Tag("ref")],
     Discriminator(_node_tag),
 ]
 
@@ -532,7 +577,8 @@ class ModelFile(StrictModel):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
     from_: Literal["hf", "mixle"] = Field(
-        alias="from", description="the file's format: an HF config.json (hf) or a mixle model's to_dict() JSON (mixle)")
+        alias="from", description="the file's format: an HF config.json (hf) or a mixle model's to_dict() JSON (mixle)"
+    )
     path: Name = Field(description="the file, relative to the spec file")
 
 
@@ -544,11 +590,9 @@ def _family_tag(value: Any) -> str | None:
 
 
 ModelSpec = Annotated[
-    Union[
-        Annotated[TransformerModel, Tag("transformer")],
-        Annotated[ModulesModel, Tag("modules")],
-        Annotated[DistributionModel, Tag("distribution")],
-    ],
+    Annotated[TransformerModel, Tag("transformer")]
+    | Annotated[ModulesModel, Tag("modules")]
+    | Annotated[DistributionModel, Tag("distribution")],
     Discriminator(_family_tag),
 ]
 
@@ -630,7 +674,7 @@ class Topology(StrictModel):
 
 class Resources(StrictModel):
     devices: Annotated[
-        Union[Annotated[Degree, Tag("count")], Annotated[list[DeviceGroup], Field(min_length=1), Tag("list")]],
+        Annotated[Degree, Tag("count")] | Annotated[list[DeviceGroup], Field(min_length=1), Tag("list")],
         Discriminator(_devices_tag),
     ]
     kind: Name | None = Field(default=None, description="with a device count: the kind of every device")
@@ -639,7 +683,7 @@ class Resources(StrictModel):
     topology: Topology | None = Field(default=None, description="links between devices, for predicted step times")
 
     @model_validator(mode="after")
-    def _count_or_list(self) -> "Resources":
+    def _count_or_list(self) -> Resources:
         if isinstance(self.devices, int) and self.memory is None:
             raise ValueError("with `devices` given as a count, `memory` (per device, e.g. '80GiB') is required")
         if isinstance(self.devices, list) and (self.kind, self.memory, self.throughput) != (None, None, None):
@@ -666,9 +710,11 @@ class ElasticSpec(StrictModel):
     multiple_of: Degree = 1
 
     @model_validator(mode="after")
-    def _range(self) -> "ElasticSpec":
+    def _range(self) -> ElasticSpec:
         if self.min_world_size > self.max_world_size:
-            raise ValueError(f"min_world_size ({self.min_world_size}) is larger than max_world_size ({self.max_world_size})")
+            raise ValueError(
+                f"min_world_size ({self.min_world_size}) is larger than max_world_size ({self.max_world_size})"
+            )
         return self
 
 
@@ -694,7 +740,7 @@ def _backend_tag(value: Any) -> str | None:
 
 
 Backend = Annotated[
-    Union[Annotated[Name, Tag("name")], Annotated[BackendRef, Tag("ref")]],
+    Annotated[Name, Tag("name")] | Annotated[BackendRef, Tag("ref")],
     Discriminator(_backend_tag),
 ]
 
@@ -718,8 +764,14 @@ def parallel_plan(spec: Spec):
     mesh = spec.mesh
     dp_shard = mesh.dp_shard
     if is_auto(dp_shard):
-        dp_shard = auto_dp_shard(NUMBERS, devices=spec.resources.device_count, dp_replicate=mesh.dp_replicate,
-                                 tp=mesh.tp, pp=mesh.pp, cp=mesh.cp)
+        dp_shard = auto_dp_shard(
+            NUMBERS,
+            devices=spec.resources.device_count,
+            dp_replicate=mesh.dp_replicate,
+            tp=mesh.tp,
+            pp=mesh.pp,
+            cp=mesh.cp,
+        )
     return ParallelPlan(
         dp_replicate=mesh.dp_replicate,
         dp_shard=dp_shard,

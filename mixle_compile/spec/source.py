@@ -128,7 +128,10 @@ def read_source(path: str | Path, *, display_name: str | None = None) -> tuple[S
             unreadable=True,
         )
     except OSError as exc:
-        raise SourceError([_file_diag(name, "S011", f"cannot read {name}: {exc.strerror}", "check the file's permissions")], unreadable=True)
+        raise SourceError(
+            [_file_diag(name, "S011", f"cannot read {name}: {exc.strerror}", "check the file's permissions")],
+            unreadable=True,
+        )
     return parse_source(raw, name, json_syntax=p.suffix.lower() == ".json")
 
 
@@ -172,7 +175,9 @@ def parse_source(raw: bytes, name: str, *, json_syntax: bool) -> tuple[SourceDoc
 
 
 def _file_diag(name: str, code: str, message: str, hint: str) -> Diagnostic:
-    return Diagnostic(code=code, severity=Severity.error, message=message, hint=hint, file=name, line=1, column=1, fields=())
+    return Diagnostic(
+        code=code, severity=Severity.error, message=message, hint=hint, file=name, line=1, column=1, fields=()
+    )
 
 
 class _Reader:
@@ -230,7 +235,14 @@ class _Reader:
             hint = "quote the key"
             if isinstance(key, bool):
                 hint = "YAML reads unquoted yes/no/on/off/true/false keys as booleans; quote the key"
-            raise self.fail("S004", f"mapping keys must be strings, got {shown} at {dotted(path) or 'top level'}", pos.line, pos.column, hint, path)
+            raise self.fail(
+                "S004",
+                f"mapping keys must be strings, got {shown} at {dotted(path) or 'top level'}",
+                pos.line,
+                pos.column,
+                hint,
+                path,
+            )
         child = (*path, key)
         if key in first_seen:
             first = first_seen[key]
@@ -367,7 +379,14 @@ class _YamlReader(_Reader):
                 sources = vnode.value if isinstance(vnode, yaml.SequenceNode) else [vnode]
                 for src in sources:
                     if not isinstance(src, yaml.MappingNode):
-                        raise self.fail("S001", "a `<<` merge needs a mapping or a list of mappings", pos.line, pos.column, "merge a mapping anchor", path)
+                        raise self.fail(
+                            "S001",
+                            "a `<<` merge needs a mapping or a list of mappings",
+                            pos.line,
+                            pos.column,
+                            "merge a mapping anchor",
+                            path,
+                        )
                     value = self._build(src, path)
                     for k, v in value.items():
                         out.setdefault(k, v)
@@ -379,12 +398,21 @@ class _YamlReader(_Reader):
     def _scalar(self, node: Any, path: Path_) -> Any:
         if not isinstance(node, self._yaml.ScalarNode):
             line, col = node.start_mark.line + 1, node.start_mark.column + 1
-            raise self.fail("S004", "mapping keys must be plain strings, not mappings or lists", line, col, "use a string key", path)
+            raise self.fail(
+                "S004", "mapping keys must be plain strings, not mappings or lists", line, col, "use a string key", path
+            )
         try:
             value = self._constructor.construct_object(node, deep=True)
         except self._yaml.YAMLError as exc:
             line, col = node.start_mark.line + 1, node.start_mark.column + 1
-            raise self.fail("S001", f"invalid YAML value: {getattr(exc, 'problem', None) or exc}", line, col, "quote the value or fix its syntax", path)
+            raise self.fail(
+                "S001",
+                f"invalid YAML value: {getattr(exc, 'problem', None) or exc}",
+                line,
+                col,
+                "quote the value or fix its syntax",
+                path,
+            )
         if isinstance(value, (bytes, bytearray)) or type(value).__module__ == "datetime":
             # Keep unusual scalars as their source text: the schema then reports them clearly.
             return node.value
@@ -420,7 +448,9 @@ class _JsonReader(_Reader):
 
     def _err(self, message: str, path: Path_ = ()) -> SourceError:
         pos = self._pos()
-        return self.fail("S001", f"invalid JSON: {message}", pos.line, pos.column, "fix the JSON syntax at this position", path)
+        return self.fail(
+            "S001", f"invalid JSON: {message}", pos.line, pos.column, "fix the JSON syntax at this position", path
+        )
 
     def _skip(self) -> None:
         self.i = _WS.match(self.text, self.i).end()

@@ -46,15 +46,15 @@ __all__ = [
 @dataclass(frozen=True)
 class Verification:
     facts: PlanFacts
-    findings: tuple["Finding", ...]
-    elastic: "ElasticProof | None" = None
+    findings: tuple[Finding, ...]
+    elastic: ElasticProof | None = None
 
     @property
     def errors(self) -> int:
         return sum(f.severity is Severity.error for f in self.findings)
 
 
-def verify_plan(spec: "Spec", verifier: "PlanVerifier | None" = None) -> Verification:
+def verify_plan(spec: Spec, verifier: PlanVerifier | None = None) -> Verification:
     """Check a spec that passed its own checks against its backend's rule set."""
     from mixle_compile.verify.engine import PlanVerifier
 
@@ -63,8 +63,10 @@ def verify_plan(spec: "Spec", verifier: "PlanVerifier | None" = None) -> Verific
     proof = None
     # The proof needs an elastic axis, and says something new only once the plan is valid at its own
     # size under the rules the proof checks (the capability to restart, C005, is reported apart).
-    if facts.elastic is not None and facts.dp_shard_auto and not any(
-        f.severity is Severity.error and f.rule.elastic for f in findings
+    if (
+        facts.elastic is not None
+        and facts.dp_shard_auto
+        and not any(f.severity is Severity.error and f.rule.elastic for f in findings)
     ):
         from mixle_compile.verify.elastic import prove_elastic
 
@@ -72,13 +74,13 @@ def verify_plan(spec: "Spec", verifier: "PlanVerifier | None" = None) -> Verific
     return Verification(facts, findings, proof)
 
 
-def suggest_fix(spec: "Spec") -> "Suggestion | None":
+def suggest_fix(spec: Spec) -> Suggestion | None:
     from mixle_compile.verify.suggest import nearest_valid_plan
 
     return nearest_valid_plan(plan_facts(spec))
 
 
-def memory_bound(spec: "Spec") -> dict[str, "Fraction"]:
+def memory_bound(spec: Spec) -> dict[str, Fraction]:
     """The memory rule's (R001) bytes for the heaviest rank of a neural spec, by kind, at the spec's
     own values: the bound the verifier compares with device memory."""
     from mixle_compile.verify.engine import PlanVerifier, Values

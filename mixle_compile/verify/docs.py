@@ -71,7 +71,9 @@ def rules_text(rule_set: str | None = None) -> str:
     for c in spec_codes():
         lines.append(f"{c.code}  {'error':7}  {'spec':{width}}  {c.title}: {c.summary}")
     for c in pass_codes():
-        lines.append(f"{c.code}  {c.severity.value:7}  {PASS_LABELS.get(c.code[0], 'pass'):{width}}  {c.title}: {c.summary}")
+        lines.append(
+            f"{c.code}  {c.severity.value:7}  {PASS_LABELS.get(c.code[0], 'pass'):{width}}  {c.title}: {c.summary}"
+        )
     for r in rules:
         lines.append(f"{r.code}  {r.severity.value:7}  {r.engines_text:{width}}  {r.name}: {r.title}")
     return "\n".join(lines) + "\n"
@@ -80,7 +82,14 @@ def rules_text(rule_set: str | None = None) -> str:
 def rules_json(rule_set: str | None = None) -> str:
     load_catalogue()
     entries = [
-        {"code": c.code, "name": c.title, "severity": c.severity.value, "kind": kind, "title": c.summary, "docs": c.docs}
+        {
+            "code": c.code,
+            "name": c.title,
+            "severity": c.severity.value,
+            "kind": kind,
+            "title": c.summary,
+            "docs": c.docs,
+        }
         for kind, group in (("spec", spec_codes()), ("pass", pass_codes()))
         for c in group
     ]
@@ -160,7 +169,7 @@ def rules_markdown() -> str:
         "in-tree runtime), `torchtitan` (torchtitan 0.2, the TOML-era releases, and 0.3) and `megatron` "
         "(Megatron-Core 0.12 to 0.16, through Megatron-LM's arguments or its config classes). A rule may "
         "hold for some versions of an engine only (`megatron <0.16`) or for one front end (`megatron "
-        "(arguments)`); `backend: {name: megatron, version: \"0.15\", entry: core}` picks them, and a bare "
+        '(arguments)`); `backend: {name: megatron, version: "0.15", entry: core}` picks them, and a bare '
         "name means the newest version. A backend registered under another name is checked with the "
         "`common` set: the rules every engine shares, plus its declared capabilities (C0xx).",
         "",
@@ -204,7 +213,12 @@ def rules_markdown() -> str:
             f"Source: {r.engine_reference}",
             "",
         ]
-    out += ["## Other passes", "", "Codes the compiler's later passes report (`compile`), listed here so that every code is documented.", ""]
+    out += [
+        "## Other passes",
+        "",
+        "Codes the compiler's later passes report (`compile`), listed here so that every code is documented.",
+        "",
+    ]
     letter = None
     for c in pass_codes():
         if c.code[0] != letter:

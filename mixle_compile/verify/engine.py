@@ -107,7 +107,10 @@ class _Encoding:
         # One integer carries the whole verdict (bit i set: rule i broken), so that reading it
         # back from a model is one evaluation rather than one per rule.
         self.broken = z3.Int("broken rules")
-        self.solver.add(self.broken == z3.Sum([z3.If(self.ok[r.code], 0, 1 << i) for i, r in enumerate(self.rules)] or [z3.IntVal(0)]))
+        self.solver.add(
+            self.broken
+            == z3.Sum([z3.If(self.ok[r.code], 0, 1 << i) for i, r in enumerate(self.rules)] or [z3.IntVal(0)])
+        )
         self._pins: dict[tuple[str, Any], Any] = {}
         self._core_solvers: dict[str, Any] = {}
 
@@ -316,4 +319,3 @@ def describe(rule: Rule, fields: tuple[Field, ...], values: Values, facts: PlanF
 
 def _joined(items: list[str]) -> str:
     return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
-

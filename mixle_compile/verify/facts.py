@@ -17,7 +17,15 @@ from mixle_compile.contracts import BackendCapabilities
 from mixle_compile.engines import EngineProfile, engine_profile
 from mixle_compile.layer_split import engine_rule
 from mixle_compile.spec.kinds import Family
-from mixle_compile.spec.models import AUTO, DistributionModel, ModulesModel, Spec, TrainingSpec, TransformerModel, is_auto
+from mixle_compile.spec.models import (
+    AUTO,
+    DistributionModel,
+    ModulesModel,
+    Spec,
+    TrainingSpec,
+    TransformerModel,
+    is_auto,
+)
 from mixle_compile.spec.source import Path_, dotted
 from mixle_compile.verify.memory import ParameterFootprint, parameter_footprint
 
@@ -168,8 +176,13 @@ def plan_facts(spec: Spec) -> PlanFacts:
         add("pipeline_layers_stages", ("training", "pipeline_layers"), len(counts), shown=f"{len(counts)} stages")
         add("pipeline_layers_total", ("training", "pipeline_layers"), sum(counts), shown=f"{sum(counts)} layers")
     attention = training.attention or engine.default_attention
-    add("eager_attention", ("training", "attention"), attention == "eager", "bool",
-        attention if training.attention else f"{attention} (the engine's default)")
+    add(
+        "eager_attention",
+        ("training", "attention"),
+        attention == "eager",
+        "bool",
+        attention if training.attention else f"{attention} (the engine's default)",
+    )
 
     compiled = training.compiled
     add("compiles", ("training", "compile"), bool(compiled), "bool", ", ".join(compiled) or "off")
@@ -188,7 +201,15 @@ def plan_facts(spec: Spec) -> PlanFacts:
     footprint = None
     if isinstance(model, TransformerModel):
         family = Family.TRANSFORMER
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "ffn_hidden_size", "num_experts", "moe_layer_frequency"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "ffn_hidden_size",
+            "num_experts",
+            "moe_layer_frequency",
+        ):
             add(name, ("model", name), getattr(model, name))
         if model.num_kv_heads is not None:
             add("num_kv_heads", ("model", "num_kv_heads"), model.num_kv_heads)
@@ -203,7 +224,9 @@ def plan_facts(spec: Spec) -> PlanFacts:
             dim = TP_SPLIT_DIM.get(p.role)
             if dim is not None and dim < len(p.shape):
                 symbol = f"model.parameters[{i}].shape[{dim}]"
-                dims.append(SplitDimension(symbol, ("model", "parameters", i, "shape"), p.name, p.role, dim, p.shape[dim]))
+                dims.append(
+                    SplitDimension(symbol, ("model", "parameters", i, "shape"), p.name, p.role, dim, p.shape[dim])
+                )
                 add(symbol, ("model", "parameters", i, "shape"), p.shape[dim], shown=str(list(p.shape)))
         split = tuple(dims)
         experts = [(i, p) for i, p in enumerate(model.parameters) if p.role == "expert"]
@@ -244,4 +267,3 @@ def format_bytes(n: int | float) -> str:
             value = n / size
             return f"{value:.0f}{unit}" if value == int(value) else f"{value:.1f}{unit}"
     return f"{int(n)}B"
-

@@ -12,8 +12,9 @@ as Z3's integers do (:class:`Integer`). One statement of each rule serves both r
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 _concrete = False
 

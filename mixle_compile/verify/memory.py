@@ -45,7 +45,7 @@ class Share:
     fixed_bytes: int = 0
     fixed_low_precision_elements: int = 0  # fixed-dtype elements below fp32 (need an fp32 master copy)
 
-    def __add__(self, other: "Share") -> "Share":
+    def __add__(self, other: Share) -> Share:
         return Share(
             self.precision_elements + other.precision_elements,
             self.fixed_elements + other.fixed_elements,
@@ -53,14 +53,14 @@ class Share:
             self.fixed_low_precision_elements + other.fixed_low_precision_elements,
         )
 
-    def at_least(self, other: "Share") -> "Share":
+    def at_least(self, other: Share) -> Share:
         """Component-wise maximum (an upper bound of both)."""
         return Share(*(max(a, b) for a, b in zip(self._tuple(), other._tuple())))
 
-    def at_most(self, other: "Share") -> "Share":
+    def at_most(self, other: Share) -> Share:
         return Share(*(min(a, b) for a, b in zip(self._tuple(), other._tuple())))
 
-    def minus(self, other: "Share") -> "Share":
+    def minus(self, other: Share) -> Share:
         return Share(*(a - b for a, b in zip(self._tuple(), other._tuple())))
 
     @property

@@ -11,8 +11,9 @@ values and say, in a person's words, why the formula fails and what would satisf
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from mixle_compile.diagnostics import Code, Severity, register_code
 from mixle_compile.engines import EngineProfile, version_key
@@ -122,7 +123,7 @@ def version_holds(version: str | None, bounds: str) -> bool:
         op = ">=" if bound.startswith(">=") else "<" if bound.startswith("<") else None
         if op is None:
             raise ValueError(f"a rule's version bound must start with '>=' or '<', got {bound!r}")
-        limit = version_key(bound[len(op):])
+        limit = version_key(bound[len(op) :])
         if (op == ">=" and key < limit) or (op == "<" and key >= limit):
             return False
     return True

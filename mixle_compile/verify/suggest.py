@@ -92,7 +92,9 @@ class Suggestion:
         if self.dp_shard_auto_value is not None:
             lines.append(f"# mesh.dp_shard: auto now resolves to {self.dp_shard_auto_value}")
         if self.new_warnings:
-            lines.append(f"# no plan within {MAX_CHANGES} changes avoids warning {', '.join(self.new_warnings)}, which this one brings")
+            lines.append(
+                f"# no plan within {MAX_CHANGES} changes avoids warning {', '.join(self.new_warnings)}, which this one brings"
+            )
         return "\n".join(lines) + "\n"
 
 
@@ -121,18 +123,27 @@ def nearest_valid_plan(facts: PlanFacts) -> Suggestion | None:
     # Rules about the elastic section (D002, D004, C005) are fixed there, not by the plan's settings.
     errors = _fix_rules(facts)
     broken = {r.code for r in PlanVerifier().violated(facts)}
-    held = [r for r in rules_for(facts) if r.constraint is not None and r.severity is Severity.warning and r.code not in broken]
+    held = [
+        r
+        for r in rules_for(facts)
+        if r.constraint is not None and r.severity is Severity.warning and r.code not in broken
+    ]
     found = _search(facts, errors + held) if held else None
     if found is not None:
         return found
     found = _search(facts, errors)
     if found is None or not held:
         return found
-    return Suggestion(found.changes, found.devices, found.proved_nearest, found.dp_shard_auto_value,
-                      tuple(r.code for r in held if not _holds(facts, r, found)))
+    return Suggestion(
+        found.changes,
+        found.devices,
+        found.proved_nearest,
+        found.dp_shard_auto_value,
+        tuple(r.code for r in held if not _holds(facts, r, found)),
+    )
 
 
-def _holds(facts: PlanFacts, rule, suggestion: "Suggestion") -> bool:
+def _holds(facts: PlanFacts, rule, suggestion: Suggestion) -> bool:
     symbols = Symbols(facts)
     solver = z3.Solver()
     solver.add(*symbols.domain)
@@ -201,14 +212,18 @@ def _search(facts: PlanFacts, rules: list) -> Suggestion | None:
     auto_value = None
     if facts.dp_shard_auto:
         auto_value = model.eval(symbols.dp_shard, model_completion=True).as_long()
-        before = auto_dp_shard(NUMBERS, devices=facts.value("devices"), **{
-            name: facts.value(name) for name in ("dp_replicate", "tp", "pp", "cp")})
+        before = auto_dp_shard(
+            NUMBERS,
+            devices=facts.value("devices"),
+            **{name: facts.value(name) for name in ("dp_replicate", "tp", "pp", "cp")},
+        )
         auto_value = auto_value if auto_value != before else None
     return Suggestion(tuple(changes), facts.value("devices"), decided, auto_value)
 
 
-def _canonical(solver: z3.Solver, distance: Any, best: int, changeable: list[Field], symbols: Symbols, model: Any,
-               facts: PlanFacts) -> Any:
+def _canonical(
+    solver: z3.Solver, distance: Any, best: int, changeable: list[Field], symbols: Symbols, model: Any, facts: PlanFacts
+) -> Any:
     """One answer among equally near plans, whatever the solver's state: fields earlier in
     CHANGEABLE are kept as they are where the nearest plans allow (so which of two equally near
     plans is offered follows that order, never chance), then each changed field takes its

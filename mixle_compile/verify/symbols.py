@@ -20,8 +20,8 @@ from typing import Any
 import z3
 
 from mixle_compile.spec.kinds import Family
-from mixle_compile.verify.facts import ENUMS, PlanFacts
 from mixle_compile.spec.models import auto_dp_shard
+from mixle_compile.verify.facts import ENUMS, PlanFacts
 from mixle_compile.verify.logic import TERMS, Integer, concrete, larger
 
 # Optional model fields and what they default to in the spec.
@@ -60,8 +60,12 @@ class Symbols:
 
         # dp_shard: auto takes the ranks left over; the quotient is kept >= 1 so that no term
         # ever divides by zero (a world too small for the other degrees fails the world rule).
-        auto_value = larger(auto_dp_shard(TERMS, devices=self.devices, dp_replicate=self.dp_replicate, tp=self.tp,
-                                          pp=self.pp, cp=self.cp), 1)
+        auto_value = larger(
+            auto_dp_shard(
+                TERMS, devices=self.devices, dp_replicate=self.dp_replicate, tp=self.tp, pp=self.pp, cp=self.cp
+            ),
+            1,
+        )
         if facts.dp_shard_auto:
             unpinned = z3.Int("mesh.dp_shard")
             self.domain.append(unpinned >= 1)
@@ -160,9 +164,11 @@ class _Reads:
     def __getattr__(self, name: str) -> Any:
         symbols = self.__dict__["_symbols"]
         if name == "is_":
+
             def is_(enum: str, *choices: str) -> Any:
                 self.read.add(enum)
                 return symbols.is_(enum, *choices)
+
             return is_
         self.read.add("*" if name in self._OPAQUE else name)
         return getattr(symbols, name)

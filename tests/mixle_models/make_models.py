@@ -18,8 +18,8 @@ HERE = Path(__file__).parent
 
 def build_models() -> dict:
     """name -> a mixle model, built with mixle's public constructors (mixle.stats)."""
-    import numpy as np
     import mixle.stats as S
+    import numpy as np
 
     rng = np.random.default_rng(23)
     models = {}
@@ -32,21 +32,34 @@ def build_models() -> dict:
         a = np.eye(3) + 0.3 * rng.normal(size=(3, 3))
         full.append(S.MultivariateGaussianDistribution(rng.normal(0, 3, 3), a @ a.T))
     models["full_mixture"] = S.MixtureDistribution(full, rng.dirichlet(np.ones(4)))
-    models["composite"] = S.CompositeDistribution([
-        S.GaussianDistribution(1.5, 2.0),
-        S.IntegerCategoricalDistribution(0, rng.dirichlet(np.ones(5))),
-        S.PoissonDistribution(3.5),
-        S.ExponentialDistribution(0.8),
-    ])
+    models["composite"] = S.CompositeDistribution(
+        [
+            S.GaussianDistribution(1.5, 2.0),
+            S.IntegerCategoricalDistribution(0, rng.dirichlet(np.ones(5))),
+            S.PoissonDistribution(3.5),
+            S.ExponentialDistribution(0.8),
+        ]
+    )
     # A heavy mixture inside a thin composite: the axis to cut is the nested mixture.
-    models["nested"] = S.CompositeDistribution([
-        S.GaussianDistribution(0.0, 1.0),
-        S.MixtureDistribution([S.DiagonalGaussianDistribution(rng.normal(0, 3, 8), rng.uniform(0.5, 2.0, 8)) for _ in range(12)],
-                              rng.dirichlet(np.ones(12))),
-    ])
+    models["nested"] = S.CompositeDistribution(
+        [
+            S.GaussianDistribution(0.0, 1.0),
+            S.MixtureDistribution(
+                [S.DiagonalGaussianDistribution(rng.normal(0, 3, 8), rng.uniform(0.5, 2.0, 8)) for _ in range(12)],
+                rng.dirichlet(np.ones(12)),
+            ),
+        ]
+    )
     models["categorical_mixture"] = S.MixtureDistribution(
-        [S.CompositeDistribution([S.CategoricalDistribution({i: float(p) for i, p in enumerate(rng.dirichlet(np.ones(4)))}),
-                                  S.PoissonDistribution(float(rng.uniform(1, 8)))]) for _ in range(3)],
+        [
+            S.CompositeDistribution(
+                [
+                    S.CategoricalDistribution({i: float(p) for i, p in enumerate(rng.dirichlet(np.ones(4)))}),
+                    S.PoissonDistribution(float(rng.uniform(1, 8))),
+                ]
+            )
+            for _ in range(3)
+        ],
         rng.dirichlet(np.ones(3)),
     )
     t = rng.dirichlet(np.ones(3), size=3) + 3 * np.eye(3)
@@ -61,21 +74,31 @@ def build_models() -> dict:
         [[0.9, 0.1], [0.2, 0.8]],
         len_dist=S.PoissonDistribution(12.0),
     )
-    models["sequence"] = S.SequenceDistribution(S.IntegerCategoricalDistribution(0, [0.1, 0.2, 0.7]), S.PoissonDistribution(5.0))
+    models["sequence"] = S.SequenceDistribution(
+        S.IntegerCategoricalDistribution(0, [0.1, 0.2, 0.7]), S.PoissonDistribution(5.0)
+    )
     shared = S.DiagonalGaussianDistribution([0.0, 0.0], [4.0, 4.0], name="background")
-    models["shared_component"] = S.CompositeDistribution([
-        S.MixtureDistribution([shared, S.DiagonalGaussianDistribution([3.0, 3.0], [1.0, 1.0])], [0.5, 0.5]),
-        S.MixtureDistribution([shared, S.DiagonalGaussianDistribution([-3.0, 3.0], [1.0, 1.0])], [0.7, 0.3]),
-    ])
+    models["shared_component"] = S.CompositeDistribution(
+        [
+            S.MixtureDistribution([shared, S.DiagonalGaussianDistribution([3.0, 3.0], [1.0, 1.0])], [0.5, 0.5]),
+            S.MixtureDistribution([shared, S.DiagonalGaussianDistribution([-3.0, 3.0], [1.0, 1.0])], [0.7, 0.3]),
+        ]
+    )
     models["big_mixture"] = S.MixtureDistribution(
-        [S.DiagonalGaussianDistribution(rng.normal(0, 3, 4 + (k % 5)), rng.uniform(0.5, 2.0, 4 + (k % 5))) for k in range(40)],
+        [
+            S.DiagonalGaussianDistribution(rng.normal(0, 3, 4 + (k % 5)), rng.uniform(0.5, 2.0, 4 + (k % 5)))
+            for k in range(40)
+        ],
         rng.dirichlet(np.ones(40)),
     )
     # Sequences of two kinds, short ones often empty: the posterior weights fit each kind's length.
-    models["sequence_mixture"] = S.MixtureDistribution([
-        S.SequenceDistribution(S.IntegerCategoricalDistribution(0, [0.6, 0.3, 0.1]), S.PoissonDistribution(1.5)),
-        S.SequenceDistribution(S.IntegerCategoricalDistribution(0, [0.1, 0.2, 0.7]), S.PoissonDistribution(7.0)),
-    ], [0.4, 0.6])
+    models["sequence_mixture"] = S.MixtureDistribution(
+        [
+            S.SequenceDistribution(S.IntegerCategoricalDistribution(0, [0.6, 0.3, 0.1]), S.PoissonDistribution(1.5)),
+            S.SequenceDistribution(S.IntegerCategoricalDistribution(0, [0.1, 0.2, 0.7]), S.PoissonDistribution(7.0)),
+        ],
+        [0.4, 0.6],
+    )
     return models
 
 
@@ -84,7 +107,9 @@ def build_refused() -> dict:
     import mixle.stats as S
 
     return {
-        "refused_gamma": S.MixtureDistribution([S.GaussianDistribution(0.0, 1.0), S.GammaDistribution(2.0, 1.5)], [0.5, 0.5]),
+        "refused_gamma": S.MixtureDistribution(
+            [S.GaussianDistribution(0.0, 1.0), S.GammaDistribution(2.0, 1.5)], [0.5, 0.5]
+        ),
     }
 
 

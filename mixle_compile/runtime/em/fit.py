@@ -30,7 +30,15 @@ from pathlib import Path
 import numpy as np
 
 from mixle_compile.runtime.em import model as em_model
-from mixle_compile.runtime.em.model import ModelError, Scoring, chunks_of, initial_params, m_step, score, zero_statistics
+from mixle_compile.runtime.em.model import (
+    ModelError,
+    Scoring,
+    chunks_of,
+    initial_params,
+    m_step,
+    score,
+    zero_statistics,
+)
 from mixle_compile.runtime.em.plan import LOG_LIKELIHOOD, EMInstructions, StatisticsUpdate
 from mixle_compile.runtime.errors import RuntimeRefusal
 
@@ -70,7 +78,9 @@ def load_data(em: EMInstructions, path: str | Path | None) -> np.ndarray:
     elif data.ndim == 3:
         data = data.reshape(len(data), -1)
     if data.ndim != 2 or data.shape[1] != width:
-        raise ValueError(f"{path}: expected records of {width} values ({_columns(em)}), got an array of shape {data.shape}")
+        raise ValueError(
+            f"{path}: expected records of {width} values ({_columns(em)}), got an array of shape {data.shape}"
+        )
     data = data.astype(np.float64)
     try:
         em_model.check_records(em.tree, data, str(path))
@@ -80,8 +90,10 @@ def load_data(em: EMInstructions, path: str | Path | None) -> np.ndarray:
         raise ValueError(f"{path}: {len(data)} records for {em.plan.data_parallel_size} data ranks")
     per_rank = -(-len(data) // em.plan.data_parallel_size)
     if em.cut is not None and per_rank > em.micro_steps * em.micro_batch_size:
-        raise ValueError(f"{path}: {per_rank} records per data rank do not fit {em.micro_steps} micro-batch(es) of "
-                         f"micro_batch_size={em.micro_batch_size}, the normaliser's planned size under the tp cut; raise micro_batch_size")
+        raise ValueError(
+            f"{path}: {per_rank} records per data rank do not fit {em.micro_steps} micro-batch(es) of "
+            f"micro_batch_size={em.micro_batch_size}, the normaliser's planned size under the tp cut; raise micro_batch_size"
+        )
     return data
 
 
@@ -97,8 +109,14 @@ def shard_rows(data: np.ndarray, data_rank: int, data_size: int) -> np.ndarray:
 def reference_fit(em: EMInstructions, data: np.ndarray, steps: int):
     """Single-process EM on all rows: (parameters, log-likelihoods, per iteration the statistics
     and, under a cut, every row's normaliser at the cut node)."""
-    return em_model.reference_fit(em.tree, data, steps, seed=em.seed + 1, micro_batch_size=em.micro_batch_size,
-                                  record=em.cut.path if em.cut else None)
+    return em_model.reference_fit(
+        em.tree,
+        data,
+        steps,
+        seed=em.seed + 1,
+        micro_batch_size=em.micro_batch_size,
+        record=em.cut.path if em.cut else None,
+    )
 
 
 def relative_error(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
@@ -128,7 +146,6 @@ def monotone_violations(lls: list[float]) -> list[str]:
 
 class FitDiverged(RuntimeError):
     """The log-likelihood became NaN or infinite: the fit stops at that iteration and fails."""
-
 
 
 def local_statistics(em: EMInstructions, su: StatisticsUpdate, stats: np.ndarray, tp_coord: int) -> np.ndarray:
@@ -190,8 +207,12 @@ def combine_over_cut(em: EMInstructions, comm, rule: dict[str, str]):
             return np.zeros(n), total[:n].numpy().copy()
         top = padded(a.max(axis=1) if a.shape[1] else np.full(n, -np.inf))
         # all_reduce MAX through the counting layer (checked against the plan, then counted).
-        comm.issue_planned("all_reduce", rule[cut.normaliser_max], comm.planned_parts(cut.normaliser_max, top.numel() * 8),
-                           lambda g, async_op: dist.all_reduce(top, op=dist.ReduceOp.MAX, group=g, async_op=async_op))
+        comm.issue_planned(
+            "all_reduce",
+            rule[cut.normaliser_max],
+            comm.planned_parts(cut.normaliser_max, top.numel() * 8),
+            lambda g, async_op: dist.all_reduce(top, op=dist.ReduceOp.MAX, group=g, async_op=async_op),
+        )
         m = top[:n].numpy().copy()
         with np.errstate(invalid="ignore"):
             total = padded(np.exp(a - m[:, None]).sum(axis=1))
@@ -201,8 +222,18 @@ def combine_over_cut(em: EMInstructions, comm, rule: dict[str, str]):
     return combine
 
 
-def fit_rank(em: EMInstructions, comm, mesh, data: np.ndarray, steps: int, *, receipts=None, progress: bool = False,
-             start: tuple[int, dict] | None = None, after_iteration=None) -> dict:
+def fit_rank(
+    em: EMInstructions,
+    comm,
+    mesh,
+    data: np.ndarray,
+    steps: int,
+    *,
+    receipts=None,
+    progress: bool = False,
+    start: tuple[int, dict] | None = None,
+    after_iteration=None,
+) -> dict:
     """EM on this rank's rows and units, iterations ``first .. steps - 1``. Returns this rank's
     record: its tp coordinate and units, its parameters, the log-likelihoods, and per iteration the
     reduced statistics of every update it issued and (under a cut) each row's normaliser.
@@ -232,13 +263,21 @@ def fit_rank(em: EMInstructions, comm, mesh, data: np.ndarray, steps: int, *, re
         chunks = chunks_of(local, em.micro_batch_size)
         combine = None  # one process holds every unit: the normaliser is local
 
-    planned_bytes = sum(c.payload_bytes * c.occurrences_per_step for n, c in em.collectives.items() if em.executes(n, tp))
+    planned_bytes = sum(
+        c.payload_bytes * c.occurrences_per_step for n, c in em.collectives.items() if em.executes(n, tp)
+    )
     lls, history = [], []
     started = time.perf_counter()
     for it in range(first, steps):
         before = comm.ledger.snapshot()
-        sc = Scoring(params, zero_statistics(em.tree), cut=cut.path if cut else None, owned=owned, combine=combine,
-                     record=cut.path if cut else None)
+        sc = Scoring(
+            params,
+            zero_statistics(em.tree),
+            cut=cut.path if cut else None,
+            owned=owned,
+            combine=combine,
+            record=cut.path if cut else None,
+        )
         ll = 0.0
         for xb in chunks:
             lp, acc = score(em.tree, em.tree.root, 0, xb, sc)
@@ -250,7 +289,9 @@ def fit_rank(em: EMInstructions, comm, mesh, data: np.ndarray, steps: int, *, re
             if su is not None and su.executes(tp):
                 values = local_statistics(em, su, sc.stats[su.node], tp)
                 if len(values) > su.elements:
-                    raise ValueError(f"{node_id}: this rank holds {len(values)} statistics, more than the plan's {su.elements}")
+                    raise ValueError(
+                        f"{node_id}: this rank holds {len(values)} statistics, more than the plan's {su.elements}"
+                    )
                 t = torch.zeros(su.elements, dtype=torch.float64)
                 t[: len(values)] = torch.from_numpy(values)
                 comm.all_reduce(t, rule=rule[node_id], parts=node_id)
@@ -263,8 +304,10 @@ def fit_rank(em: EMInstructions, comm, mesh, data: np.ndarray, steps: int, *, re
             ll = float(t.item())
         if not math.isfinite(ll):
             # Reduced over every data rank (or the same rows everywhere): every rank stops at this iteration.
-            raise FitDiverged(f"the fit diverged: the log-likelihood of iteration {it + 1} is {ll} (every later iteration would fit on it); "
-                              "check the records for extreme values, or the model for a component that lost all its rows")
+            raise FitDiverged(
+                f"the fit diverged: the log-likelihood of iteration {it + 1} is {ll} (every later iteration would fit on it); "
+                "check the records for extreme values, or the model for a component that lost all its rows"
+            )
         entry = {"statistics": reduced}
         if cut is not None:
             entry["max"], entry["sum"] = np.concatenate(sc.maxes), np.concatenate(sc.sums)
@@ -274,17 +317,41 @@ def fit_rank(em: EMInstructions, comm, mesh, data: np.ndarray, steps: int, *, re
         after = comm.ledger.snapshot()
         observed = sum(after[k][1] - before.get(k, (0, 0))[1] for k in after)
         if receipts is not None:
-            receipts.write(json.dumps({"iteration": it, "log_likelihood": ll, "examples": rows,
-                                       "local_examples": len(local), "collective_bytes": observed,
-                                       "planned_collective_bytes": planned_bytes,
-                                       "wall_s": time.perf_counter() - started}, sort_keys=True) + "\n")
+            receipts.write(
+                json.dumps(
+                    {
+                        "iteration": it,
+                        "log_likelihood": ll,
+                        "examples": rows,
+                        "local_examples": len(local),
+                        "collective_bytes": observed,
+                        "planned_collective_bytes": planned_bytes,
+                        "wall_s": time.perf_counter() - started,
+                    },
+                    sort_keys=True,
+                )
+                + "\n"
+            )
             receipts.flush()
         if progress:
-            print(f"iteration {it + 1}/{steps}  log-likelihood {ll:.6f}  {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
+            print(
+                f"iteration {it + 1}/{steps}  log-likelihood {ll:.6f}  {time.perf_counter() - started:.1f} s",
+                file=sys.stderr,
+                flush=True,
+            )
         if after_iteration is not None:
             after_iteration(it + 1, params, lls)
-    return {"tp": tp, "owned": list(owned), "data_rank": data_rank, "data_size": data_size, "params": params, "lls": lls,
-            "history": history, "first": first, "wall_s": time.perf_counter() - started}
+    return {
+        "tp": tp,
+        "owned": list(owned),
+        "data_rank": data_rank,
+        "data_size": data_size,
+        "params": params,
+        "lls": lls,
+        "history": history,
+        "first": first,
+        "wall_s": time.perf_counter() - started,
+    }
 
 
 def assemble(em: EMInstructions, records: list[dict]):
@@ -324,22 +391,41 @@ def em_accounting(em: EMInstructions, ledgers, steps: int, tp_coords: list[int] 
         bad = [r for r, (o, w) in enumerate(zip(observed, wanted)) if o != w]
         if bad:
             r = bad[0]
-            errors.append(f"{node_id}: planned {wanted[r][0]} x {c.collective} ({wanted[r][1]} bytes) on rank {r} over {steps} "
-                          f"iteration(s), observed {observed[r][0]} ({observed[r][1]} bytes)")
-        rows.append({"node_id": node_id, "collective": c.collective, "group": c.rule, "phase": c.phase,
-                     "planned_count": planned_count, "planned_bytes": expected,
-                     "ranks_executing": sum(1 for w in wanted if w[0]),
-                     "observed_count": sorted({o[0] for o, w in zip(observed, wanted) if w[0]}),
-                     "observed_bytes": sorted({o[1] for o, w in zip(observed, wanted) if w[0]}), "match": not bad})
+            errors.append(
+                f"{node_id}: planned {wanted[r][0]} x {c.collective} ({wanted[r][1]} bytes) on rank {r} over {steps} "
+                f"iteration(s), observed {observed[r][0]} ({observed[r][1]} bytes)"
+            )
+        rows.append(
+            {
+                "node_id": node_id,
+                "collective": c.collective,
+                "group": c.rule,
+                "phase": c.phase,
+                "planned_count": planned_count,
+                "planned_bytes": expected,
+                "ranks_executing": sum(1 for w in wanted if w[0]),
+                "observed_count": sorted({o[0] for o, w in zip(observed, wanted) if w[0]}),
+                "observed_bytes": sorted({o[1] for o, w in zip(observed, wanted) if w[0]}),
+                "match": not bad,
+            }
+        )
     for r, lg in enumerate(ledgers):
         for node_id in sorted(set(lg["updates"]) - set(em.collectives)):
             errors.append(f"{node_id}: rank {r} issued a collective the plan does not declare")
-    return {"ok": not errors, "errors": errors, "updates": rows, "updates_checked": len(rows), "ranks_checked": len(ledgers),
-            "collective_calls_per_rank": [lg["calls"] for lg in ledgers],
-            "bytes_note": "EM statistics, normalisers and log-likelihoods travel in float64, as the plan sizes them"}
+    return {
+        "ok": not errors,
+        "errors": errors,
+        "updates": rows,
+        "updates_checked": len(rows),
+        "ranks_checked": len(ledgers),
+        "collective_calls_per_rank": [lg["calls"] for lg in ledgers],
+        "bytes_note": "EM statistics, normalisers and log-likelihoods travel in float64, as the plan sizes them",
+    }
 
 
-def evidence(doc, em: EMInstructions, records: list[dict], repeat: list[dict], ref, steps: int) -> tuple[list[dict], list[str]]:
+def evidence(
+    doc, em: EMInstructions, records: list[dict], repeat: list[dict], ref, steps: int
+) -> tuple[list[dict], list[str]]:
     """Each update's numerical evidence: what every rank reduced, every iteration, against the
     single-process values (``records``, ``repeat``: every rank's record of the fit and its repeat)."""
     from mixle_compile.contracts import DistributedUpdate
@@ -376,18 +462,27 @@ def evidence(doc, em: EMInstructions, records: list[dict], repeat: list[dict], r
                 r, x = relative_error(mine, theirs)
                 rel, ab, samples = max(rel, r), max(ab, x), samples + int(np.size(mine))
                 same = same and np.array_equal(mine, pair(u.node_id, again, it)[0])
-        fields.update(maximum_relative_error=rel, maximum_absolute_error=ab, numerics_sample_count=samples,
-                      numerics_evidence_id=f"{run_id}/{u.node_id}", determinism_observed=same)
+        fields.update(
+            maximum_relative_error=rel,
+            maximum_absolute_error=ab,
+            numerics_sample_count=samples,
+            numerics_evidence_id=f"{run_id}/{u.node_id}",
+            determinism_observed=same,
+        )
         out.append(DistributedUpdate.from_dict(fields).as_dict())
     fitted = flat_params(assemble(em, records))
     reference = flat_params(ref_params)
     for name, a in fitted.items():
         r, _ = relative_error(a, reference[name])
         if r > EM_TOLERANCE:
-            errors.append(f"fitted {name}: relative error {r:.2e} against the single-process fit exceeds {EM_TOLERANCE:.0e}")
+            errors.append(
+                f"fitted {name}: relative error {r:.2e} against the single-process fit exceeds {EM_TOLERANCE:.0e}"
+            )
     for d in out:
         if d["maximum_relative_error"] > EM_TOLERANCE:
-            errors.append(f"{d['node_id']}: relative error {d['maximum_relative_error']:.2e} exceeds {EM_TOLERANCE:.0e}")
+            errors.append(
+                f"{d['node_id']}: relative error {d['maximum_relative_error']:.2e} exceeds {EM_TOLERANCE:.0e}"
+            )
         if d["numerics_sample_count"] == 0:
             errors.append(f"{d['node_id']}: no rank recorded a value to compare")
     return out, errors
@@ -416,8 +511,14 @@ def data_source(em: EMInstructions, data: np.ndarray, data_path: str | Path | No
         size = path.stat().st_size
     except OSError:
         size = None
-    return {"kind": "file", "name": path.name, "path": str(data_path), "bytes": size, "rows": int(len(data)),
-            "records_sha256": records_digest(data)}
+    return {
+        "kind": "file",
+        "name": path.name,
+        "path": str(data_path),
+        "bytes": size,
+        "rows": int(len(data)),
+        "records_sha256": records_digest(data),
+    }
 
 
 def _describe_data(source: dict) -> str:
@@ -440,36 +541,72 @@ def model_summary(em: EMInstructions) -> dict:
     shapes = em_model.param_shapes(em.tree)
     return {
         "seq_len": em.tree.seq_len,
-        "nodes": [{"id": n.id, "kind": n.kind, "instances": n.instances, "parameters": {k: list(v) for k, v in shapes.get(n.id, {}).items()}}
-                  for n in em.tree.nodes.values()],
+        "nodes": [
+            {
+                "id": n.id,
+                "kind": n.kind,
+                "instances": n.instances,
+                "parameters": {k: list(v) for k, v in shapes.get(n.id, {}).items()},
+            }
+            for n in em.tree.nodes.values()
+        ],
     }
 
 
 def plan_summary(em: EMInstructions) -> dict:
     plan = em.plan
-    return {"content_digest": em.content_digest, "family": "distribution", "optimizer": "em", "precision": "float64",
-            "global_batch_size": em.global_batch_size, "micro_batch_size": em.micro_batch_size, "seq_len": em.tree.seq_len,
-            "seed": em.seed, "factorisation": plan.factorisation(), "degrees": plan.as_dict()}
+    return {
+        "content_digest": em.content_digest,
+        "family": "distribution",
+        "optimizer": "em",
+        "precision": "float64",
+        "global_batch_size": em.global_batch_size,
+        "micro_batch_size": em.micro_batch_size,
+        "seq_len": em.tree.seq_len,
+        "seed": em.seed,
+        "factorisation": plan.factorisation(),
+        "degrees": plan.as_dict(),
+    }
 
 
-def write_em_checkpoint(root: str | Path, iteration: int, em: EMInstructions, params, lls: list[float], source: dict, *,
-                        run_id: str | None = None) -> Path:
+def write_em_checkpoint(
+    root: str | Path,
+    iteration: int,
+    em: EMInstructions,
+    params,
+    lls: list[float],
+    source: dict,
+    *,
+    run_id: str | None = None,
+) -> Path:
     """Save the whole model after ``iteration`` iterations (``params`` in global coordinates, as
     ``assemble`` returns them; ``lls`` every iteration's log-likelihood so far). Single process."""
     from mixle_compile.runtime import checkpoint as ckpt
 
     if len(lls) != iteration:
-        raise ckpt.CheckpointError(f"an EM checkpoint after {iteration} iteration(s) needs {iteration} log-likelihoods, got {len(lls)}")
+        raise ckpt.CheckpointError(
+            f"an EM checkpoint after {iteration} iteration(s) needs {iteration} log-likelihoods, got {len(lls)}"
+        )
     rows = int(source["rows"])
     manifest = {
         "runtime": EM_RUNTIME,
         "plan": plan_summary(em),
         "mesh": ckpt.mesh_summary(em),
         "model": model_summary(em),
-        "fit": {"iteration": iteration, "log_likelihoods": [float(x) for x in lls],
-                "cut": None if em.cut is None else {"path": em.cut.path, "axis": em.cut.axis, "owners": list(em.cut.owners)}},
+        "fit": {
+            "iteration": iteration,
+            "log_likelihoods": [float(x) for x in lls],
+            "cut": None
+            if em.cut is None
+            else {"path": em.cut.path, "axis": em.cut.axis, "owners": list(em.cut.owners)},
+        },
         # Every iteration fits all records: the data position is the iteration count.
-        "data": {"samples_consumed": iteration * rows, "global_batch_size": rows, "seq_len": em.tree.seq_len, "source": dict(source)},
+        "data": {
+            "samples_consumed": iteration * rows,
+            "global_batch_size": rows,
+            "seq_len": em.tree.seq_len,
+            "source": dict(source),
+        },
     }
     return ckpt.write_array_checkpoint(root, iteration, flat_params(params), manifest, run_id=run_id)
 
@@ -486,7 +623,9 @@ def check_em_resume(manifest: dict, em: EMInstructions, *, source: dict, steps: 
     try:
         return _check_em_resume(manifest, em, source=source, steps=steps, path=path)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise CheckpointError(f"checkpoint {path}: its manifest is malformed ({type(exc).__name__}: {exc}); it cannot be resumed") from None
+        raise CheckpointError(
+            f"checkpoint {path}: its manifest is malformed ({type(exc).__name__}: {exc}); it cannot be resumed"
+        ) from None
 
 
 def _check_em_resume(manifest: dict, em: EMInstructions, *, source: dict, steps: int, path: str | Path) -> int:
@@ -494,8 +633,10 @@ def _check_em_resume(manifest: dict, em: EMInstructions, *, source: dict, steps:
 
     where = f"checkpoint {path}"
     if manifest.get("kind") != ARRAYS_KIND or manifest.get("runtime") != EM_RUNTIME:
-        raise CheckpointError(f"{where} holds {manifest.get('runtime') or manifest.get('kind')!r} state, not an EM fit; "
-                              "a distribution model resumes from the checkpoints of an EM run only")
+        raise CheckpointError(
+            f"{where} holds {manifest.get('runtime') or manifest.get('kind')!r} state, not an EM fit; "
+            "a distribution model resumes from the checkpoints of an EM run only"
+        )
     saved_model = manifest["model"]
     saved = {n["id"]: n for n in saved_model["nodes"]}
     fit = manifest["fit"]
@@ -506,7 +647,9 @@ def _check_em_resume(manifest: dict, em: EMInstructions, *, source: dict, steps:
     new = {n["id"]: n for n in new_model["nodes"]}
     problems = []
     if saved_model.get("seq_len") != new_model["seq_len"]:
-        problems.append(f"training.seq_len is {saved_model.get('seq_len')} in the checkpoint but {new_model['seq_len']} in this plan")
+        problems.append(
+            f"training.seq_len is {saved_model.get('seq_len')} in the checkpoint but {new_model['seq_len']} in this plan"
+        )
     for node_id in [n for n in new if n in saved]:
         a, b = saved[node_id], new[node_id]
         if a.get("kind") != b["kind"]:
@@ -515,29 +658,41 @@ def _check_em_resume(manifest: dict, em: EMInstructions, *, source: dict, steps:
         for name in sorted(set(a.get("parameters", {})) | set(b["parameters"])):
             old_shape, new_shape = a.get("parameters", {}).get(name), b["parameters"].get(name)
             if old_shape != new_shape:
-                problems.append(f"node {node_id!r} has {name} of shape {old_shape} in the checkpoint but {new_shape} in this plan")
+                problems.append(
+                    f"node {node_id!r} has {name} of shape {old_shape} in the checkpoint but {new_shape} in this plan"
+                )
     problems += names_only_in_one("node", list(new), list(saved))
     if problems:
-        raise CheckpointError(f"{where} is of a different model: " + "; ".join(problems) + ". Resume with the spec it was fitted with")
+        raise CheckpointError(
+            f"{where} is of a different model: " + "; ".join(problems) + ". Resume with the spec it was fitted with"
+        )
     for node_id, node in new.items():
         for name, shape in node["parameters"].items():
             entry = arrays.get(f"{node_id}/{name}") if isinstance(arrays, dict) else None
             if entry is None or list(entry.get("shape", ())) != shape:
-                raise CheckpointError(f"{where}: the manifest lists no array {node_id}/{name} of shape {shape}; the checkpoint is incomplete")
+                raise CheckpointError(
+                    f"{where}: the manifest lists no array {node_id}/{name} of shape {shape}; the checkpoint is incomplete"
+                )
     if not _same_data(saved_source, source):
         raise CheckpointError(
             f"{where} was fitted on {_describe_data(saved_source)}, this run reads {_describe_data(source)}; resuming on other "
             "records would not continue the same fit: pass the same --data (or training.seed and global_batch_size)"
         )
     if len(lls) != iteration or iteration < 1:
-        raise CheckpointError(f"{where}: {len(lls)} log-likelihoods recorded for {iteration} iteration(s); the manifest is inconsistent")
+        raise CheckpointError(
+            f"{where}: {len(lls)} log-likelihoods recorded for {iteration} iteration(s); the manifest is inconsistent"
+        )
     if steps <= iteration:
-        raise CheckpointError(f"{where} is at iteration {iteration}; --steps {steps} leaves nothing to run: pass --steps greater than "
-                              f"{iteration} (the total, counting the iterations already done)")
+        raise CheckpointError(
+            f"{where} is at iteration {iteration}; --steps {steps} leaves nothing to run: pass --steps greater than "
+            f"{iteration} (the total, counting the iterations already done)"
+        )
     return iteration
 
 
-def load_em_checkpoint(path: str | Path, em: EMInstructions, *, source: dict, steps: int) -> tuple[dict, int, dict, Path]:
+def load_em_checkpoint(
+    path: str | Path, em: EMInstructions, *, source: dict, steps: int
+) -> tuple[dict, int, dict, Path]:
     """``(manifest, iteration, parameters, step directory)`` of a checkpoint this plan may resume
     (``path``: a step directory, or a root for its latest complete one); refused as ``check_em_resume`` says."""
     from mixle_compile.runtime import checkpoint as ckpt
@@ -545,14 +700,24 @@ def load_em_checkpoint(path: str | Path, em: EMInstructions, *, source: dict, st
     path = ckpt.resolve_checkpoint(path)
     iteration = check_em_resume(ckpt.read_manifest(path), em, source=source, steps=steps, path=path)
     manifest, arrays = ckpt.read_array_checkpoint(path)  # every file against its seal
-    params = {node_id: {name: np.array(arrays[f"{node_id}/{name}"], dtype=np.float64) for name in names}
-              for node_id, names in em_model.param_shapes(em.tree).items()}
+    params = {
+        node_id: {name: np.array(arrays[f"{node_id}/{name}"], dtype=np.float64) for name in names}
+        for node_id, names in em_model.param_shapes(em.tree).items()
+    }
     return manifest, iteration, params, path
 
 
-def run_options(em: EMInstructions, *, steps: int, reference: bool = False, data_path: str | Path | None = None,
-                save_every: int | None = None, checkpoint_dir: str | Path | None = None, keep: int | None = None,
-                resume: str | Path | None = None):
+def run_options(
+    em: EMInstructions,
+    *,
+    steps: int,
+    reference: bool = False,
+    data_path: str | Path | None = None,
+    save_every: int | None = None,
+    checkpoint_dir: str | Path | None = None,
+    keep: int | None = None,
+    resume: str | Path | None = None,
+):
     """Check an EM run before any process starts (torch-free): the ``--data`` file's records and
     the checkpoint options, a resume against this plan. Returns the ``checkpoint.CheckpointOptions``
     (``resume``: the step directory); raises RuntimeRefusal saying what is wrong."""
@@ -569,8 +734,10 @@ def run_options(em: EMInstructions, *, steps: int, reference: bool = False, data
         raise RuntimeRefusal(str(exc)) from None
     if resume is not None:
         if reference:
-            raise RuntimeRefusal("--reference fits the single-process reference from the initial parameters, so it cannot check a resumed "
-                                 "fit; drop --reference or --resume")
+            raise RuntimeRefusal(
+                "--reference fits the single-process reference from the initial parameters, so it cannot check a resumed "
+                "fit; drop --reference or --resume"
+            )
         path = ckpt.resolve_checkpoint(resume)
         check_em_resume(ckpt.read_manifest(path), em, source=data_source(em, data, data_path), steps=steps, path=path)
         ckpt.verify_checkpoint(path)  # every file against its seal, before any rank starts
@@ -586,7 +753,9 @@ class EMRank:
     checkpoint ``resume``. ``steps`` is the total: a fit resumed after iteration k runs iterations
     k .. steps - 1."""
 
-    def __init__(self, doc, *, steps: int, out_dir: Path, reference: bool, data_path: str | None, progress: bool, checkpoints) -> None:
+    def __init__(
+        self, doc, *, steps: int, out_dir: Path, reference: bool, data_path: str | None, progress: bool, checkpoints
+    ) -> None:
         self.doc, self.steps, self.out_dir, self.reference, self.data_path = doc, steps, out_dir, reference, data_path
         self.progress, self.checkpoints = progress, checkpoints
         self.every = checkpoints.every if checkpoints.saves else None
@@ -604,12 +773,21 @@ class EMRank:
         self.source = data_source(em, self.data, self.data_path)
         if self.checkpoints.resume is not None:
             if self.reference:
-                raise RuntimeRefusal("--reference fits the single-process reference from the initial parameters; it cannot check a resumed fit")
+                raise RuntimeRefusal(
+                    "--reference fits the single-process reference from the initial parameters; it cannot check a resumed fit"
+                )
             t0 = time.perf_counter()
-            manifest, first, params0, path = load_em_checkpoint(self.checkpoints.resume, em, source=self.source, steps=self.steps)
+            manifest, first, params0, path = load_em_checkpoint(
+                self.checkpoints.resume, em, source=self.source, steps=self.steps
+            )
             self.start, self.before = (first, params0), list(manifest["fit"]["log_likelihoods"])
-            self.resumed = {"path": str(path), "step": first, "plan_digest": manifest["plan"]["content_digest"], "mesh": manifest["mesh"],
-                            "load_s": time.perf_counter() - t0}
+            self.resumed = {
+                "path": str(path),
+                "step": first,
+                "plan_digest": manifest["plan"]["content_digest"],
+                "mesh": manifest["mesh"],
+                "load_s": time.perf_counter() - t0,
+            }
         return em.plan.world_size
 
     def open(self, mesh) -> None:
@@ -628,18 +806,31 @@ class EMRank:
 
         t0 = time.perf_counter()
         # Under a cut each rank holds its own units: rank 0 assembles them in global coordinates.
-        parts = comm.bookkeeping_gather_object({"tp": self.tp_coord, "params": params} if em.cut else None, name="checkpoint:gather")
+        parts = comm.bookkeeping_gather_object(
+            {"tp": self.tp_coord, "params": params} if em.cut else None, name="checkpoint:gather"
+        )
         if self.rank == 0:
             whole = assemble(em, parts) if em.cut else params
-            path = write_em_checkpoint(checkpoints.root, done, em, whole, self.before + lls, self.source, run_id=checkpoints.run_id)
+            path = write_em_checkpoint(
+                checkpoints.root, done, em, whole, self.before + lls, self.source, run_id=checkpoints.run_id
+            )
             self.saved.append({"step": done, "path": str(path), "save_s": time.perf_counter() - t0})
             if checkpoints.keep:
                 prune_checkpoints(checkpoints.root, checkpoints.keep, run_id=checkpoints.run_id)
         comm.barrier("checkpoint:committed")
 
     def train(self, receipts) -> None:
-        self.record = fit_rank(self.em, self.comm, self.mesh, self.data, self.steps, receipts=receipts,
-                               progress=self.progress and self.rank == 0, start=self.start, after_iteration=self.save)
+        self.record = fit_rank(
+            self.em,
+            self.comm,
+            self.mesh,
+            self.data,
+            self.steps,
+            receipts=receipts,
+            progress=self.progress and self.rank == 0,
+            start=self.start,
+            after_iteration=self.save,
+        )
 
     def gather(self, ledgers: list | None) -> None:
         from mixle_compile.runtime.collectives import Collectives, Ledger
@@ -670,21 +861,47 @@ class EMRank:
         errors = list(account["errors"]) + monotone_violations(history)
         if any(rec["lls"] != lls for rec in records):
             errors.append("the ranks disagree on the log-likelihood")
-        if self.repeat_ledgers is not None and [lg["updates"] for lg in self.repeat_ledgers] != [lg["updates"] for lg in ledgers]:
+        if self.repeat_ledgers is not None and [lg["updates"] for lg in self.repeat_ledgers] != [
+            lg["updates"] for lg in ledgers
+        ]:
             errors.append("the repeated fit issued different collectives from the first")
         root = self.checkpoints.root
         report = {
             "ok": False,
             "errors": errors,
-            "warnings": [] if em.precision in ("fp32", "fp64") else [f"training.precision={em.precision!r}: EM runs in float64 regardless"],
-            "plan": {"content_digest": em.content_digest, "world_size": em.plan.world_size, "factorisation": em.plan.factorisation(),
-                     "degrees": em.plan.as_dict(), "family": "distribution", "precision": "float64", "optimizer": "em"},
-            "run": {"steps": ran, "first_step": first, "last_step": steps, "resumed_from": self.resumed,
-                    "checkpoints": {"root": str(root) if root is not None else None, "every": self.every, "saved": self.saved},
-                    "train_s": train_s, "wall_s": train_s, "fit_s": max(rec["wall_s"] for rec in records),
-                    "data": str(self.data_path) if self.data_path else "synthetic", "torch": torch.__version__, "rows": int(len(data)),
-                    "model": em.describe(),
-                    "cut": None if em.cut is None else {"path": em.cut.path, "axis": em.cut.axis, "owners": list(em.cut.owners)}},
+            "warnings": []
+            if em.precision in ("fp32", "fp64")
+            else [f"training.precision={em.precision!r}: EM runs in float64 regardless"],
+            "plan": {
+                "content_digest": em.content_digest,
+                "world_size": em.plan.world_size,
+                "factorisation": em.plan.factorisation(),
+                "degrees": em.plan.as_dict(),
+                "family": "distribution",
+                "precision": "float64",
+                "optimizer": "em",
+            },
+            "run": {
+                "steps": ran,
+                "first_step": first,
+                "last_step": steps,
+                "resumed_from": self.resumed,
+                "checkpoints": {
+                    "root": str(root) if root is not None else None,
+                    "every": self.every,
+                    "saved": self.saved,
+                },
+                "train_s": train_s,
+                "wall_s": train_s,
+                "fit_s": max(rec["wall_s"] for rec in records),
+                "data": str(self.data_path) if self.data_path else "synthetic",
+                "torch": torch.__version__,
+                "rows": int(len(data)),
+                "model": em.describe(),
+                "cut": None
+                if em.cut is None
+                else {"path": em.cut.path, "axis": em.cut.axis, "owners": list(em.cut.owners)},
+            },
             # `losses` keeps the neural report's shape: the negative mean log-likelihood per row.
             "losses": [-ll / len(data) for ll in lls],
             "log_likelihoods": lls,
@@ -701,8 +918,12 @@ class EMRank:
             report["errors"] += ev_errors
             if any(u["determinism_observed"] is False for u in updates):
                 report["errors"].append("the repeated fit reduced different values from the first")
-            report["evidence"] = {"tolerance": EM_TOLERANCE, "run_id": f"em-{em.content_digest.removeprefix('sha256:')[:12]}-{steps}",
-                                  "updates": updates, "fit_max_relative_error": fit_error(assemble(em, records), ref[0]),
-                                  "reference_log_likelihoods": ref[1]}
+            report["evidence"] = {
+                "tolerance": EM_TOLERANCE,
+                "run_id": f"em-{em.content_digest.removeprefix('sha256:')[:12]}-{steps}",
+                "updates": updates,
+                "fit_max_relative_error": fit_error(assemble(em, records), ref[0]),
+                "reference_log_likelihoods": ref[1],
+            }
         report["ok"] = not report["errors"]
         return report

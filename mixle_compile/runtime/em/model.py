@@ -45,12 +45,24 @@ hands it to each of its steps; a length node receives the weight of its sequence
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
-from mixle_compile.spec.models import HMM, Categorical, Composite, Exponential, Gaussian, Mixture, Poisson, Ref, Sequence, Transitions
+from mixle_compile.spec.models import (
+    HMM,
+    Categorical,
+    Composite,
+    Exponential,
+    Gaussian,
+    Mixture,
+    Poisson,
+    Ref,
+    Sequence,
+    Transitions,
+)
 
 LOG_2PI = float(np.log(2.0 * np.pi))
 # Below this weight an instance keeps its parameters (its maximiser is undefined).
@@ -71,7 +83,9 @@ class TreeNode:
     width: int = 0  # columns of one record of this node (an hmm: steps x emission columns)
     children: list[tuple[TreeNode, int]] = field(default_factory=list)  # (child, instances per own instance)
     transitions: TreeNode | None = None  # an hmm's transitions node (None: its own)
-    length: TreeNode | None = None  # an hmm's or a sequence's length distribution (None: every sequence has seq_len steps)
+    length: TreeNode | None = (
+        None  # an hmm's or a sequence's length distribution (None: every sequence has seq_len steps)
+    )
     shared: bool = False
 
     def linked(self) -> list[TreeNode]:
@@ -169,7 +183,9 @@ def build_tree(model, seq_len: int | None) -> Tree:
             widths = {c.width for c, _ in node.children}
             if len(widths) != 1:
                 kinds = ", ".join(f"{c.kind} ({c.width} column{'s' if c.width != 1 else ''})" for c, _ in node.children)
-                raise ModelError(f"{node_id}: the components of a mixture must read the same record; these read {kinds}")
+                raise ModelError(
+                    f"{node_id}: the components of a mixture must read the same record; these read {kinds}"
+                )
             node.width = widths.pop()
         elif isinstance(spec, Composite):
             for j, f in enumerate(spec.factors):
@@ -178,14 +194,18 @@ def build_tree(model, seq_len: int | None) -> Tree:
             node.width = sum(c.width for c, _ in node.children)
         elif isinstance(spec, HMM):
             if seq_len is None:
-                raise ModelError(f"{node_id}: an hmm reads sequences of up to training.seq_len steps; set training.seq_len")
+                raise ModelError(
+                    f"{node_id}: an hmm reads sequences of up to training.seq_len steps; set training.seq_len"
+                )
             s = spec.num_states
             add_children(node, spec.emission, "emission", s, spec.emissions, "emissions", depth)
             widths = {c.width for c, _ in node.children}
             if len(widths) != 1:
                 raise ModelError(f"{node_id}: the emissions of an hmm must read the same columns")
             if any(c.kind in STEPPED or _contains_steps(c) for c, _ in node.children):
-                raise ModelError(f"{node_id}: an hmm's emissions cannot contain another hmm or a sequence (one training.seq_len)")
+                raise ModelError(
+                    f"{node_id}: an hmm's emissions cannot contain another hmm or a sequence (one training.seq_len)"
+                )
             add_length(node, spec.length, depth)
             if spec.transitions is not None:
                 tid, tspec, ts = resolve(spec.transitions, f"{node_id}.transitions")
@@ -202,7 +222,9 @@ def build_tree(model, seq_len: int | None) -> Tree:
             base = visit(bid, bspec, copies, bs, depth + 1)
             node.children.append((base, 1))
             if base.kind in STEPPED or _contains_steps(base):
-                raise ModelError(f"{node_id}: a sequence's base cannot contain an hmm or another sequence (one training.seq_len)")
+                raise ModelError(
+                    f"{node_id}: a sequence's base cannot contain an hmm or another sequence (one training.seq_len)"
+                )
             add_length(node, spec.length, depth)
             node.width = (1 if node.length else 0) + seq_len * base.width
         else:
@@ -216,8 +238,10 @@ def build_tree(model, seq_len: int | None) -> Tree:
         lid, lspec, ls = resolve(length, f"{node.id}.length")
         node.length = visit(lid, lspec, node.instances, ls, depth + 1)
         if node.length.width != 1 or node.length.kind in STEPPED or _contains_steps(node.length):
-            raise ModelError(f"{lid}: a length distribution reads one column (each sequence's number of steps); "
-                             f"this {node.length.kind} reads {node.length.width}")
+            raise ModelError(
+                f"{lid}: a length distribution reads one column (each sequence's number of steps); "
+                f"this {node.length.kind} reads {node.length.width}"
+            )
 
     root_id, root_spec, root_shared = resolve(model.root, "model.root")
     if isinstance(root_spec, Transitions):
@@ -309,8 +333,10 @@ def initial_params(tree: Tree, data: np.ndarray, seed: int) -> Params:
             params[node.id] = {"rates": rng.uniform(0.5, 1.5, size=(n, s.dim)) / np.maximum(x.mean(axis=0), 1e-6)}
         elif node.kind == "transitions" or (node.kind == "hmm" and node.transitions is None):
             k = s.num_states
-            params[node.id] = {"initial": rng.dirichlet(np.full(k, 5.0), size=n),
-                               "transition": rng.dirichlet(np.full(k, 5.0), size=(n, k))}
+            params[node.id] = {
+                "initial": rng.dirichlet(np.full(k, 5.0), size=n),
+                "transition": rng.dirichlet(np.full(k, 5.0), size=(n, k)),
+            }
         # Values the spec states (a model read from mixle keeps its own) replace the seeded start;
         # the draws above are made all the same, so the nodes that state none start as before.
         for name, value in stated_values(node).items():
@@ -388,8 +414,10 @@ def true_params(tree: Tree, seed: int) -> Params:
         elif node.kind == "transitions" or (node.kind == "hmm" and node.transitions is None):
             k = s.num_states
             trans = rng.dirichlet(np.full(k, 1.0), size=(n, k)) + 4.0 * np.eye(k)
-            params[node.id] = {"initial": rng.dirichlet(np.full(k, 2.0), size=n),
-                               "transition": trans / trans.sum(axis=2, keepdims=True)}
+            params[node.id] = {
+                "initial": rng.dirichlet(np.full(k, 2.0), size=n),
+                "transition": trans / trans.sum(axis=2, keepdims=True),
+            }
     return params
 
 
@@ -410,7 +438,11 @@ def sample(tree: Tree, params: Params, rows: int, seed: int) -> np.ndarray:
                 out[rows_k] = draw(child, ci)
             return out
         if node.kind == "composite":
-            return np.hstack([draw(*_unit(node, j, inst)) for j in range(len(node.children))]) if n else np.zeros((0, node.width))
+            return (
+                np.hstack([draw(*_unit(node, j, inst)) for j in range(len(node.children))])
+                if n
+                else np.zeros((0, node.width))
+            )
         if node.kind in STEPPED:
             return draw_steps(node, inst)
         if node.kind == "gaussian":
@@ -476,7 +508,9 @@ def describe_columns(tree: Tree) -> str:
         lengths = [n.id for n in stepped if n.length is not None]
         first = f"; {', '.join(lengths)}: the number of steps first, then the steps" if lengths else ""
         return f"sequences of training.seq_len={tree.seq_len} steps, flattened step-major{first}"
-    return ", ".join(f"{n.id}: {n.width}" for n in tree.nodes.values() if not n.children and n.width) or "one per column"
+    return (
+        ", ".join(f"{n.id}: {n.width}" for n in tree.nodes.values() if not n.children and n.width) or "one per column"
+    )
 
 
 def check_records(tree: Tree, data: np.ndarray, where: str) -> None:
@@ -486,17 +520,25 @@ def check_records(tree: Tree, data: np.ndarray, where: str) -> None:
         x = views.get(node.id)
         if x is not None and node.kind in STEPPED and node.length is not None:
             lengths = x[:, 0]
-            if not np.all(np.isfinite(lengths)) or np.any(np.mod(lengths, 1) != 0) or lengths.min(initial=0) < 0 \
-                    or lengths.max(initial=0) > tree.seq_len:
-                raise ModelError(f"{where}: the first column of {node.id} is each sequence's number of steps: "
-                                 f"integers in [0, {tree.seq_len}] (training.seq_len)")
+            if (
+                not np.all(np.isfinite(lengths))
+                or np.any(np.mod(lengths, 1) != 0)
+                or lengths.min(initial=0) < 0
+                or lengths.max(initial=0) > tree.seq_len
+            ):
+                raise ModelError(
+                    f"{where}: the first column of {node.id} is each sequence's number of steps: "
+                    f"integers in [0, {tree.seq_len}] (training.seq_len)"
+                )
     for node in tree.nodes.values():
         x = views.get(node.id)
         if x is None or node.kind not in ("categorical", "poisson", "exponential", "gaussian"):
             continue
         if not np.all(np.isfinite(x)):
             raise ModelError(f"{where}: the columns of {node.id} hold non-finite values")
-        if node.kind == "categorical" and (np.any(np.mod(x, 1) != 0) or x.min(initial=0) < 0 or x.max(initial=0) >= node.spec.num_values):
+        if node.kind == "categorical" and (
+            np.any(np.mod(x, 1) != 0) or x.min(initial=0) < 0 or x.max(initial=0) >= node.spec.num_values
+        ):
             raise ModelError(f"{where}: categorical data for {node.id} must be integers in [0, {node.spec.num_values})")
         if node.kind == "poisson" and (np.any(np.mod(x, 1) != 0) or x.min(initial=0) < 0):
             raise ModelError(f"{where}: poisson data for {node.id} must be non-negative integers")
@@ -668,7 +710,12 @@ def _score_hmm(tree: Tree, node: TreeNode, inst: int, x: np.ndarray, sc: Scoring
         row = sc.stats[t_node.id][t_inst]
         row[:s] += gamma[:, 0].sum(axis=0)
         if t_len > 1:
-            xi = np.exp(alpha[:, :-1, :, None] + log_a[None, None] + (b[:, 1:] + beta[:, 1:])[:, :, None, :] - chain[:, None, None, None])
+            xi = np.exp(
+                alpha[:, :-1, :, None]
+                + log_a[None, None]
+                + (b[:, 1:] + beta[:, 1:])[:, :, None, :]
+                - chain[:, None, None, None]
+            )
             row[s:] += np.einsum("nt,ntij->ij", w[:, None] * mask[:, 1:], xi).ravel()
         occupancy = gamma[mask]
         for state, (_, child_acc) in enumerate(emitted):
@@ -693,8 +740,14 @@ def _lse(a: np.ndarray, axis: int) -> np.ndarray:
 # -- the M-step -----------------------------------------------------------------------------
 
 
-def m_step(tree: Tree, old: Params, stats: Stats, *, keep: Callable[[str], np.ndarray | None] = lambda node_id: None,
-           totals: dict[str, float] | None = None) -> Params:
+def m_step(
+    tree: Tree,
+    old: Params,
+    stats: Stats,
+    *,
+    keep: Callable[[str], np.ndarray | None] = lambda node_id: None,
+    totals: dict[str, float] | None = None,
+) -> Params:
     """The maximiser given every node's summed statistics. ``keep(node_id)`` is a mask of entries
     (instances; the cut node: its units) this rank does not own and must leave as they are.
     ``totals``: the weight that reached a mixture when this rank sees only some of its
@@ -707,7 +760,11 @@ def m_step(tree: Tree, old: Params, stats: Stats, *, keep: Callable[[str], np.nd
         st = stats.get(node.id)
         s = node.spec
         if node.kind == "mixture":
-            total = st.sum(axis=1, keepdims=True) if node.id not in (totals or {}) else np.full((len(st), 1), float(totals[node.id]))
+            total = (
+                st.sum(axis=1, keepdims=True)
+                if node.id not in (totals or {})
+                else np.full((len(st), 1), float(totals[node.id]))
+            )
             alive = total[:, 0] > MIN_WEIGHT
             p["weights"][alive] = st[alive] / total[alive]
         elif node.kind == "gaussian":
@@ -772,7 +829,9 @@ def chunks_of(x: np.ndarray, size: int) -> list[np.ndarray]:
     return [x[start : start + step] for start in range(0, len(x), step)] or [x]
 
 
-def reference_fit(tree: Tree, data: np.ndarray, steps: int, *, seed: int, micro_batch_size: int, record: str | None = None):
+def reference_fit(
+    tree: Tree, data: np.ndarray, steps: int, *, seed: int, micro_batch_size: int, record: str | None = None
+):
     """EM on all rows in one process: (parameters, log-likelihoods, per iteration the statistics,
     and with ``record`` every row's (max, sum) at that node)."""
     params = initial_params(tree, data, seed)

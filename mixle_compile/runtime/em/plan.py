@@ -25,14 +25,14 @@ Every collective the EM worker issues is one of the plan's updates:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Mapping
 
 from mixle_compile.contracts import ParallelPlan
-from mixle_compile.plan.vocabulary import DATA_PARALLEL_AXES, STATISTICS, Axis, UpdateId, UpdateIdError, rule_name
 from mixle_compile.plan.artifact import plan_spec
 from mixle_compile.plan.document import PlanDocument
+from mixle_compile.plan.vocabulary import DATA_PARALLEL_AXES, STATISTICS, Axis, UpdateId, UpdateIdError, rule_name
 from mixle_compile.runtime.em.model import ModelError, Tree, TreeNode, build_tree
 from mixle_compile.runtime.errors import RuntimeRefusal
 from mixle_compile.runtime.instructions import Collective
@@ -151,7 +151,9 @@ def _statistics_of(node_id: str) -> str | None:
 def read_em_instructions(doc: PlanDocument) -> EMInstructions:
     """The plan as EM instructions; raises RuntimeRefusal naming what this runtime cannot execute."""
     if not doc.verdict.ok:
-        raise RuntimeRefusal(f"the plan did not verify ({doc.verdict.errors} error(s)); fix the spec and recompile instead of running it")
+        raise RuntimeRefusal(
+            f"the plan did not verify ({doc.verdict.errors} error(s)); fix the spec and recompile instead of running it"
+        )
     spec = plan_spec(doc)
     plan = ParallelPlan.from_dict(doc.mesh.degrees)
     model = spec.model
@@ -159,7 +161,9 @@ def read_em_instructions(doc: PlanDocument) -> EMInstructions:
         raise RuntimeRefusal(f"not a distribution model: {model.family!r}")
     later = [f"{a}={plan.size(a)}" for a in (Axis.PP, Axis.CP, Axis.EP, Axis.ETP) if plan.size(a) > 1]
     if later:
-        raise RuntimeRefusal(f"a distribution model is fitted by EM over data ranks and a tp cut only; the plan has {', '.join(later)}")
+        raise RuntimeRefusal(
+            f"a distribution model is fitted by EM over data ranks and a tp cut only; the plan has {', '.join(later)}"
+        )
     t = spec.training
     try:
         tree = build_tree(model, t.seq_len)
@@ -168,9 +172,17 @@ def read_em_instructions(doc: PlanDocument) -> EMInstructions:
     collectives = {}
     for u in doc.updates:
         collectives[u.node_id] = Collective(
-            node_id=u.node_id, collective=u.collective, axes=tuple(u.mesh_axes), rule=rule_name(u.mesh_axes) if u.mesh_axes else "",
-            phase=u.phase, stage=u.stage, tensor=u.tensor, payload_bytes=u.payload_bytes, group_size=u.group_size,
-            occurrences_per_step=u.occurrences_per_step, divisor=u.gradient_divisor,
+            node_id=u.node_id,
+            collective=u.collective,
+            axes=tuple(u.mesh_axes),
+            rule=rule_name(u.mesh_axes) if u.mesh_axes else "",
+            phase=u.phase,
+            stage=u.stage,
+            tensor=u.tensor,
+            payload_bytes=u.payload_bytes,
+            group_size=u.group_size,
+            occurrences_per_step=u.occurrences_per_step,
+            divisor=u.gradient_divisor,
         )
     cut = _read_cut(doc, tree, plan) if plan.tp > 1 else None
     roles = _roles(tree, cut)
@@ -181,25 +193,37 @@ def read_em_instructions(doc: PlanDocument) -> EMInstructions:
     statistics = []
     for node_id, c in collectives.items():
         if c.collective != "all_reduce":
-            raise RuntimeRefusal(f"the plan declares {node_id!r} as {c.collective}; the EM runtime executes all_reduce only")
+            raise RuntimeRefusal(
+                f"the plan declares {node_id!r} as {c.collective}; the EM runtime executes all_reduce only"
+            )
         if node_id in known:
             continue
         subject = _statistics_of(node_id)
         node = tree.nodes.get(subject) if subject is not None else None
         if node is None or not node.stat_width():
-            raise RuntimeRefusal(f"the plan declares the collective {node_id!r} (over {', '.join(c.axes)}), which the EM runtime does not execute")
+            raise RuntimeRefusal(
+                f"the plan declares the collective {node_id!r} (over {', '.join(c.axes)}), which the EM runtime does not execute"
+            )
         statistics.append(_statistics_update(node_id, node, c, roles, cut, owners.get(node.id), plan))
     data_axes = tuple(a for a in DATA_PARALLEL_AXES if plan.size(a) > 1)
-    spanning = [n for n, (role, _) in roles.items() if role == "spanning" and str(UpdateId.statistics(n)) not in collectives]
+    spanning = [
+        n for n, (role, _) in roles.items() if role == "spanning" and str(UpdateId.statistics(n)) not in collectives
+    ]
     if spanning:
-        raise RuntimeRefusal(f"units on several tp ranks add to the statistics of {', '.join(spanning)}, but the plan never sums them over tp")
+        raise RuntimeRefusal(
+            f"units on several tp ranks add to the statistics of {', '.join(spanning)}, but the plan never sums them over tp"
+        )
     if data_axes:
         missing = [n.id for n in tree.with_statistics() if str(UpdateId.statistics(n.id)) not in collectives]
         if missing:
-            raise RuntimeRefusal(f"the plan never reduces the statistics of {', '.join(missing)} over {', '.join(data_axes)}; recompile the spec")
+            raise RuntimeRefusal(
+                f"the plan never reduces the statistics of {', '.join(missing)} over {', '.join(data_axes)}; recompile the spec"
+            )
     rows = t.global_batch_size
     if plan.data_parallel_size > rows:
-        raise RuntimeRefusal(f"training.global_batch_size={rows} gives fewer rows than the {plan.data_parallel_size} data ranks")
+        raise RuntimeRefusal(
+            f"training.global_batch_size={rows} gives fewer rows than the {plan.data_parallel_size} data ranks"
+        )
     micro_steps = plan.microbatches * plan.gradient_accumulation_steps
     if cut is not None and -(-rows // plan.data_parallel_size) > micro_steps * t.micro_batch_size:
         raise RuntimeRefusal(
@@ -207,9 +231,19 @@ def read_em_instructions(doc: PlanDocument) -> EMInstructions:
             f"do not fit {micro_steps} micro-batch(es) of micro_batch_size={t.micro_batch_size}; raise micro_batch_size"
         )
     return EMInstructions(
-        spec=spec, plan=plan, content_digest=doc.content_digest, tree=tree, seed=t.seed, steps=t.steps,
-        global_batch_size=rows, micro_batch_size=t.micro_batch_size, precision=t.precision,
-        collectives=MappingProxyType(collectives), statistics=tuple(statistics), cut=cut, roles=MappingProxyType(roles),
+        spec=spec,
+        plan=plan,
+        content_digest=doc.content_digest,
+        tree=tree,
+        seed=t.seed,
+        steps=t.steps,
+        global_batch_size=rows,
+        micro_batch_size=t.micro_batch_size,
+        precision=t.precision,
+        collectives=MappingProxyType(collectives),
+        statistics=tuple(statistics),
+        cut=cut,
+        roles=MappingProxyType(roles),
         micro_steps=micro_steps,
     )
 
@@ -220,15 +254,21 @@ def _read_cut(doc: PlanDocument, tree: Tree, plan: ParallelPlan) -> Cut:
     node = tree.nodes.get(path)
     expected = {"component": ("mixture", "logsumexp"), "factor": ("composite", "sum")}.get(axis)
     if node is None or expected is None or (node.kind, dec.get("reduction")) != expected:
-        raise RuntimeRefusal(f"the EM runtime executes a cut of a mixture's components or a composite's factors over tp; this plan cuts "
-                             f"{axis!r} at {path!r}")
+        raise RuntimeRefusal(
+            f"the EM runtime executes a cut of a mixture's components or a composite's factors over tp; this plan cuts "
+            f"{axis!r} at {path!r}"
+        )
     if node.shared or node.instances != 1:
-        raise RuntimeRefusal(f"{path} is held {'as a shared node' if node.shared else f'{node.instances} times'}; the EM runtime cuts a node "
-                             f"held once")
+        raise RuntimeRefusal(
+            f"{path} is held {'as a shared node' if node.shared else f'{node.instances} times'}; the EM runtime cuts a node "
+            f"held once"
+        )
     chain = _parents(tree).get(path, [])
     if any(tree.nodes[p].kind != "composite" for p in chain):
-        raise RuntimeRefusal(f"{path} is reached through {', '.join(tree.nodes[p].kind for p in chain if tree.nodes[p].kind != 'composite')}; "
-                             f"the EM runtime cuts a node reached from the root through composites only")
+        raise RuntimeRefusal(
+            f"{path} is reached through {', '.join(tree.nodes[p].kind for p in chain if tree.nodes[p].kind != 'composite')}; "
+            f"the EM runtime cuts a node reached from the root through composites only"
+        )
     k = node.num_units
     permutation = dec.get("permutation") or list(range(k))
     owners = [-1] * k
@@ -287,7 +327,9 @@ def _roles(tree: Tree, cut: Cut | None) -> dict[str, tuple[str, int | None]]:
     for n, units in units_of.items():
         node = tree.nodes[n]
         if n in reached_outside:
-            raise RuntimeRefusal(f"{n} is used both inside and outside the cut of {cut.path}; the EM runtime does not execute that cut")
+            raise RuntimeRefusal(
+                f"{n} is used both inside and outside the cut of {cut.path}; the EM runtime does not execute that cut"
+            )
         if node.shared:
             owners = {cut.owners[u] for u in units}
             roles[n] = ("spanning", None) if len(units) > 1 else ("owned", owners.pop())
@@ -300,7 +342,9 @@ def _roles(tree: Tree, cut: Cut | None) -> dict[str, tuple[str, int | None]]:
     return roles
 
 
-def _statistics_update(update: str, node: TreeNode, c: Collective, roles, cut: Cut | None, plan_owner: int | None, plan: ParallelPlan) -> StatisticsUpdate:
+def _statistics_update(
+    update: str, node: TreeNode, c: Collective, roles, cut: Cut | None, plan_owner: int | None, plan: ParallelPlan
+) -> StatisticsUpdate:
     role, owner = roles.get(node.id, ("whole", None))
     width = node.stat_width()
     rows_per_unit = 0
@@ -317,10 +361,16 @@ def _statistics_update(update: str, node: TreeNode, c: Collective, roles, cut: C
             f"({elements} elements); recompile the spec with this version"
         )
     if role == "owned" and plan_owner is not None and plan_owner != owner:
-        raise RuntimeRefusal(f"the plan places {node.id} on tp rank {plan_owner}, but the cut gives its unit to tp rank {owner}")
+        raise RuntimeRefusal(
+            f"the plan places {node.id} on tp rank {plan_owner}, but the cut gives its unit to tp rank {owner}"
+        )
     if ("tp" in c.axes) != (role == "spanning"):
         raise RuntimeRefusal(
             f"the plan reduces {update} over {', '.join(c.axes)}, but "
-            + ("units on several tp ranks add to it, so it must be summed over tp too" if role == "spanning" else "no two tp ranks hold parts of it")
+            + (
+                "units on several tp ranks add to it, so it must be summed over tp too"
+                if role == "spanning"
+                else "no two tp ranks hold parts of it"
+            )
         )
     return StatisticsUpdate(update, node.id, role, elements, owner if role == "owned" else None, rows_per_unit)

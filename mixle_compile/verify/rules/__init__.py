@@ -13,14 +13,17 @@ Each module holds the rules of one topic; codes are grouped by letter:
 """
 
 from mixle_compile.verify.rule import RULES
+
 # Imported in catalogue order (the order `mixle-compile rules` lists them).
-from mixle_compile.verify.rules import mesh  # noqa: F401, I001
-from mixle_compile.verify.rules import experts  # noqa: F401
-from mixle_compile.verify.rules import shapes  # noqa: F401
-from mixle_compile.verify.rules import pipeline  # noqa: F401
-from mixle_compile.verify.rules import batch  # noqa: F401
-from mixle_compile.verify.rules import sequence  # noqa: F401
-from mixle_compile.verify.rules import backend  # noqa: F401
-from mixle_compile.verify.rules import memory  # noqa: F401
+from mixle_compile.verify.rules import (
+    backend,  # noqa: F401
+    batch,  # noqa: F401
+    experts,  # noqa: F401
+    memory,  # noqa: F401
+    mesh,  # noqa: F401, I001
+    pipeline,  # noqa: F401
+    sequence,  # noqa: F401
+    shapes,  # noqa: F401
+)
 
 __all__ = ["RULES"]

@@ -7,9 +7,9 @@ these rules follow whatever a backend declares rather than a list kept here.
 
 from __future__ import annotations
 
-from mixle_compile.spec.kinds import Engine
 from mixle_compile.contracts import ParallelAxis
 from mixle_compile.diagnostics import Severity
+from mixle_compile.spec.kinds import Engine
 from mixle_compile.verify.facts import PRECISIONS
 from mixle_compile.verify.logic import all_of, implies, negation, truth
 from mixle_compile.verify.rule import EVERY_FAMILY, MODULES, Rule, define
@@ -69,7 +69,9 @@ PRECISION = define(
         explain=lambda x: (
             f"backend {x.facts.backend} trains in {alternatives(_supported(x.facts.capabilities)).replace(' or ', ' and ')}, not {x.precision}"
         ),
-        hint=lambda x: f"use precision: {'bf16' if 'bf16' in _supported(x.facts.capabilities) else _supported(x.facts.capabilities)[0]}",
+        hint=lambda x: (
+            f"use precision: {'bf16' if 'bf16' in _supported(x.facts.capabilities) else _supported(x.facts.capabilities)[0]}"
+        ),
         fields=("precision",),
         context=("backend",),
         families=EVERY_FAMILY,
@@ -97,7 +99,10 @@ AXIS_COMBINATION = define(
         ),
         engine_reference="the backend's declared `BackendCapabilities.incompatible_axis_sets`",
         constraint=lambda v: all_of(
-            *[negation(all_of(*[_degree(v, a.value) > 1 for a in axes])) for axes in v.facts.capabilities.incompatible_axis_sets]
+            *[
+                negation(all_of(*[_degree(v, a.value) > 1 for a in axes]))
+                for axes in v.facts.capabilities.incompatible_axis_sets
+            ]
         ),
         explain=lambda x: f"backend {x.facts.backend} cannot run the axes {' and '.join(_clashes(x))} together",
         hint=lambda x: "set one axis of each listed set to 1",
@@ -144,7 +149,9 @@ ELASTIC = define(
             v.elastic,
             truth(v.facts.capabilities.elastic_restart and v.facts.capabilities.reshardable_checkpoint),
         ),
-        explain=lambda x: f"backend {x.facts.backend} declares no {' and no '.join(_elastic_missing(x.facts.capabilities)).replace('_', ' ')}",
+        explain=lambda x: (
+            f"backend {x.facts.backend} declares no {' and no '.join(_elastic_missing(x.facts.capabilities)).replace('_', ' ')}"
+        ),
         hint=lambda x: "remove the elastic section, or use a backend that restarts at a new world size",
         fields=("elastic",),
         context=("backend",),
@@ -231,7 +238,9 @@ FP64_DISTRIBUTION_ONLY = define(
         ),
         engine_reference="torch runtime: mixle_compile/runtime/model.py compute_dtype; mixle: every fit is float64",
         constraint=lambda v: negation(v.is_("precision", "fp64")),
-        explain=lambda x: f"training.precision fp64 is for distribution models; a {x.facts.family} model trains in fp32 or a lower precision",
+        explain=lambda x: (
+            f"training.precision fp64 is for distribution models; a {x.facts.family} model trains in fp32 or a lower precision"
+        ),
         hint=lambda x: "use precision: fp32 (or bf16)",
         fields=("precision",),
     )

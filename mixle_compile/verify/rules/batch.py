@@ -51,8 +51,9 @@ GLOBAL_BATCH = define(
             "Megatron-LM `validate_args` (global batch divisible by micro batch * data-parallel size); "
             "DeepSpeed `_batch_assertion` (train_batch_size = micro_batch * gas * dp world size), issues #5410, #3228"
         ),
-        constraint=lambda v: v.global_batch_size
-        == v.micro_batch_size * v.microbatches * v.gradient_accumulation_steps * v.data_parallel,
+        constraint=lambda v: (
+            v.global_batch_size == v.micro_batch_size * v.microbatches * v.gradient_accumulation_steps * v.data_parallel
+        ),
         explain=_explain,
         hint=_hint,
         fields=(

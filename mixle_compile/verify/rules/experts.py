@@ -25,8 +25,8 @@ EXPERT_TENSOR_PARALLEL = define(
             "process group to run on."
         ),
         engine_reference=(
-            "torchtitan 0.2 torchtitan/distributed/parallel_dims.py `ParallelDims._validate`: \"Currently we only "
-            "support ETP=TP or ETP=1\" (0.3 has no etp: E010)"
+            'torchtitan 0.2 torchtitan/distributed/parallel_dims.py `ParallelDims._validate`: "Currently we only '
+            'support ETP=TP or ETP=1" (0.3 has no etp: E010)'
         ),
         constraint=lambda v: any_of(v.etp == 1, v.etp == v.tp),
         explain=lambda x: f"etp={x.etp} is neither 1 nor tp={x.tp}",
@@ -106,7 +106,9 @@ EXPERTS_SPLIT = define(
         docs="Each expert-parallel rank holds `num_experts / ep` whole experts, so `num_experts % ep == 0`.",
         engine_reference="Megatron-LM `validate_args`: num_experts must be a multiple of expert_model_parallel_size; torchtitan's expert sharding",
         constraint=lambda v: implies(v.num_experts > 0, v.num_experts % v.ep == 0),
-        explain=lambda x: f"{x.num_experts} experts cannot be split evenly over ep={x.ep} ranks ({x.num_experts} % {x.ep} != 0)",
+        explain=lambda x: (
+            f"{x.num_experts} experts cannot be split evenly over ep={x.ep} ranks ({x.num_experts} % {x.ep} != 0)"
+        ),
         hint=lambda x: f"use an ep that divides {x.num_experts}: {alternatives(divisors(x.num_experts))}",
         fields=("ep", "num_experts"),
     )
@@ -137,8 +139,8 @@ MOE_NEEDS_SEQUENCE_PARALLEL = define(
         title="Megatron: mixture-of-experts layers with tp > 1 need sequence_parallel.",
         docs=(
             "Megatron-Core's MoE layer refuses to train with tensor parallelism and without sequence "
-            "parallelism, whatever ep is (`MoELayer.forward` raises \"During training, performance may degrade "
-            "if MoE and tensor parallelism are enabled without also enabling sequence parallelism\"), in every "
+            'parallelism, whatever ep is (`MoELayer.forward` raises "During training, performance may degrade '
+            'if MoE and tensor parallelism are enabled without also enabling sequence parallelism"), in every '
             "version modelled (0.12-0.16). Up to 0.14, `ModelParallelConfig` also refuses ep > 1 with tp > 1 "
             "without it; from 0.15 that check only warns, so the MoE layer is what stops training."
         ),

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from mixle_compile.spec.kinds import Engine, Family
 from mixle_compile.memory_model import (
     ALLOCATOR_RESERVE,
     activation_bytes_per_layer,
@@ -17,6 +16,7 @@ from mixle_compile.memory_model import (
     reduce_scatter_buffer_bytes,
     reserve_bytes,
 )
+from mixle_compile.spec.kinds import Engine, Family
 from mixle_compile.verify import logic
 from mixle_compile.verify.facts import format_bytes
 from mixle_compile.verify.logic import TERMS, all_of, larger, negation, real, when
@@ -120,8 +120,12 @@ def per_rank_bytes(v) -> dict[str, object]:
     )
     keeps_stage = v.pp > 1 if v.facts.engine.fsdp_keeps_stage_under_pp else False
     gathered = gathered_parameter_bytes(
-        TERMS, fsdp=fsdp, largest_unit_bytes=larger(layer_unit, ends(weight_bytes, unsharded)), keeps_stage=keeps_stage,
-        stage_bytes=stage_bytes(weight_bytes, unsharded), stage_elements=stage_bytes(lambda share: share.elements, unsharded),
+        TERMS,
+        fsdp=fsdp,
+        largest_unit_bytes=larger(layer_unit, ends(weight_bytes, unsharded)),
+        keeps_stage=keeps_stage,
+        stage_bytes=stage_bytes(weight_bytes, unsharded),
+        stage_elements=stage_bytes(lambda share: share.elements, unsharded),
     )
     terms = {
         "weights": weights,
@@ -135,11 +139,18 @@ def per_rank_bytes(v) -> dict[str, object]:
         elements = lambda share: share.elements  # noqa: E731
         # the largest layer: the embedding and head are reduced after the last layer's backward,
         # when no activations are held (lower/memory.py prices the same unit)
-        unit = lambda measure: held([("every_layer", 1)], measure, unsharded) + larger(  # noqa: E731
-            held([("dense_layer", 1)], measure, unsharded), held([("moe_layer", 1)], measure, unsharded)
+        unit = lambda measure: (
+            held([("every_layer", 1)], measure, unsharded)
+            + larger(  # noqa: E731
+                held([("dense_layer", 1)], measure, unsharded), held([("moe_layer", 1)], measure, unsharded)
+            )
         )
         buffers = buffers + reduce_scatter_buffer_bytes(
-            TERMS, fsdp=fsdp, unit_elements=unit(elements), unit_bytes=unit(weight_bytes), accumulated=keeps_stage,
+            TERMS,
+            fsdp=fsdp,
+            unit_elements=unit(elements),
+            unit_bytes=unit(weight_bytes),
+            accumulated=keeps_stage,
             # under a pipeline the stages without the loss reduce with nothing freed before
             freed_before=when(v.pp == 1, terms["logits and loss"], real(0)),
         )
@@ -159,17 +170,31 @@ def pipeline_buffers(v) -> object:
     if v.facts.family != Family.TRANSFORMER or not v.facts.engine.pipeline_receive_buffers:
         return real(0)
     boundary = boundary_bytes(
-        TERMS, seq_len=v.seq_len, cp=v.cp, micro_batch_size=v.micro_batch_size, hidden_size=fp.hidden_size, tp=v.tp,
-        sequence_parallel=v.sequence_parallel, fp32=v.is_("precision", "fp32"),
+        TERMS,
+        seq_len=v.seq_len,
+        cp=v.cp,
+        micro_batch_size=v.micro_batch_size,
+        hidden_size=fp.hidden_size,
+        tp=v.tp,
+        sequence_parallel=v.sequence_parallel,
+        fp32=v.is_("precision", "fp32"),
     )
     m = v.facts.engine.schedule_microbatches(v.microbatches, v.gradient_accumulation_steps)
     virtual = v.virtual_pipeline_stages
     interleaved = all_of(v.is_("pipeline_schedule", "interleaved_1f1b"), virtual > 1)
     several = pipeline_buffer_bytes(
-        TERMS, boundary=boundary, microbatches=m, activation_stages=virtual, gradient_stages=when(v.pp > 2, virtual, virtual - 1),
+        TERMS,
+        boundary=boundary,
+        microbatches=m,
+        activation_stages=virtual,
+        gradient_stages=when(v.pp > 2, virtual, virtual - 1),
     )
     one = pipeline_buffer_bytes(
-        TERMS, boundary=boundary, microbatches=m, activation_stages=when(v.pp > 2, 1, 0), gradient_stages=1,
+        TERMS,
+        boundary=boundary,
+        microbatches=m,
+        activation_stages=when(v.pp > 2, 1, 0),
+        gradient_stages=1,
         saved_inputs=when(v.pp > 2, logic.smaller(m, 2), 0),
     )
     gpipe = pipeline_buffer_bytes(TERMS, boundary=boundary, microbatches=m, activation_stages=0, gradient_stages=1)
@@ -188,21 +213,35 @@ def activation_bytes(v, layers_on_rank) -> dict[str, object]:
 
     def layer(full, selective):
         return activation_bytes_per_layer(
-            TERMS, **shape, hidden_size=fp.hidden_size, num_heads=fp.num_heads, sequence_parallel=v.sequence_parallel,
-            full_recompute=full, selective_recompute=selective, fp32=v.is_("precision", "fp32", "fp64"), eager_attention=v.eager_attention,
-            op_level_selective=v.facts.engine.op_level_selective, query_width=fp.query_width, kv_width=fp.kv_width,
+            TERMS,
+            **shape,
+            hidden_size=fp.hidden_size,
+            num_heads=fp.num_heads,
+            sequence_parallel=v.sequence_parallel,
+            full_recompute=full,
+            selective_recompute=selective,
+            fp32=v.is_("precision", "fp32", "fp64"),
+            eager_attention=v.eager_attention,
+            op_level_selective=v.facts.engine.op_level_selective,
+            query_width=fp.query_width,
+            kv_width=fp.kv_width,
             ffn_width=fp.ffn_width,
         )
 
     per_layer = layer(v.is_("activation_checkpointing", "full"), v.is_("activation_checkpointing", "selective"))
     recomputed = layer(False, False) - per_layer  # the layer being recomputed holds all of it once more
     in_flight = micro_batches_in_flight(
-        TERMS, pp=v.pp, stage=0, microbatches=v.microbatches, gpipe=v.is_("pipeline_schedule", "gpipe"),
+        TERMS,
+        pp=v.pp,
+        stage=0,
+        microbatches=v.microbatches,
+        gpipe=v.is_("pipeline_schedule", "gpipe"),
         interleaved=all_of(v.is_("pipeline_schedule", "interleaved_1f1b"), v.virtual_pipeline_stages > 1),
         virtual_stages=v.virtual_pipeline_stages,
     )
     fp32 = v.is_("precision", "fp32", "fp64")
     engine = v.facts.engine
+
     def per_logit_when(compiled: bool) -> object:
         alone, split = (engine.loss_implementation(compiled=compiled, tensor_parallel=tp) for tp in (False, True))
         bytes_alone = loss_bytes_per_logit(TERMS, implementation=alone, fp32=fp32)
@@ -211,7 +250,9 @@ def activation_bytes(v, layers_on_rank) -> dict[str, object]:
         return when(v.tp > 1, loss_bytes_per_logit(TERMS, implementation=split, fp32=fp32), bytes_alone)
 
     per_logit = per_logit_when(False)
-    if engine.loss_implementation(compiled=True, tensor_parallel=False) != engine.loss_implementation(compiled=False, tensor_parallel=False):
+    if engine.loss_implementation(compiled=True, tensor_parallel=False) != engine.loss_implementation(
+        compiled=False, tensor_parallel=False
+    ):
         per_logit = when(v.compiled_loss, per_logit_when(True), per_logit)  # only then does training.compile bear on it
     logits = logits_bytes(TERMS, **shape, vocab_size=fp.vocab_size, bytes_per_logit=per_logit)
     return {
@@ -261,7 +302,11 @@ def _hint(x) -> str:
     if terms["optimizer state"] >= max(terms.values()) / 2 and not x.distributed_optimizer and x.dp_replicate > 1:
         ideas.append("training.distributed_optimizer: true")
     if terms["activations"] >= max(terms.values()) / 2 and x.activation_checkpointing != "full":
-        ideas.append("activation_checkpointing: full" if x.activation_checkpointing == "selective" else "activation_checkpointing: selective")
+        ideas.append(
+            "activation_checkpointing: full"
+            if x.activation_checkpointing == "selective"
+            else "activation_checkpointing: selective"
+        )
     ideas.append("more sharding (dp_shard, tp, pp), more devices, or --suggest for the nearest plan that fits")
     return "try " + "; ".join(ideas)
 

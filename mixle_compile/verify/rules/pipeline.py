@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from mixle_compile.spec.kinds import Engine
 from mixle_compile.diagnostics import Severity
 from mixle_compile.schedules import applies, bubble_fraction, requirement
+from mixle_compile.spec.kinds import Engine
 from mixle_compile.verify.logic import TERMS, all_of, implies, negation, when
 from mixle_compile.verify.rule import TRANSFORMER, Rule, define
 from mixle_compile.verify.wording import alternatives, divisors, percent
-
 
 
 def _stage_hint(x) -> str:
@@ -63,7 +62,8 @@ STAGES_EXCEED_LAYERS = define(
         # torchtitan splits layers + 2 slots (the embedding and the output count as one layer each),
         # so its stages may outnumber the layers by two (torchtitan/distributed/pipeline_parallel.py).
         constraint=lambda v: implies(
-            negation(v.listed_split), v.pp * v.virtual_pipeline_stages <= v.layers + 2 * (v.facts.layer_split == Engine.TORCHTITAN)
+            negation(v.listed_split),
+            v.pp * v.virtual_pipeline_stages <= v.layers + 2 * (v.facts.layer_split == Engine.TORCHTITAN),
         ),
         explain=lambda x: (
             f"pp*virtual_pipeline_stages = {x.pp}*{x.virtual_pipeline_stages} = {x.pp * x.virtual_pipeline_stages} "
@@ -73,6 +73,7 @@ STAGES_EXCEED_LAYERS = define(
         fields=("pp", "layers", "num_layers", "virtual_pipeline_stages"),
     )
 )
+
 
 def _schedule_microbatches(v):
     return v.facts.engine.schedule_microbatches(v.microbatches, v.gradient_accumulation_steps)
@@ -93,13 +94,24 @@ def _schedule_rule(code: str, name: str, title: str, docs: str, engines: frozens
             docs=docs,
             engine_reference=req.source,
             constraint=lambda v: implies(
-                applies(TERMS, req, pp=v.pp, virtual_stages=v.virtual_pipeline_stages,
-                        chosen=lambda s: v.is_("pipeline_schedule", s)),
+                applies(
+                    TERMS,
+                    req,
+                    pp=v.pp,
+                    virtual_stages=v.virtual_pipeline_stages,
+                    chosen=lambda s: v.is_("pipeline_schedule", s),
+                ),
                 req.holds(TERMS, v.pp, _schedule_microbatches(v)),
             ),
             explain=lambda x: req.broken(x.pp, _numbers_microbatches(x)),
             hint=lambda x: req.fix(x.pp, _numbers_microbatches(x)) + " (keep global_batch_size consistent, B001)",
-            fields=("microbatches", "pp", "pipeline_schedule", "gradient_accumulation_steps", "virtual_pipeline_stages"),
+            fields=(
+                "microbatches",
+                "pp",
+                "pipeline_schedule",
+                "gradient_accumulation_steps",
+                "virtual_pipeline_stages",
+            ),
             engines=engines,
         )
     )
@@ -179,7 +191,9 @@ VIRTUAL_NEEDS_INTERLEAVING = define(
         constraint=lambda v: implies(
             all_of(v.virtual_pipeline_stages > 1, v.pp > 1), v.is_("pipeline_schedule", "interleaved_1f1b")
         ),
-        explain=lambda x: f"virtual_pipeline_stages={x.virtual_pipeline_stages} under the {x.pipeline_schedule} schedule",
+        explain=lambda x: (
+            f"virtual_pipeline_stages={x.virtual_pipeline_stages} under the {x.pipeline_schedule} schedule"
+        ),
         hint=lambda x: "set pipeline_schedule: interleaved_1f1b, or virtual_pipeline_stages: 1",
         fields=("pipeline_schedule", "virtual_pipeline_stages", "pp"),
     )
@@ -203,7 +217,9 @@ BUBBLE = define(
             f"{x.microbatches} micro-batch{'es' * (x.microbatches != 1)} for pp={x.pp} stages leave each rank idle "
             f"for about {percent(bubble_fraction(x.pp, x.microbatches, x.virtual_pipeline_stages))} of every step"
         ),
-        hint=lambda x: f"use microbatches >= {4 * x.pp} (fewer accumulation steps keep the global batch), or interleave virtual stages",
+        hint=lambda x: (
+            f"use microbatches >= {4 * x.pp} (fewer accumulation steps keep the global batch), or interleave virtual stages"
+        ),
         fields=("microbatches", "pp"),
         severity=Severity.warning,
         elastic=False,
@@ -236,8 +252,17 @@ LISTED_SPLIT = define(
             f"for pp*virtual_pipeline_stages = {x.pp}*{x.virtual_pipeline_stages if x.pp > 1 else 1} stages and "
             f"{x.layers} layers"
         ),
-        hint=lambda x: "list one layer count per (virtual) stage, adding up to the model's layers, or remove pipeline_layers",
-        fields=("pipeline_layers_stages", "pipeline_layers_total", "pp", "virtual_pipeline_stages", "layers", "num_layers"),
+        hint=lambda x: (
+            "list one layer count per (virtual) stage, adding up to the model's layers, or remove pipeline_layers"
+        ),
+        fields=(
+            "pipeline_layers_stages",
+            "pipeline_layers_total",
+            "pp",
+            "virtual_pipeline_stages",
+            "layers",
+            "num_layers",
+        ),
         needs=("pipeline_layers_stages",),
     )
 )
@@ -254,8 +279,8 @@ TORCHTITAN_TIED_PIPELINE = define(
             "over the tied group instead.)"
         ),
         engine_reference=(
-            "torchtitan 0.3 torchtitan/models/common/decoder.py: \"Weight tying is not supported with Pipeline "
-            "Parallel.\"; 0.2 models/qwen3 `init_weights` (both modules on one stage)"
+            'torchtitan 0.3 torchtitan/models/common/decoder.py: "Weight tying is not supported with Pipeline '
+            'Parallel."; 0.2 models/qwen3 `init_weights` (both modules on one stage)'
         ),
         constraint=lambda v: implies(v.tie_embeddings, v.pp == 1),
         explain=lambda x: f"tied embeddings with pp={x.pp}",

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from mixle_compile.spec.kinds import Engine
 from mixle_compile.diagnostics import Severity
+from mixle_compile.spec.kinds import Engine
 from mixle_compile.verify.logic import all_of, implies, when
 from mixle_compile.verify.rule import Rule, define
 
@@ -22,7 +22,9 @@ CONTEXT_PARALLEL = define(
             "torch `context_parallel` round-robin load balancing"
         ),
         constraint=lambda v: implies(v.cp > 1, v.seq_len % (2 * v.cp) == 0),
-        explain=lambda x: f"seq_len={x.seq_len} cannot be cut into 2*cp = {2 * x.cp} equal chunks ({x.seq_len} % {2 * x.cp} != 0)",
+        explain=lambda x: (
+            f"seq_len={x.seq_len} cannot be cut into 2*cp = {2 * x.cp} equal chunks ({x.seq_len} % {2 * x.cp} != 0)"
+        ),
         hint=lambda x: f"use a seq_len that is a multiple of {2 * x.cp}, or a cp whose double divides {x.seq_len}",
         fields=("cp", "seq_len"),
         needs=("seq_len",),
@@ -39,8 +41,8 @@ SEQUENCE_PARALLEL_NEEDS_TP = define(
             "the tensor-parallel ranks; with `tp: 1` there are no such ranks."
         ),
         engine_reference=(
-            "Megatron-Core 0.16 megatron/core/model_parallel_config.py `__post_init__`: \"Cannot use sequence "
-            "parallelism without tensor parallelism\"; the in-tree runtime splits sequences over tp ranks only"
+            'Megatron-Core 0.16 megatron/core/model_parallel_config.py `__post_init__`: "Cannot use sequence '
+            'parallelism without tensor parallelism"; the in-tree runtime splits sequences over tp ranks only'
         ),
         constraint=lambda v: implies(v.sequence_parallel, v.tp > 1),
         explain=lambda x: "sequence_parallel is on with tp=1",
@@ -58,7 +60,7 @@ SEQUENCE_PARALLEL_TURNED_OFF = define(
         title="Warning: Megatron-LM turns sequence_parallel off when tp = 1.",
         docs=(
             "A warning, not an error: Megatron-LM's argument validation disables sequence parallelism when "
-            "tensor parallelism is off (\"Disabling sequence parallelism because tensor model parallelism is "
+            'tensor parallelism is off ("Disabling sequence parallelism because tensor model parallelism is '
             "disabled\"), so `--sequence-parallel` at tp 1 runs, as Megatron-LM's own example scripts do. "
             "Megatron-Core's config classes, built directly (`entry: core`), refuse it instead (Q002). "
             "torchtitan applies sequence parallelism only inside its tensor-parallel plan, so it ignores it."

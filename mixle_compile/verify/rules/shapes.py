@@ -10,7 +10,6 @@ from mixle_compile.verify.rule import MODULES, TRANSFORMER, Rule, define
 from mixle_compile.verify.wording import alternatives, divisors
 
 
-
 def _split_hint(what: str, size: int) -> str:
     return f"use a tp that divides {what}={size}: {alternatives(divisors(size))}"
 
@@ -58,12 +57,14 @@ KV_HEADS_TORCH = define(
         engine_reference=(
             "torch runtime layout: KV heads replicated when tp > num_kv_heads (as vLLM and SGLang do); "
             "Megatron-Core 0.16 megatron/core/transformer/transformer_config.py `__post_init__` (num_query_groups "
-            "\"must be a multiple or divisor of\" tp) and transformer/attention.py (one query group per tp rank "
+            '"must be a multiple or divisor of" tp) and transformer/attention.py (one query group per tp rank '
             "when num_query_groups < tp)"
         ),
         constraint=lambda v: any_of(v.num_kv_heads % v.tp == 0, v.tp % v.num_kv_heads == 0),
         explain=lambda x: f"{x.num_kv_heads} % {x.tp} != 0 and {x.tp} % {x.num_kv_heads} != 0",
-        hint=lambda x: f"use a tp that divides or is a multiple of num_kv_heads={x.num_kv_heads}: {alternatives(_kv_choices(x))}",
+        hint=lambda x: (
+            f"use a tp that divides or is a multiple of num_kv_heads={x.num_kv_heads}: {alternatives(_kv_choices(x))}"
+        ),
         fields=("tp", "num_kv_heads"),
         needs=("num_kv_heads",),  # without it KV heads are the query heads: T001
         families=TRANSFORMER,
@@ -84,11 +85,13 @@ KV_HEADS_MEGATRON = define(
         ),
         engine_reference=(
             "Megatron-Core 0.12-0.15 megatron/core/transformer/transformer_config.py `__post_init__`: "
-            "\"num_query_groups must be a multiple of tensor_model_parallel_size\"; torchtitan 0.3 "
+            '"num_query_groups must be a multiple of tensor_model_parallel_size"; torchtitan 0.3 '
             "torchtitan/models/common/attention.py (n_kv_heads split over tp)"
         ),
         constraint=lambda v: v.num_kv_heads % v.tp == 0,
-        explain=lambda x: f"{x.num_kv_heads} KV heads cannot be split over tp={x.tp} ranks ({x.num_kv_heads} % {x.tp} != 0)",
+        explain=lambda x: (
+            f"{x.num_kv_heads} KV heads cannot be split over tp={x.tp} ranks ({x.num_kv_heads} % {x.tp} != 0)"
+        ),
         hint=lambda x: _split_hint("num_kv_heads", x.num_kv_heads),
         fields=("tp", "num_kv_heads"),
         needs=("num_kv_heads",),  # without it KV heads are the query heads: T001
@@ -112,7 +115,9 @@ FFN = define(
         constraint=lambda v: implies(
             any_of(v.num_experts == 0, v.moe_layer_frequency > 1), v.ffn_hidden_size % v.tp == 0
         ),
-        explain=lambda x: f"ffn_hidden_size={x.ffn_hidden_size} cannot be split over tp={x.tp} ranks ({x.ffn_hidden_size} % {x.tp} != 0)",
+        explain=lambda x: (
+            f"ffn_hidden_size={x.ffn_hidden_size} cannot be split over tp={x.tp} ranks ({x.ffn_hidden_size} % {x.tp} != 0)"
+        ),
         hint=lambda x: _split_hint("ffn_hidden_size", x.ffn_hidden_size),
         fields=("tp", "ffn_hidden_size", "num_experts", "moe_layer_frequency"),
         families=TRANSFORMER,
@@ -131,7 +136,9 @@ VOCAB = define(
         ),
         engine_reference="torch runtime layout (vocabulary-parallel embedding and head); Megatron-LM `_vocab_size_with_padding`",
         constraint=lambda v: v.vocab_size % v.tp == 0,
-        explain=lambda x: f"vocab_size={x.vocab_size} cannot be split over tp={x.tp} ranks ({x.vocab_size} % {x.tp} != 0)",
+        explain=lambda x: (
+            f"vocab_size={x.vocab_size} cannot be split over tp={x.tp} ranks ({x.vocab_size} % {x.tp} != 0)"
+        ),
         hint=lambda x: _split_hint("vocab_size", x.vocab_size) + ", or pad the vocabulary",
         fields=("tp", "vocab_size"),
         families=TRANSFORMER,
@@ -154,7 +161,9 @@ EXPERT_FFN = define(
             f"the experts' hidden size {x.moe_ffn_hidden_size} cannot be split over etp={x.etp} ranks "
             f"({x.moe_ffn_hidden_size} % {x.etp} != 0)"
         ),
-        hint=lambda x: f"use an etp that divides {x.moe_ffn_hidden_size}: {alternatives(divisors(x.moe_ffn_hidden_size))}",
+        hint=lambda x: (
+            f"use an etp that divides {x.moe_ffn_hidden_size}: {alternatives(divisors(x.moe_ffn_hidden_size))}"
+        ),
         fields=("etp", "moe_ffn_hidden_size", "num_experts"),
         families=TRANSFORMER,
     )
