@@ -228,7 +228,8 @@ def check_compact(
         problems += [f"one run of the schedule alone: {text}" for text in run.problems]
         if len({p.runs for p in programs}) != 1:
             problems.append(
-                f"the stages run the schedule {sorted({p.runs for p in programs})} times; every stage must run it equally often"
+                f"the stages run the schedule {sorted({p.runs for p in programs})} times; every stage must run "
+                "it equally often"
             )
     note = (
         f"{step.note}; on the stated programs: one run"

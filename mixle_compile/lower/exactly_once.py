@@ -5,8 +5,9 @@ and the mesh alone, the axes over which its local gradient is a partial sum, and
 with the reductions the plan actually lists. It catches the classic mistakes: cp left out of the
 gradient reduction, a reduction done twice, an unsynchronised tied embedding, a tied sync after a
 reduce-scatter (it must see whole gradients), a tied tensor on one stage reduced once per use,
-expert gradients divided by the expert-group size instead of the data-parallel size, and the gradient of a KV head shared by several
-tensor-parallel ranks (fewer KV heads than tp ranks) left unsummed over the ranks sharing it.
+expert gradients divided by the expert-group size instead of the data-parallel size, and the gradient
+of a KV head shared by several tensor-parallel ranks (fewer KV heads than tp ranks) left unsummed over
+the ranks sharing it.
 """
 
 from __future__ import annotations
@@ -91,7 +92,8 @@ def check_exactly_once(
                 problems.append(
                     ReductionProblem(
                         p.name,
-                        f"{p.name}: it is tied to {tied_first[group]} on the same stage, whose reductions already reduce "
+                        f"{p.name}: it is tied to {tied_first[group]} on the same stage, whose reductions "
+                        "already reduce "
                         f"its gradient; {u.update.node_id} reduces it a second time",
                     )
                 )
@@ -102,7 +104,8 @@ def check_exactly_once(
             problems.append(
                 ReductionProblem(
                     p.name,
-                    f"{p.name}: gradient update {u.update.node_id} uses {u.update.collective.value}, which does not reduce",
+                    f"{p.name}: gradient update {u.update.node_id} uses {u.update.collective.value}, which "
+                    "does not reduce",
                 )
             )
         covered = Counter(axis for u in reductions for axis in u.update.mesh_axes)
@@ -117,7 +120,8 @@ def check_exactly_once(
                 problems.append(
                     ReductionProblem(
                         p.name,
-                        f"{p.name}: its gradient is reduced over {axis}, where it is not a partial sum (ranks there already agree or hold other slices)",
+                        f"{p.name}: its gradient is reduced over {axis}, where it is not a partial sum (ranks "
+                        "there already agree or hold other slices)",
                     )
                 )
             elif count > 1:
@@ -136,7 +140,8 @@ def check_exactly_once(
             problems.append(
                 ReductionProblem(
                     p.name,
-                    f"{p.name}: its reduced gradient is divided by {divisor}; the loss is a mean over the global batch, so divide by the data-parallel size {want}",
+                    f"{p.name}: its reduced gradient is divided by {divisor}; the loss is a mean over the "
+                    f"global batch, so divide by the data-parallel size {want}",
                 )
             )
         tied_at = [i for i, u in enumerate(reductions) if "tied" in u.update.mesh_axes]
@@ -145,7 +150,8 @@ def check_exactly_once(
             problems.append(
                 ReductionProblem(
                     p.name,
-                    f"{p.name}: the tied-weight all_reduce must see whole gradients, but it comes after a reduce_scatter",
+                    f"{p.name}: the tied-weight all_reduce must see whole gradients, but it comes after a "
+                    "reduce_scatter",
                 )
             )
     return tuple(problems)

@@ -33,7 +33,7 @@ from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Any, Union
+from typing import Any
 
 from mixle_compile.contracts import ParallelPlan
 from mixle_compile.lower.groups import GroupRule, RankGrid
@@ -319,7 +319,7 @@ class Simulation:
         return float(idle / (self.makespan * len(self.busy)))
 
 
-Programs = Union[Mapping[int, Sequence[Op]], Sequence[Sequence[Op]]]
+Programs = Mapping[int, Sequence[Op]] | Sequence[Sequence[Op]]
 
 
 @dataclass
@@ -530,7 +530,8 @@ def _check_collective_sequences(world: _World) -> list[str]:
             if other == reference:
                 continue
             position = next(
-                (i for i, (a, b) in enumerate(zip(reference, other)) if a != b), min(len(reference), len(other))
+                (i for i, (a, b) in enumerate(zip(reference, other, strict=False)) if a != b),
+                min(len(reference), len(other)),
             )
             mine = _show_item(reference, position)
             theirs = _show_item(other, position)
@@ -580,8 +581,8 @@ def _check_messages(world: _World) -> list[str]:
         into = recvs.get((src, dst), [])
         sent = [_message(op, True) for _, op in out]
         received = [_message(op, False) for _, op in into]
-        unmatched_sends = _multiset_minus(list(zip(sent, out)), received)
-        unmatched_recvs = _multiset_minus(list(zip(received, into)), sent)
+        unmatched_sends = _multiset_minus(list(zip(sent, out, strict=True)), received)
+        unmatched_recvs = _multiset_minus(list(zip(received, into, strict=True)), sent)
         for _, (position, op) in unmatched_sends:
             problems.append(
                 f"rank {src} op {position} ({op.describe()}) has no matching recv on rank {dst} "
@@ -593,7 +594,7 @@ def _check_messages(world: _World) -> list[str]:
                 f"(same tag, microbatch, chunks and bytes)"
             )
         if not unmatched_sends and not unmatched_recvs and sent != received:
-            k = next(i for i, (a, b) in enumerate(zip(sent, received)) if a != b)
+            k = next(i for i, (a, b) in enumerate(zip(sent, received, strict=True)) if a != b)
             problems.append(
                 f"messages from rank {src} to rank {dst} are received out of order: send {k} is "
                 f"{out[k][1].describe()} but receive {k} is {into[k][1].describe()}; point-to-point "
@@ -651,7 +652,7 @@ def _simulate(world: _World, cost: Callable[[Op], Any], *, buffered_sends: bool 
     partner: dict[tuple[int, int], tuple[int, int]] = {}
     sends, recvs = _channels(world)
     for (src, dst), out in sends.items():
-        for (send_pos, _), (recv_pos, _) in zip(out, recvs.get((src, dst), [])):
+        for (send_pos, _), (recv_pos, _) in zip(out, recvs.get((src, dst), []), strict=False):
             partner[(src, send_pos)] = (dst, recv_pos)
             partner[(dst, recv_pos)] = (src, send_pos)
 
@@ -661,7 +662,7 @@ def _simulate(world: _World, cost: Callable[[Op], Any], *, buffered_sends: bool 
     for rank, program in world.programs.items():
         ordinal: dict[tuple[str, int], int] = defaultdict(int)
         positions = [p for p, op in enumerate(program) if op.kind is OpKind.collective]
-        for position, (key, _) in zip(positions, _collective_keys(world, rank)):
+        for position, (key, _) in zip(positions, _collective_keys(world, rank), strict=True):
             collective_key[(rank, position)] = (key, ordinal[key])
             ordinal[key] += 1
 
@@ -793,7 +794,7 @@ def _explain_deadlock(world, stuck, steps, pc, partner, collective_key, members,
     messages = []
     if cycle:
         links = []
-        for a, b in zip(cycle, cycle[1:] + cycle[:1]):
+        for a, b in zip(cycle, cycle[1:] + cycle[:1], strict=True):
             what = next(text for t, text in waits[a] if t == b)
             links.append(f"{where(a)} waits in {what} for rank {b}")
         messages.append("deadlock: a cycle of waits: " + "; ".join(links))

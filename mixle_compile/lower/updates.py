@@ -159,7 +159,8 @@ def gradient_updates(
                         CollectiveKind.ALL_REDUCE,
                         (TIED_GROUP,),
                         layout.optimizer_state,
-                        f"tied weight {layout.shared_group!r}: sum the first and last stage's whole gradients before any reduce-scatter",
+                        f"tied weight {layout.shared_group!r}: sum the first and last stage's whole gradients "
+                        "before any reduce-scatter",
                     ),
                     name,
                     "gradient",
@@ -199,7 +200,8 @@ def gradient_updates(
                         CollectiveKind.ALL_REDUCE,
                         (kv_axis,),
                         layout.optimizer_state,
-                        f"KV head shared by {pp_.kv_replicas} tp ranks: each holds the part of its gradient that its own query heads contribute",
+                        f"KV head shared by {pp_.kv_replicas} tp ranks: each holds the part of its gradient "
+                        "that its own query heads contribute",
                     ),
                     name,
                     "gradient",

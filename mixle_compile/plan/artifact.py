@@ -193,7 +193,8 @@ def load_plan_text(text: str | bytes, name: str = "plan.json") -> PlanDocument:
         ) from None
     if not isinstance(data, dict) or "format_version" not in data:
         raise PlanError(
-            f"{name} is not a mixle-compile plan (no format_version); produce one with `mixle-compile compile SPEC -o {name}`"
+            f"{name} is not a mixle-compile plan (no format_version); produce one with `mixle-compile compile "
+            f"SPEC -o {name}`"
         )
     version = data["format_version"]
     if isinstance(version, bool) or not isinstance(version, int):
@@ -216,7 +217,8 @@ def load_plan_text(text: str | bytes, name: str = "plan.json") -> PlanDocument:
         where = ".".join(str(p) for p in first["loc"]) or "the plan"
         if first["type"] == "extra_forbidden":
             raise PlanError(
-                f"{name}: unknown field `{where}`; this compiler does not know it (a newer or edited plan), so it refuses the plan"
+                f"{name}: unknown field `{where}`; this compiler does not know it (a newer or edited plan), so "
+                "it refuses the plan"
             ) from None
         raise PlanError(
             f"{name}: `{where}`: {first['msg']} ({exc.error_count()} problem(s) in all); recompile the plan"
@@ -224,12 +226,14 @@ def load_plan_text(text: str | bytes, name: str = "plan.json") -> PlanDocument:
     expected = content_digest(data)
     if data.get(DIGEST_FIELD) != expected:
         raise PlanError(
-            f"{name}: content digest mismatch (the file says {data.get(DIGEST_FIELD)!r}, its content hashes to {expected!r}); "
+            f"{name}: content digest mismatch (the file says {data.get(DIGEST_FIELD)!r}, its content hashes to "
+            f"{expected!r}); "
             "the plan was modified after compiling: recompile it instead of editing it"
         )
     if plan_text(data) != text:
         raise PlanError(
-            f"{name} is not in the canonical form the compiler writes (it was reformatted or modified after compiling); "
+            f"{name} is not in the canonical form the compiler writes (it was reformatted or modified after "
+            "compiling); "
             "recompile it instead of editing it"
         )
     try:

@@ -75,7 +75,8 @@ class PlanParameter(_Section):
     chunk: int
     local_shape: list[int]
     owner: int | None = Field(
-        description="tp coordinate of the only rank holding it (a unit of a model cut); null: every rank of its placements"
+        description="tp coordinate of the only rank holding it (a unit of a model cut); null: every rank of "
+        "its placements"
     )
 
 
@@ -214,7 +215,8 @@ class PlanSchedule(_Section):
     sends: Literal["buffered", "rendezvous"] = Field(
         default="rendezvous",
         description="how the check modelled point-to-point sends: buffered (awaited at the end of the step, as torch's "
-        "pipelining runtime and the in-tree runtime do) or rendezvous (a send waits for its receive, Megatron's batches)",
+        "pipelining runtime and the in-tree runtime do) or rendezvous (a send waits for its receive, "
+        "Megatron's batches)",
     )
     check: ScheduleVerdict
 

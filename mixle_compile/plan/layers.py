@@ -62,7 +62,7 @@ def fold(entries: list[dict]) -> list[dict]:
                 nxt_layer, nxt = segments[i + count]
                 if nxt_layer != layer + count or len(nxt) != len(first):
                     break
-                if any(shifted(a, layer, count) != b for a, b in zip(first, nxt)):
+                if any(shifted(a, layer, count) != b for a, b in zip(first, nxt, strict=True)):
                     break
                 count += 1
         if count > 1:

@@ -12,13 +12,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 __all__ = ["ACTIVATION", "ACTIVATION_GRAD", "Op", "OpKind", "copy_op", "insert_templates"]
 
 
-class OpKind(str, Enum):
+class OpKind(StrEnum):
     """What an op does."""
 
     forward = "forward"
@@ -27,9 +27,6 @@ class OpKind(str, Enum):
     recv = "recv"
     collective = "collective"
     optimizer = "optimizer"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 #: Payload tags of pipeline messages.

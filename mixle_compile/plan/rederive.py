@@ -67,7 +67,7 @@ def first_difference(claimed: Any, fresh: Any, path: str) -> str | None:
                 return found
         return None
     if isinstance(claimed, list) and isinstance(fresh, list):
-        for i, (a, b) in enumerate(zip(claimed, fresh)):
+        for i, (a, b) in enumerate(zip(claimed, fresh, strict=False)):
             found = first_difference(a, b, f"{path}[{_label(a, i)}]")
             if found:
                 return found

@@ -10,7 +10,8 @@ A checkpoint root holds one directory per saved step::
         state/                the payload (torch DCP files, or the caller's own files)
         manifest.json         what was saved: format, step, run id, plan digest, mesh, parameters,
                               data position and identity, and the size and SHA-256 of every file in state/
-        COMPLETE              the completion marker: the step, the run id, the plan digest and the SHA-256 of manifest.json
+        COMPLETE              the completion marker: the step, the run id, the plan digest and the SHA-256
+                              of manifest.json
 
 A checkpoint is written into ``ROOT/.partial-step-00000004``; then the manifest is written, then
 the marker, each file fsynced, and only then is the directory renamed to its final name. A
@@ -358,7 +359,8 @@ def commit_checkpoint(
         _recover(pending.root, pending.step)
         if final.is_symlink():
             raise CheckpointError(
-                f"cannot commit the checkpoint {final}: it is a symbolic link, which a checkpoint never writes through; remove it"
+                f"cannot commit the checkpoint {final}: it is a symbolic link, which a checkpoint never writes "
+                "through; remove it"
             )
         if final.exists():  # the same step saved again (a rerun into the same root): replace it
             aside = pending.root / f"{REPLACED_PREFIX}{final.name}"
@@ -449,7 +451,8 @@ def resolve_checkpoint(path: str | Path) -> Path:
         )
     if not path.exists():
         raise CheckpointError(
-            f"checkpoint {path} does not exist; pass a checkpoint root (the --checkpoint-dir of a run) or one of its step-NNNNNNNN directories"
+            f"checkpoint {path} does not exist; pass a checkpoint root (the --checkpoint-dir of a run) or one "
+            "of its step-NNNNNNNN directories"
         )
     if not path.is_dir():
         raise CheckpointError(
@@ -460,7 +463,8 @@ def resolve_checkpoint(path: str | Path) -> Path:
     linked = _linked_steps(path)
     if linked:
         raise CheckpointError(
-            f"{path} holds {linked[0].name}, a symbolic link (to {os.readlink(linked[0])}); a checkpoint's step directory "
+            f"{path} holds {linked[0].name}, a symbolic link (to {os.readlink(linked[0])}); a checkpoint's "
+            "step directory "
             "is never read through a link: remove it, or pass the step directory to resume from"
         )
     entries = list_checkpoints(path)
@@ -499,8 +503,10 @@ def read_manifest(path: str | Path, *, kind: str | None = None) -> dict[str, Any
     marker_path = path / COMPLETE_MARKER
     if not marker_path.is_file():
         raise CheckpointError(
-            f"checkpoint {path} has no completion marker {marker_path.name} ({marker_path}): it was not completely written "
-            "and is never loaded; resume from an earlier complete checkpoint (pass the checkpoint root to take the latest complete one)"
+            f"checkpoint {path} has no completion marker {marker_path.name} ({marker_path}): it was not "
+            "completely written "
+            "and is never loaded; resume from an earlier complete checkpoint (pass the checkpoint root to take "
+            "the latest complete one)"
         )
     try:
         marker = json.loads(_read_regular(marker_path, "the completion marker", where))
@@ -516,7 +522,8 @@ def read_manifest(path: str | Path, *, kind: str | None = None) -> dict[str, Any
     if hashlib.sha256(data).hexdigest() != expected:
         raise CheckpointError(
             f"{where}: the manifest {manifest_path} does not match the SHA-256 its completion marker records "
-            f"({marker_path.name}; corrupted, edited, or the manifest or marker of another checkpoint); it is not loaded"
+            f"({marker_path.name}; corrupted, edited, or the manifest or marker of another checkpoint); it is "
+            "not loaded"
         )
     try:
         manifest = json.loads(data)
@@ -534,8 +541,10 @@ def read_manifest(path: str | Path, *, kind: str | None = None) -> dict[str, Any
         )
     if version < FORMAT_VERSION:
         raise CheckpointError(
-            f"checkpoint {path} has format version {version}, which records no checksums of its files, so this mixle-compile "
-            f"(format {FORMAT_VERSION}) cannot verify it and does not load it; resume it with the mixle-compile that wrote it, or start afresh"
+            f"checkpoint {path} has format version {version}, which records no checksums of its files, so this "
+            "mixle-compile "
+            f"(format {FORMAT_VERSION}) cannot verify it and does not load it; resume it with the "
+            "mixle-compile that wrote it, or start afresh"
         )
     identity = (manifest.get("step"), manifest.get("run_id"), _plan_digest(manifest))
     if not isinstance(manifest.get("step"), int) or identity != (
@@ -550,7 +559,8 @@ def read_manifest(path: str | Path, *, kind: str | None = None) -> dict[str, Any
     named = step_of_dir(path)
     if named is not None and named != manifest["step"]:
         raise CheckpointError(
-            f"{where}: the directory is named for step {named} but its manifest {manifest_path} and marker are of step {manifest['step']} "
+            f"{where}: the directory is named for step {named} but its manifest {manifest_path} and marker are "
+            f"of step {manifest['step']} "
             "(moved or swapped from another checkpoint); it is not loaded"
         )
     if kind is not None and manifest.get("kind") != kind:
@@ -583,7 +593,8 @@ def verify_checkpoint(path: str | Path, *, kind: str | None = None, hashes: bool
         if name == STATE_DIR and entry.is_dir() and not entry.is_symlink():
             continue
         raise CheckpointError(
-            f"{where}: {entry} is not part of a checkpoint (only {MANIFEST_FILE}, {COMPLETE_MARKER} and {STATE_DIR}/ are); "
+            f"{where}: {entry} is not part of a checkpoint (only {MANIFEST_FILE}, {COMPLETE_MARKER} and "
+            f"{STATE_DIR}/ are); "
             "it was added after saving: remove it"
         )
     for rel in sealed:
@@ -595,7 +606,8 @@ def verify_checkpoint(path: str | Path, *, kind: str | None = None, hashes: bool
     for rel in sorted(present):
         if rel not in sealed:
             raise CheckpointError(
-                f"{where}: {present[rel]} is not sealed by the manifest (added or renamed after saving); it is not loaded"
+                f"{where}: {present[rel]} is not sealed by the manifest (added or renamed after saving); it is "
+                "not loaded"
             )
     for rel, seal in sorted(sealed.items()):
         file = path / rel
@@ -610,11 +622,13 @@ def verify_checkpoint(path: str | Path, *, kind: str | None = None, hashes: bool
         actual = present[rel].stat().st_size
         if actual != size:
             raise CheckpointError(
-                f"{where}: {file} has {actual} bytes, the manifest seals {size} (truncated or overwritten); it is not loaded"
+                f"{where}: {file} has {actual} bytes, the manifest seals {size} (truncated or overwritten); it "
+                "is not loaded"
             )
         if hashes and file_sha256(present[rel]) != digest:
             raise CheckpointError(
-                f"{where}: {file} does not match the SHA-256 its manifest seals (corrupted, overwritten, or from another "
+                f"{where}: {file} does not match the SHA-256 its manifest seals (corrupted, overwritten, or "
+                "from another "
                 "checkpoint); it is not loaded"
             )
     if manifest.get("kind") == TORCH_KIND:
@@ -637,7 +651,8 @@ def _check_dcp_index(path: Path, sealed: Mapping[str, Any]) -> None:
     for file in files:
         if not safe_relative(file) or f"{STATE_DIR}/{file}" not in sealed:
             raise CheckpointError(
-                f"checkpoint {path}: the tensor index {index} points at {file!r}, not a sealed file of {path / STATE_DIR}; "
+                f"checkpoint {path}: the tensor index {index} points at {file!r}, not a sealed file of "
+                f"{path / STATE_DIR}; "
                 "it is not loaded"
             )
 
@@ -664,8 +679,10 @@ def lock_root(root: str | Path, run_id: str) -> int:
             holder = {}
         os.close(fd)
         raise CheckpointError(
-            f"checkpoint directory {root} is in use by another run (pid {holder.get('pid', '?')}, run {holder.get('run_id', '?')}); two runs "
-            "saving into one directory would interleave their steps: wait for that run to end, or pass another --checkpoint-dir"
+            f"checkpoint directory {root} is in use by another run (pid {holder.get('pid', '?')}, run "
+            f"{holder.get('run_id', '?')}); two runs "
+            "saving into one directory would interleave their steps: wait for that run to end, or pass another "
+            "--checkpoint-dir"
         ) from None
     linked = _linked_steps(root)
     if linked:
@@ -769,7 +786,8 @@ def read_array_checkpoint(path: str | Path) -> tuple[dict[str, Any], dict[str, A
             raise CheckpointError(f"checkpoint {path}: cannot read array {name!r} from {file}: {exc}") from None
         if list(a.shape) != entry["shape"] or a.dtype.str != entry["dtype"]:
             raise CheckpointError(
-                f"checkpoint {path}: array {name!r} is {a.dtype.str}{list(a.shape)}, the manifest says {entry['dtype']}{entry['shape']}"
+                f"checkpoint {path}: array {name!r} is {a.dtype.str}{list(a.shape)}, the manifest says "
+                f"{entry['dtype']}{entry['shape']}"
             )
         if a.dtype.kind in "fc" and not np.isfinite(a).all():
             raise CheckpointError(
@@ -853,7 +871,8 @@ def check_resume(
     where = f"checkpoint {path}"
     if manifest.get("kind") != TORCH_KIND:
         raise CheckpointError(
-            f"{where} holds {manifest.get('kind')!r} state; `run` resumes a transformer from {TORCH_KIND!r} checkpoints only"
+            f"{where} holds {manifest.get('kind')!r} state; `run` resumes a transformer from {TORCH_KIND!r} "
+            "checkpoints only"
         )
     saved = {p["name"]: p for p in manifest.get("parameters", [])}
     new = {p.name: p for p in instructions.params if p.canonical == p.name}
@@ -881,27 +900,33 @@ def check_resume(
     if position.get("global_batch_size") != instructions.global_batch_size:
         raise CheckpointError(
             f"{where} was trained with global_batch_size {position.get('global_batch_size')}, this plan has "
-            f"{instructions.global_batch_size}; the data position counts whole global batches, so the run would change its "
-            f"optimisation: set training.global_batch_size: {position.get('global_batch_size')} (any mesh that divides it resumes)"
+            f"{instructions.global_batch_size}; the data position counts whole global batches, so the run "
+            "would change its "
+            f"optimisation: set training.global_batch_size: {position.get('global_batch_size')} (any mesh that "
+            "divides it resumes)"
         )
     if position.get("seq_len") != instructions.seq_len:
         raise CheckpointError(
-            f"{where} was trained on sequences of {position.get('seq_len')} tokens, this plan on {instructions.seq_len}: set training.seq_len: {position.get('seq_len')}"
+            f"{where} was trained on sequences of {position.get('seq_len')} tokens, this plan on "
+            f"{instructions.seq_len}: set training.seq_len: {position.get('seq_len')}"
         )
     if data is not None and position.get("source") is not None and not same_source(position["source"], data):
         raise CheckpointError(
-            f"{where} was trained on data {_describe_source(position['source'])}, this run reads {_describe_source(data)}; "
+            f"{where} was trained on data {_describe_source(position['source'])}, this run reads "
+            f"{_describe_source(data)}; "
             "resuming on other data would not continue the same sample stream: pass the same --data (or seed)"
         )
     step = int(manifest["step"])
     samples = position.get("samples_consumed")
     if samples != step * instructions.global_batch_size:
         raise CheckpointError(
-            f"{where}: the data position ({samples} samples) is not {step} whole global batches; the manifest is inconsistent"
+            f"{where}: the data position ({samples} samples) is not {step} whole global batches; the manifest "
+            "is inconsistent"
         )
     if steps <= step:
         raise CheckpointError(
-            f"{where} is at step {step}; --steps {steps} leaves nothing to run: pass --steps greater than {step} (the total, counting the steps already done)"
+            f"{where} is at step {step}; --steps {steps} leaves nothing to run: pass --steps greater than "
+            f"{step} (the total, counting the steps already done)"
         )
     return step
 

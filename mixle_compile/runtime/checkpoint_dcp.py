@@ -111,7 +111,8 @@ def _state_chunks(session) -> dict[str, GlobalChunk]:
                 )
             else:
                 raise CheckpointError(
-                    f"optimizer state {key!r} of {name!r} has shape {tuple(value.shape)}, neither a scalar nor the parameter's; it cannot be checkpointed"
+                    f"optimizer state {key!r} of {name!r} has shape {tuple(value.shape)}, neither a scalar nor "
+                    "the parameter's; it cannot be checkpointed"
                 )
     state = torch.get_rng_state().reshape(1, -1)
     chunks[_rng_key()] = GlobalChunk(state.clone(), (session.mesh.rank, 0), (session.mesh.world_size, state.shape[1]))
@@ -191,7 +192,8 @@ class ChunkLoadPlanner(DefaultLoadPlanner):
             covered = sum(math.prod(r.lengths) for r in reads)
             if covered != math.prod(c.tensor.shape):
                 raise CheckpointError(
-                    f"the checkpoint's chunks of {fqn!r} cover {covered} of the {math.prod(c.tensor.shape)} values this rank needs "
+                    f"the checkpoint's chunks of {fqn!r} cover {covered} of the {math.prod(c.tensor.shape)} "
+                    "values this rank needs "
                     f"at offsets {list(c.offsets)}; the tensor state is incomplete"
                 )
             requests += reads
@@ -234,7 +236,8 @@ class JsonWriter(FileSystemWriter):
 
 
 class JsonReader(FileSystemReader):
-    """DCP's filesystem reader, its metadata read from the JSON the writer wrote (every storage path confined to the step)."""
+    """DCP's filesystem reader, its metadata read from the JSON the writer wrote (every storage path
+    confined to the step)."""
 
     def read_metadata(self, *args, **kwargs):
         path = Path(self.path) / DCP_METADATA_FILE
@@ -308,7 +311,8 @@ def save_session(
     ``run_id`` is recorded in the manifest and marker (default: this process's)."""
     if session._accumulated:
         raise CheckpointError(
-            f"cannot save a checkpoint at step {session.step}: {session._accumulated} of {session.plan.gradient_accumulation_steps} "
+            f"cannot save a checkpoint at step {session.step}: {session._accumulated} of "
+            f"{session.plan.gradient_accumulation_steps} "
             "accumulation steps have gradients pending; save after the optimizer step closes the window"
         )
     rank = session.mesh.rank
@@ -403,7 +407,8 @@ def load_session(
             raise CheckpointError(f"checkpoint {path} has no parameter {source[name]!r}")
         if list(saved[source[name]]["shape"]) != list(local.instr.global_shape):
             raise CheckpointError(
-                f"checkpoint {path}: parameter {name!r} has shape {saved[source[name]]['shape']} there but {list(local.instr.global_shape)} in this plan"
+                f"checkpoint {path}: parameter {name!r} has shape {saved[source[name]]['shape']} there but "
+                f"{list(local.instr.global_shape)} in this plan"
             )
     state_keys = set(manifest.get("optimizer", {}).get("state", []))
     targets: dict[str, GlobalChunk] = {}

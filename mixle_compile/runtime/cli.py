@@ -89,18 +89,21 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--overwrite-checkpoints",
         action="store_true",
-        help="allow replacing committed checkpoints in --checkpoint-dir at steps this run will save (refused otherwise)",
+        help="allow replacing committed checkpoints in --checkpoint-dir at steps this run will save (refused "
+        "otherwise)",
     )
     parser.add_argument(
         "--mixle-out",
         metavar="FILE",
-        help="write the fitted model as mixle's to_dict() JSON (load it with mixle's from_dict); PLAN must be a spec whose "
+        help="write the fitted model as mixle's to_dict() JSON (load it with mixle's from_dict); PLAN must be "
+        "a spec whose "
         "model is {from: mixle, path: model.json}; saves a checkpoint after the last step where --save-every does not",
     )
     parser.add_argument(
         "--resume",
         metavar="CKPT",
-        help="continue from a checkpoint: a checkpoint directory (its latest complete step) or one step-NNNNNNNN directory; "
+        help="continue from a checkpoint: a checkpoint directory (its latest complete step) or one "
+        "step-NNNNNNNN directory; "
         "the plan may have another mesh; --steps stays the total",
     )
 
@@ -111,7 +114,8 @@ def mixle_source(plan: str) -> Path:
     from mixle_compile.spec.source import SourceError, read_source
 
     usage = (
-        "--mixle-out writes the fitted parameters back into the mixle model they were fitted from, so PLAN must be a spec "
+        "--mixle-out writes the fitted parameters back into the mixle model they were fitted from, so PLAN "
+        "must be a spec "
         "whose model is `{from: mixle, path: model.json}`"
     )
     path = Path(plan)

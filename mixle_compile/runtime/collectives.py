@@ -61,7 +61,8 @@ class Ledger:
             planned = self.planned.get(node_id)
             if planned is None:
                 raise PlanMismatch(
-                    f"the runtime was about to issue {kind} {node_id!r} on group {rule!r}, which the plan does not declare"
+                    f"the runtime was about to issue {kind} {node_id!r} on group {rule!r}, which the plan does "
+                    "not declare"
                 )
             if (planned.collective, planned.rule) != (kind, rule):
                 raise PlanMismatch(
@@ -323,7 +324,8 @@ class Collectives:
             timed_out = "timed out" in text.lower() or "timeout" in text.lower()
             cause = "timed out" if timed_out else "failed"
             raise CollectiveFailed(
-                f"rank {self.mesh.rank}: {self.ledger.in_flight} {cause}: {text.splitlines()[0] if text else type(exc).__name__}",
+                f"rank {self.mesh.rank}: {self.ledger.in_flight} {cause}: "
+                f"{text.splitlines()[0] if text else type(exc).__name__}",
                 node_id=what,
                 rule=group.rule,
                 ranks=group.ranks,

@@ -56,7 +56,8 @@ class FileTokens(TokenSource):
         top = int(self.tokens.max())
         if top >= vocab_size or int(self.tokens.min()) < 0:
             raise RuntimeRefusal(
-                f"{path} holds token id {top}, outside the model's vocabulary of {vocab_size}; tokenise with a matching vocabulary"
+                f"{path} holds token id {top}, outside the model's vocabulary of {vocab_size}; tokenise with a "
+                "matching vocabulary"
             )
 
     def sample(self, index: int) -> torch.Tensor:
@@ -80,7 +81,8 @@ def read_tokens(path: str | Path) -> torch.Tensor:
         array = np.load(path, allow_pickle=False)
         if array.ndim != 1 or array.dtype.kind not in "iu":
             raise RuntimeRefusal(
-                f"{path} must hold a one-dimensional integer array of token ids, got {array.dtype} of shape {array.shape}"
+                f"{path} must hold a one-dimensional integer array of token ids, got {array.dtype} of shape "
+                f"{array.shape}"
             )
         return torch.from_numpy(array.astype("int64"))
     if path.suffix == ".bin":
@@ -129,7 +131,8 @@ class BatchLayout:
         step, rest = divmod(samples, self.global_batch)
         if rest:
             raise RuntimeRefusal(
-                f"data position {samples} falls inside a global batch of {self.global_batch} samples; resume with the global batch size it was saved with"
+                f"data position {samples} falls inside a global batch of {self.global_batch} samples; resume "
+                "with the global batch size it was saved with"
             )
         return step
 

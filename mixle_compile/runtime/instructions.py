@@ -199,7 +199,8 @@ def _refuse_unverified(doc: PlanDocument) -> None:
             else "; ".join(doc.verdict.reduction_problems[:1]) or "its schedule check failed"
         )
         raise RuntimeRefusal(
-            f"the plan did not verify ({doc.verdict.errors} error(s); first: {first}); fix the spec and recompile instead of running it"
+            f"the plan did not verify ({doc.verdict.errors} error(s); first: {first}); fix the spec and "
+            "recompile instead of running it"
         )
 
 
@@ -312,12 +313,14 @@ def _holding(
         return "replicated", shard_axes
     if any(placements[a] != Shard(0) for a in shard_axes):
         raise RuntimeRefusal(
-            f"parameter {name!r} is sharded on a dimension other than 0 over the data axes; this runtime shards dimension 0 only"
+            f"parameter {name!r} is sharded on a dimension other than 0 over the data axes; this runtime "
+            "shards dimension 0 only"
         )
     missing = {"forward", "backward"} - set(gathers)
     if missing:
         raise RuntimeRefusal(
-            f"the plan shards {name!r} over {', '.join(shard_axes)} but declares no parameter all_gather for its {' and '.join(sorted(missing))} use"
+            f"the plan shards {name!r} over {', '.join(shard_axes)} but declares no parameter all_gather for "
+            f"its {' and '.join(sorted(missing))} use"
         )
     return "fsdp", shard_axes
 
@@ -327,7 +330,8 @@ def _reduces_every_accumulation(name: str, gradient: tuple[Collective, ...], pla
     frequencies = {u.occurrences_per_step for u in gradient}
     if len(frequencies) > 1:
         raise RuntimeRefusal(
-            f"the plan reduces the gradient of {name!r} at different frequencies ({sorted(frequencies)} times per step); "
+            f"the plan reduces the gradient of {name!r} at different frequencies ({sorted(frequencies)} times "
+            "per step); "
             "a gradient chain must run as one unit, so this plan cannot be replayed"
         )
     gas = plan.gradient_accumulation_steps
@@ -361,7 +365,8 @@ def _check_tied_layouts(params: list[ParamInstruction]) -> None:
                 p.shard_axes,
             ):
                 raise RuntimeRefusal(
-                    f"tied parameters {q.name!r} and {p.name!r} are laid out differently; tied weights are one tensor and need one layout"
+                    f"tied parameters {q.name!r} and {p.name!r} are laid out differently; tied weights are one "
+                    "tensor and need one layout"
                 )
 
 
@@ -375,7 +380,8 @@ def _activation_sites(
             continue
         if not _executed(node_id, plan):
             raise RuntimeRefusal(
-                f"the plan declares the collective {node_id!r} ({c.collective} over {', '.join(c.axes)}), which this runtime does not execute"
+                f"the plan declares the collective {node_id!r} ({c.collective} over {', '.join(c.axes)}), "
+                "which this runtime does not execute"
             )
         sites.append(node_id)
     return tuple(sites)
@@ -420,12 +426,14 @@ def _kv_replicas(
     dim = head.dim
     if plan.tp % replicas or dim >= len(shape) or shape[dim] % (plan.tp // replicas):
         raise RuntimeRefusal(
-            f"parameter {name!r}: {replicas} tp ranks per KV head do not split tp={plan.tp} and its shape {list(shape)} evenly"
+            f"parameter {name!r}: {replicas} tp ranks per KV head do not split tp={plan.tp} and its shape "
+            f"{list(shape)} evenly"
         )
     if not any(c.collective == "all_reduce" and c.rule == axis for c in gradient):
         raise RuntimeRefusal(
             f"the plan shares {name!r} over {replicas} tp ranks ({axis}) but never sums its gradient over them; "
-            "each rank holds only its own query heads' part of it, so training would diverge between them: recompile the spec"
+            "each rank holds only its own query heads' part of it, so training would diverge between them: "
+            "recompile the spec"
         )
     return replicas
 
@@ -468,8 +476,10 @@ def _check_tied_sync(name: str, group: tuple[str, ...], names: set[str], gradien
         )
     if not gradient or gradient[0].axes != (TIED_GROUP,) or gradient[0].collective != "all_reduce":
         raise RuntimeRefusal(
-            f"the plan keeps {name!r} on one pipeline stage as a copy of the tied weight {' and '.join(map(repr, group))}, but its "
-            f"gradient does not start with an all_reduce over the {TIED_GROUP!r} group; the copies would drift apart: recompile the spec"
+            f"the plan keeps {name!r} on one pipeline stage as a copy of the tied weight "
+            f"{' and '.join(map(repr, group))}, but its "
+            f"gradient does not start with an all_reduce over the {TIED_GROUP!r} group; the copies would drift "
+            "apart: recompile the spec"
         )
 
 
@@ -477,7 +487,8 @@ def _refuse_unsupported(spec: Spec, plan: ParallelPlan) -> None:
     model = spec.model
     if not isinstance(model, (TransformerModel, ModulesModel)):
         raise RuntimeRefusal(
-            f"the torch runtime executes neural models (families transformer and modules); this plan's model is a {model.family!r} model"
+            "the torch runtime executes neural models (families transformer and modules); this plan's model "
+            f"is a {model.family!r} model"
         )
     if plan.pp > 1 and isinstance(model, ModulesModel):
         raise RuntimeRefusal(
@@ -493,7 +504,8 @@ def _refuse_unsupported(spec: Spec, plan: ParallelPlan) -> None:
         raise RuntimeRefusal(
             f"training.global_batch_size={t.global_batch_size} differs from micro_batch_size * microbatches * "
             f"gradient_accumulation_steps * data-parallel size = {t.micro_batch_size} * {plan.microbatches} * "
-            f"{plan.gradient_accumulation_steps} * {plan.data_parallel_size} = {per_step}; set global_batch_size: {per_step}"
+            f"{plan.gradient_accumulation_steps} * {plan.data_parallel_size} = {per_step}; set "
+            f"global_batch_size: {per_step}"
         )
     if isinstance(model, ModulesModel):
         if plan.tp > 1:
@@ -508,7 +520,8 @@ def _refuse_unsupported(spec: Spec, plan: ParallelPlan) -> None:
             )
         if any(p.role == "expert" for p in model.parameters):
             raise RuntimeRefusal(
-                "a `modules` model's expert parameters are not executed: the runtime cannot know how your module routes "
+                "a `modules` model's expert parameters are not executed: the runtime cannot know how your "
+                "module routes "
                 "tokens to them; mixture-of-experts layers are executed for transformer models (model.num_experts)"
             )
         return
@@ -519,7 +532,8 @@ def _refuse_unsupported(spec: Spec, plan: ParallelPlan) -> None:
     kv = model.num_kv_heads or model.num_heads
     if kv % tp and tp % kv:
         raise RuntimeRefusal(
-            f"model.num_kv_heads={kv} neither splits over tp={tp} nor divides it, so tensor parallelism can neither split "
+            f"model.num_kv_heads={kv} neither splits over tp={tp} nor divides it, so tensor parallelism can "
+            "neither split "
             "the KV heads nor replicate each on tp / num_kv_heads ranks; choose tp dividing it or a multiple of it"
         )
     checks = [
@@ -532,18 +546,21 @@ def _refuse_unsupported(spec: Spec, plan: ParallelPlan) -> None:
     for name, value in checks:
         if value % tp:
             raise RuntimeRefusal(
-                f"{name}={value} is not divisible by tp={tp}, so tensor parallelism cannot split it evenly; choose tp dividing it"
+                f"{name}={value} is not divisible by tp={tp}, so tensor parallelism cannot split it evenly; "
+                "choose tp dividing it"
             )
     if head_dim % 2 and model.position_embedding == "rope":
         raise RuntimeRefusal(f"rotary position embeddings need an even head size, got {head_dim}")
     cp = plan.cp
     if cp > 1 and (t.seq_len or 1) % (2 * cp):
         raise RuntimeRefusal(
-            f"context parallelism cuts training.seq_len={t.seq_len} into 2 * cp = {2 * cp} equal chunks; choose a multiple of {2 * cp}"
+            f"context parallelism cuts training.seq_len={t.seq_len} into 2 * cp = {2 * cp} equal chunks; "
+            f"choose a multiple of {2 * cp}"
         )
     if t.sequence_parallel and tp > 1 and ((t.seq_len or 1) // cp) % tp:
         raise RuntimeRefusal(
-            f"sequence parallelism splits each rank's {(t.seq_len or 1) // cp} tokens (training.seq_len={t.seq_len} over cp={cp}) "
+            f"sequence parallelism splits each rank's {(t.seq_len or 1) // cp} tokens "
+            f"(training.seq_len={t.seq_len} over cp={cp}) "
             f"over tp={tp}; choose a seq_len that makes them a multiple of {tp}"
         )
 
@@ -555,11 +572,13 @@ def _refuse_unsupported_experts(model: TransformerModel, plan: ParallelPlan, t) 
         raise RuntimeRefusal(f"model.experts_per_token={k} must be between 1 and num_experts={experts}")
     if plan.etp not in (1, plan.tp):
         raise RuntimeRefusal(
-            f"etp={plan.etp}: this runtime splits experts over all of tp (etp = tp) or not at all (etp = 1); set etp to 1 or {plan.tp}"
+            f"etp={plan.etp}: this runtime splits experts over all of tp (etp = tp) or not at all (etp = 1); "
+            f"set etp to 1 or {plan.tp}"
         )
     if plan.tp > 1 and not t.sequence_parallel:
         raise RuntimeRefusal(
-            f"mixture-of-experts layers with tp={plan.tp} need sequence parallelism, as in Megatron: the router's gradient is "
+            f"mixture-of-experts layers with tp={plan.tp} need sequence parallelism, as in Megatron: the "
+            "router's gradient is "
             "summed over tp only when its inputs are sequence shards; set training.sequence_parallel: true"
         )
     hidden = model.moe_ffn_hidden_size or model.ffn_hidden_size

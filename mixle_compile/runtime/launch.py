@@ -113,8 +113,10 @@ def _preflight_tokens(instructions, data_path, *, repeat_data: bool) -> None:
     needed = batch_layout(instructions).global_batch
     if source.distinct_samples < needed and not repeat_data:
         raise RuntimeRefusal(
-            f"{data_path} holds {source.distinct_samples} distinct samples of seq_len {instructions.seq_len} tokens, fewer "
-            f"than one global batch of {needed}: every step would repeat samples; use more data, or --repeat-data to allow it"
+            f"{data_path} holds {source.distinct_samples} distinct samples of seq_len {instructions.seq_len} "
+            "tokens, fewer "
+            f"than one global batch of {needed}: every step would repeat samples; use more data, or "
+            "--repeat-data to allow it"
         )
 
 
@@ -147,12 +149,14 @@ def torchrun_environment() -> tuple[int, int]:
             value = int(text.strip())
         except ValueError:
             raise RuntimeRefusal(
-                f"{name}={text!r} is not an integer; torchrun sets it (check the environment this rank was started with)"
+                f"{name}={text!r} is not an integer; torchrun sets it (check the environment this rank was "
+                "started with)"
             ) from None
         if value < low or (high is not None and value > high):
             span = f"{low}..{high}" if high is not None else f"at least {low}"
             raise RuntimeRefusal(
-                f"{name}={value} is out of range ({span}); the ranks' environment is inconsistent, so nothing is started"
+                f"{name}={value} is out of range ({span}); the ranks' environment is inconsistent, so nothing "
+                "is started"
             )
         return value
 
@@ -160,7 +164,8 @@ def torchrun_environment() -> tuple[int, int]:
     rank = integer("RANK", 0)
     if rank >= world:
         raise RuntimeRefusal(
-            f"RANK={rank} is outside WORLD_SIZE={world} (ranks are 0..{world - 1}); the ranks' environment is inconsistent"
+            f"RANK={rank} is outside WORLD_SIZE={world} (ranks are 0..{world - 1}); the ranks' environment is "
+            "inconsistent"
         )
     local_world = integer("LOCAL_WORLD_SIZE", 1)
     if local_world is not None and local_world > world:
@@ -191,7 +196,8 @@ def require_rendezvous_address() -> None:
         for name in ("MASTER_ADDR", "MASTER_PORT"):
             if name not in env:
                 raise RuntimeRefusal(
-                    f"{name} is not set, but RANK and WORLD_SIZE are: rank 0 hosts the rendezvous at MASTER_ADDR:MASTER_PORT; "
+                    f"{name} is not set, but RANK and WORLD_SIZE are: rank 0 hosts the rendezvous at "
+                    "MASTER_ADDR:MASTER_PORT; "
                     "set both (or launch with torchrun, which sets them)"
                 )
 
@@ -315,7 +321,8 @@ def run_plan(
     root = checkpoints.root
     if root is not None and Path(root).is_symlink():
         raise RuntimeRefusal(
-            f"the checkpoint directory {root} is a symbolic link (to {os.readlink(root)}); checkpoints are never written "
+            f"the checkpoint directory {root} is a symbolic link (to {os.readlink(root)}); checkpoints are "
+            "never written "
             "through a link: pass the directory it points to as --checkpoint-dir"
         )
     prepare_out(out)
@@ -387,8 +394,10 @@ def _refuse_replacing(root, resume, *, steps: int, every: int) -> None:
     if taken:
         shown = ", ".join(str(s) for s in taken[:5]) + (f" and {len(taken) - 5} more" if len(taken) > 5 else "")
         raise RuntimeRefusal(
-            f"checkpoint directory {root} already holds committed checkpoints at step(s) {shown}, which this run would save "
-            f"again and so replace. Resume from the newest (--resume {root}), choose an empty --checkpoint-dir, or pass "
+            f"checkpoint directory {root} already holds committed checkpoints at step(s) {shown}, which this "
+            "run would save "
+            f"again and so replace. Resume from the newest (--resume {root}), choose an empty "
+            "--checkpoint-dir, or pass "
             "--overwrite-checkpoints to replace them"
         )
 
@@ -415,7 +424,8 @@ def _checkpoint_options(doc, instructions, *, steps, reference, data_path, save_
     if resume is not None:
         if reference:
             raise RuntimeRefusal(
-                "--reference trains the single-process reference from the initial values, so it cannot check a resumed run; drop --reference or --resume"
+                "--reference trains the single-process reference from the initial values, so it cannot check a "
+                "resumed run; drop --reference or --resume"
             )
         path = ckpt.resolve_checkpoint(resume)
         manifest = ckpt.verify_checkpoint(
@@ -499,7 +509,8 @@ def _refuse_oversized(doc: PlanDocument, world: int) -> None:
     if memory is not None and per_rank * world > memory // 2:
         gib = 1 << 30
         raise RuntimeRefusal(
-            f"the plan needs about {per_rank / gib:.1f} GiB per rank x {world} ranks = {per_rank * world / gib:.1f} GiB, "
+            f"the plan needs about {per_rank / gib:.1f} GiB per rank x {world} ranks = "
+            f"{per_rank * world / gib:.1f} GiB, "
             f"more than half of this machine's {memory / gib:.1f} GiB; launch it on its cluster with torchrun"
         )
 
@@ -663,12 +674,14 @@ def _failure_message(procs, order, still_running, out, timeout_s) -> str:
             what = notes[waiting[0]].get("collective", "?") if waiting else "?"
             if what == "rendezvous":
                 lines.append(
-                    f"rank {r} never joined the process group: rank(s) {', '.join(map(str, waiting))} gave up waiting for it at the "
+                    f"rank {r} never joined the process group: rank(s) {', '.join(map(str, waiting))} gave up "
+                    "waiting for it at the "
                     f"rendezvous after {rendezvous_timeout():g} s ({RENDEZVOUS_ENV}); rank {r} was stopped"
                 )
                 continue
             lines.append(
-                f"rank {r} stalled: rank(s) {', '.join(map(str, waiting))} timed out after {timeout_s:g} s waiting for it "
+                f"rank {r} stalled: rank(s) {', '.join(map(str, waiting))} timed out after {timeout_s:g} s "
+                "waiting for it "
                 f"in {what!r} (group {notes[waiting[0]].get('group', '?') if waiting else '?'}); rank {r} was stopped"
             )
         elif notes.get(r) is None:

@@ -75,7 +75,7 @@ def device_mesh_layout(groups: PlanGroups) -> tuple[tuple[str, ...], torch.Tenso
         if table[index] >= 0:
             raise RuntimeRefusal(
                 f"the plan's dense grid gives ranks {int(table[index])} and {rank} the same coordinates "
-                f"{dict(zip(names, index))}; the plan is inconsistent: recompile it"
+                f"{dict(zip(names, index, strict=True))}; the plan is inconsistent: recompile it"
             )
         table[index] = rank
     return names, table
@@ -234,7 +234,8 @@ def _device_mesh(groups: PlanGroups, rank: int, mine: Mapping[str, Group]):
         ranks = tuple(sorted(dist.get_process_group_ranks(device_mesh.get_group(name))))
         if ranks != mine[name].ranks:
             raise RuntimeRefusal(
-                f"the device mesh's {name!r} dimension runs on ranks {list(ranks)}, but the plan's group of rank {rank} "
+                f"the device mesh's {name!r} dimension runs on ranks {list(ranks)}, but the plan's group of "
+                f"rank {rank} "
                 f"over {name} is {list(mine[name].ranks)}; recompile the plan"
             )
     return device_mesh

@@ -63,7 +63,8 @@ def cp_positions(seq: int, cp: int, cp_rank: int) -> list[int]:
     """Global positions cp rank ``cp_rank`` holds: chunks ``cp_rank`` and ``2cp - 1 - cp_rank`` of ``2cp``."""
     if seq % (2 * cp):
         raise ValueError(
-            f"context parallelism cuts a sequence of {seq} tokens into 2 * cp = {2 * cp} equal chunks; it does not divide"
+            f"context parallelism cuts a sequence of {seq} tokens into 2 * cp = {2 * cp} equal chunks; it does "
+            "not divide"
         )
     chunk = seq // (2 * cp)
     late = 2 * cp - 1 - cp_rank

@@ -285,7 +285,7 @@ class ParamStore:
             out = torch.empty(flat.numel() * count, dtype=dtype, device=self.device)
             parts = [
                 (str(UpdateId.gather(u, phase)), local.gathered_numel() * out.element_size())
-                for u, local in zip(uses, locals_)
+                for u, local in zip(uses, locals_, strict=True)
             ]
             pending = self.comm.all_gather(out, flat, rule=rule, parts=parts, async_op=async_op)
             issued.append((uses, out, pending, count, phase))
@@ -412,7 +412,8 @@ class ParamStore:
             whole = self._cache.get(saved.use)
             if whole is None:
                 raise PlanMismatch(
-                    f"the backward needs {saved.use!r} outside the unit that gathered it; the plan gathers a weight again "
+                    f"the backward needs {saved.use!r} outside the unit that gathered it; the plan gathers a "
+                    "weight again "
                     "only when the backward reaches its unit"
                 )
             return whole.as_strided(saved.size, saved.stride, saved.offset)

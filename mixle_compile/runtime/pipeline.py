@@ -160,9 +160,15 @@ class PipelineSession:
         inputs, targets = torch.as_tensor(inputs, device=self.device), torch.as_tensor(targets, device=self.device)
         if inputs.shape[0] % plan.microbatches:
             raise ValueError(
-                f"a batch of {inputs.shape[0]} examples does not split into microbatches={plan.microbatches} equal micro-batches"
+                f"a batch of {inputs.shape[0]} examples does not split into microbatches={plan.microbatches} "
+                "equal micro-batches"
             )
-        self._batches.extend(zip(inputs.chunk(plan.microbatches), targets.chunk(plan.microbatches)))
+        if targets.shape[:1] != inputs.shape[:1]:
+            raise ValueError(
+                f"the batch has {inputs.shape[0]} input examples but {targets.shape[0] if targets.dim() else 0} "
+                "target rows; give one target row per input example"
+            )
+        self._batches.extend(zip(inputs.chunk(plan.microbatches), targets.chunk(plan.microbatches), strict=True))
         if len(self._batches) < self.instructions.micro_steps:
             return self._receipt(
                 loss=None,
@@ -299,7 +305,8 @@ class PipelineSession:
                 c = self.instructions.collectives.get(op.name)
                 if c is None:
                     raise PlanMismatch(
-                        f"stage {self.stage}'s program names the collective {op.name!r}, which the plan does not declare"
+                        f"stage {self.stage}'s program names the collective {op.name!r}, which the plan does "
+                        "not declare"
                     )
                 if not reduced and c.phase == "gradient":
                     self._reduce_gradients(gas)
@@ -310,12 +317,13 @@ class PipelineSession:
                     reduced = True
                 self._optimizer_step()
         self._wait(pending)
-        for work, op, key, tensor, group, node_id in self._sends_in_flight:
+        for work, _op, _key, _tensor, group, node_id in self._sends_in_flight:
             self.comm.guard(node_id, group, work.wait, kind="p2p")
         self._sends_in_flight.clear()
         if self._outputs or self._grads or self._inputs:
             raise PlanMismatch(
-                f"stage {self.stage}'s program left {len(self._outputs)} forward output(s), {len(self._grads)} received gradient(s) "
+                f"stage {self.stage}'s program left {len(self._outputs)} forward output(s), {len(self._grads)} "
+                "received gradient(s) "
                 f"and {len(self._inputs)} received activation(s) unused at the end of the step"
             )
         self.wall_s.append(time.perf_counter() - start)
@@ -360,14 +368,16 @@ class PipelineSession:
                     tensor = torch.zeros_like(x)
                 else:
                     raise PlanMismatch(
-                        f"stage {self.stage}: micro-batch {op.microbatch} of chunk {op.chunk} has no input gradient to send back; "
+                        f"stage {self.stage}: micro-batch {op.microbatch} of chunk {op.chunk} has no input "
+                        "gradient to send back; "
                         "the received activation is not part of this stage's graph"
                     )
             else:
                 tensor = self._outputs[key].detach().contiguous()
             if tuple(tensor.shape) != self.act_shape:
                 raise PlanMismatch(
-                    f"stage {self.stage} was about to send a {list(tensor.shape)} activation; the plan's transfers carry {list(self.act_shape)}"
+                    f"stage {self.stage} was about to send a {list(tensor.shape)} activation; the plan's "
+                    f"transfers carry {list(self.act_shape)}"
                 )
         else:
             src, dst = op.peer, self.stage

@@ -140,13 +140,15 @@ def check_pipeline(doc: PlanDocument, instructions: Instructions) -> PipelineLay
                     or not 0 <= op.chunk < layout.chunks
                 ):
                     raise RuntimeRefusal(
-                        f"stage {s}'s program has a {op.kind} of micro-batch {op.microbatch}, chunk {op.chunk}, outside the plan's step"
+                        f"stage {s}'s program has a {op.kind} of micro-batch {op.microbatch}, chunk "
+                        f"{op.chunk}, outside the plan's step"
                     )
                 seen.setdefault((op.kind, op.chunk), []).append(op.microbatch)
             elif op.kind in ("send", "recv"):
                 if op.peer is None or not 0 <= op.peer < plan.pp or op.tag not in ("activation", "activation_grad"):
                     raise RuntimeRefusal(
-                        f"stage {s}'s program has a {op.kind} the pipeline runtime does not understand (peer {op.peer}, tag {op.tag!r})"
+                        f"stage {s}'s program has a {op.kind} the pipeline runtime does not understand (peer "
+                        f"{op.peer}, tag {op.tag!r})"
                     )
             elif op.kind not in ("collective", "optimizer"):
                 raise RuntimeRefusal(
@@ -157,8 +159,10 @@ def check_pipeline(doc: PlanDocument, instructions: Instructions) -> PipelineLay
                 order = seen.get((kind, c), [])
                 if sorted(order) != list(range(instructions.micro_steps)):
                     raise RuntimeRefusal(
-                        f"stage {s}'s program runs the {kind} of chunk {c} for micro-batches {order}, not once for each of the "
-                        f"step's {instructions.micro_steps} (microbatches x gradient accumulation); this runtime replays a program "
+                        f"stage {s}'s program runs the {kind} of chunk {c} for micro-batches {order}, not once "
+                        "for each of the "
+                        f"step's {instructions.micro_steps} (microbatches x gradient accumulation); this "
+                        "runtime replays a program "
                         "that covers the whole step"
                     )
                 if kind == "backward" and order != sorted(order):
@@ -173,7 +177,8 @@ def check_pipeline(doc: PlanDocument, instructions: Instructions) -> PipelineLay
     for c in instructions.collectives.values():
         if transfer_stages(c.node_id) is not None and c.payload_bytes != local:
             raise RuntimeRefusal(
-                f"the plan sizes the transfer {c.node_id!r} at {c.payload_bytes} bytes, but a stage holds an activation of "
+                f"the plan sizes the transfer {c.node_id!r} at {c.payload_bytes} bytes, but a stage holds an "
+                "activation of "
                 f"{list(shape)} x {width} bytes = {local} bytes between its blocks; recompile the plan"
             )
     return layout
@@ -203,7 +208,8 @@ def pipeline_section(doc: PlanDocument, instructions: Instructions, stats: list[
     for rank, s in enumerate(stats):
         if s["steps_without_gradient"]:
             errors.append(
-                f"stage {s['stage']} (rank {rank}): none of its {s['parameters']} parameters received a gradient in step(s) "
+                f"stage {s['stage']} (rank {rank}): none of its {s['parameters']} parameters received a "
+                "gradient in step(s) "
                 f"{', '.join(map(str, s['steps_without_gradient']))}; the backward did not reach this stage"
             )
         whole = [n for n in s["parameters_without_gradient"] if instructions.param(n).mode == "replicated"]
@@ -213,7 +219,7 @@ def pipeline_section(doc: PlanDocument, instructions: Instructions, stats: list[
     stages = [s["stage"] for s in stats]
     per_stage = {}
     for stage in sorted(set(stages)):
-        values = [f for f, st in zip(idle, stages) if st == stage and f is not None]
+        values = [f for f, st in zip(idle, stages, strict=True) if st == stage and f is not None]
         per_stage[str(stage)] = sum(values) / len(values) if values else None
     measured = [f for f in idle if f is not None]
     section = {

@@ -143,7 +143,7 @@ class GradientReducer:
         chains = [use.gradient[bucket.stage] for use, _ in bucket.members]
         if kind == "all_reduce":
             sizes = self._sizes(bucket)
-            parts = [(c.node_id, n * 4) for c, n in zip(chains, sizes)]
+            parts = [(c.node_id, n * 4) for c, n in zip(chains, sizes, strict=True)]
             pending = self.comm.all_reduce(bucket.flat, rule=rule, parts=parts, async_op=async_op)
         elif kind == "reduce_scatter":
             if bucket.layout != "full" or not all(local.sharded for _, local in bucket.members):
@@ -160,7 +160,9 @@ class GradientReducer:
                     offset += n
                 source = torch.cat([part[r] for r in range(count) for part in rows])
             out = source.new_empty(source.numel() // count)
-            parts = [(c.node_id, local.gathered_numel() * 4) for c, (_, local) in zip(chains, bucket.members)]
+            parts = [
+                (c.node_id, local.gathered_numel() * 4) for c, (_, local) in zip(chains, bucket.members, strict=True)
+            ]
             pending = self.comm.reduce_scatter(out, source, rule=rule, parts=parts, async_op=async_op)
             bucket.flat, bucket.layout = out, "shard"
         else:
@@ -191,7 +193,7 @@ class GradientReducer:
             total *= d
         data_ranks = self.mesh.data_ranks_sharing(tuple(reduced))
         offset = 0
-        for (use, local), n in zip(bucket.members, self._sizes(bucket)):
+        for (use, local), n in zip(bucket.members, self._sizes(bucket), strict=True):
             piece = bucket.flat[offset : offset + n]
             offset += n
             if bucket.layout == "shard":
@@ -209,7 +211,7 @@ class GradientReducer:
     def _split(self, bucket: Bucket, buffers: dict) -> list:
         out = []
         offset = 0
-        for (use, local), n in zip(bucket.members, self._sizes(bucket)):
+        for (use, local), n in zip(bucket.members, self._sizes(bucket), strict=True):
             piece = bucket.flat[offset : offset + n]
             offset += n
             if bucket.layout == "shard":

@@ -219,7 +219,7 @@ def run_reference(
             for d in range(dp):
                 params.buffers.clear()
                 inputs, targets = batches(step, a, d)
-                for m, (x, y) in enumerate(zip(inputs.chunk(mb), targets.chunk(mb))):
+                for m, (x, y) in enumerate(zip(inputs.chunk(mb), targets.chunk(mb), strict=True)):
                     context[:] = [step, a, d, m]
                     if shape is not None:
                         loss = transformer_loss(ops, shape, x, y)
@@ -230,7 +230,7 @@ def run_reference(
                     records.grads[(step, use, a, d)] = grad.clone()
         for name, master in params.masters.items():
             total = None
-            for (s, use, a, d), grad in records.grads.items():
+            for (s, use, _a, _d), grad in records.grads.items():
                 if s == step and params.canonical[use] == name:
                     total = grad.clone() if total is None else total.add_(grad)
             master.grad = None if total is None else total.div_(dp)

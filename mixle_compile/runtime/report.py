@@ -58,7 +58,8 @@ def accounting(
         if bad:
             r = bad[0]
             errors.append(
-                f"{node_id}: planned {planned[r][0]} x {c.collective} ({planned[r][1]} bytes) on rank {r} over {steps} step(s), "
+                f"{node_id}: planned {planned[r][0]} x {c.collective} ({planned[r][1]} bytes) on rank {r} over "
+                f"{steps} step(s), "
                 f"observed {observed[r][0]} ({observed[r][1]} bytes)"
                 + (f"; and {len(bad) - 1} more rank(s) differ" if len(bad) > 1 else "")
             )
@@ -192,12 +193,14 @@ class RunReport:
         # numbered from 1, as the progress lines and the checkpoints are: resumed after step 1 of 3, it ran steps 2..3
         span = f" (steps {run['first_step'] + 1}..{run['last_step']})" if resumed else ""
         lines.append(
-            f"ran {self.steps} step(s){span} on {self.world_size} rank(s) in {self.wall_s:.1f} s: loss {first:.4f} -> {last:.4f}"
+            f"ran {self.steps} step(s){span} on {self.world_size} rank(s) in {self.wall_s:.1f} s: loss "
+            f"{first:.4f} -> {last:.4f}"
         )
         if resumed:
             mesh = resumed.get("mesh", {})
             lines.append(
-                f"resumed from {resumed['path']} (step {resumed['step']}, saved on {mesh.get('world_size', '?')} rank(s), "
+                f"resumed from {resumed['path']} (step {resumed['step']}, saved on "
+                f"{mesh.get('world_size', '?')} rank(s), "
                 f"plan {str(resumed.get('plan_digest', '?'))[:19]}), loaded in {resumed.get('load_s', 0.0):.2f} s"
             )
         saved = (run.get("checkpoints") or {}).get("saved") or []
@@ -209,13 +212,15 @@ class RunReport:
         calls = self.collective_calls_per_rank
         lines.append(
             f"accounting: {self.updates_checked} planned updates, planned == observed on every rank: "
-            f"{'yes' if self.accounting_ok else 'NO'} ({min(calls) if calls else 0}-{max(calls) if calls else 0} collective calls per rank)"
+            f"{'yes' if self.accounting_ok else 'NO'} "
+            f"({min(calls) if calls else 0}-{max(calls) if calls else 0} collective calls per rank)"
         )
         if self.evidence is not None:
             measured = [u for u in self.evidence if u.has_numerics_evidence]
             deterministic = all(u.determinism_observed for u in measured)
             lines.append(
-                f"evidence: {len({u.node_id for u in measured})} updates against the single-process reference, max relative error "
+                f"evidence: {len({u.node_id for u in measured})} updates against the single-process reference, "
+                "max relative error "
                 f"{self.max_relative_error:.2e} (tolerance {self.evidence_tolerance:.0e}), max absolute error "
                 f"{self.max_absolute_error:.2e}, bitwise deterministic on repeat: {'yes' if deterministic else 'no'}"
             )

@@ -131,11 +131,19 @@ class DistributedSession:
         inputs, targets = torch.as_tensor(inputs, device=self.device), torch.as_tensor(targets, device=self.device)
         if inputs.shape[0] % plan.microbatches:
             raise ValueError(
-                f"a batch of {inputs.shape[0]} examples does not split into microbatches={plan.microbatches} equal micro-batches"
+                f"a batch of {inputs.shape[0]} examples does not split into microbatches={plan.microbatches} "
+                "equal micro-batches"
+            )
+        if targets.shape[:1] != inputs.shape[:1]:
+            raise ValueError(
+                f"the batch has {inputs.shape[0]} input examples but {targets.shape[0] if targets.dim() else 0} "
+                "target rows; give one target row per input example"
             )
         scale = 1.0 / (plan.microbatches * plan.gradient_accumulation_steps)
         accumulation = self._accumulated
-        for micro, (x, y) in enumerate(zip(inputs.chunk(plan.microbatches), targets.chunk(plan.microbatches))):
+        for micro, (x, y) in enumerate(
+            zip(inputs.chunk(plan.microbatches), targets.chunk(plan.microbatches), strict=True)
+        ):
             self._set_context(accumulation, micro)
             with self.store.saved_tensor_hooks():
                 loss = self._micro_loss(x, y)
@@ -308,7 +316,8 @@ def load_document(document) -> PlanDocument:
 
         return load_plan_or_spec(document)
     raise RuntimeRefusal(
-        "the torch runtime replays a compiled plan: pass document=PlanDocument (or the path of a plan.json or spec file) "
+        "the torch runtime replays a compiled plan: pass document=PlanDocument (or the path of a plan.json or "
+        "spec file) "
         "to prepare(), e.g. backend.prepare(module, plan=plan, document='plan.json')"
     )
 
@@ -358,11 +367,14 @@ def join_process_group(world_size: int) -> bool:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         if "Address already in use" in str(exc) or getattr(exc, "errno", None) == errno.EADDRINUSE:
             raise RuntimeRefusal(
-                f"rank {rank}: MASTER_PORT={os.environ.get('MASTER_PORT')} on {os.environ.get('MASTER_ADDR', '127.0.0.1')} is already in use "
-                "by another process, so the rendezvous cannot listen there; choose a free port (torchrun --master-port) or stop what holds it"
+                f"rank {rank}: MASTER_PORT={os.environ.get('MASTER_PORT')} on "
+                f"{os.environ.get('MASTER_ADDR', '127.0.0.1')} is already in use "
+                "by another process, so the rendezvous cannot listen there; choose a free port (torchrun "
+                "--master-port) or stop what holds it"
             ) from None
         raise CollectiveFailed(
-            f"rank {rank}: the process group of {world} ranks did not form within {seconds:g} s (a rank missing, stopped or "
+            f"rank {rank}: the process group of {world} ranks did not form within {seconds:g} s (a rank "
+            "missing, stopped or "
             f"unreachable at MASTER_ADDR:MASTER_PORT; {RENDEZVOUS_ENV} sets this limit): {first}",
             node_id="rendezvous",
             rule="world",
@@ -416,7 +428,8 @@ def open_session(
     instructions = read_instructions(doc)
     if instructions.plan.pp > 1:
         raise RuntimeRefusal(
-            f"a pipelined plan (pp={instructions.plan.pp}) runs its stage programs through `run` (python -m mixle_compile.runtime "
+            f"a pipelined plan (pp={instructions.plan.pp}) runs its stage programs through `run` (python -m "
+            "mixle_compile.runtime "
             "PLAN); the library session trains the whole model on every rank, so it takes plans with pp: 1"
         )
     owns = join_process_group(instructions.plan.world_size)
@@ -510,10 +523,12 @@ def prepare(
     instructions = read_instructions(doc)
     if plan != instructions.plan:
         raise RuntimeRefusal(
-            f"prepare(plan=...) is {plan.factorisation()}, but the plan document says {instructions.plan.factorisation()}"
+            f"prepare(plan=...) is {plan.factorisation()}, but the plan document says "
+            f"{instructions.plan.factorisation()}"
         )
     if precision is not None and precision != instructions.precision:
         raise RuntimeRefusal(
-            f"precision {precision!r} differs from the plan's training.precision {instructions.precision!r}; recompile the spec"
+            f"precision {precision!r} differs from the plan's training.precision {instructions.precision!r}; "
+            "recompile the spec"
         )
     return open_session(doc, module=module, loss_fn=loss_fn, timeout_s=timeout_s)

@@ -110,7 +110,7 @@ def train(
                 session,
                 checkpoints.root,
                 data_source=data_source() if callable(data_source) else data_source,
-                on_written=lambda: faults.after_state_written(session.mesh.rank, step + 1),
+                on_written=lambda done=step + 1: faults.after_state_written(session.mesh.rank, done),
                 run_id=checkpoints.run_id,
             )
             if saved is not None:
@@ -317,7 +317,8 @@ class NeuralRank:
         for u in distinct:
             if u.has_numerics_evidence and u.maximum_relative_error > tolerance:
                 report["errors"].append(
-                    f"{u.node_id}: relative error {u.maximum_relative_error:.2e} against the single-process reference exceeds {tolerance:.0e}"
+                    f"{u.node_id}: relative error {u.maximum_relative_error:.2e} against the single-process "
+                    f"reference exceeds {tolerance:.0e}"
                 )
         for u in distinct:
             if not u.has_numerics_evidence:
@@ -365,7 +366,8 @@ def _report(
     warnings = []
     if instructions.spec.training.activation_checkpointing != "none":
         warnings.append(
-            f"training.activation_checkpointing={instructions.spec.training.activation_checkpointing!r} is not applied by "
+            f"training.activation_checkpointing={instructions.spec.training.activation_checkpointing!r} is not "
+            "applied by "
             "this runtime: every activation is kept, so memory exceeds the plan's activation model"
         )
     return {

@@ -92,7 +92,8 @@ def load_data(em: EMInstructions, path: str | Path | None) -> np.ndarray:
     if em.cut is not None and per_rank > em.micro_steps * em.micro_batch_size:
         raise ValueError(
             f"{path}: {per_rank} records per data rank do not fit {em.micro_steps} micro-batch(es) of "
-            f"micro_batch_size={em.micro_batch_size}, the normaliser's planned size under the tp cut; raise micro_batch_size"
+            f"micro_batch_size={em.micro_batch_size}, the normaliser's planned size under the tp cut; raise "
+            "micro_batch_size"
         )
     return data
 
@@ -284,7 +285,7 @@ def fit_rank(
             acc(np.ones(len(xb)))
             ll += float(lp.sum())
         reduced = {}
-        for node_id, c in em.collectives.items():
+        for node_id in em.collectives:
             su = statistics.get(node_id)
             if su is not None and su.executes(tp):
                 values = local_statistics(em, su, sc.stats[su.node], tp)
@@ -305,7 +306,8 @@ def fit_rank(
         if not math.isfinite(ll):
             # Reduced over every data rank (or the same rows everywhere): every rank stops at this iteration.
             raise FitDiverged(
-                f"the fit diverged: the log-likelihood of iteration {it + 1} is {ll} (every later iteration would fit on it); "
+                f"the fit diverged: the log-likelihood of iteration {it + 1} is {ll} (every later iteration "
+                "would fit on it); "
                 "check the records for extreme values, or the model for a component that lost all its rows"
             )
         entry = {"statistics": reduced}
@@ -388,7 +390,7 @@ def em_accounting(em: EMInstructions, ledgers, steps: int, tp_coords: list[int] 
         expected = em.expected_bytes(c) * planned_count
         observed = [tuple(lg["updates"].get(node_id, (0, 0))) for lg in ledgers]
         wanted = [(planned_count, expected) if em.executes(node_id, tp) else (0, 0) for tp in tp_coords]
-        bad = [r for r, (o, w) in enumerate(zip(observed, wanted)) if o != w]
+        bad = [r for r, (o, w) in enumerate(zip(observed, wanted, strict=True)) if o != w]
         if bad:
             r = bad[0]
             errors.append(
@@ -404,8 +406,8 @@ def em_accounting(em: EMInstructions, ledgers, steps: int, tp_coords: list[int] 
                 "planned_count": planned_count,
                 "planned_bytes": expected,
                 "ranks_executing": sum(1 for w in wanted if w[0]),
-                "observed_count": sorted({o[0] for o, w in zip(observed, wanted) if w[0]}),
-                "observed_bytes": sorted({o[1] for o, w in zip(observed, wanted) if w[0]}),
+                "observed_count": sorted({o[0] for o, w in zip(observed, wanted, strict=True) if w[0]}),
+                "observed_bytes": sorted({o[1] for o, w in zip(observed, wanted, strict=True) if w[0]}),
                 "match": not bad,
             }
         )
@@ -453,7 +455,7 @@ def evidence(
         rel = ab = 0.0
         samples = 0
         same = True
-        for rec, again in zip(records, repeat):
+        for rec, again in zip(records, repeat, strict=True):
             for it in range(steps):
                 got = pair(u.node_id, rec, it)
                 if got is None:
@@ -648,7 +650,8 @@ def _check_em_resume(manifest: dict, em: EMInstructions, *, source: dict, steps:
     problems = []
     if saved_model.get("seq_len") != new_model["seq_len"]:
         problems.append(
-            f"training.seq_len is {saved_model.get('seq_len')} in the checkpoint but {new_model['seq_len']} in this plan"
+            f"training.seq_len is {saved_model.get('seq_len')} in the checkpoint but {new_model['seq_len']} in "
+            "this plan"
         )
     for node_id in [n for n in new if n in saved]:
         a, b = saved[node_id], new[node_id]
@@ -671,11 +674,13 @@ def _check_em_resume(manifest: dict, em: EMInstructions, *, source: dict, steps:
             entry = arrays.get(f"{node_id}/{name}") if isinstance(arrays, dict) else None
             if entry is None or list(entry.get("shape", ())) != shape:
                 raise CheckpointError(
-                    f"{where}: the manifest lists no array {node_id}/{name} of shape {shape}; the checkpoint is incomplete"
+                    f"{where}: the manifest lists no array {node_id}/{name} of shape {shape}; the checkpoint "
+                    "is incomplete"
                 )
     if not _same_data(saved_source, source):
         raise CheckpointError(
-            f"{where} was fitted on {_describe_data(saved_source)}, this run reads {_describe_data(source)}; resuming on other "
+            f"{where} was fitted on {_describe_data(saved_source)}, this run reads {_describe_data(source)}; "
+            "resuming on other "
             "records would not continue the same fit: pass the same --data (or training.seed and global_batch_size)"
         )
     if len(lls) != iteration or iteration < 1:
@@ -735,7 +740,8 @@ def run_options(
     if resume is not None:
         if reference:
             raise RuntimeRefusal(
-                "--reference fits the single-process reference from the initial parameters, so it cannot check a resumed "
+                "--reference fits the single-process reference from the initial parameters, so it cannot check "
+                "a resumed "
                 "fit; drop --reference or --resume"
             )
         path = ckpt.resolve_checkpoint(resume)
@@ -774,7 +780,8 @@ class EMRank:
         if self.checkpoints.resume is not None:
             if self.reference:
                 raise RuntimeRefusal(
-                    "--reference fits the single-process reference from the initial parameters; it cannot check a resumed fit"
+                    "--reference fits the single-process reference from the initial parameters; it cannot "
+                    "check a resumed fit"
                 )
             t0 = time.perf_counter()
             manifest, first, params0, path = load_em_checkpoint(

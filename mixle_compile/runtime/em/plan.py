@@ -202,7 +202,8 @@ def read_em_instructions(doc: PlanDocument) -> EMInstructions:
         node = tree.nodes.get(subject) if subject is not None else None
         if node is None or not node.stat_width():
             raise RuntimeRefusal(
-                f"the plan declares the collective {node_id!r} (over {', '.join(c.axes)}), which the EM runtime does not execute"
+                f"the plan declares the collective {node_id!r} (over {', '.join(c.axes)}), which the EM "
+                "runtime does not execute"
             )
         statistics.append(_statistics_update(node_id, node, c, roles, cut, owners.get(node.id), plan))
     data_axes = tuple(a for a in DATA_PARALLEL_AXES if plan.size(a) > 1)
@@ -211,13 +212,15 @@ def read_em_instructions(doc: PlanDocument) -> EMInstructions:
     ]
     if spanning:
         raise RuntimeRefusal(
-            f"units on several tp ranks add to the statistics of {', '.join(spanning)}, but the plan never sums them over tp"
+            f"units on several tp ranks add to the statistics of {', '.join(spanning)}, but the plan never "
+            "sums them over tp"
         )
     if data_axes:
         missing = [n.id for n in tree.with_statistics() if str(UpdateId.statistics(n.id)) not in collectives]
         if missing:
             raise RuntimeRefusal(
-                f"the plan never reduces the statistics of {', '.join(missing)} over {', '.join(data_axes)}; recompile the spec"
+                f"the plan never reduces the statistics of {', '.join(missing)} over {', '.join(data_axes)}; "
+                "recompile the spec"
             )
     rows = t.global_batch_size
     if plan.data_parallel_size > rows:
@@ -227,7 +230,8 @@ def read_em_instructions(doc: PlanDocument) -> EMInstructions:
     micro_steps = plan.microbatches * plan.gradient_accumulation_steps
     if cut is not None and -(-rows // plan.data_parallel_size) > micro_steps * t.micro_batch_size:
         raise RuntimeRefusal(
-            f"under a tp cut every micro-batch exchanges one normaliser per row: {rows} rows over {plan.data_parallel_size} data rank(s) "
+            f"under a tp cut every micro-batch exchanges one normaliser per row: {rows} rows over "
+            f"{plan.data_parallel_size} data rank(s) "
             f"do not fit {micro_steps} micro-batch(es) of micro_batch_size={t.micro_batch_size}; raise micro_batch_size"
         )
     return EMInstructions(
@@ -260,13 +264,15 @@ def _read_cut(doc: PlanDocument, tree: Tree, plan: ParallelPlan) -> Cut:
         )
     if node.shared or node.instances != 1:
         raise RuntimeRefusal(
-            f"{path} is held {'as a shared node' if node.shared else f'{node.instances} times'}; the EM runtime cuts a node "
+            f"{path} is held {'as a shared node' if node.shared else f'{node.instances} times'}; the EM "
+            "runtime cuts a node "
             f"held once"
         )
     chain = _parents(tree).get(path, [])
     if any(tree.nodes[p].kind != "composite" for p in chain):
         raise RuntimeRefusal(
-            f"{path} is reached through {', '.join(tree.nodes[p].kind for p in chain if tree.nodes[p].kind != 'composite')}; "
+            f"{path} is reached through "
+            f"{', '.join(tree.nodes[p].kind for p in chain if tree.nodes[p].kind != 'composite')}; "
             f"the EM runtime cuts a node reached from the root through composites only"
         )
     k = node.num_units
@@ -357,7 +363,8 @@ def _statistics_update(
         elements = node.instances * width
     if c.payload_bytes != elements * FLOAT64_BYTES:
         raise RuntimeRefusal(
-            f"the plan sizes {update} at {c.payload_bytes} bytes, but its float64 statistics on a rank are {elements * FLOAT64_BYTES} bytes "
+            f"the plan sizes {update} at {c.payload_bytes} bytes, but its float64 statistics on a rank are "
+            f"{elements * FLOAT64_BYTES} bytes "
             f"({elements} elements); recompile the spec with this version"
         )
     if role == "owned" and plan_owner is not None and plan_owner != owner:
