@@ -199,7 +199,7 @@ resources: {devices: 1, memory: 1GiB}
         )
         want_ll += np.log(joint.sum())
         post = joint / joint.sum()
-        for z, w in zip(paths, post):
+        for z, w in zip(paths, post, strict=True):
             init[z[0]] += w
             for t in range(4):
                 emit[z[t], seq[t]] += w

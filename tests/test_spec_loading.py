@@ -193,7 +193,7 @@ def test_boolean_keys_are_refused_with_the_yaml_pitfall_named():
 
 def test_alias_bomb_is_stopped():
     levels = ["a: &a [x, x, x, x, x, x, x, x, x]"]
-    for prev, cur in zip("abcdefgh", "bcdefghi"):
+    for prev, cur in zip("abcdefgh", "bcdefghi", strict=True):
         levels.append(f"{cur}: &{cur} [" + ", ".join([f"*{prev}"] * 9) + "]")
     only(load("\n".join(levels)), "S010")
 

@@ -82,7 +82,7 @@ def test_a_plan_without_a_prediction_says_why(capsys, tmp_path, name, reason):
     assert cli.main(["compile", str(EXAMPLES / name), "-o", str(plan)]) == 0
     capsys.readouterr()
     cli.main(["explain", str(plan)])
-    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("predicted step time"))
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("predicted step time"))
     assert "not available" in line and reason in line
 
 
