@@ -177,8 +177,10 @@ def _rank_main(kind: str, steps: int, rounds: int) -> None:
             r, n = statistics.median(times["runtime"]), statistics.median(times["native"])
             ratios = sorted(a / b for a, b in zip(times["runtime"], times["native"], strict=True))
             print(
-                f"{kind:5s} {ranks} ranks, {what:4s} time: runtime {r * 1e3:7.1f} ms/step  {label:17s} {n * 1e3:7.1f} ms/step  "
-                f"ratio {statistics.median(ratios):.3f} (median of {rounds} paired rounds, range {ratios[0]:.3f}-{ratios[-1]:.3f})",
+                f"{kind:5s} {ranks} ranks, {what:4s} time: runtime {r * 1e3:7.1f} ms/step  "
+                f"{label:17s} {n * 1e3:7.1f} ms/step  "
+                f"ratio {statistics.median(ratios):.3f} (median of {rounds} paired rounds, "
+                f"range {ratios[0]:.3f}-{ratios[-1]:.3f})",
                 flush=True,
             )
     dist.destroy_process_group()

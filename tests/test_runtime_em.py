@@ -328,7 +328,8 @@ SHAPES = {
     type: mixture
     components:
       - {type: sequence, base: {type: categorical, num_values: 4}, length: {type: poisson}}
-      - {type: hmm, num_states: 2, emission: {type: categorical, num_values: 4}, length: {type: categorical, num_values: 9}}""",
+      - {type: hmm, num_states: 2, emission: {type: categorical, num_values: 4}, length: {type: categorical, \
+num_values: 9}}""",
         8,
     ),
 }

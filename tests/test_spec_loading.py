@@ -289,7 +289,8 @@ model:
     type: mixture
     components:
       - {type: hmm, num_states: 3, transitions: {ref: t}, emission: {type: gaussian, dim: 2}}
-      - {type: hmm, num_states: 3, transitions: {ref: t}, emissions: [{type: poisson}, {type: poisson}, {type: poisson}]}
+      - {type: hmm, num_states: 3, transitions: {ref: t}, emissions: [{type: poisson}, {type: poisson}, \
+{type: poisson}]}
 mesh: {dp_replicate: 2}
 training: {global_batch_size: 8, micro_batch_size: 4}
 backend: torch

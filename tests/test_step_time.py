@@ -19,7 +19,8 @@ from tests.conftest import EXAMPLES, ROOT
 SPEC = """\
 model: {family: transformer, vocab_size: 32000, hidden_size: 4096, num_layers: 8, num_heads: 32, ffn_hidden_size: 11008}
 mesh: {dp_shard: DS, tp: TP, gradient_accumulation_steps: GA}
-training: {global_batch_size: GBS, micro_batch_size: 1, seq_len: 4096, activation_checkpointing: AC, sequence_parallel: SP}
+training: {global_batch_size: GBS, micro_batch_size: 1, seq_len: 4096, activation_checkpointing: AC, \
+sequence_parallel: SP}
 backend: torch
 resources: {devices: 8, kind: h100, memory: 80GiB}
 """

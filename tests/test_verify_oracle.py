@@ -742,7 +742,8 @@ def test_verdicts_equal_the_oracle_for_every_mesh_and_every_shape():
 
 
 def test_fp64_agrees_with_the_oracle():
-    """Every shape on every engine in fp64: C008 for the neural ones, C002 where the engine lacks fp64, with the rest."""
+    """Every shape on every engine in fp64: C008 for the neural ones, C002 where the engine lacks fp64, with the
+    rest."""
     verifier = PlanVerifier()
     found = Counter()
     for i, degrees in enumerate(meshes(8)):
@@ -857,7 +858,8 @@ def test_elastic_example_fails_at_its_smallest_failing_size():
 
 def broken_specs():
     base = """\
-model: {family: transformer, vocab_size: 256, hidden_size: 96, num_layers: 4, num_heads: 12, num_kv_heads: 6, ffn_hidden_size: 128}
+model: {family: transformer, vocab_size: 256, hidden_size: 96, num_layers: 4, num_heads: 12, num_kv_heads: 6, \
+ffn_hidden_size: 128}
 mesh: MESH
 training: TRAINING
 backend: BACKEND
