@@ -64,7 +64,7 @@ def quantile_split_bottleneck(works: list[float], throughputs: list[float], min_
         counts[shard] += 1
     counts = [c for c in counts if c > 0]
     worst, start = 0.0, 0
-    for t, c in zip(throughputs, counts):
+    for t, c in zip(throughputs, counts, strict=False):
         worst = max(worst, sum(works[start : start + c]) / t)
         start += c
     return worst
@@ -192,9 +192,17 @@ def cut_scaling(seed: int, sizes: list[int], repeats: int = 3) -> None:
     for n in sizes:
         works = [rng.lognormvariate(0.0, 1.0) for _ in range(n)]
         unit_bytes, rooms = [1000] * n, [UNLIMITED] * len(speeds)
-        greedy = best_time(lambda: quantile_split_bottleneck(works, speeds), repeats)
-        exact = best_time(lambda: optimal_contiguous_cut(works, unit_bytes, speeds, rooms), repeats)
-        reorder = best_time(lambda: exchangeable_cut(works, unit_bytes, speeds, rooms), repeats)
+        greedy = best_time(lambda works=works: quantile_split_bottleneck(works, speeds), repeats)
+        exact = best_time(
+            lambda works=works, unit_bytes=unit_bytes, rooms=rooms: optimal_contiguous_cut(
+                works, unit_bytes, speeds, rooms
+            ),
+            repeats,
+        )
+        reorder = best_time(
+            lambda works=works, unit_bytes=unit_bytes, rooms=rooms: exchangeable_cut(works, unit_bytes, speeds, rooms),
+            repeats,
+        )
         gap = (
             quantile_split_bottleneck(works, speeds)
             / optimal_contiguous_cut(works, unit_bytes, speeds, rooms).bottleneck

@@ -144,7 +144,8 @@ def main() -> None:
             print(f"{world:>6} {t:>12.4f} {t / base:>17.2f}")
         chosen, naive, t_chosen, t_naive = cuts(tmp, args.rows, args.steps)
         print(
-            f"\nComponent cut over tp=2 of 8 components in 24 dimensions (two full, six diagonal covariances), {args.rows} rows:"
+            "\nComponent cut over tp=2 of 8 components in 24 dimensions (two full, six diagonal covariances), "
+            f"{args.rows} rows:"
         )
         print(f"  decomposition's cut: owners {chosen}  slowest rank {t_chosen:.4f} s/iteration")
         print(f"  equal-count cut:     owners {naive}  slowest rank {t_naive:.4f} s/iteration")

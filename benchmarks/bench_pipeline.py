@@ -18,7 +18,8 @@ import textwrap
 from pathlib import Path
 
 SPEC = """\
-model: {{family: transformer, vocab_size: 512, hidden_size: {hidden}, num_layers: {layers}, num_heads: 8, num_kv_heads: 4,
+model: {{family: transformer, vocab_size: 512, hidden_size: {hidden}, num_layers: {layers}, num_heads: 8, \
+num_kv_heads: 4,
         ffn_hidden_size: {ffn}, tie_embeddings: false}}
 mesh: {{pp: {pp}, microbatches: {mb}}}
 training: {{global_batch_size: {gbs}, micro_batch_size: {mbs}, seq_len: {seq}, precision: fp32, optimizer: adamw,

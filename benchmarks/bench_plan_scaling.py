@@ -9,7 +9,8 @@ Starts from examples/llama3-8b-hsdp-tp.yaml and varies one thing at a time:
   1F1B, no accumulation);
 - accumulation steps: 1 -> 64 (the example's mesh, 8 layers);
 
-every case with resources.memory of 4TiB so that 1,000 layers fit a rank; and last the headline case, 1,000 layers at pp 16 with 512 micro-batches on 131,072 ranks, against
+every case with resources.memory of 4TiB so that 1,000 layers fit a rank; and last the headline case,
+1,000 layers at pp 16 with 512 micro-batches on 131,072 ranks, against
 the 8-layer example. Each row is one compile (check, lower, the schedule check, the plan document)
 plus writing its canonical bytes, the median of ``--runs`` runs. Printed: seconds, plan bytes, the
 ratio to the smallest case, and the growth exponent log(ratio) / log(size ratio) (1: linear,

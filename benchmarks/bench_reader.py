@@ -67,7 +67,7 @@ def bomb_s() -> tuple[float, str]:
     from mixle_compile.spec.source import SourceError, parse_source
 
     levels = ["a: &a [x, x, x, x, x, x, x, x, x]"]
-    for prev, cur in zip("abcdefgh", "bcdefghi"):
+    for prev, cur in zip("abcdefgh", "bcdefghi", strict=True):
         levels.append(f"{cur}: &{cur} [" + ", ".join([f"*{prev}"] * 9) + "]")
     start = time.perf_counter()
     try:

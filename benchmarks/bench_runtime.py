@@ -67,7 +67,7 @@ def _native(instructions, kind: str):
             )
 
     def Ops(part):  # noqa: N802 (reads like the class it builds)
-        return m.LocalOps(dict(zip(part.names, part.weights)))
+        return m.LocalOps(dict(zip(part.names, part.weights, strict=True)))
 
     class Block(Part):
         def forward(self, x, rope):
@@ -175,10 +175,12 @@ def _rank_main(kind: str, steps: int, rounds: int) -> None:
         label = "DDP" if kind == "ddp" else "FSDP2 fully_shard"
         for what, times in (("wall", wall), ("cpu", cpu)):
             r, n = statistics.median(times["runtime"]), statistics.median(times["native"])
-            ratios = sorted(a / b for a, b in zip(times["runtime"], times["native"]))
+            ratios = sorted(a / b for a, b in zip(times["runtime"], times["native"], strict=True))
             print(
-                f"{kind:5s} {ranks} ranks, {what:4s} time: runtime {r * 1e3:7.1f} ms/step  {label:17s} {n * 1e3:7.1f} ms/step  "
-                f"ratio {statistics.median(ratios):.3f} (median of {rounds} paired rounds, range {ratios[0]:.3f}-{ratios[-1]:.3f})",
+                f"{kind:5s} {ranks} ranks, {what:4s} time: runtime {r * 1e3:7.1f} ms/step  "
+                f"{label:17s} {n * 1e3:7.1f} ms/step  "
+                f"ratio {statistics.median(ratios):.3f} (median of {rounds} paired rounds, "
+                f"range {ratios[0]:.3f}-{ratios[-1]:.3f})",
                 flush=True,
             )
     dist.destroy_process_group()

@@ -67,7 +67,8 @@ def run(data: dict, top: int = 5):
 def timings() -> None:
     run(timing_spec("8B", 8, {"name": "torchtitan", "version": "0.2"}), top=1)  # warm imports and the solver
     print(
-        f"{'model':6} {'devices':>7} {'backend':10} {'wall s':>7} {'cpu s':>6} {'enumerated':>11} {'screened':>9} {'checked':>8}  best"
+        f"{'model':6} {'devices':>7} {'backend':10} {'wall s':>7} {'cpu s':>6} "
+        f"{'enumerated':>11} {'screened':>9} {'checked':>8}  best"
     )
     for size, counts in (("8B", (64, 1024, 16384)), ("70B", (64, 1024, 16384)), ("405B", (512, 4096, 16384))):
         for devices in counts:
@@ -92,7 +93,8 @@ def anchors() -> None:
     from mixle_compile.step_time import predict_lowered
 
     print(
-        "rank: the published layout's place in the top 20 (all settings searched); mesh: the first plan on its mesh degrees;"
+        "rank: the published layout's place in the top 20 (all settings searched); "
+        "mesh: the first plan on its mesh degrees;"
     )
     print("ratio: published predicted step / top choice's; the starred columns search the mesh alone, the row's")
     print("micro-batch, checkpointing, schedule and optimizer kept.")
@@ -128,7 +130,8 @@ def anchors() -> None:
         in_top += rank is not None and rank <= 5
         in_top_mesh += kept_rank is not None and kept_rank <= 5
         print(
-            f"{label:34} {show(rank):>5} {show(mesh_rank):>5} {published_seconds / top.step.seconds:6.3f} {show(kept_rank):>6} "
+            f"{label:34} {show(rank):>5} {show(mesh_rank):>5} "
+            f"{published_seconds / top.step.seconds:6.3f} {show(kept_rank):>6} "
             f"{kept_ratio}  {top.mesh_text()}; {top.training_text()} ({wall:.1f}s)"
         )
     print(

@@ -264,7 +264,8 @@ ROWS: list[tuple[str, dict, float]] = [
         292,
     ),
 ]
-# Narayanan et al. (SC21) Table 1: heads, hidden, layers, GPUs, tp, pp, micro-batch, global batch, virtual stages, TFLOP/s per GPU
+# Narayanan et al. (SC21) Table 1: heads, hidden, layers, GPUs, tp, pp, micro-batch, global batch, virtual stages,
+# TFLOP/s per GPU
 for label, args in [
     ("1.7B", (24, 2304, 24, 32, 1, 1, 16, 512, 1, 137)),
     ("3.6B", (32, 3072, 30, 64, 2, 1, 16, 512, 1, 138)),
@@ -328,7 +329,8 @@ def fit(rows) -> None:
             best = (worst, attention, eager, compiled, dict(step_time.EFFICIENCY))
     worst, attention, eager, compiled, efficiency = best
     print(
-        f"{worst[0]} rows outside 0.85-1.15, worst error {math.exp(worst[1]):.3f}x; ATTENTION_EFFICIENCY = {attention}; ELEMENTWISE_BYTES = "
+        f"{worst[0]} rows outside 0.85-1.15, worst error {math.exp(worst[1]):.3f}x; "
+        f"ATTENTION_EFFICIENCY = {attention}; ELEMENTWISE_BYTES = "
         f"{{'eager': {eager}, 'compiled': {compiled}}}"
     )
     for key, value in sorted(efficiency.items()):

@@ -130,7 +130,8 @@ def test_every_spec_check_accepts_compiles_sweep(text):
 RELAXED_INTERLEAVED = """\
 model: {family: transformer, vocab_size: 256, hidden_size: 64, num_layers: 8, num_heads: 4, ffn_hidden_size: 128}
 mesh: {pp: 4, microbatches: 10}
-training: {global_batch_size: 10, seq_len: 32, pipeline_schedule: interleaved_1f1b, virtual_pipeline_stages: 2, precision: fp32}
+training: {global_batch_size: 10, seq_len: 32, pipeline_schedule: interleaved_1f1b, virtual_pipeline_stages: 2, \
+precision: fp32}
 backend: torch
 resources: {devices: 4, memory: 1GiB}
 """

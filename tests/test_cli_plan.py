@@ -145,7 +145,8 @@ def test_explain_ranks_lists_concrete_groups_only_on_request(capsys, tmp_path):
 def test_explain_ranks_on_a_131072_rank_plan_lists_only_what_is_asked(capsys, tmp_path):
     big = tmp_path / "big.yaml"
     big.write_text(
-        "model: {family: transformer, vocab_size: 128256, hidden_size: 4096, num_layers: 32, num_heads: 32, num_kv_heads: 8, ffn_hidden_size: 14336}\n"
+        "model: {family: transformer, vocab_size: 128256, hidden_size: 4096, num_layers: 32, num_heads: 32, "
+        "num_kv_heads: 8, ffn_hidden_size: 14336}\n"
         "mesh: {dp_shard: 4096, tp: 8, pp: 4, microbatches: 8}\n"
         "training: {global_batch_size: 32768, micro_batch_size: 1, seq_len: 4096, sequence_parallel: true}\n"
         "backend: torch\nresources: {devices: 131072, memory: 80GiB}\n"

@@ -88,7 +88,8 @@ model: {{family: transformer, vocab_size: 128, hidden_size: 32, num_layers: {lay
         ffn_hidden_size: 64, tie_embeddings: {str(tie).lower()}}}
 mesh: {{pp: {pp}, dp_shard: {ds}, tp: {tp}, microbatches: {mb}, gradient_accumulation_steps: {gas}}}
 training: {{global_batch_size: {2 * mb * ds * gas}, micro_batch_size: 2, seq_len: 16, pipeline_schedule: {schedule},
-           virtual_pipeline_stages: {virtual}, sequence_parallel: {str(tp > 1).lower()}, distributed_optimizer: {str(dopt).lower()}}}
+           virtual_pipeline_stages: {virtual}, sequence_parallel: {str(tp > 1).lower()}, \
+distributed_optimizer: {str(dopt).lower()}}}
 backend: {backend}
 resources: {{devices: {world}, memory: 80GiB}}
 """
@@ -226,7 +227,8 @@ def _schedule_bytes(**case) -> tuple[int, int]:
 
 def _spec_text(*, pp, mb, gas):
     return f"""\
-model: {{family: transformer, vocab_size: 128, hidden_size: 32, num_layers: 4, num_heads: 4, num_kv_heads: 2, ffn_hidden_size: 64}}
+model: {{family: transformer, vocab_size: 128, hidden_size: 32, num_layers: 4, num_heads: 4, num_kv_heads: 2, \
+ffn_hidden_size: 64}}
 mesh: {{pp: {pp}, dp_shard: 2, microbatches: {mb}, gradient_accumulation_steps: {gas}}}
 training: {{global_batch_size: {4 * mb * gas}, micro_batch_size: 2, seq_len: 16, pipeline_schedule: 1f1b}}
 backend: torch

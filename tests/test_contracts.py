@@ -288,7 +288,9 @@ def test_plan_mesh_of_a_compiled_plan_always_has_dp_replicate(plan):
     assert list(names) == expected_names
     assert shape == tuple(getattr(plan, n) for n in names)
     assert math.prod(shape) == plan.world_size
-    assert tuple(n for n, s in zip(names, shape) if s > 1) == tuple(n for n, s in zip(*plan.mesh) if s > 1)
+    assert tuple(n for n, s in zip(names, shape, strict=True) if s > 1) == tuple(
+        n for n, s in zip(*plan.mesh, strict=True) if s > 1
+    )
 
 
 @FAST

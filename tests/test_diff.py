@@ -14,7 +14,8 @@ from mixle_compile.spec import load_spec_text
 from tests.conftest import EXAMPLES
 
 PIPELINED = """\
-model: {family: transformer, vocab_size: 256, hidden_size: 64, num_layers: 8, num_heads: 4, num_kv_heads: 2, ffn_hidden_size: 128}
+model: {family: transformer, vocab_size: 256, hidden_size: 64, num_layers: 8, num_heads: 4, num_kv_heads: 2, \
+ffn_hidden_size: 128}
 mesh: {pp: 4, microbatches: 4}
 training:
   global_batch_size: 8

@@ -109,7 +109,8 @@ def test_export_refuses_a_spec_that_does_not_verify_on_the_engine(capsys):
 
 def test_export_cli_writes_the_model_config_beside_the_deepspeed_json(tmp_path, capsys, write):
     spec = write("""\
-        model: {family: transformer, vocab_size: 32000, hidden_size: 1024, num_layers: 8, num_heads: 16, ffn_hidden_size: 4096}
+        model: {family: transformer, vocab_size: 32000, hidden_size: 1024, num_layers: 8, num_heads: 16, \
+ffn_hidden_size: 4096}
         mesh: {dp_shard: 8, gradient_accumulation_steps: 2}
         training: {global_batch_size: 64, micro_batch_size: 4, seq_len: 1024, precision: bf16}
         backend: torch
@@ -257,7 +258,7 @@ def test_generated_specs_do_round_trip_on_every_engine(tmp_path):
         assert round_trip(spec, target, tmp_path / target), target
 
 
-# --------------------------------------------------------------------------- the engines' own parsers (the `engines` extra)
+# ------------------------------------------------------------------- the engines' own parsers (the `engines` extra)
 
 
 @pytest.mark.parametrize(

@@ -104,7 +104,8 @@ def test_suggest_does_not_trade_an_error_for_a_new_warning(tmp_path):
     """B001 (8 != 1*8*2): microbatches 4 would fix it in one change but leave a 4-microbatch, 2-stage
     pipeline idle a large part of each step (P008); a two-change plan without the warning exists."""
     text = (
-        "model: {family: transformer, vocab_size: 256, hidden_size: 64, num_layers: 4, num_heads: 4, ffn_hidden_size: 128}\n"
+        "model: {family: transformer, vocab_size: 256, hidden_size: 64, num_layers: 4, num_heads: 4, "
+        "ffn_hidden_size: 128}\n"
         "mesh: {dp_shard: 2, pp: 2, microbatches: 8}\n"
         "training: {global_batch_size: 8, micro_batch_size: 1, seq_len: 32}\n"
         "backend: torch\nresources: {devices: 4, memory: 2GiB}\n"

@@ -200,7 +200,7 @@ def _special(rng: random.Random, i: int) -> Case:
         return Case("empty", b"", ".yaml")
     if kind == 1:
         levels = ["a: &a [" + ", ".join(["x"] * 9) + "]"]
-        for p, c in zip("abcdefgh", "bcdefghi"):
+        for p, c in zip("abcdefgh", "bcdefghi", strict=True):
             levels.append(f"{c}: &{c} [" + ", ".join([f"*{p}"] * 9) + "]")
         return Case("alias-bomb", "\n".join(levels).encode(), ".yaml")
     if kind == 2:

@@ -377,5 +377,8 @@ def test_graph_codes_are_documented():
 
 
 def test_the_check_path_does_not_import_the_graph():
-    code = "import sys, mixle_compile.check, mixle_compile.spec; sys.exit('networkx' in sys.modules or 'mixle_compile.graph' in sys.modules)"
+    code = (
+        "import sys, mixle_compile.check, mixle_compile.spec; "
+        "sys.exit('networkx' in sys.modules or 'mixle_compile.graph' in sys.modules)"
+    )
     assert subprocess.run([sys.executable, "-c", textwrap.dedent(code)]).returncode == 0

@@ -730,7 +730,8 @@ def test_an_hf_architecture_outside_the_family_is_refused_by_name(write, tmp_pat
 def test_checking_an_engine_config_imports_no_torch():
     code = (
         "import sys; from mixle_compile.cli import main; "
-        f"main(['check', {str(TT / 'llama3_8b.toml')!r}]); main(['check', {str(MG / 'train_llama3_8b_h100_fp8.sh')!r}]); "
+        f"main(['check', {str(TT / 'llama3_8b.toml')!r}]); "
+        f"main(['check', {str(MG / 'train_llama3_8b_h100_fp8.sh')!r}]); "
         "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True).stdout

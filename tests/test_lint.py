@@ -198,7 +198,8 @@ def test_a_suppression_of_no_code_at_all_is_reported(capsys, tmp_path):
 
 def test_suppressions_are_read_from_comments_only():
     found = suppressions(
-        "a: 'x # mixle: ignore[T001]'\n# mixle: ignore[P008]\nb: 1 # mixle: ignore[t002 , D001]\nc: 2#mixle: ignore[S003]\n"
+        "a: 'x # mixle: ignore[T001]'\n# mixle: ignore[P008]\n"
+        "b: 1 # mixle: ignore[t002 , D001]\nc: 2#mixle: ignore[S003]\n"
     )
     assert [(s.line, s.applies_to, s.codes) for s in found] == [(2, 3, ("P008",)), (3, 3, ("T002", "D001"))]
 

@@ -19,7 +19,8 @@ SPEC = """\
 model: {{family: transformer, vocab_size: 256, hidden_size: 64, num_layers: 4, num_heads: 4, ffn_hidden_size: 128,
         tie_embeddings: {tie}, num_experts: {experts}, experts_per_token: {topk}}}
 mesh: {{dp_replicate: {dr}, dp_shard: {ds}, tp: {tp}, pp: {pp}, cp: {cp}, ep: {ep}, microbatches: {mb}}}
-training: {{global_batch_size: {gbs}, micro_batch_size: 1, seq_len: 32, sequence_parallel: {sp}, distributed_optimizer: {dopt}}}
+training: {{global_batch_size: {gbs}, micro_batch_size: 1, seq_len: 32, sequence_parallel: {sp}, \
+distributed_optimizer: {dopt}}}
 backend: torch
 resources: {{devices: {world}, memory: 8GiB}}
 """

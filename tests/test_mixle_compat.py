@@ -275,7 +275,12 @@ def test_plan_mesh_holds_dp_replicate_only_when_nothing_is_active(mx):
     names, shape = mx.ParallelPlan(dp_shard=4, tp=2).mesh
     assert (names, shape) == (("dp_shard", "tp"), (4, 2))
     names, shape = mx.ParallelPlan(dp_replicate=2, tp=2, pp=2, cp=2, ep=2).mesh
-    assert dict(zip(names, shape)) == {"dp_replicate": 2, "tp": 2, "pp": 2, "cp": 2}  # ep is no mesh dimension
+    assert dict(zip(names, shape, strict=True)) == {
+        "dp_replicate": 2,
+        "tp": 2,
+        "pp": 2,
+        "cp": 2,
+    }  # ep is no mesh dimension
     assert math.prod(shape) == 16
     assert mx.ParallelPlan(tp=2).mesh == (("tp",), (2,))
 
@@ -568,7 +573,7 @@ def _restore_registries():
         pass
     saved = [dict(table) for table in tables]
     yield
-    for table, before in zip(tables, saved):
+    for table, before in zip(tables, saved, strict=True):
         table.clear()
         table.update(before)
 

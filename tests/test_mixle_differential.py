@@ -457,7 +457,7 @@ def _assert_close_json(ours, theirs, where="$", rtol=1e-9):
             assert pairs[0][k] == pytest.approx(pairs[1][k], rel=rtol, abs=0), f"{where}: category {k}"
     elif isinstance(theirs, list):
         assert isinstance(ours, list) and len(ours) == len(theirs), where
-        for i, (x, y) in enumerate(zip(ours, theirs)):
+        for i, (x, y) in enumerate(zip(ours, theirs, strict=True)):
             _assert_close_json(x, y, f"{where}[{i}]", rtol)
     elif isinstance(theirs, float) and not isinstance(ours, bool):
         assert ours == pytest.approx(theirs, rel=rtol, abs=0), where

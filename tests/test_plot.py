@@ -19,7 +19,8 @@ from mixle_compile.report import traffic_per_axis  # noqa: E402
 from tests.conftest import EXAMPLES  # noqa: E402
 
 PIPELINED = """\
-model: {family: transformer, vocab_size: 256, hidden_size: 64, num_layers: 8, num_heads: 4, num_kv_heads: 2, ffn_hidden_size: 128}
+model: {family: transformer, vocab_size: 256, hidden_size: 64, num_layers: 8, num_heads: 4, num_kv_heads: 2, \
+ffn_hidden_size: 128}
 mesh: {pp: 4, microbatches: 4}
 training: {global_batch_size: 8, micro_batch_size: 2, seq_len: 32, precision: fp32, pipeline_schedule: SCHEDULE}
 backend: torch

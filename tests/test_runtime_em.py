@@ -199,7 +199,7 @@ resources: {devices: 1, memory: 1GiB}
         )
         want_ll += np.log(joint.sum())
         post = joint / joint.sum()
-        for z, w in zip(paths, post):
+        for z, w in zip(paths, post, strict=True):
             init[z[0]] += w
             for t in range(4):
                 emit[z[t], seq[t]] += w
@@ -328,7 +328,8 @@ SHAPES = {
     type: mixture
     components:
       - {type: sequence, base: {type: categorical, num_values: 4}, length: {type: poisson}}
-      - {type: hmm, num_states: 2, emission: {type: categorical, num_values: 4}, length: {type: categorical, num_values: 9}}""",
+      - {type: hmm, num_states: 2, emission: {type: categorical, num_values: 4}, length: {type: categorical, \
+num_values: 9}}""",
         8,
     ),
 }

@@ -241,7 +241,8 @@ def test_different_data_is_refused(tmp_path, cut_run, file_run):
     np.save(tmp_path / "changed.npy", changed)
     with pytest.raises(
         RuntimeRefusal,
-        match=r"fitted on 401 records of .*x\.npy \(sha256:.*this run reads 401 records of .*changed\.npy.*pass the same --data",
+        match=r"fitted on 401 records of .*x\.npy \(sha256:.*"
+        r"this run reads 401 records of .*changed\.npy.*pass the same --data",
     ):
         run_plan(
             doc,

@@ -54,9 +54,11 @@ def moe_spec(
         model: {{family: transformer, vocab_size: 128, hidden_size: 32, num_layers: 2, num_heads: 4, num_kv_heads: 2,
                 ffn_hidden_size: 64, num_experts: {experts}, experts_per_token: {k}, moe_ffn_hidden_size: 48,
                 moe_layer_frequency: {frequency}, activation: {activation}}}
-        mesh: {{dp_replicate: {dr}, dp_shard: {ds}, tp: {tp}, pp: {pp}, ep: {ep}, etp: {etp}, cp: {cp}, microbatches: {max(mb, pp)},
+        mesh: {{dp_replicate: {dr}, dp_shard: {ds}, tp: {tp}, pp: {pp}, ep: {ep}, etp: {etp}, cp: {cp}, \
+microbatches: {max(mb, pp)},
                gradient_accumulation_steps: {gas}}}
-        training: {{global_batch_size: {2 * dr * ds * gas * max(mb, pp)}, micro_batch_size: 2, seq_len: 16, precision: {precision},
+        training: {{global_batch_size: {2 * dr * ds * gas * max(mb, pp)}, micro_batch_size: 2, seq_len: 16, \
+precision: {precision},
                    optimizer: {optimizer}, learning_rate: {lr}, sequence_parallel: {str(sp).lower()},
                    distributed_optimizer: {str(dopt).lower()}, steps: 3}}
         backend: torch

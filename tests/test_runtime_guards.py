@@ -290,7 +290,8 @@ def test_a_rendezvous_port_in_use_is_refused_at_once_naming_it(tmp_path):
 
     spec = tmp_path / "one.yaml"
     spec.write_text(
-        "model: {family: transformer, vocab_size: 64, hidden_size: 32, num_layers: 2, num_heads: 4, ffn_hidden_size: 64}\n"
+        "model: {family: transformer, vocab_size: 64, hidden_size: 32, num_layers: 2, num_heads: 4, "
+        "ffn_hidden_size: 64}\n"
         "mesh: {dp_shard: 1}\ntraining: {global_batch_size: 2, micro_batch_size: 2, seq_len: 16, steps: 1}\n"
         "backend: torch\nresources: {devices: 1, kind: cpu, memory: 1GiB}\n"
     )

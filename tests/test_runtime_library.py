@@ -99,7 +99,8 @@ if session.mesh.rank == 0:
         opt.zero_grad()
     errors = {n: float((final[n] - p).norm() / p.norm()) for n, p in ref.named_parameters()}
     moved = {n: float((p - start[n]).norm() / start[n].norm()) for n, p in ref.named_parameters()}
-    json.dump({"errors": errors, "moved": moved, "receipts": receipts, "ledger": session.ledger.as_dict()}, open(sys.argv[2], "w"))
+    json.dump({"errors": errors, "moved": moved, "receipts": receipts, "ledger": session.ledger.as_dict()}, \
+open(sys.argv[2], "w"))
 session.close()
 """
 
@@ -113,7 +114,8 @@ model:
     - {{name: out.weight, shape: [32, 24], role: row}}
     - {{name: out.bias, shape: [32], role: bias}}
 mesh: {{{mesh}, gradient_accumulation_steps: 2}}
-training: {{global_batch_size: 16, micro_batch_size: 4, precision: fp32, optimizer: adamw, learning_rate: 1.0e-2, distributed_optimizer: {dopt}}}
+training: {{global_batch_size: 16, micro_batch_size: 4, precision: fp32, optimizer: adamw, learning_rate: 1.0e-2, \
+distributed_optimizer: {dopt}}}
 backend: torch
 resources: {{devices: 2, memory: 1GiB, kind: cpu}}
 """

@@ -43,7 +43,8 @@ dist.all_reduce(t, group=dm.get_group("tp"))
 out["tp_sum"] = float(t)
 # Whole tensors reassembled from shards and tensor-parallel slices (KV heads shared over tp).
 weights = session.parameters_global()
-out["global_unequal"] = [p.name for p in session.instructions.params if not torch.equal(weights[p.name], initial_value(session.instructions.param(p.canonical), session.instructions.seed))]
+out["global_unequal"] = [p.name for p in session.instructions.params if not torch.equal(weights[p.name], \
+initial_value(session.instructions.param(p.canonical), session.instructions.seed))]
 out["k_slice"] = [list(s) for s in session.store.of_use["layers.0.attn.k_proj.weight"].tp_slices]
 session.close()
 with open(f"{sys.argv[2]}.{out['rank']}.json", "w") as f:

@@ -62,12 +62,17 @@ def pp_spec(
     layer_split = f", pipeline_layers: {split}" if split else ""
     return textwrap.dedent(
         f"""\
-        model: {{family: transformer, vocab_size: 128, hidden_size: 32, num_layers: {layers}, num_heads: 4, num_kv_heads: 2,
+        model: {{family: transformer, vocab_size: 128, hidden_size: 32, num_layers: {layers}, num_heads: 4, \
+num_kv_heads: 2,
                 ffn_hidden_size: 64, tie_embeddings: {str(tie).lower()}}}
-        mesh: {{pp: {pp}, dp_replicate: {dr}, dp_shard: {ds}, tp: {tp}, cp: {cp}, microbatches: {mb}, gradient_accumulation_steps: {gas}}}
-        training: {{global_batch_size: {2 * mb * dr * ds * gas}, micro_batch_size: 2, seq_len: 16, precision: {precision},
-                   optimizer: {optimizer}, learning_rate: 1.0e-2, pipeline_schedule: {schedule}, virtual_pipeline_stages: {virtual},
-                   sequence_parallel: {str(sp).lower()}, distributed_optimizer: {str(dopt).lower()}, steps: 3{layer_split}}}
+        mesh: {{pp: {pp}, dp_replicate: {dr}, dp_shard: {ds}, tp: {tp}, cp: {cp}, microbatches: {mb}, \
+gradient_accumulation_steps: {gas}}}
+        training: {{global_batch_size: {2 * mb * dr * ds * gas}, micro_batch_size: 2, seq_len: 16, \
+precision: {precision},
+                   optimizer: {optimizer}, learning_rate: 1.0e-2, pipeline_schedule: {schedule}, \
+virtual_pipeline_stages: {virtual},
+                   sequence_parallel: {str(sp).lower()}, distributed_optimizer: {str(dopt).lower()}, \
+steps: 3{layer_split}}}
         backend: torch
         resources: {{devices: {world}, memory: 1GiB, kind: cpu}}
         """
@@ -465,7 +470,8 @@ def test_gradient_check_flags_a_stage_without_gradients():
     section, errors = pipeline_section(doc, instructions, [good, broken])
     assert section["stages_without_gradient"] == [1] and section["idle_fraction_per_rank"] == [pytest.approx(0.5)] * 2
     assert errors == [
-        "stage 1 (rank 1): none of its 19 parameters received a gradient in step(s) 0, 1; the backward did not reach this stage"
+        "stage 1 (rank 1): none of its 19 parameters received a gradient in step(s) 0, 1; "
+        "the backward did not reach this stage"
     ]
     one = dict(good, parameters_without_gradient=["layers.0.mlp.up_proj.weight"])
     assert pipeline_section(doc, instructions, [one, good | {"stage": 1}])[1] == [

@@ -92,7 +92,8 @@ def test_modules_plans_point_to_the_library_api(tmp_path):
     spec = tmp_path / "m.yaml"
     spec.write_text(
         "model: {family: modules, parameters: [{name: w, shape: [4, 4]}]}\n"
-        "mesh: {dp_replicate: 2}\ntraining: {global_batch_size: 2}\nbackend: torch\nresources: {devices: 2, memory: 1GiB}\n"
+        "mesh: {dp_replicate: 2}\ntraining: {global_batch_size: 2}\n"
+        "backend: torch\nresources: {devices: 2, memory: 1GiB}\n"
     )
     with pytest.raises(RuntimeRefusal, match="library API"):
         run_plan(spec, out_dir=tmp_path / "out")

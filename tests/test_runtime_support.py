@@ -36,11 +36,14 @@ def spec_text(
     world = dr * ds * tp * pp * cp
     return textwrap.dedent(
         f"""\
-        model: {{family: transformer, vocab_size: 128, hidden_size: 32, num_layers: 2, num_heads: 4, num_kv_heads: {kv_heads},
+        model: {{family: transformer, vocab_size: 128, hidden_size: 32, num_layers: 2, num_heads: 4, \
+num_kv_heads: {kv_heads},
                 ffn_hidden_size: 64, tie_embeddings: {str(tie).lower()}, norm: {norm}, activation: {activation},
                 position_embedding: {position}}}
-        mesh: {{dp_replicate: {dr}, dp_shard: {ds}, tp: {tp}, pp: {pp}, cp: {cp}, microbatches: {max(mb, pp)}, gradient_accumulation_steps: {gas}}}
-        training: {{global_batch_size: {2 * max(mb, pp) * gas * dr * ds}, micro_batch_size: 2, seq_len: 16, precision: {precision},
+        mesh: {{dp_replicate: {dr}, dp_shard: {ds}, tp: {tp}, pp: {pp}, cp: {cp}, microbatches: {max(mb, pp)}, \
+gradient_accumulation_steps: {gas}}}
+        training: {{global_batch_size: {2 * max(mb, pp) * gas * dr * ds}, micro_batch_size: 2, seq_len: 16, \
+precision: {precision},
                    optimizer: {optimizer}, learning_rate: {lr}, sequence_parallel: {str(sp).lower()},
                    distributed_optimizer: {str(dopt).lower()}, steps: {steps}}}
         backend: torch

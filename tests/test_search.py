@@ -144,7 +144,7 @@ def test_the_best_first_search_finds_the_best_of_an_exhaustive_screen(tmp_path, 
     valid.sort()
     assert len(valid) > 10
     assert len(outcome.plans) == 3
-    for plan, best in zip(outcome.plans, valid):
+    for plan, best in zip(outcome.plans, valid, strict=False):
         assert plan.step.seconds <= best * (1 + TOLERANCE) ** 2
     assert outcome.screened < outcome.enumerated / 4  # the point of the bounds: few candidates are screened
 

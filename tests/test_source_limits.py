@@ -13,7 +13,7 @@ from mixle_compile.spec.source import SourceError, parse_source
 def bomb(levels: int = 9, fan: int = 9) -> bytes:
     lines = ["a: &a [" + ", ".join(["x"] * fan) + "]"]
     names = "abcdefghijklmnop"
-    for prev, cur in zip(names[: levels - 1], names[1:levels]):
+    for prev, cur in zip(names[: levels - 1], names[1:levels], strict=True):
         lines.append(f"{cur}: &{cur} [" + ", ".join([f"*{prev}"] * fan) + "]")
     return "\n".join(lines).encode()
 

@@ -193,7 +193,7 @@ def test_boolean_keys_are_refused_with_the_yaml_pitfall_named():
 
 def test_alias_bomb_is_stopped():
     levels = ["a: &a [x, x, x, x, x, x, x, x, x]"]
-    for prev, cur in zip("abcdefgh", "bcdefghi"):
+    for prev, cur in zip("abcdefgh", "bcdefghi", strict=True):
         levels.append(f"{cur}: &{cur} [" + ", ".join([f"*{prev}"] * 9) + "]")
     only(load("\n".join(levels)), "S010")
 
@@ -289,7 +289,8 @@ model:
     type: mixture
     components:
       - {type: hmm, num_states: 3, transitions: {ref: t}, emission: {type: gaussian, dim: 2}}
-      - {type: hmm, num_states: 3, transitions: {ref: t}, emissions: [{type: poisson}, {type: poisson}, {type: poisson}]}
+      - {type: hmm, num_states: 3, transitions: {ref: t}, emissions: [{type: poisson}, {type: poisson}, \
+{type: poisson}]}
 mesh: {dp_replicate: 2}
 training: {global_batch_size: 8, micro_batch_size: 4}
 backend: torch

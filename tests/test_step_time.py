@@ -19,7 +19,8 @@ from tests.conftest import EXAMPLES, ROOT
 SPEC = """\
 model: {family: transformer, vocab_size: 32000, hidden_size: 4096, num_layers: 8, num_heads: 32, ffn_hidden_size: 11008}
 mesh: {dp_shard: DS, tp: TP, gradient_accumulation_steps: GA}
-training: {global_batch_size: GBS, micro_batch_size: 1, seq_len: 4096, activation_checkpointing: AC, sequence_parallel: SP}
+training: {global_batch_size: GBS, micro_batch_size: 1, seq_len: 4096, activation_checkpointing: AC, \
+sequence_parallel: SP}
 backend: torch
 resources: {devices: 8, kind: h100, memory: 80GiB}
 """
@@ -82,7 +83,7 @@ def test_a_plan_without_a_prediction_says_why(capsys, tmp_path, name, reason):
     assert cli.main(["compile", str(EXAMPLES / name), "-o", str(plan)]) == 0
     capsys.readouterr()
     cli.main(["explain", str(plan)])
-    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("predicted step time"))
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("predicted step time"))
     assert "not available" in line and reason in line
 
 

@@ -83,7 +83,7 @@ def _amounts(params, own_dtypes) -> dict:
     """category -> [elements in training.precision, elements with their own dtype, their bytes,
     those of them below fp32] of a group of parameters."""
     out = {c: [0, 0, 0, 0] for c in ("tp", "replicated", "expert")}
-    for p, own in zip(params, own_dtypes):
+    for p, own in zip(params, own_dtypes, strict=True):
         amount = out[CATEGORY.get(p.role, "replicated")]
         if own is None:
             amount[0] += p.numel
@@ -111,7 +111,7 @@ def memory_bytes(spec: Spec, devices: int | None = None) -> Fraction:
 
     # Which amount each kind of layer holds, per category, as three numbers; combined component-wise.
     by_layer: dict[int, list] = {}
-    for p, own in zip(params, own_dtypes):
+    for p, own in zip(params, own_dtypes, strict=True):
         if p.layer is not None:
             by_layer.setdefault(p.layer, []).append((p, own))
 
@@ -120,7 +120,7 @@ def memory_bytes(spec: Spec, devices: int | None = None) -> Fraction:
         return _amounts([g[0] for g in group], [g[1] for g in group])
 
     def combine(a: dict, b: dict, pick) -> dict:
-        return {k: [pick(x, y) for x, y in zip(a[k], b[k])] for k in a}
+        return {k: [pick(x, y) for x, y in zip(a[k], b[k], strict=True)] for k in a}
 
     zero = {k: [0, 0, 0, 0] for k in ("tp", "replicated", "expert")}
     held = []  # (count, amounts)
@@ -145,10 +145,10 @@ def memory_bytes(spec: Spec, devices: int | None = None) -> Fraction:
             heaviest = combine(heaviest, amounts_of(layer), max)
         held.append((v * c, heaviest))
 
-    first = [(p, o) for p, o in zip(params, own_dtypes) if p.layer is None and p.role == "embedding"]
-    last = [(p, o) for p, o in zip(params, own_dtypes) if p.layer is None and p.role != "embedding"]
+    first = [(p, o) for p, o in zip(params, own_dtypes, strict=True) if p.layer is None and p.role == "embedding"]
+    last = [(p, o) for p, o in zip(params, own_dtypes, strict=True) if p.layer is None and p.role != "embedding"]
     seen, tied = set(), []
-    for p, o in zip(params, own_dtypes):
+    for p, o in zip(params, own_dtypes, strict=True):
         if p.layer is None and p.shared_group is not None:
             if p.shared_group in seen:
                 tied.append((p, o))
@@ -557,7 +557,7 @@ def nearest_fix_cost(spec: Spec, max_changes: int = 3) -> tuple[int, int] | None
             for values in itertools.product(*[_options(spec, s, n) for s, n in chosen]):
                 updates: dict = {"mesh": {}, "training": {}}
                 cost = 0
-                for (section, name), value in zip(chosen, values):
+                for (section, name), value in zip(chosen, values, strict=True):
                     updates[section][name] = value
                     cost += _distance(getattr(getattr(spec, section), name), value)
                 if best is not None and cost >= best:
@@ -742,7 +742,8 @@ def test_verdicts_equal_the_oracle_for_every_mesh_and_every_shape():
 
 
 def test_fp64_agrees_with_the_oracle():
-    """Every shape on every engine in fp64: C008 for the neural ones, C002 where the engine lacks fp64, with the rest."""
+    """Every shape on every engine in fp64: C008 for the neural ones, C002 where the engine lacks fp64, with the
+    rest."""
     verifier = PlanVerifier()
     found = Counter()
     for i, degrees in enumerate(meshes(8)):
@@ -857,7 +858,8 @@ def test_elastic_example_fails_at_its_smallest_failing_size():
 
 def broken_specs():
     base = """\
-model: {family: transformer, vocab_size: 256, hidden_size: 96, num_layers: 4, num_heads: 12, num_kv_heads: 6, ffn_hidden_size: 128}
+model: {family: transformer, vocab_size: 256, hidden_size: 96, num_layers: 4, num_heads: 12, num_kv_heads: 6, \
+ffn_hidden_size: 128}
 mesh: MESH
 training: TRAINING
 backend: BACKEND
