@@ -201,3 +201,19 @@ def test_prepare_names_parameters_that_do_not_match(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert "the spec lists embed.weight, hidden.bias" in out.stdout
     assert "the module has 0.weight, 1.bias, 1.weight" in out.stdout
+
+
+def test_a_batch_is_split_into_micro_batches_or_refused_with_the_reason():
+    from mixle_compile.runtime.session import micro_batches
+
+    inputs, targets = torch.arange(12).reshape(6, 2), torch.arange(6)
+    pieces = micro_batches(inputs, targets, 3)
+    assert [(x.tolist(), y.tolist()) for x, y in pieces] == [
+        ([[0, 1], [2, 3]], [0, 1]),
+        ([[4, 5], [6, 7]], [2, 3]),
+        ([[8, 9], [10, 11]], [4, 5]),
+    ]
+    with pytest.raises(ValueError, match="a batch of 6 examples does not split into microbatches=4"):
+        micro_batches(inputs, targets, 4)
+    with pytest.raises(ValueError, match="the batch has 6 input examples but 4 target rows; give one target row"):
+        micro_batches(inputs, targets[:4], 2)

@@ -50,7 +50,7 @@ from mixle_compile.runtime.model import TransformerShape, cp_positions, stage_fo
 from mixle_compile.runtime.ops import ParallelOps
 from mixle_compile.runtime.parameters import ParamStore
 from mixle_compile.runtime.pipeline_plan import activation_shape, check_pipeline
-from mixle_compile.runtime.session import fsdp_units, make_optimizer
+from mixle_compile.runtime.session import fsdp_units, make_optimizer, micro_batches
 from mixle_compile.runtime.tensor_parallel import TensorParallel
 
 PP = Axis.PP.value  # the group rule of the stage-boundary transfers
@@ -158,17 +158,7 @@ class PipelineSession:
     def train_batch(self, inputs, targets) -> StepReceipt:
         plan = self.plan
         inputs, targets = torch.as_tensor(inputs, device=self.device), torch.as_tensor(targets, device=self.device)
-        if inputs.shape[0] % plan.microbatches:
-            raise ValueError(
-                f"a batch of {inputs.shape[0]} examples does not split into microbatches={plan.microbatches} "
-                "equal micro-batches"
-            )
-        if targets.shape[:1] != inputs.shape[:1]:
-            raise ValueError(
-                f"the batch has {inputs.shape[0]} input examples but {targets.shape[0] if targets.dim() else 0} "
-                "target rows; give one target row per input example"
-            )
-        self._batches.extend(zip(inputs.chunk(plan.microbatches), targets.chunk(plan.microbatches), strict=True))
+        self._batches.extend(micro_batches(inputs, targets, plan.microbatches))
         if len(self._batches) < self.instructions.micro_steps:
             return self._receipt(
                 loss=None,

@@ -68,6 +68,21 @@ def make_optimizer(name: str, params: list[torch.nn.Parameter], lr: float) -> to
     raise RuntimeRefusal(f"optimizer {name!r} is not executed by the torch runtime; use sgd, adam or adamw")
 
 
+def micro_batches(inputs, targets, microbatches: int) -> list[tuple]:
+    """A batch's (inputs, targets) split into ``microbatches`` equal micro-batches, refusing a batch
+    that does not split or whose targets do not pair one row with each input example."""
+    if inputs.shape[0] % microbatches:
+        raise ValueError(
+            f"a batch of {inputs.shape[0]} examples does not split into microbatches={microbatches} equal micro-batches"
+        )
+    if targets.shape[:1] != inputs.shape[:1]:
+        raise ValueError(
+            f"the batch has {inputs.shape[0]} input examples but {targets.shape[0] if targets.dim() else 0} "
+            "target rows; give one target row per input example"
+        )
+    return list(zip(inputs.chunk(microbatches), targets.chunk(microbatches), strict=True))
+
+
 class DistributedSession:
     """A model being trained under one plan on this rank (see the module docstring)."""
 
@@ -129,21 +144,10 @@ class DistributedSession:
             raise RuntimeError("this session is closed")
         plan = self.plan
         inputs, targets = torch.as_tensor(inputs, device=self.device), torch.as_tensor(targets, device=self.device)
-        if inputs.shape[0] % plan.microbatches:
-            raise ValueError(
-                f"a batch of {inputs.shape[0]} examples does not split into microbatches={plan.microbatches} "
-                "equal micro-batches"
-            )
-        if targets.shape[:1] != inputs.shape[:1]:
-            raise ValueError(
-                f"the batch has {inputs.shape[0]} input examples but {targets.shape[0] if targets.dim() else 0} "
-                "target rows; give one target row per input example"
-            )
+        batches = micro_batches(inputs, targets, plan.microbatches)
         scale = 1.0 / (plan.microbatches * plan.gradient_accumulation_steps)
         accumulation = self._accumulated
-        for micro, (x, y) in enumerate(
-            zip(inputs.chunk(plan.microbatches), targets.chunk(plan.microbatches), strict=True)
-        ):
+        for micro, (x, y) in enumerate(batches):
             self._set_context(accumulation, micro)
             with self.store.saved_tensor_hooks():
                 loss = self._micro_loss(x, y)
