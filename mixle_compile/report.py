@@ -27,11 +27,12 @@ def human_bytes(n: float) -> str:
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows, strict=True)]
+    # the header names the columns shown: cells of a row past the header's are left out
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows, strict=False)]
 
     def line(cells: list[str]) -> str:
         return "  ".join(
-            str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+            str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=False))
         )
 
     return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
