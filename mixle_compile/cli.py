@@ -59,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--select",
         action="append",
         metavar="CODES",
-        help="report only these codes or prefixes, comma-separated (T001,P or ALL); replaces the configuration's select",
+        help="report only these codes or prefixes, comma-separated (T001,P or ALL); replaces the "
+        "configuration's select",
     )
     check.add_argument(
         "--ignore",
@@ -79,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument(
         "--stdin-filename",
         metavar="NAME",
-        help="the name a spec read from standard input (-) is reported under, and where its configuration is found from",
+        help="the name a spec read from standard input (-) is reported under, and where its configuration is "
+        "found from",
     )
     _import_arguments(check)
     check.set_defaults(run=_cmd_check)
@@ -98,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     explain.add_argument(
         "target",
         metavar="CODE|FILE|CHECKPOINT",
-        help="a diagnostic code such as T002, a spec file, a compiled plan, or a checkpoint directory (a run's checkpoint root or one step-NNNNNNNN)",
+        help="a diagnostic code such as T002, a spec file, a compiled plan, or a checkpoint directory (a "
+        "run's checkpoint root or one step-NNNNNNNN)",
     )
     explain.add_argument(
         "--format", choices=("text", "json"), default="text", help="output format for files (default: text)"
@@ -115,7 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="?",
         const=8,
         metavar="N",
-        help="also list the concrete ranks of the first N groups of every group rule (default 8); plans keep groups symbolic otherwise",
+        help="also list the concrete ranks of the first N groups of every group rule (default 8); plans keep "
+        "groups symbolic otherwise",
     )
     _import_arguments(explain)
     explain.set_defaults(run=_cmd_explain)
@@ -151,7 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     export = sub.add_parser(
         "export",
-        help="write the engine's own config (torchtitan TOML, Megatron-LM launch script, DeepSpeed JSON) for a spec that verifies on it",
+        help="write the engine's own config (torchtitan TOML, Megatron-LM launch script, DeepSpeed JSON) for "
+        "a spec that verifies on it",
     )
     export.add_argument("spec", metavar="SPEC|PLAN", help="a spec, a compiled plan, or an engine config")
     export.add_argument("--to", required=True, choices=("torchtitan", "megatron", "deepspeed"), help="the engine")
@@ -241,7 +246,7 @@ def _positive(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
@@ -269,7 +274,7 @@ def _import_options(args: argparse.Namespace):
             parse_memory(memory)
         except ValueError as exc:
             print(f"mixle-compile: error: --device-memory {exc}", file=sys.stderr)
-            raise SystemExit(EXIT_USAGE)
+            raise SystemExit(EXIT_USAGE) from None
     return ImportOptions(
         devices=getattr(args, "devices", None),
         device_memory=memory,
@@ -284,7 +289,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
     if not args.files and not args.torchtitan:
         print(
-            "mixle-compile check: error: give at least one PATH (or - for standard input, or --torchtitan MODULE:FUNCTION)",
+            "mixle-compile check: error: give at least one PATH (or - for standard input, or "
+            "--torchtitan MODULE:FUNCTION)",
             file=sys.stderr,
         )
         return EXIT_USAGE
@@ -361,7 +367,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
                 print(_suggestion_text(r))
             elif suggest and r.errors and not r.suggestion_sought and not r.unreadable and r.file not in edits:
                 print(
-                    f"# {r.file}: no suggestion: the spec did not load, so there are no settings to search from; fix its S-codes first"
+                    f"# {r.file}: no suggestion: the spec did not load, so there are no settings to "
+                    "search from; fix its S-codes first"
                 )
         if args.diff:
             for r in results:
@@ -372,7 +379,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
         files = len(results)
         if errors:
             print(
-                f"Found {errors} error{'s' * (errors != 1)} in {sum(1 for r in results if r.errors)} of {files} file{'s' * (files != 1)}."
+                f"Found {errors} error{'s' * (errors != 1)} in {sum(1 for r in results if r.errors)} of "
+                f"{files} file{'s' * (files != 1)}."
             )
         else:
             tail = f" ({warnings} warning{'s' * (warnings != 1)})" if warnings else ""
@@ -423,7 +431,8 @@ def _fix_edits(results, targets: list[str], stdin_text: str | None) -> dict[str,
     from mixle_compile.fix import FixRefused, fixable, fixed_text, unified_diff
 
     edits = {}
-    paths = dict(zip((r.file for r in results), targets))
+    # a --torchtitan result comes after the targets' and has no file to edit
+    paths = dict(zip((r.file for r in results), targets, strict=False))
     for r in results:
         if r.suggestion is None or not r.suggestion.changes or r.file not in paths:
             continue
@@ -445,7 +454,7 @@ def _write_fixes(results, targets, edits, args, extra, chosen, ignored) -> list:
     from mixle_compile.config import config_for
 
     out = []
-    for r, target in zip(results, targets + [None] * (len(results) - len(targets))):
+    for r, target in zip(results, targets + [None] * (len(results) - len(targets)), strict=True):
         if r.file not in edits or target is None:
             out.append(r)
             continue
@@ -470,10 +479,16 @@ def _suggestion_text(result) -> str:
             "or the sequence length"
         )
     if not s.changes:
-        return f"# {result.file}: the plan is valid on its own devices; the errors left concern the elastic section (see their hints)"
+        return (
+            f"# {result.file}: the plan is valid on its own devices; the errors left concern the elastic "
+            "section (see their hints)"
+        )
     nearest = "nearest" if s.proved_nearest else "a"
     count = len(s.changes)
-    head = f"# {result.file}: {nearest} valid plan on the same {s.devices} devices ({count} field{'s' * (count != 1)} changed)"
+    head = (
+        f"# {result.file}: {nearest} valid plan on the same {s.devices} devices ({count} "
+        f"field{'s' * (count != 1)} changed)"
+    )
     if result.engine_patch is not None:
         return head + ", in the config's own keys:\n" + result.engine_patch.text(result.file)
     if result.engine_patch_refused is not None:
@@ -537,7 +552,8 @@ def _cmd_explain(args: argparse.Namespace) -> int:
         text = explain_text(target.upper())
         if text is None:
             print(
-                f"mixle-compile explain: error: no diagnostic code {target.upper()}; run `mixle-compile rules` to list them",
+                f"mixle-compile explain: error: no diagnostic code {target.upper()}; run `mixle-compile "
+                "rules` to list them",
                 file=sys.stderr,
             )
             return EXIT_USAGE
@@ -757,13 +773,15 @@ def _cmd_export(args: argparse.Namespace) -> int:
         )
     if args.to == "deepspeed":
         print(
-            f"{args.spec}: note: training.steps and training.seed are not DeepSpeed config keys (the training script sets them)",
+            f"{args.spec}: note: training.steps and training.seed are not DeepSpeed config keys (the "
+            "training script sets them)",
             file=sys.stderr,
         )
     if args.output is None:
         if others:
             print(
-                f"mixle-compile export: error: the {args.to} config names a model file ({others[0]}); give -o FILE to write both",
+                f"mixle-compile export: error: the {args.to} config names a model file ({others[0]}); "
+                "give -o FILE to write both",
                 file=sys.stderr,
             )
             return EXIT_USAGE
@@ -783,7 +801,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
         print(f"wrote {path}", file=sys.stderr)
     if args.to == "deepspeed":
         print(
-            f"check it with: mixle-compile check {args.output} --model {folder / others[0]} --seq-len {spec.training.seq_len}",
+            f"check it with: mixle-compile check {args.output} --model {folder / others[0]} --seq-len "
+            f"{spec.training.seq_len}",
             file=sys.stderr,
         )
     return EXIT_CLEAN

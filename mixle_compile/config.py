@@ -126,7 +126,7 @@ def config_for(start: Path, explicit: Path | None = None) -> LintConfig:
     try:
         stat = path.stat()
     except OSError as exc:
-        raise ConfigError(f"{path}: cannot read the configuration: {exc.strerror or exc}")
+        raise ConfigError(f"{path}: cannot read the configuration: {exc.strerror or exc}") from exc
     key = (path, stat.st_mtime_ns, stat.st_size)  # an edited file is read again
     if key not in _CACHE:
         _CACHE[key] = read_config(path)
@@ -137,13 +137,13 @@ def read_config(path: Path) -> LintConfig:
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
-        raise ConfigError(f"{path}: cannot read the configuration: {exc.strerror or exc}")
+        raise ConfigError(f"{path}: cannot read the configuration: {exc.strerror or exc}") from exc
     except UnicodeDecodeError:
-        raise ConfigError(f"{path}: is not UTF-8 text")
+        raise ConfigError(f"{path}: is not UTF-8 text") from None
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: invalid TOML: {exc}")
+        raise ConfigError(f"{path}: invalid TOML: {exc}") from exc
     if path.name == PYPROJECT:
         table = data.get("tool", {}).get(TABLE)
         prefix = f"tool.{TABLE}."
@@ -189,7 +189,8 @@ def _parse(table: dict, path: Path, prefix: str) -> LintConfig:
             close = closest(backend, names)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise ConfigError(
-                f"{path}: `{prefix}backend` {backend!r} is not a registered backend{hint} (registered: {', '.join(names)})"
+                f"{path}: `{prefix}backend` {backend!r} is not a registered backend{hint} (registered: "
+                f"{', '.join(names)})"
             )
         out = replace(out, backend=backend)
     if "select" in table:
@@ -206,7 +207,8 @@ def _parse(table: dict, path: Path, prefix: str) -> LintConfig:
         value = table["per-file-ignores"]
         if not isinstance(value, dict):
             raise ConfigError(
-                f'{path}: `{prefix}per-file-ignores` must be a table of glob = [codes], e.g. "configs/legacy/*.yaml" = ["P008"]'
+                f"{path}: `{prefix}per-file-ignores` must be a table of glob = [codes], e.g. "
+                '"configs/legacy/*.yaml" = ["P008"]'
             )
         out = replace(
             out,

@@ -437,7 +437,7 @@ class ParallelPlan(_Contract):
         ``prod(shape) == world_size``.
         """
         names, shape = self.plan_mesh
-        kept = [(n, s) for n, s in zip(names, shape) if s > 1]
+        kept = [(n, s) for n, s in zip(names, shape, strict=True) if s > 1]
         if not kept:
             return (ParallelAxis.DP_REPLICATE.value,), (1,)
         return tuple(n for n, _ in kept), tuple(s for _, s in kept)

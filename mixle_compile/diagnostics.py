@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from enum import Enum
 
 
-class Severity(str, Enum):
+class Severity(str, Enum):  # noqa: UP042  (StrEnum would change str() of a member from "Severity.error" to "error")
     error = "error"
     warning = "warning"
 

@@ -60,7 +60,8 @@ def from_mixle(model: Any, *, warnings: list | None = None) -> DistributionModel
     """
     if not is_mixle_model(model):
         raise TypeError(
-            f"from_mixle takes a mixle model (a mixle.stats distribution), got {type(model).__module__}.{type(model).__qualname__}"
+            "from_mixle takes a mixle model (a mixle.stats distribution), got "
+            f"{type(model).__module__}.{type(model).__qualname__}"
         )
     from mixle_compile.importers.mixle import mixle_model
 
@@ -100,7 +101,8 @@ def as_devices(resources: Any) -> tuple:
     items = getattr(resources, "devices", resources)  # mixle's Resources holds a tuple of DeviceSpec
     if not isinstance(items, Sequence) or isinstance(items, (str, bytes)):
         raise TypeError(
-            f"devices must be the spec's Resources, mixle's Resources or a sequence of devices, got {type(resources).__qualname__}"
+            "devices must be the spec's Resources, mixle's Resources or a sequence of devices, got "
+            f"{type(resources).__qualname__}"
         )
     out = []
     for rank, d in enumerate(items):
@@ -109,7 +111,8 @@ def as_devices(resources: Any) -> tuple:
             continue
         if not hasattr(d, "throughput") or not hasattr(d, "memory_bytes"):
             raise TypeError(
-                f"device {rank} ({type(d).__qualname__}) has no `throughput` and `memory_bytes`; give a mixle DeviceSpec or a Device"
+                f"device {rank} ({type(d).__qualname__}) has no `throughput` and `memory_bytes`; give a "
+                "mixle DeviceSpec or a Device"
             )
         memory = d.memory_bytes
         out.append(
@@ -175,7 +178,8 @@ def to_mixle_dict(fitted: Any, like: Any) -> dict:
         template = copy.deepcopy(like)
     else:
         raise TypeError(
-            f"to_mixle_dict takes the model as its to_dict() JSON, that file's path or a live mixle model, got {type(like).__qualname__}"
+            "to_mixle_dict takes the model as its to_dict() JSON, that file's path or a live mixle "
+            f"model, got {type(like).__qualname__}"
         )
     read = mixle_model(template)
     if read.problems:

@@ -132,7 +132,7 @@ def plan_figure(doc: PlanDocument):
     mesh = data["mesh"]
     fig.suptitle(
         f"plan {doc.content_digest[:19]}: "
-        + " x ".join(f"{n}={s}" for n, s in zip(mesh["names"], mesh["shape"]))
+        + " x ".join(f"{n}={s}" for n, s in zip(mesh["names"], mesh["shape"], strict=True))
         + f", world {mesh['world_size']}",
         fontsize=11,
     )
@@ -154,7 +154,7 @@ def _draw_memory(ax, data: dict[str, Any], human_bytes) -> None:
         if not any(values):
             continue  # a term no stage holds (no recompute, no loss buffers) stays out of the legend
         ax.bar(stages, values, bottom=bottom, label=kind.replace("_", " "))
-        bottom = [b + v for b, v in zip(bottom, values)]
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     for x, r in enumerate(rows):
         share = "" if not device else f" ({r['total'] / device:.0%})" if r["total"] >= device / 100 else " (<1%)"
         ax.annotate(human_bytes(r["total"]) + share, (x, r["total"] / scale), ha="center", va="bottom", fontsize=8)
@@ -204,7 +204,7 @@ def _draw_traffic(ax, doc: PlanDocument, human_bytes) -> None:
         ]
         if any(values):
             ax.barh(labels, values, left=left, label=kind)
-            left = [a + v for a, v in zip(left, values)]
+            left = [a + v for a, v in zip(left, values, strict=True)]
     for y, axes in enumerate(labels):
         ax.annotate(" " + human_bytes(totals[axes]), (totals[axes] / scale, y), va="center", fontsize=8)
     ax.set(title="traffic per rank per step (busiest stage)", xlabel=unit, ylabel="mesh axes")
@@ -274,7 +274,8 @@ def _draw_timeline(ax, doc: PlanDocument) -> None:
     chunks = doc.schedule.virtual_stages
     ax.set_xlabel(
         (
-            f"time (units of one forward; {doc.schedule.pipeline}, {chunks} virtual, {doc.schedule.micro_steps} micro-steps; "
+            f"time (units of one forward; {doc.schedule.pipeline}, {chunks} virtual, "
+            f"{doc.schedule.micro_steps} micro-steps; "
             f"idle {t['idle_fraction']:.1%}, model bubble {doc.schedule.bubble_fraction:.1%})"
             if trained
             else f"time (units of one pass; idle {t['idle_fraction']:.1%})"

@@ -27,10 +27,14 @@ def human_bytes(n: float) -> str:
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
-    line = lambda cells: "  ".join(
-        str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(cells, widths))
-    )  # noqa: E731
+    # the header names the columns shown: cells of a row past the header's are left out
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows, strict=False)]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(
+            str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=False))
+        )
+
     return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
 
 
@@ -95,8 +99,10 @@ def step_time_lines(step: dict[str, Any]) -> list[str]:
     mfu = f", MFU {step['mfu']:.1%}" if step["mfu"] is not None else ""
     lines = [
         f"predicted step time: {_seconds(step['seconds'])}  ({step['tokens_per_second']:,.0f} tokens/s, "
-        f"{step['tokens_per_second_per_device']:,.0f} per device; {step['tflops_per_device']:.0f} TFLOP/s per device{mfu})",
-        f"  compute {_seconds(step['compute'])} (busiest stage, at {step['efficiency']:.0%} of a {step['peak_flops'] / 1e12:.0f} TFLOP/s peak)",
+        f"{step['tokens_per_second_per_device']:,.0f} per device; {step['tflops_per_device']:.0f} TFLOP/s "
+        f"per device{mfu})",
+        f"  compute {_seconds(step['compute'])} (busiest stage, at {step['efficiency']:.0%} of a "
+        f"{step['peak_flops'] / 1e12:.0f} TFLOP/s peak)",
     ]
     for axes, seconds in sorted(step["exposed_communication"].items(), key=lambda item: -item[1]):
         lines.append(f"  exposed communication over {axes}: {_seconds(seconds)}")
@@ -124,9 +130,12 @@ def explain_text(doc: PlanDocument) -> str:
     data = explain_data(doc)
     mesh = data["mesh"]
     out = [
-        f"plan {doc.content_digest[:19]}  (spec {doc.spec_digest[:19]}, format {doc.format_version}, mixle-compile {doc.compiler_version})",
-        f"verdict: {'ok' if doc.verdict.ok else 'NOT OK'} ({doc.verdict.errors} errors, {doc.verdict.warnings} warnings)",
-        f"mesh: {' x '.join(f'{n}={s}' for n, s in zip(mesh['names'], mesh['shape']))}  world {mesh['world_size']}, "
+        f"plan {doc.content_digest[:19]}  (spec {doc.spec_digest[:19]}, format {doc.format_version}, "
+        f"mixle-compile {doc.compiler_version})",
+        f"verdict: {'ok' if doc.verdict.ok else 'NOT OK'} ({doc.verdict.errors} errors, "
+        f"{doc.verdict.warnings} warnings)",
+        f"mesh: {' x '.join(f'{n}={s}' for n, s in zip(mesh['names'], mesh['shape'], strict=True))}  "
+        f"world {mesh['world_size']}, "
         f"data-parallel {mesh['data_parallel_size']}, ep {mesh['ep']}, etp {mesh['etp']}, order {mesh['order']}",
         "",
         "memory per rank (by pipeline stage)",
@@ -164,13 +173,16 @@ def explain_text(doc: PlanDocument) -> str:
     if pipe is not None and mesh["pp"] == 1:
         out += [
             "",
-            f"pipeline: none (one stage), {pipe['micro_steps']} micro-step(s) per step; {'deadlock-free' if pipe['deadlock_free'] else 'DEADLOCK'} ({pipe['check']})",
+            f"pipeline: none (one stage), {pipe['micro_steps']} micro-step(s) per step; "
+            f"{'deadlock-free' if pipe['deadlock_free'] else 'DEADLOCK'} ({pipe['check']})",
         ]
     elif pipe is not None:
         out += [
             "",
-            f"pipeline: {pipe['schedule']}, {mesh['pp']} stage(s) x {pipe['virtual_stages']} virtual, {pipe['micro_steps']} micro-steps per step; "
-            f"bubble fraction {pipe['bubble_fraction']:.1%}; {'deadlock-free' if pipe['deadlock_free'] else 'DEADLOCK'} ({pipe['check']})",
+            f"pipeline: {pipe['schedule']}, {mesh['pp']} stage(s) x {pipe['virtual_stages']} virtual, "
+            f"{pipe['micro_steps']} micro-steps per step; "
+            f"bubble fraction {pipe['bubble_fraction']:.1%}; "
+            f"{'deadlock-free' if pipe['deadlock_free'] else 'DEADLOCK'} ({pipe['check']})",
         ]
     step = data["step_time"]
     if step is not None and not (doc.decomposition is not None and "unavailable" in step):
@@ -514,11 +526,12 @@ def _signed(n: int) -> str:
 def _pipeline_lines(change: dict[str, Any]) -> list[str]:
     if "pipeline" in change:
         a, b = change["pipeline"]["from"], change["pipeline"]["to"]
-        show = lambda v: (
-            "none"
-            if v is None
-            else f"{v['schedule']} x{v['virtual_stages']} virtual, bubble {v['bubble_fraction']:.1%}"
-        )  # noqa: E731
+
+        def show(v: dict[str, Any] | None) -> str:
+            if v is None:
+                return "none"
+            return f"{v['schedule']} x{v['virtual_stages']} virtual, bubble {v['bubble_fraction']:.1%}"
+
         return [f"  {show(a)} -> {show(b)}"]
     out = []
     for key, v in change.items():
@@ -572,7 +585,8 @@ def diff_text(a: PlanDocument, b: PlanDocument, name_a: str = "a", name_b: str =
     if step is not None and "unavailable" in step:
         u = step["unavailable"]
         out.append(
-            f"predicted step time: {'not available' if u['from'] else 'available'} -> {'not available (' + u['to'] + ')' if u['to'] else 'available'}"
+            f"predicted step time: {'not available' if u['from'] else 'available'} -> "
+            f"{'not available (' + u['to'] + ')' if u['to'] else 'available'}"
         )
     elif step is not None and _changed(step["seconds"]["from"], step["seconds"]["to"]):
         before, after = step["seconds"]["from"], step["seconds"]["to"]
@@ -607,7 +621,8 @@ def diff_text(a: PlanDocument, b: PlanDocument, name_a: str = "a", name_b: str =
         out.append("traffic per rank per step:")
         for t in d["traffic"][:limit]:
             out.append(
-                f"  stage {t['stage']} {'+'.join(t['axes'])} {t['collective']}: {human_bytes(t['from'])} -> {human_bytes(t['to'])} ({_signed(t['delta'])})"
+                f"  stage {t['stage']} {'+'.join(t['axes'])} {t['collective']}: {human_bytes(t['from'])} "
+                f"-> {human_bytes(t['to'])} ({_signed(t['delta'])})"
             )
         out += more(len(d["traffic"]))
     if d["collectives"]:
@@ -618,7 +633,8 @@ def diff_text(a: PlanDocument, b: PlanDocument, name_a: str = "a", name_b: str =
         fields = Counter(k for entry in u["changed"] for k in entry["fields"])
         which = f": {', '.join(f'{k} in {n}' for k, n in fields.most_common())}" if fields else ""
         out.append(
-            f"updates: {u['count']['from']} -> {u['count']['to']} ({len(u['added'])} added, {len(u['removed'])} removed, "
+            f"updates: {u['count']['from']} -> {u['count']['to']} ({len(u['added'])} added, "
+            f"{len(u['removed'])} removed, "
             f"{len(u['changed'])} changed{which})"
         )
         few = 5  # the rest follow the same pattern; --format json lists every one
@@ -675,17 +691,20 @@ def checkpoint_text(view: dict[str, Any], limit: int = 12) -> str:
     """`explain CHECKPOINT`: what runtime.checkpoint.checkpoint_view read from the manifest."""
     plan, mesh, data = view.get("plan", {}), view.get("mesh", {}), view.get("data", {})
     out = [
-        f"checkpoint {view['checkpoint']}  (step {view['step']}, {view.get('kind')}, format {view.get('format_version')}, complete)"
+        f"checkpoint {view['checkpoint']}  (step {view['step']}, {view.get('kind')}, format "
+        f"{view.get('format_version')}, complete)"
     ]
     verified = view.get("verified")
     if verified:
         out.append(
-            f"sealed: {verified['files']} file(s), {verified['bytes']:,} bytes, verified against their SHA-256; run {verified.get('run_id')}"
+            f"sealed: {verified['files']} file(s), {verified['bytes']:,} bytes, verified against their "
+            f"SHA-256; run {verified.get('run_id')}"
         )
     fit = view.get("fit") or {}
     if plan and plan.get("optimizer") == "em":
         out.append(
-            f"plan: {plan.get('content_digest', '?')}  {plan.get('family', '?')}, fitted by EM in {plan.get('precision', '?')}"
+            f"plan: {plan.get('content_digest', '?')}  {plan.get('family', '?')}, fitted by EM in "
+            f"{plan.get('precision', '?')}"
         )
     elif plan:
         out.append(
@@ -704,7 +723,8 @@ def checkpoint_text(view: dict[str, Any], limit: int = 12) -> str:
         axes = " x ".join(f"{a}={mesh[a]}" for a in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep") if a in mesh)
         out.append(
             f"mesh: {axes}  world {mesh.get('world_size', '?')}, data-parallel {mesh.get('data_parallel_size', '?')}, "
-            f"{mesh.get('microbatches', '?')} micro-batch(es) x {mesh.get('gradient_accumulation_steps', '?')} accumulation step(s)"
+            f"{mesh.get('microbatches', '?')} micro-batch(es) x "
+            f"{mesh.get('gradient_accumulation_steps', '?')} accumulation step(s)"
         )
     if data:
         source = data.get("source") or {}
@@ -718,7 +738,8 @@ def checkpoint_text(view: dict[str, Any], limit: int = 12) -> str:
         seq = f", seq_len {data['seq_len']}" if data.get("seq_len") is not None else ""
         unit = "rows per iteration" if fit else "global batch"
         out.append(
-            f"data: {data.get('samples_consumed')} samples consumed ({view['step']} x {unit} {data.get('global_batch_size')}{seq}); {what}"
+            f"data: {data.get('samples_consumed')} samples consumed ({view['step']} x {unit} "
+            f"{data.get('global_batch_size')}{seq}); {what}"
         )
     optimizer = view.get("optimizer") or {}
     if optimizer:

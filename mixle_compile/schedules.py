@@ -120,7 +120,8 @@ REQUIREMENTS: tuple[Requirement, ...] = (
         fix=lambda pp, m: (
             f"use a multiple of {torch_rounds(NUMBERS, pp, m)} micro-batches, e.g. {torch_rounds(NUMBERS, pp, m) * pp}"
         ),
-        source="torch 2.13 torch/distributed/pipelining/schedules.py, ScheduleInterleaved1F1B.__init__ (number_of_rounds)",
+        source="torch 2.13 torch/distributed/pipelining/schedules.py, ScheduleInterleaved1F1B.__init__ "
+        "(number_of_rounds)",
     ),
 )
 

@@ -2,10 +2,10 @@
 
 A spec leaves the settings it wants chosen open: a mesh field written ``auto`` (or left out, when
 ``--devices`` gives the budget or the spec has no mesh; micro-batches and accumulation steps
-whenever left out), and the training settings of how to train that it does not state (micro-batch size, activation checkpointing, distributed optimizer,
-pipeline schedule and virtual stages, sequence parallelism). What it states stays fixed: the model,
-the devices, the backend, the sequence length and the global batch, which a user fixes for
-convergence.
+whenever left out), and the training settings of how to train that it does not state (micro-batch
+size, activation checkpointing, distributed optimizer, pipeline schedule and virtual stages,
+sequence parallelism). What it states stays fixed: the model, the devices, the backend, the sequence
+length and the global batch, which a user fixes for convergence.
 
 The search (docs/search.md):
 
@@ -132,7 +132,7 @@ def read_request(path: str | Path, *, devices: int | None = None) -> Request:
     try:
         doc, diags = read_source(path, display_name=name)
     except SourceError as exc:
-        raise SearchInputError([d.text() for d in exc.diagnostics])
+        raise SearchInputError([d.text() for d in exc.diagnostics]) from None
     data = doc.data
     if not isinstance(data, dict):
         raise SearchInputError([f"{name}: a spec is a mapping of sections (model, mesh, training, backend, resources)"])
@@ -175,7 +175,8 @@ def read_request(path: str | Path, *, devices: int | None = None) -> Request:
     if data.get("elastic") is not None:
         raise SearchInputError(
             [
-                f"{name}: the search chooses a plan for one world size; remove `elastic`, search, then add the range back "
+                f"{name}: the search chooses a plan for one world size; remove `elastic`, search, then "
+                "add the range back "
                 "(`check` proves it over the chosen plan)"
             ]
         )
@@ -812,7 +813,7 @@ class _Pricer:
         model = self.req.spec.model
         t = self.req.spec.training
         layers, per_stage, attention_of, st = self._stage(v)
-        tp, cp, pp, ep, etp = v["tp"], v["cp"], v["pp"], v["ep"], v["etp"]
+        tp, cp, pp = v["tp"], v["cp"], v["pp"]
         world = self.req.devices
         degrees = {
             k: v[k]
@@ -979,7 +980,7 @@ def search(req: Request, top: int = DEFAULT_TOP) -> Outcome:
                 mesh.checkpointing = modes
                 heapq.heappush(pending, (pricer.bound(mesh), order, True, mesh))
                 continue
-            for values in mesh.candidates(refused=lambda group: group_refused(group, mesh)):
+            for values in mesh.candidates(refused=lambda group, mesh=mesh: group_refused(group, mesh)):
                 heapq.heappush(heap, (pricer.price(values).seconds, count, values, mesh))
                 count += 1
         if not heap:
@@ -1006,7 +1007,7 @@ def search(req: Request, top: int = DEFAULT_TOP) -> Outcome:
     # room left first.
     fastest = min(p.step.seconds for p in chosen)
     chosen.sort(key=lambda p: (round(p.step.seconds / fastest, 6), p.memory_bytes))
-    for above, plan in zip(chosen, chosen[1:]):
+    for above, plan in zip(chosen, chosen[1:], strict=False):
         plan.reason = loses_because(plan.step, above.step)
         if not plan.reason:
             more = plan.memory_bytes - above.memory_bytes

@@ -241,8 +241,6 @@ def model_flops_per_token(model: dict, seq: float) -> float:
     """6N + 12 l d_q s: N the parameters in matrix multiplications (experts as routed, the output
     head, not the embedding lookup), the attention term non-causal, as torchtitan and PaLM count."""
     h, layers = model["hidden_size"], model["num_layers"]
-    heads = model["num_heads"]
-    d_q = heads * (model.get("head_dim") or h // heads)
     total = 0.0
     for layer in range(layers):
         moe = moe_layer_at(

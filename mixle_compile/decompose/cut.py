@@ -343,7 +343,7 @@ class _Sweep:
             (self.prefix[stops] - self.prefix[starts]) / t <= bottleneck
         )
         edges = np.flatnonzero(np.diff(np.concatenate(([False], fits, [False])).astype(np.int8)))
-        return [(first + int(s), first + int(e) - 1) for s, e in zip(edges[::2], edges[1::2])]
+        return [(first + int(s), first + int(e) - 1) for s, e in zip(edges[::2], edges[1::2], strict=True)]
 
     def _cut_from_runs(self, bottleneck: float, history: list[Runs]) -> list[Shard]:
         """Walk back from ``n``: a boundary new at device ``d`` came from the latest reachable
@@ -398,7 +398,7 @@ class _Sweep:
         reach = np.zeros(n + 1, dtype=bool)
         reach[0] = True
         ends: dict[tuple[float, int], np.ndarray] = {}
-        for d, (throughput, capacity) in enumerate(zip(self.throughputs, self.capacities)):
+        for throughput, capacity in zip(self.throughputs, self.capacities, strict=True):
             key = (throughput, capacity)
             if key not in ends:
                 ends[key] = np.minimum(self._byte_end(capacity), self._work_end(bottleneck, throughput))
@@ -601,7 +601,18 @@ def _improve_assignment(
         squares = sum(f * f for f in finish)
         best: tuple[float, float, int, int, int, int] | None = None  # (max, squares, a, i, c, j or -1)
 
-        def consider(a: int, i: int, c: int, j: int, fa: float, fc: float) -> None:
+        def consider(
+            a: int,
+            i: int,
+            c: int,
+            j: int,
+            fa: float,
+            fc: float,
+            finish: list[float] = finish,
+            top: list[int] = top,
+            worst: float = worst,
+            squares: float = squares,
+        ) -> None:
             nonlocal best
             others = next((finish[d] for d in top if d != a and d != c), 0.0)
             new_max = max(others, fa, fc)

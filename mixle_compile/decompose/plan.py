@@ -227,7 +227,8 @@ def decompose_model(
                     f"the whole model ({root.path}, {total_bytes:,} bytes) must be held by one device, "
                     f"and the largest ({largest.label}) holds {largest.memory_bytes:,} bytes",
                     root.field_path,
-                    hint="use devices with more memory or a lower precision, or give the model an axis to cut (a mixture)",
+                    hint="use devices with more memory or a lower precision, or give the model an axis to cut "
+                    "(a mixture)",
                     extra_fields=(("resources", "devices"),),
                 ),
             )

@@ -43,11 +43,15 @@ def torchtitan_python_files(spec: Spec, stem: str) -> Exported:
     reasons: list[tuple[str, str]] = []
     flavor = _flavor_of(spec)
     if flavor is None or flavor[0] not in REGISTRIES or flavor[1] not in REGISTRIES[flavor[0]][1]:
+        shown = (
+            "not a published flavor" if flavor is None else f"{flavor[0]}/{flavor[1]}, which has no 0.3 registry entry"
+        )
         reasons.append(
             (
                 "model",
                 "torchtitan 0.3's config functions take the model from a family's model_registry(flavor); "
-                f"this model is {'not a published flavor' if flavor is None else f'{flavor[0]}/{flavor[1]}, which has no 0.3 registry entry'} "
+                "this model is "
+                f"{shown} "
                 "(export to the 0.2 TOML, which carries an HF config.json)",
             )
         )
@@ -125,7 +129,8 @@ def torchtitan_python_files(spec: Spec, stem: str) -> Exported:
         sorted({"SelectiveAC" if t.activation_checkpointing == "selective" else "FullAC"}) if ac != "None" else []
     )
     lines = [
-        f'"""A torchtitan 0.3 config function ({name}), written by mixle-compile export --to torchtitan --torchtitan-version 0.3.',
+        f'"""A torchtitan 0.3 config function ({name}), written by mixle-compile export --to torchtitan '
+        "--torchtitan-version 0.3.",
         "",
         f"Check it with: mixle-compile check --torchtitan MODULE:{name}",
         '"""',

@@ -86,11 +86,17 @@ def detect_format(path: str | Path, raw: bytes) -> str:
     if suffix in (".yaml", ".yml"):
         return "spec"
     if suffix == ".py":
-        return "unsupported:a Python file (a torchtitan 0.3 config registry is read with `check --torchtitan module:function`)"
+        return (
+            "unsupported:a Python file (a torchtitan 0.3 config registry is read with `check --torchtitan "
+            "module:function`)"
+        )
     if suffix in (".sh", ".bash", ".args", ".txt") or stripped.startswith("#!") or _MEGATRON_FLAG.search(text):
         if _MEGATRON_FLAG.search(text):
             return "megatron"
-        return "unsupported:a shell script or argument list without Megatron-LM arguments (no --num-layers, --micro-batch-size or --*-model-parallel-size, no pretrain_*.py)"
+        return (
+            "unsupported:a shell script or argument list without Megatron-LM arguments (no --num-layers, "
+            "--micro-batch-size or --*-model-parallel-size, no pretrain_*.py)"
+        )
     return "spec"
 
 
@@ -114,13 +120,16 @@ def read_any(path: str | Path, name: str, options: ImportOptions | None = None) 
     if kind == "hf":
         raise unreadable(
             name,
-            f"{name} is an HF model config (config.json): it gives a model, not a training plan; `mixle-compile` reads {SUPPORTED}",
-            f"use it as the model of a spec (`model: {{from: hf, path: {p.name}}}`) or with a DeepSpeed config (`--model {p.name}`)",
+            f"{name} is an HF model config (config.json): it gives a model, not a training plan; "
+            f"`mixle-compile` reads {SUPPORTED}",
+            f"use it as the model of a spec (`model: {{from: hf, path: {p.name}}}`) or with a DeepSpeed "
+            f"config (`--model {p.name}`)",
         )
     if kind == "mixle":
         raise unreadable(
             name,
-            f"{name} is a mixle model (its to_dict() JSON): it gives a model, not a training plan; `mixle-compile` reads {SUPPORTED}",
+            f"{name} is a mixle model (its to_dict() JSON): it gives a model, not a training plan; "
+            f"`mixle-compile` reads {SUPPORTED}",
             f"use it as the model of a spec (`model: {{from: mixle, path: {p.name}}}`, see docs/mixle.md)",
         )
     if kind == "plan":
@@ -194,4 +203,4 @@ def _text(raw: bytes, name: str) -> str:
     try:
         return raw.decode("utf-8-sig")
     except UnicodeDecodeError:
-        raise unreadable(name, f"{name} is not valid UTF-8", "save the file as UTF-8")
+        raise unreadable(name, f"{name} is not valid UTF-8", "save the file as UTF-8") from None

@@ -92,7 +92,8 @@ def read_deepspeed(raw: bytes, name: str, options: ImportOptions) -> tuple[Sourc
         raise unreadable(
             name,
             f"{name} is a DeepSpeed config; it does not describe the model",
-            "give the model's HF config with `--model config.json` (e.g. `mixle-compile check ds_config.json --model config.json`)",
+            "give the model's HF config with `--model config.json` (e.g. `mixle-compile check "
+            "ds_config.json --model config.json`)",
         )
     b = SpecBuilder(name, "deepspeed")
     for path in (*src.keys, *src.values):
@@ -139,7 +140,8 @@ def read_deepspeed(raw: bytes, name: str, options: ImportOptions) -> tuple[Sourc
     if devices is None and tbs is not None and mbs is not None and gas is not None:
         if tbs % (mbs * gas):
             b.refuse(
-                f"train_batch_size {tbs} is not train_micro_batch_size_per_gpu {mbs} * gradient_accumulation_steps {gas} "
+                f"train_batch_size {tbs} is not train_micro_batch_size_per_gpu {mbs} * "
+                f"gradient_accumulation_steps {gas} "
                 "* a number of data-parallel ranks",
                 at("train_batch_size"),
                 "DeepSpeed asserts train = micro * accumulation * dp",
@@ -253,7 +255,7 @@ def _model(b: SpecBuilder, options: ImportOptions, name: str) -> None:
     hf = hf_model(doc)
     for message, hint, pos in hf.problems:
         b.refuse(f"{options.model}:{pos.line}:{pos.column}: {message}", None, hint, ("model",))
-    for key, pos in hf.ignored:
+    for key, _pos in hf.ignored:
         b.unmodelled(f"{options.model}: {key}", None)
     for field_name, v in hf.model.items():
         origin = f"{options.model}: {hf.keys[field_name]}" if field_name in hf.keys else None

@@ -402,7 +402,8 @@ def read_megatron(
     if per_stage is not None and isinstance(layers, int):
         if layers % (pp * per_stage):
             b.refuse(
-                f"--num-layers {layers} is not pp {pp} * --num-layers-per-virtual-pipeline-stage {per_stage} * a whole number",
+                f"--num-layers {layers} is not pp {pp} * --num-layers-per-virtual-pipeline-stage "
+                f"{per_stage} * a whole number",
                 at("--num-layers-per-virtual-pipeline-stage"),
                 "Megatron asserts the layers split evenly into virtual stages",
             )

@@ -10,21 +10,25 @@ is ``{"__pysp_type__": "ndarray", "dtype": {"kind": "str", "value": "<f8"}, "sha
 (``_encode_object`` memoises by identity). An object reached twice becomes a ``model.shared`` entry
 used through ``{ref: NAME}`` wherever mixle shares it.
 
-The classes read, with the attributes their constructors keep (mixle 0.8.2, ``mixle/stats/``):
+The classes read (mixle 0.8.2, files under ``mixle/stats/``), each with the spec node it becomes
+and the attributes its constructor keeps:
 
-| mixle class | spec node | parameters kept |
-|---|---|---|
-| ``GaussianDistribution`` (univariate/continuous/gaussian.py) | ``gaussian``, dim 1 | ``mu``, ``sigma2`` (variance) |
-| ``DiagonalGaussianDistribution`` (multivariate/diagonal_gaussian.py) | ``gaussian``, diag | ``mu``, ``covar`` (variances) |
-| ``MultivariateGaussianDistribution`` (multivariate/multivariate_gaussian.py) | ``gaussian``, full | ``mu``, ``covar`` |
-| ``IntegerCategoricalDistribution`` (univariate/discrete/integer_categorical.py) | ``categorical`` | ``p_vec`` (value ``min_val + i``) |
-| ``CategoricalDistribution`` (univariate/discrete/categorical.py) | ``categorical`` | ``pmap`` |
-| ``PoissonDistribution`` (univariate/discrete/poisson.py) | ``poisson``, dim 1 | ``lam`` |
-| ``ExponentialDistribution`` (univariate/continuous/exponential.py) | ``exponential``, dim 1 | ``beta`` is the scale: rate ``1/beta`` |
-| ``MixtureDistribution`` (latent/mixture.py) | ``mixture`` | ``components``, ``w`` |
-| ``CompositeDistribution`` (combinator/composite.py) | ``composite`` | ``dists`` |
-| ``SequenceDistribution`` (combinator/sequence.py) | ``sequence`` | ``dist``, ``len_dist`` (none when ``null_len_dist``) |
-| ``HiddenMarkovModelDistribution`` (latent/hidden_markov.py) | ``hmm`` | ``topics``, ``w``, ``transitions``, ``len_dist`` |
+- ``GaussianDistribution`` (univariate/continuous/gaussian.py) -> ``gaussian``, dim 1: ``mu``, ``sigma2`` (variance)
+- ``DiagonalGaussianDistribution`` (multivariate/diagonal_gaussian.py) ->
+  ``gaussian``, diag: ``mu``, ``covar`` (variances)
+- ``MultivariateGaussianDistribution`` (multivariate/multivariate_gaussian.py) -> ``gaussian``, full: ``mu``, ``covar``
+- ``IntegerCategoricalDistribution`` (univariate/discrete/integer_categorical.py) ->
+  ``categorical``: ``p_vec`` (value ``min_val + i``)
+- ``CategoricalDistribution`` (univariate/discrete/categorical.py) -> ``categorical``: ``pmap``
+- ``PoissonDistribution`` (univariate/discrete/poisson.py) -> ``poisson``, dim 1: ``lam``
+- ``ExponentialDistribution`` (univariate/continuous/exponential.py) ->
+  ``exponential``, dim 1: ``beta`` is the scale: rate ``1/beta``
+- ``MixtureDistribution`` (latent/mixture.py) -> ``mixture``: ``components``, ``w``
+- ``CompositeDistribution`` (combinator/composite.py) -> ``composite``: ``dists``
+- ``SequenceDistribution`` (combinator/sequence.py) ->
+  ``sequence``: ``dist``, ``len_dist`` (none when ``null_len_dist``)
+- ``HiddenMarkovModelDistribution`` (latent/hidden_markov.py) ->
+  ``hmm``: ``topics``, ``w``, ``transitions``, ``len_dist``
 
 Every other class, and a feature of these the spec cannot state (an HMM's ``taus`` topic
 mixtures or terminal states, keyed parameter tying), is refused with the class and the place in
@@ -232,8 +236,10 @@ class _Reader:
             self.shared_names[rid] = name
             self.out.warnings.append(
                 (
-                    f"{where}: mixle holds this {_short(obj.get('type'))} in {self.refs[rid] + 1} places; it is read as one "
-                    f"shared node, model.shared.{name}, sized once (as mixle's planner sizes it) and fitted once, tied; "
+                    f"{where}: mixle holds this {_short(obj.get('type'))} in {self.refs[rid] + 1} places; "
+                    "it is read as one "
+                    f"shared node, model.shared.{name}, sized once (as mixle's planner sizes it) and "
+                    "fitted once, tied; "
                     "mixle's own EM fits each place separately unless their estimators share `keys`",
                     "to fit each place on its own, give mixle a copy of the object in each place",
                     path,
@@ -334,7 +340,8 @@ class _Reader:
             elif low != 0:
                 self.out.warnings.append(
                     (
-                        f"{here}: its values start at min_val={low}; the spec's categorical reads value - {low} (0..{len(probs) - 1})",
+                        f"{here}: its values start at min_val={low}; the spec's categorical reads value - "
+                        f"{low} (0..{len(probs) - 1})",
                         f"subtract {low} from that column of the records to fit them",
                         low_path,
                     )
@@ -361,12 +368,13 @@ class _Reader:
             if all(isinstance(k, int) and not isinstance(k, bool) for k in keys) and sorted(keys) == list(
                 range(len(keys))
             ):
-                probs = [p for _, p in sorted(zip(keys, probs))]
+                probs = [p for _, p in sorted(zip(keys, probs, strict=True))]
             else:
                 shown = ", ".join(repr(k) for k in keys[:8]) + (", ..." if len(keys) > 8 else "")
                 self.out.warnings.append(
                     (
-                        f"{here}: its values are not 0..{len(keys) - 1}; the spec's categorical reads value i as the i-th of {shown}",
+                        f"{here}: its values are not 0..{len(keys) - 1}; the spec's categorical reads "
+                        f"value i as the i-th of {shown}",
                         "encode that column of the records as the index of each value in this order",
                         pmap_path,
                     )
@@ -438,7 +446,8 @@ class _Reader:
             s = len(topics)
             if len(w) != s or tshape != (s, s):
                 self.problem(
-                    f"{here}: {s} emissions, {len(w)} initial probabilities and a {list(tshape)} transition matrix do not agree",
+                    f"{here}: {s} emissions, {len(w)} initial probabilities and a {list(tshape)} "
+                    "transition matrix do not agree",
                     "fit the model first",
                     get("transitions")[1],
                 )
@@ -456,7 +465,8 @@ class _Reader:
             self.problem(
                 f"{where}: mixle {cls} cannot be expressed by the distribution spec",
                 "read are GaussianDistribution, DiagonalGaussianDistribution, MultivariateGaussianDistribution, "
-                "CategoricalDistribution, IntegerCategoricalDistribution, PoissonDistribution, ExponentialDistribution, "
+                "CategoricalDistribution, IntegerCategoricalDistribution, PoissonDistribution, "
+                "ExponentialDistribution, "
                 "MixtureDistribution, CompositeDistribution, SequenceDistribution, HiddenMarkovModelDistribution",
                 (*path, "type"),
             )

@@ -379,7 +379,7 @@ class Shell:
                 groups[-1].append(w)
         values = [self._one_test(g) for g in groups]
         result = values[0]
-        for join, v in zip(joins, values[1:]):
+        for join, v in zip(joins, values[1:], strict=True):
             result = (result and v) if join == "&&" else (result or v)
         return bool(result)
 

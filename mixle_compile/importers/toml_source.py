@@ -51,7 +51,7 @@ def read_toml(text: str, name: str) -> SourceDocument:
                 )
             ],
             unreadable=True,
-        )
+        ) from exc
     doc = SourceDocument(file=name, data=data)
     table: Path_ = ()
     state = _ValueState()

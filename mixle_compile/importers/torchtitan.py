@@ -254,7 +254,8 @@ def import_job(
         dp_shard = shard
     if dp_shard is None:
         b.refuse(
-            f"data_parallel_shard_degree = -1 takes the devices the other degrees leave, but {devices} devices are not a "
+            f"data_parallel_shard_degree = -1 takes the devices the other degrees leave, but {devices} "
+            "devices are not a "
             f"multiple of replicate * tp * pp * cp = {rep * tp * pp * cp}",
             at("parallelism", "data_parallel_shard_degree"),
             f"run on a multiple of {rep * tp * pp * cp} devices (`--devices`), or change the degrees",
@@ -477,7 +478,8 @@ def _schedule(b: SpecBuilder, schedule: str, pp: int, get, at) -> None:
         stages = math.ceil((layers + first + last) / per_stage)
         if stages % pp:
             b.refuse(
-                f"{stages} pipeline stages ({layers} layers + {first} + {last} over {per_stage} per stage) do not divide "
+                f"{stages} pipeline stages ({layers} layers + {first} + {last} over {per_stage} per "
+                "stage) do not divide "
                 f"over pipeline_parallel_degree {pp}",
                 at("parallelism", "pipeline_parallel_layers_per_stage"),
                 "torchtitan requires the virtual stages to divide by pp",
@@ -569,7 +571,8 @@ def _model(b: SpecBuilder, data: dict, base: Path, options: ImportOptions, at, g
             ("model", field_name),
             v,
             at=at("model", "flavor"),
-            origin=f"model.name/flavor = {name}/{flavor_name} (torchtitan models/{flavors.ALIASES.get(name, name)}/__init__.py)",
+            origin=f"model.name/flavor = {name}/{flavor_name} (torchtitan "
+            f"models/{flavors.ALIASES.get(name, name)}/__init__.py)",
         )
     for text in entry.approximations:
         b.unmodelled(f"model {name}/{flavor_name}", at("model", "flavor"), f"not modelled: {text}")

@@ -165,7 +165,7 @@ def load_registry_function(target: str) -> tuple[Any, Any]:
             f"cannot import {module_name} for --torchtitan: {exc}",
             "install torchtitan where the check runs (`pip install 'mixle-compile[torchtitan]'`) and run "
             "from the directory the module is importable from",
-        )
+        ) from exc
     function = getattr(module, function_name, None)
     if not callable(function):
         raise unreadable(
@@ -181,7 +181,7 @@ def load_registry_function(target: str) -> tuple[Any, Any]:
             target,
             f"{target}() raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
             "fix the config function so that it returns a Trainer.Config",
-        )
+        ) from exc
     if not hasattr(config, "parallelism") or not hasattr(config, "training"):
         raise unreadable(
             target,

@@ -14,31 +14,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-#: How the engines spell some of our values (torch dtypes, Megatron flags, optimizer class names).
-ENGINE_SPELLINGS = {
-    "bfloat16": "bf16",
-    "float16": "fp16",
-    "half": "fp16",
-    "float32": "fp32",
-    "float": "fp32",
-    "float8": "fp8",
-    "e4m3": "fp8",
-    "adam_w": "adamw",
-}
-
-
-def closest(value: str, choices, n: int = 1, cutoff: float = 0.5) -> list[str]:
-    """The likeliest meant choices: one equal but for case (or an engine's spelling of it) first,
-    then the closest by spelling, compared in lower case so that `BF16` means `bf16`, not `fp16`."""
-    choices = [str(c) for c in choices]
-    lowered = {c.lower(): c for c in choices}
-    key = str(value).strip().lower()
-    for candidate in (key, ENGINE_SPELLINGS.get(key), key.replace("-", "_")):
-        if candidate is not None and candidate in lowered:
-            return [lowered[candidate]]
-    return [lowered[c] for c in difflib.get_close_matches(key, list(lowered), n=n, cutoff=cutoff)]
-
-
 from pydantic import BaseModel, ValidationError
 
 from mixle_compile.diagnostics import Diagnostic, Severity
@@ -63,6 +38,30 @@ from mixle_compile.spec.models import (
     is_auto,
 )
 from mixle_compile.spec.source import Path_, SourceDocument, SourceError, dotted, parse_source
+
+#: How the engines spell some of our values (torch dtypes, Megatron flags, optimizer class names).
+ENGINE_SPELLINGS = {
+    "bfloat16": "bf16",
+    "float16": "fp16",
+    "half": "fp16",
+    "float32": "fp32",
+    "float": "fp32",
+    "float8": "fp8",
+    "e4m3": "fp8",
+    "adam_w": "adamw",
+}
+
+
+def closest(value: str, choices, n: int = 1, cutoff: float = 0.5) -> list[str]:
+    """The likeliest meant choices: one equal but for case (or an engine's spelling of it) first,
+    then the closest by spelling, compared in lower case so that `BF16` means `bf16`, not `fp16`."""
+    choices = [str(c) for c in choices]
+    lowered = {c.lower(): c for c in choices}
+    key = str(value).strip().lower()
+    for candidate in (key, ENGINE_SPELLINGS.get(key), key.replace("-", "_")):
+        if candidate is not None and candidate in lowered:
+            return [lowered[candidate]]
+    return [lowered[c] for c in difflib.get_close_matches(key, list(lowered), n=n, cutoff=cutoff)]
 
 
 @dataclass
@@ -190,7 +189,8 @@ def _model_from_file(doc: SourceDocument, diags: list[Diagnostic], base: Path) -
             f"unknown key `model.{key}`"
             if err["type"] == "extra_forbidden"
             else (
-                "`model.from` must be 'hf' (an HF config.json) or 'mixle' (a mixle model's to_dict() JSON) with `model.path` naming the file"
+                "`model.from` must be 'hf' (an HF config.json) or 'mixle' (a mixle model's to_dict() "
+                "JSON) with `model.path` naming the file"
             )
         )
         raise SourceError(
@@ -199,10 +199,11 @@ def _model_from_file(doc: SourceDocument, diags: list[Diagnostic], base: Path) -
                     codes.UNKNOWN_KEY.code if err["type"] == "extra_forbidden" else codes.INVALID_VALUE.code,
                     f"a model read from a file: {what}",
                     ("model", key),
-                    hint="write `model: {from: hf, path: config.json}` or `model: {from: mixle, path: model.json}` (the path relative to this spec)",
+                    hint="write `model: {from: hf, path: config.json}` or `model: {from: mixle, path: "
+                    "model.json}` (the path relative to this spec)",
                 )
             ]
-        )
+        ) from exc
     target = base / ref["path"]
     at = ("model", "path")
     if ref["from"] == "mixle":
@@ -312,7 +313,8 @@ def _schema_diagnostics(exc: ValidationError, doc: SourceDocument) -> list[Diagn
             out.append(
                 doc.diagnostic(
                     codes.LIMITS.code,
-                    f"{len(errors) - number} more schema problems not shown (the first {MAX_SCHEMA_DIAGNOSTICS} are listed)",
+                    f"{len(errors) - number} more schema problems not shown (the first "
+                    f"{MAX_SCHEMA_DIAGNOSTICS} are listed)",
                     hint="fix the problems above and check again",
                 )
             )
@@ -472,7 +474,8 @@ def _union_diagnostic(err: dict, path: Path_, value: Any, doc: SourceDocument) -
     hint = f"did you mean {close[0]!r}?" if close else f"use one of: {', '.join(choices)}"
     return doc.diagnostic(
         codes.INVALID_VALUE.code if isinstance(tag, str) else codes.WRONG_TYPE.code,
-        f"`{dotted((*path, key))}` must be one of {', '.join(c for c in choices if c != 'ref')}, got {_show(tag) if not isinstance(tag, str) else repr(tag)}",
+        f"`{dotted((*path, key))}` must be one of {', '.join(c for c in choices if c != 'ref')}, got "
+        f"{_show(tag) if not isinstance(tag, str) else repr(tag)}",
         (*path, key),
         hint=hint,
     )
@@ -608,7 +611,8 @@ def _transformer_diagnostics(model: TransformerModel, spec: Spec, doc: SourceDoc
         out.append(
             doc.diagnostic(
                 codes.INCONSISTENT.code,
-                f"model.hidden_size={model.hidden_size} is not divisible by model.num_heads={model.num_heads}, so the head size is undefined",
+                f"model.hidden_size={model.hidden_size} is not divisible by "
+                f"model.num_heads={model.num_heads}, so the head size is undefined",
                 ("model", "num_heads"),
                 hint="set `model.head_dim` explicitly or choose num_heads dividing hidden_size",
                 extra_fields=(("model", "hidden_size"),),
@@ -619,7 +623,8 @@ def _transformer_diagnostics(model: TransformerModel, spec: Spec, doc: SourceDoc
         out.append(
             doc.diagnostic(
                 codes.INCONSISTENT.code,
-                f"model.num_kv_heads={kv} must divide model.num_heads={model.num_heads} (each KV head serves a whole group of query heads)",
+                f"model.num_kv_heads={kv} must divide model.num_heads={model.num_heads} (each KV head "
+                "serves a whole group of query heads)",
                 ("model", "num_kv_heads"),
                 hint="use a divisor of num_heads, e.g. " + ", ".join(str(d) for d in _divisors(model.num_heads)[-4:]),
                 extra_fields=(("model", "num_heads"),),

@@ -99,7 +99,8 @@ def _parse_rate(
         unit = normalise(m.group(2)) if m else ""
         if not m or unit not in units:
             raise ValueError(
-                f"cannot read {what} {value!r}; write a number and one of {', '.join(units)}{also} (e.g. {example.split(' or ')[0]})"
+                f"cannot read {what} {value!r}; write a number and one of {', '.join(units)}{also} (e.g. "
+                f"{example.split(' or ')[0]})"
             )
         value = float(m.group(1)) * units[unit]
     value = float(value)
@@ -262,7 +263,8 @@ class MeshSpec(StrictModel):
         tokens = value.split("-")
         if sorted(tokens) != sorted(MESH_ORDER_TOKENS):
             raise ValueError(
-                f"order {value!r} must name each of {', '.join(MESH_ORDER_TOKENS)} exactly once, joined by '-' (e.g. 'tp-cp-ep-dp-pp')"
+                f"order {value!r} must name each of {', '.join(MESH_ORDER_TOKENS)} exactly once, joined "
+                "by '-' (e.g. 'tp-cp-ep-dp-pp')"
             )
         return value
 
@@ -621,7 +623,8 @@ class TrainingSpec(StrictModel):
     activation_checkpointing: Literal["none", "selective", "full"] = "none"
     attention: Literal["flash", "eager"] | None = Field(
         default=None,
-        description="attention kernel: flash (fused; never stores the score matrix) or eager; defaults to the engine's (flash)",
+        description="attention kernel: flash (fused; never stores the score matrix) or eager; defaults to the "
+        "engine's (flash)",
     )
     compile: StrictBool | Annotated[list[Literal["model", "loss"]], Field(max_length=2)] = Field(
         default=False,
@@ -727,7 +730,8 @@ class BackendRef(StrictModel):
     )
     entry: Name | None = Field(
         default=None,
-        description="megatron only: 'arguments' (Megatron-LM argument validation, the default) or 'core' (Megatron-Core config classes)",
+        description="megatron only: 'arguments' (Megatron-LM argument validation, the default) or 'core' "
+        "(Megatron-Core config classes)",
     )
 
 

@@ -121,17 +121,19 @@ def read_source(path: str | Path, *, display_name: str | None = None) -> tuple[S
     try:
         raw = p.read_bytes()
     except FileNotFoundError:
-        raise SourceError([_file_diag(name, "S011", f"file not found: {name}", "check the path")], unreadable=True)
+        raise SourceError(
+            [_file_diag(name, "S011", f"file not found: {name}", "check the path")], unreadable=True
+        ) from None
     except IsADirectoryError:
         raise SourceError(
             [_file_diag(name, "S011", f"{name} is a directory, not a spec file", "pass a .yaml, .yml or .json file")],
             unreadable=True,
-        )
+        ) from None
     except OSError as exc:
         raise SourceError(
             [_file_diag(name, "S011", f"cannot read {name}: {exc.strerror}", "check the file's permissions")],
             unreadable=True,
-        )
+        ) from exc
     return parse_source(raw, name, json_syntax=p.suffix.lower() == ".json")
 
 
@@ -167,7 +169,7 @@ def parse_source(raw: bytes, name: str, *, json_syntax: bool) -> tuple[SourceDoc
                 )
             ],
             unreadable=True,
-        )
+        ) from exc
     doc = SourceDocument(file=name)
     reader = _JsonReader(text, doc) if json_syntax else _YamlReader(text, doc)
     doc.data = reader.read()
@@ -250,7 +252,8 @@ class _Reader:
                 Diagnostic(
                     code="S002",
                     severity=Severity.error,
-                    message=f"duplicate key `{dotted(child)}` (first defined at line {first.line}); the later value would silently win",
+                    message=f"duplicate key `{dotted(child)}` (first defined at line {first.line}); the later "
+                    "value would silently win",
                     hint="keep one definition of the key",
                     file=self.doc.file,
                     line=pos.line,
@@ -281,11 +284,13 @@ class _YamlReader(_Reader):
             mark = exc.problem_mark or exc.context_mark
             line, col = (mark.line + 1, mark.column + 1) if mark else (1, 1)
             problem = exc.problem or exc.context or "invalid YAML"
-            raise self.fail("S001", f"invalid YAML: {problem}", line, col, "fix the YAML syntax at this position")
+            raise self.fail(
+                "S001", f"invalid YAML: {problem}", line, col, "fix the YAML syntax at this position"
+            ) from exc
         except yaml.YAMLError as exc:
-            raise self.fail("S001", f"invalid YAML: {exc}", 1, 1, "fix the YAML syntax")
+            raise self.fail("S001", f"invalid YAML: {exc}", 1, 1, "fix the YAML syntax") from exc
         except RecursionError:
-            raise self.fail("S010", "the document nests too deeply to read", 1, 1, "flatten the structure")
+            raise self.fail("S010", "the document nests too deeply to read", 1, 1, "flatten the structure") from None
         if node is None:
             return None
         self._refuse_alias_expansion(node, yaml)
@@ -353,7 +358,8 @@ class _YamlReader(_Reader):
         )
         raise self.fail(
             "S010",
-            f"the document expands to {total:,} values through its aliases, more than the limit of {MAX_NODES:,}{where}",
+            f"the document expands to {total:,} values through its aliases, more than the limit of "
+            f"{MAX_NODES:,}{where}",
             mark.line + 1,
             mark.column + 1,
             "repeat fewer aliases (an alias bomb?); a spec needs far fewer values",
@@ -412,7 +418,7 @@ class _YamlReader(_Reader):
                 col,
                 "quote the value or fix its syntax",
                 path,
-            )
+            ) from exc
         if isinstance(value, (bytes, bytearray)) or type(value).__module__ == "datetime":
             # Keep unusual scalars as their source text: the schema then reports them clearly.
             return node.value
@@ -482,7 +488,7 @@ class _JsonReader(_Reader):
             value, end = json.decoder.scanstring(self.text, self.i + 1, True)
         except json.JSONDecodeError as exc:
             self.i = exc.pos
-            raise self._err(exc.msg)
+            raise self._err(exc.msg) from exc
         self.i = end
         return value
 

@@ -162,7 +162,8 @@ def rules_markdown() -> str:
         "",
         "**Errors and warnings.** An error means the plan cannot run as written (or not on the chosen "
         "backend); any error makes `check` exit with status 1. A warning means the plan runs but "
-        "something deserves a look (P008, the pipeline bubble, and Q004, a setting Megatron-LM turns off); warnings are printed but do "
+        "something deserves a look (P008, the pipeline bubble, and Q004, a setting Megatron-LM turns "
+        "off); warnings are printed but do "
         "not change the exit status.",
         "",
         "**Rule sets.** Engines differ, so each backend is checked with its own rule set: `torch` (the "

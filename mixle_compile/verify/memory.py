@@ -55,13 +55,13 @@ class Share:
 
     def at_least(self, other: Share) -> Share:
         """Component-wise maximum (an upper bound of both)."""
-        return Share(*(max(a, b) for a, b in zip(self._tuple(), other._tuple())))
+        return Share(*(max(a, b) for a, b in zip(self._tuple(), other._tuple(), strict=True)))
 
     def at_most(self, other: Share) -> Share:
-        return Share(*(min(a, b) for a, b in zip(self._tuple(), other._tuple())))
+        return Share(*(min(a, b) for a, b in zip(self._tuple(), other._tuple(), strict=True)))
 
     def minus(self, other: Share) -> Share:
-        return Share(*(a - b for a, b in zip(self._tuple(), other._tuple())))
+        return Share(*(a - b for a, b in zip(self._tuple(), other._tuple(), strict=True)))
 
     @property
     def elements(self) -> int:
@@ -120,7 +120,7 @@ def parameter_footprint(spec: Spec) -> ParameterFootprint:
     def add(place: str, category: str, amount: Share) -> None:
         shares[(place, category)] = shares.get((place, category), ZERO) + amount
 
-    for p, own in zip(params, own_dtypes):
+    for p, own in zip(params, own_dtypes, strict=True):
         category = _CATEGORY_OF_ROLE.get(p.role, "replicated")
         amount = _share_of(p.numel, own)
         if p.layer is not None:

@@ -93,7 +93,8 @@ class Suggestion:
             lines.append(f"# mesh.dp_shard: auto now resolves to {self.dp_shard_auto_value}")
         if self.new_warnings:
             lines.append(
-                f"# no plan within {MAX_CHANGES} changes avoids warning {', '.join(self.new_warnings)}, which this one brings"
+                f"# no plan within {MAX_CHANGES} changes avoids warning {', '.join(self.new_warnings)}, "
+                "which this one brings"
             )
         return "\n".join(lines) + "\n"
 

@@ -67,10 +67,12 @@ PRECISION = define(
         engine_reference="the backend's declared `BackendCapabilities.precisions`",
         constraint=lambda v: v.is_("precision", *_supported(v.facts.capabilities)),
         explain=lambda x: (
-            f"backend {x.facts.backend} trains in {alternatives(_supported(x.facts.capabilities)).replace(' or ', ' and ')}, not {x.precision}"
+            f"backend {x.facts.backend} trains in "
+            f"{alternatives(_supported(x.facts.capabilities)).replace(' or ', ' and ')}, not {x.precision}"
         ),
         hint=lambda x: (
-            f"use precision: {'bf16' if 'bf16' in _supported(x.facts.capabilities) else _supported(x.facts.capabilities)[0]}"
+            "use precision: "
+            f"{'bf16' if 'bf16' in _supported(x.facts.capabilities) else _supported(x.facts.capabilities)[0]}"
         ),
         fields=("precision",),
         context=("backend",),
@@ -150,7 +152,8 @@ ELASTIC = define(
             truth(v.facts.capabilities.elastic_restart and v.facts.capabilities.reshardable_checkpoint),
         ),
         explain=lambda x: (
-            f"backend {x.facts.backend} declares no {' and no '.join(_elastic_missing(x.facts.capabilities)).replace('_', ' ')}"
+            f"backend {x.facts.backend} declares no "
+            f"{' and no '.join(_elastic_missing(x.facts.capabilities)).replace('_', ' ')}"
         ),
         hint=lambda x: "remove the elastic section, or use a backend that restarts at a new world size",
         fields=("elastic",),
@@ -187,7 +190,8 @@ MODULES_DATA_PARALLEL = define(
         engine_reference="torch backend: `prepare(module, plan=...)` (docs/runtime.md, library API)",
         constraint=lambda v: all_of(*[getattr(v, a) == 1 for a in _MODEL_AXES]),
         explain=lambda x: (
-            f"the torch backend trains a `modules` model with data parallelism only, but the plan has {', '.join(_model_parallel(x))}"
+            "the torch backend trains a `modules` model with data parallelism only, but the plan has "
+            f"{', '.join(_model_parallel(x))}"
         ),
         hint=lambda x: "set those degrees to 1 and use dp_replicate / dp_shard, or describe the model as a transformer",
         fields=_MODEL_AXES,
@@ -239,7 +243,8 @@ FP64_DISTRIBUTION_ONLY = define(
         engine_reference="torch runtime: mixle_compile/runtime/model.py compute_dtype; mixle: every fit is float64",
         constraint=lambda v: negation(v.is_("precision", "fp64")),
         explain=lambda x: (
-            f"training.precision fp64 is for distribution models; a {x.facts.family} model trains in fp32 or a lower precision"
+            f"training.precision fp64 is for distribution models; a {x.facts.family} model trains in fp32 "
+            "or a lower precision"
         ),
         hint=lambda x: "use precision: fp32 (or bf16)",
         fields=("precision",),

@@ -19,7 +19,8 @@ def _product(x) -> int:
 def _explain(x) -> str:
     return (
         f"global_batch_size={x.global_batch_size}, but micro_batch_size*microbatches*gradient_accumulation_steps"
-        f"*data-parallel size = {x.micro_batch_size}*{x.microbatches}*{x.gradient_accumulation_steps}*{x.data_parallel} "
+        "*data-parallel size = "
+        f"{x.micro_batch_size}*{x.microbatches}*{x.gradient_accumulation_steps}*{x.data_parallel} "
         f"= {_product(x)}; the data-parallel size is dp_replicate*dp_shard = {x.dp_replicate}*{x.dp_shard} "
         "(tp, cp and pp ranks see the same samples and do not count)"
     )
@@ -39,7 +40,8 @@ GLOBAL_BATCH = define(
     Rule(
         code="B001",
         name="global-batch-size",
-        title="global_batch_size = micro_batch_size * microbatches * gradient_accumulation_steps * dp_replicate * dp_shard.",
+        title="global_batch_size = micro_batch_size * microbatches * gradient_accumulation_steps * "
+        "dp_replicate * dp_shard.",
         docs=(
             "Every optimizer step consumes the global batch: each data-parallel rank runs `microbatches` "
             "pipeline micro-batches of `micro_batch_size` samples, `gradient_accumulation_steps` times. The "

@@ -40,9 +40,15 @@ EXPERT_TENSOR_PARALLEL = define(
 def _domain_explain(x) -> str:
     if x.etp == x.tp:
         size = x.dp_shard * x.cp
-        return f"with etp = tp = {x.tp}, experts spread over dp_shard*cp = {x.dp_shard}*{x.cp} = {size} ranks, and {size} % ep={x.ep} != 0"
+        return (
+            f"with etp = tp = {x.tp}, experts spread over dp_shard*cp = {x.dp_shard}*{x.cp} = {size} ranks, "
+            f"and {size} % ep={x.ep} != 0"
+        )
     size = x.dp_shard * x.cp * x.tp
-    return f"with etp = 1, experts spread over dp_shard*cp*tp = {x.dp_shard}*{x.cp}*{x.tp} = {size} ranks, and {size} % ep={x.ep} != 0"
+    return (
+        f"with etp = 1, experts spread over dp_shard*cp*tp = {x.dp_shard}*{x.cp}*{x.tp} = {size} ranks, and "
+        f"{size} % ep={x.ep} != 0"
+    )
 
 
 def _domain_hint(x) -> str:
@@ -61,7 +67,8 @@ EXPERT_PARALLEL_DOMAIN = define(
             "`(dp_shard * cp) % ep == 0`; with `etp: 1`, `(dp_shard * cp * tp) % ep == 0`. This is not the "
             "data-parallel size: `tp: 8, ep: 8` on 8 devices is valid with `etp: 1`."
         ),
-        engine_reference="torchtitan `ParallelDims._validate` (ep divides dp_shard*cp, or dp_shard*cp*tp when etp == 1)",
+        engine_reference="torchtitan `ParallelDims._validate` (ep divides dp_shard*cp, or dp_shard*cp*tp when etp == "
+        "1)",
         constraint=lambda v: all_of(
             implies(v.etp == v.tp, (v.dp_shard * v.cp) % v.ep == 0),
             implies(v.etp == 1, (v.dp_shard * v.cp * v.tp) % v.ep == 0),
@@ -104,7 +111,8 @@ EXPERTS_SPLIT = define(
         name="experts-split-by-ep",
         title="ep divides the number of experts.",
         docs="Each expert-parallel rank holds `num_experts / ep` whole experts, so `num_experts % ep == 0`.",
-        engine_reference="Megatron-LM `validate_args`: num_experts must be a multiple of expert_model_parallel_size; torchtitan's expert sharding",
+        engine_reference="Megatron-LM `validate_args`: num_experts must be a multiple of expert_model_parallel_size; "
+        "torchtitan's expert sharding",
         constraint=lambda v: implies(v.num_experts > 0, v.num_experts % v.ep == 0),
         explain=lambda x: (
             f"{x.num_experts} experts cannot be split evenly over ep={x.ep} ranks ({x.num_experts} % {x.ep} != 0)"
@@ -171,7 +179,8 @@ MOE_TENSOR_PARALLEL_TORCH = define(
             "the ranks. Megatron-Core asks the same when experts meet tensor parallelism (E006)."
         ),
         engine_reference=(
-            "torch backend: runtime/experts.py routes sequence shards; Megatron-Core `ModelParallelConfig.__post_init__` "
+            "torch backend: runtime/experts.py routes sequence shards; Megatron-Core "
+            "`ModelParallelConfig.__post_init__` "
             "requires sequence parallelism with expert and tensor parallelism"
         ),
         constraint=lambda v: implies(all_of(v.num_experts > 0, v.tp > 1), v.sequence_parallel),
@@ -200,14 +209,16 @@ EXPERTS_SHARDED_WHOLE = define(
             "divide evenly the plan would have to cut each expert's hidden features instead, a layout the torch "
             "runtime does not execute."
         ),
-        engine_reference="torchtitan `parallelize_moe`: experts are FSDP-sharded on the expert dimension over the expert-data mesh",
+        engine_reference="torchtitan `parallelize_moe`: experts are FSDP-sharded on the expert dimension over the "
+        "expert-data mesh",
         constraint=lambda v: implies(all_of(v.num_experts > 0, v.dp_shard > 1), v.num_experts % _expert_ranks(v) == 0),
         explain=lambda x: (
             f"under FSDP {x.num_experts} experts cannot be shared out whole over world / (etp * pp) = "
             f"{x.world} / ({x.etp} * {x.pp}) = {x.world // (x.etp * x.pp)} ranks"
         ),
         hint=lambda x: (
-            f"use a multiple of {x.world // (x.etp * x.pp)} experts, dp_shard: 1 (no FSDP), or fewer ranks per expert layer"
+            f"use a multiple of {x.world // (x.etp * x.pp)} experts, dp_shard: 1 (no FSDP), or fewer "
+            "ranks per expert layer"
         ),
         fields=("num_experts", "dp_shard", "dp_replicate", "tp", "cp", "etp"),
         engines=frozenset({Engine.TORCH}),
@@ -252,7 +263,9 @@ TORCHTITAN_NO_ETP = define(
             "the tensor-parallel ranks split the tokens; with ep = 1 experts are split over tp like the dense "
             "layers. Earlier releases (0.2) had `expert_tensor_parallel_degree` (E001)."
         ),
-        engine_reference="torchtitan 0.3 torchtitan/distributed/parallel_dims.py `ParallelDims` (dp_replicate, dp_shard, cp, tp, pp, ep)",
+        engine_reference="torchtitan 0.3 torchtitan/distributed/parallel_dims.py `ParallelDims` (dp_replicate, "
+        "dp_shard, "
+        "cp, tp, pp, ep)",
         constraint=lambda v: v.etp == 1,
         explain=lambda x: f"etp={x.etp}, but torchtitan 0.3 has no expert tensor parallelism",
         hint=lambda x: 'set etp: 1, or name backend: {name: torchtitan, version: "0.2"}',

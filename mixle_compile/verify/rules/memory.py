@@ -136,15 +136,17 @@ def per_rank_bytes(v) -> dict[str, object]:
     }
     buffers = pipeline_buffers(v)
     if v.facts.engine.fsdp_reduce_scatter_copy:
-        elements = lambda share: share.elements  # noqa: E731
+
+        def elements(share):
+            return share.elements
+
         # the largest layer: the embedding and head are reduced after the last layer's backward,
         # when no activations are held (lower/memory.py prices the same unit)
-        unit = lambda measure: (
-            held([("every_layer", 1)], measure, unsharded)
-            + larger(  # noqa: E731
+        def unit(measure):
+            return held([("every_layer", 1)], measure, unsharded) + larger(
                 held([("dense_layer", 1)], measure, unsharded), held([("moe_layer", 1)], measure, unsharded)
             )
-        )
+
         buffers = buffers + reduce_scatter_buffer_bytes(
             TERMS,
             fsdp=fsdp,
@@ -291,7 +293,8 @@ def _explain(x) -> str:
     parts = ", ".join(f"{name} {format_bytes(value)}" for name, value in values.items())
     dominant = " and ".join(f"{name} ({values[name] / total:.0%})" for name in dominant_terms(values)) if total else ""
     return (
-        f"the heaviest rank needs about {format_bytes(total)}, more than the {format_bytes(x.device_memory)} of a device; "
+        f"the heaviest rank needs about {format_bytes(total)}, more than the "
+        f"{format_bytes(x.device_memory)} of a device; "
         f"mostly {dominant} ({parts})"
     )
 
@@ -360,7 +363,8 @@ DEVICE_MEMORY = define(
             "torchtitan's loss parallelism (tp > 1: torch's `loss_parallel` backward), twice the "
             "training dtype where torchtitan compiles the loss (`training.compile` with `loss`), 4 plus the "
             "training dtype under Megatron-Core's in-place vocab-parallel cross-entropy.\n"
-            f"* **Allocator reserve**: what the caching allocator holds beyond live tensors, {ALLOCATOR_RESERVE:.0%} of them "
+            "* **Allocator reserve**: what the caching allocator holds beyond live tensors, "
+            f"{ALLOCATOR_RESERVE:.0%} of them "
             "(`memory_model.ALLOCATOR_RESERVE`, calibrated on torchtitan's published peaks, which are "
             "reserved bytes: docs/memory.md).\n\n"
             "The message names the terms that make up at least half of the total.\n\n"

@@ -14,7 +14,10 @@ def _world_hint(x) -> str:
     if auto_resolves(x.devices, others):
         resolved = auto_dp_shard(NUMBERS, devices=x.devices, dp_replicate=x.dp_replicate, tp=x.tp, pp=x.pp, cp=x.cp)
         return f"use dp_shard: {resolved} (or dp_shard: auto)"
-    return f"choose degrees whose product is {x.devices}, e.g. leave dp_shard: auto and make dp_replicate*tp*pp*cp divide {x.devices}"
+    return (
+        f"choose degrees whose product is {x.devices}, e.g. leave dp_shard: auto and make "
+        f"dp_replicate*tp*pp*cp divide {x.devices}"
+    )
 
 
 WORLD_SIZE = define(
@@ -80,7 +83,8 @@ ELASTIC_RANGE = define(
             "B001. When the range is not valid throughout, the report names the smallest failing world size "
             "and the rule it breaks there. The proof runs once the plan is valid at its own device count."
         ),
-        engine_reference="no engine checks this ahead of time; torchrun --nnodes=MIN:MAX discovers a bad size at restart",
+        engine_reference="no engine checks this ahead of time; torchrun --nnodes=MIN:MAX discovers a bad size at "
+        "restart",
         constraint=None,
         explain=lambda x: "",
         fields=("elastic",),

@@ -58,7 +58,8 @@ STAGES_EXCEED_LAYERS = define(
             "output as one layer each, so it takes up to `layers + 2` stages; a listed `pipeline_layers` may "
             "leave a stage without layers (P010 checks the list)."
         ),
-        engine_reference="torch.distributed.pipelining `pipeline()` split points; Megatron-Core pipeline layer assignment",
+        engine_reference="torch.distributed.pipelining `pipeline()` split points; Megatron-Core pipeline layer "
+        "assignment",
         # torchtitan splits layers + 2 slots (the embedding and the output count as one layer each),
         # so its stages may outnumber the layers by two (torchtitan/distributed/pipeline_parallel.py).
         constraint=lambda v: implies(
@@ -169,7 +170,8 @@ VIRTUAL_NEEDS_PIPELINE = define(
         code="P006",
         name="virtual-stages-need-pipeline",
         title="virtual_pipeline_stages > 1 needs pp > 1.",
-        docs="Virtual stages interleave several model chunks per pipeline rank; without a pipeline there is nothing to interleave.",
+        docs="Virtual stages interleave several model chunks per pipeline rank; without a pipeline there is "
+        "nothing to interleave.",
         engine_reference="Megatron-LM `validate_args`: virtual pipeline parallelism needs pipeline parallelism",
         constraint=lambda v: implies(v.virtual_pipeline_stages > 1, v.pp > 1),
         explain=lambda x: f"virtual_pipeline_stages={x.virtual_pipeline_stages} with pp=1",
@@ -187,7 +189,8 @@ VIRTUAL_NEEDS_INTERLEAVING = define(
             "Only the interleaved schedule runs several stages per rank; GPipe and plain 1F1B run exactly one, "
             "so the other chunks would never be scheduled."
         ),
-        engine_reference="torch.distributed.pipelining `PipelineScheduleSingle` (one stage per rank) vs `ScheduleInterleaved1F1B`",
+        engine_reference="torch.distributed.pipelining `PipelineScheduleSingle` (one stage per rank) vs "
+        "`ScheduleInterleaved1F1B`",
         constraint=lambda v: implies(
             all_of(v.virtual_pipeline_stages > 1, v.pp > 1), v.is_("pipeline_schedule", "interleaved_1f1b")
         ),
@@ -211,14 +214,16 @@ BUBBLE = define(
             "pipeline bubble). Below `4 * pp` micro-batches that share is large; the message states it. "
             "Warnings do not change the exit status."
         ),
-        engine_reference="Narayanan et al., Efficient Large-Scale Language Model Training on GPU Clusters (bubble (p-1)/m, /v interleaved)",
+        engine_reference="Narayanan et al., Efficient Large-Scale Language Model Training on GPU Clusters (bubble "
+        "(p-1)/m, /v interleaved)",
         constraint=lambda v: implies(v.pp > 1, v.microbatches >= 4 * v.pp),
         explain=lambda x: (
             f"{x.microbatches} micro-batch{'es' * (x.microbatches != 1)} for pp={x.pp} stages leave each rank idle "
             f"for about {percent(bubble_fraction(x.pp, x.microbatches, x.virtual_pipeline_stages))} of every step"
         ),
         hint=lambda x: (
-            f"use microbatches >= {4 * x.pp} (fewer accumulation steps keep the global batch), or interleave virtual stages"
+            f"use microbatches >= {4 * x.pp} (fewer accumulation steps keep the global batch), or "
+            "interleave virtual stages"
         ),
         fields=("microbatches", "pp"),
         severity=Severity.warning,

@@ -86,7 +86,8 @@ SEQUENCE_PARALLEL_SPLIT = define(
             "With sequence parallelism each tensor-parallel rank holds `1/tp` of its context-parallel rank's "
             "`seq_len / cp` tokens, so `seq_len % (tp * cp) == 0` (with `cp: 1`, `seq_len % tp == 0`)."
         ),
-        engine_reference="Megatron-Core sequence-parallel scatter (`tensor_shape[0] // tp` after `// cp`); torch `SequenceParallel` style",
+        engine_reference="Megatron-Core sequence-parallel scatter (`tensor_shape[0] // tp` after `// cp`); torch "
+        "`SequenceParallel` style",
         constraint=lambda v: implies(all_of(v.sequence_parallel, v.tp > 1), v.seq_len % (v.tp * v.cp) == 0),
         explain=lambda x: (
             f"seq_len={x.seq_len} cannot be split over tp*cp = {x.tp}*{x.cp} = {x.tp * x.cp} ranks "

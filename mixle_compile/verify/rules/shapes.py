@@ -111,12 +111,15 @@ FFN = define(
             "both split the `ffn_hidden_size` dimension over tp. A model whose every layer is a "
             "mixture-of-experts layer has no dense MLP and is not checked (see T006)."
         ),
-        engine_reference="Megatron-Core `ColumnParallelLinear`/`RowParallelLinear` (`divide(output_size, world_size)`); torchtitan's MLP TP plan",
+        engine_reference="Megatron-Core `ColumnParallelLinear`/`RowParallelLinear` (`divide(output_size, "
+        "world_size)`); "
+        "torchtitan's MLP TP plan",
         constraint=lambda v: implies(
             any_of(v.num_experts == 0, v.moe_layer_frequency > 1), v.ffn_hidden_size % v.tp == 0
         ),
         explain=lambda x: (
-            f"ffn_hidden_size={x.ffn_hidden_size} cannot be split over tp={x.tp} ranks ({x.ffn_hidden_size} % {x.tp} != 0)"
+            f"ffn_hidden_size={x.ffn_hidden_size} cannot be split over tp={x.tp} ranks "
+            f"({x.ffn_hidden_size} % {x.tp} != 0)"
         ),
         hint=lambda x: _split_hint("ffn_hidden_size", x.ffn_hidden_size),
         fields=("tp", "ffn_hidden_size", "num_experts", "moe_layer_frequency"),
@@ -134,7 +137,8 @@ VOCAB = define(
             "tensor parallelism and needs equal shards. Megatron pads the vocabulary to a multiple of "
             "`128 * tp` itself (`--make-vocab-size-divisible-by`), so its rule set does not check this."
         ),
-        engine_reference="torch runtime layout (vocabulary-parallel embedding and head); Megatron-LM `_vocab_size_with_padding`",
+        engine_reference="torch runtime layout (vocabulary-parallel embedding and head); Megatron-LM "
+        "`_vocab_size_with_padding`",
         constraint=lambda v: v.vocab_size % v.tp == 0,
         explain=lambda x: (
             f"vocab_size={x.vocab_size} cannot be split over tp={x.tp} ranks ({x.vocab_size} % {x.tp} != 0)"
