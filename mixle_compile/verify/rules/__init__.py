@@ -12,18 +12,14 @@ Each module holds the rules of one topic; codes are grouped by letter:
 * R: device memory
 """
 
+from importlib import import_module
+
 from mixle_compile.verify.rule import RULES
 
-# Imported in catalogue order (the order `mixle-compile rules` lists them).
-from mixle_compile.verify.rules import (
-    backend,  # noqa: F401
-    batch,  # noqa: F401
-    experts,  # noqa: F401
-    memory,  # noqa: F401
-    mesh,  # noqa: F401, I001
-    pipeline,  # noqa: F401
-    sequence,  # noqa: F401
-    shapes,  # noqa: F401
-)
+#: The rule modules in catalogue order: the order `mixle-compile rules` lists the rules in and the
+#: verifier runs them in. Imported by name, so that no import sorting can change it.
+CATALOGUE_ORDER = ("mesh", "experts", "shapes", "pipeline", "batch", "sequence", "backend", "memory")
+for _module in CATALOGUE_ORDER:
+    import_module(f"{__name__}.{_module}")
 
-__all__ = ["RULES"]
+__all__ = ["CATALOGUE_ORDER", "RULES"]
