@@ -26,13 +26,27 @@ def human_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+#: The memory table's column for each term of the memory model, in MEMORY_KINDS order.
+MEMORY_COLUMNS = {
+    "parameters": "params",
+    "gathered_parameters": "gathered",
+    "gradients": "grads",
+    "optimizer_state": "optimizer",
+    "activations": "activations",
+    "recompute": "recompute",
+    "loss": "loss",
+    "buffers": "buffers",
+    "reserve": "reserve",
+}
+
+
 def _table(header: list[str], rows: list[list[str]]) -> str:
-    # the header names the columns shown: cells of a row past the header's are left out
-    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows, strict=False)]
+    # every row has a cell for each column the header names
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows, strict=True)]
 
     def line(cells: list[str]) -> str:
         return "  ".join(
-            str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=False))
+            str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))
         )
 
     return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
@@ -145,24 +159,7 @@ def explain_text(doc: PlanDocument) -> str:
     for m in data["memory_per_rank"]:
         share = f"{m['total'] / device:.0%}" if device else "-"
         rows.append([str(m["stage"]), *(human_bytes(m[k]) for k in MEMORY_KINDS), human_bytes(m["total"]), share])
-    out.append(
-        _table(
-            [
-                "stage",
-                "params",
-                "gathered",
-                "grads",
-                "optimizer",
-                "activations",
-                "recompute",
-                "loss",
-                "reserve",
-                "total",
-                "of device",
-            ],
-            rows,
-        )
-    )
+    out.append(_table(["stage", *(MEMORY_COLUMNS[k] for k in MEMORY_KINDS), "total", "of device"], rows))
     out += ["", "traffic per rank per step (ring costs)"]
     rows = [
         [str(t["stage"]), "+".join(t["axes"]), t["collective"], human_bytes(t["bytes_per_rank_per_step"])]

@@ -111,3 +111,20 @@ def test_plot_draws_memory_and_traffic(plans, tmp_path):
     plot_plan(plans["mixtral-moe-ep.yaml"], str(out))
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_the_memory_table_names_every_term_of_the_memory_model_over_its_column(plans):
+    import re
+
+    from mixle_compile.report import MEMORY_COLUMNS
+
+    assert list(MEMORY_COLUMNS) == list(MEMORY_KINDS)
+    doc = plans["tiny-transformer.yaml"]
+    lines = explain_text(doc).splitlines()
+    at = lines.index("memory per rank (by pipeline stage)")
+    header, first = (re.split(r"\s{2,}", lines[at + k].strip()) for k in (1, 3))
+    assert header == ["stage", *MEMORY_COLUMNS.values(), "total", "of device"]
+    assert len(first) == len(header)  # a cell under every column, the device's share last
+    m = explain_data(doc)["memory_per_rank"][0]
+    assert first[header.index("buffers")] == human_bytes(m["buffers"]) and first[-2] == human_bytes(m["total"])
+    assert first[-1].endswith("%")
