@@ -104,13 +104,16 @@ class Case:
 
 
 def _paths(node, prefix=()):
-    yield prefix
-    if isinstance(node, dict):
-        for k, v in node.items():
-            yield from _paths(v, (*prefix, k))
-    elif isinstance(node, list):
-        for i, v in enumerate(node):
-            yield from _paths(v, (*prefix, i))
+    """Every path of the document, in pre-order; iterative, since the fuzzer nests values deeper
+    than Python's recursion limit."""
+    stack = [(node, prefix)]
+    while stack:
+        node, prefix = stack.pop()
+        yield prefix
+        if isinstance(node, dict):
+            stack.extend(((v, (*prefix, k)) for k, v in reversed(list(node.items()))))
+        elif isinstance(node, list):
+            stack.extend(((v, (*prefix, i)) for i, v in reversed(list(enumerate(node)))))
 
 
 def _get(node, path):
