@@ -14,6 +14,7 @@ from typing import Any
 
 from mixle_compile.memory_model import MEMORY_KINDS
 from mixle_compile.plan.document import PlanDocument
+from mixle_compile.plan.vocabulary import DEGREE_AXES
 
 
 def human_bytes(n: float) -> str:
@@ -717,7 +718,7 @@ def checkpoint_text(view: dict[str, Any], limit: int = 12) -> str:
             + (f"; components cut at {cut.get('path')} over {cut.get('axis')}" if cut else "")
         )
     if mesh:
-        axes = " x ".join(f"{a}={mesh[a]}" for a in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep") if a in mesh)
+        axes = " x ".join(f"{a}={mesh[a]}" for a in DEGREE_AXES if a in mesh)
         out.append(
             f"mesh: {axes}  world {mesh.get('world_size', '?')}, data-parallel {mesh.get('data_parallel_size', '?')}, "
             f"{mesh.get('microbatches', '?')} micro-batch(es) x "

@@ -43,12 +43,13 @@ from typing import Any
 from mixle_compile import step_time
 from mixle_compile.diagnostics import Severity
 from mixle_compile.memory_model import fsdp_shards
+from mixle_compile.plan.vocabulary import DATA_AXES, SHARD_AXES, Axis
 from mixle_compile.spec.kinds import Family
 from mixle_compile.spec.models import is_auto
 from mixle_compile.verify.wording import divisors
 
 #: Mesh fields the search chooses when the spec leaves them open.
-MESH_FIELDS = ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep", "etp", "microbatches", "gradient_accumulation_steps")
+MESH_FIELDS = (*(a.value for a in Axis), "microbatches", "gradient_accumulation_steps")
 #: Training settings of how to train that the search chooses when the spec does not state them.
 TRAINING_FIELDS = (
     "micro_batch_size",
@@ -790,11 +791,11 @@ class _Pricer:
         micro = batch["microbatches"] * batch["gradient_accumulation_steps"]
         element_bytes = 4 if self.req.spec.training.precision == "fp32" else 2
         if fsdp_shards(dp_shard=d["dp_shard"], cp=d["cp"], over_cp=self.engine.fsdp_over_cp):
-            axes = tuple(a for a in ("dp_shard", "cp") if d[a] > 1)
+            axes = tuple(a for a in SHARD_AXES if d[a] > 1)
             n = math.prod(d[a] for a in axes)
             nbytes = (n - 1) / n * elements * (4 * batch["gradient_accumulation_steps"] + 2 * micro * element_bytes)
         else:
-            axes = tuple(a for a in ("dp_replicate", "dp_shard", "cp") if d[a] > 1)
+            axes = tuple(a for a in DATA_AXES if d[a] > 1)
             if not axes:
                 return 0.0
             n = math.prod(d[a] for a in axes)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mixle_compile.parameters import moe_layer_at
+from mixle_compile.plan.vocabulary import DATA_PARALLEL_AXES, EXPERT_DATA
 from mixle_compile.spec.models import compiled_components
 
 #: Dense peak FLOP/s per precision, memory bandwidth, links, per device kind (vendor datasheets:
@@ -99,7 +100,7 @@ def efficiency_of(kind: str, precision: str) -> float:
 
 
 #: Axes whose traffic the engines overlap with compute: data-parallel gradients and parameters.
-_DATA_AXES = frozenset({"dp_replicate", "dp_shard", "edp"})
+_DATA_AXES = frozenset((*DATA_PARALLEL_AXES, EXPERT_DATA))
 
 
 def ring_bytes(collective: str, group_size: int, payload_bytes: float) -> float:

@@ -42,7 +42,7 @@ from mixle_compile.lower.memory import StageMemory
 from mixle_compile.lower.schedule import Op, OpKind
 from mixle_compile.lower.updates import PlannedUpdate, group_size
 from mixle_compile.parameters import DTYPE_BYTES, Parameter
-from mixle_compile.plan.vocabulary import REPLICATE, Axis, Shard, UpdateId, rule_name
+from mixle_compile.plan.vocabulary import DATA_PARALLEL_AXES, REPLICATE, Axis, Shard, UpdateId, rule_name
 from mixle_compile.spec.models import Spec
 
 if TYPE_CHECKING:
@@ -105,7 +105,7 @@ def lower_distribution(spec: Spec, plan: ParallelPlan, graph: ModelGraph, grid: 
     ]
     t = spec.training
     dtype_bytes = DTYPE_BYTES[t.precision]
-    data_axes = tuple(a for a in ("dp_replicate", "dp_shard") if plan.size(a) > 1)
+    data_axes = tuple(a for a in DATA_PARALLEL_AXES if plan.size(a) > 1)
     rows_per_rank = max(1, t.global_batch_size // plan.data_parallel_size)
     all_devices = devices_from_resources(spec.resources)
     tp_group = grid.rule(("tp",)).group(0) if plan.tp > 1 else (0,)
@@ -363,7 +363,7 @@ def check_statistics_once(
     """
     from mixle_compile.lower.exactly_once import ReductionProblem
 
-    data_axes = {a for a in ("dp_replicate", "dp_shard") if plan.size(a) > 1}
+    data_axes = {a for a in DATA_PARALLEL_AXES if plan.size(a) > 1}
     dec = low.decomposition
     touched: dict[str, set[int]] = {}
     if dec.is_model_parallel:

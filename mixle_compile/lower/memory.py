@@ -36,7 +36,7 @@ from mixle_compile.memory_model import (
     reserve_bytes,
 )
 from mixle_compile.parameters import DTYPE_BYTES
-from mixle_compile.plan.vocabulary import KV_HEAD_AXIS, REPLICATE, expert_data_size
+from mixle_compile.plan.vocabulary import ALL_DATA_AXES, KV_HEAD_AXIS, REPLICATE, expert_data_size
 from mixle_compile.spec.models import Spec, TransformerModel
 from mixle_compile.verify.memory import activation_widths
 
@@ -158,10 +158,7 @@ def stage_memory(
 
 
 def _data_sharded(p: PlacedParameter) -> bool:
-    return any(
-        axis in ("dp_shard", "cp", "dp_replicate", "edp") and placement != "replicate"
-        for axis, placement in p.layout.placements
-    )
+    return any(axis in ALL_DATA_AXES and placement != "replicate" for axis, placement in p.layout.placements)
 
 
 def _data_ranks(p: PlacedParameter, plan: ParallelPlan) -> int:

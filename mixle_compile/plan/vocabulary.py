@@ -28,6 +28,8 @@ from typing import ClassVar
 from mixle_compile.contracts import ParallelAxis, ParallelPlan, placement_dim
 
 __all__ = [
+    "DEGREE_AXES",
+    "SHARD_AXES",
     "ALL_DATA_AXES",
     "BACKWARD",
     "GRADIENT_STEPS",
@@ -69,6 +71,11 @@ Axis = ParallelAxis
 DATA_AXES: tuple[Axis, ...] = (Axis.DP_REPLICATE, Axis.DP_SHARD, Axis.CP)
 #: The data-parallel axes proper (their product is the data-parallel size).
 DATA_PARALLEL_AXES: tuple[Axis, ...] = (Axis.DP_REPLICATE, Axis.DP_SHARD)
+
+#: The axes FSDP shards a dense parameter over when it folds cp into its shard group.
+SHARD_AXES: tuple[Axis, ...] = (Axis.DP_SHARD, Axis.CP)
+#: The degrees a mesh's summary lists (a checkpoint's manifest, a diff's mesh line), in mesh order.
+DEGREE_AXES: tuple[Axis, ...] = (Axis.DP_REPLICATE, Axis.DP_SHARD, Axis.CP, Axis.TP, Axis.PP, Axis.EP)
 
 #: Expert data parallel: the world / (etp * ep * pp) ranks holding the same experts.
 EXPERT_DATA = "edp"

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from mixle_compile.plan.vocabulary import DEGREE_AXES
 from mixle_compile.runtime import faults
 from mixle_compile.runtime.errors import RuntimeRefusal
 
@@ -801,7 +802,7 @@ def read_array_checkpoint(path: str | Path) -> tuple[dict[str, Any], dict[str, A
 # what a torch checkpoint records, and whether a plan may resume from it (torch-free)
 # ---------------------------------------------------------------------------
 
-MESH_AXES = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
+MESH_AXES = DEGREE_AXES
 
 
 def plan_summary(instructions) -> dict[str, Any]:

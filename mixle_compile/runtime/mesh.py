@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from mixle_compile.plan.document import GroupRuleEntry, PlanGroups
+from mixle_compile.plan.vocabulary import DATA_PARALLEL_AXES
 from mixle_compile.runtime.errors import RuntimeRefusal
 
 WORLD = "world"  # the rule name of the group of every rank (bookkeeping: receipts, reports)
@@ -196,7 +197,7 @@ class Mesh:
             ranks = {e + d - me for e in self.group("ep").ranks for d in self.group("edp").ranks}
             return tuple(sorted({self.data_rank_of(r) for r in ranks}))
         choices = []
-        for axis in ("dp_replicate", "dp_shard"):
+        for axis in DATA_PARALLEL_AXES:
             choices.append(range(self.degree(axis)) if axis in reduced_axes else (self.coord(axis),))
         shard = self.degree("dp_shard")
         return tuple(sorted(r * shard + s for r, s in itertools.product(*choices)))

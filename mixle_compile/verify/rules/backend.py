@@ -43,7 +43,7 @@ AXES = define(
         ),
         explain=lambda x: f"backend {x.facts.backend} does not execute the active axes {', '.join(_unexecuted(x))}",
         hint=lambda x: "set those degrees to 1, or choose a backend that executes them",
-        fields=("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep", "etp"),
+        fields=_AXES,
         context=("backend",),
         families=EVERY_FAMILY,
     )
@@ -108,7 +108,7 @@ AXIS_COMBINATION = define(
         ),
         explain=lambda x: f"backend {x.facts.backend} cannot run the axes {' and '.join(_clashes(x))} together",
         hint=lambda x: "set one axis of each listed set to 1",
-        fields=("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep", "etp"),
+        fields=_AXES,
         context=("backend",),
         families=EVERY_FAMILY,
     )
