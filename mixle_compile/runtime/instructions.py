@@ -76,6 +76,24 @@ class Collective:
     # embedding's all_reduce is (by the embedding on the first stage and the head on the last).
     stages: tuple[int, ...] = ()
 
+    @classmethod
+    def of_update(cls, u, **fields) -> Collective:
+        """The collective a plan's update states (``u``: an entry of the plan's ``updates``)."""
+        return cls(
+            node_id=u.node_id,
+            collective=u.collective,
+            axes=tuple(u.mesh_axes),
+            rule=rule_name(u.mesh_axes) if u.mesh_axes else "",
+            phase=u.phase,
+            stage=u.stage,
+            tensor=u.tensor,
+            payload_bytes=u.payload_bytes,
+            group_size=u.group_size,
+            occurrences_per_step=u.occurrences_per_step,
+            divisor=u.gradient_divisor,
+            **fields,
+        )
+
 
 @dataclass(frozen=True)
 class ParamInstruction:
@@ -209,20 +227,7 @@ def _read_collectives(doc: PlanDocument) -> dict[str, Collective]:
     collective issued on several stages."""
     collectives: dict[str, Collective] = {}
     for u in doc.updates:
-        c = Collective(
-            node_id=u.node_id,
-            collective=u.collective,
-            axes=tuple(u.mesh_axes),
-            rule=rule_name(u.mesh_axes) if u.mesh_axes else "",
-            phase=u.phase,
-            stage=u.stage,
-            tensor=u.tensor,
-            payload_bytes=u.payload_bytes,
-            group_size=u.group_size,
-            occurrences_per_step=u.occurrences_per_step,
-            divisor=u.gradient_divisor,
-            stages=(u.stage,),
-        )
+        c = Collective.of_update(u, stages=(u.stage,))
         seen = collectives.get(u.node_id)
         if seen is not None:
             if (seen.collective, seen.axes, seen.payload_bytes, seen.occurrences_per_step, seen.divisor) != (

@@ -32,7 +32,7 @@ from types import MappingProxyType
 from mixle_compile.contracts import ParallelPlan
 from mixle_compile.plan.artifact import plan_spec
 from mixle_compile.plan.document import PlanDocument
-from mixle_compile.plan.vocabulary import DATA_PARALLEL_AXES, STATISTICS, Axis, UpdateId, UpdateIdError, rule_name
+from mixle_compile.plan.vocabulary import DATA_PARALLEL_AXES, STATISTICS, Axis, UpdateId, UpdateIdError
 from mixle_compile.runtime.em.model import ModelError, Tree, TreeNode, build_tree
 from mixle_compile.runtime.errors import RuntimeRefusal
 from mixle_compile.runtime.instructions import Collective
@@ -171,19 +171,7 @@ def read_em_instructions(doc: PlanDocument) -> EMInstructions:
         raise RuntimeRefusal(f"the EM runtime cannot fit this model: {exc}") from None
     collectives = {}
     for u in doc.updates:
-        collectives[u.node_id] = Collective(
-            node_id=u.node_id,
-            collective=u.collective,
-            axes=tuple(u.mesh_axes),
-            rule=rule_name(u.mesh_axes) if u.mesh_axes else "",
-            phase=u.phase,
-            stage=u.stage,
-            tensor=u.tensor,
-            payload_bytes=u.payload_bytes,
-            group_size=u.group_size,
-            occurrences_per_step=u.occurrences_per_step,
-            divisor=u.gradient_divisor,
-        )
+        collectives[u.node_id] = Collective.of_update(u)
     cut = _read_cut(doc, tree, plan) if plan.tp > 1 else None
     roles = _roles(tree, cut)
     owners = {p.logical_id: p.owner for p in doc.parameters}
