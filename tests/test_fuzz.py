@@ -103,13 +103,20 @@ class Case:
     suffix: str
 
 
+#: How deep the mutations reach: nesting grows documents by up to 80 levels a mutation, and listing
+#: every path of a document thousands of levels deep takes memory quadratic in its depth.
+MUTATION_DEPTH = 64
+
+
 def _paths(node, prefix=()):
-    """Every path of the document, in pre-order; iterative, since the fuzzer nests values deeper
-    than Python's recursion limit."""
+    """The paths of the document down to MUTATION_DEPTH, in pre-order; iterative, since the fuzzer
+    nests values deeper than Python's recursion limit."""
     stack = [(node, prefix)]
     while stack:
         node, prefix = stack.pop()
         yield prefix
+        if len(prefix) >= MUTATION_DEPTH:
+            continue
         if isinstance(node, dict):
             stack.extend(((v, (*prefix, k)) for k, v in reversed(list(node.items()))))
         elif isinstance(node, list):
