@@ -29,6 +29,23 @@ from mixle_compile.importers.builder import ImportOptions, SpecBuilder, resource
 from mixle_compile.importers.toml_source import read_toml
 from mixle_compile.spec.source import Position, SourceDocument
 
+#: The [parallelism] keys the importer reads, in the order a config states them.
+PARALLELISM_KEYS = (
+    "data_parallel_replicate_degree",
+    "data_parallel_shard_degree",
+    "tensor_parallel_degree",
+    "pipeline_parallel_degree",
+    "context_parallel_degree",
+    "expert_parallel_degree",
+    "expert_tensor_parallel_degree",
+    "pipeline_parallel_schedule",
+    "pipeline_parallel_microbatch_size",
+    "pipeline_parallel_layers_per_stage",
+    "pipeline_parallel_first_stage_less_layers",
+    "pipeline_parallel_last_stage_less_layers",
+    "enable_async_tensor_parallel",
+    "enable_sequence_parallel",
+)
 READ = {
     "model": {"name", "flavor", "hf_assets_path", "converters", "tokenizer_path"},
     "training": {
@@ -41,22 +58,7 @@ READ = {
         "seed",
         "compile",
     },
-    "parallelism": {
-        "data_parallel_replicate_degree",
-        "data_parallel_shard_degree",
-        "tensor_parallel_degree",
-        "pipeline_parallel_degree",
-        "context_parallel_degree",
-        "expert_parallel_degree",
-        "expert_tensor_parallel_degree",
-        "pipeline_parallel_schedule",
-        "pipeline_parallel_microbatch_size",
-        "pipeline_parallel_layers_per_stage",
-        "pipeline_parallel_first_stage_less_layers",
-        "pipeline_parallel_last_stage_less_layers",
-        "enable_async_tensor_parallel",
-        "enable_sequence_parallel",
-    },
+    "parallelism": set(PARALLELISM_KEYS),
     "activation_checkpoint": {"mode", "selective_ac_option"},
     "optimizer": {"name", "lr"},
     "float8": {"enable_float8_linear"},

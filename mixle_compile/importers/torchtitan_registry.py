@@ -20,23 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from mixle_compile.importers.builder import ImportOptions, unreadable
+from mixle_compile.importers.torchtitan import PARALLELISM_KEYS
 from mixle_compile.spec.source import Position, SourceDocument, SourceError
 
-PARALLELISM = (
-    "data_parallel_replicate_degree",
-    "data_parallel_shard_degree",
-    "tensor_parallel_degree",
-    "pipeline_parallel_degree",
-    "context_parallel_degree",
-    "expert_parallel_degree",
-    "expert_tensor_parallel_degree",
-    "pipeline_parallel_schedule",
-    "pipeline_parallel_microbatch_size",
-    "pipeline_parallel_layers_per_stage",
-    "pipeline_parallel_first_stage_less_layers",
-    "pipeline_parallel_last_stage_less_layers",
-    "enable_sequence_parallel",
-)
+# A Trainer.Config's parallelism fields: the job TOML's, less async tensor parallelism, which only
+# the TOML's reader takes.
+PARALLELISM = tuple(k for k in PARALLELISM_KEYS if k != "enable_async_tensor_parallel")
 TRAINING = ("local_batch_size", "global_batch_size", "seq_len", "steps", "mixed_precision_param")
 AC_MODES = {"FullAC": "full", "SelectiveAC": "selective", "MemoryBudgetAC": "memory_budget", "NoAC": "none"}
 
