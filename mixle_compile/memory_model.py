@@ -20,11 +20,11 @@ The model (bytes per rank):
   :data:`FSDP_UNITS_IN_FLIGHT` units (a layer, or the embedding and head) at once, the one
   computing and the one prefetched;
 - activations: per layer and micro-batch, Korthikanti et al. (2022) for 16-bit activations (fp32
-  doubles them), times the micro-batches a stage keeps in flight; with checkpointing, the layer
-  being recomputed holds its whole activations once more (the recompute working set: a layer
-  without checkpointing minus what checkpointing kept of it); the last stage adds the logits of
-  one micro-batch and the loss's buffers, as the engine's cross-entropy allocates them
-  (:func:`loss_bytes_per_logit`);
+  doubles them), times the micro-batches a stage keeps in flight
+  (:func:`micro_batches_in_flight`); with checkpointing, the layer being recomputed holds its
+  whole activations once more (the recompute working set: a layer without checkpointing minus
+  what checkpointing kept of it); the last stage adds the logits of one micro-batch and the
+  loss's buffers, as the engine's cross-entropy allocates them (:func:`loss_bytes_per_logit`);
 - communication buffers: on engines that run torch's pipelining runtime, the receive buffers a
   pipeline stage allocates once per micro-batch (:func:`pipeline_buffer_bytes`); under FSDP, the
   reduce-scatter input of the unit whose gradients are being reduced
@@ -38,6 +38,8 @@ docs/memory.md lists every term with its formula and its source.
 from __future__ import annotations
 
 from typing import Any, Protocol
+
+from mixle_compile.schedules import interleaved_warmup, one_f_one_b_warmup
 
 MOMENT_BYTES = 8  # Adam(W): two fp32 moments per element
 MASTER_BYTES = 4  # an fp32 master copy of every element stored below fp32
@@ -175,18 +177,32 @@ def micro_batches_in_flight(
     gpipe: Any,
     interleaved: Any,
     virtual_stages: Any,
+    group: Any,
 ) -> Any:
-    """Micro-batches whose activations stage `stage` holds at once.
+    """Micro-batches whose activations stage `stage` holds at once, in whole-stage units.
 
     One without a pipeline (each micro-batch's backward frees it before the next starts); all of
-    them under GPipe; min(microbatches, pp - stage) under 1F1B, times 1 + (pp - 1) / (pp * v)
-    under interleaved 1F1B with v virtual stages."""
-    warmup = ar.exact(ar.smaller(microbatches, pp - stage))
-    interleaving = 1 + ar.exact(pp - 1) / ar.exact(pp * virtual_stages)
+    them under GPipe. Under 1F1B and interleaved 1F1B a stage runs its warm-up's forwards, then the
+    steady state's forward before its first backward, so it holds one more than its warm-up, at
+    most every forward of the step (:func:`mixle_compile.schedules.one_f_one_b_warmup`,
+    :func:`~mixle_compile.schedules.interleaved_warmup`, which both engines count alike):
+    ``min(m, pp - stage)`` under 1F1B. An interleaved forward is one model chunk of a micro-batch,
+    1/v of the stage's layers, and `group` is the micro-batches per round
+    (:func:`mixle_compile.schedules.microbatches_per_round`); with m >= pp on the first stage that
+    is Narayanan et al.'s ``pp * (1 + (pp - 1) / (pp * v))``, and the cap at ``m * v`` chunks
+    matters when m is small against the warm-up."""
+    one_f_one_b = ar.smaller(one_f_one_b_warmup(ar, pp, microbatches, stage) + 1, microbatches)
+    chunks = ar.smaller(
+        interleaved_warmup(ar, pp, microbatches, virtual_stages, stage, group) + 1, microbatches * virtual_stages
+    )
     return ar.when(
         pp == 1,
         ar.exact(1),
-        ar.when(gpipe, ar.exact(microbatches), ar.when(interleaved, warmup * interleaving, warmup)),
+        ar.when(
+            gpipe,
+            ar.exact(microbatches),
+            ar.when(interleaved, ar.exact(chunks) / ar.exact(virtual_stages), ar.exact(one_f_one_b)),
+        ),
     )
 
 

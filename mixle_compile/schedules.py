@@ -48,6 +48,8 @@ class Logic(Protocol):
     def quotient(self, a: Any, b: Any) -> Any:
         """Integer division rounding down (both operands >= 1)."""
 
+    def smaller(self, a: Any, b: Any) -> Any: ...
+
 
 class _Numbers:
     def all_of(self, *terms):
@@ -55,6 +57,9 @@ class _Numbers:
 
     def larger(self, a, b):
         return max(a, b)
+
+    def smaller(self, a, b):
+        return min(a, b)
 
     def quotient(self, a, b):
         return a // b
@@ -66,6 +71,14 @@ NUMBERS: Logic = _Numbers()
 def torch_rounds(logic: Logic, pp: Any, microbatches: Any) -> Any:
     """``ScheduleInterleaved1F1B.number_of_rounds``: max(1, m // pp)."""
     return logic.larger(logic.quotient(microbatches, pp), 1)
+
+
+def microbatches_per_round(logic: Logic, pp: Any, microbatches: Any) -> Any:
+    """The micro-batches an interleaved schedule advances through one model chunk before the next:
+    torch's ``ScheduleInterleaved1F1B.microbatches_per_round`` (``m // number_of_rounds``), and
+    Megatron's ``microbatch_group_size_per_vp_stage`` (default pp), which is the same number on
+    every spec P004 accepts (m a multiple of pp)."""
+    return logic.quotient(microbatches, torch_rounds(logic, pp, microbatches))
 
 
 @dataclass(frozen=True)
@@ -188,16 +201,26 @@ def interleaved_group(family: ScheduleFamily, pp: int, microbatches: int) -> int
     return pp
 
 
-def warmup_forwards(schedule: str, pp: int, microbatches: int, virtual_stages: int, stage: int, group: int) -> int:
-    """Forward passes a stage runs before its first backward (its warm-up), as both engines count them.
+def one_f_one_b_warmup(logic: Logic, pp: Any, microbatches: Any, stage: Any) -> Any:
+    """Forwards a 1F1B stage runs before its first backward: ``min(pp - stage - 1, m)``."""
+    return logic.smaller(pp - stage - 1, microbatches)
 
-    1F1B: ``min(pp - stage - 1, m)``. Interleaved: ``2 * (pp - stage - 1) + (v - 1) * group``, at
-    most every forward of the step (torch ``_get_warmup_ops``; Megatron ``get_pp_rank_microbatches``)."""
+
+def interleaved_warmup(logic: Logic, pp: Any, microbatches: Any, virtual_stages: Any, stage: Any, group: Any) -> Any:
+    """Forwards (of one model chunk and micro-batch each) an interleaved stage runs before its first
+    backward: ``2 * (pp - stage - 1) + (v - 1) * group``, at most every forward of the step (torch
+    ``_get_warmup_ops``; Megatron ``get_pp_rank_microbatches``)."""
+    return logic.smaller(2 * (pp - stage - 1) + (virtual_stages - 1) * group, microbatches * virtual_stages)
+
+
+def warmup_forwards(schedule: str, pp: int, microbatches: int, virtual_stages: int, stage: int, group: int) -> int:
+    """Forward passes a stage runs before its first backward (its warm-up), as both engines count
+    them: every one under GPipe, :func:`one_f_one_b_warmup`, :func:`interleaved_warmup`."""
     if schedule == "gpipe":
         return microbatches
     if schedule == "1f1b":
-        return min(pp - stage - 1, microbatches)
-    return min(2 * (pp - stage - 1) + (virtual_stages - 1) * group, microbatches * virtual_stages)
+        return one_f_one_b_warmup(NUMBERS, pp, microbatches, stage)
+    return interleaved_warmup(NUMBERS, pp, microbatches, virtual_stages, stage, group)
 
 
 def bubble_fraction(pp: int, microbatches: int, virtual_stages: int = 1) -> float:

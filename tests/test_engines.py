@@ -120,6 +120,45 @@ def test_interleaved_orders_equal_torch_pipelining(torch_verdicts):
     assert compared > 200
 
 
+def _torch_peak_in_flight(schedule_object, rank: int) -> int:
+    """The most forwards (a model chunk of a micro-batch each) rank `rank` holds before their backward."""
+    held = peak = 0
+    for action in schedule_object.pipeline_order[rank]:
+        if action is None:
+            continue
+        kind = action.computation_type.value
+        held += (kind == "F") - (kind in ("B", "I"))
+        peak = max(peak, held)
+    return peak
+
+
+def test_interleaved_in_flight_micro_batches_equal_torch_pipelining(torch_verdicts):
+    # The memory model's activations in flight (in whole-stage units, v chunks each) are the most
+    # forwards a rank of torch's interleaved schedule holds before their backward.
+    from mixle_compile.memory_model import NUMBERS, micro_batches_in_flight
+    from mixle_compile.schedules import NUMBERS as SCHEDULE_NUMBERS
+    from mixle_compile.schedules import microbatches_per_round
+
+    compared = 0
+    for (schedule, pp, v, m), verdict in torch_verdicts.items():
+        if schedule != "interleaved_1f1b" or isinstance(verdict, ValueError) or v == 1:
+            continue
+        for rank in range(pp):
+            ours = micro_batches_in_flight(
+                NUMBERS,
+                pp=pp,
+                stage=rank,
+                microbatches=m,
+                gpipe=False,
+                interleaved=True,
+                virtual_stages=v,
+                group=microbatches_per_round(SCHEDULE_NUMBERS, pp, m),
+            )
+            assert ours * v == pytest.approx(_torch_peak_in_flight(verdict, rank)), (pp, v, m, rank)
+        compared += 1
+    assert compared > 200
+
+
 def test_one_f_one_b_warmups_equal_torch_pipelining():
     # Schedule1F1B's warm-up: pp - rank - 1 forwards before the first backward.
     for pp, m in itertools.product(range(2, LIMIT + 1), range(1, LIMIT + 1)):

@@ -15,6 +15,8 @@ import pytest
 
 from mixle_compile.lower.lowering import lower
 from mixle_compile.memory_model import NUMBERS, activation_bytes_per_layer, micro_batches_in_flight
+from mixle_compile.schedules import NUMBERS as SCHEDULE_NUMBERS
+from mixle_compile.schedules import microbatches_per_round
 from mixle_compile.spec import load_spec_text
 from mixle_compile.verify import memory_bound
 from tests.conftest import EXAMPLES
@@ -155,14 +157,25 @@ def test_a_pipeline_bound_covers_every_stage_and_is_reached_by_the_first():
 def test_in_flight_micro_batches_follow_the_schedule():
     def flight(pp, stage, mb, gpipe=False, interleaved=False, v=1):
         return micro_batches_in_flight(
-            NUMBERS, pp=pp, stage=stage, microbatches=mb, gpipe=gpipe, interleaved=interleaved, virtual_stages=v
+            NUMBERS,
+            pp=pp,
+            stage=stage,
+            microbatches=mb,
+            gpipe=gpipe,
+            interleaved=interleaved,
+            virtual_stages=v,
+            group=microbatches_per_round(SCHEDULE_NUMBERS, pp, mb),
         )
 
     assert flight(1, 0, 8) == 1  # no pipeline: each micro-batch's backward frees it
     assert flight(4, 0, 8, gpipe=True) == 8
     assert [flight(4, s, 8) for s in range(4)] == [4, 3, 2, 1]
     assert flight(4, 0, 2) == 2
+    # Narayanan et al.'s factor on the first stage when the warm-up fits in the step ...
     assert flight(4, 0, 8, interleaved=True, v=2) == pytest.approx(4 * (1 + 3 / 8))
+    # ... and never more than every micro-batch of every chunk (pp 8, 8 micro-batches, 2 chunks)
+    assert flight(8, 0, 8, interleaved=True, v=2) == 8
+    assert [flight(4, s, 8, interleaved=True, v=2) for s in range(4)] == [5.5, 4.5, 3.5, 2.5]
 
 
 def test_activation_formula_matches_korthikanti():

@@ -279,10 +279,14 @@ def activation_bytes(spec: Spec, layers_on_rank: int) -> Fraction:
         in_flight = Fraction(mb)
     elif t.pipeline_schedule == "1f1b":
         in_flight = Fraction(min(mb, pp))
-    else:
+    elif t.virtual_pipeline_stages == 1:
         in_flight = Fraction(min(mb, pp))
-        if t.virtual_pipeline_stages > 1:
-            in_flight *= 1 + Fraction(pp - 1, pp * t.virtual_pipeline_stages)
+    else:
+        # The first rank's interleaved warm-up (torch's _get_warmup_ops, Megatron's
+        # num_warmup_microbatches) plus the steady state's first forward, in chunks of 1/v stage.
+        v = t.virtual_pipeline_stages
+        per_round = mb // max(1, mb // pp)
+        in_flight = Fraction(min(mb * v, 2 * (pp - 1) + (v - 1) * per_round + 1), v)
     return in_flight * layers_on_rank * kept + recomputed + logits_bytes(spec)
 
 

@@ -37,6 +37,8 @@ from mixle_compile.memory_model import (
 )
 from mixle_compile.parameters import DTYPE_BYTES
 from mixle_compile.plan.vocabulary import ALL_DATA_AXES, KV_HEAD_AXIS, REPLICATE, expert_data_size
+from mixle_compile.schedules import NUMBERS as SCHEDULE_NUMBERS
+from mixle_compile.schedules import microbatches_per_round
 from mixle_compile.spec.models import Spec, TransformerModel
 from mixle_compile.verify.memory import activation_widths
 
@@ -246,6 +248,7 @@ def _activation_bytes(
         gpipe=t.pipeline_schedule == "gpipe",
         interleaved=t.pipeline_schedule == "interleaved_1f1b" and t.virtual_pipeline_stages > 1,
         virtual_stages=t.virtual_pipeline_stages,
+        group=microbatches_per_round(SCHEDULE_NUMBERS, plan.pp, plan.microbatches),
     )
     stored = per_layer * layers_here * in_flight
     loss = 0

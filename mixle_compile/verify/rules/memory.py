@@ -16,6 +16,7 @@ from mixle_compile.memory_model import (
     reduce_scatter_buffer_bytes,
     reserve_bytes,
 )
+from mixle_compile.schedules import microbatches_per_round
 from mixle_compile.spec.kinds import Engine, Family
 from mixle_compile.verify import logic
 from mixle_compile.verify.facts import format_bytes
@@ -240,6 +241,7 @@ def activation_bytes(v, layers_on_rank) -> dict[str, object]:
         gpipe=v.is_("pipeline_schedule", "gpipe"),
         interleaved=all_of(v.is_("pipeline_schedule", "interleaved_1f1b"), v.virtual_pipeline_stages > 1),
         virtual_stages=v.virtual_pipeline_stages,
+        group=microbatches_per_round(TERMS, v.pp, v.microbatches),
     )
     fp32 = v.is_("precision", "fp32", "fp64")
     engine = v.facts.engine
