@@ -259,6 +259,8 @@ def _relative(a: dict, b: dict) -> dict:
     return {n: float((a[n] - b[n]).norm() / b[n].norm()) for n in b}
 
 
+# four resumes; test_tied_checkpoints_reshard_between_pipelined_and_flat_meshes resumes both ways quickly
+@pytest.mark.slow
 def test_checkpoints_resume_across_pipelined_and_flat_meshes(tmp_path):
     # A pipelined run saves every step; a flat FSDP run and a pipelined FSDP run both resume from its
     # step-1 checkpoint and must end where the uninterrupted pipelined run ends (AdamW: the optimizer
