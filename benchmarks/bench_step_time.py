@@ -8,6 +8,9 @@ Every row is a published measurement, with its source next to it:
   9dec370, H100 96GB HBM2e at 500 W; TPS/GPU) and `benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md`
   (torchtitan e7c0cae, H200): the specs are the corpus files in tests/corpus/production/torchtitan/
   that transcribe those runs, or those files with the one setting the row changes.
+* torchtitan, `benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md` (torchtitan 820504e, the same
+  H100 96GB hosts): Llama 3 70B (FSDP 32, TP 8) and 8B (FSDP 8, TP 8), bf16 and float8 tensorwise,
+  each with vanilla and async tensor parallelism (the corpus files, async_tensor_parallel on or off).
 * torchtitan, `docs/performance.md` @ 1ea476e9f (64 A100 80GB, FSDP only, WPS per GPU). The file does not
   say how the hosts are connected, so these rows are printed (with DGX A100's 200Gb/s per GPU
   assumed) but neither calibrate the model nor count in the summary.
@@ -181,6 +184,29 @@ ROWS: list[tuple[str, dict, float]] = [
     ("titan T6 405B FSDP8 CP1 32k", corpus("llama3_405b_512gpu_fsdp8_tp8_pp8_cp1_seq32k.yaml"), 76),
     ("titan T6 405B FSDP4 CP2 64k", corpus("llama3_405b_512gpu_fsdp4_tp8_pp8_cp2_seq64k.yaml"), 47),
     ("titan T6 405B FSDP1 CP8 256k", corpus("llama3_405b_512gpu_fsdp1_tp8_pp8_cp8_seq256k.yaml"), 16),
+    # torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md (tokens/s per GPU): vanilla and
+    # async TP on the same runs; the float8 rowwise rows are left out (a float8 recipe the spec does
+    # not state, whose vanilla baseline the table itself calls low)
+    (
+        "titan aTP 70B bf16 vanilla",
+        corpus("llama3_70b_256gpu_fsdp32_tp8_asynctp.yaml", async_tensor_parallel=False),
+        597.3,
+    ),
+    ("titan aTP 70B bf16 async", corpus("llama3_70b_256gpu_fsdp32_tp8_asynctp.yaml"), 652.4),
+    (
+        "titan aTP 70B fp8 vanilla",
+        corpus("llama3_70b_256gpu_fsdp32_tp8_fp8_asynctp.yaml", async_tensor_parallel=False),
+        809.8,
+    ),
+    ("titan aTP 70B fp8 async", corpus("llama3_70b_256gpu_fsdp32_tp8_fp8_asynctp.yaml"), 942.4),
+    ("titan aTP 8B bf16 vanilla", corpus("llama3_8b_64gpu_fsdp8_tp8_asynctp.yaml", async_tensor_parallel=False), 4378),
+    ("titan aTP 8B bf16 async", corpus("llama3_8b_64gpu_fsdp8_tp8_asynctp.yaml"), 4809.4),
+    (
+        "titan aTP 8B fp8 vanilla",
+        corpus("llama3_8b_64gpu_fsdp8_tp8_fp8_asynctp.yaml", async_tensor_parallel=False),
+        5078.1,
+    ),
+    ("titan aTP 8B fp8 async", corpus("llama3_8b_64gpu_fsdp8_tp8_fp8_asynctp.yaml"), 5570.1),
     # torchtitan benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md
     ("titan H200 8B FSDP32 fp8", corpus("llama3_8b_h200_32gpu_fsdp32_fp8.yaml"), 10938),
     ("titan H200 8B FSDP64 fp8", corpus("llama3_8b_h200_64gpu_fsdp64_fp8.yaml"), 10753),

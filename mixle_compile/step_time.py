@@ -435,6 +435,8 @@ def combine(
     hidden: dict[str, float] = {}
     data_seconds = 0.0
     context_seconds = 0.0
+    tensor_seconds = 0.0
+    overlap_tp = bool(st.training.get("async_tensor_parallel")) and degrees["tp"] > 1
     for axes, payload, seconds in traffic:
         key = "+".join(axes)
         if payload in ("gradient", "parameter") and set(axes) <= _DATA_AXES | {"cp"}:
@@ -443,8 +445,19 @@ def combine(
         elif list(axes) == ["cp"]:
             context_seconds += seconds
             hidden[key] = hidden.get(key, 0.0) + seconds
+        elif overlap_tp and list(axes) == ["tp"]:
+            tensor_seconds += seconds
         else:
             exposed[key] = exposed.get(key, 0.0) + seconds
+    if tensor_seconds:
+        # Async tensor parallelism splits each all-gather (reduce-scatter) into tp chunks and multiplies
+        # one chunk while the next arrives: all but the first chunk's matmuls can hide it, so what the
+        # matmuls beside them (the step's compute less attention) take (tp - 1) / tp of is hidden.
+        behind = (compute - attention_share) * (degrees["tp"] - 1) / degrees["tp"]
+        shown = min(tensor_seconds, behind)
+        hidden["tp"] = hidden.get("tp", 0.0) + shown
+        if tensor_seconds > shown:
+            exposed["tp"] = exposed.get("tp", 0.0) + tensor_seconds - shown
     # What compute cannot hide is exposed: data-parallel traffic behind the whole step's compute,
     # context-parallel traffic behind attention.
     if data_seconds > compute:

@@ -596,3 +596,17 @@ def test_export_cli_writes_a_torchtitan_03_module(tmp_path, capsys):
         ["export", "--to", "torchtitan", "--torchtitan-version", "0.4", str(EXAMPLES / "llama3-8b-hsdp-tp.yaml")]
     )
     assert status == 2 and "invalid choice" in capsys.readouterr().err
+
+
+def test_async_tensor_parallelism_is_written_as_each_engine_states_it():
+    titan = load_spec(ROOT / "tests/corpus/production/torchtitan/llama3_70b_256gpu_fsdp32_tp8_asynctp.yaml").spec
+    toml = export_spec(titan, "torchtitan")
+    assert "enable_async_tensor_parallel = true" in toml.files[toml.main]
+    module = export_spec(titan, "torchtitan", torchtitan_version="0.3")
+    _, _, values = _evaluated_config(module.files[module.main])
+    assert values["compile"].enable_async_tensor_parallel is True and values["compile"].enable is True
+    bridge = load_spec(ROOT / "tests/corpus/production/bridge_nemo/bridge_llama3_70b_h100_bf16_v2.yaml").spec
+    script = export_spec(bridge, "megatron")
+    assert "--tp-comm-overlap" in script.files[script.main] and "--sequence-parallel" in script.files[script.main]
+    plain = titan.model_copy(update={"training": titan.training.model_copy(update={"async_tensor_parallel": False})})
+    assert "enable_async_tensor_parallel" not in export_spec(plain, "torchtitan").files["train.toml"]

@@ -132,7 +132,7 @@ TORCHTITAN = {
     "llama3_405b.toml": (
         {"hidden_size": 16384, "num_layers": 126, "num_heads": 128, "ffn_hidden_size": 53248},
         {"tp": 8},
-        {"global_batch_size": 32, "micro_batch_size": 2, "precision": "fp8"},
+        {"global_batch_size": 32, "micro_batch_size": 2, "precision": "fp8", "async_tensor_parallel": True},
         128,
     ),
     "llama4_17bx16e.toml": (
@@ -187,7 +187,7 @@ TORCHTITAN = {
     "old_2024_llama3_405b.toml": (
         {"num_layers": 126},
         {"tp": 8},
-        {"micro_batch_size": 2, "precision": "fp8", "activation_checkpointing": "full"},
+        {"micro_batch_size": 2, "precision": "fp8", "activation_checkpointing": "full", "async_tensor_parallel": True},
         128,
     ),
     "old_2024_debug_model.toml": (
@@ -470,6 +470,20 @@ def test_megatron_defaults_follow_validate_args(tmp_path):
     assert data["model"]["experts_per_token"] == 2 and data["mesh"]["etp"] == 2
     assert data["training"]["global_batch_size"] == 2 * 4 and data["mesh"]["dp_replicate"] == 4
     assert data["model"]["tie_embeddings"] is True and data["model"]["position_embedding"] == "learned"
+
+
+def test_megatron_tp_comm_overlap_is_async_tensor_parallelism(tmp_path, capsys):
+    path = tmp_path / "args.txt"
+    base = (
+        "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --vocab-size 128 --seq-length 32 "
+        "--tensor-model-parallel-size 2"
+    )
+    path.write_text(base + " --sequence-parallel --tp-comm-overlap\n")
+    assert imported(path, devices=2)["training"]["async_tensor_parallel"] is True
+    # Megatron asserts sequence parallelism under the overlap (C010)
+    path.write_text(base + " --tp-comm-overlap\n")
+    status, out, _ = run_cli(capsys, "check", str(path), "--devices", "2")
+    assert status == 1 and "C010" in out
 
 
 def test_megatron_virtual_stages_from_layers_per_virtual_stage(tmp_path):
@@ -757,8 +771,19 @@ def test_reading_never_raises_for_a_bad_engine_file(tmp_path):
 REGISTRY_MODULE = """\
 from types import SimpleNamespace
 
-from torchtitan.config import ParallelismConfig, TrainingConfig
+from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
 from torchtitan.distributed.activation_checkpoint import FullAC
+
+
+def llama3_70b_async_tp():
+    return SimpleNamespace(
+        model_spec=SimpleNamespace(name="llama3", flavor="70B"),
+        training=TrainingConfig(local_batch_size=4, seq_len=8192, steps=100),
+        parallelism=ParallelismConfig(tensor_parallel_degree=8),
+        compile=CompileConfig(enable=True, enable_async_tensor_parallel=True),
+        activation_checkpoint=FullAC.Config(),
+        optimizer=SimpleNamespace(lr=1e-4),
+    )
 
 
 def llama3_70b_tp8():
@@ -824,6 +849,17 @@ def test_a_torchtitan_config_function_is_read_through_its_config_classes(registr
     assert doc.file == "my_registry.py"
     line = doc.position(("mesh", "tp")).line
     assert "tensor_parallel_degree=8" in REGISTRY_MODULE.splitlines()[line - 1]
+
+
+def test_a_torchtitan_compile_config_states_async_tensor_parallelism(registry):
+    from mixle_compile.importers.torchtitan_registry import load_registry_function, read_trainer_config
+
+    function, config = load_registry_function("my_registry:llama3_70b_async_tp")
+    doc, _ = read_trainer_config(function, config, "my_registry:llama3_70b_async_tp", ImportOptions(devices=64))
+    assert doc.data["training"]["async_tensor_parallel"] is True and doc.data["training"]["compile"] is True
+    function, config = load_registry_function("my_registry:llama3_70b_tp8")
+    doc, _ = read_trainer_config(function, config, "my_registry:llama3_70b_tp8", ImportOptions(devices=64))
+    assert doc.data["training"].get("async_tensor_parallel", False) is False
 
 
 def test_check_torchtitan_module_function(registry, capsys):

@@ -471,6 +471,14 @@ def violations(
     rule("B001", batch == mbs * mb * gas * dpr * dps)
     if warnings:
         rule("C007", not t.compiled, when=rule_set in ("torch", "megatron"))
+    # Async tensor parallelism: torchtitan compiles it (0.2: only with a tp mesh; 0.3: CompileConfig
+    # refuses it uncompiled at any tp), Megatron overlaps sequence parallelism only (tp > 1), the
+    # in-tree runtime not at all.
+    overlap = t.async_tensor_parallel
+    compiled_model = "model" in t.compiled
+    rule("C009", not overlap or (tp == 1 and not titan_03) or compiled_model, when=neural, only="torchtitan")
+    rule("C010", not overlap or (tp > 1 and sp), when=neural, only="megatron")
+    rule("C011", not overlap, when=neural, only="torch")
     degrees = {"dp_replicate": dpr, "dp_shard": dps, "tp": tp, "pp": pp, "cp": cp, "ep": ep, "etp": etp}
     rule("C001", all(degrees[a.value] == 1 for a in ParallelAxis if a not in caps.axes))
     rule("C002", t.precision in caps.precisions)
@@ -682,6 +690,7 @@ def plan(i: int, degrees: tuple[int, ...], shape: str, backend: str) -> dict:
         "virtual_pipeline_stages": (1, 1, 2, 3)[i // 6 % 4],
         "activation_checkpointing": ("none", "selective", "full")[i // 5 % 3],
         "compile": (False, False, True, ["model"], False, ["loss"])[i // 11 % 6],
+        "async_tensor_parallel": i // 4 % 3 == 0,
     }
     devices = n if auto or i % 11 else n + 1
     spec = {

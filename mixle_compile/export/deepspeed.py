@@ -45,6 +45,8 @@ def deepspeed_files(spec: Spec, stem: str) -> Exported:
         )
     if t.precision == "fp8":
         reasons.append(("training.precision", "fp8 is not a DeepSpeed JSON precision"))
+    if t.async_tensor_parallel:
+        reasons.append(("training.async_tensor_parallel", "a DeepSpeed JSON config has no tensor-parallel overlap"))
     if t.pipeline_layers is not None or t.attention is not None:
         reasons.append(
             (

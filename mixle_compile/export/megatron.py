@@ -144,6 +144,8 @@ def megatron_arguments(spec: Spec) -> list[str]:
         a += ["--use-tp-pp-dp-mapping"]
     if t.sequence_parallel:
         a += ["--sequence-parallel"]
+    if t.async_tensor_parallel:
+        a += ["--tp-comm-overlap"]
     if t.distributed_optimizer:
         a += ["--use-distributed-optimizer"]
     if t.precision == "fp8":

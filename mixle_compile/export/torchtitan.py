@@ -151,6 +151,8 @@ def torchtitan_files(spec: Spec, stem: str) -> Exported:
         f"expert_parallel_degree = {m.ep}",
         f"expert_tensor_parallel_degree = {m.etp}",
     ]
+    if t.async_tensor_parallel:
+        lines.append("enable_async_tensor_parallel = true")
     if m.pp > 1:
         lines += [
             f"pipeline_parallel_schedule = {_toml_value(SCHEDULES[t.pipeline_schedule])}",

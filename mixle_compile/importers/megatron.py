@@ -56,6 +56,7 @@ READ = {
     "--num-layers-per-virtual-pipeline-stage": "int",
     "--virtual-pipeline-model-parallel-size": "int",
     "--sequence-parallel": "bool",
+    "--tp-comm-overlap": "bool",
     "--use-distributed-optimizer": "bool",
     "--recompute-activations": "bool",
     "--recompute-granularity": "str",
@@ -85,7 +86,7 @@ QUIET = re.compile(
     r"apply-layernorm-1p|qk-layernorm|eod-mask-loss|timing-log-level|timing-log-option|"
     r"distributed-backend|use-flash-attn|transformer-impl|accumulate-allreduce-grads-in-fp32|"
     r"bf16-.*|fp16-.*|loss-scale.*|initial-loss-scale|hysteresis|seq-length-.*|dataloader-type|"
-    r"num-dataset-builder-threads|no-async-tensor-model-parallel-allreduce|tp-comm-overlap|"
+    r"num-dataset-builder-threads|no-async-tensor-model-parallel-allreduce|"
     r"deterministic-mode|use-checkpoint-args|finetune|micro-batch-size-.*|"
     r"chat-template|trust-remote-code|untie-embeddings|no-gradient-accumulation-fusion|"
     r"ddp-.*|check-for-nan-in-loss-and-grad|"
@@ -451,6 +452,8 @@ def read_megatron(
     # ---- the rest of training
     if has("--sequence-parallel"):
         set_(("training", "sequence_parallel"), True, "--sequence-parallel")
+    if has("--tp-comm-overlap"):  # megatron/training/arguments.py: TP communication/GEMM overlap (C010)
+        set_(("training", "async_tensor_parallel"), True, "--tp-comm-overlap")
     if has("--fp8-format"):
         set_(("training", "precision"), "fp8", "--fp8-format")
     elif has("--bf16"):

@@ -62,7 +62,7 @@ READ = {
     "activation_checkpoint": {"mode", "selective_ac_option"},
     "optimizer": {"name", "lr"},
     "float8": {"enable_float8_linear"},
-    "compile": {"enable", "components"},
+    "compile": {"enable", "components", "enable_async_tensor_parallel"},
 }
 # Before torchtitan moved them to [parallelism] (early 2025), the degrees sat in [training] and the
 # pipeline and context degrees in [experimental], with the number of micro-batches
@@ -421,6 +421,17 @@ def import_job(
             at=at("training", "compile"),
             origin="training.compile",
         )
+    # Async TP: `[parallelism] enable_async_tensor_parallel` (`[experimental]` before early 2025); 0.3
+    # moved it to CompileConfig (torchtitan/config/configs.py), the flag being a torch.compile pass.
+    for table in ("parallelism", "compile"):
+        if get(table, "enable_async_tensor_parallel") is not None:
+            b.set(
+                ("training", "async_tensor_parallel"),
+                get(table, "enable_async_tensor_parallel") is True,
+                at=at(table, "enable_async_tensor_parallel"),
+                origin=f"{'parallelism' if table == 'parallelism' else 'compile'}.enable_async_tensor_parallel",
+            )
+            break
     optimizer = str(get("optimizer", "name", "AdamW"))
     b.set(
         ("training", "optimizer"),

@@ -23,8 +23,8 @@ from mixle_compile.importers.builder import ImportOptions, unreadable
 from mixle_compile.importers.torchtitan import PARALLELISM_KEYS
 from mixle_compile.spec.source import Position, SourceDocument, SourceError
 
-# A Trainer.Config's parallelism fields: the job TOML's, less async tensor parallelism, which only
-# the TOML's reader takes.
+# A Trainer.Config's parallelism fields: the job TOML's, less async tensor parallelism, which 0.3
+# holds in CompileConfig (read with the compile fields below).
 PARALLELISM = tuple(k for k in PARALLELISM_KEYS if k != "enable_async_tensor_parallel")
 TRAINING = ("local_batch_size", "global_batch_size", "seq_len", "steps", "mixed_precision_param")
 AC_MODES = {"FullAC": "full", "SelectiveAC": "selective", "MemoryBudgetAC": "memory_budget", "NoAC": "none"}
@@ -57,6 +57,8 @@ def trainer_config_tables(config: Any) -> dict:
     compile_ = getattr(config, "compile", None)  # CompileConfig (torchtitan/config/configs.py)
     if compile_ is not None and isinstance(getattr(compile_, "enable", None), bool):
         tables["compile"] = {"enable": compile_.enable, "components": list(getattr(compile_, "components", []) or [])}
+        if isinstance(getattr(compile_, "enable_async_tensor_parallel", None), bool):
+            tables["compile"]["enable_async_tensor_parallel"] = compile_.enable_async_tensor_parallel
     seed = getattr(getattr(config, "debug", None), "seed", None)  # DebugConfig.seed
     if isinstance(seed, int) and not isinstance(seed, bool):
         tables["debug"] = {"seed": seed}

@@ -634,6 +634,14 @@ class TrainingSpec(StrictModel):
             "loss never materialises fp32 logits), refused as unused by engines that do not compile"
         ),
     )
+    async_tensor_parallel: StrictBool = Field(
+        default=False,
+        description=(
+            "overlap tensor-parallel communication with the matrix multiplications: torchtitan's "
+            "enable_async_tensor_parallel (needs the model compiled), Megatron's --tp-comm-overlap (needs "
+            "sequence parallelism); the in-tree runtime does not overlap"
+        ),
+    )
     pipeline_layers: Literal["even"] | Annotated[list[Count], Field(min_length=1, max_length=1 << 16)] | None = Field(
         default=None,
         description=(

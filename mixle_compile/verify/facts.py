@@ -187,6 +187,8 @@ def plan_facts(spec: Spec) -> PlanFacts:
     compiled = training.compiled
     add("compiles", ("training", "compile"), bool(compiled), "bool", ", ".join(compiled) or "off")
     add("compiled_loss", ("training", "compile"), "loss" in compiled, "bool", ", ".join(compiled) or "off")
+    add("compiled_model", ("training", "compile"), "model" in compiled, "bool", ", ".join(compiled) or "off")
+    add("async_tensor_parallel", ("training", "async_tensor_parallel"), training.async_tensor_parallel, "bool")
 
     elastic = None
     add("elastic", ("elastic",), spec.elastic is not None, "bool", "set" if spec.elastic is not None else "absent")

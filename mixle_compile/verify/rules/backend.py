@@ -228,6 +228,89 @@ COMPILE_UNUSED = define(
 )
 
 
+ASYNC_TP_NEEDS_COMPILE = define(
+    Rule(
+        code="C009",
+        name="async-tp-needs-compile",
+        title="torchtitan: async tensor parallelism needs the model compiled (compile includes model).",
+        docs=(
+            "torchtitan's async tensor parallelism is a torch.compile pass (Inductor's micro-pipelined TP, "
+            "`_micro_pipeline_tp`) that splits each tensor-parallel all-gather and reduce-scatter into chunks "
+            "overlapped with the matrix multiplications beside them, so it exists only in a compiled model: with "
+            "tp > 1 torchtitan refuses `enable_async_tensor_parallel` unless `compile.enable` is on and "
+            "`compile.components` holds `model`. Up to 0.2 the check runs only with a tensor-parallel mesh "
+            "(tp > 1); from 0.3 the flag belongs to `CompileConfig`, which refuses it uncompiled at any tp."
+        ),
+        engine_reference=(
+            "torchtitan v0.2.2 torchtitan/distributed/tensor_parallel.py `maybe_enable_async_tp` (called when "
+            "tp is enabled); torchtitan 0.3 torchtitan/config/configs.py `CompileConfig.__post_init__`"
+        ),
+        constraint=lambda v: implies(
+            v.async_tensor_parallel if v.facts.engine.at_least("0.3") else all_of(v.async_tensor_parallel, v.tp > 1),
+            v.compiled_model,
+        ),
+        explain=lambda x: (
+            f"training.async_tensor_parallel is on with tp={x.tp}, but training.compile is "
+            f"{x.facts.field('compiled_model').shown}: torchtitan's async TP is a torch.compile pass"
+        ),
+        hint=lambda x: "add model to training.compile (e.g. compile: true), or set async_tensor_parallel: false",
+        fields=("async_tensor_parallel", "compiled_model", "tp"),
+        engines=frozenset({Engine.TORCHTITAN}),
+    )
+)
+
+
+TP_OVERLAP_NEEDS_SEQUENCE_PARALLEL = define(
+    Rule(
+        code="C010",
+        name="tp-comm-overlap-needs-sequence-parallel",
+        title="Megatron: tensor-parallel communication overlap needs tp > 1 and sequence parallelism.",
+        docs=(
+            "Megatron's `--tp-comm-overlap` (Transformer Engine's userbuffers) overlaps the all-gathers and "
+            "reduce-scatters of sequence parallelism with the GEMMs beside them, so Megatron asserts "
+            "`sequence_parallel` when it is on, after it has already switched sequence parallelism off for "
+            "tp = 1: the overlap needs tp > 1 and `sequence_parallel: true`."
+        ),
+        engine_reference=(
+            "Megatron-LM core_v0.16.1 megatron/training/arguments.py `validate_args` (sequence_parallel "
+            "disabled when tensor_model_parallel_size == 1; `assert args.sequence_parallel` under tp_comm_overlap)"
+        ),
+        constraint=lambda v: implies(v.async_tensor_parallel, all_of(v.tp > 1, v.sequence_parallel)),
+        explain=lambda x: (
+            f"training.async_tensor_parallel is on with tp={x.tp} and sequence_parallel "
+            f"{'on' if x.sequence_parallel else 'off'}: Megatron overlaps only sequence-parallel communication"
+        ),
+        hint=lambda x: "set sequence_parallel: true with tp > 1, or set async_tensor_parallel: false",
+        fields=("async_tensor_parallel", "sequence_parallel", "tp"),
+        engines=frozenset({Engine.MEGATRON}),
+    )
+)
+
+
+ASYNC_TP_NOT_IN_RUNTIME = define(
+    Rule(
+        code="C011",
+        name="async-tp-not-in-runtime",
+        title="torch: the in-tree runtime does not overlap tensor-parallel communication.",
+        docs=(
+            "The in-tree runtime issues each tensor-parallel collective when the plan says and waits for it "
+            "(mixle_compile/runtime/tensor_parallel.py); it has no overlapped (asynchronous) tensor "
+            "parallelism, so a plan that asks for it would run, and be timed, as something else. Use "
+            "`backend: torchtitan` or `megatron` to plan for the engines that overlap it."
+        ),
+        engine_reference="torch backend: mixle_compile/runtime/tensor_parallel.py (synchronous collectives)",
+        constraint=lambda v: negation(v.async_tensor_parallel),
+        explain=lambda x: (
+            "training.async_tensor_parallel is on, but the torch backend runs tensor parallelism without overlap"
+        ),
+        hint=lambda x: "set async_tensor_parallel: false, or use backend: torchtitan or megatron",
+        fields=("async_tensor_parallel",),
+        context=("backend",),
+        engines=frozenset({Engine.TORCH}),
+    )
+)
+
+
 FP64_DISTRIBUTION_ONLY = define(
     Rule(
         code="C008",
