@@ -194,10 +194,10 @@ def refusal(
 def interleaved_group(family: ScheduleFamily, pp: int, microbatches: int) -> int:
     """How many consecutive micro-batches an interleaved schedule runs on one chunk before the next.
 
-    torch: ``microbatches_per_round = m // rounds``; Megatron: its default
+    torch: :func:`microbatches_per_round`; Megatron: its default
     ``microbatch_group_size_per_vp_stage``, pp."""
     if family is ScheduleFamily.TORCH:
-        return microbatches // torch_rounds(NUMBERS, pp, microbatches)
+        return microbatches_per_round(NUMBERS, pp, microbatches)
     return pp
 
 

@@ -118,9 +118,10 @@ def torchtitan_python_files(spec: Spec, stem: str) -> Exported:
             parallelism.append(f"pipeline_parallel_layers_per_stage={per_stage}")
     ac = {"selective": "SelectiveAC.Config()", "full": "FullAC.Config()", "none": "None"}[t.activation_checkpointing]
     compiled = list(t.compiled)
-    compile_ = f"CompileConfig(enable=True, components={compiled!r})" if compiled else "CompileConfig(enable=False)"
+    compile_args = ["enable=True", f"components={compiled!r}"] if compiled else ["enable=False"]
     if t.async_tensor_parallel:  # 0.3 holds the flag in CompileConfig (torchtitan/config/configs.py)
-        compile_ = compile_[:-1] + ", enable_async_tensor_parallel=True)"
+        compile_args.append("enable_async_tensor_parallel=True")
+    compile_ = f"CompileConfig({', '.join(compile_args)})"
 
     def call(cls: str, args: list[str]) -> str:
         inner = "".join(f"            {a},\n" for a in args)

@@ -429,7 +429,7 @@ def import_job(
                 ("training", "async_tensor_parallel"),
                 get(table, "enable_async_tensor_parallel") is True,
                 at=at(table, "enable_async_tensor_parallel"),
-                origin=f"{'parallelism' if table == 'parallelism' else 'compile'}.enable_async_tensor_parallel",
+                origin=f"{table}.enable_async_tensor_parallel",
             )
             break
     optimizer = str(get("optimizer", "name", "AdamW"))

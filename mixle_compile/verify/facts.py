@@ -185,9 +185,10 @@ def plan_facts(spec: Spec) -> PlanFacts:
     )
 
     compiled = training.compiled
-    add("compiles", ("training", "compile"), bool(compiled), "bool", ", ".join(compiled) or "off")
-    add("compiled_loss", ("training", "compile"), "loss" in compiled, "bool", ", ".join(compiled) or "off")
-    add("compiled_model", ("training", "compile"), "model" in compiled, "bool", ", ".join(compiled) or "off")
+    shown = ", ".join(compiled) or "off"
+    add("compiles", ("training", "compile"), bool(compiled), "bool", shown)
+    add("compiled_loss", ("training", "compile"), "loss" in compiled, "bool", shown)
+    add("compiled_model", ("training", "compile"), "model" in compiled, "bool", shown)
     add("async_tensor_parallel", ("training", "async_tensor_parallel"), training.async_tensor_parallel, "bool")
 
     elastic = None
