@@ -4,6 +4,13 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
+
+# Property tests draw the same examples on every run and keep no example database: a run on a clean
+# clone (CI) then repeats a local run exactly, and the solver calls that follow them see the same
+# history (the nearest-fix search's effort under its resource limit depends on it).
+settings.register_profile("repeatable", derandomize=True, database=None)
+settings.load_profile("repeatable")
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
