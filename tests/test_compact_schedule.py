@@ -185,6 +185,10 @@ def _mutations(stages):
         dict(pp=4, mb=4, schedule="interleaved_1f1b", virtual=2, layers=8),
         dict(pp=2, mb=2, gas=3, schedule="gpipe", backend="torchtitan", tie=True),
         dict(pp=2, mb=4, schedule="1f1b", backend="megatron", ds=2, tie=True),
+        # long enough that the check shortens the steady loops (lower/periodic.py)
+        dict(pp=4, mb=24, schedule="1f1b", tie=True),
+        dict(pp=2, mb=16, gas=2, schedule="gpipe", backend="torchtitan", tie=True),
+        dict(pp=2, mb=16, schedule="interleaved_1f1b", virtual=2, layers=8, backend="megatron", tie=True),
     ],
 )
 def test_the_check_on_the_stated_form_gives_the_explicit_verdict_on_broken_programs(case):

@@ -39,8 +39,12 @@ The check (:func:`check_compact`) runs :func:`mixle_compile.lower.schedule.check
    rank where it started, so the next run behaves the same (the simulation's outcome does not
    depend on the interleaving), and the step is that run repeated and then its end.
 
-The reduced program grows with micro-batches per run (as the pipeline's own dependencies do) but not
-with layers or accumulation runs.
+5. A loop that repeats more than a few times (a steady state) is checked on a step with fewer of
+   its repetitions, once the simulation of that shorter step shows a state that repeats itself
+   shifted by a whole number of micro-batches (:mod:`mixle_compile.lower.periodic` says why that
+   decides the full step); a shorter step that fails is checked again in full.
+
+The reduced program grows with neither micro-batches, layers nor accumulation runs.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from mixle_compile.lower.groups import RankGrid
+from mixle_compile.lower.periodic import check_pumped
 from mixle_compile.lower.schedule import Op, OpKind, ScheduleCheck, _copy, _insert, check_schedule
 
 # The stated form and its JSON are the plan's (plan/programs.py: the runtime reads them); the names
@@ -201,30 +206,37 @@ def check_compact(
     problems += [f"a per-micro-batch collective: {text}" for text in block_check.problems]
 
     # 2-3. The reduced step: one run with the step's end, each repeated reduction once (its count in its tag).
-    def reduced(p: StageProgram, runs: int, with_end: bool) -> tuple[Op, ...]:
+    def reduced(p: StageProgram, with_end: bool) -> StageProgram:
         counted = dataclasses.replace(
             p,
+            runs=1,
             after_last_backward=tuple(
                 (_copy(op, tag=f"{op.tag} x{k}") if k > 1 else op, 1) for op, k in p.after_last_backward
             ),
         )
         if not with_end:
             counted = dataclasses.replace(counted, after_last_backward=(), end=(), optimizer=False)
-        return expand(counted, runs=runs, times=False, blocks=False)
+        return counted
 
-    step = check_schedule(
-        [reduced(p, 1, True) for p in programs], grid, exhaustive_limit=exhaustive_limit, buffered_sends=buffered_sends
-    )
+    def explicit(p: StageProgram) -> tuple[Op, ...]:
+        return expand(p, times=False, blocks=False)
+
+    def simulated(stated: Sequence[StageProgram], observe) -> ScheduleCheck:
+        return check_schedule(
+            [explicit(p) for p in stated],
+            grid,
+            exhaustive_limit=exhaustive_limit,
+            buffered_sends=buffered_sends,
+            observe=observe,
+        )
+
+    # 5. Long loops are decided on a shorter step where they are seen to be periodic (lower/periodic.py).
+    step, left_out = check_pumped([reduced(p, True) for p in programs], simulated, grid, explicit)
     problems += list(step.problems)
     repeated = max(p.runs for p in programs) > 1
     if repeated and not problems:
         # 4. One run alone: self-contained, so the runs compose.
-        run = check_schedule(
-            [reduced(p, 1, False) for p in programs],
-            grid,
-            exhaustive_limit=exhaustive_limit,
-            buffered_sends=buffered_sends,
-        )
+        run, _ = check_pumped([reduced(p, False) for p in programs], simulated, grid, explicit)
         problems += [f"one run of the schedule alone: {text}" for text in run.problems]
         if len({p.runs for p in programs}) != 1:
             problems.append(
@@ -235,5 +247,10 @@ def check_compact(
         f"{step.note}; on the stated programs: one run"
         + (f" of {programs[0].runs} (each self-contained, so the runs compose)" if repeated else "")
         + ", each repeated reduction once, per-micro-batch collectives inside a stage checked where issued"
+        + (
+            f"; the long loops on a step {left_out} micro-batches shorter, whose simulation repeats itself shifted"
+            if left_out
+            else ""
+        )
     )
     return ScheduleCheck(tuple(problems), step.ranks_checked, step.representatives, note)

@@ -40,6 +40,7 @@ from mixle_compile.lower.groups import GroupRule, RankGrid
 from mixle_compile.plan.ops import _P2P, ACTIVATION, ACTIVATION_GRAD, Op, OpKind, _require_count
 from mixle_compile.plan.ops import copy_op as _copy
 from mixle_compile.plan.ops import insert_templates as _insert
+from mixle_compile.plan.programs import Loop
 from mixle_compile.schedules import (
     SCHEDULES,
     ScheduleFamily,
@@ -58,6 +59,7 @@ __all__ = [
     "Op",
     "collective",
     "pipeline_schedule",
+    "pipeline_bodies",
     "bubble_fraction",
     "insert_collectives",
     "INSERT_ANCHORS",
@@ -80,10 +82,14 @@ def collective(name: str, group: str, tag: str = "", bytes: int = 0) -> Op:
 # ---------------------------------------------------------------------------
 
 
-def _iterations(
-    family: ScheduleFamily, schedule: str, pp: int, m: int, v: int, stage: int
-) -> list[list[tuple[OpKind, int, int]]]:
-    """The stage's compute ops as ``(kind, chunk, microbatch)``, grouped into iterations.
+#: A stretch of a stage's iterations: the iterations of one repetition (each a list of compute
+#: units ``(kind, chunk, microbatch)``), how many repetitions, and the micro-batch step between two.
+Segment = tuple[list[list[tuple[OpKind, int, int]]], int, int]
+
+
+def _segments(family: ScheduleFamily, schedule: str, pp: int, m: int, v: int, stage: int) -> list[Segment]:
+    """The stage's compute ops as ``(kind, chunk, microbatch)``, grouped into iterations and stated
+    as repeated stretches (their number does not grow with ``m``).
 
     Between two iterations a stage issues one batched point-to-point call.
     GPipe and 1F1B issue one after every compute op; interleaved 1F1B pairs
@@ -92,30 +98,46 @@ def _iterations(
     """
     F, B = OpKind.forward, OpKind.backward
     if schedule == "gpipe":
-        return [[(F, 0, i)] for i in range(m)] + [[(B, 0, i)] for i in range(m)]
+        return [([[(F, 0, 0)]], m, 1), ([[(B, 0, 0)]], m, 1)]
     if schedule == "1f1b":
         # Warm-up forwards fill the pipe below this stage; then one forward,
         # one backward; the cool-down drains the backwards still in flight.
         warmup = warmup_forwards(schedule, pp, m, 1, stage, 1)
-        order = [[(F, 0, i)] for i in range(warmup)]
-        for i in range(m - warmup):
-            order += [[(F, 0, warmup + i)], [(B, 0, i)]]
-        return order + [[(B, 0, i)] for i in range(m - warmup, m)]
+        return [
+            ([[(F, 0, 0)]], warmup, 1),
+            ([[(F, 0, warmup)], [(B, 0, 0)]], m - warmup, 1),
+            ([[(B, 0, m - warmup)]], warmup, 1),
+        ]
     # Interleaved: microbatches advance in groups through the chunks,
-    # forwards chunk by chunk upwards and backwards downwards.
+    # forwards chunk by chunk upwards and backwards downwards. The order repeats
+    # every group * v units with the micro-batches one group on.
     total = m * v
     group = interleaved_group(family, pp, m)
+    period = group * v
 
     def unit(k: int, backward: bool) -> tuple[int, int]:
-        first, within = divmod(k, group * v)
+        first, within = divmod(k, period)
         chunk = within // group
         return (v - 1 - chunk if backward else chunk), first * group + within % group
 
+    def stretch(first: int, last: int, iteration) -> list[Segment]:
+        full = (last - first) // period
+        rest = range(first + full * period, last)
+        return [
+            ([iteration(k) for k in range(first, first + period)], full, group),
+            ([iteration(k) for k in rest], 1 if rest else 0, 0),
+        ]
+
     warmup = warmup_forwards(schedule, pp, m, v, stage, group)
-    order = [[(F, *unit(k, False))] for k in range(warmup)]
-    for i in range(total - warmup):
-        order.append([(F, *unit(warmup + i, False)), (B, *unit(i, True))])
-    return order + [[(B, *unit(k, True))] for k in range(total - warmup, total)]
+    return (
+        stretch(0, warmup, lambda k: [(F, *unit(k, False))])
+        + stretch(0, total - warmup, lambda i: [(F, *unit(warmup + i, False)), (B, *unit(i, True))])
+        + stretch(total - warmup, total, lambda k: [(B, *unit(k, True))])
+    )
+
+
+def _shift_units(iteration: list[tuple[OpKind, int, int]], by: int) -> list[tuple[OpKind, int, int]]:
+    return [(kind, chunk, mb + by) for kind, chunk, mb in iteration]
 
 
 def pipeline_schedule(
@@ -146,6 +168,31 @@ def pipeline_schedule(
     ``interleaved_1f1b``, and with the engine's own requirement (:mod:`mixle_compile.schedules`,
     the rule the verifier checks) for numbers its schedule refuses.
     """
+    bodies = pipeline_bodies(
+        pp, microbatches, schedule, virtual_stages, family=family, activation_bytes=activation_bytes
+    )
+    programs = []
+    for stage, body in enumerate(bodies):
+        ops = [op for item in body for op in (item.unrolled() if isinstance(item, Loop) else (item,))]
+        if optimizer_step:
+            ops.append(Op(OpKind.optimizer, stage, name="optimizer"))
+        programs.append(tuple(ops))
+    return tuple(programs)
+
+
+def pipeline_bodies(
+    pp: int,
+    microbatches: int,
+    schedule: str,
+    virtual_stages: int = 1,
+    *,
+    family: ScheduleFamily | str = ScheduleFamily.TORCH,
+    activation_bytes: int = 0,
+) -> tuple[tuple[Op | Loop, ...], ...]:
+    """Each stage's compute and point-to-point ops of :func:`pipeline_schedule` (without the
+    optimizer), stated with their repetition: a stretch of iterations that repeats with the
+    micro-batches one step on is one :class:`Loop`, so the size does not grow with the number of
+    micro-batches. Unrolled, a body is the explicit program op for op."""
     for what, value in (("pp", pp), ("microbatches", microbatches), ("virtual_stages", virtual_stages)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{what} must be an integer >= 1, got {value!r}")
@@ -187,28 +234,56 @@ def pipeline_schedule(
             )
         ]
 
-    programs = []
-    for stage in range(pp):
-        iterations = _iterations(family, schedule, pp, microbatches, virtual_stages, stage)
-        ops: list[Op] = []
-        batch = 0
-        previous: list[tuple[OpKind, int, int]] = []
-        # Receiving an iteration ahead, in the same call as the sends, is what
-        # keeps neighbours from waiting on each other's later calls: with
-        # receives posted only right before their compute op, interleaved
-        # schedules deadlock as soon as sends do not buffer.
-        for iteration in iterations + [[]]:
-            together = [op for unit in previous for op in message(stage, unit, True)]
-            together += [op for unit in iteration for op in message(stage, unit, False)]
-            if together:
-                ops += [_copy(op, batch=batch) for op in together]
-                batch += 1
-            ops += [Op(kind, stage, chunk, mb, kind.value) for kind, chunk, mb in iteration]
-            previous = iteration
-        if optimizer_step:
-            ops.append(Op(OpKind.optimizer, stage, name="optimizer"))
-        programs.append(tuple(ops))
-    return tuple(programs)
+    return tuple(
+        _stage_body(stage, _segments(family, schedule, pp, microbatches, virtual_stages, stage), message)
+        for stage in range(pp)
+    )
+
+
+def _stage_body(stage: int, segments: list[Segment], message) -> tuple[Op | Loop, ...]:
+    """A stage's ops from its iterations: before each iteration one batched call sends what the last
+    one produced and receives what this one needs. Receiving an iteration ahead, in the same call as
+    the sends, is what keeps neighbours from waiting on each other's later calls: with receives
+    posted only right before their compute op, interleaved schedules deadlock as soon as sends do
+    not buffer. A segment's second and later repetitions are one loop: their calls are the same with
+    every micro-batch one step on (the first repetition's first call depends on what came before)."""
+    items: list[Op | Loop] = []
+    batch = 0
+    previous: list[tuple[OpKind, int, int]] = []
+
+    def issue(iteration: list[tuple[OpKind, int, int]], out: list[Op]) -> None:
+        nonlocal batch, previous
+        together = [op for unit in previous for op in message(stage, unit, True)]
+        together += [op for unit in iteration for op in message(stage, unit, False)]
+        if together:
+            out += [_copy(op, batch=batch) for op in together]
+            batch += 1
+        out += [Op(kind, stage, chunk, mb, kind.value) for kind, chunk, mb in iteration]
+        previous = iteration
+
+    for template, repeat, step in segments:
+        if repeat < 1 or not template:
+            continue
+        first: list[Op] = []
+        for iteration in template:
+            issue(iteration, first)
+        items += first
+        if repeat == 1:
+            continue
+        start = batch
+        body: list[Op] = []
+        for iteration in template:
+            issue(_shift_units(iteration, step), body)
+        if repeat == 2:
+            items += body
+            continue
+        per_repeat = batch - start
+        items.append(Loop(repeat - 1, step, per_repeat, tuple(body)))
+        batch = start + (repeat - 1) * per_repeat
+        previous = _shift_units(template[-1], (repeat - 1) * step)
+    tail: list[Op] = []
+    issue([], tail)
+    return tuple(items + tail)
 
 
 # ---------------------------------------------------------------------------
@@ -370,6 +445,7 @@ def check_schedule(
     *,
     exhaustive_limit: int = 1024,
     buffered_sends: bool = False,
+    observe: Callable[[SimulationState], None] | None = None,
 ) -> ScheduleCheck:
     """Check that a step's programs match up and cannot deadlock.
 
@@ -390,6 +466,7 @@ def check_schedule(
     ranks and ops involved. With ``buffered_sends`` a send completes when it is
     posted (its wait is deferred to the end of the step, as torch's
     ``_PipelineScheduleRuntime`` does); receives still wait for their send.
+    ``observe`` is called with the simulation's :class:`SimulationState` before every rank's turn.
     """
     world = _prepare(programs, grid, exhaustive_limit)
     problems: list[str] = []
@@ -397,7 +474,7 @@ def check_schedule(
     if not problems:
         problems += _check_collective_sequences(world)
         problems += _check_messages(world)
-        problems += list(_simulate(world, lambda op: 0, buffered_sends=buffered_sends).deadlock)
+        problems += list(_simulate(world, lambda op: 0, buffered_sends=buffered_sends, observe=observe).deadlock)
     count = len(world.programs)
     note = (
         f"checked {count} representative ranks, one per pipeline stage: ranks of a stage run the "
@@ -471,6 +548,8 @@ def _check_ops(world: _World) -> list[str]:
     for rank, program in world.programs.items():
         stage = grid.stage_of(rank)
         for position, op in enumerate(program):
+            if op.stage == stage and op.kind is not OpKind.collective and op.kind not in _P2P:
+                continue
             where = f"rank {rank} (stage {stage}) op {position} ({op.describe()})"
             if op.stage != stage:
                 problems.append(f"{where}: belongs to stage {op.stage}, but rank {rank} is on stage {stage}")
@@ -619,7 +698,30 @@ def _multiset_minus(items: list[tuple[tuple, Any]], other: list[tuple]) -> list[
 # -- (simulation) ----------------------------------------------------------------
 
 
-def _simulate(world: _World, cost: Callable[[Op], Any], *, buffered_sends: bool = False) -> Simulation:
+@dataclass(frozen=True)
+class SimulationState:
+    """What the simulation holds between two ranks' turns, shown to an observer (read only):
+    the ranks waiting for a turn, each rank's step (``pc``, an index into ``steps``) and whether it
+    has posted it, the ops that met their partner, the buffered sends not yet received, every
+    rank's steps (a kind and the positions of its ops) and each point-to-point op's partner. The
+    simulation's future depends on nothing else (and on the ops still to come)."""
+
+    queue: deque
+    pc: dict[int, int]
+    posted: dict[int, bool]
+    matched: dict[tuple[int, int], Any]
+    sent: dict[tuple[int, int], Any]
+    steps: dict[int, list[tuple[str, list[int]]]]
+    partner: dict[tuple[int, int], tuple[int, int]]
+
+
+def _simulate(
+    world: _World,
+    cost: Callable[[Op], Any],
+    *,
+    buffered_sends: bool = False,
+    observe: Callable[[SimulationState], None] | None = None,
+) -> Simulation:
     ranks = list(world.programs)
     # Steps: a compute op, a collective, or a batch of point-to-point ops posted together.
     steps: dict[int, list[tuple[str, list[int]]]] = {}
@@ -675,6 +777,10 @@ def _simulate(world: _World, cost: Callable[[Op], Any], *, buffered_sends: bool 
     sent: dict[tuple[int, int], Any] = {}  # buffered sends posted, and when
     arrivals: dict[tuple, list[int]] = defaultdict(list)
     queue = deque(ranks)
+    state = SimulationState(queue, pc, posted, matched, sent, steps, partner) if observe else None
+    # Watched, a rank's turn ends after every step, so that the ranks advance together and the
+    # observer sees the steady state (whether the step finishes does not depend on the turns).
+    step_turns = observe is not None
 
     def finish_step(rank: int, when: Any) -> None:
         clock[rank] = max(clock[rank], when)
@@ -685,6 +791,8 @@ def _simulate(world: _World, cost: Callable[[Op], Any], *, buffered_sends: bool 
         return all((rank, p) in matched for p in steps[rank][pc[rank]][1])
 
     while queue:
+        if state is not None:
+            observe(state)
         rank = queue.popleft()
         program = world.programs[rank]
         while pc[rank] < len(steps[rank]):
@@ -695,6 +803,9 @@ def _simulate(world: _World, cost: Callable[[Op], Any], *, buffered_sends: bool 
                 clock[rank] += spent
                 busy[rank] += spent
                 pc[rank] += 1
+                if step_turns:
+                    queue.append(rank)
+                    break
                 continue
             if kind == "collective":
                 if posted[rank]:
@@ -709,6 +820,9 @@ def _simulate(world: _World, cost: Callable[[Op], Any], *, buffered_sends: bool 
                     finish_step(other, when)
                     if other != rank:
                         queue.append(other)
+                if step_turns:
+                    queue.append(rank)
+                    break
                 continue
             # A batch of sends and receives.
             if not posted[rank]:
@@ -718,21 +832,23 @@ def _simulate(world: _World, cost: Callable[[Op], Any], *, buffered_sends: bool 
                         continue
                     other, other_pos = partner[(rank, position)]
                     if buffered_sends and program[position].kind is OpKind.send:
-                        # The message waits for its receive; the sender goes on.
-                        sent[(rank, position)] = clock[rank]
+                        # The message waits for its receive (in `sent` until it is posted); the
+                        # sender goes on.
                         matched[(rank, position)] = clock[rank]
                         waiting = (
                             posted[other] and pc[other] < len(steps[other]) and step_of[(other, other_pos)] == pc[other]
                         )
-                        if waiting and (other, other_pos) not in matched:
-                            matched[(other, other_pos)] = clock[rank]
-                            if batch_done(other):
-                                finish_step(other, max(matched[(other, p)] for p in steps[other][pc[other]][1]))
-                                queue.append(other)
+                        if not waiting:
+                            sent[(rank, position)] = clock[rank]
+                            continue
+                        matched[(other, other_pos)] = clock[rank]
+                        if batch_done(other):
+                            finish_step(other, max(matched[(other, p)] for p in steps[other][pc[other]][1]))
+                            queue.append(other)
                         continue
                     if buffered_sends and program[position].kind is OpKind.recv:
                         if (other, other_pos) in sent:
-                            matched[(rank, position)] = max(clock[rank], sent[(other, other_pos)])
+                            matched[(rank, position)] = max(clock[rank], sent.pop((other, other_pos)))
                         continue
                     if posted[other] and pc[other] < len(steps[other]) and step_of[(other, other_pos)] == pc[other]:
                         when = max(clock[rank], clock[other])
@@ -744,6 +860,9 @@ def _simulate(world: _World, cost: Callable[[Op], Any], *, buffered_sends: bool 
             if not batch_done(rank):
                 break
             finish_step(rank, max(matched[(rank, p)] for p in positions))
+            if step_turns:
+                queue.append(rank)
+                break
 
     stuck = [r for r in ranks if pc[r] < len(steps[r])]
     deadlock = _explain_deadlock(world, stuck, steps, pc, partner, collective_key, members, arrivals, matched)

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 from mixle_compile.contracts import CollectiveKind, ParallelPlan
 from mixle_compile.engines import EngineProfile, engine_profile
-from mixle_compile.lower.compact import StageProgram, check_compact, compress, expand_all
+from mixle_compile.lower.compact import Loop, StageProgram, check_compact, compress, expand_all
 from mixle_compile.lower.groups import RankGrid, rule_name
-from mixle_compile.lower.schedule import Op, OpKind, ScheduleCheck, pipeline_schedule
+from mixle_compile.lower.schedule import Op, OpKind, ScheduleCheck, pipeline_bodies
 from mixle_compile.lower.updates import PlannedUpdate
 from mixle_compile.schedules import pipelined
 
@@ -56,7 +56,7 @@ def step_schedule(
     pipeline, virtual_stages = pipelined(pipeline, plan.pp, virtual_stages)
     per_run = engine.schedule_microbatches(plan.microbatches, plan.gradient_accumulation_steps)
     runs = plan.microbatches * plan.gradient_accumulation_steps // per_run
-    one_run = pipeline_schedule(plan.pp, per_run, pipeline, virtual_stages, family=engine.schedules)
+    one_run = pipeline_bodies(plan.pp, per_run, pipeline, virtual_stages, family=engine.schedules)
     by_phase: dict[tuple[str, int], list[PlannedUpdate]] = {}
     for u in updates:
         if u.update.collective is not CollectiveKind.P2P:
@@ -79,18 +79,17 @@ def step_schedule(
         ]
 
     stages = []
-    for stage, program in enumerate(one_run):
-        body = [op for op in program if op.kind is not OpKind.optimizer]
+    for stage, body in enumerate(one_run):
         # Per-micro-batch phases get one copy per compute op from their anchor (_ANCHOR); step-level
         # phases repeat an update as often as it occurs in a step (FSDP reduces each accumulation window).
         stages.append(
             StageProgram(
                 stage=stage,
-                body=compress(body),
+                body=body,
                 runs=runs,
                 run_microbatches=per_run,
-                run_batches=1 + max((op.batch for op in body if op.batch is not None), default=-1),
-                optimizer=any(op.kind is OpKind.optimizer for op in program),
+                run_batches=1 + max((_last_batch(item) for item in body), default=-1),
+                optimizer=True,
                 before_forward=tuple(op for op, _ in ops("forward", stage)),
                 after_backward=tuple(op for op, _ in ops("backward", stage)),
                 after_last_backward=tuple(ops("gradient", stage)),
@@ -106,3 +105,11 @@ def step_schedule(
 def stated(programs: tuple[tuple[Op, ...], ...]) -> tuple[StageProgram, ...]:
     """Explicit programs (collectives in place) stated with their repetition: one run, no blocks."""
     return tuple(StageProgram(stage=s, body=compress(program), optimizer=False) for s, program in enumerate(programs))
+
+
+def _last_batch(item: Op | Loop) -> int:
+    """The highest batch number an op or a loop issues (-1: none)."""
+    if isinstance(item, Loop):
+        last = max((op.batch for op in item.ops if op.batch is not None), default=None)
+        return -1 if last is None else last + (item.repeat - 1) * item.batch_step
+    return -1 if item.batch is None else item.batch
