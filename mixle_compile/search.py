@@ -469,18 +469,28 @@ class _Pricer:
                 self.engine.name,
             )
             layers = [split.layers_on_stage(st) for st in range(v["pp"])]
-            training = {
-                **self.spec_data["training"],
-                "micro_batch_size": 1,
-                "activation_checkpointing": v["activation_checkpointing"],
-                "sequence_parallel": v["sequence_parallel"],
-            }
-            st = step_time._Setting(**{**self.setting.__dict__, "training": training})
-            per_stage, attention = step_time._stage_compute(st, v["tp"], v["cp"], layers)
-            hit = self._compute[key] = (layers, per_stage, attention, st)
-        layers, per_stage, attention, st = hit
+            # A micro-step's compute is affine in its micro-batch size (FLOPs and activations grow
+            # with the tokens; a matmul's weight is read once whatever the rows): priced at sizes
+            # 1 and 2, it is exact at every size.
+            priced, settings = [], []
+            for size in (1, 2):
+                training = {
+                    **self.spec_data["training"],
+                    "micro_batch_size": size,
+                    "activation_checkpointing": v["activation_checkpointing"],
+                    "sequence_parallel": v["sequence_parallel"],
+                }
+                settings.append(step_time._Setting(**{**self.setting.__dict__, "training": training}))
+                priced.append(step_time._stage_compute(settings[-1], v["tp"], v["cp"], layers))
+            hit = self._compute[key] = (layers, *priced, settings[0])
+        layers, (one, one_attention), (two, two_attention), st = hit
         b = v["micro_batch_size"]
-        return layers, [x * b for x in per_stage], [x * b for x in attention], st
+        return (
+            layers,
+            [x + (b - 1) * (y - x) for x, y in zip(one, two, strict=True)],
+            [x + (b - 1) * (y - x) for x, y in zip(one_attention, two_attention, strict=True)],
+            st,
+        )
 
     def link(self, axes: tuple[str, ...], degrees: dict) -> float:
         key = (
@@ -737,10 +747,15 @@ class _Pricer:
             compute = exposed = math.inf
             stages = []
             for sc in mesh.schedules:
+                # The tokens' compute is the same for every micro-batch split; each micro-step also
+                # reads the weights once, so the split with the fewest micro-steps costs least.
+                for split in mesh.batches:
+                    per_split = self._stage(mesh.values(split, sc, least, False))[1]
+                    steps = split["microbatches"] * split["gradient_accumulation_steps"]
+                    compute = min(compute, steps * max(per_split))
                 values = mesh.values(batch, sc, least, False)
                 layers, per_stage, _, _ = self._stage(values)
                 busiest = max(range(len(per_stage)), key=per_stage.__getitem__)
-                compute = min(compute, micro_steps * per_stage[busiest])
                 count = layers[busiest]
                 moe = self._moe_on(count)
                 seconds = sum(

@@ -72,11 +72,11 @@ GENERIC_DEVICE = {"memory_bandwidth": 2.0e12, "intra_node": 300e9, "inter_node":
 #: and precision, calibrated on published measurements (benchmarks/bench_step_time.py prints the
 #: rows and the ratios; docs/step-time.md names the sources).
 EFFICIENCY: dict[tuple[str, str], float] = {
-    ("a100", "fp16"): 0.586,  # SC21 Table 1 (Megatron-LM, 10 rows)
-    ("h100", "fp8"): 0.578,  # Megatron-Bridge 25.11 (3 rows)
-    ("h100-96gb", "bf16"): 0.400,  # torchtitan Dec 2024, Tables 1 and 3 (4 rows)
-    ("h100-96gb", "fp8"): 0.370,  # torchtitan Dec 2024, Tables 1-6 (12 rows)
-    ("h200", "fp8"): 0.437,  # torchtitan, Trainy H200 (2 rows)
+    ("a100", "fp16"): 0.613,  # SC21 Table 1 (Megatron-LM, 10 rows)
+    ("h100", "fp8"): 0.620,  # Megatron-Bridge 25.11 (3 rows)
+    ("h100-96gb", "bf16"): 0.423,  # torchtitan Dec 2024, Tables 1 and 3, async TP bf16 (8 rows)
+    ("h100-96gb", "fp8"): 0.368,  # torchtitan Dec 2024, Tables 1-6, async TP fp8 (16 rows)
+    ("h200", "fp8"): 0.456,  # torchtitan, Trainy H200 (2 rows)
 }
 #: For a device kind or precision without a calibrated figure: the kind's 16-bit figure (same tensor
 #: cores; fp8 falls back to it too), else this.
@@ -86,7 +86,7 @@ DEFAULT_EFFICIENCY = 0.45
 ATTENTION_EFFICIENCY = 0.5
 #: Bytes element-wise operations move per activation element (in the training dtype's bytes) per
 #: pass, eager and under torch.compile, which fuses chains of them into one read and one write.
-ELEMENTWISE_BYTES = {"eager": 2.0, "compiled": 0.5}
+ELEMENTWISE_BYTES = {"eager": 2.0, "compiled": 1.0}
 #: Bytes per attention score and pass under eager attention: QK^T written, softmax read and written.
 SCORE_BYTES = 6.0
 
@@ -168,6 +168,11 @@ class _Layer:
     )
     score_elements: float = 0.0  # eager attention: score elements per token (softmax over s per head), per pass
     passes: int = 3  # forward, and backward counted as two
+    #: The layer's matrix multiplications on one rank: (rows per token, inner size, output size, whether
+    #: its weight is split over tp), each run once per pass (forward; backward's two, for the input's
+    #: and the weight's gradient, move as much).
+    gemms: tuple[tuple[float, float, float, bool], ...] = ()
+    gemm_passes: float = 3.0
 
 
 def _device(spec: dict) -> tuple[str, float | None, dict[str, Any]]:
@@ -225,17 +230,42 @@ def _layer_flops(model: dict, training: dict, seq: float, backend: str, moe_laye
     width = (h / tp if sp or tp == 1 else h) + (d_q + 2 * d_kv + (matrices - 1) * ffn) / tp
     scores = heads / tp * seq if eager else 0.0
     checkpointing = training.get("activation_checkpointing", "none")
-    shape = dict(elementwise_width=width, score_elements=scores)
+    gemms = [(1.0, h, (d_q + 2 * d_kv) / tp, True), (1.0, d_q / tp, h, True)]
+    if moe_layer:
+        routed = (model.get("experts_per_token") or 1) / tp
+        gemms += [
+            (1.0, h, model["num_experts"], False),
+            (routed, h, (matrices - 1) * ffn, False),
+            (routed, ffn, h, False),
+        ]
+    else:
+        gemms += [(1.0, h, (matrices - 1) * ffn / tp, True), (1.0, ffn / tp, h, True)]
+    shape = dict(elementwise_width=width, score_elements=scores, gemms=tuple(gemms))
     if checkpointing == "full":
-        return _Layer(projections + mlp, attention, projections + mlp, attention, passes=4, **shape)
+        return _Layer(projections + mlp, attention, projections + mlp, attention, passes=4, gemm_passes=4.0, **shape)
     if checkpointing == "selective" and backend == "torchtitan":
         # torchtitan's op-level policy recomputes the even-numbered matmuls (k, o and, with a
         # gated MLP, w3) and saves attention's output.
         again = 2 * h * d_kv + 2 * d_q * h + (2 * h * ffn if matrices == 3 else 0)
-        return _Layer(projections + mlp, attention, again, 0.0, **shape)
+        return _Layer(projections + mlp, attention, again, 0.0, gemm_passes=3 + again / (projections + mlp), **shape)
     if checkpointing == "selective":
         return _Layer(projections + mlp, attention, 0.0, attention, **shape)  # the attention core is recomputed
     return _Layer(projections + mlp, attention, 0.0, 0.0, **shape)
+
+
+def _gemm_bytes(
+    gemms: tuple[tuple[float, float, float, bool], ...], tokens: float, sizes: tuple[int, int], weight_reads: int
+) -> float:
+    """Bytes one pass of ``gemms`` moves at ``tokens`` rows: each reads its input (rows x inner) and
+    its weight (inner x output; ``weight_reads`` times when split over tp) and writes its output
+    (rows x output); ``sizes`` are the bytes of an operand and of a result element."""
+    operand, result = sizes
+    total = 0.0
+    for per_token, inner, out, split in gemms:
+        rows = per_token * tokens
+        reads = weight_reads if split else 1
+        total += operand * (rows * inner + reads * inner * out) + result * rows * out
+    return total
 
 
 def model_flops_per_token(model: dict, seq: float) -> float:
@@ -326,6 +356,11 @@ def _stage_compute(st: _Setting, tp: int, cp: int, stage_layers: list[int]) -> t
     tokens = training["micro_batch_size"] * seq / cp  # one rank's tokens per micro-step
     moe_every = model.get("moe_layer_frequency", 1)
     activation_bytes = 4 if st.precision == "fp32" else 2
+    # A matrix multiplication reads its two operands and writes its result (Float8 reads fp8
+    # operands and writes bf16). Async tensor parallelism multiplies tp chunks of the rows one after
+    # another, each reading the whole local weight.
+    operand_bytes = (1, activation_bytes) if st.precision == "fp8" else (activation_bytes, activation_bytes)
+    weight_reads = tp if training.get("async_tensor_parallel") and tp > 1 else 1
     elementwise = ELEMENTWISE_BYTES[
         "compiled" if "model" in compiled_components(training.get("compile", False)) else "eager"
     ]
@@ -343,7 +378,7 @@ def _stage_compute(st: _Setting, tp: int, cp: int, stage_layers: list[int]) -> t
             for layer in range(first, first + count)
             if moe_layer_at(layer, num_experts=model.get("num_experts", 0), frequency=moe_every)
         )
-        linear = attention = moved = 0.0
+        linear = attention = moved = operands = 0.0
         for moe, n in ((False, count - moe_layers), (True, moe_layers)):
             if not n:
                 continue
@@ -355,16 +390,19 @@ def _stage_compute(st: _Setting, tp: int, cp: int, stage_layers: list[int]) -> t
             moved += (
                 n * f.passes * (f.elementwise_width * activation_bytes * elementwise + f.score_elements * SCORE_BYTES)
             )
+            operands += n * f.gemm_passes * _gemm_bytes(f.gemms, tokens, operand_bytes, weight_reads)
         first += count
         attention_seconds = tokens * attention / (st.other_peak * other_efficiency * ATTENTION_EFFICIENCY)
         seconds = (
             tokens * linear / (st.linear_peak * efficiency)
             + attention_seconds
-            + tokens * moved / table["memory_bandwidth"]
+            + (tokens * moved + operands) / table["memory_bandwidth"]
         )
         if stage == len(stage_layers) - 1:
+            head = ((1.0, model["hidden_size"], model["vocab_size"] / tp, False),)
             seconds += (
                 tokens * 3 * 2 * model["hidden_size"] * model["vocab_size"] / tp / (st.other_peak * other_efficiency)
+                + 3 * _gemm_bytes(head, tokens, (activation_bytes, activation_bytes), 1) / table["memory_bandwidth"]
             )
         per_stage.append(seconds)
         attention_of.append(attention_seconds)
