@@ -440,6 +440,7 @@ class _Pricer:
         self.order = req.spec.mesh.order or "tp-cp-ep-dp-pp"
         self._compute: dict[tuple, tuple] = {}
         self._links: dict[tuple, float] = {}
+        self._latencies: dict[tuple, float] = {}
         self._grad_cache: dict[tuple, Any] = {}
         self._reduced_spec = None
         self._kinds: dict[str, int] | None = None
@@ -491,6 +492,18 @@ class _Pricer:
             [x + (b - 1) * (y - x) for x, y in zip(one_attention, two_attention, strict=True)],
             st,
         )
+
+    def latency(self, axes: tuple[str, ...], payload: str, call: tuple[str, int], degrees: dict) -> float:
+        """Seconds one call waits beyond its bytes (:func:`mixle_compile.step_time.call_latency`)."""
+        key = (axes, payload, call, *(degrees[k] for k in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep", "etp")))
+        hit = self._latencies.get(key)
+        if hit is None:
+            collective, size = call
+            table = step_time._device(self.spec_data)[2]
+            hit = self._latencies[key] = step_time.call_latency(
+                list(axes), payload, {"collective": collective, "group_size": size}, degrees, self.order, table
+            )
+        return hit
 
     def link(self, axes: tuple[str, ...], degrees: dict) -> float:
         key = (
@@ -657,12 +670,17 @@ class _Pricer:
                 # per occurrence for gradients and gathers (scaled by what they grow with); activations
                 # carry their per-micro-step count (virtual boundaries) already
                 nbytes = u.bytes_per_rank_per_step / (u.occurrences_per_step if grows != "tokens" else 1)
-                slot[(axes, u.update.payload.value)] = slot.get((axes, u.update.payload.value), 0.0) + nbytes
+                entry = slot.setdefault((axes, u.update.payload.value), [0.0, {}])
+                entry[0] += nbytes
+                # calls per occurrence, or (activations) per micro-step of the one-micro-step plan
+                call = (u.update.collective.value, u.group_size)
+                entry[1][call] = entry[1].get(call, 0) + (u.occurrences_per_step if grows == "tokens" else 1)
             self._grad_cache[key] = hit
         return hit
 
     def _traffic(self, v: dict, dense: int, moe: int, first: bool, last: bool, activations_only: bool = False) -> list:
-        """Bytes per step each rank of a stage with these layers sends, by axes and payload (no pp)."""
+        """Bytes per step each rank of a stage with these layers sends, by axes and payload (no pp),
+        with the collective calls that carry them ({(collective, group size): calls per step})."""
         summary = self._summary(v, activations_only)
         kinds = self._kind_counts()
         times = {"dense": dense, "moe": moe, "first": int(first), "last": int(last)}
@@ -673,16 +691,20 @@ class _Pricer:
             "micro": micro,
             "tokens": micro * v["micro_batch_size"],
         }
-        out: dict[tuple, float] = {}
+        calls_scale = {**scale, "tokens": micro}
+        out: dict[tuple, list] = {}
         for kind, by_growth in summary.items():
             if not times[kind] or not kinds[kind]:
                 continue
             share = times[kind] / kinds[kind]
             for grows, entries in by_growth.items():
                 factor = scale[grows] * share
-                for key, nbytes in entries.items():
-                    out[key] = out.get(key, 0.0) + nbytes * factor
-        return [(axes, payload, nbytes) for (axes, payload), nbytes in out.items()]
+                for key, (nbytes, calls) in entries.items():
+                    total = out.setdefault(key, [0.0, {}])
+                    total[0] += nbytes * factor
+                    for call, n in calls.items():
+                        total[1][call] = total[1].get(call, 0.0) + n * calls_scale[grows] * share
+        return [(axes, payload, nbytes, calls) for (axes, payload), (nbytes, calls) in out.items()]
 
     def _state_bytes(self, v: dict, dense: int, moe: int, first: bool, last: bool) -> float:
         """Parameters, gradients and optimizer state a rank of the stage holds, as the lowering prices them."""
@@ -760,7 +782,7 @@ class _Pricer:
                 moe = self._moe_on(count)
                 seconds = sum(
                     nbytes / self.link(axes, degrees)
-                    for axes, payload, nbytes in self._traffic(
+                    for axes, payload, nbytes, _ in self._traffic(
                         values, count - moe, moe, busiest == 0, busiest == len(layers) - 1, activations_only=True
                     )
                     if axes in (("tp",), ("ep",))
@@ -855,16 +877,19 @@ class _Pricer:
         sp = v["sequence_parallel"]
         traffic: list[tuple[tuple[str, ...], str, float]] = []
 
-        def add(axes: tuple[str, ...], payload: str, nbytes: float) -> None:
+        def add(axes: tuple[str, ...], payload: str, nbytes: float, calls: dict) -> None:
             if nbytes > 0:
-                traffic.append((axes, payload, nbytes / self.link(axes, degrees)))
+                waited = sum(n * self.latency(axes, payload, call, degrees) for call, n in calls.items())
+                traffic.append((axes, payload, nbytes / self.link(axes, degrees) + waited))
 
         moe_layers = self._moe_on(count)
         # Per-layer activation collectives (tp, cp, ep) and the data-parallel gradients and parameter
         # gathers: the lowering's own updates (lower/updates.py) for the model cut to two layers,
         # scaled to the stage's layers, micro-batch and micro-steps.
-        for axes, payload, nbytes in self._traffic(v, count - moe_layers, moe_layers, busiest == 0, busiest == pp - 1):
-            add(axes, payload, nbytes)
+        for axes, payload, nbytes, calls in self._traffic(
+            v, count - moe_layers, moe_layers, busiest == 0, busiest == pp - 1
+        ):
+            add(axes, payload, nbytes, calls)
         if pp > 1:
             # Pipeline sends between stages (lower/updates.py activation_updates): the stage's output
             # forward and its gradient backward, per micro-batch and virtual boundary.
@@ -876,7 +901,12 @@ class _Pricer:
             chunks = max(1, v["virtual_pipeline_stages"])
             ends = sum(1 for w in range(pp * chunks - 1) if w % pp == busiest)
             starts = sum(1 for w in range(pp * chunks - 1) if (w + 1) % pp == busiest)
-            add(("pp",), "activation", micro_steps * (ends + starts) * boundary)
+            add(
+                ("pp",),
+                "activation",
+                micro_steps * (ends + starts) * boundary,
+                {("p2p", 2): micro_steps * (ends + starts)},
+            )
 
         state = self._state_bytes(v, count - moe_layers, moe_layers, busiest == 0, busiest == pp - 1)
         bubble = 0.0

@@ -41,6 +41,7 @@ DEVICES: dict[str, dict[str, Any]] = {
         "intra_node": 300e9,
         "inter_node": 25e9,
         "devices_per_node": 8,
+        **{"intra_node_latency": 3.4e-6, "inter_node_latency": 14e-6},
     },
     "h100": {
         "peak": {"fp32": 494e12, "bf16": 989e12, "fp16": 989e12, "fp8": 1979e12},
@@ -48,6 +49,7 @@ DEVICES: dict[str, dict[str, Any]] = {
         "intra_node": 450e9,
         "inter_node": 50e9,
         "devices_per_node": 8,
+        **{"intra_node_latency": 3.4e-6, "inter_node_latency": 14e-6},
     },
     # H100 SXM5 96GB HBM2e (the Grand Teton hosts of torchtitan's benchmarks, run at 500 W)
     "h100-96gb": {
@@ -56,6 +58,7 @@ DEVICES: dict[str, dict[str, Any]] = {
         "intra_node": 450e9,
         "inter_node": 50e9,
         "devices_per_node": 8,
+        **{"intra_node_latency": 3.4e-6, "inter_node_latency": 14e-6},
     },
     "h200": {
         "peak": {"fp32": 494e12, "bf16": 989e12, "fp16": 989e12, "fp8": 1979e12},
@@ -63,10 +66,22 @@ DEVICES: dict[str, dict[str, Any]] = {
         "intra_node": 450e9,
         "inter_node": 50e9,
         "devices_per_node": 8,
+        **{"intra_node_latency": 3.4e-6, "inter_node_latency": 14e-6},
     },
 }
 #: Assumed for a device kind not in :data:`DEVICES` (its peak must come from resources.throughput).
-GENERIC_DEVICE = {"memory_bandwidth": 2.0e12, "intra_node": 300e9, "inter_node": 25e9, "devices_per_node": 8}
+GENERIC_DEVICE = {
+    "memory_bandwidth": 2.0e12,
+    "intra_node": 300e9,
+    "inter_node": 25e9,
+    "devices_per_node": 8,
+    "intra_node_latency": 3.4e-6,
+    "inter_node_latency": 14e-6,
+}
+#: What every collective call costs before its steps (NCCL's ``baseLat`` of the Ring algorithm with
+#: the Simple protocol, src/graph/tuning.cc); the per-step latencies of the tables above are its
+#: ``hwLat`` for Ring/Simple over NVLink (3.4 us) and the network (14 us).
+BASE_LATENCY = 8.4e-6
 
 #: The fraction of the dense peak a training step's matrix multiplications reach, by device kind
 #: and precision, calibrated on published measurements (benchmarks/bench_step_time.py prints the
@@ -114,6 +129,60 @@ def ring_bytes(collective: str, group_size: int, payload_bytes: float) -> float:
     if collective in ("reduce_scatter", "all_gather", "all_to_all", "broadcast"):
         return (n - 1) / n * s
     return float(s)
+
+
+def collective_latency(collective: str, group_size: int, nodes: int, table: dict) -> float:
+    """Seconds one call of a collective waits beyond its bytes: NCCL's ring latency
+    (src/graph/tuning.cc, Ring/Simple), the base latency plus one link latency per ring step, the
+    steps between nodes at the network's. Steps: all_reduce 2(n-1), of them 2 x nodes between nodes
+    (none inside one node); all_gather, reduce_scatter (and all_to_all, sent as n-1 pairs) n-1, of
+    them nodes-1 between nodes; a broadcast or a point-to-point message one step."""
+    n = group_size
+    if collective == "none" or n < 2 and collective != "p2p":
+        return 0.0
+    intra, inter = table["intra_node_latency"], table["inter_node_latency"]
+    if collective == "all_reduce":
+        steps, between = 2 * (n - 1), (2 * nodes if nodes > 1 else 0)
+    elif collective in ("all_gather", "reduce_scatter", "all_to_all"):
+        steps, between = n - 1, nodes - 1
+    else:
+        steps, between = 1, (1 if nodes > 1 else 0)
+    between = min(between, steps)
+    return BASE_LATENCY + (steps - between) * intra + between * inter
+
+
+def call_latency(axes: list[str], payload: str, update: dict, degrees: dict, order: str, table: dict) -> float:
+    """The latency of one call of an update's collective, or 0 for data-parallel gradients and
+    parameters: the engines issue those per FSDP unit or DDP bucket, not per tensor as the plan
+    lists them (and hide them behind compute)."""
+    if payload in ("gradient", "parameter") and set(axes) <= _DATA_AXES | {"cp"}:
+        return 0.0
+    nodes = _group_nodes(axes, degrees, order, table)
+    return collective_latency(update["collective"], update["group_size"], nodes, table)
+
+
+def _group_nodes(axes: list[str], degrees: dict[str, int], order: str, table: dict) -> int:
+    """How many nodes one group over ``axes`` spans (its ranks laid out by the mesh order)."""
+    from mixle_compile.lower.groups import DENSE_TOKEN_AXES, EXPERT_TOKEN_AXES
+
+    if axes == ["pp"] or list(axes) == ["pp"]:
+        return 1 if _link_bandwidth(list(axes), degrees, order, table) == table["intra_node"] else 2
+    expert = any(a in ("ep", "etp", "edp") for a in axes)
+    sizes = dict(degrees)
+    if expert:
+        sizes["edp"] = max(1, degrees["world_size"] // max(1, degrees["ep"] * degrees["etp"] * degrees["pp"]))
+    tokens = EXPERT_TOKEN_AXES if expert else DENSE_TOKEN_AXES
+    per_node, stride, total = 1, 1, 1
+    node = table["devices_per_node"]
+    for token in order.split("-"):
+        for axis in tokens.get(token, ()):
+            size = sizes.get(axis, 1)
+            if axis in axes:
+                total *= size
+                # the coordinates of this axis that stay inside a node of `node` consecutive ranks
+                per_node *= max(1, min(size, node // stride)) if stride < node else 1
+            stride *= size
+    return max(1, -(-total // per_node))
 
 
 @dataclass(frozen=True)
@@ -194,6 +263,9 @@ def _device(spec: dict) -> tuple[str, float | None, dict[str, Any]]:
         table["intra_node"] = topology["intra_node_bandwidth"]
     if topology.get("inter_node_bandwidth"):
         table["inter_node"] = topology["inter_node_bandwidth"]
+    for key in ("intra_node_latency", "inter_node_latency"):
+        if topology.get(key):
+            table[key] = topology[key]
     return kind.lower(), throughput, table
 
 
@@ -439,7 +511,9 @@ def predict(
             # over the node's links (the scatter/gather optimisation, Narayanan et al. SC21 4.1;
             # with sequence parallelism the output is already split).
             seconds /= tp
-        traffic.append((u["mesh_axes"], u["payload"], seconds / _link_bandwidth(u["mesh_axes"], degrees, order, table)))
+        seconds /= _link_bandwidth(u["mesh_axes"], degrees, order, table)
+        seconds += u["occurrences_per_step"] * call_latency(u["mesh_axes"], u["payload"], u, degrees, order, table)
+        traffic.append((u["mesh_axes"], u["payload"], seconds))
     state = memory[busiest] if memory else {}
     state_bytes = sum(state.get(k, 0) for k in ("parameters", "gradients", "optimizer_state"))
     return combine(

@@ -113,7 +113,9 @@ def test_published_rows_are_predicted_within_15_percent(label):
     assert 0.85 <= ratio <= 1.15, ratio
 
 
-def test_the_topology_sets_the_links_a_group_crosses():
+def test_the_topology_sets_the_links_a_group_crosses(monkeypatch):
+    from mixle_compile import step_time
+
     text = (
         SPEC.replace("DS", "4")
         .replace("TP", "2")
@@ -123,14 +125,26 @@ def test_the_topology_sets_the_links_a_group_crosses():
         .replace("SP", "true")
     )
 
-    def exposed_tp(topology: str) -> float:
+    def exposed_tp(topology: str, latency: str = "intra_node_latency: 1ns, inter_node_latency: 1ns") -> float:
+        topology = topology[:-1] + (", " if len(topology) > 2 else "") + latency + "}" if latency else topology
         spec = load_spec_text(text.replace("memory: 80GiB}", f"memory: 80GiB, topology: {topology}}}"), "t.yaml").spec
         return predict_lowered(spec, lower(spec, schedule=False)).exposed_communication["tp"]
 
+    # the bytes' part (no base latency, link latencies of a nanosecond): the link's bandwidth
+    monkeypatch.setattr(step_time, "BASE_LATENCY", 0.0)
     inside = exposed_tp("{devices_per_node: 8}")
     across = exposed_tp("{devices_per_node: 1, inter_node_bandwidth: 400Gb/s}")  # every tp pair now spans two nodes
-    assert across == pytest.approx(inside * 450e9 / 50e9)
-    assert exposed_tp("{intra_node_bandwidth: 900GB/s}") == pytest.approx(inside / 2)
+    assert across == pytest.approx(inside * 450e9 / 50e9, rel=1e-3)
+    assert exposed_tp("{intra_node_bandwidth: 900GB/s}") == pytest.approx(inside / 2, rel=1e-3)
+    # the calls' part: NCCL's ring latency, its base and one link latency per step (tp 2: 2 steps per
+    # all-reduce, 1 per gather or scatter), over the network's once the pair spans two nodes
+    slow = exposed_tp("{devices_per_node: 8}", "intra_node_latency: 1ms, inter_node_latency: 1ns")
+    assert slow > inside + 1e-3
+    apart = exposed_tp("{devices_per_node: 1}")
+    assert exposed_tp("{devices_per_node: 1}", "intra_node_latency: 1ms, inter_node_latency: 1ns") == pytest.approx(
+        apart, rel=1e-6
+    )
+    assert exposed_tp("{devices_per_node: 1}", "intra_node_latency: 1ns, inter_node_latency: 1ms") > apart + 1e-3
     bad = load_spec_text(
         text.replace("memory: 80GiB}", "memory: 80GiB, topology: {inter_node_bandwidth: 3GiB/s}}"), "t.yaml"
     )
@@ -204,3 +218,18 @@ def test_matmul_operands_make_narrow_shards_slower_than_their_flops():
     finally:
         step_time.DEVICES["h100"]["memory_bandwidth"] = saved
     assert eight_free[0] * 8 == pytest.approx(one_free[0], rel=0.02)
+
+
+def test_a_collective_waits_nccls_ring_latency():
+    # NCCL src/graph/tuning.cc, Ring/Simple: baseLat 8.4 us, hwLat 3.4 us per step over NVLink and
+    # 14 us over the network; all-reduce 2(n-1) steps (2 x nodes of them between nodes), all-gather
+    # n-1 (nodes - 1 between nodes).
+    from mixle_compile.step_time import collective_latency
+
+    table = {"intra_node_latency": 3.4e-6, "inter_node_latency": 14e-6}
+    assert collective_latency("all_reduce", 8, 1, table) == pytest.approx(8.4e-6 + 14 * 3.4e-6)
+    assert collective_latency("all_gather", 8, 1, table) == pytest.approx(8.4e-6 + 7 * 3.4e-6)
+    assert collective_latency("all_reduce", 16, 2, table) == pytest.approx(8.4e-6 + 26 * 3.4e-6 + 4 * 14e-6)
+    assert collective_latency("reduce_scatter", 16, 2, table) == pytest.approx(8.4e-6 + 14 * 3.4e-6 + 14e-6)
+    assert collective_latency("p2p", 2, 2, table) == pytest.approx(8.4e-6 + 14e-6)
+    assert collective_latency("all_reduce", 1, 1, table) == 0.0

@@ -134,6 +134,33 @@ def parse_bandwidth(value: Any) -> float:
     )
 
 
+_LATENCY_UNITS = {"s": 1, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
+
+
+def parse_latency(value: Any) -> float:
+    """``"3.4us"`` (or ``"14 us"``, ``"0.01ms"``) -> seconds; a plain number is seconds."""
+    return _parse_rate(
+        value,
+        what="latency",
+        example="'3.4us' or a number of seconds",
+        units=_LATENCY_UNITS,
+    )
+
+
+Latency = Annotated[
+    float,
+    PlainValidator(parse_latency),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "number", "exclusiveMinimum": 0, "description": "seconds"},
+                {"type": "string", "pattern": r"^\s*\d+(\.\d+)?\s*(s|ms|us|ns)\s*$"},
+            ]
+        }
+    ),
+]
+
+
 Bandwidth = Annotated[
     float,
     PlainValidator(parse_bandwidth),
@@ -681,6 +708,12 @@ class Topology(StrictModel):
     devices_per_node: Degree | None = Field(default=None, description="devices that share the intra-node links")
     intra_node_bandwidth: Bandwidth | None = Field(default=None, description="per device and direction, e.g. '450GB/s'")
     inter_node_bandwidth: Bandwidth | None = Field(default=None, description="per device and direction, e.g. '400Gb/s'")
+    intra_node_latency: Latency | None = Field(
+        default=None, description="per step of a ring collective inside a node, e.g. '3.4us'"
+    )
+    inter_node_latency: Latency | None = Field(
+        default=None, description="per step of a ring collective between nodes, e.g. '14us'"
+    )
 
 
 class Resources(StrictModel):
