@@ -61,6 +61,8 @@ TRAINING_FIELDS = (
 )
 CHECKPOINTING = ("none", "selective", "full")
 BATCH_SPLIT = ("microbatches", "gradient_accumulation_steps")
+#: The degrees that name a mesh's links (a group's bandwidth and latency depend on them and the order).
+MESH_KEY = ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep", "etp")
 #: The largest micro-batch size and number of virtual stages tried (larger ones only add memory
 #: in the step-time model, which prices a micro-step's work by its tokens).
 MAX_MICRO_BATCH = 16
@@ -447,8 +449,14 @@ class _Pricer:
         self.flops_per_token = step_time.model_flops_per_token(self.spec_data["model"], req.spec.training.seq_len)
 
     def _stage(self, v: dict) -> tuple[list[int], list[float], list[float], Any]:
-        """Layers per stage, and each stage's seconds (all, attention) per micro-step; a micro-step's
-        compute is proportional to its tokens, so it is computed once per micro-batch of one sample."""
+        """Layers per stage, and each stage's seconds (all, attention) per micro-step."""
+        layers, (per_sample, fixed, attention), st = self._stage_parts(v)
+        b = v["micro_batch_size"]
+        return layers, [b * a + f for a, f in zip(per_sample, fixed, strict=True)], [b * a for a in attention], st
+
+    def _stage_parts(self, v: dict) -> tuple[list[int], tuple[list[float], list[float], list[float]], Any]:
+        """Layers per stage and :func:`mixle_compile.step_time.stage_compute_parts` (computed once for
+        every micro-batch size)."""
         from mixle_compile.layer_split import split_layers
 
         key = (
@@ -471,31 +479,24 @@ class _Pricer:
             )
             layers = [split.layers_on_stage(st) for st in range(v["pp"])]
             # A micro-step's compute is affine in its micro-batch size (FLOPs and activations grow
-            # with the tokens; a matmul's weight is read once whatever the rows): priced at sizes
-            # 1 and 2, it is exact at every size.
-            priced, settings = [], []
-            for size in (1, 2):
-                training = {
-                    **self.spec_data["training"],
-                    "micro_batch_size": size,
-                    "activation_checkpointing": v["activation_checkpointing"],
-                    "sequence_parallel": v["sequence_parallel"],
-                }
-                settings.append(step_time._Setting(**{**self.setting.__dict__, "training": training}))
-                priced.append(step_time._stage_compute(settings[-1], v["tp"], v["cp"], layers))
-            hit = self._compute[key] = (layers, *priced, settings[0])
-        layers, (one, one_attention), (two, two_attention), st = hit
-        b = v["micro_batch_size"]
-        return (
-            layers,
-            [x + (b - 1) * (y - x) for x, y in zip(one, two, strict=True)],
-            [x + (b - 1) * (y - x) for x, y in zip(one_attention, two_attention, strict=True)],
-            st,
-        )
+            # with the tokens; a matmul's weight is read once whatever the rows).
+            training = {
+                **self.spec_data["training"],
+                "micro_batch_size": 1,
+                "activation_checkpointing": v["activation_checkpointing"],
+                "sequence_parallel": v["sequence_parallel"],
+            }
+            st = step_time._Setting(**{**self.setting.__dict__, "training": training})
+            parts = step_time.stage_compute_parts(st, v["tp"], v["cp"], layers)
+            hit = self._compute[key] = (layers, parts, st)
+        return hit
 
-    def latency(self, axes: tuple[str, ...], payload: str, call: tuple[str, int], degrees: dict) -> float:
-        """Seconds one call waits beyond its bytes (:func:`mixle_compile.step_time.call_latency`)."""
-        key = (axes, payload, call, *(degrees[k] for k in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep", "etp")))
+    def latency(
+        self, axes: tuple[str, ...], payload: str, call: tuple[str, int], degrees: dict, mesh_key: tuple
+    ) -> float:
+        """Seconds one call waits beyond its bytes (:func:`mixle_compile.step_time.call_latency`);
+        ``mesh_key`` names the degrees."""
+        key = ((axes, payload), call, mesh_key)
         hit = self._latencies.get(key)
         if hit is None:
             collective, size = call
@@ -675,12 +676,16 @@ class _Pricer:
                 # calls per occurrence, or (activations) per micro-step of the one-micro-step plan
                 call = (u.update.collective.value, u.group_size)
                 entry[1][call] = entry[1].get(call, 0) + (u.occurrences_per_step if grows == "tokens" else 1)
+            for by_growth in hit.values():
+                for entries in by_growth.values():
+                    for entry in entries.values():
+                        entry[1] = tuple(entry[1].items())
             self._grad_cache[key] = hit
         return hit
 
     def _traffic(self, v: dict, dense: int, moe: int, first: bool, last: bool, activations_only: bool = False) -> list:
         """Bytes per step each rank of a stage with these layers sends, by axes and payload (no pp),
-        with the collective calls that carry them ({(collective, group size): calls per step})."""
+        and the seconds the calls that carry them wait (:meth:`latency`)."""
         summary = self._summary(v, activations_only)
         kinds = self._kind_counts()
         times = {"dense": dense, "moe": moe, "first": int(first), "last": int(last)}
@@ -692,6 +697,8 @@ class _Pricer:
             "tokens": micro * v["micro_batch_size"],
         }
         calls_scale = {**scale, "tokens": micro}
+        mesh_key = tuple(v[k] for k in MESH_KEY)
+        degrees = None
         out: dict[tuple, list] = {}
         for kind, by_growth in summary.items():
             if not times[kind] or not kinds[kind]:
@@ -699,12 +706,21 @@ class _Pricer:
             share = times[kind] / kinds[kind]
             for grows, entries in by_growth.items():
                 factor = scale[grows] * share
+                calls_factor = calls_scale[grows] * share
                 for key, (nbytes, calls) in entries.items():
-                    total = out.setdefault(key, [0.0, {}])
+                    total = out.get(key)
+                    if total is None:
+                        total = out[key] = [0.0, 0.0]
                     total[0] += nbytes * factor
-                    for call, n in calls.items():
-                        total[1][call] = total[1].get(call, 0.0) + n * calls_scale[grows] * share
-        return [(axes, payload, nbytes, calls) for (axes, payload), (nbytes, calls) in out.items()]
+                    for call, n in calls:
+                        wait = self._latencies.get((key, call, mesh_key))
+                        if wait is None:
+                            if degrees is None:
+                                degrees = {k: v[k] for k in MESH_KEY}
+                                degrees["world_size"] = self.req.devices
+                            wait = self.latency(key[0], key[1], call, degrees, mesh_key)
+                        total[1] += n * calls_factor * wait
+        return [(axes, payload, nbytes, wait) for (axes, payload), (nbytes, wait) in out.items()]
 
     def _state_bytes(self, v: dict, dense: int, moe: int, first: bool, last: bool) -> float:
         """Parameters, gradients and optimizer state a rank of the stage holds, as the lowering prices them."""
@@ -771,12 +787,13 @@ class _Pricer:
             for sc in mesh.schedules:
                 # The tokens' compute is the same for every micro-batch split; each micro-step also
                 # reads the weights once, so the split with the fewest micro-steps costs least.
-                for split in mesh.batches:
-                    per_split = self._stage(mesh.values(split, sc, least, False))[1]
-                    steps = split["microbatches"] * split["gradient_accumulation_steps"]
-                    compute = min(compute, steps * max(per_split))
                 values = mesh.values(batch, sc, least, False)
                 layers, per_stage, _, _ = self._stage(values)
+                _, (per_sample, fixed, _), _ = self._stage_parts(values)
+                for split in mesh.batches:
+                    steps = split["microbatches"] * split["gradient_accumulation_steps"]
+                    b = split["micro_batch_size"]
+                    compute = min(compute, steps * max(b * a + f for a, f in zip(per_sample, fixed, strict=True)))
                 busiest = max(range(len(per_stage)), key=per_stage.__getitem__)
                 count = layers[busiest]
                 moe = self._moe_on(count)
@@ -877,19 +894,20 @@ class _Pricer:
         sp = v["sequence_parallel"]
         traffic: list[tuple[tuple[str, ...], str, float]] = []
 
-        def add(axes: tuple[str, ...], payload: str, nbytes: float, calls: dict) -> None:
+        mesh_key = tuple(degrees[k] for k in MESH_KEY)
+
+        def add(axes: tuple[str, ...], payload: str, nbytes: float, waited: float) -> None:
             if nbytes > 0:
-                waited = sum(n * self.latency(axes, payload, call, degrees) for call, n in calls.items())
                 traffic.append((axes, payload, nbytes / self.link(axes, degrees) + waited))
 
         moe_layers = self._moe_on(count)
         # Per-layer activation collectives (tp, cp, ep) and the data-parallel gradients and parameter
         # gathers: the lowering's own updates (lower/updates.py) for the model cut to two layers,
         # scaled to the stage's layers, micro-batch and micro-steps.
-        for axes, payload, nbytes, calls in self._traffic(
+        for axes, payload, nbytes, waited in self._traffic(
             v, count - moe_layers, moe_layers, busiest == 0, busiest == pp - 1
         ):
-            add(axes, payload, nbytes, calls)
+            add(axes, payload, nbytes, waited)
         if pp > 1:
             # Pipeline sends between stages (lower/updates.py activation_updates): the stage's output
             # forward and its gradient backward, per micro-batch and virtual boundary.
@@ -905,7 +923,7 @@ class _Pricer:
                 ("pp",),
                 "activation",
                 micro_steps * (ends + starts) * boundary,
-                {("p2p", 2): micro_steps * (ends + starts)},
+                micro_steps * (ends + starts) * self.latency(("pp",), "activation", ("p2p", 2), degrees, mesh_key),
             )
 
         state = self._state_bytes(v, count - moe_layers, moe_layers, busiest == 0, busiest == pp - 1)

@@ -325,6 +325,14 @@ def _layer_flops(model: dict, training: dict, seq: float, backend: str, moe_laye
     return _Layer(projections + mlp, attention, 0.0, 0.0, **shape)
 
 
+def _moe_layers_in(first: int, count: int, num_experts: int, frequency: int) -> int:
+    """How many of the layers ``first .. first + count - 1`` are MoE layers (:func:`moe_layer_at`:
+    every ``frequency``-th from layer 0): the multiples of ``frequency`` in that range."""
+    if num_experts <= 0 or count <= 0:
+        return 0
+    return -(-(first + count) // frequency) - -(-first // frequency)
+
+
 def _gemm_bytes(
     gemms: tuple[tuple[float, float, float, bool], ...], tokens: float, sizes: tuple[int, int], weight_reads: int
 ) -> float:
@@ -420,12 +428,23 @@ def stage_compute(spec: dict, tp: int, cp: int, stage_layers: list[int]) -> tupl
 
 
 def _stage_compute(st: _Setting, tp: int, cp: int, stage_layers: list[int]) -> tuple[list[float], list[float]]:
+    per_sample, fixed, attention = stage_compute_parts(st, tp, cp, stage_layers)
+    b = st.training["micro_batch_size"]
+    return [b * a + f for a, f in zip(per_sample, fixed, strict=True)], [b * a for a in attention]
+
+
+def stage_compute_parts(
+    st: _Setting, tp: int, cp: int, stage_layers: list[int]
+) -> tuple[list[float], list[float], list[float]]:
+    """Each stage's micro-step seconds as ``micro_batch_size * per_sample + fixed`` (FLOPs and
+    activations grow with the tokens; a matmul reads its weight once whatever its rows), and the
+    attention part per sample: (per_sample, fixed, attention per sample)."""
     model, training, table = st.model, st.training, st.table
     # Attention and the output head run in 16-bit even in an fp8 step (Float8 converts the linears),
     # at the bf16 peak, with the step's efficiency.
     efficiency = other_efficiency = st.efficiency
     seq = training["seq_len"]
-    tokens = training["micro_batch_size"] * seq / cp  # one rank's tokens per micro-step
+    tokens = seq / cp  # one rank's tokens per sample of a micro-step
     moe_every = model.get("moe_layer_frequency", 1)
     activation_bytes = 4 if st.precision == "fp32" else 2
     # A matrix multiplication reads its two operands and writes its result (Float8 reads fp8
@@ -436,49 +455,54 @@ def _stage_compute(st: _Setting, tp: int, cp: int, stage_layers: list[int]) -> t
     elementwise = ELEMENTWISE_BYTES[
         "compiled" if "model" in compiled_components(training.get("compile", False)) else "eager"
     ]
+    bandwidth = table["memory_bandwidth"]
 
     # Each stage's compute per micro-step (a layer's index fixes whether it is MoE). Backward costs
     # twice the forward; the tp ranks of a stage split its matrix multiplications, and the routed
     # tokens' expert work spreads evenly over the ranks that hold them.
-    per_stage, attention_of = [], []
+    per_sample, fixed, attention_of = [], [], []
     first = 0
-    kinds: dict[bool, _Layer] = {}
+    kinds: dict[bool, tuple[_Layer, float, float]] = {}
     for stage, count in enumerate(stage_layers):
         # Layers of one kind (dense or MoE) cost the same: count each kind once.
-        moe_layers = sum(
-            1
-            for layer in range(first, first + count)
-            if moe_layer_at(layer, num_experts=model.get("num_experts", 0), frequency=moe_every)
-        )
-        linear = attention = moved = operands = 0.0
+        moe_layers = _moe_layers_in(first, count, model.get("num_experts", 0), moe_every)
+        linear = attention = moved = rows = weights = 0.0
         for moe, n in ((False, count - moe_layers), (True, moe_layers)):
             if not n:
                 continue
-            f = kinds.get(moe)
-            if f is None:
-                f = kinds[moe] = _layer_flops(model, training, seq, st.backend, moe, tp)
+            known = kinds.get(moe)
+            if known is None:
+                f = _layer_flops(model, training, seq, st.backend, moe, tp)
+                at_none = _gemm_bytes(f.gemms, 0.0, operand_bytes, weight_reads)
+                at_rows = _gemm_bytes(f.gemms, tokens, operand_bytes, weight_reads)
+                known = kinds[moe] = (f, at_rows - at_none, at_none)
+            f, row_bytes, weight_bytes = known
             linear += n * (3 * f.linear + f.recompute_linear) / tp
             attention += n * (3 * f.attention + f.recompute_attention) / tp
             moved += (
                 n * f.passes * (f.elementwise_width * activation_bytes * elementwise + f.score_elements * SCORE_BYTES)
             )
-            operands += n * f.gemm_passes * _gemm_bytes(f.gemms, tokens, operand_bytes, weight_reads)
+            rows += n * f.gemm_passes * row_bytes
+            weights += n * f.gemm_passes * weight_bytes
         first += count
         attention_seconds = tokens * attention / (st.other_peak * other_efficiency * ATTENTION_EFFICIENCY)
-        seconds = (
-            tokens * linear / (st.linear_peak * efficiency)
-            + attention_seconds
-            + (tokens * moved + operands) / table["memory_bandwidth"]
+        sample = (
+            tokens * linear / (st.linear_peak * efficiency) + attention_seconds + (tokens * moved + rows) / bandwidth
         )
+        constant = weights / bandwidth
         if stage == len(stage_layers) - 1:
             head = ((1.0, model["hidden_size"], model["vocab_size"] / tp, False),)
-            seconds += (
+            at_rows = _gemm_bytes(head, tokens, (activation_bytes, activation_bytes), 1)
+            at_none = _gemm_bytes(head, 0.0, (activation_bytes, activation_bytes), 1)
+            sample += (
                 tokens * 3 * 2 * model["hidden_size"] * model["vocab_size"] / tp / (st.other_peak * other_efficiency)
-                + 3 * _gemm_bytes(head, tokens, (activation_bytes, activation_bytes), 1) / table["memory_bandwidth"]
             )
-        per_stage.append(seconds)
+            sample += 3 * (at_rows - at_none) / bandwidth
+            constant += 3 * at_none / bandwidth
+        per_sample.append(sample)
+        fixed.append(constant)
         attention_of.append(attention_seconds)
-    return per_stage, attention_of
+    return per_sample, fixed, attention_of
 
 
 def predict(

@@ -201,7 +201,20 @@ REPLICATE = Replicate()
 
 def shard_dim(text: str) -> int | None:
     """The dimension a written placement shards, ``None`` for ``"replicate"``."""
+    if isinstance(text, str):
+        known = _SHARD_DIMS.get(text, _UNKNOWN)
+        if known is not _UNKNOWN:
+            return known
+        dim = Placement.parse(text).dim
+        if len(_SHARD_DIMS) < 4096:
+            _SHARD_DIMS[text] = dim
+        return dim
     return Placement.parse(text).dim
+
+
+# Placements read so far (a plan writes a handful of distinct ones, read once per tensor and axis).
+_SHARD_DIMS: dict[str, int | None] = {}
+_UNKNOWN = object()
 
 
 # ---------------------------------------------------------------------------
