@@ -104,3 +104,40 @@ def test_a_plan_is_written_back_in_the_folded_form_its_digest_covers(deep):
     rebuilt = PlanDocument.model_validate(load_plan_text(text).model_dump(mode="json"))
     assert written_text(rebuilt) == text
     load_plan_text(written_text(rebuilt))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_folding_round_trips_names_made_to_confuse_it(seed):
+    # Names with the index twice, inside other words, after another prefix, a literal that looks like
+    # a blank, a second layer's index; layers that repeat, and copies broken in one field.
+    import random
+
+    rng = random.Random(seed)
+    names = [
+        "layers.{i}.w",
+        "layers.#.q",
+        "xlayers.{i}.w",
+        "layers.{i}.a.layers.{i}.b",
+        "layers.{j}.c",
+        "blocks.layers.{i}.w",
+        "a.layers.{i}.w",
+        "layers.{i}",
+    ]
+    folded = 0
+    for _ in range(500):
+        template = [
+            {"name": rng.choice(names), "stage": 0, **({"layer": "L"} if rng.random() < 0.5 else {})}
+            for _ in range(rng.randint(1, 3))
+        ]
+        entries = []
+        for i in range(rng.randint(2, 7)):
+            for t in template:
+                e = {"name": t["name"].format(i=i, j=rng.choice([i, i + 1])), "stage": t["stage"]}
+                if "layer" in t:
+                    e["layer"] = i if rng.random() > 0.05 else None
+                if rng.random() < 0.05:
+                    e["stage"] = 1
+                entries.append(e)
+        assert unfold(fold(entries)) == entries
+        folded += any(set(x) == {"layers", "entries"} for x in fold(entries))
+    assert folded > 25
