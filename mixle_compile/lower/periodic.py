@@ -8,24 +8,26 @@ stage's ``p``-th long loop loses the same number ``delta_p`` of micro-batches, a
 it is numbered ``delta_p`` lower, which is exactly the step with ``delta_p`` fewer micro-batches in
 that loop.
 
-Why the short step decides the long one. The simulation is deterministic, and what it does next
-depends only on its state (the ranks waiting for a turn, each rank's step and whether it has posted
-it, the ops that met their partner in the current steps, the buffered sends not yet received) and
-on the ops still to come; it never looks at a micro-batch number, only at whether two agree. Suppose
-that at two moments every rank is inside its ``p``-th long loop, at the same offset of the loop's
-body, every rank ``K`` micro-batches further on at the second, and the two states are equal once
-positions are read relative to each rank's place (the same rank's turn, the same waiting order,
-posted and matched flags, and outstanding sends between the same relative positions). Then from the
-second moment the simulation repeats what it did from the first, shifted by ``K``, for as long as
-every rank stays in its loop. If in addition every pair of ranks exchanges as many messages per
-``K`` micro-batches of loop in each direction (so a message's partner, the receive with the same
-ordinal on its channel, is shifted the same way), the step with ``delta_p = j * K`` more
-micro-batches in the loop runs the short step's simulation with that stretch repeated ``j`` more
-times: it finishes if and only if the short one finishes, and every message it pairs is a pair of
-the short step shifted, so the sends and receives agree in both or in neither. Loops that issue a
-collective are never pumped (a collective's group ordinal is not shifted), and the pieces checked
-outside the simulation (each op where it is issued, the collective sequences) see every op of a
-pumped loop in the short step, which keeps at least ``keep`` repetitions.
+Why the short step decides the long one. Whether a step finishes does not depend on the order in
+which the simulation gives ranks their turns (an op completes once other ranks have reached given
+ops, which stays true), so any order that finishes proves the step finishes; the watched
+simulation gives each rank one step per turn, so that the ranks advance together. What can happen
+next depends only on the ranks' state (each rank's step and whether it has posted it, the ops that
+met their partner in the current steps, the buffered sends not yet received) and on the ops still to
+come, and never on a micro-batch number, only on whether two agree. Suppose that at two moments every
+rank is inside its ``p``-th long loop, at the same offset of the loop's body, every rank ``K``
+micro-batches further on at the second, and the two states are equal once positions are read
+relative to each rank's place (posted and matched flags, and outstanding sends between the same
+relative positions). Then what took the first state to the second can be done again from the
+second, shifted by ``K``, for as long as every rank stays in its loop. If in addition every pair of
+stages exchanges as many messages per ``K`` micro-batches of loop in each direction (so a message's
+partner, the receive with the same ordinal on its channel, is shifted the same way), the step with
+``delta_p = j * K`` more micro-batches in the loop has a run that is the short step's with that
+stretch done ``j`` more times: it finishes if the short one finishes, and every message it pairs is
+a pair of the short step shifted, so the sends and receives agree as they do there. Loops that
+issue a collective are never pumped (a collective's group ordinal is not shifted), and the pieces
+checked outside the simulation (each op where it is issued, the collective sequences) see every op
+of a pumped loop in the short step, which keeps at least ``keep`` repetitions.
 
 When no such pair of moments shows up, the loops keep twice as many repetitions and the short step
 is simulated again, up to the full step; a short step that fails is checked again in full, so that
@@ -40,7 +42,7 @@ from collections.abc import Callable, Sequence
 
 from mixle_compile.lower.groups import RankGrid
 from mixle_compile.lower.schedule import OpKind, ScheduleCheck, SimulationState
-from mixle_compile.plan.programs import Loop, StageProgram, _shifted
+from mixle_compile.plan.programs import Loop, StageProgram, shifted_op
 
 #: Repetitions a long loop keeps in the first short step tried (doubled on every retry).
 KEEP_REPEATS = 4
@@ -62,20 +64,20 @@ def check_pumped(
     programs: Sequence[StageProgram],
     check: Callable[[Sequence[StageProgram], Callable[[SimulationState], None] | None], ScheduleCheck],
     grid: RankGrid,
-    expanded_length: Callable[[StageProgram], Sequence],
+    expand: Callable[[StageProgram], Sequence],
 ) -> tuple[ScheduleCheck, int]:
     """``check`` of ``programs`` (one run each), decided on a short step where the simulation shows
     the long loops periodic; returns the check and the micro-batches left out (0: the full step).
 
     ``check(programs, observe)`` runs the schedule check on the expansion of ``programs`` and calls
-    ``observe`` at every turn of its simulation; ``expanded_length`` expands one program (to find
-    its loops' places)."""
+    ``observe`` at every turn of its simulation; ``expand`` expands one program (to find its loops'
+    places)."""
     keep = KEEP_REPEATS
     longest = max((item.repeat for p in programs for item in p.body if isinstance(item, Loop)), default=0)
     while keep < longest:
         units: list[int] | None = None
         for _ in range(2):
-            pumped = _pump_down(programs, keep, units, expanded_length)
+            pumped = _pump_down(programs, keep, units, expand)
             if pumped is None:
                 break
             periods = _Periods(pumped, grid)
@@ -144,8 +146,10 @@ def _shift(item, dm: int, db: int):
     if not dm and not db:
         return item
     if isinstance(item, Loop):
-        return Loop(item.repeat, item.microbatch_step, item.batch_step, tuple(_shifted(op, dm, db) for op in item.ops))
-    return _shifted(item, dm, db)
+        return Loop(
+            item.repeat, item.microbatch_step, item.batch_step, tuple(shifted_op(op, dm, db) for op in item.ops)
+        )
+    return shifted_op(item, dm, db)
 
 
 def _has_collective(loop: Loop) -> bool:

@@ -36,7 +36,7 @@ class Loop:
 
     def unrolled(self) -> list[Op]:
         return [
-            _shifted(op, i * self.microbatch_step, i * self.batch_step) for i in range(self.repeat) for op in self.ops
+            shifted_op(op, i * self.microbatch_step, i * self.batch_step) for i in range(self.repeat) for op in self.ops
         ]
 
 
@@ -63,7 +63,8 @@ class StageProgram:
         return out
 
 
-def _shifted(op: Op, dm: int, db: int) -> Op:
+def shifted_op(op: Op, dm: int, db: int) -> Op:
+    """``op`` with ``dm`` added to its micro-batch and ``db`` to its batch number (unchecked copy)."""
     if not dm and not db:
         return op
     # The op is valid and its numbers stay those of a valid op (a loop unrolls to the ops it folded),
@@ -90,7 +91,7 @@ def expand(
     program uses these)."""
     runs = program.runs if runs is None else runs
     one = program.run_ops()
-    ops = [_shifted(op, r * program.run_microbatches, r * program.run_batches) for r in range(runs) for op in one]
+    ops = [shifted_op(op, r * program.run_microbatches, r * program.run_batches) for r in range(runs) for op in one]
     if program.optimizer:
         ops.append(Op(OpKind.optimizer, program.stage, name="optimizer"))
     # Gradient reductions go in first, so that they land after the last backward's p2p batch; the
