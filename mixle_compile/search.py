@@ -500,9 +500,13 @@ class _Pricer:
         hit = self._latencies.get(key)
         if hit is None:
             collective, size = call
-            table = step_time._device(self.spec_data)[2]
             hit = self._latencies[key] = step_time.call_latency(
-                list(axes), payload, {"collective": collective, "group_size": size}, degrees, self.order, table
+                list(axes),
+                payload,
+                {"collective": collective, "group_size": size},
+                degrees,
+                self.order,
+                self.setting.table,
             )
         return hit
 
@@ -788,8 +792,8 @@ class _Pricer:
                 # The tokens' compute is the same for every micro-batch split; each micro-step also
                 # reads the weights once, so the split with the fewest micro-steps costs least.
                 values = mesh.values(batch, sc, least, False)
-                layers, per_stage, _, _ = self._stage(values)
-                _, (per_sample, fixed, _), _ = self._stage_parts(values)
+                layers, (per_sample, fixed, _), _ = self._stage_parts(values)
+                per_stage = [batch["micro_batch_size"] * a + f for a, f in zip(per_sample, fixed, strict=True)]
                 for split in mesh.batches:
                     steps = split["microbatches"] * split["gradient_accumulation_steps"]
                     b = split["micro_batch_size"]

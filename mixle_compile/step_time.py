@@ -163,25 +163,12 @@ def call_latency(axes: list[str], payload: str, update: dict, degrees: dict, ord
 
 def _group_nodes(axes: list[str], degrees: dict[str, int], order: str, table: dict) -> int:
     """How many nodes one group over ``axes`` spans (its ranks laid out by the mesh order)."""
-    from mixle_compile.lower.groups import DENSE_TOKEN_AXES, EXPERT_TOKEN_AXES
-
-    if axes == ["pp"] or list(axes) == ["pp"]:
-        return 1 if _link_bandwidth(list(axes), degrees, order, table) == table["intra_node"] else 2
-    expert = any(a in ("ep", "etp", "edp") for a in axes)
-    sizes = dict(degrees)
-    if expert:
-        sizes["edp"] = max(1, degrees["world_size"] // max(1, degrees["ep"] * degrees["etp"] * degrees["pp"]))
-    tokens = EXPERT_TOKEN_AXES if expert else DENSE_TOKEN_AXES
-    per_node, stride, total = 1, 1, 1
     node = table["devices_per_node"]
-    for token in order.split("-"):
-        for axis in tokens.get(token, ()):
-            size = sizes.get(axis, 1)
-            if axis in axes:
-                total *= size
-                # the coordinates of this axis that stay inside a node of `node` consecutive ranks
-                per_node *= max(1, min(size, node // stride)) if stride < node else 1
-            stride *= size
+    total = per_node = 1
+    for size, stride in _group_strides(axes, degrees, order):
+        total *= size
+        # the coordinates of this axis that stay inside a node of `node` consecutive ranks
+        per_node *= max(1, min(size, node // stride)) if stride < node else 1
     return max(1, -(-total // per_node))
 
 
@@ -362,9 +349,9 @@ def model_flops_per_token(model: dict, seq: float) -> float:
     return total + 3 * 2 * h * model["vocab_size"]
 
 
-def _link_bandwidth(axes: list[str], degrees: dict[str, int], order: str, table: dict) -> float:
-    """The bandwidth a group over ``axes`` gets: within a node if all its ranks are on one (the
-    ranks laid out by the mesh order as lower/groups.py lays them out)."""
+def _group_strides(axes: list[str], degrees: dict[str, int], order: str) -> list[tuple[int, int]]:
+    """(size, stride in ranks) of each of a group's axes, the ranks laid out by the mesh order as
+    lower/groups.py lays them out."""
     from mixle_compile.lower.groups import DENSE_TOKEN_AXES, EXPERT_TOKEN_AXES
 
     expert = any(a in ("ep", "etp", "edp") for a in axes)
@@ -372,13 +359,19 @@ def _link_bandwidth(axes: list[str], degrees: dict[str, int], order: str, table:
     if expert:
         sizes["edp"] = max(1, degrees["world_size"] // max(1, degrees["ep"] * degrees["etp"] * degrees["pp"]))
     tokens = EXPERT_TOKEN_AXES if expert else DENSE_TOKEN_AXES
-    stride, span = 1, 0
+    out, stride = [], 1
     for token in order.split("-"):
         for axis in tokens.get(token, ()):
             size = sizes.get(axis, 1)
             if axis in axes:
-                span += (size - 1) * stride
+                out.append((size, stride))
             stride *= size
+    return out
+
+
+def _link_bandwidth(axes: list[str], degrees: dict[str, int], order: str, table: dict) -> float:
+    """The bandwidth a group over ``axes`` gets: within a node if all its ranks are on one."""
+    span = sum((size - 1) * stride for size, stride in _group_strides(axes, degrees, order))
     return table["intra_node"] if span < table["devices_per_node"] else table["inter_node"]
 
 

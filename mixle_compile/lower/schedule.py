@@ -40,7 +40,7 @@ from mixle_compile.lower.groups import GroupRule, RankGrid
 from mixle_compile.plan.ops import _P2P, ACTIVATION, ACTIVATION_GRAD, Op, OpKind, _require_count
 from mixle_compile.plan.ops import copy_op as _copy
 from mixle_compile.plan.ops import insert_templates as _insert
-from mixle_compile.plan.programs import Loop
+from mixle_compile.plan.programs import Loop, StageProgram, expand
 from mixle_compile.schedules import (
     SCHEDULES,
     ScheduleFamily,
@@ -171,13 +171,9 @@ def pipeline_schedule(
     bodies = pipeline_bodies(
         pp, microbatches, schedule, virtual_stages, family=family, activation_bytes=activation_bytes
     )
-    programs = []
-    for stage, body in enumerate(bodies):
-        ops = [op for item in body for op in (item.unrolled() if isinstance(item, Loop) else (item,))]
-        if optimizer_step:
-            ops.append(Op(OpKind.optimizer, stage, name="optimizer"))
-        programs.append(tuple(ops))
-    return tuple(programs)
+    return tuple(
+        expand(StageProgram(stage=stage, body=body, optimizer=optimizer_step)) for stage, body in enumerate(bodies)
+    )
 
 
 def pipeline_bodies(
