@@ -183,6 +183,7 @@ ROWS: list[tuple[str, dict, float]] = [
     ("titan T5 405B interleaved", corpus("llama3_405b_512gpu_fsdp8_tp8_pp8_interleaved1f1b.yaml"), 128),
     ("titan T6 405B FSDP8 CP1 32k", corpus("llama3_405b_512gpu_fsdp8_tp8_pp8_cp1_seq32k.yaml"), 76),
     ("titan T6 405B FSDP4 CP2 64k", corpus("llama3_405b_512gpu_fsdp4_tp8_pp8_cp2_seq64k.yaml"), 47),
+    ("titan T6 405B FSDP2 CP4 128k", corpus("llama3_405b_512gpu_fsdp2_tp8_pp8_cp4_seq128k.yaml"), 31),
     ("titan T6 405B FSDP1 CP8 256k", corpus("llama3_405b_512gpu_fsdp1_tp8_pp8_cp8_seq256k.yaml"), 16),
     # torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md (tokens/s per GPU): vanilla and
     # async TP on the same runs; the float8 rowwise rows are left out (a float8 recipe the spec does

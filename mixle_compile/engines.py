@@ -90,6 +90,22 @@ class EngineProfile:
         return self.name == Engine.TORCHTITAN
 
     @property
+    def ring_attention(self) -> bool:
+        """Context parallelism runs torch's ring attention over SDPA, all-gathering keys and values
+        (torchtitan's ``context_parallel`` / ``_ContextParallel`` plan; memory_model.ring_attention_bytes).
+        Megatron-Core's runs Transformer Engine's attention with its own point-to-point ring."""
+        return self.name == Engine.TORCHTITAN
+
+    @property
+    def repeats_key_heads(self) -> bool:
+        """The model repeats its key and value heads to the query heads before attention, so the
+        kernel (and ring attention's exchange) sees as many key heads as query heads: torchtitan's
+        ``repeat_kv``, which 0.2.2 replaced with ``enable_gqa`` (pytorch/torchtitan#2259, "GQA
+        without kv repeats"). The profile keeps minor versions, so 0.2 is priced with the repeat
+        (its earlier releases, and the larger of the two)."""
+        return self.name == Engine.TORCHTITAN and not self.at_least("0.3")
+
+    @property
     def op_level_selective(self) -> bool:
         """Selective checkpointing saves chosen ops' outputs (torchtitan's ``SelectiveAC``, op mode);
         elsewhere it recomputes attention's core (Korthikanti et al., Megatron's selective)."""

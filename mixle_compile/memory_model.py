@@ -28,7 +28,10 @@ The model (bytes per rank):
 - communication buffers: on engines that run torch's pipelining runtime, the receive buffers a
   pipeline stage allocates once per micro-batch (:func:`pipeline_buffer_bytes`); under FSDP, the
   reduce-scatter input of the unit whose gradients are being reduced
-  (:func:`reduce_scatter_buffer_bytes`);
+  (:func:`reduce_scatter_buffer_bytes`); under context parallelism on an engine that runs torch's
+  ring attention, the exchange buffers and fp32 accumulators of its backward
+  (:func:`ring_attention_bytes`); the last two are needed only once the loss's buffers are freed
+  (:func:`after_loss_bytes`);
 - allocator reserve: what the caching allocator holds beyond live tensors, a fraction of them
   (:data:`ALLOCATOR_RESERVE`).
 
@@ -62,9 +65,11 @@ VOCAB_PARALLEL_LOSS = "vocab_parallel"  # Megatron-Core's in-place vocab-paralle
 LOSS_PARALLEL_LOSS = "loss_parallel"  # torch's DTensor loss parallelism over vocabulary shards
 #: The caching allocator's reserve beyond live tensors, as a fraction of them: torchtitan reports
 #: the peak of ``reserved_bytes.all.peak`` (torchtitan/tools/metrics.py, the logged "memory"), its
-#: launch scripts set ``expandable_segments:True``; calibrated on the published peaks
-#: (benchmarks/bench_memory.py; docs/memory.md).
-ALLOCATOR_RESERVE = 0.08
+#: launch scripts set ``expandable_segments:True``. Calibrated on the published peaks as the
+#: smallest round fraction that leaves no row below 0.9 of its measured peak (an underestimate is
+#: the costly side; benchmarks/bench_memory.py, docs/memory.md). It is cache the allocator gives
+#: back under pressure, so R001 compares only the live bytes with the device (R002 warns).
+ALLOCATOR_RESERVE = 0.125
 FSDP_UNITS_IN_FLIGHT = 2  # the unit computing and the one prefetched
 ACCUMULATED_GRAD_BYTES = 4  # FSDP2 accumulates unsharded gradients in its fp32 reduce dtype
 REDUCE_BYTES = 4  # FSDP2 reduces gradients in fp32 (torchtitan's mixed_precision_reduce default "float32")
@@ -328,7 +333,6 @@ def reduce_scatter_buffer_bytes(
     unit_elements: Any,
     unit_bytes: Any,
     accumulated: Any = False,
-    freed_before: Any = 0,
 ) -> Any:
     """Under FSDP2, the reduce-scatter of one unit's gradients: ``foreach_reduce`` copies the
     unsharded gradients (in the parameters' dtype, ``unit_bytes``) into one flat input in the
@@ -336,8 +340,54 @@ def reduce_scatter_buffer_bytes(
     (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py), so the largest unit's gradients and
     their fp32 copy are live at once. Where the unsharded gradients are already priced as
     accumulated fp32 (``accumulated``: a stage kept gathered under a pipeline), only the copy is
-    new. ``freed_before``: bytes priced elsewhere that are freed before any layer's gradients are
-    reduced (the loss's buffers, released by the head's backward, which runs first), so only what
-    the reduction needs beyond them adds to the peak."""
+    new. It is needed while a layer's backward runs (:func:`after_loss_bytes`)."""
     copy = ar.exact(unit_elements) * REDUCE_BYTES + ar.when(accumulated, 0, ar.exact(unit_bytes))
-    return ar.when(fsdp, copy - ar.smaller(copy, ar.exact(freed_before)), 0)
+    return ar.when(fsdp, copy, 0)
+
+
+def ring_attention_bytes(
+    ar: Arithmetic,
+    *,
+    seq_len: Any,
+    cp: Any,
+    micro_batch_size: Any,
+    query_width: Any,
+    key_width: Any,
+    tp: Any,
+    head_dim: Any,
+    fp32: Any,
+) -> Any:
+    """What torch's ring attention allocates in one layer's backward beyond a plain attention
+    backward, under context parallelism (torch/distributed/tensor/experimental/_attention.py,
+    ``_templated_ring_attention_backward``; torchtitan runs it for every cp > 1):
+
+    * the keys and values of the whole context group, all-gathered at once: ``cp * 2 * k``
+      elements in the activation dtype (the default rotate method, ``allgather``:
+      ``_AllGatherRotater``; torchtitan's ``context_parallel_rotate_method`` defaulted to it and,
+      once the option was removed, torch's ``_cp_options.rotate_method`` does), plus the local
+      concatenated copy it is gathered from (``2 * k``);
+    * the query gradient accumulated in fp32 (``_cp_options.convert_to_f32``, on by default): 4
+      bytes per query element;
+    * the key and value gradients, accumulated in fp32 and passed round the ring by all-to-all
+      (``dkv_rotater``): the received buffer being added to, the concatenated copy being sent and
+      the one arriving, ``3 * 2 * k`` fp32 elements.
+
+    ``q`` and ``k`` are a rank's query and key elements of one micro-batch: the local sequence
+    (``seq_len / cp``) times the micro-batch times the widths over tp; a key head is never split,
+    so its local width is at least ``head_dim`` (heads replicated when tp exceeds them).
+    ``key_width`` is the width the engine hands the kernel: the query's where the model repeats
+    its key heads before attention, else the key heads'."""
+    tokens = ar.exact(seq_len) / ar.exact(cp) * ar.exact(micro_batch_size)
+    local_key = ar.exact(key_width) / ar.exact(tp)
+    q = tokens * ar.exact(query_width) / ar.exact(tp)
+    k = tokens * ar.when(local_key < ar.exact(head_dim), ar.exact(head_dim), local_key)
+    element = ar.when(fp32, 4, 2)
+    return ar.when(cp > 1, (2 * ar.exact(cp) + 2) * k * element + 4 * q + 24 * k, 0)
+
+
+def after_loss_bytes(ar: Arithmetic, transient: Any, freed_before: Any) -> Any:
+    """Memory a layer's backward needs for a while (the reduce-scatter copy, ring attention's
+    buffers) beyond ``freed_before``: bytes priced elsewhere that are freed before any layer's
+    backward runs (the loss's buffers, released by the head's backward, which runs first), so only
+    the excess adds to the peak."""
+    return transient - ar.smaller(transient, ar.exact(freed_before))

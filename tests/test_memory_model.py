@@ -301,7 +301,7 @@ def test_r001_names_the_terms_that_dominate():
     (d,) = [d for d in check_loaded(load_spec_text(text, "small.yaml")).diagnostics if d.code == "R001"]
     # optimizer state and the logits make up half of it
     assert re.search(r"; mostly optimizer state \(3\d%\) and logits and loss \(2\d%\) \(", d.message), d.message
-    assert "allocator reserve" in d.message
+    assert "the caching allocator usually reserves" in d.message
     torch = LOSS_SPEC.format(backend="torch", compile="false", precision="bf16").replace("1TiB", "1MiB")
     (d,) = [d for d in check_loaded(load_spec_text(torch, "small.yaml")).diagnostics if d.code == "R001"]
     assert "training.compile" not in d.message  # it does not bear on torch's memory
@@ -413,3 +413,87 @@ def spec_parameters(spec):
     from mixle_compile.parameters import model_parameters
 
     return model_parameters(spec)
+
+
+RING_SPEC = """\
+model: {{family: transformer, vocab_size: 64, hidden_size: 256, num_layers: 4, num_heads: 8, num_kv_heads: 2,
+        ffn_hidden_size: 512}}
+mesh: {{dp_shard: 1, tp: {tp}, pp: {pp}, cp: {cp}, microbatches: {mb}}}
+training: {{global_batch_size: {mb}, micro_batch_size: 1, seq_len: 1024, precision: bf16, sequence_parallel: {sp},
+           activation_checkpointing: full}}
+backend: {backend}
+resources: {{devices: {world}, memory: 1TiB}}
+"""
+
+
+def ring_spec(*, backend="torchtitan", tp=1, pp=1, cp=2, mb=1):
+    text = RING_SPEC.format(backend=backend, tp=tp, pp=pp, cp=cp, mb=mb, sp=str(tp > 1).lower(), world=tp * pp * cp)
+    loaded = load_spec_text(text, "ring.yaml")
+    assert loaded.ok, [d.text() for d in loaded.diagnostics]
+    return loaded.spec
+
+
+@pytest.mark.parametrize(
+    "backend, tp, cp, key_heads",
+    [
+        ("torchtitan", 1, 2, 2),  # 0.3 by default: GQA, the two key heads exchanged as they are
+        ({"name": "torchtitan", "version": "0.2"}, 1, 4, 8),  # repeat_kv: as many key heads as query heads
+        ("torchtitan", 4, 2, 1),  # two key heads over tp 4: one whole head per rank
+    ],
+)
+def test_ring_attention_prices_torchs_backward_buffers(backend, tp, cp, key_heads):
+    """cp x 2k gathered keys and values and their 2k local copy in bf16, 4 fp32 bytes per query
+    element, three 2k fp32 buffers of key/value gradients (k: key elements, q: query elements)."""
+    import json
+
+    from mixle_compile.lower.memory import _ring_attention
+
+    spec = ring_spec(backend=json.dumps(backend) if isinstance(backend, dict) else backend, tp=tp, cp=cp)
+    tokens = 1024 // cp
+    q = tokens * 256 // tp  # 8 query heads of 32
+    k = tokens * 32 * key_heads
+    assert _ring_attention(spec, spec.mesh) == pytest.approx((2 * cp + 2) * k * 2 + 4 * q + 24 * k)
+
+
+def test_ring_attention_is_priced_on_the_backward_after_the_loss_is_freed(monkeypatch):
+    from mixle_compile.lower import memory as lowered
+    from mixle_compile.memory_model import NUMBERS, after_loss_bytes
+
+    # no context parallelism, or an engine with its own ring: nothing
+    assert lowered._ring_attention(ring_spec(cp=1), ring_spec(cp=1).mesh) == 0
+    assert lowered._ring_attention(ring_spec(backend="megatron"), ring_spec(backend="megatron").mesh) == 0
+    assert after_loss_bytes(NUMBERS, 10.0, 4) == 6 and after_loss_bytes(NUMBERS, 10.0, 40) == 0
+    # under a pipeline the first stage pays the whole ring; the last one's loss buffers (a large
+    # vocabulary) are freed before any layer's backward and cover it
+    spec = ring_spec(pp=2, mb=4)
+    spec = spec.model_copy(update={"model": spec.model.model_copy(update={"vocab_size": 65536})})
+    ring = lowered._ring_attention(spec, spec.mesh)
+    first, last = lower(spec, schedule=False).memory
+    assert ring > 0 and last.loss > 10 * ring
+    bound = float(sum(memory_bound(spec).values()))
+    monkeypatch.setattr(lowered, "_ring_attention", lambda spec, plan: 0.0)
+    first_without, last_without = lower(spec, schedule=False).memory
+    assert first.buffers - first_without.buffers == pytest.approx(ring, abs=1)
+    assert last.buffers == last_without.buffers
+    # R001's bound covers the heaviest stage
+    assert max(first.total, last.total) <= bound * 1.01
+
+
+def test_r002_warns_when_only_the_allocators_reserve_does_not_fit():
+    from mixle_compile.check import check_loaded
+    from mixle_compile.memory_model import ALLOCATOR_RESERVE
+
+    spec = load_spec_text((EXAMPLES / "llama3-8b-hsdp-tp.yaml").read_text(), "llama.yaml").spec
+    (stage,) = lower(spec, schedule=False).memory
+    live = stage.total - stage.reserve
+    text = (EXAMPLES / "llama3-8b-hsdp-tp.yaml").read_text()
+    memory = re.search(r"memory: (\S+)", text).group(1)
+
+    def codes(device_bytes: int) -> dict[str, str]:
+        changed = text.replace(f"memory: {memory}", f"memory: {device_bytes}B")
+        found = check_loaded(load_spec_text(changed, "llama.yaml")).diagnostics
+        return {d.code: d.severity.value for d in found if d.code in ("R001", "R002")}
+
+    assert codes(int(live * (1 + ALLOCATOR_RESERVE)) + 2**20) == {}
+    assert codes(int(live * (1 + ALLOCATOR_RESERVE / 2))) == {"R002": "warning"}
+    assert codes(int(live * 0.99)) == {"R001": "error"}  # the error alone is reported

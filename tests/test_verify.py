@@ -24,7 +24,7 @@ INVALID = EXAMPLES / "invalid"
 LLAMA = (EXAMPLES / "llama3-8b-hsdp-tp.yaml").read_text()
 # Rules no example can show: C001/C003/C004 never fire on torch or megatron (both execute every axis
 # in every combination and have a distributed optimizer), and P008 is a warning (exit status 0).
-WITHOUT_EXAMPLE = {"C001", "C003", "C004", "C007", "P008", "Q004"}
+WITHOUT_EXAMPLE = {"C001", "C003", "C004", "C007", "P008", "Q004", "R002"}
 
 
 def run_cli(capsys, *argv):

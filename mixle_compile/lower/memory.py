@@ -24,6 +24,7 @@ from mixle_compile.memory_model import (
     MEMORY_KINDS,
     NUMBERS,
     activation_bytes_per_layer,
+    after_loss_bytes,
     boundary_bytes,
     fsdp_shards,
     gathered_parameter_bytes,
@@ -34,13 +35,14 @@ from mixle_compile.memory_model import (
     pipeline_buffer_bytes,
     reduce_scatter_buffer_bytes,
     reserve_bytes,
+    ring_attention_bytes,
 )
 from mixle_compile.parameters import DTYPE_BYTES
 from mixle_compile.plan.vocabulary import ALL_DATA_AXES, KV_HEAD_AXIS, REPLICATE, expert_data_size
 from mixle_compile.schedules import NUMBERS as SCHEDULE_NUMBERS
 from mixle_compile.schedules import microbatches_per_round
 from mixle_compile.spec.models import Spec, TransformerModel
-from mixle_compile.verify.memory import activation_widths
+from mixle_compile.verify.memory import activation_widths, attention_widths
 
 
 @dataclass(frozen=True)
@@ -127,20 +129,21 @@ def stage_memory(
         stored, recompute, loss, in_flight = _activation_bytes(spec, plan, stage, split)
         buffers = _pipeline_buffers(spec, plan, stage, in_flight)
         layers = [unit for unit in units if unit is not None]
+        transient = 0.0  # what a layer's backward needs for a while, once the loss's buffers are freed
         if engine.fsdp_reduce_scatter_copy and layers:
             # a layer's gradients are reduced while earlier layers' activations are still held; the
             # embedding and head (the root unit) after the last layer's backward, when none are
             largest = max(layers, key=lambda unit: units[unit])
-            buffers += int(
-                reduce_scatter_buffer_bytes(
-                    NUMBERS,
-                    fsdp=fsdp,
-                    unit_elements=unit_elements[largest],
-                    unit_bytes=units[largest],
-                    accumulated=keeps_stage,
-                    freed_before=loss,
-                )
+            transient += reduce_scatter_buffer_bytes(
+                NUMBERS,
+                fsdp=fsdp,
+                unit_elements=unit_elements[largest],
+                unit_bytes=units[largest],
+                accumulated=keeps_stage,
             )
+        if layers:
+            transient += _ring_attention(spec, plan)
+        buffers += int(after_loss_bytes(NUMBERS, transient, loss))
         live = params + gathered + grads + state + stored + recompute + loss + buffers
         out.append(
             StageMemory(
@@ -207,6 +210,25 @@ def _pipeline_buffers(spec: Spec, plan: ParallelPlan, stage: int, in_flight: flo
             # layer's stored input; with several, the count per stage is not tracked, none is subtracted
             saved_inputs=in_flight if virtual == 1 and stage > 0 else 0,
         )
+    )
+
+
+def _ring_attention(spec: Spec, plan: ParallelPlan) -> float:
+    """Ring attention's backward buffers in one layer (memory_model.ring_attention_bytes)."""
+    model = spec.model
+    engine = engine_profile(spec.backend)
+    if plan.cp == 1 or not engine.ring_attention or not isinstance(model, TransformerModel):
+        return 0.0
+    t = spec.training
+    widths = attention_widths(model, repeated_keys=engine.repeats_key_heads)
+    return ring_attention_bytes(
+        NUMBERS,
+        seq_len=t.seq_len or 1,
+        cp=plan.cp,
+        micro_batch_size=t.micro_batch_size,
+        tp=plan.tp,
+        fp32=t.precision == "fp32",
+        **widths,
     )
 
 

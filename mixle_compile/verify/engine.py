@@ -210,6 +210,9 @@ class PlanVerifier:
         some other value of it satisfies the rule (a witness) or when the solver cannot show
         within its resource limit that the rest conflicts without it.
         """
+        if not rule.minimal_conflict:  # the rule's own fields, as the spec states them
+            named = set(rule.fields)
+            return _in_reading_order([f for f in facts.fields if f.symbol in named], rule, facts)
         enc = self.encoding(facts)
         symbols = enc.symbols
         tracked, refuter = enc.core_solvers(rule)

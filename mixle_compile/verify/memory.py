@@ -83,6 +83,7 @@ class ParameterFootprint:
     vocab_size: int = 0
     query_width: int = 0  # num_heads * head_dim
     kv_width: int = 0  # num_kv_heads * head_dim
+    head_dim: int = 0
     ffn_width: int = 0  # the widest MLP per token: ffn_hidden_size, or experts_per_token * the experts' size
 
     def share(self, place: str, category: str) -> Share:
@@ -156,6 +157,7 @@ def parameter_footprint(spec: Spec) -> ParameterFootprint:
             hidden_size=model.hidden_size,
             num_heads=model.num_heads,
             vocab_size=model.vocab_size,
+            head_dim=model.head_dim or model.hidden_size // model.num_heads,
             **activation_widths(model),
         )
 
@@ -167,6 +169,18 @@ def parameter_footprint(spec: Spec) -> ParameterFootprint:
         if heaviest != ZERO:
             add("every_layer", category, heaviest)
     return ParameterFootprint(MappingProxyType({k: v for k, v in shares.items() if v != ZERO}))
+
+
+def attention_widths(model, *, repeated_keys: bool) -> dict[str, int]:
+    """The widths ring attention exchanges (memory_model.ring_attention_bytes): the query's, the
+    keys' as the kernel sees them (the query's where the engine repeats key heads) and a head's."""
+    head_dim = model.head_dim or model.hidden_size // model.num_heads
+    query = model.num_heads * head_dim
+    return {
+        "query_width": query,
+        "key_width": query if repeated_keys else (model.num_kv_heads or model.num_heads) * head_dim,
+        "head_dim": head_dim,
+    }
 
 
 def activation_widths(model) -> dict[str, int]:

@@ -53,6 +53,10 @@ class Rule:
     needs: tuple[str, ...] = ()  # symbols the spec must have for the rule to apply
     severity: Severity = Severity.error
     elastic: bool = True  # whether the elastic proof checks it at every world size
+    # Whether a finding names a minimal set of conflicting fields (a solver search), or the rule's
+    # `fields` as they are: for a warning whose formula is a disjunction the search is costly and says
+    # no more than the rule's error twin.
+    minimal_conflict: bool = True
 
     def applies_to(self, facts: PlanFacts) -> bool:
         return facts.family in self.families and all(facts.has(s) for s in self.needs)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from mixle_compile.diagnostics import Severity
 from mixle_compile.memory_model import (
     ALLOCATOR_RESERVE,
     activation_bytes_per_layer,
+    after_loss_bytes,
     boundary_bytes,
     fsdp_shards,
     gathered_parameter_bytes,
@@ -15,6 +17,7 @@ from mixle_compile.memory_model import (
     pipeline_buffer_bytes,
     reduce_scatter_buffer_bytes,
     reserve_bytes,
+    ring_attention_bytes,
 )
 from mixle_compile.schedules import microbatches_per_round
 from mixle_compile.spec.kinds import Engine, Family
@@ -136,7 +139,10 @@ def per_rank_bytes(v) -> dict[str, object]:
         **activation_bytes(v, copies["every_layer"]),
     }
     buffers = pipeline_buffers(v)
+    transient = ring_attention(v)  # what a layer's backward needs for a while
+    has_transient = v.facts.engine.ring_attention and v.facts.family == Family.TRANSFORMER
     if v.facts.engine.fsdp_reduce_scatter_copy:
+        has_transient = True
 
         def elements(share):
             return share.elements
@@ -148,18 +154,40 @@ def per_rank_bytes(v) -> dict[str, object]:
                 held([("dense_layer", 1)], measure, unsharded), held([("moe_layer", 1)], measure, unsharded)
             )
 
-        buffers = buffers + reduce_scatter_buffer_bytes(
+        transient = transient + reduce_scatter_buffer_bytes(
             TERMS,
             fsdp=fsdp,
             unit_elements=unit(elements),
             unit_bytes=unit(weight_bytes),
             accumulated=keeps_stage,
-            # under a pipeline the stages without the loss reduce with nothing freed before
-            freed_before=when(v.pp == 1, terms["logits and loss"], real(0)),
         )
+    if has_transient:  # (a minimum over nothing would only burden the solver)
+        # under a pipeline the stages without the loss run their backward with nothing freed before
+        freed = when(v.pp == 1, terms["logits and loss"], real(0))
+        buffers = buffers + after_loss_bytes(TERMS, transient, freed)
     terms["communication buffers"] = buffers
     terms["allocator reserve"] = reserve_bytes(TERMS, sum(terms.values(), real(0)))
     return terms
+
+
+def ring_attention(v) -> object:
+    """Ring attention's backward buffers in one layer under context parallelism
+    (memory_model.ring_attention_bytes), on engines that run it."""
+    fp = v.facts.footprint
+    engine = v.facts.engine
+    if v.facts.family != Family.TRANSFORMER or not engine.ring_attention:
+        return real(0)
+    return ring_attention_bytes(
+        TERMS,
+        seq_len=v.seq_len,
+        cp=v.cp,
+        micro_batch_size=v.micro_batch_size,
+        query_width=fp.query_width,
+        key_width=fp.query_width if engine.repeats_key_heads else fp.kv_width,
+        tp=v.tp,
+        head_dim=fp.head_dim,
+        fp32=v.is_("precision", "fp32", "fp64"),
+    )
 
 
 def pipeline_buffers(v) -> object:
@@ -266,8 +294,19 @@ def activation_bytes(v, layers_on_rank) -> dict[str, object]:
     }
 
 
-def _total(x) -> float:
-    return sum(float(x.eval(term)) for term in _terms(x).values())
+RESERVE = "allocator reserve"
+
+
+def live_bytes(terms: dict) -> object:
+    """The live tensors of the heaviest rank: every term but the allocator's reserve."""
+    return sum((term for name, term in terms.items() if name != RESERVE), real(0))
+
+
+def _fits_with_reserve_or_not_at_all(terms: dict, device: object) -> object:
+    """R002 holds unless the live tensors fit and the reserve beside them does not (when they do
+    not fit, R001 says so)."""
+    live = live_bytes(terms)
+    return logic.any_of(live > device, live + terms[RESERVE] <= device)
 
 
 def _terms(x) -> dict:
@@ -289,15 +328,35 @@ def dominant_terms(values: dict[str, float]) -> list[str]:
     return chosen
 
 
-def _explain(x) -> str:
+def _values(x) -> tuple[dict[str, float], str]:
+    """The terms' values, and the dominant live terms with their shares of the live bytes."""
     values = {name: float(x.eval(term)) for name, term in _terms(x).items()}
-    total = sum(values.values())
-    parts = ", ".join(f"{name} {format_bytes(value)}" for name, value in values.items())
-    dominant = " and ".join(f"{name} ({values[name] / total:.0%})" for name in dominant_terms(values)) if total else ""
+    live = {name: value for name, value in values.items() if name != RESERVE}
+    total = sum(live.values())
+    dominant = " and ".join(f"{name} ({live[name] / total:.0%})" for name in dominant_terms(live)) if total else ""
+    return values, dominant
+
+
+def _explain(x) -> str:
+    values, dominant = _values(x)
+    live = sum(value for name, value in values.items() if name != RESERVE)
+    parts = ", ".join(f"{name} {format_bytes(value)}" for name, value in values.items() if name != RESERVE)
     return (
-        f"the heaviest rank needs about {format_bytes(total)}, more than the "
+        f"the heaviest rank's live tensors need about {format_bytes(live)}, more than the "
         f"{format_bytes(x.device_memory)} of a device; "
-        f"mostly {dominant} ({parts})"
+        f"mostly {dominant} ({parts}; the caching allocator usually reserves {format_bytes(values[RESERVE])} more)"
+    )
+
+
+def _explain_reserve(x) -> str:
+    values, dominant = _values(x)
+    live = sum(value for name, value in values.items() if name != RESERVE)
+    return (
+        f"the heaviest rank's live tensors ({format_bytes(live)}, mostly {dominant}) fit the "
+        f"{format_bytes(x.device_memory)} of a device, but not with the {format_bytes(values[RESERVE])} the "
+        f"caching allocator usually reserves beyond them ({format_bytes(live + values[RESERVE])} in all): the "
+        "step runs only while the allocator gives cached blocks back and retries allocations, which slows it "
+        "and can still fail on fragmentation"
     )
 
 
@@ -316,11 +375,16 @@ def _hint(x) -> str:
     return "try " + "; ".join(ideas)
 
 
+MEMORY_FIELDS = ("device_memory", "tp", "dp_shard", "pp", "cp", "micro_batch_size", "activation_checkpointing")
+
 DEVICE_MEMORY = define(
     Rule(
         code="R001",
         name="device-memory",
-        title="The heaviest rank's parameters, gradients, optimizer state, activations and loss fit in device memory.",
+        title=(
+            "The heaviest rank's live tensors (parameters, gradients, optimizer state, activations, loss, "
+            "buffers) fit in device memory."
+        ),
         docs=(
             "A bound on the heaviest rank under the memory model the lowering prices plans with "
             "(`mixle_compile/memory_model.py`; `explain PLAN` shows the lowering's exact figures per stage, "
@@ -365,11 +429,19 @@ DEVICE_MEMORY = define(
             "torchtitan's loss parallelism (tp > 1: torch's `loss_parallel` backward), twice the "
             "training dtype where torchtitan compiles the loss (`training.compile` with `loss`), 4 plus the "
             "training dtype under Megatron-Core's in-place vocab-parallel cross-entropy.\n"
-            "* **Allocator reserve**: what the caching allocator holds beyond live tensors, "
-            f"{ALLOCATOR_RESERVE:.0%} of them "
+            "* **Communication buffers**: on torchtitan under a pipeline, the receive buffers of torch's "
+            "pipelining runtime (one per micro-batch for activations and for gradients); under FSDP, the "
+            "reduce-scatter of the largest layer's gradients through a flat fp32 copy; under context "
+            "parallelism, ring attention's backward: the keys and values of the whole context group "
+            "all-gathered, fp32 gradient accumulators and the key/value gradients passed round the ring. "
+            "The last two run during a layer's backward, after the loss's buffers are freed, so only their "
+            "excess over those counts where one stage holds the loss.\n"
+            "* **Allocator reserve** (not part of this rule's sum; R002 warns when it does not fit): what the "
+            f"caching allocator usually holds beyond live tensors, {ALLOCATOR_RESERVE:.1%} of them "
             "(`memory_model.ALLOCATOR_RESERVE`, calibrated on torchtitan's published peaks, which are "
-            "reserved bytes: docs/memory.md).\n\n"
-            "The message names the terms that make up at least half of the total.\n\n"
+            "reserved bytes: docs/memory.md). The allocator gives it back under pressure, so the rule "
+            "compares the live tensors with the device.\n\n"
+            "The message names the live terms that make up at least half of their total.\n\n"
             "Where layers differ, or with a pipeline (the first stage's activations and the last stage's logits "
             "are added together), the bound is above the exact figure; rounding of uneven shards may put it "
             "below by a fraction of a percent. "
@@ -385,9 +457,38 @@ DEVICE_MEMORY = define(
             "Megatron-Core tensor_parallel/cross_entropy.py; torch 2.13 torch/distributed/pipelining/stage.py "
             "(backward_maybe_with_nosync)"
         ),
-        constraint=lambda v: sum(per_rank_bytes(v).values(), real(0)) <= real(v.device_memory),
+        constraint=lambda v: live_bytes(per_rank_bytes(v)) <= real(v.device_memory),
         explain=_explain,
         hint=_hint,
-        fields=("device_memory", "tp", "dp_shard", "pp", "cp", "micro_batch_size", "activation_checkpointing"),
+        fields=MEMORY_FIELDS,
+    )
+)
+
+
+ALLOCATOR_HEADROOM = define(
+    Rule(
+        code="R002",
+        name="allocator-headroom",
+        title="Warning: the heaviest rank fits only if the caching allocator gives up its usual reserve.",
+        docs=(
+            "A warning, not an error: R001 holds (the live tensors fit), but not with what the caching "
+            f"allocator usually reserves beyond them ({ALLOCATOR_RESERVE:.1%} of the live bytes, "
+            "`memory_model.ALLOCATOR_RESERVE`, the same figure `explain` adds to each rank). The reserve "
+            "is not lost memory: when an allocation fails, torch's caching allocator releases its cached "
+            "blocks and retries (torchtitan counts these and logs `N CUDA memory allocation retries`), so "
+            "such a plan runs, but each retry synchronises the device and fragmentation can still make an "
+            "allocation fail. Warnings do not change the exit status."
+        ),
+        engine_reference=(
+            "torch c10/cuda/CUDACachingAllocator.cpp (on a failed cudaMalloc, release cached blocks and retry; "
+            "`num_alloc_retries`); torchtitan components/metrics.py (the allocation-retries warning)"
+        ),
+        constraint=lambda v: _fits_with_reserve_or_not_at_all(per_rank_bytes(v), real(v.device_memory)),
+        explain=_explain_reserve,
+        hint=lambda x: "for headroom, the remedies of R001: " + _hint(x).removeprefix("try "),
+        fields=MEMORY_FIELDS,
+        severity=Severity.warning,
+        elastic=False,
+        minimal_conflict=False,
     )
 )
