@@ -374,15 +374,19 @@ def ring_attention_bytes(
 
     ``q`` and ``k`` are a rank's query and key elements of one micro-batch: the local sequence
     (``seq_len / cp``) times the micro-batch times the widths over tp; a key head is never split,
-    so its local width is at least ``head_dim`` (heads replicated when tp exceeds them).
+    so its local width is at least ``head_dim`` (heads replicated when tp exceeds them; pass
+    ``head_dim=0`` where the key heads are the query heads, which tp always divides).
     ``key_width`` is the width the engine hands the kernel: the query's where the model repeats
     its key heads before attention, else the key heads'."""
-    tokens = ar.exact(seq_len) / ar.exact(cp) * ar.exact(micro_batch_size)
     local_key = ar.exact(key_width) / ar.exact(tp)
-    q = tokens * ar.exact(query_width) / ar.exact(tp)
-    k = tokens * ar.when(local_key < ar.exact(head_dim), ar.exact(head_dim), local_key)
+    if head_dim:  # key heads may be fewer than tp (with repeated heads they never are)
+        local_key = ar.when(local_key < ar.exact(head_dim), ar.exact(head_dim), local_key)
     element = ar.when(fp32, 4, 2)
-    return ar.when(cp > 1, (2 * ar.exact(cp) + 2) * k * element + 4 * q + 24 * k, 0)
+    # the whole sequence's keys and values once gathered (cp times the local ones), then per local token
+    gathered = 2 * ar.exact(seq_len) * ar.exact(micro_batch_size) * local_key * element
+    tokens = ar.exact(seq_len) / ar.exact(cp) * ar.exact(micro_batch_size)
+    local = tokens * (local_key * (2 * element + 24) + 4 * ar.exact(query_width) / ar.exact(tp))
+    return ar.when(cp > 1, gathered + local, 0)
 
 
 def after_loss_bytes(ar: Arithmetic, transient: Any, freed_before: Any) -> Any:

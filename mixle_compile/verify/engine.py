@@ -30,6 +30,11 @@ from mixle_compile.verify.wording import divisors
 # undecided first core starts the deletion from every field.
 RESOURCE_LIMIT = 300_000
 CORE_RESOURCE_LIMIT = 5_000_000
+# And on their time: Z3's nonlinear arithmetic can spend long between resource counts on the
+# memory rule's products of byte counts, so each call also stops after these milliseconds (only
+# such a query comes near them; what an undecided call means is as above).
+TIMEOUT_MS = 2_000
+CORE_TIMEOUT_MS = 10_000
 
 
 class Values:
@@ -147,9 +152,11 @@ class _Encoding:
             constraint = rule.constraint(self.symbols)
             tracked = z3.Solver()
             tracked.set("rlimit", CORE_RESOURCE_LIMIT)
+            tracked.set("timeout", CORE_TIMEOUT_MS)
             tracked.add(*self.symbols.domain, constraint)
             refuter = z3.Then("simplify", "propagate-values", "solve-eqs", "simplify", "smt").solver()
             refuter.set("rlimit", RESOURCE_LIMIT)
+            refuter.set("timeout", TIMEOUT_MS)
             refuter.add(*self.symbols.domain, constraint)
             pair = self._core_solvers[rule.code] = (tracked, refuter)
         return pair

@@ -185,7 +185,7 @@ def ring_attention(v) -> object:
         query_width=fp.query_width,
         key_width=fp.query_width if engine.repeats_key_heads else fp.kv_width,
         tp=v.tp,
-        head_dim=fp.head_dim,
+        head_dim=0 if engine.repeats_key_heads else fp.head_dim,
         fp32=v.is_("precision", "fp32", "fp64"),
     )
 
