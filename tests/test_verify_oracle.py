@@ -94,8 +94,12 @@ def _amounts(params, own_dtypes) -> dict:
     return out
 
 
+RESERVE = Fraction(1, 8)  # the allocator's reserve beyond the live bytes (docs/memory.md)
+
+
 def memory_bytes(spec: Spec, devices: int | None = None) -> Fraction:
-    """The heaviest rank's bytes under the documented estimate (docs/rules.md, R001)."""
+    """The heaviest rank's live bytes under the documented estimate (docs/rules.md, R001): every
+    term but the allocator's reserve."""
     m, t = spec.mesh, spec.training
     model = spec.model
     params = model_parameters(spec)
@@ -224,12 +228,34 @@ def memory_bytes(spec: Spec, devices: int | None = None) -> Fraction:
             return measure(held[0][1]) + max((measure(a) for _, a in held[1:]), default=Fraction(0))
 
         copy = 4 * largest_layer(layer_elements)
-        if pp == 1:  # the loss's buffers are freed by the head's backward, before any layer is reduced
+        if pp == 1:
             copy += largest_layer(lambda a: weights(a, model_split))
-            copy = max(copy - logits_bytes(spec), Fraction(0))
-        total += copy
-    live = total + activation_bytes(spec, v * c) + receive_buffer_bytes(spec)
-    return live * (1 + Fraction(8, 100))  # the allocator's reserve
+        transient = copy + ring_attention_bytes(spec)
+    else:
+        transient = ring_attention_bytes(spec)
+    if pp == 1:  # the loss's buffers are freed by the head's backward, before any layer's backward
+        transient = max(transient - logits_bytes(spec), Fraction(0))
+    total += transient
+    return total + activation_bytes(spec, v * c) + receive_buffer_bytes(spec)
+
+
+def ring_attention_bytes(spec: Spec) -> Fraction:
+    """torchtitan under cp > 1 (docs/memory.md, communication buffers): the whole group's keys and
+    values gathered (cp * 2k, activation dtype) and their local 2k copy, 4 bytes per query element,
+    three fp32 buffers of 2k key/value gradients; k counts key elements at the width the kernel
+    sees (the query's where 0.2 repeats the key heads), at least one head per rank."""
+    model, m, t = spec.model, spec.mesh, spec.training
+    if m.cp == 1 or backend_of(spec) != "torchtitan" or not isinstance(model, TransformerModel):
+        return Fraction(0)
+    ref = spec.backend if not isinstance(spec.backend, str) else None
+    repeats = ref is not None and ref.version is not None and ref.version.startswith("0.2")
+    head = model.head_dim or model.hidden_size // model.num_heads
+    key_heads = model.num_heads if repeats else (model.num_kv_heads or model.num_heads)
+    tokens = Fraction(t.seq_len, m.cp) * t.micro_batch_size
+    k = tokens * max(Fraction(key_heads * head, m.tp), Fraction(head))
+    q = tokens * Fraction(model.num_heads * head, m.tp)
+    element = 4 if t.precision in ("fp32", "fp64") else 2
+    return (2 * m.cp + 2) * k * element + 4 * q + 24 * k
 
 
 def receive_buffer_bytes(spec: Spec) -> Fraction:
@@ -467,7 +493,10 @@ def violations(
         rule("Q002", not sp or tp > 1, when=rule_set == "torch" or (rule_set == "megatron" and entry == "core"))
         if warnings:
             rule("Q004", not sp or tp > 1, when=rule_set == "megatron" and entry == "arguments")
-        rule("R001", memory_bytes(spec, devices) <= device_memory(spec))
+        live = memory_bytes(spec, devices)
+        rule("R001", live <= device_memory(spec))
+        if warnings:
+            rule("R002", live > device_memory(spec) or live * (1 + RESERVE) <= device_memory(spec))
     rule("B001", batch == mbs * mb * gas * dpr * dps)
     if warnings:
         rule("C007", not t.compiled, when=rule_set in ("torch", "megatron"))
@@ -558,11 +587,19 @@ def _distance(old, new) -> int:
 
 
 def nearest_fix_cost(spec: Spec, max_changes: int = 3) -> tuple[int, int] | None:
-    """(fields changed, total change) of the nearest plan without errors, by enumeration."""
-    fields = [("mesh", n) for n in CHANGEABLE_MESH if not (n == "dp_shard" and spec.mesh.dp_shard == "auto")]
-    fields += [("training", n) for n in CHANGEABLE_TRAINING]
+    """(fields changed, total change) of the nearest plan without errors, by enumeration: one that
+    also brings no warning the spec does not break if there is one within ``max_changes``, as the
+    suggestion asks first (an R001 fix that only fits without the allocator's reserve breaks R002)."""
     if not errors(spec):
         return (0, 0)
+    warned = violations(spec) - errors(spec)
+    clean = _nearest(spec, max_changes, lambda c: not errors(c) and not (violations(c) - errors(c)) - warned)
+    return clean or _nearest(spec, max_changes, lambda c: not errors(c))
+
+
+def _nearest(spec: Spec, max_changes: int, valid) -> tuple[int, int] | None:
+    fields = [("mesh", n) for n in CHANGEABLE_MESH if not (n == "dp_shard" and spec.mesh.dp_shard == "auto")]
+    fields += [("training", n) for n in CHANGEABLE_TRAINING]
     for k in range(1, max_changes + 1):
         best = None
         for chosen in itertools.combinations(fields, k):
@@ -580,7 +617,7 @@ def nearest_fix_cost(spec: Spec, max_changes: int = 3) -> tuple[int, int] | None
                         "training": spec.training.model_copy(update=updates["training"]),
                     }
                 )
-                if not errors(candidate):
+                if valid(candidate):
                     best = cost
         if best is not None:
             return (k, best)
