@@ -221,8 +221,6 @@ def _ring_attention(spec: Spec, plan: ParallelPlan) -> float:
         return 0.0
     t = spec.training
     widths = attention_widths(model, repeated_keys=engine.repeats_key_heads)
-    if engine.repeats_key_heads:
-        widths["head_dim"] = 0  # the query's heads, which tp divides (memory_model.ring_attention_bytes)
     return ring_attention_bytes(
         NUMBERS,
         seq_len=t.seq_len or 1,

@@ -157,7 +157,7 @@ def parameter_footprint(spec: Spec) -> ParameterFootprint:
             hidden_size=model.hidden_size,
             num_heads=model.num_heads,
             vocab_size=model.vocab_size,
-            head_dim=model.head_dim or model.hidden_size // model.num_heads,
+            head_dim=head_dim_of(model),
             **activation_widths(model),
         )
 
@@ -171,21 +171,26 @@ def parameter_footprint(spec: Spec) -> ParameterFootprint:
     return ParameterFootprint(MappingProxyType({k: v for k, v in shares.items() if v != ZERO}))
 
 
+def head_dim_of(model) -> int:
+    return model.head_dim or model.hidden_size // model.num_heads
+
+
 def attention_widths(model, *, repeated_keys: bool) -> dict[str, int]:
     """The widths ring attention exchanges (memory_model.ring_attention_bytes): the query's, the
-    keys' as the kernel sees them (the query's where the engine repeats key heads) and a head's."""
-    head_dim = model.head_dim or model.hidden_size // model.num_heads
+    keys' as the kernel sees them (the query's where the engine repeats key heads) and a head's
+    (0 with repeated heads, which tp always divides, so no floor is needed)."""
+    head_dim = head_dim_of(model)
     query = model.num_heads * head_dim
     return {
         "query_width": query,
         "key_width": query if repeated_keys else (model.num_kv_heads or model.num_heads) * head_dim,
-        "head_dim": head_dim,
+        "head_dim": 0 if repeated_keys else head_dim,
     }
 
 
 def activation_widths(model) -> dict[str, int]:
     """The per-token widths op-level selective checkpointing keeps (see memory_model)."""
-    head_dim = model.head_dim or model.hidden_size // model.num_heads
+    head_dim = head_dim_of(model)
     ffn = model.ffn_hidden_size
     if model.num_experts > 0:
         ffn = max(ffn, (model.experts_per_token or 1) * (model.moe_ffn_hidden_size or model.ffn_hidden_size))
