@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from mixle_compile.memory_model import MoESaved
 from mixle_compile.schedules import ScheduleFamily
 from mixle_compile.spec.kinds import Engine
 
@@ -110,6 +111,36 @@ class EngineProfile:
         """Selective checkpointing saves chosen ops' outputs (torchtitan's ``SelectiveAC``, op mode);
         elsewhere it recomputes attention's core (Korthikanti et al., Megatron's selective)."""
         return self.name == Engine.TORCHTITAN
+
+    def moe_saved(self, activation: str) -> MoESaved:
+        """What the engine's mixture-of-experts block saves for its backward
+        (memory_model.moe_layer_extra_bytes), at 16-bit activations, for experts of this activation:
+
+        - torchtitan (0.3: models/common/moe.py ``GroupedExperts.forward``, token_dispatcher.py
+          ``combine``, ``TokenChoiceTopKRouter.forward``): per routed token, its input (2 bytes a
+          hidden feature) and its output cast to fp32 for the product with its score (4), the
+          SwiGLU experts' w1 and w3 outputs, the silu output and their product (8 bytes an expert
+          feature), its fp32 score (4); per token, the router's input cast to fp32 under its
+          fp32 autocast (4 a feature) and its scores before and after the sigmoid or softmax (8
+          an expert). 0.2's ``score_before_experts`` saves the same bytes in another order (the
+          routed input in fp32 for the score product, then in bf16 for the grouped matmul).
+        - Megatron-Core (transformer/moe/experts.py ``TEGroupedMLP.forward``, router.py): per
+          routed token, fc1's input (2), fc1's output (SwiGLU: gate and up, 4 bytes an expert
+          feature; else 2) and the weighted activation's output (2), its fp32 probability (4);
+          per token, the router's logits (2 an expert) and their fp32 softmax (4).
+        - The in-tree runtime (runtime/experts.py): per routed token, the repeated input, the
+          rows each expert selects and the experts' outputs kept for the weighted sum (6), the
+          expert's up and gate outputs with the activation and product (SwiGLU 8; else 4), its
+          weight (4); per token, the router's fp32 input (4 a feature) and its logits and
+          probabilities (8 an expert)."""
+        swiglu = activation == "swiglu"
+        if self.name == Engine.TORCHTITAN:
+            return MoESaved(routed_hidden=6, routed_ffn=8, routed_fixed=4, token_hidden=4, token_experts=8)
+        if self.name == Engine.MEGATRON:
+            return MoESaved(
+                routed_hidden=2, routed_ffn=6 if swiglu else 4, routed_fixed=4, token_hidden=0, token_experts=6
+            )
+        return MoESaved(routed_hidden=6, routed_ffn=8 if swiglu else 4, routed_fixed=4, token_hidden=4, token_experts=8)
 
     def loss_implementation(self, *, compiled: bool, tensor_parallel: bool) -> str:
         """How the engine's cross-entropy holds the logits (memory_model.loss_bytes_per_logit):

@@ -40,6 +40,7 @@ docs/memory.md lists every term with its formula and its source.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from mixle_compile.schedules import interleaved_warmup, one_f_one_b_warmup
@@ -73,6 +74,21 @@ ALLOCATOR_RESERVE = 0.125
 FSDP_UNITS_IN_FLIGHT = 2  # the unit computing and the one prefetched
 ACCUMULATED_GRAD_BYTES = 4  # FSDP2 accumulates unsharded gradients in its fp32 reduce dtype
 REDUCE_BYTES = 4  # FSDP2 reduces gradients in fp32 (torchtitan's mixed_precision_reduce default "float32")
+
+
+@dataclass(frozen=True)
+class MoESaved:
+    """What an engine's mixture-of-experts block saves for its backward, in bytes at 16-bit
+    activations: per routed token, ``routed_hidden`` per hidden feature, ``routed_ffn`` per local
+    expert feature and ``routed_fixed`` more (its routing weight); per token entering the block,
+    ``token_hidden`` per hidden feature and ``token_experts`` per expert (the router's scores).
+    Each engine's figures and their source are in :meth:`mixle_compile.engines.EngineProfile.moe_saved`."""
+
+    routed_hidden: int
+    routed_ffn: int
+    routed_fixed: int
+    token_hidden: int
+    token_experts: int
 
 
 def stored_dtype(precision: str) -> str:
@@ -395,3 +411,58 @@ def after_loss_bytes(ar: Arithmetic, transient: Any, freed_before: Any) -> Any:
     backward runs (the loss's buffers, released by the head's backward, which runs first), so only
     the excess adds to the peak."""
     return transient - ar.smaller(transient, ar.exact(freed_before))
+
+
+# Korthikanti et al. (2022) Sec. 4.1: a dense MLP block keeps 19*s*b*h bytes: its input (2sbh),
+# the first linear's output and the activation's output (8sbh each) and the dropout mask (sbh);
+# without sequence parallelism the input and the mask (3sbh) are on every tensor-parallel rank.
+DENSE_MLP_BYTES = 19
+DENSE_MLP_REPLICATED_BYTES = 3
+
+
+def moe_layer_extra_bytes(
+    ar: Arithmetic,
+    *,
+    seq_len: Any,
+    cp: Any,
+    micro_batch_size: Any,
+    hidden_size: Any,
+    tp: Any,
+    etp: Any,
+    sequence_parallel: Any,
+    experts_per_token: Any,
+    num_experts: Any,
+    expert_width: Any,
+    capacity_factor: Any,
+    saved: MoESaved,
+    fp32: Any,
+) -> Any:
+    """Bytes a mixture-of-experts layer keeps for the backward pass beyond a dense layer, per
+    micro-batch: what its MoE block saves in place of the dense MLP block's share of
+    :func:`activation_bytes_per_layer` (:data:`DENSE_MLP_BYTES`), never less than that share.
+
+    A rank's MoE block takes ``T`` tokens (``seq_len / cp * micro_batch_size``, over ``tp`` under
+    sequence parallelism, which every engine requires for experts with tp > 1). After dispatch it
+    holds ``R = T * k * c * etp`` routed tokens: each token once per chosen expert (top-k), the
+    expert-tensor-parallel ranks' tokens gathered so each computes its ``F / etp`` slice of the
+    experts' hidden features, and ``c`` the capacity factor where one caps the tokens an expert
+    takes (an expert's capacity is ``c`` times its even share of the routed tokens, so the rank's
+    experts take at most ``c * T * k``); dropless routing (no capacity factor, ``c = 1``) is
+    priced at the even share, its average. The block saves ``saved.per_routed(h, F / etp)``
+    bytes per routed token and ``saved.per_token(h, E)`` per token (the router), both in 16-bit
+    activations; fp32 activations double them."""
+    t = ar.exact(tp)
+    tokens = ar.exact(seq_len) / ar.exact(cp) * ar.exact(micro_batch_size)
+    tokens = ar.when(sequence_parallel, tokens / t, tokens)
+    h = ar.exact(hidden_size)
+    routed = tokens * ar.exact(experts_per_token) * ar.exact(capacity_factor) * ar.exact(etp)
+    local_width = ar.exact(expert_width) / ar.exact(etp)
+    block = routed * (saved.routed_hidden * h + saved.routed_ffn * local_width + saved.routed_fixed)
+    block = block + tokens * (saved.token_hidden * h + saved.token_experts * ar.exact(num_experts))
+    all_tokens = ar.exact(seq_len) / ar.exact(cp) * ar.exact(micro_batch_size)
+    dense = ar.when(
+        sequence_parallel,
+        DENSE_MLP_BYTES * all_tokens * h / t,
+        all_tokens * h * (DENSE_MLP_REPLICATED_BYTES + (DENSE_MLP_BYTES - DENSE_MLP_REPLICATED_BYTES) / t),
+    )
+    return ar.when(block > dense, block - dense, 0) * ar.when(fp32, 2, 1)

@@ -99,6 +99,20 @@ def test_exported_configs_say_what_the_spec_says(spec_file, target, fragment):
     assert fragment in exported.files[exported.main]
 
 
+def test_a_capacity_factor_reaches_megatron_and_is_refused_by_the_dropless_engines(tmp_path):
+    spec = load_spec(EXAMPLES / "mixtral-moe-ep.yaml").spec
+    spec = spec.model_copy(update={"model": spec.model.model_copy(update={"expert_capacity_factor": 1.5})})
+    exported = export_spec(spec, "megatron")
+    assert "--moe-expert-capacity-factor 1.5" in exported.files[exported.main]
+    assert round_trip(spec, "megatron", tmp_path)
+    with pytest.raises(ExportRefused) as refused:
+        export_spec(
+            spec.model_copy(update={"training": spec.training.model_copy(update={"distributed_optimizer": False})}),
+            "torchtitan",
+        )
+    assert any("E011" in reason for _, reason in refused.value.reasons)
+
+
 def test_export_refuses_a_spec_that_does_not_verify_on_the_engine(capsys):
     status = cli.main(["export", "--to", "torchtitan", str(EXAMPLES / "mixtral-moe-ep.yaml")])
     err = capsys.readouterr().err

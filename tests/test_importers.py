@@ -472,6 +472,20 @@ def test_megatron_defaults_follow_validate_args(tmp_path):
     assert data["model"]["tie_embeddings"] is True and data["model"]["position_embedding"] == "learned"
 
 
+def test_megatron_capacity_factor_caps_the_experts_tokens(tmp_path):
+    path = tmp_path / "args.txt"
+    base = (
+        "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --vocab-size 128 --seq-length 32 "
+        "--num-experts 4 --expert-model-parallel-size 2"
+    )
+    path.write_text(base + " --moe-expert-capacity-factor 1.25\n")
+    assert imported(path, devices=2)["model"]["expert_capacity_factor"] == 1.25
+    # TransformerConfig turns a negative factor into None: dropless routing
+    for dropless in (base, base + " --moe-expert-capacity-factor -1"):
+        path.write_text(dropless + "\n")
+        assert "expert_capacity_factor" not in imported(path, devices=2)["model"]
+
+
 def test_megatron_tp_comm_overlap_is_async_tensor_parallelism(tmp_path, capsys):
     path = tmp_path / "args.txt"
     base = (

@@ -497,3 +497,113 @@ def test_r002_warns_when_only_the_allocators_reserve_does_not_fit():
     assert codes(int(live * (1 + ALLOCATOR_RESERVE)) + 2**20) == {}
     assert codes(int(live * (1 + ALLOCATOR_RESERVE / 2))) == {"R002": "warning"}
     assert codes(int(live * 0.99)) == {"R001": "error"}  # the error alone is reported
+
+
+MOE_SPEC = """\
+model: {{family: transformer, vocab_size: 256, hidden_size: 64, num_layers: 4, num_heads: 4, ffn_hidden_size: 256{moe}}}
+mesh: {{dp_shard: 2, tp: {tp}, ep: {ep}, etp: {etp}}}
+training: {{global_batch_size: 4, micro_batch_size: 2, seq_len: 128, precision: bf16, sequence_parallel: {sp},
+           activation_checkpointing: {ckpt}}}
+backend: {backend}
+resources: {{devices: {world}, memory: 1TiB}}
+"""
+
+
+def moe_fields(experts, capacity=None):
+    if not experts:
+        return "" if capacity is None else f", expert_capacity_factor: {capacity}"
+    fields = f", num_experts: {experts}, experts_per_token: 2, moe_ffn_hidden_size: 96, moe_layer_frequency: 2"
+    return fields + ("" if capacity is None else f", expert_capacity_factor: {capacity}")
+
+
+def moe_spec(*, backend="megatron", experts=8, tp=1, etp=1, ckpt="none", capacity=None):
+    text = MOE_SPEC.format(
+        moe=moe_fields(experts, capacity),
+        ep=2 if experts else 1,
+        tp=tp,
+        etp=etp,
+        sp=str(tp > 1).lower(),
+        ckpt=ckpt,
+        backend=backend,
+        world=2 * tp,
+    )
+    loaded = load_spec_text(text, "moe.yaml")
+    assert loaded.ok, [d.text() for d in loaded.diagnostics]
+    return loaded.spec
+
+
+def _stage(spec):
+    (stage,) = lower(spec, schedule=False).memory
+    return stage
+
+
+@pytest.mark.parametrize(
+    "backend, tp, etp, per_routed, per_token",
+    [
+        # Megatron-Core: fc1's input 2h, its SwiGLU output 4F, the activation's output 2F, a fp32 weight;
+        # the router's bf16 logits and fp32 softmax (6 bytes an expert)
+        ("megatron", 1, 1, 2 * 64 + 6 * 96 + 4, 6 * 8),
+        # etp = 2 gathers the tp ranks' tokens: twice the routed tokens, half of each expert
+        ("megatron", 2, 2, 2 * 64 + 6 * 48 + 4, 6 * 8),
+        ("megatron", 2, 1, 2 * 64 + 6 * 96 + 4, 6 * 8),
+        # torchtitan: the routed input 2h and its fp32 output 4h, 8F around SwiGLU, a fp32 score;
+        # the router's fp32 input 4h and fp32 scores before and after the sigmoid (8 an expert)
+        ("torchtitan", 1, 1, 6 * 64 + 8 * 96 + 4, 4 * 64 + 8 * 8),
+    ],
+)
+def test_an_moe_layer_keeps_its_blocks_tensors_for_the_tokens_after_dispatch(backend, tp, etp, per_routed, per_token):
+    """The MoE layers' activations replace the dense MLP's 19 bytes a token and feature with what the
+    engine's MoE block saves for the tokens the rank holds after dispatch."""
+    spec = moe_spec(backend=backend, tp=tp, etp=etp)
+    dense = moe_spec(backend=backend, tp=tp, etp=etp, experts=0)
+    tokens = 128 * 2 // tp  # sequence parallelism shards the block's tokens over tp
+    routed = tokens * 2 * etp  # top-2, the expert-tensor-parallel ranks' tokens gathered
+    extra = routed * per_routed + tokens * per_token - 19 * 128 * 2 * 64 // tp
+    moe_layers = 2  # layers 0 and 2 of 4
+    assert _stage(spec).activations - _stage(dense).activations == pytest.approx(moe_layers * extra, abs=2)
+    # R001 prices the same (one formula set): a stage without a pipeline is its heaviest rank
+    assert float(memory_bound(spec)["activations"]) == pytest.approx(_stage(spec).activations, abs=2)
+
+
+def test_a_capacity_factor_scales_the_routed_tokens():
+    base = _stage(moe_spec()).activations
+    capped = _stage(moe_spec(capacity=1.5)).activations
+    routed = 128 * 2 * 2  # tokens x top-2
+    assert capped - base == pytest.approx(2 * 0.5 * routed * (2 * 64 + 6 * 96 + 4), abs=2)
+    assert float(memory_bound(moe_spec(capacity=1.5))["activations"]) == pytest.approx(capped, abs=2)
+
+
+@pytest.mark.parametrize("backend, ckpt", [("megatron", "full"), ("torchtitan", "full"), ("torchtitan", "selective")])
+def test_checkpointing_that_recomputes_the_moe_block_keeps_none_of_it(backend, ckpt):
+    """Full checkpointing keeps the layer's input only; torchtitan's op-level selective policy keeps
+    its matmul outputs (which count the routed tokens' widest MLP already). The layer being
+    recomputed then holds the MoE block once more."""
+    spec, dense = moe_spec(backend=backend, ckpt=ckpt), moe_spec(backend=backend, ckpt=ckpt, experts=0)
+    extra = _stage(moe_spec(backend=backend)).activations - _stage(moe_spec(backend=backend, experts=0)).activations
+    assert _stage(spec).activations == _stage(dense).activations
+    assert _stage(spec).recompute - _stage(dense).recompute == pytest.approx(extra / 2, abs=2)  # one MoE layer
+    bound = memory_bound(spec)
+    assert float(bound["recompute working set"]) == pytest.approx(_stage(spec).recompute, abs=2)
+
+
+def test_megatron_keeps_the_moe_block_under_its_selective_checkpointing():
+    spec, plain = moe_spec(ckpt="selective"), moe_spec()
+    assert _stage(spec).activations == _stage(plain).activations  # flash attention: nothing more to drop
+    assert _stage(spec).recompute == 0
+
+
+def test_only_megatron_takes_a_capacity_factor():
+    from mixle_compile.check import check_text
+
+    for backend, refused in (("torchtitan", True), ("torch", True), ("megatron", False)):
+        text = MOE_SPEC.format(
+            moe=moe_fields(8, 1.25), ep=2, tp=1, etp=1, sp="false", ckpt="none", backend=backend, world=2
+        )
+        codes = {d.code for d in check_text(text.encode(), "moe.yaml").diagnostics}
+        assert ("E011" in codes) == refused, backend
+    dense = MOE_SPEC.format(
+        moe=moe_fields(0, 1.25), ep=1, tp=1, etp=1, sp="false", ckpt="none", backend="megatron", world=2
+    )
+    loaded = load_spec_text(dense, "dense.yaml")
+    assert not loaded.ok
+    assert any("expert_capacity_factor" in d.text() for d in loaded.diagnostics)

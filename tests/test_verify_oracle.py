@@ -236,7 +236,8 @@ def memory_bytes(spec: Spec, devices: int | None = None) -> Fraction:
     if pp == 1:  # the loss's buffers are freed by the head's backward, before any layer's backward
         transient = max(transient - logits_bytes(spec), Fraction(0))
     total += transient
-    return total + activation_bytes(spec, v * c) + receive_buffer_bytes(spec)
+    moe_layers = v * (-(-c // model.moe_layer_frequency)) if isinstance(model, TransformerModel) else 0
+    return total + activation_bytes(spec, v * c, moe_layers) + receive_buffer_bytes(spec)
 
 
 def ring_attention_bytes(spec: Spec) -> Fraction:
@@ -291,13 +292,55 @@ def backend_of(spec: Spec) -> str:
     return normalize_backend_name(spec.backend if isinstance(spec.backend, str) else spec.backend.name)
 
 
-def activation_bytes(spec: Spec, layers_on_rank: int) -> Fraction:
+# What one routed token (hidden, expert feature, fixed) and one token (hidden, expert) of an MoE
+# block save, per engine (docs/memory.md); the in-tree runtime's figures serve plugin backends too.
+MOE_SAVED = {
+    "torchtitan": ((6, 8, 4), (4, 8)),
+    "megatron": ((2, 6, 4), (0, 6)),
+    "torch": ((6, 8, 4), (4, 8)),
+}
+
+
+def moe_extra_bytes(spec: Spec) -> Fraction:
+    """An MoE layer's bytes beyond a dense layer's, per micro-batch: its block's saved tensors for
+    the tokens it holds after dispatch, less the dense MLP's 19 bytes a token and feature
+    (3 of them replicated over tp without sequence parallelism), never below zero."""
+    model, m, t = spec.model, spec.mesh, spec.training
+    s = Fraction(t.seq_len, m.cp) * t.micro_batch_size
+    h, tp = model.hidden_size, m.tp
+    tokens = s / tp if t.sequence_parallel else s
+    routed = tokens * (model.experts_per_token or 1) * Fraction(model.expert_capacity_factor or 1) * m.etp
+    (per_hidden, per_ffn, fixed), (token_hidden, token_experts) = MOE_SAVED.get(backend_of(spec), MOE_SAVED["torch"])
+    if backend_of(spec) != "torchtitan" and model.activation != "swiglu":
+        per_ffn -= 2 if backend_of(spec) == "megatron" else 4
+    width = Fraction(model.moe_ffn_hidden_size or model.ffn_hidden_size, m.etp)
+    block = routed * (per_hidden * h + per_ffn * width + fixed) + tokens * (
+        token_hidden * h + token_experts * model.num_experts
+    )
+    dense = 19 * s * h / tp if t.sequence_parallel else s * h * (3 + Fraction(16, tp))
+    extra = max(block - dense, Fraction(0))
+    return 2 * extra if t.precision in ("fp32", "fp64") else extra
+
+
+def activation_bytes(spec: Spec, layers_on_rank: int, moe_layers_on_rank: int = 0) -> Fraction:
     model, m, t = spec.model, spec.mesh, spec.training
     if not isinstance(model, TransformerModel):
         return Fraction(0)
     kept = layer_activation_bytes(spec, t.activation_checkpointing)
     # The layer being recomputed holds its whole activations once more.
     recomputed = layer_activation_bytes(spec, "none") - kept
+    stored = layers_on_rank * kept
+    if model.num_experts:
+        # An MoE layer keeps its block's extra unless checkpointing recomputes it: full
+        # checkpointing, or torchtitan's op-level selective one (its saved widths count the experts).
+        extra = moe_extra_bytes(spec)
+        recompute_moe = t.activation_checkpointing == "full" or (
+            t.activation_checkpointing == "selective" and backend_of(spec) == "torchtitan"
+        )
+        if recompute_moe:
+            recomputed += extra
+        else:
+            stored += moe_layers_on_rank * extra
     pp, mb = m.pp, m.microbatches
     if pp == 1:
         in_flight = Fraction(1)
@@ -313,7 +356,7 @@ def activation_bytes(spec: Spec, layers_on_rank: int) -> Fraction:
         v = t.virtual_pipeline_stages
         per_round = mb // max(1, mb // pp)
         in_flight = Fraction(min(mb * v, 2 * (pp - 1) + (v - 1) * per_round + 1), v)
-    return in_flight * layers_on_rank * kept + recomputed + logits_bytes(spec)
+    return in_flight * stored + recomputed + logits_bytes(spec)
 
 
 def logits_bytes(spec: Spec) -> Fraction:
@@ -422,6 +465,9 @@ def violations(
         rule("D004", e.min_world_size <= devices <= e.max_world_size and devices % e.multiple_of == 0)
         rule("C005", caps.elastic_restart and caps.reshardable_checkpoint)
     rule("E001", etp in (1, tp), when=neural, only=("torch", "torchtitan"))
+    # only Megatron-Core caps an expert's tokens; the others route every token (dropless)
+    capped = transformer and model.expert_capacity_factor is not None
+    rule("E011", not capped, only=("torch", "torchtitan"))
     rule(
         "E002",
         (etp != tp or (dps * cp) % ep == 0) and (etp != 1 or (dps * cp * tp) % ep == 0),
@@ -649,6 +695,19 @@ SHAPES = {
         "moe_layer_frequency": 2,
         "moe_ffn_hidden_size": 72,
         "tie_embeddings": True,
+    },
+    "moe-capped": {
+        "family": "transformer",
+        "vocab_size": 256,
+        "hidden_size": 32,
+        "num_layers": 4,
+        "num_heads": 4,
+        "ffn_hidden_size": 64,
+        "num_experts": 8,
+        "experts_per_token": 2,
+        "moe_ffn_hidden_size": 48,
+        "expert_capacity_factor": 1.5,
+        "activation": "gelu",
     },
     "modules": {
         "family": "modules",

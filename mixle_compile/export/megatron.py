@@ -116,6 +116,8 @@ def megatron_arguments(spec: Spec) -> list[str]:
             a += ["--moe-ffn-hidden-size", m.moe_ffn_hidden_size]
         if m.moe_layer_frequency != 1:
             a += ["--moe-layer-freq", m.moe_layer_frequency]
+        if m.expert_capacity_factor is not None:
+            a += ["--moe-expert-capacity-factor", m.expert_capacity_factor]
     a += [
         "--seq-length",
         t.seq_len,

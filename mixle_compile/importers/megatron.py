@@ -42,6 +42,7 @@ READ = {
     "--moe-router-topk": "int",
     "--moe-ffn-hidden-size": "int",
     "--moe-layer-freq": "str",
+    "--moe-expert-capacity-factor": "float",
     "--seq-length": "int",
     "--micro-batch-size": "int",
     "--global-batch-size": "int",
@@ -306,6 +307,11 @@ def read_megatron(
             )
             if has("--moe-ffn-hidden-size"):
                 set_(("model", "moe_ffn_hidden_size"), num("--moe-ffn-hidden-size"), "--moe-ffn-hidden-size")
+            # TransformerConfig.moe_expert_capacity_factor: None (and, after __post_init__, any negative
+            # value) means dropless routing.
+            capacity = num("--moe-expert-capacity-factor", None, float)
+            if capacity is not None and capacity > 0:
+                set_(("model", "expert_capacity_factor"), capacity, "--moe-expert-capacity-factor")
             freq = text_of("--moe-layer-freq")
             if freq is not None:
                 if freq.isdigit():

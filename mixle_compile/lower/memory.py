@@ -31,18 +31,19 @@ from mixle_compile.memory_model import (
     logits_bytes,
     loss_bytes_per_logit,
     micro_batches_in_flight,
+    moe_layer_extra_bytes,
     optimizer_bytes_per_element,
     pipeline_buffer_bytes,
     reduce_scatter_buffer_bytes,
     reserve_bytes,
     ring_attention_bytes,
 )
-from mixle_compile.parameters import DTYPE_BYTES
+from mixle_compile.parameters import DTYPE_BYTES, is_moe_layer
 from mixle_compile.plan.vocabulary import ALL_DATA_AXES, KV_HEAD_AXIS, REPLICATE, expert_data_size
 from mixle_compile.schedules import NUMBERS as SCHEDULE_NUMBERS
 from mixle_compile.schedules import microbatches_per_round
 from mixle_compile.spec.models import Spec, TransformerModel
-from mixle_compile.verify.memory import activation_widths, attention_widths
+from mixle_compile.verify.memory import activation_widths, attention_widths, expert_shape
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ class StageMemory:
     activations: int  # stored for the backward pass: per layer, times the micro-batches in flight
     recompute: int = 0  # the working set of the layer being recomputed under checkpointing
     loss: int = 0  # the last stage's logits and the loss's buffers
-    buffers: int = 0  # pipeline receive buffers and the FSDP reduce-scatter copy
+    buffers: int = 0  # pipeline receive buffers, the FSDP reduce-scatter copy and ring attention's buffers
     reserve: int = 0  # the caching allocator's reserve beyond live tensors
 
     @property
@@ -262,6 +263,17 @@ def _activation_bytes(
     per_layer = layer(t.activation_checkpointing == "full", t.activation_checkpointing == "selective")
     recomputed = layer(False, False) - per_layer  # the layer being recomputed holds all of it once more
     layers_here = split.layers_on_stage(stage) if split is not None else model.num_layers
+    moe_here = sum(
+        1
+        for i in range(model.num_layers)
+        if is_moe_layer(model, i) and (split is None or split.location(i)[0] == stage)
+    )
+    if moe_here:
+        extra, kept_extra = moe_extra(spec, plan)
+        per_layer_total = per_layer * layers_here + kept_extra * moe_here
+        recomputed += extra - kept_extra  # an MoE layer being recomputed is the heaviest one
+    else:
+        per_layer_total = per_layer * layers_here
     in_flight = micro_batches_in_flight(
         NUMBERS,
         pp=plan.pp,
@@ -272,7 +284,7 @@ def _activation_bytes(
         virtual_stages=t.virtual_pipeline_stages,
         group=microbatches_per_round(SCHEDULE_NUMBERS, plan.pp, plan.microbatches),
     )
-    stored = per_layer * layers_here * in_flight
+    stored = per_layer_total * in_flight
     loss = 0
     if stage == plan.pp - 1:
         per_logit = loss_bytes_per_logit(
@@ -282,6 +294,34 @@ def _activation_bytes(
         )
         loss = logits_bytes(NUMBERS, **shape, vocab_size=model.vocab_size, bytes_per_logit=per_logit)
     return int(stored), int(recomputed if layers_here else 0), int(loss), in_flight
+
+
+def moe_extra(spec: Spec, plan: ParallelPlan) -> tuple[float, float]:
+    """An MoE layer's bytes beyond a dense layer's (memory_model.moe_layer_extra_bytes), per
+    micro-batch, and the part of them checkpointing keeps: all of it without checkpointing and
+    under selective checkpointing that recomputes attention's core only (Megatron's
+    ``core_attn``); none under full checkpointing, and none under op-level selective
+    checkpointing, whose saved matmul outputs already count the routed tokens' widest MLP
+    (activation_widths)."""
+    model, t = spec.model, spec.training
+    engine = engine_profile(spec.backend)
+    extra = moe_layer_extra_bytes(
+        NUMBERS,
+        seq_len=t.seq_len or 1,
+        cp=plan.cp,
+        micro_batch_size=t.micro_batch_size,
+        hidden_size=model.hidden_size,
+        tp=plan.tp,
+        etp=plan.etp,
+        sequence_parallel=t.sequence_parallel,
+        saved=engine.moe_saved(model.activation),
+        fp32=t.precision == "fp32",
+        **expert_shape(model),
+    )
+    keeps = t.activation_checkpointing == "none" or (
+        t.activation_checkpointing == "selective" and not engine.op_level_selective
+    )
+    return extra, extra if keeps else 0.0
 
 
 def traffic(updates: tuple[PlannedUpdate, ...]) -> tuple[TrafficEntry, ...]:

@@ -232,7 +232,10 @@ class StageMemoryEntry(_Section):
     activations: int = Field(description="stored for the backward pass: per layer, times the micro-batches in flight")
     recompute: int = Field(default=0, description="the working set of the layer being recomputed under checkpointing")
     loss: int = Field(default=0, description="the last stage's logits and the loss's buffers")
-    buffers: int = Field(default=0, description="pipeline receive buffers and FSDP's reduce-scatter copy")
+    buffers: int = Field(
+        default=0,
+        description="pipeline receive buffers, FSDP's reduce-scatter copy and ring attention's backward buffers",
+    )
     reserve: int = Field(default=0, description="the caching allocator's reserve beyond live tensors")
     total: int
 

@@ -652,8 +652,12 @@ def _transformer_diagnostics(model: TransformerModel, spec: Spec, doc: SourceDoc
                     extra_fields=(("model", "num_experts"),),
                 )
             )
-    elif model.experts_per_token is not None or model.moe_ffn_hidden_size is not None:
-        field_name = "experts_per_token" if model.experts_per_token is not None else "moe_ffn_hidden_size"
+    elif expert_only := [
+        f
+        for f in ("experts_per_token", "moe_ffn_hidden_size", "expert_capacity_factor")
+        if getattr(model, f) is not None
+    ]:
+        field_name = expert_only[0]
         out.append(
             doc.diagnostic(
                 codes.INCONSISTENT.code,

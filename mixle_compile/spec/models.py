@@ -313,6 +313,11 @@ class TransformerModel(StrictModel):
     experts_per_token: Size | None = Field(default=None, description="top-k routing; required when num_experts > 0")
     moe_ffn_hidden_size: Size | None = Field(default=None, description="defaults to ffn_hidden_size")
     moe_layer_frequency: Size = Field(default=1, description="every k-th layer is a mixture-of-experts layer")
+    expert_capacity_factor: Annotated[StrictFloat | StrictInt, Field(gt=0, allow_inf_nan=False)] | None = Field(
+        default=None,
+        description="tokens an expert takes, as a multiple of its even share (Megatron "
+        "--moe-expert-capacity-factor); null = dropless routing",
+    )
     norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
     activation: Literal["swiglu", "gelu", "relu"] = "swiglu"
     position_embedding: Literal["rope", "learned"] = "rope"

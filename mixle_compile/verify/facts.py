@@ -219,6 +219,14 @@ def plan_facts(spec: Spec) -> PlanFacts:
         if model.moe_ffn_hidden_size is not None:
             add("moe_ffn_hidden_size", ("model", "moe_ffn_hidden_size"), model.moe_ffn_hidden_size)
         add("tie_embeddings", ("model", "tie_embeddings"), model.tie_embeddings, "bool")
+        capacity = model.expert_capacity_factor
+        add(
+            "expert_capacity",
+            ("model", "expert_capacity_factor"),
+            capacity is not None,
+            "bool",
+            "dropless" if capacity is None else f"{capacity:g}",
+        )
         footprint = parameter_footprint(spec)
     elif isinstance(model, ModulesModel):
         family = Family.MODULES

@@ -85,6 +85,12 @@ class ParameterFootprint:
     kv_width: int = 0  # num_kv_heads * head_dim
     head_dim: int = 0
     ffn_width: int = 0  # the widest MLP per token: ffn_hidden_size, or experts_per_token * the experts' size
+    # mixture-of-experts layers (memory_model.moe_layer_extra_bytes): see expert_shape
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_width: int = 0
+    capacity_factor: float = 1.0
+    activation: str = "swiglu"
 
     def share(self, place: str, category: str) -> Share:
         return self.shares.get((place, category), ZERO)
@@ -159,6 +165,8 @@ def parameter_footprint(spec: Spec) -> ParameterFootprint:
             vocab_size=model.vocab_size,
             head_dim=head_dim_of(model),
             **activation_widths(model),
+            **expert_shape(model),
+            activation=model.activation,
         )
 
     # A listed model: layers may differ, so a stage is bounded by its heaviest layer.
@@ -198,4 +206,16 @@ def activation_widths(model) -> dict[str, int]:
         "query_width": model.num_heads * head_dim,
         "kv_width": (model.num_kv_heads or model.num_heads) * head_dim,
         "ffn_width": ffn,
+    }
+
+
+def expert_shape(model) -> dict:
+    """What a mixture-of-experts layer's block keeps depends on (memory_model.moe_layer_extra_bytes):
+    the experts, the top-k, an expert's hidden features, and the capacity factor (1, the even
+    share, for dropless routing)."""
+    return {
+        "num_experts": model.num_experts,
+        "experts_per_token": model.experts_per_token or 1,
+        "expert_width": model.moe_ffn_hidden_size or model.ffn_hidden_size,
+        "capacity_factor": model.expert_capacity_factor or 1.0,
     }

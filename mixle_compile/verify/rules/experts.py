@@ -9,7 +9,7 @@ to be 1 or `tp` (torchtitan 0.3 has no etp at all); Megatron-Core builds a separ
 from __future__ import annotations
 
 from mixle_compile.spec.kinds import NEURAL, Engine
-from mixle_compile.verify.logic import all_of, any_of, implies
+from mixle_compile.verify.logic import all_of, any_of, implies, negation
 from mixle_compile.verify.rule import EVERY_FAMILY, Rule, define
 from mixle_compile.verify.wording import alternatives, divisors
 
@@ -272,6 +272,33 @@ TORCHTITAN_NO_ETP = define(
         fields=("etp",),
         engines=frozenset({Engine.TORCHTITAN}),
         versions=((Engine.TORCHTITAN, ">=0.3"),),
+        families=NEURAL,
+    )
+)
+
+DROPLESS_ONLY = define(
+    Rule(
+        code="E011",
+        name="expert-capacity-dropless-engine",
+        title="expert_capacity_factor only on an engine that caps an expert's tokens (Megatron-Core).",
+        docs=(
+            "A capacity factor caps the tokens each expert takes at that multiple of its even share and drops "
+            "the rest (Megatron-Core's `moe_expert_capacity_factor`, with `moe_pad_expert_input_to_capacity` "
+            "padding up to it). torchtitan and the in-tree runtime route every token to its experts (dropless), "
+            "so a spec that states a capacity describes a run they would not do, and its memory would be "
+            "priced for tokens they do not cap."
+        ),
+        engine_reference=(
+            "Megatron-Core transformer_config.py `moe_expert_capacity_factor` (None: no token dropped) and "
+            "token_dispatcher.py `get_capacity`; torchtitan 0.3 models/common/moe.py `TokenChoiceTopKRouter` "
+            "(every token to its top-k experts, no capacity); runtime/experts.py (no capacity limit)"
+        ),
+        constraint=lambda v: negation(v.expert_capacity),
+        explain=lambda x: f"{x.facts.backend} routes every token to its experts and has no capacity factor",
+        hint=lambda x: "remove model.expert_capacity_factor (dropless routing), or use backend: megatron",
+        fields=("expert_capacity",),
+        engines=frozenset({Engine.TORCH, Engine.TORCHTITAN}),
+        needs=("expert_capacity",),
         families=NEURAL,
     )
 )

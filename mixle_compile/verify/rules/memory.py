@@ -13,6 +13,7 @@ from mixle_compile.memory_model import (
     logits_bytes,
     loss_bytes_per_logit,
     micro_batches_in_flight,
+    moe_layer_extra_bytes,
     optimizer_bytes_per_element,
     pipeline_buffer_bytes,
     reduce_scatter_buffer_bytes,
@@ -136,7 +137,7 @@ def per_rank_bytes(v) -> dict[str, object]:
         "gathered weights": gathered,
         "gradients": weights,  # gradients are held in the parameters' dtype
         "optimizer state": optimizer,
-        **activation_bytes(v, copies["every_layer"]),
+        **activation_bytes(v, copies["every_layer"], copies["moe_layer"]),
     }
     buffers = pipeline_buffers(v)
     transient = ring_attention(v)  # what a layer's backward needs for a while
@@ -232,10 +233,37 @@ def pipeline_buffers(v) -> object:
     return when(v.pp == 1, real(0), when(interleaved, several, when(v.is_("pipeline_schedule", "gpipe"), gpipe, one)))
 
 
-def activation_bytes(v, layers_on_rank) -> dict[str, object]:
+def moe_extra(v) -> tuple[object, object]:
+    """An MoE layer's bytes beyond a dense one's and the part checkpointing keeps
+    (lower/memory.py ``moe_extra`` states when)."""
+    fp = v.facts.footprint
+    engine = v.facts.engine
+    extra = moe_layer_extra_bytes(
+        TERMS,
+        seq_len=v.seq_len,
+        cp=v.cp,
+        micro_batch_size=v.micro_batch_size,
+        hidden_size=fp.hidden_size,
+        tp=v.tp,
+        etp=v.etp,
+        sequence_parallel=v.sequence_parallel,
+        experts_per_token=fp.experts_per_token,
+        num_experts=fp.num_experts,
+        expert_width=fp.expert_width,
+        capacity_factor=fp.capacity_factor,
+        saved=engine.moe_saved(fp.activation),
+        fp32=v.is_("precision", "fp32", "fp64"),
+    )
+    keeps = v.is_("activation_checkpointing", "none")
+    if not engine.op_level_selective:
+        keeps = v.is_("activation_checkpointing", "none", "selective")
+    return extra, when(keeps, extra, real(0))
+
+
+def activation_bytes(v, layers_on_rank, moe_layers_on_rank=0) -> dict[str, object]:
     """Activations kept for the backward pass on the first stage (which keeps the most micro-batches
     in flight), the recompute working set, and the last stage's logits with the loss's buffers: a
-    bound on any one stage."""
+    bound on any one stage. ``moe_layers_on_rank`` bounds the MoE layers of any one rank."""
     fp = v.facts.footprint
     if v.facts.family != Family.TRANSFORMER:
         # a modules spec lists parameters only; its activations are unknown
@@ -261,6 +289,11 @@ def activation_bytes(v, layers_on_rank) -> dict[str, object]:
 
     per_layer = layer(v.is_("activation_checkpointing", "full"), v.is_("activation_checkpointing", "selective"))
     recomputed = layer(False, False) - per_layer  # the layer being recomputed holds all of it once more
+    stored = real(layers_on_rank) * per_layer
+    if fp.num_experts > 0:  # (only then: the solver carries no term that is always zero)
+        extra, kept_extra = moe_extra(v)
+        stored = stored + real(moe_layers_on_rank) * kept_extra
+        recomputed = recomputed + extra - kept_extra
     in_flight = micro_batches_in_flight(
         TERMS,
         pp=v.pp,
@@ -288,7 +321,7 @@ def activation_bytes(v, layers_on_rank) -> dict[str, object]:
         per_logit = when(v.compiled_loss, per_logit_when(True), per_logit)  # only then does training.compile bear on it
     logits = logits_bytes(TERMS, **shape, vocab_size=fp.vocab_size, bytes_per_logit=per_logit)
     return {
-        "activations": in_flight * real(layers_on_rank) * per_layer,
+        "activations": in_flight * stored,
         "recompute working set": recomputed,
         "logits and loss": logits,
     }
