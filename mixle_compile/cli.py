@@ -469,7 +469,7 @@ def _write_fixes(results, targets, edits, args, extra, chosen, ignored) -> list:
 
 
 def _suggestion_text(result) -> str:
-    from mixle_compile.verify.suggest import MAX_CHANGES
+    from mixle_compile.verify.suggest import MAX_CHANGES, SEARCH_DEADLINE_S
 
     s = result.suggestion
     if s is None:
@@ -477,6 +477,11 @@ def _suggestion_text(result) -> str:
             f"# {result.file}: no valid plan on the same devices changes at most {MAX_CHANGES} of the mesh and "
             "training settings; the conflict involves the model, the devices, the backend, the global batch size "
             "or the sequence length"
+        )
+    if s.out_of_time:
+        return (
+            f"# {result.file}: the search for a valid plan on the same {s.devices} devices ran past its "
+            f"{SEARCH_DEADLINE_S:.0f} s deadline before it found one; the settings in conflict are named above"
         )
     if not s.changes:
         return (
@@ -500,6 +505,8 @@ def _suggestion_dict(result) -> dict:
     s = result.suggestion
     if s is None:
         return {"file": result.file, "found": False}
+    if s.out_of_time:
+        return {"file": result.file, "found": False, "out_of_time": True}
     return {
         "file": result.file,
         "found": True,

@@ -124,6 +124,43 @@ def test_suggest_does_not_trade_an_error_for_a_new_warning(tmp_path):
     assert [(c.field.symbol, c.value) for c in errors_only.changes] == [("microbatches", 4)]
 
 
+def test_a_search_past_its_deadline_returns_undecided_at_once(tmp_path, monkeypatch):
+    """Every solver call of a search shares one deadline: once it has passed, the calls answer
+    unknown, and the search ends with what it has, marked as not proved nearest."""
+    import time
+
+    from mixle_compile.spec import load_spec
+    from mixle_compile.verify import plan_facts
+    from mixle_compile.verify import suggest as search
+
+    spec(tmp_path, QUICKSTART.replace("  tp: 2\n", "  tp: 3\n"))
+    facts = plan_facts(load_spec(tmp_path / "spec.yaml").spec)
+    assert search.nearest_valid_plan(facts).proved_nearest
+    started = time.monotonic()
+    assert search._search(facts, search._fix_rules(facts), search._Clock(0.0)).out_of_time
+    assert time.monotonic() - started < 5
+    # A deadline that passes at the first plan found: that plan is offered, not claimed nearest.
+    real_check = search._Clock.check
+
+    def expire_at_first_plan(self, solver):
+        result = real_check(self, solver)
+        if result == search.z3.sat:
+            self.deadline = 0.0
+        return result
+
+    monkeypatch.setattr(search._Clock, "check", expire_at_first_plan)
+    late = search.nearest_valid_plan(facts)
+    assert late is not None and not late.proved_nearest
+    monkeypatch.setattr(search._Clock, "check", real_check)
+    monkeypatch.setattr(search, "SEARCH_DEADLINE_S", 0.0)
+    assert search.passing_values(facts, "tp") == []  # no value could be shown to pass, so none is offered
+    late = search.nearest_valid_plan(facts)
+    assert late.out_of_time and late.changes == () and not late.proved_nearest
+    result = check_file(tmp_path / "spec.yaml", suggest=True)
+    assert "ran past its 0 s deadline before it found one" in cli._suggestion_text(result)
+    assert cli._suggestion_dict(result) == {"file": result.file, "found": False, "out_of_time": True}
+
+
 def test_a_slow_search_says_so_on_standard_error(capsys, tmp_path, monkeypatch):
     monkeypatch.setattr(check, "PROGRESS_AFTER", 0.0)
     path = spec(tmp_path, QUICKSTART.replace("  tp: 2\n", "  tp: 3\n"))

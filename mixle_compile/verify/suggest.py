@@ -16,10 +16,18 @@ answer does not depend on the solver's state) the fields earlier in CHANGEABLE k
 can be and each changed field at its smallest fitting value. A search that may
 change only a few fields is small, which is why counting up is fast; plans needing more than
 MAX_CHANGES changes are not offered as fixes.
+
+Every solver call runs after a preprocessing pass (simplification, value propagation and equation
+solving) that substitutes the pinned fields into the nonlinear byte counts before search: without
+it one *unsat* answer over a memory rule could take Z3's default solver a minute or more, in a time
+that varied with the order its terms were built in. Each call also has a resource limit and a
+wall-clock limit, and the whole search a deadline: a call that runs out answers *unknown*, which
+leaves the suggestion marked as not proved nearest rather than a check that never returns.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +62,8 @@ CHANGEABLE = (
 _DEGREES = {"dp_replicate", "dp_shard", "tp", "pp", "cp", "ep", "etp"}
 _BATCH = {"microbatches", "gradient_accumulation_steps", "micro_batch_size"}
 SEARCH_RESOURCE_LIMIT = 20_000_000  # per solver call: bounds the time of a hopeless search
+SEARCH_TIMEOUT_MS = 10_000  # per solver call, beside the resource limit (nonlinear search can stall between counts)
+SEARCH_DEADLINE_S = 60.0  # the whole search; later calls answer unknown at once
 MAX_CHANGES = 4  # a plan needing more changes than this is a different plan, not a fix
 
 
@@ -77,6 +87,7 @@ class Suggestion:
     proved_nearest: bool  # every step of the search was decided, so nothing nearer exists
     dp_shard_auto_value: int | None = None  # what `dp_shard: auto` resolves to afterwards
     new_warnings: tuple[str, ...] = ()  # warning rules the fix breaks (only when no clean fix exists)
+    out_of_time: bool = False  # the search's deadline passed before any plan was found (no changes then)
 
     def yaml_patch(self) -> str:
         """The changes as YAML to merge into the spec, each with the value it replaces."""
@@ -99,6 +110,28 @@ class Suggestion:
         return "\n".join(lines) + "\n"
 
 
+class _Clock:
+    """The deadline one search shares among its solver calls."""
+
+    def __init__(self, seconds: float | None = None) -> None:
+        self.deadline = time.monotonic() + (SEARCH_DEADLINE_S if seconds is None else seconds)
+
+    def check(self, solver: z3.Solver) -> z3.CheckSatResult:
+        """``solver.check()`` within the per-call limit and what is left of the deadline."""
+        left_ms = int((self.deadline - time.monotonic()) * 1000)
+        if left_ms <= 0:
+            return z3.unknown
+        solver.set("timeout", min(SEARCH_TIMEOUT_MS, left_ms))
+        return solver.check()
+
+
+def _solver() -> z3.Solver:
+    """A solver that substitutes pinned values before it searches, within the resource limit."""
+    solver = z3.Then("simplify", "propagate-values", "solve-eqs", "simplify", "smt").solver()
+    solver.set("rlimit", SEARCH_RESOURCE_LIMIT)
+    return solver
+
+
 def _domain(symbol: str, facts: PlanFacts) -> list[int]:
     """The values an integer setting can take in a valid plan on these devices."""
     if symbol in _DEGREES:
@@ -112,7 +145,8 @@ def _domain(symbol: str, facts: PlanFacts) -> list[int]:
 
 
 def nearest_valid_plan(facts: PlanFacts) -> Suggestion | None:
-    """The nearest plan that breaks no error rule, or None when no plan within MAX_CHANGES changes exists.
+    """The nearest plan that breaks no error rule, or None when no plan within MAX_CHANGES changes exists
+    (a search whose deadline passed before it found any plan says so: :attr:`Suggestion.out_of_time`).
 
     A fix must not trade an error for a warning the spec does not have (a large pipeline bubble):
     the search first asks for a plan that also keeps every warning rule the spec passes; only
@@ -129,36 +163,38 @@ def nearest_valid_plan(facts: PlanFacts) -> Suggestion | None:
         for r in rules_for(facts)
         if r.constraint is not None and r.severity is Severity.warning and r.code not in broken
     ]
-    found = _search(facts, errors + held) if held else None
-    if found is not None:
+    clock = _Clock()
+    found = _search(facts, errors + held, clock) if held else None
+    if found is not None and not found.out_of_time:
         return found
-    found = _search(facts, errors)
-    if found is None or not held:
+    found = _search(facts, errors, clock)
+    if found is None or not held or found.out_of_time:
         return found
     return Suggestion(
         found.changes,
         found.devices,
         found.proved_nearest,
         found.dp_shard_auto_value,
-        tuple(r.code for r in held if not _holds(facts, r, found)),
+        tuple(r.code for r in held if not _holds(facts, r, found, clock)),
     )
 
 
-def _holds(facts: PlanFacts, rule, suggestion: Suggestion) -> bool:
+def _holds(facts: PlanFacts, rule, suggestion: Suggestion, clock: _Clock) -> bool:
+    """Whether ``rule`` holds on the plan ``suggestion`` makes (undecided counts as broken)."""
     symbols = Symbols(facts)
-    solver = z3.Solver()
+    solver = _solver()
     solver.add(*symbols.domain)
     changed = {c.field.symbol: c.value for c in suggestion.changes}
     solver.add(*[symbols.pin(f.symbol, changed.get(f.symbol, f.value)) for f in facts.fields])
     solver.add(rule.constraint(symbols))
-    return solver.check() == z3.sat
+    return clock.check(solver) == z3.sat
 
 
-def _search(facts: PlanFacts, rules: list) -> Suggestion | None:
+def _search(facts: PlanFacts, rules: list, clock: _Clock | None = None) -> Suggestion | None:
     """The nearest plan on these devices under ``rules``: fewest changes, then the smallest."""
+    clock = clock or _Clock()
     symbols = Symbols(facts)
-    solver = z3.Solver()
-    solver.set("rlimit", SEARCH_RESOURCE_LIMIT)
+    solver = _solver()
     solver.add(*symbols.domain)
     changeable = [f for f in facts.fields if f.symbol in CHANGEABLE]
     free = {f.symbol for f in changeable}
@@ -188,7 +224,7 @@ def _search(facts: PlanFacts, rules: list) -> Suggestion | None:
     for k in range(min(MAX_CHANGES, len(changeable)) + 1):
         solver.push()
         solver.add(changed <= k)
-        result = solver.check()
+        result = clock.check(solver)
         if result == z3.sat:
             model = solver.model()
         solver.pop()
@@ -198,11 +234,11 @@ def _search(facts: PlanFacts, rules: list) -> Suggestion | None:
         if result != z3.unsat:
             decided = False
     if model is None:
-        return None
-    best, model, settled = _minimise(solver, distance, model)
+        return None if decided else Suggestion((), facts.value("devices"), False, out_of_time=True)
+    best, model, settled = _minimise(solver, distance, model, clock)
     decided = decided and settled
     if settled:
-        model = _canonical(solver, distance, best, changeable, symbols, model, facts)
+        model = _canonical(solver, distance, best, changeable, symbols, model, facts, clock)
 
     changes = []
     for f in changeable:
@@ -223,7 +259,14 @@ def _search(facts: PlanFacts, rules: list) -> Suggestion | None:
 
 
 def _canonical(
-    solver: z3.Solver, distance: Any, best: int, changeable: list[Field], symbols: Symbols, model: Any, facts: PlanFacts
+    solver: z3.Solver,
+    distance: Any,
+    best: int,
+    changeable: list[Field],
+    symbols: Symbols,
+    model: Any,
+    facts: PlanFacts,
+    clock: _Clock,
 ) -> Any:
     """One answer among equally near plans, whatever the solver's state: fields earlier in
     CHANGEABLE are kept as they are where the nearest plans allow (so which of two equally near
@@ -237,7 +280,7 @@ def _canonical(
         for f in order:
             var = symbols.variables[f.symbol]
             keep = var == (z3.BoolVal(bool(f.value)) if f.kind == "bool" else int(f.value))
-            if _add_if_satisfiable(solver, keep):
+            if _add_if_satisfiable(solver, keep, clock):
                 kept.add(f.symbol)
         for f in order:
             if f.symbol in kept:
@@ -250,14 +293,14 @@ def _canonical(
             else:
                 values = [v for v in _domain(f.symbol, facts) if v != f.value]
             for value in values:
-                if _add_if_satisfiable(solver, var == (z3.BoolVal(value) if f.kind == "bool" else value)):
+                if _add_if_satisfiable(solver, var == (z3.BoolVal(value) if f.kind == "bool" else value), clock):
                     break
-        return solver.model() if solver.check() == z3.sat else model
+        return solver.model() if clock.check(solver) == z3.sat else model
     finally:
         solver.pop()
 
 
-def _minimise(solver: z3.Solver, objective: Any, model: Any) -> tuple[int, Any, bool]:
+def _minimise(solver: z3.Solver, objective: Any, model: Any, clock: _Clock) -> tuple[int, Any, bool]:
     """Bisection for the least value of ``objective``: (value, a model at it, whether decided)."""
     high = model.eval(objective, model_completion=True).as_long()
     low = -1  # no model at or below `low`
@@ -265,7 +308,7 @@ def _minimise(solver: z3.Solver, objective: Any, model: Any) -> tuple[int, Any, 
         middle = (low + high) // 2
         solver.push()
         solver.add(objective <= middle)
-        result = solver.check()
+        result = clock.check(solver)
         if result == z3.sat:
             model = solver.model()
             high = model.eval(objective, model_completion=True).as_long()
@@ -294,8 +337,8 @@ def passing_values(facts: PlanFacts, symbol: str, candidates: list | None = None
         return None
     field = facts.field(symbol)
     symbols = Symbols(facts)
-    solver = z3.Then("simplify", "propagate-values", "solve-eqs", "simplify", "smt").solver()
-    solver.set("rlimit", SEARCH_RESOURCE_LIMIT)
+    solver = _solver()
+    clock = _Clock()
     solver.add(*symbols.domain)
     solver.add(*[symbols.pin(f.symbol, f.value) for f in facts.fields if f.symbol != symbol])
     for r in _fix_rules(facts):
@@ -315,18 +358,18 @@ def passing_values(facts: PlanFacts, symbol: str, candidates: list | None = None
             continue
         solver.push()
         solver.add(var == (z3.BoolVal(value) if field.kind == "bool" else value))
-        ok = solver.check() == z3.sat
+        ok = clock.check(solver) == z3.sat
         solver.pop()
         if ok:
             out.append(Change(field, value).display())
     return out
 
 
-def _add_if_satisfiable(solver, constraint) -> bool:
+def _add_if_satisfiable(solver, constraint, clock: _Clock) -> bool:
     """Add ``constraint`` to ``solver`` where the solver can still be satisfied with it."""
     solver.push()
     solver.add(constraint)
-    result = solver.check()
+    result = clock.check(solver)
     solver.pop()
     if result == z3.sat:
         solver.add(constraint)
