@@ -469,7 +469,7 @@ def _write_fixes(results, targets, edits, args, extra, chosen, ignored) -> list:
 
 
 def _suggestion_text(result) -> str:
-    from mixle_compile.verify.suggest import MAX_CHANGES, SEARCH_DEADLINE_S
+    from mixle_compile.verify.suggest import MAX_CHANGES, SEARCH_DEADLINE_S, SEARCH_TIMEOUT_MS
 
     s = result.suggestion
     if s is None:
@@ -480,8 +480,9 @@ def _suggestion_text(result) -> str:
         )
     if s.out_of_time:
         return (
-            f"# {result.file}: the search for a valid plan on the same {s.devices} devices ran past its "
-            f"{SEARCH_DEADLINE_S:.0f} s deadline before it found one; the settings in conflict are named above"
+            f"# {result.file}: the search for a valid plan on the same {s.devices} devices ran out of time "
+            f"before it found one ({SEARCH_TIMEOUT_MS / 1000:.0f} s a solver call, {SEARCH_DEADLINE_S:.0f} s in all); "
+            "the settings in conflict are named above"
         )
     if not s.changes:
         return (

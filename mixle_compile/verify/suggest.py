@@ -87,7 +87,7 @@ class Suggestion:
     proved_nearest: bool  # every step of the search was decided, so nothing nearer exists
     dp_shard_auto_value: int | None = None  # what `dp_shard: auto` resolves to afterwards
     new_warnings: tuple[str, ...] = ()  # warning rules the fix breaks (only when no clean fix exists)
-    out_of_time: bool = False  # the search's deadline passed before any plan was found (no changes then)
+    out_of_time: bool = False  # a solver call or the whole search ran out of time before any plan was found
 
     def yaml_patch(self) -> str:
         """The changes as YAML to merge into the spec, each with the value it replaces."""
