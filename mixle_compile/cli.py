@@ -678,7 +678,6 @@ def _compile_or_report(path: str, progress, options=None, *, fmt: str = "text", 
 
 
 def _cmd_compile(args: argparse.Namespace) -> int:
-    from mixle_compile.plan import plan_text
     from mixle_compile.progress import Progress
 
     progress = Progress("compile", 4)
@@ -686,7 +685,7 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     if result is None:
         return status
     progress.step("writing the plan")
-    text = plan_text(result.plan)
+    text = result.text
     progress.close()
     if args.output is None:
         sys.stdout.write(text)
@@ -726,7 +725,6 @@ def _plan_of(path: str, verb: str, options=None):
             return None, EXIT_USAGE
         finally:
             progress.close()
-    from mixle_compile.plan import plan_text
     from mixle_compile.progress import Progress
 
     progress = Progress(f"{verb}: {path}", 4)  # compiling, then reading the plan back as a plan file is read
@@ -735,7 +733,7 @@ def _plan_of(path: str, verb: str, options=None):
         return None, status
     progress.step("reading the plan back and checking its digests")
     try:
-        return load_plan_text(plan_text(result.plan), str(path)), EXIT_CLEAN
+        return load_plan_text(result.text, str(path)), EXIT_CLEAN
     finally:
         progress.close()
 

@@ -34,6 +34,7 @@ class CompilerBug(RuntimeError):
 class CompileResult:
     check: CheckResult
     plan: dict | None  # the JSON-ready plan; None when the spec has errors
+    text: str | None = None  # the plan as written (plan_text(plan)), encoded with its digest
 
 
 def compile_file(path: str | Path, *, options=None, progress=None) -> CompileResult:
@@ -52,7 +53,7 @@ def compile_loaded(loaded, progress=None) -> CompileResult:
     if checked.errors or checked.unreadable or loaded.spec is None:
         return CompileResult(checked, None)
     from mixle_compile.lower.lowering import lower
-    from mixle_compile.plan import build_plan
+    from mixle_compile.plan.artifact import build_plan_text
 
     progress.step("lowering: layouts, updates, stage programs, the schedule check")
     try:
@@ -71,4 +72,4 @@ def compile_loaded(loaded, progress=None) -> CompileResult:
     if lowered.schedule is not None and not lowered.schedule.check.ok:
         raise CompilerBug(f"the lowered schedule fails its check: {lowered.schedule.check.problems[0]}")
     progress.step("building the plan")
-    return CompileResult(checked, build_plan(loaded.spec, lowered, list(checked.diagnostics)))
+    return CompileResult(checked, *build_plan_text(loaded.spec, lowered, list(checked.diagnostics)))

@@ -69,6 +69,14 @@ class LayerSplit:
     def layers_on_stage(self, stage: int) -> int:
         return sum(self.counts[c * self.pp + stage] for c in range(self.virtual_stages))
 
+    def ranges_on_stage(self, stage: int) -> tuple[tuple[int, int], ...]:
+        """The layers of each of ``stage``'s chunks, as ``(first, end)`` ranges in chunk order."""
+        starts = [0]
+        for count in self.counts:
+            starts.append(starts[-1] + count)
+        virtual = [c * self.pp + stage for c in range(self.virtual_stages)]
+        return tuple((starts[w], starts[w + 1]) for w in virtual)
+
 
 def split_layers(num_layers: int, pp: int, virtual_stages: int, pipeline_layers: Any, engine_name: str) -> LayerSplit:
     """The split a spec asks for: a list as given, ``even``, or the engine's rule. Without a

@@ -12,6 +12,7 @@ index as dimension 0.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from math import prod
 
@@ -42,11 +43,14 @@ class Parameter:
         return self.numel * DTYPE_BYTES[self.dtype]
 
 
-def model_parameters(spec: Spec) -> tuple[Parameter, ...]:
-    """Every parameter of a neural spec, in module order. A distribution spec has none here."""
+def model_parameters(spec: Spec, layers: Iterable[int] | None = None) -> tuple[Parameter, ...]:
+    """Every parameter of a neural spec, in module order. A distribution spec has none here.
+
+    ``layers``: a transformer's blocks to list (in increasing order; every block when None), as the
+    lowering lists one block of each run of blocks that lower alike (lower/runs.py)."""
     model = spec.model
     if isinstance(model, TransformerModel):
-        return transformer_parameters(model, stored_dtype(spec.training.precision), spec.training.seq_len)
+        return transformer_parameters(model, stored_dtype(spec.training.precision), spec.training.seq_len, layers)
     if isinstance(model, ModulesModel):
         return tuple(
             Parameter(
@@ -87,7 +91,17 @@ def moe_layer_at(layer: int, *, num_experts: int, frequency: int) -> bool:
     return num_experts > 0 and layer % frequency == 0
 
 
-def transformer_parameters(model: TransformerModel, dtype: str, seq_len: int | None = None) -> tuple[Parameter, ...]:
+def moe_layers_between(model: TransformerModel, start: int, end: int) -> int:
+    """How many of the blocks ``start`` .. ``end - 1`` are mixture-of-experts blocks (:func:`is_moe_layer`)."""
+    if model.num_experts <= 0 or end <= start:
+        return 0
+    k = model.moe_layer_frequency
+    return -(-end // k) - -(-start // k)  # the multiples of k in [start, end)
+
+
+def transformer_parameters(
+    model: TransformerModel, dtype: str, seq_len: int | None = None, layers: Iterable[int] | None = None
+) -> tuple[Parameter, ...]:
     h, v = model.hidden_size, model.vocab_size
     d = head_dim(model)
     q_out = model.num_heads * d
@@ -116,7 +130,7 @@ def transformer_parameters(model: TransformerModel, dtype: str, seq_len: int | N
     add("embed.weight", (v, h), "embedding", None, tied)
     if model.position_embedding == "learned":
         add("pos_embed.weight", (seq_len or 1, h), "embedding")
-    for i in range(model.num_layers):
+    for i in range(model.num_layers) if layers is None else layers:
         p = f"layers.{i}"
         norm(f"{p}.attn_norm", i)
         add(f"{p}.attn.q_proj.weight", (q_out, h), "column", i)

@@ -24,6 +24,8 @@ Everything here is numbers only (no torch), so `explain` stays fast.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from fractions import Fraction
+from functools import cache
 from typing import Any
 
 from mixle_compile.parameters import moe_layer_at
@@ -119,16 +121,28 @@ _DATA_AXES = frozenset((*DATA_PARALLEL_AXES, EXPERT_DATA))
 
 
 def ring_bytes(collective: str, group_size: int, payload_bytes: float) -> float:
-    """Bytes one rank sends for one collective over a ring of ``group_size`` ranks:
-    all_reduce 2(n-1)/n S; reduce_scatter, all_gather, all_to_all and broadcast (n-1)/n S; p2p S."""
-    n, s = group_size, payload_bytes
+    """Bytes one rank sends for one collective over a ring of ``group_size`` ranks: the payload
+    times :func:`ring_fraction`."""
+    return _ring_factor(collective, group_size) * payload_bytes
+
+
+@cache
+def _ring_factor(collective: str, group_size: int) -> float:
+    return float(ring_fraction(collective, group_size))
+
+
+@cache
+def ring_fraction(collective: str, group_size: int) -> Fraction:
+    """The part of its payload one rank sends for one collective over a ring of ``group_size`` ranks:
+    all_reduce 2(n-1)/n; reduce_scatter, all_gather, all_to_all and broadcast (n-1)/n; p2p 1."""
+    n = group_size
     if collective == "none" or n < 1:
-        return 0.0
+        return Fraction(0)
     if collective == "all_reduce":
-        return 2 * (n - 1) / n * s
+        return Fraction(2 * (n - 1), n)
     if collective in ("reduce_scatter", "all_gather", "all_to_all", "broadcast"):
-        return (n - 1) / n * s
-    return float(s)
+        return Fraction(n - 1, n)
+    return Fraction(1)
 
 
 def collective_latency(collective: str, group_size: int, nodes: int, table: dict) -> float:
@@ -648,7 +662,8 @@ def predict_lowered(spec: Any, lowered: Any) -> StepTime:
             "collective": u.update.collective.value,
             "group_size": u.group_size,
             "payload_bytes": u.payload_bytes,
-            "occurrences_per_step": u.occurrences_per_step,
+            # an update of a run's first block stands for every block of the run (lower/runs.py)
+            "occurrences_per_step": u.occurrences_per_step * lowered.count(u.layer),
             "payload": u.update.payload.value,
             "mesh_axes": [str(getattr(a, "value", a)) for a in u.update.mesh_axes],
         }

@@ -50,7 +50,9 @@ def lowered(dr=1, ds=1, tp=1, pp=1, cp=1, ep=1, experts=0, tie=False, sp=False, 
         text = text.replace("num_heads: 4,", f"num_heads: 4, num_kv_heads: {kv},")
     loaded = load_spec_text(text, "t.yaml")
     assert loaded.ok, [d.text() for d in loaded.diagnostics]
-    return lower(loaded.spec)
+    # Every block lowered, so that each block's own updates can be read (a compile lowers one block
+    # of each run; tests/test_layer_runs.py holds the two to the same plan).
+    return lower(loaded.spec, each_layer=True)
 
 
 def updates_of(low, tensor):

@@ -13,6 +13,7 @@ from mixle_compile.lower.exactly_once import ReductionProblem, check_exactly_onc
 from mixle_compile.lower.groups import RankGrid
 from mixle_compile.lower.layouts import PlacedParameter, place_parameters
 from mixle_compile.lower.memory import StageMemory, TrafficEntry, stage_memory, traffic
+from mixle_compile.lower.runs import LayerRuns, transformer_runs
 from mixle_compile.lower.step import EXHAUSTIVE_RANKS, StepSchedule, grid_for, stated, step_schedule
 from mixle_compile.lower.updates import PlannedUpdate, activation_updates, gradient_updates
 from mixle_compile.parameters import model_parameters
@@ -32,13 +33,24 @@ class Lowered:
     schedule: StepSchedule | None  # None when not requested (large plans check it on demand)
     decomposition: dict | None = None  # the model cut of a distribution model (ModelDecomposition.as_dict())
     diagnostics: tuple[Diagnostic, ...] = ()
+    # The blocks a run of blocks that lower alike is stated by (lower/runs.py): parameters, updates
+    # and the stage programs list the first block of each run only. None: every block is listed.
+    layer_runs: LayerRuns | None = None
+
+    def count(self, layer: int | None) -> int:
+        """How many blocks an entry of ``layer`` stands for."""
+        return 1 if self.layer_runs is None else self.layer_runs.count(layer)
 
 
-def lower(spec: Spec, *, schedule: bool = True, document: SourceDocument | None = None) -> Lowered:
+def lower(
+    spec: Spec, *, schedule: bool = True, document: SourceDocument | None = None, each_layer: bool = False
+) -> Lowered:
     """Lower a spec that passed `check` (its mesh fits its devices and its model).
 
     `schedule=False` skips building and checking the per-step programs. `document` lets
-    diagnostics point at the spec's source.
+    diagnostics point at the spec's source. A transformer's runs of blocks that lower alike are
+    lowered once each (:mod:`mixle_compile.lower.runs`); `each_layer=True` lowers every block (the
+    same plan, built the long way).
     """
     if isinstance(spec.model, DistributionModel):
         return _lower_distribution(spec, schedule=schedule, document=document)
@@ -50,8 +62,12 @@ def lower(spec: Spec, *, schedule: bool = True, document: SourceDocument | None 
     # A modules model's layers take the balanced split: the engines' rules are for transformers.
     split_engine = engine.name if isinstance(spec.model, TransformerModel) else "torch"
     split = split_layers(max(num_layers, 1), plan.pp, t.virtual_pipeline_stages, t.pipeline_layers, split_engine)
+    runs = None
+    if isinstance(spec.model, TransformerModel) and not each_layer:
+        runs = transformer_runs(spec.model, split)
+    listed = runs.first_layers if runs is not None else range(num_layers)
     placed = place_parameters(
-        model_parameters(spec),
+        model_parameters(spec, listed if runs is not None else None),
         plan,
         num_layers=num_layers,
         virtual_stages=t.virtual_pipeline_stages,
@@ -60,7 +76,7 @@ def lower(spec: Spec, *, schedule: bool = True, document: SourceDocument | None 
         fsdp_over_cp=engine.fsdp_over_cp,
         layer_split=split,
     )
-    stage_of = {i: split.location(i)[0] for i in range(num_layers)}
+    stage_of = {i: split.location(i)[0] for i in listed}
     updates = tuple(
         gradient_updates(
             placed,
@@ -69,7 +85,7 @@ def lower(spec: Spec, *, schedule: bool = True, document: SourceDocument | None 
             distributed_optimizer=t.distributed_optimizer,
             microbatches_per_step=plan.microbatches * plan.gradient_accumulation_steps,
         )
-        + activation_updates(spec, plan, stage_of)
+        + activation_updates(spec, plan, stage_of, listed)
     )
     grid = grid_for(plan, updates, spec.mesh.order)
     steps = (
@@ -88,13 +104,14 @@ def lower(spec: Spec, *, schedule: bool = True, document: SourceDocument | None 
         plan=plan,
         parameters=placed,
         updates=updates,
-        memory=stage_memory(spec, plan, placed, split),
-        traffic=traffic(updates),
+        memory=stage_memory(spec, plan, placed, split, runs),
+        traffic=traffic(updates, runs),
         reduction_problems=check_exactly_once(
             placed, updates, plan, sequence_parallel=t.sequence_parallel, num_kv_heads=kv_heads
         ),
         grid=grid,
         schedule=steps,
+        layer_runs=runs,
     )
 
 

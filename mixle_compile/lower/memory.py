@@ -13,12 +13,14 @@ Traffic: each update's ring cost per rank times its occurrences per step (see
 from __future__ import annotations
 
 from dataclasses import dataclass
+from fractions import Fraction
 from math import ceil
 
 from mixle_compile.contracts import ParallelPlan, StateLayout
 from mixle_compile.engines import engine_profile
 from mixle_compile.layer_split import LayerSplit
 from mixle_compile.lower.layouts import PlacedParameter
+from mixle_compile.lower.runs import LayerRuns
 from mixle_compile.lower.updates import PlannedUpdate
 from mixle_compile.memory_model import (
     MEMORY_KINDS,
@@ -38,11 +40,12 @@ from mixle_compile.memory_model import (
     reserve_bytes,
     ring_attention_bytes,
 )
-from mixle_compile.parameters import DTYPE_BYTES, is_moe_layer
+from mixle_compile.parameters import DTYPE_BYTES, moe_layers_between
 from mixle_compile.plan.vocabulary import ALL_DATA_AXES, KV_HEAD_AXIS, REPLICATE, expert_data_size
 from mixle_compile.schedules import NUMBERS as SCHEDULE_NUMBERS
 from mixle_compile.schedules import microbatches_per_round
 from mixle_compile.spec.models import Spec, TransformerModel
+from mixle_compile.step_time import ring_fraction
 from mixle_compile.verify.memory import activation_widths, attention_widths, expert_shape
 
 
@@ -84,8 +87,15 @@ class TrafficEntry:
 
 
 def stage_memory(
-    spec: Spec, plan: ParallelPlan, placed: tuple[PlacedParameter, ...], split: LayerSplit | None = None
+    spec: Spec,
+    plan: ParallelPlan,
+    placed: tuple[PlacedParameter, ...],
+    split: LayerSplit | None = None,
+    runs: LayerRuns | None = None,
 ) -> tuple[StageMemory, ...]:
+    """Memory per stage; ``runs``: ``placed`` lists one block of each run of blocks that lower alike
+    (lower/runs.py), which counts as often as its run holds blocks."""
+    count = (lambda layer: 1) if runs is None else runs.count
     t = spec.training
     adam = t.optimizer in ("adam", "adamw")
     engine = engine_profile(spec.backend)
@@ -102,14 +112,18 @@ def stage_memory(
                     if group is not None:
                         seen.add(group)
             mine = unique
-        params = sum(p.local_numel * DTYPE_BYTES[p.parameter.dtype] for p in mine)
+        params = sum(p.local_numel * DTYPE_BYTES[p.parameter.dtype] * count(p.parameter.layer) for p in mine)
         grads = params
         state = 0
         for p in mine:
             elems = p.local_numel
             if p.layout.optimizer_state is StateLayout.SHARDED and not _data_sharded(p):
                 elems = ceil(elems / _data_ranks(p, plan))
-            state += elems * optimizer_bytes_per_element(NUMBERS, adam=adam, below_fp32=p.parameter.dtype != "fp32")
+            state += (
+                elems
+                * optimizer_bytes_per_element(NUMBERS, adam=adam, below_fp32=p.parameter.dtype != "fp32")
+                * count(p.parameter.layer)
+            )
         units: dict[object, int] = {}  # a layer, or (None) the embedding and head
         unit_elements: dict[object, int] = {}
         for p in mine:
@@ -124,8 +138,8 @@ def stage_memory(
             fsdp=fsdp,
             largest_unit_bytes=max(units.values(), default=0),
             keeps_stage=keeps_stage,
-            stage_bytes=sum(units.values()),
-            stage_elements=sum(unit_elements.values()),
+            stage_bytes=sum(nbytes * count(unit) for unit, nbytes in units.items()),
+            stage_elements=sum(elements * count(unit) for unit, elements in unit_elements.items()),
         )
         stored, recompute, loss, in_flight = _activation_bytes(spec, plan, stage, split)
         buffers = _pipeline_buffers(spec, plan, stage, in_flight)
@@ -263,11 +277,10 @@ def _activation_bytes(
     per_layer = layer(t.activation_checkpointing == "full", t.activation_checkpointing == "selective")
     recomputed = layer(False, False) - per_layer  # the layer being recomputed holds all of it once more
     layers_here = split.layers_on_stage(stage) if split is not None else model.num_layers
-    moe_here = sum(
-        1
-        for i in range(model.num_layers)
-        if is_moe_layer(model, i) and (split is None or split.location(i)[0] == stage)
-    )
+    if split is None:
+        moe_here = moe_layers_between(model, 0, model.num_layers)
+    else:
+        moe_here = sum(moe_layers_between(model, start, end) for start, end in split.ranges_on_stage(stage))
     if moe_here:
         extra, kept_extra = moe_extra(spec, plan)
         per_layer_total = per_layer * layers_here + kept_extra * moe_here
@@ -324,10 +337,19 @@ def moe_extra(spec: Spec, plan: ParallelPlan) -> tuple[float, float]:
     return extra, extra if keeps else 0.0
 
 
-def traffic(updates: tuple[PlannedUpdate, ...]) -> tuple[TrafficEntry, ...]:
-    """Per-step bytes sent by each rank of a stage, per (axes, collective)."""
-    totals: dict[tuple[int, tuple[str, ...], str], float] = {}
+def traffic(updates: tuple[PlannedUpdate, ...], runs: LayerRuns | None = None) -> tuple[TrafficEntry, ...]:
+    """Per-step bytes sent by each rank of a stage, per (axes, collective); ``runs``: an update of a
+    run's first block (lower/runs.py) counts as often as the run holds blocks.
+
+    The sum is exact: the bytes entering each (axes, collective, group size) are added as integers
+    and priced once with the ring's fraction (:func:`mixle_compile.step_time.ring_fraction`), so the
+    figure does not depend on the order of the updates or on how they are counted."""
+    entering: dict[tuple[int, tuple[str, ...], str, int], int] = {}
     for u in updates:
-        key = (u.stage, tuple(u.update.mesh_axes), u.update.collective.value)
-        totals[key] = totals.get(key, 0.0) + u.bytes_per_rank_per_step
-    return tuple(TrafficEntry(stage, axes, kind, int(round(v))) for (stage, axes, kind), v in sorted(totals.items()))
+        key = (u.stage, tuple(u.update.mesh_axes), u.update.collective.value, u.group_size)
+        times = u.occurrences_per_step * (1 if runs is None else runs.count(u.layer))
+        entering[key] = entering.get(key, 0) + u.payload_bytes * times
+    totals: dict[tuple[int, tuple[str, ...], str], Fraction] = {}
+    for (stage, axes, kind, size), nbytes in entering.items():
+        totals[stage, axes, kind] = totals.get((stage, axes, kind), Fraction(0)) + ring_fraction(kind, size) * nbytes
+    return tuple(TrafficEntry(stage, axes, kind, round(v)) for (stage, axes, kind), v in sorted(totals.items()))

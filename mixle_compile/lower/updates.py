@@ -23,6 +23,7 @@ adjacent stages. FSDP all_gathers parameters before use.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from mixle_compile.contracts import CollectiveKind, DistributedUpdate, ParallelPlan, PayloadKind, StateLayout
@@ -55,6 +56,7 @@ class PlannedUpdate:
     group_size: int  # ranks in the collective's group
     occurrences_per_step: int
     gradient_divisor: int = 1  # the reduced sum is divided by this (1: a plain sum)
+    layer: int | None = None  # the transformer block (or listed layer) it belongs to; None outside them
 
     @property
     def bytes_per_rank_per_step(self) -> float:
@@ -109,11 +111,19 @@ def gradient_updates(
 ) -> list[PlannedUpdate]:
     """Gradient reductions and FSDP parameter gathers, derived from each layout's placements."""
     data_differs = {*ALL_DATA_AXES} | ({Axis.TP} if sequence_parallel else set())
+    sizes: dict[tuple[str, ...], int] = {}
+
+    def sized(axes: tuple[str, ...]) -> int:  # group_size of a handful of axis sets, asked often
+        size = sizes.get(axes)
+        if size is None:
+            size = sizes[axes] = group_size(axes, plan)
+        return size
+
     out: list[PlannedUpdate] = []
     dp = plan.data_parallel_size
     tied_seen: set[str] = set()
     for pp_ in placed:
-        name, layout, stage = pp_.name, pp_.layout, pp_.stage
+        name, layout, stage, layer = pp_.name, pp_.layout, pp_.stage, pp_.parameter.layer
         grad_bytes = pp_.parameter.numel * 4  # gradients are reduced in fp32
         # Tied parameters on one stage are one tensor: its uses' gradients add up locally and are
         # reduced once, as the first member's (the others list no gradient update of their own).
@@ -148,7 +158,7 @@ def gradient_updates(
         )
         # The whole tp-local gradient as a rank holds it (padded to equal data shards when the state
         # is sharded), which is what an all_reduce before the data reduction takes in.
-        whole_local = _padded_bytes(pp_, plan, 4, group_size(tuple(sharded), plan)) if sharded else local_full
+        whole_local = _padded_bytes(pp_, plan, 4, sized(tuple(sharded))) if sharded else local_full
         if layout.shared_group is not None:
             # One collective with one participant per stage: both name it after the tied group; it
             # takes the whole (padded) gradient buffer, before any reduce-scatter.
@@ -168,6 +178,7 @@ def gradient_updates(
                     whole_local,
                     2,
                     per_step,
+                    layer=layer,
                 )
             )
         if Axis.TP in data_differs and dict(layout.placements).get(Axis.TP) == str(REPLICATE) and not pp_.is_expert:
@@ -188,6 +199,7 @@ def gradient_updates(
                     whole_local,
                     plan.tp,
                     per_step,
+                    layer=layer,
                 )
             )
         kv_axis = pp_.kv_replica_axis
@@ -209,6 +221,7 @@ def gradient_updates(
                     whole_local,
                     pp_.kv_replicas,
                     per_step,
+                    layer=layer,
                 )
             )
         if sharded:
@@ -227,18 +240,17 @@ def gradient_updates(
                     name,
                     "gradient",
                     stage,
-                    _padded_bytes(pp_, plan, 4, group_size(axes, plan)),
-                    group_size(axes, plan),
+                    _padded_bytes(pp_, plan, 4, sized(axes)),
+                    sized(axes),
                     per_step,
                     gradient_divisor=1 if replicated else dp,
+                    layer=layer,
                 )
             )
         if replicated:
             axes = tuple(replicated)
             # After a reduce-scatter it reduces the (padded) shard.
-            payload = (
-                _padded_bytes(pp_, plan, 4, group_size(tuple(sharded), plan), shard=True) if sharded else local_full
-            )
+            payload = _padded_bytes(pp_, plan, 4, sized(tuple(sharded)), shard=True) if sharded else local_full
             grads.append(
                 PlannedUpdate(
                     _grad_update(
@@ -252,17 +264,16 @@ def gradient_updates(
                     "gradient",
                     stage,
                     payload,
-                    group_size(axes, plan),
+                    sized(axes),
                     per_step,
                     gradient_divisor=dp,
+                    layer=layer,
                 )
             )
         if not folded:
             out.extend(grads)
         param_bytes = (
-            _padded_bytes(pp_, plan, DTYPE_BYTES[pp_.parameter.dtype], group_size(tuple(sharded), plan))
-            if sharded
-            else 0
+            _padded_bytes(pp_, plan, DTYPE_BYTES[pp_.parameter.dtype], sized(tuple(sharded))) if sharded else 0
         )
         if scatter_then_gather:
             if not folded:  # a tied tensor's updated shards are gathered once, for all its uses
@@ -281,8 +292,9 @@ def gradient_updates(
                         "parameter",
                         stage,
                         param_bytes,
-                        group_size(axes, plan),
+                        sized(axes),
                         1,
+                        layer=layer,
                     )
                 )
         elif sharded:
@@ -302,8 +314,9 @@ def gradient_updates(
                         phase,
                         stage,
                         param_bytes,
-                        group_size(axes, plan),
+                        sized(axes),
                         microbatches_per_step,
+                        layer=layer,
                     )
                 )
     return out
@@ -336,8 +349,11 @@ def _tp_local(pp_: PlacedParameter, plan: ParallelPlan, nbytes: int) -> int:
     return nbytes // factor
 
 
-def activation_updates(spec: Spec, plan: ParallelPlan, stage_of: dict[int, int]) -> list[PlannedUpdate]:
-    """Per-layer activation collectives of a transformer (per micro-batch)."""
+def activation_updates(
+    spec: Spec, plan: ParallelPlan, stage_of: dict[int, int], layers: Iterable[int] | None = None
+) -> list[PlannedUpdate]:
+    """Per-layer activation collectives of a transformer (per micro-batch); ``layers``: the blocks to
+    list (every block when None), as :func:`mixle_compile.parameters.model_parameters` takes them."""
     model = spec.model
     if not isinstance(model, TransformerModel):
         return []
@@ -361,6 +377,7 @@ def activation_updates(spec: Spec, plan: ParallelPlan, stage_of: dict[int, int])
         notes: str,
         payload=PayloadKind.ACTIVATION,
         times: int = 1,
+        layer: int | None = None,
     ) -> None:
         out.append(
             PlannedUpdate(
@@ -379,6 +396,7 @@ def activation_updates(spec: Spec, plan: ParallelPlan, stage_of: dict[int, int])
                 nbytes,
                 group_size(axes, plan),
                 mb * times,
+                layer=layer,
             )
         )
 
@@ -461,7 +479,7 @@ def activation_updates(spec: Spec, plan: ParallelPlan, stage_of: dict[int, int])
     # K and V of the KV heads a tp rank holds: its share, or the one head it shares with others.
     kv_heads = model.num_kv_heads or model.num_heads
     kv_bytes = tokens * max(kv_heads // plan.tp, 1) * head_dim(model) * act_bytes_per
-    for i in range(model.num_layers):
+    for i in range(model.num_layers) if layers is None else layers:
         stage = stage_of.get(i, 0)
         for block in ("attn", "mlp"):
             if plan.tp > 1:
@@ -475,6 +493,7 @@ def activation_updates(spec: Spec, plan: ParallelPlan, stage_of: dict[int, int])
                         hidden_bytes,
                         StateLayout.REPLICATED,
                         "sequence parallel: gather the sequence before the column-parallel layer",
+                        layer=i,
                     )
                     add(
                         UpdateId.activation(f"layers.{i}.{block}", "out"),
@@ -485,6 +504,7 @@ def activation_updates(spec: Spec, plan: ParallelPlan, stage_of: dict[int, int])
                         hidden_bytes,
                         StateLayout.SHARDED,
                         "sequence parallel: reduce and scatter the row-parallel output over the sequence",
+                        layer=i,
                     )
                     add(
                         UpdateId.activation(f"layers.{i}.{block}", "in", backward=True),
@@ -495,6 +515,7 @@ def activation_updates(spec: Spec, plan: ParallelPlan, stage_of: dict[int, int])
                         hidden_bytes,
                         StateLayout.SHARDED,
                         "conjugate of the input all_gather",
+                        layer=i,
                     )
                     add(
                         UpdateId.activation(f"layers.{i}.{block}", "out", backward=True),
@@ -505,6 +526,7 @@ def activation_updates(spec: Spec, plan: ParallelPlan, stage_of: dict[int, int])
                         hidden_bytes,
                         StateLayout.REPLICATED,
                         "conjugate of the output reduce_scatter",
+                        layer=i,
                     )
                 else:
                     add(
@@ -516,6 +538,7 @@ def activation_updates(spec: Spec, plan: ParallelPlan, stage_of: dict[int, int])
                         hidden_bytes,
                         StateLayout.REPLICATED,
                         "sum the row-parallel partial outputs",
+                        layer=i,
                     )
                     add(
                         UpdateId.activation(f"layers.{i}.{block}", "in", backward=True),
@@ -526,6 +549,7 @@ def activation_updates(spec: Spec, plan: ParallelPlan, stage_of: dict[int, int])
                         hidden_bytes,
                         StateLayout.REPLICATED,
                         "sum the input gradients of the column-parallel layer",
+                        layer=i,
                     )
         if plan.cp > 1:
             add(
@@ -538,6 +562,7 @@ def activation_updates(spec: Spec, plan: ParallelPlan, stage_of: dict[int, int])
                 StateLayout.REPLICATED,
                 "context parallel: gather K and V of every sequence chunk",
                 payload=PayloadKind.KV_BLOCK,
+                layer=i,
             )
             add(
                 UpdateId.activation(f"layers.{i}.attn", "kv", backward=True),
@@ -549,6 +574,7 @@ def activation_updates(spec: Spec, plan: ParallelPlan, stage_of: dict[int, int])
                 StateLayout.SHARDED,
                 "context parallel: return the K and V gradients to their chunks",
                 payload=PayloadKind.KV_BLOCK,
+                layer=i,
             )
         if plan.ep > 1 and is_moe_layer(model, i):
             # Under sequence parallelism each tp rank routes its own sequence shard when experts are
@@ -571,6 +597,7 @@ def activation_updates(spec: Spec, plan: ParallelPlan, stage_of: dict[int, int])
                     StateLayout.EXPERT_LOCAL,
                     "expert parallel: tokens to their experts' ranks and back",
                     payload=PayloadKind.TOKEN,
+                    layer=i,
                 )
     if plan.pp > 1:
         boundary_bytes = hidden_bytes // (plan.tp if sp else 1)

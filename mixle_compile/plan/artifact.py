@@ -15,12 +15,13 @@ from typing import Any
 from pydantic import ValidationError
 
 from mixle_compile import __version__
+from mixle_compile.contracts import PayloadKind
 from mixle_compile.diagnostics import Diagnostic, Severity
 from mixle_compile.engines import engine_profile
 from mixle_compile.lower.compact import program_dict
 from mixle_compile.lower.lowering import Lowered
 from mixle_compile.plan.document import FORMAT_VERSION, NOTES_SEPARATOR, PlanDocument
-from mixle_compile.plan.layers import fold, unfold
+from mixle_compile.plan.layers import fold, fold_stated, unfold
 from mixle_compile.schedules import bubble_fraction, pipelined
 from mixle_compile.spec.models import Spec
 
@@ -53,9 +54,17 @@ def spec_data(spec: Spec) -> dict:
 
 def build_plan(spec: Spec, lowered: Lowered, diagnostics: list[Diagnostic]) -> dict:
     """The plan as a JSON-ready dict (with its content digest)."""
+    return build_plan_text(spec, lowered, diagnostics)[0]
+
+
+def build_plan_text(spec: Spec, lowered: Lowered, diagnostics: list[Diagnostic]) -> tuple[dict, str]:
+    """The plan as a JSON-ready dict (with its content digest) and the text written of it
+    (:func:`plan_text`), encoded once."""
     plan = lowered.plan
     names, shape = plan.plan_mesh
     diagnostics = [*diagnostics, *lowered.diagnostics]
+    folding = _Folding(lowered)
+    embedded = spec_data(spec)  # the spec as the plan embeds it, and what spec_digest covers
     errors = sum(d.severity is Severity.error for d in diagnostics)
     schedule = None
     if lowered.schedule is not None:
@@ -67,7 +76,7 @@ def build_plan(spec: Spec, lowered: Lowered, diagnostics: list[Diagnostic]) -> d
             "virtual_stages": virtual_stages,
             "micro_steps": plan.microbatches * plan.gradient_accumulation_steps,
             "bubble_fraction": bubble_fraction(plan.pp, plan.microbatches, virtual_stages),
-            "stages": [_folded(program_dict(program), STAGE_LISTS) for program in lowered.schedule.stages],
+            "stages": [folding.folded(program_dict(program), STAGE_LISTS) for program in lowered.schedule.stages],
             "sends": "buffered" if engine_profile(spec.backend).buffered_sends else "rendezvous",
             "check": {
                 "ok": check.ok,
@@ -80,8 +89,8 @@ def build_plan(spec: Spec, lowered: Lowered, diagnostics: list[Diagnostic]) -> d
     doc = {
         "format_version": FORMAT_VERSION,
         "compiler_version": __version__,
-        "spec_digest": spec_digest(spec),
-        "spec": spec_data(spec),
+        "spec_digest": sha256_hex(canonical_json(embedded)),
+        "spec": embedded,
         "mesh": {"degrees": plan.as_dict(), "names": list(names), "shape": list(shape), "order": lowered.grid.order},
         "groups": lowered.grid.as_dict(),
         "parameters": [
@@ -131,11 +140,11 @@ def build_plan(spec: Spec, lowered: Lowered, diagnostics: list[Diagnostic]) -> d
             "reduction_problems": [p.message for p in lowered.reduction_problems],
         },
     }
-    doc = _folded(doc, ("parameters", "updates"))
+    doc = folding.folded(doc, ("parameters", "updates"))
     # Built in the schema's own JSON form (tests/test_plan.py checks that the schema's dump of every
-    # example's plan is this dict), so it is encoded once, for its digest, and not validated again here.
-    doc[DIGEST_FIELD] = content_digest(doc)
-    return doc
+    # example's plan is this dict), so it is encoded once, for its digest and its text, and not
+    # validated again here.
+    return sealed(doc)
 
 
 #: The lists of a stage program whose per-layer entries are folded (parameters and updates too).
@@ -143,7 +152,39 @@ STAGE_LISTS = ("before_forward", "after_backward", "after_last_backward", "end")
 
 
 def _folded(data: dict, keys: tuple[str, ...]) -> dict:
+    """``data`` with the per-layer lists under ``keys`` folded (every block listed)."""
     return {**data, **{key: fold(data[key]) for key in keys}}
+
+
+class _Folding:
+    """How a lowering's per-layer lists are folded: by comparing layers when every block is listed,
+    else from the runs the lowering lowered once (lower/runs.py), with each entry's block and pass
+    read from the lowering (the names need not be parsed again)."""
+
+    def __init__(self, lowered: Lowered) -> None:
+        self.lowered = lowered
+        self.runs = lowered.layer_runs
+        if self.runs is not None:
+            self.update_keys = [(u.layer, _own(u)) for u in lowered.updates]
+            self.by_name = {u.update.node_id: key for u, key in zip(lowered.updates, self.update_keys, strict=True)}
+
+    def folded(self, data: dict, keys: tuple[str, ...]) -> dict:
+        if self.runs is None:
+            return _folded(data, keys)
+        return {**data, **{key: fold_stated(data[key], self._keys(key, data[key]), self.runs.count) for key in keys}}
+
+    def _keys(self, name: str, entries: list[dict]) -> list[tuple[int | None, object]]:
+        if name == "parameters":
+            return [(p.parameter.layer, None) for p in self.lowered.parameters]
+        if name == "updates":
+            return self.update_keys
+        return [self.by_name.get(entry["name"], (None, None)) for entry in entries]  # a stage's collectives
+
+
+def _own(u) -> bool:
+    """Whether an update is a parameter's own (its gradient reduction or gather) rather than an
+    activation's: the lowering lists the two passes one after the other (lower/lowering.py)."""
+    return u.update.payload in (PayloadKind.GRADIENT, PayloadKind.PARAMETER)
 
 
 def expanded(doc: dict) -> dict:
@@ -156,12 +197,41 @@ def expanded(doc: dict) -> dict:
 
 
 def content_digest(doc: dict) -> str:
-    return sha256_hex(canonical_json({k: v for k, v in doc.items() if k != DIGEST_FIELD}))
+    return _digest(_entries(doc))
 
 
 def plan_text(doc: dict) -> str:
     """The bytes written to disk: canonical JSON and a final newline."""
     return canonical_json(doc) + "\n"
+
+
+def sealed(doc: dict) -> tuple[dict, str]:
+    """``doc`` with its content digest, and the text :func:`plan_text` writes of it, from one
+    encoding of its content (a plan of a large model is megabytes of JSON)."""
+    entries = _entries(doc)
+    digest = _digest(entries)
+    entries[DIGEST_FIELD] = _entry(DIGEST_FIELD, digest)
+    return {**doc, DIGEST_FIELD: digest}, _joined(entries)
+
+
+def _entries(doc: dict) -> dict[str, str]:
+    """Each top-level entry of ``doc`` as canonical JSON writes it (``"key":value``): canonical JSON
+    sorts the keys, so a document's text is its entries joined in key order."""
+    return {key: _entry(key, value) for key, value in doc.items()}
+
+
+def _entry(key: str, value: Any) -> str:
+    return json.dumps(key, ensure_ascii=False) + ":" + canonical_json(value)
+
+
+def _joined(entries: dict[str, str]) -> str:
+    """The written text of the document of ``entries`` (:func:`plan_text`)."""
+    return "{" + ",".join(entries[key] for key in sorted(entries)) + "}\n"
+
+
+def _digest(entries: dict[str, str]) -> str:
+    """The content digest: the canonical JSON of every entry but the digest itself."""
+    return sha256_hex("{" + ",".join(entries[key] for key in sorted(entries) if key != DIGEST_FIELD) + "}")
 
 
 def load_plan_text(text: str | bytes, name: str = "plan.json") -> PlanDocument:
@@ -223,14 +293,15 @@ def load_plan_text(text: str | bytes, name: str = "plan.json") -> PlanDocument:
         raise PlanError(
             f"{name}: `{where}`: {first['msg']} ({exc.error_count()} problem(s) in all); recompile the plan"
         ) from None
-    expected = content_digest(data)
+    entries = _entries(data)
+    expected = _digest(entries)
     if data.get(DIGEST_FIELD) != expected:
         raise PlanError(
             f"{name}: content digest mismatch (the file says {data.get(DIGEST_FIELD)!r}, its content hashes to "
             f"{expected!r}); "
             "the plan was modified after compiling: recompile it instead of editing it"
         )
-    if plan_text(data) != text:
+    if _joined(entries) != text:
         raise PlanError(
             f"{name} is not in the canonical form the compiler writes (it was reformatted or modified after "
             "compiling); "

@@ -12,6 +12,7 @@ the plan's digest covers, and loading unfolds it (:func:`unfold`), so readers se
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 #: The fields that carry a layer's index in a name.
@@ -22,7 +23,12 @@ GROUP_KEYS = frozenset({"layers", "entries"})
 
 def layer_of(entry: dict) -> int | None:
     """The one layer an entry names (in its names and its ``layer`` field), or None."""
-    found = {int(m.group(1)) for key in NAMED if isinstance(entry.get(key), str) for m in _INDEX.finditer(entry[key])}
+    found = {
+        int(m.group(1))
+        for key in NAMED
+        if isinstance(entry.get(key), str) and "layers." in entry[key]
+        for m in _INDEX.finditer(entry[key])
+    }
     if isinstance(entry.get("layer"), int) and not isinstance(entry.get("layer"), bool):
         found.add(entry["layer"])
     return found.pop() if len(found) == 1 else None
@@ -70,6 +76,48 @@ def fold(entries: list[dict]) -> list[dict]:
         else:
             out.extend(first)
         i += count
+    return out
+
+
+def fold_stated(entries: list[dict], keys: list[tuple[int | None, object]], count: Callable[[int], int]) -> list[dict]:
+    """The entries of a lowering that lists one block of each run of blocks that lower alike
+    (lower/runs.py), with each run (``count(layer)`` blocks from ``layer``) folded as :func:`fold`
+    folds the list of every block: runs next to each other whose entries in this list are the same
+    but for the index (an expert block's activation collectives without expert parallelism) fold
+    into one group, as their blocks would.
+
+    ``keys``: per entry, the block it belongs to (None outside the blocks: what :func:`layer_of`
+    reads from its names) and the pass of the lowering that listed it. A list can be made of passes
+    one after the other (a stage's per-forward list holds the FSDP gathers of all its blocks, then
+    their activation collectives): with every block listed, the first block's entries of two passes
+    are never next to each other, and they fold apart."""
+    segments: list[tuple[int | None, object, list[dict]]] = []
+    for entry, (layer, origin) in zip(entries, keys, strict=True):
+        if layer is not None and segments and segments[-1][0] == layer and segments[-1][1] == origin:
+            segments[-1][2].append(entry)
+        else:
+            segments.append((layer, origin, [entry]))
+    out: list[dict] = []
+    i = 0
+    while i < len(segments):
+        layer, origin, first = segments[i]
+        i += 1
+        if layer is None:
+            out.extend(first)
+            continue
+        blocks = count(layer)
+        while i < len(segments):
+            nxt_layer, nxt_origin, nxt = segments[i]
+            if nxt_layer != layer + blocks or nxt_origin != origin or len(nxt) != len(first):
+                break
+            if any(shifted(a, layer, blocks) != b for a, b in zip(first, nxt, strict=True)):
+                break
+            blocks += count(nxt_layer)
+            i += 1
+        if blocks > 1:
+            out.append({"layers": blocks, "entries": first})
+        else:
+            out.extend(first)
     return out
 
 

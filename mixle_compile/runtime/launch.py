@@ -29,7 +29,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from mixle_compile.plan import PlanDocument, load_plan_text
-from mixle_compile.plan.artifact import PlanError, plan_text, written_text
+from mixle_compile.plan.artifact import PlanError, written_text
 from mixle_compile.plan.rederive import PlanMismatch, rederive
 from mixle_compile.runtime.em.plan import is_distribution, read_em_instructions
 from mixle_compile.runtime.errors import RunFailed, RuntimeRefusal, SpecRejected
@@ -82,7 +82,7 @@ def compile_spec_file(path: Path) -> PlanDocument:
         shown = "\n".join(d.text() for d in errors[:5])
         refusal = RuntimeRefusal if result.check.unreadable else SpecRejected
         raise refusal(f"{path} does not check cleanly, so it is not run:\n{shown}")
-    return load_plan_text(plan_text(result.plan), str(path))
+    return load_plan_text(result.text, str(path))
 
 
 def preflight(doc: PlanDocument):
