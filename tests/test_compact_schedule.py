@@ -18,7 +18,15 @@ import pytest
 
 from mixle_compile.contracts import CollectiveKind
 from mixle_compile.engines import engine_profile
-from mixle_compile.lower.compact import Loop, check_compact, compress, expand_all, program_dict, program_from
+from mixle_compile.lower.compact import (
+    Loop,
+    check_compact,
+    compress,
+    expand_all,
+    program_dict,
+    program_from,
+    within_stage,
+)
 from mixle_compile.lower.groups import rule_name
 from mixle_compile.lower.lowering import lower
 from mixle_compile.lower.schedule import OpKind, check_schedule, collective, insert_collectives, pipeline_schedule
@@ -169,6 +177,9 @@ def _mutations(stages):
             (op, k), *rest = p.after_last_backward
             yield put(dataclasses.replace(p, after_last_backward=((op, k + 1), *rest)))
             yield put(dataclasses.replace(p, after_last_backward=tuple(rest)))
+            for group in ("no_such_rule", "tied"):
+                renamed = ((dataclasses.replace(op, group=group), k), *rest)
+                yield put(dataclasses.replace(p, after_last_backward=renamed))
         if p.before_forward:
             yield put(dataclasses.replace(p, before_forward=p.before_forward[1:]))
             yield put(
@@ -191,20 +202,19 @@ def _mutations(stages):
         dict(pp=2, mb=16, schedule="interleaved_1f1b", virtual=2, layers=8, backend="megatron", tie=True),
     ],
 )
-def test_the_check_on_the_stated_form_gives_the_explicit_verdict_on_broken_programs(case):
+@pytest.mark.parametrize("limit", [EXHAUSTIVE_RANKS, 1], ids=["every-rank", "one-rank-per-stage"])
+def test_the_check_on_the_stated_form_gives_the_explicit_verdict_on_broken_programs(case, limit):
     s = spec(**case)
     low = lower(s)
     buffered = engine_profile(s.backend).buffered_sends
     verdicts = set()
     for mutated in _mutations(low.schedule.stages):
         try:
-            explicit = check_schedule(
-                expand_all(mutated), low.grid, exhaustive_limit=EXHAUSTIVE_RANKS, buffered_sends=buffered
-            ).ok
+            explicit = check_schedule(expand_all(mutated), low.grid, exhaustive_limit=limit, buffered_sends=buffered).ok
         except ValueError:
             explicit = False
         try:
-            stated = check_compact(mutated, low.grid, exhaustive_limit=EXHAUSTIVE_RANKS, buffered_sends=buffered).ok
+            stated = check_compact(mutated, low.grid, exhaustive_limit=limit, buffered_sends=buffered).ok
         except ValueError:
             stated = False
         assert stated == explicit, mutated
@@ -292,3 +302,11 @@ def test_an_old_format_plan_is_refused_with_how_to_fix(tmp_path):
         )
         assert done.returncode == 2, (verb, done.stderr)
         assert "recompile" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_rule_is_inside_a_stage_by_the_coordinates_it_spans():
+    low = lower(spec(pp=2, ds=2, tp=2, tie=True))
+    assert within_stage(low.grid, "dp_shard") and within_stage(low.grid, "tp")
+    assert not within_stage(low.grid, "pp")
+    assert not within_stage(low.grid, "embedding")  # the tied weights' rule, named for what it joins
+    assert not within_stage(low.grid, "no_such_rule")

@@ -31,7 +31,10 @@ The check (:func:`check_compact`) runs :func:`mixle_compile.lower.schedule.check
    column (one rank per stage, the same other coordinates) run the same as every other column, and
    a group inside one stage joins ranks that reach the collective in the same state. A collective
    whose group spans stages (the tied group) stays in; with one the check falls back to the explicit
-   program.
+   program. Checked on one rank per stage (a large world), the step's own collectives inside one
+   stage (gradient reductions and gathers over data axes) are left out too: such a collective has a
+   single checked member, which completes it on arrival, so it cannot hold the simulation up; they
+   are checked where they are issued, with the per-micro-batch ones.
 3. A gradient reduction issued ``k`` times in a row is kept once, its count part of what every
    member must agree on: ``k`` consecutive collectives on one group complete together or not at all.
 4. With several runs, one run is checked alone as well as with the step's end: a run whose sends
@@ -54,7 +57,7 @@ from collections.abc import Sequence
 
 from mixle_compile.lower.groups import RankGrid
 from mixle_compile.lower.periodic import check_pumped
-from mixle_compile.lower.schedule import Op, OpKind, ScheduleCheck, _copy, _insert, check_schedule
+from mixle_compile.lower.schedule import Op, OpKind, ScheduleCheck, _copy, _insert, check_issued, check_schedule
 
 # The stated form and its JSON are the plan's (plan/programs.py: the runtime reads them); the names
 # stay importable from here for the lowering's callers.
@@ -163,7 +166,8 @@ def within_stage(grid: RankGrid, name: str | None) -> bool:
         rule = grid.rule(name)
     except (ValueError, KeyError):
         return False
-    return "pp" not in rule.axes and rule.name != "tied" and rule.covers(0)
+    # by the coordinates it spans: the tied-embedding rule spans the first and last stage under its own name
+    return all(span.axis != "pp" or span.count == 1 for span in rule.spans) and rule.covers(0)
 
 
 def check_compact(
@@ -177,7 +181,15 @@ def check_compact(
     programs it simulates decide the full step)."""
     if len(programs) != grid.plan.pp:
         raise ValueError(f"got {len(programs)} stage programs for pp = {grid.plan.pp}")
-    blocks_local = all(within_stage(grid, op.group) for p in programs for op in (*p.before_forward, *p.after_backward))
+    inside: dict[str | None, bool] = {}  # group rule -> within_stage (a step names a few rules, many times)
+
+    def in_stage(name: str | None) -> bool:
+        found = inside.get(name)
+        if found is None:
+            found = inside[name] = within_stage(grid, name)
+        return found
+
+    blocks_local = all(in_stage(op.group) for p in programs for op in (*p.before_forward, *p.after_backward))
     if not blocks_local:
         # A per-micro-batch collective spans stages: check the explicit step.
         check = check_schedule(
@@ -187,8 +199,17 @@ def check_compact(
             check, note=check.note + "; on the explicit programs (a per-micro-batch collective spans stages)"
         )
     problems: list[str] = []
-    # 1. Every piece's ops where they are issued: one forward and one backward carry the blocks.
+    # 2. Checked on one rank per stage, a step-level collective inside one stage has one checked
+    # member: it completes where it is issued, so it is checked there and left out of the simulation.
+    representatives = grid.world_size > exhaustive_limit
+
+    def local(op: Op) -> bool:
+        return representatives and in_stage(op.group)
+
+    # 1. Every piece's ops where they are issued: one forward and one backward carry the blocks,
+    # followed by the step's collectives that stay inside the stage.
     templates = []
+    left_out = False
     for p in programs:
         probe = [
             Op(OpKind.forward, p.stage, microbatch=0, name="forward"),
@@ -201,9 +222,16 @@ def check_compact(
             p.stage,
             None,
         )
-        templates.append(tuple(op for op in probe if op.kind is OpKind.collective))
-    block_check = check_schedule(templates, grid, exhaustive_limit=exhaustive_limit, buffered_sends=buffered_sends)
-    problems += [f"a per-micro-batch collective: {text}" for text in block_check.problems]
+        step_local = [op for op in (*(op for op, _ in p.after_last_backward), *p.end) if local(op)]
+        left_out = left_out or bool(step_local)
+        templates.append((*(op for op in probe if op.kind is OpKind.collective), *step_local))
+    if representatives:  # every one of them has a single checked member
+        issued = check_issued(templates, grid, exhaustive_limit=exhaustive_limit)
+    else:  # every member of their groups is checked: their order must agree too
+        issued = check_schedule(
+            templates, grid, exhaustive_limit=exhaustive_limit, buffered_sends=buffered_sends
+        ).problems
+    problems += [f"a collective checked where it is issued: {text}" for text in issued]
 
     # 2-3. The reduced step: one run with the step's end, each repeated reduction once (its count in its tag).
     def reduced(p: StageProgram, with_end: bool) -> StageProgram:
@@ -211,15 +239,24 @@ def check_compact(
             p,
             runs=1,
             after_last_backward=tuple(
-                (_copy(op, tag=f"{op.tag} x{k}") if k > 1 else op, 1) for op, k in p.after_last_backward
+                (_copy(op, tag=f"{op.tag} x{k}") if k > 1 else op, 1)
+                for op, k in p.after_last_backward
+                if not local(op)
             ),
+            end=tuple(op for op in p.end if not local(op)),
         )
         if not with_end:
             counted = dataclasses.replace(counted, after_last_backward=(), end=(), optimizer=False)
         return counted
 
+    expanded: dict[int, tuple[StageProgram, tuple[Op, ...]]] = {}
+
     def explicit(p: StageProgram) -> tuple[Op, ...]:
-        return expand(p, times=False, blocks=False)
+        # The periodic check expands a short step to find its loops, then simulates it: once each.
+        hit = expanded.get(id(p))
+        if hit is None or hit[0] is not p:
+            hit = expanded[id(p)] = (p, expand(p, times=False, blocks=False))
+        return hit[1]
 
     def simulated(stated: Sequence[StageProgram], observe) -> ScheduleCheck:
         return check_schedule(
@@ -247,6 +284,7 @@ def check_compact(
         f"{step.note}; on the stated programs: one run"
         + (f" of {programs[0].runs} (each self-contained, so the runs compose)" if repeated else "")
         + ", each repeated reduction once, per-micro-batch collectives inside a stage checked where issued"
+        + (", and so the step's collectives inside a stage" if left_out else "")
         + (
             f"; the long loops on a step {left_out} micro-batches shorter, whose simulation repeats itself shifted"
             if left_out

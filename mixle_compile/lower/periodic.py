@@ -101,12 +101,10 @@ def _pump_down(
     """The short step keeping ``keep`` (or a few more) repetitions of every long loop, or None when
     the stages' long loops do not line up (not as many on every stage, a collective inside one, a
     loop that does not advance the micro-batches)."""
-    long_loops = [
-        [i for i, item in enumerate(p.body) if isinstance(item, Loop) and item.repeat > keep] for p in programs
-    ]
-    phases = len(long_loops[0])
-    if not phases or any(len(found) != phases for found in long_loops):
+    long_loops = _long_loops(programs, keep)
+    if long_loops is None:
         return None
+    phases = len(long_loops[0])
     deltas = []
     for phase in range(phases):
         loops = [p.body[found[phase]] for p, found in zip(programs, long_loops, strict=True)]
@@ -140,6 +138,19 @@ def _pump_down(
         regions.append(tuple(places))
         kept.append(tuple(body[i] for i in found))
     return _Pumped(tuple(short), tuple(regions), tuple(kept), tuple(deltas))
+
+
+def _long_loops(programs: Sequence[StageProgram], keep: int) -> list[list[int]] | None:
+    """Per stage, the places of its long loops in its body: the loops longer than the least length
+    (``keep`` or more) above which every stage has as many loops (a 1F1B stage's warm-up is as long
+    as the stages after it, so only the steady loops are long on every stage); None when no length
+    gives every stage as many."""
+    loops = [[(i, item.repeat) for i, item in enumerate(p.body) if isinstance(item, Loop)] for p in programs]
+    for threshold in sorted({keep} | {repeat for found in loops for _, repeat in found if repeat > keep}):
+        places = [[i for i, repeat in found if repeat > threshold] for found in loops]
+        if places[0] and all(len(found) == len(places[0]) for found in places):
+            return places
+    return None
 
 
 def _shift(item, dm: int, db: int):

@@ -401,6 +401,7 @@ class _World:
     programs: dict[int, tuple[Op, ...]]
     representatives: bool
     rules: dict[str, GroupRule | None] = field(default_factory=dict)
+    channels: Any = None  # (sends, receives) per ordered rank pair, once found (_channels)
 
     def rule(self, name: str) -> GroupRule | None:
         if name not in self.rules:
@@ -481,6 +482,13 @@ def check_schedule(
     return ScheduleCheck(tuple(problems), count, world.representatives, note)
 
 
+def check_issued(programs: Programs, grid: RankGrid | None = None, *, exhaustive_limit: int = 1024) -> list[str]:
+    """The first of :func:`check_schedule`'s checks alone: every op where it is issued (its stage, its
+    group rule exists and covers the rank, its peer stage exists). The rest add nothing for
+    collectives whose groups have a single checked member: they complete on arrival."""
+    return _check_ops(_prepare(programs, grid, exhaustive_limit))
+
+
 def simulate_schedule(
     programs: Programs,
     grid: RankGrid | None = None,
@@ -546,20 +554,23 @@ def _check_ops(world: _World) -> list[str]:
         for position, op in enumerate(program):
             if op.stage == stage and op.kind is not OpKind.collective and op.kind not in _P2P:
                 continue
-            where = f"rank {rank} (stage {stage}) op {position} ({op.describe()})"
+            found = []
             if op.stage != stage:
-                problems.append(f"{where}: belongs to stage {op.stage}, but rank {rank} is on stage {stage}")
+                found.append(f"belongs to stage {op.stage}, but rank {rank} is on stage {stage}")
             if op.kind is OpKind.collective:
                 rule = world.rule(op.group)
                 if rule is None:
-                    problems.append(f"{where}: unknown group rule {op.group!r}; known: {', '.join(grid.rule_names)}")
+                    found.append(f"unknown group rule {op.group!r}; known: {', '.join(grid.rule_names)}")
                 elif not rule.covers(rank):
-                    problems.append(f"{where}: rank {rank} is in no group of rule {op.group!r}")
+                    found.append(f"rank {rank} is in no group of rule {op.group!r}")
             if op.kind in _P2P:
                 if op.peer >= pp:
-                    problems.append(f"{where}: peer stage {op.peer} does not exist (pp = {pp})")
+                    found.append(f"peer stage {op.peer} does not exist (pp = {pp})")
                 elif op.peer == stage:
-                    problems.append(f"{where}: a stage cannot {op.kind.value} to itself")
+                    found.append(f"a stage cannot {op.kind.value} to itself")
+            if found:  # the op's place is written only for a problem (most ops have none)
+                where = f"rank {rank} (stage {stage}) op {position} ({op.describe()})"
+                problems += [f"{where}: {text}" for text in found]
     return problems
 
 
@@ -626,14 +637,24 @@ def _show_item(sequence: list[tuple[str, str]], position: int) -> str:
 
 
 def _channels(world: _World):
-    """Per ordered rank pair: the sends and the receives, in issue order."""
+    """Per ordered rank pair: the sends and the receives, in issue order (found once per world: the
+    message check and the simulation both read them)."""
+    if world.channels is None:
+        world.channels = _find_channels(world)
+    return world.channels
+
+
+def _find_channels(world: _World):
     sends: dict[tuple[int, int], list[tuple[int, Op]]] = defaultdict(list)
     recvs: dict[tuple[int, int], list[tuple[int, Op]]] = defaultdict(list)
     for rank, program in world.programs.items():
+        peers: dict[int, int] = {}  # peer stage -> its rank with this rank's other coordinates
         for position, op in enumerate(program):
             if op.kind not in _P2P:
                 continue
-            peer = world.grid.rank_at_stage(rank, op.peer)
+            peer = peers.get(op.peer)
+            if peer is None:
+                peer = peers[op.peer] = world.grid.rank_at_stage(rank, op.peer)
             if op.kind is OpKind.send:
                 sends[(rank, peer)].append((position, op))
             else:

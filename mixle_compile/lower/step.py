@@ -62,6 +62,14 @@ def step_schedule(
         if u.update.collective is not CollectiveKind.P2P:
             by_phase.setdefault((u.phase, u.stage), []).append(u)
 
+    rules: dict[tuple[str, ...], str] = {}  # mesh axes -> their group rule (a handful, named per update)
+
+    def rule_of(axes: tuple[str, ...]) -> str:
+        name = rules.get(axes)
+        if name is None:
+            name = rules[axes] = rule_name(axes)
+        return name
+
     def ops(phase: str, stage: int) -> list[tuple[Op, int]]:
         return [
             (
@@ -69,7 +77,7 @@ def step_schedule(
                     OpKind.collective,
                     stage,
                     name=u.update.node_id,
-                    group=rule_name(u.update.mesh_axes),
+                    group=rule_of(u.update.mesh_axes),
                     tag=u.update.collective.value,
                     bytes=u.payload_bytes,
                 ),
