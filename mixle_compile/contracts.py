@@ -141,7 +141,7 @@ def _require_int(owner: str, name: str, value: Any, minimum: int = 0) -> int:
     even though it subclasses ``int``; so are floats (including integral ones
     such as ``2.0``), strings and ``None``.
     """
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    if type(value) is not int and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
         raise ContractTypeError(f"{owner}.{name} must be an integer >= {minimum}, got {_describe(value)}")
     if value < minimum:
         raise ContractError(f"{owner}.{name} must be an integer >= {minimum}, got {_describe(value)}")
@@ -199,10 +199,17 @@ def _require_error_bound(owner: str, name: str, value: Any) -> float | None:
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
+_AXIS_NAMES_SEEN: set[str] = set()  # names already found identifier-like (a plan names a handful, many times)
+
+
 def _require_axis_name(owner: str, name: str, value: Any) -> str:
+    if isinstance(value, str) and value in _AXIS_NAMES_SEEN:
+        return value
     text = _require_str(owner, name, value)
     if not _IDENTIFIER.fullmatch(text):
         raise ContractError(f"{owner}.{name} must be an identifier-like mesh axis name, got {text!r}")
+    if type(text) is str and len(_AXIS_NAMES_SEEN) < 4096:
+        _AXIS_NAMES_SEEN.add(text)
     return text
 
 
@@ -226,6 +233,8 @@ def _require_sequence(owner: str, name: str, value: Any) -> tuple[Any, ...]:
     A bare string is refused: iterating it would silently split it into
     characters.
     """
+    if type(value) is tuple:  # the common case, and the answer
+        return value
     if isinstance(value, (str, bytes)) or isinstance(value, Mapping):
         raise ContractTypeError(f"{owner}.{name} must be a sequence, got {_describe(value)}")
     if not isinstance(value, Iterable):
@@ -234,8 +243,9 @@ def _require_sequence(owner: str, name: str, value: Any) -> tuple[Any, ...]:
 
 
 def _set(obj: Any, name: str, value: Any) -> None:
-    """Assign inside ``__post_init__`` of a frozen dataclass."""
-    object.__setattr__(obj, name, value)
+    """Assign inside ``__post_init__`` of a frozen dataclass (a value already in place is kept)."""
+    if getattr(obj, name) is not value:
+        object.__setattr__(obj, name, value)
 
 
 def _to_json(value: Any) -> Any:
@@ -693,10 +703,15 @@ class ParameterLayout(_Contract):
         )
 
     def as_dict(self) -> dict[str, Any]:
-        """JSON-ready; ``placements`` is a ``{mesh_axis: placement}`` mapping in listed order."""
-        data = super().as_dict()
-        data["placements"] = dict(self.placements)
-        return data
+        """JSON-ready; ``placements`` is a ``{mesh_axis: placement}`` mapping in listed order (every
+        field written out: a plan holds one per parameter)."""
+        return {
+            "logical_id": self.logical_id,
+            "global_shape": list(self.global_shape),
+            "placements": {str(axis): str(placement) for axis, placement in self.placements},
+            "shared_group": self.shared_group,
+            "optimizer_state": self.optimizer_state.value,
+        }
 
     def placement_on(self, mesh_axis: str) -> str:
         """The placement on ``mesh_axis`` (``"replicate"`` when not listed)."""
@@ -759,8 +774,8 @@ class DistributedUpdate(_Contract):
         axes = _require_sequence(owner, "mesh_axes", self.mesh_axes)
         for index, axis in enumerate(axes):
             _require_axis_name(owner, f"mesh_axes[{index}]", axis)
-        duplicates = sorted({axis for axis in axes if axes.count(axis) > 1})
-        if duplicates:
+        if len(set(axes)) != len(axes):
+            duplicates = sorted({axis for axis in axes if axes.count(axis) > 1})
             raise ContractError(f"{owner} {self.node_id!r}: mesh_axes lists {', '.join(duplicates)} more than once")
         _set(self, "mesh_axes", axes)
 
@@ -839,6 +854,25 @@ class DistributedUpdate(_Contract):
     @property
     def has_numerics_evidence(self) -> bool:
         return self.numerics_sample_count > 0
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready, every field in order (what the generic conversion gives, written out: a plan
+        holds one per collective)."""
+        return {
+            "node_id": self.node_id,
+            "payload": self.payload.value,
+            "collective": self.collective.value,
+            "mesh_axes": [str(axis) for axis in self.mesh_axes],  # names, or the plan vocabulary's axes
+            "state_layout": self.state_layout.value,
+            "exact": self.exact,
+            "notes": list(self.notes),
+            "contract_exact": self.contract_exact,
+            "determinism_observed": self.determinism_observed,
+            "maximum_absolute_error": self.maximum_absolute_error,
+            "maximum_relative_error": self.maximum_relative_error,
+            "numerics_evidence_id": self.numerics_evidence_id,
+            "numerics_sample_count": self.numerics_sample_count,
+        }
 
 
 # ---------------------------------------------------------------------------

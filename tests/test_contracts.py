@@ -526,6 +526,9 @@ def test_layout_round_trip(layout):
     assert d["optimizer_state"] == layout.optimizer_state.value
     assert ParameterLayout.from_dict(d) == layout
     assert json_round_trip(layout) == layout
+    # The written-out as_dict is the generic conversion of every field, placements as a mapping.
+    generic = {**c._Contract.as_dict(layout), "placements": dict(layout.placements)}
+    assert d == generic and list(d) == list(generic)
 
 
 def layout(**overrides):
@@ -604,6 +607,15 @@ def test_update_round_trip(update):
     assert d["mesh_axes"] == list(update.mesh_axes)
     assert DistributedUpdate.from_dict(d) == update
     assert json_round_trip(update) == update
+    # The written-out as_dict is the generic conversion of every field, in field order.
+    generic = c._Contract.as_dict(update)
+    assert d == generic and list(d) == list(generic)
+
+
+def test_update_as_dict_writes_plan_axes_as_their_names():
+    update = make_update(mesh_axes=(ParallelAxis.DP_SHARD, ParallelAxis.CP))
+    assert update.as_dict() == c._Contract.as_dict(update)
+    assert json.dumps(update.as_dict()["mesh_axes"]) == '["dp_shard", "cp"]'
 
 
 def test_update_accepts_enum_strings():
