@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from types import MappingProxyType
 
 from mixle_compile.contracts import ParallelPlan
+from mixle_compile.heap import full_collections_paused
 from mixle_compile.plan.artifact import plan_spec
 from mixle_compile.plan.document import PlanDocument
 from mixle_compile.plan.vocabulary import (
@@ -179,7 +180,14 @@ def read_instructions(doc: PlanDocument) -> Instructions:
     """The plan as instructions; raises RuntimeRefusal naming what this runtime cannot execute.
 
     With pp > 1 the stage-boundary transfers are accepted too (runtime/pipeline_plan.py refuses the
-    rest of what the pipeline runtime does not execute)."""
+    rest of what the pipeline runtime does not execute). Read with full collections paused, as a
+    spec is compiled (mixle_compile/heap.py): the reading makes an object or more per update and
+    no cycles, and full collections over them grew faster than the plan."""
+    with full_collections_paused():
+        return _read(doc)
+
+
+def _read(doc: PlanDocument) -> Instructions:
     _refuse_unverified(doc)
     spec = plan_spec(doc)
     plan = plan_of(doc)
