@@ -20,6 +20,7 @@ from mixle_compile.lower.lowering import lower
 from mixle_compile.lower.runs import transformer_runs
 from mixle_compile.plan import build_plan, plan_text
 from mixle_compile.spec import load_spec, load_spec_text
+from mixle_compile.spec.models import TransformerModel
 from mixle_compile.step_time import NoPrediction, predict_lowered
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -166,33 +167,10 @@ def test_generated_specs_compile_to_the_same_plan_from_runs(loaded):
 
 
 def test_runs_are_the_blocks_of_one_virtual_stage_and_one_kind():
-    loaded = load_spec_text(
-        SPEC.format(
-            vocab=64,
-            layers=10,
-            kv=4,
-            tie="false",
-            moe=", num_experts: 4, experts_per_token: 1, moe_layer_frequency: 3",
-            dr=1,
-            ds=1,
-            tp=1,
-            pp=2,
-            cp=1,
-            ep=1,
-            mb=2,
-            gas=1,
-            gbs=2,
-            sp="false",
-            dopt="false",
-            schedule="1f1b",
-            virtual=1,
-            pipeline_layers="",
-            backend="torch",
-            world=2,
-        ),
-        "runs.yaml",
+    model = TransformerModel.model_validate(
+        dict(family="transformer", vocab_size=64, hidden_size=32, num_layers=10, num_heads=4, ffn_hidden_size=64)
+        | dict(num_experts=4, experts_per_token=1, moe_layer_frequency=3)
     )
-    model = loaded.spec.model
     split = split_layers(10, 2, 1, None, "torch")  # 5 and 5 blocks; experts in blocks 0, 3, 6 and 9
     assert dict(transformer_runs(model, split).counts) == {0: 1, 1: 2, 3: 1, 4: 1, 5: 1, 6: 1, 7: 2, 9: 1}
     dense = model.model_copy(update={"num_experts": 0})
