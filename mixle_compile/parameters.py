@@ -91,12 +91,12 @@ def moe_layer_at(layer: int, *, num_experts: int, frequency: int) -> bool:
     return num_experts > 0 and layer % frequency == 0
 
 
-def moe_layers_between(model: TransformerModel, start: int, end: int) -> int:
-    """How many of the blocks ``start`` .. ``end - 1`` are mixture-of-experts blocks (:func:`is_moe_layer`)."""
-    if model.num_experts <= 0 or end <= start:
+def moe_layers_in(first: int, count: int, *, num_experts: int, frequency: int) -> int:
+    """How many of the layers ``first .. first + count - 1`` are MoE layers (:func:`moe_layer_at`:
+    every ``frequency``-th from layer 0): the multiples of ``frequency`` in that range."""
+    if num_experts <= 0 or count <= 0:
         return 0
-    k = model.moe_layer_frequency
-    return -(-end // k) - -(-start // k)  # the multiples of k in [start, end)
+    return -(-(first + count) // frequency) - -(-first // frequency)
 
 
 def transformer_parameters(

@@ -28,7 +28,7 @@ from fractions import Fraction
 from functools import cache
 from typing import Any
 
-from mixle_compile.parameters import moe_layer_at
+from mixle_compile.parameters import moe_layer_at, moe_layers_in
 from mixle_compile.plan.vocabulary import DATA_PARALLEL_AXES, EXPERT_DATA
 from mixle_compile.spec.models import compiled_components
 
@@ -326,14 +326,6 @@ def _layer_flops(model: dict, training: dict, seq: float, backend: str, moe_laye
     return _Layer(projections + mlp, attention, 0.0, 0.0, **shape)
 
 
-def _moe_layers_in(first: int, count: int, num_experts: int, frequency: int) -> int:
-    """How many of the layers ``first .. first + count - 1`` are MoE layers (:func:`moe_layer_at`:
-    every ``frequency``-th from layer 0): the multiples of ``frequency`` in that range."""
-    if num_experts <= 0 or count <= 0:
-        return 0
-    return -(-(first + count) // frequency) - -(-first // frequency)
-
-
 def _gemm_bytes(
     gemms: tuple[tuple[float, float, float, bool], ...], tokens: float, sizes: tuple[int, int], weight_reads: int
 ) -> float:
@@ -472,7 +464,7 @@ def stage_compute_parts(
     kinds: dict[bool, tuple[_Layer, float, float]] = {}
     for stage, count in enumerate(stage_layers):
         # Layers of one kind (dense or MoE) cost the same: count each kind once.
-        moe_layers = _moe_layers_in(first, count, model.get("num_experts", 0), moe_every)
+        moe_layers = moe_layers_in(first, count, num_experts=model.get("num_experts", 0), frequency=moe_every)
         linear = attention = moved = rows = weights = 0.0
         for moe, n in ((False, count - moe_layers), (True, moe_layers)):
             if not n:

@@ -13,7 +13,7 @@ from mixle_compile.lower.exactly_once import ReductionProblem, check_exactly_onc
 from mixle_compile.lower.groups import RankGrid
 from mixle_compile.lower.layouts import PlacedParameter, place_parameters
 from mixle_compile.lower.memory import StageMemory, TrafficEntry, stage_memory, traffic
-from mixle_compile.lower.runs import LayerRuns, transformer_runs
+from mixle_compile.lower.runs import EACH_BLOCK, LayerRuns, transformer_runs
 from mixle_compile.lower.step import EXHAUSTIVE_RANKS, StepSchedule, grid_for, stated, step_schedule
 from mixle_compile.lower.updates import PlannedUpdate, activation_updates, gradient_updates
 from mixle_compile.parameters import model_parameters
@@ -39,7 +39,7 @@ class Lowered:
 
     def count(self, layer: int | None) -> int:
         """How many blocks an entry of ``layer`` stands for."""
-        return 1 if self.layer_runs is None else self.layer_runs.count(layer)
+        return (self.layer_runs or EACH_BLOCK).count(layer)
 
 
 def lower(
@@ -67,7 +67,7 @@ def lower(
         runs = transformer_runs(spec.model, split)
     listed = runs.first_layers if runs is not None else range(num_layers)
     placed = place_parameters(
-        model_parameters(spec, listed if runs is not None else None),
+        model_parameters(spec, listed),
         plan,
         num_layers=num_layers,
         virtual_stages=t.virtual_pipeline_stages,
@@ -104,8 +104,8 @@ def lower(
         plan=plan,
         parameters=placed,
         updates=updates,
-        memory=stage_memory(spec, plan, placed, split, runs),
-        traffic=traffic(updates, runs),
+        memory=stage_memory(spec, plan, placed, split, runs or EACH_BLOCK),
+        traffic=traffic(updates, runs or EACH_BLOCK),
         reduction_problems=check_exactly_once(
             placed, updates, plan, sequence_parallel=t.sequence_parallel, num_kv_heads=kv_heads
         ),

@@ -20,7 +20,7 @@ from mixle_compile.contracts import ParallelPlan, StateLayout
 from mixle_compile.engines import engine_profile
 from mixle_compile.layer_split import LayerSplit
 from mixle_compile.lower.layouts import PlacedParameter
-from mixle_compile.lower.runs import LayerRuns
+from mixle_compile.lower.runs import EACH_BLOCK, LayerRuns
 from mixle_compile.lower.updates import PlannedUpdate
 from mixle_compile.memory_model import (
     MEMORY_KINDS,
@@ -40,7 +40,7 @@ from mixle_compile.memory_model import (
     reserve_bytes,
     ring_attention_bytes,
 )
-from mixle_compile.parameters import DTYPE_BYTES, moe_layers_between
+from mixle_compile.parameters import DTYPE_BYTES, moe_layers_in
 from mixle_compile.plan.vocabulary import ALL_DATA_AXES, KV_HEAD_AXIS, REPLICATE, expert_data_size
 from mixle_compile.schedules import NUMBERS as SCHEDULE_NUMBERS
 from mixle_compile.schedules import microbatches_per_round
@@ -91,11 +91,11 @@ def stage_memory(
     plan: ParallelPlan,
     placed: tuple[PlacedParameter, ...],
     split: LayerSplit | None = None,
-    runs: LayerRuns | None = None,
+    runs: LayerRuns = EACH_BLOCK,
 ) -> tuple[StageMemory, ...]:
     """Memory per stage; ``runs``: ``placed`` lists one block of each run of blocks that lower alike
     (lower/runs.py), which counts as often as its run holds blocks."""
-    count = (lambda layer: 1) if runs is None else runs.count
+    count = runs.count
     t = spec.training
     adam = t.optimizer in ("adam", "adamw")
     engine = engine_profile(spec.backend)
@@ -277,10 +277,11 @@ def _activation_bytes(
     per_layer = layer(t.activation_checkpointing == "full", t.activation_checkpointing == "selective")
     recomputed = layer(False, False) - per_layer  # the layer being recomputed holds all of it once more
     layers_here = split.layers_on_stage(stage) if split is not None else model.num_layers
-    if split is None:
-        moe_here = moe_layers_between(model, 0, model.num_layers)
-    else:
-        moe_here = sum(moe_layers_between(model, start, end) for start, end in split.ranges_on_stage(stage))
+    ranges = ((0, model.num_layers),) if split is None else split.ranges_on_stage(stage)
+    moe_here = sum(
+        moe_layers_in(start, end - start, num_experts=model.num_experts, frequency=model.moe_layer_frequency)
+        for start, end in ranges
+    )
     if moe_here:
         extra, kept_extra = moe_extra(spec, plan)
         per_layer_total = per_layer * layers_here + kept_extra * moe_here
@@ -337,7 +338,7 @@ def moe_extra(spec: Spec, plan: ParallelPlan) -> tuple[float, float]:
     return extra, extra if keeps else 0.0
 
 
-def traffic(updates: tuple[PlannedUpdate, ...], runs: LayerRuns | None = None) -> tuple[TrafficEntry, ...]:
+def traffic(updates: tuple[PlannedUpdate, ...], runs: LayerRuns = EACH_BLOCK) -> tuple[TrafficEntry, ...]:
     """Per-step bytes sent by each rank of a stage, per (axes, collective); ``runs``: an update of a
     run's first block (lower/runs.py) counts as often as the run holds blocks.
 
@@ -347,7 +348,7 @@ def traffic(updates: tuple[PlannedUpdate, ...], runs: LayerRuns | None = None) -
     entering: dict[tuple[int, tuple[str, ...], str, int], int] = {}
     for u in updates:
         key = (u.stage, tuple(u.update.mesh_axes), u.update.collective.value, u.group_size)
-        times = u.occurrences_per_step * (1 if runs is None else runs.count(u.layer))
+        times = u.occurrences_per_step * runs.count(u.layer)
         entering[key] = entering.get(key, 0) + u.payload_bytes * times
     totals: dict[tuple[int, tuple[str, ...], str], Fraction] = {}
     for (stage, axes, kind, size), nbytes in entering.items():

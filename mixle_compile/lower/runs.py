@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from mixle_compile.layer_split import LayerSplit
 from mixle_compile.parameters import is_moe_layer
@@ -37,6 +38,10 @@ class LayerRuns:
     def count(self, layer: int | None) -> int:
         """How many blocks an entry of ``layer`` stands for (1 outside the blocks)."""
         return 1 if layer is None else self.counts.get(layer, 1)
+
+
+#: Every block its own run: a lowering that lists every block.
+EACH_BLOCK = LayerRuns(MappingProxyType({}))
 
 
 def transformer_runs(model: TransformerModel, split: LayerSplit) -> LayerRuns:

@@ -50,41 +50,17 @@ def shifted(entry: dict, layer: int, by: int) -> dict:
 
 
 def fold(entries: list[dict]) -> list[dict]:
-    """``entries`` with every run of consecutive layers that repeat written as one group."""
-    segments: list[tuple[int | None, list[dict]]] = []
-    for entry in entries:
-        layer = layer_of(entry)
-        if layer is not None and segments and segments[-1][0] == layer:
-            segments[-1][1].append(entry)
-        else:
-            segments.append((layer, [entry]))
-    out: list[dict] = []
-    i = 0
-    while i < len(segments):
-        layer, first = segments[i]
-        count = 1
-        if layer is not None:
-            while i + count < len(segments):
-                nxt_layer, nxt = segments[i + count]
-                if nxt_layer != layer + count or len(nxt) != len(first):
-                    break
-                if any(shifted(a, layer, count) != b for a, b in zip(first, nxt, strict=True)):
-                    break
-                count += 1
-        if count > 1:
-            out.append({"layers": count, "entries": first})
-        else:
-            out.extend(first)
-        i += count
-    return out
+    """``entries`` with every run of consecutive layers that repeat written as one group: each
+    entry's layer read from its names, every layer compared with the next."""
+    return fold_stated(entries, [(layer_of(entry), None) for entry in entries], lambda layer: 1)
 
 
 def fold_stated(entries: list[dict], keys: list[tuple[int | None, object]], count: Callable[[int], int]) -> list[dict]:
-    """The entries of a lowering that lists one block of each run of blocks that lower alike
-    (lower/runs.py), with each run (``count(layer)`` blocks from ``layer``) folded as :func:`fold`
-    folds the list of every block: runs next to each other whose entries in this list are the same
-    but for the index (an expert block's activation collectives without expert parallelism) fold
-    into one group, as their blocks would.
+    """Entries with their runs of layers folded. A lowering that lists one block of each run of
+    blocks that lower alike (lower/runs.py) states a run as its first block with ``count(layer)``
+    blocks from it; listing every block, each counts 1 (:func:`fold`). Runs next to each other whose
+    entries in this list are the same but for the index (an expert block's activation collectives
+    without expert parallelism) fold into one group, as their blocks would.
 
     ``keys``: per entry, the block it belongs to (None outside the blocks: what :func:`layer_of`
     reads from its names) and the pass of the lowering that listed it. A list can be made of passes
