@@ -180,8 +180,14 @@ def _mutations(stages):
             for group in ("no_such_rule", "tied"):
                 renamed = ((dataclasses.replace(op, group=group), k), *rest)
                 yield put(dataclasses.replace(p, after_last_backward=renamed))
+            if len(stages) > 1:  # a reduction written into another stage's program
+                moved = ((dataclasses.replace(op, stage=(s + 1) % len(stages)), k), *rest)
+                yield put(dataclasses.replace(p, after_last_backward=moved))
         if p.before_forward:
             yield put(dataclasses.replace(p, before_forward=p.before_forward[1:]))
+            if len(stages) > 1:
+                moved = dataclasses.replace(p.before_forward[0], stage=(s + 1) % len(stages))
+                yield put(dataclasses.replace(p, before_forward=(moved, *p.before_forward[1:])))
             yield put(
                 dataclasses.replace(
                     p, before_forward=p.before_forward[:1] + (dataclasses.replace(p.before_forward[0], group="tied"),)

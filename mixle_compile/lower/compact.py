@@ -25,7 +25,9 @@ The check (:func:`check_compact`) runs :func:`mixle_compile.lower.schedule.check
 *reduced* program per stage, which is exact for the full step:
 
 1. Every op of every piece is checked where it is issued (its group rule exists and covers the
-   rank; its peer stage exists), on every rank of small worlds and one per stage otherwise.
+   rank; its peer stage exists), on every rank of small worlds and one per stage otherwise; there,
+   the collectives whose rules lie inside a stage need no such check (such a rule exists and covers
+   every rank), and every other op is checked in the simulated step.
 2. Collectives at every forward and backward whose groups stay inside one pipeline stage are left
    out of the reduced program: every rank of a stage runs the same program, so the ranks of a
    column (one rank per stage, the same other coordinates) run the same as every other column, and
@@ -33,8 +35,9 @@ The check (:func:`check_compact`) runs :func:`mixle_compile.lower.schedule.check
    whose group spans stages (the tied group) stays in; with one the check falls back to the explicit
    program. Checked on one rank per stage (a large world), the step's own collectives inside one
    stage (gradient reductions and gathers over data axes) are left out too: such a collective has a
-   single checked member, which completes it on arrival, so it cannot hold the simulation up; they
-   are checked where they are issued, with the per-micro-batch ones.
+   single checked member, which completes it on arrival, so it cannot hold the simulation up (its
+   rule, inside a stage, exists and covers every rank, so there is nothing to check where it is
+   issued either).
 3. A gradient reduction issued ``k`` times in a row is kept once, its count part of what every
    member must agree on: ``k`` consecutive collectives on one group complete together or not at all.
 4. With several runs, one run is checked alone as well as with the step's end: a run whose sends
@@ -57,7 +60,7 @@ from collections.abc import Sequence
 
 from mixle_compile.lower.groups import RankGrid
 from mixle_compile.lower.periodic import check_pumped
-from mixle_compile.lower.schedule import Op, OpKind, ScheduleCheck, _copy, _insert, check_issued, check_schedule
+from mixle_compile.lower.schedule import Op, OpKind, ScheduleCheck, _copy, _insert, check_schedule
 
 # The stated form and its JSON are the plan's (plan/programs.py: the runtime reads them); the names
 # stay importable from here for the lowering's callers.
@@ -199,39 +202,35 @@ def check_compact(
             check, note=check.note + "; on the explicit programs (a per-micro-batch collective spans stages)"
         )
     problems: list[str] = []
-    # 2. Checked on one rank per stage, a step-level collective inside one stage has one checked
-    # member: it completes where it is issued, so it is checked there and left out of the simulation.
     representatives = grid.world_size > exhaustive_limit
+    # 1. Every piece's ops where they are issued: one forward and one backward carry the blocks, whose
+    # order every member of their groups must agree on. Checked on one rank per stage nothing is left
+    # to check there: each block's rule lies inside a stage (above), so it exists and covers every
+    # rank, its group has one checked member, and an inserted op takes its stage from the program.
+    if not representatives:
+        templates = []
+        for p in programs:
+            probe = [
+                Op(OpKind.forward, p.stage, microbatch=0, name="forward"),
+                Op(OpKind.backward, p.stage, microbatch=0, name="backward"),
+            ]
+            probe = _insert(
+                _insert(probe, p.before_forward, "before_forward", p.stage, None),
+                p.after_backward,
+                "after_backward",
+                p.stage,
+                None,
+            )
+            templates.append(tuple(op for op in probe if op.kind is OpKind.collective))
+        block_check = check_schedule(templates, grid, exhaustive_limit=exhaustive_limit, buffered_sends=buffered_sends)
+        problems += [f"a per-micro-batch collective: {text}" for text in block_check.problems]
 
+    # 2. So too, on one rank per stage, the step's collectives whose groups lie inside a stage: each
+    # has a single checked member, which completes it on arrival, and it is left out of the simulation.
     def local(op: Op) -> bool:
         return representatives and in_stage(op.group)
 
-    # 1. Every piece's ops where they are issued: one forward and one backward carry the blocks,
-    # followed by the step's collectives that stay inside the stage.
-    templates = []
-    left_out = False
-    for p in programs:
-        probe = [
-            Op(OpKind.forward, p.stage, microbatch=0, name="forward"),
-            Op(OpKind.backward, p.stage, microbatch=0, name="backward"),
-        ]
-        probe = _insert(
-            _insert(probe, p.before_forward, "before_forward", p.stage, None),
-            p.after_backward,
-            "after_backward",
-            p.stage,
-            None,
-        )
-        step_local = [op for op in (*(op for op, _ in p.after_last_backward), *p.end) if local(op)]
-        left_out = left_out or bool(step_local)
-        templates.append((*(op for op in probe if op.kind is OpKind.collective), *step_local))
-    if representatives:  # every one of them has a single checked member
-        issued = check_issued(templates, grid, exhaustive_limit=exhaustive_limit)
-    else:  # every member of their groups is checked: their order must agree too
-        issued = check_schedule(
-            templates, grid, exhaustive_limit=exhaustive_limit, buffered_sends=buffered_sends
-        ).problems
-    problems += [f"a collective checked where it is issued: {text}" for text in issued]
+    left_out = any(local(op) for p in programs for op in (*(op for op, _ in p.after_last_backward), *p.end))
 
     # 2-3. The reduced step: one run with the step's end, each repeated reduction once (its count in its tag).
     def reduced(p: StageProgram, with_end: bool) -> StageProgram:
@@ -284,7 +283,7 @@ def check_compact(
         f"{step.note}; on the stated programs: one run"
         + (f" of {programs[0].runs} (each self-contained, so the runs compose)" if repeated else "")
         + ", each repeated reduction once, per-micro-batch collectives inside a stage checked where issued"
-        + (", and so the step's collectives inside a stage" if left_out else "")
+        + ("; the step's collectives inside a stage, each with one checked rank, left out" if left_out else "")
         + (
             f"; the long loops on a step {left_out} micro-batches shorter, whose simulation repeats itself shifted"
             if left_out

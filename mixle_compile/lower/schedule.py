@@ -482,13 +482,6 @@ def check_schedule(
     return ScheduleCheck(tuple(problems), count, world.representatives, note)
 
 
-def check_issued(programs: Programs, grid: RankGrid | None = None, *, exhaustive_limit: int = 1024) -> list[str]:
-    """The first of :func:`check_schedule`'s checks alone: every op where it is issued (its stage, its
-    group rule exists and covers the rank, its peer stage exists). The rest add nothing for
-    collectives whose groups have a single checked member: they complete on arrival."""
-    return _check_ops(_prepare(programs, grid, exhaustive_limit))
-
-
 def simulate_schedule(
     programs: Programs,
     grid: RankGrid | None = None,
