@@ -23,26 +23,37 @@ print(json.dumps({"status": status, "modules": sorted(sys.modules)}))
 """
 
 
-def loaded(*argv: str) -> tuple[int, set[str]]:
+def loaded(*argv: str, modules: bool = False) -> tuple[int, set[str]]:
+    """The exit status and the top-level packages loaded (every module loaded, with ``modules``)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     done = subprocess.run(
         [sys.executable, "-c", PROBE, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
     )
     last = done.stdout.strip().splitlines()[-1]
     report = json.loads(last)
-    return report["status"], {m.split(".")[0] for m in report["modules"]}
+    return report["status"], set(report["modules"]) if modules else {m.split(".")[0] for m in report["modules"]}
 
 
 @pytest.mark.parametrize("spec", ["tiny-transformer.yaml", "gaussian-mixture.yaml", "modules-mlp.yaml"])
 def test_check_imports_neither_torch_nor_the_graph_libraries(spec):
-    status, roots = loaded("check", str(ROOT / "examples" / spec))
+    status, every = loaded("check", str(ROOT / "examples" / spec), modules=True)
+    roots = {m.split(".")[0] for m in every}
     assert status == 0
     assert not roots & {"torch", "numpy", "networkx", "jsonschema", "matplotlib"}, roots & {
         "torch",
         "numpy",
         "networkx",
     }
-    assert "z3" in roots  # the verifier did run
+    assert "mixle_compile.verify.symbols" in every  # the verifier did run ...
+    assert "z3" not in roots  # ... and a valid plan's verdict is its rules read with its values: no solver
+
+
+def test_check_of_a_broken_plan_starts_the_solver():
+    status, roots = loaded(
+        "check", str(ROOT / "tests" / "corpus" / "failing" / "megatron_bridge_pr5551_glm45_air_layers_pp.yaml")
+    )
+    assert status == 1
+    assert "z3" in roots  # the minimal conflicts come from the solver
 
 
 def test_compile_of_a_transformer_does_not_import_torch(tmp_path):

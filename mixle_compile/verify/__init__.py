@@ -8,7 +8,10 @@ Entry points (frozen data in, frozen data out):
 * :func:`memory_bound` - the memory rule's bytes for a spec, by kind;
 * :data:`RULES` - the rule catalogue (what ``mixle-compile rules`` lists).
 
-Importing this package does not import z3; the solver is loaded when a plan is verified.
+Importing this package does not import z3. With every field of a plan pinned, whether each rule
+holds is a ground evaluation, so :func:`verify_plan` reads the rules' statements with exact values
+first and loads the solver only for what needs search: a broken plan's minimal conflicts, fixes,
+elastic proofs.
 """
 
 from __future__ import annotations
@@ -56,10 +59,17 @@ class Verification:
 
 def verify_plan(spec: Spec, verifier: PlanVerifier | None = None) -> Verification:
     """Check a spec that passed its own checks against its backend's rule set."""
-    from mixle_compile.verify.engine import PlanVerifier
+    from mixle_compile.verify.symbols import broken_rules
 
     facts = plan_facts(spec)
-    findings = (verifier or PlanVerifier()).findings(facts)
+    findings: tuple[Finding, ...] = ()
+    # Every field is pinned, so whether a rule holds is a ground evaluation: the rules' one statement
+    # read with exact values gives the solver's verdict without starting it. The solver is needed
+    # for what a broken plan reports (a minimal conflict per rule, the values in its messages).
+    if broken_rules(facts, rules_for(facts), {}, exact=True):
+        from mixle_compile.verify.engine import PlanVerifier
+
+        findings = (verifier or PlanVerifier()).findings(facts)
     proof = None
     # The proof needs an elastic axis, and says something new only once the plan is valid at its own
     # size under the rules the proof checks (the capability to restart, C005, is reported apart).

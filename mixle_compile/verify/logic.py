@@ -14,20 +14,25 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from fractions import Fraction
 from typing import Any
 
 _concrete = False
+_exact = False
 
 
 @contextmanager
-def concrete() -> Iterator[None]:
-    """Within the block the connectives take and return plain values (no solver)."""
-    global _concrete
-    before, _concrete = _concrete, True
+def concrete(*, exact: bool = False) -> Iterator[None]:
+    """Within the block the connectives take and return plain values (no solver). ``exact``: reals
+    are fractions rather than floats, so that every comparison is decided as the solver decides it
+    (a verdict); without it they are floats (a screen, faster)."""
+    global _concrete, _exact
+    before = _concrete, _exact
+    _concrete, _exact = True, exact
     try:
         yield
     finally:
-        _concrete = before
+        _concrete, _exact = before
 
 
 def implies(premise: Any, conclusion: Any) -> Any:
@@ -87,10 +92,11 @@ def smaller(a: Any, b: Any) -> Any:
 
 
 def real(term: Any) -> Any:
-    """An integer term as a real, so that divisions are exact (read with values: a float, whose
-    rounding can only matter at a bound met to the last byte, which the solver then decides)."""
+    """An integer term as a real, so that divisions are exact (read with values: a fraction under
+    ``concrete(exact=True)``, otherwise a float, whose rounding can only matter at a bound met to the
+    last byte, which the solver then decides)."""
     if _concrete:
-        return float(term)
+        return Fraction(term) if _exact else float(term)
     import z3
 
     if isinstance(term, int):

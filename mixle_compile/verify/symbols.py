@@ -17,8 +17,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import z3
-
 from mixle_compile.spec.kinds import Family
 from mixle_compile.spec.models import auto_dp_shard
 from mixle_compile.verify.facts import ENUMS, PlanFacts
@@ -45,6 +43,8 @@ class Symbols:
         if values is not None:
             self._concrete(facts, values)
             return
+        import z3  # here, not at the top: the concrete reading (a plain check's verdict) needs no solver
+
         for f in facts.fields:
             if f.kind == "bool":
                 var = z3.Bool(f.symbol)
@@ -90,7 +90,15 @@ class Symbols:
             if f.symbol.isidentifier():
                 setattr(self, f.symbol, var)
         if facts.dp_shard_auto:
-            raise ValueError("concrete symbols need a plan with dp_shard given as a number")
+            if not self.dp_shard_auto:
+                raise ValueError("concrete symbols need dp_shard: auto resolved, or dp_shard given as a number")
+            with concrete():  # what the solver's term reads when the auto flag is pinned true
+                self.dp_shard = larger(
+                    auto_dp_shard(
+                        TERMS, devices=self.devices, dp_replicate=self.dp_replicate, tp=self.tp, pp=self.pp, cp=self.cp
+                    ),
+                    Integer(1),
+                )
         self.data_parallel = self.dp_replicate * self.dp_shard
         self.world = self.data_parallel * self.tp * self.pp * self.cp
         self._derived(facts, Integer(0))
@@ -113,14 +121,18 @@ class Symbols:
         """``v.is_("pipeline_schedule", "1f1b", "interleaved_1f1b")``: the field is one of these."""
         values = ENUMS[enum]
         var = self.variables[enum]
-        if not z3.is_expr(var):
+        if isinstance(var, int):  # the concrete reading
             return any(var == values.index(c) for c in choices)
+        import z3
+
         return z3.Or(*[var == values.index(c) for c in choices]) if choices else z3.BoolVal(False)
 
     # -- pins ------------------------------------------------------------------------------------
 
     def pin(self, symbol: str, value: Any = None) -> Any:
         """The constraint fixing one field to its value (the spec's unless given)."""
+        import z3
+
         var = self.variables[symbol]
         value = self.facts.value(symbol) if value is None else value
         if z3.is_bool(var):
@@ -128,13 +140,15 @@ class Symbols:
         return var == int(value)
 
 
-def broken_rules(facts: PlanFacts, rules: tuple, values: dict[str, Any]) -> list:
+def broken_rules(facts: PlanFacts, rules: tuple, values: dict[str, Any], *, exact: bool = False) -> list:
     """The rules of ``rules`` that the plan of ``facts`` with ``values`` breaks, read with concrete
-    values rather than solved: the same constraints, no solver (a screen for many plans; the
-    solver's verdict, :func:`mixle_compile.verify.verify_plan`, is the one that counts)."""
+    values rather than solved: the same constraints, no solver. With every field pinned the
+    solver's reading is a ground evaluation, so with ``exact`` (reals as fractions) this is its
+    verdict; without, a faster screen whose floats may differ from it at a bound met to the last
+    byte."""
     facts = with_values(facts, values)
     symbols = Symbols(facts, values={})
-    with concrete():
+    with concrete(exact=exact):
         return [r for r in rules if r.constraint is not None and not r.constraint(symbols)]
 
 
