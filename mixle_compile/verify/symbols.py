@@ -58,18 +58,10 @@ class Symbols:
             if f.symbol.isidentifier():
                 setattr(self, f.symbol, var)
 
-        # dp_shard: auto takes the ranks left over; the quotient is kept >= 1 so that no term
-        # ever divides by zero (a world too small for the other degrees fails the world rule).
-        auto_value = larger(
-            auto_dp_shard(
-                TERMS, devices=self.devices, dp_replicate=self.dp_replicate, tp=self.tp, pp=self.pp, cp=self.cp
-            ),
-            1,
-        )
         if facts.dp_shard_auto:
             unpinned = z3.Int("mesh.dp_shard")
             self.domain.append(unpinned >= 1)
-            self.dp_shard = z3.If(self.dp_shard_auto, auto_value, unpinned)
+            self.dp_shard = z3.If(self.dp_shard_auto, self._auto_dp_shard(), unpinned)
         self.data_parallel = self.dp_replicate * self.dp_shard
         self.world = self.data_parallel * self.tp * self.pp * self.cp
 
@@ -93,15 +85,18 @@ class Symbols:
             if not self.dp_shard_auto:
                 raise ValueError("concrete symbols need dp_shard: auto resolved, or dp_shard given as a number")
             with concrete():  # what the solver's term reads when the auto flag is pinned true
-                self.dp_shard = larger(
-                    auto_dp_shard(
-                        TERMS, devices=self.devices, dp_replicate=self.dp_replicate, tp=self.tp, pp=self.pp, cp=self.cp
-                    ),
-                    Integer(1),
-                )
+                self.dp_shard = self._auto_dp_shard()
         self.data_parallel = self.dp_replicate * self.dp_shard
         self.world = self.data_parallel * self.tp * self.pp * self.cp
         self._derived(facts, Integer(0))
+
+    def _auto_dp_shard(self) -> Any:
+        """What dp_shard: auto resolves to: the ranks left over, kept >= 1 so that no term ever
+        divides by zero (a world too small for the other degrees fails the world rule)."""
+        quotient = auto_dp_shard(
+            TERMS, devices=self.devices, dp_replicate=self.dp_replicate, tp=self.tp, pp=self.pp, cp=self.cp
+        )
+        return larger(quotient, Integer(1))
 
     def _derived(self, facts: PlanFacts, zero: Any) -> None:
         """What both readings name the same way: defaults taken from other fields, the layer count,
