@@ -536,6 +536,8 @@ def violations(
             else:
                 divisor = tp * 2 * cp
             rule("Q005", seq % divisor == 0, only="torchtitan")
+        # Megatron's context parallelism runs only in Transformer Engine's flash/fused attention.
+        rule("Q006", cp == 1 or t.attention != "eager", only="megatron")
         rule("Q002", not sp or tp > 1, when=rule_set == "torch" or (rule_set == "megatron" and entry == "core"))
         if warnings:
             rule("Q004", not sp or tp > 1, when=rule_set == "megatron" and entry == "arguments")
@@ -787,6 +789,7 @@ def plan(i: int, degrees: tuple[int, ...], shape: str, backend: str) -> dict:
         "activation_checkpointing": ("none", "selective", "full")[i // 5 % 3],
         "compile": (False, False, True, ["model"], False, ["loss"])[i // 11 % 6],
         "async_tensor_parallel": i // 4 % 3 == 0,
+        "attention": (None, "eager", "flash")[i // 19 % 3],
     }
     devices = n if auto or i % 11 else n + 1
     spec = {

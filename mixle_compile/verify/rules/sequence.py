@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from mixle_compile.diagnostics import Severity
 from mixle_compile.spec.kinds import Engine
-from mixle_compile.verify.logic import all_of, implies, when
+from mixle_compile.verify.logic import all_of, implies, negation, when
 from mixle_compile.verify.rule import Rule, define
 
 CONTEXT_PARALLEL = define(
@@ -136,5 +136,32 @@ TORCHTITAN_SEQ_LEN = define(
         fields=("seq_len", "tp", "cp", "sequence_parallel"),
         needs=("seq_len",),
         engines=frozenset({Engine.TORCHTITAN}),
+    )
+)
+
+
+MEGATRON_CP_ATTENTION = define(
+    Rule(
+        code="Q006",
+        name="megatron-context-parallel-fused-attention",
+        title="Megatron: cp > 1 needs a fused attention kernel (flash), not eager attention.",
+        docs=(
+            "Megatron-Core runs context parallelism inside Transformer Engine's attention, with its flash or "
+            "fused (cuDNN) backend: TE turns its unfused backend off when context parallelism is on, and "
+            "Megatron-Core's own `DotProductAttention` (`--transformer-impl local`) refuses any "
+            "`context_parallel_size` but 1. With `training.attention: eager` (the score matrix materialised, "
+            "as the unfused kernels do) there is no kernel left to run `cp > 1`."
+        ),
+        engine_reference=(
+            'Megatron-Core 0.16 megatron/core/transformer/dot_product_attention.py `__init__` ("Context '
+            'parallelism is only supported by TEDotProductAttention!"); Transformer Engine '
+            "transformer_engine/pytorch/attention/dot_product_attention/utils.py `get_attention_backend` "
+            '("Disabling UnfusedDotProductAttention as it does not support context parallelism")'
+        ),
+        constraint=lambda v: implies(v.cp > 1, negation(v.eager_attention)),
+        explain=lambda x: f"cp={x.cp} with eager attention: Megatron runs context parallelism only in fused kernels",
+        hint=lambda x: "set training.attention: flash (Transformer Engine's fused attention), or use cp: 1",
+        fields=("cp", "eager_attention"),
+        engines=frozenset({Engine.MEGATRON}),
     )
 )
