@@ -186,7 +186,15 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--devices", type=_positive, metavar="N", help="the device budget (mesh fields left out are then searched)"
     )
-    plan.add_argument("--top", type=_positive, default=5, metavar="K", help="how many plans to print (default: 5)")
+    plan.add_argument(
+        "--top", type=_positive, default=5, metavar="K", help="how many meshes (plans) to print (default: 5)"
+    )
+    plan.add_argument(
+        "--variants",
+        action="store_true",
+        help="rank every plan, so that settings variants of one mesh may fill the list "
+        "(default: one plan per mesh, with that mesh's fastest settings)",
+    )
     plan.add_argument("--write", type=Path, metavar="OUT", help="write the best plan as a complete spec (YAML)")
     plan.add_argument("--format", choices=("text", "json"), default="text", help="output format (default: text)")
     plan.set_defaults(run=_cmd_plan)
@@ -845,7 +853,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         for line in exc.lines:
             print(line, file=sys.stderr)
         return EXIT_USAGE
-    outcome = search(request, top=args.top)
+    outcome = search(request, top=args.top, variants=args.variants)
     if args.format == "json":
         print(json.dumps(outcome_data(outcome), indent=2, sort_keys=True))
     else:

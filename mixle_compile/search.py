@@ -975,8 +975,11 @@ def spec_data_for(req: Request, values: dict) -> dict:
     return data
 
 
-def search(req: Request, top: int = DEFAULT_TOP) -> Outcome:
-    """The ``top`` fastest plans `check` accepts, best first (see the module docstring)."""
+def search(req: Request, top: int = DEFAULT_TOP, *, variants: bool = False) -> Outcome:
+    """The ``top`` fastest plans `check` accepts, best first (see the module docstring): one per
+    mesh (its degrees, :data:`MESH_KEY`) with that mesh's fastest settings, or with ``variants``
+    every plan, so that settings variants of one mesh (accumulation steps, micro-batch size,
+    checkpointing) may fill the list."""
     import heapq
 
     from mixle_compile.verify import plan_facts
@@ -1034,6 +1037,7 @@ def search(req: Request, top: int = DEFAULT_TOP) -> Outcome:
     heap: list[tuple[float, int, dict, Mesh]] = []
     count = 0
     chosen: list[Plan] = []
+    taken: set[tuple[int, ...]] = set()  # the meshes of the chosen plans
     while len(chosen) < top:
         while pending and (not heap or heap[0][0] > pending[0][0] * (1 + TOLERANCE)):
             _, order, fitted, mesh = heapq.heappop(pending)
@@ -1054,6 +1058,8 @@ def search(req: Request, top: int = DEFAULT_TOP) -> Outcome:
         if not heap:
             break
         estimate, _, values, mesh = heapq.heappop(heap)
+        if not variants and tuple(values[k] for k in MESH_KEY) in taken:
+            continue  # candidates leave the heap fastest first: this mesh's best is already chosen
         if mesh.outgrows(values):
             outcome.rejections[MEMORY_RULE] += 1
             continue
@@ -1068,6 +1074,7 @@ def search(req: Request, top: int = DEFAULT_TOP) -> Outcome:
             outcome.refused_by_check += 1
             continue
         chosen.append(_plan(req, loaded, values, pricer.price(values)))
+        taken.add(tuple(values[k] for k in MESH_KEY))
     if not chosen:
         outcome.reason = _rejection_text(outcome)
         return outcome

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import random
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from mixle_compile.compile import compile_loaded
 from mixle_compile.lower.lowering import lower
 from mixle_compile.search import (
     MESH_FIELDS,
+    MESH_KEY,
     TOLERANCE,
     VARYING,
     SearchInputError,
@@ -129,11 +131,12 @@ def test_the_best_first_search_finds_the_best_of_an_exhaustive_screen(tmp_path, 
     path = tmp_path / "spec.yaml"
     path.write_text(text)
     req = read_request(path)
-    outcome = search(req, top=3)
+    outcome = search(req, top=3, variants=True)
+    per_mesh = search(req, top=10)
     facts = plan_facts(req.spec)
     rules = tuple(r for r in rules_for(facts) if r.constraint is not None and r.severity.value == "error")
     pricer = _Pricer(req)
-    valid = []
+    valid, best_of_mesh = [], {}
     for mesh in enumerate_meshes(req):
         bound = pricer.bound(mesh)
         for values in mesh.candidates():
@@ -141,10 +144,17 @@ def test_the_best_first_search_finds_the_best_of_an_exhaustive_screen(tmp_path, 
             assert bound <= seconds * (1 + 1e-9), (mesh.degrees, values)  # the bound is one
             if not broken_rules(facts, rules, _symbol_values(values, ENUMS)):
                 valid.append(seconds)
+                key = tuple(values[k] for k in MESH_KEY)
+                best_of_mesh[key] = min(seconds, best_of_mesh.get(key, math.inf))
     valid.sort()
     assert len(valid) > 10
     assert len(outcome.plans) == 3
     for plan, best in zip(outcome.plans, valid, strict=False):
+        assert plan.step.seconds <= best * (1 + TOLERANCE) ** 2
+    # One plan per mesh: the meshes differ and each is as fast as the best meshes of the screen.
+    assert len(best_of_mesh) > 10 and len(per_mesh.plans) == 10
+    assert len({tuple(p.values[k] for k in MESH_KEY) for p in per_mesh.plans}) == 10
+    for plan, best in zip(per_mesh.plans, sorted(best_of_mesh.values()), strict=False):
         assert plan.step.seconds <= best * (1 + TOLERANCE) ** 2
     assert outcome.screened < outcome.enumerated / 4  # the point of the bounds: few candidates are screened
 
@@ -349,3 +359,18 @@ def test_sweep_every_plan_checks_and_compiles(tmp_path, devices, backend):
         for plan in outcome.plans:
             result = compile_loaded(load_spec_text(yaml.safe_dump(plan.spec_data), "plan.yaml"))
             assert result.plan is not None and not result.check.errors
+
+
+def test_plan_cli_lists_one_plan_per_mesh_unless_asked_for_variants(capsys, tmp_path):
+    spec = tmp_path / "auto.yaml"
+    spec.write_text(spec_text(DENSE, 32, BACKENDS[1], memory="1GiB", global_batch=64, seq=2048))
+
+    def meshes(*flags):
+        status, out, err = run_cli(capsys, "plan", spec, "--format", "json", "--top", "10", *flags)
+        assert status == 0, err
+        return [tuple(p["settings"][k] for k in MESH_KEY) for p in json.loads(out)["plans"]]
+
+    distinct, variants = meshes(), meshes("--variants")
+    assert len(distinct) == len(set(distinct)) == 10
+    assert len(set(variants)) < len(variants) == 10  # settings variants of one mesh fill the list
+    assert distinct[0] == variants[0]
