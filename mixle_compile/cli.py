@@ -195,6 +195,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="rank every plan, so that settings variants of one mesh may fill the list "
         "(default: one plan per mesh, with that mesh's fastest settings)",
     )
+    plan.add_argument(
+        "--tight",
+        action="store_true",
+        help="admit plans that fit only if the caching allocator gives up its usual reserve (R002 warns); "
+        "by default every plan keeps it",
+    )
     plan.add_argument("--write", type=Path, metavar="OUT", help="write the best plan as a complete spec (YAML)")
     plan.add_argument("--format", choices=("text", "json"), default="text", help="output format (default: text)")
     plan.set_defaults(run=_cmd_plan)
@@ -853,7 +859,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         for line in exc.lines:
             print(line, file=sys.stderr)
         return EXIT_USAGE
-    outcome = search(request, top=args.top, variants=args.variants)
+    outcome = search(request, top=args.top, variants=args.variants, tight=args.tight)
     if args.format == "json":
         print(json.dumps(outcome_data(outcome), indent=2, sort_keys=True))
     else:

@@ -27,9 +27,10 @@ The search (docs/search.md):
 4. **screens** candidates in order of their step time with the verifier's own rules read with
    values (:func:`mixle_compile.verify.symbols.broken_rules`: the same constraints, no solver) and
    **confirms** each survivor with the real `check` (:func:`mixle_compile.check.check_loaded`, the
-   solver), until ``top`` plans pass.
+   solver), until ``top`` plans pass: one per mesh unless ``variants``.
 
-Every plan it returns is one `check` accepted.
+Every plan it returns is one `check` accepted, without the warning that it fits only in the caching
+allocator's reserve (R002) unless ``tight``.
 """
 
 from __future__ import annotations
@@ -975,11 +976,16 @@ def spec_data_for(req: Request, values: dict) -> dict:
     return data
 
 
-def search(req: Request, top: int = DEFAULT_TOP, *, variants: bool = False) -> Outcome:
+def search(req: Request, top: int = DEFAULT_TOP, *, variants: bool = False, tight: bool = False) -> Outcome:
     """The ``top`` fastest plans `check` accepts, best first (see the module docstring): one per
     mesh (its degrees, :data:`MESH_KEY`) with that mesh's fastest settings, or with ``variants``
     every plan, so that settings variants of one mesh (accumulation steps, micro-batch size,
-    checkpointing) may fill the list."""
+    checkpointing) may fill the list.
+
+    A plan keeps the caching allocator's usual reserve beside its live tensors (R002 holds: `check`
+    gives it no memory warning): one that fits only when the allocator gives its cache back runs with
+    allocation retries, each a device synchronisation the step time does not price, and fragmentation
+    can still fail it. ``tight`` admits such plans (R001 alone)."""
     import heapq
 
     from mixle_compile.verify import plan_facts
@@ -997,12 +1003,17 @@ def search(req: Request, top: int = DEFAULT_TOP, *, variants: bool = False) -> O
     pricer = _Pricer(req)
 
     facts = plan_facts(req.spec)
-    rules = tuple(r for r in rules_for(facts) if r.constraint is not None and r.severity is Severity.error)
+    rules = tuple(
+        r
+        for r in rules_for(facts)
+        if r.constraint is not None and (r.severity is Severity.error or (r.code == HEADROOM_RULE and not tight))
+    )
     verifier = PlanVerifier()  # one encoding for every candidate: they share the spec's structure
 
     # The memory rule costs most to read: it is read only for a candidate the others accept.
-    cheap = tuple(r for r in rules if r.code != MEMORY_RULE)
-    memory = tuple(r for r in rules if r.code == MEMORY_RULE)
+    cheap = tuple(r for r in rules if r.code not in MEMORY_RULES)
+    memory = tuple(r for r in rules if r.code in MEMORY_RULES)
+    refused_by = [MEMORY_RULE]  # the memory rule that refused the last candidate `too_large` screened
 
     def screen(values: dict) -> list:
         outcome.screened += 1
@@ -1015,6 +1026,8 @@ def search(req: Request, top: int = DEFAULT_TOP, *, variants: bool = False) -> O
         outcome.screened += 1
         broken = broken_rules(facts, memory, _symbol_values(values, ENUMS))
         outcome.rejections.update(r.code for r in broken)
+        if broken:
+            refused_by[0] = broken[0].code
         return bool(broken)
 
     def group_refused(values: dict, mesh: Mesh) -> bool:
@@ -1044,9 +1057,9 @@ def search(req: Request, top: int = DEFAULT_TOP, *, variants: bool = False) -> O
             if not fitted:
                 modes = mesh.fitting_checkpointing(too_large)
                 if not modes:
-                    outcome.rejections[MEMORY_RULE] += mesh.size
+                    outcome.rejections[refused_by[0]] += mesh.size
                     continue
-                outcome.rejections[MEMORY_RULE] += (
+                outcome.rejections[refused_by[0]] += (
                     mesh.size // len(mesh.checkpointing) * (len(mesh.checkpointing) - len(modes))
                 )
                 mesh.checkpointing = modes
@@ -1065,11 +1078,11 @@ def search(req: Request, top: int = DEFAULT_TOP, *, variants: bool = False) -> O
             continue
         broken = screen(values)
         if broken:
-            if any(r.code == MEMORY_RULE for r in broken):
+            if any(r.code in MEMORY_RULES for r in broken):
                 mesh.too_large.append(values)
             continue
         outcome.confirmed += 1
-        loaded = _check(req, values, verifier)
+        loaded = _check(req, values, verifier, tight=tight)
         if loaded is None:
             outcome.refused_by_check += 1
             continue
@@ -1096,6 +1109,9 @@ def search(req: Request, top: int = DEFAULT_TOP, *, variants: bool = False) -> O
 
 
 MEMORY_RULE = "R001"
+#: The allocator-reserve warning: the search keeps to plans it does not fire for (unless ``tight``).
+HEADROOM_RULE = "R002"
+MEMORY_RULES = frozenset({MEMORY_RULE, HEADROOM_RULE})
 #: The settings that vary among one mesh's candidates of one schedule.
 VARYING = frozenset(
     {
@@ -1115,8 +1131,9 @@ def _symbol_values(values: dict, enums: dict) -> dict:
     return out
 
 
-def _check(req: Request, values: dict, verifier) -> Any:
-    """The candidate's spec, loaded and accepted by the real check (the solver), or None."""
+def _check(req: Request, values: dict, verifier, *, tight: bool = False) -> Any:
+    """The candidate's spec, loaded and accepted by the real check, or None; unless ``tight``, also
+    None when check warns that it fits only without the allocator's reserve (R002)."""
     import yaml
 
     from mixle_compile.check import check_loaded
@@ -1124,7 +1141,11 @@ def _check(req: Request, values: dict, verifier) -> Any:
 
     loaded = load_spec_text(yaml.safe_dump(spec_data_for(req, values), sort_keys=False), req.file)
     checked = check_loaded(loaded, verifier=verifier)
-    return None if checked.errors or loaded.spec is None else loaded
+    if checked.errors or loaded.spec is None:
+        return None
+    if not tight and any(d.code == HEADROOM_RULE for d in checked.diagnostics):
+        return None
+    return loaded
 
 
 def _plan(req: Request, loaded, values: dict, st: step_time.StepTime) -> Plan:

@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from mixle_compile import cli
+from mixle_compile.check import check_loaded
 from mixle_compile.compile import compile_loaded
 from mixle_compile.lower.lowering import lower
 from mixle_compile.search import (
@@ -374,3 +375,28 @@ def test_plan_cli_lists_one_plan_per_mesh_unless_asked_for_variants(capsys, tmp_
     assert len(distinct) == len(set(distinct)) == 10
     assert len(set(variants)) < len(variants) == 10  # settings variants of one mesh fill the list
     assert distinct[0] == variants[0]
+
+
+def test_plans_keep_the_allocator_reserve_unless_tight(tmp_path):
+    # Device memory between the fastest plan's live tensors and its live tensors plus the allocator's
+    # reserve: check accepts that plan with the R002 warning; the search keeps to plans without it.
+    first = searched(tmp_path, spec_text(DENSE, 8, BACKENDS[1], memory="1GiB", global_batch=64, seq=2048), top=1)
+    fastest = first.plans[0]
+    device = int(fastest.memory_bytes * 0.95)  # memory_bytes counts the reserve; the live bytes are 1/1.125 of it
+    text = spec_text(DENSE, 8, BACKENDS[1], memory=f"{device}B", global_batch=64, seq=2048)
+
+    def warned(plan) -> bool:
+        checked = check_loaded(load_spec_text(yaml.safe_dump(plan.spec_data), "plan.yaml"))
+        assert not checked.errors
+        return any(d.code == "R002" for d in checked.diagnostics)
+
+    path = tmp_path / "spec.yaml"
+    path.write_text(text)
+    kept = search(read_request(path), top=3)
+    tight = search(read_request(path), top=3, tight=True)
+    assert kept.plans and tight.plans
+    assert not any(warned(p) for p in kept.plans)
+    assert all(p.memory_bytes <= device for p in kept.plans)
+    assert any(warned(p) for p in tight.plans)  # the fastest, or one that ties with it
+    assert tight.plans[0].step.seconds <= kept.plans[0].step.seconds
+    assert kept.rejections["R002"] > 0
