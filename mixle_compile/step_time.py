@@ -23,6 +23,7 @@ Everything here is numbers only (no torch), so `explain` stays fast.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from fractions import Fraction
 from functools import cache
@@ -106,6 +107,17 @@ ATTENTION_EFFICIENCY = 0.5
 ELEMENTWISE_BYTES = {"eager": 2.0, "compiled": 1.0}
 #: Bytes per attention score and pass under eager attention: QK^T written, softmax read and written.
 SCORE_BYTES = 6.0
+#: A fused attention kernel's rate by the sequence length of one call, relative to its rate at 16k
+#: tokens and beyond, with and without the causal mask: FlashAttention-2's bf16 forward at head
+#: dimension 128 on an H100 SXM5, as Shah et al. 2024 (FlashAttention-3, Figure 5) measure it
+#: (TFLOP/s causal 191, 260, 298, 319, 333, 335; without the mask 309, 350, 362, 368, 370, 370 at
+#: 512 to 16k tokens; cuDNN's kernel and FlashAttention-3 fall off alike at short lengths). Short
+#: calls leave the kernel's per-block set-up less work to amortise over; context parallelism makes
+#: them: each ring step is one call over a rank's chunks (:func:`attention_length_factor`).
+FUSED_ATTENTION_RATE = {
+    True: ((512, 191 / 335), (1024, 260 / 335), (2048, 298 / 335), (4096, 319 / 335), (8192, 333 / 335), (16384, 1.0)),
+    False: ((512, 309 / 370), (1024, 350 / 370), (2048, 362 / 370), (4096, 368 / 370), (8192, 1.0), (16384, 1.0)),
+}
 
 
 def efficiency_of(kind: str, precision: str) -> float:
@@ -432,6 +444,36 @@ def _stage_compute(st: _Setting, tp: int, cp: int, stage_layers: list[int]) -> t
     return [b * a + f for a, f in zip(per_sample, fixed, strict=True)], [b * a for a in attention]
 
 
+def fused_attention_rate(length: float, causal: bool) -> float:
+    """:data:`FUSED_ATTENTION_RATE` at a call of ``length`` tokens, interpolated in log2 of the length;
+    1 beyond 16k, and below 512 tokens the trend of the shortest measured octave (512 to 1k, a power
+    of the length) carried on."""
+    points = FUSED_ATTENTION_RATE[causal]
+    if length <= points[0][0]:
+        (a, ra), (b, rb) = points[0], points[1]
+        return ra * (length / a) ** math.log2(rb / ra)
+    for (a, ra), (b, rb) in zip(points, points[1:], strict=False):
+        if length <= b:
+            t = (math.log2(length) - math.log2(a)) / (math.log2(b) - math.log2(a))
+            return ra + t * (rb - ra)
+    return 1.0
+
+
+def attention_length_factor(seq: float, cp: int) -> float:
+    """How much longer a rank's fused attention takes than at the kernel's long-sequence rate.
+    Without context parallelism it is one causal call over the sequence. With it, the sequence is
+    cut into ``2 * cp`` chunks and a rank holds two (load balancing), and attention runs as ``cp``
+    ring steps (torch's ``_templated_ring_attention``, Transformer Engine's
+    ``AttnFuncWithCPAndKVP2P``): the first, causal, over the rank's own ``seq / cp`` tokens, about
+    ``1 / cp`` of its work; each later one without the mask, half of them all its queries against
+    one chunk of keys (``seq / (2 * cp)``), half one chunk of queries against ``seq / cp`` keys."""
+    if cp <= 1:
+        return 1.0 / fused_attention_rate(seq, True)
+    local = seq / cp
+    later = 0.5 / fused_attention_rate(local / 2, False) + 0.5 / fused_attention_rate(local, False)
+    return (1.0 / cp) / fused_attention_rate(local, True) + (1.0 - 1.0 / cp) * later
+
+
 def stage_compute_parts(
     st: _Setting, tp: int, cp: int, stage_layers: list[int]
 ) -> tuple[list[float], list[float], list[float]]:
@@ -444,6 +486,7 @@ def stage_compute_parts(
     efficiency = other_efficiency = st.efficiency
     seq = training["seq_len"]
     tokens = seq / cp  # one rank's tokens per sample of a micro-step
+    length_factor = attention_length_factor(seq, cp)
     moe_every = model.get("moe_layer_frequency", 1)
     activation_bytes = 4 if st.precision == "fp32" else 2
     # A matrix multiplication reads its two operands and writes its result (Float8 reads fp8
@@ -485,6 +528,8 @@ def stage_compute_parts(
             weights += n * f.gemm_passes * weight_bytes
         first += count
         attention_seconds = tokens * attention / (st.other_peak * other_efficiency * ATTENTION_EFFICIENCY)
+        if training.get("attention") != "eager":
+            attention_seconds *= length_factor
         sample = (
             tokens * linear / (st.linear_peak * efficiency) + attention_seconds + (tokens * moved + rows) / bandwidth
         )

@@ -13,7 +13,7 @@ import yaml
 from mixle_compile import cli
 from mixle_compile.lower.lowering import lower
 from mixle_compile.spec import load_spec_text
-from mixle_compile.step_time import predict_lowered, ring_bytes
+from mixle_compile.step_time import attention_length_factor, fused_attention_rate, predict_lowered, ring_bytes
 from tests.conftest import EXAMPLES, ROOT
 
 SPEC = """\
@@ -233,3 +233,37 @@ def test_a_collective_waits_nccls_ring_latency():
     assert collective_latency("reduce_scatter", 16, 2, table) == pytest.approx(8.4e-6 + 14 * 3.4e-6 + 14e-6)
     assert collective_latency("p2p", 2, 2, table) == pytest.approx(8.4e-6 + 14e-6)
     assert collective_latency("all_reduce", 1, 1, table) == 0.0
+
+
+def test_fused_attention_runs_slower_in_the_short_calls_context_parallelism_makes():
+    # The measured points are reproduced; between and beyond them the rate rises with the length.
+    assert fused_attention_rate(512, True) == pytest.approx(191 / 335)
+    assert fused_attention_rate(2048, False) == pytest.approx(362 / 370)
+    assert fused_attention_rate(16384, True) == fused_attention_rate(10**6, True) == 1.0
+    for causal in (True, False):
+        rates = [fused_attention_rate(2**k, causal) for k in range(6, 14)]  # 64 to 8k tokens
+        assert rates == sorted(rates) and len(set(rates)) == len(rates)
+    # One causal call over the sequence; with cp > 1, cp ring steps over a rank's chunks.
+    assert attention_length_factor(8192, 1) == pytest.approx(335 / 333)
+    for seq in (2048, 8192, 32768):
+        factors = [attention_length_factor(seq, cp) for cp in (1, 2, 4, 8, 16)]
+        assert factors == sorted(factors)
+    assert attention_length_factor(262144, 8) == 1.0  # 32k tokens a rank: every call at full rate
+
+    def attention_seconds(seq, cp, attention="flash"):
+        data = {
+            "model": yaml.safe_load(SPEC)["model"],
+            "mesh": {"dp_shard": 8 // cp, "cp": cp},
+            # cp samples of seq / cp tokens a rank: the same tokens and FLOPs a rank at every cp
+            "training": {"global_batch_size": 8, "micro_batch_size": cp, "seq_len": seq, "attention": attention},
+            "backend": "torch",
+            "resources": {"devices": 8, "kind": "h100", "memory": "80GiB"},
+        }
+        spec = load_spec_text(yaml.safe_dump(data), "s.yaml").spec
+        return predict_lowered(spec, lower(spec, schedule=False)).compute
+
+    # At 4k tokens, splitting a sequence over 4 ranks costs compute beyond its share; at 64k it
+    # does not, and eager attention (priced by its score traffic) is not a fused kernel's calls.
+    assert attention_seconds(4096, 4) > 1.01 * attention_seconds(4096, 1)
+    assert attention_seconds(65536, 4) == pytest.approx(attention_seconds(65536, 1), rel=1e-3)
+    assert attention_seconds(4096, 4, "eager") == pytest.approx(attention_seconds(4096, 1, "eager"), rel=1e-3)
