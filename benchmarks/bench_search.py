@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import yaml  # noqa: E402
 
-from mixle_compile.search import MESH_KEY, TRAINING_FIELDS, read_request, search  # noqa: E402
+from mixle_compile.search import MESH_KEY, TRAINING_FIELDS, loses_because, read_request, search  # noqa: E402
 
 LLAMA = {
     "8B": dict(vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, ffn_hidden_size=14336),
@@ -97,12 +97,15 @@ def anchors() -> None:
     print("ratio: published predicted step / top choice's; the starred columns search the mesh alone, the row's")
     print("micro-batch, checkpointing, schedule and optimizer kept.")
     print()
-    print(f"{'row':34} {'mesh':>5} {'ratio':>6} {'mesh*':>6} {'ratio*':>6}  top choice (all searched)")
+    print("why: the part of the step that makes the published layout slower than the top choice, by the model.")
+    print()
+    print(f"{'row':34} {'mesh':>5} {'ratio':>6} {'mesh*':>6} {'ratio*':>6}  {'why':44} top choice (all searched)")
     in_top = in_top_kept = counted = 0
     for label, data, _ in rows.ROWS:
         loaded = load_spec_text(yaml.safe_dump(data), "row.yaml")
         published = loaded.spec
-        published_seconds = predict_lowered(published, lower(published, schedule=False)).seconds
+        predicted = predict_lowered(published, lower(published, schedule=False))
+        published_seconds = predicted.seconds
         values = {**published.mesh.model_dump(), **published.training.model_dump()}
         results = []
         for keep_training in (False, True):
@@ -126,9 +129,10 @@ def anchors() -> None:
         counted += 1
         in_top += mesh_rank is not None and mesh_rank <= 5
         in_top_kept += kept_rank is not None and kept_rank <= 5
+        why = loses_because(predicted, top.step) or "-"
         print(
             f"{label:34} {show(mesh_rank):>5} {published_seconds / top.step.seconds:6.3f} {show(kept_rank):>6} "
-            f"{kept_ratio}  {top.mesh_text()}; {top.training_text()} ({wall:.1f}s)"
+            f"{kept_ratio}  {why:44} {top.mesh_text()}; {top.training_text()} ({wall:.1f}s)"
         )
     print(
         f"\npublished mesh in the top 5 meshes: {in_top} of {counted} rows with every setting searched, "
