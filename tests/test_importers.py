@@ -1388,3 +1388,91 @@ def test_every_key_of_the_corpus_tomls_is_found_where_it_is_written(name):
     for path in leaves(doc.data):
         pos = doc.keys[path]
         assert lines[pos.line - 1][pos.column - 1 :].startswith(path[-1]), (path, pos)
+
+
+# --------------------------------------------------------------------------- launches as published
+
+
+MEGATRON_SIZES = (
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
+    "--vocab-size 256"
+)
+
+
+def test_a_script_finds_its_own_directory_however_it_spells_it(tmp_path):
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "arguments.sh").write_text(f'MODEL_ARGS="{MEGATRON_SIZES}"\n')
+    launch = "torchrun --nproc_per_node 2 pretrain_gpt.py ${MODEL_ARGS} --micro-batch-size 1 --global-batch-size 2\n"
+    spellings = [
+        'SCRIPT_DIR="$(dirname "$(readlink -f "$0")")"\nsource ${SCRIPT_DIR}/conf/arguments.sh\n',
+        'HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)\n. $HERE/conf/arguments.sh\n',
+        "source $(realpath $(dirname $0))/conf/arguments.sh\n",
+        "source $(dirname $0)/conf/arguments.sh\n",
+    ]
+    for i, lines in enumerate(spellings):
+        path = tmp_path / f"train{i}.sh"
+        path.write_text(lines + launch)
+        data = imported(path)
+        assert data["model"]["num_layers"] == 2 and data["resources"]["devices"] == 2, lines
+
+
+def test_a_source_path_from_pwd_or_another_command_says_which(tmp_path, monkeypatch):
+    (tmp_path / "CONFIG.sh").write_text(f'MODEL_ARGS="{MEGATRON_SIZES}"\n')
+    monkeypatch.chdir(tmp_path)
+    run = Shell().execute(". `pwd`/CONFIG.sh\nsource `hostname`/x.sh\n")
+    assert "--num-layers" in run.scalars["MODEL_ARGS"].text  # `pwd` is the working directory
+    ((what, _, why),) = run.unsourced
+    assert what == "source `hostname`/x.sh" and "the command substitution `hostname`" in why
+
+
+def test_a_bare_python_launch_is_one_process(tmp_path):
+    path = tmp_path / "pretrain_gpt.sh"
+    path.write_text(f"python pretrain_gpt.py {MEGATRON_SIZES} --micro-batch-size 4 --global-batch-size 8\n")
+    data = imported(path)
+    # WORLD_SIZE defaults to 1 without a launcher: 8 samples as 2 micro-batches of 4 on one rank.
+    assert data["resources"]["devices"] == 1 and data["mesh"]["microbatches"] == 2
+    path.write_text(f"python -m torch.distributed.launch --nproc_per_node 4 pretrain_gpt.py {MEGATRON_SIZES}\n")
+    assert imported(path)["resources"]["devices"] == 4
+
+
+def test_pretrain_gpt2_is_megatrons_gpt_and_its_old_flags_are_what_validate_args_refuses(capsys, tmp_path):
+    path = tmp_path / "pretrain_gpt2_distributed.sh"
+    path.write_text(
+        f"torchrun --nproc_per_node 4 pretrain_gpt2.py --model-parallel-size 2 --batch-size 4 {MEGATRON_SIZES}\n"
+    )
+    status, out, _ = run_cli(capsys, "check", path)
+    assert status == 1, out
+    assert "I004" not in out and "trains a model other than" not in out
+    assert out.count("I005") == 2 and "use --tensor-model-parallel-size" in out and "use --micro-batch-size" in out
+    path.write_text(
+        "torchrun --nproc_per_node 4 pretrain_gpt2.py --tensor-model-parallel-size 2 --micro-batch-size 4 "
+        f"{MEGATRON_SIZES}\n"
+    )
+    data = imported(path)
+    assert data["mesh"]["tp"] == 2 and data["training"]["micro_batch_size"] == 4
+
+
+def test_deepspeed_assumes_a_world_size_its_batch_sizes_allow(capsys, tmp_path):
+    path = tmp_path / "ds.json"
+    # train 4 = micro 2 * accumulation * dp: one node of 8 is impossible; 2 is the most that fits.
+    path.write_text(json.dumps({"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2}))
+    data = imported(path, model=LLAMA, seq_len=1024)
+    assert data["resources"]["devices"] == 2 and data["mesh"]["gradient_accumulation_steps"] == 1
+    path.write_text(json.dumps({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 32}))
+    assert imported(path, model=LLAMA, seq_len=1024)["resources"]["devices"] == 1
+    path.write_text(json.dumps({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 2}))
+    assert imported(path, model=LLAMA, seq_len=1024)["resources"]["devices"] == 8  # one node fits: unchanged
+
+
+def test_a_launch_run_as_one_string_is_read_word_by_word(tmp_path):
+    # Megatron-LM's examples/pretrain_gpt3_175B.sh (2021-2024): options in a string, run by `sh -c`.
+    path = tmp_path / "pretrain_gpt3.sh"
+    path.write_text(
+        'options=" \\\n --tensor-model-parallel-size 2 \\\n'
+        f' {MEGATRON_SIZES} \\\n --micro-batch-size 1 --global-batch-size 8"\n'
+        'run_cmd="python -u pretrain_gpt.py $@ ${options}"\n'
+        'srun -l sh -c "${run_cmd}"\n'
+    )
+    data = imported(path, devices=16)
+    assert data["mesh"]["tp"] == 2 and data["model"]["num_layers"] == 2
+    assert data["training"]["global_batch_size"] == 8 and data["mesh"]["dp_replicate"] == 8

@@ -99,7 +99,8 @@ class SpecBuilder:
 
     @property
     def failed(self) -> bool:
-        return any(d.severity is Severity.error for d in self.diagnostics)
+        """Whether the config cannot be read as a spec (an engine's own refusal, I005, still is one)."""
+        return any(d.severity is Severity.error and d.code != codes.ENGINE_REFUSES.code for d in self.diagnostics)
 
     def result(self) -> tuple[SourceDocument, list[Diagnostic]]:
         return self.doc, self.diagnostics
@@ -116,16 +117,27 @@ def resources(
     memory: str | None = None,
     memory_origin: str | None = None,
     divisor: int = 1,
+    admits=None,
+    admits_why: str = "",
 ) -> int:
-    """Fill ``resources`` from the config's device count or the command line; assume (and say so) otherwise."""
+    """Fill ``resources`` from the config's device count or the command line; assume (and say so) otherwise.
+
+    The assumption is one node of 8, or the fewest nodes of 8 that the config's fixed degrees
+    (``divisor``) divide. ``admits(n)``, when given, says whether the config can run on ``n``
+    devices at all (a DeepSpeed config's batch sizes): when the usual assumption is one it rules
+    out, the most devices below it that it admits are assumed instead (``admits_why`` says why), so
+    that an assumption never makes an error the config does not have."""
     if options.devices is not None:
         devices, devices_at, devices_origin = options.devices, None, "--devices"
     if devices is None:
-        # One node of 8, or the fewest nodes of 8 that the config's fixed degrees divide.
         devices = math.lcm(8, divisor)
+        shown = f"{'one node' if devices == 8 else f'{devices // 8} nodes'} of 8"
+        if admits is not None and not admits(devices):
+            fitting = [n for n in range(devices - 1, 0, -1) if n % divisor == 0 and admits(n)]
+            if fitting:
+                devices, shown = fitting[0], f"the most up to {shown} that {admits_why} allows"
         builder.assumed(
-            f"{what} does not say how many devices run it; assumed {devices} "
-            f"({'one node' if devices == 8 else f'{devices // 8} nodes'} of 8)",
+            f"{what} does not say how many devices run it; assumed {devices} ({shown})",
             None,
             "pass `--devices N` to check the real world size",
             ("resources", "devices"),

@@ -149,7 +149,17 @@ def read_deepspeed(raw: bytes, name: str, options: ImportOptions) -> tuple[Sourc
             return b.result()
         devices, devices_at = tbs // (mbs * gas), at("train_batch_size")
         devices_origin = "train_batch_size / (train_micro_batch_size_per_gpu * gradient_accumulation_steps)"
-    dp = resources(b, options, devices, devices_at, devices_origin, what="a DeepSpeed config")
+    # DeepSpeed derives a missing accumulation as train // (micro * dp) and asserts it whole and
+    # positive: a world size the batch sizes do not divide is not one the config runs on.
+    admits, admits_why = None, ""
+    if tbs is not None and gas is None:
+        admits = lambda n: tbs % ((mbs or 1) * n) == 0  # noqa: E731
+        admits_why = (
+            f"train_batch_size {tbs} / train_micro_batch_size_per_gpu {mbs}" if mbs else f"train_batch_size {tbs}"
+        )
+    dp = resources(
+        b, options, devices, devices_at, devices_origin, what="a DeepSpeed config", admits=admits, admits_why=admits_why
+    )
     # DeepSpeedConfig._set_batch_related_parameters: derive what is missing.
     if tbs is not None and mbs is not None and gas is None:
         gas = tbs // (mbs * dp) if tbs % (mbs * dp) == 0 else None

@@ -73,6 +73,13 @@ READ = {
 }
 # Flags with no bearing on sizes, memory or communication as the spec models them (data, logging,
 # checkpoint paths, learning-rate schedule, kernel fusions, initialisation, dropout): read quietly.
+#: Flags validate_args refuses as deprecated: (the flag to use now, how to rewrite the launch).
+DEPRECATED = {
+    "--model-parallel-size": ("--tensor-model-parallel-size", "--tensor-model-parallel-size N"),
+    "--batch-size": ("--micro-batch-size", "--micro-batch-size N (and --global-batch-size)"),
+}
+#: A python interpreter run directly (``python``, ``python3``, ``python3.10``).
+PYTHON = re.compile(r"python(\d+(\.\d+)?)?")
 QUIET = re.compile(
     r"^--(data-path|data-cache-path|split|vocab-file|merge-file|tokenizer-model|tiktoken-pattern|mock-data|"
     r"save|load|save-interval|eval-interval|eval-iters|log-.*|tensorboard-.*|wandb-.*|exit-.*|"
@@ -148,6 +155,14 @@ def launch_words(
         for k, w in enumerate(command):
             if re.search(r"(^|/)pretrain_\w+\.py$", w.text):
                 return command[k + 1 :], command[:k], notes, w
+    # A command run as one string (`srun ... sh -c "${run_cmd}"`, `run_cmd="python pretrain_gpt.py
+    # ${options}"`): its words are the string's, each at the string's place.
+    for command in run.commands:
+        for k, w in enumerate(command):
+            parts = [Word(part, w.pos) for part in w.text.split()]
+            for j, part in enumerate(parts):
+                if len(parts) > 1 and re.search(r"(^|/)pretrain_\w+\.py$", part.text):
+                    return parts[j + 1 :], command[:k] + parts[:j], notes, part
     # An arguments file: flags on their own lines, or in variables such as MODEL_ARGS="...".
     words: list[Word] = []
     for command in run.commands:
@@ -169,7 +184,9 @@ def read_megatron(
     b = SpecBuilder(name, "megatron")
     for what, pos, why in notes:
         b.unmodelled(what, pos, why)
-    if entry is not None and not entry.text.endswith("pretrain_gpt.py"):
+    # pretrain_gpt2.py is the same GPT decoder's script before Megatron-LM renamed it (152aab30,
+    # January 2021, "change gpt2 to gpt").
+    if entry is not None and not entry.text.endswith(("pretrain_gpt.py", "pretrain_gpt2.py")):
         b.refuse(
             f"{entry.text.rsplit('/', 1)[-1]} trains a model other than Megatron's GPT decoder, which the "
             "transformer family describes",
@@ -180,6 +197,19 @@ def read_megatron(
     args, repeated = parse_arguments(words)
     for arg in repeated:
         b.unmodelled(arg.flag.text, arg.flag.pos, "given again later; the last value wins, as argparse does")
+    for flag, (current, replacement) in DEPRECATED.items():
+        if flag in args:
+            # validate_args, "Deprecated arguments": each asserts the old flag is unset.
+            b.diagnostic(
+                codes.ENGINE_REFUSES.code,
+                f"Megatron-LM refuses `{flag}` (validate_args: no longer valid, use {current}); it is the "
+                "flag of Megatron-LM before 2.0",
+                args[flag].flag.pos,
+                hint=f"write {replacement} to check the launch against Megatron-LM 2.0 and later",
+            )
+            # Read as what it meant (the tensor-parallel size, the micro-batch size) so that the rest
+            # of the launch reads, unless the launch also gives the current flag.
+            args.setdefault(current, args[flag])
 
     def has(flag: str) -> bool:
         return flag in args
@@ -216,7 +246,7 @@ def read_megatron(
         b.set(path, value, at=at(flag) if flag else None, origin=origin or flag)
 
     for flag, arg in args.items():
-        if flag not in READ and not QUIET.match(flag):
+        if flag not in READ and flag not in DEPRECATED and not QUIET.match(flag):
             b.unmodelled(flag, arg.flag.pos)
 
     # ---- model
@@ -554,7 +584,11 @@ def _device_comment(text: str) -> tuple[str | None, str | None, str | None]:
 
 
 def _world(launcher: list[Word]) -> tuple[int | None, Position | None, str | None]:
-    """torchrun's --nproc_per_node * --nnodes, when the launch names them."""
+    """torchrun's --nproc_per_node * --nnodes, when the launch names them; 1 for a script run by a
+    bare python interpreter (one process: Megatron-LM's parse_args reads the world size from
+    WORLD_SIZE, default 1, which only a launcher sets)."""
+    if launcher and all(PYTHON.fullmatch(w.text.rsplit("/", 1)[-1]) or w.text in ("-u", "-O") for w in launcher):
+        return 1, launcher[0].pos, "a single python process (no launcher: WORLD_SIZE defaults to 1)"
     args, _ = parse_arguments(launcher)
     per_node = args.get("--nproc_per_node") or args.get("--nproc-per-node")
     nodes = args.get("--nnodes")

@@ -62,6 +62,21 @@ class ShellRun:
 
 MAX_SOURCE_DEPTH = 8
 MAX_SOURCE_BYTES = 1 << 20
+# The directory of the script being read, as launch scripts spell it: $(dirname $0), around
+# $(readlink -f $0) or $(realpath $0), and the idioms $(cd $(dirname $0) && pwd) and
+# $(realpath $(dirname $0)) that make it absolute; ``$0`` is also ${0}, ${BASH_SOURCE} or
+# ${BASH_SOURCE[0]}, and any part may be in double quotes (a word's literal keeps the quotes the
+# tokenizer leaves inside a command substitution and drops the others).
+_SELF = r'"?\$(?:0|\{0\}|\{BASH_SOURCE(?:\[0\])?\})"?'
+_RESOLVED = rf'(?:{_SELF}|"?\$\(\s*(?:readlink\s+-f|realpath)\s+{_SELF}\s*\)"?)'
+_DIR = rf'"?\$\(\s*dirname\s+{_RESOLVED}\s*\)"?'
+_SCRIPT_DIR = re.compile(
+    rf"{_DIR}"
+    rf"|\$\(\s*cd\s+(?:-P\s+)?{_DIR}\s*(?:>\s*/dev/null\s*)?(?:2>&1\s*)?(?:&&|;)\s*pwd(?:\s+-P)?\s*\)"
+    rf"|\$\(\s*(?:readlink\s+-f|realpath)\s+{_DIR}\s*\)"
+)
+# The working directory: `pwd` and $(pwd).
+_PWD = re.compile(r"`\s*pwd\s*`|\$\(\s*pwd\s*\)")
 _DIRNAME = re.compile(
     r"""\$\(\s*dirname\s+(?:"\$(?:0|\{0\}|\{BASH_SOURCE(?:\[0\])?\})"|\$(?:0|\{0\}|\{BASH_SOURCE(?:\[0\])?\}))\s*\)"""
 )
@@ -258,8 +273,21 @@ class Shell:
 
         return _VAR.sub(sub, text), origin[0]
 
+    def _known_dirs(self, raw: _Raw) -> _Raw:
+        """``raw`` with the script's own directory and the working directory written out where it
+        spells them with a command substitution (:data:`_SCRIPT_DIR`, :data:`_PWD`), which the
+        reader does not run but knows."""
+        literal = raw.literal
+        here = self._files[-1].parent if self._files else None
+        if "pwd" not in literal and "dirname" not in literal:
+            return raw
+        written = _SCRIPT_DIR.sub(lambda _: str(here), literal) if here is not None else literal
+        written = _PWD.sub(lambda _: str(self.cwd), written)
+        return raw if written == literal else _Raw([("double", written)], raw.pos)
+
     def expand(self, raw: _Raw, *, split: bool = True) -> list[Word]:
         """A written word as the words it becomes (unquoted expansions are split on whitespace)."""
+        raw = self._known_dirs(raw)
         # A lone unquoted or quoted ${ARR[@]} keeps each element's own position.
         if len(raw.segments) == 1:
             kind, text = raw.segments[0]
@@ -466,10 +494,11 @@ class Shell:
 
     # -- source
     def _source(self, command: str, raw: _Raw, pos: Position) -> None:
+        what = f"{command} {raw.literal}"
+        raw = self._known_dirs(raw)
         written = raw.literal
-        what = f"{command} {written}"
         here = self._files[-1].parent if self._files else None
-        unknown = []
+        unknown = [f"the command substitution {m.group(0)}" for m in re.finditer(r"`[^`]*`?", written)]
         for m in _VAR.finditer(_DIRNAME.sub("", written) if here else written):
             if m.group(3) is not None:
                 unknown.append(f"the command substitution $({m.group(3)})")
