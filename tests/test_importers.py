@@ -8,6 +8,7 @@ transcriptions of the same presets in tests/corpus/production/torchtitan/).
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import subprocess
 import sys
@@ -1476,3 +1477,82 @@ def test_a_launch_run_as_one_string_is_read_word_by_word(tmp_path):
     data = imported(path, devices=16)
     assert data["mesh"]["tp"] == 2 and data["model"]["num_layers"] == 2
     assert data["training"]["global_batch_size"] == 8 and data["mesh"]["dp_replicate"] == 8
+
+
+def _tokens_config():
+    # torchtitan after 0.3 (73aed7f, "fold batch dim"): batches counted in tokens.
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        model_spec=SimpleNamespace(name="llama3", flavor="70B"),
+        training=SimpleNamespace(
+            num_tokens_per_microbatch_per_dp_rank=2 * 4096,
+            max_context_length=4096,
+            num_tokens_per_train_step=2 * 4096 * 4 * 4 * 3,
+            steps=10,
+        ),
+        parallelism=SimpleNamespace(
+            tensor_parallel_degree=8,
+            pipeline_parallel_degree=2,
+            num_pp_microbatches=4,
+            pipeline_parallel_schedule="1F1B",
+        ),
+        optimizer=SimpleNamespace(lr=1e-4),
+    )
+
+
+def test_a_trainer_config_counting_batches_in_tokens_is_read_in_sequences():
+    from mixle_compile.importers.torchtitan_registry import read_trainer_config
+
+    doc, _ = read_trainer_config(_tokens_config, _tokens_config(), "tokens", ImportOptions(devices=64))
+    data = doc.data
+    # 2 sequences of 4096 a micro-batch, 4 pipeline micro-batches, dp 64 / (8 * 2) = 4, and a step of
+    # 3 times that many tokens: 3 accumulation steps.
+    assert data["training"]["seq_len"] == 4096 and data["training"]["micro_batch_size"] == 2
+    assert data["mesh"]["microbatches"] == 4 and data["mesh"]["gradient_accumulation_steps"] == 3
+    assert data["training"]["global_batch_size"] == 2 * 4 * 4 * 3
+    line = doc.position(("training", "seq_len")).line
+    source, start = inspect.getsourcelines(_tokens_config)
+    assert "max_context_length=4096" in source[line - start]
+
+
+def test_a_token_count_that_is_not_whole_sequences_is_refused():
+    from mixle_compile.importers.torchtitan_registry import read_trainer_config
+
+    config = _tokens_config()
+    config.training.num_tokens_per_microbatch_per_dp_rank = 5000
+    with pytest.raises(SourceError) as raised:
+        read_trainer_config(_tokens_config, config, "tokens", ImportOptions(devices=64))
+    (d,) = raised.value.diagnostics
+    assert "num_tokens_per_microbatch_per_dp_rank = 5000 is not a whole number of sequences" in d.message
+
+
+def test_torchtitan_early_spellings_read_as_torchtitan_read_them(tmp_path, capsys):
+    path = tmp_path / "job.toml"
+    # config_manager's string_list: `converters = "float8"` is the list ["float8"] (early 2025 presets).
+    path.write_text('[model]\nname = "llama3"\nflavor = "8B"\nconverters = "float8"\n[training]\nseq_len = 1024\n')
+    assert imported(path, devices=8)["training"]["precision"] == "fp8"
+    path.write_text('[model]\nname = "llama3"\nflavor = "8B"\nconverters = "float8, other"\n')
+    assert imported(path, devices=8)["training"]["precision"] == "fp8"
+    # March 2024: the tensor-parallel degree was [training] sequence_parallel_degree (train.py: ParallelDims sp).
+    path.write_text(
+        '[model]\nname = "llama3"\nflavor = "8B"\n[training]\nsequence_parallel_degree = 8\nbatch_size = 1\n'
+        "seq_len = 1024\n"
+    )
+    assert imported(path, devices=8)["mesh"]["tp"] == 8
+    status, out, _ = run_cli(capsys, "check", path, "--devices", "8")
+    assert "sequence_parallel_degree` is ignored" not in out
+
+
+def test_a_config_function_that_checks_the_machine_is_not_blamed_on_the_config(tmp_path, monkeypatch, capsys):
+    (tmp_path / "machine_registry.py").write_text(
+        "def float8_preset():\n"
+        "    raise ValueError('Failed to swap to Float8Linear because float8 is only supported on NVIDIA SM89')\n"
+        "def needs_torchao():\n"
+        "    raise ImportError('torchao is not installed', name='torchao')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    status, out, _ = run_cli(capsys, "check", "--torchtitan", "machine_registry:float8_preset")
+    assert status == 2 and "raised ValueError: Failed to swap" in out and "SM89 or newer GPU" in out
+    status, out, _ = run_cli(capsys, "check", "--torchtitan", "machine_registry:needs_torchao")
+    assert status == 2 and "install what the config imports (torchao)" in out

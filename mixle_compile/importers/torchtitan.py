@@ -68,7 +68,8 @@ READ = {
 # pipeline and context degrees in [experimental], with the number of micro-batches
 # (`pipeline_parallel_microbatches`, default: one per stage) instead of their size.
 PARALLEL_KEYS = READ["parallelism"] | {"pipeline_parallel_microbatches"}
-READ["training"] = READ["training"] | PARALLEL_KEYS
+# The first configs (March 2024) named the tensor-parallel degree `sequence_parallel_degree`.
+READ["training"] = READ["training"] | PARALLEL_KEYS | {"sequence_parallel_degree"}
 READ["experimental"] = PARALLEL_KEYS
 # Tables and keys with no bearing on the plan's sizes, memory or communication: read quietly.
 QUIET_TABLES = {
@@ -203,7 +204,12 @@ def import_job(
     # ---- mesh (ParallelDims)
     rep = integer("parallelism", "data_parallel_replicate_degree", 1)
     shard = integer("parallelism", "data_parallel_shard_degree", -1, allow=(-1,))
-    tp = integer("parallelism", "tensor_parallel_degree", 1)
+    tp_key = "tensor_parallel_degree"
+    if get("parallelism", tp_key) is None and get("training", OLD_TP_KEY) is not None:
+        # torchtitan's name for the tensor-parallel degree until April 2024: train.py passed it to
+        # ParallelDims as `sp`, whose plan is the Colwise/RowwiseParallel one (parallelize_llama.py).
+        tp_key = OLD_TP_KEY
+    tp = integer("parallelism", tp_key, 1)
     pp = integer("parallelism", "pipeline_parallel_degree", 1)
     cp = integer("parallelism", "context_parallel_degree", 1)
     ep = integer("parallelism", "expert_parallel_degree", 1)
@@ -224,7 +230,7 @@ def import_job(
     )
     for key, path, v in (
         ("data_parallel_replicate_degree", "dp_replicate", rep),
-        ("tensor_parallel_degree", "tp", tp),
+        (tp_key, "tp", tp),
         ("pipeline_parallel_degree", "pp", pp),
         ("context_parallel_degree", "cp", cp),
         ("expert_parallel_degree", "ep", ep),
@@ -361,6 +367,9 @@ def import_job(
         seq = options.seq_len
     b.set(("training", "seq_len"), seq, at=at("training", "seq_len"), origin="training.seq_len")
     converters = get("model", "converters", []) or []
+    if isinstance(converters, str):
+        # config_manager's string_list: a comma-separated string is the list it names.
+        converters = [c.strip() for c in converters.split(",") if c.strip()]
     if any("float8" in str(c) for c in converters):
         b.set(("training", "precision"), "fp8", at=at("model", "converters"), origin="model.converters (float8)")
     elif get("float8", "enable_float8_linear") is True:
@@ -458,6 +467,10 @@ def import_job(
         origin="a torchtitan job TOML (the 0.2-era format)" if version == "0.2" else "a torchtitan Trainer.Config",
     )
     return b.result()
+
+
+#: The tensor-parallel degree's key in torchtitan's first configs (March 2024, [training]).
+OLD_TP_KEY = "sequence_parallel_degree"
 
 
 def _parallel_table(data: dict, key: str) -> str:

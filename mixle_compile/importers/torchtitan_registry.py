@@ -30,6 +30,44 @@ TRAINING = ("local_batch_size", "global_batch_size", "seq_len", "steps", "mixed_
 AC_MODES = {"FullAC": "full", "SelectiveAC": "selective", "MemoryBudgetAC": "memory_budget", "NoAC": "none"}
 
 
+#: torchtitan after 0.3 (73aed7f, "fold batch dim", August 2026) counts batches in tokens: the
+#: field each table key is read from then, to point at it.
+TOKEN_FIELDS = {
+    ("training", "seq_len"): "max_context_length",
+    ("training", "local_batch_size"): "num_tokens_per_microbatch_per_dp_rank",
+    ("training", "global_batch_size"): "num_tokens_per_train_step",
+    ("parallelism", "pipeline_parallel_microbatch_size"): "num_tokens_per_microbatch_per_dp_rank",
+}
+
+
+def _token_counts(config: Any, tables: dict) -> bool:
+    """Fill the batch keys from a config that counts them in tokens (torchtitan's trainer.py after
+    73aed7f: a data-parallel rank runs ``num_pp_microbatches`` micro-batches of
+    ``num_tokens_per_microbatch_per_dp_rank`` tokens, sequences of ``max_context_length``;
+    ``num_tokens_per_train_step``, -1 by default, sets the accumulation). Whether it does."""
+    training, parallelism = getattr(config, "training", None), getattr(config, "parallelism", None)
+    tokens = getattr(training, "num_tokens_per_microbatch_per_dp_rank", None)
+    context = getattr(training, "max_context_length", None)
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (tokens, context)):
+        return False
+    step = getattr(training, "num_tokens_per_train_step", -1)
+    for name, count in (("num_tokens_per_microbatch_per_dp_rank", tokens), ("num_tokens_per_train_step", step)):
+        if isinstance(count, int) and count > 0 and count % context:
+            raise ValueError(
+                f"training.{name} = {count} is not a whole number of sequences of max_context_length {context}"
+            )
+    micro = tokens // context
+    pp = tables["parallelism"].get("pipeline_parallel_degree", 1)
+    rounds = getattr(parallelism, "num_pp_microbatches", None) if pp > 1 else 1
+    rounds = rounds if isinstance(rounds, int) and not isinstance(rounds, bool) and rounds > 0 else 1
+    tables["training"].update(seq_len=context, local_batch_size=micro * rounds)
+    if pp > 1:
+        tables["parallelism"]["pipeline_parallel_microbatch_size"] = micro
+    if isinstance(step, int) and step > 0:
+        tables["training"]["global_batch_size"] = step // context
+    return True
+
+
 def trainer_config_tables(config: Any) -> dict:
     """The fields of a ``Trainer.Config`` that the spec reads, as a job TOML's tables."""
     tables: dict[str, dict] = {"parallelism": {}, "training": {}, "model": {}, "optimizer": {}}
@@ -38,6 +76,7 @@ def trainer_config_tables(config: Any) -> dict:
         for key in fields:
             if section is not None and hasattr(section, key) and getattr(section, key) is not None:
                 tables[table][key] = getattr(section, key)
+    _token_counts(config, tables)
     spec = getattr(config, "model_spec", None)
     if spec is not None:
         tables["model"] = {"name": getattr(spec, "name", None), "flavor": getattr(spec, "flavor", None)}
@@ -123,14 +162,20 @@ def document_for(function: Any, config: Any, display: str) -> tuple[SourceDocume
         file = str(Path(file).resolve().relative_to(Path.cwd()))
     except ValueError:
         pass
-    doc = SourceDocument(file=f"{file}", data=trainer_config_tables(config))
+    try:
+        tables = trainer_config_tables(config)
+    except ValueError as exc:
+        raise unreadable(display, str(exc), "the spec counts batches in sequences: use a multiple of it") from exc
+    doc = SourceDocument(file=f"{file}", data=tables)
+    tokens = hasattr(getattr(config, "training", None), "num_tokens_per_microbatch_per_dp_rank")
     top = Position(start, 1)
     for table, section in doc.data.items():
         doc.keys[(table,)] = top
         for key in section:
             pos = top
+            written = TOKEN_FIELDS.get((table, key), key) if tokens else key
             for offset, line in enumerate(lines):
-                m = re.search(rf"\b{key}\s*=", line)
+                m = re.search(rf"\b{written}\s*=", line)
                 if m:
                     pos = Position(start + offset, m.start() + 1)
                     break
@@ -168,10 +213,23 @@ def load_registry_function(target: str) -> tuple[Any, Any]:
         with contextlib.redirect_stdout(sys.stderr):
             config = function()
     except Exception as exc:  # the user's function: its failure is bad input, not ours
+        if isinstance(exc, ImportError):
+            hint = (
+                f"install what the config imports{f' ({exc.name})' if exc.name else ''} where the check runs, "
+                "or check a job TOML or spec of the same run"
+            )
+        else:
+            # Building a config can check the machine: torchtitan's float8 and mxfp8 converters refuse
+            # a host without an SM89+ GPU while the config is built.
+            hint = (
+                "fix the config function so that it returns a Trainer.Config; if what it configures checks "
+                "the machine (a float8 converter asks for an SM89 or newer GPU), run the check where that "
+                "holds, or check a job TOML or spec of the same run"
+            )
         raise unreadable(
             target,
             f"{target}() raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
-            "fix the config function so that it returns a Trainer.Config",
+            hint,
         ) from exc
     if not hasattr(config, "parallelism") or not hasattr(config, "training"):
         raise unreadable(
