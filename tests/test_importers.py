@@ -1556,3 +1556,27 @@ def test_a_config_function_that_checks_the_machine_is_not_blamed_on_the_config(t
     assert status == 2 and "raised ValueError: Failed to swap" in out and "SM89 or newer GPU" in out
     status, out, _ = run_cli(capsys, "check", "--torchtitan", "machine_registry:needs_torchao")
     assert status == 2 and "install what the config imports (torchao)" in out
+
+
+def test_a_batch_job_script_is_followed_to_its_launch(tmp_path, monkeypatch):
+    # Megatron-LM's examples/academic_paper_scripts/sc21: run_table_1.sh sets the sizes, sources
+    # CONFIG.sh (MEGATRON_PARAMS) and SBATCH.sh, which submits SRUN.sh: `srun sh -c "python pretrain_gpt.py ..."`.
+    (tmp_path / "CONFIG.sh").write_text(
+        'export MEGATRON_PARAMS=" ${MEGATRON_EXTRA_PARAMS} --tensor-model-parallel-size ${TP} '
+        "--micro-batch-size ${MBS} --global-batch-size ${GBS} --num-layers ${NLS} --hidden-size ${HS} "
+        '--num-attention-heads ${NAH} --seq-length 32 --max-position-embeddings 32 --vocab-size 256 --fp16"\n'
+    )
+    (tmp_path / "SBATCH.sh").write_text("sbatch -p ${PART} --nodes=${NNODES} --export=MEGATRON_PARAMS SRUN.sh\n")
+    (tmp_path / "SRUN.sh").write_text(
+        'CMD="python -u ${MEGATRON_CODE_DIR}/pretrain_gpt.py ${MEGATRON_PARAMS}"\nsrun -l sh -c "${CMD}"\n'
+    )
+    path = tmp_path / "run_table_1.sh"
+    path.write_text(
+        'MODEL_SIZE=small\nif [ ${MODEL_SIZE} == "small" ]; then\n    TP=2\n    MBS=2\n    GBS=16\n    NLS=2\n'
+        '    HS=64\n    NAH=4\n    MEGATRON_EXTRA_PARAMS="--activations-checkpoint-method uniform "\nfi\n'
+        ". `pwd`/CONFIG.sh\n. `pwd`/SBATCH.sh\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    data = imported(path, devices=8)
+    assert data["mesh"]["tp"] == 2 and data["model"]["hidden_size"] == 64 and data["mesh"]["microbatches"] == 2
+    assert data["training"]["activation_checkpointing"] == "full" and data["training"]["precision"] == "fp16"

@@ -46,6 +46,7 @@ DEEPSPEED_KEYS = {
     "steps_per_print",
     "wall_clock_breakdown",
 }
+_FOLLOWS = re.compile(r"^[ \t]*(?:source|\.|sbatch|bash|sh)[ \t]+[^-\s]\S*", re.M)
 _MEGATRON_FLAG = re.compile(
     r"--(tensor|pipeline)-model-parallel-size|--num-layers\b|--micro-batch-size|pretrain_\w+\.py"
 )
@@ -91,7 +92,9 @@ def detect_format(path: str | Path, raw: bytes) -> str:
             "module:function`)"
         )
     if suffix in (".sh", ".bash", ".args", ".txt") or stripped.startswith("#!") or _MEGATRON_FLAG.search(text):
-        if _MEGATRON_FLAG.search(text):
+        # A script whose launch is in the files it sources or submits (Megatron-LM's sc21 scripts:
+        # `. CONFIG.sh`, `. SBATCH.sh` -> `sbatch SRUN.sh`) is read through them.
+        if _MEGATRON_FLAG.search(text) or _FOLLOWS.search(text):
             return "megatron"
         return (
             "unsupported:a shell script or argument list without Megatron-LM arguments (no --num-layers, "

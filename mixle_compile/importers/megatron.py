@@ -61,6 +61,8 @@ READ = {
     "--use-distributed-optimizer": "bool",
     "--recompute-activations": "bool",
     "--recompute-granularity": "str",
+    "--activations-checkpoint-method": "str",
+    "--checkpoint-activations": "bool",
     "--lr": "float",
     "--optimizer": "str",
     "--train-iters": "int",
@@ -182,6 +184,16 @@ def read_megatron(
 ) -> tuple[SourceDocument, list]:
     words, launcher, notes, entry = launch_words(text, path)
     b = SpecBuilder(name, "megatron")
+    if entry is None and not words:
+        # Detected by the files it reads (a `source` or `sbatch` line), which hold no launch either.
+        b.diagnostic(
+            codes.UNSUPPORTED_FORMAT.code,
+            f"{name} is a shell script without Megatron-LM arguments, in it or in the files it sources or "
+            "submits (no --num-layers, --micro-batch-size or --*-model-parallel-size, no pretrain_*.py)",
+            None,
+            hint="check the script that launches pretrain_gpt.py, or its arguments file",
+        )
+        return b.result()
     for what, pos, why in notes:
         b.unmodelled(what, pos, why)
     # pretrain_gpt2.py is the same GPT decoder's script before Megatron-LM renamed it (152aab30,
@@ -506,6 +518,20 @@ def read_megatron(
             ("training", "activation_checkpointing"),
             granularity,
             "--recompute-activations" if has("--recompute-activations") else "--recompute-granularity",
+        )
+    elif text_of("--activations-checkpoint-method") == "uniform" or has("--checkpoint-activations"):
+        # Megatron-LM 2.x (the SC21 scripts): --activations-checkpoint-method uniform recomputes every
+        # layer from its checkpointed input (--checkpoint-activations sets it), today's
+        # --recompute-granularity full --recompute-method uniform. `block` recomputes only some layers.
+        flag = (
+            "--activations-checkpoint-method" if has("--activations-checkpoint-method") else "--checkpoint-activations"
+        )
+        set_(("training", "activation_checkpointing"), "full", flag, f"{flag} (Megatron-LM 2.x: full recomputation)")
+    elif has("--activations-checkpoint-method"):
+        b.unmodelled(
+            f"--activations-checkpoint-method {text_of('--activations-checkpoint-method')}",
+            at("--activations-checkpoint-method"),
+            "recomputation of some layers only is not modelled (priced as none)",
         )
     lr = num("--lr", None, float)
     if lr is not None and lr > 0:

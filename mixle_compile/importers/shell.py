@@ -46,6 +46,8 @@ class _Raw:
         return "".join(t for _, t in self.segments)
 
 
+#: Commands that run a script file given as an argument (a batch job, a child shell).
+RUNNERS = ("sbatch", "bash", "sh")
 OPERATORS = {"\n", ";", "(", ")", "&&", "||", "|", "&"}
 
 
@@ -450,6 +452,15 @@ class Shell:
         if len(st) >= 2 and isinstance(st[0], _Raw) and st[0].literal in ("source", ".") and isinstance(st[1], _Raw):
             self._source(st[0].literal, st[1], st[0].pos)
             return
+        if len(st) >= 2 and isinstance(st[0], _Raw) and st[0].literal in RUNNERS:
+            # `sbatch [options] job.sh`, `bash job.sh`: the launch is in that script, run with this one's
+            # variables (sbatch --export, a child shell's environment); read it as if sourced.
+            words = [t for t in st[1:] if isinstance(t, _Raw)]
+            if "-c" not in (w.literal for w in words):
+                script = next((w for w in words if w.literal.endswith(".sh") and not w.literal.startswith("-")), None)
+                if script is not None:
+                    self._source(st[0].literal, script, st[0].pos)
+                    return
         i = 0
         while i < len(st) and isinstance(st[i], _Raw):
             m = re.match(r"^([A-Za-z_]\w*)(\+?)=", st[i].literal)
