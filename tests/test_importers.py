@@ -1580,3 +1580,14 @@ def test_a_batch_job_script_is_followed_to_its_launch(tmp_path, monkeypatch):
     data = imported(path, devices=8)
     assert data["mesh"]["tp"] == 2 and data["model"]["hidden_size"] == 64 and data["mesh"]["microbatches"] == 2
     assert data["training"]["activation_checkpointing"] == "full" and data["training"]["precision"] == "fp16"
+
+
+def test_deepseek_models_get_the_mla_explanation_however_torchtitan_names_them(tmp_path, capsys):
+    path = tmp_path / "job.toml"
+    for name, flavor, says in (
+        ("deepseek_v2", "deepseek-ai/DeepSeek-V2-Lite", "recognised as DeepSeek-V2"),
+        ("graph_trainer/deepseek_v3", "16B", "recognised as DeepSeek-V3"),
+    ):
+        path.write_text(f'[model]\nname = "{name}"\nflavor = "{flavor}"\n')
+        status, out, _ = run_cli(capsys, "check", path, "--devices", "8")
+        assert status == 2 and says in out and "Multi-head Latent Attention" in out, out

@@ -156,6 +156,7 @@ MLA_REFUSAL = (
 )
 REFUSED = {
     "deepseek_v3": MLA_REFUSAL,
+    "deepseek_v2": MLA_REFUSAL.replace("as DeepSeek-V3", "as DeepSeek-V2"),  # the same attention (MLA)
     "flux": "FLUX is a diffusion transformer, not a language model",
     "gpt_oss": "gpt-oss's attention sinks and sliding-window layers are not modelled",
 }

@@ -129,9 +129,9 @@ def hf_model(doc: SourceDocument) -> HFModel:
         return out
     model_type = data.get("model_type")
     if model_type in ("deepseek_v3", "deepseek_v2") or (model_type not in ARCHITECTURES and "kv_lora_rank" in data):
-        from mixle_compile.importers.flavors import MLA_REFUSAL
+        from mixle_compile.importers.flavors import MLA_REFUSAL, REFUSED
 
-        what = MLA_REFUSAL if model_type != "deepseek_v2" else MLA_REFUSAL.replace("as DeepSeek-V3", "as DeepSeek-V2")
+        what = REFUSED["deepseek_v2"] if model_type == "deepseek_v2" else MLA_REFUSAL
         out.problems.append(
             (
                 f"HF model_type {model_type!r}: {what}",

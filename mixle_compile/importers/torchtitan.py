@@ -571,9 +571,11 @@ def _model(b: SpecBuilder, data: dict, base: Path, options: ImportOptions, at, g
                 origin=f"{hf_path}: {hf.keys.get(field_name, 'architecture')}",
             )
         return
-    if name in flavors.REFUSED:
+    # An experiment's model keeps the architecture's name as its last part (graph_trainer/deepseek_v3).
+    refused = flavors.REFUSED.get(str(name).rsplit("/", 1)[-1])
+    if refused is not None:
         b.refuse(
-            f"model {name!r}: {flavors.REFUSED[name]}",
+            f"model {name!r}: {refused}",
             at("model", "name"),
             "check a covered architecture, or give an approximating HF config with `--model config.json`",
         )
