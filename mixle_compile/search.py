@@ -1013,7 +1013,7 @@ def search(req: Request, top: int = DEFAULT_TOP, *, variants: bool = False, tigh
     # The memory rule costs most to read: it is read only for a candidate the others accept.
     cheap = tuple(r for r in rules if r.code not in MEMORY_RULES)
     memory = tuple(r for r in rules if r.code in MEMORY_RULES)
-    refused_by = [MEMORY_RULE]  # the memory rule that refused the last candidate `too_large` screened
+    refused_by = MEMORY_RULE  # the memory rule that refused the last candidate `too_large` screened
 
     def screen(values: dict) -> list:
         outcome.screened += 1
@@ -1023,11 +1023,12 @@ def search(req: Request, top: int = DEFAULT_TOP, *, variants: bool = False, tigh
         return broken
 
     def too_large(values: dict) -> bool:
+        nonlocal refused_by
         outcome.screened += 1
         broken = broken_rules(facts, memory, _symbol_values(values, ENUMS))
         outcome.rejections.update(r.code for r in broken)
         if broken:
-            refused_by[0] = broken[0].code
+            refused_by = broken[0].code
         return bool(broken)
 
     def group_refused(values: dict, mesh: Mesh) -> bool:
@@ -1057,9 +1058,9 @@ def search(req: Request, top: int = DEFAULT_TOP, *, variants: bool = False, tigh
             if not fitted:
                 modes = mesh.fitting_checkpointing(too_large)
                 if not modes:
-                    outcome.rejections[refused_by[0]] += mesh.size
+                    outcome.rejections[refused_by] += mesh.size
                     continue
-                outcome.rejections[refused_by[0]] += (
+                outcome.rejections[refused_by] += (
                     mesh.size // len(mesh.checkpointing) * (len(mesh.checkpointing) - len(modes))
                 )
                 mesh.checkpointing = modes

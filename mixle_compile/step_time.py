@@ -486,7 +486,8 @@ def stage_compute_parts(
     efficiency = other_efficiency = st.efficiency
     seq = training["seq_len"]
     tokens = seq / cp  # one rank's tokens per sample of a micro-step
-    length_factor = attention_length_factor(seq, cp)
+    # A fused kernel's calls (eager attention is priced by its score traffic instead).
+    length_factor = 1.0 if training.get("attention") == "eager" else attention_length_factor(seq, cp)
     moe_every = model.get("moe_layer_frequency", 1)
     activation_bytes = 4 if st.precision == "fp32" else 2
     # A matrix multiplication reads its two operands and writes its result (Float8 reads fp8
@@ -527,9 +528,9 @@ def stage_compute_parts(
             rows += n * f.gemm_passes * row_bytes
             weights += n * f.gemm_passes * weight_bytes
         first += count
-        attention_seconds = tokens * attention / (st.other_peak * other_efficiency * ATTENTION_EFFICIENCY)
-        if training.get("attention") != "eager":
-            attention_seconds *= length_factor
+        attention_seconds = (
+            tokens * attention * length_factor / (st.other_peak * other_efficiency * ATTENTION_EFFICIENCY)
+        )
         sample = (
             tokens * linear / (st.linear_peak * efficiency) + attention_seconds + (tokens * moved + rows) / bandwidth
         )

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from mixle_compile.importers import codes  # noqa: F401  (registers the I0xx codes)
 from mixle_compile.importers.builder import ImportOptions, unreadable
+from mixle_compile.importers.shell import RUNNERS
 from mixle_compile.spec.source import MAX_INPUT_BYTES, SourceDocument, SourceError, parse_source, read_source
 
 __all__ = ["ImportOptions", "detect_format", "provenance", "provenance_text", "read_any", "SUPPORTED"]
@@ -46,7 +47,8 @@ DEEPSPEED_KEYS = {
     "steps_per_print",
     "wall_clock_breakdown",
 }
-_FOLLOWS = re.compile(r"^[ \t]*(?:source|\.|sbatch|bash|sh)[ \t]+[^-\s]\S*", re.M)
+# A line that reads another script: `source`/`.` or a runner the shell reader follows (shell.RUNNERS).
+_FOLLOWS = re.compile(rf"^[ \t]*(?:source|\.|{'|'.join(RUNNERS)})[ \t]+[^-\s]\S*", re.M)
 _MEGATRON_FLAG = re.compile(
     r"--(tensor|pipeline)-model-parallel-size|--num-layers\b|--micro-batch-size|pretrain_\w+\.py"
 )

@@ -73,8 +73,6 @@ READ = {
     "--decoder-first-pipeline-num-layers": "int",
     "--decoder-last-pipeline-num-layers": "int",
 }
-# Flags with no bearing on sizes, memory or communication as the spec models them (data, logging,
-# checkpoint paths, learning-rate schedule, kernel fusions, initialisation, dropout): read quietly.
 #: Flags validate_args refuses as deprecated: (the flag to use now, how to rewrite the launch).
 DEPRECATED = {
     "--model-parallel-size": ("--tensor-model-parallel-size", "--tensor-model-parallel-size N"),
@@ -82,6 +80,10 @@ DEPRECATED = {
 }
 #: A python interpreter run directly (``python``, ``python3``, ``python3.10``).
 PYTHON = re.compile(r"python(\d+(\.\d+)?)?")
+#: The word that names the training script (``pretrain_gpt.py``, maybe with its directory).
+ENTRY = re.compile(r"(^|/)pretrain_\w+\.py$")
+# Flags with no bearing on sizes, memory or communication as the spec models them (data, logging,
+# checkpoint paths, learning-rate schedule, kernel fusions, initialisation, dropout): read quietly.
 QUIET = re.compile(
     r"^--(data-path|data-cache-path|split|vocab-file|merge-file|tokenizer-model|tiktoken-pattern|mock-data|"
     r"save|load|save-interval|eval-interval|eval-iters|log-.*|tensorboard-.*|wandb-.*|exit-.*|"
@@ -155,7 +157,7 @@ def launch_words(
     notes += [(f"{k} ...", p, "a loop or case block is not run by the reader") for k, p in run.skipped]
     for command in run.commands:
         for k, w in enumerate(command):
-            if re.search(r"(^|/)pretrain_\w+\.py$", w.text):
+            if ENTRY.search(w.text):
                 return command[k + 1 :], command[:k], notes, w
     # A command run as one string (`srun ... sh -c "${run_cmd}"`, `run_cmd="python pretrain_gpt.py
     # ${options}"`): its words are the string's, each at the string's place.
@@ -163,7 +165,7 @@ def launch_words(
         for k, w in enumerate(command):
             parts = [Word(part, w.pos) for part in w.text.split()]
             for j, part in enumerate(parts):
-                if len(parts) > 1 and re.search(r"(^|/)pretrain_\w+\.py$", part.text):
+                if len(parts) > 1 and ENTRY.search(part.text):
                     return parts[j + 1 :], command[:k] + parts[:j], notes, part
     # An arguments file: flags on their own lines, or in variables such as MODEL_ARGS="...".
     words: list[Word] = []

@@ -11,8 +11,10 @@ a command substitution ``$(...)`` expands to nothing, and what cannot be decided
 ``source FILE`` and ``. FILE`` read FILE with the same reader (its variables and arrays join the
 script's, its words keep their positions in FILE): a relative FILE is looked for next to the file that
 sources it, then in the working directory (where bash looks for a name with a slash; one without is
-searched on PATH first, which the reader does not do). ``$(dirname "$0")`` and ``$(dirname
-"${BASH_SOURCE[0]}")`` are that file's directory. A FILE that is missing, that is computed (a
+searched on PATH first, which the reader does not do). ``$(dirname "$0")``, ``$(dirname
+"${BASH_SOURCE[0]}")`` and the idioms around them (:data:`_SCRIPT_DIR`) are that file's directory,
+`` `pwd` `` the working directory; ``sbatch job.sh``, ``bash job.sh`` and ``sh job.sh`` read job.sh
+the same way. A FILE that is missing, that is computed (a
 command substitution, a variable the script does not set), that sources a file already being read (a
 cycle) or that is nested more than :data:`MAX_SOURCE_DEPTH` deep is not read, and said so.
 """
@@ -79,9 +81,6 @@ _SCRIPT_DIR = re.compile(
 )
 # The working directory: `pwd` and $(pwd).
 _PWD = re.compile(r"`\s*pwd\s*`|\$\(\s*pwd\s*\)")
-_DIRNAME = re.compile(
-    r"""\$\(\s*dirname\s+(?:"\$(?:0|\{0\}|\{BASH_SOURCE(?:\[0\])?\})"|\$(?:0|\{0\}|\{BASH_SOURCE(?:\[0\])?\}))\s*\)"""
-)
 
 
 def tokenize(text: str, file: str | None = None) -> list[_Raw | tuple[str, Position]]:
@@ -510,7 +509,7 @@ class Shell:
         written = raw.literal
         here = self._files[-1].parent if self._files else None
         unknown = [f"the command substitution {m.group(0)}" for m in re.finditer(r"`[^`]*`?", written)]
-        for m in _VAR.finditer(_DIRNAME.sub("", written) if here else written):
+        for m in _VAR.finditer(written):
             if m.group(3) is not None:
                 unknown.append(f"the command substitution $({m.group(3)})")
                 continue
@@ -535,8 +534,6 @@ class Shell:
                 )
             )
             return
-        if here is not None:
-            raw = _Raw([(kind, _DIRNAME.sub(str(here), text)) for kind, text in raw.segments], raw.pos)
         target = self.expand(raw, split=False)[0].text
         given = Path(target).expanduser()
         bases = [] if given.is_absolute() else [b for b in (here, self.cwd) if b is not None]

@@ -40,16 +40,17 @@ TOKEN_FIELDS = {
 }
 
 
-def _token_counts(config: Any, tables: dict) -> bool:
+def _token_counts(config: Any, tables: dict) -> None:
     """Fill the batch keys from a config that counts them in tokens (torchtitan's trainer.py after
     73aed7f: a data-parallel rank runs ``num_pp_microbatches`` micro-batches of
     ``num_tokens_per_microbatch_per_dp_rank`` tokens, sequences of ``max_context_length``;
-    ``num_tokens_per_train_step``, -1 by default, sets the accumulation). Whether it does."""
+    ``num_tokens_per_train_step``, -1 by default, sets the accumulation); nothing for one that
+    counts them in sequences."""
     training, parallelism = getattr(config, "training", None), getattr(config, "parallelism", None)
     tokens = getattr(training, "num_tokens_per_microbatch_per_dp_rank", None)
     context = getattr(training, "max_context_length", None)
     if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (tokens, context)):
-        return False
+        return
     step = getattr(training, "num_tokens_per_train_step", -1)
     for name, count in (("num_tokens_per_microbatch_per_dp_rank", tokens), ("num_tokens_per_train_step", step)):
         if isinstance(count, int) and count > 0 and count % context:
@@ -65,7 +66,6 @@ def _token_counts(config: Any, tables: dict) -> bool:
         tables["parallelism"]["pipeline_parallel_microbatch_size"] = micro
     if isinstance(step, int) and step > 0:
         tables["training"]["global_batch_size"] = step // context
-    return True
 
 
 def trainer_config_tables(config: Any) -> dict:
