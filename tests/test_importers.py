@@ -1591,3 +1591,86 @@ def test_deepseek_models_get_the_mla_explanation_however_torchtitan_names_them(t
         path.write_text(f'[model]\nname = "{name}"\nflavor = "{flavor}"\n')
         status, out, _ = run_cli(capsys, "check", path, "--devices", "8")
         assert status == 2 and says in out and "Multi-head Latent Attention" in out, out
+
+
+# --------------------------------------------------------------------------- position limits
+
+GPT2_CONFIG = {  # openai-community/gpt2's config.json (sizes and the keys that say them)
+    "architectures": ["GPT2LMHeadModel"],
+    "model_type": "gpt2",
+    "activation_function": "gelu_new",
+    "n_ctx": 1024,
+    "n_embd": 768,
+    "n_head": 12,
+    "n_layer": 12,
+    "n_positions": 1024,
+    "vocab_size": 50257,
+}
+
+
+def test_a_gpt2_config_bounds_the_sequence_by_its_position_table(write, tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(GPT2_CONFIG))
+    spec = (
+        "model: {{from: hf, path: config.json}}\nmesh: {{dp_shard: 4}}\n"
+        "training: {{global_batch_size: 8, seq_len: {seq}}}\nbackend: torch\nresources: {{devices: 4, memory: 80GB}}\n"
+    )
+    path = write(spec.format(seq=1024))
+    loaded = load_spec(path)
+    assert loaded.spec is not None and loaded.spec.model.max_position_embeddings == 1024
+    from mixle_compile.parameters import model_parameters
+
+    (table,) = [p for p in model_parameters(loaded.spec) if p.name == "pos_embed.weight"]
+    assert table.shape == (1024, 768)  # wpe's rows, whatever the sequence
+    path = write(spec.format(seq=4096))
+    status, out, _ = run_cli(capsys, "check", path)
+    assert status == 1 and "Q007" in out and "1024 rows" in out
+    # GPT2Config's default when the key is absent
+    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in GPT2_CONFIG.items() if k != "n_positions"}))
+    status, out, _ = run_cli(capsys, "check", path)
+    assert status == 1 and "Q007" in out
+
+
+def test_megatron_refuses_a_sequence_longer_than_max_position_embeddings(tmp_path, capsys):
+    sizes = MEGATRON_SIZES.replace("--max-position-embeddings 32", "--max-position-embeddings 16")
+    path = tmp_path / "train.sh"
+    path.write_text(
+        "torchrun --nproc_per_node 2 pretrain_gpt.py --position-embedding-type rope "
+        f"{sizes} --micro-batch-size 1 --global-batch-size 2\n"
+    )
+    assert imported(path)["model"]["max_position_embeddings"] == 16
+    status, out, _ = run_cli(capsys, "check", path)
+    assert status == 1 and "Q008" in out and "max_position_embeddings=16" in out
+    # a value the reader cannot resolve is left out, not refused
+    path.write_text(path.read_text().replace("--max-position-embeddings 16", "--max-position-embeddings ${MAXPOS}"))
+    assert "max_position_embeddings" not in imported(path)["model"]
+
+
+def test_hf_keys_that_mean_none_or_serialisation_are_not_warned_about(write, tmp_path, capsys):
+    config = json.loads((HF / "qwen3-30b-a3b.json").read_text())
+    config.update(
+        mlp_only_layers=[],
+        shared_expert_intermediate_size=0,
+        auto_map={"AutoConfig": "configuration_x.XConfig"},
+        **{"transformers.js_config": {"dtype": "q4"}},
+    )
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    path = write(
+        "model: {from: hf, path: config.json}\nmesh: {dp_shard: 8}\ntraining: {global_batch_size: 8, seq_len: 128}\n"
+        "backend: torch\nresources: {devices: 8, memory: 141GB}\n"
+    )
+    loaded = load_spec(path)
+    assert loaded.spec is not None
+    assert not [d for d in loaded.diagnostics if d.code == "I002"], [d.text() for d in loaded.diagnostics]
+    config.update(shared_expert_intermediate_size=512, mlp_only_layers=[0])
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert sum(d.code == "I004" for d in load_spec(path).diagnostics) == 2  # these two still say what is missing
+
+
+def test_a_refused_hf_architecture_reports_only_why(write, tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba", "hidden_size": 8}))
+    path = write(
+        "model: {from: hf, path: config.json}\nmesh: {}\ntraining: {global_batch_size: 1, seq_len: 8}\n"
+        "backend: torch\nresources: {devices: 1, memory: 1GiB}\n"
+    )
+    status, out, _ = run_cli(capsys, "check", path)
+    assert status == 1 and "I004" in out and "S006" not in out and "vocab_size" not in out

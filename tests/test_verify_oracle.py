@@ -536,6 +536,12 @@ def violations(
             else:
                 divisor = tp * 2 * cp
             rule("Q005", seq % divisor == 0, only="torchtitan")
+            # A learned position table has max_position_embeddings rows; Megatron asserts the bound for
+            # every position embedding.
+            positions = model.max_position_embeddings if transformer else None
+            learned = transformer and model.position_embedding == "learned"
+            rule("Q007", positions is None or not learned or seq <= positions)
+            rule("Q008", positions is None or seq <= positions, when=transformer, only="megatron")
         # Megatron's context parallelism runs only in Transformer Engine's flash/fused attention.
         rule("Q006", cp == 1 or t.attention != "eager", only="megatron")
         rule("Q002", not sp or tp > 1, when=rule_set == "torch" or (rule_set == "megatron" and entry == "core"))
@@ -792,8 +798,14 @@ def plan(i: int, degrees: tuple[int, ...], shape: str, backend: str) -> dict:
         "attention": (None, "eager", "flash")[i // 19 % 3],
     }
     devices = n if auto or i % 11 else n + 1
+    model = dict(SHAPES[shape])
+    if model["family"] == "transformer":
+        model["position_embedding"] = ("rope", "learned")[i // 29 % 2]
+        positions = (None, 32, 24, 40)[i // 23 % 4]
+        if positions is not None:
+            model["max_position_embeddings"] = positions
     spec = {
-        "model": SHAPES[shape],
+        "model": model,
         "mesh": mesh,
         "training": training,
         "backend": _versioned(i, backend),

@@ -54,7 +54,7 @@ def deepspeed_files(spec: Spec, stem: str) -> Exported:
                 "not a DeepSpeed config key; remove it to export",
             )
         )
-    config, why = hf_config(spec.model)
+    config, why = hf_config(spec.model, spec.training.seq_len)
     if config is None:
         reasons.append(("model", why))
     if reasons:

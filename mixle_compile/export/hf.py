@@ -7,8 +7,9 @@ import json
 from mixle_compile.spec.models import TransformerModel
 
 
-def hf_config(model: TransformerModel) -> tuple[dict | None, str]:
-    """(config, "") or (None, why it cannot be written)."""
+def hf_config(model: TransformerModel, seq_len: int | None = None) -> tuple[dict | None, str]:
+    """(config, "") or (None, why it cannot be written); ``seq_len`` sizes a learned position table
+    the model does not size itself (``max_position_embeddings`` unset)."""
     m = model
     base = {"vocab_size": m.vocab_size, "tie_word_embeddings": m.tie_embeddings}
     heads = {
@@ -74,6 +75,7 @@ def hf_config(model: TransformerModel) -> tuple[dict | None, str]:
             "n_layer": m.num_layers,
             "n_head": m.num_heads,
             "n_inner": m.ffn_hidden_size,
+            **({"n_positions": positions} if (positions := m.max_position_embeddings or seq_len) else {}),
             **base,
         }, ""
     return None, (

@@ -104,7 +104,7 @@ def torchtitan_files(spec: Spec, stem: str) -> Exported:
     files: dict[str, str] = {}
     flavor = _flavor_of(spec)
     if flavor is None:
-        config, why = hf_config(spec.model)
+        config, why = hf_config(spec.model, spec.training.seq_len)
         if config is None:
             raise ExportRefused("torchtitan", [("model", f"not a published torchtitan flavor, and {why}")])
         files[f"{stem}.hf/config.json"] = hf_config_text(config)

@@ -45,6 +45,8 @@ ARCHITECTURES: dict[str, _Arch] = {
 # sizes, memory or communication depend on. Read and ignored without a warning.
 IRRELEVANT = {
     "_name_or_path",
+    "auto_map",
+    "transformers.js_config",
     "architectures",
     "model_type",
     "transformers_version",
@@ -81,7 +83,6 @@ IRRELEVANT = {
     "summary_first_dropout",
     "task_specific_params",
     "n_ctx",
-    "n_positions",
     "use_parallel_residual",
     "classifier_dropout",
     "output_router_logits",
@@ -209,6 +210,11 @@ def hf_model(doc: SourceDocument) -> HFModel:
         m["activation"] = "relu" if act == "relu" else "gelu"
     m["norm"] = arch.norm
     m["position_embedding"] = arch.position
+    if arch.position == "learned":
+        # GPT2Config maps max_position_embeddings to n_positions (default 1024): the rows of `wpe`.
+        m["max_position_embeddings"] = take(
+            "max_position_embeddings", "n_positions", "max_position_embeddings", default=1024
+        )
     if arch.moe == "mixtral":
         m["num_experts"] = take("num_experts", "num_local_experts")
         m["experts_per_token"] = take("experts_per_token", "num_experts_per_tok", default=2)
@@ -223,8 +229,9 @@ def hf_model(doc: SourceDocument) -> HFModel:
         if step is not None:
             m["moe_layer_frequency"] = step
         for key in ("shared_expert_intermediate_size",):
+            if key in data:
+                used.add(key)  # 0 or null: no shared expert, which is what the spec models
             if data.get(key):
-                used.add(key)
                 out.problems.append(
                     (
                         f"`{key}` = {data[key]}: a shared expert beside the routed ones is not modelled",
@@ -232,8 +239,9 @@ def hf_model(doc: SourceDocument) -> HFModel:
                         doc.position((key,)),
                     )
                 )
+        if "mlp_only_layers" in data:
+            used.add("mlp_only_layers")  # empty: every layer on the MoE step is an MoE layer
         if data.get("mlp_only_layers"):
-            used.add("mlp_only_layers")
             out.problems.append(
                 (
                     "`mlp_only_layers` lists dense layers among the MoE ones; the spec spaces them "

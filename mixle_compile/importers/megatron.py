@@ -32,6 +32,7 @@ READ = {
     "--swiglu": "bool",
     "--normalization": "str",
     "--position-embedding-type": "str",
+    "--max-position-embeddings": "int",
     "--use-rotary-position-embeddings": "bool",
     "--no-position-embedding": "bool",
     "--untie-embeddings-and-output-weights": "bool",
@@ -88,7 +89,7 @@ QUIET = re.compile(
     r"^--(data-path|data-cache-path|split|vocab-file|merge-file|tokenizer-model|tiktoken-pattern|mock-data|"
     r"save|load|save-interval|eval-interval|eval-iters|log-.*|tensorboard-.*|wandb-.*|exit-.*|"
     r"lr-.*|min-lr|weight-decay|adam-.*|clip-grad|init-method-std|.*-dropout|train-samples|"
-    r"decoupled-.*|max-position-embeddings|rotary-.*|use-rope-scaling|no-rope-fusion|attention-backend|"
+    r"decoupled-.*|rotary-.*|use-rope-scaling|no-rope-fusion|attention-backend|"
     r"use-mcore-models|disable-bias-linear|no-masked-softmax-fusion|no-bias-.*-fusion|cross-entropy-.*|"
     r"overlap-.*|num-workers|no-mmap-bin-files|no-create-attention-mask-in-dataloader|distributed-timeout-minutes|"
     r"ckpt-format|no-load-.*|no-save-.*|profile.*|manual-gc.*|empty-unused-memory-level|calculate-per-token-loss|"
@@ -329,6 +330,17 @@ def read_megatron(
             if has("--position-embedding-type")
             else "--position-embedding-type default learned_absolute",
         )
+        # validate_args requires it and asserts it is at least --seq-length (rule Q008); a value the
+        # reader cannot resolve (a variable defined elsewhere) is left out rather than refused, and
+        # one equal to --seq-length is what the spec means by leaving it out.
+        positions = args.get("--max-position-embeddings")
+        if (
+            positions is not None
+            and positions.value is not None
+            and positions.value.text.isdigit()
+            and positions.value.text != text_of("--seq-length")
+        ):
+            set_(("model", "max_position_embeddings"), int(positions.value.text), "--max-position-embeddings")
         # --untie-embeddings-and-output-weights: Megatron ties them unless it is given.
         set_(
             ("model", "tie_embeddings"),

@@ -555,7 +555,11 @@ def _refuse_unsupported(spec: Spec, plan: ParallelPlan) -> None:
         ("model.ffn_hidden_size", model.ffn_hidden_size),
     ]
     if model.position_embedding == "learned":
-        checks.append(("training.seq_len", t.seq_len or 1))
+        # the position table splits over tp like the vocabulary (runtime/model.py)
+        if model.max_position_embeddings:
+            checks.append(("model.max_position_embeddings", model.max_position_embeddings))
+        else:
+            checks.append(("training.seq_len", t.seq_len or 1))
     for name, value in checks:
         if value % tp:
             raise RuntimeRefusal(

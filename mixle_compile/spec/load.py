@@ -224,6 +224,10 @@ def _model_from_file(doc: SourceDocument, diags: list[Diagnostic], base: Path) -
                 severity=Severity.warning,
             )
         )
+    if hf.problems:
+        # The model read is incomplete or does not mean what the file says: stop at the reasons
+        # (the spec checks would only add that the fields left out are missing).
+        raise SourceError([])
     pos = doc.position(at)
     doc.data["model"] = hf.model
     for field_name in hf.model:

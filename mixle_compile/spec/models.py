@@ -321,6 +321,11 @@ class TransformerModel(StrictModel):
     norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
     activation: Literal["swiglu", "gelu", "relu"] = "swiglu"
     position_embedding: Literal["rope", "learned"] = "rope"
+    max_position_embeddings: Size | None = Field(
+        default=None,
+        description="the longest sequence the model is built for: a learned position table's rows (HF "
+        "n_positions / max_position_embeddings, Megatron --max-position-embeddings); null = training.seq_len",
+    )
 
 
 ParameterRole = Literal["embedding", "column", "row", "norm", "expert", "router", "head", "bias", "other"]

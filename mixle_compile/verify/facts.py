@@ -219,6 +219,10 @@ def plan_facts(spec: Spec) -> PlanFacts:
         if model.moe_ffn_hidden_size is not None:
             add("moe_ffn_hidden_size", ("model", "moe_ffn_hidden_size"), model.moe_ffn_hidden_size)
         add("tie_embeddings", ("model", "tie_embeddings"), model.tie_embeddings, "bool")
+        learned = model.position_embedding == "learned"
+        add("learned_positions", ("model", "position_embedding"), learned, "bool", model.position_embedding)
+        if model.max_position_embeddings is not None:
+            add("max_position_embeddings", ("model", "max_position_embeddings"), model.max_position_embeddings)
         capacity = model.expert_capacity_factor
         add(
             "expert_capacity",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from mixle_compile.diagnostics import Severity
 from mixle_compile.spec.kinds import Engine
 from mixle_compile.verify.logic import all_of, implies, negation, when
-from mixle_compile.verify.rule import Rule, define
+from mixle_compile.verify.rule import TRANSFORMER, Rule, define
 
 CONTEXT_PARALLEL = define(
     Rule(
@@ -163,5 +163,65 @@ MEGATRON_CP_ATTENTION = define(
         hint=lambda x: "set training.attention: flash (Transformer Engine's fused attention), or use cp: 1",
         fields=("cp", "eager_attention"),
         engines=frozenset({Engine.MEGATRON}),
+    )
+)
+
+
+LEARNED_POSITIONS = define(
+    Rule(
+        code="Q007",
+        name="seq-len-within-learned-positions",
+        title="seq_len <= max_position_embeddings with learned positions.",
+        docs=(
+            "A learned absolute position embedding is a table with one row per position, "
+            "`model.max_position_embeddings` rows (HF GPT-2's `n_positions`). A sequence longer than the table "
+            "looks up rows that do not exist: an index error on the first step (a device-side assert on a GPU). "
+            "Rotary positions have no table and no such limit."
+        ),
+        engine_reference=(
+            "transformers models/gpt2/modeling_gpt2.py `GPT2Model.__init__` (`wpe = nn.Embedding("
+            "config.max_position_embeddings, embed_dim)`, `max_position_embeddings` mapped to `n_positions`); "
+            "Megatron-Core 0.16 megatron/core/models/common/embeddings/language_model_embedding.py "
+            "(learned_absolute: an `Embedding` of `max_sequence_length` rows, GPTModel's max_position_embeddings)"
+        ),
+        constraint=lambda v: implies(v.learned_positions, v.seq_len <= v.max_position_embeddings),
+        explain=lambda x: (
+            f"seq_len={x.seq_len} needs positions 0..{x.seq_len - 1}, but the learned position table has "
+            f"{x.max_position_embeddings} rows"
+        ),
+        hint=lambda x: (
+            f"use a seq_len of at most {x.max_position_embeddings}, or a model whose max_position_embeddings is at "
+            f"least {x.seq_len} (a learned table is trained for its length: it cannot simply be extended)"
+        ),
+        fields=("seq_len", "max_position_embeddings", "learned_positions"),
+        needs=("seq_len", "max_position_embeddings"),
+        families=TRANSFORMER,
+    )
+)
+
+MEGATRON_MAX_POSITIONS = define(
+    Rule(
+        code="Q008",
+        name="megatron-seq-len-within-max-positions",
+        title="Megatron: seq_len <= max_position_embeddings, whatever the position embedding.",
+        docs=(
+            "Megatron-LM's argument validation asserts `max_position_embeddings >= seq_length` for every model, "
+            "rotary ones included, before anything is built. "
+            "`model.max_position_embeddings` is read from `--max-position-embeddings`."
+        ),
+        engine_reference=(
+            'Megatron-LM megatron/training/arguments.py `validate_args` ("max_position_embeddings (...) must be '
+            'greater than or equal to seq_length (...)")'
+        ),
+        constraint=lambda v: v.seq_len <= v.max_position_embeddings,
+        explain=lambda x: (
+            f"seq_len={x.seq_len} is longer than max_position_embeddings={x.max_position_embeddings}, which "
+            "Megatron-LM refuses at start-up"
+        ),
+        hint=lambda x: f"set --max-position-embeddings (model.max_position_embeddings) to at least {x.seq_len}",
+        fields=("seq_len", "max_position_embeddings"),
+        needs=("seq_len", "max_position_embeddings"),
+        engines=frozenset({Engine.MEGATRON}),
+        families=TRANSFORMER,
     )
 )
