@@ -129,7 +129,7 @@ def transformer_parameters(
 
     add("embed.weight", (v, h), "embedding", None, tied)
     if model.position_embedding == "learned":
-        add("pos_embed.weight", (model.max_position_embeddings or seq_len or 1, h), "embedding")
+        add("pos_embed.weight", (model.positions(seq_len) or 1, h), "embedding")
     for i in range(model.num_layers) if layers is None else layers:
         p = f"layers.{i}"
         norm(f"{p}.attn_norm", i)

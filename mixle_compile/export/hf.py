@@ -75,7 +75,7 @@ def hf_config(model: TransformerModel, seq_len: int | None = None) -> tuple[dict
             "n_layer": m.num_layers,
             "n_head": m.num_heads,
             "n_inner": m.ffn_hidden_size,
-            **({"n_positions": positions} if (positions := m.max_position_embeddings or seq_len) else {}),
+            **({"n_positions": positions} if (positions := m.positions(seq_len)) else {}),
             **base,
         }, ""
     return None, (

@@ -122,7 +122,7 @@ def megatron_arguments(spec: Spec) -> list[str]:
         "--seq-length",
         t.seq_len,
         "--max-position-embeddings",
-        m.max_position_embeddings or t.seq_len,
+        m.positions(t.seq_len),
         "--micro-batch-size",
         t.micro_batch_size,
         "--global-batch-size",

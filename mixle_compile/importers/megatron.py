@@ -333,14 +333,9 @@ def read_megatron(
         # validate_args requires it and asserts it is at least --seq-length (rule Q008); a value the
         # reader cannot resolve (a variable defined elsewhere) is left out rather than refused, and
         # one equal to --seq-length is what the spec means by leaving it out.
-        positions = args.get("--max-position-embeddings")
-        if (
-            positions is not None
-            and positions.value is not None
-            and positions.value.text.isdigit()
-            and positions.value.text != text_of("--seq-length")
-        ):
-            set_(("model", "max_position_embeddings"), int(positions.value.text), "--max-position-embeddings")
+        positions = text_of("--max-position-embeddings")
+        if positions and positions.isdigit() and positions != text_of("--seq-length"):
+            set_(("model", "max_position_embeddings"), int(positions), "--max-position-embeddings")
         # --untie-embeddings-and-output-weights: Megatron ties them unless it is given.
         set_(
             ("model", "tie_embeddings"),

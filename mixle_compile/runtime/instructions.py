@@ -556,10 +556,8 @@ def _refuse_unsupported(spec: Spec, plan: ParallelPlan) -> None:
     ]
     if model.position_embedding == "learned":
         # the position table splits over tp like the vocabulary (runtime/model.py)
-        if model.max_position_embeddings:
-            checks.append(("model.max_position_embeddings", model.max_position_embeddings))
-        else:
-            checks.append(("training.seq_len", t.seq_len or 1))
+        named = "model.max_position_embeddings" if model.max_position_embeddings else "training.seq_len"
+        checks.append((named, model.positions(t.seq_len) or 1))
     for name, value in checks:
         if value % tp:
             raise RuntimeRefusal(

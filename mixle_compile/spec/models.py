@@ -327,6 +327,10 @@ class TransformerModel(StrictModel):
         "n_positions / max_position_embeddings, Megatron --max-position-embeddings); null = training.seq_len",
     )
 
+    def positions(self, seq_len: int | None) -> int | None:
+        """The longest sequence the model is built for (a learned position table's rows)."""
+        return self.max_position_embeddings or seq_len
+
 
 ParameterRole = Literal["embedding", "column", "row", "norm", "expert", "router", "head", "bias", "other"]
 
