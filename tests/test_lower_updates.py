@@ -26,7 +26,9 @@ resources: {{devices: {world}, memory: 8GiB}}
 """
 
 
-def lowered(dr=1, ds=1, tp=1, pp=1, cp=1, ep=1, experts=0, tie=False, sp=False, dopt=False, kv=None):
+def spec_of(
+    dr=1, ds=1, tp=1, pp=1, cp=1, ep=1, experts=0, tie=False, sp=False, dopt=False, kv=None, ffn=128, moe_every=1
+):
     mb = max(pp, 1)
     text = SPEC.format(
         dr=dr,
@@ -48,11 +50,18 @@ def lowered(dr=1, ds=1, tp=1, pp=1, cp=1, ep=1, experts=0, tie=False, sp=False, 
         text = text.replace(", num_experts: 0, experts_per_token: null", "")
     if kv is not None:
         text = text.replace("num_heads: 4,", f"num_heads: 4, num_kv_heads: {kv},")
+    text = text.replace("ffn_hidden_size: 128", f"ffn_hidden_size: {ffn}")
+    if moe_every != 1:
+        text = text.replace("experts_per_token: 2", f"experts_per_token: 2, moe_layer_frequency: {moe_every}")
     loaded = load_spec_text(text, "t.yaml")
     assert loaded.ok, [d.text() for d in loaded.diagnostics]
+    return loaded.spec
+
+
+def lowered(**mesh):
     # Every block lowered, so that each block's own updates can be read (a compile lowers one block
     # of each run; tests/test_layer_runs.py holds the two to the same plan).
-    return lower(loaded.spec, each_layer=True)
+    return lower(spec_of(**mesh), each_layer=True)
 
 
 def updates_of(low, tensor):
@@ -415,3 +424,81 @@ def test_context_parallel_kv_gathers_move_the_kv_heads_a_tp_rank_holds():
     assert kv_payload(tp=2, kv=2) == whole // 2  # one of the two heads per tp rank
     assert kv_payload(tp=4, kv=2) == whole // 2  # one head, shared by two tp ranks
     assert kv_payload(tp=2, kv=4) == kv_payload(kv=4) // 2 == whole
+
+
+@pytest.mark.parametrize(
+    "mesh",
+    [
+        dict(tp=2, sp=True),  # column- and row-parallel weights of one shape, sharded on different dims
+        # gate (96, 64) and down (64, 96): as many elements, FSDP-padded apart over 3 shards
+        dict(ds=3, tp=2, ffn=96),
+        dict(ds=2, tp=2, pp=2, dopt=False),
+        dict(dr=2, tp=2, dopt=True),
+        dict(ds=2, ep=2, experts=4),
+        dict(tp=4, kv=2, ds=2),  # KV heads replicated over tp pairs
+    ],
+)
+def test_updates_derived_once_per_kind_of_parameter_equal_each_parameters_own(mesh):
+    """gradient_updates derives one parameter of each kind (shape, dtype, role, layout) and renames
+    it for the others; each parameter planned alone must give the same updates."""
+    from mixle_compile.lower.updates import gradient_updates
+
+    low = lowered(**mesh)
+    plan = low.plan
+    kwargs = dict(sequence_parallel=mesh.get("sp", False), distributed_optimizer=mesh.get("dopt", False))
+    kwargs["microbatches_per_step"] = plan.microbatches * plan.gradient_accumulation_steps
+    together = gradient_updates(low.parameters, plan, **kwargs)
+    alone = [u for p in low.parameters for u in gradient_updates((p,), plan, **kwargs)]
+    untied = {p.name for p in low.parameters if p.layout.shared_group is None}
+    assert len({(p.parameter.shape, p.layout.placements) for p in low.parameters}) < len(low.parameters)
+    assert [u for u in together if u.tensor in untied] == [u for u in alone if u.tensor in untied]
+
+
+@pytest.mark.parametrize(
+    "mesh",
+    [
+        dict(tp=2, sp=True),
+        dict(tp=2, cp=2, pp=2),
+        dict(ds=2, ep=2, experts=4, moe_every=2),  # dense and MoE blocks in turn
+        dict(tp=2, ep=2, experts=4, sp=True),
+    ],
+)
+def test_block_collectives_planned_once_per_kind_equal_each_blocks_own(mesh):
+    """activation_updates plans the first block of each kind (dense, mixture-of-experts) and renames
+    it for the others; each block planned alone must give the same collectives."""
+    from mixle_compile.lower.updates import activation_updates
+
+    spec = spec_of(**mesh)
+    low = lower(spec, each_layer=True)
+    stage_of = {p.parameter.layer: p.stage for p in low.parameters if p.parameter.layer is not None}
+    blocks = sorted(stage_of)
+    together = [u for u in activation_updates(spec, low.plan, stage_of, blocks) if u.layer is not None]
+    alone = [u for i in blocks for u in activation_updates(spec, low.plan, stage_of, [i]) if u.layer is not None]
+    assert len(blocks) > 2 and together
+    assert together == alone
+
+
+@pytest.mark.parametrize(
+    "mesh",
+    [
+        dict(tp=2, sp=True),
+        dict(ds=2, tp=4, kv=2, ffn=32),  # k and v (32, 64) replicated over tp pairs, gate and up (32, 64) not
+        dict(ds=2, ep=2, experts=4, moe_every=2),
+        dict(pp=2, tie=True),
+    ],
+)
+def test_layouts_derived_once_per_kind_of_parameter_equal_each_parameters_own(mesh):
+    """place_parameters lays out one block parameter of each kind and names the copies; each
+    parameter laid out alone must get the same layout."""
+    from mixle_compile.layer_split import split_layers
+    from mixle_compile.lower.layouts import place_parameters
+    from mixle_compile.parameters import model_parameters
+
+    spec = spec_of(**mesh)
+    plan = lower(spec, schedule=False).plan
+    params = model_parameters(spec)
+    split = split_layers(spec.model.num_layers, plan.pp, 1, None, "torch")
+    kwargs = dict(num_layers=spec.model.num_layers, num_kv_heads=spec.model.num_kv_heads, layer_split=split)
+    together = place_parameters(params, plan, **kwargs)
+    alone = tuple(placed for p in params for placed in place_parameters((p,), plan, **kwargs))
+    assert together == alone

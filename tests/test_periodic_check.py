@@ -109,3 +109,30 @@ def test_a_long_step_that_deadlocks_is_reported_at_its_own_positions():
     full = check_schedule(expand_all(broken), grid)
     stated = check_compact(broken, grid, exhaustive_limit=64)
     assert not full.ok and stated.problems == full.problems
+
+
+def test_a_loops_place_is_recognised_only_where_it_is_unrolled_op_for_op():
+    from mixle_compile.lower.periodic import _repeats
+    from mixle_compile.plan.ops import Op, OpKind
+
+    loop = Loop(
+        3,
+        2,
+        1,
+        (
+            Op(OpKind.forward, 1, microbatch=4, name="forward"),
+            Op(OpKind.send, 1, microbatch=4, name="send", peer=2, tag="activation", batch=7),
+        ),
+    )
+    before = [Op(OpKind.recv, 1, microbatch=3, name="recv", peer=0, tag="activation")]
+    ops = before + loop.unrolled()
+    assert _repeats(ops, 1, loop)
+    assert [op.microbatch for op in ops[1:]] == [4, 4, 6, 6, 8, 8] and ops[-1].batch == 9
+    assert not _repeats(ops, 0, loop)  # starts one op early
+    assert not _repeats(ops[:-1], 1, loop)  # the last repetition cut short
+    moved = ops[:4] + [dataclasses.replace(ops[4], microbatch=7)] + ops[5:]  # a micro-batch off the step
+    assert not _repeats(moved, 1, loop)
+    rebatched = ops[:-1] + [dataclasses.replace(ops[-1], batch=8)]
+    assert not _repeats(rebatched, 1, loop)
+    inserted = ops[:3] + [Op(OpKind.collective, 1, name="x", group="tp", tag="all_reduce")] + ops[3:-1]
+    assert not _repeats(inserted, 1, loop)

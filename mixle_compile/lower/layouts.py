@@ -23,6 +23,7 @@ pipeline stage owns it, and where its optimizer state lives. The rules, in the o
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from math import ceil, prod
 
@@ -121,9 +122,20 @@ def place_parameters(
         layer_split = split_layers(max(num_layers, 1), plan.pp, virtual_stages, None, "torch")
     last_stage, last_chunk = plan.pp - 1, virtual_stages - 1
     out = []
+    # A block's parameter is laid out by its shape, role, dtype, tp dimension and tying, never by its
+    # name or block: each kind is laid out once and the others take its layout under their names.
+    laid: dict[tuple, PlacedParameter] = {}
     for p in params:
+        key = None
         if p.layer is not None:
             stage, chunk = layer_split.location(p.layer)
+            key = (p.shape, p.role, p.dtype, p.tp_dim, p.shared_group, is_kv_projection(p.name))
+            hit = laid.get(key)
+            if hit is not None:
+                out.append(
+                    dataclasses.replace(hit, parameter=p, layout=_named(hit.layout, p.name), stage=stage, chunk=chunk)
+                )
+                continue
         elif p.role in ("head",) or p.name.startswith("final_norm"):
             stage, chunk = last_stage, last_chunk
         else:
@@ -179,7 +191,18 @@ def place_parameters(
             optimizer_state=_optimizer_state(p, plan, fsdp, distributed_optimizer),
         )
         out.append(PlacedParameter(p, layout, stage, chunk, tuple(max(1, d) for d in local), kv_replicas=shared_head))
+        if key is not None:
+            laid[key] = out[-1]
     return tuple(out)
+
+
+def _named(layout: ParameterLayout, name: str) -> ParameterLayout:
+    """``layout`` (valid) as the layout of the parameter ``name``: an unchecked copy (a name is a
+    valid logical id), since ParameterLayout's validation dominates laying out many blocks."""
+    copy = object.__new__(ParameterLayout)
+    copy.__dict__.update(layout.__dict__)
+    copy.__dict__["logical_id"] = name
+    return copy
 
 
 def _optimizer_state(p: Parameter, plan: ParallelPlan, fsdp: bool, distributed_optimizer: bool) -> StateLayout:

@@ -131,8 +131,8 @@ def _pump_down(
             position += item.repeat * len(item.ops) if isinstance(item, Loop) else 1
         program = dataclasses.replace(p, body=tuple(body))
         ops = expanded(program)
-        for (first, length, repeat, _), loop in zip(places, (body[i] for i in found), strict=True):
-            if list(ops[first : first + length * repeat]) != loop.unrolled():
+        for (first, _, _, _), loop in zip(places, (body[i] for i in found), strict=True):
+            if not _repeats(ops, first, loop):
                 return None  # something was inserted inside the loop: not a plain repetition
         short.append(program)
         regions.append(tuple(places))
@@ -161,6 +161,28 @@ def _shift(item, dm: int, db: int):
             item.repeat, item.microbatch_step, item.batch_step, tuple(shifted_op(op, dm, db) for op in item.ops)
         )
     return shifted_op(item, dm, db)
+
+
+def _repeats(ops: Sequence, first: int, loop: Loop) -> bool:
+    """Whether ``ops`` from ``first`` on are ``loop`` unrolled (:meth:`Loop.unrolled`), compared op
+    by op without building the unrolled copies."""
+    length = len(loop.ops)
+    if len(ops) < first + length * loop.repeat:
+        return False
+    for i in range(loop.repeat):
+        dm, db = i * loop.microbatch_step, i * loop.batch_step
+        for j, base in enumerate(loop.ops):
+            op = ops[first + i * length + j]
+            if op is base:
+                continue
+            expected = dict(base.__dict__)
+            if base.microbatch is not None:
+                expected["microbatch"] = base.microbatch + dm
+            if base.batch is not None:
+                expected["batch"] = base.batch + db
+            if op.__dict__ != expected:
+                return False
+    return True
 
 
 def _has_collective(loop: Loop) -> bool:

@@ -122,8 +122,22 @@ def gradient_updates(
     out: list[PlannedUpdate] = []
     dp = plan.data_parallel_size
     tied_seen: set[str] = set()
+    # A parameter's updates follow from its shape, dtype, role and layout; its name, stage and layer
+    # only name and place them. So the blocks of a model, which repeat the same parameters stage
+    # after stage, are derived once per kind of parameter and renamed (a tied parameter, whose
+    # updates depend on the others of its group, is always derived).
+    derived: dict[tuple, tuple[str, list[PlannedUpdate]]] = {}
     for pp_ in placed:
         name, layout, stage, layer = pp_.name, pp_.layout, pp_.stage, pp_.parameter.layer
+        key = None
+        if layout.shared_group is None:
+            p = pp_.parameter
+            key = (p.shape, p.numel, p.dtype, p.role, layout.placements, layout.optimizer_state, pp_.kv_replicas)
+            hit = derived.get(key)
+            if hit is not None:
+                out.extend(_renamed(u, hit[0], name, stage, layer) for u in hit[1])
+                continue
+        start = len(out)
         grad_bytes = pp_.parameter.numel * 4  # gradients are reduced in fp32
         # Tied parameters on one stage are one tensor: its uses' gradients add up locally and are
         # reduced once, as the first member's (the others list no gradient update of their own).
@@ -319,7 +333,35 @@ def gradient_updates(
                         layer=layer,
                     )
                 )
+        if key is not None:
+            derived[key] = (name, out[start:])
     return out
+
+
+def _renamed(u: PlannedUpdate, old: str, new: str, stage: int, layer: int | None) -> PlannedUpdate:
+    """Update ``u`` of the parameter or site ``old`` as the same update of ``new`` (of the same
+    kind) on ``stage``: its id and tensor, which begin with ``old``, begin with ``new`` instead
+    (``old:grad/scatter`` -> ``new:grad/scatter``; ``layers.3.`` -> ``layers.9.``), the rest as
+    derived. The update was validated when it was made and a new subject keeps its id valid, so the
+    copy skips DistributedUpdate's validation, which dominates planning many parameters."""
+    update = object.__new__(DistributedUpdate)
+    update.__dict__.update(u.update.__dict__)
+    update.__dict__["node_id"] = new + u.update.node_id[len(old) :]
+    tensor = new + u.tensor[len(old) :]
+    return PlannedUpdate(
+        update, tensor, u.phase, stage, u.payload_bytes, u.group_size, u.occurrences_per_step, u.gradient_divisor, layer
+    )
+
+
+def _block_updates(out: list[PlannedUpdate], start: int, block: int) -> list[PlannedUpdate]:
+    """The updates of block ``block`` listed from ``start`` on (they end where another block's
+    or the pipeline's begin)."""
+    found = []
+    for u in out[start:]:
+        if u.layer != block:
+            break
+        found.append(u)
+    return found
 
 
 def _padded_bytes(
@@ -479,8 +521,19 @@ def activation_updates(
     # K and V of the KV heads a tp rank holds: its share, or the one head it shares with others.
     kv_heads = model.num_kv_heads or model.num_heads
     kv_bytes = tokens * max(kv_heads // plan.tp, 1) * head_dim(model) * act_bytes_per
+    # A block's collectives follow from its kind (dense or mixture-of-experts); its index and stage
+    # only name and place them: the first block of each kind is planned, the others renamed.
+    first_of: dict[bool, tuple[int, int]] = {}  # kind -> (its first block, where its updates start)
     for i in range(model.num_layers) if layers is None else layers:
         stage = stage_of.get(i, 0)
+        moe = plan.ep > 1 and is_moe_layer(model, i)
+        seen = first_of.get(moe)
+        if seen is not None:
+            first, start = seen
+            end = start + len(_block_updates(out, start, first))
+            out.extend(_renamed(u, f"layers.{first}.", f"layers.{i}.", stage, i) for u in out[start:end])
+            continue
+        first_of[moe] = (i, len(out))
         for block in ("attn", "mlp"):
             if plan.tp > 1:
                 if sp:
@@ -576,7 +629,7 @@ def activation_updates(
                 payload=PayloadKind.KV_BLOCK,
                 layer=i,
             )
-        if plan.ep > 1 and is_moe_layer(model, i):
+        if moe:
             # Under sequence parallelism each tp rank routes its own sequence shard when experts are
             # whole on it (etp = 1); split over tp (etp = tp), every tp rank routes all the gathered
             # tokens, each computing its slice of their experts' features.
