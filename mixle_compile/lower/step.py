@@ -19,6 +19,7 @@ from mixle_compile.lower.compact import Loop, StageProgram, check_compact, compr
 from mixle_compile.lower.groups import RankGrid, rule_name
 from mixle_compile.lower.schedule import Op, OpKind, ScheduleCheck, pipeline_bodies
 from mixle_compile.lower.updates import PlannedUpdate
+from mixle_compile.plan.ops import copy_op
 from mixle_compile.schedules import pipelined
 
 EXHAUSTIVE_RANKS = 16
@@ -62,23 +63,23 @@ def step_schedule(
         if u.update.collective is not CollectiveKind.P2P:
             by_phase.setdefault((u.phase, u.stage), []).append(u)
 
-    rules: dict[tuple[str, ...], str] = {}  # mesh axes -> their group rule (a handful, named per update)
+    # One checked collective op per (group rule, collective) and stage, a handful per step; each
+    # update's op is a copy of it with the update's name and bytes (an update id is a name, its bytes
+    # a count), so that planning many updates does not validate as many ops.
+    templates: dict[tuple[tuple[str, ...], str, int], Op] = {}
 
-    def rule_of(axes: tuple[str, ...]) -> str:
-        name = rules.get(axes)
-        if name is None:
-            name = rules[axes] = rule_name(axes)
-        return name
+    def template(axes: tuple[str, ...], tag: str, stage: int) -> Op:
+        op = templates.get((axes, tag, stage))
+        if op is None:
+            op = templates[(axes, tag, stage)] = Op(OpKind.collective, stage, group=rule_name(axes), tag=tag)
+        return op
 
     def ops(phase: str, stage: int) -> list[tuple[Op, int]]:
         return [
             (
-                Op(
-                    OpKind.collective,
-                    stage,
+                copy_op(
+                    template(u.update.mesh_axes, u.update.collective.value, stage),
                     name=u.update.node_id,
-                    group=rule_of(u.update.mesh_axes),
-                    tag=u.update.collective.value,
                     bytes=u.payload_bytes,
                 ),
                 u.occurrences_per_step,
