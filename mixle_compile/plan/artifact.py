@@ -71,20 +71,20 @@ def build_plan_text(spec: Spec, lowered: Lowered, diagnostics: list[Diagnostic])
         t = spec.training
         check = lowered.schedule.check
         pipeline, virtual_stages = pipelined(t.pipeline_schedule, plan.pp, t.virtual_pipeline_stages)
-        schedule = {
-            "pipeline": pipeline,
-            "virtual_stages": virtual_stages,
-            "micro_steps": plan.microbatches * plan.gradient_accumulation_steps,
+        schedule = {  # keys in canonical order, as in every section of PRESORTED
             "bubble_fraction": bubble_fraction(plan.pp, plan.microbatches, virtual_stages),
-            "stages": [folding.folded(program_dict(program), STAGE_LISTS) for program in lowered.schedule.stages],
-            "sends": "buffered" if engine_profile(spec.backend).buffered_sends else "rendezvous",
             "check": {
+                "note": check.note,
                 "ok": check.ok,
                 "problems": list(check.problems),
                 "ranks_checked": check.ranks_checked,
                 "representatives": check.representatives,
-                "note": check.note,
             },
+            "micro_steps": plan.microbatches * plan.gradient_accumulation_steps,
+            "pipeline": pipeline,
+            "sends": "buffered" if engine_profile(spec.backend).buffered_sends else "rendezvous",
+            "stages": [folding.folded(program_dict(program), STAGE_LISTS) for program in lowered.schedule.stages],
+            "virtual_stages": virtual_stages,
         }
     doc = {
         "format_version": FORMAT_VERSION,
@@ -93,34 +93,8 @@ def build_plan_text(spec: Spec, lowered: Lowered, diagnostics: list[Diagnostic])
         "spec": embedded,
         "mesh": {"degrees": plan.as_dict(), "names": list(names), "shape": list(shape), "order": lowered.grid.order},
         "groups": lowered.grid.as_dict(),
-        "parameters": [
-            {
-                **p.layout.as_dict(),
-                "placements": [list(pair) for pair in p.layout.placements],  # the plan keeps pairs
-                "role": p.parameter.role,
-                "dtype": p.parameter.dtype,
-                "layer": p.parameter.layer,
-                "stage": p.stage,
-                "chunk": p.chunk,
-                "local_shape": list(p.local_shape),
-                "owner": p.owner,
-            }
-            for p in lowered.parameters
-        ],
-        "updates": [
-            {
-                **u.update.as_dict(),
-                "notes": NOTES_SEPARATOR.join(u.update.notes),
-                "tensor": u.tensor,
-                "phase": u.phase,
-                "stage": u.stage,
-                "payload_bytes": u.payload_bytes,
-                "group_size": u.group_size,
-                "occurrences_per_step": u.occurrences_per_step,
-                "gradient_divisor": u.gradient_divisor,
-            }
-            for u in lowered.updates
-        ],
+        "parameters": [_parameter_entry(p) for p in lowered.parameters],
+        "updates": [_update_entry(u) for u in lowered.updates],
         "schedule": schedule,
         "decomposition": lowered.decomposition,
         "memory": [m.as_dict() for m in lowered.memory],
@@ -144,8 +118,62 @@ def build_plan_text(spec: Spec, lowered: Lowered, diagnostics: list[Diagnostic])
     # Built in the schema's own JSON form (tests/test_plan.py checks that the schema's dump of every
     # example's plan is this dict), so it is encoded once, for its digest and its text, and not
     # validated again here.
-    return sealed(doc)
+    return sealed(doc, presorted=PRESORTED)
 
+
+def _parameter_entry(p) -> dict:
+    """A placed parameter as the plan writes it (``ParameterLayout.as_dict()`` and where it lives),
+    its keys in canonical order (see :data:`PRESORTED`)."""
+    layout = p.layout
+    return {
+        "chunk": p.chunk,
+        "dtype": p.parameter.dtype,
+        "global_shape": list(layout.global_shape),
+        "layer": p.parameter.layer,
+        "local_shape": list(p.local_shape),
+        "logical_id": layout.logical_id,
+        "optimizer_state": layout.optimizer_state.value,
+        "owner": p.owner,
+        "placements": [list(pair) for pair in layout.placements],  # the plan keeps pairs
+        "role": p.parameter.role,
+        "shared_group": layout.shared_group,
+        "stage": p.stage,
+    }
+
+
+def _update_entry(u) -> dict:
+    """A planned update as the plan writes it (``DistributedUpdate.as_dict()``, its notes one
+    string, and where it runs), its keys in canonical order (see :data:`PRESORTED`)."""
+    d = u.update
+    return {
+        "collective": d.collective.value,
+        "contract_exact": d.contract_exact,
+        "determinism_observed": d.determinism_observed,
+        "exact": d.exact,
+        "gradient_divisor": u.gradient_divisor,
+        "group_size": u.group_size,
+        "maximum_absolute_error": d.maximum_absolute_error,
+        "maximum_relative_error": d.maximum_relative_error,
+        "mesh_axes": [str(axis) for axis in d.mesh_axes],
+        "node_id": d.node_id,
+        "notes": NOTES_SEPARATOR.join(d.notes),
+        "numerics_evidence_id": d.numerics_evidence_id,
+        "numerics_sample_count": d.numerics_sample_count,
+        "occurrences_per_step": u.occurrences_per_step,
+        "payload": d.payload.value,
+        "payload_bytes": u.payload_bytes,
+        "phase": u.phase,
+        "stage": u.stage,
+        "state_layout": d.state_layout.value,
+        "tensor": u.tensor,
+    }
+
+
+#: The plan's large sections, which :func:`build_plan_text` builds with every object's keys already
+#: in canonical (sorted) order, so that their text is written without sorting the keys again (the
+#: larger part of encoding a large plan). Loading re-encodes every section with sorted keys and
+#: refuses a text that differs, so a section built out of order could not be written unnoticed.
+PRESORTED = frozenset({"parameters", "updates", "schedule"})
 
 #: The lists of a stage program whose per-layer entries are folded (parameters and updates too).
 STAGE_LISTS = ("before_forward", "after_backward", "after_last_backward", "end")
@@ -205,10 +233,16 @@ def plan_text(doc: dict) -> str:
     return canonical_json(doc) + "\n"
 
 
-def sealed(doc: dict) -> tuple[dict, str]:
+def sealed(doc: dict, presorted: frozenset[str] = frozenset()) -> tuple[dict, str]:
     """``doc`` with its content digest, and the text :func:`plan_text` writes of it, from one
-    encoding of its content (a plan of a large model is megabytes of JSON)."""
-    entries = _entries(doc)
+    encoding of its content (a plan of a large model is megabytes of JSON). The entries named in
+    ``presorted`` hold every object's keys in sorted order already and are encoded as they are."""
+    entries = {
+        key: _entry(key, value)
+        if key not in presorted
+        else json.dumps(key, ensure_ascii=False) + ":" + _in_order(value)
+        for key, value in doc.items()
+    }
     digest = _digest(entries)
     entries[DIGEST_FIELD] = _entry(DIGEST_FIELD, digest)
     return {**doc, DIGEST_FIELD: digest}, _joined(entries)
@@ -218,6 +252,11 @@ def _entries(doc: dict) -> dict[str, str]:
     """Each top-level entry of ``doc`` as canonical JSON writes it (``"key":value``): canonical JSON
     sorts the keys, so a document's text is its entries joined in key order."""
     return {key: _entry(key, value) for key, value in doc.items()}
+
+
+def _in_order(data: Any) -> str:
+    """Canonical JSON of ``data`` whose objects' keys are in sorted order already."""
+    return json.dumps(data, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
 
 def _entry(key: str, value: Any) -> str:

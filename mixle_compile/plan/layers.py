@@ -91,7 +91,7 @@ def fold_stated(entries: list[dict], keys: list[tuple[int | None, object]], coun
             blocks += count(nxt_layer)
             i += 1
         if blocks > 1:
-            out.append({"layers": blocks, "entries": first})
+            out.append({"entries": first, "layers": blocks})  # canonical (sorted) key order
         else:
             out.extend(first)
     return out

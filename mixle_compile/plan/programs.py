@@ -119,19 +119,20 @@ def expand_all(programs: Sequence[StageProgram]) -> tuple[tuple[Op, ...], ...]:
 
 
 def op_dict(op: Op) -> dict[str, Any]:
-    """An op as the plan writes it: every field (the plan's schema fills none in)."""
+    """An op as the plan writes it: every field (the plan's schema fills none in), the keys in
+    canonical (sorted) order, so that the plan's text is written without sorting them again."""
     return {
-        "kind": op.kind.value,
-        "stage": op.stage,
-        "chunk": op.chunk,
-        "microbatch": op.microbatch,
-        "name": op.name,
-        "group": op.group,
-        "tag": op.tag,
-        "peer": op.peer,
-        "peer_chunk": op.peer_chunk,
         "batch": op.batch,
         "bytes": op.bytes,
+        "chunk": op.chunk,
+        "group": op.group,
+        "kind": op.kind.value,
+        "microbatch": op.microbatch,
+        "name": op.name,
+        "peer": op.peer,
+        "peer_chunk": op.peer_chunk,
+        "stage": op.stage,
+        "tag": op.tag,
     }
 
 
@@ -154,28 +155,29 @@ def op_from(data: Any) -> Op:
 
 
 def program_dict(p: StageProgram) -> dict[str, Any]:
+    """A stage program as the plan writes it, every key in canonical (sorted) order (:func:`op_dict`)."""
     body = [
         {
-            "repeat": item.repeat,
-            "microbatch_step": item.microbatch_step,
             "batch_step": item.batch_step,
+            "microbatch_step": item.microbatch_step,
             "ops": [op_dict(op) for op in item.ops],
+            "repeat": item.repeat,
         }
         if isinstance(item, Loop)
         else op_dict(item)
         for item in p.body
     ]
     return {
-        "stage": p.stage,
-        "runs": p.runs,
-        "run_microbatches": p.run_microbatches,
-        "run_batches": p.run_batches,
-        "optimizer": p.optimizer,
-        "body": body,
-        "before_forward": [op_dict(op) for op in p.before_forward],
         "after_backward": [op_dict(op) for op in p.after_backward],
         "after_last_backward": [{**op_dict(op), "times": k} for op, k in p.after_last_backward],
+        "before_forward": [op_dict(op) for op in p.before_forward],
+        "body": body,
         "end": [op_dict(op) for op in p.end],
+        "optimizer": p.optimizer,
+        "run_batches": p.run_batches,
+        "run_microbatches": p.run_microbatches,
+        "runs": p.runs,
+        "stage": p.stage,
     }
 
 
