@@ -732,57 +732,61 @@ def _simulate(
     buffered_sends: bool = False,
     observe: Callable[[SimulationState], None] | None = None,
 ) -> Simulation:
-    ranks = list(world.programs)
-    # Steps: a compute op, a collective, or a batch of point-to-point ops posted together.
+    programs = world.programs
+    ranks = list(programs)
+    send, recv, collective = OpKind.send, OpKind.recv, OpKind.collective
+    # Steps: a compute op, a collective, or a batch of point-to-point ops posted together (ops of one
+    # batch number in a row); step_index[rank][position] is the step an op belongs to.
     steps: dict[int, list[tuple[str, list[int]]]] = {}
-    for rank, program in world.programs.items():
+    step_index: dict[int, list[int]] = {}
+    no_batch = object()
+    for rank, program in programs.items():
         out: list[tuple[str, list[int]]] = []
+        index: list[int] = []
+        previous = no_batch  # the batch number of the last op when it is a point-to-point op
         for position, op in enumerate(program):
-            if op.kind in _P2P:
-                previous = out[-1] if out else None
-                if (
-                    previous
-                    and previous[0] == "p2p"
-                    and op.batch is not None
-                    and program[previous[1][-1]].batch == op.batch
-                ):
-                    previous[1].append(position)
-                    continue
-                out.append(("p2p", [position]))
-            elif op.kind is OpKind.collective:
-                out.append(("collective", [position]))
+            kind = op.kind
+            if kind is send or kind is recv:
+                batch = op.batch
+                if batch is not None and batch == previous:
+                    out[-1][1].append(position)
+                else:
+                    out.append(("p2p", [position]))
+                previous = batch
             else:
-                out.append(("compute", [position]))
+                out.append(("collective" if kind is collective else "compute", [position]))
+                previous = no_batch
+            index.append(len(out) - 1)
         steps[rank] = out
-    step_of: dict[tuple[int, int], int] = {}
-    for rank, out in steps.items():
-        for index, (_, positions) in enumerate(out):
-            for position in positions:
-                step_of[(rank, position)] = index
+        step_index[rank] = index
 
-    # Partners of point-to-point ops, paired in issue order per channel.
+    # Partners of point-to-point ops, paired in issue order per channel; per rank, by position.
     partner: dict[tuple[int, int], tuple[int, int]] = {}
+    partner_at: dict[int, dict[int, tuple[int, int]]] = {rank: {} for rank in ranks}
     sends, recvs = _channels(world)
     for (src, dst), out in sends.items():
+        mine, theirs = partner_at[src], partner_at[dst]
         for (send_pos, _), (recv_pos, _) in zip(out, recvs.get((src, dst), []), strict=False):
             partner[(src, send_pos)] = (dst, recv_pos)
             partner[(dst, recv_pos)] = (src, send_pos)
+            mine[send_pos] = (dst, recv_pos)
+            theirs[recv_pos] = (src, send_pos)
 
     # Collectives: (instance, ordinal on it) and how many checked ranks must arrive.
     members = _instances(world)
     collective_key: dict[tuple[int, int], tuple] = {}
-    for rank, program in world.programs.items():
+    for rank, program in programs.items():
         ordinal: dict[tuple[str, int], int] = defaultdict(int)
-        positions = [p for p, op in enumerate(program) if op.kind is OpKind.collective]
+        positions = [p for p, op in enumerate(program) if op.kind is collective]
         for position, (key, _) in zip(positions, _collective_keys(world, rank), strict=True):
             collective_key[(rank, position)] = (key, ordinal[key])
             ordinal[key] += 1
 
-    pc = {r: 0 for r in ranks}
-    clock: dict[int, Any] = {r: 0 for r in ranks}
-    busy: dict[int, Any] = {r: 0 for r in ranks}
+    pc = dict.fromkeys(ranks, 0)
+    clock: dict[int, Any] = dict.fromkeys(ranks, 0)
+    busy: dict[int, Any] = dict.fromkeys(ranks, 0)
     spans: dict[int, list[tuple[Any, Any, int]]] = {r: [] for r in ranks}
-    posted = {r: False for r in ranks}
+    posted = dict.fromkeys(ranks, False)
     matched: dict[tuple[int, int], Any] = {}  # (rank, position) -> time the op met its partner
     sent: dict[tuple[int, int], Any] = {}  # buffered sends posted, and when
     arrivals: dict[tuple, list[int]] = defaultdict(list)
@@ -791,22 +795,31 @@ def _simulate(
     # Watched, a rank's turn ends after every step, so that the ranks advance together and the
     # observer sees the steady state (whether the step finishes does not depend on the turns).
     step_turns = observe is not None
+    lengths = {r: len(steps[r]) for r in ranks}
 
-    def finish_step(rank: int, when: Any) -> None:
-        clock[rank] = max(clock[rank], when)
+    def complete(rank: int) -> None:
+        """Finish ``rank``'s point-to-point step if every op of it met its partner."""
+        when = clock[rank]
+        for p in steps[rank][pc[rank]][1]:
+            met = matched.get((rank, p), _UNMET)
+            if met is _UNMET:
+                return
+            if met > when:
+                when = met
+        clock[rank] = when
         pc[rank] += 1
         posted[rank] = False
-
-    def batch_done(rank: int) -> bool:
-        return all((rank, p) in matched for p in steps[rank][pc[rank]][1])
+        queue.append(rank)
 
     while queue:
         if state is not None:
             observe(state)
         rank = queue.popleft()
-        program = world.programs[rank]
-        while pc[rank] < len(steps[rank]):
-            kind, positions = steps[rank][pc[rank]]
+        program = programs[rank]
+        rank_steps = steps[rank]
+        length = lengths[rank]
+        while pc[rank] < length:
+            kind, positions = rank_steps[pc[rank]]
             if kind == "compute":
                 spent = cost(program[positions[0]])
                 spans[rank].append((clock[rank], spent, positions[0]))
@@ -822,12 +835,15 @@ def _simulate(
                     break
                 posted[rank] = True
                 key = collective_key[(rank, positions[0])]
-                arrivals[key].append(rank)
-                if len(arrivals[key]) < len(members[key[0]]):
+                arrived = arrivals[key]
+                arrived.append(rank)
+                if len(arrived) < len(members[key[0]]):
                     break
-                when = max(clock[r] for r in arrivals[key])
-                for other in arrivals[key]:
-                    finish_step(other, when)
+                when = max(clock[r] for r in arrived)
+                for other in arrived:
+                    clock[other] = max(clock[other], when)
+                    pc[other] += 1
+                    posted[other] = False
                     if other != rank:
                         queue.append(other)
                 if step_turns:
@@ -837,47 +853,58 @@ def _simulate(
             # A batch of sends and receives.
             if not posted[rank]:
                 posted[rank] = True
+                mine = partner_at[rank]
                 for position in positions:
-                    if (rank, position) in matched or (rank, position) not in partner:
+                    found = mine.get(position)
+                    if found is None or (rank, position) in matched:
                         continue
-                    other, other_pos = partner[(rank, position)]
-                    if buffered_sends and program[position].kind is OpKind.send:
-                        # The message waits for its receive (in `sent` until it is posted); the
-                        # sender goes on.
-                        matched[(rank, position)] = clock[rank]
-                        waiting = (
-                            posted[other] and pc[other] < len(steps[other]) and step_of[(other, other_pos)] == pc[other]
-                        )
-                        if not waiting:
-                            sent[(rank, position)] = clock[rank]
+                    other, other_pos = found
+                    waiting = posted[other] and pc[other] < lengths[other] and step_index[other][other_pos] == pc[other]
+                    if buffered_sends:
+                        if program[position].kind is send:
+                            # The message waits for its receive (in `sent` until it is posted); the
+                            # sender goes on.
+                            matched[(rank, position)] = clock[rank]
+                            if not waiting:
+                                sent[(rank, position)] = clock[rank]
+                                continue
+                            matched[(other, other_pos)] = clock[rank]
+                            complete(other)
                             continue
-                        matched[(other, other_pos)] = clock[rank]
-                        if batch_done(other):
-                            finish_step(other, max(matched[(other, p)] for p in steps[other][pc[other]][1]))
-                            queue.append(other)
-                        continue
-                    if buffered_sends and program[position].kind is OpKind.recv:
                         if (other, other_pos) in sent:
                             matched[(rank, position)] = max(clock[rank], sent.pop((other, other_pos)))
                         continue
-                    if posted[other] and pc[other] < len(steps[other]) and step_of[(other, other_pos)] == pc[other]:
+                    if waiting:
                         when = max(clock[rank], clock[other])
                         matched[(rank, position)] = when
                         matched[(other, other_pos)] = when
-                        if batch_done(other):
-                            finish_step(other, max(matched[(other, p)] for p in steps[other][pc[other]][1]))
-                            queue.append(other)
-            if not batch_done(rank):
+                        complete(other)
+            when = clock[rank]
+            done = True
+            for p in positions:
+                met = matched.get((rank, p), _UNMET)
+                if met is _UNMET:
+                    done = False
+                    break
+                if met > when:
+                    when = met
+            if not done:
                 break
-            finish_step(rank, max(matched[(rank, p)] for p in positions))
+            clock[rank] = when
+            pc[rank] += 1
+            posted[rank] = False
             if step_turns:
                 queue.append(rank)
                 break
 
-    stuck = [r for r in ranks if pc[r] < len(steps[r])]
+    stuck = [r for r in ranks if pc[r] < lengths[r]]
     deadlock = _explain_deadlock(world, stuck, steps, pc, partner, collective_key, members, arrivals, matched)
     makespan = max(clock.values(), default=0)
     return Simulation(not stuck, makespan, busy, tuple(deadlock), {r: tuple(v) for r, v in spans.items()})
+
+
+#: A point-to-point op that has not met its partner (its time in ``matched`` is absent).
+_UNMET = object()
 
 
 def _explain_deadlock(world, stuck, steps, pc, partner, collective_key, members, arrivals, matched) -> list[str]:
