@@ -111,10 +111,15 @@ def copy_op(op: Op, **fields: Any) -> Op:
     """``op`` with ``fields`` replaced, for copies whose values come from other valid ops (a stage,
     chunk, micro-batch or batch number already checked): skips Op's validation, which dominates
     building and expanding long programs."""
-    new = object.__new__(Op)
-    new.__dict__.update(op.__dict__)
-    new.__dict__.update(fields)
+    values = op.__dict__.copy()
+    values.update(fields)
+    new = _new(Op)
+    _set(new, "__dict__", values)  # a frozen dataclass: its own __setattr__ refuses
     return new
+
+
+_new = object.__new__
+_set = object.__setattr__
 
 
 def _require_count(what: str, value: Any) -> None:
