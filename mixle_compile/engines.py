@@ -112,6 +112,32 @@ class EngineProfile:
         elsewhere it recomputes attention's core (Korthikanti et al., Megatron's selective)."""
         return self.name == Engine.TORCHTITAN
 
+    def recomputes(self, checkpointing: str, collective: str, in_attention_core: bool) -> bool:
+        """Whether activation checkpointing issues a block's forward collective (``collective``, a
+        CollectiveKind value) again in the backward, where the recomputed forward runs:
+
+        - ``full``: torchtitan wraps each transformer block in ``checkpoint_wrapper`` and Megatron-Core
+          checkpoints whole layers (``TransformerBlock._checkpointed_forward``): the block's forward,
+          with every collective in it, runs again.
+        - ``selective``, torchtitan (op-level SAC, ``torchtitan/distributed/activation_checkpoint.py``):
+          the recomputed forward re-runs every op outside the save list; the list keeps
+          ``reduce_scatter_tensor`` and, from 0.3, ``all_to_all_single`` (the TOML-era 0.2 list has
+          no all-to-all), never ``all_gather_into_tensor`` or ``all_reduce``.
+        - ``selective``, Megatron-Core: the core attention is checkpointed (``recompute_modules``
+          defaults to ``["core_attn"]``, ``Attention._checkpointed_attention_forward``): its
+          context-parallel exchange runs again, no tensor-parallel collective does.
+
+        The in-tree runtime keeps every activation (it does not apply checkpointing) and a plugin
+        backend states no policy: nothing is issued again."""
+        if checkpointing == "none" or self.name not in (Engine.TORCHTITAN, Engine.MEGATRON):
+            return False
+        if checkpointing == "full":
+            return True
+        if self.name == Engine.TORCHTITAN:
+            saved = {"reduce_scatter", "all_to_all"} if self.at_least("0.3") else {"reduce_scatter"}
+            return collective not in saved
+        return in_attention_core
+
     def moe_saved(self, activation: str) -> MoESaved:
         """What the engine's mixture-of-experts block saves for its backward
         (memory_model.moe_layer_extra_bytes), at 16-bit activations, for experts of this activation:

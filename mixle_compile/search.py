@@ -539,7 +539,7 @@ class _Pricer:
         return self._reduced_spec
 
     def _updates(self, v: dict) -> tuple[Any, list, Any]:
-        """The placed parameters of the two-layer model, and its updates per step, each with what its
+        """The placed parameters of the two-layer model, and their updates per step, each with what its
         count per step grows with ("steps": accumulation steps, "micro": micro-steps, "tokens": the
         micro-batch's tokens times micro-steps, "once"), for one micro-batch of one sample."""
         from mixle_compile.contracts import ParallelPlan
@@ -599,7 +599,6 @@ class _Pricer:
                 (u, grows[u.occurrences_per_step])
                 for u in gradient_updates(placed, plan(2), microbatches_per_step=3, **options)
             ]
-            updates += self._activations(v)
             hit = self._grad_cache[key] = (placed, updates, plan(1))
         return hit
 
@@ -621,8 +620,12 @@ class _Pricer:
         return self._kinds
 
     def _activations(self, v: dict) -> list:
-        """The activation updates alone (they depend on tp, cp, ep, etp and sequence parallelism only)."""
-        akey = ("activations", v["tp"], v["cp"], v["ep"], v["etp"], v["sequence_parallel"])
+        """The activation updates alone (they depend on tp, cp, ep, etp, sequence parallelism and what
+        checkpointing issues again only)."""
+        akey = (
+            "activations",
+            *(v[k] for k in ("tp", "cp", "ep", "etp", "sequence_parallel", "activation_checkpointing")),
+        )
         if akey not in self._grad_cache:
             from mixle_compile.contracts import ParallelPlan
             from mixle_compile.lower.updates import activation_updates
@@ -631,7 +634,11 @@ class _Pricer:
             spec = spec.model_copy(
                 update={
                     "training": spec.training.model_copy(
-                        update={"micro_batch_size": 1, "sequence_parallel": v["sequence_parallel"]}
+                        update={
+                            "micro_batch_size": 1,
+                            "sequence_parallel": v["sequence_parallel"],
+                            "activation_checkpointing": v["activation_checkpointing"],
+                        }
                     )
                 }
             )
@@ -655,7 +662,7 @@ class _Pricer:
         key = (
             "summary",
             activations_only,
-            *(v[k] for k in ("tp", "cp", "ep", "etp", "sequence_parallel")),
+            *(v[k] for k in ("tp", "cp", "ep", "etp", "sequence_parallel", "activation_checkpointing")),
             *(() if activations_only else (v["dp_replicate"], v["dp_shard"], v["distributed_optimizer"])),
         )
         hit = self._grad_cache.get(key)
@@ -664,6 +671,7 @@ class _Pricer:
                 placed, updates = (), self._activations(v)
             else:
                 placed, updates, _ = self._updates(v)
+                updates = updates + self._activations(v)
             where = {p.name: self._where(p) for p in placed}
             model = self._reduced().model
             hit = {}

@@ -90,11 +90,11 @@ BASE_LATENCY = 8.4e-6
 #: and precision, calibrated on published measurements (benchmarks/bench_step_time.py prints the
 #: rows and the ratios; docs/step-time.md names the sources).
 EFFICIENCY: dict[tuple[str, str], float] = {
-    ("a100", "fp16"): 0.613,  # SC21 Table 1 (Megatron-LM, 10 rows)
-    ("h100", "fp8"): 0.620,  # Megatron-Bridge 25.11 (3 rows)
-    ("h100-96gb", "bf16"): 0.423,  # torchtitan Dec 2024, Tables 1 and 3, async TP bf16 (8 rows)
-    ("h100-96gb", "fp8"): 0.368,  # torchtitan Dec 2024, Tables 1-6, async TP fp8 (16 rows)
-    ("h200", "fp8"): 0.456,  # torchtitan, Trainy H200 (2 rows)
+    ("a100", "fp16"): 0.631,  # SC21 Table 1 (Megatron-LM, 10 rows)
+    ("h100", "fp8"): 0.621,  # Megatron-Bridge 25.11 (3 rows)
+    ("h100-96gb", "bf16"): 0.424,  # torchtitan Dec 2024, Tables 1 and 3, async TP bf16 (8 rows)
+    ("h100-96gb", "fp8"): 0.364,  # torchtitan Dec 2024, Tables 1-6, async TP fp8 (16 rows)
+    ("h200", "fp8"): 0.457,  # torchtitan, Trainy H200 (2 rows)
 }
 #: For a device kind or precision without a calibrated figure: the kind's 16-bit figure (same tensor
 #: cores; fp8 falls back to it too), else this.

@@ -27,6 +27,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from mixle_compile.contracts import CollectiveKind, DistributedUpdate, ParallelPlan, PayloadKind, StateLayout
+from mixle_compile.engines import EngineProfile, engine_profile
 from mixle_compile.lower.layouts import PlacedParameter, model_parallel_splits
 from mixle_compile.parameters import DTYPE_BYTES, head_dim, is_moe_layer
 from mixle_compile.plan.vocabulary import (
@@ -353,6 +354,42 @@ def _renamed(u: PlannedUpdate, old: str, new: str, stage: int, layer: int | None
     )
 
 
+def _recomputed(block: list[PlannedUpdate], engine: EngineProfile, checkpointing: str) -> list[PlannedUpdate]:
+    """The forward collectives of ``block`` (one transformer block's updates) that activation
+    checkpointing issues again in the backward (:meth:`EngineProfile.recomputes`), as backward
+    updates of their own (``layers.0.attn:in/recompute``): the same group, bytes and count."""
+    out = []
+    for u in block:
+        if u.phase != "forward":
+            continue
+        uid = UpdateId.parse(u.update.node_id)
+        if not engine.recomputes(checkpointing, u.update.collective.value, in_attention_core=uid.kind == "kv"):
+            continue
+        d = u.update
+        update = DistributedUpdate(
+            node_id=str(uid.recomputed()),
+            payload=d.payload,
+            collective=d.collective,
+            mesh_axes=d.mesh_axes,
+            state_layout=d.state_layout,
+            notes=(f"activation checkpointing ({checkpointing}): the recomputed forward issues {uid} again",),
+            contract_exact=d.contract_exact,
+        )
+        out.append(
+            PlannedUpdate(
+                update,
+                u.tensor,
+                "backward",
+                u.stage,
+                u.payload_bytes,
+                u.group_size,
+                u.occurrences_per_step,
+                layer=u.layer,
+            )
+        )
+    return out
+
+
 def _block_updates(out: list[PlannedUpdate], start: int, block: int) -> list[PlannedUpdate]:
     """The updates of block ``block`` listed from ``start`` on (they end where another block's
     or the pipeline's begin)."""
@@ -442,6 +479,7 @@ def activation_updates(
             )
         )
 
+    engine = engine_profile(spec.backend)
     last = plan.pp - 1
     if plan.tp > 1:
         if sp:
@@ -652,6 +690,8 @@ def activation_updates(
                     payload=PayloadKind.TOKEN,
                     layer=i,
                 )
+        if t.activation_checkpointing != "none":
+            out.extend(_recomputed(out[first_of[moe][1] :], engine, t.activation_checkpointing))
     if plan.pp > 1:
         boundary_bytes = hidden_bytes // (plan.tp if sp else 1)
         # Virtual stage w hands over to w + 1 on stage (w + 1) % pp: with interleaving the last stage

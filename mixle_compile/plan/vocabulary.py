@@ -233,6 +233,9 @@ _TRANSFER = re.compile(r"stage\.(\d+)->(\d+)")
 
 #: The step of an activation update's backward conjugate (``layers.0.mlp:out/grad``).
 BACKWARD = "grad"
+#: The step of an activation collective that activation checkpointing issues again in the backward
+#: (``layers.0.attn:in/recompute``).
+RECOMPUTE = "recompute"
 #: The kinds of a parameter's own updates.
 GRADIENT = "grad"
 PARAMETER = "param"
@@ -303,6 +306,10 @@ class UpdateId:
         return str(forward), str(forward.backward())
 
     # Readers.
+
+    def recomputed(self) -> UpdateId:
+        """A forward activation collective as the recomputed forward issues it again."""
+        return replace(self, step=RECOMPUTE)
 
     def backward(self) -> UpdateId:
         """The backward conjugate of a forward activation update."""
