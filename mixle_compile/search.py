@@ -674,6 +674,11 @@ class _Pricer:
                 updates = updates + self._activations(v)
             where = {p.name: self._where(p) for p in placed}
             model = self._reduced().model
+            # Under async tensor parallelism each tp activation collective hides inside the matmuls it
+            # is fused with (step_time.fused_matmul_flops): entries are kept apart by those matmuls.
+            overlap = bool(self.spec_data["training"].get("async_tensor_parallel")) and v["tp"] > 1
+            training = {"activation_checkpointing": v["activation_checkpointing"]}
+            tokens = self.req.spec.training.seq_len / v["cp"]  # one sample's rows
             hit = {}
             for u, grows in updates:
                 axes = tuple(str(getattr(a, "value", a)) for a in u.update.mesh_axes)
@@ -684,8 +689,16 @@ class _Pricer:
                 # per occurrence for gradients and gathers (scaled by what they grow with); activations
                 # carry their per-micro-step count (virtual boundaries) already
                 nbytes = u.bytes_per_rank_per_step / (u.occurrences_per_step if grows != "tokens" else 1)
-                entry = slot.setdefault((axes, u.update.payload.value), [0.0, {}])
+                fused = None
+                if overlap and axes == ("tp",) and u.update.payload.value == "activation":
+                    flops, linear = step_time.fused_matmul_flops(
+                        u.update.node_id, self.spec_data["model"], training, self.engine.name, v["tp"]
+                    )
+                    fused = (flops, linear) if flops else None
+                entry = slot.setdefault((axes, u.update.payload.value, fused), [0.0, {}, 0.0])
                 entry[0] += nbytes
+                if fused is not None:
+                    entry[2] += u.occurrences_per_step * tokens * fused[0]
                 # calls per occurrence, or (activations) per micro-step of the one-micro-step plan
                 call = (u.update.collective.value, u.group_size)
                 entry[1][call] = entry[1].get(call, 0) + (u.occurrences_per_step if grows == "tokens" else 1)
@@ -720,11 +733,12 @@ class _Pricer:
             for grows, entries in by_growth.items():
                 factor = scale[grows] * share
                 calls_factor = calls_scale[grows] * share
-                for key, (nbytes, calls) in entries.items():
+                for key, (nbytes, calls, flops) in entries.items():
                     total = out.get(key)
                     if total is None:
-                        total = out[key] = [0.0, 0.0]
+                        total = out[key] = [0.0, 0.0, 0.0]
                     total[0] += nbytes * factor
+                    total[2] += flops * factor
                     for call, n in calls:
                         wait = self._latencies.get((key, call, mesh_key))
                         if wait is None:
@@ -733,7 +747,10 @@ class _Pricer:
                                 degrees["world_size"] = self.req.devices
                             wait = self.latency(key[0], key[1], call, degrees, mesh_key)
                         total[1] += n * calls_factor * wait
-        return [(axes, payload, nbytes, wait) for (axes, payload), (nbytes, wait) in out.items()]
+        return [
+            (axes, payload, nbytes, wait, None if fused is None else (flops, fused[1]))
+            for (axes, payload, fused), (nbytes, wait, flops) in out.items()
+        ]
 
     def _state_bytes(self, v: dict, dense: int, moe: int, first: bool, last: bool) -> float:
         """Parameters, gradients and optimizer state a rank of the stage holds, as the lowering prices them."""
@@ -801,7 +818,7 @@ class _Pricer:
                 # The tokens' compute is the same for every micro-batch split; each micro-step also
                 # reads the weights once, so the split with the fewest micro-steps costs least.
                 values = mesh.values(batch, sc, least, False)
-                layers, (per_sample, fixed, _), _ = self._stage_parts(values)
+                layers, (per_sample, fixed, _), st = self._stage_parts(values)
                 per_stage = [batch["micro_batch_size"] * a + f for a, f in zip(per_sample, fixed, strict=True)]
                 for split in mesh.batches:
                     steps = split["microbatches"] * split["gradient_accumulation_steps"]
@@ -810,9 +827,11 @@ class _Pricer:
                 busiest = max(range(len(per_stage)), key=per_stage.__getitem__)
                 count = layers[busiest]
                 moe = self._moe_on(count)
+                # what async tensor parallelism cannot hide of it (step_time.combine) counts
+                tp = mesh.degrees["tp"]
                 seconds = sum(
-                    nbytes / self.link(axes, degrees)
-                    for axes, payload, nbytes, _ in self._traffic(
+                    max(0.0, nbytes / self.link(axes, degrees) - _fused_seconds(st, fused) * (tp - 1) / tp)
+                    for axes, payload, nbytes, _, fused in self._traffic(
                         values, count - moe, moe, busiest == 0, busiest == len(layers) - 1, activations_only=True
                     )
                     if axes in (("tp",), ("ep",))
@@ -909,18 +928,18 @@ class _Pricer:
 
         mesh_key = tuple(degrees[k] for k in MESH_KEY)
 
-        def add(axes: tuple[str, ...], payload: str, nbytes: float, waited: float) -> None:
+        def add(axes: tuple[str, ...], payload: str, nbytes: float, waited: float, fused=None) -> None:
             if nbytes > 0:
-                traffic.append((axes, payload, nbytes / self.link(axes, degrees) + waited))
+                traffic.append((axes, payload, nbytes / self.link(axes, degrees) + waited, _fused_seconds(st, fused)))
 
         moe_layers = self._moe_on(count)
         # Per-layer activation collectives (tp, cp, ep) and the data-parallel gradients and parameter
         # gathers: the lowering's own updates (lower/updates.py) for the model cut to two layers,
         # scaled to the stage's layers, micro-batch and micro-steps.
-        for axes, payload, nbytes, waited in self._traffic(
+        for axes, payload, nbytes, waited, fused in self._traffic(
             v, count - moe_layers, moe_layers, busiest == 0, busiest == pp - 1
         ):
-            add(axes, payload, nbytes, waited)
+            add(axes, payload, nbytes, waited, fused)
         if pp > 1:
             # Pipeline sends between stages (lower/updates.py activation_updates): the stage's output
             # forward and its gradient backward, per micro-batch and virtual boundary.
@@ -949,11 +968,20 @@ class _Pricer:
             degrees,
             micro_steps * per_stage[busiest],
             micro_steps * attention_of[busiest],
-            [(list(a), p, sec) for a, p, sec in traffic],
+            [(list(a), p, sec, behind) for a, p, sec, behind in traffic],
             bubble,
             state,
             self.flops_per_token,
         )
+
+
+def _fused_seconds(st, fused: tuple[float, bool] | None) -> float:
+    """Seconds of the matmuls a tp collective is fused with under async tensor parallelism, from their
+    FLOPs and whether they run at the linear layers' peak (:func:`step_time.fused_matmul_flops`)."""
+    if fused is None:
+        return 0.0
+    flops, linear = fused
+    return flops / ((st.linear_peak if linear else st.other_peak) * st.efficiency)
 
 
 def _site_kind(site: str, model) -> str:

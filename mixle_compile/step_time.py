@@ -92,9 +92,9 @@ BASE_LATENCY = 8.4e-6
 EFFICIENCY: dict[tuple[str, str], float] = {
     ("a100", "fp16"): 0.631,  # SC21 Table 1 (Megatron-LM, 10 rows)
     ("h100", "fp8"): 0.621,  # Megatron-Bridge 25.11 (3 rows)
-    ("h100-96gb", "bf16"): 0.424,  # torchtitan Dec 2024, Tables 1 and 3, async TP bf16 (8 rows)
-    ("h100-96gb", "fp8"): 0.364,  # torchtitan Dec 2024, Tables 1-6, async TP fp8 (16 rows)
-    ("h200", "fp8"): 0.457,  # torchtitan, Trainy H200 (2 rows)
+    ("h100-96gb", "bf16"): 0.422,  # torchtitan Dec 2024, Tables 1 and 3, async TP bf16 (8 rows)
+    ("h100-96gb", "fp8"): 0.366,  # torchtitan Dec 2024, Tables 1-6, async TP fp8 (16 rows)
+    ("h200", "fp8"): 0.453,  # torchtitan, Trainy H200 (2 rows)
 }
 #: For a device kind or precision without a calibrated figure: the kind's 16-bit figure (same tensor
 #: cores; fp8 falls back to it too), else this.
@@ -103,8 +103,9 @@ DEFAULT_EFFICIENCY = 0.45
 #: forward and backward reach a lower share of the peak than large GEMMs).
 ATTENTION_EFFICIENCY = 0.5
 #: Bytes element-wise operations move per activation element (in the training dtype's bytes) per
-#: pass, eager and under torch.compile, which fuses chains of them into one read and one write.
-ELEMENTWISE_BYTES = {"eager": 2.0, "compiled": 1.0}
+#: pass, eager and under torch.compile, which fuses chains of them (and some into the matmuls'
+#: prologues and epilogues); both fitted with the efficiencies (benchmarks/bench_step_time.py --fit).
+ELEMENTWISE_BYTES = {"eager": 2.0, "compiled": 0.5}
 #: Bytes per attention score and pass under eager attention: QK^T written, softmax read and written.
 SCORE_BYTES = 6.0
 #: A fused attention kernel's rate by the sequence length of one call, relative to its rate at 16k
@@ -353,6 +354,46 @@ def _gemm_bytes(
     return total
 
 
+def fused_matmul_flops(node_id: str, model: dict, training: dict, backend: str, tp: int) -> tuple[float, bool]:
+    """Forward FLOPs per token, on one tp rank, of the matrix multiplications that async tensor
+    parallelism fuses with the tensor-parallel collective ``node_id`` (torch's micro-pipelined TP,
+    torch/_inductor/fx_passes/micro_pipeline_tp.py: an all-gather with the matmuls that read its
+    output, ``fused_all_gather_matmul``; a matmul with the reduce-scatter of its output,
+    ``fused_matmul_reduce_scatter``), and whether they run at the linear layers' peak (the output
+    head runs at the 16-bit one). The sequence-parallel block's all-gathers feed the q/k/v and the
+    MLP's input projections, its reduce-scatters take the output projections'; backward, the
+    conjugates pair with the same matmuls' input gradients; a checkpointed block's all-gather again
+    with the matmuls the recomputed forward runs (all of them under ``full``; under torchtitan's
+    op-level policy the ones it does not save: k and the gated MLP's w3). Anything else (the
+    embedding's, the loss's) is fused with nothing: 0."""
+    h = model["hidden_size"]
+    heads = model["num_heads"]
+    head = model.get("head_dim") or h // heads
+    d_q, d_kv = heads * head, (model.get("num_kv_heads") or heads) * head
+    ffn = model["ffn_hidden_size"]
+    gated = model.get("activation", "swiglu") == "swiglu"
+    subject, _, rest = node_id.rpartition(":")
+    kind, _, step = rest.partition("/")
+    site = subject.rsplit(".", 1)[-1] if subject.startswith("layers.") else subject
+    matmuls = {
+        ("attn", "in"): h * (d_q + 2 * d_kv),
+        ("attn", "out"): d_q * h,
+        ("mlp", "in"): h * (2 if gated else 1) * ffn,
+        ("mlp", "out"): ffn * h,
+    }
+    if site == "lm_head" and kind == "in":
+        return 2 * h * model["vocab_size"] / tp, False
+    found = matmuls.get((site, kind))
+    if found is None:
+        return 0.0, True
+    if step == "recompute" and training.get("activation_checkpointing") != "full":
+        if backend != "torchtitan" or kind != "in":
+            return 0.0, True
+        # torchtitan's op-level policy recomputes every second matmul: k of q, k, v; w3 of w1, w3
+        found = h * d_kv if site == "attn" else (h * ffn if gated else 0.0)
+    return 2 * found / tp, True
+
+
 def model_flops_per_token(model: dict, seq: float) -> float:
     """6N + 12 l d_q s: N the parameters in matrix multiplications (experts as routed, the output
     head, not the embedding lookup), the attention term non-causal, as torchtitan and PaLM count."""
@@ -567,6 +608,8 @@ def predict(
     micro_steps = degrees["microbatches"] * degrees["gradient_accumulation_steps"]
     per_stage, attention_of = _stage_compute(st, tp, degrees["cp"], stage_layers)
     busiest = max(range(len(per_stage)), key=per_stage.__getitem__)
+    # the rows of a micro-step's tensor-parallel matmuls: its tokens (the sequence gathered)
+    tokens = training["micro_batch_size"] * training["seq_len"] / degrees["cp"]
 
     traffic = []
     for u in updates:
@@ -582,7 +625,12 @@ def predict(
             seconds /= tp
         seconds /= _link_bandwidth(u["mesh_axes"], degrees, order, table)
         seconds += u["occurrences_per_step"] * call_latency(u["mesh_axes"], u["payload"], u, degrees, order, table)
-        traffic.append((u["mesh_axes"], u["payload"], seconds))
+        behind = 0.0
+        if u["mesh_axes"] == ["tp"] and u["payload"] == "activation":
+            flops, linear = fused_matmul_flops(u["node_id"], st.model, training, backend, tp)
+            rate = (st.linear_peak if linear else st.other_peak) * st.efficiency
+            behind = u["occurrences_per_step"] * tokens * flops / rate
+        traffic.append((u["mesh_axes"], u["payload"], seconds, behind))
     state = memory[busiest] if memory else {}
     state_bytes = sum(state.get(k, 0) for k in ("parameters", "gradients", "optimizer_state"))
     return combine(
@@ -616,9 +664,9 @@ def combine(
     hidden: dict[str, float] = {}
     data_seconds = 0.0
     context_seconds = 0.0
-    tensor_seconds = 0.0
-    overlap_tp = bool(st.training.get("async_tensor_parallel")) and degrees["tp"] > 1
-    for axes, payload, seconds in traffic:
+    tp = degrees["tp"]
+    overlap_tp = bool(st.training.get("async_tensor_parallel")) and tp > 1
+    for axes, payload, seconds, *fused in traffic:
         key = "+".join(axes)
         if payload in ("gradient", "parameter") and set(axes) <= _DATA_AXES | {"cp"}:
             data_seconds += seconds
@@ -626,19 +674,16 @@ def combine(
         elif list(axes) == ["cp"]:
             context_seconds += seconds
             hidden[key] = hidden.get(key, 0.0) + seconds
-        elif overlap_tp and list(axes) == ["tp"]:
-            tensor_seconds += seconds
+        elif overlap_tp and list(axes) == ["tp"] and fused and fused[0] > 0:
+            # Async tensor parallelism splits the collective into tp chunks and multiplies one chunk
+            # while the next arrives, inside the matmuls it is fused with (``fused``: their seconds):
+            # all but the first chunk's share of them can hide it, and only its excess is exposed.
+            shown = min(seconds, fused[0] * (tp - 1) / tp)
+            hidden[key] = hidden.get(key, 0.0) + shown
+            if seconds > shown:
+                exposed[key] = exposed.get(key, 0.0) + seconds - shown
         else:
             exposed[key] = exposed.get(key, 0.0) + seconds
-    if tensor_seconds:
-        # Async tensor parallelism splits each all-gather (reduce-scatter) into tp chunks and multiplies
-        # one chunk while the next arrives: all but the first chunk's matmuls can hide it, so what the
-        # matmuls beside them (the step's compute less attention) take (tp - 1) / tp of is hidden.
-        behind = (compute - attention_share) * (degrees["tp"] - 1) / degrees["tp"]
-        shown = min(tensor_seconds, behind)
-        hidden["tp"] = hidden.get("tp", 0.0) + shown
-        if tensor_seconds > shown:
-            exposed["tp"] = exposed.get("tp", 0.0) + tensor_seconds - shown
     # What compute cannot hide is exposed: data-parallel traffic behind the whole step's compute,
     # context-parallel traffic behind attention.
     if data_seconds > compute:
@@ -704,6 +749,7 @@ def predict_lowered(spec: Any, lowered: Any) -> StepTime:
             "occurrences_per_step": u.occurrences_per_step * lowered.count(u.layer),
             "payload": u.update.payload.value,
             "mesh_axes": [str(getattr(a, "value", a)) for a in u.update.mesh_axes],
+            "node_id": u.update.node_id,
         }
         for u in lowered.updates
     ]

@@ -400,3 +400,29 @@ def test_plans_keep_the_allocator_reserve_unless_tight(tmp_path):
     assert any(warned(p) for p in tight.plans)  # the fastest, or one that ties with it
     assert tight.plans[0].step.seconds <= kept.plans[0].step.seconds
     assert kept.rejections["R002"] > 0
+
+
+@pytest.mark.parametrize("checkpointing", ["selective", "full"])
+def test_under_async_tensor_parallelism_the_search_prices_each_collective_as_the_plan_does(tmp_path, checkpointing):
+    # Each tp collective hides inside the matmuls it is fused with, the recomputed ones included: the
+    # search's summed pricing is the lowered plan's, which `explain` shows.
+    text = spec_text(
+        DENSE,
+        16,
+        {"name": "torchtitan", "version": "0.2"},
+        async_tensor_parallel=True,
+        sequence_parallel=True,
+        compile=True,
+        activation_checkpointing=checkpointing,
+        mesh={"tp": 4, **dict.fromkeys(("dp_replicate", "dp_shard", "pp", "microbatches"), "auto")},
+    )
+    outcome = searched(tmp_path, text, top=20)
+    with_tp = [p for p in outcome.plans if p.values["tp"] > 1]
+    assert with_tp, [p.mesh_text() for p in outcome.plans]
+    for plan in with_tp:
+        loaded = load_spec_text(yaml.safe_dump(plan.spec_data), "plan.yaml")
+        exact = predict_lowered(loaded.spec, lower(loaded.spec, schedule=False))
+        assert plan.step.seconds == pytest.approx(exact.seconds, rel=0.02)
+        assert plan.step.exposed_communication.get("tp", 0) == pytest.approx(
+            exact.exposed_communication.get("tp", 0), rel=0.02, abs=1e-6
+        )
