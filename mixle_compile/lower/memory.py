@@ -347,7 +347,7 @@ def traffic(updates: tuple[PlannedUpdate, ...], runs: LayerRuns = EACH_BLOCK) ->
     figure does not depend on the order of the updates or on how they are counted."""
     entering: dict[tuple[int, tuple[str, ...], str, int], int] = {}
     for u in updates:
-        key = (u.stage, tuple(u.update.mesh_axes), u.update.collective.value, u.group_size)
+        key = (u.stage, tuple(u.update.mesh_axes), u.update.collective._value_, u.group_size)
         times = u.occurrences_per_step * runs.count(u.layer)
         entering[key] = entering.get(key, 0) + u.payload_bytes * times
     totals: dict[tuple[int, tuple[str, ...], str], Fraction] = {}

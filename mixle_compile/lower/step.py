@@ -78,7 +78,7 @@ def step_schedule(
         return [
             (
                 copy_op(
-                    template(u.update.mesh_axes, u.update.collective.value, stage),
+                    template(u.update.mesh_axes, u.update.collective._value_, stage),
                     name=u.update.node_id,
                     bytes=u.payload_bytes,
                 ),

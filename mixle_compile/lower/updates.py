@@ -62,7 +62,8 @@ class PlannedUpdate:
     @property
     def bytes_per_rank_per_step(self) -> float:
         """Ring cost per rank (:func:`mixle_compile.step_time.ring_bytes`) times the occurrences per step."""
-        return ring_bytes(self.update.collective.value, self.group_size, self.payload_bytes) * self.occurrences_per_step
+        bytes_in = ring_bytes(self.update.collective._value_, self.group_size, self.payload_bytes)
+        return bytes_in * self.occurrences_per_step
 
 
 def group_size(axes: tuple[str, ...], plan: ParallelPlan) -> int:
@@ -345,13 +346,19 @@ def _renamed(u: PlannedUpdate, old: str, new: str, stage: int, layer: int | None
     (``old:grad/scatter`` -> ``new:grad/scatter``; ``layers.3.`` -> ``layers.9.``), the rest as
     derived. The update was validated when it was made and a new subject keeps its id valid, so the
     copy skips DistributedUpdate's validation, which dominates planning many parameters."""
-    update = object.__new__(DistributedUpdate)
-    update.__dict__.update(u.update.__dict__)
-    update.__dict__["node_id"] = new + u.update.node_id[len(old) :]
-    tensor = new + u.tensor[len(old) :]
-    return PlannedUpdate(
-        update, tensor, u.phase, stage, u.payload_bytes, u.group_size, u.occurrences_per_step, u.gradient_divisor, layer
-    )
+    fields = u.update.__dict__.copy()
+    fields["node_id"] = new + u.update.node_id[len(old) :]
+    update = _new(DistributedUpdate)
+    _set(update, "__dict__", fields)  # frozen dataclasses: their own __setattr__ refuses
+    planned = u.__dict__.copy()
+    planned.update(update=update, tensor=new + u.tensor[len(old) :], stage=stage, layer=layer)
+    copy = _new(PlannedUpdate)
+    _set(copy, "__dict__", planned)
+    return copy
+
+
+_new = object.__new__
+_set = object.__setattr__
 
 
 def _recomputed(block: list[PlannedUpdate], engine: EngineProfile, checkpointing: str) -> list[PlannedUpdate]:

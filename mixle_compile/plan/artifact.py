@@ -132,7 +132,7 @@ def _parameter_entry(p) -> dict:
         "layer": p.parameter.layer,
         "local_shape": list(p.local_shape),
         "logical_id": layout.logical_id,
-        "optimizer_state": layout.optimizer_state.value,
+        "optimizer_state": layout.optimizer_state._value_,
         "owner": p.owner,
         "placements": [list(pair) for pair in layout.placements],  # the plan keeps pairs
         "role": p.parameter.role,
@@ -146,7 +146,7 @@ def _update_entry(u) -> dict:
     string, and where it runs), its keys in canonical order (see :data:`PRESORTED`)."""
     d = u.update
     return {
-        "collective": d.collective.value,
+        "collective": d.collective._value_,
         "contract_exact": d.contract_exact,
         "determinism_observed": d.determinism_observed,
         "exact": d.exact,
@@ -160,11 +160,11 @@ def _update_entry(u) -> dict:
         "numerics_evidence_id": d.numerics_evidence_id,
         "numerics_sample_count": d.numerics_sample_count,
         "occurrences_per_step": u.occurrences_per_step,
-        "payload": d.payload.value,
+        "payload": d.payload._value_,
         "payload_bytes": u.payload_bytes,
         "phase": u.phase,
         "stage": u.stage,
-        "state_layout": d.state_layout.value,
+        "state_layout": d.state_layout._value_,
         "tensor": u.tensor,
     }
 

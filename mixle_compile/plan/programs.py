@@ -126,7 +126,7 @@ def op_dict(op: Op) -> dict[str, Any]:
         "bytes": op.bytes,
         "chunk": op.chunk,
         "group": op.group,
-        "kind": op.kind.value,
+        "kind": op.kind._value_,
         "microbatch": op.microbatch,
         "name": op.name,
         "peer": op.peer,
