@@ -622,10 +622,7 @@ class _Pricer:
     def _activations(self, v: dict) -> list:
         """The activation updates alone (they depend on tp, cp, ep, etp, sequence parallelism and what
         checkpointing issues again only)."""
-        akey = (
-            "activations",
-            *(v[k] for k in ("tp", "cp", "ep", "etp", "sequence_parallel", "activation_checkpointing")),
-        )
+        akey = ("activations", *(v[k] for k in ("tp", "cp", "ep", "etp", "sequence_parallel")), self._recomputing(v))
         if akey not in self._grad_cache:
             from mixle_compile.contracts import ParallelPlan
             from mixle_compile.lower.updates import activation_updates
@@ -657,21 +654,38 @@ class _Pricer:
             ]
         return self._grad_cache[akey]
 
-    def _summary(self, v: dict, activations_only: bool) -> dict:
-        """The updates' bytes per step summed by (layer kind, what they grow with, axes, payload)."""
+    def _recomputing(self, v: dict) -> tuple[bool, ...]:
+        """What checkpointing issues again of the collectives this mesh has (EngineProfile.recomputes):
+        the activation updates' cache key, so that modes that issue the same share them."""
+        combos = []
+        if v["tp"] > 1:
+            combos += [("all_gather", False), ("reduce_scatter", False), ("all_reduce", False)]
+        if v["cp"] > 1:
+            combos.append(("all_gather", True))
+        if v["ep"] > 1:
+            combos.append(("all_to_all", False))
+        mode = v["activation_checkpointing"]
+        return tuple(self.engine.recomputes(mode, c, in_attention_core=core) for c, core in combos)
+
+    def _summary(self, v: dict, activations: bool) -> dict:
+        """The activation updates' (else the parameters' updates') bytes per step summed by (layer
+        kind, what they grow with, axes, payload)."""
         key = (
             "summary",
-            activations_only,
-            *(v[k] for k in ("tp", "cp", "ep", "etp", "sequence_parallel", "activation_checkpointing")),
-            *(() if activations_only else (v["dp_replicate"], v["dp_shard"], v["distributed_optimizer"])),
+            activations,
+            *(v[k] for k in ("tp", "cp", "ep", "etp", "sequence_parallel")),
+            *(
+                (self._recomputing(v),)
+                if activations
+                else (v["dp_replicate"], v["dp_shard"], v["distributed_optimizer"])
+            ),
         )
         hit = self._grad_cache.get(key)
         if hit is None:
-            if activations_only:
+            if activations:
                 placed, updates = (), self._activations(v)
             else:
                 placed, updates, _ = self._updates(v)
-                updates = updates + self._activations(v)
             where = {p.name: self._where(p) for p in placed}
             model = self._reduced().model
             # Under async tensor parallelism each tp activation collective hides inside the matmuls it
@@ -712,7 +726,7 @@ class _Pricer:
     def _traffic(self, v: dict, dense: int, moe: int, first: bool, last: bool, activations_only: bool = False) -> list:
         """Bytes per step each rank of a stage with these layers sends, by axes and payload (no pp),
         and the seconds the calls that carry them wait (:meth:`latency`)."""
-        summary = self._summary(v, activations_only)
+        parts = [self._summary(v, True)] + ([] if activations_only else [self._summary(v, False)])
         kinds = self._kind_counts()
         times = {"dense": dense, "moe": moe, "first": int(first), "last": int(last)}
         micro = v["microbatches"] * v["gradient_accumulation_steps"]
@@ -726,7 +740,7 @@ class _Pricer:
         mesh_key = tuple(v[k] for k in MESH_KEY)
         degrees = None
         out: dict[tuple, list] = {}
-        for kind, by_growth in summary.items():
+        for kind, by_growth in (item for summary in parts for item in summary.items()):
             if not times[kind] or not kinds[kind]:
                 continue
             share = times[kind] / kinds[kind]

@@ -475,7 +475,8 @@ def check_schedule(
     ranks and ops involved. With ``buffered_sends`` a send completes when it is
     posted (its wait is deferred to the end of the step, as torch's
     ``_PipelineScheduleRuntime`` does); receives still wait for their send.
-    ``observe`` is called with the simulation's :class:`SimulationState` before every rank's turn.
+    ``observe`` is called with the simulation's :class:`SimulationState` once per round of turns,
+    before the first checked rank's turn.
     """
     world = _prepare(programs, grid, exhaustive_limit)
     problems: list[str] = []
@@ -809,6 +810,7 @@ def _simulate(
     # Watched, a rank's turn ends after every step, so that the ranks advance together and the
     # observer sees the steady state (whether the step finishes does not depend on the turns).
     step_turns = observe is not None
+    first = ranks[0] if ranks else None  # the observer looks once per round, at the first rank's turn
     lengths = {r: len(steps[r]) for r in ranks}
 
     def complete(rank: int) -> None:
@@ -826,7 +828,7 @@ def _simulate(
         queue.append(rank)
 
     while queue:
-        if state is not None:
+        if state is not None and queue[0] == first:
             observe(state)
         rank = queue.popleft()
         program = programs[rank]
