@@ -844,7 +844,7 @@ class _Pricer:
                 # what async tensor parallelism cannot hide of it (step_time.combine) counts
                 tp = mesh.degrees["tp"]
                 seconds = sum(
-                    max(0.0, nbytes / self.link(axes, degrees) - _fused_seconds(st, fused) * (tp - 1) / tp)
+                    max(0.0, nbytes / self.link(axes, degrees) - step_time.fused_seconds(st, fused) * (tp - 1) / tp)
                     for axes, payload, nbytes, _, fused in self._traffic(
                         values, count - moe, moe, busiest == 0, busiest == len(layers) - 1, activations_only=True
                     )
@@ -944,7 +944,9 @@ class _Pricer:
 
         def add(axes: tuple[str, ...], payload: str, nbytes: float, waited: float, fused=None) -> None:
             if nbytes > 0:
-                traffic.append((axes, payload, nbytes / self.link(axes, degrees) + waited, _fused_seconds(st, fused)))
+                traffic.append(
+                    (axes, payload, nbytes / self.link(axes, degrees) + waited, step_time.fused_seconds(st, fused))
+                )
 
         moe_layers = self._moe_on(count)
         # Per-layer activation collectives (tp, cp, ep) and the data-parallel gradients and parameter
@@ -987,15 +989,6 @@ class _Pricer:
             state,
             self.flops_per_token,
         )
-
-
-def _fused_seconds(st, fused: tuple[float, bool] | None) -> float:
-    """Seconds of the matmuls a tp collective is fused with under async tensor parallelism, from their
-    FLOPs and whether they run at the linear layers' peak (:func:`step_time.fused_matmul_flops`)."""
-    if fused is None:
-        return 0.0
-    flops, linear = fused
-    return flops / ((st.linear_peak if linear else st.other_peak) * st.efficiency)
 
 
 def _site_kind(site: str, model) -> str:

@@ -30,7 +30,7 @@ from functools import cache
 from typing import Any
 
 from mixle_compile.parameters import moe_layer_at, moe_layers_in
-from mixle_compile.plan.vocabulary import DATA_PARALLEL_AXES, EXPERT_DATA
+from mixle_compile.plan.vocabulary import DATA_PARALLEL_AXES, EXPERT_DATA, RECOMPUTE, UpdateId
 from mixle_compile.spec.models import compiled_components
 
 #: Dense peak FLOP/s per precision, memory bandwidth, links, per device kind (vendor datasheets:
@@ -294,13 +294,23 @@ def _peak(kind: str, throughput: float | None, table: dict, precision: str) -> t
     return linear, peaks["bf16"] if precision == "fp8" else linear
 
 
-def _layer_flops(model: dict, training: dict, seq: float, backend: str, moe_layer: bool, tp: int = 1) -> _Layer:
+def _widths(model: dict) -> tuple[int, int, int, int]:
+    """(hidden, query width, key/value width, matrices of the MLP: 3 gated, else 2)."""
     h = model["hidden_size"]
     heads = model["num_heads"]
     head_dim = model.get("head_dim") or h // heads
-    d_q = heads * head_dim
-    d_kv = (model.get("num_kv_heads") or heads) * head_dim
     matrices = 3 if model.get("activation", "swiglu") == "swiglu" else 2
+    return h, heads * head_dim, (model.get("num_kv_heads") or heads) * head_dim, matrices
+
+
+def _op_level_recomputed(h: int, d_q: int, d_kv: int, ffn: float, matrices: int) -> dict[str, float]:
+    """Forward FLOPs per token of the matmuls torchtitan's op-level policy recomputes: every second
+    one of q, k, v, o, w1, w3, w2 (k, o and, with a gated MLP, w3)."""
+    return {"k": 2 * h * d_kv, "o": 2 * d_q * h, "w3": 2 * h * ffn if matrices == 3 else 0.0}
+
+
+def _layer_flops(model: dict, training: dict, seq: float, backend: str, moe_layer: bool, tp: int = 1) -> _Layer:
+    h, d_q, d_kv, matrices = _widths(model)
     projections = 2 * h * (d_q + 2 * d_kv) + 2 * d_q * h
     if moe_layer:
         ffn = model.get("moe_ffn_hidden_size") or model["ffn_hidden_size"]
@@ -314,7 +324,7 @@ def _layer_flops(model: dict, training: dict, seq: float, backend: str, moe_laye
     # state and the q, k, v and MLP widths; eager attention also writes and normalises its scores.
     sp = training.get("sequence_parallel", False)
     width = (h / tp if sp or tp == 1 else h) + (d_q + 2 * d_kv + (matrices - 1) * ffn) / tp
-    scores = heads / tp * seq if eager else 0.0
+    scores = model["num_heads"] / tp * seq if eager else 0.0
     checkpointing = training.get("activation_checkpointing", "none")
     gemms = [(1.0, h, (d_q + 2 * d_kv) / tp, True), (1.0, d_q / tp, h, True)]
     if moe_layer:
@@ -332,7 +342,7 @@ def _layer_flops(model: dict, training: dict, seq: float, backend: str, moe_laye
     if checkpointing == "selective" and backend == "torchtitan":
         # torchtitan's op-level policy recomputes the even-numbered matmuls (k, o and, with a
         # gated MLP, w3) and saves attention's output.
-        again = 2 * h * d_kv + 2 * d_q * h + (2 * h * ffn if matrices == 3 else 0)
+        again = sum(_op_level_recomputed(h, d_q, d_kv, ffn, matrices).values())
         return _Layer(projections + mlp, attention, again, 0.0, gemm_passes=3 + again / (projections + mlp), **shape)
     if checkpointing == "selective":
         return _Layer(projections + mlp, attention, 0.0, attention, **shape)  # the attention core is recomputed
@@ -366,32 +376,37 @@ def fused_matmul_flops(node_id: str, model: dict, training: dict, backend: str, 
     with the matmuls the recomputed forward runs (all of them under ``full``; under torchtitan's
     op-level policy the ones it does not save: k and the gated MLP's w3). Anything else (the
     embedding's, the loss's) is fused with nothing: 0."""
-    h = model["hidden_size"]
-    heads = model["num_heads"]
-    head = model.get("head_dim") or h // heads
-    d_q, d_kv = heads * head, (model.get("num_kv_heads") or heads) * head
+    h, d_q, d_kv, matrices = _widths(model)
     ffn = model["ffn_hidden_size"]
-    gated = model.get("activation", "swiglu") == "swiglu"
-    subject, _, rest = node_id.rpartition(":")
-    kind, _, step = rest.partition("/")
-    site = subject.rsplit(".", 1)[-1] if subject.startswith("layers.") else subject
+    uid = UpdateId.parse(node_id)
+    site = uid.subject.rsplit(".", 1)[-1] if uid.subject.startswith("layers.") else uid.subject
+    if site == "lm_head" and uid.kind == "in":
+        return 2 * h * model["vocab_size"] / tp, False
     matmuls = {
         ("attn", "in"): h * (d_q + 2 * d_kv),
         ("attn", "out"): d_q * h,
-        ("mlp", "in"): h * (2 if gated else 1) * ffn,
+        ("mlp", "in"): h * (matrices - 1) * ffn,
         ("mlp", "out"): ffn * h,
     }
-    if site == "lm_head" and kind == "in":
-        return 2 * h * model["vocab_size"] / tp, False
-    found = matmuls.get((site, kind))
+    found = matmuls.get((site, uid.kind))
     if found is None:
         return 0.0, True
-    if step == "recompute" and training.get("activation_checkpointing") != "full":
-        if backend != "torchtitan" or kind != "in":
+    if uid.step == RECOMPUTE and training.get("activation_checkpointing") != "full":
+        if backend != "torchtitan" or uid.kind != "in":
             return 0.0, True
-        # torchtitan's op-level policy recomputes every second matmul: k of q, k, v; w3 of w1, w3
-        found = h * d_kv if site == "attn" else (h * ffn if gated else 0.0)
+        # the all-gather's output feeds k (of q, k, v) and w3 (of w1, w3) again
+        again = _op_level_recomputed(h, d_q, d_kv, ffn, matrices)
+        return again["k" if site == "attn" else "w3"] / tp, True
     return 2 * found / tp, True
+
+
+def fused_seconds(st: _Setting, fused: tuple[float, bool] | None) -> float:
+    """Seconds of the matmuls a collective is fused with, from ``(their FLOPs, whether they run at
+    the linear layers' rate)`` (else the 16-bit one: the output head); 0 for none."""
+    if fused is None:
+        return 0.0
+    flops, linear = fused
+    return flops / ((st.linear_peak if linear else st.other_peak) * st.efficiency)
 
 
 def model_flops_per_token(model: dict, seq: float) -> float:
@@ -628,8 +643,7 @@ def predict(
         behind = 0.0
         if u["mesh_axes"] == ["tp"] and u["payload"] == "activation":
             flops, linear = fused_matmul_flops(u["node_id"], st.model, training, backend, tp)
-            rate = (st.linear_peak if linear else st.other_peak) * st.efficiency
-            behind = u["occurrences_per_step"] * tokens * flops / rate
+            behind = fused_seconds(st, (u["occurrences_per_step"] * tokens * flops, linear))
         traffic.append((u["mesh_axes"], u["payload"], seconds, behind))
     state = memory[busiest] if memory else {}
     state_bytes = sum(state.get(k, 0) for k in ("parameters", "gradients", "optimizer_state"))
@@ -649,13 +663,14 @@ def combine(
     degrees: dict[str, int],
     compute: float,
     attention_share: float,
-    traffic: list[tuple[list[str], str, float]],
+    traffic: list[tuple[list[str], str, float, float]],
     bubble_fraction: float,
     state_bytes: float,
     flops_per_token: float | None = None,
 ) -> StepTime:
     """A step from its busiest stage's compute over the step (and the attention part of it), its
-    collectives as (mesh axes, payload kind, seconds on their link), the bubble fraction and the
+    collectives as (mesh axes, payload kind, seconds on their link, seconds of the matmuls async
+    tensor parallelism fuses them with: :func:`fused_seconds`, 0 for none), the bubble fraction and the
     bytes of parameters, gradients and optimizer state the optimizer step reads and writes: what
     each engine hides and what stays exposed (the module docstring). ``flops_per_token``: the
     model's :func:`model_flops_per_token`, when the caller has it already."""
@@ -666,7 +681,7 @@ def combine(
     context_seconds = 0.0
     tp = degrees["tp"]
     overlap_tp = bool(st.training.get("async_tensor_parallel")) and tp > 1
-    for axes, payload, seconds, *fused in traffic:
+    for axes, payload, seconds, fused in traffic:
         key = "+".join(axes)
         if payload in ("gradient", "parameter") and set(axes) <= _DATA_AXES | {"cp"}:
             data_seconds += seconds
@@ -674,11 +689,11 @@ def combine(
         elif list(axes) == ["cp"]:
             context_seconds += seconds
             hidden[key] = hidden.get(key, 0.0) + seconds
-        elif overlap_tp and list(axes) == ["tp"] and fused and fused[0] > 0:
+        elif overlap_tp and list(axes) == ["tp"] and fused > 0:
             # Async tensor parallelism splits the collective into tp chunks and multiplies one chunk
             # while the next arrives, inside the matmuls it is fused with (``fused``: their seconds):
             # all but the first chunk's share of them can hide it, and only its excess is exposed.
-            shown = min(seconds, fused[0] * (tp - 1) / tp)
+            shown = min(seconds, fused * (tp - 1) / tp)
             hidden[key] = hidden.get(key, 0.0) + shown
             if seconds > shown:
                 exposed[key] = exposed.get(key, 0.0) + seconds - shown

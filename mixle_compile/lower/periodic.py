@@ -220,7 +220,7 @@ class _Periods:
         base = levels[ranks[0]]
         outstanding = []
         for src, position in state.sent:
-            dst, other = state.partner[(src, position)]
+            dst, other = state.partner[src][position]
             a, b = self._relative(src, position, phase), self._relative(dst, other, phase)
             if a is None or b is None:
                 return

@@ -728,7 +728,8 @@ class SimulationState:
     """What the simulation holds between two ranks' turns, shown to an observer (read only):
     the ranks waiting for a turn, each rank's step (``pc``, an index into ``steps``) and whether it
     has posted it, the ops that met their partner, the buffered sends not yet received, every
-    rank's steps (a kind and the positions of its ops) and each point-to-point op's partner. The
+    rank's steps (a kind and the positions of its ops) and each point-to-point op's partner (per
+    rank, by position: ``partner[rank][position] = (other rank, its position)``). The
     simulation's future depends on nothing else (and on the ops still to come)."""
 
     queue: deque
@@ -737,7 +738,7 @@ class SimulationState:
     matched: dict[tuple[int, int], Any]
     sent: dict[tuple[int, int], Any]
     steps: dict[int, list[tuple[str, list[int]]]]
-    partner: dict[tuple[int, int], tuple[int, int]]
+    partner: dict[int, dict[int, tuple[int, int]]]
 
 
 def _simulate(
@@ -776,14 +777,11 @@ def _simulate(
         step_index[rank] = index
 
     # Partners of point-to-point ops, paired in issue order per channel; per rank, by position.
-    partner: dict[tuple[int, int], tuple[int, int]] = {}
-    partner_at: dict[int, dict[int, tuple[int, int]]] = {rank: {} for rank in ranks}
+    partner: dict[int, dict[int, tuple[int, int]]] = {rank: {} for rank in ranks}
     sends, recvs = _channels(world)
     for (src, dst), out in sends.items():
-        mine, theirs = partner_at[src], partner_at[dst]
+        mine, theirs = partner[src], partner[dst]
         for (send_pos, _), (recv_pos, _) in zip(out, recvs.get((src, dst), []), strict=False):
-            partner[(src, send_pos)] = (dst, recv_pos)
-            partner[(dst, recv_pos)] = (src, send_pos)
             mine[send_pos] = (dst, recv_pos)
             theirs[recv_pos] = (src, send_pos)
 
@@ -869,7 +867,7 @@ def _simulate(
             # A batch of sends and receives.
             if not posted[rank]:
                 posted[rank] = True
-                mine = partner_at[rank]
+                mine = partner[rank]
                 for position in positions:
                     found = mine.get(position)
                     if found is None or (rank, position) in matched:
@@ -944,7 +942,7 @@ def _explain_deadlock(world, stuck, steps, pc, partner, collective_key, members,
                 if (rank, position) in matched:
                     continue
                 op = program[position]
-                other = partner.get((rank, position), (None,))[0]
+                other = partner[rank].get(position, (None,))[0]
                 if other is None:
                     other = grid.rank_at_stage(rank, op.peer)
                     targets.append((None, f"{op.describe()}, which rank {other} never posts"))

@@ -30,6 +30,7 @@ from mixle_compile.contracts import CollectiveKind, DistributedUpdate, ParallelP
 from mixle_compile.engines import EngineProfile, engine_profile
 from mixle_compile.lower.layouts import PlacedParameter, model_parallel_splits
 from mixle_compile.parameters import DTYPE_BYTES, head_dim, is_moe_layer
+from mixle_compile.plan.ops import unchecked_copy
 from mixle_compile.plan.vocabulary import (
     ALL_DATA_AXES,
     EXPERT_DATA,
@@ -346,19 +347,8 @@ def _renamed(u: PlannedUpdate, old: str, new: str, stage: int, layer: int | None
     (``old:grad/scatter`` -> ``new:grad/scatter``; ``layers.3.`` -> ``layers.9.``), the rest as
     derived. The update was validated when it was made and a new subject keeps its id valid, so the
     copy skips DistributedUpdate's validation, which dominates planning many parameters."""
-    fields = u.update.__dict__.copy()
-    fields["node_id"] = new + u.update.node_id[len(old) :]
-    update = _new(DistributedUpdate)
-    _set(update, "__dict__", fields)  # frozen dataclasses: their own __setattr__ refuses
-    planned = u.__dict__.copy()
-    planned.update(update=update, tensor=new + u.tensor[len(old) :], stage=stage, layer=layer)
-    copy = _new(PlannedUpdate)
-    _set(copy, "__dict__", planned)
-    return copy
-
-
-_new = object.__new__
-_set = object.__setattr__
+    update = unchecked_copy(u.update, node_id=new + u.update.node_id[len(old) :])
+    return unchecked_copy(u, update=update, tensor=new + u.tensor[len(old) :], stage=stage, layer=layer)
 
 
 def _recomputed(block: list[PlannedUpdate], engine: EngineProfile, checkpointing: str) -> list[PlannedUpdate]:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-__all__ = ["ACTIVATION", "ACTIVATION_GRAD", "Op", "OpKind", "copy_op", "insert_templates"]
+__all__ = ["ACTIVATION", "ACTIVATION_GRAD", "Op", "OpKind", "copy_op", "insert_templates", "unchecked_copy"]
 
 
 class OpKind(StrEnum):
@@ -107,19 +107,21 @@ class Op:
         return data
 
 
-def copy_op(op: Op, **fields: Any) -> Op:
-    """``op`` with ``fields`` replaced, for copies whose values come from other valid ops (a stage,
-    chunk, micro-batch or batch number already checked): skips Op's validation, which dominates
-    building and expanding long programs."""
-    values = op.__dict__.copy()
+def unchecked_copy(obj: Any, **fields: Any) -> Any:
+    """A frozen dataclass ``obj`` with ``fields`` replaced, without running its validation: for
+    copies whose new values come from values already checked (validation dominates building long
+    programs and planning many parameters)."""
+    values = obj.__dict__.copy()
     values.update(fields)
-    new = _new(Op)
-    _set(new, "__dict__", values)  # a frozen dataclass: its own __setattr__ refuses
+    new = object.__new__(type(obj))
+    object.__setattr__(new, "__dict__", values)  # a frozen dataclass: its own __setattr__ refuses
     return new
 
 
-_new = object.__new__
-_set = object.__setattr__
+def copy_op(op: Op, **fields: Any) -> Op:
+    """``op`` with ``fields`` replaced, for copies whose values come from other valid ops (a stage,
+    chunk, micro-batch or batch number already checked): skips Op's validation."""
+    return unchecked_copy(op, **fields)
 
 
 def _require_count(what: str, value: Any) -> None:
