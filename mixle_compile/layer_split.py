@@ -16,7 +16,12 @@ nothing, which means the engine's own rule:
   give one slot back: 126 layers over 8 stages are ``[15, 16, 16, 16, 16, 16, 16, 15]``.
 * ``megatron``: even; without ``decoder_first_pipeline_num_layers`` / ``_last_`` or a
   ``pipeline_model_parallel_layout`` (which a spec states as a list) ``num_layers`` must divide by
-  ``pp * vpp`` (megatron/core/transformer/transformer_config.py, transformer_block.py).
+  ``pp * vpp`` (megatron/core/transformer/transformer_config.py, transformer_block.py). Its
+  ``account_for_embedding_in_pipeline_split`` / ``account_for_loss_in_pipeline_split`` count the
+  embedding and the loss as one layer each: ``num_layers`` plus those must divide by ``pp * vpp``,
+  and the first (last) virtual stage builds one layer less (``get_num_layers_to_build`` in
+  transformer_block.py, checked in ``TransformerConfig.__post_init__``); a spec states that split
+  as the list :func:`megatron_accounted` gives.
 
 Virtual stage ``c * pp + s`` is chunk ``c`` of stage ``s`` (both engines interleave that way).
 """
@@ -48,6 +53,36 @@ def counts_for(rule: str, num_layers: int, stages: int) -> tuple[int, ...]:
         return tuple(counts)
     q, r = divmod(num_layers, stages)
     return tuple(q + 1 if i < r else q for i in range(stages))
+
+
+#: Megatron's accounted splits, (embedding, loss) each counted as a layer or not, the both-counted first.
+ACCOUNTED = ((True, True), (True, False), (False, True))
+
+
+def megatron_accounted(
+    num_layers: int, pp: int, virtual_stages: int, embedding: bool, loss: bool
+) -> tuple[int, ...] | None:
+    """Megatron's split with the embedding and/or the loss counted as a layer: ``num_layers +
+    embedding + loss`` slots in equal virtual stages, the first virtual stage giving one back for
+    the embedding and the last one for the loss; None where Megatron refuses it (the slots do not
+    divide by ``pp * virtual_stages``, a stage would hold fewer than none, or no pipeline)."""
+    stages = pp * virtual_stages
+    slots = num_layers + embedding + loss
+    if pp < 2 or not (embedding or loss) or slots % stages:
+        return None
+    counts = [slots // stages] * stages
+    counts[0] -= embedding
+    counts[-1] -= loss
+    return tuple(counts) if min(counts) >= 0 else None
+
+
+def megatron_accounting(counts, num_layers: int, pp: int, virtual_stages: int) -> tuple[bool, bool] | None:
+    """Which of Megatron's accounted splits a listed split is, as (embedding, loss), or None."""
+    listed = tuple(int(c) for c in counts)
+    return next(
+        (flags for flags in ACCOUNTED if megatron_accounted(num_layers, pp, virtual_stages, *flags) == listed),
+        None,
+    )
 
 
 @dataclass(frozen=True)

@@ -43,9 +43,11 @@ from typing import Any
 
 from mixle_compile import step_time
 from mixle_compile.diagnostics import Severity
+from mixle_compile.engines import engine_profile
+from mixle_compile.layer_split import ACCOUNTED, megatron_accounted
 from mixle_compile.memory_model import fsdp_shards
 from mixle_compile.plan.vocabulary import DATA_AXES, SHARD_AXES, Axis
-from mixle_compile.spec.kinds import Family
+from mixle_compile.spec.kinds import Engine, Family
 from mixle_compile.spec.models import is_auto
 from mixle_compile.verify.wording import divisors
 
@@ -105,7 +107,10 @@ class Plan:
         return " ".join(f"{k} {self.values[k]}" for k in MESH_FIELDS if k in self.values)
 
     def training_text(self) -> str:
-        return ", ".join(f"{k} {_show(self.values[k])}" for k in TRAINING_FIELDS if k in self.values)
+        shown = [f"{k} {_show(self.values[k])}" for k in TRAINING_FIELDS if k in self.values]
+        if self.values.get("pipeline_layers") is not None:
+            shown.append(f"pipeline_layers {_split_text(self.values['pipeline_layers'])}")
+        return ", ".join(shown)
 
 
 @dataclass
@@ -122,6 +127,17 @@ class Outcome:
 
 def _show(value: Any) -> str:
     return ("true" if value else "false") if isinstance(value, bool) else str(value)
+
+
+def _split_text(counts) -> str:
+    """A layer split with its runs folded: ``[1, 2 x 62, 1]``."""
+    runs: list[list[int]] = []
+    for c in counts:
+        if runs and runs[-1][0] == c:
+            runs[-1][1] += 1
+        else:
+            runs.append([c, 1])
+    return "[" + ", ".join(str(c) if n == 1 else f"{c} x {n}" for c, n in runs) + "]"
 
 
 # --------------------------------------------------------------------------- reading the request
@@ -290,6 +306,7 @@ class Mesh:
             if (
                 other["pipeline_schedule"] == values["pipeline_schedule"]
                 and other["virtual_pipeline_stages"] == values["virtual_pipeline_stages"]
+                and other.get("pipeline_layers") == values.get("pipeline_layers")
                 and values["micro_batch_size"] >= other["micro_batch_size"]
                 and CHECKPOINTING.index(values["activation_checkpointing"])
                 <= CHECKPOINTING.index(other["activation_checkpointing"])
@@ -332,6 +349,8 @@ def enumerate_meshes(req: Request) -> list[Mesh]:
 
     heads = model.num_heads
     experts = model.num_experts or 0
+    # Megatron's accounted splits are searched where the spec leaves the split to the engine.
+    accounted = t.pipeline_layers is None and engine_profile(spec.backend).name == Engine.MEGATRON
     out: list[Mesh] = []
     for tp in choices("tp", [d for d in divisors(W) if heads % d == 0]):
         if W % tp:
@@ -346,7 +365,7 @@ def enumerate_meshes(req: Request) -> list[Mesh]:
                 if gb % dp:
                     continue
                 batches = _batch_choices(choices, gb // dp, pp)
-                schedules = _schedule_choices(choices, pp, model.num_layers)
+                schedules = _schedule_choices(choices, pp, model.num_layers, accounted)
                 if not batches or not schedules:
                     continue
                 for dp_shard in choices("dp_shard", divisors(dp)):
@@ -408,7 +427,9 @@ def _batch_choices(choices, local: int, pp: int) -> list[dict]:
     return sorted(out, key=lambda b: b["micro_batch_size"])
 
 
-def _schedule_choices(choices, pp: int, layers: int) -> list[dict]:
+def _schedule_choices(choices, pp: int, layers: int, accounted: bool = False) -> list[dict]:
+    """Schedules and virtual stages; with ``accounted`` each also with Megatron's splits that count the
+    embedding and/or the loss as a layer (``pipeline_layers``; layer_split.megatron_accounted)."""
     if pp == 1:
         return [
             {"pipeline_schedule": s, "virtual_pipeline_stages": v}
@@ -422,6 +443,10 @@ def _schedule_choices(choices, pp: int, layers: int) -> list[dict]:
         )
         for v in choices("virtual_pipeline_stages", stages):
             out.append({"pipeline_schedule": schedule, "virtual_pipeline_stages": v})
+            for flags in ACCOUNTED if accounted else ():
+                counts = megatron_accounted(layers, pp, v, *flags)
+                if counts is not None and len(set(counts)) > 1:  # an even one is the engine's own split
+                    out.append({"pipeline_schedule": schedule, "virtual_pipeline_stages": v, "pipeline_layers": counts})
     return out
 
 
@@ -467,6 +492,7 @@ class _Pricer:
             v["virtual_pipeline_stages"],
             v["activation_checkpointing"],
             v["sequence_parallel"],
+            v.get("pipeline_layers"),
         )
         hit = self._compute.get(key)
         if hit is None:
@@ -475,7 +501,7 @@ class _Pricer:
                 self.req.spec.model.num_layers,
                 v["pp"],
                 v["virtual_pipeline_stages"],
-                t.pipeline_layers,
+                v.get("pipeline_layers") or t.pipeline_layers,
                 self.engine.name,
             )
             layers = [split.layers_on_stage(st) for st in range(v["pp"])]
@@ -822,7 +848,7 @@ class _Pricer:
             least,
             batch["micro_batch_size"],
             micro_steps,
-            tuple(sc["virtual_pipeline_stages"] for sc in mesh.schedules),
+            tuple((sc["virtual_pipeline_stages"], sc.get("pipeline_layers")) for sc in mesh.schedules),
         )
         hit = self._grad_cache.get(key)
         if hit is None:
@@ -1012,6 +1038,8 @@ def spec_data_for(req: Request, values: dict) -> dict:
         mesh[key] = values[key]
     for key in TRAINING_FIELDS:
         training[key] = values[key]
+    if values.get("pipeline_layers") is not None:
+        training["pipeline_layers"] = list(values["pipeline_layers"])
     if values["pp"] == 1:
         training["pipeline_schedule"] = (
             req.spec.training.pipeline_schedule if "training.pipeline_schedule" not in req.searched else "1f1b"
@@ -1031,10 +1059,8 @@ def search(req: Request, top: int = DEFAULT_TOP, *, variants: bool = False, tigh
     can still fail it. ``tight`` admits such plans (R001 alone)."""
     import heapq
 
-    from mixle_compile.verify import plan_facts
     from mixle_compile.verify.engine import PlanVerifier
     from mixle_compile.verify.facts import ENUMS
-    from mixle_compile.verify.rule import rules_for
     from mixle_compile.verify.symbols import broken_rules, broken_rules_reading
 
     outcome = Outcome(req)
@@ -1045,21 +1071,13 @@ def search(req: Request, top: int = DEFAULT_TOP, *, variants: bool = False, tigh
         return outcome
     pricer = _Pricer(req)
 
-    facts = plan_facts(req.spec)
-    rules = tuple(
-        r
-        for r in rules_for(facts)
-        if r.constraint is not None and (r.severity is Severity.error or (r.code == HEADROOM_RULE and not tight))
-    )
-    verifier = PlanVerifier()  # one encoding for every candidate: they share the spec's structure
-
-    # The memory rule costs most to read: it is read only for a candidate the others accept.
-    cheap = tuple(r for r in rules if r.code not in MEMORY_RULES)
-    memory = tuple(r for r in rules if r.code in MEMORY_RULES)
+    verifier = PlanVerifier()  # one encoding per layer split: the candidates share the rest of the structure
+    facts_of = RuleSets(req, tight=tight)
     refused_by = MEMORY_RULE  # the memory rule that refused the last candidate `too_large` screened
 
     def screen(values: dict) -> list:
         outcome.screened += 1
+        facts, cheap, memory = facts_of(values)
         symbol_values = _symbol_values(values, ENUMS)
         broken = broken_rules(facts, cheap, symbol_values) or broken_rules(facts, memory, symbol_values)
         outcome.rejections.update(r.code for r in broken)
@@ -1068,6 +1086,7 @@ def search(req: Request, top: int = DEFAULT_TOP, *, variants: bool = False, tigh
     def too_large(values: dict) -> bool:
         nonlocal refused_by
         outcome.screened += 1
+        facts, _, memory = facts_of(values)
         broken = broken_rules(facts, memory, _symbol_values(values, ENUMS))
         outcome.rejections.update(r.code for r in broken)
         if broken:
@@ -1078,6 +1097,7 @@ def search(req: Request, top: int = DEFAULT_TOP, *, variants: bool = False, tigh
         """Whether a rule other than memory refuses ``values`` reading none of the settings that vary
         within its mesh and schedule: then it refuses every candidate of that group."""
         outcome.screened += 1
+        facts, cheap, _ = facts_of(values)
         for rule, read in broken_rules_reading(facts, cheap, _symbol_values(values, ENUMS)):
             if "*" not in read and not read & VARYING:
                 outcome.rejections[rule.code] += len(mesh.batches) * len(mesh.checkpointing) * len(mesh.distributed)
@@ -1152,6 +1172,44 @@ def search(req: Request, top: int = DEFAULT_TOP, *, variants: bool = False, tigh
     return outcome
 
 
+class RuleSets:
+    """The verifier's facts and the rules the search reads with values, per layer split: the spec's,
+    and each listed split a candidate carries (a split is a fact, not a symbol). Called with a
+    candidate: (facts, the rules other than memory, the memory rules); the memory rules cost most to
+    read, so the search reads them only for a candidate the others accept. Only errors, and the
+    allocator-reserve warning (R002) unless ``tight``."""
+
+    def __init__(self, req: Request, *, tight: bool = False):
+        self.req, self.tight = req, tight
+        self._by_split: dict[Any, tuple] = {}
+
+    def __call__(self, values: dict) -> tuple:
+        from mixle_compile.verify import plan_facts
+        from mixle_compile.verify.rule import rules_for
+
+        split = values.get("pipeline_layers")
+        hit = self._by_split.get(split)
+        if hit is None:
+            spec = self.req.spec
+            if split is not None:
+                spec = spec.model_copy(
+                    update={"training": spec.training.model_copy(update={"pipeline_layers": list(split)})}
+                )
+            facts = plan_facts(spec)
+            rules = tuple(
+                r
+                for r in rules_for(facts)
+                if r.constraint is not None
+                and (r.severity is Severity.error or (r.code == HEADROOM_RULE and not self.tight))
+            )
+            hit = self._by_split[split] = (
+                facts,
+                tuple(r for r in rules if r.code not in MEMORY_RULES),
+                tuple(r for r in rules if r.code in MEMORY_RULES),
+            )
+        return hit
+
+
 MEMORY_RULE = "R001"
 #: The allocator-reserve warning: the search keeps to plans it does not fire for (unless ``tight``).
 HEADROOM_RULE = "R002"
@@ -1170,6 +1228,7 @@ VARYING = frozenset(
 
 def _symbol_values(values: dict, enums: dict) -> dict:
     out = dict(values)
+    out.pop("pipeline_layers", None)  # a fact of the split's own (search: facts_of)
     for key in ("activation_checkpointing", "pipeline_schedule"):
         out[key] = enums[key].index(values[key])
     return out

@@ -315,3 +315,42 @@ def test_layer_split_equals_torchtitans_pipeline_split(torchtitan):
             continue
         theirs = [sum(name.startswith("layers.") for name in part) for part in split(stages, layers)]
         assert list(counts_for("torchtitan", layers, stages)) == theirs, (layers, stages)
+
+
+def test_megatron_accounted_splits_equal_megatron_core(megatron):
+    """layer_split.megatron_accounted against Megatron-Core's own TransformerConfig checks and
+    get_num_layers_to_build, for the embedding and/or the loss counted as a layer."""
+    import torch
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from mixle_compile.layer_split import ACCOUNTED, megatron_accounted
+
+    compared = refused = 0
+    for layers, pp, v, flags in itertools.product(range(1, 34), (2, 3, 4, 8), (1, 2, 3, 4), ACCOUNTED):
+        ours = megatron_accounted(layers, pp, v, *flags)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                config = TransformerConfig(
+                    num_layers=layers,
+                    hidden_size=64,
+                    num_attention_heads=4,
+                    pipeline_model_parallel_size=pp,
+                    virtual_pipeline_model_parallel_size=v if v > 1 else None,
+                    pipeline_dtype=torch.bfloat16,
+                    account_for_embedding_in_pipeline_split=flags[0],
+                    account_for_loss_in_pipeline_split=flags[1],
+                )
+                theirs = [
+                    get_num_layers_to_build(config, vp_stage=c if v > 1 else None, pp_rank=s)
+                    for c in range(v)
+                    for s in range(pp)
+                ]  # virtual stage c * pp + s is chunk c of stage s
+        except (ValueError, AssertionError):
+            assert ours is None, (layers, pp, v, flags)
+            refused += 1
+            continue
+        assert ours == tuple(theirs), (layers, pp, v, flags)
+        compared += 1
+    assert compared > 150 and refused > 1000

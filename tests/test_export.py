@@ -624,3 +624,25 @@ def test_async_tensor_parallelism_is_written_as_each_engine_states_it():
     assert "--tp-comm-overlap" in script.files[script.main] and "--sequence-parallel" in script.files[script.main]
     plain = titan.model_copy(update={"training": titan.training.model_copy(update={"async_tensor_parallel": False})})
     assert "enable_async_tensor_parallel" not in export_spec(plain, "torchtitan").files["train.toml"]
+
+
+@pytest.mark.parametrize("virtual", [1, 2])
+def test_megatron_split_counting_the_embedding_and_loss_round_trips(tmp_path, virtual):
+    from mixle_compile.layer_split import megatron_accounted
+
+    spec = load_spec(EXAMPLES / "mixtral-moe-ep.yaml").spec
+    split = list(megatron_accounted(30, 4, virtual, True, True))  # 32 slots: [7, 8, 8, 7] or [3, 4 x 6, 3]
+    training = spec.training.model_copy(
+        update={
+            "pipeline_layers": split,
+            "virtual_pipeline_stages": virtual,
+            "pipeline_schedule": "interleaved_1f1b" if virtual > 1 else "1f1b",
+        }
+    )
+    spec = spec.model_copy(update={"model": spec.model.model_copy(update={"num_layers": 30}), "training": training})
+    exported = export_spec(spec, "megatron")
+    text = exported.files[exported.main]
+    assert "--account-for-embedding-in-pipeline-split" in text and "--account-for-loss-in-pipeline-split" in text
+    assert ("--num-virtual-stages-per-pipeline-rank 2" in text) == (virtual == 2)
+    assert "--decoder-first-pipeline-num-layers" not in text
+    assert round_trip(spec, "megatron", tmp_path)

@@ -1666,3 +1666,29 @@ def test_hf_keys_that_mean_none_or_serialisation_are_not_warned_about(write, tmp
     config.update(shared_expert_intermediate_size=512, mlp_only_layers=[0])
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert sum(d.code == "I004" for d in load_spec(path).diagnostics) == 2  # these two still say what is missing
+
+
+def test_megatron_embedding_and_loss_counted_in_the_pipeline_split(tmp_path):
+    path = tmp_path / "args.txt"
+    base = (
+        "--num-layers 14 --hidden-size 64 --num-attention-heads 4 --vocab-size 128 --pipeline-model-parallel-size 4 "
+        "--global-batch-size 8 "
+    )
+    path.write_text(base + "--account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split\n")
+    assert imported(path, devices=4)["training"]["pipeline_layers"] == [3, 4, 4, 3]
+    path.write_text(
+        base + "--num-virtual-stages-per-pipeline-rank 2 --account-for-embedding-in-pipeline-split "
+        "--account-for-loss-in-pipeline-split\n"
+    )
+    assert imported(path, devices=4)["training"]["pipeline_layers"] == [1, 2, 2, 2, 2, 2, 2, 1]
+    path.write_text(base + "--account-for-embedding-in-pipeline-split\n")  # 15 layers do not split over 4
+    with pytest.raises(SourceError) as info:
+        imported(path, devices=4)
+    assert "does not divide" in info.value.diagnostics[-1].message
+    path.write_text(
+        base + "--account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split "
+        "--decoder-first-pipeline-num-layers 2\n"
+    )
+    with pytest.raises(SourceError) as info:
+        imported(path, devices=4)
+    assert "decoder-first" in info.value.diagnostics[-1].message

@@ -22,6 +22,7 @@ from mixle_compile.search import (
     MESH_KEY,
     TOLERANCE,
     VARYING,
+    RuleSets,
     SearchInputError,
     _Pricer,
     _symbol_values,
@@ -134,8 +135,7 @@ def test_the_best_first_search_finds_the_best_of_an_exhaustive_screen(tmp_path, 
     req = read_request(path)
     outcome = search(req, top=3, variants=True)
     per_mesh = search(req, top=10)
-    facts = plan_facts(req.spec)
-    rules = tuple(r for r in rules_for(facts) if r.constraint is not None and r.severity.value == "error")
+    rule_sets = RuleSets(req, tight=True)  # errors only, per layer split
     pricer = _Pricer(req)
     valid, best_of_mesh = [], {}
     for mesh in enumerate_meshes(req):
@@ -143,7 +143,8 @@ def test_the_best_first_search_finds_the_best_of_an_exhaustive_screen(tmp_path, 
         for values in mesh.candidates():
             seconds = pricer.price(values).seconds
             assert bound <= seconds * (1 + 1e-9), (mesh.degrees, values)  # the bound is one
-            if not broken_rules(facts, rules, _symbol_values(values, ENUMS)):
+            facts, cheap, memory = rule_sets(values)
+            if not broken_rules(facts, cheap + memory, _symbol_values(values, ENUMS)):
                 valid.append(seconds)
                 key = tuple(values[k] for k in MESH_KEY)
                 best_of_mesh[key] = min(seconds, best_of_mesh.get(key, math.inf))
@@ -426,3 +427,36 @@ def test_under_async_tensor_parallelism_the_search_prices_each_collective_as_the
         assert plan.step.exposed_communication.get("tp", 0) == pytest.approx(
             exact.exposed_communication.get("tp", 0), rel=0.02, abs=1e-6
         )
+
+
+def test_megatron_layers_that_do_not_split_evenly_are_searched_with_the_embedding_and_loss_counted(tmp_path):
+    """6 layers do not split evenly over 4 stages; Megatron's account_for_embedding/loss splits do
+    ([1, 2, 2, 1], and over 8 virtual stages [0, 1, 1, 1, 1, 1, 1, 0]): the search offers them, and
+    each plan it returns checks, compiles, exports with those flags and reads back the same."""
+    from mixle_compile.export import export_spec
+    from mixle_compile.layer_split import megatron_accounting
+
+    mesh = {"dp_replicate": "auto", "dp_shard": 1, "tp": "auto", "pp": 4, "cp": "auto"}
+    text = spec_text({**DENSE, "num_layers": 6}, 16, {"name": "megatron", "version": "0.16"}, mesh=mesh)
+    outcome = searched(tmp_path, text, top=4)
+    assert outcome.plans, outcome.reason
+    splits = set()
+    for plan in outcome.plans:
+        split = plan.spec_data["training"]["pipeline_layers"]
+        virtual = plan.values["virtual_pipeline_stages"]
+        assert megatron_accounting(split, 6, 4, virtual) is not None, split
+        splits.add(tuple(split))
+        loaded = load_spec_text(yaml.safe_dump(plan.spec_data), "plan.yaml")
+        result = compile_loaded(loaded)
+        assert result.plan is not None and not result.check.errors
+        exact = predict_lowered(loaded.spec, lower(loaded.spec, schedule=False)).seconds
+        assert plan.step.seconds == pytest.approx(exact, rel=0.02)
+        assert "pipeline_layers [" in plan.training_text()
+    assert (1, 2, 2, 1) in splits or (0, 1, 1, 1, 1, 1, 1, 0) in splits
+    # Written out as Megatron-LM's flags; the torch runtime's and torchtitan's own splits are not searched.
+    args = export_spec(load_spec_text(yaml.safe_dump(outcome.plans[0].spec_data), "p.yaml").spec, "megatron")
+    script = args.files[args.main]
+    assert "--account-for-embedding-in-pipeline-split" in script and "--account-for-loss-in-pipeline-split" in script
+    for backend in BACKENDS[:2]:
+        other = searched(tmp_path, spec_text({**DENSE, "num_layers": 6}, 16, backend, mesh=mesh), top=2)
+        assert all("pipeline_layers" not in p.values for p in other.plans)

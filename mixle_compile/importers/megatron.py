@@ -18,6 +18,7 @@ from pathlib import Path
 from mixle_compile.importers import codes
 from mixle_compile.importers.builder import ImportOptions, SpecBuilder, resources
 from mixle_compile.importers.shell import Shell, Word
+from mixle_compile.layer_split import megatron_accounted
 from mixle_compile.spec.source import Position, SourceDocument
 
 # Flags the spec reads: name -> "int", "float", "str" or "bool" (a store_true switch).
@@ -73,6 +74,8 @@ READ = {
     "--step-batch-size-schedule": "str",
     "--decoder-first-pipeline-num-layers": "int",
     "--decoder-last-pipeline-num-layers": "int",
+    "--account-for-embedding-in-pipeline-split": "bool",
+    "--account-for-loss-in-pipeline-split": "bool",
 }
 #: Flags validate_args refuses as deprecated: (the flag to use now, how to rewrite the launch).
 DEPRECATED = {
@@ -504,6 +507,37 @@ def read_megatron(
             split,
             at=at("--decoder-first-pipeline-num-layers") or at("--decoder-last-pipeline-num-layers"),
             origin="--decoder-first/last-pipeline-num-layers (the middle stages even)",
+        )
+
+    # The embedding and/or the loss counted as a layer in the split (TransformerConfig
+    # account_for_embedding/loss_in_pipeline_split; layer_split.megatron_accounted).
+    embedding = has("--account-for-embedding-in-pipeline-split")
+    loss = has("--account-for-loss-in-pipeline-split")
+    if (embedding or loss) and isinstance(layers, int) and pp > 1:
+        where = at("--account-for-embedding-in-pipeline-split") or at("--account-for-loss-in-pipeline-split")
+        if first is not None or last is not None:
+            b.refuse(
+                "--account-for-embedding/loss-in-pipeline-split is given with --decoder-first/last-pipeline-num-layers",
+                where,
+                "Megatron's TransformerConfig raises for both at once: keep one way of splitting the layers",
+            )
+            return b.result()
+        split = megatron_accounted(layers, pp, vpp or 1, embedding, loss)
+        if split is None:
+            slots = layers + embedding + loss
+            b.refuse(
+                f"--num-layers {layers} with the embedding/loss counted is {slots} layers, which pp {pp} * "
+                f"virtual stages {vpp or 1} does not divide",
+                where,
+                "Megatron's TransformerConfig asserts the counted layers divide by pp and by the virtual stages: "
+                "change --num-layers, the pipeline size or the virtual stages",
+            )
+            return b.result()
+        b.set(
+            ("training", "pipeline_layers"),
+            list(split),
+            at=where,
+            origin="--account-for-embedding/loss-in-pipeline-split (each counted as a layer)",
         )
 
     # ---- the rest of training
