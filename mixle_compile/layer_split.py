@@ -85,6 +85,44 @@ def megatron_accounting(counts, num_layers: int, pp: int, virtual_stages: int) -
     )
 
 
+def megatron_uneven(
+    num_layers: int, pp: int, virtual_stages: int, first: int | None, last: int | None
+) -> tuple[int, ...] | None:
+    """Megatron's uneven split (``num_layers_in_first/last_pipeline_stage``, Megatron-LM's
+    ``--decoder-first/last-pipeline-num-layers``): the first (last) pipeline rank holds ``first``
+    (``last``) layers over all its virtual stages, the middle ranks the rest evenly, and each rank's
+    layers split evenly over its virtual stages (``get_num_layers_to_build``); None where
+    ``TransformerConfig.__post_init__`` refuses it (a count not above 0 or not divisible by the
+    virtual stages, middle layers without middle ranks or the reverse, middle layers that do not
+    divide) or the layers run out."""
+    if pp < 2 or (first is None and last is None):
+        return None
+    rest, middle = num_layers, pp
+    for n in (first, last):
+        if n is not None:
+            if n <= 0 or n % virtual_stages:
+                return None
+            rest, middle = rest - n, middle - 1
+    if rest < 0 or bool(rest) != bool(middle) or (middle and (rest % middle or (rest // middle) % virtual_stages)):
+        return None
+    per_rank = [rest // middle if middle else 0] * pp
+    if first is not None:
+        per_rank[0] = first
+    if last is not None:
+        per_rank[-1] = last
+    return tuple(per_rank[s] // virtual_stages for _ in range(virtual_stages) for s in range(pp))
+
+
+def megatron_uneven_of(counts, num_layers: int, pp: int, virtual_stages: int) -> tuple[int, int] | None:
+    """The (first, last) pipeline ranks' layers of a listed split that is Megatron's uneven split, or None."""
+    listed = tuple(int(c) for c in counts)
+    if len(listed) != pp * virtual_stages or pp < 2:
+        return None
+    first = sum(listed[c * pp] for c in range(virtual_stages))
+    last = sum(listed[c * pp + pp - 1] for c in range(virtual_stages))
+    return (first, last) if megatron_uneven(num_layers, pp, virtual_stages, first, last) == listed else None
+
+
 @dataclass(frozen=True)
 class LayerSplit:
     pp: int

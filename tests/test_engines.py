@@ -354,3 +354,49 @@ def test_megatron_accounted_splits_equal_megatron_core(megatron):
         assert ours == tuple(theirs), (layers, pp, v, flags)
         compared += 1
     assert compared > 150 and refused > 1000
+
+
+def test_megatron_uneven_splits_equal_megatron_core(megatron):
+    """layer_split.megatron_uneven (num_layers_in_first/last_pipeline_stage) against Megatron-Core's
+    TransformerConfig checks and get_num_layers_to_build, with and without virtual stages."""
+    import torch
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from mixle_compile.layer_split import megatron_uneven, megatron_uneven_of
+
+    compared = refused = 0
+    sizes = (None, 0, 1, 2, 3, 4, 6, 8)
+    for layers, pp, v, first, last in itertools.product((7, 12, 16, 24), (2, 3, 4), (1, 2, 3), sizes, sizes):
+        if first is None and last is None:
+            continue
+        ours = megatron_uneven(layers, pp, v, first, last)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                config = TransformerConfig(
+                    num_layers=layers,
+                    hidden_size=64,
+                    num_attention_heads=4,
+                    pipeline_model_parallel_size=pp,
+                    virtual_pipeline_model_parallel_size=v if v > 1 else None,
+                    pipeline_dtype=torch.bfloat16,
+                    num_layers_in_first_pipeline_stage=first,
+                    num_layers_in_last_pipeline_stage=last,
+                )
+                theirs = [
+                    get_num_layers_to_build(config, vp_stage=c if v > 1 else None, pp_rank=s)
+                    for c in range(v)
+                    for s in range(pp)
+                ]
+        except (ValueError, AssertionError):
+            theirs = None
+        if theirs is None or min(theirs) < 0:  # refused, or layers that run out (a negative count)
+            assert ours is None, (layers, pp, v, first, last, theirs)
+            refused += 1
+            continue
+        assert ours == tuple(theirs), (layers, pp, v, first, last)
+        got = megatron_uneven_of(ours, layers, pp, v)
+        assert got is not None and megatron_uneven(layers, pp, v, *got) == ours
+        compared += 1
+    assert compared > 60 and refused > 500

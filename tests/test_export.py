@@ -627,22 +627,26 @@ def test_async_tensor_parallelism_is_written_as_each_engine_states_it():
 
 
 @pytest.mark.parametrize("virtual", [1, 2])
-def test_megatron_split_counting_the_embedding_and_loss_round_trips(tmp_path, virtual):
-    from mixle_compile.layer_split import megatron_accounted
+@pytest.mark.parametrize("kind", ["accounted", "uneven"])
+def test_megatron_layer_splits_round_trip_as_megatron_lm_flags(tmp_path, virtual, kind):
+    from mixle_compile.layer_split import megatron_accounted, megatron_uneven
 
     spec = load_spec(EXAMPLES / "mixtral-moe-ep.yaml").spec
-    split = list(megatron_accounted(30, 4, virtual, True, True))  # 32 slots: [7, 8, 8, 7] or [3, 4 x 6, 3]
+    if kind == "accounted":  # 30 layers and the embedding and loss: 32 slots, [7, 8, 8, 7] or [3, 4 x 6, 3]
+        layers, split, flags = 30, megatron_accounted(30, 4, virtual, True, True), ["--account-for-embedding"]
+    else:  # the first and last ranks 4 layers each, the middle ranks 12: [4, 12, 12, 4] or [2, 6, 6, 2] x 2
+        layers, split, flags = 32, megatron_uneven(32, 4, virtual, 4, 4), ["--decoder-first-pipeline-num-layers 4"]
     training = spec.training.model_copy(
         update={
-            "pipeline_layers": split,
+            "pipeline_layers": list(split),
             "virtual_pipeline_stages": virtual,
             "pipeline_schedule": "interleaved_1f1b" if virtual > 1 else "1f1b",
         }
     )
-    spec = spec.model_copy(update={"model": spec.model.model_copy(update={"num_layers": 30}), "training": training})
+    spec = spec.model_copy(update={"model": spec.model.model_copy(update={"num_layers": layers}), "training": training})
     exported = export_spec(spec, "megatron")
     text = exported.files[exported.main]
-    assert "--account-for-embedding-in-pipeline-split" in text and "--account-for-loss-in-pipeline-split" in text
+    assert all(flag in text for flag in flags), text
     assert ("--num-virtual-stages-per-pipeline-rank 2" in text) == (virtual == 2)
-    assert "--decoder-first-pipeline-num-layers" not in text
+    assert "--num-layers-per-virtual-pipeline-stage" not in text
     assert round_trip(spec, "megatron", tmp_path)

@@ -1002,6 +1002,14 @@ def test_megatron_uneven_pipeline_split(tmp_path):
         "--decoder-first-pipeline-num-layers 2 --decoder-last-pipeline-num-layers 2 --global-batch-size 8\n"
     )
     assert imported(path, devices=4)["training"]["pipeline_layers"] == [2, 4, 4, 2]
+    # With virtual stages the first and last ranks' layers are over all their chunks (Megatron-Core's
+    # get_num_layers_to_build): 2 + 2 + 8 middle layers, each rank's in 2 chunks.
+    path.write_text(
+        "--num-layers 12 --hidden-size 64 --num-attention-heads 4 --vocab-size 128 --pipeline-model-parallel-size 4 "
+        "--num-virtual-stages-per-pipeline-rank 2 "
+        "--decoder-first-pipeline-num-layers 2 --decoder-last-pipeline-num-layers 2 --global-batch-size 8\n"
+    )
+    assert imported(path, devices=4)["training"]["pipeline_layers"] == [1, 2, 2, 1, 1, 2, 2, 1]
     path.write_text(
         "--num-layers 12 --hidden-size 64 --num-attention-heads 4 --vocab-size 128 --pipeline-model-parallel-size 4 "
         "--decoder-first-pipeline-num-layers 4 --global-batch-size 8 --use-megatron-fsdp\n"

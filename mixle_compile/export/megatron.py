@@ -11,7 +11,7 @@ from __future__ import annotations
 import shlex
 
 from mixle_compile.export import Exported, ExportRefused, memory_text
-from mixle_compile.layer_split import megatron_accounting
+from mixle_compile.layer_split import megatron_accounting, megatron_uneven_of
 from mixle_compile.spec.models import Spec, parallel_plan
 
 # megatron/core/parallel_state.py initialize_model_parallel: order "tp-cp-ep-dp-pp", or "tp-cp-ep-pp-dp"
@@ -49,13 +49,11 @@ def megatron_arguments(spec: Spec) -> list[str]:
     uneven = accounted = None
     if isinstance(t.pipeline_layers, list):
         split = t.pipeline_layers
-        middle = split[1:-1]
         accounted = megatron_accounting(split, m.num_layers, mesh.pp, t.virtual_pipeline_stages)
+        uneven = megatron_uneven_of(split, m.num_layers, mesh.pp, t.virtual_pipeline_stages)
         if accounted is not None:
-            pass  # --account-for-embedding/loss-in-pipeline-split (megatron/training/arguments.py)
-        elif t.virtual_pipeline_stages == 1 and len(split) >= 2 and len(set(middle)) <= 1:
-            uneven = (split[0], split[-1])
-        else:
+            uneven = None  # --account-for-embedding/loss-in-pipeline-split (megatron/training/arguments.py)
+        elif uneven is None:
             reasons.append(
                 (
                     "training.pipeline_layers",
@@ -79,7 +77,7 @@ def megatron_arguments(spec: Spec) -> list[str]:
     if m.num_experts and m.moe_layer_frequency != 1:
         pass  # written as --moe-layer-freq N
     per_stage = None
-    if t.virtual_pipeline_stages > 1 and accounted is None:
+    if t.virtual_pipeline_stages > 1 and accounted is None and uneven is None:
         if m.num_layers % (mesh.pp * t.virtual_pipeline_stages):
             reasons.append(
                 ("training.virtual_pipeline_stages", "Megatron splits the layers evenly into virtual stages")
@@ -145,10 +143,11 @@ def megatron_arguments(spec: Spec) -> list[str]:
     ]
     if per_stage is not None:
         a += ["--num-layers-per-virtual-pipeline-stage", per_stage]
-    if accounted is not None:
+    if accounted is not None or uneven is not None:
         # the virtual stages by count: layers per virtual stage would be read against num_layers alone
         if t.virtual_pipeline_stages > 1:
             a += ["--num-virtual-stages-per-pipeline-rank", t.virtual_pipeline_stages]
+    if accounted is not None:
         embedding, loss = accounted
         a += ["--account-for-embedding-in-pipeline-split"] * embedding
         a += ["--account-for-loss-in-pipeline-split"] * loss

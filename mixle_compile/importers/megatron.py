@@ -18,7 +18,7 @@ from pathlib import Path
 from mixle_compile.importers import codes
 from mixle_compile.importers.builder import ImportOptions, SpecBuilder, resources
 from mixle_compile.importers.shell import Shell, Word
-from mixle_compile.layer_split import megatron_accounted
+from mixle_compile.layer_split import megatron_accounted, megatron_uneven
 from mixle_compile.spec.source import Position, SourceDocument
 
 # Flags the spec reads: name -> "int", "float", "str" or "bool" (a store_true switch).
@@ -482,31 +482,28 @@ def read_megatron(
     else:
         set_(("training", "pipeline_schedule"), "1f1b", None, "Megatron's non-interleaved 1F1B")
 
-    # Uneven pipeline: the first and last stages' layers, the rest split evenly over the middle stages
-    # (TransformerConfig.num_layers_in_first/last_pipeline_stage, megatron/core/transformer/transformer_config.py).
+    # Uneven pipeline: the first and last pipeline ranks' layers (over all their virtual stages), the
+    # rest split evenly over the middle ranks (layer_split.megatron_uneven).
     first, last = num("--decoder-first-pipeline-num-layers"), num("--decoder-last-pipeline-num-layers")
     if (first is not None or last is not None) and isinstance(layers, int) and pp > 1:
-        stages = pp * (vpp or 1)
-        middle = stages - (first is not None) - (last is not None)
-        rest = layers - (first or 0) - (last or 0)
-        if rest < 0 or (middle and rest % middle) or (not middle and rest):
+        where = at("--decoder-first-pipeline-num-layers") or at("--decoder-last-pipeline-num-layers")
+        split = megatron_uneven(layers, pp, vpp or 1, first, last)
+        if split is None:
+            middle = pp - (first is not None) - (last is not None)
             b.refuse(
-                f"--num-layers {layers} does not split into first {first}, last {last} and {middle} even middle stages",
-                at("--decoder-first-pipeline-num-layers") or at("--decoder-last-pipeline-num-layers"),
-                "Megatron asserts the remaining layers divide evenly over the middle stages",
+                f"--num-layers {layers} does not split into first {first}, last {last} and {middle} even middle "
+                f"pipeline ranks" + (f", each rank's layers over {vpp} virtual stages" if (vpp or 1) > 1 else ""),
+                where,
+                "Megatron's TransformerConfig asserts the first and last ranks' layers are above 0 and divide by "
+                "the virtual stages, and the remaining layers divide evenly over the middle ranks (and their "
+                "virtual stages)",
             )
             return b.result()
-        each = rest // middle if middle else 0
-        split = [each] * stages
-        if first is not None:
-            split[0] = first
-        if last is not None:
-            split[-1] = last
         b.set(
             ("training", "pipeline_layers"),
-            split,
-            at=at("--decoder-first-pipeline-num-layers") or at("--decoder-last-pipeline-num-layers"),
-            origin="--decoder-first/last-pipeline-num-layers (the middle stages even)",
+            list(split),
+            at=where,
+            origin="--decoder-first/last-pipeline-num-layers (the middle ranks even)",
         )
 
     # The embedding and/or the loss counted as a layer in the split (TransformerConfig
