@@ -20,6 +20,10 @@ Every row is a published measurement, with its source next to it:
   TFLOP/s per GPU counted as 96*B*s*l*h^2*(1 + s/(6h) + V/(16*l*h)) per step (recomputation
   included); the measured tokens per second per GPU is that rate divided by the FLOPs per token.
 * Megatron-Bridge `docs/performance-summary.md` @ 5776a6d9 (25.11 container, H100, FP8-CS; tokens/s/GPU).
+  The 70B and 405B recipes (src/megatron/bridge/recipes/llama/llama3.py, `llama3_70b_pretrain_config`,
+  `llama31_405b_pretrain_config`) overlap tensor-parallel communication with the GEMMs
+  (`CommOverlapConfig(tp_comm_overlap=True)`; scripts/performance/configs/llama/llama3_llm_pretrain.py
+  gives H100 its userbuffers settings): those rows set `async_tensor_parallel`.
 
 The script compiles each spec (the lowering without the per-step schedule), predicts its step time
 with mixle_compile.step_time and prints predicted / measured and the summary. Nothing asserts.
@@ -91,6 +95,7 @@ def spec(
     gpt=False,
     distributed_optimizer=False,
     pipeline_layers=None,
+    async_tensor_parallel=False,
 ) -> dict:
     data_parallel = dp_replicate * dp_shard
     model = {"family": "transformer", "tie_embeddings": False, **model}
@@ -111,6 +116,8 @@ def spec(
         training.update(pipeline_schedule=schedule, virtual_pipeline_stages=virtual)
     if pipeline_layers is not None:
         training["pipeline_layers"] = pipeline_layers
+    if async_tensor_parallel:
+        training["async_tensor_parallel"] = True
     if attention:
         training["attention"] = attention
     return {
@@ -265,6 +272,7 @@ ROWS: list[tuple[str, dict, float]] = [
             schedule="interleaved_1f1b",
             virtual=5,
             distributed_optimizer=True,
+            async_tensor_parallel=True,  # the recipe's CommOverlapConfig(tp_comm_overlap=True)
             **H100_BRIDGE,
         ),
         1602,
@@ -283,6 +291,7 @@ ROWS: list[tuple[str, dict, float]] = [
             schedule="interleaved_1f1b",
             virtual=8,
             distributed_optimizer=True,
+            async_tensor_parallel=True,  # the recipe's CommOverlapConfig(tp_comm_overlap=True)
             # the recipe counts the embedding and the loss as one layer each
             # (account_for_embedding/loss_in_pipeline_split): 126 + 2 = 64 stages of 2
             pipeline_layers=[1] + [2] * 62 + [1],

@@ -91,7 +91,7 @@ BASE_LATENCY = 8.4e-6
 #: rows and the ratios; docs/step-time.md names the sources).
 EFFICIENCY: dict[tuple[str, str], float] = {
     ("a100", "fp16"): 0.631,  # SC21 Table 1 (Megatron-LM, 10 rows)
-    ("h100", "fp8"): 0.621,  # Megatron-Bridge 25.11 (3 rows)
+    ("h100", "fp8"): 0.634,  # Megatron-Bridge 25.11 (3 rows)
     ("h100-96gb", "bf16"): 0.422,  # torchtitan Dec 2024, Tables 1 and 3, async TP bf16 (8 rows)
     ("h100-96gb", "fp8"): 0.366,  # torchtitan Dec 2024, Tables 1-6, async TP fp8 (16 rows)
     ("h200", "fp8"): 0.453,  # torchtitan, Trainy H200 (2 rows)
