@@ -11,7 +11,10 @@ the candidates enumerated, screened with the verifier's rules and confirmed by `
 Anchors: for every row of benchmarks/bench_step_time.py (published measurements), the search gets
 the row's model, device count and kind, global batch, sequence length, precision, compile setting
 and engine, and chooses everything else (mesh, micro-batching, checkpointing, schedule, virtual
-stages, distributed optimizer, sequence parallelism). The search lists one plan per mesh (its
+stages, distributed optimizer, sequence parallelism) that the row's engine could do: a row measured
+on an engine older than the backend version it is checked with (bench_step_time.ENGINE_LIMITS: the
+SC21 rows, Megatron-LM of April 2021) keeps what that engine lacked fixed, and its checkpointing is
+searched over the modes it had (one search per mode, merged). The search lists one plan per mesh (its
 degrees, with that mesh's fastest settings), as `mixle-compile plan` does. Printed per row: the
 published mesh's rank among the search's top 20 meshes, the top choice, and the predicted step
 time of the published layout over the top choice's (>= 1: the top choice is predicted at least as
@@ -86,6 +89,43 @@ def _rank(outcome, values: dict, keys) -> int | None:
     return next((i for i, p in enumerate(outcome.plans, 1) if all(p.values[k] == values[k] for k in keys)), None)
 
 
+class _Merged:
+    """Searches of one row merged: every plan, fastest first, one per mesh (as the search lists them)."""
+
+    def __init__(self, outcomes: list, top: int):
+        seen, self.plans = set(), []
+        for plan in sorted((p for o in outcomes for p in o.plans), key=lambda p: p.step.seconds):
+            key = tuple(plan.values[k] for k in MESH_KEY)
+            if key not in seen:
+                seen.add(key)
+                self.plans.append(plan)
+        self.plans = self.plans[:top]
+        self.reason = "; ".join(o.reason for o in outcomes if o.reason)
+
+
+def _requests(data: dict, keep_training: bool, limits: dict | None) -> list[dict]:
+    """The search requests of a row: its mesh left open (and its training settings unless kept), within
+    what the row's engine could do (bench_step_time.ENGINE_LIMITS): one request per checkpointing mode it
+    had when checkpointing is searched."""
+    request = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
+    request.pop("mesh")
+    request["training"].pop("pipeline_layers", None)
+    if not keep_training:
+        for key in TRAINING_FIELDS:
+            request["training"].pop(key, None)
+    if limits is None:
+        return [request]
+    request["mesh"] = {**{k: "auto" for k in ("dp_replicate", "dp_shard", "tp", "pp", "cp")}, **limits["mesh"]}
+    request["training"].update(limits["training"])
+    if keep_training:
+        return [request]
+    out = []
+    for mode in limits["checkpointing"]:
+        one = {**request, "training": {**request["training"], "activation_checkpointing": mode}}
+        out.append(one)
+    return out
+
+
 def anchors() -> None:
     import bench_step_time as rows
 
@@ -108,15 +148,14 @@ def anchors() -> None:
         published_seconds = predicted.seconds
         values = {**published.mesh.model_dump(), **published.training.model_dump()}
         results = []
+        limits = getattr(rows, "ENGINE_LIMITS", {}).get(label)
         for keep_training in (False, True):
-            request = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
-            request.pop("mesh")
-            request["training"].pop("pipeline_layers", None)
-            if not keep_training:
-                for key in TRAINING_FIELDS:
-                    request["training"].pop(key, None)
-            outcome, wall, _ = run(request, top=20)
-            results.append((outcome, wall))
+            outcomes, wall = [], 0.0
+            for request in _requests(data, keep_training, limits):
+                outcome, seconds, _ = run(request, top=20)
+                outcomes.append(outcome)
+                wall += seconds
+            results.append((outcomes[0] if len(outcomes) == 1 else _Merged(outcomes, 20), wall))
         (free, wall), (kept, _) = results
         if not free.plans:
             print(f"{label:34} no plan: {free.reason}")

@@ -300,6 +300,21 @@ ROWS: list[tuple[str, dict, float]] = [
         292,
     ),
 ]
+#: What a row's engine could not do, for searches that ask which layout it should have run (bench_search.py
+#: --anchors): mesh degrees and training settings held at the values given, and the checkpointing modes
+#: the engine had. The SC21 runs used Megatron-LM 6985e58 (April 2021, the commit
+#: examples/academic_paper_scripts/sc21/README.md pins; CONFIG.sh sets --DDP-impl and no other
+#: data-parallel option): tensor, pipeline (1F1B, interleaved) and replicated data parallelism with full
+#: recomputation or none. Sequence parallelism and selective recomputation came with Korthikanti et al.
+#: 2022 (arXiv 2205.05198, which Megatron-LM's README cites for both), and the distributed optimizer,
+#: context parallelism and sharded data parallelism after that.
+ENGINE_LIMITS: dict[str, dict] = {}
+SC21_ENGINE = {
+    "mesh": {"dp_shard": 1, "cp": 1},
+    "training": {"distributed_optimizer": False, "sequence_parallel": False},
+    "checkpointing": ("none", "full"),
+}
+
 # Narayanan et al. (SC21) Table 1: heads, hidden, layers, GPUs, tp, pp, micro-batch, global batch, virtual stages,
 # TFLOP/s per GPU
 for label, args in [
@@ -316,6 +331,7 @@ for label, args in [
 ]:
     row, measured = sc21(*args)
     ROWS.append((f"SC21 GPT {label}", row, measured))
+    ENGINE_LIMITS[f"SC21 GPT {label}"] = SC21_ENGINE
 
 
 def counted(label: str) -> bool:
