@@ -607,3 +607,26 @@ def test_only_megatron_takes_a_capacity_factor():
     loaded = load_spec_text(dense, "dense.yaml")
     assert not loaded.ok
     assert any("expert_capacity_factor" in d.text() for d in loaded.diagnostics)
+
+
+@pytest.mark.parametrize(
+    "micro_batch,checkpointing,fits",
+    [(1, "selective", True), (2, "selective", False), (2, "full", True)],
+)
+def test_the_memory_rule_draws_torchtitans_published_out_of_memory_line(micro_batch, checkpointing, fits):
+    """torchtitan docs/performance.md (64 A100 80GB, FSDP 64, Llama 2 70B at 4,096 tokens): with
+    selective op checkpointing micro-batch 2 ran out of memory (its footnote 1), so the table reports
+    micro-batch 1; full checkpointing ran at micro-batch 2. R001 refuses exactly the run that failed."""
+    from mixle_compile.check import check_loaded
+
+    text = f"""
+model: {{family: transformer, vocab_size: 32000, hidden_size: 8192, num_layers: 80, num_heads: 64,
+        num_kv_heads: 8, ffn_hidden_size: 28672, tie_embeddings: false}}
+mesh: {{dp_shard: 64}}
+training: {{global_batch_size: {64 * micro_batch}, micro_batch_size: {micro_batch}, seq_len: 4096,
+           precision: bf16, activation_checkpointing: {checkpointing}}}
+backend: {{name: torchtitan, version: "0.2"}}
+resources: {{devices: 64, kind: a100, memory: 80GiB}}
+"""
+    result = check_loaded(load_spec_text(text, "llama2-70b.yaml"))
+    assert any(d.code == "R001" for d in result.diagnostics) != fits, [d.text() for d in result.diagnostics]
