@@ -442,11 +442,17 @@ def _schedule_choices(choices, pp: int, layers: int, accounted: bool = False) ->
             [1] if schedule != "interleaved_1f1b" else [v for v in range(2, MAX_VIRTUAL_STAGES + 1) if pp * v <= layers]
         )
         for v in choices("virtual_pipeline_stages", stages):
-            out.append({"pipeline_schedule": schedule, "virtual_pipeline_stages": v})
-            for flags in ACCOUNTED if accounted else ():
-                counts = megatron_accounted(layers, pp, v, *flags)
-                if counts is not None and len(set(counts)) > 1:  # an even one is the engine's own split
-                    out.append({"pipeline_schedule": schedule, "virtual_pipeline_stages": v, "pipeline_layers": counts})
+            splits = [
+                counts
+                for flags in (ACCOUNTED if accounted else ())
+                if (counts := megatron_accounted(layers, pp, v, *flags)) is not None
+                and len(set(counts)) > 1  # an even one is the engine's own split
+            ]
+            if not splits or layers % (pp * v) == 0:
+                # the engine's own split (where Megatron's even split cannot be had and an accounted one
+                # can, P001 would refuse it: a divisibility filter, as the others here)
+                out.append({"pipeline_schedule": schedule, "virtual_pipeline_stages": v})
+            out += [{"pipeline_schedule": schedule, "virtual_pipeline_stages": v, "pipeline_layers": c} for c in splits]
     return out
 
 
