@@ -317,52 +317,60 @@ def test_layer_split_equals_torchtitans_pipeline_split(torchtitan):
         assert list(counts_for("torchtitan", layers, stages)) == theirs, (layers, stages)
 
 
-def test_megatron_accounted_splits_equal_megatron_core(megatron):
-    """layer_split.megatron_accounted against Megatron-Core's own TransformerConfig checks and
-    get_num_layers_to_build, for the embedding and/or the loss counted as a layer."""
+def _megatron_core_split(layers: int, pp: int, v: int, **config) -> tuple[int, ...] | None:
+    """The layers Megatron-Core builds on each virtual stage (chunk c of stage s is c * pp + s), or None
+    where its TransformerConfig or get_num_layers_to_build refuses, or counts a stage below none."""
     import torch
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            made = TransformerConfig(
+                num_layers=layers,
+                hidden_size=64,
+                num_attention_heads=4,
+                pipeline_model_parallel_size=pp,
+                virtual_pipeline_model_parallel_size=v if v > 1 else None,
+                pipeline_dtype=torch.bfloat16,
+                **config,
+            )
+            counts = tuple(
+                get_num_layers_to_build(made, vp_stage=c if v > 1 else None, pp_rank=s)
+                for c in range(v)
+                for s in range(pp)
+            )
+    except (ValueError, AssertionError):
+        return None
+    return counts if min(counts) >= 0 else None
+
+
+def test_megatron_accounted_splits_equal_megatron_core(megatron):
+    """layer_split.megatron_accounted against Megatron-Core's own TransformerConfig checks and
+    get_num_layers_to_build, for the embedding and/or the loss counted as a layer."""
     from mixle_compile.layer_split import ACCOUNTED, megatron_accounted
 
     compared = refused = 0
     for layers, pp, v, flags in itertools.product(range(1, 34), (2, 3, 4, 8), (1, 2, 3, 4), ACCOUNTED):
         ours = megatron_accounted(layers, pp, v, *flags)
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                config = TransformerConfig(
-                    num_layers=layers,
-                    hidden_size=64,
-                    num_attention_heads=4,
-                    pipeline_model_parallel_size=pp,
-                    virtual_pipeline_model_parallel_size=v if v > 1 else None,
-                    pipeline_dtype=torch.bfloat16,
-                    account_for_embedding_in_pipeline_split=flags[0],
-                    account_for_loss_in_pipeline_split=flags[1],
-                )
-                theirs = [
-                    get_num_layers_to_build(config, vp_stage=c if v > 1 else None, pp_rank=s)
-                    for c in range(v)
-                    for s in range(pp)
-                ]  # virtual stage c * pp + s is chunk c of stage s
-        except (ValueError, AssertionError):
-            assert ours is None, (layers, pp, v, flags)
-            refused += 1
-            continue
-        assert ours == tuple(theirs), (layers, pp, v, flags)
-        compared += 1
+        theirs = _megatron_core_split(
+            layers,
+            pp,
+            v,
+            account_for_embedding_in_pipeline_split=flags[0],
+            account_for_loss_in_pipeline_split=flags[1],
+        )
+        assert ours == theirs, (layers, pp, v, flags)
+        compared += theirs is not None
+        refused += theirs is None
     assert compared > 150 and refused > 1000
 
 
 def test_megatron_uneven_splits_equal_megatron_core(megatron):
     """layer_split.megatron_uneven (num_layers_in_first/last_pipeline_stage) against Megatron-Core's
-    TransformerConfig checks and get_num_layers_to_build, with and without virtual stages."""
-    import torch
-    from megatron.core.transformer.transformer_block import get_num_layers_to_build
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
+    TransformerConfig checks and get_num_layers_to_build, with and without virtual stages (a split
+    whose layers run out, a negative count on some stage, counts as refused)."""
     from mixle_compile.layer_split import megatron_uneven, megatron_uneven_of
 
     compared = refused = 0
@@ -371,31 +379,13 @@ def test_megatron_uneven_splits_equal_megatron_core(megatron):
         if first is None and last is None:
             continue
         ours = megatron_uneven(layers, pp, v, first, last)
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                config = TransformerConfig(
-                    num_layers=layers,
-                    hidden_size=64,
-                    num_attention_heads=4,
-                    pipeline_model_parallel_size=pp,
-                    virtual_pipeline_model_parallel_size=v if v > 1 else None,
-                    pipeline_dtype=torch.bfloat16,
-                    num_layers_in_first_pipeline_stage=first,
-                    num_layers_in_last_pipeline_stage=last,
-                )
-                theirs = [
-                    get_num_layers_to_build(config, vp_stage=c if v > 1 else None, pp_rank=s)
-                    for c in range(v)
-                    for s in range(pp)
-                ]
-        except (ValueError, AssertionError):
-            theirs = None
-        if theirs is None or min(theirs) < 0:  # refused, or layers that run out (a negative count)
-            assert ours is None, (layers, pp, v, first, last, theirs)
+        theirs = _megatron_core_split(
+            layers, pp, v, num_layers_in_first_pipeline_stage=first, num_layers_in_last_pipeline_stage=last
+        )
+        assert ours == theirs, (layers, pp, v, first, last)
+        if ours is None:
             refused += 1
             continue
-        assert ours == tuple(theirs), (layers, pp, v, first, last)
         got = megatron_uneven_of(ours, layers, pp, v)
         assert got is not None and megatron_uneven(layers, pp, v, *got) == ours
         compared += 1

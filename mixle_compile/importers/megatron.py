@@ -482,29 +482,32 @@ def read_megatron(
     else:
         set_(("training", "pipeline_schedule"), "1f1b", None, "Megatron's non-interleaved 1F1B")
 
+    def listed_split(split, where, refusal: tuple[str, str], origin: str) -> bool:
+        """Set training.pipeline_layers to Megatron's split, or refuse where Megatron refuses it (False)."""
+        if split is None:
+            b.refuse(refusal[0], where, refusal[1])
+            return False
+        b.set(("training", "pipeline_layers"), list(split), at=where, origin=origin)
+        return True
+
     # Uneven pipeline: the first and last pipeline ranks' layers (over all their virtual stages), the
     # rest split evenly over the middle ranks (layer_split.megatron_uneven).
     first, last = num("--decoder-first-pipeline-num-layers"), num("--decoder-last-pipeline-num-layers")
     if (first is not None or last is not None) and isinstance(layers, int) and pp > 1:
-        where = at("--decoder-first-pipeline-num-layers") or at("--decoder-last-pipeline-num-layers")
-        split = megatron_uneven(layers, pp, vpp or 1, first, last)
-        if split is None:
-            middle = pp - (first is not None) - (last is not None)
-            b.refuse(
+        middle = pp - (first is not None) - (last is not None)
+        if not listed_split(
+            megatron_uneven(layers, pp, vpp or 1, first, last),
+            at("--decoder-first-pipeline-num-layers") or at("--decoder-last-pipeline-num-layers"),
+            (
                 f"--num-layers {layers} does not split into first {first}, last {last} and {middle} even middle "
                 f"pipeline ranks" + (f", each rank's layers over {vpp} virtual stages" if (vpp or 1) > 1 else ""),
-                where,
                 "Megatron's TransformerConfig asserts the first and last ranks' layers are above 0 and divide by "
                 "the virtual stages, and the remaining layers divide evenly over the middle ranks (and their "
                 "virtual stages)",
-            )
+            ),
+            "--decoder-first/last-pipeline-num-layers (the middle ranks even)",
+        ):
             return b.result()
-        b.set(
-            ("training", "pipeline_layers"),
-            list(split),
-            at=where,
-            origin="--decoder-first/last-pipeline-num-layers (the middle ranks even)",
-        )
 
     # The embedding and/or the loss counted as a layer in the split (TransformerConfig
     # account_for_embedding/loss_in_pipeline_split; layer_split.megatron_accounted).
@@ -519,23 +522,18 @@ def read_megatron(
                 "Megatron's TransformerConfig raises for both at once: keep one way of splitting the layers",
             )
             return b.result()
-        split = megatron_accounted(layers, pp, vpp or 1, embedding, loss)
-        if split is None:
-            slots = layers + embedding + loss
-            b.refuse(
-                f"--num-layers {layers} with the embedding/loss counted is {slots} layers, which pp {pp} * "
-                f"virtual stages {vpp or 1} does not divide",
-                where,
+        if not listed_split(
+            megatron_accounted(layers, pp, vpp or 1, embedding, loss),
+            where,
+            (
+                f"--num-layers {layers} with the embedding/loss counted is {layers + embedding + loss} layers, "
+                f"which pp {pp} * virtual stages {vpp or 1} does not divide",
                 "Megatron's TransformerConfig asserts the counted layers divide by pp and by the virtual stages: "
                 "change --num-layers, the pipeline size or the virtual stages",
-            )
+            ),
+            "--account-for-embedding/loss-in-pipeline-split (each counted as a layer)",
+        ):
             return b.result()
-        b.set(
-            ("training", "pipeline_layers"),
-            list(split),
-            at=where,
-            origin="--account-for-embedding/loss-in-pipeline-split (each counted as a layer)",
-        )
 
     # ---- the rest of training
     if has("--sequence-parallel"):
