@@ -23,7 +23,8 @@ The search (docs/search.md):
    estimated below its lower bound (compute, tp and ep traffic, the data-parallel traffic that
    compute cannot hide, the least bubble), so most meshes are never priced; checkpointing modes
    whose most frugal candidate the memory rule refuses are dropped first (the memory model grows
-   with every setting a mesh's candidates vary).
+   with every setting a mesh's candidates vary), and a mesh's schedules then wait apart, each
+   under its own bound.
 4. **screens** candidates in order of their step time with the verifier's own rules read with
    values (:func:`mixle_compile.verify.symbols.broken_rules`: the same constraints, no solver) and
    **confirms** each survivor with the real `check` (:func:`mixle_compile.check.check_loaded`, the
@@ -35,6 +36,8 @@ allocator's reserve (R002) unless ``tight``.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import math
 from collections import Counter
 from dataclasses import dataclass, field
@@ -1117,6 +1120,7 @@ def search(req: Request, top: int = DEFAULT_TOP, *, variants: bool = False, tigh
     # priced into `heap`. Candidates thus leave `heap` in the order of their estimates.
     pending = [(pricer.bound(m), m.order, False, m) for m in meshes]
     heapq.heapify(pending)
+    sequence = itertools.count(len(meshes))  # the order of the schedules' parts among equal bounds
     heap: list[tuple[float, int, dict, Mesh]] = []
     count = 0
     chosen: list[Plan] = []
@@ -1134,6 +1138,13 @@ def search(req: Request, top: int = DEFAULT_TOP, *, variants: bool = False, tigh
                 )
                 mesh.checkpointing = modes
                 heapq.heappush(pending, (pricer.bound(mesh), order, True, mesh))
+                continue
+            if len(mesh.schedules) > 1:
+                # Its schedules (virtual stages, layer splits) wait apart, each under its own bound,
+                # the modes that fit kept: a schedule that cannot win is never priced.
+                for schedule in mesh.schedules:
+                    part = dataclasses.replace(mesh, schedules=[schedule])
+                    heapq.heappush(pending, (pricer.bound(part), next(sequence), True, part))
                 continue
             for values in mesh.candidates(refused=lambda group, mesh=mesh: group_refused(group, mesh)):
                 heapq.heappush(heap, (pricer.price(values).seconds, count, values, mesh))

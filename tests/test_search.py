@@ -138,17 +138,24 @@ def test_the_best_first_search_finds_the_best_of_an_exhaustive_screen(tmp_path, 
     rule_sets = RuleSets(req, tight=True)  # errors only, per layer split
     pricer = _Pricer(req)
     valid, best_of_mesh = [], {}
+    parts = 0
     for mesh in enumerate_meshes(req):
         bound = pricer.bound(mesh)
+        # the search prices a mesh's schedules apart, each under the bound of the mesh cut to it
+        part_bounds = [(sc, pricer.bound(dataclasses.replace(mesh, schedules=[sc]))) for sc in mesh.schedules]
+        parts += len(part_bounds) > 1
         for values in mesh.candidates():
             seconds = pricer.price(values).seconds
             assert bound <= seconds * (1 + 1e-9), (mesh.degrees, values)  # the bound is one
+            ((_, part),) = [(sc, b) for sc, b in part_bounds if all(values.get(k) == sc[k] for k in sc)]
+            assert bound <= part <= seconds * (1 + 1e-9), (mesh.degrees, values)
             facts, cheap, memory = rule_sets(values)
             if not broken_rules(facts, cheap + memory, _symbol_values(values, ENUMS)):
                 valid.append(seconds)
                 key = tuple(values[k] for k in MESH_KEY)
                 best_of_mesh[key] = min(seconds, best_of_mesh.get(key, math.inf))
     valid.sort()
+    assert parts > 5
     assert len(valid) > 10
     assert len(outcome.plans) == 3
     for plan, best in zip(outcome.plans, valid, strict=False):
