@@ -40,6 +40,9 @@ class Symbols:
         self.facts = facts
         self.variables: dict[str, Any] = {}
         self.domain: list[Any] = []  # what every value satisfies whatever the pins say
+        # With values, what several rules derive alike is kept for the others (read in one mode: the
+        # concrete reading a caller opens around them)
+        self.memo: dict[str, Any] | None = {} if values is not None else None
         if values is not None:
             self._concrete(facts, values)
             return

@@ -31,7 +31,18 @@ from mixle_compile.verify.rule import Rule, define
 
 def per_rank_bytes(v) -> dict[str, object]:
     """The heaviest rank's bytes, as Z3 real terms, under the memory model of
-    :mod:`mixle_compile.memory_model` (the one the lowering prices plans with)."""
+    :mod:`mixle_compile.memory_model` (the one the lowering prices plans with). Read with values
+    (:class:`mixle_compile.verify.symbols.Symbols` with ``values``), computed once for R001 and R002."""
+    memo = vars(v).get("memo")  # not through a reading wrapper, which notes every attribute read
+    if memo is None:
+        return _per_rank_bytes(v)
+    hit = memo.get("per_rank_bytes")
+    if hit is None:
+        hit = memo["per_rank_bytes"] = _per_rank_bytes(v)
+    return hit
+
+
+def _per_rank_bytes(v) -> dict[str, object]:
     fp = v.facts.footprint
     # fp8 runs store bf16 weights (memory_model.stored_dtype); fp64 (refused for neural models by C008)
     # is priced with 8-byte weights and, like fp32, full-width activations and logits.
