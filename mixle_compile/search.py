@@ -1081,12 +1081,12 @@ def search(req: Request, top: int = DEFAULT_TOP, *, variants: bool = False, tigh
     pricer = _Pricer(req)
 
     verifier = PlanVerifier()  # one encoding per layer split: the candidates share the rest of the structure
-    facts_of = RuleSets(req, tight=tight)
+    rules_of = RuleSets(req, tight=tight)
     refused_by = MEMORY_RULE  # the memory rule that refused the last candidate `too_large` screened
 
     def screen(values: dict) -> list:
         outcome.screened += 1
-        facts, cheap, memory = facts_of(values)
+        facts, cheap, memory = rules_of(values)
         symbol_values = _symbol_values(values, ENUMS)
         broken = broken_rules(facts, cheap, symbol_values) or broken_rules(facts, memory, symbol_values)
         outcome.rejections.update(r.code for r in broken)
@@ -1095,7 +1095,7 @@ def search(req: Request, top: int = DEFAULT_TOP, *, variants: bool = False, tigh
     def too_large(values: dict) -> bool:
         nonlocal refused_by
         outcome.screened += 1
-        facts, _, memory = facts_of(values)
+        facts, _, memory = rules_of(values)
         broken = broken_rules(facts, memory, _symbol_values(values, ENUMS))
         outcome.rejections.update(r.code for r in broken)
         if broken:
@@ -1106,7 +1106,7 @@ def search(req: Request, top: int = DEFAULT_TOP, *, variants: bool = False, tigh
         """Whether a rule other than memory refuses ``values`` reading none of the settings that vary
         within its mesh and schedule: then it refuses every candidate of that group."""
         outcome.screened += 1
-        facts, cheap, _ = facts_of(values)
+        facts, cheap, _ = rules_of(values)
         for rule, read in broken_rules_reading(facts, cheap, _symbol_values(values, ENUMS)):
             if "*" not in read and not read & VARYING:
                 outcome.rejections[rule.code] += len(mesh.batches) * len(mesh.checkpointing) * len(mesh.distributed)
@@ -1245,7 +1245,7 @@ VARYING = frozenset(
 
 def _symbol_values(values: dict, enums: dict) -> dict:
     out = dict(values)
-    out.pop("pipeline_layers", None)  # a fact of the split's own (search: facts_of)
+    out.pop("pipeline_layers", None)  # a fact of the split's own (search.RuleSets)
     for key in ("activation_checkpointing", "pipeline_schedule"):
         out[key] = enums[key].index(values[key])
     return out

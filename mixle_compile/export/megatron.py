@@ -49,11 +49,12 @@ def megatron_arguments(spec: Spec) -> list[str]:
     uneven = accounted = None
     if isinstance(t.pipeline_layers, list):
         split = t.pipeline_layers
+        # --account-for-embedding/loss-in-pipeline-split (megatron/training/arguments.py), else
+        # --decoder-first/last-pipeline-num-layers
         accounted = megatron_accounting(split, m.num_layers, mesh.pp, t.virtual_pipeline_stages)
-        uneven = megatron_uneven_of(split, m.num_layers, mesh.pp, t.virtual_pipeline_stages)
-        if accounted is not None:
-            uneven = None  # --account-for-embedding/loss-in-pipeline-split (megatron/training/arguments.py)
-        elif uneven is None:
+        if accounted is None:
+            uneven = megatron_uneven_of(split, m.num_layers, mesh.pp, t.virtual_pipeline_stages)
+        if accounted is None and uneven is None:
             reasons.append(
                 (
                     "training.pipeline_layers",
@@ -143,10 +144,9 @@ def megatron_arguments(spec: Spec) -> list[str]:
     ]
     if per_stage is not None:
         a += ["--num-layers-per-virtual-pipeline-stage", per_stage]
-    if accounted is not None or uneven is not None:
+    if (accounted is not None or uneven is not None) and t.virtual_pipeline_stages > 1:
         # the virtual stages by count: layers per virtual stage would be read against num_layers alone
-        if t.virtual_pipeline_stages > 1:
-            a += ["--num-virtual-stages-per-pipeline-rank", t.virtual_pipeline_stages]
+        a += ["--num-virtual-stages-per-pipeline-rank", t.virtual_pipeline_stages]
     if accounted is not None:
         embedding, loss = accounted
         a += ["--account-for-embedding-in-pipeline-split"] * embedding
