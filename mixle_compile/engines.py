@@ -23,6 +23,7 @@ rules.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -198,6 +199,7 @@ class EngineProfile:
         return self.version is not None and version_key(self.version) >= version_key(version)
 
 
+@functools.lru_cache(maxsize=256)
 def version_key(version: str) -> tuple[int, ...]:
     return tuple(int(part) for part in version.split("."))
 

@@ -692,6 +692,11 @@ class _Pricer:
     def _recomputing(self, v: dict) -> tuple[bool, ...]:
         """What checkpointing issues again of the collectives this mesh has (EngineProfile.recomputes):
         the activation updates' cache key, so that modes that issue the same share them."""
+        mode = v["activation_checkpointing"]
+        key = ("recomputing", v["tp"] > 1, v["cp"] > 1, v["ep"] > 1, mode)
+        hit = self._grad_cache.get(key)
+        if hit is not None:
+            return hit
         combos = []
         if v["tp"] > 1:
             combos += [("all_gather", False), ("reduce_scatter", False), ("all_reduce", False)]
@@ -699,13 +704,14 @@ class _Pricer:
             combos.append(("all_gather", True))
         if v["ep"] > 1:
             combos.append(("all_to_all", False))
-        mode = v["activation_checkpointing"]
-        return tuple(self.engine.recomputes(mode, c, in_attention_core=core) for c, core in combos)
+        hit = self._grad_cache[key] = tuple(
+            self.engine.recomputes(mode, c, in_attention_core=core) for c, core in combos
+        )
+        return hit
 
-    def _summary(self, v: dict, activations: bool) -> dict:
-        """The activation updates' (else the parameters' updates') bytes per step summed by (layer
-        kind, what they grow with, axes, payload)."""
-        key = (
+    def _summary_key(self, v: dict, activations: bool) -> tuple:
+        """What :meth:`_summary` depends on in ``v``."""
+        return (
             "summary",
             activations,
             *(v[k] for k in ("tp", "cp", "ep", "etp", "sequence_parallel")),
@@ -715,6 +721,12 @@ class _Pricer:
                 else (v["dp_replicate"], v["dp_shard"], v["distributed_optimizer"])
             ),
         )
+
+    def _summary(self, v: dict, activations: bool, key: tuple | None = None) -> dict:
+        """The activation updates' (else the parameters' updates') bytes per step summed by (layer
+        kind, what they grow with, axes, payload)."""
+        if key is None:
+            key = self._summary_key(v, activations)
         hit = self._grad_cache.get(key)
         if hit is None:
             if activations:
@@ -761,45 +773,65 @@ class _Pricer:
     def _traffic(self, v: dict, dense: int, moe: int, first: bool, last: bool, activations_only: bool = False) -> list:
         """Bytes per step each rank of a stage with these layers sends, by axes and payload (no pp),
         and the seconds the calls that carry them wait (:meth:`latency`)."""
-        parts = [self._summary(v, True)] + ([] if activations_only else [self._summary(v, False)])
-        kinds = self._kind_counts()
-        times = {"dense": dense, "moe": moe, "first": int(first), "last": int(last)}
-        micro = v["microbatches"] * v["gradient_accumulation_steps"]
-        scale = {
-            "once": 1,
-            "steps": v["gradient_accumulation_steps"],
-            "micro": micro,
-            "tokens": micro * v["micro_batch_size"],
-        }
-        calls_scale = {**scale, "tokens": micro}
+        keys = (self._summary_key(v, True), None if activations_only else self._summary_key(v, False))
         mesh_key = tuple(v[k] for k in MESH_KEY)
+        stage = (dense, moe, first, last)
+        ga, micro = v["gradient_accumulation_steps"], v["microbatches"] * v["gradient_accumulation_steps"]
+        key = ("traffic", keys, stage, mesh_key, ga, micro, v["micro_batch_size"])
+        hit = self._grad_cache.get(key)
+        if hit is None:
+            scale = {"once": 1, "steps": ga, "micro": micro, "tokens": micro * v["micro_batch_size"]}
+            calls_scale = {**scale, "tokens": micro}
+            out: dict[tuple, list] = {}
+            for grows, entries in self._traffic_rows(v, keys, stage, mesh_key).items():
+                factor, calls_factor = scale[grows], calls_scale[grows]
+                for entry, nbytes, wait, flops in entries:
+                    total = out.get(entry)
+                    if total is None:
+                        total = out[entry] = [0.0, 0.0, 0.0]
+                    total[0] += nbytes * factor
+                    total[1] += wait * calls_factor
+                    total[2] += flops * factor
+            hit = self._grad_cache[key] = [
+                (axes, payload, nbytes, wait, None if fused is None else (flops, fused[1]))
+                for (axes, payload, fused), (nbytes, wait, flops) in out.items()
+            ]
+        return hit
+
+    def _traffic_rows(self, v: dict, keys: tuple, stage: tuple, mesh_key: tuple) -> dict:
+        """:meth:`_traffic` per unit of what each entry grows with: by growth, (entry, bytes, seconds
+        its calls wait, fused FLOPs) for a stage of ``stage`` = (dense, moe, first, last) layers."""
+        key = ("traffic rows", keys, stage, mesh_key)
+        hit = self._grad_cache.get(key)
+        if hit is not None:
+            return hit
+        parts = [self._summary(v, True, keys[0])] + ([] if keys[1] is None else [self._summary(v, False, keys[1])])
+        kinds = self._kind_counts()
+        dense, moe, first, last = stage
+        times = {"dense": dense, "moe": moe, "first": int(first), "last": int(last)}
         degrees = None
-        out: dict[tuple, list] = {}
+        rows: dict[str, dict[tuple, list]] = {}
         for kind, by_growth in (item for summary in parts for item in summary.items()):
             if not times[kind] or not kinds[kind]:
                 continue
             share = times[kind] / kinds[kind]
             for grows, entries in by_growth.items():
-                factor = scale[grows] * share
-                calls_factor = calls_scale[grows] * share
-                for key, (nbytes, calls, flops) in entries.items():
-                    total = out.get(key)
+                into = rows.setdefault(grows, {})
+                for entry, (nbytes, calls, flops) in entries.items():
+                    total = into.get(entry)
                     if total is None:
-                        total = out[key] = [0.0, 0.0, 0.0]
-                    total[0] += nbytes * factor
-                    total[2] += flops * factor
+                        total = into[entry] = [0.0, 0.0, 0.0]
+                    total[0] += nbytes * share
+                    total[2] += flops * share
                     for call, n in calls:
-                        wait = self._latencies.get((key, call, mesh_key))
-                        if wait is None:
-                            if degrees is None:
-                                degrees = {k: v[k] for k in MESH_KEY}
-                                degrees["world_size"] = self.req.devices
-                            wait = self.latency(key[0], key[1], call, degrees, mesh_key)
-                        total[1] += n * calls_factor * wait
-        return [
-            (axes, payload, nbytes, wait, None if fused is None else (flops, fused[1]))
-            for (axes, payload, fused), (nbytes, wait, flops) in out.items()
-        ]
+                        if degrees is None:
+                            degrees = {k: v[k] for k in MESH_KEY}
+                            degrees["world_size"] = self.req.devices
+                        total[1] += n * share * self.latency(entry[0], entry[1], call, degrees, mesh_key)
+        hit = self._grad_cache[key] = {
+            grows: [(entry, *total) for entry, total in into.items()] for grows, into in rows.items()
+        }
+        return hit
 
     def _state_bytes(self, v: dict, dense: int, moe: int, first: bool, last: bool) -> float:
         """Parameters, gradients and optimizer state a rank of the stage holds, as the lowering prices them."""
@@ -973,24 +1005,22 @@ class _Pricer:
         tokens = v["micro_batch_size"] * t.seq_len // cp
         hidden = tokens * model.hidden_size * act
         sp = v["sequence_parallel"]
-        traffic: list[tuple[tuple[str, ...], str, float]] = []
-
         mesh_key = tuple(degrees[k] for k in MESH_KEY)
-
-        def add(axes: tuple[str, ...], payload: str, nbytes: float, waited: float, fused=None) -> None:
-            if nbytes > 0:
-                traffic.append(
-                    (axes, payload, nbytes / self.link(axes, degrees) + waited, step_time.fused_seconds(st, fused))
-                )
-
         moe_layers = self._moe_on(count)
         # Per-layer activation collectives (tp, cp, ep) and the data-parallel gradients and parameter
         # gathers: the lowering's own updates (lower/updates.py) for the model cut to two layers,
-        # scaled to the stage's layers, micro-batch and micro-steps.
-        for axes, payload, nbytes, waited, fused in self._traffic(
-            v, count - moe_layers, moe_layers, busiest == 0, busiest == pp - 1
-        ):
-            add(axes, payload, nbytes, waited, fused)
+        # scaled to the stage's layers, micro-batch and micro-steps; in seconds over their links
+        # (the same for every candidate sharing the traffic and the compute setting).
+        rows = self._traffic(v, count - moe_layers, moe_layers, busiest == 0, busiest == pp - 1)
+        key = ("seconds", id(rows), id(st))  # both are kept in the pricer's caches
+        timed = self._grad_cache.get(key)
+        if timed is None:
+            timed = self._grad_cache[key] = [
+                (list(axes), payload, nbytes / self.link(axes, degrees) + waited, step_time.fused_seconds(st, fused))
+                for axes, payload, nbytes, waited, fused in rows
+                if nbytes > 0
+            ]
+        traffic = list(timed)
         if pp > 1:
             # Pipeline sends between stages (lower/updates.py activation_updates): the stage's output
             # forward and its gradient backward, per micro-batch and virtual boundary.
@@ -1002,12 +1032,12 @@ class _Pricer:
             chunks = max(1, v["virtual_pipeline_stages"])
             ends = sum(1 for w in range(pp * chunks - 1) if w % pp == busiest)
             starts = sum(1 for w in range(pp * chunks - 1) if (w + 1) % pp == busiest)
-            add(
-                ("pp",),
-                "activation",
-                micro_steps * (ends + starts) * boundary,
-                micro_steps * (ends + starts) * self.latency(("pp",), "activation", ("p2p", 2), degrees, mesh_key),
-            )
+            nbytes = micro_steps * (ends + starts) * boundary
+            if nbytes > 0:
+                waited = (
+                    micro_steps * (ends + starts) * self.latency(("pp",), "activation", ("p2p", 2), degrees, mesh_key)
+                )
+                traffic.append((["pp"], "activation", nbytes / self.link(("pp",), degrees) + waited, 0.0))
 
         state = self._state_bytes(v, count - moe_layers, moe_layers, busiest == 0, busiest == pp - 1)
         bubble = 0.0
@@ -1019,7 +1049,7 @@ class _Pricer:
             degrees,
             micro_steps * per_stage[busiest],
             micro_steps * attention_of[busiest],
-            [(list(a), p, sec, behind) for a, p, sec, behind in traffic],
+            traffic,
             bubble,
             state,
             self.flops_per_token,
