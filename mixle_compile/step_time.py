@@ -8,7 +8,8 @@ way :mod:`mixle_compile.memory_model` is read for memory. The model (docs/step-t
   kernel; experts by the tokens routed to them), at the device's achievable rate: its dense peak
   for the precision times an efficiency calibrated per device kind and precision
   (:data:`EFFICIENCY`, benchmarks/bench_step_time.py). Under fp8 the linear layers run at the fp8
-  peak; attention and the output head stay in bf16.
+  peak after casting their operands (:data:`FP8_CAST_BYTES`); attention and the output head stay
+  in bf16.
 - communication: every update's ring bytes per rank (:func:`ring_bytes`, the figure the plan's
   traffic reports) over the link its group crosses (inside a node or between nodes, from the
   mesh order and ``resources.topology``), then what the engine overlaps: data-parallel gradient
@@ -90,22 +91,26 @@ BASE_LATENCY = 8.4e-6
 #: and precision, calibrated on published measurements (benchmarks/bench_step_time.py prints the
 #: rows and the ratios; docs/step-time.md names the sources).
 EFFICIENCY: dict[tuple[str, str], float] = {
-    ("a100", "fp16"): 0.631,  # SC21 Table 1 (Megatron-LM, 10 rows)
-    ("h100", "fp8"): 0.634,  # Megatron-Bridge 25.11 (3 rows)
-    ("h100-96gb", "bf16"): 0.422,  # torchtitan Dec 2024, Tables 1 and 3, async TP bf16 (8 rows)
-    ("h100-96gb", "fp8"): 0.366,  # torchtitan Dec 2024, Tables 1-6, async TP fp8 (16 rows)
-    ("h200", "fp8"): 0.453,  # torchtitan, Trainy H200 (2 rows)
+    ("a100", "fp16"): 0.650,  # SC21 Table 1 (Megatron-LM, 10 rows)
+    ("h100", "fp8"): 0.760,  # Megatron-Bridge 25.11 (3 rows)
+    ("h100-96gb", "bf16"): 0.446,  # torchtitan Dec 2024, Tables 1 and 3, async TP bf16 (8 rows)
+    ("h100-96gb", "fp8"): 0.447,  # torchtitan Dec 2024, Tables 1-6, async TP fp8 (16 rows)
+    ("h200", "fp8"): 0.526,  # torchtitan, Trainy H200 (2 rows)
 }
 #: For a device kind or precision without a calibrated figure: the kind's 16-bit figure (same tensor
 #: cores; fp8 falls back to it too), else this.
 DEFAULT_EFFICIENCY = 0.45
 #: A fused attention kernel's rate relative to the matrix multiplications' (flash attention's
 #: forward and backward reach a lower share of the peak than large GEMMs).
-ATTENTION_EFFICIENCY = 0.5
+ATTENTION_EFFICIENCY = 0.4
 #: Bytes element-wise operations move per activation element (in the training dtype's bytes) per
 #: pass, eager and under torch.compile, which fuses chains of them (and some into the matmuls'
 #: prologues and epilogues); both fitted with the efficiencies (benchmarks/bench_step_time.py --fit).
-ELEMENTWISE_BYTES = {"eager": 2.0, "compiled": 0.5}
+ELEMENTWISE_BYTES = {"eager": 2.0, "compiled": 1.0}
+#: Bytes an fp8 step moves per element it casts to fp8 (:func:`_cast_elements`): dynamic
+#: scaling reads the 16-bit tensor for its absolute maximum and again for the cast (2 + 2), and
+#: writes the fp8 copy (1); fitted with the efficiencies (benchmarks/bench_step_time.py --fit).
+FP8_CAST_BYTES = 5.0
 #: Bytes per attention score and pass under eager attention: QK^T written, softmax read and written.
 SCORE_BYTES = 6.0
 #: A fused attention kernel's rate by the sequence length of one call, relative to its rate at 16k
@@ -364,6 +369,15 @@ def _gemm_bytes(
     return total
 
 
+def _cast_elements(gemms: tuple[tuple[float, float, float, bool], ...], tokens: float) -> float:
+    """Elements an fp8 step casts per pass of ``gemms`` at ``tokens`` rows (dynamic scaling: each
+    cast finds its tensor's absolute maximum first): over a forward and a backward, every matmul's
+    input twice (the forward's operand, and column-major for the weight's gradient) and its output's
+    gradient twice (for the input's gradient, and column-major for the weight's): two thirds of
+    (rows x inner + rows x output) per pass."""
+    return sum(2 / 3 * per_token * tokens * (inner + out) for per_token, inner, out, _ in gemms)
+
+
 def fused_matmul_flops(node_id: str, model: dict, training: dict, backend: str, tp: int) -> tuple[float, bool]:
     """Forward FLOPs per token, on one tp rank, of the matrix multiplications that async tensor
     parallelism fuses with the tensor-parallel collective ``node_id`` (torch's micro-pipelined TP,
@@ -576,6 +590,8 @@ def stage_compute_parts(
                 at_rows = _gemm_bytes(f.gemms, tokens, operand_bytes, weight_reads)
                 known = kinds[moe] = (f, at_rows - at_none, at_none)
             f, row_bytes, weight_bytes = known
+            if st.precision == "fp8":
+                row_bytes = row_bytes + FP8_CAST_BYTES * _cast_elements(f.gemms, tokens)
             linear += n * (3 * f.linear + f.recompute_linear) / tp
             attention += n * (3 * f.attention + f.recompute_attention) / tp
             moved += (

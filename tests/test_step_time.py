@@ -243,6 +243,44 @@ def test_matmul_operands_make_narrow_shards_slower_than_their_flops():
     assert eight_free[0] * 8 == pytest.approx(one_free[0], rel=0.02)
 
 
+def test_an_fp8_step_prices_its_casts_and_narrow_shards_pay_most(monkeypatch):
+    # Dynamic scaling casts every matmul's input twice and its output's gradient twice per forward
+    # and backward, FP8_CAST_BYTES an element at the memory bandwidth: two thirds of
+    # (rows x inner + rows x output) per pass, three passes without checkpointing.
+    from mixle_compile import step_time
+
+    model = {
+        "family": "transformer",
+        "hidden_size": 4096,
+        "num_heads": 32,
+        "num_kv_heads": 8,
+        "ffn_hidden_size": 14336,
+        "vocab_size": 128256,
+        "num_layers": 2,
+    }
+    training = {"seq_len": 8192, "micro_batch_size": 1, "sequence_parallel": True, "precision": "fp8"}
+    spec = {"model": model, "training": training, "backend": "torchtitan", "resources": {"kind": "h100", "devices": 8}}
+    bandwidth = step_time.DEVICES["h100"]["memory_bandwidth"]
+
+    def cast_seconds(data, tp):
+        monkeypatch.setattr(step_time, "FP8_CAST_BYTES", 0.0)
+        without, _ = step_time.stage_compute(data, tp, 1, [2])
+        monkeypatch.setattr(step_time, "FP8_CAST_BYTES", 5.0)
+        with_casts, _ = step_time.stage_compute(data, tp, 1, [2])
+        return with_casts[0] - without[0]
+
+    # one layer's matmuls on a rank at tp 1: q/k/v, o, the gated MLP's w1+w3, w2 (rows, inner, output)
+    tokens, h, kv, ffn = 8192, 4096, 1024, 14336
+    gemms = [(h, h + 2 * kv), (h, h), (h, 2 * ffn), (ffn, h)]
+    expected = 2 * 3 * 5.0 * sum(2 / 3 * tokens * (inner + out) for inner, out in gemms) / bandwidth
+    assert cast_seconds(spec, 1) == pytest.approx(expected)
+    # 16-bit steps cast nothing
+    bf16 = {**spec, "training": {**training, "precision": "bf16"}}
+    assert cast_seconds(bf16, 1) == 0.0
+    # per FLOP, tp 8 casts more than twice what tp 1 does (the rows stay, the widths shrink)
+    assert cast_seconds(spec, 8) * 8 > 2 * cast_seconds(spec, 1)
+
+
 def test_a_collective_waits_nccls_ring_latency():
     # NCCL src/graph/tuning.cc, Ring/Simple: baseLat 8.4 us, hwLat 3.4 us per step over NVLink and
     # 14 us over the network; all-reduce 2(n-1) steps (2 x nodes of them between nodes), all-gather
