@@ -564,12 +564,14 @@ class _Pricer:
 
     def _reduced(self):
         """The spec's model cut to its first two layers (a dense and a MoE one where it has both), as
-        the memory rule's footprint reads it."""
+        the memory rule's footprint reads it; a model without experts to its first layer (its layers
+        are alike, and every figure is taken per layer of a kind)."""
         if self._reduced_spec is None:
             spec = self.req.spec
             model = spec.model
-            if model.num_layers > 2:
-                spec = spec.model_copy(update={"model": model.model_copy(update={"num_layers": 2})})
+            keep = 2 if model.num_experts else 1
+            if model.num_layers > keep:
+                spec = spec.model_copy(update={"model": model.model_copy(update={"num_layers": keep})})
             self._reduced_spec = spec
         return self._reduced_spec
 
