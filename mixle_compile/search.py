@@ -945,17 +945,21 @@ class _Pricer:
         and tp's own gradient reductions only add to it."""
         fp = self.footprint
         d = mesh.degrees
-        elements = 0.0
-        for place, n in (
-            ("every_layer", dense),
-            ("dense_layer", dense),
-            ("first_stage", int(first)),
-            ("last_stage", int(last)),
-        ):
-            if n:
-                elements += n * (
-                    fp.share(place, "tensor_parallel").elements / d["tp"] + fp.share(place, "replicated").elements
-                )
+        key = ("dense elements", d["tp"], dense, first, last)
+        elements = self._grad_cache.get(key)
+        if elements is None:
+            elements = 0.0
+            for place, n in (
+                ("every_layer", dense),
+                ("dense_layer", dense),
+                ("first_stage", int(first)),
+                ("last_stage", int(last)),
+            ):
+                if n:
+                    elements += n * (
+                        fp.share(place, "tensor_parallel").elements / d["tp"] + fp.share(place, "replicated").elements
+                    )
+            self._grad_cache[key] = elements
         batch = mesh.batches[-1]
         micro = batch["microbatches"] * batch["gradient_accumulation_steps"]
         element_bytes = 4 if self.req.spec.training.precision == "fp32" else 2
