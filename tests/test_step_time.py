@@ -26,6 +26,18 @@ resources: {devices: 8, kind: h100, memory: 80GiB}
 """
 
 
+#: Llama 3 8B's dimensions, as step_time reads a spec's model.
+LLAMA3_8B = {
+    "family": "transformer",
+    "hidden_size": 4096,
+    "num_heads": 32,
+    "num_kv_heads": 8,
+    "ffn_hidden_size": 14336,
+    "vocab_size": 128256,
+    "num_layers": 32,
+}
+
+
 def predicted(ds=8, tp=1, ga=1, ac="none"):
     text = (
         SPEC.replace("DS", str(ds))
@@ -217,15 +229,7 @@ def test_matmul_operands_make_narrow_shards_slower_than_their_flops():
     from mixle_compile import step_time
 
     spec = {
-        "model": {
-            "family": "transformer",
-            "hidden_size": 4096,
-            "num_heads": 32,
-            "num_kv_heads": 8,
-            "ffn_hidden_size": 14336,
-            "vocab_size": 128256,
-            "num_layers": 32,
-        },
+        "model": LLAMA3_8B,
         "training": {"seq_len": 8192, "micro_batch_size": 1, "sequence_parallel": True, "precision": "bf16"},
         "backend": "torchtitan",
         "resources": {"kind": "h100", "devices": 8},
@@ -249,15 +253,7 @@ def test_an_fp8_step_prices_its_casts_and_narrow_shards_pay_most(monkeypatch):
     # (rows x inner + rows x output) per pass, three passes without checkpointing.
     from mixle_compile import step_time
 
-    model = {
-        "family": "transformer",
-        "hidden_size": 4096,
-        "num_heads": 32,
-        "num_kv_heads": 8,
-        "ffn_hidden_size": 14336,
-        "vocab_size": 128256,
-        "num_layers": 2,
-    }
+    model = {**LLAMA3_8B, "num_layers": 2}
     training = {"seq_len": 8192, "micro_batch_size": 1, "sequence_parallel": True, "precision": "fp8"}
     spec = {"model": model, "training": training, "backend": "torchtitan", "resources": {"kind": "h100", "devices": 8}}
     bandwidth = step_time.DEVICES["h100"]["memory_bandwidth"]
