@@ -360,3 +360,15 @@ def test_a_modules_spec_without_layer_indices_verifies(capsys):
 
     status, out, _ = run_cli(capsys, "check", str(EXAMPLES / "modules-mlp.yaml"))
     assert status == 0 and "All checks passed" in out
+
+
+def test_findings_of_errors_alone_are_the_errors_of_all_findings():
+    # The exporter asks for the errors alone: the same findings, with the same conflicts, without
+    # looking for the warnings' conflicts.
+    text = (ROOT / "tests/corpus/production/megatron_lm/llama3_8b_h100_fp8_tp1_sp_8gpu.yaml").read_text()
+    spec = load_spec_text(text.replace("memory: 80GiB", "memory: 40GiB"), "s.yaml").spec
+    facts = plan_facts(spec)
+    every = PlanVerifier().findings(facts)
+    errors = PlanVerifier().findings(facts, errors_only=True)
+    assert {f.severity.value for f in every} == {"error", "warning"}
+    assert [(f.code, f.message) for f in errors] == [(f.code, f.message) for f in every if f.severity.value == "error"]

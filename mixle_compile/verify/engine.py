@@ -203,11 +203,17 @@ class PlanVerifier:
         enc = self.encoding(facts)
         return enc.violated(enc.model(facts))
 
-    def findings(self, facts: PlanFacts) -> tuple[Finding, ...]:
+    def findings(self, facts: PlanFacts, *, errors_only: bool = False) -> tuple[Finding, ...]:
+        """What the plan breaks, each with its minimal conflict; with ``errors_only`` the errors alone
+        (the warnings' conflicts are not looked for)."""
         enc = self.encoding(facts)
         model = enc.model(facts)
         values = Values(enc.symbols, model, facts)
-        return tuple(describe(rule, self.conflict(facts, rule), values, facts) for rule in enc.violated(model))
+        return tuple(
+            describe(rule, self.conflict(facts, rule), values, facts)
+            for rule in enc.violated(model)
+            if not errors_only or rule.severity is Severity.error
+        )
 
     def conflict(self, facts: PlanFacts, rule: Rule) -> tuple[Field, ...]:
         """A minimal set of fields whose values alone break ``rule``.
