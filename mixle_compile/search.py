@@ -811,7 +811,7 @@ class _Pricer:
         kinds = self._kind_counts()
         dense, moe, first, last = stage
         times = {"dense": dense, "moe": moe, "first": int(first), "last": int(last)}
-        degrees = None
+        degrees = {**{k: v[k] for k in MESH_KEY}, "world_size": self.req.devices}
         rows: dict[str, dict[tuple, list]] = {}
         for kind, by_growth in (item for summary in parts for item in summary.items()):
             if not times[kind] or not kinds[kind]:
@@ -826,9 +826,6 @@ class _Pricer:
                     total[0] += nbytes * share
                     total[2] += flops * share
                     for call, n in calls:
-                        if degrees is None:
-                            degrees = {k: v[k] for k in MESH_KEY}
-                            degrees["world_size"] = self.req.devices
                         total[1] += n * share * self.latency(entry[0], entry[1], call, degrees, mesh_key)
         hit = self._grad_cache[key] = {
             grows: [(entry, *total) for entry, total in into.items()] for grows, into in rows.items()

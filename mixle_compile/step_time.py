@@ -588,10 +588,10 @@ def stage_compute_parts(
                 f = _layer_flops(model, training, seq, st.backend, moe, tp)
                 at_none = _gemm_bytes(f.gemms, 0.0, operand_bytes, weight_reads)
                 at_rows = _gemm_bytes(f.gemms, tokens, operand_bytes, weight_reads)
+                if st.precision == "fp8":  # the casts grow with the rows too
+                    at_rows += FP8_CAST_BYTES * _cast_elements(f.gemms, tokens)
                 known = kinds[moe] = (f, at_rows - at_none, at_none)
             f, row_bytes, weight_bytes = known
-            if st.precision == "fp8":
-                row_bytes = row_bytes + FP8_CAST_BYTES * _cast_elements(f.gemms, tokens)
             linear += n * (3 * f.linear + f.recompute_linear) / tp
             attention += n * (3 * f.attention + f.recompute_attention) / tp
             moved += (

@@ -64,20 +64,11 @@ def verification_errors(spec: Spec) -> list[tuple[str, str]]:
     if errors:
         return errors
     from mixle_compile.spec.source import dotted
-    from mixle_compile.verify import plan_facts
-    from mixle_compile.verify.engine import PlanVerifier
-    from mixle_compile.verify.rule import rules_for
-    from mixle_compile.verify.symbols import broken_rules
+    from mixle_compile.verify import verify_plan
 
-    # The rules read with the spec's exact values are the solver's verdict (verify_plan); only a
-    # plan that breaks an error rule needs the solver, for the fields and values its message names,
-    # and only its errors' conflicts are looked for (what `check` says of its warnings is not needed).
-    facts = plan_facts(spec)
-    if not any(r.severity is Severity.error for r in broken_rules(facts, rules_for(facts), {}, exact=True)):
-        return []
     return [
         (", ".join(dotted(p) for p in f.paths[:1]), f"{f.code} {f.message}")
-        for f in PlanVerifier().findings(facts, errors_only=True)
+        for f in verify_plan(spec, errors_only=True).findings
     ]
 
 

@@ -57,8 +57,9 @@ class Verification:
         return sum(f.severity is Severity.error for f in self.findings)
 
 
-def verify_plan(spec: Spec, verifier: PlanVerifier | None = None) -> Verification:
-    """Check a spec that passed its own checks against its backend's rule set."""
+def verify_plan(spec: Spec, verifier: PlanVerifier | None = None, *, errors_only: bool = False) -> Verification:
+    """Check a spec that passed its own checks against its backend's rule set; with ``errors_only``
+    only the errors are reported (the solver is not started for warnings)."""
     from mixle_compile.verify.symbols import broken_rules
 
     facts = plan_facts(spec)
@@ -66,10 +67,11 @@ def verify_plan(spec: Spec, verifier: PlanVerifier | None = None) -> Verificatio
     # Every field is pinned, so whether a rule holds is a ground evaluation: the rules' one statement
     # read with exact values gives the solver's verdict without starting it. The solver is needed
     # for what a broken plan reports (a minimal conflict per rule, the values in its messages).
-    if broken_rules(facts, rules_for(facts), {}, exact=True):
+    broken = broken_rules(facts, rules_for(facts), {}, exact=True)
+    if any(not errors_only or r.severity is Severity.error for r in broken):
         from mixle_compile.verify.engine import PlanVerifier
 
-        findings = (verifier or PlanVerifier()).findings(facts)
+        findings = (verifier or PlanVerifier()).findings(facts, errors_only=errors_only)
     proof = None
     # The proof needs an elastic axis, and says something new only once the plan is valid at its own
     # size under the rules the proof checks (the capability to restart, C005, is reported apart).
