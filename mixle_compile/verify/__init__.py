@@ -71,7 +71,8 @@ def verify_plan(spec: Spec, verifier: PlanVerifier | None = None, *, errors_only
     if any(not errors_only or r.severity is Severity.error for r in broken):
         from mixle_compile.verify.engine import PlanVerifier
 
-        findings = (verifier or PlanVerifier()).findings(facts, errors_only=errors_only)
+        verifier = verifier or PlanVerifier()
+        findings = verifier.findings(facts, errors_only=True) if errors_only else verifier.findings(facts)
     proof = None
     # The proof needs an elastic axis, and says something new only once the plan is valid at its own
     # size under the rules the proof checks (the capability to restart, C005, is reported apart).
