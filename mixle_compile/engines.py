@@ -108,6 +108,14 @@ class EngineProfile:
         return self.name == Engine.TORCHTITAN and not self.at_least("0.3")
 
     @property
+    def fp8_saves_quantized_inputs(self) -> bool:
+        """Under fp8 the linear layers keep the fp8 copy of their input for the weight gradient:
+        Megatron-Core's Transformer Engine modules (transformer_engine/pytorch/module/linear.py saves
+        the quantized ``inputmat``). torchtitan's float8 linears (torchao's ``Float8Linear``) keep the
+        high-precision input and cast it again in the backward (memory_model.activation_bytes_per_layer)."""
+        return self.name == Engine.MEGATRON
+
+    @property
     def op_level_selective(self) -> bool:
         """Selective checkpointing saves chosen ops' outputs (torchtitan's ``SelectiveAC``, op mode);
         elsewhere it recomputes attention's core (Korthikanti et al., Megatron's selective)."""

@@ -151,6 +151,9 @@ def activation_bytes_per_layer(
     query_width: Any = 0,
     kv_width: Any = 0,
     ffn_width: Any = 0,
+    fp8_saved_inputs: Any = False,
+    dense_ffn_width: Any = 0,
+    gated: bool | None = None,
 ) -> Any:
     """Bytes one transformer layer keeps for the backward pass, per micro-batch.
 
@@ -167,12 +170,42 @@ def activation_bytes_per_layer(
     the reduce-scatters of sequence parallelism, and recomputes the rest from the block's input:
     ``2*s*b*(input + (q + v + w1)/t + w2_out + attention/t + rs)`` bytes, the input and the
     reduce-scatter outputs ``h/t`` each under sequence parallelism (``h`` input, no reduce-scatter,
-    without it), the row-parallel w2 output whole (a partial sum before its reduction)."""
+    without it), the row-parallel w2 output whole (a partial sum before its reduction).
+
+    With the block's widths known (``gated`` and the dense MLP's ``dense_ffn_width``), the same
+    count is taken tensor by tensor instead of for GPT-3's shapes: per token, the two norms' inputs
+    and the q/k/v and first MLP linear inputs (``h`` each, ``h/t`` under sequence parallelism), the
+    queries, keys and values as the fused attention keeps them (``q + 2 kv``, over ``t``), the
+    attention output (``q/t``), the first MLP linear's outputs (``2F/t`` gated, ``F/t`` not) and the
+    last one's input (``F/t``), two bytes each, and one byte per element of the two dropout masks
+    (``h`` each, ``h/t`` under sequence parallelism) for a non-gated (GPT-style) block, whose
+    recipes train with dropout (Megatron-LM's ``--hidden-dropout`` and ``--attention-dropout``
+    default to 0.1); gated blocks (Llama-family SwiGLU) are trained without (torchtitan's models have
+    no dropout; Megatron-Bridge's Llama providers set both to 0). With GPT-3's shapes (``q = kv = h``,
+    ``F = 4h``, not gated) this is Korthikanti's ``34`` and ``10 + 24/t`` exactly.
+
+    ``fp8_saved_inputs``: the linear layers keep their inputs for the weight gradient as the fp8
+    copy they cast (Transformer Engine's ``Linear`` and ``LayerNormLinear`` save the quantized input,
+    transformer_engine/pytorch/module/linear.py, ``saved_inputmat = inputmat`` after the cast), one
+    byte an element instead of two, where the linear alone keeps that input: the normalised input of
+    the q/k/v projection and of the MLP's first linear (``h`` wide each; ``h/t`` under sequence
+    parallelism) and the input of the MLP's last one (``dense_ffn_width/t``). The attention output
+    stays kept in 16 bits by the attention kernel for its own backward, so the output projection's
+    fp8 copy of it (``query_width/t``) is kept besides it. A mixture-of-experts layer replaces the
+    dense MLP's share with its block's (:func:`moe_layer_extra_bytes`, which takes the same widths)."""
     s = ar.exact(seq_len) / ar.exact(cp)
     t = ar.exact(tp)
     sbh = s * ar.exact(micro_batch_size) * ar.exact(hidden_size)
     scores = 5 * ar.exact(num_heads) * s * s * ar.exact(micro_batch_size) / t
     kept = ar.when(sequence_parallel, 34 * sbh / t, sbh * (10 + 24 / t))
+    if gated is not None and dense_ffn_width and query_width:
+        sb = s * ar.exact(micro_batch_size)
+        h = ar.exact(hidden_size)
+        q, kv, f = ar.exact(query_width), ar.exact(kv_width or query_width), ar.exact(dense_ffn_width)
+        masks = 0 if gated else 2 * h  # one byte an element, two masks
+        whole = 2 * (4 * h) + masks  # norms' inputs, q/k/v and first MLP linear inputs, masks
+        split = 2 * (q + 2 * kv + q + (3 if gated else 2) * f)
+        kept = ar.when(sequence_parallel, sb * (whole + split) / t, sb * (whole + split / t))
     if op_level_selective:
         sb = s * ar.exact(micro_batch_size)
         h = ar.exact(hidden_size)
@@ -186,6 +219,12 @@ def activation_bytes_per_layer(
         ar.when(sequence_parallel, 2 * sbh / t, 2 * sbh),
         ar.when(selective_recompute, selective, ar.when(eager_attention, kept + scores, kept)),
     )
+    if fp8_saved_inputs is not False:
+        sb = s * ar.exact(micro_batch_size)
+        h = ar.exact(hidden_size)
+        whole_inputs = ar.when(sequence_parallel, 2 * h / t, 2 * h)  # q/k/v and first MLP linear inputs
+        narrowed = whole_inputs + (ar.exact(dense_ffn_width) - ar.exact(query_width)) / t
+        per_layer = per_layer - ar.when(fp8_saved_inputs, ar.when(full_recompute, 0, sb * narrowed), 0)
     return per_layer * ar.when(fp32, 2, 1)
 
 
@@ -436,6 +475,9 @@ def moe_layer_extra_bytes(
     capacity_factor: Any,
     saved: MoESaved,
     fp32: Any,
+    dense_ffn_width: Any = 0,
+    gated: bool | None = None,
+    fp8_saved_inputs: Any = False,
 ) -> Any:
     """Bytes a mixture-of-experts layer keeps for the backward pass beyond a dense layer, per
     micro-batch: what its MoE block saves in place of the dense MLP block's share of
@@ -450,7 +492,15 @@ def moe_layer_extra_bytes(
     experts take at most ``c * T * k``); dropless routing (no capacity factor, ``c = 1``) is
     priced at the even share, its average. The block saves ``saved.per_routed(h, F / etp)``
     bytes per routed token and ``saved.per_token(h, E)`` per token (the router), both in 16-bit
-    activations; fp32 activations double them."""
+    activations; fp32 activations double them.
+
+    With the dense MLP's width known (``dense_ffn_width`` and ``gated``, as
+    :func:`activation_bytes_per_layer` takes them) its share is counted tensor by tensor as there:
+    the first linear's input (``2h``, over ``t`` under sequence parallelism), its outputs and the last
+    one's input (``6F`` gated, ``4F`` not, over ``t``) and a non-gated block's dropout mask (``h``);
+    under ``fp8_saved_inputs`` the dense layer kept those two inputs at a byte an element, so its
+    share is that much smaller (the experts' own fp8 copies are not counted: the block is priced in
+    16 bits)."""
     t = ar.exact(tp)
     tokens = ar.exact(seq_len) / ar.exact(cp) * ar.exact(micro_batch_size)
     tokens = ar.when(sequence_parallel, tokens / t, tokens)
@@ -460,9 +510,18 @@ def moe_layer_extra_bytes(
     block = routed * (saved.routed_hidden * h + saved.routed_ffn * local_width + saved.routed_fixed)
     block = block + tokens * (saved.token_hidden * h + saved.token_experts * ar.exact(num_experts))
     all_tokens = ar.exact(seq_len) / ar.exact(cp) * ar.exact(micro_batch_size)
-    dense = ar.when(
-        sequence_parallel,
-        DENSE_MLP_BYTES * all_tokens * h / t,
-        all_tokens * h * (DENSE_MLP_REPLICATED_BYTES + (DENSE_MLP_BYTES - DENSE_MLP_REPLICATED_BYTES) / t),
-    )
+    if gated is not None and dense_ffn_width:
+        f = ar.exact(dense_ffn_width)
+        whole = 2 * h + (0 if gated else h)  # the first linear's input, a non-gated block's mask
+        split = (6 if gated else 4) * f
+        if fp8_saved_inputs is not False:
+            whole = whole - ar.when(fp8_saved_inputs, h, 0)
+            split = split - ar.when(fp8_saved_inputs, f, 0)
+        dense = ar.when(sequence_parallel, all_tokens * (whole + split) / t, all_tokens * (whole + split / t))
+    else:
+        dense = ar.when(
+            sequence_parallel,
+            DENSE_MLP_BYTES * all_tokens * h / t,
+            all_tokens * h * (DENSE_MLP_REPLICATED_BYTES + (DENSE_MLP_BYTES - DENSE_MLP_REPLICATED_BYTES) / t),
+        )
     return ar.when(block > dense, block - dense, 0) * ar.when(fp32, 2, 1)

@@ -204,6 +204,64 @@ def test_activation_formula_matches_korthikanti():
     assert per_layer(cp=2) < per_layer()
 
 
+def test_the_count_by_tensor_is_korthikantis_for_gpt_shapes_and_drops_the_masks_of_a_gated_block():
+    s, b, h, q, kv, f, t = 32, 2, 64, 64, 16, 160, 4
+    base = dict(
+        seq_len=s,
+        cp=1,
+        micro_batch_size=b,
+        hidden_size=h,
+        num_heads=4,
+        tp=t,
+        full_recompute=False,
+        selective_recompute=False,
+        fp32=False,
+        eager_attention=False,
+    )
+    for sp in (False, True):
+        gpt = activation_bytes_per_layer(
+            NUMBERS, **base, sequence_parallel=sp, query_width=h, kv_width=h, dense_ffn_width=4 * h, gated=False
+        )
+        assert gpt == pytest.approx(activation_bytes_per_layer(NUMBERS, **base, sequence_parallel=sp))
+    # a gated block with grouped keys: norms' and linears' inputs (4h), q, k, v, the attention output,
+    # gate and up outputs (2F) and the last linear's input (F), two bytes each, no dropout masks
+    llama = activation_bytes_per_layer(
+        NUMBERS, **base, sequence_parallel=True, query_width=q, kv_width=kv, dense_ffn_width=f, gated=True
+    )
+    assert llama == pytest.approx(s * b * 2 * (4 * h + q + 2 * kv + q + 3 * f) / t)
+
+
+LLAMA_FP8 = """\
+model: {family: transformer, vocab_size: 256, hidden_size: 64, num_layers: 4, num_heads: 4, num_kv_heads: 2,
+        ffn_hidden_size: 160}
+mesh: {dp_replicate: 1, dp_shard: 2, tp: 2, pp: 1}
+training: {global_batch_size: 4, micro_batch_size: 2, seq_len: 32, precision: PRECISION, optimizer: adamw,
+           sequence_parallel: true, activation_checkpointing: CKPT}
+backend: BACKEND
+resources: {devices: 4, memory: 1TiB}
+"""
+
+
+@pytest.mark.parametrize("ckpt", ["none", "selective", "full"])
+def test_transformer_engine_keeps_its_linears_fp8_inputs(ckpt):
+    """Megatron's TE linears keep the fp8 copy of their inputs (the q/k/v and first MLP linear's
+    normalised input and the last MLP linear's input shrink to a byte an element, the output
+    projection's copy comes besides the attention output); torchtitan's float8 keeps them in 16 bits;
+    full recomputation keeps the layer input alone either way. The rule prices what the lowering does."""
+
+    def activations(backend: str, precision: str) -> float:
+        text = LLAMA_FP8.replace("PRECISION", precision).replace("CKPT", ckpt).replace("BACKEND", backend)
+        spec = load_spec_text(text, "llama.yaml").spec
+        (stage,), bound = _figures(spec)
+        assert stage.activations == int(bound["activations"])
+        return stage.activations
+
+    sb, h, q, f, t, layers = 32 * 2, 64, 64, 160, 2, 4
+    saved = 0 if ckpt == "full" else layers * sb * (2 * h + f - q) / t
+    assert activations("megatron", "bf16") - activations("megatron", "fp8") == pytest.approx(saved, abs=layers)
+    assert activations("torchtitan", "bf16") == activations("torchtitan", "fp8")
+
+
 def test_a_transformers_footprint_is_read_from_one_layer_of_each_kind():
     # Layers of one kind hold the same tensors, so two layers show both kinds: the footprint of a
     # model of 2 layers priced for L layers equals the one enumerated over all L (dense and MoE).
@@ -500,7 +558,7 @@ def test_r002_warns_when_only_the_allocators_reserve_does_not_fit():
 
 
 MOE_SPEC = """\
-model: {{family: transformer, vocab_size: 256, hidden_size: 64, num_layers: 4, num_heads: 4, ffn_hidden_size: 256{moe}}}
+model: {{family: transformer, vocab_size: 256, hidden_size: 64, num_layers: 4, num_heads: 4, ffn_hidden_size: 192{moe}}}
 mesh: {{dp_shard: 2, tp: {tp}, ep: {ep}, etp: {etp}}}
 training: {{global_batch_size: 4, micro_batch_size: 2, seq_len: 128, precision: bf16, sequence_parallel: {sp},
            activation_checkpointing: {ckpt}}}
@@ -552,13 +610,14 @@ def _stage(spec):
     ],
 )
 def test_an_moe_layer_keeps_its_blocks_tensors_for_the_tokens_after_dispatch(backend, tp, etp, per_routed, per_token):
-    """The MoE layers' activations replace the dense MLP's 19 bytes a token and feature with what the
-    engine's MoE block saves for the tokens the rank holds after dispatch."""
+    """The MoE layers' activations replace the dense MLP's share (its tensors, counted by width) with
+    what the engine's MoE block saves for the tokens the rank holds after dispatch."""
     spec = moe_spec(backend=backend, tp=tp, etp=etp)
     dense = moe_spec(backend=backend, tp=tp, etp=etp, experts=0)
     tokens = 128 * 2 // tp  # sequence parallelism shards the block's tokens over tp
     routed = tokens * 2 * etp  # top-2, the expert-tensor-parallel ranks' tokens gathered
-    extra = routed * per_routed + tokens * per_token - 19 * 128 * 2 * 64 // tp
+    # the dense MLP's share it replaces: fc1's input 2h, its gated outputs 4F and fc2's input 2F (F = 192)
+    extra = routed * per_routed + tokens * per_token - (2 * 64 + 6 * 192) * 128 * 2 // tp
     moe_layers = 2  # layers 0 and 2 of 4
     assert _stage(spec).activations - _stage(dense).activations == pytest.approx(moe_layers * extra, abs=2)
     # R001 prices the same (one formula set): a stage without a pipeline is its heaviest rank

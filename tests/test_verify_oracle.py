@@ -303,8 +303,7 @@ MOE_SAVED = {
 
 def moe_extra_bytes(spec: Spec) -> Fraction:
     """An MoE layer's bytes beyond a dense layer's, per micro-batch: its block's saved tensors for
-    the tokens it holds after dispatch, less the dense MLP's 19 bytes a token and feature
-    (3 of them replicated over tp without sequence parallelism), never below zero."""
+    the tokens it holds after dispatch, less the dense MLP's share of saved_tensors, never below zero."""
     model, m, t = spec.model, spec.mesh, spec.training
     s = Fraction(t.seq_len, m.cp) * t.micro_batch_size
     h, tp = model.hidden_size, m.tp
@@ -317,7 +316,10 @@ def moe_extra_bytes(spec: Spec) -> Fraction:
     block = routed * (per_hidden * h + per_ffn * width + fixed) + tokens * (
         token_hidden * h + token_experts * model.num_experts
     )
-    dense = 19 * s * h / tp if t.sequence_parallel else s * h * (3 + Fraction(16, tp))
+    dense = sum(
+        (count * bytes_ for _, count, bytes_ in saved_tensors(spec) if _.startswith("mlp")),
+        Fraction(0),
+    )
     extra = max(block - dense, Fraction(0))
     return 2 * extra if t.precision in ("fp32", "fp64") else extra
 
@@ -378,6 +380,41 @@ def logits_bytes(spec: Spec) -> Fraction:
     return s * b * model.vocab_size / m.tp * per_logit
 
 
+def saved_tensors(spec: Spec) -> list[tuple[str, Fraction, int]]:
+    """What one dense transformer layer saves for its backward pass on one rank, per micro-batch,
+    tensor by tensor: (name, elements, bytes an element at 16-bit activations). A tensor the block
+    holds whole before its column-parallel split is sharded over tp only under sequence parallelism.
+    Dropout masks (a byte an element) belong to non-gated blocks only; under fp8, Megatron's linears
+    keep their inputs as the fp8 copies they cast (the output projection's besides the attention
+    output the attention kernel keeps); names starting with "mlp" are the dense MLP's share."""
+    model, m, t = spec.model, spec.mesh, spec.training
+    tokens = Fraction(t.seq_len, m.cp) * t.micro_batch_size
+    h, tp = model.hidden_size, m.tp
+    head_dim = model.head_dim or h // model.num_heads
+    q, kv, f = model.num_heads * head_dim, (model.num_kv_heads or model.num_heads) * head_dim, model.ffn_hidden_size
+    gated = model.activation == "swiglu"
+    fp8 = backend_of(spec) == "megatron" and t.precision == "fp8"
+    whole = tokens * h / tp if t.sequence_parallel else tokens * h
+    split = tokens / tp
+    low = 1 if fp8 else 2
+    tensors = [
+        ("attention norm input", whole, 2),
+        ("qkv input", whole, low),
+        ("queries", split * q, 2),
+        ("keys and values", split * 2 * kv, 2),
+        ("attention output", split * q, 2),
+        ("second norm input", whole, 2),
+        ("mlp fc1 input", whole, low),
+        ("mlp fc1 output", split * (2 * f if gated else f), 2),
+        ("mlp fc2 input", split * f, low),
+    ]
+    if fp8:
+        tensors.append(("projection fp8 input", split * q, 1))
+    if not gated:
+        tensors += [("attention dropout mask", whole, 1), ("mlp dropout mask", whole, 1)]
+    return tensors
+
+
 def layer_activation_bytes(spec: Spec, checkpointing: str) -> Fraction:
     model, m, t = spec.model, spec.mesh, spec.training
     s = Fraction(t.seq_len, m.cp)
@@ -396,7 +433,7 @@ def layer_activation_bytes(spec: Spec, checkpointing: str) -> Fraction:
         kept = Fraction(2 * q + kv + ffn, tp) + h + (Fraction(3 * h, tp) if t.sequence_parallel else h)
         per_layer = 2 * s * b * kept
     else:
-        per_layer = 34 * sbh / tp if t.sequence_parallel else sbh * (10 + Fraction(24, tp))
+        per_layer = sum((count * bytes_ for _, count, bytes_ in saved_tensors(spec)), Fraction(0))
         if checkpointing == "none" and t.attention == "eager":  # flash is every engine's default
             per_layer += 5 * a * s * s * b / tp
     if t.precision in ("fp32", "fp64"):

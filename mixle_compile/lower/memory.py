@@ -271,6 +271,8 @@ def _activation_bytes(
             fp32=t.precision == "fp32",
             eager_attention=(t.attention or engine.default_attention) == "eager",
             op_level_selective=engine.op_level_selective,
+            fp8_saved_inputs=engine.fp8_saves_quantized_inputs and t.precision == "fp8",
+            gated=model.activation == "swiglu",
             **activation_widths(model),
         )
 
@@ -330,6 +332,9 @@ def moe_extra(spec: Spec, plan: ParallelPlan) -> tuple[float, float]:
         sequence_parallel=t.sequence_parallel,
         saved=engine.moe_saved(model.activation),
         fp32=t.precision == "fp32",
+        dense_ffn_width=model.ffn_hidden_size,
+        gated=model.activation == "swiglu",
+        fp8_saved_inputs=engine.fp8_saves_quantized_inputs and t.precision == "fp8",
         **expert_shape(model),
     )
     keeps = t.activation_checkpointing == "none" or (

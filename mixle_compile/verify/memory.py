@@ -85,6 +85,7 @@ class ParameterFootprint:
     kv_width: int = 0  # num_kv_heads * head_dim
     head_dim: int = 0
     ffn_width: int = 0  # the widest MLP per token: ffn_hidden_size, or experts_per_token * the experts' size
+    dense_ffn_width: int = 0  # a dense MLP's width: ffn_hidden_size
     # mixture-of-experts layers (memory_model.moe_layer_extra_bytes): see expert_shape
     num_experts: int = 0
     experts_per_token: int = 0
@@ -197,7 +198,7 @@ def attention_widths(model, *, repeated_keys: bool) -> dict[str, int]:
 
 
 def activation_widths(model) -> dict[str, int]:
-    """The per-token widths op-level selective checkpointing keeps (see memory_model)."""
+    """The per-token widths op-level selective checkpointing and fp8's saved inputs keep (see memory_model)."""
     head_dim = head_dim_of(model)
     ffn = model.ffn_hidden_size
     if model.num_experts > 0:
@@ -206,6 +207,8 @@ def activation_widths(model) -> dict[str, int]:
         "query_width": model.num_heads * head_dim,
         "kv_width": (model.num_kv_heads or model.num_heads) * head_dim,
         "ffn_width": ffn,
+        # a dense MLP's width (a model with experts: its dense layers')
+        "dense_ffn_width": model.ffn_hidden_size,
     }
 
 

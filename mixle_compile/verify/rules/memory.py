@@ -264,6 +264,9 @@ def moe_extra(v) -> tuple[object, object]:
         capacity_factor=fp.capacity_factor,
         saved=engine.moe_saved(fp.activation),
         fp32=v.is_("precision", "fp32", "fp64"),
+        dense_ffn_width=fp.dense_ffn_width,
+        gated=fp.activation == "swiglu",
+        fp8_saved_inputs=v.is_("precision", "fp8") if engine.fp8_saves_quantized_inputs else False,
     )
     keeps = v.is_("activation_checkpointing", "none")
     if not engine.op_level_selective:
@@ -296,6 +299,9 @@ def activation_bytes(v, layers_on_rank, moe_layers_on_rank=0) -> dict[str, objec
             query_width=fp.query_width,
             kv_width=fp.kv_width,
             ffn_width=fp.ffn_width,
+            fp8_saved_inputs=v.is_("precision", "fp8") if v.facts.engine.fp8_saves_quantized_inputs else False,
+            dense_ffn_width=fp.dense_ffn_width,
+            gated=fp.activation == "swiglu",
         )
 
     per_layer = layer(v.is_("activation_checkpointing", "full"), v.is_("activation_checkpointing", "selective"))
@@ -458,7 +464,10 @@ DEVICE_MEMORY = define(
             "* **Activations** (transformers): per layer, per micro-batch, the formulas of Korthikanti et al. "
             "(2022) in 16-bit: `s*b*h*(10 + 24/t)` without sequence parallelism, `34*s*b*h/t` with it, plus the "
             "stored attention scores `5*a*s^2*b/t` only with `attention: eager` (every engine's default kernel "
-            "is fused and stores none); selective checkpointing recomputes attention (torch, megatron) or, on "
+            "is fused and stores none); a transformer's count is taken tensor by tensor from its widths, which "
+            "gives those formulas for GPT-3's shapes and drops the dropout masks of gated (Llama-family) blocks, "
+            "and under fp8 on Megatron the linears' saved inputs are their one-byte fp8 copies (docs/memory.md); "
+            "selective checkpointing recomputes attention (torch, megatron) or, on "
             "torchtitan, keeps the outputs of every odd-numbered matmul, attention's output and the "
             "sequence-parallel reduce-scatters (its op-level policy); full checkpointing keeps only the layer "
             "input (`2*s*b*h`, /t with sequence parallelism). With checkpointing the layer being recomputed "
