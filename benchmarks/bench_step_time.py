@@ -25,9 +25,14 @@ Every row is a published measurement, with its source next to it:
   (`CommOverlapConfig(tp_comm_overlap=True)`; scripts/performance/configs/llama/llama3_llm_pretrain.py
   gives H100 its userbuffers settings): those rows set `async_tensor_parallel`.
 
+* Megatron-Bridge `docs/performance-summary-archive.md` @ 067f987d (25.11 container, DGX-B200, DGX-GB200,
+  DGX-GB300, FP8-CS): Llama 3 8B and Llama 3.1 405B, with the settings of the recipes
+  (recipes/llama/llama3.py, perf_recipes/llama/<system>/).
+
 Held out, printed apart and never fitted: NeMo's performance summary (24.07 container, DGX-H100, FP8;
 five Llama rows), with the settings the table does not give taken from NeMo-Framework-Launcher's
-training configs (``HELD_OUT`` says which).
+training configs (``HELD_OUT`` says which), and Megatron-Bridge's later containers (26.04, 26.04.01) on
+layouts or global batches the fitted rows do not have.
 
 The script compiles each spec (the lowering without the per-step schedule), predicts its step time
 with mixle_compile.step_time and prints predicted / measured and the summary. Nothing asserts.
@@ -304,6 +309,89 @@ ROWS: list[tuple[str, dict, float]] = [
         292,
     ),
 ]
+# Megatron-Bridge docs/performance-summary-archive.md @ 067f987d, 25.11 container, FP8-CS (tokens/s/GPU), on
+# DGX-B200, DGX-GB200 and DGX-GB300; the 8B recipes run DDP with the distributed optimizer and no
+# recomputation (recipes/llama/llama3.py), the 405B ones also overlap tensor-parallel communication (the
+# recipe's CommOverlapConfig(tp_comm_overlap=True)) and count the embedding and the loss as a layer each.
+# Left out: the 70B rows (Megatron-FSDP 64 at micro-batch 2 with 40 layers' activations offloaded to the
+# CPU, perf_recipes/llama/gb200/llama3.py: activation offloading is not modelled).
+B200_BRIDGE = dict(H100_BRIDGE, kind="b200", memory="179GiB")
+GB200_BRIDGE = dict(H100_BRIDGE, kind="gb200", memory="185GiB")
+GB300_BRIDGE = dict(H100_BRIDGE, kind="gb300", memory="279GiB")
+BLACKWELL_8B = dict(
+    devices=8, dp_replicate=8, accumulation=8, micro_batch_size=2, precision="fp8", distributed_optimizer=True
+)
+PP405 = dict(
+    precision="fp8",
+    schedule="interleaved_1f1b",
+    distributed_optimizer=True,
+    async_tensor_parallel=True,  # the recipe's CommOverlapConfig(tp_comm_overlap=True)
+)
+
+
+def split_405b(chunks: int) -> list[int]:
+    """Llama 3.1 405B's 126 blocks over ``chunks`` pipeline chunks, the embedding and the loss counted as
+    one layer each (account_for_embedding/loss_in_pipeline_split): 128 layers, the first and last chunk
+    one block short."""
+    each = 128 // chunks
+    return [each - 1] + [each] * (chunks - 2) + [each - 1]
+
+
+ROWS += [
+    ("bridge B200 8B DDP8 GA8", spec(LLAMA3_8B, **BLACKWELL_8B, **B200_BRIDGE), 30624),
+    ("bridge GB200 8B DDP8 GA8", spec(LLAMA3_8B, **BLACKWELL_8B, **GB200_BRIDGE), 31508),
+    ("bridge GB300 8B DDP8 GA8", spec(LLAMA3_8B, **BLACKWELL_8B, **GB300_BRIDGE), 37556),
+    (
+        "bridge B200 405B TP4 PP8 CP2 VP8",
+        spec(
+            LLAMA3_405B,
+            devices=128,
+            dp_replicate=2,
+            tp=4,
+            pp=8,
+            cp=2,
+            microbatches=32,
+            virtual=8,
+            pipeline_layers=split_405b(64),
+            **PP405,
+            **B200_BRIDGE,
+        ),
+        661,
+    ),
+    (
+        "bridge GB200 405B TP4 PP16 VP4",
+        spec(
+            LLAMA3_405B,
+            devices=256,
+            dp_replicate=4,
+            tp=4,
+            pp=16,
+            microbatches=384,
+            virtual=4,
+            pipeline_layers=split_405b(64),
+            **PP405,
+            **GB200_BRIDGE,
+        ),
+        813,
+    ),
+    (
+        "bridge GB300 405B TP2 PP8 CP2 VP4",
+        spec(
+            LLAMA3_405B,
+            devices=256,
+            dp_replicate=8,
+            tp=2,
+            pp=8,
+            cp=2,
+            microbatches=192,
+            virtual=4,
+            pipeline_layers=split_405b(32),
+            **PP405,
+            **GB300_BRIDGE,
+        ),
+        999,
+    ),
+]
 #: What a row's engine could not do, for searches that ask which layout it should have run (bench_search.py
 #: --anchors): mesh degrees and training settings held at the values given, and the checkpointing modes
 #: the engine had. The SC21 runs used Megatron-LM 6985e58 (April 2021, the commit
@@ -395,6 +483,77 @@ HELD_OUT = [
             **NEMO,
         ),
         1533,
+    ),
+]
+# Also held out: Megatron-Bridge's later containers (docs/performance-summary-archive.md @ 067f987d, FP8),
+# layouts the 25.11 rows above do not have, or a 6x larger global batch, with the same recipes' settings.
+HELD_OUT += [
+    (
+        "bridge26.04 GB300 405B TP4 PP8 VP4",
+        spec(
+            LLAMA3_405B,
+            devices=256,
+            dp_replicate=8,
+            tp=4,
+            pp=8,
+            microbatches=192,
+            virtual=4,
+            pipeline_layers=split_405b(32),
+            **PP405,
+            **GB300_BRIDGE,
+        ),
+        1036,
+    ),
+    (
+        "bridge26.04 GB200 405B TP4 PP16 VP4",
+        spec(
+            LLAMA3_405B,
+            devices=256,
+            dp_replicate=4,
+            tp=4,
+            pp=16,
+            microbatches=384,
+            virtual=4,
+            pipeline_layers=split_405b(64),
+            **PP405,
+            **GB200_BRIDGE,
+        ),
+        842,
+    ),
+    (
+        "bridge26.04.01 H100 70B GBS256",
+        spec(
+            LLAMA3_70B,
+            devices=64,
+            dp_replicate=2,
+            tp=4,
+            pp=8,
+            microbatches=128,
+            virtual=5,
+            schedule="interleaved_1f1b",
+            precision="fp8",
+            distributed_optimizer=True,
+            async_tensor_parallel=True,
+            **H100_BRIDGE,
+        ),
+        1664,
+    ),
+    (
+        "bridge26.04.01 H100 405B GBS1536",
+        spec(
+            LLAMA3_405B,
+            devices=1024,
+            dp_replicate=8,
+            tp=8,
+            pp=8,
+            cp=2,
+            microbatches=192,
+            virtual=8,
+            pipeline_layers=split_405b(64),
+            **PP405,
+            **H100_BRIDGE,
+        ),
+        328,
     ),
 ]
 

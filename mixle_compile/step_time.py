@@ -72,6 +72,42 @@ DEVICES: dict[str, dict[str, Any]] = {
         "devices_per_node": 8,
         **{"intra_node_latency": 3.4e-6, "inter_node_latency": 14e-6},
     },
+    # Blackwell (NVIDIA Blackwell datasheet, dense Tensor Core figures): HGX/DGX B200 at 1,000 W and
+    # B300 (Blackwell Ultra, same 16-bit and fp8 rates), 8 per NVLink 5 node (900 GB/s per direction),
+    # a ConnectX-7 400Gb/s per GPU (B300: ConnectX-8 800Gb/s); GB200 and GB300 at 1,200 W and more in an
+    # NVL72 rack, whose 72 GPUs share one NVLink domain (a "node" here: the devices one NVLink fabric joins).
+    "b200": {
+        "peak": {"fp32": 75e12, "bf16": 2250e12, "fp16": 2250e12, "fp8": 4500e12},
+        "memory_bandwidth": 8.0e12,
+        "intra_node": 900e9,
+        "inter_node": 50e9,
+        "devices_per_node": 8,
+        **{"intra_node_latency": 3.4e-6, "inter_node_latency": 14e-6},
+    },
+    "b300": {
+        "peak": {"fp32": 75e12, "bf16": 2250e12, "fp16": 2250e12, "fp8": 4500e12},
+        "memory_bandwidth": 8.0e12,
+        "intra_node": 900e9,
+        "inter_node": 100e9,
+        "devices_per_node": 8,
+        **{"intra_node_latency": 3.4e-6, "inter_node_latency": 14e-6},
+    },
+    "gb200": {
+        "peak": {"fp32": 80e12, "bf16": 2500e12, "fp16": 2500e12, "fp8": 5000e12},
+        "memory_bandwidth": 8.0e12,
+        "intra_node": 900e9,
+        "inter_node": 50e9,
+        "devices_per_node": 72,
+        **{"intra_node_latency": 3.4e-6, "inter_node_latency": 14e-6},
+    },
+    "gb300": {
+        "peak": {"fp32": 80e12, "bf16": 2500e12, "fp16": 2500e12, "fp8": 5000e12},
+        "memory_bandwidth": 8.0e12,
+        "intra_node": 900e9,
+        "inter_node": 100e9,
+        "devices_per_node": 72,
+        **{"intra_node_latency": 3.4e-6, "inter_node_latency": 14e-6},
+    },
 }
 #: Assumed for a device kind not in :data:`DEVICES` (its peak must come from resources.throughput).
 GENERIC_DEVICE = {
@@ -92,6 +128,9 @@ BASE_LATENCY = 8.4e-6
 #: rows and the ratios; docs/step-time.md names the sources).
 EFFICIENCY: dict[tuple[str, str], float] = {
     ("a100", "fp16"): 0.650,  # SC21 Table 1 (Megatron-LM, 10 rows)
+    ("b200", "fp8"): 0.642,  # Megatron-Bridge 25.11, DGX-B200 (2 rows)
+    ("gb200", "fp8"): 0.639,  # Megatron-Bridge 25.11, DGX-GB200 (2 rows)
+    ("gb300", "fp8"): 0.774,  # Megatron-Bridge 25.11, DGX-GB300 (2 rows)
     ("h100", "fp8"): 0.760,  # Megatron-Bridge 25.11 (3 rows)
     ("h100-96gb", "bf16"): 0.446,  # torchtitan Dec 2024, Tables 1 and 3, async TP bf16 (8 rows)
     ("h100-96gb", "fp8"): 0.447,  # torchtitan Dec 2024, Tables 1-6, async TP fp8 (16 rows)

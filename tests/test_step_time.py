@@ -115,6 +115,8 @@ def _bench():
         "SC21 GPT 7.5B",
         "bridge 8B FSDP8 GA16",
         "titan H200 8B FSDP32 fp8",
+        "bridge GB200 8B DDP8 GA8",
+        "bridge B200 8B DDP8 GA8",
     ],
 )
 def test_published_rows_are_predicted_within_15_percent(label):
@@ -123,6 +125,19 @@ def test_published_rows_are_predicted_within_15_percent(label):
     spec = load_spec_text(yaml.safe_dump(data), "row.yaml").spec
     ratio = predict_lowered(spec, lower(spec, schedule=False)).tokens_per_second_per_device / measured
     assert 0.85 <= ratio <= 1.15, ratio
+
+
+def test_an_nvl72_rack_is_one_nvlink_domain():
+    """GB200 NVL72: 64 ranks of one group talk over NVLink; DGX B200's 8-GPU nodes send them over the network."""
+    from mixle_compile import step_time
+
+    def bandwidth(kind: str) -> float:
+        return step_time.link_bandwidth(
+            ["dp_shard"], {"dp_shard": 64}, "tp-cp-ep-dp-pp", {"resources": {"devices": 64, "kind": kind}}
+        )
+
+    assert bandwidth("gb200") == step_time.DEVICES["gb200"]["intra_node"]
+    assert bandwidth("b200") == step_time.DEVICES["b200"]["inter_node"]
 
 
 def test_the_topology_sets_the_links_a_group_crosses(monkeypatch):
@@ -324,3 +339,17 @@ def test_fused_attention_runs_slower_in_the_short_calls_context_parallelism_make
     assert attention_seconds(4096, 4) > 1.01 * attention_seconds(4096, 1)
     assert attention_seconds(65536, 4) == pytest.approx(attention_seconds(65536, 1), rel=1e-3)
     assert attention_seconds(4096, 4, "eager") == pytest.approx(attention_seconds(4096, 1, "eager"), rel=1e-3)
+
+
+@pytest.mark.parametrize(
+    "label", ["bridge B200 405B TP4 PP8 CP2 VP8", "bridge GB200 405B TP4 PP16 VP4", "bridge GB300 405B TP2 PP8 CP2 VP4"]
+)
+def test_published_blackwell_layouts_pass_check(label):
+    """Megatron-Bridge runs these (its performance summary): the memory rule must not refuse them."""
+    from mixle_compile.check import check_loaded
+    from mixle_compile.diagnostics import Severity
+
+    bench = _bench()
+    ((data,),) = [(d,) for name, d, _ in bench.ROWS if name == label]
+    result = check_loaded(load_spec_text(yaml.safe_dump(data), "row.yaml"))
+    assert not [d.text() for d in result.diagnostics if d.severity is Severity.error]
