@@ -113,6 +113,20 @@ def test_a_capacity_factor_reaches_megatron_and_is_refused_by_the_dropless_engin
     assert any("E011" in reason for _, reason in refused.value.reasons)
 
 
+def test_megatron_export_refuses_torch_compile_and_writes_megatron_fsdp_for_dp_shard(tmp_path):
+    spec = load_spec(EXAMPLES / "mixtral-moe-ep.yaml").spec
+    compiled = spec.model_copy(update={"training": spec.training.model_copy(update={"compile": True})})
+    with pytest.raises(ExportRefused) as refused:
+        export_spec(compiled, "megatron")
+    assert [field for field, _ in refused.value.reasons] == ["training.compile"]
+    exported = export_spec(spec, "megatron")
+    launch = " ".join(exported.files[exported.main].replace("\\\n", " ").split())
+    assert parallel_plan(spec).dp_shard > 1
+    assert "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params" in launch
+    assert "--ckpt-format fsdp_dtensor" in launch
+    assert round_trip(spec, "megatron", tmp_path)
+
+
 def test_export_refuses_a_spec_that_does_not_verify_on_the_engine(capsys):
     status = cli.main(["export", "--to", "torchtitan", str(EXAMPLES / "mixtral-moe-ep.yaml")])
     err = capsys.readouterr().err
@@ -147,9 +161,9 @@ ffn_hidden_size: 4096}
 
 def test_export_from_an_engine_config_and_from_a_plan(tmp_path, capsys):
     toml = ROOT / "tests" / "corpus" / "importers" / "torchtitan" / "llama3_8b.toml"
-    assert (
-        cli.main(["export", "--to", "megatron", str(toml)]) == 1
-    )  # torchtitan's FSDP has no distributed optimizer flag
+    # torchtitan's FSDP (ZeRO-3 over dp_shard) is Megatron-FSDP's optim_grads_params
+    assert cli.main(["export", "--to", "megatron", str(toml)]) == 0
+    assert "--data-parallel-sharding-strategy optim_grads_params" in capsys.readouterr().out
     plan = tmp_path / "plan.json"
     assert cli.main(["compile", str(EXAMPLES / "llama3-8b-hsdp-tp.yaml"), "-o", str(plan)]) == 0
     capsys.readouterr()

@@ -317,7 +317,7 @@ MEGATRON = {
             "tie_embeddings": False,
             "norm": "rmsnorm",
         },
-        {"tp": 1, "pp": 1, "cp": 1, "dp_shard": 8, "microbatches": 16},
+        {"tp": 1, "pp": 1, "cp": 1, "dp_replicate": 8, "dp_shard": None, "microbatches": 16},
         {
             "global_batch_size": 128,
             "micro_batch_size": 1,
@@ -361,7 +361,7 @@ MEGATRON = {
             "num_kv_heads": 8,
             "position_embedding": "rope",
         },
-        {"tp": 1, "pp": 4, "ep": 8, "etp": 1, "dp_shard": 8, "microbatches": 32},
+        {"tp": 1, "pp": 4, "ep": 8, "etp": 1, "dp_replicate": 8, "microbatches": 32},
         {"global_batch_size": 256, "seq_len": 4096, "precision": "bf16", "steps": 500000},
         32,
     ),
@@ -457,6 +457,46 @@ def test_the_gpt3_script_as_published_does_not_fit_its_own_node(capsys, tmp_path
     assert status == 1 and "D001" in out
     status, out, _ = run_cli(capsys, "check", fixed, "--devices", "1024")
     assert "D001" not in out
+
+
+@pytest.mark.parametrize(
+    "flags, mesh, distributed",
+    [
+        ("", {"dp_replicate": 8}, False),
+        # the distributed optimizer is ZeRO-1: weights and gradients whole, optimizer state sharded
+        ("--use-distributed-optimizer", {"dp_replicate": 8}, True),
+        # Megatron-FSDP's default strategy, optim_grads_params, shards the weights too
+        ("--use-megatron-fsdp --ckpt-format fsdp_dtensor", {"dp_shard": 8}, False),
+        ("--use-megatron-fsdp --use-distributed-optimizer", {"dp_shard": 8}, True),
+        ("--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params", {"dp_shard": 8}, False),
+        ("--use-megatron-fsdp --data-parallel-sharding-strategy optim", {"dp_replicate": 8}, True),
+        ("--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads", {"dp_replicate": 8}, True),
+        ("--use-megatron-fsdp --data-parallel-sharding-strategy no_shard", {"dp_replicate": 8}, False),
+    ],
+)
+def test_megatron_data_parallelism_says_what_it_shards(tmp_path, flags, mesh, distributed):
+    path = tmp_path / "args.txt"
+    path.write_text(
+        "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --vocab-size 128 --micro-batch-size 1 "
+        f"--global-batch-size 8 --seq-length 64 --bf16 {flags}\n"
+    )
+    doc, diagnostics = read_any(path, str(path), ImportOptions(devices=8))
+    data = doc.data
+    assert {k: v for k, v in data["mesh"].items() if k.startswith("dp_")} == mesh
+    assert data["training"]["distributed_optimizer"] is distributed
+    zero2 = [d for d in diagnostics if "optim_grads (ZeRO-2)" in d.message]
+    assert len(zero2) == (1 if flags.endswith(" optim_grads") else 0)
+    Spec.model_validate(data)
+
+
+def test_megatron_refuses_a_sharding_strategy_it_does_not_take(tmp_path, capsys):
+    path = tmp_path / "args.txt"
+    path.write_text(
+        "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --vocab-size 128 --micro-batch-size 1 "
+        "--global-batch-size 8 --seq-length 64 --use-megatron-fsdp --data-parallel-sharding-strategy full\n"
+    )
+    status, out, _ = run_cli(capsys, "check", path, "--devices", "8")
+    assert status == 2 and "--data-parallel-sharding-strategy" in out and "optim_grads_params" in out
 
 
 def test_megatron_defaults_follow_validate_args(tmp_path):

@@ -1,9 +1,11 @@
 """A spec as a Megatron-LM launch script: ``torchrun ... pretrain_gpt.py`` with its arguments.
 
 The flags and their meanings are those :mod:`mixle_compile.importers.megatron` reads back (see that
-module for the engine sources). Megatron has one data-parallel degree: it is ``dp_shard`` with the
-distributed optimizer, ``dp_replicate`` without; and no gradient-accumulation setting of its own (its
-micro-batches per step are ``global / (micro * dp)``).
+module for the engine sources). Megatron has one data-parallel degree: ``dp_replicate`` is Megatron's
+data parallelism, with ``--use-distributed-optimizer`` (ZeRO-1: the optimizer state sharded) where the
+spec sets ``training.distributed_optimizer``; ``dp_shard`` is Megatron-FSDP with the strategy
+``optim_grads_params`` (weights, gradients and optimizer state sharded). Megatron has no
+gradient-accumulation setting of its own (its micro-batches per step are ``global / (micro * dp)``).
 """
 
 from __future__ import annotations
@@ -25,14 +27,6 @@ def megatron_arguments(spec: Spec) -> list[str]:
     reasons: list[tuple[str, str]] = []
     if plan.dp_replicate > 1 and plan.dp_shard > 1:
         reasons.append(("mesh.dp_replicate", "Megatron-LM has one data-parallel degree (no replicate x shard mesh)"))
-    if plan.dp_shard > 1 and not t.distributed_optimizer:
-        reasons.append(
-            (
-                "mesh.dp_shard",
-                "Megatron shards over data ranks only with the distributed optimizer: set "
-                "training.distributed_optimizer: true, or use dp_replicate",
-            )
-        )
     if mesh.gradient_accumulation_steps != 1:
         reasons.append(
             (
@@ -65,6 +59,8 @@ def megatron_arguments(spec: Spec) -> list[str]:
             )
     if t.attention is not None:
         reasons.append(("training.attention", "not written by this exporter; remove it to export"))
+    if t.compile:
+        reasons.append(("training.compile", "Megatron-LM's launch has no torch.compile setting; remove it to export"))
     if mesh.order not in (None, DEFAULT_ORDER, TP_PP_DP_ORDER):
         reasons.append(
             (
@@ -159,6 +155,12 @@ def megatron_arguments(spec: Spec) -> list[str]:
         a += ["--sequence-parallel"]
     if t.async_tensor_parallel:
         a += ["--tp-comm-overlap"]
+    if plan.dp_shard > 1:
+        # Megatron-FSDP (megatron/training/arguments.py validate_args, use_megatron_fsdp): it asserts
+        # the checkpoint format fsdp_dtensor and turns the distributed optimizer on itself (a warning
+        # when the launch leaves it off; the sharded optimizer state is priced either way).
+        a += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"]
+        a += ["--ckpt-format", "fsdp_dtensor"]
     if t.distributed_optimizer:
         a += ["--use-distributed-optimizer"]
     if t.precision == "fp8":

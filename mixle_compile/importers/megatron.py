@@ -61,6 +61,8 @@ READ = {
     "--sequence-parallel": "bool",
     "--tp-comm-overlap": "bool",
     "--use-distributed-optimizer": "bool",
+    "--use-megatron-fsdp": "bool",
+    "--data-parallel-sharding-strategy": "str",
     "--recompute-activations": "bool",
     "--recompute-granularity": "str",
     "--activations-checkpoint-method": "str",
@@ -183,6 +185,61 @@ def launch_words(
         if name.endswith("ARGS") and not name.startswith("DISTRIBUTED"):
             words.extend(Word(part, x.pos) for x in items for part in x.text.split())
     return words, [], notes, None
+
+
+#: What Megatron-FSDP's --data-parallel-sharding-strategy shards over the data-parallel ranks
+#: (megatron/training/arguments.py: choices no_shard, optim, optim_grads, optim_grads_params, default
+#: optim_grads_params; docs/user-guide/features/megatron_fsdp.md: ZeRO-1, -2 and -3 in that order).
+FSDP_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+
+
+def data_parallel(b: SpecBuilder, dp: int, devices: int, has, at, text_of) -> None:
+    """The data-parallel degree and what it shards.
+
+    Megatron-LM's distributed optimizer (``--use-distributed-optimizer``) is ZeRO-1: it shards the
+    optimizer state and the fp32 main weights over the data-parallel ranks and keeps the weights and
+    the gradient buffer whole on every rank (DistributedDataParallelConfig.use_distributed_optimizer:
+    reduce-scatter the gradients; Megatron-LM's docs/user-guide/features/dist_optimizer.md counts
+    ``6 + 12/d`` bytes per parameter), which the spec says as ``dp_replicate`` with ``training.distributed_optimizer``.
+    Megatron-FSDP (``--use-megatron-fsdp``) with the strategy ``optim_grads_params`` (the default)
+    also shards the weights and gradients: ``dp_shard``. Its ``optim`` and ``optim_grads`` strategies
+    shard less and read as the distributed optimizer (``optim_grads``' sharded gradients are priced
+    whole), ``no_shard`` as plain data parallelism. Under ``optim_grads_params``
+    ``training.distributed_optimizer`` says whether the launch passes ``--use-distributed-optimizer``
+    (validate_args turns it on under Megatron-FSDP itself, megatron/training/arguments.py,
+    ``use_megatron_fsdp``; with ``dp_shard`` the optimizer state is sharded either way)."""
+    origin = f"world {devices} / (tp * pp * cp)"
+    dist_opt = has("--use-distributed-optimizer")
+    flag = "--use-distributed-optimizer" if dist_opt else None
+    sharded = False
+    if has("--use-megatron-fsdp"):
+        strategy_flag = "--data-parallel-sharding-strategy"
+        strategy = text_of(strategy_flag, "optim_grads_params")
+        if strategy not in FSDP_STRATEGIES:
+            b.refuse(
+                f"`{strategy_flag}` is {strategy!r}; Megatron-LM takes {', '.join(FSDP_STRATEGIES)}",
+                at(strategy_flag),
+                "write one of them (the default, optim_grads_params, shards weights, gradients and optimizer state)",
+                field=("mesh", "dp_shard"),
+            )
+            strategy = "optim_grads_params"
+        sharded = strategy == "optim_grads_params"
+        if not sharded:  # optim and optim_grads shard the optimizer state; no_shard nothing
+            dist_opt = strategy != "no_shard"
+        flag = strategy_flag if has(strategy_flag) else "--use-megatron-fsdp"
+        origin += f" under Megatron-FSDP, strategy {strategy}"
+        if strategy == "optim_grads":
+            b.assumed(
+                "Megatron-FSDP's optim_grads (ZeRO-2) shards the gradients as well as the optimizer state; "
+                "it is read as the distributed optimizer, whose gradients are priced whole",
+                at(strategy_flag),
+                "the memory check over-states the gradients' bytes by (d - 1)/d of them",
+                field=("training", "distributed_optimizer"),
+            )
+    elif dist_opt:
+        origin += ", the distributed optimizer (ZeRO-1) sharding the optimizer state over them"
+    b.set(("mesh", "dp_shard" if sharded else "dp_replicate"), dp, at=at(flag) if flag else None, origin=origin)
+    b.set(("training", "distributed_optimizer"), dist_opt, at=at(flag) if flag else None, origin=flag)
 
 
 def read_megatron(
@@ -412,14 +469,7 @@ def read_megatron(
     )
     if has("--use-tp-pp-dp-mapping"):  # parallel_state.initialize_model_parallel: order tp-cp-ep-pp-dp
         set_(("mesh", "order"), "tp-cp-ep-pp-dp", "--use-tp-pp-dp-mapping")
-    dist_opt = has("--use-distributed-optimizer")
-    set_(
-        ("mesh", "dp_shard" if dist_opt else "dp_replicate"),
-        dp,
-        "--use-distributed-optimizer" if dist_opt else None,
-        f"world {devices} / (tp * pp * cp)" + (" sharded by --use-distributed-optimizer" if dist_opt else ""),
-    )
-    set_(("training", "distributed_optimizer"), dist_opt, "--use-distributed-optimizer" if dist_opt else None)
+    data_parallel(b, dp, devices, has, at, text_of)
 
     if has("--step-batch-size-schedule") and has("--global-batch-size"):
         # validate_args: "Cannot specify both --step-batch-size-schedule and --global-batch-size" (ValueError).
