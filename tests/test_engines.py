@@ -227,6 +227,36 @@ def test_rank_groups_equal_megatron_rank_generator(megatron):
     assert checked >= 144
 
 
+def test_optimizer_instances_are_the_hybrid_sharding_groups(megatron):
+    """Megatron-FSDP with --num-distributed-optimizer-instances K shards within K contiguous blocks of
+    each data-parallel-with-cp rank list (parallel_state.initialize_model_parallel: intra_partial
+    groups are ``ranks_with_cp[i * size : (i + 1) * size]``) and replicates across them: the plan's
+    dp_shard x cp groups and dp_replicate groups with dp_replicate = K, both rank orders (a grid the
+    plan refuses, E002/E003, is left out)."""
+    parallel_state, _ = megatron
+    checked = 0
+    for order in ("tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp"):
+        for tp, pp, cp, dp in itertools.product((1, 2), (1, 2), (1, 2), (2, 4, 8)):
+            for k in (d for d in (2, 4, 8) if dp % d == 0):
+                try:
+                    grid = RankGrid.from_plan(
+                        ParallelPlan(dp_replicate=k, dp_shard=dp // k, tp=tp, pp=pp, cp=cp, etp=tp), order
+                    )
+                except ValueError:
+                    continue
+                generated = parallel_state.RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order=order)
+                size = dp * cp // k
+                intra = {tuple(r[i * size : (i + 1) * size]) for r in generated.get_ranks("dp-cp") for i in range(k)}
+                # the instances' group: create_hierarchical_groups(expert data ranks, [size, k])'s second
+                # level, ranks `size` apart (the dense layers share the expert one)
+                experts = parallel_state.RankGenerator(tp=tp, ep=1, dp=dp * cp, pp=pp, cp=1, order=order)
+                inter = {tuple(r[j::size]) for r in experts.get_ranks("dp") for j in range(size)}
+                assert intra == set(enumerate_groups(grid.rule(("dp_shard", "cp")))), (order, tp, pp, cp, dp, k)
+                assert inter == set(enumerate_groups(grid.rule("dp_replicate"))), (order, tp, pp, cp, dp, k)
+                checked += 1
+    assert checked >= 48
+
+
 class _Group:
     def __init__(self, size: int, rank: int):
         self._size, self._rank = size, rank

@@ -127,6 +127,18 @@ def test_megatron_export_refuses_torch_compile_and_writes_megatron_fsdp_for_dp_s
     assert round_trip(spec, "megatron", tmp_path)
 
 
+def test_hybrid_sharding_reaches_megatron_fsdp_as_optimizer_instances(tmp_path):
+    spec = load_spec(EXAMPLES / "llama3-8b-hsdp-tp.yaml").spec  # dp_replicate 2 x dp_shard 4 x tp 8
+    mesh = spec.mesh.model_copy(update={"microbatches": 8, "gradient_accumulation_steps": 1})
+    spec = spec.model_copy(update={"mesh": mesh})
+    exported = export_spec(spec, "megatron")
+    launch = " ".join(exported.files[exported.main].replace("\\\n", " ").split())
+    assert "--use-megatron-fsdp" in launch and "--num-distributed-optimizer-instances 2" in launch
+    assert round_trip(spec, "megatron", tmp_path)
+    plan = parallel_plan(spec)
+    assert (plan.dp_replicate, plan.dp_shard) == (2, 4)
+
+
 def test_export_refuses_a_spec_that_does_not_verify_on_the_engine(capsys):
     status = cli.main(["export", "--to", "torchtitan", str(EXAMPLES / "mixtral-moe-ep.yaml")])
     err = capsys.readouterr().err

@@ -472,6 +472,13 @@ def test_the_gpt3_script_as_published_does_not_fit_its_own_node(capsys, tmp_path
         ("--use-megatron-fsdp --data-parallel-sharding-strategy optim", {"dp_replicate": 8}, True),
         ("--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads", {"dp_replicate": 8}, True),
         ("--use-megatron-fsdp --data-parallel-sharding-strategy no_shard", {"dp_replicate": 8}, False),
+        # several optimizer instances: Megatron-FSDP shards within each block of dp / K ranks (HSDP)
+        ("--use-megatron-fsdp --num-distributed-optimizer-instances 2", {"dp_replicate": 2, "dp_shard": 4}, False),
+        ("--use-megatron-fsdp --num-distributed-optimizer-instances 8", {"dp_replicate": 8, "dp_shard": 1}, False),
+        # the distributed optimizer keeps K copies: read as sharded over all the ranks, with a warning
+        ("--use-distributed-optimizer --num-distributed-optimizer-instances 2", {"dp_replicate": 8}, True),
+        # plain data parallelism reduces in two steps to the same sum
+        ("--num-distributed-optimizer-instances 2", {"dp_replicate": 8}, False),
     ],
 )
 def test_megatron_data_parallelism_says_what_it_shards(tmp_path, flags, mesh, distributed):
@@ -486,7 +493,50 @@ def test_megatron_data_parallelism_says_what_it_shards(tmp_path, flags, mesh, di
     assert data["training"]["distributed_optimizer"] is distributed
     zero2 = [d for d in diagnostics if "optim_grads (ZeRO-2)" in d.message]
     assert len(zero2) == (1 if flags.endswith(" optim_grads") else 0)
+    copies = [d for d in diagnostics if "keeps 2 copies" in d.message]
+    assert len(copies) == (1 if distributed and "instances 2" in flags else 0)
+    assert all(d.severity.value != "error" for d in diagnostics), [d.message for d in diagnostics]
     Spec.model_validate(data)
+
+
+def test_megatron_fsdp_example_with_its_optimizer_instances_is_hybrid_sharding(tmp_path, capsys):
+    # Megatron-LM's own Megatron-FSDP example offers the knob commented out; turned on it is HSDP
+    text = (MG / "train_llama3_8b_fsdp_h100_fp8.sh").read_text()
+    assert "# --num-distributed-optimizer-instances 2" in text
+    path = tmp_path / "train_llama3_8b_fsdp_h100_fp8.sh"
+    path.write_text(text.replace("# --num-distributed-optimizer-instances 2", "--num-distributed-optimizer-instances 2"))
+    doc, _ = read_any(path, str(path), ImportOptions())
+    assert (doc.data["mesh"]["dp_replicate"], doc.data["mesh"]["dp_shard"]) == (2, 4)
+    status, out, _ = run_cli(capsys, "check", path)
+    assert status == 0, out
+
+
+@pytest.mark.parametrize(
+    "flags, code, says",
+    [
+        # initialize_model_parallel asserts that the instances divide dp * cp
+        ("--use-megatron-fsdp --num-distributed-optimizer-instances 3", "I005", "does not divide the 8 data ranks"),
+        # 4 divides dp * cp = 2 * 4 but not dp = 2: the blocks would cut across the context-parallel ranks
+        (
+            "--use-megatron-fsdp --context-parallel-size 4 --num-distributed-optimizer-instances 4",
+            "I004",
+            "divides the data-parallel ranks alone",
+        ),
+        ("--use-distributed-optimizer --num-distributed-optimizer-instances 0", "I004", "at least 1"),
+    ],
+)
+def test_megatron_refuses_optimizer_instances_it_cannot_say(tmp_path, flags, code, says):
+    path = tmp_path / "args.txt"
+    path.write_text(
+        "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --vocab-size 128 --micro-batch-size 1 "
+        f"--global-batch-size 8 --seq-length 64 --bf16 {flags}\n"
+    )
+    try:
+        _, diagnostics = read_any(path, str(path), ImportOptions(devices=8))
+    except SourceError as refused:  # what the spec cannot say is refused (exit 2), what Megatron refuses is I005
+        diagnostics = refused.diagnostics
+    found = [d for d in diagnostics if d.code == code]
+    assert found and says in found[0].message, [(d.code, d.message) for d in diagnostics]
 
 
 def test_megatron_refuses_a_sharding_strategy_it_does_not_take(tmp_path, capsys):

@@ -1,10 +1,11 @@
 """A spec as a Megatron-LM launch script: ``torchrun ... pretrain_gpt.py`` with its arguments.
 
 The flags and their meanings are those :mod:`mixle_compile.importers.megatron` reads back (see that
-module for the engine sources). Megatron has one data-parallel degree: ``dp_replicate`` is Megatron's
-data parallelism, with ``--use-distributed-optimizer`` (ZeRO-1: the optimizer state sharded) where the
+module for the engine sources). Without ``dp_shard``, ``dp_replicate`` is Megatron's data
+parallelism, with ``--use-distributed-optimizer`` (ZeRO-1: the optimizer state sharded) where the
 spec sets ``training.distributed_optimizer``; ``dp_shard`` is Megatron-FSDP with the strategy
-``optim_grads_params`` (weights, gradients and optimizer state sharded). Megatron has no
+``optim_grads_params`` (weights, gradients and optimizer state sharded), and ``dp_replicate`` over
+``dp_shard`` its hybrid sharding (``--num-distributed-optimizer-instances``). Megatron has no
 gradient-accumulation setting of its own (its micro-batches per step are ``global / (micro * dp)``).
 """
 
@@ -25,8 +26,6 @@ def megatron_arguments(spec: Spec) -> list[str]:
     m, t, mesh = spec.model, spec.training, spec.mesh
     plan = parallel_plan(spec)
     reasons: list[tuple[str, str]] = []
-    if plan.dp_replicate > 1 and plan.dp_shard > 1:
-        reasons.append(("mesh.dp_replicate", "Megatron-LM has one data-parallel degree (no replicate x shard mesh)"))
     if mesh.gradient_accumulation_steps != 1:
         reasons.append(
             (
@@ -161,6 +160,11 @@ def megatron_arguments(spec: Spec) -> list[str]:
         # when the launch leaves it off; the sharded optimizer state is priced either way).
         a += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"]
         a += ["--ckpt-format", "fsdp_dtensor"]
+        if plan.dp_replicate > 1:
+            # Hybrid sharding: the data ranks in dp_replicate contiguous blocks, sharded within a block
+            # and replicated across (parallel_state.py intra_partial_data_parallel_size; the
+            # adapter's enable_hsdp), the shard ranks inner as in the plan's grid.
+            a += ["--num-distributed-optimizer-instances", plan.dp_replicate]
     if t.distributed_optimizer:
         a += ["--use-distributed-optimizer"]
     if t.precision == "fp8":

@@ -63,6 +63,7 @@ READ = {
     "--use-distributed-optimizer": "bool",
     "--use-megatron-fsdp": "bool",
     "--data-parallel-sharding-strategy": "str",
+    "--num-distributed-optimizer-instances": "int",
     "--recompute-activations": "bool",
     "--recompute-granularity": "str",
     "--activations-checkpoint-method": "str",
@@ -193,7 +194,7 @@ def launch_words(
 FSDP_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 
-def data_parallel(b: SpecBuilder, dp: int, devices: int, has, at, text_of) -> None:
+def data_parallel(b: SpecBuilder, dp: int, cp: int, devices: int, has, at, text_of, num) -> None:
     """The data-parallel degree and what it shards.
 
     Megatron-LM's distributed optimizer (``--use-distributed-optimizer``) is ZeRO-1: it shards the
@@ -207,7 +208,14 @@ def data_parallel(b: SpecBuilder, dp: int, devices: int, has, at, text_of) -> No
     whole), ``no_shard`` as plain data parallelism. Under ``optim_grads_params``
     ``training.distributed_optimizer`` says whether the launch passes ``--use-distributed-optimizer``
     (validate_args turns it on under Megatron-FSDP itself, megatron/training/arguments.py,
-    ``use_megatron_fsdp``; with ``dp_shard`` the optimizer state is sharded either way)."""
+    ``use_megatron_fsdp``; with ``dp_shard`` the optimizer state is sharded either way).
+
+    ``--num-distributed-optimizer-instances K`` (default 1) splits the ``dp * cp`` data ranks into K
+    contiguous blocks (megatron/core/parallel_state.py, ``intra_partial_data_parallel_size``; it asserts
+    that K divides ``dp * cp``): Megatron-FSDP then shards within a block and replicates across the K
+    (mcore_fsdp_adapter.py, ``enable_hsdp``), which is ``dp_replicate`` K over ``dp_shard`` dp / K (the
+    shard ranks inner, as in the plan's grid); the distributed optimizer shards within a block; plain data
+    parallelism reduces in two steps to the same sum."""
     origin = f"world {devices} / (tp * pp * cp)"
     dist_opt = has("--use-distributed-optimizer")
     flag = "--use-distributed-optimizer" if dist_opt else None
@@ -238,8 +246,51 @@ def data_parallel(b: SpecBuilder, dp: int, devices: int, has, at, text_of) -> No
             )
     elif dist_opt:
         origin += ", the distributed optimizer (ZeRO-1) sharding the optimizer state over them"
-    b.set(("mesh", "dp_shard" if sharded else "dp_replicate"), dp, at=at(flag) if flag else None, origin=origin)
-    b.set(("training", "distributed_optimizer"), dist_opt, at=at(flag) if flag else None, origin=flag)
+    instances_flag = "--num-distributed-optimizer-instances"
+    instances = num(instances_flag, 1)
+    if instances is None or instances < 1:
+        b.refuse(f"`{instances_flag}` must be at least 1", at(instances_flag), "write a positive count (default 1)")
+        instances = 1
+    if instances > 1 and (dp * cp) % instances:
+        b.diagnostic(
+            codes.ENGINE_REFUSES.code,
+            f"Megatron-LM refuses {instances_flag} {instances}: it does not divide the {dp * cp} data ranks "
+            "(dp * cp) into blocks (initialize_model_parallel asserts 'Data parallel size should be divisible by "
+            "partial DistOpt shard factor')",
+            at(instances_flag),
+            hint="give a count that divides the data-parallel size times the context-parallel size",
+        )
+        instances = 1
+    at_flag = at(flag) if flag else None
+    if sharded and instances > 1:
+        if dp % instances:
+            b.refuse(
+                f"`{instances_flag}` {instances} splits Megatron-FSDP's dp * cp = {dp * cp} ranks across the "
+                f"context-parallel ranks (dp = {dp}); the spec's dp_replicate divides the data-parallel ranks alone",
+                at(instances_flag),
+                "give a count that divides the data-parallel size",
+                field=("mesh", "dp_replicate"),
+            )
+        else:
+            b.set(("mesh", "dp_replicate"), instances, at=at(instances_flag), origin=instances_flag)
+            b.set(
+                ("mesh", "dp_shard"),
+                dp // instances,
+                at=at_flag,
+                origin=f"{origin}, sharded within each of {instances} replicas ({instances_flag})",
+            )
+    else:
+        if dist_opt and instances > 1:
+            b.assumed(
+                f"{instances_flag} {instances}: the distributed optimizer shards within blocks of "
+                f"{dp * cp // instances} data ranks and keeps {instances} copies; it is read as sharded over "
+                f"all {dp}",
+                at(instances_flag),
+                f"the memory check under-states the optimizer state and main weights {instances} times",
+                field=("training", "distributed_optimizer"),
+            )
+        b.set(("mesh", "dp_shard" if sharded else "dp_replicate"), dp, at=at_flag, origin=origin)
+    b.set(("training", "distributed_optimizer"), dist_opt, at=at_flag, origin=flag)
 
 
 def read_megatron(
@@ -469,7 +520,7 @@ def read_megatron(
     )
     if has("--use-tp-pp-dp-mapping"):  # parallel_state.initialize_model_parallel: order tp-cp-ep-pp-dp
         set_(("mesh", "order"), "tp-cp-ep-pp-dp", "--use-tp-pp-dp-mapping")
-    data_parallel(b, dp, devices, has, at, text_of)
+    data_parallel(b, dp, cp, devices, has, at, text_of, num)
 
     if has("--step-batch-size-schedule") and has("--global-batch-size"):
         # validate_args: "Cannot specify both --step-batch-size-schedule and --global-batch-size" (ValueError).
