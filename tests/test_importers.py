@@ -459,6 +459,16 @@ def test_the_gpt3_script_as_published_does_not_fit_its_own_node(capsys, tmp_path
     assert "D001" not in out
 
 
+def _small_megatron_launch(tmp_path, flags: str):
+    """A small model's Megatron-LM arguments file with ``flags`` added."""
+    path = tmp_path / "args.txt"
+    path.write_text(
+        "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --vocab-size 128 --micro-batch-size 1 "
+        f"--global-batch-size 8 --seq-length 64 --bf16 {flags}\n"
+    )
+    return path
+
+
 @pytest.mark.parametrize(
     "flags, mesh, distributed",
     [
@@ -482,11 +492,7 @@ def test_the_gpt3_script_as_published_does_not_fit_its_own_node(capsys, tmp_path
     ],
 )
 def test_megatron_data_parallelism_says_what_it_shards(tmp_path, flags, mesh, distributed):
-    path = tmp_path / "args.txt"
-    path.write_text(
-        "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --vocab-size 128 --micro-batch-size 1 "
-        f"--global-batch-size 8 --seq-length 64 --bf16 {flags}\n"
-    )
+    path = _small_megatron_launch(tmp_path, flags)
     doc, diagnostics = read_any(path, str(path), ImportOptions(devices=8))
     data = doc.data
     assert {k: v for k, v in data["mesh"].items() if k.startswith("dp_")} == mesh
@@ -504,7 +510,8 @@ def test_megatron_fsdp_example_with_its_optimizer_instances_is_hybrid_sharding(t
     text = (MG / "train_llama3_8b_fsdp_h100_fp8.sh").read_text()
     assert "# --num-distributed-optimizer-instances 2" in text
     path = tmp_path / "train_llama3_8b_fsdp_h100_fp8.sh"
-    path.write_text(text.replace("# --num-distributed-optimizer-instances 2", "--num-distributed-optimizer-instances 2"))
+    knob = "--num-distributed-optimizer-instances 2"
+    path.write_text(text.replace(f"# {knob}", knob))
     doc, _ = read_any(path, str(path), ImportOptions())
     assert (doc.data["mesh"]["dp_replicate"], doc.data["mesh"]["dp_shard"]) == (2, 4)
     status, out, _ = run_cli(capsys, "check", path)
@@ -526,11 +533,7 @@ def test_megatron_fsdp_example_with_its_optimizer_instances_is_hybrid_sharding(t
     ],
 )
 def test_megatron_refuses_optimizer_instances_it_cannot_say(tmp_path, flags, code, says):
-    path = tmp_path / "args.txt"
-    path.write_text(
-        "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --vocab-size 128 --micro-batch-size 1 "
-        f"--global-batch-size 8 --seq-length 64 --bf16 {flags}\n"
-    )
+    path = _small_megatron_launch(tmp_path, flags)
     try:
         _, diagnostics = read_any(path, str(path), ImportOptions(devices=8))
     except SourceError as refused:  # what the spec cannot say is refused (exit 2), what Megatron refuses is I005
@@ -540,11 +543,7 @@ def test_megatron_refuses_optimizer_instances_it_cannot_say(tmp_path, flags, cod
 
 
 def test_megatron_refuses_a_sharding_strategy_it_does_not_take(tmp_path, capsys):
-    path = tmp_path / "args.txt"
-    path.write_text(
-        "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --vocab-size 128 --micro-batch-size 1 "
-        "--global-batch-size 8 --seq-length 64 --use-megatron-fsdp --data-parallel-sharding-strategy full\n"
-    )
+    path = _small_megatron_launch(tmp_path, "--use-megatron-fsdp --data-parallel-sharding-strategy full")
     status, out, _ = run_cli(capsys, "check", path, "--devices", "8")
     assert status == 2 and "--data-parallel-sharding-strategy" in out and "optim_grads_params" in out
 
