@@ -62,6 +62,8 @@ READ = {
     "--tp-comm-overlap": "bool",
     "--use-distributed-optimizer": "bool",
     "--use-megatron-fsdp": "bool",
+    "--use-torch-fsdp2": "bool",
+    "--torch-fsdp2-no-reshard-after-forward": "bool",
     "--data-parallel-sharding-strategy": "str",
     "--num-distributed-optimizer-instances": "int",
     "--recompute-activations": "bool",
@@ -210,6 +212,9 @@ def data_parallel(b: SpecBuilder, dp: int, cp: int, devices: int, has, at, text_
     (validate_args turns it on under Megatron-FSDP itself, megatron/training/arguments.py,
     ``use_megatron_fsdp``; with ``dp_shard`` the optimizer state is sharded either way).
 
+    torch FSDP2 (``--use-torch-fsdp2``: training.py wraps the model in torch's fully_shard) is ZeRO-3
+    over the data ranks: ``dp_shard``.
+
     ``--num-distributed-optimizer-instances K`` (default 1) splits the ``dp * cp`` data ranks into K
     contiguous blocks (megatron/core/parallel_state.py, ``intra_partial_data_parallel_size``; it asserts
     that K divides ``dp * cp``): Megatron-FSDP then shards within a block and replicates across the K
@@ -220,7 +225,26 @@ def data_parallel(b: SpecBuilder, dp: int, cp: int, devices: int, has, at, text_
     dist_opt = has("--use-distributed-optimizer")
     flag = "--use-distributed-optimizer" if dist_opt else None
     sharded = False
-    if has("--use-megatron-fsdp"):
+    if has("--use-torch-fsdp2") and has("--use-megatron-fsdp"):
+        b.refuse(
+            "`--use-torch-fsdp2` and `--use-megatron-fsdp` name two FSDP implementations",
+            at("--use-torch-fsdp2"),
+            "keep the one the run uses",
+            field=("mesh", "dp_shard"),
+        )
+    if has("--use-torch-fsdp2"):
+        # torch's fully_shard over the data ranks (training.py get_model: torch_FSDP), ZeRO-3
+        sharded, flag = True, "--use-torch-fsdp2"
+        origin += " under torch FSDP2"
+        if has("--torch-fsdp2-no-reshard-after-forward"):
+            b.assumed(
+                "--torch-fsdp2-no-reshard-after-forward keeps each layer's gathered weights from its forward "
+                "to its backward; the memory check prices two layers gathered at a time",
+                at("--torch-fsdp2-no-reshard-after-forward"),
+                "the gathered weights are under-stated by the rest of the stage's layers",
+                field=("mesh", "dp_shard"),
+            )
+    elif has("--use-megatron-fsdp"):
         strategy_flag = "--data-parallel-sharding-strategy"
         strategy = text_of(strategy_flag, "optim_grads_params")
         if strategy not in FSDP_STRATEGIES:
@@ -291,6 +315,57 @@ def data_parallel(b: SpecBuilder, dp: int, cp: int, devices: int, has, at, text_
             )
         b.set(("mesh", "dp_shard" if sharded else "dp_replicate"), dp, at=at_flag, origin=origin)
     b.set(("training", "distributed_optimizer"), dist_opt, at=at_flag, origin=flag)
+
+
+def fsdp_refusals(b: SpecBuilder, has, at, text_of, pp: int, ep: int) -> None:
+    """What validate_args (megatron/training/arguments.py) asserts of a launch under torch FSDP2 and
+    under Megatron-FSDP, each an I005 at the flag that starts it."""
+    refusals: list[tuple[str, bool, str]] = []
+    ckpt = text_of("--ckpt-format", "torch_dist")  # TrainingConfig / CheckpointConfig default
+    if has("--use-torch-fsdp2"):
+        refusals += [
+            ("--use-torch-fsdp2", pp > 1, "is not supported with pipeline parallelism"),
+            ("--use-torch-fsdp2", ep > 1, "is not supported with expert parallelism"),
+            (
+                "--use-torch-fsdp2",
+                has("--use-distributed-optimizer"),
+                "is not supported with MCore's distributed optimizer",
+            ),
+            (
+                "--use-torch-fsdp2",
+                not has("--no-gradient-accumulation-fusion"),
+                "is not supported with gradient accumulation fusion (on unless --no-gradient-accumulation-fusion)",
+            ),
+            (
+                "--use-torch-fsdp2",
+                ckpt not in ("torch_dist", "torch_dcp"),
+                "requires --ckpt-format torch_dist or torch_dcp",
+            ),
+            (
+                "--use-torch-fsdp2",
+                not has("--untie-embeddings-and-output-weights"),
+                "requires --untie-embeddings-and-output-weights",
+            ),
+            ("--use-torch-fsdp2", has("--fp16"), "is not supported with fp16 yet"),
+        ]
+    elif has("--use-megatron-fsdp"):
+        optimizer = text_of("--optimizer", "adam")
+        refusals += [
+            (
+                "--use-megatron-fsdp",
+                ckpt != "fsdp_dtensor",
+                "requires the fsdp_dtensor checkpointing format (--ckpt-format)",
+            ),
+            ("--use-megatron-fsdp", optimizer not in ("sgd", "adam"), f"does not support the {optimizer} optimizer"),
+        ]
+    for flag, refused, why in refusals:
+        if refused:
+            b.diagnostic(
+                codes.ENGINE_REFUSES.code,
+                f"Megatron-LM refuses `{flag}` here: it {why} (validate_args asserts it)",
+                at(flag),
+                hint="change the launch as the assertion says, or drop the flag",
+            )
 
 
 def read_megatron(
@@ -521,6 +596,7 @@ def read_megatron(
     if has("--use-tp-pp-dp-mapping"):  # parallel_state.initialize_model_parallel: order tp-cp-ep-pp-dp
         set_(("mesh", "order"), "tp-cp-ep-pp-dp", "--use-tp-pp-dp-mapping")
     data_parallel(b, dp, cp, devices, has, at, text_of, num)
+    fsdp_refusals(b, has, at, text_of, pp, ep)
 
     if has("--step-batch-size-schedule") and has("--global-batch-size"):
         # validate_args: "Cannot specify both --step-batch-size-schedule and --global-batch-size" (ValueError).
