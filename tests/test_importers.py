@@ -499,6 +499,13 @@ MEGATRON_FSDP = "--use-megatron-fsdp --ckpt-format fsdp_dtensor"
             {"dp_shard": 8},
             False,
         ),
+        # its wrapper takes no optimizer instances
+        (
+            "--use-torch-fsdp2 --no-gradient-accumulation-fusion --untie-embeddings-and-output-weights "
+            "--num-distributed-optimizer-instances 2",
+            {"dp_shard": 8},
+            False,
+        ),
     ],
 )
 def test_megatron_data_parallelism_says_what_it_shards(tmp_path, flags, mesh, distributed):

@@ -286,7 +286,8 @@ def data_parallel(b: SpecBuilder, dp: int, cp: int, devices: int, has, at, text_
         )
         instances = 1
     at_flag = at(flag) if flag else None
-    if sharded and instances > 1:
+    # torch FSDP2's wrapper takes no instances (training.py: TorchFullyShardedDataParallelConfig)
+    if sharded and instances > 1 and not has("--use-torch-fsdp2"):
         if dp % instances:
             b.refuse(
                 f"`{instances_flag}` {instances} splits Megatron-FSDP's dp * cp = {dp * cp} ranks across the "
