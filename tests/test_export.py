@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from mixle_compile import cli
 from mixle_compile.export import TARGETS, ExportRefused, export_spec, memory_text, on_backend
+from mixle_compile.export.megatron import megatron_arguments
 from mixle_compile.importers import ImportOptions, read_any
 from mixle_compile.spec import load_spec
 from mixle_compile.spec.models import Spec, TransformerModel, parallel_plan
@@ -119,8 +120,7 @@ def test_megatron_export_refuses_torch_compile_and_writes_megatron_fsdp_for_dp_s
     with pytest.raises(ExportRefused) as refused:
         export_spec(compiled, "megatron")
     assert [field for field, _ in refused.value.reasons] == ["training.compile"]
-    exported = export_spec(spec, "megatron")
-    launch = " ".join(exported.files[exported.main].replace("\\\n", " ").split())
+    launch = " ".join(megatron_arguments(spec))
     assert parallel_plan(spec).dp_shard > 1
     assert "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params" in launch
     assert "--ckpt-format fsdp_dtensor" in launch
@@ -131,8 +131,7 @@ def test_hybrid_sharding_reaches_megatron_fsdp_as_optimizer_instances(tmp_path):
     spec = load_spec(EXAMPLES / "llama3-8b-hsdp-tp.yaml").spec  # dp_replicate 2 x dp_shard 4 x tp 8
     mesh = spec.mesh.model_copy(update={"microbatches": 8, "gradient_accumulation_steps": 1})
     spec = spec.model_copy(update={"mesh": mesh})
-    exported = export_spec(spec, "megatron")
-    launch = " ".join(exported.files[exported.main].replace("\\\n", " ").split())
+    launch = " ".join(megatron_arguments(spec))
     assert "--use-megatron-fsdp" in launch and "--num-distributed-optimizer-instances 2" in launch
     assert round_trip(spec, "megatron", tmp_path)
     plan = parallel_plan(spec)

@@ -225,14 +225,15 @@ def data_parallel(b: SpecBuilder, dp: int, cp: int, devices: int, has, at, text_
     dist_opt = has("--use-distributed-optimizer")
     flag = "--use-distributed-optimizer" if dist_opt else None
     sharded = False
-    if has("--use-torch-fsdp2") and has("--use-megatron-fsdp"):
+    torch_fsdp2 = has("--use-torch-fsdp2")
+    if torch_fsdp2 and has("--use-megatron-fsdp"):
         b.refuse(
             "`--use-torch-fsdp2` and `--use-megatron-fsdp` name two FSDP implementations",
             at("--use-torch-fsdp2"),
             "keep the one the run uses",
             field=("mesh", "dp_shard"),
         )
-    if has("--use-torch-fsdp2"):
+    if torch_fsdp2:
         # torch's fully_shard over the data ranks (training.py get_model: torch_FSDP), ZeRO-3
         sharded, flag = True, "--use-torch-fsdp2"
         origin += " under torch FSDP2"
@@ -287,7 +288,7 @@ def data_parallel(b: SpecBuilder, dp: int, cp: int, devices: int, has, at, text_
         instances = 1
     at_flag = at(flag) if flag else None
     # torch FSDP2's wrapper takes no instances (training.py: TorchFullyShardedDataParallelConfig)
-    if sharded and instances > 1 and not has("--use-torch-fsdp2"):
+    if sharded and instances > 1 and not torch_fsdp2:
         if dp % instances:
             b.refuse(
                 f"`{instances_flag}` {instances} splits Megatron-FSDP's dp * cp = {dp * cp} ranks across the "
@@ -321,45 +322,31 @@ def data_parallel(b: SpecBuilder, dp: int, cp: int, devices: int, has, at, text_
 def fsdp_refusals(b: SpecBuilder, has, at, text_of, pp: int, ep: int) -> None:
     """What validate_args (megatron/training/arguments.py) asserts of a launch under torch FSDP2 and
     under Megatron-FSDP, each an I005 at the flag that starts it."""
-    refusals: list[tuple[str, bool, str]] = []
     ckpt = text_of("--ckpt-format", "torch_dist")  # TrainingConfig / CheckpointConfig default
     if has("--use-torch-fsdp2"):
-        refusals += [
-            ("--use-torch-fsdp2", pp > 1, "is not supported with pipeline parallelism"),
-            ("--use-torch-fsdp2", ep > 1, "is not supported with expert parallelism"),
+        flag = "--use-torch-fsdp2"
+        refusals = [
+            (pp > 1, "is not supported with pipeline parallelism"),
+            (ep > 1, "is not supported with expert parallelism"),
+            (has("--use-distributed-optimizer"), "is not supported with MCore's distributed optimizer"),
             (
-                "--use-torch-fsdp2",
-                has("--use-distributed-optimizer"),
-                "is not supported with MCore's distributed optimizer",
-            ),
-            (
-                "--use-torch-fsdp2",
                 not has("--no-gradient-accumulation-fusion"),
                 "is not supported with gradient accumulation fusion (on unless --no-gradient-accumulation-fusion)",
             ),
-            (
-                "--use-torch-fsdp2",
-                ckpt not in ("torch_dist", "torch_dcp"),
-                "requires --ckpt-format torch_dist or torch_dcp",
-            ),
-            (
-                "--use-torch-fsdp2",
-                not has("--untie-embeddings-and-output-weights"),
-                "requires --untie-embeddings-and-output-weights",
-            ),
-            ("--use-torch-fsdp2", has("--fp16"), "is not supported with fp16 yet"),
+            (ckpt not in ("torch_dist", "torch_dcp"), "requires --ckpt-format torch_dist or torch_dcp"),
+            (not has("--untie-embeddings-and-output-weights"), "requires --untie-embeddings-and-output-weights"),
+            (has("--fp16"), "is not supported with fp16 yet"),
         ]
     elif has("--use-megatron-fsdp"):
+        flag = "--use-megatron-fsdp"
         optimizer = text_of("--optimizer", "adam")
-        refusals += [
-            (
-                "--use-megatron-fsdp",
-                ckpt != "fsdp_dtensor",
-                "requires the fsdp_dtensor checkpointing format (--ckpt-format)",
-            ),
-            ("--use-megatron-fsdp", optimizer not in ("sgd", "adam"), f"does not support the {optimizer} optimizer"),
+        refusals = [
+            (ckpt != "fsdp_dtensor", "requires the fsdp_dtensor checkpointing format (--ckpt-format)"),
+            (optimizer not in ("sgd", "adam"), f"does not support the {optimizer} optimizer"),
         ]
-    for flag, refused, why in refusals:
+    else:
+        return
+    for refused, why in refusals:
         if refused:
             b.diagnostic(
                 codes.ENGINE_REFUSES.code,
