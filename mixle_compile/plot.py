@@ -64,7 +64,7 @@ def byte_unit(largest: float) -> tuple[str, float]:
 def _ops(doc: PlanDocument):
     from mixle_compile.plan.programs import plan_programs
 
-    return [list(program) for program in plan_programs(doc.schedule)]
+    return [list(program) for program in plan_programs(doc.schedule, doc.updates)]
 
 
 def timeline(doc: PlanDocument) -> dict[str, Any]:

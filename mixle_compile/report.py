@@ -289,7 +289,7 @@ def _pipeline_view(doc: PlanDocument) -> dict[str, Any] | None:
         "bubble_fraction": s.bubble_fraction,
         "sends": s.sends,
         "deadlock_free": s.check.ok,
-        "ops_per_stage": [len(ops) for ops in plan_programs(s)],
+        "ops_per_stage": [len(ops) for ops in plan_programs(s, doc.updates)],
     }
 
 

@@ -103,7 +103,7 @@ def test_the_pipeline_consequences_are_shown(pair):
     assert p["bubble_fraction"] == {"from": a.schedule.bubble_fraction, "to": b.schedule.bubble_fraction}
     from mixle_compile.lower.compact import plan_programs
 
-    assert p["ops_per_stage"]["to"] == [len(ops) for ops in plan_programs(b.schedule)]
+    assert p["ops_per_stage"]["to"] == [len(ops) for ops in plan_programs(b.schedule, b.updates)]
     text = diff_text(a, b)
     assert (
         f"bubble fraction: {a.schedule.bubble_fraction:.1%} -> {b.schedule.bubble_fraction:.1%}" in text

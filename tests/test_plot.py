@@ -121,7 +121,7 @@ def test_the_timeline_draws_every_compute_op_and_the_bubble(tmp_path, schedule):
             idle += rect.get_width()
     from mixle_compile.lower.compact import plan_programs
 
-    ops = [op.kind for program in plan_programs(doc.schedule) for op in program]
+    ops = [op.kind for program in plan_programs(doc.schedule, doc.updates) for op in program]
     assert drawn == {"forward": ops.count("forward"), "backward": ops.count("backward")}
     makespan = timeline(doc)["makespan"]
     assert ax.get_xlim()[1] == pytest.approx(makespan)
@@ -168,7 +168,7 @@ def test_an_em_plan_draws_its_passes_by_name():
     ax = panel(fig, "step program")
     from mixle_compile.lower.compact import plan_programs
 
-    names = [op.name for program in plan_programs(doc.schedule) for op in program if op.kind == "forward"]
+    names = [op.name for program in plan_programs(doc.schedule, doc.updates) for op in program if op.kind == "forward"]
     assert [t.get_text() for t in ax.texts] == names == ["e_step/score", "e_step/statistics"]
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ["pass over the data"]
     assert "micro-batch" not in ax.get_xlabel()

@@ -415,7 +415,7 @@ def test_interleaved_plan_declares_every_boundary():
         "stage.0->1:activation/grad": 4,
     }
     sends = {}
-    for s, program in enumerate(plan_programs(doc.schedule)):
+    for s, program in enumerate(plan_programs(doc.schedule, doc.updates)):
         for op in program:
             if op.kind == "send":
                 name = f"stage.{s}->{op.peer}:activation" + ("/grad" if op.tag == "activation_grad" else "")
@@ -490,7 +490,7 @@ def test_pipeline_refusals(tmp_path):
         open_session(doc)
     # a program that skips a micro-batch is not replayed
     data = doc.model_dump(mode="json")
-    stated = program_from(data["schedule"]["stages"][1])
+    stated = program_from(data["schedule"]["stages"][1])  # the body is what is edited here
     ops = [op for op in stated.run_ops() if not (op.kind == "forward" and op.microbatch == 3)]
     data["schedule"]["stages"][1] = program_dict(dataclasses.replace(stated, body=tuple(ops)))
     broken = type(doc).model_validate(data)

@@ -17,6 +17,7 @@ from mixle_compile.lower.runs import EACH_BLOCK, LayerRuns, transformer_runs
 from mixle_compile.lower.step import EXHAUSTIVE_RANKS, StepSchedule, grid_for, stated, step_schedule
 from mixle_compile.lower.updates import PlannedUpdate, activation_updates, gradient_updates
 from mixle_compile.parameters import model_parameters
+from mixle_compile.plan.programs import IN_BODY
 from mixle_compile.spec.load import SourceDocument
 from mixle_compile.spec.models import DistributionModel, Spec, TransformerModel, parallel_plan
 
@@ -130,7 +131,9 @@ def _lower_distribution(spec: Spec, *, schedule: bool, document: SourceDocument 
         buffered = engine_profile(spec.backend).buffered_sends
         programs = stated(low.programs)
         steps = StepSchedule(
-            programs, check_compact(programs, grid, exhaustive_limit=EXHAUSTIVE_RANKS, buffered_sends=buffered)
+            programs,
+            check_compact(programs, grid, exhaustive_limit=EXHAUSTIVE_RANKS, buffered_sends=buffered),
+            collectives=IN_BODY,  # the EM step's collectives sit in its program
         )
     return Lowered(
         plan=plan,

@@ -20,6 +20,7 @@ from mixle_compile.lower.groups import RankGrid, rule_name
 from mixle_compile.lower.schedule import Op, OpKind, ScheduleCheck, pipeline_bodies
 from mixle_compile.lower.updates import PlannedUpdate
 from mixle_compile.plan.ops import copy_op
+from mixle_compile.plan.programs import BY_PHASE, NO_COLLECTIVES, Placement, phase_collectives
 from mixle_compile.schedules import pipelined
 
 EXHAUSTIVE_RANKS = 16
@@ -32,6 +33,9 @@ class StepSchedule:
 
     stages: tuple[StageProgram, ...]
     check: ScheduleCheck
+    # How the plan states the programs' collectives (plan/programs.py): as its updates, placed by their
+    # phase, or in the programs' bodies (a distribution model's EM step).
+    collectives: str = BY_PHASE
 
     @property
     def programs(self) -> tuple[tuple[Op, ...], ...]:
@@ -58,39 +62,37 @@ def step_schedule(
     per_run = engine.schedule_microbatches(plan.microbatches, plan.gradient_accumulation_steps)
     runs = plan.microbatches * plan.gradient_accumulation_steps // per_run
     one_run = pipeline_bodies(plan.pp, per_run, pipeline, virtual_stages, family=engine.schedules)
-    by_phase: dict[tuple[str, int], list[PlannedUpdate]] = {}
-    for u in updates:
-        if u.update.collective is not CollectiveKind.P2P:
-            by_phase.setdefault((u.phase, u.stage), []).append(u)
-
     # One checked collective op per (group rule, collective) and stage, a handful per step; each
     # update's op is a copy of it with the update's name and bytes (an update id is a name, its bytes
     # a count), so that planning many updates does not validate as many ops.
     templates: dict[tuple[tuple[str, ...], str, int], Op] = {}
 
-    def template(axes: tuple[str, ...], tag: str, stage: int) -> Op:
-        op = templates.get((axes, tag, stage))
+    def collective(u: Placement) -> Op:
+        key = (u.mesh_axes, u.collective, u.stage)
+        op = templates.get(key)
         if op is None:
-            op = templates[(axes, tag, stage)] = Op(OpKind.collective, stage, group=rule_name(axes), tag=tag)
-        return op
+            op = templates[key] = Op(OpKind.collective, u.stage, group=rule_name(u.mesh_axes), tag=u.collective)
+        return copy_op(op, name=u.name, bytes=u.bytes)
 
-    def ops(phase: str, stage: int) -> list[tuple[Op, int]]:
-        return [
-            (
-                copy_op(
-                    template(u.update.mesh_axes, u.update.collective._value_, stage),
-                    name=u.update.node_id,
-                    bytes=u.payload_bytes,
-                ),
+    # Where each collective goes is the plan's rule (plan/programs.py), which its readers apply too.
+    placed = phase_collectives(
+        (
+            Placement(
+                u.phase,
+                u.stage,
+                tuple(u.update.mesh_axes),
+                u.update.collective._value_,
+                u.update.node_id,
+                u.payload_bytes,
                 u.occurrences_per_step,
             )
-            for u in by_phase.get((phase, stage), ())
-        ]
-
+            for u in updates
+        ),
+        collective,
+    )
     stages = []
     for stage, body in enumerate(one_run):
-        # Per-micro-batch phases get one copy per compute op from their anchor (_ANCHOR); step-level
-        # phases repeat an update as often as it occurs in a step (FSDP reduces each accumulation window).
+        on_stage = placed.get(stage, NO_COLLECTIVES)
         stages.append(
             StageProgram(
                 stage=stage,
@@ -99,10 +101,10 @@ def step_schedule(
                 run_microbatches=per_run,
                 run_batches=1 + max((_last_batch(item) for item in body), default=-1),
                 optimizer=True,
-                before_forward=tuple(op for op, _ in ops("forward", stage)),
-                after_backward=tuple(op for op, _ in ops("backward", stage)),
-                after_last_backward=tuple(ops("gradient", stage)),
-                end=tuple(op for op, k in ops("parameter", stage) for _ in range(k)),
+                before_forward=on_stage.before_forward,
+                after_backward=on_stage.after_backward,
+                after_last_backward=on_stage.after_last_backward,
+                end=on_stage.end,
             )
         )
     # Ranks of a stage run one program, so one representative per stage is an exact check;

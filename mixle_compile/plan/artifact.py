@@ -80,10 +80,11 @@ def build_plan_text(spec: Spec, lowered: Lowered, diagnostics: list[Diagnostic])
                 "ranks_checked": check.ranks_checked,
                 "representatives": check.representatives,
             },
+            "collectives": lowered.schedule.collectives,
             "micro_steps": plan.microbatches * plan.gradient_accumulation_steps,
             "pipeline": pipeline,
             "sends": "buffered" if engine_profile(spec.backend).buffered_sends else "rendezvous",
-            "stages": [folding.folded(program_dict(program), STAGE_LISTS) for program in lowered.schedule.stages],
+            "stages": [program_dict(program) for program in lowered.schedule.stages],
             "virtual_stages": virtual_stages,
         }
     doc = {
@@ -175,9 +176,6 @@ def _update_entry(u) -> dict:
 #: refuses a text that differs, so a section built out of order could not be written unnoticed.
 PRESORTED = frozenset({"parameters", "updates", "schedule"})
 
-#: The lists of a stage program whose per-layer entries are folded (parameters and updates too).
-STAGE_LISTS = ("before_forward", "after_backward", "after_last_backward", "end")
-
 
 def _folded(data: dict, keys: tuple[str, ...]) -> dict:
     """``data`` with the per-layer lists under ``keys`` folded (every block listed)."""
@@ -192,9 +190,6 @@ class _Folding:
     def __init__(self, lowered: Lowered) -> None:
         self.lowered = lowered
         self.runs = lowered.layer_runs
-        if self.runs is not None:
-            self.update_keys = [(u.layer, _own(u)) for u in lowered.updates]
-            self.by_name = {u.update.node_id: key for u, key in zip(lowered.updates, self.update_keys, strict=True)}
 
     def folded(self, data: dict, keys: tuple[str, ...]) -> dict:
         if self.runs is None:
@@ -204,9 +199,7 @@ class _Folding:
     def _keys(self, name: str, entries: list[dict]) -> list[tuple[int | None, object]]:
         if name == "parameters":
             return [(p.parameter.layer, None) for p in self.lowered.parameters]
-        if name == "updates":
-            return self.update_keys
-        return [self.by_name.get(entry["name"], (None, None)) for entry in entries]  # a stage's collectives
+        return [(u.layer, _own(u)) for u in self.lowered.updates]
 
 
 def _own(u) -> bool:
@@ -217,11 +210,7 @@ def _own(u) -> bool:
 
 def expanded(doc: dict) -> dict:
     """A plan's JSON with its folded layers (plan/layers.py) unfolded: what loading reads."""
-    out = {**doc, "parameters": unfold(doc["parameters"]), "updates": unfold(doc["updates"])}
-    if doc.get("schedule") is not None:
-        stages = [{**s, **{key: unfold(s[key]) for key in STAGE_LISTS}} for s in doc["schedule"]["stages"]]
-        out["schedule"] = {**doc["schedule"], "stages": stages}
-    return out
+    return {**doc, "parameters": unfold(doc["parameters"]), "updates": unfold(doc["updates"])}
 
 
 def content_digest(doc: dict) -> str:
@@ -316,7 +305,7 @@ def load_plan_text(text: str | bytes, name: str = "plan.json") -> PlanDocument:
     if version < FORMAT_VERSION:
         raise PlanFormatError(
             f"{name} is in the old plan format {version} (this compiler reads format {FORMAT_VERSION}, which states "
-            f"repeated programs once); recompile its spec with mixle-compile {__version__}: "
+            f"each collective once, as an update); recompile its spec with mixle-compile {__version__}: "
             f"`mixle-compile compile SPEC -o {name}` (the spec is embedded in the plan as `spec`)"
         )
     try:
@@ -364,10 +353,7 @@ def written_text(doc: PlanDocument) -> str:
     if doc._text is not None:
         return doc._text
     data = doc.model_dump(mode="json")
-    data = _folded(data, ("parameters", "updates"))
-    if data.get("schedule") is not None:
-        data["schedule"] = {**data["schedule"], "stages": [_folded(s, STAGE_LISTS) for s in data["schedule"]["stages"]]}
-    return plan_text(data)
+    return plan_text(_folded(data, ("parameters", "updates")))
 
 
 def plan_spec(doc: PlanDocument) -> Spec:

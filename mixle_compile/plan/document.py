@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from mixle_compile.plan.layers import unfold
 
-FORMAT_VERSION = 2  # 2: stage programs stated with their repetition (mixle_compile/lower/compact.py)
+FORMAT_VERSION = 3  # 2: stage programs stated with their repetition (lower/compact.py); 3: their collectives as updates
 
 #: An update's notes are one string in the plan: the notes of its DistributedUpdate joined by this.
 NOTES_SEPARATOR = "\n"
@@ -139,25 +139,11 @@ class PlanUpdateLayers(_Section):
     entries: list[PlanUpdate]
 
 
-class PlanOpLayers(_Section):
-    layers: int = Field(description="how many consecutive layers, from the ops' own layer")
-    entries: list[PlanOp]
-
-
 class PlanLoop(_Section):
     repeat: int = Field(description="times the ops are issued")
     microbatch_step: int = Field(description="added to each op's micro-batch per repetition")
     batch_step: int = Field(description="added to each op's batch per repetition")
     ops: list[PlanOp]
-
-
-class PlanRepeatedOp(PlanOp):
-    times: int = Field(description="issued this many times in a row")
-
-
-class PlanRepeatedOpLayers(_Section):
-    layers: int = Field(description="how many consecutive layers, from the ops' own layer")
-    entries: list[PlanRepeatedOp]
 
 
 def _unfolded(data: Any, keys: tuple[str, ...]) -> Any:
@@ -171,7 +157,8 @@ def _unfolded(data: Any, keys: tuple[str, ...]) -> Any:
 
 
 class PlanStageProgram(_Section):
-    """One stage's program stated once with its repetition; the runtime expands it (lower/compact.py plan_programs)."""
+    """One stage's program stated once with its repetition, its collectives placed from the plan's
+    updates; the runtime expands it (plan/programs.py plan_programs)."""
 
     stage: int
     runs: int = Field(description="the body runs this many times back to back")
@@ -179,21 +166,6 @@ class PlanStageProgram(_Section):
     run_batches: int = Field(description="added to batch numbers per run")
     optimizer: bool = Field(description="an optimizer op after the last run")
     body: list[PlanLoop | PlanOp] = Field(description="one run's compute and point-to-point ops (loops folded)")
-    before_forward: list[PlanOp | PlanOpLayers] = Field(
-        description="collectives issued right before every forward (after its receive)"
-    )
-    after_backward: list[PlanOp | PlanOpLayers] = Field(
-        description="collectives issued right after every backward (before its send)"
-    )
-    after_last_backward: list[PlanRepeatedOp | PlanRepeatedOpLayers] = Field(
-        description="after the last backward and its send batch: the gradient reductions"
-    )
-    end: list[PlanOp | PlanOpLayers] = Field(description="after the optimizer: a distributed optimizer's gathers")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _layers(cls, data: Any) -> Any:
-        return _unfolded(data, ("before_forward", "after_backward", "after_last_backward", "end"))
 
 
 class ScheduleVerdict(_Section):
@@ -209,6 +181,12 @@ class PlanSchedule(_Section):
     virtual_stages: int
     micro_steps: int = Field(description="micro-batches per optimizer step: microbatches x gradient accumulation")
     bubble_fraction: float
+    collectives: Literal["by_phase", "in_body"] = Field(
+        description="where the programs' collectives are: by_phase, the plan's updates, each issued where its "
+        "phase says (forward: before every forward; backward: after every backward; gradient: after the last "
+        "backward, occurrences_per_step times in a row; parameter: after the optimizer, as often), in the "
+        "order of `updates`; in_body, in each program's body"
+    )
     stages: list[PlanStageProgram] = Field(
         description="the program of each pipeline stage; every rank of a stage runs it"
     )

@@ -1,23 +1,37 @@
 """A stage's program as the plan states it: its repeated parts once, and how to expand it.
 
-A :class:`StageProgram` is what a format-2 plan's ``schedule.stages`` holds (the lowering builds and
-checks it in :mod:`mixle_compile.lower.compact`, which explains the form): a ``body`` of ops and
-loops (:class:`Loop`) run ``runs`` times, the collectives issued at every forward and backward stated once,
-the gradient reductions with their counts and what follows the optimizer. :func:`expand` gives the
+A :class:`StageProgram` is what a plan's ``schedule.stages`` holds (the lowering builds and checks it
+in :mod:`mixle_compile.lower.compact`, which explains the form): a ``body`` of ops and loops
+(:class:`Loop`) run ``runs`` times, the collectives issued at every forward and backward, the
+gradient reductions with their counts and what follows the optimizer. :func:`expand` gives the
 explicit program back, op for op; :func:`plan_programs` reads every stage's explicit program from a
 plan, which is how the runtime reads a plan's schedule.
+
+The plan states each collective once, as an update (``updates``); a stage program names none of
+them. Where each goes follows from the update's phase (:func:`phase_collectives`, the one rule the
+lowering builds the programs by and every reader reads them by): ``forward`` before every forward,
+``backward`` after every backward, ``gradient`` after the last backward (``occurrences_per_step``
+times in a row), ``parameter`` after the optimizer (as often), each list in the plan's order of the
+updates. A plan whose collectives sit in its programs' bodies (a distribution model's EM step) says
+so with ``schedule.collectives: in_body``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 # The op a program is made of, and its unchecked copy and insertion (the schedule's own).
 from mixle_compile.plan.ops import Op, OpKind
 from mixle_compile.plan.ops import copy_op as _copy
 from mixle_compile.plan.ops import insert_templates as _insert
+from mixle_compile.plan.vocabulary import rule_name
+
+#: ``schedule.collectives``: the programs' collectives are the plan's updates, placed by their phase
+#: (:func:`phase_collectives`), or they sit in the programs' bodies.
+BY_PHASE = "by_phase"
+IN_BODY = "in_body"
 
 
 @dataclass(frozen=True)
@@ -155,7 +169,8 @@ def op_from(data: Any) -> Op:
 
 
 def program_dict(p: StageProgram) -> dict[str, Any]:
-    """A stage program as the plan writes it, every key in canonical (sorted) order (:func:`op_dict`)."""
+    """A stage program as the plan writes it, every key in canonical (sorted) order (:func:`op_dict`).
+    Its collectives are not written: the plan states them as updates (:func:`phase_collectives`)."""
     body = [
         {
             "batch_step": item.batch_step,
@@ -168,11 +183,7 @@ def program_dict(p: StageProgram) -> dict[str, Any]:
         for item in p.body
     ]
     return {
-        "after_backward": [op_dict(op) for op in p.after_backward],
-        "after_last_backward": [{**op_dict(op), "times": k} for op, k in p.after_last_backward],
-        "before_forward": [op_dict(op) for op in p.before_forward],
         "body": body,
-        "end": [op_dict(op) for op in p.end],
         "optimizer": p.optimizer,
         "run_batches": p.run_batches,
         "run_microbatches": p.run_microbatches,
@@ -181,8 +192,10 @@ def program_dict(p: StageProgram) -> dict[str, Any]:
     }
 
 
-def program_from(data: Any) -> StageProgram:
-    """A stage program from its plan entry (a dict or the plan document's model)."""
+def program_from(data: Any, collectives: StageCollectives | None = None) -> StageProgram:
+    """A stage program from its plan entry (a dict or the plan document's model), with the
+    collectives the plan's updates place on its stage (:func:`phase_collectives`; none: the
+    program's body holds its collectives)."""
     get = data.get if isinstance(data, dict) else (lambda name, default=None: getattr(data, name, default))
 
     def item(entry: Any) -> Op | Loop:
@@ -196,9 +209,7 @@ def program_from(data: Any) -> StageProgram:
             )
         return op_from(entry)
 
-    def times(entry: Any) -> int:
-        return entry["times"] if isinstance(entry, dict) else entry.times
-
+    placed = collectives or NO_COLLECTIVES
     return StageProgram(
         stage=get("stage"),
         body=tuple(item(e) for e in get("body")),
@@ -206,15 +217,103 @@ def program_from(data: Any) -> StageProgram:
         run_microbatches=get("run_microbatches"),
         run_batches=get("run_batches"),
         optimizer=get("optimizer"),
-        before_forward=tuple(op_from(op) for op in get("before_forward")),
-        after_backward=tuple(op_from(op) for op in get("after_backward")),
-        after_last_backward=tuple((op_from(op), times(op)) for op in get("after_last_backward")),
-        end=tuple(op_from(op) for op in get("end")),
+        before_forward=placed.before_forward,
+        after_backward=placed.after_backward,
+        after_last_backward=placed.after_last_backward,
+        end=placed.end,
     )
 
 
-def plan_programs(schedule: Any) -> tuple[tuple[Op, ...], ...]:
-    """Every stage's explicit program from a plan's ``schedule`` (the document's model or its JSON):
-    what the runtime executes."""
-    stages = schedule["stages"] if isinstance(schedule, dict) else schedule.stages
-    return tuple(expand(program_from(stage)) for stage in stages)
+def plan_programs(schedule: Any, updates: Sequence[Any]) -> tuple[tuple[Op, ...], ...]:
+    """Every stage's explicit program from a plan's ``schedule`` and ``updates`` (the document's
+    models or its JSON, the updates unfolded): what the runtime executes."""
+    return tuple(expand(program) for program in plan_stage_programs(schedule, updates))
+
+
+def plan_stage_programs(schedule: Any, updates: Sequence[Any]) -> tuple[StageProgram, ...]:
+    """Every stage's program as the plan states it, its collectives placed from the updates."""
+    get = schedule.get if isinstance(schedule, dict) else (lambda name, default=None: getattr(schedule, name, default))
+    stages = get("stages")
+    if get("collectives", BY_PHASE) != BY_PHASE:
+        return tuple(program_from(stage) for stage in stages)
+    placed = phase_collectives((placement_of(u) for u in updates), checked_collective)
+    return tuple(
+        program_from(stage, placed.get(stage["stage"] if isinstance(stage, dict) else stage.stage)) for stage in stages
+    )
+
+
+# ---------------------------------------------------------------------------
+# Where each update's collective goes
+# ---------------------------------------------------------------------------
+
+
+class Placement(NamedTuple):
+    """What a stage program needs of an update to place its collective."""
+
+    phase: str
+    stage: int
+    mesh_axes: tuple[str, ...]
+    collective: str
+    name: str
+    bytes: int
+    occurrences: int
+
+
+class StageCollectives(NamedTuple):
+    """The collectives of one stage's program, by where they are issued."""
+
+    before_forward: tuple[Op, ...] = ()
+    after_backward: tuple[Op, ...] = ()
+    after_last_backward: tuple[tuple[Op, int], ...] = ()  # (collective, times in a row)
+    end: tuple[Op, ...] = ()
+
+
+NO_COLLECTIVES = StageCollectives()
+
+#: The phases an update's collective can be issued in (its anchor in the program).
+PHASES = ("forward", "backward", "gradient", "parameter")
+
+
+def phase_collectives(updates: Iterable[Placement], make_op: Callable[[Placement], Op]) -> dict[int, StageCollectives]:
+    """The collectives of every stage's program, from the updates in plan order: point-to-point
+    updates are the body's sends and receives; every other update is one collective (``make_op``)
+    issued where its phase says (the module docstring), a ``gradient`` one ``occurrences`` times in a
+    row (FSDP reduces every accumulation window) and a ``parameter`` one as often."""
+    lists: dict[int, tuple[list, list, list, list]] = {}
+    for u in updates:
+        if u.collective == "p2p":
+            continue
+        if u.phase not in PHASES:
+            raise ValueError(f"update {u.name!r} has the phase {u.phase!r}; a collective's phase is one of {PHASES}")
+        forward, backward, gradient, end = lists.setdefault(u.stage, ([], [], [], []))
+        op = make_op(u)
+        if u.phase == "forward":
+            forward.append(op)
+        elif u.phase == "backward":
+            backward.append(op)
+        elif u.phase == "gradient":
+            gradient.append((op, u.occurrences))
+        else:
+            end.extend([op] * u.occurrences)
+    return {stage: StageCollectives(*(tuple(part) for part in parts)) for stage, parts in lists.items()}
+
+
+def placement_of(entry: Any) -> Placement:
+    """An update's placement from its plan entry (a dict or the plan document's model)."""
+    get = entry.get if isinstance(entry, dict) else (lambda name, default=None: getattr(entry, name, default))
+    return Placement(
+        get("phase"),
+        get("stage"),
+        tuple(get("mesh_axes")),
+        get("collective"),
+        get("node_id"),
+        get("payload_bytes"),
+        get("occurrences_per_step"),
+    )
+
+
+def checked_collective(u: Placement) -> Op:
+    """The collective op of an update read from a plan (validated: the values come from a file)."""
+    if isinstance(u.occurrences, bool) or not isinstance(u.occurrences, int) or u.occurrences < 1:
+        raise ValueError(f"update {u.name!r} occurs {u.occurrences!r} times per step; it must be at least once")
+    return Op(OpKind.collective, u.stage, name=u.name, group=rule_name(u.mesh_axes), tag=u.collective, bytes=u.bytes)

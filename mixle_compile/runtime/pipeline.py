@@ -94,7 +94,7 @@ class PipelineSession:
         self.layout = check_pipeline(doc, instructions)
         self.stage = mesh.coord(PP)
         self.pp = self.plan.pp
-        self.program = list(plan_programs(doc.schedule)[self.stage])
+        self.program = list(plan_programs(doc.schedule, doc.updates)[self.stage])
         self.ledger = Ledger(instructions.collectives)
         self.comm = Collectives(mesh, self.ledger, device)
         self.shape = TransformerShape.from_spec(instructions.spec)

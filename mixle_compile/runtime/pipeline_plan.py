@@ -127,7 +127,7 @@ def check_pipeline(doc: PlanDocument, instructions: Instructions) -> PipelineLay
     if len(doc.schedule.stages) != plan.pp:
         raise RuntimeRefusal(f"the plan has pp={plan.pp} but {len(doc.schedule.stages)} stage program(s); recompile it")
     try:
-        programs = plan_programs(doc.schedule)
+        programs = plan_programs(doc.schedule, doc.updates)
     except ValueError as exc:
         raise RuntimeRefusal(f"the plan's stage programs do not expand ({exc}); recompile it") from None
     for s, program in enumerate(programs):
