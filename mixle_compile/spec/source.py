@@ -30,7 +30,7 @@ MAX_DEPTH = 64
 MAX_NODES = 4_000_000  # values after alias expansion
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # one per value and key of a spec: 56 bytes each with slots, ~350 without
 class Position:
     line: int  # 1-based
     column: int  # 1-based
