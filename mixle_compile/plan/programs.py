@@ -132,6 +132,14 @@ def expand_all(programs: Sequence[StageProgram]) -> tuple[tuple[Op, ...], ...]:
 # ---------------------------------------------------------------------------
 
 
+def _fields(data: Any) -> Callable[..., Any]:
+    """A getter of a plan entry's fields, ``get(name, default=None)``, for its JSON (a dict) or the
+    plan document's model alike."""
+    if isinstance(data, dict):
+        return data.get
+    return lambda name, default=None: getattr(data, name, default)
+
+
 def op_dict(op: Op) -> dict[str, Any]:
     """An op as the plan writes it: every field (the plan's schema fills none in), the keys in
     canonical (sorted) order, so that the plan's text is written without sorting them again."""
@@ -152,7 +160,7 @@ def op_dict(op: Op) -> dict[str, Any]:
 
 def op_from(data: Any) -> Op:
     """An op from its plan entry (a dict or a pydantic model with the same fields)."""
-    get = data.get if isinstance(data, dict) else (lambda name, default=None: getattr(data, name, default))
+    get = _fields(data)
     return Op(
         OpKind(get("kind")),
         get("stage"),
@@ -196,10 +204,10 @@ def program_from(data: Any, collectives: StageCollectives | None = None) -> Stag
     """A stage program from its plan entry (a dict or the plan document's model), with the
     collectives the plan's updates place on its stage (:func:`phase_collectives`; none: the
     program's body holds its collectives)."""
-    get = data.get if isinstance(data, dict) else (lambda name, default=None: getattr(data, name, default))
+    get = _fields(data)
 
     def item(entry: Any) -> Op | Loop:
-        value = entry.get if isinstance(entry, dict) else (lambda name, default=None: getattr(entry, name, default))
+        value = _fields(entry)
         if value("repeat") is not None:
             return Loop(
                 value("repeat"),
@@ -232,14 +240,12 @@ def plan_programs(schedule: Any, updates: Sequence[Any]) -> tuple[tuple[Op, ...]
 
 def plan_stage_programs(schedule: Any, updates: Sequence[Any]) -> tuple[StageProgram, ...]:
     """Every stage's program as the plan states it, its collectives placed from the updates."""
-    get = schedule.get if isinstance(schedule, dict) else (lambda name, default=None: getattr(schedule, name, default))
+    get = _fields(schedule)
     stages = get("stages")
     if get("collectives", BY_PHASE) != BY_PHASE:
         return tuple(program_from(stage) for stage in stages)
     placed = phase_collectives((placement_of(u) for u in updates), checked_collective)
-    return tuple(
-        program_from(stage, placed.get(stage["stage"] if isinstance(stage, dict) else stage.stage)) for stage in stages
-    )
+    return tuple(program_from(stage, placed.get(_fields(stage)("stage"))) for stage in stages)
 
 
 # ---------------------------------------------------------------------------
@@ -300,7 +306,7 @@ def phase_collectives(updates: Iterable[Placement], make_op: Callable[[Placement
 
 def placement_of(entry: Any) -> Placement:
     """An update's placement from its plan entry (a dict or the plan document's model)."""
-    get = entry.get if isinstance(entry, dict) else (lambda name, default=None: getattr(entry, name, default))
+    get = _fields(entry)
     return Placement(
         get("phase"),
         get("stage"),
