@@ -811,7 +811,7 @@ def predict_lowered(spec: Any, lowered: Any) -> StepTime:
         bubble = bubble_fraction(plan.pp, runs, v)
     updates = [
         {
-            "stage": u.stage,
+            "stage": stage,
             "collective": u.update.collective.value,
             "group_size": u.group_size,
             "payload_bytes": u.payload_bytes,
@@ -822,6 +822,7 @@ def predict_lowered(spec: Any, lowered: Any) -> StepTime:
             "node_id": u.update.node_id,
         }
         for u in lowered.updates
+        for stage in lowered.on_stages(u.layer, u.stage)  # and on every stage the run repeats on
     ]
     split = _split(data, degrees)
     return predict(data, updates, degrees, lowered.grid.order, bubble, split, [m.as_dict() for m in lowered.memory])

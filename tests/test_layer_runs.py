@@ -103,14 +103,17 @@ resources: {{devices: {world}, memory: 1TiB, kind: h100}}
 """
 
 
-def _generated(rng: random.Random):
-    """A spec that checks, drawn over the settings the runs depend on."""
+def _generated(rng: random.Random, large: bool = False):
+    """A spec that checks, drawn over the settings the runs depend on; ``large``: on more than 16
+    ranks, where the lowering lists alike stages once (lower/runs.py)."""
     for _ in range(200):
         pp = rng.choice([1, 2, 3, 4])
         virtual = rng.choice([1, 2]) if pp > 1 else 1
         schedule = "interleaved_1f1b" if virtual > 1 else rng.choice(["gpipe", "1f1b"] if pp > 1 else ["1f1b"])
         layers = rng.randint(max(1, pp * virtual), 24)
         dr, ds, tp, cp = (rng.choice(c) for c in ([1, 2], [1, 2], [1, 2], [1, 1, 2]))
+        if large:
+            dr *= 16
         experts = rng.choice([0, 0, 4])
         ep = rng.choice([e for e in (1, 2) if experts and (dr * ds * cp) % e == 0] or [1])
         mb = rng.choice([pp, 2 * pp]) if pp > 1 else 1
@@ -156,14 +159,27 @@ def _generated(rng: random.Random):
     raise AssertionError("no generated spec checks in 200 draws")
 
 
-def _sample(count: int, seed: int):
+def _sample(count: int, seed: int, large: bool = False):
     rng = random.Random(seed)
-    return [_generated(rng) for _ in range(count)]
+    return [_generated(rng, large) for _ in range(count)]
 
 
 @pytest.mark.parametrize("loaded", _sample(40, 11), ids=lambda loaded: loaded.spec.mesh.model_dump_json()[:60])
 def test_generated_specs_compile_to_the_same_plan_from_runs(loaded):
     _assert_same(loaded)
+
+
+LARGE = _sample(30, 12, large=True)
+
+
+@pytest.mark.parametrize("loaded", LARGE, ids=lambda loaded: loaded.spec.mesh.model_dump_json()[:60])
+def test_generated_large_specs_compile_to_the_same_plan_from_stages_listed_once(loaded):
+    _assert_same(loaded)
+
+
+def test_the_large_sample_lists_stages_once():
+    listed = [lower(loaded.spec, schedule=False).layer_runs for loaded in LARGE]
+    assert sum(bool(runs.repeats) for runs in listed) >= 8
 
 
 def test_runs_are_the_blocks_of_one_virtual_stage_and_one_kind():
@@ -172,14 +188,31 @@ def test_runs_are_the_blocks_of_one_virtual_stage_and_one_kind():
         | dict(num_experts=4, experts_per_token=1, moe_layer_frequency=3)
     )
     split = split_layers(10, 2, 1, None, "torch")  # 5 and 5 blocks; experts in blocks 0, 3, 6 and 9
-    assert dict(transformer_runs(model, split).counts) == {0: 1, 1: 2, 3: 1, 4: 1, 5: 1, 6: 1, 7: 2, 9: 1}
+    runs = transformer_runs(model, split)
+    assert dict(runs.counts) == {0: 1, 1: 2, 3: 1, 4: 1, 5: 1, 6: 1, 7: 2, 9: 1}
+    assert not runs.repeats  # a stage of several runs is listed on its own
     dense = model.model_copy(update={"num_experts": 0})
     torchtitan = split_layers(126, 8, 1, None, "torchtitan")  # 15, 16 x 6, 15
-    assert dict(transformer_runs(dense, torchtitan).counts) == {
-        0: 15,
-        **{15 + 16 * i: 16 for i in range(6)},
-        111: 15,
-    }
+    each_stage = transformer_runs(dense, torchtitan, fold_stages=False)
+    assert dict(each_stage.counts) == {0: 15, **{15 + 16 * i: 16 for i in range(6)}, 111: 15}
+    assert not each_stage.repeats
+    # the six stages of 16 blocks are one run repeated; the first and last stages hold 15 each
+    folded = transformer_runs(dense, torchtitan)
+    assert dict(folded.counts) == {0: 15, 15: 16, 111: 15} and dict(folded.repeats) == {15: 6}
+    assert folded.on_stages(15, 1) == range(1, 7) and folded.on_stages(0, 0) == range(0, 1)
+    assert folded.on_stages(None, 7) == range(7, 8)
+
+
+def test_stages_repeat_within_a_chunk_only():
+    model = TransformerModel.model_validate(
+        dict(family="transformer", vocab_size=64, hidden_size=32, num_layers=16, num_heads=4, ffn_hidden_size=64)
+    )
+    # virtual stages 0..3 of 4 blocks: chunk 0 on stages 0 and 1, then chunk 1 on stages 0 and 1
+    runs = transformer_runs(model, split_layers(16, 2, 2, None, "torch"))
+    assert dict(runs.counts) == {0: 4, 8: 4} and dict(runs.repeats) == {0: 2, 8: 2}
+    # uneven stages (a listed split) repeat only where they hold as many blocks
+    runs = transformer_runs(model, split_layers(16, 4, 1, [4, 4, 5, 3], "torch"))
+    assert dict(runs.counts) == {0: 4, 8: 5, 13: 3} and dict(runs.repeats) == {0: 2}
 
 
 def test_a_compile_lists_one_block_of_each_run():

@@ -39,8 +39,12 @@ class Lowered:
     layer_runs: LayerRuns | None = None
 
     def count(self, layer: int | None) -> int:
-        """How many blocks an entry of ``layer`` stands for."""
+        """How many blocks of its stage an entry of ``layer`` stands for."""
         return (self.layer_runs or EACH_BLOCK).count(layer)
+
+    def on_stages(self, layer: int | None, stage: int) -> range:
+        """The pipeline stages an entry of ``layer`` listed on ``stage`` stands for (lower/runs.py)."""
+        return (self.layer_runs or EACH_BLOCK).on_stages(layer, stage)
 
 
 def lower(
@@ -65,7 +69,10 @@ def lower(
     split = split_layers(max(num_layers, 1), plan.pp, t.virtual_pipeline_stages, t.pipeline_layers, split_engine)
     runs = None
     if isinstance(spec.model, TransformerModel) and not each_layer:
-        runs = transformer_runs(spec.model, split)
+        # A small world's schedule is checked rank by rank, on every stage's own collectives; a large
+        # one's on a representative per stage, where a block's collectives (inside one stage) are
+        # left out of the simulation, so its alike stages are listed once (lower/runs.py).
+        runs = transformer_runs(spec.model, split, fold_stages=plan.world_size > EXHAUSTIVE_RANKS)
     listed = runs.first_layers if runs is not None else range(num_layers)
     placed = place_parameters(
         model_parameters(spec, listed),
@@ -97,6 +104,7 @@ def lower(
             pipeline=t.pipeline_schedule,
             virtual_stages=t.virtual_pipeline_stages,
             engine=engine,
+            layer_runs=runs or EACH_BLOCK,
         )
         if schedule
         else None

@@ -94,14 +94,14 @@ def stage_memory(
     runs: LayerRuns = EACH_BLOCK,
 ) -> tuple[StageMemory, ...]:
     """Memory per stage; ``runs``: ``placed`` lists one block of each run of blocks that lower alike
-    (lower/runs.py), which counts as often as its run holds blocks."""
+    (lower/runs.py), which counts as often as its run holds blocks, on every stage it repeats on."""
     count = runs.count
     t = spec.training
     adam = t.optimizer in ("adam", "adamw")
     engine = engine_profile(spec.backend)
     out = []
     for stage in range(plan.pp):
-        mine = [p for p in placed if p.stage == stage]
+        mine = [p for p in placed if stage in runs.on_stages(p.parameter.layer, p.stage)]
         if plan.pp == 1:  # a tied pair on one stage is one tensor
             seen: set[str] = set()
             unique = []
@@ -345,16 +345,18 @@ def moe_extra(spec: Spec, plan: ParallelPlan) -> tuple[float, float]:
 
 def traffic(updates: tuple[PlannedUpdate, ...], runs: LayerRuns = EACH_BLOCK) -> tuple[TrafficEntry, ...]:
     """Per-step bytes sent by each rank of a stage, per (axes, collective); ``runs``: an update of a
-    run's first block (lower/runs.py) counts as often as the run holds blocks.
+    run's first block (lower/runs.py) counts as often as the run holds blocks, on every stage the
+    run repeats on.
 
     The sum is exact: the bytes entering each (axes, collective, group size) are added as integers
     and priced once with the ring's fraction (:func:`mixle_compile.step_time.ring_fraction`), so the
     figure does not depend on the order of the updates or on how they are counted."""
     entering: dict[tuple[int, tuple[str, ...], str, int], int] = {}
     for u in updates:
-        key = (u.stage, tuple(u.update.mesh_axes), u.update.collective._value_, u.group_size)
         times = u.occurrences_per_step * runs.count(u.layer)
-        entering[key] = entering.get(key, 0) + u.payload_bytes * times
+        for stage in runs.on_stages(u.layer, u.stage):
+            key = (stage, tuple(u.update.mesh_axes), u.update.collective._value_, u.group_size)
+            entering[key] = entering.get(key, 0) + u.payload_bytes * times
     totals: dict[tuple[int, tuple[str, ...], str], Fraction] = {}
     for (stage, axes, kind, size), nbytes in entering.items():
         totals[stage, axes, kind] = totals.get((stage, axes, kind), Fraction(0)) + ring_fraction(kind, size) * nbytes

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 
 from mixle_compile.contracts import CollectiveKind, ParallelPlan
 from mixle_compile.engines import EngineProfile, engine_profile
-from mixle_compile.lower.compact import Loop, StageProgram, check_compact, compress, expand_all
+from mixle_compile.lower.compact import Loop, StageProgram, check_compact, compress, expand_all, within_stage
 from mixle_compile.lower.groups import RankGrid, rule_name
+from mixle_compile.lower.runs import EACH_BLOCK, LayerRuns
 from mixle_compile.lower.schedule import Op, OpKind, ScheduleCheck, pipeline_bodies
 from mixle_compile.lower.updates import PlannedUpdate
 from mixle_compile.plan.ops import copy_op
@@ -56,7 +57,13 @@ def step_schedule(
     pipeline: str,
     virtual_stages: int,
     engine: EngineProfile | None = None,
+    layer_runs: LayerRuns = EACH_BLOCK,
 ) -> StepSchedule:
+    """The step's stage programs and their check. ``layer_runs``: the updates list a block of each run
+    (lower/runs.py); a run listed once for several stages puts its collectives on the first of them
+    only when their group lies inside one stage: the check, on one rank per stage, leaves such a
+    collective out of the simulation on every stage alike (lower/compact.py), and the plan's readers
+    place every stage's own from the unfolded updates."""
     engine = engine or engine_profile("torch")
     pipeline, virtual_stages = pipelined(pipeline, plan.pp, virtual_stages)
     per_run = engine.schedule_microbatches(plan.microbatches, plan.gradient_accumulation_steps)
@@ -74,22 +81,31 @@ def step_schedule(
             op = templates[key] = Op(OpKind.collective, u.stage, group=rule_name(u.mesh_axes), tag=u.collective)
         return copy_op(op, name=u.name, bytes=u.bytes)
 
+    inside: dict[tuple[str, ...], bool] = {}
+
+    def placements():
+        for u in updates:
+            axes = tuple(u.update.mesh_axes)
+            stages = layer_runs.on_stages(u.layer, u.stage)
+            if len(stages) > 1:
+                found = inside.get(axes)
+                if found is None:
+                    found = inside[axes] = within_stage(grid, rule_name(axes))
+                if found:
+                    stages = (u.stage,)
+            for stage in stages:
+                yield Placement(
+                    u.phase,
+                    stage,
+                    axes,
+                    u.update.collective._value_,
+                    u.update.node_id,
+                    u.payload_bytes,
+                    u.occurrences_per_step,
+                )
+
     # Where each collective goes is the plan's rule (plan/programs.py), which its readers apply too.
-    placed = phase_collectives(
-        (
-            Placement(
-                u.phase,
-                u.stage,
-                tuple(u.update.mesh_axes),
-                u.update.collective._value_,
-                u.update.node_id,
-                u.payload_bytes,
-                u.occurrences_per_step,
-            )
-            for u in updates
-        ),
-        collective,
-    )
+    placed = phase_collectives(placements(), collective)
     stages = []
     for stage, body in enumerate(one_run):
         on_stage = placed.get(stage, NO_COLLECTIVES)

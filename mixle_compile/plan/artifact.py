@@ -194,7 +194,13 @@ class _Folding:
     def folded(self, data: dict, keys: tuple[str, ...]) -> dict:
         if self.runs is None:
             return _folded(data, keys)
-        return {**data, **{key: fold_stated(data[key], self._keys(key, data[key]), self.runs.count) for key in keys}}
+        return {
+            **data,
+            **{
+                key: fold_stated(data[key], self._keys(key, data[key]), self.runs.count, self.runs.stages)
+                for key in keys
+            },
+        }
 
     def _keys(self, name: str, entries: list[dict]) -> list[tuple[int | None, object]]:
         if name == "parameters":
@@ -305,7 +311,8 @@ def load_plan_text(text: str | bytes, name: str = "plan.json") -> PlanDocument:
     if version < FORMAT_VERSION:
         raise PlanFormatError(
             f"{name} is in the old plan format {version} (this compiler reads format {FORMAT_VERSION}, which states "
-            f"each collective once, as an update); recompile its spec with mixle-compile {__version__}: "
+            f"each collective once, as an update, and stages that repeat once); recompile its spec with "
+            f"mixle-compile {__version__}: "
             f"`mixle-compile compile SPEC -o {name}` (the spec is embedded in the plan as `spec`)"
         )
     try:

@@ -12,7 +12,9 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from mixle_compile.plan.layers import unfold
 
-FORMAT_VERSION = 3  # 2: stage programs stated with their repetition (lower/compact.py); 3: their collectives as updates
+# 2: stage programs stated with their repetition (lower/compact.py); 3: their collectives as updates;
+# 4: runs of layers that repeat over consecutive stages folded into one group (plan/layers.py)
+FORMAT_VERSION = 4
 
 #: An update's notes are one string in the plan: the notes of its DistributedUpdate joined by this.
 NOTES_SEPARATOR = "\n"
@@ -126,16 +128,20 @@ class PlanOp(_Section):
 
 
 class PlanParameterLayers(_Section):
-    """A run of consecutive layers whose entries repeat: its first layer's entries (plan/layers.py)."""
+    """A run of consecutive layers whose entries repeat, on one stage or on consecutive stages: its
+    first layer's entries (plan/layers.py)."""
 
     layers: int = Field(description="how many consecutive layers, from the entries' own layer")
+    stages: int = Field(1, description="on how many consecutive stages the run repeats (written when above 1)")
     entries: list[PlanParameter]
 
 
 class PlanUpdateLayers(_Section):
-    """A run of consecutive layers whose updates repeat: its first layer's updates (plan/layers.py)."""
+    """A run of consecutive layers whose updates repeat, on one stage or on consecutive stages: its
+    first layer's updates (plan/layers.py)."""
 
     layers: int = Field(description="how many consecutive layers, from the entries' own layer")
+    stages: int = Field(1, description="on how many consecutive stages the run repeats (written when above 1)")
     entries: list[PlanUpdate]
 
 
