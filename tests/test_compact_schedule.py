@@ -373,3 +373,19 @@ def test_an_update_with_an_unknown_phase_is_refused_before_running():
     broken = type(doc).model_validate(data)
     with pytest.raises(RuntimeRefusal, match="phase 'sometime'.*forward"):
         check_pipeline(broken, read_instructions(broken))
+
+
+@pytest.mark.parametrize(
+    "ds,mb,left_out,shorter",
+    [
+        (16, 2, True, False),  # one rank per stage: FSDP's reductions inside a stage left out, no long loop
+        (16, 16, True, True),  # ... and the steady loops checked on a shorter step
+        (2, 16, False, True),  # rank by rank: nothing left out, even on a shorter step
+    ],
+)
+def test_the_check_says_what_it_left_out_and_only_that(ds, mb, left_out, shorter):
+    low = lower(spec(pp=2, ds=ds, mb=mb))
+    note = low.schedule.check.note
+    assert low.schedule.check.ok and low.schedule.check.representatives == (2 * ds > EXHAUSTIVE_RANKS)
+    assert ("the step's collectives inside a stage, each with one checked rank, left out" in note) == left_out
+    assert ("micro-batches shorter" in note) == shorter

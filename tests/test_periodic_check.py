@@ -136,3 +136,52 @@ def test_a_loops_place_is_recognised_only_where_it_is_unrolled_op_for_op():
     assert not _repeats(rebatched, 1, loop)
     inserted = ops[:3] + [Op(OpKind.collective, 1, name="x", group="tp", tag="all_reduce")] + ops[3:-1]
     assert not _repeats(inserted, 1, loop)
+
+
+def test_a_step_without_messages_is_shortened_without_watching():
+    # One stage: its long loops are compute only, and the collectives after them come in the same order
+    # at any length, so the check is decided on a short step (nothing to watch: no op waits inside).
+    from mixle_compile.plan.ops import Op, OpKind
+
+    grid = RankGrid.from_plan(ParallelPlan(dp_shard=2))
+    reduce = Op(OpKind.collective, 0, name="w:grad", group="dp_shard", tag="reduce_scatter")
+    body = (
+        Op(OpKind.forward, 0, microbatch=0, name="forward"),
+        Loop(
+            63,
+            1,
+            0,
+            (
+                Op(OpKind.backward, 0, microbatch=0, name="backward"),
+                Op(OpKind.forward, 0, microbatch=1, name="forward"),
+            ),
+        ),
+        Op(OpKind.backward, 0, microbatch=63, name="backward"),
+    )
+    program = StageProgram(stage=0, body=body, after_last_backward=((reduce, 1),), end=(reduce,))
+    full, short, left_out = _verdicts((program,), grid, False)
+    assert full and short and left_out >= 32
+    # a stage that sends is watched as before: the same verdict, from a short step it saw repeat
+    full, short, left_out = _verdicts(_programs(2, 64, "1f1b", 1), RankGrid.from_plan(ParallelPlan(pp=2)), False)
+    assert full and short and left_out >= 32
+
+
+def test_a_loop_with_an_op_inserted_inside_is_not_shortened():
+    # The gradient reduction goes right after the last backward, which is inside the loop's last
+    # repetition (a forward follows it): that repetition is no plain copy, so the loop keeps its length.
+    from mixle_compile.lower.periodic import _pump_down
+    from mixle_compile.plan.ops import Op, OpKind
+
+    reduce = Op(OpKind.collective, 0, name="w:grad", group="dp_shard", tag="reduce_scatter")
+    loop = Loop(
+        16,
+        1,
+        0,
+        (Op(OpKind.backward, 0, microbatch=0, name="backward"), Op(OpKind.forward, 0, microbatch=1, name="forward")),
+    )
+    program = StageProgram(
+        stage=0, body=(Op(OpKind.forward, 0, microbatch=0, name="forward"), loop), after_last_backward=((reduce, 1),)
+    )
+    assert _pump_down([program], 4, None, expand) is None
+    plain = dataclasses.replace(program, after_last_backward=())
+    assert _pump_down([plain], 4, None, expand).deltas == (12,)

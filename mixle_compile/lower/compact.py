@@ -232,11 +232,14 @@ def check_compact(
 
     left_out = any(local(op) for p in programs for op in (*(op for op, _ in p.after_last_backward), *p.end))
 
-    # 2-3. The reduced step: one run with the step's end, each repeated reduction once (its count in its tag).
+    # 2-3. The reduced step: one run with the step's end, each repeated reduction once (its count in its tag),
+    # without the per-micro-batch collectives (checked where issued, in 1).
     def reduced(p: StageProgram, with_end: bool) -> StageProgram:
         counted = dataclasses.replace(
             p,
             runs=1,
+            before_forward=(),
+            after_backward=(),
             after_last_backward=tuple(
                 (_copy(op, tag=f"{op.tag} x{k}") if k > 1 else op, 1)
                 for op, k in p.after_last_backward
@@ -267,7 +270,7 @@ def check_compact(
         )
 
     # 5. Long loops are decided on a shorter step where they are seen to be periodic (lower/periodic.py).
-    step, left_out = check_pumped([reduced(p, True) for p in programs], simulated, grid, explicit)
+    step, shorter = check_pumped([reduced(p, True) for p in programs], simulated, grid, explicit)
     problems += list(step.problems)
     repeated = max(p.runs for p in programs) > 1
     if repeated and not problems:
@@ -285,8 +288,8 @@ def check_compact(
         + ", each repeated reduction once, per-micro-batch collectives inside a stage checked where issued"
         + ("; the step's collectives inside a stage, each with one checked rank, left out" if left_out else "")
         + (
-            f"; the long loops on a step {left_out} micro-batches shorter, whose simulation repeats itself shifted"
-            if left_out
+            f"; the long loops on a step {shorter} micro-batches shorter, whose simulation repeats itself shifted"
+            if shorter
             else ""
         )
     )

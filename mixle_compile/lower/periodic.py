@@ -29,6 +29,10 @@ issue a collective are never pumped (a collective's group ordinal is not shifted
 checked outside the simulation (each op where it is issued, the collective sequences) see every op
 of a pumped loop in the short step, which keeps at least ``keep`` repetitions.
 
+A step without point-to-point ops (one pipeline stage) is shortened without watching it: its long
+loops hold no collective (such a loop is never pumped), so they are compute ops, which never wait
+and are never waited for, and the shorter step issues every rank's collectives in the same order.
+
 When no such pair of moments shows up, the loops keep twice as many repetitions and the short step
 is simulated again, up to the full step; a short step that fails is checked again in full, so that
 a problem is reported with the positions of the real step.
@@ -74,6 +78,12 @@ def check_pumped(
     places)."""
     keep = KEEP_REPEATS
     longest = max((item.repeat for p in programs for item in p.body if isinstance(item, Loop)), default=0)
+    if keep < longest and not any(_messages(p) for p in programs):
+        # No point-to-point op (one stage): the long loops, without a collective (_pump_down), hold
+        # compute ops only, so a shorter step issues the same collectives in the same order.
+        pumped = _pump_down(programs, keep, None, expand)
+        if pumped is not None:
+            return check(pumped.programs, None), sum(pumped.deltas)
     while keep < longest:
         units: list[int] | None = None
         for _ in range(2):
@@ -131,9 +141,12 @@ def _pump_down(
             position += item.repeat * len(item.ops) if isinstance(item, Loop) else 1
         program = dataclasses.replace(p, body=tuple(body))
         ops = expanded(program)
-        for (first, _, _, _), loop in zip(places, (body[i] for i in found), strict=True):
-            if not _repeats(ops, first, loop):
-                return None  # something was inserted inside the loop: not a plain repetition
+        # With nothing inserted (as many ops as the body unrolled, and the optimizer), each loop's
+        # place holds it unrolled, as the body is unrolled in order.
+        if len(ops) != program.runs * position + program.optimizer:
+            for (first, _, _, _), loop in zip(places, (body[i] for i in found), strict=True):
+                if not _repeats(ops, first, loop):
+                    return None  # something was inserted inside the loop: not a plain repetition
         short.append(program)
         regions.append(tuple(places))
         kept.append(tuple(body[i] for i in found))
@@ -183,6 +196,12 @@ def _repeats(ops: Sequence, first: int, loop: Loop) -> bool:
             if op.__dict__ != expected:
                 return False
     return True
+
+
+def _messages(program: StageProgram) -> bool:
+    """Whether a program sends or receives (a point-to-point op in its body)."""
+    p2p = (OpKind.send, OpKind.recv)
+    return any(op.kind in p2p for item in program.body for op in (item.ops if isinstance(item, Loop) else (item,)))
 
 
 def _has_collective(loop: Loop) -> bool:

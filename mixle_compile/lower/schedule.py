@@ -414,6 +414,7 @@ class _World:
     representatives: bool
     rules: dict[str, GroupRule | None] = field(default_factory=dict)
     channels: Any = None  # (sends, receives) per ordered rank pair, once found (_channels)
+    collectives: Any = None  # per rank, the positions of its collectives, once found (_collective_positions)
 
     def rule(self, name: str) -> GroupRule | None:
         if name not in self.rules:
@@ -484,7 +485,7 @@ def check_schedule(
     if not problems:
         problems += _check_collective_sequences(world)
         problems += _check_messages(world)
-        problems += list(_simulate(world, lambda op: 0, buffered_sends=buffered_sends, observe=observe).deadlock)
+        problems += list(_simulate(world, None, buffered_sends=buffered_sends, observe=observe).deadlock)
     count = len(world.programs)
     note = (
         f"checked {count} representative ranks, one per pipeline stage: ranks of a stage run the "
@@ -557,8 +558,12 @@ def _check_ops(world: _World) -> list[str]:
     pp = grid.plan.pp
     for rank, program in world.programs.items():
         stage = grid.stage_of(rank)
+        fine: set[tuple] = set()  # what an op is checked on, where it had no problem on this rank
         for position, op in enumerate(program):
             if op.stage == stage and op.kind is not OpKind.collective and op.kind not in _P2P:
+                continue
+            checked = (op.stage, op.kind, op.group, op.peer)
+            if checked in fine:
                 continue
             found = []
             if op.stage != stage:
@@ -577,12 +582,14 @@ def _check_ops(world: _World) -> list[str]:
             if found:  # the op's place is written only for a problem (most ops have none)
                 where = f"rank {rank} (stage {stage}) op {position} ({op.describe()})"
                 problems += [f"{where}: {text}" for text in found]
+            else:
+                fine.add(checked)
     return problems
 
 
 def _instances(world: _World) -> dict[tuple[str, int], list[int]]:
     """Every group instance used by some checked rank -> its checked members."""
-    used = {op.group for program in world.programs.values() for op in program if op.kind is OpKind.collective}
+    used = {world.programs[rank][p].group for rank, found in _collective_positions(world).items() for p in found}
     members: dict[tuple[str, int], list[int]] = defaultdict(list)
     rules = {world.rule(name).name: world.rule(name) for name in used}
     for _, rule in sorted(rules.items()):
@@ -593,12 +600,24 @@ def _instances(world: _World) -> dict[tuple[str, int], list[int]]:
     return members
 
 
+def _collective_positions(world: _World) -> dict[int, list[int]]:
+    """Per rank, where its collectives are (found once per world: three passes read them)."""
+    if world.collectives is None:
+        collective = OpKind.collective
+        world.collectives = {
+            rank: [p for p, op in enumerate(program) if op.kind is collective]
+            for rank, program in world.programs.items()
+        }
+    return world.collectives
+
+
 def _collective_keys(world: _World, rank: int) -> list[tuple[tuple[str, int], Op]]:
     keys = []
-    for op in world.programs[rank]:
-        if op.kind is OpKind.collective:
-            rule = world.rule(op.group)
-            keys.append(((rule.name, rule.group_index_of(rank)), op))
+    program = world.programs[rank]
+    for position in _collective_positions(world)[rank]:
+        op = program[position]
+        rule = world.rule(op.group)
+        keys.append(((rule.name, rule.group_index_of(rank)), op))
     return keys
 
 
@@ -668,21 +687,15 @@ def _find_channels(world: _World):
     return sends, recvs
 
 
-def _message(op: Op, sender: bool) -> tuple:
-    """What a send and its receive must agree on, in the sender's terms."""
-    if sender:
-        return (op.tag, op.microbatch, op.chunk, op.target_chunk, op.bytes)
-    return (op.tag, op.microbatch, op.target_chunk, op.chunk, op.bytes)
-
-
 def _check_messages(world: _World) -> list[str]:
     problems = []
     sends, recvs = _channels(world)
     for src, dst in sorted(set(sends) | set(recvs)):
         out = sends.get((src, dst), [])
         into = recvs.get((src, dst), [])
-        sent = [_message(op, True) for _, op in out]
-        received = [_message(op, False) for _, op in into]
+        # what a send and its receive must agree on, in the sender's terms (tag, micro-batch, chunks, bytes)
+        sent = [(op.tag, op.microbatch, op.chunk, op.target_chunk, op.bytes) for _, op in out]
+        received = [(op.tag, op.microbatch, op.target_chunk, op.chunk, op.bytes) for _, op in into]
         if sent == received:
             continue  # every send meets its receive, in order
         unmatched_sends = _multiset_minus(list(zip(sent, out, strict=True)), received)
@@ -743,16 +756,19 @@ class SimulationState:
 
 def _simulate(
     world: _World,
-    cost: Callable[[Op], Any],
+    cost: Callable[[Op], Any] | None,
     *,
     buffered_sends: bool = False,
     observe: Callable[[SimulationState], None] | None = None,
 ) -> Simulation:
+    """Run the programs; ``cost`` None: untimed (whether they finish, and where they wait)."""
     programs = world.programs
     ranks = list(programs)
     send, recv, collective = OpKind.send, OpKind.recv, OpKind.collective
+    timed = cost is not None
     # Steps: a compute op, a collective, or a batch of point-to-point ops posted together (ops of one
-    # batch number in a row); step_index[rank][position] is the step an op belongs to.
+    # batch number in a row); step_index[rank][position] is the step an op belongs to. Untimed, a
+    # compute op is no step: it never waits, so passing over it changes nothing but the clock.
     steps: dict[int, list[tuple[str, list[int]]]] = {}
     step_index: dict[int, list[int]] = {}
     no_batch = object()
@@ -770,8 +786,11 @@ def _simulate(
                     out.append(("p2p", [position]))
                 previous = batch
             else:
-                out.append(("collective" if kind is collective else "compute", [position]))
                 previous = no_batch
+                if kind is not collective and not timed:
+                    index.append(-1)
+                    continue
+                out.append(("collective" if kind is collective else "compute", [position]))
             index.append(len(out) - 1)
         steps[rank] = out
         step_index[rank] = index
@@ -788,9 +807,9 @@ def _simulate(
     # Collectives: (instance, ordinal on it) and how many checked ranks must arrive.
     members = _instances(world)
     collective_key: dict[tuple[int, int], tuple] = {}
-    for rank, program in programs.items():
+    for rank in programs:
         ordinal: dict[tuple[str, int], int] = defaultdict(int)
-        positions = [p for p, op in enumerate(program) if op.kind is collective]
+        positions = _collective_positions(world)[rank]
         for position, (key, _) in zip(positions, _collective_keys(world, rank), strict=True):
             collective_key[(rank, position)] = (key, ordinal[key])
             ordinal[key] += 1

@@ -15,7 +15,16 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-__all__ = ["ACTIVATION", "ACTIVATION_GRAD", "Op", "OpKind", "copy_op", "insert_templates", "unchecked_copy"]
+__all__ = [
+    "ACTIVATION",
+    "ACTIVATION_GRAD",
+    "Op",
+    "OpKind",
+    "copy_op",
+    "insert_templates",
+    "shifted_copy",
+    "unchecked_copy",
+]
 
 
 class OpKind(StrEnum):
@@ -113,7 +122,24 @@ def unchecked_copy(obj: Any, **fields: Any) -> Any:
     programs and planning many parameters)."""
     values = obj.__dict__.copy()
     values.update(fields)
-    new = object.__new__(type(obj))
+    return _instance(type(obj), values)
+
+
+def shifted_copy(op: Op, dm: int, db: int) -> Op:
+    """``op`` with ``dm`` added to its micro-batch and ``db`` to its batch number, unchecked (the
+    numbers of an op a loop unrolls to; :func:`unchecked_copy` written out for the case, as a step's
+    check unrolls thousands of ops)."""
+    values = op.__dict__.copy()
+    microbatch, batch = values["microbatch"], values["batch"]
+    if microbatch is not None:
+        values["microbatch"] = microbatch + dm
+    if batch is not None:
+        values["batch"] = batch + db
+    return _instance(Op, values)
+
+
+def _instance(cls: type, values: dict) -> Any:
+    new = object.__new__(cls)
     object.__setattr__(new, "__dict__", values)  # a frozen dataclass: its own __setattr__ refuses
     return new
 

@@ -23,8 +23,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 # The op a program is made of, and its unchecked copy and insertion (the schedule's own).
-from mixle_compile.plan.ops import Op, OpKind
-from mixle_compile.plan.ops import copy_op as _copy
+from mixle_compile.plan.ops import Op, OpKind, shifted_copy
 from mixle_compile.plan.ops import insert_templates as _insert
 from mixle_compile.plan.vocabulary import rule_name
 
@@ -83,11 +82,7 @@ def shifted_op(op: Op, dm: int, db: int) -> Op:
         return op
     # The op is valid and its numbers stay those of a valid op (a loop unrolls to the ops it folded),
     # so the copy skips Op's validation, which dominates unrolling a long run.
-    return _copy(
-        op,
-        microbatch=None if op.microbatch is None else op.microbatch + dm,
-        batch=None if op.batch is None else op.batch + db,
-    )
+    return shifted_copy(op, dm, db)
 
 
 # ---------------------------------------------------------------------------
@@ -105,7 +100,11 @@ def expand(
     program uses these)."""
     runs = program.runs if runs is None else runs
     one = program.run_ops()
-    ops = [shifted_op(op, r * program.run_microbatches, r * program.run_batches) for r in range(runs) for op in one]
+    ops = (
+        one
+        if runs == 1
+        else [shifted_op(op, r * program.run_microbatches, r * program.run_batches) for r in range(runs) for op in one]
+    )
     if program.optimizer:
         ops.append(Op(OpKind.optimizer, program.stage, name="optimizer"))
     # Gradient reductions go in first, so that they land after the last backward's p2p batch; the
