@@ -79,17 +79,21 @@ def test_an_edited_folded_group_is_caught(deep, edit, named):
 
 
 @pytest.mark.parametrize(
-    "edit,said",
+    "plan,edit,said",
     [
-        (lambda d: _group(d, "updates").update(layers=0), "layers` >= 1"),
+        ("deep", lambda d: _group(d, "updates").update(layers=0), "layers` >= 1"),
         (
+            "deep",
             lambda d: _group(d, "updates")["entries"][-1].update(node_id="layers.99.x:grad", tensor="layers.99.x"),
             "same one layer",
         ),
+        ("staged", lambda d: _staged_groups(d, "updates")[0].update(stages=0), "stages` >= 1"),
+        ("staged", lambda d: _staged_groups(d, "updates")[0].update(stages=True), "stages` >= 1"),
+        ("staged", lambda d: _staged_groups(d, "updates")[0]["entries"][0].pop("stage"), "stage"),
     ],
 )
-def test_a_malformed_folded_group_is_refused_clearly(deep, edit, said):
-    edited = copy.deepcopy(deep)
+def test_a_malformed_folded_group_is_refused_clearly(request, plan, edit, said):
+    edited = copy.deepcopy(request.getfixturevalue(plan))
     edit(edited)
     edited["content_digest"] = content_digest(edited)
     with pytest.raises(PlanError, match=said):
@@ -174,22 +178,6 @@ def test_plan_size_is_flat_in_stages_that_repeat():
     two, eight = len(plan_text(plan_with(16, pp=2))), len(plan_text(plan_with(16, pp=8)))
     # what grows is the stages' own programs, memory and traffic, not their blocks' entries
     assert eight < 2 * two, (two, eight)
-
-
-@pytest.mark.parametrize(
-    "edit,said",
-    [
-        (lambda d: _staged_groups(d, "updates")[0].update(stages=0), "stages` >= 1"),
-        (lambda d: _staged_groups(d, "updates")[0].update(stages=True), "stages` >= 1"),
-        (lambda d: _staged_groups(d, "updates")[0]["entries"][0].pop("stage"), "stage"),
-    ],
-)
-def test_a_malformed_staged_group_is_refused_clearly(staged, edit, said):
-    edited = copy.deepcopy(staged)
-    edit(edited)
-    edited["content_digest"] = content_digest(edited)
-    with pytest.raises(PlanError, match=said):
-        load_plan_text(plan_text(edited), "edited.plan.json")
 
 
 def test_an_edited_staged_group_is_caught(staged):
