@@ -28,6 +28,11 @@ GROUP_KEYS = frozenset({"layers", "entries"})
 STAGED_KEYS = frozenset({"layers", "entries", "stages"})
 
 
+def is_group(item: Any) -> bool:
+    """Whether a list item is a folded group (over layers, or over layers and stages)."""
+    return isinstance(item, dict) and set(item) in (GROUP_KEYS, STAGED_KEYS)
+
+
 def layer_of(entry: dict) -> int | None:
     """The one layer an entry names (in its names and its ``layer`` field), or None."""
     found = {
@@ -67,7 +72,7 @@ def fold(entries: list[dict]) -> list[dict]:
     """``entries`` with every run of consecutive layers that repeat written as one group: each
     entry's layer read from its names, every layer compared with the next (and every stage's run
     with the next stage's, :func:`fold_stages`)."""
-    return fold_stated(entries, [(layer_of(entry), None) for entry in entries], lambda layer: 1)
+    return fold_stated(entries, [(layer_of(entry), None) for entry in entries], _one)
 
 
 def _one(layer: int) -> int:
@@ -134,13 +139,13 @@ def _run_at(items: list, i: int) -> tuple[list[dict], int, int, int, int] | None
     """The run of layers at ``items[i]``: ``(entries of its first layer, that layer, layers, stages,
     index after it)``; a group, or the entries in a row that name one layer; None outside the layers."""
     item = items[i]
-    if isinstance(item, dict) and GROUP_KEYS <= set(item) <= STAGED_KEYS:
+    if is_group(item):
         return item["entries"], layer_of(item["entries"][0]), item["layers"], item.get("stages", 1), i + 1
     layer = layer_of(item)
     if layer is None:
         return None
     end = i + 1
-    while end < len(items) and not (isinstance(items[end], dict) and GROUP_KEYS <= set(items[end])):
+    while end < len(items) and not is_group(items[end]):
         if layer_of(items[end]) != layer:
             break
         end += 1
@@ -192,7 +197,7 @@ def unfold(items: list[Any]) -> list[Any]:
     """Every entry of a folded list (entries already unfolded pass through)."""
     out: list[Any] = []
     for item in items:
-        if isinstance(item, dict) and set(item) in (GROUP_KEYS, STAGED_KEYS):
+        if is_group(item):
             count, entries, stages = item["layers"], item["entries"], item.get("stages", 1)
             if (
                 any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in (count, stages))
