@@ -99,40 +99,58 @@ def stage_memory(
     t = spec.training
     adam = t.optimizer in ("adam", "adamw")
     engine = engine_profile(spec.backend)
+    # What a parameter adds to a stage does not depend on the stage: priced once, summed per stage
+    # in the order of ``placed``.
+    priced = []
+    on_stage: list[list[int]] = [[] for _ in range(plan.pp)]
+    for index, p in enumerate(placed):
+        layer = p.parameter.layer
+        times = count(layer)
+        elems = p.local_numel
+        if p.layout.optimizer_state is StateLayout.SHARDED and not _data_sharded(p):
+            elems = ceil(elems / _data_ranks(p, plan))
+        below_fp32 = p.parameter.dtype != "fp32"
+        tp_local = _tp_local_bytes(p, plan)
+        priced.append(
+            (
+                p.local_numel * DTYPE_BYTES[p.parameter.dtype] * times,
+                elems * optimizer_bytes_per_element(NUMBERS, adam=adam, below_fp32=below_fp32) * times,
+                layer,
+                tp_local,
+                tp_local // DTYPE_BYTES[p.parameter.dtype],
+            )
+        )
+        for stage in runs.on_stages(layer, p.stage):
+            on_stage[stage].append(index)
+    fsdp = fsdp_shards(dp_shard=plan.dp_shard, cp=plan.cp, over_cp=engine.fsdp_over_cp)
+    keeps_stage = plan.pp > 1 and engine.fsdp_keeps_stage_under_pp
+    activations = _Activations(spec, plan, split)
+    ring = _ring_attention(spec, plan)
+    boundary = _boundary(spec, plan)
     out = []
     for stage in range(plan.pp):
-        mine = [p for p in placed if stage in runs.on_stages(p.parameter.layer, p.stage)]
+        mine = on_stage[stage]
         if plan.pp == 1:  # a tied pair on one stage is one tensor
             seen: set[str] = set()
             unique = []
-            for p in mine:
-                group = p.parameter.shared_group
+            for index in mine:
+                group = placed[index].parameter.shared_group
                 if group is None or group not in seen:
-                    unique.append(p)
+                    unique.append(index)
                     if group is not None:
                         seen.add(group)
             mine = unique
-        params = sum(p.local_numel * DTYPE_BYTES[p.parameter.dtype] * count(p.parameter.layer) for p in mine)
+        params = sum(priced[index][0] for index in mine)
         grads = params
         state = 0
-        for p in mine:
-            elems = p.local_numel
-            if p.layout.optimizer_state is StateLayout.SHARDED and not _data_sharded(p):
-                elems = ceil(elems / _data_ranks(p, plan))
-            state += (
-                elems
-                * optimizer_bytes_per_element(NUMBERS, adam=adam, below_fp32=p.parameter.dtype != "fp32")
-                * count(p.parameter.layer)
-            )
+        for index in mine:
+            state += priced[index][1]
         units: dict[object, int] = {}  # a layer, or (None) the embedding and head
         unit_elements: dict[object, int] = {}
-        for p in mine:
-            units[p.parameter.layer] = units.get(p.parameter.layer, 0) + _tp_local_bytes(p, plan)
-            unit_elements[p.parameter.layer] = (
-                unit_elements.get(p.parameter.layer, 0) + _tp_local_bytes(p, plan) // DTYPE_BYTES[p.parameter.dtype]
-            )
-        fsdp = fsdp_shards(dp_shard=plan.dp_shard, cp=plan.cp, over_cp=engine.fsdp_over_cp)
-        keeps_stage = plan.pp > 1 and engine.fsdp_keeps_stage_under_pp
+        for index in mine:
+            _, _, layer, tp_local, tp_elements = priced[index]
+            units[layer] = units.get(layer, 0) + tp_local
+            unit_elements[layer] = unit_elements.get(layer, 0) + tp_elements
         gathered = gathered_parameter_bytes(
             NUMBERS,
             fsdp=fsdp,
@@ -141,8 +159,8 @@ def stage_memory(
             stage_bytes=sum(nbytes * count(unit) for unit, nbytes in units.items()),
             stage_elements=sum(elements * count(unit) for unit, elements in unit_elements.items()),
         )
-        stored, recompute, loss, in_flight = _activation_bytes(spec, plan, stage, split)
-        buffers = _pipeline_buffers(spec, plan, stage, in_flight)
+        stored, recompute, loss, in_flight = activations.on(stage)
+        buffers = _pipeline_buffers(spec, plan, stage, in_flight, boundary)
         layers = [unit for unit in units if unit is not None]
         transient = 0.0  # what a layer's backward needs for a while, once the loss's buffers are freed
         if engine.fsdp_reduce_scatter_copy and layers:
@@ -157,7 +175,7 @@ def stage_memory(
                 accumulated=keeps_stage,
             )
         if layers:
-            transient += _ring_attention(spec, plan)
+            transient += ring
         buffers += int(after_loss_bytes(NUMBERS, transient, loss))
         live = params + gathered + grads + state + stored + recompute + loss + buffers
         out.append(
@@ -195,16 +213,15 @@ def _tp_local_bytes(p: PlacedParameter, plan: ParallelPlan) -> int:
     return nbytes
 
 
-def _pipeline_buffers(spec: Spec, plan: ParallelPlan, stage: int, in_flight: float) -> int:
-    """The receive buffers of torch's pipelining runtime on pipeline rank `stage`, which holds the
-    model stages stage, stage + pp, ... (memory_model.pipeline_buffer_bytes)."""
+def _boundary(spec: Spec, plan: ParallelPlan) -> float:
+    """The bytes of one activation a pipeline stage passes on (memory_model.boundary_bytes); 0
+    without pipeline receive buffers."""
     model = spec.model
     t = spec.training
     engine = engine_profile(spec.backend)
     if plan.pp == 1 or not engine.pipeline_receive_buffers or not isinstance(model, TransformerModel):
         return 0
-    virtual = t.virtual_pipeline_stages if t.pipeline_schedule == "interleaved_1f1b" else 1
-    boundary = boundary_bytes(
+    return boundary_bytes(
         NUMBERS,
         seq_len=t.seq_len or 1,
         cp=plan.cp,
@@ -214,6 +231,17 @@ def _pipeline_buffers(spec: Spec, plan: ParallelPlan, stage: int, in_flight: flo
         sequence_parallel=t.sequence_parallel,
         fp32=t.precision == "fp32",
     )
+
+
+def _pipeline_buffers(spec: Spec, plan: ParallelPlan, stage: int, in_flight: float, boundary: float) -> int:
+    """The receive buffers of torch's pipelining runtime on pipeline rank `stage`, which holds the
+    model stages stage, stage + pp, ... (memory_model.pipeline_buffer_bytes); ``boundary``: what
+    :func:`_boundary` gives."""
+    t = spec.training
+    engine = engine_profile(spec.backend)
+    if plan.pp == 1 or not engine.pipeline_receive_buffers or not isinstance(spec.model, TransformerModel):
+        return 0
+    virtual = t.virtual_pipeline_stages if t.pipeline_schedule == "interleaved_1f1b" else 1
     return int(
         pipeline_buffer_bytes(
             NUMBERS,
@@ -247,69 +275,85 @@ def _ring_attention(spec: Spec, plan: ParallelPlan) -> float:
     )
 
 
-def _activation_bytes(
-    spec: Spec, plan: ParallelPlan, stage: int, split: LayerSplit | None
-) -> tuple[int, int, int, float]:
+class _Activations:
     """Stored activations, the recompute working set and the loss's bytes of one stage's rank, and
-    the micro-batches it keeps in flight."""
-    model = spec.model
-    t = spec.training
-    if not isinstance(model, TransformerModel):
-        return 0, 0, 0, 0  # a modules spec lists parameters only; how activations flow is not known
-    shape = dict(seq_len=t.seq_len or 1, cp=plan.cp, micro_batch_size=t.micro_batch_size, tp=plan.tp)
-    engine = engine_profile(spec.backend)
+    the micro-batches it keeps in flight (:meth:`on`); what a layer holds is the same on every
+    stage, and is priced once."""
 
-    def layer(full: bool, selective: bool) -> float:
-        return activation_bytes_per_layer(
-            NUMBERS,
-            **shape,
-            hidden_size=model.hidden_size,
-            num_heads=model.num_heads,
-            sequence_parallel=t.sequence_parallel,
-            full_recompute=full,
-            selective_recompute=selective,
-            fp32=t.precision == "fp32",
-            eager_attention=(t.attention or engine.default_attention) == "eager",
-            op_level_selective=engine.op_level_selective,
-            fp8_saved_inputs=engine.fp8_saves_quantized_inputs and t.precision == "fp8",
-            gated=model.activation == "swiglu",
-            **activation_widths(model),
-        )
+    def __init__(self, spec: Spec, plan: ParallelPlan, split: LayerSplit | None) -> None:
+        self.spec, self.plan, self.split = spec, plan, split
+        model = spec.model
+        t = spec.training
+        if not isinstance(model, TransformerModel):
+            return  # a modules spec lists parameters only; how activations flow is not known
+        self.shape = dict(seq_len=t.seq_len or 1, cp=plan.cp, micro_batch_size=t.micro_batch_size, tp=plan.tp)
+        engine = self.engine = engine_profile(spec.backend)
 
-    per_layer = layer(t.activation_checkpointing == "full", t.activation_checkpointing == "selective")
-    recomputed = layer(False, False) - per_layer  # the layer being recomputed holds all of it once more
-    layers_here = split.layers_on_stage(stage) if split is not None else model.num_layers
-    ranges = ((0, model.num_layers),) if split is None else split.ranges_on_stage(stage)
-    moe_here = sum(
-        moe_layers_in(start, end - start, num_experts=model.num_experts, frequency=model.moe_layer_frequency)
-        for start, end in ranges
-    )
-    if moe_here:
-        extra, kept_extra = moe_extra(spec, plan)
-        per_layer_total = per_layer * layers_here + kept_extra * moe_here
-        recomputed += extra - kept_extra  # an MoE layer being recomputed is the heaviest one
-    else:
-        per_layer_total = per_layer * layers_here
-    in_flight = micro_batches_in_flight(
-        NUMBERS,
-        pp=plan.pp,
-        stage=stage,
-        microbatches=plan.microbatches,
-        gpipe=t.pipeline_schedule == "gpipe",
-        interleaved=t.pipeline_schedule == "interleaved_1f1b" and t.virtual_pipeline_stages > 1,
-        virtual_stages=t.virtual_pipeline_stages,
-        group=microbatches_per_round(SCHEDULE_NUMBERS, plan.pp, plan.microbatches),
-    )
-    stored = per_layer_total * in_flight
-    loss = 0
-    if stage == plan.pp - 1:
-        per_logit = loss_bytes_per_logit(
-            NUMBERS,
-            implementation=engine.loss_implementation(compiled="loss" in t.compiled, tensor_parallel=plan.tp > 1),
-            fp32=t.precision == "fp32",
+        def layer(full: bool, selective: bool) -> float:
+            return activation_bytes_per_layer(
+                NUMBERS,
+                **self.shape,
+                hidden_size=model.hidden_size,
+                num_heads=model.num_heads,
+                sequence_parallel=t.sequence_parallel,
+                full_recompute=full,
+                selective_recompute=selective,
+                fp32=t.precision == "fp32",
+                eager_attention=(t.attention or engine.default_attention) == "eager",
+                op_level_selective=engine.op_level_selective,
+                fp8_saved_inputs=engine.fp8_saves_quantized_inputs and t.precision == "fp8",
+                gated=model.activation == "swiglu",
+                **activation_widths(model),
+            )
+
+        self.per_layer = layer(t.activation_checkpointing == "full", t.activation_checkpointing == "selective")
+        # the layer being recomputed holds all of it once more
+        self.recomputed = layer(False, False) - self.per_layer
+        self.moe: tuple[float, float] | None = None  # moe_extra, found on the first stage with an MoE layer
+
+    def on(self, stage: int) -> tuple[int, int, int, float]:
+        spec, plan, split = self.spec, self.plan, self.split
+        model = spec.model
+        t = spec.training
+        if not isinstance(model, TransformerModel):
+            return 0, 0, 0, 0
+        per_layer, recomputed = self.per_layer, self.recomputed
+        layers_here = split.layers_on_stage(stage) if split is not None else model.num_layers
+        ranges = ((0, model.num_layers),) if split is None else split.ranges_on_stage(stage)
+        moe_here = sum(
+            moe_layers_in(start, end - start, num_experts=model.num_experts, frequency=model.moe_layer_frequency)
+            for start, end in ranges
         )
-        loss = logits_bytes(NUMBERS, **shape, vocab_size=model.vocab_size, bytes_per_logit=per_logit)
-    return int(stored), int(recomputed if layers_here else 0), int(loss), in_flight
+        if moe_here:
+            if self.moe is None:
+                self.moe = moe_extra(spec, plan)
+            extra, kept_extra = self.moe
+            per_layer_total = per_layer * layers_here + kept_extra * moe_here
+            recomputed += extra - kept_extra  # an MoE layer being recomputed is the heaviest one
+        else:
+            per_layer_total = per_layer * layers_here
+        in_flight = micro_batches_in_flight(
+            NUMBERS,
+            pp=plan.pp,
+            stage=stage,
+            microbatches=plan.microbatches,
+            gpipe=t.pipeline_schedule == "gpipe",
+            interleaved=t.pipeline_schedule == "interleaved_1f1b" and t.virtual_pipeline_stages > 1,
+            virtual_stages=t.virtual_pipeline_stages,
+            group=microbatches_per_round(SCHEDULE_NUMBERS, plan.pp, plan.microbatches),
+        )
+        stored = per_layer_total * in_flight
+        loss = 0
+        if stage == plan.pp - 1:
+            per_logit = loss_bytes_per_logit(
+                NUMBERS,
+                implementation=self.engine.loss_implementation(
+                    compiled="loss" in t.compiled, tensor_parallel=plan.tp > 1
+                ),
+                fp32=t.precision == "fp32",
+            )
+            loss = logits_bytes(NUMBERS, **self.shape, vocab_size=model.vocab_size, bytes_per_logit=per_logit)
+        return int(stored), int(recomputed if layers_here else 0), int(loss), in_flight
 
 
 def moe_extra(spec: Spec, plan: ParallelPlan) -> tuple[float, float]:
@@ -351,13 +395,34 @@ def traffic(updates: tuple[PlannedUpdate, ...], runs: LayerRuns = EACH_BLOCK) ->
     The sum is exact: the bytes entering each (axes, collective, group size) are added as integers
     and priced once with the ring's fraction (:func:`mixle_compile.step_time.ring_fraction`), so the
     figure does not depend on the order of the updates or on how they are counted."""
-    entering: dict[tuple[int, tuple[str, ...], str, int], int] = {}
+    # Summed per stages alike first (a run repeating on several stages adds the same to each).
+    alike: dict[tuple[range, tuple[str, ...], str, int], int] = {}
     for u in updates:
-        times = u.occurrences_per_step * runs.count(u.layer)
-        for stage in runs.on_stages(u.layer, u.stage):
-            key = (stage, tuple(u.update.mesh_axes), u.update.collective._value_, u.group_size)
-            entering[key] = entering.get(key, 0) + u.payload_bytes * times
-    totals: dict[tuple[int, tuple[str, ...], str], Fraction] = {}
-    for (stage, axes, kind, size), nbytes in entering.items():
-        totals[stage, axes, kind] = totals.get((stage, axes, kind), Fraction(0)) + ring_fraction(kind, size) * nbytes
-    return tuple(TrafficEntry(stage, axes, kind, round(v)) for (stage, axes, kind), v in sorted(totals.items()))
+        key = (runs.on_stages(u.layer, u.stage), tuple(u.update.mesh_axes), u.update.collective._value_, u.group_size)
+        alike[key] = alike.get(key, 0) + u.payload_bytes * u.occurrences_per_step * runs.count(u.layer)
+    entering: dict[tuple[int, tuple[str, ...], str], dict[int, int]] = {}  # per entry: group size -> bytes
+    for (stages, axes, kind, size), nbytes in alike.items():
+        for stage in stages:
+            sizes = entering.setdefault((stage, axes, kind), {})
+            sizes[size] = sizes.get(size, 0) + nbytes
+    fractions: dict[tuple[str, int], Fraction] = {}
+    out = []
+    for (stage, axes, kind), sizes in sorted(entering.items()):
+        numerator, denominator = 0, 1  # the exact sum, over a common denominator
+        for size, nbytes in sizes.items():
+            part = fractions.get((kind, size))
+            if part is None:
+                part = fractions[kind, size] = ring_fraction(kind, size)
+            numerator = numerator * part.denominator + part.numerator * nbytes * denominator
+            denominator *= part.denominator
+        out.append(TrafficEntry(stage, axes, kind, _rounded(numerator, denominator)))
+    return tuple(out)
+
+
+def _rounded(numerator: int, denominator: int) -> int:
+    """``round(Fraction(numerator, denominator))`` for a positive denominator: to the nearest integer,
+    halves to the even one."""
+    whole, rest = divmod(numerator, denominator)
+    if 2 * rest > denominator or (2 * rest == denominator and whole % 2):
+        whole += 1
+    return whole

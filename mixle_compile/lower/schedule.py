@@ -208,19 +208,20 @@ def pipeline_bodies(
         raise ValueError(f"{refused.code}: {refused.broken(pp, microbatches)}; {refused.fix(pp, microbatches)}")
     schedule = runs(family, schedule, pp, virtual_stages)
     last_virtual = pp * virtual_stages - 1
-    # One checked op per kind, stage and payload; the others are copies with the chunk, micro-batch
-    # and peer the schedule computes (counts below pp, virtual_stages and the micro-batches), so that
-    # a long schedule does not validate every op it lists.
-    checked: dict[tuple[OpKind, int, str], Op] = {}
+    # One checked op per kind and payload; the others are copies with the stage, chunk, micro-batch,
+    # peer and batch number the schedule computes (counts below pp, virtual_stages, the micro-batches
+    # and the step's calls), so that a long schedule does not validate every op it lists.
+    checked: dict[tuple[OpKind, str], Op] = {}
 
     def op(kind: OpKind, stage: int, tag: str = "", **fields) -> Op:
-        base = checked.get((kind, stage, tag))
+        base = checked.get((kind, tag))
         if base is None:
-            base = checked[(kind, stage, tag)] = Op(kind, stage, name=kind.value, tag=tag, **fields)
-        return _copy(base, **fields)
+            base = checked[(kind, tag)] = Op(kind, stage, name=kind.value, tag=tag, **fields)
+        return _copy(base, stage=stage, **fields)
 
-    def message(stage: int, unit: tuple[OpKind, int, int], send: bool) -> list[Op]:
-        """The send of a compute op's output, or the receive of its input (none at the model's ends)."""
+    def message(stage: int, unit: tuple[OpKind, int, int], send: bool, batch: int) -> list[Op]:
+        """The send of a compute op's output, or the receive of its input (none at the model's ends),
+        issued in the batched call numbered ``batch``."""
         kind, chunk, mb = unit
         forward = kind is OpKind.forward
         other = chunk * pp + stage + (1 if forward == send else -1)
@@ -236,6 +237,7 @@ def pipeline_bodies(
                 peer=other % pp,
                 peer_chunk=other // pp,
                 bytes=activation_bytes,
+                batch=batch,
             )
         ]
 
@@ -261,10 +263,10 @@ def _stage_body(stage: int, segments: list[Segment], message, compute) -> tuple[
 
     def issue(iteration: list[tuple[OpKind, int, int]], out: list[Op]) -> None:
         nonlocal batch, previous
-        together = [op for unit in previous for op in message(stage, unit, True)]
-        together += [op for unit in iteration for op in message(stage, unit, False)]
+        together = [op for unit in previous for op in message(stage, unit, True, batch)]
+        together += [op for unit in iteration for op in message(stage, unit, False, batch)]
         if together:
-            out += [_copy(op, batch=batch) for op in together]
+            out += together
             batch += 1
         out += [compute(kind, stage, chunk, mb) for kind, chunk, mb in iteration]
         previous = iteration

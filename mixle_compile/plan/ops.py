@@ -120,9 +120,9 @@ def unchecked_copy(obj: Any, **fields: Any) -> Any:
     """A frozen dataclass ``obj`` with ``fields`` replaced, without running its validation: for
     copies whose new values come from values already checked (validation dominates building long
     programs and planning many parameters)."""
-    values = obj.__dict__.copy()
-    values.update(fields)
-    return _instance(type(obj), values)
+    new = object.__new__(type(obj))
+    object.__setattr__(new, "__dict__", {**obj.__dict__, **fields})  # see _instance
+    return new
 
 
 def shifted_copy(op: Op, dm: int, db: int) -> Op:
@@ -147,7 +147,9 @@ def _instance(cls: type, values: dict) -> Any:
 def copy_op(op: Op, **fields: Any) -> Op:
     """``op`` with ``fields`` replaced, for copies whose values come from other valid ops (a stage,
     chunk, micro-batch or batch number already checked): skips Op's validation."""
-    return unchecked_copy(op, **fields)
+    new = object.__new__(type(op))
+    object.__setattr__(new, "__dict__", {**op.__dict__, **fields})  # unchecked_copy, for the hot case
+    return new
 
 
 def _require_count(what: str, value: Any) -> None:
