@@ -60,7 +60,8 @@ from collections.abc import Sequence
 
 from mixle_compile.lower.groups import RankGrid
 from mixle_compile.lower.periodic import check_pumped
-from mixle_compile.lower.schedule import Op, OpKind, ScheduleCheck, _copy, _insert, check_schedule
+from mixle_compile.lower.schedule import Op, OpKind, ScheduleCheck, _insert, check_schedule
+from mixle_compile.plan.ops import copy_op as _copy
 
 # The stated form and its JSON are the plan's (plan/programs.py: the runtime reads them); the names
 # stay importable from here for the lowering's callers.
@@ -161,6 +162,59 @@ def _same_steps(keys: list, first: int, second: int, period: int, steps: tuple[i
 # ---------------------------------------------------------------------------
 # The check on the stated form
 # ---------------------------------------------------------------------------
+
+_COMPUTE = (OpKind.forward, OpKind.backward)
+
+
+def _without_compute(p: StageProgram) -> StageProgram | None:
+    """``p`` without its forwards and backwards, for the check's simulation, or None where that
+    could decide otherwise than ``p``.
+
+    Untimed, a compute op is no step of the simulation: it never waits and no rank waits for it. It
+    matters to the check in three ways only, each ruled out here: it is checked where it is issued
+    (every compute op must be the program's own stage's); it ends a batch of point-to-point ops (no
+    two point-to-point ops with one batch number may have only compute ops between them, so that
+    leaving those out joins no batches); and the last backward anchors the gradient reductions (a
+    program with some is kept whole). The step's other ops keep their order and their numbers, so
+    the simulation goes through the same states, and a loop that would be left empty keeps the
+    program whole (the loops, and so the periodic check's short step, stay the same)."""
+    if p.runs != 1 or p.after_last_backward or p.before_forward or p.after_backward:
+        return None
+    compute, send, recv = _COMPUTE, OpKind.send, OpKind.recv
+    body: list[Op | Loop] = []
+    pairs: list[
+        tuple[Op, Op, int]
+    ] = []  # (an op, the next kept op, when only compute ops lie between: its batch shift)
+    before: Op | None = None  # the last kept op, numbered as issued
+    gap = False  # compute ops since it
+    for item in p.body:
+        ops = item.ops if isinstance(item, Loop) else (item,)
+        kept = []
+        for op in ops:
+            if op.kind in compute:
+                if op.stage != p.stage:
+                    return None
+                gap = True
+                continue
+            if gap and before is not None:
+                pairs.append((before, op, 0))
+            before, gap = op, False
+            kept.append(op)
+        if not isinstance(item, Loop):
+            body.extend(kept)
+            continue
+        if not kept:
+            return None
+        if item.repeat > 1 and (ops[0].kind in compute or ops[-1].kind in compute):
+            pairs.append((kept[-1], kept[0], item.batch_step))  # one repetition's last kept op and the next's first
+        if item.repeat > 1 and before is not None and before.batch is not None:
+            before = _copy(before, batch=before.batch + (item.repeat - 1) * item.batch_step)
+        body.append(Loop(item.repeat, item.microbatch_step, item.batch_step, tuple(kept)))
+    for a, b, shift in pairs:
+        if a.kind in (send, recv) and b.kind in (send, recv) and a.batch is not None and b.batch is not None:
+            if a.batch == b.batch + shift:
+                return None  # the compute ops between end a batch
+    return dataclasses.replace(p, body=tuple(body))
 
 
 def within_stage(grid: RankGrid, name: str | None) -> bool:
@@ -270,12 +324,21 @@ def check_compact(
         )
 
     # 5. Long loops are decided on a shorter step where they are seen to be periodic (lower/periodic.py).
-    step, shorter = check_pumped([reduced(p, True) for p in programs], simulated, grid, explicit)
+    # 6. Simulated without their forwards and backwards where that decides the same (_without_compute);
+    # a step that fails is checked again with them, so that its problems name the program's own ops.
+    def decided(whole: list[StageProgram]) -> tuple[ScheduleCheck, int]:
+        lean = [_without_compute(p) for p in whole]
+        if any(p is None for p in lean):
+            return check_pumped(whole, simulated, grid, explicit)
+        found = check_pumped(lean, simulated, grid, explicit)
+        return found if found[0].ok else (simulated(whole, None), 0)
+
+    step, shorter = decided([reduced(p, True) for p in programs])
     problems += list(step.problems)
     repeated = max(p.runs for p in programs) > 1
     if repeated and not problems:
         # 4. One run alone: self-contained, so the runs compose.
-        run, _ = check_pumped([reduced(p, False) for p in programs], simulated, grid, explicit)
+        run, _ = decided([reduced(p, False) for p in programs])
         problems += [f"one run of the schedule alone: {text}" for text in run.problems]
         if len({p.runs for p in programs}) != 1:
             problems.append(

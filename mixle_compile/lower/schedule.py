@@ -38,7 +38,6 @@ from typing import Any
 from mixle_compile.contracts import ParallelPlan
 from mixle_compile.lower.groups import GroupRule, RankGrid
 from mixle_compile.plan.ops import _P2P, ACTIVATION, ACTIVATION_GRAD, Op, OpKind, _require_count
-from mixle_compile.plan.ops import copy_op as _copy
 from mixle_compile.plan.ops import insert_templates as _insert
 from mixle_compile.plan.programs import Loop, StageProgram, expand
 from mixle_compile.schedules import (
@@ -208,41 +207,54 @@ def pipeline_bodies(
         raise ValueError(f"{refused.code}: {refused.broken(pp, microbatches)}; {refused.fix(pp, microbatches)}")
     schedule = runs(family, schedule, pp, virtual_stages)
     last_virtual = pp * virtual_stages - 1
-    # One checked op per kind and payload; the others are copies with the stage, chunk, micro-batch,
-    # peer and batch number the schedule computes (counts below pp, virtual_stages, the micro-batches
-    # and the step's calls), so that a long schedule does not validate every op it lists.
-    checked: dict[tuple[OpKind, str], Op] = {}
-
-    def op(kind: OpKind, stage: int, tag: str = "", **fields) -> Op:
-        base = checked.get((kind, tag))
-        if base is None:
-            base = checked[(kind, tag)] = Op(kind, stage, name=kind.value, tag=tag, **fields)
-        return _copy(base, stage=stage, **fields)
+    # One checked op per kind and payload; the others are its unchecked copies (plan/ops.py's
+    # copy_op, written out) with the stage, chunk, micro-batch, peer and batch number the schedule
+    # computes (counts below pp, virtual_stages, the micro-batches and the step's calls), so that a
+    # long schedule does not validate every op it lists.
+    F, B, send_kind, recv_kind = OpKind.forward, OpKind.backward, OpKind.send, OpKind.recv
+    checked = {
+        (kind, tag): Op(kind, 0, name=kind.value, tag=tag, microbatch=0, **extra).__dict__
+        for kind, tag, extra in (
+            (F, "", {}),
+            (B, "", {}),
+            *(
+                (kind, tag, {"peer": 0, "peer_chunk": 0, "bytes": activation_bytes, "batch": 0})
+                for kind in (send_kind, recv_kind)
+                for tag in (ACTIVATION, ACTIVATION_GRAD)
+            ),
+        )
+    }
+    new, assign = object.__new__, object.__setattr__
 
     def message(stage: int, unit: tuple[OpKind, int, int], send: bool, batch: int) -> list[Op]:
         """The send of a compute op's output, or the receive of its input (none at the model's ends),
         issued in the batched call numbered ``batch``."""
         kind, chunk, mb = unit
-        forward = kind is OpKind.forward
+        forward = kind is F
         other = chunk * pp + stage + (1 if forward == send else -1)
         if not 0 <= other <= last_virtual:
             return []
-        return [
-            op(
-                OpKind.send if send else OpKind.recv,
-                stage,
-                ACTIVATION if forward else ACTIVATION_GRAD,
-                chunk=chunk,
-                microbatch=mb,
-                peer=other % pp,
-                peer_chunk=other // pp,
-                bytes=activation_bytes,
-                batch=batch,
-            )
-        ]
+        base = checked[send_kind if send else recv_kind, ACTIVATION if forward else ACTIVATION_GRAD]
+        op = new(Op)
+        assign(
+            op,
+            "__dict__",
+            {
+                **base,
+                "stage": stage,
+                "chunk": chunk,
+                "microbatch": mb,
+                "peer": other % pp,
+                "peer_chunk": other // pp,
+                "batch": batch,
+            },
+        )
+        return [op]
 
     def compute(kind: OpKind, stage: int, chunk: int, mb: int) -> Op:
-        return op(kind, stage, chunk=chunk, microbatch=mb)
+        op = new(Op)
+        assign(op, "__dict__", {**checked[kind, ""], "stage": stage, "chunk": chunk, "microbatch": mb})
+        return op
 
     return tuple(
         _stage_body(stage, _segments(family, schedule, pp, microbatches, virtual_stages, stage), message, compute)
@@ -832,16 +844,22 @@ def _simulate(
     first = ranks[0] if ranks else None  # the observer looks once per round, at the first rank's turn
     lengths = {r: len(steps[r]) for r in ranks}
 
+    # A posted point-to-point step's ops that have not met their partner yet, and when the last of
+    # those that did met it (an op meets its partner only once its own step is posted).
+    unmet = dict.fromkeys(ranks, 0)
+    latest: dict[int, Any] = dict.fromkeys(ranks, 0)
+
+    def meet(rank: int, position: int, when) -> None:
+        matched[(rank, position)] = when
+        unmet[rank] -= 1
+        if when > latest[rank]:
+            latest[rank] = when
+
     def complete(rank: int) -> None:
         """Finish ``rank``'s point-to-point step if every op of it met its partner."""
-        when = clock[rank]
-        for p in steps[rank][pc[rank]][1]:
-            met = matched.get((rank, p), _UNMET)
-            if met is _UNMET:
-                return
-            if met > when:
-                when = met
-        clock[rank] = when
+        if unmet[rank]:
+            return
+        clock[rank] = latest[rank]
         pc[rank] += 1
         posted[rank] = False
         queue.append(rank)
@@ -888,10 +906,12 @@ def _simulate(
             # A batch of sends and receives.
             if not posted[rank]:
                 posted[rank] = True
+                unmet[rank] = len(positions)
+                latest[rank] = clock[rank]
                 mine = partner[rank]
                 for position in positions:
                     found = mine.get(position)
-                    if found is None or (rank, position) in matched:
+                    if found is None:
                         continue
                     other, other_pos = found
                     waiting = posted[other] and pc[other] < lengths[other] and step_index[other][other_pos] == pc[other]
@@ -899,33 +919,24 @@ def _simulate(
                         if program[position].kind is send:
                             # The message waits for its receive (in `sent` until it is posted); the
                             # sender goes on.
-                            matched[(rank, position)] = clock[rank]
+                            meet(rank, position, clock[rank])
                             if not waiting:
                                 sent[(rank, position)] = clock[rank]
                                 continue
-                            matched[(other, other_pos)] = clock[rank]
+                            meet(other, other_pos, clock[rank])
                             complete(other)
                             continue
                         if (other, other_pos) in sent:
-                            matched[(rank, position)] = max(clock[rank], sent.pop((other, other_pos)))
+                            meet(rank, position, max(clock[rank], sent.pop((other, other_pos))))
                         continue
                     if waiting:
                         when = max(clock[rank], clock[other])
-                        matched[(rank, position)] = when
-                        matched[(other, other_pos)] = when
+                        meet(rank, position, when)
+                        meet(other, other_pos, when)
                         complete(other)
-            when = clock[rank]
-            done = True
-            for p in positions:
-                met = matched.get((rank, p), _UNMET)
-                if met is _UNMET:
-                    done = False
-                    break
-                if met > when:
-                    when = met
-            if not done:
+            if unmet[rank]:
                 break
-            clock[rank] = when
+            clock[rank] = latest[rank]
             pc[rank] += 1
             posted[rank] = False
             if step_turns:
@@ -936,10 +947,6 @@ def _simulate(
     deadlock = _explain_deadlock(world, stuck, steps, pc, partner, collective_key, members, arrivals, matched)
     makespan = max(clock.values(), default=0)
     return Simulation(not stuck, makespan, busy, tuple(deadlock), {r: tuple(v) for r, v in spans.items()})
-
-
-#: A point-to-point op that has not met its partner (its time in ``matched`` is absent).
-_UNMET = object()
 
 
 def _explain_deadlock(world, stuck, steps, pc, partner, collective_key, members, arrivals, matched) -> list[str]:

@@ -22,6 +22,7 @@ __all__ = [
     "OpKind",
     "copy_op",
     "insert_templates",
+    "repeated",
     "shifted_copy",
     "unchecked_copy",
 ]
@@ -136,6 +137,31 @@ def shifted_copy(op: Op, dm: int, db: int) -> Op:
     if batch is not None:
         values["batch"] = batch + db
     return _instance(Op, values)
+
+
+def repeated(ops: Sequence[Op], repeat: int, microbatch_step: int, batch_step: int) -> list[Op]:
+    """``ops`` issued ``repeat`` times, repetition ``i`` with ``i * microbatch_step`` added to every
+    micro-batch number and ``i * batch_step`` to every batch number (the first is ``ops`` itself):
+    :func:`shifted_copy` for a whole loop, the copies built in one place, as a step's check unrolls
+    thousands of ops."""
+    out = list(ops)
+    new, assign = object.__new__, object.__setattr__
+    fields = [(op.__dict__, op.microbatch, op.batch) for op in ops]
+    for i in range(1, repeat):
+        dm, db = i * microbatch_step, i * batch_step
+        for values, microbatch, batch in fields:
+            copy = new(Op)
+            assign(
+                copy,
+                "__dict__",
+                {
+                    **values,
+                    "microbatch": None if microbatch is None else microbatch + dm,
+                    "batch": None if batch is None else batch + db,
+                },
+            )
+            out.append(copy)
+    return out
 
 
 def _instance(cls: type, values: dict) -> Any:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 # The op a program is made of, and its unchecked copy and insertion (the schedule's own).
-from mixle_compile.plan.ops import Op, OpKind, shifted_copy
+from mixle_compile.plan.ops import Op, OpKind, repeated, shifted_copy
 from mixle_compile.plan.ops import insert_templates as _insert
 from mixle_compile.plan.vocabulary import rule_name
 
@@ -48,9 +48,7 @@ class Loop:
             raise ValueError("a loop repeats at least once and has at least one op")
 
     def unrolled(self) -> list[Op]:
-        return [
-            shifted_op(op, i * self.microbatch_step, i * self.batch_step) for i in range(self.repeat) for op in self.ops
-        ]
+        return repeated(self.ops, self.repeat, self.microbatch_step, self.batch_step)
 
 
 @dataclass(frozen=True)
