@@ -427,8 +427,8 @@ class _World:
     programs: dict[int, tuple[Op, ...]]
     representatives: bool
     rules: dict[str, GroupRule | None] = field(default_factory=dict)
-    channels: Any = None  # (sends, receives) per ordered rank pair, once found (_channels)
-    collectives: Any = None  # per rank, the positions of its collectives, once found (_collective_positions)
+    channels: Any = None  # (sends, receives) per ordered rank pair (_check_ops finds them)
+    collectives: Any = None  # per rank, the positions of its collectives (_check_ops finds them)
 
     def rule(self, name: str) -> GroupRule | None:
         if name not in self.rules:
@@ -567,38 +567,102 @@ def schedule_bubble(
 
 
 def _check_ops(world: _World) -> list[str]:
+    """Every op checked where it is issued (its stage, its group rule, its peer stage); in the same
+    pass over the programs, what the later checks read of a world whose ops are all well placed:
+    its channels and its collectives' positions."""
     problems = []
     grid = world.grid
-    pp = grid.plan.pp
+    send, recv, collective = OpKind.send, OpKind.recv, OpKind.collective
+    sends: dict[tuple[int, int], list[tuple[int, Op]]] = defaultdict(list)
+    recvs: dict[tuple[int, int], list[tuple[int, Op]]] = defaultdict(list)
+    collectives: dict[int, list[int]] = {}
     for rank, program in world.programs.items():
         stage = grid.stage_of(rank)
         fine: set[tuple] = set()  # what an op is checked on, where it had no problem on this rank
+        peers: dict[int, int] = {}  # peer stage -> its rank with this rank's other coordinates
+        positions: list[int] = []
         for position, op in enumerate(program):
-            if op.stage == stage and op.kind is not OpKind.collective and op.kind not in _P2P:
-                continue
-            checked = (op.stage, op.kind, op.group, op.peer)
-            if checked in fine:
-                continue
-            found = []
-            if op.stage != stage:
-                found.append(f"belongs to stage {op.stage}, but rank {rank} is on stage {stage}")
-            if op.kind is OpKind.collective:
-                rule = world.rule(op.group)
-                if rule is None:
-                    found.append(f"unknown group rule {op.group!r}; known: {', '.join(grid.rule_names)}")
-                elif not rule.covers(rank):
-                    found.append(f"rank {rank} is in no group of rule {op.group!r}")
-            if op.kind in _P2P:
-                if op.peer >= pp:
-                    found.append(f"peer stage {op.peer} does not exist (pp = {pp})")
-                elif op.peer == stage:
-                    found.append(f"a stage cannot {op.kind.value} to itself")
-            if found:  # the op's place is written only for a problem (most ops have none)
-                where = f"rank {rank} (stage {stage}) op {position} ({op.describe()})"
-                problems += [f"{where}: {text}" for text in found]
-            else:
-                fine.add(checked)
+            kind = op.kind
+            if kind is send or kind is recv:
+                peer = peers.get(op.peer)
+                if peer is None or op.stage != stage:
+                    checked = (op.stage, kind, op.group, op.peer)
+                    if checked not in fine and _misplaced(world, rank, stage, position, op, problems):
+                        continue
+                    fine.add(checked)
+                    peer = peers[op.peer] = grid.rank_at_stage(rank, op.peer)
+                if kind is send:
+                    sends[(rank, peer)].append((position, op))
+                else:
+                    recvs[(peer, rank)].append((position, op))
+            elif kind is collective:
+                checked = (op.stage, kind, op.group, op.peer)
+                if checked not in fine:
+                    if _misplaced(world, rank, stage, position, op, problems):
+                        continue
+                    fine.add(checked)
+                positions.append(position)
+            elif op.stage != stage:
+                _misplaced(world, rank, stage, position, op, problems)
+        collectives[rank] = positions
+    if not problems:
+        world.channels, world.collectives = (sends, recvs), collectives
     return problems
+
+
+def _misplaced(world: _World, rank: int, stage: int, position: int, op: Op, problems: list[str]) -> bool:
+    """Whether ``op`` (at ``position`` of ``rank``'s program) cannot be issued there; adds why to
+    ``problems``."""
+    grid = world.grid
+    pp = grid.plan.pp
+    found = []
+    if op.stage != stage:
+        found.append(f"belongs to stage {op.stage}, but rank {rank} is on stage {stage}")
+    if op.kind is OpKind.collective:
+        rule = world.rule(op.group)
+        if rule is None:
+            found.append(f"unknown group rule {op.group!r}; known: {', '.join(grid.rule_names)}")
+        elif not rule.covers(rank):
+            found.append(f"rank {rank} is in no group of rule {op.group!r}")
+    if op.kind in _P2P:
+        if op.peer >= pp:
+            found.append(f"peer stage {op.peer} does not exist (pp = {pp})")
+        elif op.peer == stage:
+            found.append(f"a stage cannot {op.kind.value} to itself")
+    if found:  # the op's place is written only for a problem (most ops have none)
+        where = f"rank {rank} (stage {stage}) op {position} ({op.describe()})"
+        problems += [f"{where}: {text}" for text in found]
+    return bool(found)
+
+
+def _steps(program: Sequence[Op], timed: bool) -> tuple[list[tuple[str, list[int]]], list[int]]:
+    """A program's steps: a compute op, a collective, or a batch of point-to-point ops posted
+    together (ops of one batch number in a row), and the step each op belongs to. Untimed, a
+    compute op is no step (-1): it never waits, so passing over it changes nothing but the clock."""
+    send, recv, collective = OpKind.send, OpKind.recv, OpKind.collective
+    out: list[tuple[str, list[int]]] = []
+    index: list[int] = []
+    previous: Any = _NO_BATCH  # the batch number of the last op when it is a point-to-point op
+    for position, op in enumerate(program):
+        kind = op.kind
+        if kind is send or kind is recv:
+            batch = op.batch
+            if batch is not None and batch == previous:
+                out[-1][1].append(position)
+            else:
+                out.append(("p2p", [position]))
+            previous = batch
+        else:
+            previous = _NO_BATCH
+            if kind is not collective and not timed:
+                index.append(-1)
+                continue
+            out.append(("collective" if kind is collective else "compute", [position]))
+        index.append(len(out) - 1)
+    return out, index
+
+
+_NO_BATCH = object()
 
 
 def _instances(world: _World) -> dict[tuple[str, int], list[int]]:
@@ -615,13 +679,8 @@ def _instances(world: _World) -> dict[tuple[str, int], list[int]]:
 
 
 def _collective_positions(world: _World) -> dict[int, list[int]]:
-    """Per rank, where its collectives are (found once per world: three passes read them)."""
-    if world.collectives is None:
-        collective = OpKind.collective
-        world.collectives = {
-            rank: [p for p, op in enumerate(program) if op.kind is collective]
-            for rank, program in world.programs.items()
-        }
+    """Per rank, where its collectives are (found by :func:`_check_ops`, which every check runs
+    first; three passes read them)."""
     return world.collectives
 
 
@@ -676,29 +735,10 @@ def _show_item(sequence: list[tuple[str, str]], position: int) -> str:
 
 
 def _channels(world: _World):
-    """Per ordered rank pair: the sends and the receives, in issue order (found once per world: the
-    message check and the simulation both read them)."""
-    if world.channels is None:
-        world.channels = _find_channels(world)
+    """Per ordered rank pair: the sends and the receives, in issue order (found by
+    :func:`_check_ops`, which every check runs first; the message check and the simulation read
+    them)."""
     return world.channels
-
-
-def _find_channels(world: _World):
-    sends: dict[tuple[int, int], list[tuple[int, Op]]] = defaultdict(list)
-    recvs: dict[tuple[int, int], list[tuple[int, Op]]] = defaultdict(list)
-    for rank, program in world.programs.items():
-        peers: dict[int, int] = {}  # peer stage -> its rank with this rank's other coordinates
-        for position, op in enumerate(program):
-            if op.kind not in _P2P:
-                continue
-            peer = peers.get(op.peer)
-            if peer is None:
-                peer = peers[op.peer] = world.grid.rank_at_stage(rank, op.peer)
-            if op.kind is OpKind.send:
-                sends[(rank, peer)].append((position, op))
-            else:
-                recvs[(peer, rank)].append((position, op))
-    return sends, recvs
 
 
 def _check_messages(world: _World) -> list[str]:
@@ -778,36 +818,13 @@ def _simulate(
     """Run the programs; ``cost`` None: untimed (whether they finish, and where they wait)."""
     programs = world.programs
     ranks = list(programs)
-    send, recv, collective = OpKind.send, OpKind.recv, OpKind.collective
+    send = OpKind.send
     timed = cost is not None
-    # Steps: a compute op, a collective, or a batch of point-to-point ops posted together (ops of one
-    # batch number in a row); step_index[rank][position] is the step an op belongs to. Untimed, a
-    # compute op is no step: it never waits, so passing over it changes nothing but the clock.
+    # Steps: a compute op (timed only), a collective, or a batch of point-to-point ops (_steps).
     steps: dict[int, list[tuple[str, list[int]]]] = {}
     step_index: dict[int, list[int]] = {}
-    no_batch = object()
     for rank, program in programs.items():
-        out: list[tuple[str, list[int]]] = []
-        index: list[int] = []
-        previous = no_batch  # the batch number of the last op when it is a point-to-point op
-        for position, op in enumerate(program):
-            kind = op.kind
-            if kind is send or kind is recv:
-                batch = op.batch
-                if batch is not None and batch == previous:
-                    out[-1][1].append(position)
-                else:
-                    out.append(("p2p", [position]))
-                previous = batch
-            else:
-                previous = no_batch
-                if kind is not collective and not timed:
-                    index.append(-1)
-                    continue
-                out.append(("collective" if kind is collective else "compute", [position]))
-            index.append(len(out) - 1)
-        steps[rank] = out
-        step_index[rank] = index
+        steps[rank], step_index[rank] = _steps(program, timed)
 
     # Partners of point-to-point ops, paired in issue order per channel; per rank, by position.
     partner: dict[int, dict[int, tuple[int, int]]] = {rank: {} for rank in ranks}
