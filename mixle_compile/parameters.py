@@ -91,6 +91,19 @@ def moe_layer_at(layer: int, *, num_experts: int, frequency: int) -> bool:
     return num_experts > 0 and layer % frequency == 0
 
 
+def same_kind_until(model: TransformerModel, first: int, end: int) -> int:
+    """The end of the run of layers from ``first`` (before ``end``) that are all MoE layers or all
+    dense (:func:`is_moe_layer`), found by the rule's arithmetic rather than layer by layer: every
+    layer is dense without experts; with frequency 1 every layer is an MoE layer; otherwise an MoE
+    layer stands alone and dense layers run to the next multiple of the frequency."""
+    frequency = model.moe_layer_frequency
+    if model.num_experts <= 0 or frequency == 1:
+        return end
+    if first % frequency == 0:
+        return min(end, first + 1)
+    return min(end, (first // frequency + 1) * frequency)
+
+
 def moe_layers_in(first: int, count: int, *, num_experts: int, frequency: int) -> int:
     """How many of the layers ``first .. first + count - 1`` are MoE layers (:func:`moe_layer_at`:
     every ``frequency``-th from layer 0): the multiples of ``frequency`` in that range."""

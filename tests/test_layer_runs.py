@@ -18,6 +18,7 @@ from mixle_compile.check import check_loaded
 from mixle_compile.layer_split import split_layers
 from mixle_compile.lower.lowering import lower
 from mixle_compile.lower.runs import transformer_runs
+from mixle_compile.parameters import is_moe_layer, same_kind_until
 from mixle_compile.plan import build_plan, plan_text
 from mixle_compile.spec import load_spec, load_spec_text
 from mixle_compile.spec.models import TransformerModel
@@ -201,6 +202,21 @@ def test_runs_are_the_blocks_of_one_virtual_stage_and_one_kind():
     assert dict(folded.counts) == {0: 15, 15: 16, 111: 15} and dict(folded.repeats) == {15: 6}
     assert folded.on_stages(15, 1) == range(1, 7) and folded.on_stages(0, 0) == range(0, 1)
     assert folded.on_stages(None, 7) == range(7, 8)
+
+
+@pytest.mark.parametrize("experts", [0, 4])
+@pytest.mark.parametrize("frequency", [1, 2, 3, 5])
+def test_a_run_of_one_kind_ends_where_the_layer_by_layer_rule_ends_it(experts, frequency):
+    model = TransformerModel.model_validate(
+        dict(family="transformer", vocab_size=64, hidden_size=32, num_layers=40, num_heads=4, ffn_hidden_size=64)
+        | (dict(num_experts=experts, experts_per_token=1, moe_layer_frequency=frequency) if experts else {})
+    )
+    for end in range(1, 41):
+        for first in range(end):
+            last = first + 1
+            while last < end and is_moe_layer(model, last) == is_moe_layer(model, first):
+                last += 1
+            assert same_kind_until(model, first, end) == last, (first, end)
 
 
 def test_stages_repeat_within_a_chunk_only():

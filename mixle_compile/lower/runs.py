@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from mixle_compile.layer_split import LayerSplit
-from mixle_compile.parameters import is_moe_layer
+from mixle_compile.parameters import is_moe_layer, same_kind_until
 from mixle_compile.spec.models import TransformerModel
 
 
@@ -71,11 +71,8 @@ def transformer_runs(model: TransformerModel, split: LayerSplit, *, fold_stages:
         first = start
         found = []
         while first < end:
-            kind = is_moe_layer(model, first)
-            last = first + 1
-            while last < end and is_moe_layer(model, last) == kind:
-                last += 1
-            found.append((first, last - first, kind))
+            last = same_kind_until(model, first, end)
+            found.append((first, last - first, is_moe_layer(model, first)))
             first = last
         per_stage.append(found)
         start = end
