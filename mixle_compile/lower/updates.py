@@ -698,12 +698,25 @@ def activation_updates(
         boundaries: dict[int, int] = {}
         for w in range(plan.pp * chunks - 1):
             boundaries[w % plan.pp] = boundaries.get(w % plan.pp, 0) + 1
+        # The first pair of stages' transfers are planned; every other pair's are the same transfers
+        # between other stages (renamed and moved, as a block's updates are).
+        planned: tuple[PlannedUpdate, PlannedUpdate] | None = None
         for s in range(plan.pp):
             if s not in boundaries:
                 continue
             n = (s + 1) % plan.pp
+            ahead, back = UpdateId.transfer(s, n), UpdateId.transfer(n, s, backward=True)
+            if planned is not None:
+                for u, node, stage in zip(planned, (ahead, back), (s, n), strict=True):
+                    update = unchecked_copy(u.update, node_id=str(node))
+                    out.append(
+                        unchecked_copy(
+                            u, update=update, tensor=node.subject, stage=stage, occurrences_per_step=mb * boundaries[s]
+                        )
+                    )
+                continue
             add(
-                UpdateId.transfer(s, n),
+                ahead,
                 CollectiveKind.P2P,
                 (Axis.PP,),
                 "forward",
@@ -714,7 +727,7 @@ def activation_updates(
                 times=boundaries[s],
             )
             add(
-                UpdateId.transfer(n, s, backward=True),
+                back,
                 CollectiveKind.P2P,
                 (Axis.PP,),
                 "backward",
@@ -724,4 +737,5 @@ def activation_updates(
                 "pipeline: activation gradient to the previous stage",
                 times=boundaries[s],
             )
+            planned = (out[-2], out[-1])
     return out
