@@ -130,9 +130,10 @@ def main() -> int:
         "accumulation steps (8 layers, 64 ranks)", "accumulation", [(a, example(8, a)) for a in accumulation], args.runs
     )
     if not args.quick:
-        # Side by side: the two cases take turns, so that the machine's load weighs on both alike.
+        # Side by side: the cases take turns, so that the machine's load weighs on all alike; a few
+        # milliseconds each, so enough turns for a steady median on a shared machine.
         small, same_mesh, big = [], [], []
-        for _ in range(max(args.runs, 5)):
+        for _ in range(max(5 * args.runs, 15)):
             small.append(measure(example(8), 1))
             same_mesh.append(measure(pipelined(16, 512), 1))
             big.append(measure(pipelined(1000, 512), 1))

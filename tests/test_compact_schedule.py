@@ -16,19 +16,28 @@ import sys
 
 import pytest
 
-from mixle_compile.contracts import CollectiveKind
+from mixle_compile.contracts import CollectiveKind, ParallelPlan
 from mixle_compile.engines import engine_profile
 from mixle_compile.lower.compact import (
     Loop,
+    StageProgram,
+    _without_compute,
     check_compact,
     compress,
     expand_all,
     program_dict,
     within_stage,
 )
-from mixle_compile.lower.groups import rule_name
+from mixle_compile.lower.groups import RankGrid, rule_name
 from mixle_compile.lower.lowering import lower
-from mixle_compile.lower.schedule import OpKind, check_schedule, collective, insert_collectives, pipeline_schedule
+from mixle_compile.lower.schedule import (
+    Op,
+    OpKind,
+    check_schedule,
+    collective,
+    insert_collectives,
+    pipeline_schedule,
+)
 from mixle_compile.lower.step import EXHAUSTIVE_RANKS
 from mixle_compile.plan import FORMAT_VERSION, PlanError, content_digest, load_plan_text, plan_text
 from mixle_compile.plan.artifact import _update_entry
@@ -37,6 +46,8 @@ from mixle_compile.plan.rederive import PlanMismatch, rederive
 from mixle_compile.spec import load_spec_text
 from tests.conftest import ROOT
 from tests.test_runtime_support import compile_text
+
+COMPUTE = (OpKind.forward, OpKind.backward)
 
 ANCHOR = {
     "gradient": "after_last_backward",
@@ -174,6 +185,19 @@ def _mutations(stages):
                     )
         if len(p.body) > 1:
             yield put(dataclasses.replace(p, body=p.body[1:] + p.body[:1]))
+        # A forward or backward between two sends or receives of one batch (which it splits), and one
+        # written into another stage's program: what the simulation, which passes over compute ops,
+        # still depends on (lower/compact.py _without_compute).
+        compute = next((op for op in p.body if not isinstance(op, Loop) and op.kind in COMPUTE), None)
+        if compute is not None:
+            for i in range(len(p.body) - 1):
+                a, b = p.body[i], p.body[i + 1]
+                if not isinstance(a, Loop) and not isinstance(b, Loop) and a.batch is not None and a.batch == b.batch:
+                    yield put(dataclasses.replace(p, body=p.body[: i + 1] + (compute,) + p.body[i + 1 :]))
+                    break
+            if len(stages) > 1:
+                elsewhere = dataclasses.replace(compute, stage=(s + 1) % len(stages))
+                yield put(dataclasses.replace(p, body=tuple(elsewhere if op is compute else op for op in p.body)))
         yield put(dataclasses.replace(p, runs=p.runs + 1))
         if p.after_last_backward:
             (op, k), *rest = p.after_last_backward
@@ -389,3 +413,92 @@ def test_the_check_says_what_it_left_out_and_only_that(ds, mb, left_out, shorter
     assert low.schedule.check.ok and low.schedule.check.representatives == (2 * ds > EXHAUSTIVE_RANKS)
     assert ("the step's collectives inside a stage, each with one checked rank, left out" in note) == left_out
     assert ("micro-batches shorter" in note) == shorter
+
+
+def _stage(stage: int, *ops_or_loops) -> StageProgram:
+    return StageProgram(stage=stage, body=tuple(ops_or_loops), optimizer=False)
+
+
+def _p2p(kind: OpKind, stage: int, peer: int, batch: int, microbatch: int = 0) -> Op:
+    tag = "activation" if (kind is OpKind.send) == (peer > stage) else "activation_grad"
+    return Op(kind, stage, microbatch=microbatch, peer=peer, batch=batch, tag=tag, name=kind.value)
+
+
+def test_a_compute_op_between_two_messages_of_one_batch_splits_it_in_the_check():
+    """Stage 0 posts its send, computes, then posts its receive: two calls although one batch number,
+    so with blocking sends each stage's send waits for a receive the other posts only later. One call
+    of both (the compute op left out) would finish: the check must not leave it out here."""
+    forward = Op(OpKind.forward, 0, microbatch=0, name="forward")
+    split = (
+        _stage(0, _p2p(OpKind.send, 0, 1, 0), forward, _p2p(OpKind.recv, 0, 1, 0)),
+        _stage(1, _p2p(OpKind.send, 1, 0, 0), _p2p(OpKind.recv, 1, 0, 1)),
+    )
+    grid = RankGrid.from_plan(ParallelPlan(pp=2))
+    explicit = check_schedule(expand_all(split), grid, exhaustive_limit=EXHAUSTIVE_RANKS, buffered_sends=False)
+    stated = check_compact(split, grid, exhaustive_limit=EXHAUSTIVE_RANKS, buffered_sends=False)
+    assert not explicit.ok and "deadlock" in " ".join(explicit.problems)
+    assert stated.problems == explicit.problems
+    joined = (_stage(0, _p2p(OpKind.send, 0, 1, 0), _p2p(OpKind.recv, 0, 1, 0), forward), split[1])
+    assert check_compact(joined, grid, exhaustive_limit=EXHAUSTIVE_RANKS, buffered_sends=False).ok
+
+
+def test_a_step_that_fails_without_its_compute_ops_is_reported_with_its_own_positions():
+    forward = Op(OpKind.forward, 0, microbatch=0, name="forward")
+    backward = Op(OpKind.backward, 1, microbatch=1, name="backward")
+    wrong = (  # the receive expects micro-batch 1
+        _stage(0, forward, _p2p(OpKind.send, 0, 1, 0)),
+        _stage(1, _p2p(OpKind.recv, 1, 0, 0, microbatch=1), backward),
+    )
+    grid = RankGrid.from_plan(ParallelPlan(pp=2))
+    explicit = check_schedule(expand_all(wrong), grid, exhaustive_limit=EXHAUSTIVE_RANKS, buffered_sends=True)
+    assert any("rank 0 op 1 " in problem for problem in explicit.problems)  # the send, after the forward
+    assert _without_compute(wrong[0]) is not None and _without_compute(wrong[1]) is not None
+    assert check_compact(wrong, grid, exhaustive_limit=EXHAUSTIVE_RANKS, buffered_sends=True).problems == (
+        explicit.problems
+    )
+
+
+@pytest.mark.parametrize(
+    "body,kept",
+    [
+        # a loop's repetitions joined across the compute op that ends each (batch step 0)
+        ((Loop(3, 1, 0, (_p2p(OpKind.send, 0, 1, 0), Op(OpKind.forward, 0, microbatch=0, name="forward"))),), False),
+        # ... but a batch step of 1 numbers every repetition's call apart
+        ((Loop(3, 1, 1, (_p2p(OpKind.send, 0, 1, 0), Op(OpKind.forward, 0, microbatch=0, name="forward"))),), True),
+        # a loop of compute ops only would be left empty
+        ((_p2p(OpKind.send, 0, 1, 0), Loop(2, 1, 0, (Op(OpKind.forward, 0, microbatch=0, name="forward"),))), False),
+        # a compute op of another stage is checked where it is issued
+        ((_p2p(OpKind.send, 0, 1, 0), Op(OpKind.forward, 1, microbatch=0, name="forward")), False),
+        # the previous item's last call and the loop's first, one batch apart across a compute op
+        (
+            (
+                _p2p(OpKind.send, 0, 1, 0),
+                Loop(2, 1, 1, (Op(OpKind.forward, 0, microbatch=0, name="forward"), _p2p(OpKind.send, 0, 1, 0))),
+            ),
+            False,
+        ),
+        # the loop's last repetition's call and the next item's, across a compute op
+        (
+            (
+                Loop(2, 1, 1, (_p2p(OpKind.send, 0, 1, 0), Op(OpKind.forward, 0, microbatch=0, name="forward"))),
+                _p2p(OpKind.recv, 0, 1, 1),
+            ),
+            False,
+        ),
+        (
+            (
+                Loop(2, 1, 1, (_p2p(OpKind.send, 0, 1, 0), Op(OpKind.forward, 0, microbatch=0, name="forward"))),
+                _p2p(OpKind.recv, 0, 1, 2),
+            ),
+            True,
+        ),
+    ],
+)
+def test_compute_ops_are_left_out_of_the_simulation_only_where_that_decides_the_same(body, kept):
+    program = _stage(0, *body)
+    lean = _without_compute(program)
+    assert (lean is not None) == kept
+    if lean is not None:
+        ops = [op for item in lean.body for op in (item.ops if isinstance(item, Loop) else (item,))]
+        assert not any(op.kind in COMPUTE for op in ops)
+        assert [op for op in expand_all((program,))[0] if op.kind not in COMPUTE] == list(expand_all((lean,))[0])

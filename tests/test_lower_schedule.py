@@ -296,6 +296,13 @@ def test_ops_on_the_wrong_stage_or_unknown_groups_are_caught():
     problems = check_schedule(programs).problems
     assert any("belongs to stage 0, but rank 1 is on stage 1" in p for p in problems)
     assert any("unknown group rule 'nonsense_axis'" in p for p in problems)
+    # a receive written with another stage's number, after a receive from the same peer: each op's own
+    # stage is checked, not only the first op's towards each peer
+    programs = list(pipeline_schedule(2, 2, "gpipe"))
+    last = max(i for i, op in enumerate(programs[1]) if op.kind is OpKind.recv)
+    programs[1] = programs[1][:last] + (dataclasses.replace(programs[1][last], stage=0),) + programs[1][last + 1 :]
+    problems = check_schedule(programs).problems
+    assert any(f"op {last} " in p and "belongs to stage 0, but rank 1 is on stage 1" in p for p in problems)
     middle = insert_collectives(
         pipeline_schedule(3, 3, "gpipe"), [collective("all_reduce", "embedding")], at="end", stages=[1]
     )
