@@ -62,6 +62,7 @@ from mixle_compile.lower.groups import RankGrid
 from mixle_compile.lower.periodic import check_pumped
 from mixle_compile.lower.schedule import Op, OpKind, ScheduleCheck, _insert, check_schedule
 from mixle_compile.plan.ops import copy_op as _copy
+from mixle_compile.plan.ops import unchecked_copy
 
 # The stated form and its JSON are the plan's (plan/programs.py: the runtime reads them); the names
 # stay importable from here for the lowering's callers.
@@ -214,7 +215,7 @@ def _without_compute(p: StageProgram) -> StageProgram | None:
         if a.kind in (send, recv) and b.kind in (send, recv) and a.batch is not None and b.batch is not None:
             if a.batch == b.batch + shift:
                 return None  # the compute ops between end a batch
-    return dataclasses.replace(p, body=tuple(body))
+    return unchecked_copy(p, body=tuple(body))  # a StageProgram validates nothing
 
 
 def within_stage(grid: RankGrid, name: str | None) -> bool:
@@ -289,7 +290,7 @@ def check_compact(
     # 2-3. The reduced step: one run with the step's end, each repeated reduction once (its count in its tag),
     # without the per-micro-batch collectives (checked where issued, in 1).
     def reduced(p: StageProgram, with_end: bool) -> StageProgram:
-        counted = dataclasses.replace(
+        counted = unchecked_copy(  # a StageProgram validates nothing
             p,
             runs=1,
             before_forward=(),
@@ -302,7 +303,7 @@ def check_compact(
             end=tuple(op for op in p.end if not local(op)),
         )
         if not with_end:
-            counted = dataclasses.replace(counted, after_last_backward=(), end=(), optimizer=False)
+            counted = unchecked_copy(counted, after_last_backward=(), end=(), optimizer=False)
         return counted
 
     expanded: dict[int, tuple[StageProgram, tuple[Op, ...]]] = {}

@@ -46,6 +46,7 @@ from collections.abc import Callable, Sequence
 
 from mixle_compile.lower.groups import RankGrid
 from mixle_compile.lower.schedule import OpKind, ScheduleCheck, SimulationState
+from mixle_compile.plan.ops import unchecked_copy
 from mixle_compile.plan.programs import Loop, StageProgram, shifted_op
 
 #: Repetitions a long loop keeps in the first short step tried (doubled on every retry).
@@ -139,7 +140,7 @@ def _pump_down(
                 db += removed * item.batch_step
             body.append(item)
             position += item.repeat * len(item.ops) if isinstance(item, Loop) else 1
-        program = dataclasses.replace(p, body=tuple(body))
+        program = unchecked_copy(p, body=tuple(body))  # a StageProgram validates nothing
         ops = expanded(program)
         # With nothing inserted (as many ops as the body unrolled, and the optimizer), each loop's
         # place holds it unrolled, as the body is unrolled in order.
