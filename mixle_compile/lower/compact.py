@@ -49,6 +49,12 @@ The check (:func:`check_compact`) runs :func:`mixle_compile.lower.schedule.check
    its repetitions, once the simulation of that shorter step shows a state that repeats itself
    shifted by a whole number of micro-batches (:mod:`mixle_compile.lower.periodic` says why that
    decides the full step); a shorter step that fails is checked again in full.
+6. The simulated step leaves out the forwards and backwards where that decides the same
+   (:func:`_without_compute`): untimed, a compute op never waits and is never waited for, so once
+   each is seen on its own stage, splits no batch of point-to-point ops and anchors no gradient
+   reduction, the simulation passes through the same states without it (at pp 16 a third of the
+   ops). A step that fails is checked again with them, so that its problems name the program's own
+   positions.
 
 The reduced program grows with neither micro-batches, layers nor accumulation runs.
 """
