@@ -49,8 +49,11 @@ from mixle_compile.lower.schedule import OpKind, ScheduleCheck, SimulationState
 from mixle_compile.plan.ops import unchecked_copy
 from mixle_compile.plan.programs import Loop, StageProgram, shifted_op
 
-#: Repetitions a long loop keeps in the first short step tried (doubled on every retry).
-KEEP_REPEATS = 4
+#: Repetitions a long loop keeps in the first short step tried (doubled on every retry): two show a
+#: period whenever the ranks are in their loops together from its start (1F1B's steady state, an
+#: interleaved schedule's rounds of micro-batch groups); GPipe's stages enter their loops one after
+#: another, so it takes the retries.
+KEEP_REPEATS = 2
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 # The op a program is made of, and its unchecked copy and insertion (the schedule's own).
-from mixle_compile.plan.ops import Op, OpKind, repeated, shifted_copy
+from mixle_compile.plan.ops import Op, OpKind, _require_count, copy_op, repeated, shifted_copy
 from mixle_compile.plan.ops import insert_templates as _insert
 from mixle_compile.plan.vocabulary import rule_name
 
@@ -87,6 +87,8 @@ def shifted_op(op: Op, dm: int, db: int) -> Op:
 # Expansion
 # ---------------------------------------------------------------------------
 
+_OPTIMIZER = Op(OpKind.optimizer, 0, name="optimizer")
+
 
 def expand(
     program: StageProgram, *, runs: int | None = None, times: bool = True, blocks: bool = True
@@ -104,7 +106,8 @@ def expand(
         else [shifted_op(op, r * program.run_microbatches, r * program.run_batches) for r in range(runs) for op in one]
     )
     if program.optimizer:
-        ops.append(Op(OpKind.optimizer, program.stage, name="optimizer"))
+        _require_count("Op.stage", program.stage)  # what Op checks of it, without building one
+        ops.append(copy_op(_OPTIMIZER, stage=program.stage))
     # Gradient reductions go in first, so that they land after the last backward's p2p batch; the
     # per-micro-batch collectives inserted later sit right next to their compute op, before any send.
     # (A tied-weight all_reduce placed before the last stage's final gradient send deadlocks stage 0.)
