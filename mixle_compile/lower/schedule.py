@@ -234,26 +234,18 @@ def pipeline_bodies(
         other = chunk * pp + stage + (1 if forward == send else -1)
         if not 0 <= other <= last_virtual:
             return []
-        base = checked[send_kind if send else recv_kind, ACTIVATION if forward else ACTIVATION_GRAD]
+        values = checked[send_kind if send else recv_kind, ACTIVATION if forward else ACTIVATION_GRAD].copy()
+        values["stage"], values["chunk"], values["microbatch"] = stage, chunk, mb
+        values["peer"], values["peer_chunk"], values["batch"] = other % pp, other // pp, batch
         op = new(Op)
-        assign(
-            op,
-            "__dict__",
-            {
-                **base,
-                "stage": stage,
-                "chunk": chunk,
-                "microbatch": mb,
-                "peer": other % pp,
-                "peer_chunk": other // pp,
-                "batch": batch,
-            },
-        )
+        assign(op, "__dict__", values)
         return [op]
 
     def compute(kind: OpKind, stage: int, chunk: int, mb: int) -> Op:
+        values = checked[kind, ""].copy()
+        values["stage"], values["chunk"], values["microbatch"] = stage, chunk, mb
         op = new(Op)
-        assign(op, "__dict__", {**checked[kind, ""], "stage": stage, "chunk": chunk, "microbatch": mb})
+        assign(op, "__dict__", values)
         return op
 
     return tuple(

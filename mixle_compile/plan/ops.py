@@ -121,9 +121,9 @@ def unchecked_copy(obj: Any, **fields: Any) -> Any:
     """A frozen dataclass ``obj`` with ``fields`` replaced, without running its validation: for
     copies whose new values come from values already checked (validation dominates building long
     programs and planning many parameters)."""
-    new = object.__new__(type(obj))
-    object.__setattr__(new, "__dict__", {**obj.__dict__, **fields})  # see _instance
-    return new
+    values = obj.__dict__.copy()  # a copy, then updated: about twice as fast as a merged literal
+    values.update(fields)
+    return _instance(type(obj), values)
 
 
 def shifted_copy(op: Op, dm: int, db: int) -> Op:
@@ -150,16 +150,13 @@ def repeated(ops: Sequence[Op], repeat: int, microbatch_step: int, batch_step: i
     for i in range(1, repeat):
         dm, db = i * microbatch_step, i * batch_step
         for values, microbatch, batch in fields:
+            shifted = values.copy()  # a dict's copy, then set: about twice as fast as a merged literal
+            if microbatch is not None:
+                shifted["microbatch"] = microbatch + dm
+            if batch is not None:
+                shifted["batch"] = batch + db
             copy = new(Op)
-            assign(
-                copy,
-                "__dict__",
-                {
-                    **values,
-                    "microbatch": None if microbatch is None else microbatch + dm,
-                    "batch": None if batch is None else batch + db,
-                },
-            )
+            assign(copy, "__dict__", shifted)
             out.append(copy)
     return out
 
@@ -173,9 +170,9 @@ def _instance(cls: type, values: dict) -> Any:
 def copy_op(op: Op, **fields: Any) -> Op:
     """``op`` with ``fields`` replaced, for copies whose values come from other valid ops (a stage,
     chunk, micro-batch or batch number already checked): skips Op's validation."""
-    new = object.__new__(type(op))
-    object.__setattr__(new, "__dict__", {**op.__dict__, **fields})  # unchecked_copy, for the hot case
-    return new
+    values = op.__dict__.copy()
+    values.update(fields)
+    return _instance(type(op), values)
 
 
 def _require_count(what: str, value: Any) -> None:
