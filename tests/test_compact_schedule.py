@@ -502,3 +502,24 @@ def test_compute_ops_are_left_out_of_the_simulation_only_where_that_decides_the_
         ops = [op for item in lean.body for op in (item.ops if isinstance(item, Loop) else (item,))]
         assert not any(op.kind in COMPUTE for op in ops)
         assert [op for op in expand_all((program,))[0] if op.kind not in COMPUTE] == list(expand_all((lean,))[0])
+
+
+@pytest.mark.parametrize("schedule,virtual", [("1f1b", 1), ("interleaved_1f1b", 2)])
+def test_a_large_world_simulates_its_messages_without_its_compute_ops(schedule, virtual, monkeypatch):
+    """On one rank per stage, every collective of a block and every gradient reduction lies inside a
+    stage and is left out, and so are the forwards and backwards: the step simulated is its sends and
+    receives only (the check's cost at pp 16 is that step's)."""
+    import mixle_compile.lower.compact as compact
+
+    simulated = []
+
+    def watched(programs, *args, **kwargs):
+        simulated.append(programs)
+        return check_schedule(programs, *args, **kwargs)
+
+    monkeypatch.setattr(compact, "check_schedule", watched)
+    low = lower(spec(pp=4, mb=16, ds=8, schedule=schedule, virtual=virtual, layers=8))
+    assert low.schedule.check.ok and low.schedule.check.representatives
+    assert simulated and all(
+        op.kind in (OpKind.send, OpKind.recv, OpKind.optimizer) for programs in simulated for p in programs for op in p
+    )
