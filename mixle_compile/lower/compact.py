@@ -187,12 +187,22 @@ def _without_compute(p: StageProgram) -> StageProgram | None:
     program whole (the loops, and so the periodic check's short step, stay the same)."""
     if p.runs != 1 or p.after_last_backward or p.before_forward or p.after_backward:
         return None
-    compute, send, recv = _COMPUTE, OpKind.send, OpKind.recv
+    compute, p2p = _COMPUTE, (OpKind.send, OpKind.recv)
+
+    def joined(a: Op | None, b: Op, shift: int = 0, a_shift: int = 0) -> bool:
+        """Whether ``a`` and ``b`` are messages of one batch (``b``'s number ``shift`` on)."""
+        return (
+            a is not None
+            and a.kind in p2p
+            and b.kind in p2p
+            and a.batch is not None
+            and b.batch is not None
+            and a.batch + a_shift == b.batch + shift
+        )
+
     body: list[Op | Loop] = []
-    pairs: list[
-        tuple[Op, Op, int]
-    ] = []  # (an op, the next kept op, when only compute ops lie between: its batch shift)
-    before: Op | None = None  # the last kept op, numbered as issued
+    before: Op | None = None  # the last kept op (its batch number ``lag`` behind its last issue's)
+    lag = 0
     gap = False  # compute ops since it
     for item in p.body:
         ops = item.ops if isinstance(item, Loop) else (item,)
@@ -203,24 +213,21 @@ def _without_compute(p: StageProgram) -> StageProgram | None:
                     return None
                 gap = True
                 continue
-            if gap and before is not None:
-                pairs.append((before, op, 0))
-            before, gap = op, False
+            if gap and joined(before, op, a_shift=lag):
+                return None  # the compute ops between end a batch
+            before, lag, gap = op, 0, False
             kept.append(op)
         if not isinstance(item, Loop):
             body.extend(kept)
             continue
         if not kept:
             return None
-        if item.repeat > 1 and (ops[0].kind in compute or ops[-1].kind in compute):
-            pairs.append((kept[-1], kept[0], item.batch_step))  # one repetition's last kept op and the next's first
-        if item.repeat > 1 and before is not None and before.batch is not None:
-            before = _copy(before, batch=before.batch + (item.repeat - 1) * item.batch_step)
+        if item.repeat > 1:
+            # one repetition's last kept op and the next's first, across the loop's own compute ops
+            if (ops[0].kind in compute or ops[-1].kind in compute) and joined(kept[-1], kept[0], item.batch_step):
+                return None
+            lag = (item.repeat - 1) * item.batch_step
         body.append(Loop(item.repeat, item.microbatch_step, item.batch_step, tuple(kept)))
-    for a, b, shift in pairs:
-        if a.kind in (send, recv) and b.kind in (send, recv) and a.batch is not None and b.batch is not None:
-            if a.batch == b.batch + shift:
-                return None  # the compute ops between end a batch
     return unchecked_copy(p, body=tuple(body))  # a StageProgram validates nothing
 
 

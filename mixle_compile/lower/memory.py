@@ -213,14 +213,14 @@ def _tp_local_bytes(p: PlacedParameter, plan: ParallelPlan) -> int:
     return nbytes
 
 
-def _boundary(spec: Spec, plan: ParallelPlan) -> float:
-    """The bytes of one activation a pipeline stage passes on (memory_model.boundary_bytes); 0
-    without pipeline receive buffers."""
+def _boundary(spec: Spec, plan: ParallelPlan) -> float | None:
+    """The bytes of one activation a pipeline stage passes on (memory_model.boundary_bytes); None
+    where the runtime keeps no pipeline receive buffers."""
     model = spec.model
     t = spec.training
     engine = engine_profile(spec.backend)
     if plan.pp == 1 or not engine.pipeline_receive_buffers or not isinstance(model, TransformerModel):
-        return 0
+        return None
     return boundary_bytes(
         NUMBERS,
         seq_len=t.seq_len or 1,
@@ -233,14 +233,14 @@ def _boundary(spec: Spec, plan: ParallelPlan) -> float:
     )
 
 
-def _pipeline_buffers(spec: Spec, plan: ParallelPlan, stage: int, in_flight: float, boundary: float) -> int:
+def _pipeline_buffers(spec: Spec, plan: ParallelPlan, stage: int, in_flight: float, boundary: float | None) -> int:
     """The receive buffers of torch's pipelining runtime on pipeline rank `stage`, which holds the
     model stages stage, stage + pp, ... (memory_model.pipeline_buffer_bytes); ``boundary``: what
-    :func:`_boundary` gives."""
+    :func:`_boundary` gives (None: no buffers)."""
+    if boundary is None:
+        return 0
     t = spec.training
     engine = engine_profile(spec.backend)
-    if plan.pp == 1 or not engine.pipeline_receive_buffers or not isinstance(spec.model, TransformerModel):
-        return 0
     virtual = t.virtual_pipeline_stages if t.pipeline_schedule == "interleaved_1f1b" else 1
     return int(
         pipeline_buffer_bytes(

@@ -37,7 +37,7 @@ from typing import Any
 
 from mixle_compile.contracts import ParallelPlan
 from mixle_compile.lower.groups import GroupRule, RankGrid
-from mixle_compile.plan.ops import _P2P, ACTIVATION, ACTIVATION_GRAD, Op, OpKind, _require_count
+from mixle_compile.plan.ops import _P2P, ACTIVATION, ACTIVATION_GRAD, Op, OpKind, _instance, _require_count
 from mixle_compile.plan.ops import insert_templates as _insert
 from mixle_compile.plan.programs import Loop, StageProgram, expand
 from mixle_compile.schedules import (
@@ -207,8 +207,8 @@ def pipeline_bodies(
         raise ValueError(f"{refused.code}: {refused.broken(pp, microbatches)}; {refused.fix(pp, microbatches)}")
     schedule = runs(family, schedule, pp, virtual_stages)
     last_virtual = pp * virtual_stages - 1
-    # One checked op per kind and payload; the others are its unchecked copies (plan/ops.py's
-    # copy_op, written out) with the stage, chunk, micro-batch, peer and batch number the schedule
+    # One checked op per kind and payload; the others are its unchecked copies (its fields' copy,
+    # set, made an op by plan/ops.py's _instance) with the stage, chunk, micro-batch, peer and batch number the schedule
     # computes (counts below pp, virtual_stages, the micro-batches and the step's calls), so that a
     # long schedule does not validate every op it lists.
     F, B, send_kind, recv_kind = OpKind.forward, OpKind.backward, OpKind.send, OpKind.recv
@@ -224,7 +224,6 @@ def pipeline_bodies(
             ),
         )
     }
-    new, assign = object.__new__, object.__setattr__
 
     def message(stage: int, unit: tuple[OpKind, int, int], send: bool, batch: int) -> list[Op]:
         """The send of a compute op's output, or the receive of its input (none at the model's ends),
@@ -237,16 +236,12 @@ def pipeline_bodies(
         values = checked[send_kind if send else recv_kind, ACTIVATION if forward else ACTIVATION_GRAD].copy()
         values["stage"], values["chunk"], values["microbatch"] = stage, chunk, mb
         values["peer"], values["peer_chunk"], values["batch"] = other % pp, other // pp, batch
-        op = new(Op)
-        assign(op, "__dict__", values)
-        return [op]
+        return [_instance(Op, values)]
 
     def compute(kind: OpKind, stage: int, chunk: int, mb: int) -> Op:
         values = checked[kind, ""].copy()
         values["stage"], values["chunk"], values["microbatch"] = stage, chunk, mb
-        op = new(Op)
-        assign(op, "__dict__", values)
-        return op
+        return _instance(Op, values)
 
     return tuple(
         _stage_body(stage, _segments(family, schedule, pp, microbatches, virtual_stages, stage), message, compute)
@@ -419,8 +414,9 @@ class _World:
     programs: dict[int, tuple[Op, ...]]
     representatives: bool
     rules: dict[str, GroupRule | None] = field(default_factory=dict)
-    channels: Any = None  # (sends, receives) per ordered rank pair (_check_ops finds them)
-    collectives: Any = None  # per rank, the positions of its collectives (_check_ops finds them)
+    # Found by _check_ops, which every check runs first, for the passes after it:
+    channels: Any = None  # (sends, receives) per ordered rank pair, in issue order
+    collectives: Any = None  # per rank, the positions of its collectives
 
     def rule(self, name: str) -> GroupRule | None:
         if name not in self.rules:
@@ -659,7 +655,7 @@ _NO_BATCH = object()
 
 def _instances(world: _World) -> dict[tuple[str, int], list[int]]:
     """Every group instance used by some checked rank -> its checked members."""
-    used = {world.programs[rank][p].group for rank, found in _collective_positions(world).items() for p in found}
+    used = {world.programs[rank][p].group for rank, found in world.collectives.items() for p in found}
     members: dict[tuple[str, int], list[int]] = defaultdict(list)
     rules = {world.rule(name).name: world.rule(name) for name in used}
     for _, rule in sorted(rules.items()):
@@ -670,16 +666,10 @@ def _instances(world: _World) -> dict[tuple[str, int], list[int]]:
     return members
 
 
-def _collective_positions(world: _World) -> dict[int, list[int]]:
-    """Per rank, where its collectives are (found by :func:`_check_ops`, which every check runs
-    first; three passes read them)."""
-    return world.collectives
-
-
 def _collective_keys(world: _World, rank: int) -> list[tuple[tuple[str, int], Op]]:
     keys = []
     program = world.programs[rank]
-    for position in _collective_positions(world)[rank]:
+    for position in world.collectives[rank]:
         op = program[position]
         rule = world.rule(op.group)
         keys.append(((rule.name, rule.group_index_of(rank)), op))
@@ -726,16 +716,9 @@ def _show_item(sequence: list[tuple[str, str]], position: int) -> str:
     return f"{name} {tag!r}" if tag else name
 
 
-def _channels(world: _World):
-    """Per ordered rank pair: the sends and the receives, in issue order (found by
-    :func:`_check_ops`, which every check runs first; the message check and the simulation read
-    them)."""
-    return world.channels
-
-
 def _check_messages(world: _World) -> list[str]:
     problems = []
-    sends, recvs = _channels(world)
+    sends, recvs = world.channels
     for src, dst in sorted(set(sends) | set(recvs)):
         out = sends.get((src, dst), [])
         into = recvs.get((src, dst), [])
@@ -820,7 +803,7 @@ def _simulate(
 
     # Partners of point-to-point ops, paired in issue order per channel; per rank, by position.
     partner: dict[int, dict[int, tuple[int, int]]] = {rank: {} for rank in ranks}
-    sends, recvs = _channels(world)
+    sends, recvs = world.channels
     for (src, dst), out in sends.items():
         mine, theirs = partner[src], partner[dst]
         for (send_pos, _), (recv_pos, _) in zip(out, recvs.get((src, dst), []), strict=False):
@@ -832,7 +815,7 @@ def _simulate(
     collective_key: dict[tuple[int, int], tuple] = {}
     for rank in programs:
         ordinal: dict[tuple[str, int], int] = defaultdict(int)
-        positions = _collective_positions(world)[rank]
+        positions = world.collectives[rank]
         for position, (key, _) in zip(positions, _collective_keys(world, rank), strict=True):
             collective_key[(rank, position)] = (key, ordinal[key])
             ordinal[key] += 1

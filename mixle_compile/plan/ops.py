@@ -145,7 +145,6 @@ def repeated(ops: Sequence[Op], repeat: int, microbatch_step: int, batch_step: i
     :func:`shifted_copy` for a whole loop, the copies built in one place, as a step's check unrolls
     thousands of ops."""
     out = list(ops)
-    new, assign = object.__new__, object.__setattr__
     fields = [(op.__dict__, op.microbatch, op.batch) for op in ops]
     for i in range(1, repeat):
         dm, db = i * microbatch_step, i * batch_step
@@ -155,9 +154,7 @@ def repeated(ops: Sequence[Op], repeat: int, microbatch_step: int, batch_step: i
                 shifted["microbatch"] = microbatch + dm
             if batch is not None:
                 shifted["batch"] = batch + db
-            copy = new(Op)
-            assign(copy, "__dict__", shifted)
-            out.append(copy)
+            out.append(_instance(Op, shifted))
     return out
 
 
@@ -170,9 +167,7 @@ def _instance(cls: type, values: dict) -> Any:
 def copy_op(op: Op, **fields: Any) -> Op:
     """``op`` with ``fields`` replaced, for copies whose values come from other valid ops (a stage,
     chunk, micro-batch or batch number already checked): skips Op's validation."""
-    values = op.__dict__.copy()
-    values.update(fields)
-    return _instance(type(op), values)
+    return unchecked_copy(op, **fields)
 
 
 def _require_count(what: str, value: Any) -> None:
