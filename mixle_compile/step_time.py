@@ -9,7 +9,8 @@ way :mod:`mixle_compile.memory_model` is read for memory. The model (docs/step-t
   for the precision times an efficiency calibrated per device kind and precision
   (:data:`EFFICIENCY`, benchmarks/bench_step_time.py). Under fp8 the linear layers run at the fp8
   peak after casting their operands (:data:`FP8_CAST_BYTES`); attention and the output head stay
-  in bf16.
+  in bf16. Under context parallelism on torchtitan, torch's ring attention merges its steps'
+  partial results outside the kernel, at the memory bandwidth (:data:`RING_MERGE_BYTES`).
 - communication: every update's ring bytes per rank (:func:`ring_bytes`, the figure the plan's
   traffic reports) over the link its group crosses (inside a node or between nodes, from the
   mesh order and ``resources.topology``), then what the engine overlaps: data-parallel gradient
@@ -152,6 +153,59 @@ ELEMENTWISE_BYTES = {"eager": 2.0, "compiled": 1.0}
 FP8_CAST_BYTES = 5.0
 #: Bytes per attention score and pass under eager attention: QK^T written, softmax read and written.
 SCORE_BYTES = 6.0
+#: Ring attention on torch (torchtitan's context parallelism, cp > 1) merges the ring steps'
+#: partial results with eager element-wise ops in fp32 (``_cp_options.convert_to_f32``), apart from
+#: the attention kernels: bytes each moves per element of a rank's local queries (``q``) or of one of
+#: its local key and value tensors (``kv``), counted op by op in torch's
+#: distributed/tensor/experimental/_context_parallel/_attention.py for the last rank of the ring,
+#: whose every later step uses all its queries (the forward's heaviest rank):
+#:
+#: * forward, ``cp - 1`` times (``_templated_ring_attention``, ``_SDPAMerger``): each step after the
+#:   first casts its output to fp32 (read 2, write 4), then ``out - sigmoid(lse_i - lse) * (out -
+#:   out_i)``: a difference (read 4 + 4, write 4), a product (4, 4) and a difference (4 + 4, 4): 38
+#:   per ``q``; each step but the last concatenates the keys and values to send (``torch.cat``, read
+#:   2 and write 2 each): 8 per ``kv``;
+#: * forward, once: the first output cast to fp32 (6) and the result cast back (read 4, write 2): 12
+#:   per ``q``;
+#: * backward, ``cp - 1`` times (``_templated_ring_attention_backward``): each step after the first
+#:   accumulates the query gradient in fp32 (read 4 + 2, write 4): 10 per ``q``, adds the key and
+#:   value gradients into half of their fp32 accumulators (``_partial_update``: 5 each) and re-joins
+#:   them (``torch.cat``, 8 each), and concatenates them in fp32 to send (8 each); each step but the
+#:   last concatenates the keys and values to send (8): 50 per ``kv``;
+#: * backward, once: the first step's query (10) and key/value gradients (10 each), the gradients'
+#:   concatenation to send (8 each), the query gradient cast back (6) and the key/value gradients
+#:   cast back (6 each): 16 per ``q``, 48 per ``kv``.
+#:
+#: Under torch.compile the ring is traced (it waits on its collectives only outside tracing,
+#: ``_maybe_wait``) and these chains fuse like the layer's other element-wise work: they are scaled by
+#: the compiled over the eager :data:`ELEMENTWISE_BYTES`.
+RING_MERGE_BYTES = {
+    "forward_step": (38.0, 8.0),
+    "forward_once": (12.0, 0.0),
+    "backward_step": (10.0, 50.0),
+    "backward_once": (16.0, 48.0),
+}
+
+
+def ring_merge_bytes(q: float, kv: float, cp: int, forward_passes: int) -> float:
+    """Bytes the ring attention's merges move per local token of one layer (:data:`RING_MERGE_BYTES`),
+    for ``q`` query and ``kv`` key (or value) elements per token, ``cp`` ring steps, and the layer's
+    forward run ``forward_passes`` times (twice where checkpointing runs it again)."""
+    if cp <= 1:
+        return 0.0
+
+    def at(key: str) -> float:
+        per_q, per_kv = RING_MERGE_BYTES[key]
+        return per_q * q + per_kv * kv
+
+    steps = cp - 1
+    return (
+        forward_passes * (steps * at("forward_step") + at("forward_once"))
+        + steps * at("backward_step")
+        + at("backward_once")
+    )
+
+
 #: A fused attention kernel's rate by the sequence length of one call, relative to its rate at 16k
 #: tokens and beyond, with and without the causal mask: FlashAttention-2's bf16 forward at head
 #: dimension 128 on an H100 SXM5, as Shah et al. 2024 (FlashAttention-3, Figure 5) measure it
@@ -516,6 +570,7 @@ class _Setting:
     linear_peak: float
     other_peak: float
     efficiency: float
+    engine: Any = None  # the backend's EngineProfile
 
 
 def _setting(spec: dict) -> _Setting:
@@ -538,6 +593,20 @@ def _setting(spec: dict) -> _Setting:
         linear_peak,
         other_peak,
         efficiency_of(kind, precision),
+        _engine(spec["backend"]),
+    )
+
+
+def _engine(backend: Any) -> Any:
+    """The EngineProfile of a spec's ``backend`` as JSON (a name, or a mapping with its version)."""
+    from types import SimpleNamespace
+
+    from mixle_compile.engines import engine_profile
+
+    if isinstance(backend, str):
+        return engine_profile(backend)
+    return engine_profile(
+        SimpleNamespace(name=backend["name"], version=backend.get("version"), entry=backend.get("entry"))
     )
 
 
@@ -608,6 +677,17 @@ def stage_compute_parts(
         "compiled" if "model" in compiled_components(training.get("compile", False)) else "eager"
     ]
     bandwidth = table["memory_bandwidth"]
+    # Ring attention's merges, per token of a layer (RING_MERGE_BYTES), where the engine runs torch's
+    # ring attention over a fused kernel; a key head is never split over tp.
+    merge = 0.0
+    if cp > 1 and st.engine is not None and st.engine.ring_attention and training.get("attention") != "eager":
+        h, d_q, d_kv, _ = _widths(model)
+        head_dim = d_q / model["num_heads"]
+        kv = d_q / tp if st.engine.repeats_key_heads else max(d_kv / tp, head_dim)
+        again = training.get("activation_checkpointing", "none") != "none"
+        # torch.compile traces the ring through DTensor's dispatch and fuses the merges' chains like
+        # the layer's other element-wise work (ELEMENTWISE_BYTES, relative to eager)
+        merge = ring_merge_bytes(d_q / tp, kv, cp, 2 if again else 1) * elementwise / ELEMENTWISE_BYTES["eager"]
 
     # Each stage's compute per micro-step (a layer's index fixes whether it is MoE). Backward costs
     # twice the forward; the tp ranks of a stage split its matrix multiplications, and the routed
@@ -635,6 +715,7 @@ def stage_compute_parts(
             attention += n * (3 * f.attention + f.recompute_attention) / tp
             moved += (
                 n * f.passes * (f.elementwise_width * activation_bytes * elementwise + f.score_elements * SCORE_BYTES)
+                + n * merge
             )
             rows += n * f.gemm_passes * row_bytes
             weights += n * f.gemm_passes * weight_bytes

@@ -353,3 +353,68 @@ def test_published_blackwell_layouts_pass_check(label):
     ((data,),) = [(d,) for name, d, _ in bench.ROWS if name == label]
     result = check_loaded(load_spec_text(yaml.safe_dump(data), "row.yaml"))
     assert not [d.text() for d in result.diagnostics if d.severity is Severity.error]
+
+
+def test_torch_ring_attention_merges_move_bytes_outside_the_kernel():
+    import dataclasses
+
+    from mixle_compile.engines import EngineProfile
+    from mixle_compile.step_time import (
+        ELEMENTWISE_BYTES,
+        RING_MERGE_BYTES,
+        _setting,
+        ring_merge_bytes,
+        stage_compute_parts,
+    )
+
+    # The op-by-op count: nothing without a ring; each ring step after the first adds its forward
+    # and backward share; a forward run again (checkpointing) adds the forward's part once more.
+    assert ring_merge_bytes(4096, 1024, 1, 1) == 0.0
+    one, two, four = (ring_merge_bytes(4096, 1024, cp, 1) for cp in (2, 3, 5))
+    assert two - one == pytest.approx((four - one) / 3)  # linear in the steps after the first
+    step_q, step_kv = RING_MERGE_BYTES["forward_step"]
+    once_q, _ = RING_MERGE_BYTES["forward_once"]
+    again = ring_merge_bytes(4096, 1024, 4, 2) - ring_merge_bytes(4096, 1024, 4, 1)
+    assert again == pytest.approx(3 * (step_q * 4096 + step_kv * 1024) + once_q * 4096)
+
+    def setting(backend, cp, **training):
+        data = {
+            "model": {**LLAMA3_8B, "num_layers": 4},
+            "mesh": {"dp_shard": 8 // cp, "cp": cp},
+            "training": {"global_batch_size": 8, "micro_batch_size": 1, "seq_len": 8192, **training},
+            "backend": backend,
+            "resources": {"devices": 8, "kind": "h100", "memory": "80GiB"},
+        }
+        return _setting(load_spec_text(yaml.safe_dump(data), "s.yaml").spec.model_dump(mode="json"))
+
+    def merge_seconds(st, cp, tp=1):
+        # a rank's per-sample seconds with the engine's ring against the same setting without one
+        with_ring = stage_compute_parts(st, tp, cp, [4])[0][0]
+        without = stage_compute_parts(dataclasses.replace(st, engine=None), tp, cp, [4])[0][0]
+        return with_ring - without
+
+    bandwidth = setting("torchtitan", 2).table["memory_bandwidth"]
+    for cp in (2, 4, 8):
+        st = setting({"name": "torchtitan", "version": "0.3"}, cp)
+        expected = 8192 / cp * 4 * ring_merge_bytes(4096, 1024, cp, 1) / bandwidth
+        assert merge_seconds(st, cp) == pytest.approx(expected)
+        # tp splits the query heads and the key heads (8 of them: none split below one head)
+        assert merge_seconds(st, cp, tp=8) == pytest.approx(
+            8192 / cp * 4 * ring_merge_bytes(512, 128, cp, 1) / bandwidth
+        )
+    # torchtitan 0.2 repeats the key heads before attention: the ring carries the queries' width
+    st = setting({"name": "torchtitan", "version": "0.2"}, 4)
+    assert merge_seconds(st, 4) == pytest.approx(2048 * 4 * ring_merge_bytes(4096, 4096, 4, 1) / bandwidth)
+    # checkpointing runs the forward's merges again; torch.compile fuses them like other element-wise work
+    full = setting("torchtitan", 4, activation_checkpointing="full")
+    assert merge_seconds(full, 4) == pytest.approx(2048 * 4 * ring_merge_bytes(4096, 1024, 4, 2) / bandwidth)
+    compiled = setting("torchtitan", 4, compile=["model"])
+    ratio = ELEMENTWISE_BYTES["compiled"] / ELEMENTWISE_BYTES["eager"]
+    assert merge_seconds(compiled, 4) == pytest.approx(ratio * merge_seconds(setting("torchtitan", 4), 4))
+    # no ring without context parallelism, none on Megatron (Transformer Engine's own ring) or the
+    # in-tree runtime, and none for eager attention (torchtitan's ring runs over SDPA's kernels)
+    assert merge_seconds(setting("torchtitan", 1), 1) == 0.0
+    assert merge_seconds(setting("torch", 4), 4) == 0.0
+    assert merge_seconds(setting("megatron", 4), 4) == 0.0
+    assert merge_seconds(setting("torchtitan", 4, attention="eager"), 4) == 0.0
+    assert isinstance(setting("torchtitan", 4).engine, EngineProfile)
