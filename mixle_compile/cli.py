@@ -184,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
         "spec", metavar="SPEC", help="spec file whose mesh fields are `auto` or left out (see docs/search.md)"
     )
     plan.add_argument(
-        "--devices", type=_positive, metavar="N", help="the device budget (mesh fields left out are then searched)"
+        "--devices", type=_device_count, metavar="N", help="the device budget (mesh fields left out are then searched)"
     )
     plan.add_argument(
         "--top", type=_positive, default=5, metavar="K", help="how many meshes (plans) to print (default: 5)"
@@ -243,7 +243,7 @@ def _import_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="CONFIG_JSON",
         help="an HF config.json giving the model (DeepSpeed; overrides the others' model)",
     )
-    group.add_argument("--devices", type=_positive, metavar="N", help="how many devices run the config")
+    group.add_argument("--devices", type=_device_count, metavar="N", help="how many devices run the config")
     group.add_argument("--device-memory", metavar="SIZE", help="memory per device, e.g. 80GiB")
     group.add_argument(
         "--seq-len", type=_positive, metavar="N", help="tokens per sample, where the config does not say"
@@ -263,6 +263,18 @@ def _positive(text: str) -> int:
         raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _device_count(text: str) -> int:
+    """A device count: a whole number from 1 to the largest a spec's ``resources.devices`` takes."""
+    from mixle_compile.spec.models import MAX_DEGREE
+
+    value = _positive(text)
+    if value > MAX_DEGREE:
+        raise argparse.ArgumentTypeError(
+            f"must be at most {MAX_DEGREE:,} (the most devices a spec takes), got {value:,}"
+        )
     return value
 
 

@@ -335,6 +335,9 @@ def test_missing_file_and_bad_flags_exit_2(capsys, tmp_path):
     path = tmp_path / "s.yaml"
     path.write_text(spec_text(DENSE, 8, BACKENDS[0]))
     assert run_cli(capsys, "plan", path, "--top", "0")[0] == 2
+    # a device budget beyond what a spec takes is refused as the flag's, not as mesh fields'
+    status, _, err = run_cli(capsys, "plan", path, "--devices", "100000000")
+    assert status == 2 and "--devices: must be at most 1,048,576" in err and "dp_shard" not in err
     with pytest.raises(SearchInputError):
         read_request(tmp_path / "nope.yaml")
 

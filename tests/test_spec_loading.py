@@ -92,6 +92,9 @@ def test_out_of_range_and_zero():
     assert "`mesh.tp` must be >= 1, got 0" in d.message
     d = only(load(TINY.replace("tp: 2}", "tp: 1000000000000000000000000000000}")), "S005")
     assert "must be <=" in d.message
+    # dp_shard takes `auto` too; its message names the same range
+    d = only(load(TINY.replace("tp: 2}", "tp: 2, dp_shard: 2000000}")), "S005")
+    assert "must be an integer from 1 to 1048576 or 'auto', got 2000000" in d.message
 
 
 def test_choice_names_the_closest():

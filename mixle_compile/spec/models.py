@@ -207,7 +207,7 @@ def _parse_dp_shard(value: Any) -> int | str:
     if is_auto(value):
         return value
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_DEGREE:
-        raise ValueError(f"must be an integer >= 1 or '{AUTO}', got {_show(value)}")
+        raise ValueError(f"must be an integer from 1 to {MAX_DEGREE} or '{AUTO}', got {_show(value)}")
     return value
 
 
