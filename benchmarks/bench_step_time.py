@@ -401,11 +401,13 @@ ROWS += [
 #: data-parallel option): tensor, pipeline (1F1B, interleaved) and replicated data parallelism with full
 #: recomputation or none. Sequence parallelism and selective recomputation came with Korthikanti et al.
 #: 2022 (arXiv 2205.05198, which Megatron-LM's README cites for both), and the distributed optimizer,
-#: context parallelism and sharded data parallelism after that.
+#: context parallelism and sharded data parallelism after that; its layers split evenly over the
+#: (virtual) stages (--decoder-first/last-pipeline-num-layers and
+#: --account-for-embedding/loss-in-pipeline-split came in later releases).
 ENGINE_LIMITS: dict[str, dict] = {}
 SC21_ENGINE = {
     "mesh": {"dp_shard": 1, "cp": 1},
-    "training": {"distributed_optimizer": False, "sequence_parallel": False},
+    "training": {"distributed_optimizer": False, "sequence_parallel": False, "pipeline_layers": "even"},
     "checkpointing": ("none", "full"),
 }
 

@@ -21,13 +21,17 @@ nothing, which means the engine's own rule:
   embedding and the loss as one layer each: ``num_layers`` plus those must divide by ``pp * vpp``,
   and the first (last) virtual stage builds one layer less (``get_num_layers_to_build`` in
   transformer_block.py, checked in ``TransformerConfig.__post_init__``); a spec states that split
-  as the list :func:`megatron_accounted` gives.
+  as the list :func:`megatron_accounted` gives. Its ``decoder_first/last_pipeline_num_layers``
+  (:func:`megatron_uneven`) set the first and/or last rank's layers; a search offers the most
+  balanced of those (:func:`megatron_uneven_balanced`) where neither an even nor an accounted split
+  exists.
 
 Virtual stage ``c * pp + s`` is chunk ``c`` of stage ``s`` (both engines interleave that way).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,6 +115,27 @@ def megatron_uneven(
     if last is not None:
         per_rank[-1] = last
     return tuple(per_rank[s] // virtual_stages for _ in range(virtual_stages) for s in range(pp))
+
+
+@functools.lru_cache(maxsize=1024)
+def megatron_uneven_balanced(num_layers: int, pp: int, virtual_stages: int) -> tuple[tuple[int, ...], ...]:
+    """Megatron's uneven splits (:func:`megatron_uneven`: the first and/or the last pipeline rank's
+    layers set, the middle ranks even) that leave the busiest pipeline rank the fewest layers, in
+    model order: what a search offers where the layers split neither evenly nor as an accounted split."""
+    best: int | None = None
+    out: list[tuple[int, ...]] = []
+    values = [None, *range(virtual_stages, num_layers + 1, virtual_stages)]
+    for first in values:
+        for last in values:
+            counts = megatron_uneven(num_layers, pp, virtual_stages, first, last)
+            if counts is None:
+                continue
+            busiest = max(sum(counts[c * pp + s] for c in range(virtual_stages)) for s in range(pp))
+            if best is None or busiest < best:
+                best, out = busiest, [counts]
+            elif busiest == best and counts not in out:
+                out.append(counts)
+    return tuple(out)
 
 
 def megatron_uneven_of(counts, num_layers: int, pp: int, virtual_stages: int) -> tuple[int, int] | None:

@@ -47,7 +47,7 @@ from typing import Any
 from mixle_compile import step_time
 from mixle_compile.diagnostics import Severity
 from mixle_compile.engines import engine_profile
-from mixle_compile.layer_split import ACCOUNTED, megatron_accounted
+from mixle_compile.layer_split import ACCOUNTED, megatron_accounted, megatron_uneven_balanced
 from mixle_compile.memory_model import fsdp_shards
 from mixle_compile.plan.vocabulary import DATA_AXES, SHARD_AXES, Axis
 from mixle_compile.spec.kinds import Engine, Family
@@ -432,7 +432,9 @@ def _batch_choices(choices, local: int, pp: int) -> list[dict]:
 
 def _schedule_choices(choices, pp: int, layers: int, accounted: bool = False) -> list[dict]:
     """Schedules and virtual stages; with ``accounted`` each also with Megatron's splits that count the
-    embedding and/or the loss as a layer (``pipeline_layers``; layer_split.megatron_accounted)."""
+    embedding and/or the loss as a layer (``pipeline_layers``; layer_split.megatron_accounted) or,
+    where the layers split neither so nor evenly, its most balanced splits with the first and/or last
+    pipeline rank's layers set (layer_split.megatron_uneven_balanced)."""
     if pp == 1:
         return [
             {"pipeline_schedule": s, "virtual_pipeline_stages": v}
@@ -451,6 +453,9 @@ def _schedule_choices(choices, pp: int, layers: int, accounted: bool = False) ->
                 if (counts := megatron_accounted(layers, pp, v, *flags)) is not None
                 and len(set(counts)) > 1  # an even one is the engine's own split
             ]
+            if accounted and not splits and layers % (pp * v):
+                # neither even nor accounted: the uneven splits with the fewest layers on the busiest rank
+                splits = list(megatron_uneven_balanced(layers, pp, v))
             if not splits or layers % (pp * v) == 0:
                 # the engine's own split (where Megatron's even split cannot be had and an accounted one
                 # can, P001 would refuse it: a divisibility filter, as the others here)

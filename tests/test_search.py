@@ -5,6 +5,7 @@ the solver; bad input exits 2, no valid plan exits 1 with the rules that refused
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import random
@@ -437,6 +438,53 @@ def test_under_async_tensor_parallelism_the_search_prices_each_collective_as_the
         assert plan.step.exposed_communication.get("tp", 0) == pytest.approx(
             exact.exposed_communication.get("tp", 0), rel=0.02, abs=1e-6
         )
+
+
+def test_megatron_balanced_uneven_splits_are_the_valid_ones_with_the_lightest_busiest_rank():
+    """layer_split.megatron_uneven_balanced against every first/last setting Megatron accepts."""
+    from mixle_compile.layer_split import megatron_uneven, megatron_uneven_balanced
+
+    for layers, pp, v in itertools.product(range(1, 40), (2, 3, 4, 8), (1, 2, 3)):
+        values = [None, *range(1, layers + 1)]
+        valid = {
+            counts
+            for first, last in itertools.product(values, values)
+            if (counts := megatron_uneven(layers, pp, v, first, last)) is not None
+        }
+
+        def busiest(counts, pp=pp, v=v):
+            return max(sum(counts[c * pp + s] for c in range(v)) for s in range(pp))
+
+        got = megatron_uneven_balanced(layers, pp, v)
+        assert len(set(got)) == len(got) and set(got) <= valid
+        if not valid:
+            assert got == ()
+            continue
+        least = min(busiest(c) for c in valid)
+        assert {c for c in valid if busiest(c) == least} == set(got), (layers, pp, v)
+
+
+def test_megatron_layers_that_split_neither_evenly_nor_accounted_are_searched_with_first_and_last_set(tmp_path):
+    """9 layers split over 4 stages neither evenly nor with the embedding or loss counted (10 and 11
+    slots); Megatron's first/last-stage settings do ([3, 2, 2, 2], [1, 3, 3, 2], ...): the search offers
+    the most balanced, and each plan it returns checks, compiles and exports with those flags."""
+    from mixle_compile.export import export_spec
+    from mixle_compile.layer_split import megatron_uneven_of
+
+    mesh = {"dp_replicate": "auto", "dp_shard": 1, "tp": "auto", "pp": 4, "cp": "auto"}
+    text = spec_text({**DENSE, "num_layers": 9}, 16, {"name": "megatron", "version": "0.16"}, mesh=mesh)
+    outcome = searched(tmp_path, text, top=3)
+    assert outcome.plans, outcome.reason
+    for plan in outcome.plans:
+        split = plan.spec_data["training"]["pipeline_layers"]
+        assert megatron_uneven_of(split, 9, 4, plan.values["virtual_pipeline_stages"]) is not None, split
+        assert max(split) == 3  # the busiest rank holds ceil(9 / 4) layers
+        loaded = load_spec_text(yaml.safe_dump(plan.spec_data), "plan.yaml")
+        result = compile_loaded(loaded)
+        assert result.plan is not None and not result.check.errors
+    args = export_spec(load_spec_text(yaml.safe_dump(outcome.plans[0].spec_data), "p.yaml").spec, "megatron")
+    script = args.files[args.main]
+    assert "--decoder-first-pipeline-num-layers" in script and "--decoder-last-pipeline-num-layers" in script
 
 
 def test_megatron_layers_that_do_not_split_evenly_are_searched_with_the_embedding_and_loss_counted(tmp_path):
