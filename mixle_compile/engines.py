@@ -99,6 +99,18 @@ class EngineProfile:
         return self.name == Engine.TORCHTITAN
 
     @property
+    def context_parallel_ring(self) -> str | None:
+        """Whose ring attention context parallelism runs (step_time.RING_MERGE_BYTES prices its merges):
+        ``torch`` (torchtitan: torch's ``_templated_ring_attention`` over SDPA) or
+        ``transformer_engine`` (Megatron-Core's ``TEDotProductAttention``: Transformer Engine's
+        ``AttnFuncWithCPAndKVP2P``); None on the in-tree runtime and a plugin backend."""
+        if self.name == Engine.TORCHTITAN:
+            return "torch"
+        if self.name == Engine.MEGATRON:
+            return "transformer_engine"
+        return None
+
+    @property
     def repeats_key_heads(self) -> bool:
         """The model repeats its key and value heads to the query heads before attention, so the
         kernel (and ring attention's exchange) sees as many key heads as query heads: torchtitan's

@@ -9,8 +9,8 @@ way :mod:`mixle_compile.memory_model` is read for memory. The model (docs/step-t
   for the precision times an efficiency calibrated per device kind and precision
   (:data:`EFFICIENCY`, benchmarks/bench_step_time.py). Under fp8 the linear layers run at the fp8
   peak after casting their operands (:data:`FP8_CAST_BYTES`); attention and the output head stay
-  in bf16. Under context parallelism on torchtitan, torch's ring attention merges its steps'
-  partial results outside the kernel, at the memory bandwidth (:data:`RING_MERGE_BYTES`).
+  in bf16. Under context parallelism the ring attention merges its steps' partial results outside
+  the kernel, at the memory bandwidth (:data:`RING_MERGE_BYTES`).
 - communication: every update's ring bytes per rank (:func:`ring_bytes`, the figure the plan's
   traffic reports) over the link its group crosses (inside a node or between nodes, from the
   mesh order and ``resources.topology``), then what the engine overlaps: data-parallel gradient
@@ -153,12 +153,13 @@ ELEMENTWISE_BYTES = {"eager": 2.0, "compiled": 1.0}
 FP8_CAST_BYTES = 5.0
 #: Bytes per attention score and pass under eager attention: QK^T written, softmax read and written.
 SCORE_BYTES = 6.0
-#: Ring attention on torch (torchtitan's context parallelism, cp > 1) merges the ring steps'
-#: partial results with eager element-wise ops in fp32 (``_cp_options.convert_to_f32``), apart from
-#: the attention kernels: bytes each moves per element of a rank's local queries (``q``) or of one of
-#: its local key and value tensors (``kv``), counted op by op in torch's
-#: distributed/tensor/experimental/_context_parallel/_attention.py for the last rank of the ring,
-#: whose every later step uses all its queries (the forward's heaviest rank):
+#: Ring attention (context parallelism, cp > 1) merges the ring steps' partial results apart from the
+#: attention kernels, per ring implementation: bytes each merge moves per element of a rank's local
+#: queries (``q``) or of one of its local key and value tensors (``kv``), counted op by op for the last
+#: rank of the ring, whose every later step uses all its queries (the forward's heaviest rank).
+#:
+#: ``torch`` (torchtitan): torch's distributed/tensor/experimental/_context_parallel/_attention.py,
+#: eager element-wise ops in fp32 (``_cp_options.convert_to_f32``):
 #:
 #: * forward, ``cp - 1`` times (``_templated_ring_attention``, ``_SDPAMerger``): each step after the
 #:   first casts its output to fp32 (read 2, write 4), then ``out - sigmoid(lse_i - lse) * (out -
@@ -179,23 +180,45 @@ SCORE_BYTES = 6.0
 #: Under torch.compile the ring is traced (it waits on its collectives only outside tracing,
 #: ``_maybe_wait``) and these chains fuse like the layer's other element-wise work: they are scaled by
 #: the compiled over the eager :data:`ELEMENTWISE_BYTES`.
+#:
+#: ``transformer_engine`` (Megatron-Core's ``TEDotProductAttention``): Transformer Engine's
+#: ``AttnFuncWithCPAndKVP2P`` (transformer_engine/pytorch/attention/dot_product_attention/
+#: context_parallel.py), in bf16 with fused kernels (``jit_fuser``); the log-sum-exp's fp32 updates,
+#: ``1 / head_dim`` of these, are left out:
+#:
+#: * forward, ``cp - 1`` times: each step's output scaled and added into the output
+#:   (``flash_attn_fwd_out_correction``: read 2 + 2, write 2): 6 per ``q``;
+#: * forward, once: the first step's output taken as the output (``..._correction_init``, 4 per
+#:   ``q``) and the keys and values concatenated into the first send buffer (8 per ``kv``);
+#: * backward, ``cp - 1`` times: the query gradient added (``dq.add_``, 6 per ``q``) and the key and
+#:   value gradients added into the half of the received buffer the step computed (6 per ``kv``);
+#: * backward, once: the keys and values copied into the first send buffer (8 per ``kv``).
 RING_MERGE_BYTES = {
-    "forward_step": (38.0, 8.0),
-    "forward_once": (12.0, 0.0),
-    "backward_step": (10.0, 50.0),
-    "backward_once": (16.0, 48.0),
+    "torch": {
+        "forward_step": (38.0, 8.0),
+        "forward_once": (12.0, 0.0),
+        "backward_step": (10.0, 50.0),
+        "backward_once": (16.0, 48.0),
+    },
+    "transformer_engine": {
+        "forward_step": (6.0, 0.0),
+        "forward_once": (4.0, 8.0),
+        "backward_step": (6.0, 6.0),
+        "backward_once": (0.0, 8.0),
+    },
 }
 
 
-def ring_merge_bytes(q: float, kv: float, cp: int, forward_passes: int) -> float:
-    """Bytes the ring attention's merges move per local token of one layer (:data:`RING_MERGE_BYTES`),
-    for ``q`` query and ``kv`` key (or value) elements per token, ``cp`` ring steps, and the layer's
-    forward run ``forward_passes`` times (twice where checkpointing runs it again)."""
+def ring_merge_bytes(q: float, kv: float, cp: int, forward_passes: int, ring: str = "torch") -> float:
+    """Bytes ``ring``'s merges move per local token of one layer (:data:`RING_MERGE_BYTES`), for ``q``
+    query and ``kv`` key (or value) elements per token, ``cp`` ring steps, and the layer's forward run
+    ``forward_passes`` times (twice where checkpointing runs it again)."""
     if cp <= 1:
         return 0.0
+    table = RING_MERGE_BYTES[ring]
 
     def at(key: str) -> float:
-        per_q, per_kv = RING_MERGE_BYTES[key]
+        per_q, per_kv = table[key]
         return per_q * q + per_kv * kv
 
     steps = cp - 1
@@ -677,17 +700,22 @@ def stage_compute_parts(
         "compiled" if "model" in compiled_components(training.get("compile", False)) else "eager"
     ]
     bandwidth = table["memory_bandwidth"]
-    # Ring attention's merges, per token of a layer (RING_MERGE_BYTES), where the engine runs torch's
-    # ring attention over a fused kernel; a key head is never split over tp.
+    # Ring attention's merges, per token of a layer (RING_MERGE_BYTES), where the engine runs a ring
+    # over a fused kernel; a key head is never split over tp. Checkpointing of either engine runs them
+    # again with the forward (torchtitan's op-level policy saves no element-wise op; Megatron's
+    # selective recomputes the core attention, the ring with it).
     merge = 0.0
-    if cp > 1 and st.engine is not None and st.engine.ring_attention and training.get("attention") != "eager":
+    ring = st.engine.context_parallel_ring if st.engine is not None else None
+    if cp > 1 and ring is not None and training.get("attention") != "eager":
         h, d_q, d_kv, _ = _widths(model)
         head_dim = d_q / model["num_heads"]
         kv = d_q / tp if st.engine.repeats_key_heads else max(d_kv / tp, head_dim)
         again = training.get("activation_checkpointing", "none") != "none"
-        # torch.compile traces the ring through DTensor's dispatch and fuses the merges' chains like
-        # the layer's other element-wise work (ELEMENTWISE_BYTES, relative to eager)
-        merge = ring_merge_bytes(d_q / tp, kv, cp, 2 if again else 1) * elementwise / ELEMENTWISE_BYTES["eager"]
+        merge = ring_merge_bytes(d_q / tp, kv, cp, 2 if again else 1, ring)
+        if ring == "torch":
+            # torch.compile traces torch's ring through DTensor's dispatch and fuses the merges' chains
+            # like the layer's other element-wise work (ELEMENTWISE_BYTES, relative to eager)
+            merge *= elementwise / ELEMENTWISE_BYTES["eager"]
 
     # Each stage's compute per micro-step (a layer's index fixes whether it is MoE). Backward costs
     # twice the forward; the tp ranks of a stage split its matrix multiplications, and the routed

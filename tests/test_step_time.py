@@ -372,8 +372,8 @@ def test_torch_ring_attention_merges_move_bytes_outside_the_kernel():
     assert ring_merge_bytes(4096, 1024, 1, 1) == 0.0
     one, two, four = (ring_merge_bytes(4096, 1024, cp, 1) for cp in (2, 3, 5))
     assert two - one == pytest.approx((four - one) / 3)  # linear in the steps after the first
-    step_q, step_kv = RING_MERGE_BYTES["forward_step"]
-    once_q, _ = RING_MERGE_BYTES["forward_once"]
+    step_q, step_kv = RING_MERGE_BYTES["torch"]["forward_step"]
+    once_q, _ = RING_MERGE_BYTES["torch"]["forward_once"]
     again = ring_merge_bytes(4096, 1024, 4, 2) - ring_merge_bytes(4096, 1024, 4, 1)
     assert again == pytest.approx(3 * (step_q * 4096 + step_kv * 1024) + once_q * 4096)
 
@@ -411,10 +411,17 @@ def test_torch_ring_attention_merges_move_bytes_outside_the_kernel():
     compiled = setting("torchtitan", 4, compile=["model"])
     ratio = ELEMENTWISE_BYTES["compiled"] / ELEMENTWISE_BYTES["eager"]
     assert merge_seconds(compiled, 4) == pytest.approx(ratio * merge_seconds(setting("torchtitan", 4), 4))
-    # no ring without context parallelism, none on Megatron (Transformer Engine's own ring) or the
-    # in-tree runtime, and none for eager attention (torchtitan's ring runs over SDPA's kernels)
+    # Megatron's ring is Transformer Engine's: fused bf16 merges, its own count, and fewer bytes
+    te = ring_merge_bytes(4096, 1024, 4, 1, "transformer_engine")
+    assert 0 < te < ring_merge_bytes(4096, 1024, 4, 1) / 4
+    assert merge_seconds(setting("megatron", 4), 4) == pytest.approx(2048 * 4 * te / bandwidth)
+    full_te = setting("megatron", 4, activation_checkpointing="selective")  # the core attention again
+    assert merge_seconds(full_te, 4) == pytest.approx(
+        2048 * 4 * ring_merge_bytes(4096, 1024, 4, 2, "transformer_engine") / bandwidth
+    )
+    # no ring without context parallelism or on the in-tree runtime, and none for eager attention
+    # (torchtitan's ring runs over SDPA's kernels)
     assert merge_seconds(setting("torchtitan", 1), 1) == 0.0
     assert merge_seconds(setting("torch", 4), 4) == 0.0
-    assert merge_seconds(setting("megatron", 4), 4) == 0.0
     assert merge_seconds(setting("torchtitan", 4, attention="eager"), 4) == 0.0
     assert isinstance(setting("torchtitan", 4).engine, EngineProfile)
