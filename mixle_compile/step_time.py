@@ -173,9 +173,9 @@ SCORE_BYTES = 6.0
 #:   value gradients into half of their fp32 accumulators (``_partial_update``: 5 each) and re-joins
 #:   them (``torch.cat``, 8 each), and concatenates them in fp32 to send (8 each); each step but the
 #:   last concatenates the keys and values to send (8): 50 per ``kv``;
-#: * backward, once: the first step's query (10) and key/value gradients (10 each), the gradients'
-#:   concatenation to send (8 each), the query gradient cast back (6) and the key/value gradients
-#:   cast back (6 each): 16 per ``q``, 48 per ``kv``.
+#: * backward, once: the fp32 accumulators zero-filled (write 4 each), the first step's query (10)
+#:   and key/value gradients (10 each) added, the gradients' concatenation to send (8 each), the query
+#:   gradient cast back (6) and the key/value gradients cast back (6 each): 20 per ``q``, 56 per ``kv``.
 #:
 #: Under torch.compile the ring is traced (it waits on its collectives only outside tracing,
 #: ``_maybe_wait``) and these chains fuse like the layer's other element-wise work: they are scaled by
@@ -198,7 +198,7 @@ RING_MERGE_BYTES = {
         "forward_step": (38.0, 8.0),
         "forward_once": (12.0, 0.0),
         "backward_step": (10.0, 50.0),
-        "backward_once": (16.0, 48.0),
+        "backward_once": (20.0, 56.0),
     },
     "transformer_engine": {
         "forward_step": (6.0, 0.0),
