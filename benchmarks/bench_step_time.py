@@ -32,7 +32,8 @@ Every row is a published measurement, with its source next to it:
 Held out, printed apart and never fitted: NeMo's performance summary (24.07 container, DGX-H100, FP8;
 five Llama rows), with the settings the table does not give taken from NeMo-Framework-Launcher's
 training configs (``HELD_OUT`` says which), and Megatron-Bridge's later containers (26.04, 26.04.01) on
-layouts or global batches the fitted rows do not have.
+layouts or global batches the fitted rows do not have, and (26.06, 25.11) mixture-of-experts rows on
+DGX-H100 whose expert all-to-all crosses nodes.
 
 The script compiles each spec (the lowering without the per-step schedule), predicts its step time
 with mixle_compile.step_time and prints predicted / measured and the summary. Nothing asserts.
@@ -55,6 +56,7 @@ from mixle_compile.spec import load_spec_text  # noqa: E402
 from mixle_compile.step_time import predict_lowered  # noqa: E402
 
 TITAN = ROOT / "tests" / "corpus" / "production" / "torchtitan"
+BRIDGE = ROOT / "tests" / "corpus" / "production" / "bridge_nemo"
 
 LLAMA3_8B = dict(
     vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, ffn_hidden_size=14336
@@ -74,6 +76,17 @@ LLAMA2_70B = dict(
 def corpus(name: str, **training) -> dict:
     """A torchtitan corpus spec, with the training settings a row changes."""
     data = yaml.safe_load((TITAN / name).read_text())
+    data["training"].update(training)
+    return data
+
+
+def bridge_corpus(name: str, mesh: dict | None = None, drop: tuple[str, ...] = (), **training) -> dict:
+    """A Megatron-Bridge corpus spec, with the mesh and training settings a row changes (``drop``:
+    training fields the row's layout does not have)."""
+    data = yaml.safe_load((BRIDGE / name).read_text())
+    data["mesh"].update(mesh or {})
+    for key in drop:
+        data["training"].pop(key, None)
     data["training"].update(training)
     return data
 
@@ -547,6 +560,37 @@ HELD_OUT += [
             **H100_BRIDGE,
         ),
         328,
+    ),
+]
+
+
+# Also held out: mixture-of-experts rows on DGX-H100 (tokens/s/GPU), the expert all_to_all crossing nodes.
+# - Megatron-Bridge docs/performance-summary-archive.md @ 067f987d, 25.11 container, FP8-CS: Qwen3 235B-A22B,
+#   256 GPUs, TP 2, PP 8, VP 4, EP 32, GBS 2048: QWEN3_235B_A22B_PRETRAIN_CONFIG_H100_FP8_CS_V1
+#   (scripts/performance/configs/qwen/qwen3_workload_base_configs.py @ 4e706040), which is the corpus
+#   file's BF16_V1 in FP8 (both with moe_a2a_overlap, which is not modelled).
+# - the same file, 26.06 container, FP8: Qwen3 30B-A3B, 16 GPUs, EP 16 (two nodes), GBS 1024, MBS 1: the
+#   recipe perf_recipes/qwen/h100/qwen3_moe.py::qwen3_30b_a3b_pretrain_16gpu_h100_fp8cs_config @ 067f987d
+#   (TP/PP/CP 1, no recomputation, the flex dispatcher with HybridEP, which sends a token once per
+#   destination node where the model prices the all-to-all dispatcher's copy per routed expert).
+# Left out: the 25.11 table's Qwen3 30B-A3B row on H100 (16 GPUs, PP 2, VP 24, EP 8, FP8-CS: 5,275), the
+# layout whose 25.09 row measured 10,494, twice as fast, in the same table.
+HELD_OUT += [
+    (
+        "bridge25.11 H100 Qwen3 235B EP32",
+        bridge_corpus("bridge_qwen3_235b_a22b_h100_bf16_v1.yaml", precision="fp8"),
+        1575,
+    ),
+    (
+        "bridge26.06 H100 Qwen3 30B EP16",
+        bridge_corpus(
+            "bridge_qwen3_30b_a3b_h100_bf16.yaml",
+            mesh=dict(dp_replicate=16, pp=1, ep=16, microbatches=1, gradient_accumulation_steps=64),
+            drop=("pipeline_schedule", "virtual_pipeline_stages"),
+            global_batch_size=1024,
+            precision="fp8",
+        ),
+        8826,
     ),
 ]
 

@@ -551,8 +551,13 @@ class _Pricer:
             )
         return hit
 
-    def link(self, axes: tuple[str, ...], degrees: dict) -> float:
+    def link(self, axes: tuple[str, ...], degrees: dict, payload: str | None = None) -> float:
+        """The bandwidth of a group over ``axes`` (:func:`mixle_compile.step_time.link_bandwidth`);
+        tokens are the expert-parallel all_to_all's, the only collective that carries them
+        (lower/updates.py)."""
+        collective = "all_to_all" if payload == "token" else None
         key = (
+            collective,
             axes,
             degrees["dp_replicate"],
             degrees["dp_shard"],
@@ -564,7 +569,9 @@ class _Pricer:
         )
         bw = self._links.get(key)
         if bw is None:
-            bw = self._links[key] = step_time.link_bandwidth(list(axes), degrees, self.order, self.spec_data)
+            bw = self._links[key] = step_time.link_bandwidth(
+                list(axes), degrees, self.order, self.spec_data, collective
+            )
         return bw
 
     def _reduced(self):
@@ -1024,7 +1031,12 @@ class _Pricer:
         timed = self._grad_cache.get(key)
         if timed is None:
             timed = self._grad_cache[key] = [
-                (list(axes), payload, nbytes / self.link(axes, degrees) + waited, step_time.fused_seconds(st, fused))
+                (
+                    list(axes),
+                    payload,
+                    nbytes / self.link(axes, degrees, payload) + waited,
+                    step_time.fused_seconds(st, fused),
+                )
                 for axes, payload, nbytes, waited, fused in rows
                 if nbytes > 0
             ]

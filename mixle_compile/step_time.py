@@ -573,10 +573,24 @@ def _group_strides(axes: list[str], degrees: dict[str, int], order: str) -> list
     return out
 
 
-def _link_bandwidth(axes: list[str], degrees: dict[str, int], order: str, table: dict) -> float:
-    """The bandwidth a group over ``axes`` gets: within a node if all its ranks are on one."""
-    span = sum((size - 1) * stride for size, stride in _group_strides(axes, degrees, order))
-    return table["intra_node"] if span < table["devices_per_node"] else table["inter_node"]
+def _link_bandwidth(
+    axes: list[str], degrees: dict[str, int], order: str, table: dict, collective: str | None = None
+) -> float:
+    """The bandwidth a group over ``axes`` gets: within a node if all its ranks are on one. An
+    ``all_to_all`` over several nodes sends ``1/n`` of its payload to each peer at once, the peers
+    on the rank's own node over the node's links and the others over the network, both in flight
+    together: its :func:`ring_bytes` take as long as the slower of the two shares, which this
+    bandwidth expresses (a ring collective instead crosses the network with all of its bytes)."""
+    strides = _group_strides(axes, degrees, order)
+    span = sum((size - 1) * stride for size, stride in strides)
+    if span < table["devices_per_node"]:
+        return table["intra_node"]
+    if collective == "all_to_all":
+        n = math.prod(size for size, _ in strides)
+        local = n / _group_nodes(axes, degrees, order, table)  # the group's ranks on one node
+        slowest = max((local - 1) / table["intra_node"], (n - local) / table["inter_node"])
+        return (n - 1) / slowest
+    return table["inter_node"]
 
 
 @dataclass(frozen=True)
@@ -802,7 +816,7 @@ def predict(
             # over the node's links (the scatter/gather optimisation, Narayanan et al. SC21 4.1;
             # with sequence parallelism the output is already split).
             seconds /= tp
-        seconds /= _link_bandwidth(u["mesh_axes"], degrees, order, table)
+        seconds /= _link_bandwidth(u["mesh_axes"], degrees, order, table, u["collective"])
         seconds += u["occurrences_per_step"] * call_latency(u["mesh_axes"], u["payload"], u, degrees, order, table)
         behind = 0.0
         if u["mesh_axes"] == ["tp"] and u["payload"] == "activation":
@@ -899,9 +913,12 @@ def combine(
     )
 
 
-def link_bandwidth(axes: list[str], degrees: dict[str, int], order: str, spec: dict) -> float:
-    """The bandwidth a group over ``axes`` gets in a plan of these degrees (:func:`predict`'s)."""
-    return _link_bandwidth(axes, degrees, order, _device(spec)[2])
+def link_bandwidth(
+    axes: list[str], degrees: dict[str, int], order: str, spec: dict, collective: str | None = None
+) -> float:
+    """The bandwidth a group over ``axes`` gets in a plan of these degrees (:func:`predict`'s), for
+    one ``collective`` of it (only an all_to_all differs)."""
+    return _link_bandwidth(axes, degrees, order, _device(spec)[2], collective)
 
 
 def predict_lowered(spec: Any, lowered: Any) -> StepTime:

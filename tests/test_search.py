@@ -518,3 +518,26 @@ def test_megatron_layers_that_do_not_split_evenly_are_searched_with_the_embeddin
     for backend in BACKENDS[:2]:
         other = searched(tmp_path, spec_text({**DENSE, "num_layers": 6}, 16, backend, mesh=mesh), top=2)
         assert all("pipeline_layers" not in p.values for p in other.plans)
+
+
+def test_the_search_prices_an_all_to_all_over_nodes_as_the_lowered_plan_does(tmp_path):
+    """Expert parallelism over two nodes: the search's summed pricing of the token all_to_all (its local
+    and remote shares) is the lowered plan's."""
+    model = {**MOE, "num_experts": 32, "experts_per_token": 4, "moe_layer_frequency": 1}
+    text = spec_text(
+        model,
+        32,
+        {"name": "megatron", "version": "0.16"},
+        memory="80GiB",
+        global_batch=64,
+        mesh={"ep": 16, **dict.fromkeys(("dp_replicate", "dp_shard", "tp", "pp", "microbatches"), "auto")},
+    )
+    outcome = searched(tmp_path, text, top=10)
+    spanning = [p for p in outcome.plans if p.values["ep"] == 16]
+    assert spanning, [p.mesh_text() for p in outcome.plans]
+    for plan in spanning:
+        loaded = load_spec_text(yaml.safe_dump(plan.spec_data), "plan.yaml")
+        exact = predict_lowered(loaded.spec, lower(loaded.spec, schedule=False))
+        assert exact.exposed_communication["ep"] > 0
+        assert plan.step.exposed_communication["ep"] == pytest.approx(exact.exposed_communication["ep"], rel=0.02)
+        assert plan.step.seconds == pytest.approx(exact.seconds, rel=0.02)

@@ -425,3 +425,39 @@ def test_torch_ring_attention_merges_move_bytes_outside_the_kernel():
     assert merge_seconds(setting("torch", 4), 4) == 0.0
     assert merge_seconds(setting("torchtitan", 4, attention="eager"), 4) == 0.0
     assert isinstance(setting("torchtitan", 4).engine, EngineProfile)
+
+
+def test_an_all_to_all_over_nodes_sends_its_local_share_over_the_node_and_the_rest_over_the_network(monkeypatch):
+    """Expert parallelism's all_to_all sends 1/n of its payload to each peer at once: of ep 16 on
+    8-GPU nodes, 7 peers share the rank's node and 8 are on the other, both shares in flight together
+    (a ring collective instead sends all of its bytes over the network once it spans two nodes)."""
+    from mixle_compile import step_time
+
+    text = """\
+model: {family: transformer, vocab_size: 32000, hidden_size: 2048, num_layers: 4, num_heads: 16,
+  ffn_hidden_size: 6144, num_experts: 32, experts_per_token: 4, moe_ffn_hidden_size: 768}
+mesh: {dp_replicate: 16, ep: 16}
+training: {global_batch_size: 16, micro_batch_size: 1, seq_len: 4096, distributed_optimizer: true}
+backend: {name: megatron, version: "0.16"}
+resources: {devices: 16, kind: h100, memory: 80GiB, topology: TOPOLOGY}
+"""
+
+    def exposed_ep(topology: str) -> float:
+        spec = load_spec_text(text.replace("TOPOLOGY", topology), "moe.yaml")
+        assert spec.ok, [d.text() for d in spec.diagnostics]
+        return predict_lowered(spec.spec, lower(spec.spec, schedule=False)).exposed_communication["ep"]
+
+    monkeypatch.setattr(step_time, "BASE_LATENCY", 0.0)
+    latency = "intra_node_latency: 1ns, inter_node_latency: 1ns"
+    links = f"intra_node_bandwidth: 450GB/s, inter_node_bandwidth: 50GB/s, {latency}"
+    inside = exposed_ep(f"{{devices_per_node: 16, {links}}}")
+    across = exposed_ep(f"{{devices_per_node: 8, {links}}}")
+    assert across == pytest.approx(inside * 450e9 * max(7 / 450e9, 8 / 50e9) / 15, rel=1e-3)
+    # on nodes of 4 GPUs, 3 peers are local and 12 remote; on single GPUs, every byte crosses the network
+    assert exposed_ep(f"{{devices_per_node: 4, {links}}}") == pytest.approx(inside * 450e9 * (12 / 50e9) / 15, rel=1e-3)
+    assert exposed_ep(f"{{devices_per_node: 1, {links}}}") == pytest.approx(inside * 450 / 50, rel=1e-3)
+    # where the network is the faster link (never on real machines), the node's share sets the time
+    fast = f"intra_node_bandwidth: 50GB/s, inter_node_bandwidth: 450GB/s, {latency}"
+    assert exposed_ep(f"{{devices_per_node: 8, {fast}}}") == pytest.approx(
+        exposed_ep(f"{{devices_per_node: 16, {fast}}}") * 50e9 * (7 / 50e9) / 15, rel=1e-3
+    )
