@@ -93,6 +93,8 @@ def test_every_example_and_production_spec_round_trips_or_is_refused(target, tmp
         ("llama3-8b-hsdp-tp.yaml", "torchtitan", "data_parallel_replicate_degree = 2"),
         ("mixtral-moe-ep.yaml", "megatron", "--expert-model-parallel-size 8"),
         ("mixtral-moe-ep.yaml", "megatron", "pretrain_gpt.py"),
+        # the plan's exchange is the alltoall dispatcher's; Megatron's own default is allgather
+        ("mixtral-moe-ep.yaml", "megatron", "--moe-token-dispatcher-type alltoall"),
     ],
 )
 def test_exported_configs_say_what_the_spec_says(spec_file, target, fragment):
@@ -675,3 +677,18 @@ def test_megatron_layer_splits_round_trip_as_megatron_lm_flags(tmp_path, virtual
     assert ("--num-virtual-stages-per-pipeline-rank 2" in text) == (virtual == 2)
     assert "--num-layers-per-virtual-pipeline-stage" not in text
     assert round_trip(spec, "megatron", tmp_path)
+
+
+def test_an_exported_megatron_moe_launch_runs_the_dispatcher_the_plan_prices(tmp_path):
+    """Megatron's default token dispatcher is allgather; the export names alltoall, so reading it back
+    raises no dispatcher warning."""
+    exported = export_spec(load_spec(EXAMPLES / "mixtral-moe-ep.yaml").spec, "megatron")
+    for name, text in exported.files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    _, diagnostics = read_any(tmp_path / exported.main, exported.main, ImportOptions())
+    assert not [d for d in diagnostics if "dispatcher" in d.text()], [d.text() for d in diagnostics]
+    without = exported.files[exported.main].replace("--moe-token-dispatcher-type alltoall", "")
+    (tmp_path / exported.main).write_text(without)
+    _, diagnostics = read_any(tmp_path / exported.main, exported.main, ImportOptions())
+    assert [d for d in diagnostics if "`allgather` token dispatcher" in d.text()]

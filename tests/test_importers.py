@@ -605,6 +605,41 @@ def test_megatron_capacity_factor_caps_the_experts_tokens(tmp_path):
         assert "expert_capacity_factor" not in imported(path, devices=2)["model"]
 
 
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        ("--moe-token-dispatcher-type alltoall", None),
+        ("", "the `allgather` token dispatcher (Megatron's default, no --moe-token-dispatcher-type)"),
+        ("--moe-token-dispatcher-type allgather", "the `allgather` token dispatcher is planned as `alltoall`"),
+        ("--moe-token-dispatcher-type flex", "once per destination node over the network"),
+        ("--moe-enable-deepep", "the `flex` token dispatcher is planned as `alltoall`"),
+    ],
+)
+def test_megatron_token_dispatchers_other_than_alltoall_are_named(tmp_path, capsys, flags, says):
+    """The plan prices the alltoall dispatcher's exchange; Megatron's default is allgather."""
+    path = tmp_path / "args.txt"
+    path.write_text(
+        "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --vocab-size 128 --seq-length 32 "
+        f"--num-experts 4 --expert-model-parallel-size 2 {flags}\n"
+    )
+    status, out, _ = run_cli(capsys, "check", str(path), "--devices", "2", "--device-memory", "80GiB")
+    assert status == 0, out
+    if says is None:
+        assert "dispatcher" not in out
+    else:
+        assert "I003" in out and says in out, out
+
+
+def test_megatron_refuses_a_token_dispatcher_it_does_not_have(tmp_path, capsys):
+    path = tmp_path / "args.txt"
+    path.write_text(
+        "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --vocab-size 128 --seq-length 32 "
+        "--num-experts 4 --moe-token-dispatcher-type alltoal\n"
+    )
+    status, out, _ = run_cli(capsys, "check", str(path), "--devices", "2")
+    assert status == 2 and "I004" in out and "`--moe-token-dispatcher-type alltoal` is not a Megatron" in out
+
+
 def test_megatron_tp_comm_overlap_is_async_tensor_parallelism(tmp_path, capsys):
     path = tmp_path / "args.txt"
     base = (

@@ -45,6 +45,8 @@ READ = {
     "--moe-ffn-hidden-size": "int",
     "--moe-layer-freq": "str",
     "--moe-expert-capacity-factor": "float",
+    "--moe-token-dispatcher-type": "str",
+    "--moe-enable-deepep": "bool",
     "--seq-length": "int",
     "--micro-batch-size": "int",
     "--global-batch-size": "int",
@@ -102,7 +104,7 @@ QUIET = re.compile(
     r"overlap-.*|num-workers|no-mmap-bin-files|no-create-attention-mask-in-dataloader|distributed-timeout-minutes|"
     r"ckpt-format|no-load-.*|no-save-.*|profile.*|manual-gc.*|empty-unused-memory-level|calculate-per-token-loss|"
     r"grad-reduce-in-bf16|fp8-amax-.*|fp8-param-gather|moe-router-load-balancing-type|moe-aux-loss-coeff|"
-    r"moe-token-dispatcher-type|moe-grouped-gemm|moe-router-dtype|moe-z-loss-coeff|moe-router-pre-softmax|"
+    r"moe-grouped-gemm|moe-router-dtype|moe-z-loss-coeff|moe-router-pre-softmax|"
     r"moe-permute-fusion|moe-router-score-function|moe-router-enable-expert-bias|moe-router-bias-update-rate|"
     r"apply-layernorm-1p|qk-layernorm|eod-mask-loss|timing-log-level|timing-log-option|"
     r"distributed-backend|use-flash-attn|transformer-impl|accumulate-allreduce-grads-in-fp32|"
@@ -537,6 +539,35 @@ def read_megatron(
             capacity = num("--moe-expert-capacity-factor", None, float)
             if capacity is not None and capacity > 0:
                 set_(("model", "expert_capacity_factor"), capacity, "--moe-expert-capacity-factor")
+            # TransformerConfig.moe_token_dispatcher_type defaults to 'allgather' (megatron/core/transformer/
+            # transformer_config.py; `--moe-enable-deepep`, deprecated, means 'flex'). The plan lists and prices
+            # the 'alltoall' dispatcher's exchange: one copy of a token per routed expert, sent to that
+            # expert's rank (token_dispatcher.py MoEAlltoAllTokenDispatcher).
+            dispatcher = "flex" if has("--moe-enable-deepep") else text_of("--moe-token-dispatcher-type", "allgather")
+            if dispatcher not in ("allgather", "alltoall", "alltoall_seq", "flex"):
+                b.refuse(
+                    f"`--moe-token-dispatcher-type {dispatcher}` is not a Megatron token dispatcher",
+                    at("--moe-token-dispatcher-type"),
+                    "write allgather, alltoall or flex",
+                )
+            elif dispatcher not in ("alltoall", "alltoall_seq"):  # alltoall_seq: older releases' variant
+                flag = "--moe-enable-deepep" if has("--moe-enable-deepep") else "--moe-token-dispatcher-type"
+                sends = (
+                    "sends a token once per destination node over the network (DeepEP, HybridEP): the "
+                    "predicted expert-parallel time is an upper bound"
+                    if dispatcher == "flex"
+                    else "gathers every token of the tensor- and expert-parallel group on each rank: the plan's "
+                    "expert traffic and the memory of the gathered tokens are under-stated once that group "
+                    "(etp x ep ranks) outnumbers the top-k"
+                )
+                b.assumed(
+                    f"the `{dispatcher}` token dispatcher"
+                    + ("" if has(flag) else " (Megatron's default, no --moe-token-dispatcher-type)")
+                    + f" is planned as `alltoall` (one copy of a token per routed expert); `{dispatcher}` {sends}",
+                    at(flag) if has(flag) else at("--num-experts"),
+                    "write `--moe-token-dispatcher-type alltoall` to run what the plan prices (the export does)",
+                    field=("model", "num_experts"),
+                )
             freq = text_of("--moe-layer-freq")
             if freq is not None:
                 if freq.isdigit():
