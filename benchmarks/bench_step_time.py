@@ -32,8 +32,8 @@ Every row is a published measurement, with its source next to it:
 Held out, printed apart and never fitted: NeMo's performance summary (24.07 container, DGX-H100, FP8;
 five Llama rows), with the settings the table does not give taken from NeMo-Framework-Launcher's
 training configs (``HELD_OUT`` says which), and Megatron-Bridge's later containers (26.04, 26.04.01) on
-layouts or global batches the fitted rows do not have, and (26.06, 25.11) mixture-of-experts rows on
-DGX-H100 whose expert all-to-all crosses nodes.
+layouts or global batches the fitted rows do not have, and (26.06, 25.11, the expert-parallel overlap
+skill card) mixture-of-experts rows on DGX-H100 whose expert exchange crosses nodes.
 
 The script compiles each spec (the lowering without the per-step schedule), predicts its step time
 with mixle_compile.step_time and prints predicted / measured and the summary. Nothing asserts.
@@ -571,8 +571,11 @@ HELD_OUT += [
 #   file's BF16_V1 in FP8 (both with moe_a2a_overlap, which is not modelled).
 # - the same file, 26.06 container, FP8: Qwen3 30B-A3B, 16 GPUs, EP 16 (two nodes), GBS 1024, MBS 1: the
 #   recipe perf_recipes/qwen/h100/qwen3_moe.py::qwen3_30b_a3b_pretrain_16gpu_h100_fp8cs_config @ 067f987d
-#   (TP/PP/CP 1, no recomputation, the flex dispatcher with HybridEP, which sends a token once per
-#   destination node where the model prices the all-to-all dispatcher's copy per routed expert).
+#   (TP/PP/CP 1, no recomputation, the flex dispatcher with HybridEP, no expert-parallel overlap).
+# - Megatron-Bridge skills/nemo-mbridge-perf-expert-parallel-overlap/SKILL.md @ 067f987d ("HybridEP
+#   production-shape benchmark"): the same model and layout in BF16 with HybridEP, overlap off, 24.7138 s a
+#   step of 1024 x 4096 tokens on 16 GPUs. Its overlap-on runs (21.07 s, 20.99 s) are left out: the
+#   expert-parallel overlap is not modelled (predicted 0.83 of them).
 # Left out: the 25.11 table's Qwen3 30B-A3B row on H100 (16 GPUs, PP 2, VP 24, EP 8, FP8-CS: 5,275), the
 # layout whose 25.09 row measured 10,494, twice as fast, in the same table.
 HELD_OUT += [
@@ -589,8 +592,20 @@ HELD_OUT += [
             drop=("pipeline_schedule", "virtual_pipeline_stages"),
             global_batch_size=1024,
             precision="fp8",
+            expert_dispatcher="flex",
         ),
         8826,
+    ),
+    (
+        "bridge skill H100 Qwen3 30B EP16 bf16",
+        bridge_corpus(
+            "bridge_qwen3_30b_a3b_h100_bf16.yaml",
+            mesh=dict(dp_replicate=16, pp=1, ep=16, microbatches=1, gradient_accumulation_steps=64),
+            drop=("pipeline_schedule", "virtual_pipeline_stages"),
+            global_batch_size=1024,
+            expert_dispatcher="flex",
+        ),
+        1024 * 4096 / 24.7138 / 16,
     ),
 ]
 

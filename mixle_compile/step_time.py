@@ -573,24 +573,62 @@ def _group_strides(axes: list[str], degrees: dict[str, int], order: str) -> list
     return out
 
 
+def _holds_one_of(experts: int, held: float, topk: int) -> float:
+    """The chance that a token's ``topk`` experts, drawn from ``experts`` evenly loaded ones, include
+    one of the ``held`` experts of a rank or node."""
+    held = min(experts, round(held))
+    return 1.0 - math.comb(experts - held, topk) / math.comb(experts, topk) if topk <= experts else 1.0
+
+
 def _link_bandwidth(
-    axes: list[str], degrees: dict[str, int], order: str, table: dict, collective: str | None = None
+    axes: list[str],
+    degrees: dict[str, int],
+    order: str,
+    table: dict,
+    collective: str | None = None,
+    flex: tuple[int, int] | None = None,
 ) -> float:
     """The bandwidth a group over ``axes`` gets: within a node if all its ranks are on one. An
     ``all_to_all`` over several nodes sends ``1/n`` of its payload to each peer at once, the peers
     on the rank's own node over the node's links and the others over the network, both in flight
     together: its :func:`ring_bytes` take as long as the slower of the two shares, which this
-    bandwidth expresses (a ring collective instead crosses the network with all of its bytes)."""
+    bandwidth expresses (a ring collective instead crosses the network with all of its bytes).
+
+    ``flex`` = (experts, top-k): the expert exchange of a flex dispatcher (DeepEP, HybridEP), whose
+    payload is still the plan's, one copy of a token per routed expert, but which sends a token once
+    to each rank of its node that holds one of its experts and once to each other node that holds
+    one (where it is fanned out over that node's links): per token, ``(g-1) P(rank)`` copies stay in
+    the node and ``(m-1) P(node)`` cross the network, for ``g`` of the group's ``n`` ranks on each
+    of its ``m`` nodes, the experts spread evenly over the ranks and the routing balanced."""
     strides = _group_strides(axes, degrees, order)
     span = sum((size - 1) * stride for size, stride in strides)
-    if span < table["devices_per_node"]:
+    n = math.prod(size for size, _ in strides)
+    inside = span < table["devices_per_node"]
+    if collective == "all_to_all" and flex is not None and n > 1:
+        experts, topk = flex
+        nodes = 1 if inside else _group_nodes(axes, degrees, order, table)
+        local = n / nodes
+        copies_local = (local - 1) * _holds_one_of(experts, experts / n, topk)
+        copies_remote = (nodes - 1) * _holds_one_of(experts, experts / nodes, topk)
+        slowest = max(copies_local / table["intra_node"], copies_remote / table["inter_node"])
+        # the plan's payload is topk copies a token, of which ring_bytes counts (n-1)/n
+        return (n - 1) / n * topk / slowest if slowest > 0 else table["intra_node"]
+    if inside:
         return table["intra_node"]
     if collective == "all_to_all":
-        n = math.prod(size for size, _ in strides)
         local = n / _group_nodes(axes, degrees, order, table)  # the group's ranks on one node
         slowest = max((local - 1) / table["intra_node"], (n - local) / table["inter_node"])
         return (n - 1) / slowest
     return table["inter_node"]
+
+
+def flex_routing(st_or_spec: Any) -> tuple[int, int] | None:
+    """(experts, top-k) where a spec's expert exchange is a flex dispatcher's, else None."""
+    spec = st_or_spec if isinstance(st_or_spec, dict) else {"model": st_or_spec.model, "training": st_or_spec.training}
+    model, training = spec.get("model") or {}, spec.get("training") or {}
+    if training.get("expert_dispatcher") != "flex" or not model.get("num_experts"):
+        return None
+    return model["num_experts"], model.get("experts_per_token") or 1
 
 
 @dataclass(frozen=True)
@@ -805,6 +843,7 @@ def predict(
     tokens = training["micro_batch_size"] * training["seq_len"] / degrees["cp"]
 
     traffic = []
+    flex = flex_routing(st)
     for u in updates:
         if u["stage"] != busiest:
             continue
@@ -816,7 +855,7 @@ def predict(
             # over the node's links (the scatter/gather optimisation, Narayanan et al. SC21 4.1;
             # with sequence parallelism the output is already split).
             seconds /= tp
-        seconds /= _link_bandwidth(u["mesh_axes"], degrees, order, table, u["collective"])
+        seconds /= _link_bandwidth(u["mesh_axes"], degrees, order, table, u["collective"], flex)
         seconds += u["occurrences_per_step"] * call_latency(u["mesh_axes"], u["payload"], u, degrees, order, table)
         behind = 0.0
         if u["mesh_axes"] == ["tp"] and u["payload"] == "activation":
@@ -917,8 +956,8 @@ def link_bandwidth(
     axes: list[str], degrees: dict[str, int], order: str, spec: dict, collective: str | None = None
 ) -> float:
     """The bandwidth a group over ``axes`` gets in a plan of these degrees (:func:`predict`'s), for
-    one ``collective`` of it (only an all_to_all differs)."""
-    return _link_bandwidth(axes, degrees, order, _device(spec)[2], collective)
+    one ``collective`` of it (only an all_to_all differs, and with it the spec's expert dispatcher)."""
+    return _link_bandwidth(axes, degrees, order, _device(spec)[2], collective, flex_routing(spec))
 
 
 def predict_lowered(spec: Any, lowered: Any) -> StepTime:

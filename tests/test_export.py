@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -13,7 +14,7 @@ from mixle_compile import cli
 from mixle_compile.export import TARGETS, ExportRefused, export_spec, memory_text, on_backend
 from mixle_compile.export.megatron import megatron_arguments
 from mixle_compile.importers import ImportOptions, read_any
-from mixle_compile.spec import load_spec
+from mixle_compile.spec import load_spec, load_spec_text
 from mixle_compile.spec.models import Spec, TransformerModel, parallel_plan
 from tests.conftest import EXAMPLES, ROOT
 
@@ -692,3 +693,24 @@ def test_an_exported_megatron_moe_launch_runs_the_dispatcher_the_plan_prices(tmp
     (tmp_path / exported.main).write_text(without)
     _, diagnostics = read_any(tmp_path / exported.main, exported.main, ImportOptions())
     assert [d for d in diagnostics if "`allgather` token dispatcher" in d.text()]
+
+
+def test_a_flex_dispatcher_is_written_as_each_engine_states_it(tmp_path):
+    spec = load_spec(EXAMPLES / "mixtral-moe-ep.yaml").spec
+    flex = spec.model_copy(update={"training": spec.training.model_copy(update={"expert_dispatcher": "flex"})})
+    exported = export_spec(flex, "megatron")
+    assert "--moe-token-dispatcher-type flex" in exported.files[exported.main]
+    assert round_trip(flex, "megatron", tmp_path / "megatron")
+    data = flex.model_dump(mode="json")
+    data["training"]["distributed_optimizer"] = False  # torchtitan has no ZeRO-1 (E-rules)
+    for version in ("0.2", "0.3"):
+        data["backend"] = {"name": "torchtitan", "version": version}
+        titan = load_spec_text(yaml.safe_dump(data), "titan.yaml").spec
+        if version == "0.2":
+            toml = export_spec(titan, "torchtitan")
+            assert 'expert_parallel_comm_backend = "deepep"' in toml.files[toml.main]
+            assert round_trip(titan, "torchtitan", tmp_path / "titan")
+        else:
+            with pytest.raises(ExportRefused) as refused:
+                export_spec(titan, "torchtitan")
+            assert any(field == "training.expert_dispatcher" for field, _ in refused.value.reasons)

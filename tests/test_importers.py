@@ -611,12 +611,13 @@ def test_megatron_capacity_factor_caps_the_experts_tokens(tmp_path):
         ("--moe-token-dispatcher-type alltoall", None),
         ("", "the `allgather` token dispatcher (Megatron's default, no --moe-token-dispatcher-type)"),
         ("--moe-token-dispatcher-type allgather", "the `allgather` token dispatcher is planned as `alltoall`"),
-        ("--moe-token-dispatcher-type flex", "once per destination node over the network"),
-        ("--moe-enable-deepep", "the `flex` token dispatcher is planned as `alltoall`"),
+        ("--moe-token-dispatcher-type flex", None),
+        ("--moe-enable-deepep", None),
     ],
 )
-def test_megatron_token_dispatchers_other_than_alltoall_are_named(tmp_path, capsys, flags, says):
-    """The plan prices the alltoall dispatcher's exchange; Megatron's default is allgather."""
+def test_megatron_token_dispatchers_are_read_or_named(tmp_path, capsys, flags, says):
+    """alltoall and flex are what the plan can price (training.expert_dispatcher); Megatron's default,
+    allgather, is named with what the plan prices instead."""
     path = tmp_path / "args.txt"
     path.write_text(
         "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --vocab-size 128 --seq-length 32 "
@@ -626,6 +627,8 @@ def test_megatron_token_dispatchers_other_than_alltoall_are_named(tmp_path, caps
     assert status == 0, out
     if says is None:
         assert "dispatcher" not in out
+        want = "flex" if "flex" in flags or "deepep" in flags else "all_to_all"
+        assert imported(path, devices=2)["training"].get("expert_dispatcher", "all_to_all") == want
     else:
         assert "I003" in out and says in out, out
 
@@ -1853,3 +1856,21 @@ def test_megatron_embedding_and_loss_counted_in_the_pipeline_split(tmp_path):
     with pytest.raises(SourceError) as info:
         imported(path, devices=4)
     assert "decoder-first" in info.value.diagnostics[-1].message
+
+
+@pytest.mark.parametrize(
+    "value, dispatcher", [("standard", "all_to_all"), ("deepep", "flex"), ("hybridep", "flex"), ("nccl", None)]
+)
+def test_torchtitan_expert_parallel_comm_backend_is_the_expert_dispatcher(tmp_path, capsys, value, dispatcher):
+    text = (
+        (TT / "llama3_8b.toml")
+        .read_text()
+        .replace("[parallelism]", f'[parallelism]\nexpert_parallel_comm_backend = "{value}"', 1)
+    )
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    if dispatcher is None:
+        status, out, _ = run_cli(capsys, "check", str(path))
+        assert status == 2 and "I004" in out and "expert_parallel_comm_backend = 'nccl'" in out, out
+    else:
+        assert imported(path)["training"]["expert_dispatcher"] == dispatcher

@@ -541,3 +541,31 @@ def test_the_search_prices_an_all_to_all_over_nodes_as_the_lowered_plan_does(tmp
         assert exact.exposed_communication["ep"] > 0
         assert plan.step.exposed_communication["ep"] == pytest.approx(exact.exposed_communication["ep"], rel=0.02)
         assert plan.step.seconds == pytest.approx(exact.seconds, rel=0.02)
+
+
+def test_the_search_prices_a_flex_dispatcher_as_the_lowered_plan_does(tmp_path):
+    """training.expert_dispatcher: flex is kept by the search and priced as the lowered plan prices it."""
+    model = {**MOE, "num_experts": 32, "experts_per_token": 4, "moe_layer_frequency": 1}
+    text = spec_text(
+        model,
+        32,
+        {"name": "megatron", "version": "0.16"},
+        memory="80GiB",
+        global_batch=64,
+        expert_dispatcher="flex",
+        mesh={"ep": 16, **dict.fromkeys(("dp_replicate", "dp_shard", "tp", "pp", "microbatches"), "auto")},
+    )
+    outcome = searched(tmp_path, text, top=5)
+    assert outcome.plans, outcome.reason
+    for plan in outcome.plans:
+        loaded = load_spec_text(yaml.safe_dump(plan.spec_data), "plan.yaml")
+        assert loaded.spec.training.expert_dispatcher == "flex"
+        exact = predict_lowered(loaded.spec, lower(loaded.spec, schedule=False))
+        assert plan.step.exposed_communication["ep"] == pytest.approx(exact.exposed_communication["ep"], rel=0.02)
+    # torch's in-tree runtime has no flex dispatcher (E012)
+    from mixle_compile.check import check_loaded
+
+    torch_spec = yaml.safe_load(yaml.safe_dump(outcome.plans[0].spec_data))
+    torch_spec["backend"] = "torch"
+    result = check_loaded(load_spec_text(yaml.safe_dump(torch_spec), "torch.yaml"))
+    assert "E012" in {d.code for d in result.diagnostics}

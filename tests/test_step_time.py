@@ -461,3 +461,39 @@ resources: {devices: 16, kind: h100, memory: 80GiB, topology: TOPOLOGY}
     assert exposed_ep(f"{{devices_per_node: 8, {fast}}}") == pytest.approx(
         exposed_ep(f"{{devices_per_node: 16, {fast}}}") * 50e9 * (7 / 50e9) / 15, rel=1e-3
     )
+
+
+def test_a_flex_dispatcher_sends_a_token_once_per_rank_in_its_node_and_once_per_other_node(monkeypatch):
+    """DeepEP / HybridEP (training.expert_dispatcher: flex): of ep 16 on two 8-GPU nodes, with 32 experts
+    (2 a rank, 16 a node) and top-4 routing, a token goes to each of its node's 7 other ranks holding
+    one of its experts and, at most once, to the other node; the plan's payload is still 4 copies."""
+    import math
+
+    from mixle_compile import step_time
+
+    text = """\
+model: {family: transformer, vocab_size: 32000, hidden_size: 2048, num_layers: 4, num_heads: 16,
+  ffn_hidden_size: 6144, num_experts: 32, experts_per_token: 4, moe_ffn_hidden_size: 768}
+mesh: {dp_replicate: 16, ep: 16}
+training: {global_batch_size: 16, micro_batch_size: 1, seq_len: 4096, distributed_optimizer: true,
+  expert_dispatcher: DISPATCH}
+backend: {name: megatron, version: "0.16"}
+resources: {devices: 16, kind: h100, memory: 80GiB, topology: {devices_per_node: NODE,
+  intra_node_bandwidth: 450GB/s, inter_node_bandwidth: 50GB/s, intra_node_latency: 1ns, inter_node_latency: 1ns}}
+"""
+
+    def exposed_ep(dispatch: str, node: int) -> float:
+        loaded = load_spec_text(text.replace("DISPATCH", dispatch).replace("NODE", str(node)), "moe.yaml")
+        assert loaded.ok, [d.text() for d in loaded.diagnostics]
+        return predict_lowered(loaded.spec, lower(loaded.spec, schedule=False)).exposed_communication["ep"]
+
+    monkeypatch.setattr(step_time, "BASE_LATENCY", 0.0)
+    # the plan's payload S over one node's links: all_to_all sends 15/16 of it
+    inside = exposed_ep("all_to_all", 16)
+    per_token = inside * 450e9 / (15 / 16) / 4  # S / k over one byte a second
+    p_rank = 1 - math.comb(30, 4) / math.comb(32, 4)
+    p_node = 1 - math.comb(16, 4) / math.comb(32, 4)
+    assert exposed_ep("flex", 16) == pytest.approx(per_token * 15 * p_rank / 450e9, rel=1e-3)
+    assert exposed_ep("flex", 8) == pytest.approx(per_token * max(7 * p_rank / 450e9, p_node / 50e9), rel=1e-3)
+    # over the network, all_to_all sends 4 x 8/16 = 2 copies a token, flex fewer than one
+    assert exposed_ep("flex", 8) == pytest.approx(exposed_ep("all_to_all", 8) * p_node / 2, rel=1e-3)

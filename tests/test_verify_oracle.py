@@ -505,6 +505,8 @@ def violations(
     # only Megatron-Core caps an expert's tokens; the others route every token (dropless)
     capped = transformer and model.expert_capacity_factor is not None
     rule("E011", not capped, only=("torch", "torchtitan"))
+    # the in-tree runtime sends one copy of a token per routed expert: no flex dispatcher
+    rule("E012", not (transformer and t.expert_dispatcher == "flex"), only="torch")
     rule(
         "E002",
         (etp != tp or (dps * cp) % ep == 0) and (etp != 1 or (dps * cp * tp) % ep == 0),
@@ -832,6 +834,7 @@ def plan(i: int, degrees: tuple[int, ...], shape: str, backend: str) -> dict:
         "activation_checkpointing": ("none", "selective", "full")[i // 5 % 3],
         "compile": (False, False, True, ["model"], False, ["loss"])[i // 11 % 6],
         "async_tensor_parallel": i // 4 % 3 == 0,
+        "expert_dispatcher": ("all_to_all", "flex")[i // 17 % 2],
         "attention": (None, "eager", "flash")[i // 19 % 3],
     }
     devices = n if auto or i % 11 else n + 1

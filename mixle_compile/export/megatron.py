@@ -111,8 +111,8 @@ def megatron_arguments(spec: Spec) -> list[str]:
         a += ["--make-vocab-size-divisible-by", 1]
     if m.num_experts:
         a += ["--num-experts", m.num_experts, "--moe-router-topk", m.experts_per_token]
-        # the plan's exchange is the alltoall dispatcher's (lower/updates.py); Megatron's default is allgather
-        a += ["--moe-token-dispatcher-type", "alltoall"]
+        # the plan's exchange (lower/updates.py, training.expert_dispatcher); Megatron's default is allgather
+        a += ["--moe-token-dispatcher-type", "flex" if t.expert_dispatcher == "flex" else "alltoall"]
         if m.moe_ffn_hidden_size is not None:
             a += ["--moe-ffn-hidden-size", m.moe_ffn_hidden_size]
         if m.moe_layer_frequency != 1:

@@ -153,6 +153,8 @@ def torchtitan_files(spec: Spec, stem: str) -> Exported:
     ]
     if t.async_tensor_parallel:
         lines.append("enable_async_tensor_parallel = true")
+    if t.expert_dispatcher == "flex":
+        lines.append('expert_parallel_comm_backend = "deepep"')
     if m.pp > 1:
         lines += [
             f"pipeline_parallel_schedule = {_toml_value(SCHEDULES[t.pipeline_schedule])}",

@@ -64,6 +64,14 @@ def torchtitan_python_files(spec: Spec, stem: str) -> Exported:
         )
     if m.etp != 1:
         reasons.append(("mesh.etp", "torchtitan 0.3's ParallelismConfig has no expert tensor-parallel degree"))
+    if t.expert_dispatcher == "flex":
+        reasons.append(
+            (
+                "training.expert_dispatcher",
+                "torchtitan 0.3 picks DeepEP or HybridEP in the model's registry entry (its moe_comm_backend), "
+                "which the exported config function takes as published (export to the 0.2 TOML, which says it)",
+            )
+        )
     if t.sequence_parallel and m.tp == 1:
         reasons.append(("training.sequence_parallel", "sequence parallelism needs tp > 1"))
     if t.distributed_optimizer:

@@ -540,32 +540,32 @@ def read_megatron(
             if capacity is not None and capacity > 0:
                 set_(("model", "expert_capacity_factor"), capacity, "--moe-expert-capacity-factor")
             # TransformerConfig.moe_token_dispatcher_type defaults to 'allgather' (megatron/core/transformer/
-            # transformer_config.py; `--moe-enable-deepep`, deprecated, means 'flex'). The plan lists and prices
-            # the 'alltoall' dispatcher's exchange: one copy of a token per routed expert, sent to that
-            # expert's rank (token_dispatcher.py MoEAlltoAllTokenDispatcher).
-            dispatcher = "flex" if has("--moe-enable-deepep") else text_of("--moe-token-dispatcher-type", "allgather")
+            # transformer_config.py; `--moe-enable-deepep`, deprecated, means 'flex'). The plan lists the
+            # 'alltoall' dispatcher's exchange, one copy of a token per routed expert sent to that expert's
+            # rank (token_dispatcher.py MoEAlltoAllTokenDispatcher); 'flex' (DeepEP, HybridEP) is
+            # training.expert_dispatcher: flex, priced by the copies it sends; 'allgather' is not modelled.
+            deepep = has("--moe-enable-deepep")
+            dispatcher = "flex" if deepep else text_of("--moe-token-dispatcher-type", "allgather")
+            flag = "--moe-enable-deepep" if deepep else "--moe-token-dispatcher-type"
             if dispatcher not in ("allgather", "alltoall", "alltoall_seq", "flex"):
                 b.refuse(
                     f"`--moe-token-dispatcher-type {dispatcher}` is not a Megatron token dispatcher",
                     at("--moe-token-dispatcher-type"),
                     "write allgather, alltoall or flex",
                 )
-            elif dispatcher not in ("alltoall", "alltoall_seq"):  # alltoall_seq: older releases' variant
-                flag = "--moe-enable-deepep" if has("--moe-enable-deepep") else "--moe-token-dispatcher-type"
-                sends = (
-                    "sends a token once per destination node over the network (DeepEP, HybridEP): the "
-                    "predicted expert-parallel time is an upper bound"
-                    if dispatcher == "flex"
-                    else "gathers every token of the tensor- and expert-parallel group on each rank: the plan's "
-                    "expert traffic and the memory of the gathered tokens are under-stated once that group "
-                    "(etp x ep ranks) outnumbers the top-k"
-                )
+            elif dispatcher == "flex":
+                set_(("training", "expert_dispatcher"), "flex", flag)
+            elif dispatcher == "allgather":
                 b.assumed(
-                    f"the `{dispatcher}` token dispatcher"
+                    "the `allgather` token dispatcher"
                     + ("" if has(flag) else " (Megatron's default, no --moe-token-dispatcher-type)")
-                    + f" is planned as `alltoall` (one copy of a token per routed expert); `{dispatcher}` {sends}",
+                    + " is planned as `alltoall` (one copy of a token per routed expert); `allgather` gathers "
+                    "every token of the tensor- and expert-parallel group on each rank: the plan's expert "
+                    "traffic and the memory of the gathered tokens are under-stated once that group "
+                    "(etp x ep ranks) outnumbers the top-k",
                     at(flag) if has(flag) else at("--num-experts"),
-                    "write `--moe-token-dispatcher-type alltoall` to run what the plan prices (the export does)",
+                    "write `--moe-token-dispatcher-type alltoall` (or flex) to run what the plan prices "
+                    "(the export does)",
                     field=("model", "num_experts"),
                 )
             freq = text_of("--moe-layer-freq")

@@ -58,7 +58,7 @@ READ = {
         "seed",
         "compile",
     },
-    "parallelism": set(PARALLELISM_KEYS),
+    "parallelism": {*PARALLELISM_KEYS, "expert_parallel_comm_backend"},
     "activation_checkpoint": {"mode", "selective_ac_option"},
     "optimizer": {"name", "lr"},
     "float8": {"enable_float8_linear"},
@@ -441,6 +441,24 @@ def import_job(
                 origin=f"{table}.enable_async_tensor_parallel",
             )
             break
+    # Expert exchange: `[parallelism] expert_parallel_comm_backend` (TOML era, after 0.2; "standard" is
+    # all_to_all_single, one copy of a token per routed expert; "deepep" and "hybridep" send a token once
+    # per destination rank in a node and once per destination node: training.expert_dispatcher flex).
+    backend = get("parallelism", "expert_parallel_comm_backend")
+    if backend is not None:
+        if backend in ("deepep", "hybridep", "standard"):
+            b.set(
+                ("training", "expert_dispatcher"),
+                "all_to_all" if backend == "standard" else "flex",
+                at=at("parallelism", "expert_parallel_comm_backend"),
+                origin="parallelism.expert_parallel_comm_backend",
+            )
+        else:
+            b.refuse(
+                f"parallelism.expert_parallel_comm_backend = {backend!r} is not a backend the spec models",
+                at("parallelism", "expert_parallel_comm_backend"),
+                'write "standard", "deepep" or "hybridep"',
+            )
     optimizer = str(get("optimizer", "name", "AdamW"))
     b.set(
         ("training", "optimizer"),

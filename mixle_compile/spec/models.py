@@ -683,6 +683,16 @@ class TrainingSpec(StrictModel):
             "sequence parallelism); the in-tree runtime does not overlap"
         ),
     )
+    expert_dispatcher: Literal["all_to_all", "flex"] = Field(
+        default="all_to_all",
+        description=(
+            "how a mixture-of-experts layer's tokens reach their experts' ranks: all_to_all sends one copy of "
+            "a token per routed expert (Megatron's alltoall dispatcher, torchtitan's standard backend, the "
+            "in-tree runtime); flex sends a token once to each rank of its node holding one of its experts and "
+            "once to each other node holding one (DeepEP, HybridEP: Megatron's flex dispatcher, torchtitan's "
+            "deepep/hybridep expert-parallel communication backends)"
+        ),
+    )
     pipeline_layers: Literal["even"] | Annotated[list[Count], Field(min_length=1, max_length=1 << 16)] | None = Field(
         default=None,
         description=(

@@ -231,6 +231,8 @@ def plan_facts(spec: Spec) -> PlanFacts:
             "bool",
             "dropless" if capacity is None else f"{capacity:g}",
         )
+        dispatcher = spec.training.expert_dispatcher
+        add("flex_dispatch", ("training", "expert_dispatcher"), dispatcher == "flex", "bool", dispatcher)
         footprint = parameter_footprint(spec)
     elif isinstance(model, ModulesModel):
         family = Family.MODULES

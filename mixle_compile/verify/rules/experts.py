@@ -302,3 +302,35 @@ DROPLESS_ONLY = define(
         families=NEURAL,
     )
 )
+
+
+FLEX_DISPATCH_NOT_IN_RUNTIME = define(
+    Rule(
+        code="E012",
+        name="flex-dispatcher-not-in-runtime",
+        title="torch: the in-tree runtime exchanges one copy of a token per routed expert (no flex dispatcher).",
+        docs=(
+            "`training.expert_dispatcher: flex` states a dispatcher that sends a token once to each rank of its "
+            "node holding one of its experts and once to each other node holding one (DeepEP, HybridEP): "
+            "Megatron-Core's flex token dispatcher and torchtitan's DeepEP/HybridEP expert-parallel "
+            "communication backends. The in-tree runtime exchanges tokens with `all_to_all_single`, one copy "
+            "per routed expert, so a plan that states flex would run, and be measured, as something else."
+        ),
+        engine_reference=(
+            "torch backend: mixle_compile/runtime/experts.py (all_to_all per routed expert); Megatron-Core "
+            "transformer_config.py `moe_token_dispatcher_type='flex'`, `moe_flex_dispatcher_backend`; torchtitan "
+            "`parallelism.expert_parallel_comm_backend` ('deepep'), 0.3 models/common/config_utils.py "
+            "`make_token_dispatcher_config` ('deepep', 'hybridep')"
+        ),
+        constraint=lambda v: negation(v.flex_dispatch),
+        explain=lambda x: (
+            "training.expert_dispatcher is flex, but the in-tree runtime sends one copy per routed expert"
+        ),
+        hint=lambda x: "set training.expert_dispatcher: all_to_all, or use backend: megatron or torchtitan",
+        fields=("flex_dispatch",),
+        context=("backend",),
+        engines=frozenset({Engine.TORCH}),
+        needs=("flex_dispatch",),
+        families=NEURAL,
+    )
+)
