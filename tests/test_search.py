@@ -520,9 +520,11 @@ def test_megatron_layers_that_do_not_split_evenly_are_searched_with_the_embeddin
         assert all("pipeline_layers" not in p.values for p in other.plans)
 
 
-def test_the_search_prices_an_all_to_all_over_nodes_as_the_lowered_plan_does(tmp_path):
-    """Expert parallelism over two nodes: the search's summed pricing of the token all_to_all (its local
-    and remote shares) is the lowered plan's."""
+@pytest.mark.parametrize("dispatcher", ["all_to_all", "flex"])
+def test_the_search_prices_an_expert_exchange_over_nodes_as_the_lowered_plan_does(tmp_path, dispatcher):
+    """Expert parallelism over two nodes: the search's summed pricing of the token exchange (an
+    all_to_all's local and remote shares; a flex dispatcher's copies per rank and node) is the lowered
+    plan's, and the search keeps the dispatcher."""
     model = {**MOE, "num_experts": 32, "experts_per_token": 4, "moe_layer_frequency": 1}
     text = spec_text(
         model,
@@ -530,6 +532,7 @@ def test_the_search_prices_an_all_to_all_over_nodes_as_the_lowered_plan_does(tmp
         {"name": "megatron", "version": "0.16"},
         memory="80GiB",
         global_batch=64,
+        expert_dispatcher=dispatcher,
         mesh={"ep": 16, **dict.fromkeys(("dp_replicate", "dp_shard", "tp", "pp", "microbatches"), "auto")},
     )
     outcome = searched(tmp_path, text, top=10)
@@ -537,35 +540,15 @@ def test_the_search_prices_an_all_to_all_over_nodes_as_the_lowered_plan_does(tmp
     assert spanning, [p.mesh_text() for p in outcome.plans]
     for plan in spanning:
         loaded = load_spec_text(yaml.safe_dump(plan.spec_data), "plan.yaml")
+        assert loaded.spec.training.expert_dispatcher == dispatcher
         exact = predict_lowered(loaded.spec, lower(loaded.spec, schedule=False))
         assert exact.exposed_communication["ep"] > 0
         assert plan.step.exposed_communication["ep"] == pytest.approx(exact.exposed_communication["ep"], rel=0.02)
         assert plan.step.seconds == pytest.approx(exact.seconds, rel=0.02)
+    if dispatcher == "flex":  # torch's in-tree runtime has no flex dispatcher (E012)
+        from mixle_compile.check import check_loaded
 
-
-def test_the_search_prices_a_flex_dispatcher_as_the_lowered_plan_does(tmp_path):
-    """training.expert_dispatcher: flex is kept by the search and priced as the lowered plan prices it."""
-    model = {**MOE, "num_experts": 32, "experts_per_token": 4, "moe_layer_frequency": 1}
-    text = spec_text(
-        model,
-        32,
-        {"name": "megatron", "version": "0.16"},
-        memory="80GiB",
-        global_batch=64,
-        expert_dispatcher="flex",
-        mesh={"ep": 16, **dict.fromkeys(("dp_replicate", "dp_shard", "tp", "pp", "microbatches"), "auto")},
-    )
-    outcome = searched(tmp_path, text, top=5)
-    assert outcome.plans, outcome.reason
-    for plan in outcome.plans:
-        loaded = load_spec_text(yaml.safe_dump(plan.spec_data), "plan.yaml")
-        assert loaded.spec.training.expert_dispatcher == "flex"
-        exact = predict_lowered(loaded.spec, lower(loaded.spec, schedule=False))
-        assert plan.step.exposed_communication["ep"] == pytest.approx(exact.exposed_communication["ep"], rel=0.02)
-    # torch's in-tree runtime has no flex dispatcher (E012)
-    from mixle_compile.check import check_loaded
-
-    torch_spec = yaml.safe_load(yaml.safe_dump(outcome.plans[0].spec_data))
-    torch_spec["backend"] = "torch"
-    result = check_loaded(load_spec_text(yaml.safe_dump(torch_spec), "torch.yaml"))
-    assert "E012" in {d.code for d in result.diagnostics}
+        torch_spec = yaml.safe_load(yaml.safe_dump(spanning[0].spec_data))
+        torch_spec["backend"] = "torch"
+        result = check_loaded(load_spec_text(yaml.safe_dump(torch_spec), "torch.yaml"))
+        assert "E012" in {d.code for d in result.diagnostics}
