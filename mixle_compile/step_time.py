@@ -602,29 +602,27 @@ def _link_bandwidth(
     of its ``m`` nodes, the experts spread evenly over the ranks and the routing balanced."""
     strides = _group_strides(axes, degrees, order)
     span = sum((size - 1) * stride for size, stride in strides)
-    n = math.prod(size for size, _ in strides)
     inside = span < table["devices_per_node"]
-    if collective == "all_to_all" and flex is not None and n > 1:
-        experts, topk = flex
-        nodes = 1 if inside else _group_nodes(axes, degrees, order, table)
-        local = n / nodes
-        copies_local = (local - 1) * _holds_one_of(experts, experts / n, topk)
-        copies_remote = (nodes - 1) * _holds_one_of(experts, experts / nodes, topk)
-        slowest = max(copies_local / table["intra_node"], copies_remote / table["inter_node"])
-        # the plan's payload is topk copies a token, of which ring_bytes counts (n-1)/n
-        return (n - 1) / n * topk / slowest if slowest > 0 else table["intra_node"]
-    if inside:
-        return table["intra_node"]
-    if collective == "all_to_all":
-        local = n / _group_nodes(axes, degrees, order, table)  # the group's ranks on one node
-        slowest = max((local - 1) / table["intra_node"], (n - local) / table["inter_node"])
-        return (n - 1) / slowest
-    return table["inter_node"]
+    n = math.prod(size for size, _ in strides)
+    if collective != "all_to_all" or n == 1:
+        return table["intra_node"] if inside else table["inter_node"]
+    nodes = 1 if inside else _group_nodes(axes, degrees, order, table)
+    local = n / nodes  # the group's ranks on one node
+    # What a token sends within its node and over the network, against `carried`, what the plan's
+    # payload carries for it: the all-to-all sends 1/n of the payload to each peer; flex sends whole
+    # copies of a token whose payload carries top-k of them.
+    if flex is None:
+        carried, within, across = 1, (local - 1) / n, (n - local) / n
+    else:
+        experts, carried = flex
+        within = (local - 1) * _holds_one_of(experts, experts / n, carried)
+        across = (nodes - 1) * _holds_one_of(experts, experts / nodes, carried)
+    # ring_bytes counts (n-1)/n of the payload
+    return (n - 1) / n * carried / max(within / table["intra_node"], across / table["inter_node"])
 
 
-def flex_routing(st_or_spec: Any) -> tuple[int, int] | None:
+def flex_routing(spec: dict) -> tuple[int, int] | None:
     """(experts, top-k) where a spec's expert exchange is a flex dispatcher's, else None."""
-    spec = st_or_spec if isinstance(st_or_spec, dict) else {"model": st_or_spec.model, "training": st_or_spec.training}
     model, training = spec.get("model") or {}, spec.get("training") or {}
     if training.get("expert_dispatcher") != "flex" or not model.get("num_experts"):
         return None
@@ -843,7 +841,7 @@ def predict(
     tokens = training["micro_batch_size"] * training["seq_len"] / degrees["cp"]
 
     traffic = []
-    flex = flex_routing(st)
+    flex = flex_routing(spec)
     for u in updates:
         if u["stage"] != busiest:
             continue
