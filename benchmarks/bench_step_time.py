@@ -32,8 +32,9 @@ Every row is a published measurement, with its source next to it:
 Held out, printed apart and never fitted: NeMo's performance summary (24.07 container, DGX-H100, FP8;
 five Llama rows), with the settings the table does not give taken from NeMo-Framework-Launcher's
 training configs (``HELD_OUT`` says which), and Megatron-Bridge's later containers (26.04, 26.04.01) on
-layouts or global batches the fitted rows do not have, and (26.06, 25.11, the expert-parallel overlap
-skill card) mixture-of-experts rows on DGX-H100 whose expert exchange crosses nodes.
+layouts or global batches the fitted rows do not have, (26.06, 25.11, the expert-parallel overlap
+skill card) mixture-of-experts rows on DGX-H100 whose expert exchange crosses nodes, and (26.06) Qwen3
+mixture-of-experts rows on DGX-GB300, DGX-GB200 and DGX-B300.
 
 The script compiles each spec (the lowering without the per-step schedule), predicts its step time
 with mixle_compile.step_time and prints predicted / measured and the summary. Nothing asserts.
@@ -331,6 +332,7 @@ ROWS: list[tuple[str, dict, float]] = [
 B200_BRIDGE = dict(H100_BRIDGE, kind="b200", memory="179GiB")
 GB200_BRIDGE = dict(H100_BRIDGE, kind="gb200", memory="185GiB")
 GB300_BRIDGE = dict(H100_BRIDGE, kind="gb300", memory="279GiB")
+B300_BRIDGE = dict(H100_BRIDGE, kind="b300", memory="279GiB")
 BLACKWELL_8B = dict(
     devices=8, dp_replicate=8, accumulation=8, micro_batch_size=2, precision="fp8", distributed_optimizer=True
 )
@@ -600,6 +602,71 @@ HELD_OUT += [
     ),
     ("bridge26.06 H100 Qwen3 30B EP16", qwen3_30b_ep16(precision="fp8"), 8826),
     ("bridge skill H100 Qwen3 30B EP16 bf16", qwen3_30b_ep16(), 1024 * 4096 / 24.7138 / 16),
+]
+
+
+# Also held out: the 26.06 container's Qwen3 rows on Blackwell (Megatron-Bridge docs/performance-summary-archive.md
+# @ 067f987d, MXFP8, tokens/s/GPU), with the recipes of perf_recipes/qwen/<system>/qwen3_moe.py @ 067f987d:
+# qwen3_30b_a3b_pretrain_8gpu_<system>_fp8mx_config (TP/PP/CP 1, EP 8, GBS 512, MBS 8 on GB300 and B300, 4 on
+# GB200) and qwen3_235b_a22b_pretrain_256gpu_<system>_fp8mx_config (TP 1, EP 32, GBS 8192; GB300 PP 4 VP 12 MBS 2,
+# GB200 PP 8 VP 3 MBS 1; the base recipe counts the embedding and the loss as a layer each in the pipeline
+# split: 96 / (pp * vp) a virtual stage, the first and the last one fewer). Every one runs the flex dispatcher
+# (HybridEP), no recomputation, and _enable_hybridep_full_iteration_mxfp8 (qwen/common.py): the expert-parallel
+# overlap, fp8 attention and whole-iteration CUDA graphs, none of which is modelled. MXFP8 is priced as fp8. B300
+# has no dense row to calibrate it: it takes B200's efficiency (step_time.efficiency_of). Left out: the 25.11
+# container's rows of the 8-GPU layout, GB300 28,934 and GB200 23,766 (MBS 4, the all-to-all dispatcher, 1.6x and
+# 1.7x slower than 26.06 at the same mesh; they would read 1.39 and 1.53) and B200 9,299 (MBS 1; 3.56): the
+# difference is the software (the dispatcher, CUDA graphs, fusions), which a FLOP-and-bytes model does not see.
+QWEN3_235B = "bridge_qwen3_235b_a22b_h100_bf16_v1.yaml"
+
+
+def qwen3_blackwell(name: str, system: dict, devices: int, gbs: int, mbs: int, pp: int = 1, vp: int = 1) -> dict:
+    """A 26.06 MXFP8 Qwen3 row on Blackwell: TP 1, EP 8 (30B) or 32 (235B), flex (HybridEP)."""
+    dp = devices // pp
+    mesh = dict(dp_replicate=dp, tp=1, pp=pp, ep=8 if pp == 1 else 32)
+    training = dict(
+        global_batch_size=gbs, micro_batch_size=mbs, precision="fp8", expert_dispatcher="flex", sequence_parallel=False
+    )
+    if pp == 1:
+        mesh.update(microbatches=1, gradient_accumulation_steps=gbs // (mbs * dp))
+        drop = ("pipeline_schedule", "virtual_pipeline_stages", "pipeline_layers")
+    else:
+        mesh.update(microbatches=gbs // (mbs * dp), gradient_accumulation_steps=1)
+        per, stages = 96 // (pp * vp), pp * vp
+        training.update(virtual_pipeline_stages=vp, pipeline_layers=[per - 1] + [per] * (stages - 2) + [per - 1])
+        drop = ()
+    data = bridge_corpus(name, mesh=mesh, drop=drop, **training)
+    data["resources"] = dict(devices=devices, **system)
+    data["resources"].pop("backend", None)
+    return data
+
+
+HELD_OUT += [
+    (
+        "bridge26.06 GB300 Qwen3 30B EP8",
+        qwen3_blackwell("bridge_qwen3_30b_a3b_h100_bf16.yaml", GB300_BRIDGE, 8, 512, 8),
+        45275,
+    ),
+    (
+        "bridge26.06 GB200 Qwen3 30B EP8",
+        qwen3_blackwell("bridge_qwen3_30b_a3b_h100_bf16.yaml", GB200_BRIDGE, 8, 512, 4),
+        40706,
+    ),
+    (
+        "bridge26.06 B300 Qwen3 30B EP8",
+        qwen3_blackwell("bridge_qwen3_30b_a3b_h100_bf16.yaml", B300_BRIDGE, 8, 512, 8),
+        40769,
+    ),
+    (
+        "bridge26.06 GB300 Qwen3 235B PP4 VP12",
+        qwen3_blackwell(QWEN3_235B, GB300_BRIDGE, 256, 8192, 2, pp=4, vp=12),
+        9015,
+    ),
+    (
+        "bridge26.06 GB200 Qwen3 235B PP8 VP3",
+        qwen3_blackwell(QWEN3_235B, GB200_BRIDGE, 256, 8192, 1, pp=8, vp=3),
+        7376,
+    ),
 ]
 
 

@@ -91,6 +91,8 @@ DEVICES: dict[str, dict[str, Any]] = {
         "intra_node": 900e9,
         "inter_node": 100e9,
         "devices_per_node": 8,
+        # No published dense row calibrates it: it borrows B200's efficiency (see efficiency_of).
+        "calibrated_as": "b200",
         **{"intra_node_latency": 3.4e-6, "inter_node_latency": 14e-6},
     },
     "gb200": {
@@ -243,10 +245,16 @@ FUSED_ATTENTION_RATE = {
 
 
 def efficiency_of(kind: str, precision: str) -> float:
-    """The calibrated efficiency of a device kind at a precision, with :data:`DEFAULT_EFFICIENCY`'s fallbacks."""
-    for key in ((kind, precision), (kind, "bf16"), (kind, "fp16")):
-        if key in EFFICIENCY:
-            return EFFICIENCY[key]
+    """The calibrated efficiency of a device kind at a precision: its own figure, else its 16-bit
+    one; for a kind without any, those of the kind it is ``calibrated_as`` in :data:`DEVICES` (the
+    same tensor cores in the same kind of node); else :data:`DEFAULT_EFFICIENCY`."""
+    kinds = [kind]
+    if not any(k == kind for k, _ in EFFICIENCY) and DEVICES.get(kind, {}).get("calibrated_as"):
+        kinds.append(DEVICES[kind]["calibrated_as"])
+    for k in kinds:
+        for key in ((k, precision), (k, "bf16"), (k, "fp16")):
+            if key in EFFICIENCY:
+                return EFFICIENCY[key]
     return DEFAULT_EFFICIENCY
 
 

@@ -342,7 +342,16 @@ def test_fused_attention_runs_slower_in_the_short_calls_context_parallelism_make
 
 
 @pytest.mark.parametrize(
-    "label", ["bridge B200 405B TP4 PP8 CP2 VP8", "bridge GB200 405B TP4 PP16 VP4", "bridge GB300 405B TP2 PP8 CP2 VP4"]
+    "label",
+    [
+        "bridge B200 405B TP4 PP8 CP2 VP8",
+        "bridge GB200 405B TP4 PP16 VP4",
+        "bridge GB300 405B TP2 PP8 CP2 VP4",
+        "bridge26.06 GB300 Qwen3 30B EP8",
+        "bridge26.06 B300 Qwen3 30B EP8",
+        "bridge26.06 GB300 Qwen3 235B PP4 VP12",
+        "bridge26.06 GB200 Qwen3 235B PP8 VP3",
+    ],
 )
 def test_published_blackwell_layouts_pass_check(label):
     """Megatron-Bridge runs these (its performance summary): the memory rule must not refuse them."""
@@ -350,7 +359,7 @@ def test_published_blackwell_layouts_pass_check(label):
     from mixle_compile.diagnostics import Severity
 
     bench = _bench()
-    ((data,),) = [(d,) for name, d, _ in bench.ROWS if name == label]
+    ((data,),) = [(d,) for name, d, _ in bench.ROWS + bench.HELD_OUT if name == label]
     result = check_loaded(load_spec_text(yaml.safe_dump(data), "row.yaml"))
     assert not [d.text() for d in result.diagnostics if d.severity is Severity.error]
 
@@ -497,3 +506,17 @@ resources: {devices: 16, kind: h100, memory: 80GiB, topology: {devices_per_node:
     assert exposed_ep("flex", 8) == pytest.approx(per_token * max(7 * p_rank / 450e9, p_node / 50e9), rel=1e-3)
     # over the network, all_to_all sends 4 x 8/16 = 2 copies a token, flex fewer than one
     assert exposed_ep("flex", 8) == pytest.approx(exposed_ep("all_to_all", 8) * p_node / 2, rel=1e-3)
+
+
+def test_a_kind_without_calibrated_rows_borrows_its_siblings_efficiency(monkeypatch):
+    from mixle_compile import step_time
+
+    # B300 has no calibrated row: it takes B200's figure, not the generic fallback
+    assert not any(kind == "b300" for kind, _ in step_time.EFFICIENCY)
+    assert step_time.efficiency_of("b300", "fp8") == step_time.EFFICIENCY[("b200", "fp8")]
+    assert step_time.efficiency_of("b300", "bf16") == step_time.efficiency_of("b200", "bf16")
+    # a figure of its own wins over the sibling's
+    monkeypatch.setitem(step_time.EFFICIENCY, ("b300", "bf16"), 0.5)
+    assert step_time.efficiency_of("b300", "fp8") == 0.5
+    # a kind without a sibling, or unknown, keeps the generic fallback
+    assert step_time.efficiency_of("mi300x", "bf16") == step_time.DEFAULT_EFFICIENCY
