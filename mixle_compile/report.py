@@ -105,7 +105,9 @@ def _changed(a: float, b: float) -> bool:
 
 
 def _seconds(value: float) -> str:
-    return f"{value * 1e3:.1f} ms" if value < 1 else f"{value:.2f} s"
+    from mixle_compile.step_time import seconds_text
+
+    return seconds_text(value)
 
 
 def step_time_lines(step: dict[str, Any]) -> list[str]:

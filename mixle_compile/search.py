@@ -244,9 +244,12 @@ def read_request(path: str | Path, *, devices: int | None = None) -> Request:
         raise SearchInputError(
             [
                 f"{name}: `plan` searches transformer specs (the step-time model prices a transformer's forward "
-                "and backward passes); this model is a {spec.model.family} model"
+                f"and backward passes); this model is a {getattr(spec.model.family, 'value', spec.model.family)} model"
             ]
         )
+    unpriced = step_time.why_not_predicted(spec.model_dump(mode="json", exclude_none=True))
+    if unpriced:
+        raise SearchInputError([f"{name}: `plan` ranks plans by their predicted step time, and {unpriced}"])
     if is_auto(spec.mesh.dp_shard):
         raise SearchInputError(
             [f"{name}: write `mesh.dp_shard: auto` only with the other degrees fixed; for a search leave it out"]
@@ -1399,14 +1402,15 @@ def outcome_text(outcome: Outcome) -> str:
         mfu = f", MFU {st.mfu:.1%}" if st.mfu is not None else ""
         lines.append(f"#{i} {p.mesh_text()}")
         lines.append(f"   {p.training_text()}")
+        seconds = step_time.seconds_text
         lines.append(
-            f"   step {st.seconds:.3f}s, {st.tokens_per_second_per_device:,.0f} tokens/s per device, "
+            f"   step {seconds(st.seconds)}, {st.tokens_per_second_per_device:,.0f} tokens/s per device, "
             f"{st.tflops_per_device:.0f} TFLOP/s per device{mfu}"
         )
-        exposed = ", ".join(f"{k} {v:.3f}s" for k, v in sorted(st.exposed_communication.items())) or "none"
+        exposed = ", ".join(f"{k} {seconds(v)}" for k, v in sorted(st.exposed_communication.items())) or "none"
         lines.append(
-            f"   compute {st.compute:.3f}s, exposed communication: {exposed}, bubble {st.bubble:.3f}s, "
-            f"optimizer {st.optimizer:.3f}s; memory {_gib(p.memory_bytes)} of {_gib(p.device_memory)} per rank"
+            f"   compute {seconds(st.compute)}, exposed communication: {exposed}, bubble {seconds(st.bubble)}, "
+            f"optimizer {seconds(st.optimizer)}; memory {_gib(p.memory_bytes)} of {_gib(p.device_memory)} per rank"
         )
         if p.reason:
             lines.append(f"   loses to #{i - 1}: {p.reason}")
@@ -1443,7 +1447,7 @@ def spec_yaml(plan: Plan, source: str) -> str:
 
     st = plan.step
     head = (
-        f"# chosen by `mixle-compile plan {source}`: predicted step {st.seconds:.3f}s, "
+        f"# chosen by `mixle-compile plan {source}`: predicted step {step_time.seconds_text(st.seconds)}, "
         f"{st.tokens_per_second_per_device:,.0f} tokens/s per device\n"
     )
     return head + yaml.safe_dump(plan.spec_data, sort_keys=False)

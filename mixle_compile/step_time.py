@@ -678,6 +678,26 @@ def _setting(spec: dict) -> _Setting:
     )
 
 
+def seconds_text(value: float) -> str:
+    """A duration for people: seconds from one up, milliseconds and microseconds below."""
+    if value == 0:
+        return "0 s"
+    if value >= 1:
+        return f"{value:.2f} s"
+    if value >= 1e-3:
+        return f"{value * 1e3:.1f} ms"
+    return f"{value * 1e6:.1f} us"
+
+
+def why_not_predicted(spec: dict) -> str | None:
+    """Why no step time can be predicted for ``spec`` (JSON), or None when one can."""
+    try:
+        _setting(spec)
+    except NoPrediction as e:
+        return str(e)
+    return None
+
+
 def _engine(backend: Any) -> Any:
     """The EngineProfile of a spec's ``backend`` as JSON (a name, or a mapping with its version)."""
     from types import SimpleNamespace

@@ -520,3 +520,12 @@ def test_a_kind_without_calibrated_rows_borrows_its_siblings_efficiency(monkeypa
     assert step_time.efficiency_of("b300", "fp8") == 0.5
     # a kind without a sibling, or unknown, keeps the generic fallback
     assert step_time.efficiency_of("mi300x", "bf16") == step_time.DEFAULT_EFFICIENCY
+
+
+def test_durations_are_written_in_a_unit_people_read():
+    from mixle_compile.step_time import seconds_text
+
+    assert seconds_text(2.5) == "2.50 s"
+    assert seconds_text(0.0123) == "12.3 ms"
+    assert seconds_text(2e-6) == "2.0 us"
+    assert seconds_text(0) == "0 s"
