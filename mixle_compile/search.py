@@ -1150,7 +1150,7 @@ def search(req: Request, top: int = DEFAULT_TOP, *, variants: bool = False, tigh
         outcome.screened += 1
         facts, _, memory = rules_of(values)
         broken = broken_rules(facts, memory, _symbol_values(values, ENUMS))
-        outcome.rejections.update(r.code for r in broken)
+        # the caller counts the candidates of the modes this probe drops (the probe is one of them)
         if broken:
             refused_by = broken[0].code
         return bool(broken)
@@ -1372,7 +1372,7 @@ def _rejection_text(outcome: Outcome) -> str:
     common = outcome.rejections.most_common(3)
     names = "; ".join(f"{code} {RULES[code].name} ({n:,} candidate{'s' * (n != 1)})" for code, n in common)
     return (
-        f"every one of the {outcome.screened:,} candidates breaks a verifier rule; most often: {names}. "
+        f"every one of the {outcome.enumerated:,} candidates breaks a verifier rule; most often: {names}. "
         f"`mixle-compile explain {common[0][0]}` says what the rule needs"
     )
 

@@ -354,6 +354,12 @@ def test_no_valid_plan_exits_1_naming_the_rule_that_refused(capsys, tmp_path):
     assert status == 1
     assert "R001" in err and "device-memory" in err
     assert "no valid plan" in out
+    # the counts are of one unit: no rule refuses more candidates than were enumerated
+    import re
+
+    enumerated = int(re.search(r"every one of the ([\d,]+) candidates", err).group(1).replace(",", ""))
+    counts = [int(n.replace(",", "")) for n in re.findall(r"\(([\d,]+) candidates?\)", err)]
+    assert counts and max(counts) <= enumerated
 
 
 def test_no_factorisation_exits_1_saying_why(capsys, tmp_path):
