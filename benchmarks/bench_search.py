@@ -140,7 +140,13 @@ def anchors() -> None:
     print("why: the part of the step that makes the published layout slower than the top choice, by the model.")
     print()
     print(f"{'row':34} {'mesh':>5} {'ratio':>6} {'mesh*':>6} {'ratio*':>6}  {'why':44} top choice (all searched)")
-    in_top = in_top_kept = counted = 0
+    # The model's resolution: its median error over the rows it is calibrated on (bench_step_time.py).
+    import statistics
+
+    ratios = rows.ratios_of(rows.lowered_rows())
+    errors = [abs(r - 1) for (label, *_), r in zip(rows.ROWS, ratios, strict=True) if rows.counted(label)]
+    band = statistics.median(errors)
+    in_top = in_top_kept = counted = near = near_missed = 0
     for label, data, _ in rows.ROWS:
         loaded = load_spec_text(yaml.safe_dump(data), "row.yaml")
         published = loaded.spec
@@ -168,6 +174,9 @@ def anchors() -> None:
         counted += 1
         in_top += mesh_rank is not None and mesh_rank <= 5
         in_top_kept += kept_rank is not None and kept_rank <= 5
+        close = published_seconds / top.step.seconds <= 1 + band
+        near += close
+        near_missed += close and (mesh_rank is None or mesh_rank > 5)
         why = loses_because(predicted, top.step) or "-"
         print(
             f"{label:34} {show(mesh_rank):>5} {published_seconds / top.step.seconds:6.3f} {show(kept_rank):>6} "
@@ -176,6 +185,11 @@ def anchors() -> None:
     print(
         f"\npublished mesh in the top 5 meshes: {in_top} of {counted} rows with every setting searched, "
         f"{in_top_kept} of {counted} with the row's training settings kept"
+    )
+    print(
+        f"published layout predicted within {band:.1%} of the top choice (the model's median error on these rows, "
+        f"inside which it does not tell layouts apart): {near} of {counted} rows, {near_missed} of them "
+        "outside the top 5"
     )
 
 
