@@ -189,6 +189,9 @@ def sc21(heads, hidden, layers, gpus, tp, pp, mbs, gbs, virtual, tflops) -> tupl
         gpt=True,
         distributed_optimizer=False,
     )
+    # Megatron-LM 6985e58 sends and receives between stages with batch_isend_irecv and waits on each
+    # (megatron/p2p_communication.py): no overlap of pipeline transfers, whatever the schedule.
+    row["training"]["overlap_pipeline_transfers"] = False
     return row, tflops * 1e12 / flops_per_token
 
 
@@ -422,7 +425,12 @@ ROWS += [
 ENGINE_LIMITS: dict[str, dict] = {}
 SC21_ENGINE = {
     "mesh": {"dp_shard": 1, "cp": 1},
-    "training": {"distributed_optimizer": False, "sequence_parallel": False, "pipeline_layers": "even"},
+    "training": {
+        "distributed_optimizer": False,
+        "sequence_parallel": False,
+        "pipeline_layers": "even",
+        "overlap_pipeline_transfers": False,
+    },
     "checkpointing": ("none", "full"),
 }
 
@@ -615,7 +623,7 @@ HELD_OUT += [
 # overlap, fp8 attention and whole-iteration CUDA graphs, none of which is modelled. MXFP8 is priced as fp8. B300
 # has no dense row to calibrate it: it takes B200's efficiency (step_time.efficiency_of). Left out: the 25.11
 # container's rows of the 8-GPU layout, GB300 28,934 and GB200 23,766 (MBS 4, the all-to-all dispatcher, 1.6x and
-# 1.7x slower than 26.06 at the same mesh; they would read 1.39 and 1.53) and B200 9,299 (MBS 1; 3.56): the
+# 1.7x slower than 26.06 at the same mesh; they would read 1.38 and 1.50) and B200 9,299 (MBS 1; 3.49): the
 # difference is the software (the dispatcher, CUDA graphs, fusions), which a FLOP-and-bytes model does not see.
 QWEN3_235B = "bridge_qwen3_235b_a22b_h100_bf16_v1.yaml"
 
@@ -668,6 +676,16 @@ HELD_OUT += [
         7376,
     ),
 ]
+
+
+# Megatron-Bridge overlaps a stage's pipeline sends and receives with its compute whenever there are
+# virtual stages (training/comm_overlap.py: overlap_p2p_comm = True for vp > 1, @ 067f987d); the Bridge
+# rows state it, since Megatron-Core's own default (the specs' entry: core) is off. NeMo 24.07 (NeMo 1.x)
+# leaves it off (its model config's overlap_p2p_comm, absent from the launcher's llama2 configs, defaults
+# to False in megatron_base_model.py's ModelParallelConfig): those rows keep the default.
+for _label, _data, _ in ROWS + HELD_OUT:
+    if _label.startswith("bridge") and _data["training"].get("virtual_pipeline_stages", 1) > 1:
+        _data["training"]["overlap_pipeline_transfers"] = True
 
 
 def counted(label: str) -> bool:

@@ -91,6 +91,20 @@ class EngineProfile:
         ``fully_shard`` with ``reduce_dtype`` float32; torch's ``foreach_reduce``)."""
         return self.name == Engine.TORCHTITAN
 
+    def overlaps_pipeline_transfers(
+        self, schedule: str | None, virtual_stages: int | None, asked: bool | None = None
+    ) -> bool:
+        """A stage's sends and receives to its pipeline neighbours run beside its compute. Megatron runs
+        them so only under its interleaved schedule (``overlap_p2p_comm``; megatron/training/arguments.py
+        turns it off without virtual stages), and by default from its arguments (on unless
+        ``--no-overlap-p2p-communication``), not from Megatron-Core's ``ModelParallelConfig`` (off;
+        Megatron-Bridge sets it whenever vp > 1, training/comm_overlap.py). ``asked``: the spec's
+        ``training.overlap_pipeline_transfers`` (None: that default). torch's pipelining runtime waits on
+        each receive before the action that needs it."""
+        if self.name != Engine.MEGATRON or schedule != "interleaved_1f1b" or (virtual_stages or 1) <= 1:
+            return False
+        return (self.entry != "core") if asked is None else asked
+
     @property
     def ring_attention(self) -> bool:
         """Context parallelism runs torch's ring attention over SDPA, all-gathering keys and values

@@ -1076,6 +1076,10 @@ class _Pricer:
             bubble,
             state,
             self.flops_per_token,
+            pipeline_overlapped=pp > 1
+            and self.engine.overlaps_pipeline_transfers(
+                v["pipeline_schedule"], v["virtual_pipeline_stages"], t.overlap_pipeline_transfers
+            ),
         )
 
 

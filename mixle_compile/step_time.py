@@ -15,7 +15,8 @@ way :mod:`mixle_compile.memory_model` is read for memory. The model (docs/step-t
   traffic reports) over the link its group crosses (inside a node or between nodes, from the
   mesh order and ``resources.topology``), then what the engine overlaps: data-parallel gradient
   and parameter traffic (FSDP prefetch, DDP bucketing) hides behind compute, context-parallel
-  traffic behind attention; tensor-parallel, expert and pipeline traffic is exposed.
+  traffic behind attention, pipeline transfers behind compute where the engine overlaps them
+  (Megatron's interleaved schedule); tensor-parallel and expert traffic is exposed.
 - the pipeline bubble, from the plan's schedule (``bubble_fraction``);
 - the optimizer step: every byte of parameters, gradients and optimizer state read and written
   once at the device's memory bandwidth.
@@ -131,12 +132,12 @@ BASE_LATENCY = 8.4e-6
 #: rows and the ratios; docs/step-time.md names the sources).
 EFFICIENCY: dict[tuple[str, str], float] = {
     ("a100", "fp16"): 0.650,  # SC21 Table 1 (Megatron-LM, 10 rows)
-    ("b200", "fp8"): 0.642,  # Megatron-Bridge 25.11, DGX-B200 (2 rows)
-    ("gb200", "fp8"): 0.639,  # Megatron-Bridge 25.11, DGX-GB200 (2 rows)
-    ("gb300", "fp8"): 0.774,  # Megatron-Bridge 25.11, DGX-GB300 (2 rows)
-    ("h100", "fp8"): 0.760,  # Megatron-Bridge 25.11 (3 rows)
+    ("b200", "fp8"): 0.617,  # Megatron-Bridge 25.11, DGX-B200 (2 rows)
+    ("gb200", "fp8"): 0.611,  # Megatron-Bridge 25.11, DGX-GB200 (2 rows)
+    ("gb300", "fp8"): 0.765,  # Megatron-Bridge 25.11, DGX-GB300 (2 rows)
+    ("h100", "fp8"): 0.743,  # Megatron-Bridge 25.11 (3 rows)
     ("h100-96gb", "bf16"): 0.446,  # torchtitan Dec 2024, Tables 1 and 3, async TP bf16 (8 rows)
-    ("h100-96gb", "fp8"): 0.447,  # torchtitan Dec 2024, Tables 1-6, async TP fp8 (16 rows)
+    ("h100-96gb", "fp8"): 0.450,  # torchtitan Dec 2024, Tables 1-6, async TP fp8 (16 rows)
     ("h200", "fp8"): 0.526,  # torchtitan, Trainy H200 (2 rows)
 }
 #: For a device kind or precision without a calibrated figure: the kind's 16-bit figure (same tensor
@@ -898,6 +899,13 @@ def predict(
         traffic,
         bubble_fraction,
         state_bytes,
+        pipeline_overlapped=degrees["pp"] > 1
+        and st.engine is not None
+        and st.engine.overlaps_pipeline_transfers(
+            training.get("pipeline_schedule"),
+            training.get("virtual_pipeline_stages"),
+            training.get("overlap_pipeline_transfers"),
+        ),
     )
 
 
@@ -910,18 +918,22 @@ def combine(
     bubble_fraction: float,
     state_bytes: float,
     flops_per_token: float | None = None,
+    pipeline_overlapped: bool = False,
 ) -> StepTime:
     """A step from its busiest stage's compute over the step (and the attention part of it), its
     collectives as (mesh axes, payload kind, seconds on their link, seconds of the matmuls async
     tensor parallelism fuses them with: :func:`fused_seconds`, 0 for none), the bubble fraction and the
     bytes of parameters, gradients and optimizer state the optimizer step reads and writes: what
     each engine hides and what stays exposed (the module docstring). ``flops_per_token``: the
-    model's :func:`model_flops_per_token`, when the caller has it already."""
+    model's :func:`model_flops_per_token`, when the caller has it already. ``pipeline_overlapped``:
+    the engine runs the stage's pipeline sends and receives beside its compute
+    (EngineProfile.overlaps_pipeline_transfers), which then hides them up to its length."""
     st = _setting(st) if isinstance(st, dict) else st
     exposed: dict[str, float] = {}
     hidden: dict[str, float] = {}
     data_seconds = 0.0
     context_seconds = 0.0
+    pipeline_seconds = 0.0
     tp = degrees["tp"]
     overlap_tp = bool(st.training.get("async_tensor_parallel")) and tp > 1
     for axes, payload, seconds, fused in traffic:
@@ -931,6 +943,9 @@ def combine(
             hidden[key] = hidden.get(key, 0.0) + seconds
         elif list(axes) == ["cp"]:
             context_seconds += seconds
+            hidden[key] = hidden.get(key, 0.0) + seconds
+        elif pipeline_overlapped and list(axes) == ["pp"]:
+            pipeline_seconds += seconds
             hidden[key] = hidden.get(key, 0.0) + seconds
         elif overlap_tp and list(axes) == ["tp"] and fused > 0:
             # Async tensor parallelism splits the collective into tp chunks and multiplies one chunk
@@ -948,6 +963,8 @@ def combine(
         exposed["data-parallel"] = data_seconds - compute
     if context_seconds > attention_share:
         exposed["cp"] = exposed.get("cp", 0.0) + context_seconds - attention_share
+    if pipeline_seconds > compute:
+        exposed["pp"] = exposed.get("pp", 0.0) + pipeline_seconds - compute
     busy = compute + sum(exposed.values())
     bubble = busy * bubble_fraction / (1 - bubble_fraction) if bubble_fraction < 1 else 0.0
     optimizer = 2 * state_bytes / st.table["memory_bandwidth"]

@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mixle_compile import cli
+from mixle_compile.engines import engine_profile
 from mixle_compile.export import TARGETS, ExportRefused, export_spec, memory_text, on_backend
 from mixle_compile.export.megatron import megatron_arguments
 from mixle_compile.importers import ImportOptions, read_any
@@ -37,7 +38,16 @@ def canonical(spec: Spec) -> dict:
     data["resources"]["throughput"] = None  # a speed, not an engine setting: export drops it (and says so)
     if data["mesh"]["pp"] == 1:  # a schedule without a pipeline says nothing
         data["training"]["pipeline_schedule"] = "1f1b"
+    data["training"]["overlap_pipeline_transfers"] = overlapped(spec)
     return data
+
+
+def overlapped(spec: Spec) -> bool:
+    """Whether the spec's engine overlaps its pipeline transfers (its field, or the engine's default)."""
+    t = spec.training
+    return parallel_plan(spec).pp > 1 and engine_profile(spec.backend).overlaps_pipeline_transfers(
+        t.pipeline_schedule, t.virtual_pipeline_stages, t.overlap_pipeline_transfers
+    )
 
 
 def reimport(exported, folder: Path, spec: Spec) -> Spec:
@@ -65,6 +75,10 @@ def round_trip(spec: Spec, target: str, folder: Path) -> bool:
         return False
     back = reimport(exported, folder, spec)
     want = canonical(on_backend(spec, target))
+    if target == "megatron" and engine_profile(spec.backend).name == "megatron":
+        # a Megatron spec's launch runs what its own front end does (entry: core's default too); another
+        # engine's spec gets Megatron-LM's default
+        want["training"]["overlap_pipeline_transfers"] = overlapped(spec)
     got = canonical(back)
     if target == "deepspeed":  # a DeepSpeed config has no device kind, step count or seed (the script's)
         want["resources"]["kind"] = got["resources"]["kind"]
@@ -714,3 +728,23 @@ def test_a_flex_dispatcher_is_written_as_each_engine_states_it(tmp_path):
             with pytest.raises(ExportRefused) as refused:
                 export_spec(titan, "torchtitan")
             assert any(field == "training.expert_dispatcher" for field, _ in refused.value.reasons)
+
+
+def test_megatron_pipeline_overlap_is_written_where_the_launch_would_differ(tmp_path):
+    text = """
+model: {family: transformer, vocab_size: 256, hidden_size: 64, num_layers: 8, num_heads: 4, ffn_hidden_size: 128}
+mesh: {pp: 2, microbatches: 4}
+training: {global_batch_size: 4, seq_len: 32, pipeline_schedule: interleaved_1f1b, virtual_pipeline_stages: 2 EXTRA}
+backend: {name: megatron, version: "0.16", entry: ENTRY}
+resources: {devices: 2, memory: 8GiB}
+"""
+    for entry, extra, written in [
+        ("arguments", "", False),  # Megatron-LM's default: on, nothing to write
+        ("arguments", ", overlap_pipeline_transfers: false", True),
+        ("core", "", True),  # Megatron-Core's default is off: the Megatron-LM launch must turn it off
+        ("core", ", overlap_pipeline_transfers: true", False),
+    ]:
+        spec = load_spec_text(text.replace("ENTRY", entry).replace(" EXTRA", extra), "p.yaml").spec
+        exported = export_spec(spec, "megatron")
+        assert ("--no-overlap-p2p-communication" in exported.files[exported.main]) == written, (entry, extra)
+        assert round_trip(spec, "megatron", tmp_path / f"{entry}{len(extra)}")

@@ -561,3 +561,31 @@ def test_the_search_prices_an_expert_exchange_over_nodes_as_the_lowered_plan_doe
         torch_spec["backend"] = "torch"
         result = check_loaded(load_spec_text(yaml.safe_dump(torch_spec), "torch.yaml"))
         assert "E012" in {d.code for d in result.diagnostics}
+
+
+@pytest.mark.parametrize("entry,asked", [("arguments", None), ("core", None), ("core", True), ("arguments", False)])
+def test_the_search_prices_megatrons_pipeline_overlap_as_the_lowered_plan_does(tmp_path, entry, asked):
+    # Interleaved pipelines whose stages sit on different nodes: Megatron overlaps their transfers by
+    # default from its arguments, and where the spec asks; the search's pricing is the lowered plan's.
+    training = {} if asked is None else {"overlap_pipeline_transfers": asked}
+    mesh = {"dp_replicate": "auto", "dp_shard": 1, "tp": 1, "pp": 4, "cp": 1}
+    text = spec_text(
+        {**DENSE, "num_layers": 8},
+        8,
+        {"name": "megatron", "version": "0.16", "entry": entry},
+        mesh=mesh,
+        global_batch=64,
+        **training,
+    ).replace("kind: h100", "kind: h100\n  topology: {devices_per_node: 1}")
+    path = tmp_path / "spec.yaml"
+    path.write_text(text)
+    outcome = search(read_request(path), top=20, variants=True)  # every plan of the one mesh
+    interleaved = [p for p in outcome.plans if p.values["virtual_pipeline_stages"] > 1]
+    assert interleaved, [p.training_text() for p in outcome.plans]
+    expected = (entry == "arguments") if asked is None else asked
+    for plan in interleaved:
+        loaded = load_spec_text(yaml.safe_dump(plan.spec_data), "plan.yaml")
+        exact = predict_lowered(loaded.spec, lower(loaded.spec, schedule=False))
+        assert plan.step.seconds == pytest.approx(exact.seconds, rel=0.02)
+        assert ("pp" in exact.hidden_communication) == expected
+        assert ("pp" in plan.step.hidden_communication) == expected

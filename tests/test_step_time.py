@@ -529,3 +529,47 @@ def test_durations_are_written_in_a_unit_people_read():
     assert seconds_text(0.0123) == "12.3 ms"
     assert seconds_text(2e-6) == "2.0 us"
     assert seconds_text(0) == "0 s"
+
+
+PIPELINED = """
+model: {family: transformer, vocab_size: 32000, hidden_size: 4096, num_layers: 32, num_heads: 32,
+  ffn_hidden_size: 11008}
+mesh: {dp_replicate: 2, pp: 8, microbatches: 16}
+training: {global_batch_size: 32, seq_len: 4096, precision: bf16, pipeline_schedule: SCHEDULE,
+  virtual_pipeline_stages: VP OVERLAP}
+backend: {name: megatron, version: "0.16", entry: ENTRY}
+resources: {devices: 16, kind: h100, memory: 80GiB, topology: {devices_per_node: 2}}
+"""
+
+
+@pytest.mark.parametrize(
+    "schedule,vp,entry,asked,overlapped",
+    [
+        ("interleaved_1f1b", 2, "arguments", None, True),  # Megatron-LM: on by default
+        ("interleaved_1f1b", 2, "arguments", False, False),  # --no-overlap-p2p-communication
+        ("interleaved_1f1b", 2, "core", None, False),  # Megatron-Core's ModelParallelConfig: off
+        ("interleaved_1f1b", 2, "core", True, True),  # Megatron-Bridge turns it on with virtual stages
+        ("1f1b", 1, "arguments", True, False),  # no virtual stages: Megatron turns it off
+    ],
+)
+def test_megatron_overlaps_pipeline_transfers_only_under_its_interleaved_schedule(
+    schedule, vp, entry, asked, overlapped
+):
+    def predicted(overlap: bool | None):
+        text = PIPELINED.replace("SCHEDULE", schedule).replace("VP", str(vp)).replace("ENTRY", entry)
+        text = text.replace(
+            " OVERLAP", "" if overlap is None else f", overlap_pipeline_transfers: {str(overlap).lower()}"
+        )
+        loaded = load_spec_text(text, "p.yaml")
+        assert loaded.ok, [d.text() for d in loaded.diagnostics]
+        return predict_lowered(loaded.spec, lower(loaded.spec, schedule=False))
+
+    st = predicted(asked)
+    # every pipeline group spans 8 nodes of 2: the transfers cross the network
+    if overlapped:
+        assert "pp" not in st.exposed_communication and st.hidden_communication["pp"] > 0
+        exposed = predicted(False)
+        assert exposed.exposed_communication["pp"] == pytest.approx(st.hidden_communication["pp"], rel=1e-9)
+        assert st.seconds < exposed.seconds
+    else:
+        assert st.exposed_communication["pp"] > 0 and "pp" not in st.hidden_communication

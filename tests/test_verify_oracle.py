@@ -507,6 +507,8 @@ def violations(
     rule("E011", not capped, only=("torch", "torchtitan"))
     # the in-tree runtime sends one copy of a token per routed expert: no flex dispatcher
     rule("E012", not (transformer and t.expert_dispatcher == "flex"), only="torch")
+    # torch's pipelining runtime waits for each receive: no overlap of pipeline transfers
+    rule("P012", not (transformer and t.overlap_pipeline_transfers is True), only=("torch", "torchtitan"))
     rule(
         "E002",
         (etp != tp or (dps * cp) % ep == 0) and (etp != 1 or (dps * cp * tp) % ep == 0),
@@ -837,6 +839,9 @@ def plan(i: int, degrees: tuple[int, ...], shape: str, backend: str) -> dict:
         "expert_dispatcher": ("all_to_all", "flex")[i // 17 % 2],
         "attention": (None, "eager", "flash")[i // 19 % 3],
     }
+    overlap = (None, True, False)[i // 13 % 3]
+    if overlap is not None:
+        training["overlap_pipeline_transfers"] = overlap
     devices = n if auto or i % 11 else n + 1
     model = dict(SHAPES[shape])
     if model["family"] == "transformer":

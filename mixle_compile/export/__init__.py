@@ -103,7 +103,7 @@ def export_spec(spec: Spec, target: str, *, stem: str = "train", torchtitan_vers
         raise ExportRefused(
             target, [("backend.version", f"torchtitan {version}: written are 0.2 (job TOML) and 0.3 (Python)")]
         )
-    spec = on_backend(spec, target, version)
+    spec = on_backend(_overlap_resolved(spec, target), target, version)
     errors = verification_errors(spec)
     if errors:
         raise ExportRefused(target, [(f, f"does not verify on the {target} backend: {m}") for f, m in errors])
@@ -122,6 +122,21 @@ def export_spec(spec: Spec, target: str, *, stem: str = "train", torchtitan_vers
     from mixle_compile.export.deepspeed import deepspeed_files
 
     return deepspeed_files(spec, stem)
+
+
+def _overlap_resolved(spec: Spec, target: str) -> Spec:
+    """A Megatron spec exported to Megatron-LM's arguments keeps whether its pipeline transfers overlap:
+    Megatron-Core's default (entry: core) is off where Megatron-LM's is on, so it is written out."""
+    from mixle_compile.engines import engine_profile
+
+    t = spec.training
+    backend = spec.backend if isinstance(spec.backend, str) else spec.backend.name
+    interleaved = t.pipeline_schedule == "interleaved_1f1b" and t.virtual_pipeline_stages > 1
+    if target != "megatron" or backend != "megatron" or t.overlap_pipeline_transfers is not None or not interleaved:
+        return spec
+    if engine_profile(spec.backend).overlaps_pipeline_transfers(t.pipeline_schedule, t.virtual_pipeline_stages):
+        return spec
+    return spec.model_copy(update={"training": t.model_copy(update={"overlap_pipeline_transfers": False})})
 
 
 def memory_text(nbytes: int) -> str:

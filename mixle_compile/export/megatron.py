@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import shlex
 
+from mixle_compile.engines import engine_profile
 from mixle_compile.export import Exported, ExportRefused, memory_text
 from mixle_compile.layer_split import megatron_accounting, megatron_uneven_of
 from mixle_compile.spec.models import Spec, parallel_plan
@@ -154,6 +155,13 @@ def megatron_arguments(spec: Spec) -> list[str]:
         a += ["--use-tp-pp-dp-mapping"]
     if t.sequence_parallel:
         a += ["--sequence-parallel"]
+    interleaved = plan.pp > 1 and t.pipeline_schedule == "interleaved_1f1b" and t.virtual_pipeline_stages > 1
+    if interleaved and not engine_profile(spec.backend).overlaps_pipeline_transfers(
+        t.pipeline_schedule, t.virtual_pipeline_stages, t.overlap_pipeline_transfers
+    ):
+        # Megatron-LM overlaps pipeline transfers under the interleaved schedule unless told not to; the
+        # plan priced them exposed (the spec's false, or Megatron-Core's default for entry: core)
+        a += ["--no-overlap-p2p-communication"]
     if t.async_tensor_parallel:
         a += ["--tp-comm-overlap"]
     if plan.dp_shard > 1:

@@ -61,6 +61,7 @@ READ = {
     "--num-layers-per-virtual-pipeline-stage": "int",
     "--virtual-pipeline-model-parallel-size": "int",
     "--sequence-parallel": "bool",
+    "--no-overlap-p2p-communication": "bool",
     "--tp-comm-overlap": "bool",
     "--use-distributed-optimizer": "bool",
     "--use-megatron-fsdp": "bool",
@@ -734,6 +735,8 @@ def read_megatron(
     # ---- the rest of training
     if has("--sequence-parallel"):
         set_(("training", "sequence_parallel"), True, "--sequence-parallel")
+    if has("--no-overlap-p2p-communication"):  # overlap_p2p_comm is on by default (store_false)
+        set_(("training", "overlap_pipeline_transfers"), False, "--no-overlap-p2p-communication")
     if has("--tp-comm-overlap"):  # megatron/training/arguments.py: TP communication/GEMM overlap (C010)
         set_(("training", "async_tensor_parallel"), True, "--tp-comm-overlap")
     if has("--fp8-format"):

@@ -233,6 +233,14 @@ def plan_facts(spec: Spec) -> PlanFacts:
         )
         dispatcher = spec.training.expert_dispatcher
         add("flex_dispatch", ("training", "expert_dispatcher"), dispatcher == "flex", "bool", dispatcher)
+        overlap = spec.training.overlap_pipeline_transfers
+        add(
+            "overlap_pipeline",
+            ("training", "overlap_pipeline_transfers"),
+            overlap is True,
+            "bool",
+            "the engine's default" if overlap is None else str(overlap).lower(),
+        )
         footprint = parameter_footprint(spec)
     elif isinstance(model, ModulesModel):
         family = Family.MODULES

@@ -295,3 +295,35 @@ TORCHTITAN_TIED_PIPELINE = define(
         engines=frozenset({Engine.TORCHTITAN}),
     )
 )
+
+
+PIPELINE_OVERLAP_NOT_IN_TORCH = define(
+    Rule(
+        code="P012",
+        name="pipeline-overlap-needs-megatron",
+        title="torch, torchtitan: a stage waits for each pipeline receive (no overlap of pipeline transfers).",
+        docs=(
+            "`training.overlap_pipeline_transfers: true` states that a stage's sends and receives to its "
+            "pipeline neighbours run beside its compute, as Megatron's interleaved schedule runs them "
+            "(`overlap_p2p_comm`). torch's pipelining runtime, which torchtitan and the in-tree runtime "
+            "schedule with, waits for each receive before the action that needs it, so a plan that states "
+            "the overlap would run, and be measured, as something else. Leave the field out to take the "
+            "engine's default."
+        ),
+        engine_reference=(
+            "torch/distributed/pipelining/schedules.py (receives waited before each action); Megatron-Core "
+            "model_parallel_config.py `overlap_p2p_comm`, megatron/training/arguments.py "
+            "`--no-overlap-p2p-communication`"
+        ),
+        constraint=lambda v: negation(v.overlap_pipeline),
+        explain=lambda x: (
+            "training.overlap_pipeline_transfers is true, but torch's pipelining runtime waits for each receive"
+        ),
+        hint=lambda x: "remove training.overlap_pipeline_transfers (or set it false), or use backend: megatron",
+        fields=("overlap_pipeline",),
+        context=("backend",),
+        engines=frozenset({Engine.TORCH, Engine.TORCHTITAN}),
+        needs=("overlap_pipeline",),
+        families=TRANSFORMER,
+    )
+)
