@@ -748,3 +748,5 @@ resources: {devices: 2, memory: 8GiB}
         exported = export_spec(spec, "megatron")
         assert ("--no-overlap-p2p-communication" in exported.files[exported.main]) == written, (entry, extra)
         assert round_trip(spec, "megatron", tmp_path / f"{entry}{len(extra)}")
+        # to torchtitan, whose pipelining has no such switch (P012), the field is left out
+        assert round_trip(spec, "torchtitan", tmp_path / f"titan-{entry}{len(extra)}")

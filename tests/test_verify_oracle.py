@@ -507,8 +507,8 @@ def violations(
     rule("E011", not capped, only=("torch", "torchtitan"))
     # the in-tree runtime sends one copy of a token per routed expert: no flex dispatcher
     rule("E012", not (transformer and t.expert_dispatcher == "flex"), only="torch")
-    # torch's pipelining runtime waits for each receive: no overlap of pipeline transfers
-    rule("P012", not (transformer and t.overlap_pipeline_transfers is True), only=("torch", "torchtitan"))
+    # overlap_pipeline_transfers is Megatron's switch: torch's pipelining has none
+    rule("P012", not (transformer and t.overlap_pipeline_transfers is not None), only=("torch", "torchtitan"))
     rule(
         "E002",
         (etp != tp or (dps * cp) % ep == 0) and (etp != 1 or (dps * cp * tp) % ep == 0),

@@ -126,10 +126,13 @@ def export_spec(spec: Spec, target: str, *, stem: str = "train", torchtitan_vers
 
 def _overlap_resolved(spec: Spec, target: str) -> Spec:
     """A Megatron spec exported to Megatron-LM's arguments keeps whether its pipeline transfers overlap:
-    Megatron-Core's default (entry: core) is off where Megatron-LM's is on, so it is written out."""
+    Megatron-Core's default (entry: core) is off where Megatron-LM's is on, so it is written out. To
+    another engine the field (Megatron's switch, which the others lack: P012) is left out."""
     from mixle_compile.engines import engine_profile
 
     t = spec.training
+    if target != "megatron" and t.overlap_pipeline_transfers is not None:
+        return spec.model_copy(update={"training": t.model_copy(update={"overlap_pipeline_transfers": None})})
     backend = spec.backend if isinstance(spec.backend, str) else spec.backend.name
     interleaved = t.pipeline_schedule == "interleaved_1f1b" and t.virtual_pipeline_stages > 1
     if target != "megatron" or backend != "megatron" or t.overlap_pipeline_transfers is not None or not interleaved:

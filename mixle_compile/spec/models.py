@@ -700,7 +700,7 @@ class TrainingSpec(StrictModel):
             "overlap_p2p_comm, which only the interleaved schedule has); left out, the engine's default: on "
             "for Megatron-LM's arguments (--no-overlap-p2p-communication turns it off), off for Megatron-Core's "
             "ModelParallelConfig (Megatron-Bridge turns it on whenever there are virtual stages); torch's "
-            "pipelining runtime waits for each receive, and true is refused there (P012)"
+            "pipelining has no such switch and refuses the field (P012): its transfers are priced exposed"
         ),
     )
     pipeline_layers: Literal["even"] | Annotated[list[Count], Field(min_length=1, max_length=1 << 16)] | None = Field(

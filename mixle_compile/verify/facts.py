@@ -237,7 +237,7 @@ def plan_facts(spec: Spec) -> PlanFacts:
         add(
             "overlap_pipeline",
             ("training", "overlap_pipeline_transfers"),
-            overlap is True,
+            overlap is not None,
             "bool",
             "the engine's default" if overlap is None else str(overlap).lower(),
         )

@@ -297,29 +297,29 @@ TORCHTITAN_TIED_PIPELINE = define(
 )
 
 
-PIPELINE_OVERLAP_NOT_IN_TORCH = define(
+PIPELINE_OVERLAP_IS_MEGATRONS = define(
     Rule(
         code="P012",
-        name="pipeline-overlap-needs-megatron",
-        title="torch, torchtitan: a stage waits for each pipeline receive (no overlap of pipeline transfers).",
+        name="pipeline-overlap-is-megatrons",
+        title="torch, torchtitan: overlap_pipeline_transfers is Megatron's switch; torch's pipelining has none.",
         docs=(
-            "`training.overlap_pipeline_transfers: true` states that a stage's sends and receives to its "
-            "pipeline neighbours run beside its compute, as Megatron's interleaved schedule runs them "
-            "(`overlap_p2p_comm`). torch's pipelining runtime, which torchtitan and the in-tree runtime "
-            "schedule with, waits for each receive before the action that needs it, so a plan that states "
-            "the overlap would run, and be measured, as something else. Leave the field out to take the "
-            "engine's default."
+            "`training.overlap_pipeline_transfers` states Megatron's `overlap_p2p_comm`: whether its interleaved "
+            "schedule runs a stage's sends and receives to its pipeline neighbours beside its compute (on from "
+            "Megatron-LM's arguments, off from Megatron-Core's `ModelParallelConfig`). torch's pipelining "
+            "runtime, which torchtitan and the in-tree runtime schedule with, has no such switch: its "
+            "single-stage schedules wait for each receive before the step that needs it, and its multi-stage "
+            "runtime posts a receive where its lowered schedule places it. A value here would state a setting "
+            "the engine cannot be given; leave the field out (the step-time model prices these transfers "
+            "exposed)."
         ),
         engine_reference=(
-            "torch/distributed/pipelining/schedules.py (receives waited before each action); Megatron-Core "
-            "model_parallel_config.py `overlap_p2p_comm`, megatron/training/arguments.py "
-            "`--no-overlap-p2p-communication`"
+            "torch/distributed/pipelining/schedules.py (Schedule1F1B waits on its receives; "
+            "_PipelineScheduleRuntime posts RECV_F/RECV_B actions); Megatron-Core model_parallel_config.py "
+            "`overlap_p2p_comm`, megatron/training/arguments.py `--no-overlap-p2p-communication`"
         ),
         constraint=lambda v: negation(v.overlap_pipeline),
-        explain=lambda x: (
-            "training.overlap_pipeline_transfers is true, but torch's pipelining runtime waits for each receive"
-        ),
-        hint=lambda x: "remove training.overlap_pipeline_transfers (or set it false), or use backend: megatron",
+        explain=lambda x: "training.overlap_pipeline_transfers is set, but torch's pipelining has no such switch",
+        hint=lambda x: "remove training.overlap_pipeline_transfers, or use backend: megatron",
         fields=("overlap_pipeline",),
         context=("backend",),
         engines=frozenset({Engine.TORCH, Engine.TORCHTITAN}),
