@@ -668,6 +668,10 @@ def test_megatron_virtual_stages_from_layers_per_virtual_stage(tmp_path):
         data["training"]["virtual_pipeline_stages"] == 4 and data["training"]["pipeline_schedule"] == "interleaved_1f1b"
     )
     assert data["mesh"]["microbatches"] == 8
+    # its transfers overlap by default (overlap_p2p_comm); --no-overlap-p2p-communication turns that off
+    assert "overlap_pipeline_transfers" not in data["training"]
+    path.write_text(path.read_text().strip() + " --no-overlap-p2p-communication\n")
+    assert imported(path, devices=2)["training"]["overlap_pipeline_transfers"] is False
 
 
 # --------------------------------------------------------------------------- the shell reader
@@ -1874,15 +1878,3 @@ def test_torchtitan_expert_parallel_comm_backend_is_the_expert_dispatcher(tmp_pa
         assert status == 2 and "I004" in out and "expert_parallel_comm_backend = 'nccl'" in out, out
     else:
         assert imported(path)["training"]["expert_dispatcher"] == dispatcher
-
-
-def test_megatron_no_overlap_p2p_communication_turns_the_pipeline_overlap_off(tmp_path):
-    path = tmp_path / "args.txt"
-    base = (
-        "--num-layers 8 --hidden-size 64 --num-attention-heads 4 --vocab-size 128 --seq-length 32 "
-        "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2 --global-batch-size 8"
-    )
-    path.write_text(base + "\n")
-    assert "overlap_pipeline_transfers" not in imported(path, devices=2)["training"]  # the engine's default: on
-    path.write_text(base + " --no-overlap-p2p-communication\n")
-    assert imported(path, devices=2)["training"]["overlap_pipeline_transfers"] is False
