@@ -125,7 +125,9 @@ def step_time_lines(step: dict[str, Any]) -> list[str]:
         lines.append(f"  exposed communication over {axes}: {_seconds(seconds)}")
     hidden = sum(step["hidden_communication"].values())
     if hidden:
-        lines.append(f"  communication hidden behind compute: {_seconds(hidden)}")
+        parts = sorted(step["hidden_communication"].items(), key=lambda item: -item[1])
+        by_axes = ", ".join(f"{axes} {_seconds(seconds)}" for axes, seconds in parts if seconds)
+        lines.append(f"  communication hidden behind compute: {_seconds(hidden)} ({by_axes})")
     if step["bubble"]:
         lines.append(f"  pipeline bubble: {_seconds(step['bubble'])}")
     lines.append(f"  optimizer step: {_seconds(step['optimizer'])}")

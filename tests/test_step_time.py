@@ -573,3 +573,12 @@ def test_megatron_overlaps_pipeline_transfers_only_under_its_interleaved_schedul
         assert st.seconds < exposed.seconds
     else:
         assert st.exposed_communication["pp"] > 0 and "pp" not in st.hidden_communication
+
+
+def test_explain_names_the_communication_compute_hides(capsys):
+    # Megatron-Bridge's 70B recipe: FSDP-free data parallelism, async TP, and interleaved stages whose
+    # transfers Bridge overlaps (overlap_pipeline_transfers: true)
+    spec = ROOT / "tests" / "corpus" / "production" / "bridge_nemo" / "bridge_llama3_70b_h100_bf16_v2.yaml"
+    assert cli.main(["explain", str(spec)]) == 0
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if "hidden behind compute" in x]
+    assert "(" in line and " pp " in line and "tp " in line, line
