@@ -644,8 +644,7 @@ def qwen3_blackwell(name: str, system: dict, devices: int, gbs: int, mbs: int, p
         training.update(virtual_pipeline_stages=vp, pipeline_layers=[per - 1] + [per] * (stages - 2) + [per - 1])
         drop = ()
     data = bridge_corpus(name, mesh=mesh, drop=drop, **training)
-    data["resources"] = dict(devices=devices, **system)
-    data["resources"].pop("backend", None)
+    data["resources"] = {"devices": devices, "kind": system["kind"], "memory": system["memory"]}
     return data
 
 

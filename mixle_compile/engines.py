@@ -99,8 +99,8 @@ class EngineProfile:
         turns it off without virtual stages), and by default from its arguments (on unless
         ``--no-overlap-p2p-communication``), not from Megatron-Core's ``ModelParallelConfig`` (off;
         Megatron-Bridge sets it whenever vp > 1, training/comm_overlap.py). ``asked``: the spec's
-        ``training.overlap_pipeline_transfers`` (None: that default). torch's pipelining runtime waits on
-        each receive before the action that needs it."""
+        ``training.overlap_pipeline_transfers`` (None: that default). torch's pipelining has no such switch
+        (P012): its transfers are priced exposed."""
         if self.name != Engine.MEGATRON or schedule != "interleaved_1f1b" or (virtual_stages or 1) <= 1:
             return False
         return (self.entry != "core") if asked is None else asked

@@ -244,7 +244,7 @@ def read_request(path: str | Path, *, devices: int | None = None) -> Request:
         raise SearchInputError(
             [
                 f"{name}: `plan` searches transformer specs (the step-time model prices a transformer's forward "
-                f"and backward passes); this model is a {getattr(spec.model.family, 'value', spec.model.family)} model"
+                f"and backward passes); this model is a {spec.model.family} model"
             ]
         )
     unpriced = step_time.why_not_predicted(spec.model_dump(mode="json", exclude_none=True))
@@ -1076,8 +1076,7 @@ class _Pricer:
             bubble,
             state,
             self.flops_per_token,
-            pipeline_overlapped=pp > 1
-            and self.engine.overlaps_pipeline_transfers(
+            pipeline_overlapped=self.engine.overlaps_pipeline_transfers(
                 v["pipeline_schedule"], v["virtual_pipeline_stages"], t.overlap_pipeline_transfers
             ),
         )

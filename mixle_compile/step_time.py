@@ -899,8 +899,7 @@ def predict(
         traffic,
         bubble_fraction,
         state_bytes,
-        pipeline_overlapped=degrees["pp"] > 1
-        and st.engine is not None
+        pipeline_overlapped=st.engine is not None
         and st.engine.overlaps_pipeline_transfers(
             training.get("pipeline_schedule"),
             training.get("virtual_pipeline_stages"),

@@ -131,15 +131,21 @@ def _overlap_resolved(spec: Spec, target: str) -> Spec:
     from mixle_compile.engines import engine_profile
 
     t = spec.training
-    if target != "megatron" and t.overlap_pipeline_transfers is not None:
-        return spec.model_copy(update={"training": t.model_copy(update={"overlap_pipeline_transfers": None})})
-    backend = spec.backend if isinstance(spec.backend, str) else spec.backend.name
-    interleaved = t.pipeline_schedule == "interleaved_1f1b" and t.virtual_pipeline_stages > 1
-    if target != "megatron" or backend != "megatron" or t.overlap_pipeline_transfers is not None or not interleaved:
+    if target != "megatron":
+        value = None
+    elif t.overlap_pipeline_transfers is not None:
         return spec
-    if engine_profile(spec.backend).overlaps_pipeline_transfers(t.pipeline_schedule, t.virtual_pipeline_stages):
+    else:
+        # where Megatron-LM would overlap (asked: true) but this spec's engine does not by default
+        profile, schedule, virtual = engine_profile(spec.backend), t.pipeline_schedule, t.virtual_pipeline_stages
+        if not profile.overlaps_pipeline_transfers(schedule, virtual, True) or profile.overlaps_pipeline_transfers(
+            schedule, virtual
+        ):
+            return spec
+        value = False
+    if t.overlap_pipeline_transfers == value:
         return spec
-    return spec.model_copy(update={"training": t.model_copy(update={"overlap_pipeline_transfers": False})})
+    return spec.model_copy(update={"training": t.model_copy(update={"overlap_pipeline_transfers": value})})
 
 
 def memory_text(nbytes: int) -> str:

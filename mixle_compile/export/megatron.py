@@ -155,9 +155,9 @@ def megatron_arguments(spec: Spec) -> list[str]:
         a += ["--use-tp-pp-dp-mapping"]
     if t.sequence_parallel:
         a += ["--sequence-parallel"]
-    interleaved = plan.pp > 1 and t.pipeline_schedule == "interleaved_1f1b" and t.virtual_pipeline_stages > 1
-    if interleaved and not engine_profile(spec.backend).overlaps_pipeline_transfers(
-        t.pipeline_schedule, t.virtual_pipeline_stages, t.overlap_pipeline_transfers
+    profile, schedule, virtual = engine_profile(spec.backend), t.pipeline_schedule, t.virtual_pipeline_stages
+    if profile.overlaps_pipeline_transfers(schedule, virtual) and not profile.overlaps_pipeline_transfers(
+        schedule, virtual, t.overlap_pipeline_transfers
     ):
         # Megatron-LM overlaps pipeline transfers under the interleaved schedule unless told not to; the
         # plan priced them exposed (the spec's false, or Megatron-Core's default for entry: core)
