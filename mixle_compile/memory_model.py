@@ -478,6 +478,7 @@ def moe_layer_extra_bytes(
     dense_ffn_width: Any = 0,
     gated: bool | None = None,
     fp8_saved_inputs: Any = False,
+    shared_width: Any = 0,
 ) -> Any:
     """Bytes a mixture-of-experts layer keeps for the backward pass beyond a dense layer, per
     micro-batch: what its MoE block saves in place of the dense MLP block's share of
@@ -500,7 +501,13 @@ def moe_layer_extra_bytes(
     one's input (``6F`` gated, ``4F`` not, over ``t``) and a non-gated block's dropout mask (``h``);
     under ``fp8_saved_inputs`` the dense layer kept those two inputs at a byte an element, so its
     share is that much smaller (the experts' own fp8 copies are not counted: the block is priced in
-    16 bits)."""
+    16 bits).
+
+    A shared expert (``shared_width`` features, 0 for none) is a dense MLP on every token of the
+    block beside the routed ones, split over ``t`` like the dense MLP: it keeps its first linear's
+    input (``2h``, over ``t`` under sequence parallelism, whose column-parallel linear saves the
+    sequence shard and gathers it again for the backward) and its own outputs and last input
+    (``6S`` gated, ``4S`` not, over ``t``), in the block's share."""
     t = ar.exact(tp)
     tokens = ar.exact(seq_len) / ar.exact(cp) * ar.exact(micro_batch_size)
     tokens = ar.when(sequence_parallel, tokens / t, tokens)
@@ -510,6 +517,9 @@ def moe_layer_extra_bytes(
     block = routed * (saved.routed_hidden * h + saved.routed_ffn * local_width + saved.routed_fixed)
     block = block + tokens * (saved.token_hidden * h + saved.token_experts * ar.exact(num_experts))
     all_tokens = ar.exact(seq_len) / ar.exact(cp) * ar.exact(micro_batch_size)
+    if shared_width:
+        own = (6 if gated is not False else 4) * ar.exact(shared_width) / t
+        block = block + ar.when(sequence_parallel, all_tokens * (2 * h / t + own), all_tokens * (2 * h + own))
     if gated is not None and dense_ffn_width:
         f = ar.exact(dense_ffn_width)
         whole = 2 * h + (0 if gated else h)  # the first linear's input, a non-gated block's mask

@@ -159,6 +159,18 @@ def transformer_parameters(
                 add(f"{p}.moe.experts.gate_proj", (e, f, h), "expert", i, tp_dim=1)
             add(f"{p}.moe.experts.up_proj", (e, f, h), "expert", i, tp_dim=1)
             add(f"{p}.moe.experts.down_proj", (e, h, f), "expert", i, tp_dim=2)
+            shared = model.moe_shared_expert_hidden_size
+            if shared:
+                # The shared expert is a dense MLP every token passes through, split over tp like one
+                # (Megatron's SharedExpertMLP is an MLP on the tensor-parallel group; torchtitan's
+                # shared_experts a FeedForward under the dense layers' plan).
+                if gated:
+                    add(f"{p}.moe.shared.gate_proj.weight", (shared, h), "column", i)
+                add(f"{p}.moe.shared.up_proj.weight", (shared, h), "column", i)
+                add(f"{p}.moe.shared.down_proj.weight", (h, shared), "row", i)
+                if model.moe_shared_expert_gate:
+                    # held whole by every tp rank, like the router (Megatron: gate_weight [1, hidden]).
+                    add(f"{p}.moe.shared.gate.weight", (1, h), "router", i)
         else:
             f = model.ffn_hidden_size
             if gated:

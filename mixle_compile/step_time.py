@@ -445,6 +445,9 @@ def _layer_flops(model: dict, training: dict, seq: float, backend: str, moe_laye
     if moe_layer:
         ffn = model.get("moe_ffn_hidden_size") or model["ffn_hidden_size"]
         mlp = 2 * h * model["num_experts"] + (model.get("experts_per_token") or 1) * 2 * matrices * h * ffn
+        # A shared expert is a dense MLP beside them (its gate one more column); tp splits it.
+        shared = model.get("moe_shared_expert_hidden_size") or 0
+        mlp += 2 * matrices * h * shared + (2 * h if model.get("moe_shared_expert_gate") else 0)
     else:
         ffn = model["ffn_hidden_size"]
         mlp = 2 * matrices * h * ffn
@@ -453,7 +456,9 @@ def _layer_flops(model: dict, training: dict, seq: float, backend: str, moe_laye
     # Element-wise work (norms, residual adds, rotary, the MLP's activation) touches the hidden
     # state and the q, k, v and MLP widths; eager attention also writes and normalises its scores.
     sp = training.get("sequence_parallel", False)
+    shared = (model.get("moe_shared_expert_hidden_size") or 0) if moe_layer else 0
     width = (h / tp if sp or tp == 1 else h) + (d_q + 2 * d_kv + (matrices - 1) * ffn) / tp
+    width += (matrices - 1) * shared / tp
     scores = model["num_heads"] / tp * seq if eager else 0.0
     checkpointing = training.get("activation_checkpointing", "none")
     gemms = [(1.0, h, (d_q + 2 * d_kv) / tp, True), (1.0, d_q / tp, h, True)]
@@ -464,6 +469,8 @@ def _layer_flops(model: dict, training: dict, seq: float, backend: str, moe_laye
             (routed, h, (matrices - 1) * ffn, False),
             (routed, ffn, h, False),
         ]
+        if shared:
+            gemms += [(1.0, h, (matrices - 1) * shared / tp, True), (1.0, shared / tp, h, True)]
     else:
         gemms += [(1.0, h, (matrices - 1) * ffn / tp, True), (1.0, ffn / tp, h, True)]
     shape = dict(elementwise_width=width, score_elements=scores, gemms=tuple(gemms))

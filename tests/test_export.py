@@ -131,6 +131,30 @@ def test_a_capacity_factor_reaches_megatron_and_is_refused_by_the_dropless_engin
     assert any("E011" in reason for _, reason in refused.value.reasons)
 
 
+def test_a_shared_expert_reaches_megatron_and_hf_and_an_ungated_one_is_refused_by_hf(tmp_path):
+    from mixle_compile.export.hf import hf_config, hf_config_text
+    from mixle_compile.importers.hf import hf_model, read_hf_document
+
+    spec = load_spec(EXAMPLES / "mixtral-moe-ep.yaml").spec
+    shared = {"moe_shared_expert_hidden_size": 4096, "moe_shared_expert_gate": True}
+    spec = spec.model_copy(update={"model": spec.model.model_copy(update=shared)})
+    exported = export_spec(spec, "megatron")
+    launch = exported.files[exported.main]
+    assert "--moe-shared-expert-intermediate-size 4096 \\\n    --moe-shared-expert-gate" in launch
+    assert round_trip(spec, "megatron", tmp_path)
+    config, why = hf_config(spec.model)
+    assert config is not None and config["model_type"] == "qwen2_moe", why
+    (tmp_path / "config.json").write_text(hf_config_text(config))
+    back = hf_model(read_hf_document(tmp_path / "config.json"))
+    assert not back.problems and TransformerModel.model_validate(back.model) == spec.model
+    ungated = spec.model.model_copy(update={"moe_shared_expert_gate": False})
+    config, why = hf_config(ungated)
+    assert config is None and "without a gate" in why
+    assert "--moe-shared-expert-gate" not in " ".join(
+        export_spec(spec.model_copy(update={"model": ungated}), "megatron").files.values()
+    )
+
+
 def test_megatron_export_refuses_torch_compile_and_writes_megatron_fsdp_for_dp_shard(tmp_path):
     spec = load_spec(EXAMPLES / "mixtral-moe-ep.yaml").spec
     compiled = spec.model_copy(update={"training": spec.training.model_copy(update={"compile": True})})
@@ -318,7 +342,14 @@ def test_generated_specs_do_round_trip_on_every_engine(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "name", ["llama-3.1-8b.json", "mixtral-8x7b-v0.1.json", "qwen3-30b-a3b.json", "gpt-neox-20b.json"]
+    "name",
+    [
+        "llama-3.1-8b.json",
+        "mixtral-8x7b-v0.1.json",
+        "qwen3-30b-a3b.json",
+        "qwen1.5-moe-a2.7b.json",
+        "gpt-neox-20b.json",
+    ],
 )
 def test_transformers_autoconfig_reads_our_hf_configs_as_we_do(tmp_path, name):
     """The model config.json export writes (for torchtitan and DeepSpeed) is parsed by transformers' AutoConfig
@@ -348,6 +379,7 @@ def test_transformers_autoconfig_reads_our_hf_configs_as_we_do(tmp_path, name):
     if model.num_experts:
         experts = getattr(hf, "num_local_experts", None) or hf.num_experts
         assert (experts, hf.num_experts_per_tok) == (model.num_experts, model.experts_per_token)
+    assert getattr(hf, "shared_expert_intermediate_size", None) == model.moe_shared_expert_hidden_size
 
 
 def _toml_era_config_manager():

@@ -689,3 +689,33 @@ resources: {{devices: 64, kind: a100, memory: 80GiB}}
 """
     result = check_loaded(load_spec_text(text, "llama2-70b.yaml"))
     assert any(d.code == "R001" for d in result.diagnostics) != fits, [d.text() for d in result.diagnostics]
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_a_shared_expert_keeps_a_dense_mlps_tensors_for_every_token(sp):
+    from mixle_compile.memory_model import MoESaved, moe_layer_extra_bytes
+
+    base = dict(
+        seq_len=1024,
+        cp=1,
+        micro_batch_size=2,
+        hidden_size=256,
+        tp=2,
+        etp=1,
+        sequence_parallel=sp,
+        experts_per_token=8,
+        num_experts=8,
+        expert_width=128,
+        capacity_factor=1.0,
+        saved=MoESaved(2, 6, 4, 0, 6),
+        fp32=False,
+        dense_ffn_width=512,
+        gated=True,
+    )
+    without = moe_layer_extra_bytes(NUMBERS, **base)
+    shared = moe_layer_extra_bytes(NUMBERS, **base, shared_width=384)
+    assert without > 0  # the block already outweighs the dense MLP it replaces: the difference is the shared one
+    tokens, h = 1024 * 2, 256
+    # its first linear's input (a sequence shard under sequence parallelism) and its three widths, over tp
+    first_input = 2 * h / 2 if sp else 2 * h
+    assert shared - without == pytest.approx(tokens * (first_input + 6 * 384 / 2))

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
+
 from mixle_compile.parameters import model_parameters, unique_parameter_bytes
 from mixle_compile.spec import load_spec
 from tests.conftest import EXAMPLES
@@ -35,3 +39,36 @@ def test_tied_embeddings_count_once():
     tied = [p for p in params if p.shared_group == "tied_embedding"]
     assert [p.name for p in tied] == ["embed.weight", "lm_head.weight"]
     assert unique_parameter_bytes(params) == sum(p.bytes for p in params) - tied[1].bytes
+
+
+HF_CONFIGS = Path(__file__).parent / "corpus" / "importers" / "hf"
+
+
+@pytest.mark.parametrize(
+    "name", ["llama-3.1-8b.json", "mixtral-8x7b-v0.1.json", "qwen3-30b-a3b.json", "qwen1.5-moe-a2.7b.json"]
+)
+def test_parameter_counts_equal_transformers_own_models(name):
+    """transformers builds the config's model (on the meta device, no memory): its parameters are ours (a
+    shared expert and its gate included), but for what the transformer family leaves out: Qwen2's q/k/v
+    biases and Qwen3's per-head query and key norms (under 0.01% of either model)."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from mixle_compile.importers.hf import hf_model, read_hf_document
+    from mixle_compile.parameters import transformer_parameters
+    from mixle_compile.spec.models import TransformerModel
+
+    model = TransformerModel.model_validate(hf_model(read_hf_document(HF_CONFIGS / name)).model)
+    config = transformers.AutoConfig.from_pretrained(str(HF_CONFIGS / name))
+    with torch.device("meta"):
+        built = transformers.AutoModelForCausalLM.from_config(config)
+    theirs = {
+        n: p.numel()
+        for n, p in built.named_parameters(remove_duplicate=False)
+        if not n.endswith(".bias") and ".q_norm." not in n and ".k_norm." not in n
+    }
+    ours = transformer_parameters(model, "bf16")
+    assert sum(p.numel for p in ours) == sum(theirs.values())
+    shared = sum(v for n, v in theirs.items() if ".shared_expert." in n or ".shared_expert_gate." in n)
+    assert sum(p.numel for p in ours if ".moe.shared." in p.name) == shared
+    assert bool(shared) == bool(model.moe_shared_expert_hidden_size)

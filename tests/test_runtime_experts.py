@@ -47,13 +47,18 @@ def moe_spec(
     pp=1,
     dopt=False,
     cp=1,
+    shared=0,
+    shared_gate=False,
 ) -> str:
     world = dr * ds * tp * pp * cp
+    shared_fields = f", moe_shared_expert_hidden_size: {shared}" if shared else ""
+    if shared_gate:
+        shared_fields += ", moe_shared_expert_gate: true"
     return textwrap.dedent(
         f"""\
         model: {{family: transformer, vocab_size: 128, hidden_size: 32, num_layers: 2, num_heads: 4, num_kv_heads: 2,
                 ffn_hidden_size: 64, num_experts: {experts}, experts_per_token: {k}, moe_ffn_hidden_size: 48,
-                moe_layer_frequency: {frequency}, activation: {activation}}}
+                moe_layer_frequency: {frequency}, activation: {activation}{shared_fields}}}
         mesh: {{dp_replicate: {dr}, dp_shard: {ds}, tp: {tp}, pp: {pp}, ep: {ep}, etp: {etp}, cp: {cp}, \
 microbatches: {max(mb, pp)},
                gradient_accumulation_steps: {gas}}}
@@ -150,6 +155,52 @@ def test_experts_are_sharded_by_whole_experts_over_expert_data_when_they_split_e
     assert placed["layers.0.moe.experts.up_proj"].layout.placements == (("edp", "shard(1)"),)
 
 
+def test_a_shared_expert_adds_its_gated_dense_mlp_of_every_token_to_the_routed_output():
+    from dataclasses import replace
+
+    from mixle_compile.runtime.model import TransformerShape, _feed_forward
+
+    g = torch.Generator().manual_seed(1)
+    e, f, s_, h, k = 4, 6, 5, 8, 2
+    weights = {
+        "u.moe.router.weight": torch.randn(e, h, generator=g),
+        "u.moe.experts.gate_proj": torch.randn(e, f, h, generator=g),
+        "u.moe.experts.up_proj": torch.randn(e, f, h, generator=g),
+        "u.moe.experts.down_proj": torch.randn(e, h, f, generator=g),
+        "u.moe.shared.gate_proj.weight": torch.randn(s_, h, generator=g),
+        "u.moe.shared.up_proj.weight": torch.randn(s_, h, generator=g),
+        "u.moe.shared.down_proj.weight": torch.randn(h, s_, generator=g),
+        "u.moe.shared.gate.weight": torch.randn(1, h, generator=g),
+    }
+    x = torch.randn(5, 3, h, generator=g)
+    routed = moe_mlp(LocalOps(weights), ExpertShape(e, k, 1, "swiglu"), "u", x)
+    shape = TransformerShape(
+        vocab_size=16,
+        hidden_size=h,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=2,
+        head_dim=4,
+        ffn_hidden_size=f,
+        norm="rmsnorm",
+        activation="swiglu",
+        position_embedding="rope",
+        compute_dtype=torch.float32,
+        experts=ExpertShape(e, k, 1, "swiglu", shared=True, shared_gate=True),
+    )
+    y = _feed_forward(LocalOps(weights), shape, 0, "u", x)
+    dense = (
+        torch.nn.functional.silu(x @ weights["u.moe.shared.gate_proj.weight"].T)
+        * (x @ weights["u.moe.shared.up_proj.weight"].T)
+    ) @ weights["u.moe.shared.down_proj.weight"].T
+    gate = torch.sigmoid(x @ weights["u.moe.shared.gate.weight"].T)
+    assert torch.allclose(y, routed + gate * dense, atol=1e-5)
+    ungated = _feed_forward(
+        LocalOps(weights), replace(shape, experts=replace(shape.experts, shared_gate=False)), 0, "u", x
+    )
+    assert torch.allclose(ungated, routed + dense, atol=1e-5)
+
+
 # --- replay against the single-process reference -----------------------------------------------
 
 CASES = {
@@ -164,6 +215,11 @@ CASES = {
     "ep2-fsdp2-pp2-world4": dict(ds=2, ep=2, pp=2, mb=4, optimizer="adamw", lr=1e-3),
     "ep2-cp2-world2": dict(cp=2, ep=2),
     "ep2-fsdp2-tp2-sp-experts-split-over-tp-world4": dict(ds=2, tp=2, ep=2, etp=2, sp=True),
+    "ep2-fsdp2-shared-expert-gated": dict(ds=2, ep=2, shared=40, shared_gate=True, optimizer="adamw", lr=1e-3),
+    "ep1-tp2-sp-shared-expert-gated": dict(tp=2, sp=True, shared=40, shared_gate=True),
+    "ep2-fsdp2-tp2-sp-experts-split-over-tp-shared-expert-world4": dict(
+        ds=2, tp=2, ep=2, etp=2, sp=True, shared=40, activation="gelu"
+    ),
 }
 
 SLOW_CASES = {

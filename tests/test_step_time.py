@@ -582,3 +582,28 @@ def test_explain_names_the_communication_compute_hides(capsys):
     assert cli.main(["explain", str(spec)]) == 0
     (line,) = [x for x in capsys.readouterr().out.splitlines() if "hidden behind compute" in x]
     assert "(" in line and " pp " in line and "tp " in line, line
+
+
+def test_a_shared_expert_is_priced_as_a_dense_mlp_every_token_passes_through():
+    from mixle_compile.step_time import model_flops_per_token
+
+    moe = dict(LLAMA3_8B, num_experts=8, experts_per_token=2, moe_ffn_hidden_size=4096, moe_layer_frequency=2)
+    shared = dict(moe, moe_shared_expert_hidden_size=2048)
+    gated = dict(shared, moe_shared_expert_gate=True)
+    h, moe_layers = 4096, 16
+    # forward and backward (3 x 2 FLOPs a weight) over three matrices per MoE layer, and the gate's column
+    assert model_flops_per_token(shared, 4096) - model_flops_per_token(moe, 4096) == 6 * 3 * h * 2048 * moe_layers
+    assert model_flops_per_token(gated, 4096) - model_flops_per_token(shared, 4096) == 6 * h * moe_layers
+
+    def step(model):
+        data = {
+            "model": model,
+            "mesh": {"dp_shard": 4, "tp": 2, "ep": 2},
+            "training": {"global_batch_size": 4, "micro_batch_size": 1, "seq_len": 4096, "sequence_parallel": True},
+            "backend": "torch",
+            "resources": {"devices": 8, "kind": "h100", "memory": "80GiB"},
+        }
+        spec = load_spec_text(yaml.safe_dump(data), "s.yaml").spec
+        return predict_lowered(spec, lower(spec, schedule=False))
+
+    assert step(shared).compute > step(moe).compute

@@ -316,6 +316,12 @@ def moe_extra_bytes(spec: Spec) -> Fraction:
     block = routed * (per_hidden * h + per_ffn * width + fixed) + tokens * (
         token_hidden * h + token_experts * model.num_experts
     )
+    if model.moe_shared_expert_hidden_size:
+        # a dense MLP on every token: its first linear's input (the sequence shard under sequence
+        # parallelism) and its outputs and last input, split over tp
+        gated_widths = 6 if model.activation == "swiglu" else 4
+        own = Fraction(gated_widths * model.moe_shared_expert_hidden_size, tp)
+        block += s * (Fraction(2 * h, tp) + own if t.sequence_parallel else 2 * h + own)
     dense = sum(
         (count * bytes_ for _, count, bytes_ in saved_tensors(spec) if _.startswith("mlp")),
         Fraction(0),
@@ -429,7 +435,8 @@ def layer_activation_bytes(spec: Spec, checkpointing: str) -> Fraction:
         q, kv = a * head_dim, (model.num_kv_heads or a) * head_dim
         ffn = model.ffn_hidden_size
         if model.num_experts:
-            ffn = max(ffn, (model.experts_per_token or 1) * (model.moe_ffn_hidden_size or ffn))
+            routed = (model.experts_per_token or 1) * (model.moe_ffn_hidden_size or ffn)
+            ffn = max(ffn, routed + (model.moe_shared_expert_hidden_size or 0))
         kept = Fraction(2 * q + kv + ffn, tp) + h + (Fraction(3 * h, tp) if t.sequence_parallel else h)
         per_layer = 2 * s * b * kept
     else:
@@ -543,6 +550,8 @@ def violations(
         rule("T005", model.vocab_size % tp == 0, only="torch")
         moe_ffn = model.moe_ffn_hidden_size or model.ffn_hidden_size
         rule("T006", model.num_experts == 0 or moe_ffn % etp == 0)
+        shared = model.moe_shared_expert_hidden_size or 0
+        rule("T008", model.num_experts == 0 or shared == 0 or shared % tp == 0)
         listed = isinstance(t.pipeline_layers, list)
         even = t.pipeline_layers == "even" or (t.pipeline_layers is None and rule_set == "megatron")
         rule("P001", not even or pp * vpp > layers or layers % (pp * vpp) == 0)
@@ -743,6 +752,8 @@ SHAPES = {
         "experts_per_token": 2,
         "moe_layer_frequency": 2,
         "moe_ffn_hidden_size": 72,
+        "moe_shared_expert_hidden_size": 40,
+        "moe_shared_expert_gate": True,
         "tie_embeddings": True,
     },
     "moe-capped": {

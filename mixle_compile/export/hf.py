@@ -31,6 +31,31 @@ def hf_config(model: TransformerModel, seq_len: int | None = None) -> tuple[dict
                 **base,
             }, ""
         moe_ffn = m.moe_ffn_hidden_size or m.ffn_hidden_size
+        if m.moe_shared_expert_hidden_size:
+            # Qwen2-MoE is the architecture with a shared expert beside routed ones that transformers
+            # builds from these sizes alone; it always gates it (shared_expert_gate) and derives the head
+            # size from hidden_size / num_attention_heads.
+            if not m.moe_shared_expert_gate:
+                return None, (
+                    "a shared expert without a gate is written for no HF architecture here (Qwen2-MoE, the one "
+                    "written, gates it: set model.moe_shared_expert_gate: true, or export to Megatron)"
+                )
+            if m.head_dim not in (None, m.hidden_size // m.num_heads):
+                return None, "Qwen2-MoE's head size is hidden_size / num_attention_heads: it has no head_dim"
+            return {
+                "architectures": ["Qwen2MoeForCausalLM"],
+                "model_type": "qwen2_moe",
+                "hidden_act": "silu",
+                **{k: v for k, v in heads.items() if k != "head_dim"},
+                **base,
+                "num_experts": m.num_experts,
+                "num_experts_per_tok": m.experts_per_token,
+                "moe_intermediate_size": moe_ffn,
+                "shared_expert_intermediate_size": m.moe_shared_expert_hidden_size,
+                "decoder_sparse_step": m.moe_layer_frequency,
+                "mlp_only_layers": [],
+                "norm_topk_prob": False,
+            }, ""
         if moe_ffn == m.ffn_hidden_size and m.moe_layer_frequency == 1:
             return {
                 "architectures": ["MixtralForCausalLM"],

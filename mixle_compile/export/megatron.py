@@ -120,6 +120,10 @@ def megatron_arguments(spec: Spec) -> list[str]:
             a += ["--moe-layer-freq", m.moe_layer_frequency]
         if m.expert_capacity_factor is not None:
             a += ["--moe-expert-capacity-factor", m.expert_capacity_factor]
+        if m.moe_shared_expert_hidden_size:
+            a += ["--moe-shared-expert-intermediate-size", m.moe_shared_expert_hidden_size]
+            if m.moe_shared_expert_gate:
+                a += ["--moe-shared-expert-gate"]
     a += [
         "--seq-length",
         t.seq_len,

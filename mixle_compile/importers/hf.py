@@ -228,17 +228,25 @@ def hf_model(doc: SourceDocument) -> HFModel:
         step = take("moe_layer_frequency", "decoder_sparse_step", required=False)
         if step is not None:
             m["moe_layer_frequency"] = step
-        for key in ("shared_expert_intermediate_size",):
-            if key in data:
-                used.add(key)  # 0 or null: no shared expert, which is what the spec models
-            if data.get(key):
+        if model_type == "qwen2_moe":
+            # Qwen2MoeSparseMoeBlock: a shared expert (an MLP of shared_expert_intermediate_size, 5632
+            # by Qwen2MoeConfig's default) beside the routed ones, its output scaled by
+            # sigmoid(shared_expert_gate(x)) (transformers/models/qwen2_moe/modeling_qwen2_moe.py).
+            # Qwen3-MoE has none (Qwen3MoeSparseMoeBlock): the key is not read there.
+            shared = take("moe_shared_expert_hidden_size", "shared_expert_intermediate_size", default=5632)
+            if isinstance(shared, int) and not isinstance(shared, bool) and shared > 0:
+                m["moe_shared_expert_hidden_size"] = shared
+                m["moe_shared_expert_gate"] = True
+            elif shared is not None and shared != 0:
                 out.problems.append(
                     (
-                        f"`{key}` = {data[key]}: a shared expert beside the routed ones is not modelled",
-                        "the transformer family has routed experts only",
-                        doc.position((key,)),
+                        f"`shared_expert_intermediate_size` = {shared!r} is not a width",
+                        "give a positive integer (0: no shared expert)",
+                        out.positions.get("moe_shared_expert_hidden_size", Position(1, 1)),
                     )
                 )
+        elif not data.get("shared_expert_intermediate_size"):
+            used.add("shared_expert_intermediate_size")  # 0 or null: none, as Qwen3-MoE has
         if "mlp_only_layers" in data:
             used.add("mlp_only_layers")  # empty: every layer on the MoE step is an MoE layer
         if data.get("mlp_only_layers"):

@@ -44,6 +44,8 @@ READ = {
     "--moe-router-topk": "int",
     "--moe-ffn-hidden-size": "int",
     "--moe-layer-freq": "str",
+    "--moe-shared-expert-intermediate-size": "int",
+    "--moe-shared-expert-gate": "bool",
     "--moe-expert-capacity-factor": "float",
     "--moe-token-dispatcher-type": "str",
     "--moe-enable-deepep": "bool",
@@ -106,7 +108,7 @@ QUIET = re.compile(
     r"ckpt-format|no-load-.*|no-save-.*|profile.*|manual-gc.*|empty-unused-memory-level|calculate-per-token-loss|"
     r"grad-reduce-in-bf16|fp8-amax-.*|fp8-param-gather|moe-router-load-balancing-type|moe-aux-loss-coeff|"
     r"moe-grouped-gemm|moe-router-dtype|moe-z-loss-coeff|moe-router-pre-softmax|"
-    r"moe-permute-fusion|moe-router-score-function|moe-router-enable-expert-bias|moe-router-bias-update-rate|"
+    r"moe-permute-fusion|moe-shared-expert-overlap|moe-router-score-function|moe-router-enable-expert-bias|moe-router-bias-update-rate|"
     r"apply-layernorm-1p|qk-layernorm|eod-mask-loss|timing-log-level|timing-log-option|"
     r"distributed-backend|use-flash-attn|transformer-impl|accumulate-allreduce-grads-in-fp32|"
     r"bf16-.*|fp16-.*|loss-scale.*|initial-loss-scale|hysteresis|seq-length-.*|dataloader-type|"
@@ -535,6 +537,20 @@ def read_megatron(
             )
             if has("--moe-ffn-hidden-size"):
                 set_(("model", "moe_ffn_hidden_size"), num("--moe-ffn-hidden-size"), "--moe-ffn-hidden-size")
+            # TransformerConfig.moe_shared_expert_intermediate_size: None means no shared expert (its
+            # __post_init__ refuses a value <= 0); moe_shared_expert_gate defaults to False.
+            shared = num("--moe-shared-expert-intermediate-size", None)
+            if shared is not None and shared <= 0:
+                b.refuse(
+                    f"`--moe-shared-expert-intermediate-size {shared}`: Megatron-Core refuses a shared expert "
+                    "width that is not positive (TransformerConfig.__post_init__)",
+                    at("--moe-shared-expert-intermediate-size"),
+                    "give the shared experts' summed width, or drop the flag for no shared expert",
+                )
+            elif shared is not None:
+                set_(("model", "moe_shared_expert_hidden_size"), shared, "--moe-shared-expert-intermediate-size")
+            if has("--moe-shared-expert-gate"):
+                set_(("model", "moe_shared_expert_gate"), True, "--moe-shared-expert-gate")
             # TransformerConfig.moe_expert_capacity_factor: None (and, after __post_init__, any negative
             # value) means dropless routing.
             capacity = num("--moe-expert-capacity-factor", None, float)

@@ -52,12 +52,21 @@ class ExpertShape:
     top_k: int
     frequency: int  # layers 0, k, 2k, ... are mixture-of-experts layers
     activation: str
+    shared: bool = False  # a shared expert beside the routed ones (model.py adds its output)
+    shared_gate: bool = False  # its output scaled by sigmoid(x . w)
 
     @staticmethod
     def from_model(model: TransformerModel) -> ExpertShape | None:
         if not model.num_experts:
             return None
-        return ExpertShape(model.num_experts, model.experts_per_token or 1, model.moe_layer_frequency, model.activation)
+        return ExpertShape(
+            model.num_experts,
+            model.experts_per_token or 1,
+            model.moe_layer_frequency,
+            model.activation,
+            bool(model.moe_shared_expert_hidden_size),
+            model.moe_shared_expert_gate,
+        )
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer % self.frequency == 0

@@ -270,18 +270,28 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"gelu": F.gel
 
 
 def _feed_forward(ops: Ops, shape: TransformerShape, layer: int, unit: str, h: torch.Tensor) -> torch.Tensor:
-    if shape.experts is not None and shape.experts.is_moe_layer(layer):
-        return moe_mlp(ops, shape.experts, unit, h)
+    experts = shape.experts
+    if experts is not None and experts.is_moe_layer(layer):
+        out = moe_mlp(ops, experts, unit, h)
+        if experts.shared:
+            # The shared expert: the dense MLP's function on every token, split over tp like it (its
+            # partial sums join the routed experts' in the layer's reduce); the gate's sigmoid is
+            # computed from the whole input on every tp rank, so it scales each partial alike.
+            shared = _mlp(ops, shape, f"{unit}.moe.shared", h, suffix="")
+            if experts.shared_gate:
+                shared = shared * torch.sigmoid(F.linear(h, ops.weight(f"{unit}.moe.shared.gate.weight")))
+            out = out + shared
+        return out
     return _mlp(ops, shape, unit, h)
 
 
-def _mlp(ops: Ops, shape: TransformerShape, unit: str, h: torch.Tensor) -> torch.Tensor:
-    up = F.linear(h, ops.weight(f"{unit}.mlp.up_proj.weight"))
+def _mlp(ops: Ops, shape: TransformerShape, unit: str, h: torch.Tensor, suffix: str = ".mlp") -> torch.Tensor:
+    up = F.linear(h, ops.weight(f"{unit}{suffix}.up_proj.weight"))
     if shape.activation == "swiglu":
-        inner = F.silu(F.linear(h, ops.weight(f"{unit}.mlp.gate_proj.weight"))) * up
+        inner = F.silu(F.linear(h, ops.weight(f"{unit}{suffix}.gate_proj.weight"))) * up
     else:
         inner = _ACTIVATIONS[shape.activation](up)
-    return F.linear(inner, ops.weight(f"{unit}.mlp.down_proj.weight"))
+    return F.linear(inner, ops.weight(f"{unit}{suffix}.down_proj.weight"))
 
 
 def default_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

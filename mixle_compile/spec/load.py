@@ -658,7 +658,7 @@ def _transformer_diagnostics(model: TransformerModel, spec: Spec, doc: SourceDoc
             )
     elif expert_only := [
         f
-        for f in ("experts_per_token", "moe_ffn_hidden_size", "expert_capacity_factor")
+        for f in ("experts_per_token", "moe_ffn_hidden_size", "expert_capacity_factor", "moe_shared_expert_hidden_size")
         if getattr(model, f) is not None
     ]:
         field_name = expert_only[0]
@@ -668,6 +668,16 @@ def _transformer_diagnostics(model: TransformerModel, spec: Spec, doc: SourceDoc
                 f"model.{field_name} is set but model.num_experts is 0 (a dense model)",
                 ("model", field_name),
                 hint="set `num_experts` for a mixture-of-experts model, or remove the field",
+            )
+        )
+    if model.moe_shared_expert_gate and model.moe_shared_expert_hidden_size is None:
+        out.append(
+            doc.diagnostic(
+                codes.INCONSISTENT.code,
+                "model.moe_shared_expert_gate is true but the model has no shared expert "
+                "(model.moe_shared_expert_hidden_size is not set)",
+                ("model", "moe_shared_expert_gate"),
+                hint="set `moe_shared_expert_hidden_size`, or remove the gate",
             )
         )
     return out

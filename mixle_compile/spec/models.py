@@ -313,6 +313,17 @@ class TransformerModel(StrictModel):
     experts_per_token: Size | None = Field(default=None, description="top-k routing; required when num_experts > 0")
     moe_ffn_hidden_size: Size | None = Field(default=None, description="defaults to ffn_hidden_size")
     moe_layer_frequency: Size = Field(default=1, description="every k-th layer is a mixture-of-experts layer")
+    moe_shared_expert_hidden_size: Size | None = Field(
+        default=None,
+        description="a shared expert beside the routed ones in every mixture-of-experts layer: a dense MLP of "
+        "this width that every token passes through (Megatron --moe-shared-expert-intermediate-size: the "
+        "shared experts' widths summed); null = none",
+    )
+    moe_shared_expert_gate: StrictBool = Field(
+        default=False,
+        description="the shared expert's output is scaled by sigmoid(x . w) with a learned [1, hidden] w "
+        "(Megatron --moe-shared-expert-gate, Qwen2-MoE's shared_expert_gate)",
+    )
     expert_capacity_factor: Annotated[StrictFloat | StrictInt, Field(gt=0, allow_inf_nan=False)] | None = Field(
         default=None,
         description="tokens an expert takes, as a multiple of its even share (Megatron "

@@ -218,6 +218,12 @@ def plan_facts(spec: Spec) -> PlanFacts:
             add("num_kv_heads", ("model", "num_kv_heads"), model.num_kv_heads)
         if model.moe_ffn_hidden_size is not None:
             add("moe_ffn_hidden_size", ("model", "moe_ffn_hidden_size"), model.moe_ffn_hidden_size)
+        if model.moe_shared_expert_hidden_size is not None:
+            add(
+                "moe_shared_expert_hidden_size",
+                ("model", "moe_shared_expert_hidden_size"),
+                model.moe_shared_expert_hidden_size,
+            )
         add("tie_embeddings", ("model", "tie_embeddings"), model.tie_embeddings, "bool")
         learned = model.position_embedding == "learned"
         add("learned_positions", ("model", "position_embedding"), learned, "bool", model.position_embedding)

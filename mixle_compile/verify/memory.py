@@ -90,6 +90,7 @@ class ParameterFootprint:
     num_experts: int = 0
     experts_per_token: int = 0
     expert_width: int = 0
+    shared_width: int = 0  # a shared expert's features (0: none)
     capacity_factor: float = 1.0
     activation: str = "swiglu"
 
@@ -202,7 +203,8 @@ def activation_widths(model) -> dict[str, int]:
     head_dim = head_dim_of(model)
     ffn = model.ffn_hidden_size
     if model.num_experts > 0:
-        ffn = max(ffn, (model.experts_per_token or 1) * (model.moe_ffn_hidden_size or model.ffn_hidden_size))
+        routed = (model.experts_per_token or 1) * (model.moe_ffn_hidden_size or model.ffn_hidden_size)
+        ffn = max(ffn, routed + (model.moe_shared_expert_hidden_size or 0))
     return {
         "query_width": model.num_heads * head_dim,
         "kv_width": (model.num_kv_heads or model.num_heads) * head_dim,
@@ -220,5 +222,6 @@ def expert_shape(model) -> dict:
         "num_experts": model.num_experts,
         "experts_per_token": model.experts_per_token or 1,
         "expert_width": model.moe_ffn_hidden_size or model.ffn_hidden_size,
+        "shared_width": model.moe_shared_expert_hidden_size or 0,
         "capacity_factor": model.expert_capacity_factor or 1.0,
     }

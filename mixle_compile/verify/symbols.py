@@ -111,6 +111,8 @@ class Symbols:
             self.layers = self.num_layers
         if "num_experts" not in self.variables:
             self.num_experts = zero
+        if "moe_shared_expert_hidden_size" not in self.variables:
+            self.moe_shared_expert_hidden_size = zero  # no shared expert
         self.split_dimensions = tuple((d, self.variables[d.symbol]) for d in facts.split_dimensions)
 
     # -- enumerations --------------------------------------------------------------------------

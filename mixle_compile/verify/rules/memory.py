@@ -261,6 +261,7 @@ def moe_extra(v) -> tuple[object, object]:
         experts_per_token=fp.experts_per_token,
         num_experts=fp.num_experts,
         expert_width=fp.expert_width,
+        shared_width=fp.shared_width,
         capacity_factor=fp.capacity_factor,
         saved=engine.moe_saved(fp.activation),
         fp32=v.is_("precision", "fp32", "fp64"),

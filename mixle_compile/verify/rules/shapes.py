@@ -173,6 +173,34 @@ EXPERT_FFN = define(
     )
 )
 
+SHARED_EXPERT = define(
+    Rule(
+        code="T008",
+        name="shared-expert-split-by-tp",
+        title="tp divides the shared expert's hidden size.",
+        docs=(
+            "A shared expert (`moe_shared_expert_hidden_size`) is a dense MLP in every mixture-of-experts "
+            "layer, split over tp like the dense MLP: its up (and gate) projection column-parallel and its down "
+            "projection row-parallel, both along its hidden features. It is split over tp, not etp: the "
+            "routed experts' split (T006) does not apply to it."
+        ),
+        engine_reference="Megatron-Core `SharedExpertMLP` (transformer/moe/shared_experts.py: an `MLP` with "
+        "`ffn_hidden_size = moe_shared_expert_intermediate_size` on the tensor-parallel group); torchtitan's "
+        "shared experts under the dense MLP's TP plan",
+        constraint=lambda v: implies(
+            all_of(v.num_experts > 0, v.moe_shared_expert_hidden_size > 0),
+            v.moe_shared_expert_hidden_size % v.tp == 0,
+        ),
+        explain=lambda x: (
+            f"the shared expert's hidden size {x.moe_shared_expert_hidden_size} cannot be split over tp={x.tp} "
+            f"ranks ({x.moe_shared_expert_hidden_size} % {x.tp} != 0)"
+        ),
+        hint=lambda x: _split_hint("moe_shared_expert_hidden_size", x.moe_shared_expert_hidden_size),
+        fields=("tp", "moe_shared_expert_hidden_size", "num_experts"),
+        families=TRANSFORMER,
+    )
+)
+
 
 def _uneven(x) -> list[str]:
     out = []
