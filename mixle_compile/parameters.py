@@ -82,34 +82,75 @@ def head_dim(model: TransformerModel) -> int:
 
 
 def is_moe_layer(model: TransformerModel, layer: int) -> bool:
-    """Megatron's convention: with frequency k, layers 0, k, 2k, ... are mixture-of-experts layers."""
-    return moe_layer_at(layer, num_experts=model.num_experts, frequency=model.moe_layer_frequency)
+    """Layers f, f + k, f + 2k, ... are mixture-of-experts layers (f = ``moe_first_layer``, k =
+    ``moe_layer_frequency``; Megatron's integer ``--moe-layer-freq`` k is f = 0)."""
+    return moe_layer_at(
+        layer, num_experts=model.num_experts, frequency=model.moe_layer_frequency, first=model.moe_first_layer
+    )
 
 
-def moe_layer_at(layer: int, *, num_experts: int, frequency: int) -> bool:
+def moe_layer_at(layer: int, *, num_experts: int, frequency: int, first: int = 0) -> bool:
     """:func:`is_moe_layer` from the model's fields (a model written as a mapping)."""
-    return num_experts > 0 and layer % frequency == 0
+    return num_experts > 0 and layer >= first and (layer - first) % frequency == 0
+
+
+def layer_kinds_model(model: TransformerModel, keep: int) -> TransformerModel:
+    """The model cut to ``keep`` layers (at most) that show each kind of layer it has: an MoE layer 0
+    and a dense layer 1 where it has both (whatever its ``moe_first_layer`` and frequency), every
+    layer an MoE one where all are. Layers of one kind hold the same tensors, so figures taken per
+    layer of a kind are read from it."""
+    if model.num_layers <= keep:
+        return model
+    update: dict = {"num_layers": keep}
+    if model.num_experts:
+        both = model.moe_layer_frequency > 1 or model.moe_first_layer > 0
+        update.update(moe_layer_frequency=2 if both else 1, moe_first_layer=0)
+    return model.model_copy(update=update)
+
+
+def moe_spacing(pattern: list[bool] | list[int]) -> tuple[int, int] | None:
+    """``(moe_first_layer, moe_layer_frequency)`` that make exactly the layers marked in ``pattern``
+    (one entry per layer, true or 1 for a mixture-of-experts layer) MoE layers (:func:`moe_layer_at`),
+    or None where no such pair does (no MoE layer, or MoE layers not evenly spaced after the dense
+    ones)."""
+    marked = [i for i, m in enumerate(pattern) if m]
+    if not marked:
+        return None
+    first = marked[0]
+    frequency = marked[1] - marked[0] if len(marked) > 1 else len(pattern) - first
+    made = [moe_layer_at(i, num_experts=1, frequency=frequency, first=first) for i in range(len(pattern))]
+    return (first, frequency) if made == [bool(m) for m in pattern] else None
 
 
 def same_kind_until(model: TransformerModel, first: int, end: int) -> int:
     """The end of the run of layers from ``first`` (before ``end``) that are all MoE layers or all
     dense (:func:`is_moe_layer`), found by the rule's arithmetic rather than layer by layer: every
-    layer is dense without experts; with frequency 1 every layer is an MoE layer; otherwise an MoE
-    layer stands alone and dense layers run to the next multiple of the frequency."""
-    frequency = model.moe_layer_frequency
-    if model.num_experts <= 0 or frequency == 1:
+    layer is dense without experts; the dense layers before the first MoE layer run to it; after it,
+    with frequency 1 every layer is an MoE layer; otherwise an MoE layer stands alone and dense
+    layers run to the next MoE layer."""
+    frequency, start = model.moe_layer_frequency, model.moe_first_layer
+    if model.num_experts <= 0:
         return end
-    if first % frequency == 0:
+    if first < start:
+        return min(end, start)
+    if frequency == 1:
+        return end
+    offset = first - start
+    if offset % frequency == 0:
         return min(end, first + 1)
-    return min(end, (first // frequency + 1) * frequency)
+    return min(end, start + (offset // frequency + 1) * frequency)
 
 
-def moe_layers_in(first: int, count: int, *, num_experts: int, frequency: int) -> int:
+def moe_layers_in(first: int, count: int, *, num_experts: int, frequency: int, start: int = 0) -> int:
     """How many of the layers ``first .. first + count - 1`` are MoE layers (:func:`moe_layer_at`:
-    every ``frequency``-th from layer 0): the multiples of ``frequency`` in that range."""
+    every ``frequency``-th from layer ``start``): the multiples of ``frequency`` in that range, counted
+    from ``start``."""
     if num_experts <= 0 or count <= 0:
         return 0
-    return -(-(first + count) // frequency) - -(-first // frequency)
+    low, high = max(first, start) - start, first + count - start  # relative to the first MoE layer
+    if high <= low:
+        return 0
+    return -(-high // frequency) - -(-low // frequency)
 
 
 def transformer_parameters(

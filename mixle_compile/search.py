@@ -584,9 +584,11 @@ class _Pricer:
         if self._reduced_spec is None:
             spec = self.req.spec
             model = spec.model
-            keep = 2 if model.num_experts else 1
-            if model.num_layers > keep:
-                spec = spec.model_copy(update={"model": model.model_copy(update={"num_layers": keep})})
+            from mixle_compile.parameters import layer_kinds_model
+
+            reduced = layer_kinds_model(model, 2 if model.num_experts else 1)
+            if reduced is not model:
+                spec = spec.model_copy(update={"model": reduced})
             self._reduced_spec = spec
         return self._reduced_spec
 
@@ -991,6 +993,17 @@ class _Pricer:
         model = self.req.spec.model
         if not model.num_experts:
             return 0
+        if model.moe_first_layer:  # dense layers first: the stage's share of the MoE layers
+            from mixle_compile.parameters import moe_layers_in
+
+            moe_total = moe_layers_in(
+                0,
+                model.num_layers,
+                num_experts=model.num_experts,
+                frequency=model.moe_layer_frequency,
+                start=model.moe_first_layer,
+            )
+            return min(count, -(-count * moe_total // model.num_layers)) or (1 if count else 0)
         return count // max(1, model.moe_layer_frequency) or (1 if count else 0)  # the stage's share
 
     def price(self, v: dict) -> step_time.StepTime:

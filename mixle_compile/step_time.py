@@ -562,7 +562,10 @@ def model_flops_per_token(model: dict, seq: float) -> float:
     total = 0.0
     for layer in range(layers):
         moe = moe_layer_at(
-            layer, num_experts=model.get("num_experts", 0), frequency=model.get("moe_layer_frequency", 1)
+            layer,
+            num_experts=model.get("num_experts", 0),
+            frequency=model.get("moe_layer_frequency", 1),
+            first=model.get("moe_first_layer", 0),
         )
         flops = _layer_flops(model, {"activation_checkpointing": "none", "attention": "eager"}, seq, "torch", moe)
         total += 3 * flops.linear + 3 * flops.attention
@@ -811,7 +814,13 @@ def stage_compute_parts(
     kinds: dict[bool, tuple[_Layer, float, float]] = {}
     for stage, count in enumerate(stage_layers):
         # Layers of one kind (dense or MoE) cost the same: count each kind once.
-        moe_layers = moe_layers_in(first, count, num_experts=model.get("num_experts", 0), frequency=moe_every)
+        moe_layers = moe_layers_in(
+            first,
+            count,
+            num_experts=model.get("num_experts", 0),
+            frequency=moe_every,
+            start=model.get("moe_first_layer", 0),
+        )
         linear = attention = moved = rows = weights = 0.0
         for moe, n in ((False, count - moe_layers), (True, moe_layers)):
             if not n:

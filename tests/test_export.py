@@ -155,6 +155,30 @@ def test_a_shared_expert_reaches_megatron_and_hf_and_an_ungated_one_is_refused_b
     )
 
 
+@pytest.mark.parametrize("first, frequency", [(1, 2), (3, 1), (0, 2), (2, 3)])
+def test_dense_layers_before_the_moe_ones_reach_megatron_and_hf(tmp_path, first, frequency):
+    from mixle_compile.export.hf import hf_config, hf_config_text
+    from mixle_compile.parameters import is_moe_layer
+
+    spec = load_spec(EXAMPLES / "mixtral-moe-ep.yaml").spec
+    layers = {"moe_first_layer": first, "moe_layer_frequency": frequency, "moe_ffn_hidden_size": 7168}
+    spec = spec.model_copy(update={"model": spec.model.model_copy(update=layers)})
+    assert round_trip(spec, "megatron", tmp_path / "megatron")
+    config, why = hf_config(spec.model)
+    assert config is not None, why
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    (tmp_path / "config.json").write_text(hf_config_text(config))
+    with torch.device("meta"):
+        small = transformers.AutoConfig.from_pretrained(str(tmp_path / "config.json"))
+        small.hidden_size, small.intermediate_size, small.moe_intermediate_size, small.vocab_size = 64, 64, 32, 128
+        small.num_attention_heads, small.num_key_value_heads, small.head_dim = 4, 4, 16
+        built = transformers.AutoModelForCausalLM.from_config(small)
+    sparse = [any(".experts." in n for n, _ in layer.named_parameters()) for layer in built.model.layers]
+    assert sparse == [is_moe_layer(spec.model, i) for i in range(spec.model.num_layers)]
+
+
 def test_megatron_export_refuses_torch_compile_and_writes_megatron_fsdp_for_dp_shard(tmp_path):
     spec = load_spec(EXAMPLES / "mixtral-moe-ep.yaml").spec
     compiled = spec.model_copy(update={"training": spec.training.model_copy(update={"compile": True})})

@@ -150,7 +150,7 @@ TORCHTITAN = {
         64,
     ),
     "llama4_17bx128e.toml": (
-        {"num_experts": 128, "moe_layer_frequency": 2},
+        {"num_experts": 128, "moe_layer_frequency": 2, "moe_first_layer": 1, "moe_shared_expert_hidden_size": 8192},
         {"tp": 8, "pp": 4, "etp": 8, "microbatches": 1},
         {"micro_batch_size": 1, "pipeline_schedule": "1f1b"},
         32,
@@ -425,7 +425,7 @@ def test_each_megatron_script_imports_with_its_degrees_and_sizes(name):
     [
         ("conf_Llama-3.2-1B-Instruct.sh", "vocabulary size"),
         ("conf_Llama-4-Scout-17B-16E-Instruct.sh", "vocabulary size"),
-        ("conf_DeepSeek-V2-Lite.sh", "per-layer pattern"),
+        ("conf_DeepSeek-V2-Lite.sh", "`--multi-latent-attention`: MLA, which the transformer family cannot express"),
         ("train_bert_340m_distributed.sh", "pretrain_bert.py"),
     ],
 )
@@ -609,6 +609,37 @@ def test_megatron_capacity_factor_caps_the_experts_tokens(tmp_path):
     for dropless in (base, base + " --moe-expert-capacity-factor -1"):
         path.write_text(dropless + "\n")
         assert "expert_capacity_factor" not in imported(path, devices=2)["model"]
+
+
+@pytest.mark.parametrize(
+    "pattern, spacing, says",
+    [
+        ("2", (0, 2), None),
+        ("'([0]*3+[1]*5)'", (3, 1), None),
+        ('"([0,1]*4)"', (1, 2), None),
+        ("[1,0,0,1,0,0,1,0]", (0, 3), None),
+        ("'([1]*3+[0]*1)*2'", None, "makes layers [0, 1, 2, 4, 5, 6] MoE layers"),
+        ("'[0]*8'", None, "makes layers none MoE layers"),
+        ("'([0]*3+[1]*6)'", None, "names 9 layers, the model has 8"),
+        ("'[0]*3+[2]*5'", None, "neither an integer nor a list of 0s and 1s"),
+        ("'__import__(1)'", None, "neither an integer nor a list of 0s and 1s"),
+    ],
+)
+def test_megatron_moe_layer_patterns_are_dense_layers_then_every_kth(tmp_path, capsys, pattern, spacing, says):
+    path = tmp_path / "train.sh"
+    path.write_text(
+        "torchrun --nproc_per_node 2 pretrain_gpt.py --num-layers 8 --hidden-size 64 --num-attention-heads 4 "
+        "--vocab-size 128 --seq-length 32 --num-experts 4 --expert-model-parallel-size 2 "
+        f"--moe-token-dispatcher-type alltoall --moe-layer-freq {pattern}\n"
+    )
+    if spacing is None:
+        status, out, _ = run_cli(capsys, "check", str(path))
+        assert status == 2 and "I004" in out and says in out, out
+        return
+    model = imported(path)["model"]
+    assert (model.get("moe_first_layer", 0), model["moe_layer_frequency"]) == spacing
+    status, out, _ = run_cli(capsys, "check", str(path), "--device-memory", "80GiB")
+    assert status == 0, out
 
 
 def test_megatron_shared_expert_and_its_gate(tmp_path, capsys):
@@ -1871,13 +1902,48 @@ def test_hf_keys_that_mean_none_or_serialisation_are_not_warned_about(write, tmp
     assert not [d for d in loaded.diagnostics if d.code == "I002"], [d.text() for d in loaded.diagnostics]
     config.update(shared_expert_intermediate_size=512, mlp_only_layers=[0])
     (tmp_path / "config.json").write_text(json.dumps(config))
-    diagnostics = load_spec(path).diagnostics
-    assert sum(d.code == "I004" for d in diagnostics) == 1  # the dense layers among MoE ones are not modelled
+    loaded = load_spec(path)
+    diagnostics = loaded.diagnostics
+    assert loaded.spec.model.moe_first_layer == 1  # a dense first layer, then every layer sparse
     # Qwen3-MoE has no shared expert: transformers does not read the key there, and neither does the import
     ignored = [d.message for d in diagnostics if d.code == "I002"]
     assert len(ignored) == 1 and ignored[0].endswith(
         "`shared_expert_intermediate_size` is ignored: the spec does not model it"
     )
+
+
+@pytest.mark.parametrize(
+    "keys, spacing",
+    [
+        ({}, (0, 1)),
+        ({"decoder_sparse_step": 2}, (1, 2)),  # (i + 1) % 2 == 0: layers 1, 3, 5, ...
+        ({"decoder_sparse_step": 3, "mlp_only_layers": [2]}, (5, 3)),
+        ({"mlp_only_layers": [0, 1, 2]}, (3, 1)),
+        ({"mlp_only_layers": [5]}, None),  # a dense layer among sparse ones
+        ({"mlp_only_layers": list(range(48))}, None),  # no sparse layer
+    ],
+)
+def test_hf_qwen_moe_layers_follow_transformers_rule(write, tmp_path, keys, spacing):
+    config = json.loads((HF / "qwen3-30b-a3b.json").read_text())
+    config.update(keys)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    path = write(
+        "model: {from: hf, path: config.json}\nmesh: {dp_shard: 8}\ntraining: {global_batch_size: 8, seq_len: 128}\n"
+        "backend: torch\nresources: {devices: 8, memory: 141GB}\n"
+    )
+    loaded = load_spec(path)
+    if spacing is None:
+        assert loaded.spec is None and any(
+            d.code == "I004" and "evenly spaced after the dense ones" in d.message for d in loaded.diagnostics
+        )
+        return
+    model = loaded.spec.model
+    assert (model.moe_first_layer, model.moe_layer_frequency) == spacing
+    # the layers transformers builds sparse are the spec's MoE layers
+    from mixle_compile.parameters import is_moe_layer
+
+    step, only = keys.get("decoder_sparse_step", 1), keys.get("mlp_only_layers", [])
+    assert [is_moe_layer(model, i) for i in range(48)] == [i not in only and (i + 1) % step == 0 for i in range(48)]
 
 
 def test_megatron_embedding_and_loss_counted_in_the_pipeline_split(tmp_path):

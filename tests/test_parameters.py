@@ -72,3 +72,37 @@ def test_parameter_counts_equal_transformers_own_models(name):
     shared = sum(v for n, v in theirs.items() if ".shared_expert." in n or ".shared_expert_gate." in n)
     assert sum(p.numel for p in ours if ".moe.shared." in p.name) == shared
     assert bool(shared) == bool(model.moe_shared_expert_hidden_size)
+
+
+@pytest.mark.parametrize(
+    "name, keys",
+    [
+        ("qwen1.5-moe-a2.7b.json", {"decoder_sparse_step": 2, "mlp_only_layers": [1]}),
+        ("qwen3-30b-a3b.json", {"mlp_only_layers": [0, 1]}),
+    ],
+)
+def test_the_layers_transformers_makes_sparse_are_the_spec_moe_layers(tmp_path, name, keys):
+    transformers = pytest.importorskip("transformers")
+    import json
+
+    import torch
+
+    from mixle_compile.importers.hf import hf_model, read_hf_document
+    from mixle_compile.parameters import is_moe_layer, transformer_parameters
+    from mixle_compile.spec.models import TransformerModel
+
+    data = json.loads((HF_CONFIGS / name).read_text())
+    data.update(keys)
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    model = TransformerModel.model_validate(hf_model(read_hf_document(tmp_path / "config.json")).model)
+    with torch.device("meta"):
+        built = transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.from_pretrained(str(tmp_path / "config.json"))
+        )
+    sparse = [any(".experts." in n for n, _ in layer.named_parameters()) for layer in built.model.layers]
+    assert sparse == [is_moe_layer(model, i) for i in range(model.num_layers)] and any(sparse) and not all(sparse)
+    assert sum(p.numel for p in transformer_parameters(model, "bf16")) == sum(
+        p.numel()
+        for n, p in built.named_parameters()
+        if not n.endswith(".bias") and ".q_norm." not in n and ".k_norm." not in n
+    )

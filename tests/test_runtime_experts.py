@@ -49,11 +49,14 @@ def moe_spec(
     cp=1,
     shared=0,
     shared_gate=False,
+    first=0,
 ) -> str:
     world = dr * ds * tp * pp * cp
     shared_fields = f", moe_shared_expert_hidden_size: {shared}" if shared else ""
     if shared_gate:
         shared_fields += ", moe_shared_expert_gate: true"
+    if first:
+        shared_fields += f", moe_first_layer: {first}"
     return textwrap.dedent(
         f"""\
         model: {{family: transformer, vocab_size: 128, hidden_size: 32, num_layers: 2, num_heads: 4, num_kv_heads: 2,
@@ -216,6 +219,7 @@ CASES = {
     "ep2-cp2-world2": dict(cp=2, ep=2),
     "ep2-fsdp2-tp2-sp-experts-split-over-tp-world4": dict(ds=2, tp=2, ep=2, etp=2, sp=True),
     "ep2-fsdp2-shared-expert-gated": dict(ds=2, ep=2, shared=40, shared_gate=True, optimizer="adamw", lr=1e-3),
+    "ep2-fsdp2-dense-first-layer-pp2": dict(ds=2, ep=2, first=1, pp=2, mb=4),
     "ep1-tp2-sp-shared-expert-gated": dict(tp=2, sp=True, shared=40, shared_gate=True),
     "ep2-fsdp2-tp2-sp-experts-split-over-tp-shared-expert-world4": dict(
         ds=2, tp=2, ep=2, etp=2, sp=True, shared=40, activation="gelu"

@@ -52,6 +52,15 @@ DENSE = {
     "ffn_hidden_size": 768,
 }
 MOE = {**DENSE, "num_experts": 8, "experts_per_token": 2, "moe_ffn_hidden_size": 256, "moe_layer_frequency": 2}
+# dense layers first, then MoE layers with a gated shared expert (DeepSeek's and Qwen2-MoE's shapes)
+MOE_SHARED = {
+    **MOE,
+    "moe_layer_frequency": 1,
+    "moe_first_layer": 2,
+    "moe_shared_expert_hidden_size": 384,
+    "moe_shared_expert_gate": True,
+}
+MODELS = {"dense": DENSE, "moe": MOE, "moe-shared": MOE_SHARED}
 BACKENDS = ({"name": "torch"}, {"name": "torchtitan", "version": "0.2"}, {"name": "megatron", "version": "0.16"})
 
 
@@ -91,10 +100,11 @@ def run_cli(capsys, *argv):
 
 CASES = [
     (model, devices, backend)
-    for model in ("dense", "moe")
+    for model in ("dense", "moe", "moe-shared")
     for devices in (4, 16)
     for backend in BACKENDS
-    if not (model == "moe" and backend["name"] == "torch" and devices == 4)
+    if not (model != "dense" and backend["name"] == "torch" and devices == 4)
+    and not (model == "moe-shared" and devices == 4)
 ]
 
 
@@ -102,7 +112,7 @@ CASES = [
 def test_every_returned_plan_checks_compiles_keeps_the_batch_and_is_ranked_by_its_step_time(
     tmp_path, model, devices, backend
 ):
-    outcome = searched(tmp_path, spec_text(DENSE if model == "dense" else MOE, devices, backend))
+    outcome = searched(tmp_path, spec_text(MODELS[model], devices, backend))
     assert outcome.plans, outcome.reason
     assert outcome.refused_by_check == 0
     seconds = [p.step.seconds for p in outcome.plans]
@@ -373,7 +383,12 @@ def test_no_factorisation_exits_1_saying_why(capsys, tmp_path):
 @pytest.mark.parametrize("devices", [32, 64, 128, 256])
 @pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b["name"])
 def test_sweep_every_plan_checks_and_compiles(tmp_path, devices, backend):
-    for model in (DENSE, MOE, {**DENSE, "num_layers": 24, "hidden_size": 512, "num_heads": 16, "num_kv_heads": 8}):
+    for model in (
+        DENSE,
+        MOE,
+        MOE_SHARED,
+        {**DENSE, "num_layers": 24, "hidden_size": 512, "num_heads": 16, "num_kv_heads": 8},
+    ):
         outcome = searched(
             tmp_path, spec_text(model, devices, backend, global_batch=256, seq=1024, memory="2GiB"), top=5
         )

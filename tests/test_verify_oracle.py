@@ -130,6 +130,7 @@ def memory_bytes(spec: Spec, devices: int | None = None) -> Fraction:
     held = []  # (count, amounts)
     if isinstance(model, TransformerModel):
         k = model.moe_layer_frequency if model.num_experts > 0 else 1
+        first = model.moe_first_layer if model.num_experts > 0 else 0  # dense layers before the first MoE one
         kinds = {}
         for layer in sorted(by_layer):
             kinds.setdefault(is_moe_layer(model, layer), layer)  # one representative layer per kind
@@ -142,7 +143,7 @@ def memory_bytes(spec: Spec, devices: int | None = None) -> Fraction:
         if True in reps:
             held.append((v * (-(-c // k)), combine(reps[True], common, lambda x, y: x - y)))
         if False in reps:
-            held.append((v * (c - c // k), combine(reps[False], common, lambda x, y: x - y)))
+            held.append((v * min(c, c - c // k + first), combine(reps[False], common, lambda x, y: x - y)))
     elif by_layer:
         heaviest = zero
         for layer in by_layer:
@@ -545,7 +546,7 @@ def violations(
             kv is None or kv % tp == 0,
             when=rule_set == "torchtitan" or (rule_set == "megatron" and not megatron_16),
         )
-        dense_layers = model.num_experts == 0 or model.moe_layer_frequency > 1
+        dense_layers = model.num_experts == 0 or model.moe_layer_frequency > 1 or model.moe_first_layer > 0
         rule("T004", not dense_layers or model.ffn_hidden_size % tp == 0)
         rule("T005", model.vocab_size % tp == 0, only="torch")
         moe_ffn = model.moe_ffn_hidden_size or model.ffn_hidden_size
@@ -766,6 +767,7 @@ SHAPES = {
         "num_experts": 8,
         "experts_per_token": 2,
         "moe_ffn_hidden_size": 48,
+        "moe_first_layer": 1,
         "expert_capacity_factor": 1.5,
         "activation": "gelu",
     },

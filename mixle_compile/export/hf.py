@@ -52,11 +52,10 @@ def hf_config(model: TransformerModel, seq_len: int | None = None) -> tuple[dict
                 "num_experts_per_tok": m.experts_per_token,
                 "moe_intermediate_size": moe_ffn,
                 "shared_expert_intermediate_size": m.moe_shared_expert_hidden_size,
-                "decoder_sparse_step": m.moe_layer_frequency,
-                "mlp_only_layers": [],
+                **_qwen_sparse_layers(m),
                 "norm_topk_prob": False,
             }, ""
-        if moe_ffn == m.ffn_hidden_size and m.moe_layer_frequency == 1:
+        if moe_ffn == m.ffn_hidden_size and m.moe_layer_frequency == 1 and m.moe_first_layer == 0:
             return {
                 "architectures": ["MixtralForCausalLM"],
                 "model_type": "mixtral",
@@ -76,8 +75,7 @@ def hf_config(model: TransformerModel, seq_len: int | None = None) -> tuple[dict
             "num_experts": m.num_experts,
             "num_experts_per_tok": m.experts_per_token,
             "moe_intermediate_size": moe_ffn,
-            "decoder_sparse_step": m.moe_layer_frequency,
-            "mlp_only_layers": [],
+            **_qwen_sparse_layers(m),
         }, ""
     if m.num_experts:
         return None, "a mixture of experts is written only for RMSNorm + SwiGLU + RoPE models (Mixtral, Qwen3-MoE)"
@@ -107,6 +105,19 @@ def hf_config(model: TransformerModel, seq_len: int | None = None) -> tuple[dict
         f"no HF architecture has norm {m.norm}, activation {m.activation} and {m.position_embedding} positions "
         "(written: Llama, Mixtral, Qwen3-MoE, GPT-NeoX, GPT-2)"
     )
+
+
+def _qwen_sparse_layers(m: TransformerModel) -> dict:
+    """The model's MoE layers as Qwen-MoE's keys: transformers makes layer i sparse when
+    (i + 1) % decoder_sparse_step == 0 and i is not in mlp_only_layers (Qwen2MoeDecoderLayer,
+    Qwen3MoeDecoderLayer). Layers k - 1, 2k - 1, ... are the step alone; any other spacing lists the
+    dense layers under step 1."""
+    from mixle_compile.parameters import is_moe_layer
+
+    k, first = m.moe_layer_frequency, m.moe_first_layer
+    if first == k - 1:
+        return {"decoder_sparse_step": k, "mlp_only_layers": []}
+    return {"decoder_sparse_step": 1, "mlp_only_layers": [i for i in range(m.num_layers) if not is_moe_layer(m, i)]}
 
 
 def hf_config_text(config: dict) -> str:

@@ -23,6 +23,23 @@ from mixle_compile.spec.models import Spec, parallel_plan
 DEFAULT_ORDER, TP_PP_DP_ORDER = "tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp"
 
 
+def moe_pattern_text(layers: int, first: int, frequency: int) -> str:
+    """``--moe-layer-freq`` as the per-layer pattern Megatron-LM's ``_eval_pattern`` reads (lists of 0
+    and 1 with ``+`` and ``*``): ``first`` dense layers, then an MoE layer every ``frequency`` layers."""
+    parts = [f"[0]*{first}"] if first else []
+    rest = layers - first
+    if frequency == 1:
+        parts.append(f"[1]*{rest}")
+    else:
+        period = f"([1]+[0]*{frequency - 1})"
+        whole, left = divmod(rest, frequency)
+        if whole:
+            parts.append(f"{period}*{whole}")
+        if left:
+            parts.append("[1]" + (f"+[0]*{left - 1}" if left > 1 else ""))
+    return "(" + "+".join(parts) + ")"
+
+
 def megatron_arguments(spec: Spec) -> list[str]:
     m, t, mesh = spec.model, spec.training, spec.mesh
     plan = parallel_plan(spec)
@@ -116,7 +133,9 @@ def megatron_arguments(spec: Spec) -> list[str]:
         a += ["--moe-token-dispatcher-type", "flex" if t.expert_dispatcher == "flex" else "alltoall"]
         if m.moe_ffn_hidden_size is not None:
             a += ["--moe-ffn-hidden-size", m.moe_ffn_hidden_size]
-        if m.moe_layer_frequency != 1:
+        if m.moe_first_layer:
+            a += ["--moe-layer-freq", moe_pattern_text(m.num_layers, m.moe_first_layer, m.moe_layer_frequency)]
+        elif m.moe_layer_frequency != 1:
             a += ["--moe-layer-freq", m.moe_layer_frequency]
         if m.expert_capacity_factor is not None:
             a += ["--moe-expert-capacity-factor", m.expert_capacity_factor]

@@ -67,6 +67,8 @@ def _llama4(experts: int, moe_step: int) -> Flavor:
         "experts_per_token": 1,
         "moe_ffn_hidden_size": llama_ffn(dim, multiple_of, mult, divide_by=2),
         "moe_layer_frequency": moe_step,
+        # TransformerBlock.moe_enabled = (layer_id + 1) % interleave_moe_layer_step == 0: layers k - 1, 2k - 1, ...
+        **({"moe_first_layer": moe_step - 1} if moe_step > 1 else {}),
         # MoE.shared_expert: FeedForward(dim, hidden_dim * num_shared_experts), no gate
         # (torchtitan/models/moe.py; num_shared_experts 1)
         "moe_shared_expert_hidden_size": llama_ffn(dim, multiple_of, mult, divide_by=2),
@@ -151,9 +153,9 @@ MLA_REFUSAL = (
     "not expressible are MLA's low-rank key/value compression (kv_lora_rank, a latent projected up per head) and "
     "low-rank query (q_lora_rank), its query/key head size qk_nope_head_dim + qk_rope_head_dim that differs from the "
     "value head size v_head_dim (the family has one head_dim for queries, keys and values), the RoPE key shared by "
-    "all heads, and dense layers only before the first MoE layer (moe_layer_frequency makes every k-th layer MoE); "
-    "expressible are the vocabulary, hidden size, layer and head counts, RMSNorm, SwiGLU, RoPE, the routed experts "
-    "(num_experts, experts_per_token, moe_ffn_hidden_size) and the shared ones (moe_shared_expert_hidden_size)"
+    "all heads; expressible are the vocabulary, hidden size, layer and head counts, RMSNorm, SwiGLU, RoPE, the "
+    "routed experts (num_experts, experts_per_token, moe_ffn_hidden_size), the shared ones "
+    "(moe_shared_expert_hidden_size) and the dense layers before the first MoE layer (moe_first_layer)"
 )
 REFUSED = {
     "deepseek_v3": MLA_REFUSAL,

@@ -225,9 +225,46 @@ def hf_model(doc: SourceDocument) -> HFModel:
         moe_ffn = take("moe_ffn_hidden_size", "moe_intermediate_size", required=False)
         if moe_ffn is not None:
             m["moe_ffn_hidden_size"] = moe_ffn
+        # Qwen2MoeDecoderLayer / Qwen3MoeDecoderLayer: layer i is sparse when i is not in
+        # mlp_only_layers and (i + 1) % decoder_sparse_step == 0 (both default to none and 1).
         step = take("moe_layer_frequency", "decoder_sparse_step", required=False)
-        if step is not None:
-            m["moe_layer_frequency"] = step
+        step = 1 if step is None else step
+        only = data.get("mlp_only_layers") or []
+        layers = m.get("num_layers")
+        if "mlp_only_layers" in data:
+            used.add("mlp_only_layers")
+        if (
+            isinstance(layers, int)
+            and isinstance(step, int)
+            and step > 0
+            and isinstance(only, list)
+            and all(isinstance(i, int) for i in only)
+        ):
+            from mixle_compile.parameters import moe_spacing
+
+            sparse = [i not in only and (i + 1) % step == 0 for i in range(layers)]
+            spacing = moe_spacing(sparse)
+            at = (
+                doc.position(("mlp_only_layers",)) if only else out.positions.get("moe_layer_frequency", Position(1, 1))
+            )
+            if spacing is None:
+                out.problems.append(
+                    (
+                        f"decoder_sparse_step {step} with mlp_only_layers {only} makes layers "
+                        f"{[i for i, s in enumerate(sparse) if s] or 'none'} sparse; the spec's MoE layers are "
+                        "evenly spaced after the dense ones (moe_first_layer, moe_layer_frequency)",
+                        "use a pattern of dense layers first, then every k-th layer sparse",
+                        at,
+                    )
+                )
+            else:
+                m["moe_first_layer"], m["moe_layer_frequency"] = spacing
+                if only:
+                    out.keys["moe_first_layer"] = "mlp_only_layers"
+                    out.positions["moe_first_layer"] = at
+                else:
+                    out.keys["moe_first_layer"] = out.keys.get("moe_layer_frequency", "decoder_sparse_step")
+                    out.positions["moe_first_layer"] = at
         if model_type == "qwen2_moe":
             # Qwen2MoeSparseMoeBlock: a shared expert (an MLP of shared_expert_intermediate_size, 5632
             # by Qwen2MoeConfig's default) beside the routed ones, its output scaled by
@@ -247,17 +284,6 @@ def hf_model(doc: SourceDocument) -> HFModel:
                 )
         elif not data.get("shared_expert_intermediate_size"):
             used.add("shared_expert_intermediate_size")  # 0 or null: none, as Qwen3-MoE has
-        if "mlp_only_layers" in data:
-            used.add("mlp_only_layers")  # empty: every layer on the MoE step is an MoE layer
-        if data.get("mlp_only_layers"):
-            out.problems.append(
-                (
-                    "`mlp_only_layers` lists dense layers among the MoE ones; the spec spaces them "
-                    "evenly only (moe_layer_frequency)",
-                    "remove mlp_only_layers or use a modules model",
-                    doc.position(("mlp_only_layers",)),
-                )
-            )
     for key in data:
         if key not in used and key not in IRRELEVANT:
             out.ignored.append((key, doc.keys.get((key,), Position(1, 1))))

@@ -31,6 +31,7 @@ READ = {
     "--num-query-groups": "int",
     "--kv-channels": "int",
     "--swiglu": "bool",
+    "--multi-latent-attention": "bool",
     "--normalization": "str",
     "--position-embedding-type": "str",
     "--max-position-embeddings": "int",
@@ -120,6 +121,81 @@ QUIET = re.compile(
     r"rerun-mode|fp8-recipe|first-last-layers-bf16|num-layers-at-.*-in-bf16|export-.*|kd-.*|"
     r"reset-position-ids|reset-attention-mask|no-persist-layer-norm|use-distributed-checkpointing)$"
 )
+
+
+def moe_layer_pattern(text: str) -> list[int] | None:
+    """The per-layer list a ``--moe-layer-freq`` pattern names, as Megatron-LM's ``_eval_pattern``
+    evaluates it (megatron/training/arguments.py: the characters ``,`` digits ``[ ] ( ) + *`` only, then
+    a Python expression), evaluated here without ``eval``: lists of integers, ``+`` between lists and
+    ``*`` between a list and an integer. None where the text is not such an expression."""
+    import ast
+
+    text = text.strip().strip("'\"")
+    if re.search(r"[^,\d\[\]\(\)\+\*\s]", text):
+        return None
+
+    def value(node):
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.List):
+            items = [value(e) for e in node.elts]
+            return items if all(type(i) is int for i in items) else None
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = value(node.left), value(node.right)
+            if left is None or right is None:
+                return None
+            if isinstance(node.op, ast.Add):
+                return left + right if isinstance(left, list) and isinstance(right, list) else None
+            if isinstance(left, list) != isinstance(right, list):  # a list repeated
+                count = right if isinstance(left, list) else left
+                return None if count > 100_000 else left * right
+            return None
+        return None
+
+    try:
+        found = value(ast.parse(text, mode="eval").body)
+    except (SyntaxError, RecursionError, MemoryError):
+        return None
+    return found if isinstance(found, list) else None
+
+
+def _moe_pattern(b, text: str, layers, set_, at) -> None:
+    """A ``--moe-layer-freq`` list pattern as moe_first_layer and moe_layer_frequency (dense layers
+    first, then every k-th layer an MoE one), or the reason it cannot be."""
+    from mixle_compile.parameters import moe_spacing
+
+    flag = "--moe-layer-freq"
+    pattern = moe_layer_pattern(text)
+    if pattern is None or any(v not in (0, 1) for v in pattern):
+        b.refuse(
+            f"`{flag} {text}` is neither an integer nor a list of 0s and 1s built with `+` and `*` (Megatron-LM's "
+            "_eval_pattern)",
+            at(flag),
+            "write an integer N (layers 0, N, 2N, ... MoE) or a pattern such as ([0]*3+[1]*58)",
+        )
+        return
+    if isinstance(layers, int) and len(pattern) != layers:
+        b.refuse(
+            f"`{flag} {text}` names {len(pattern)} layers, the model has {layers} (Megatron-Core asserts that the "
+            "pattern's length is num_layers, gpt_layer_specs.py get_gpt_decoder_block_spec)",
+            at(flag),
+            f"give one entry per layer ({layers})",
+        )
+        return
+    spacing = moe_spacing(pattern)
+    if spacing is None:
+        moe = [i for i, v in enumerate(pattern) if v]
+        b.refuse(
+            f"`{flag} {text}` makes layers {moe if moe else 'none'} MoE layers; the spec's MoE layers are evenly "
+            "spaced after the dense ones (moe_first_layer, moe_layer_frequency)",
+            at(flag),
+            "use dense layers first and then every k-th layer an MoE one, e.g. ([0]*3+[1]*58) or ([0,1]*24)",
+        )
+        return
+    first, frequency = spacing
+    set_(("model", "moe_layer_frequency"), frequency, flag)
+    if first:
+        set_(("model", "moe_first_layer"), first, flag)
 
 
 @dataclass
@@ -457,6 +533,17 @@ def read_megatron(
         _hf_model(b, options)
     else:
         layers, hidden, heads = num("--num-layers"), num("--hidden-size"), num("--num-attention-heads")
+        if has("--multi-latent-attention"):
+            # Megatron-Core's MLASelfAttention (transformer/multi_latent_attention.py): DeepSeek's
+            # attention, which the transformer family cannot express (importers/flavors.py says what).
+            from mixle_compile.importers.flavors import MLA_REFUSAL
+
+            b.refuse(
+                "`--multi-latent-attention`: "
+                + MLA_REFUSAL.replace("recognised as DeepSeek-V3 (Multi-head Latent Attention, MLA)", "MLA"),
+                at("--multi-latent-attention"),
+                "check a covered attention, or approximate it with multi-head attention of the same sizes",
+            )
         if b.failed:
             return b.result()
         set_(("model", "family"), "transformer", None, "pretrain_gpt.py (a GPT model)")
@@ -590,11 +677,7 @@ def read_megatron(
                 if freq.isdigit():
                     set_(("model", "moe_layer_frequency"), int(freq), "--moe-layer-freq")
                 else:
-                    b.refuse(
-                        f"`--moe-layer-freq {freq}` (a per-layer pattern) is not modelled",
-                        at("--moe-layer-freq"),
-                        "the spec spaces MoE layers evenly: give an integer",
-                    )
+                    _moe_pattern(b, freq, num("--num-layers"), set_, at)
     if b.failed:
         return b.result()
 

@@ -321,7 +321,13 @@ class _Activations:
         layers_here = split.layers_on_stage(stage) if split is not None else model.num_layers
         ranges = ((0, model.num_layers),) if split is None else split.ranges_on_stage(stage)
         moe_here = sum(
-            moe_layers_in(start, end - start, num_experts=model.num_experts, frequency=model.moe_layer_frequency)
+            moe_layers_in(
+                start,
+                end - start,
+                num_experts=model.num_experts,
+                frequency=model.moe_layer_frequency,
+                start=model.moe_first_layer,
+            )
             for start, end in ranges
         )
         if moe_here:

@@ -50,10 +50,11 @@ _ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu}
 class ExpertShape:
     num_experts: int
     top_k: int
-    frequency: int  # layers 0, k, 2k, ... are mixture-of-experts layers
+    frequency: int  # layers f, f + k, f + 2k, ... are mixture-of-experts layers
     activation: str
     shared: bool = False  # a shared expert beside the routed ones (model.py adds its output)
     shared_gate: bool = False  # its output scaled by sigmoid(x . w)
+    first: int = 0  # f: the layers before it are dense
 
     @staticmethod
     def from_model(model: TransformerModel) -> ExpertShape | None:
@@ -66,10 +67,11 @@ class ExpertShape:
             model.activation,
             bool(model.moe_shared_expert_hidden_size),
             model.moe_shared_expert_gate,
+            model.moe_first_layer,
         )
 
     def is_moe_layer(self, layer: int) -> bool:
-        return layer % self.frequency == 0
+        return layer >= self.first and (layer - self.first) % self.frequency == 0
 
 
 def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -646,6 +646,17 @@ def _transformer_diagnostics(model: TransformerModel, spec: Spec, doc: SourceDoc
                     extra_fields=(("model", "experts_per_token"),),
                 )
             )
+        elif model.moe_first_layer >= model.num_layers:
+            out.append(
+                doc.diagnostic(
+                    codes.INCONSISTENT.code,
+                    f"model.moe_first_layer={model.moe_first_layer} leaves no mixture-of-experts layer among "
+                    f"the model's {model.num_layers} (layers 0 to {model.num_layers - 1})",
+                    ("model", "moe_first_layer"),
+                    hint=f"use a layer below {model.num_layers}, or num_experts: 0 for a dense model",
+                    extra_fields=(("model", "num_layers"),),
+                )
+            )
         elif model.experts_per_token > model.num_experts:
             out.append(
                 doc.diagnostic(
@@ -667,6 +678,15 @@ def _transformer_diagnostics(model: TransformerModel, spec: Spec, doc: SourceDoc
                 codes.INCONSISTENT.code,
                 f"model.{field_name} is set but model.num_experts is 0 (a dense model)",
                 ("model", field_name),
+                hint="set `num_experts` for a mixture-of-experts model, or remove the field",
+            )
+        )
+    if model.num_experts == 0 and model.moe_first_layer:
+        out.append(
+            doc.diagnostic(
+                codes.INCONSISTENT.code,
+                "model.moe_first_layer is set but model.num_experts is 0 (a dense model)",
+                ("model", "moe_first_layer"),
                 hint="set `num_experts` for a mixture-of-experts model, or remove the field",
             )
         )

@@ -313,6 +313,12 @@ class TransformerModel(StrictModel):
     experts_per_token: Size | None = Field(default=None, description="top-k routing; required when num_experts > 0")
     moe_ffn_hidden_size: Size | None = Field(default=None, description="defaults to ffn_hidden_size")
     moe_layer_frequency: Size = Field(default=1, description="every k-th layer is a mixture-of-experts layer")
+    moe_first_layer: Count = Field(
+        default=0,
+        description="the first mixture-of-experts layer: layers f, f + k, f + 2k, ... are MoE layers (f = this, k "
+        "= moe_layer_frequency) and the f layers before it dense (DeepSeek's first_k_dense_replace; HF Qwen-MoE's "
+        "decoder_sparse_step k and Llama 4's interleave step k put it at k - 1)",
+    )
     moe_shared_expert_hidden_size: Size | None = Field(
         default=None,
         description="a shared expert beside the routed ones in every mixture-of-experts layer: a dense MLP of "

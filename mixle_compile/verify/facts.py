@@ -218,6 +218,8 @@ def plan_facts(spec: Spec) -> PlanFacts:
             add("num_kv_heads", ("model", "num_kv_heads"), model.num_kv_heads)
         if model.moe_ffn_hidden_size is not None:
             add("moe_ffn_hidden_size", ("model", "moe_ffn_hidden_size"), model.moe_ffn_hidden_size)
+        if model.moe_first_layer:
+            add("moe_first_layer", ("model", "moe_first_layer"), model.moe_first_layer)
         if model.moe_shared_expert_hidden_size is not None:
             add(
                 "moe_shared_expert_hidden_size",

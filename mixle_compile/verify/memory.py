@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from mixle_compile.parameters import DTYPE_BYTES, is_moe_layer, model_parameters
+from mixle_compile.parameters import DTYPE_BYTES, is_moe_layer, layer_kinds_model, model_parameters
 from mixle_compile.spec.models import ModulesModel, Spec, TransformerModel
 
 CATEGORIES = ("tensor_parallel", "replicated", "expert")
@@ -78,6 +78,7 @@ ZERO = Share()
 class ParameterFootprint:
     shares: Mapping[tuple[str, str], Share] = field(default_factory=dict)  # (place, category) -> amount
     moe_layer_frequency: int = 1  # every k-th layer is a mixture-of-experts layer
+    moe_first_layer: int = 0  # ... from this one; the layers before it are dense
     hidden_size: int = 0  # transformers only (activation memory)
     num_heads: int = 0
     vocab_size: int = 0
@@ -111,11 +112,14 @@ def _share_of(elements: int, dtype: str | None) -> Share:
 def parameter_footprint(spec: Spec) -> ParameterFootprint:
     """Sort a neural spec's parameters into the (place, category) amounts above."""
     model = spec.model
+    kinds_of = model  # what says which of the listed layers are MoE layers
     if isinstance(model, TransformerModel) and model.num_layers > 2:
-        # A transformer's layers are of two kinds, dense and mixture-of-experts (layers 0, k, 2k, ...
-        # with k = moe_layer_frequency), and layers of one kind hold the same tensors: layers 0 and 1
-        # show both kinds, so the footprint never lists a million layers' parameters.
-        spec = spec.model_copy(update={"model": model.model_copy(update={"num_layers": 2})})
+        # A transformer's layers are of two kinds, dense and mixture-of-experts (layers f, f + k,
+        # f + 2k, ... with f = moe_first_layer, k = moe_layer_frequency), and layers of one kind hold
+        # the same tensors: two layers show both kinds, so the footprint never lists a million
+        # layers' parameters.
+        kinds_of = layer_kinds_model(model, 2)
+        spec = spec.model_copy(update={"model": kinds_of})
     params = model_parameters(spec)
     if isinstance(model, ModulesModel):
         own_dtypes = [p.dtype for p in model.parameters]
@@ -144,7 +148,7 @@ def parameter_footprint(spec: Spec) -> ParameterFootprint:
             seen_groups.add(p.shared_group)
 
     if isinstance(model, TransformerModel):
-        moe = {i for i in per_layer if is_moe_layer(model, i)}
+        moe = {i for i in per_layer if is_moe_layer(kinds_of, i)}
         dense = set(per_layer) - moe
         # What every layer holds (attention, norms) and what only dense or only MoE layers add.
         for category in CATEGORIES:
@@ -162,6 +166,7 @@ def parameter_footprint(spec: Spec) -> ParameterFootprint:
         return ParameterFootprint(
             MappingProxyType({k: v for k, v in shares.items() if v != ZERO}),
             moe_layer_frequency=model.moe_layer_frequency if model.num_experts > 0 else 1,
+            moe_first_layer=model.moe_first_layer if model.num_experts > 0 else 0,
             hidden_size=model.hidden_size,
             num_heads=model.num_heads,
             vocab_size=model.vocab_size,

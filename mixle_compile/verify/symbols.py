@@ -24,7 +24,7 @@ from mixle_compile.verify.logic import TERMS, Integer, concrete, larger
 
 # Optional model fields and what they default to in the spec.
 _DEFAULTS = {"num_kv_heads": "num_heads", "moe_ffn_hidden_size": "ffn_hidden_size"}
-_COUNTS = {"num_experts"}  # may be 0; every other integer is >= 1
+_COUNTS = {"num_experts", "moe_first_layer"}  # may be 0; every other integer is >= 1
 
 
 class Symbols:
@@ -111,6 +111,8 @@ class Symbols:
             self.layers = self.num_layers
         if "num_experts" not in self.variables:
             self.num_experts = zero
+        if "moe_first_layer" not in self.variables:
+            self.moe_first_layer = zero  # MoE layers from layer 0
         if "moe_shared_expert_hidden_size" not in self.variables:
             self.moe_shared_expert_hidden_size = zero  # no shared expert
         self.split_dimensions = tuple((d, self.variables[d.symbol]) for d in facts.split_dimensions)

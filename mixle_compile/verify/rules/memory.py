@@ -24,7 +24,7 @@ from mixle_compile.schedules import microbatches_per_round
 from mixle_compile.spec.kinds import Engine, Family
 from mixle_compile.verify import logic
 from mixle_compile.verify.facts import format_bytes
-from mixle_compile.verify.logic import TERMS, all_of, larger, negation, real, when
+from mixle_compile.verify.logic import TERMS, all_of, larger, negation, real, smaller, when
 from mixle_compile.verify.memory import CATEGORIES
 from mixle_compile.verify.rule import Rule, define
 
@@ -52,10 +52,11 @@ def _per_rank_bytes(v) -> dict[str, object]:
 
     # Layers on the heaviest rank: its v virtual stages of ceil(layers / (pp * v)) layers each; a
     # stage of c consecutive layers holds at most ceil(c / k) mixture-of-experts layers and at most
-    # c - floor(c / k) dense ones (k = moe_layer_frequency).
+    # c - floor(c / k) dense ones (k = moe_layer_frequency), or, with f dense layers before the first
+    # MoE layer (moe_first_layer), at most min(c, c - floor(c / k) + f).
     virtual = when(v.pp == 1, 1, v.virtual_pipeline_stages)  # without a pipeline there are no virtual stages
     stages = v.pp * virtual
-    k = fp.moe_layer_frequency
+    k, first = fp.moe_layer_frequency, fp.moe_first_layer
     listed = v.facts.pipeline_layers
     if listed is not None:
         # A listed split (P010 holds it to the mesh): the largest counts any one rank holds.
@@ -63,7 +64,7 @@ def _per_rank_bytes(v) -> dict[str, object]:
         ranks = [listed[s::pp] for s in range(pp)]  # virtual stage c * pp + s is on rank s
         copies = {
             "every_layer": max(sum(r) for r in ranks),
-            "dense_layer": max(sum(c - c // k for c in r) for r in ranks),
+            "dense_layer": max(sum(min(c, c - c // k + first) for c in r) for r in ranks),
             "moe_layer": max(sum(-(-c // k) for c in r) for r in ranks),
         }
     else:
@@ -73,7 +74,7 @@ def _per_rank_bytes(v) -> dict[str, object]:
         chunk = (slots + stages - 1) / stages
         copies = {
             "every_layer": virtual * chunk,
-            "dense_layer": virtual * (chunk - chunk / k),
+            "dense_layer": virtual * (smaller(chunk, chunk - chunk / k + first) if first else chunk - chunk / k),
             "moe_layer": virtual * ((chunk + k - 1) / k),
         }
 
@@ -448,9 +449,10 @@ DEVICE_MEMORY = define(
             "(v = 1 without a pipeline), the embedding on the first stage and the output head and final norm on "
             "the last (both on one stage when pp = 1, a tied pair counted once; otherwise the heavier end). A "
             "transformer stage counts what every layer holds (attention, norms) for each layer, plus at most "
-            "`v * ceil(c / k)` mixture-of-experts and `v * (c - floor(c / k))` dense MLPs (every k-th layer is "
-            "a mixture-of-experts layer); a `modules` stage counts each layer as the largest amount of each "
-            "kind (by category and dtype) that any of its layers holds.\n"
+            "`v * ceil(c / k)` mixture-of-experts and `v * min(c, c - floor(c / k) + f)` dense MLPs (every k-th "
+            "layer is a mixture-of-experts layer from layer f, `moe_first_layer`); a `modules` stage counts "
+            "each layer as the largest amount of each kind (by category and dtype) that any of its layers "
+            "holds.\n"
             "* **Gathered weights**: under FSDP, the unsharded (tensor-parallel-local) weights of two units at "
             "once (the one computing and the one prefetched), a unit being a layer or the embedding and head. "
             "FSDP shards over dp_shard (torch, megatron) or dp_shard * cp (torchtitan). On torchtitan under a "

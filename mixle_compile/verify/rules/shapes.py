@@ -109,20 +109,22 @@ FFN = define(
         docs=(
             "A dense MLP's up (and gate) projection is column-parallel and its down projection row-parallel: "
             "both split the `ffn_hidden_size` dimension over tp. A model whose every layer is a "
-            "mixture-of-experts layer has no dense MLP and is not checked (see T006)."
+            "mixture-of-experts layer (`moe_layer_frequency` 1 from layer 0) has no dense MLP and is not checked "
+            "(see T006)."
         ),
         engine_reference="Megatron-Core `ColumnParallelLinear`/`RowParallelLinear` (`divide(output_size, "
         "world_size)`); "
         "torchtitan's MLP TP plan",
         constraint=lambda v: implies(
-            any_of(v.num_experts == 0, v.moe_layer_frequency > 1), v.ffn_hidden_size % v.tp == 0
+            any_of(v.num_experts == 0, v.moe_layer_frequency > 1, v.moe_first_layer > 0),
+            v.ffn_hidden_size % v.tp == 0,
         ),
         explain=lambda x: (
             f"ffn_hidden_size={x.ffn_hidden_size} cannot be split over tp={x.tp} ranks "
             f"({x.ffn_hidden_size} % {x.tp} != 0)"
         ),
         hint=lambda x: _split_hint("ffn_hidden_size", x.ffn_hidden_size),
-        fields=("tp", "ffn_hidden_size", "num_experts", "moe_layer_frequency"),
+        fields=("tp", "ffn_hidden_size", "num_experts", "moe_layer_frequency", "moe_first_layer"),
         families=TRANSFORMER,
     )
 )
