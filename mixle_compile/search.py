@@ -1248,12 +1248,7 @@ def search(req: Request, top: int = DEFAULT_TOP, *, variants: bool = False, tigh
     for above, plan in zip(chosen, chosen[1:], strict=False):
         plan.reason = loses_because(plan.step, above.step)
         if not plan.reason:
-            more = plan.memory_bytes - above.memory_bytes
-            plan.reason = "the same predicted step time, " + (
-                f"{_gib(more)} more memory per rank"
-                if more >= 2**26
-                else "the same memory per rank (ranked by its order in the search)"
-            )
+            plan.reason = _tie_reason(plan, above)
     outcome.plans = chosen
     return outcome
 
@@ -1350,6 +1345,26 @@ def _plan(req: Request, loaded, values: dict, st: step_time.StepTime) -> Plan:
     return Plan(
         dict(values), spec_data_for(req, values), st, memory, int(loaded.spec.resources.memory or 0), st.seconds
     )
+
+
+def _tie_reason(plan, above) -> str:
+    """Why ``plan`` follows ``above`` when :func:`loses_because` calls their step times a tie: equal
+    times (to a millionth) are ranked by memory, the one with more room first; a difference below
+    0.05% still orders them, and is named as such."""
+    more = plan.memory_bytes - above.memory_bytes
+    memory = (
+        f"{_gib(more)} more memory per rank"
+        if more >= 2**26
+        else f"{_gib(-more)} less memory per rank"
+        if -more >= 2**26
+        else "the same memory per rank"
+    )
+    slower = (plan.step.seconds - above.step.seconds) / above.step.seconds
+    if round(slower, 6) <= 0:
+        if more >= 2**26:
+            return f"the same predicted step time, {memory}"
+        return f"the same predicted step time, {memory} (ranked by its order in the search)"
+    return f"+{slower:.2%} step time, a difference the model does not resolve; {memory}"
 
 
 def loses_because(slower: step_time.StepTime, faster: step_time.StepTime) -> str:

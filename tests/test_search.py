@@ -604,3 +604,20 @@ def test_the_search_prices_megatrons_pipeline_overlap_as_the_lowered_plan_does(t
         assert plan.step.seconds == pytest.approx(exact.seconds, rel=0.02)
         assert ("pp" in exact.hidden_communication) == expected
         assert ("pp" in plan.step.hidden_communication) == expected
+
+
+def test_a_tie_is_named_for_what_orders_it():
+    from types import SimpleNamespace
+
+    from mixle_compile.search import _tie_reason
+
+    def plan(seconds, gib):
+        return SimpleNamespace(step=SimpleNamespace(seconds=seconds), memory_bytes=gib * 2**30)
+
+    assert _tie_reason(plan(2.0, 30), plan(2.0, 20)) == "the same predicted step time, 10.0GiB more memory per rank"
+    assert _tie_reason(plan(2.0, 20), plan(2.0, 20)).endswith(
+        "the same memory per rank (ranked by its order in the search)"
+    )
+    # slower by a hair but lighter: the order is the step time's, and the text says so
+    text = _tie_reason(plan(2.0004, 10), plan(2.0, 20))
+    assert text == "+0.02% step time, a difference the model does not resolve; 10.0GiB less memory per rank"
