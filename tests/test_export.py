@@ -149,7 +149,16 @@ def test_a_shared_expert_reaches_megatron_and_hf_and_an_ungated_one_is_refused_b
     assert not back.problems and TransformerModel.model_validate(back.model) == spec.model
     ungated = spec.model.model_copy(update={"moe_shared_expert_gate": False})
     config, why = hf_config(ungated)
-    assert config is None and "without a gate" in why
+    assert config is None and "Llama 4's, whose shared expert is as wide as a routed one" in why
+    # as wide as a routed expert: Llama 4's shape, written as a Llama4ForCausalLM config and read back
+    llama4 = ungated.model_copy(
+        update={"moe_shared_expert_hidden_size": 7168, "moe_ffn_hidden_size": 7168, "head_dim": 128, "num_kv_heads": 8}
+    )
+    config, why = hf_config(llama4)
+    assert config is not None and config["model_type"] == "llama4_text", why
+    (tmp_path / "l4.json").write_text(hf_config_text(config))
+    back = hf_model(read_hf_document(tmp_path / "l4.json"))
+    assert not back.problems and TransformerModel.model_validate(back.model) == llama4
     assert "--moe-shared-expert-gate" not in " ".join(
         export_spec(spec.model_copy(update={"model": ungated}), "megatron").files.values()
     )
@@ -372,6 +381,7 @@ def test_generated_specs_do_round_trip_on_every_engine(tmp_path):
         "mixtral-8x7b-v0.1.json",
         "qwen3-30b-a3b.json",
         "qwen1.5-moe-a2.7b.json",
+        "llama-4-maverick-17b-128e-text.json",
         "gpt-neox-20b.json",
     ],
 )
@@ -399,11 +409,16 @@ def test_transformers_autoconfig_reads_our_hf_configs_as_we_do(tmp_path, name):
         model.num_heads,
     )
     assert getattr(hf, "num_key_value_heads", hf.num_attention_heads) == (model.num_kv_heads or model.num_heads)
-    assert hf.intermediate_size == model.ffn_hidden_size and bool(hf.tie_word_embeddings) == model.tie_embeddings
+    dense = getattr(hf, "intermediate_size_mlp", hf.intermediate_size)  # Llama 4 names its dense MLP's width so
+    assert dense == model.ffn_hidden_size and bool(hf.tie_word_embeddings) == model.tie_embeddings
     if model.num_experts:
         experts = getattr(hf, "num_local_experts", None) or hf.num_experts
         assert (experts, hf.num_experts_per_tok) == (model.num_experts, model.experts_per_token)
-    assert getattr(hf, "shared_expert_intermediate_size", None) == model.moe_shared_expert_hidden_size
+    if hf.model_type == "llama4_text":  # its shared expert is as wide as a routed one; its MoE layers listed
+        assert hf.intermediate_size == model.moe_shared_expert_hidden_size == model.moe_ffn_hidden_size
+        assert hf.moe_layers == [i for i in range(model.num_layers) if i % 2 == 1]
+    else:
+        assert getattr(hf, "shared_expert_intermediate_size", None) == model.moe_shared_expert_hidden_size
 
 
 def _toml_era_config_manager():

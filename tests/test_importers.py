@@ -945,6 +945,24 @@ def test_deepspeed_unmodelled_keys_are_named(capsys):
             },
         ),
         (
+            "llama-4-scout-17b-16e.json",
+            {
+                "num_experts": 16,
+                "experts_per_token": 1,
+                "ffn_hidden_size": 16384,
+                "moe_ffn_hidden_size": 8192,
+                "moe_shared_expert_hidden_size": 8192,
+                "moe_shared_expert_gate": False,
+                "moe_first_layer": 0,
+                "moe_layer_frequency": 1,
+                "head_dim": 128,
+            },
+        ),
+        (
+            "llama-4-maverick-17b-128e-text.json",
+            {"num_experts": 128, "moe_first_layer": 1, "moe_layer_frequency": 2, "ffn_hidden_size": 16384},
+        ),
+        (
             "gpt-neox-20b.json",
             {
                 "hidden_size": 6144,
@@ -970,6 +988,33 @@ def test_a_spec_takes_its_model_from_an_hf_config(write, tmp_path, name, expecte
     loaded = load_spec(path)
     assert loaded.spec is not None, [d.text() for d in loaded.diagnostics]
     assert {k: getattr(loaded.spec.model, k) for k in expected} == expected
+
+
+def test_llama4_reads_its_language_model_and_names_what_it_leaves_out(write, tmp_path, capsys):
+    (tmp_path / "config.json").write_text((HF / "llama-4-scout-17b-16e.json").read_text())
+    path = write(
+        "model: {from: hf, path: config.json}\nmesh: {dp_shard: 8}\ntraining: {global_batch_size: 8, seq_len: 128}\n"
+        "backend: torch\nresources: {devices: 8, memory: 141GB}\n"
+    )
+    loaded = load_spec(path)
+    ignored = sorted(d.message.split("`")[1] for d in loaded.diagnostics if d.code == "I002")
+    assert ignored == ["attention_chunk_size", "vision_config"]  # chunked attention, and the vision encoder
+    # a listed moe_layers overrides the step; one that is not dense layers then every k-th is refused
+    data = json.loads((HF / "llama-4-maverick-17b-128e-text.json").read_text())
+    for layers, want in (([3, 5, 7, 9], None), ([0, 1, 5], "not dense layers first")):
+        data["num_hidden_layers"] = 10
+        data["moe_layers"] = layers
+        (tmp_path / "config.json").write_text(json.dumps(data))
+        loaded = load_spec(path)
+        if want is None:
+            assert (loaded.spec.model.moe_first_layer, loaded.spec.model.moe_layer_frequency) == (3, 2)
+        else:
+            assert loaded.spec is None and any(want in d.message for d in loaded.diagnostics)
+    data["text_config"] = None
+    data["model_type"] = "llama4"
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    status, out, _ = run_cli(capsys, "check", path)
+    assert status == 1 and "I004" in out and "under `text_config`" in out
 
 
 def test_an_hf_architecture_outside_the_family_is_refused_by_name(write, tmp_path, capsys):

@@ -45,7 +45,15 @@ HF_CONFIGS = Path(__file__).parent / "corpus" / "importers" / "hf"
 
 
 @pytest.mark.parametrize(
-    "name", ["llama-3.1-8b.json", "mixtral-8x7b-v0.1.json", "qwen3-30b-a3b.json", "qwen1.5-moe-a2.7b.json"]
+    "name",
+    [
+        "llama-3.1-8b.json",
+        "mixtral-8x7b-v0.1.json",
+        "qwen3-30b-a3b.json",
+        "qwen1.5-moe-a2.7b.json",
+        "llama-4-scout-17b-16e.json",
+        "llama-4-maverick-17b-128e-text.json",
+    ],
 )
 def test_parameter_counts_equal_transformers_own_models(name):
     """transformers builds the config's model (on the meta device, no memory): its parameters are ours (a
@@ -55,11 +63,13 @@ def test_parameter_counts_equal_transformers_own_models(name):
     import torch
 
     from mixle_compile.importers.hf import hf_model, read_hf_document
-    from mixle_compile.parameters import transformer_parameters
+    from mixle_compile.parameters import is_moe_layer, transformer_parameters
     from mixle_compile.spec.models import TransformerModel
 
     model = TransformerModel.model_validate(hf_model(read_hf_document(HF_CONFIGS / name)).model)
     config = transformers.AutoConfig.from_pretrained(str(HF_CONFIGS / name))
+    if config.model_type == "llama4":  # the language model of the multimodal one: what training builds
+        config = config.text_config
     with torch.device("meta"):
         built = transformers.AutoModelForCausalLM.from_config(config)
     theirs = {
@@ -70,6 +80,9 @@ def test_parameter_counts_equal_transformers_own_models(name):
     ours = transformer_parameters(model, "bf16")
     assert sum(p.numel for p in ours) == sum(theirs.values())
     shared = sum(v for n, v in theirs.items() if ".shared_expert." in n or ".shared_expert_gate." in n)
+    if config.model_type == "llama4_text":  # its experts and layers, as transformers builds them
+        sparse = [layer.is_moe_layer for layer in built.model.layers]
+        assert sparse == [is_moe_layer(model, i) for i in range(model.num_layers)]
     assert sum(p.numel for p in ours if ".moe.shared." in p.name) == shared
     assert bool(shared) == bool(model.moe_shared_expert_hidden_size)
 

@@ -36,10 +36,13 @@ def hf_config(model: TransformerModel, seq_len: int | None = None) -> tuple[dict
             # builds from these sizes alone; it always gates it (shared_expert_gate) and derives the head
             # size from hidden_size / num_attention_heads.
             if not m.moe_shared_expert_gate:
-                return None, (
-                    "a shared expert without a gate is written for no HF architecture here (Qwen2-MoE, the one "
-                    "written, gates it: set model.moe_shared_expert_gate: true, or export to Megatron)"
-                )
+                if m.moe_shared_expert_hidden_size != moe_ffn:
+                    return None, (
+                        "an ungated shared expert is written as Llama 4's, whose shared expert is as wide as a routed "
+                        f"one (here {m.moe_shared_expert_hidden_size} and {moe_ffn}); Qwen2-MoE's is gated: set "
+                        "model.moe_shared_expert_gate: true, or export to Megatron"
+                    )
+                return _llama4_text(m, heads, base, moe_ffn), ""
             if m.head_dim not in (None, m.hidden_size // m.num_heads):
                 return None, "Qwen2-MoE's head size is hidden_size / num_attention_heads: it has no head_dim"
             return {
@@ -78,7 +81,7 @@ def hf_config(model: TransformerModel, seq_len: int | None = None) -> tuple[dict
             **_qwen_sparse_layers(m),
         }, ""
     if m.num_experts:
-        return None, "a mixture of experts is written only for RMSNorm + SwiGLU + RoPE models (Mixtral, Qwen3-MoE)"
+        return None, "a mixture of experts is written only for RMSNorm + SwiGLU + RoPE models (Mixtral, Qwen-MoE, Llama 4)"
     if m.norm == "layernorm" and m.activation == "gelu" and m.position_embedding == "rope":
         return {
             "architectures": ["GPTNeoXForCausalLM"],
@@ -103,8 +106,33 @@ def hf_config(model: TransformerModel, seq_len: int | None = None) -> tuple[dict
         }, ""
     return None, (
         f"no HF architecture has norm {m.norm}, activation {m.activation} and {m.position_embedding} positions "
-        "(written: Llama, Mixtral, Qwen3-MoE, GPT-NeoX, GPT-2)"
+        "(written: Llama, Mixtral, Qwen2-MoE, Qwen3-MoE, Llama 4, GPT-NeoX, GPT-2)"
     )
+
+
+def _llama4_text(m: TransformerModel, heads: dict, base: dict, moe_ffn: int) -> dict:
+    """A Llama4ForCausalLM config (Llama4TextConfig) with the spec's sizes and nothing else of Llama 4:
+    RoPE in every layer (no_rope_layers all 1), full attention (no attention_chunk_size) and no
+    query/key norm, so that transformers builds the spec's transformer with its routed and shared
+    experts."""
+    from mixle_compile.parameters import is_moe_layer
+
+    return {
+        "architectures": ["Llama4ForCausalLM"],
+        "model_type": "llama4_text",
+        "hidden_act": "silu",
+        **{k: v for k, v in heads.items() if k != "intermediate_size"},
+        "head_dim": m.head_dim or m.hidden_size // m.num_heads,
+        **base,
+        "intermediate_size": moe_ffn,
+        "intermediate_size_mlp": m.ffn_hidden_size,
+        "num_local_experts": m.num_experts,
+        "num_experts_per_tok": m.experts_per_token,
+        "moe_layers": [i for i in range(m.num_layers) if is_moe_layer(m, i)],
+        "no_rope_layers": [1] * m.num_layers,
+        "attention_chunk_size": None,
+        "use_qk_norm": False,
+    }
 
 
 def _qwen_sparse_layers(m: TransformerModel) -> dict:

@@ -1,7 +1,7 @@
 """An HF ``config.json`` as a transformer model.
 
 Reads the architectures the transformer family covers: Llama (and Llama-shaped: Mistral, Qwen2,
-Qwen3, Phi-3, InternLM2-free ones), Mixtral, Qwen2-MoE / Qwen3-MoE, GPT-NeoX and GPT-2. Every
+Qwen3, Phi-3, InternLM2-free ones), Mixtral, Qwen2-MoE / Qwen3-MoE, Llama 4, GPT-NeoX and GPT-2. Every
 other ``model_type`` is refused by name. The defaults used when a key is absent are those of
 the architecture's configuration class in transformers (``models/<name>/configuration_<name>.py``).
 """
@@ -37,6 +37,9 @@ ARCHITECTURES: dict[str, _Arch] = {
     "mixtral": _Arch("rmsnorm", "swiglu", "rope", False, moe="mixtral"),
     "qwen2_moe": _Arch("rmsnorm", "swiglu", "rope", False, moe="qwen"),
     "qwen3_moe": _Arch("rmsnorm", "swiglu", "rope", False, moe="qwen"),
+    # Llama4TextConfig (llama4_text); Llama4Config (llama4) wraps it as text_config beside a vision model
+    "llama4_text": _Arch("rmsnorm", "swiglu", "rope", False, moe="llama4"),
+    "llama4": _Arch("rmsnorm", "swiglu", "rope", False, moe="llama4"),
     "gpt_neox": _Arch("layernorm", "gelu", "rope", False),
     "gpt2": _Arch("layernorm", "gelu", "learned", True, gpt2_names=True),
 }
@@ -98,6 +101,18 @@ IRRELEVANT = {
     "rope_parameters",
     "qkv_bias",
     "use_qk_norm",
+    # Llama 4: which layers skip RoPE and how attention is scaled (no parameters, the same matmuls); the
+    # image tokens' ids and a serving hint
+    "no_rope_layers",
+    "no_rope_layer_interval",
+    "attn_temperature_tuning",
+    "floor_scale",
+    "attn_scale",
+    "for_llm_compressor",
+    "cache_implementation",
+    "boi_token_index",
+    "eoi_token_index",
+    "image_token_index",
     "qk_layernorm",
 }
 
@@ -119,6 +134,63 @@ def read_hf_document(path: str | Path, display: str | None = None) -> SourceDocu
     return read_json_document(
         path, display, "HF model config", "give the path of a `config.json` (relative to the file that names it)"
     )
+
+
+def _llama4_moe(data: dict, m: dict, out: HFModel, take, used: set, doc: SourceDocument, prefix: tuple) -> None:
+    """Llama 4's experts (transformers/models/llama4: Llama4TextConfig, Llama4TextMoe): num_local_experts
+    routed experts of intermediate_size features, top num_experts_per_tok, and a shared expert of the
+    same width (Llama4TextMLP(config), no gate) in every MoE layer; the MoE layers are moe_layers, or
+    interleave_moe_layer_step - 1, 2 * step - 1, ... (the class's defaults: 16 experts, top-1, 8192,
+    step 1, head_dim 128)."""
+    from mixle_compile.parameters import moe_spacing
+
+    m["num_experts"] = take("num_experts", "num_local_experts", default=16)
+    m["experts_per_token"] = take("experts_per_token", "num_experts_per_tok", default=1)
+    width = take("moe_ffn_hidden_size", "intermediate_size", default=8192)
+    m["moe_ffn_hidden_size"] = width
+    m["moe_shared_expert_hidden_size"] = width
+    if "head_dim" not in m:
+        m["head_dim"] = 128
+    layers = m.get("num_layers")
+    listed = data.get("moe_layers")
+    step = take("moe_layer_frequency", "interleave_moe_layer_step", default=1)
+    if not isinstance(layers, int) or isinstance(layers, bool):
+        return
+    if listed is not None:
+        used.add("moe_layers")
+        where = doc.position((*prefix, "moe_layers"))
+        if not isinstance(listed, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in listed):
+            out.problems.append(("`moe_layers` is a list of layer indices", "list the MoE layers' indices", where))
+            return
+        chosen = set(listed)
+    elif isinstance(step, int) and not isinstance(step, bool) and step > 0:
+        where = out.positions.get("moe_layer_frequency", Position(1, 1))
+        chosen = set(range(step - 1, layers, step))
+    else:
+        out.problems.append(
+            (
+                f"`interleave_moe_layer_step` = {step!r} is not a positive integer",
+                "give the spacing of the MoE layers (1: every layer)",
+                out.positions.get("moe_layer_frequency", Position(1, 1)),
+            )
+        )
+        return
+    spacing = moe_spacing([i in chosen for i in range(layers)])
+    if spacing is None:
+        out.problems.append(
+            (
+                f"the MoE layers {sorted(chosen) or 'none'} are not dense layers first and then every k-th layer "
+                "(the spec's moe_first_layer and moe_layer_frequency)",
+                "use evenly spaced MoE layers after the dense ones",
+                where,
+            )
+        )
+        return
+    m["moe_first_layer"], m["moe_layer_frequency"] = spacing
+    out.keys["moe_first_layer"] = out.keys["moe_layer_frequency"] = "/".join(
+        (*prefix, "moe_layers" if listed is not None else "interleave_moe_layer_step")
+    )
+    out.positions["moe_first_layer"] = out.positions["moe_layer_frequency"] = where
 
 
 def hf_model(doc: SourceDocument) -> HFModel:
@@ -155,13 +227,34 @@ def hf_model(doc: SourceDocument) -> HFModel:
         return out
     arch = ARCHITECTURES[model_type]
     used: set[str] = {"model_type"}
+    prefix: tuple = ()  # where the language model's keys are in the document
+    if model_type == "llama4":
+        # Llama4ForConditionalGeneration: the language model is text_config; the vision encoder and
+        # the projector beside it (vision_config) are not the transformer family's and are left out.
+        inner = data.get("text_config")
+        if not isinstance(inner, dict):
+            out.problems.append(
+                (
+                    "a Llama 4 config (model_type llama4) keeps its language model under `text_config`, "
+                    "which this file lacks",
+                    "give the config.json whose text_config holds the sizes, or a llama4_text config",
+                    doc.position(("model_type",)),
+                )
+            )
+            return out
+        for key in data:
+            if key == "tie_word_embeddings" and data[key] == inner.get(key, ARCHITECTURES["llama4"].tie):
+                continue  # says what the language model's own key (or its default) says
+            if key not in ("model_type", "text_config") and key not in IRRELEVANT:
+                out.ignored.append((key, doc.keys.get((key,), Position(1, 1))))
+        data, prefix = inner, ("text_config",)
 
     def take(field_name: str, *keys: str, default: Any = None, required: bool = True) -> Any:
         for key in keys:
             if key in data and data[key] is not None:
                 used.add(key)
-                out.keys[field_name] = key
-                out.positions[field_name] = doc.position((key,))
+                out.keys[field_name] = "/".join((*prefix, key))
+                out.positions[field_name] = doc.position((*prefix, key))
                 return data[key]
             used.add(key)
         if required and default is None:
@@ -190,6 +283,10 @@ def hf_model(doc: SourceDocument) -> HFModel:
         inner = take("ffn_hidden_size", "n_inner", required=False)
         hidden = m["hidden_size"]
         m["ffn_hidden_size"] = inner if inner is not None else (4 * hidden if isinstance(hidden, int) else None)
+    elif arch.moe == "llama4":
+        # Llama4TextMLP(config, intermediate_size=config.intermediate_size_mlp) for the dense layers;
+        # intermediate_size is an expert's (and the shared expert's) width
+        m["ffn_hidden_size"] = take("ffn_hidden_size", "intermediate_size_mlp", default=16384)
     else:
         m["ffn_hidden_size"] = take("ffn_hidden_size", "intermediate_size")
     tie = take("tie_embeddings", "tie_word_embeddings", required=False)
@@ -215,6 +312,8 @@ def hf_model(doc: SourceDocument) -> HFModel:
         m["max_position_embeddings"] = take(
             "max_position_embeddings", "n_positions", "max_position_embeddings", default=1024
         )
+    if arch.moe == "llama4":
+        _llama4_moe(data, m, out, take, used, doc, prefix)
     if arch.moe == "mixtral":
         m["num_experts"] = take("num_experts", "num_local_experts")
         m["experts_per_token"] = take("experts_per_token", "num_experts_per_tok", default=2)
@@ -286,7 +385,7 @@ def hf_model(doc: SourceDocument) -> HFModel:
             used.add("shared_expert_intermediate_size")  # 0 or null: none, as Qwen3-MoE has
     for key in data:
         if key not in used and key not in IRRELEVANT:
-            out.ignored.append((key, doc.keys.get((key,), Position(1, 1))))
+            out.ignored.append((key, doc.keys.get((*prefix, key), Position(1, 1))))
     m = {k: v for k, v in m.items() if v is not None}
     out.model = m
     return out
