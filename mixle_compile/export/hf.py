@@ -81,7 +81,9 @@ def hf_config(model: TransformerModel, seq_len: int | None = None) -> tuple[dict
             **_qwen_sparse_layers(m),
         }, ""
     if m.num_experts:
-        return None, "a mixture of experts is written only for RMSNorm + SwiGLU + RoPE models (Mixtral, Qwen-MoE, Llama 4)"
+        return None, (
+            "a mixture of experts is written only for RMSNorm + SwiGLU + RoPE models (Mixtral, Qwen-MoE, Llama 4)"
+        )
     if m.norm == "layernorm" and m.activation == "gelu" and m.position_embedding == "rope":
         return {
             "architectures": ["GPTNeoXForCausalLM"],
