@@ -424,7 +424,6 @@ def test_each_megatron_script_imports_with_its_degrees_and_sizes(name):
     "name, says",
     [
         ("conf_Llama-3.2-1B-Instruct.sh", "vocabulary size"),
-        ("conf_Llama-4-Scout-17B-16E-Instruct.sh", "vocabulary size"),
         ("conf_DeepSeek-V2-Lite.sh", "`--multi-latent-attention`: MLA, which the transformer family cannot express"),
         ("train_bert_340m_distributed.sh", "pretrain_bert.py"),
     ],
@@ -432,6 +431,29 @@ def test_each_megatron_script_imports_with_its_degrees_and_sizes(name):
 def test_megatron_scripts_the_spec_cannot_express_are_refused_by_name(capsys, name, says):
     status, out, _ = run_cli(capsys, "check", MG / name)
     assert status == 2 and "I004" in out and says in out
+
+
+def test_megatron_llama4_launch_is_the_model_transformers_builds_from_its_hf_config():
+    """Megatron-LM's own Llama 4 Scout arguments (routed and shared experts, the vocabulary as
+    --padded-vocab-size gives it, unpadded) and the published HF config read as one model."""
+    from mixle_compile.importers.hf import hf_model, read_hf_document
+
+    megatron = imported(MG / "conf_Llama-4-Scout-17B-16E-Instruct.sh", devices=8)["model"]
+    hf = hf_model(read_hf_document(HF / "llama-4-scout-17b-16e.json")).model
+    for field_name in (
+        "vocab_size",
+        "hidden_size",
+        "num_layers",
+        "num_heads",
+        "num_kv_heads",
+        "ffn_hidden_size",
+        "num_experts",
+        "experts_per_token",
+        "moe_ffn_hidden_size",
+        "moe_shared_expert_hidden_size",
+    ):
+        assert megatron[field_name] == hf[field_name], field_name
+    assert megatron.get("moe_first_layer", 0) == hf["moe_first_layer"] == 0
 
 
 def test_megatron_values_are_reported_where_the_script_writes_them(capsys):
@@ -595,6 +617,17 @@ def test_megatron_defaults_follow_validate_args(tmp_path):
     assert data["model"]["experts_per_token"] == 2 and data["mesh"]["etp"] == 2
     assert data["training"]["global_batch_size"] == 2 * 4 and data["mesh"]["dp_replicate"] == 4
     assert data["model"]["tie_embeddings"] is True and data["model"]["position_embedding"] == "learned"
+
+
+def test_megatron_padded_vocab_size_is_the_models_vocabulary_unpadded(tmp_path):
+    path = tmp_path / "args.txt"
+    base = (
+        "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --tensor-model-parallel-size 2 --micro-batch-size 1 "
+    )
+    path.write_text(base + "--vocab-size 1000\n")
+    assert imported(path, devices=2)["model"]["vocab_size"] == 1024  # padded to 128 * tp
+    path.write_text(base + "--vocab-size 1000 --padded-vocab-size 1002 --tokenizer-type HuggingFaceTokenizer\n")
+    assert imported(path, devices=2)["model"]["vocab_size"] == 1002
 
 
 def test_megatron_capacity_factor_caps_the_experts_tokens(tmp_path):

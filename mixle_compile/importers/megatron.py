@@ -41,6 +41,7 @@ READ = {
     "--vocab-size": "int",
     "--tokenizer-type": "str",
     "--make-vocab-size-divisible-by": "int",
+    "--padded-vocab-size": "int",
     "--num-experts": "int",
     "--moe-router-topk": "int",
     "--moe-ffn-hidden-size": "int",
@@ -892,6 +893,15 @@ def read_megatron(
 
 def _vocab(b: SpecBuilder, args, num, text_of, at, tp: int, options: ImportOptions) -> None:
     tokenizer = text_of("--tokenizer-type")
+    if "--padded-vocab-size" in args:
+        # TokenizerConfig.padded_vocab_size: the model's vocabulary as given; build_tokenizer's
+        # _set_padded_vocab_size pads only when it is unset (megatron/core/tokenizers/utils/build_tokenizer.py)
+        padded = num("--padded-vocab-size")
+        if padded is not None:
+            b.set(
+                ("model", "vocab_size"), padded, at=at("--padded-vocab-size"), origin="--padded-vocab-size (not padded)"
+            )
+        return
     hf_vocab = None
     if options.model is not None:
         from mixle_compile.importers.hf import read_hf_document
