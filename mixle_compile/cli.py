@@ -827,6 +827,11 @@ def _cmd_export(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     for name, text in exported.files.items():
         path = args.output if name == exported.main else folder / name
+        try:  # a file the config names may sit in a folder of its own (torchtitan's <stem>.hf/config.json)
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            print(f"mixle-compile export: error: cannot write {path}: {exc.strerror or exc}", file=sys.stderr)
+            return EXIT_USAGE
         failed = _write_output(path, text, "export")
         if failed is not None:
             return failed

@@ -493,13 +493,14 @@ class _Pricer:
 
     def _stage(self, v: dict) -> tuple[list[int], list[float], list[float], Any]:
         """Layers per stage, and each stage's seconds (all, attention) per micro-step."""
-        layers, (per_sample, fixed, attention), st = self._stage_parts(v)
+        layers, (per_sample, fixed, attention), st, _ = self._stage_parts(v)
         b = v["micro_batch_size"]
         return layers, [b * a + f for a, f in zip(per_sample, fixed, strict=True)], [b * a for a in attention], st
 
-    def _stage_parts(self, v: dict) -> tuple[list[int], tuple[list[float], list[float], list[float]], Any]:
-        """Layers per stage and :func:`mixle_compile.step_time.stage_compute_parts` (computed once for
-        every micro-batch size)."""
+    def _stage_parts(self, v: dict) -> tuple[list[int], tuple[list[float], list[float], list[float]], Any, list[int]]:
+        """Layers per stage, :func:`mixle_compile.step_time.stage_compute_parts` (computed once for
+        every micro-batch size) and the mixture-of-experts layers per stage (counted over each
+        stage's chunks: step_time.stage_moe_layers)."""
         from mixle_compile.layer_split import split_layers
 
         key = (
@@ -522,6 +523,7 @@ class _Pricer:
                 self.engine.name,
             )
             layers = [split.layers_on_stage(st) for st in range(v["pp"])]
+            moe = step_time.stage_moe_layers(split, self.spec_data["model"])
             # A micro-step's compute is affine in its micro-batch size (FLOPs and activations grow
             # with the tokens; a matmul's weight is read once whatever the rows).
             training = {
@@ -531,8 +533,8 @@ class _Pricer:
                 "sequence_parallel": v["sequence_parallel"],
             }
             st = step_time._Setting(**{**self.setting.__dict__, "training": training})
-            parts = step_time.stage_compute_parts(st, v["tp"], v["cp"], layers)
-            hit = self._compute[key] = (layers, parts, st)
+            parts = step_time.stage_compute_parts(st, v["tp"], v["cp"], layers, moe)
+            hit = self._compute[key] = (layers, parts, st, moe)
         return hit
 
     def latency(
@@ -915,7 +917,7 @@ class _Pricer:
                 # The tokens' compute is the same for every micro-batch split; each micro-step also
                 # reads the weights once, so the split with the fewest micro-steps costs least.
                 values = mesh.values(batch, sc, least, False)
-                layers, (per_sample, fixed, _), st = self._stage_parts(values)
+                layers, (per_sample, fixed, _), st, moe_per_stage = self._stage_parts(values)
                 per_stage = [batch["micro_batch_size"] * a + f for a, f in zip(per_sample, fixed, strict=True)]
                 for split in mesh.batches:
                     steps = split["microbatches"] * split["gradient_accumulation_steps"]
@@ -923,7 +925,7 @@ class _Pricer:
                     compute = min(compute, steps * max(b * a + f for a, f in zip(per_sample, fixed, strict=True)))
                 busiest = max(range(len(per_stage)), key=per_stage.__getitem__)
                 count = layers[busiest]
-                moe = self._moe_on(count)
+                moe = moe_per_stage[busiest]
                 # what async tensor parallelism cannot hide of it (step_time.combine) counts
                 tp = mesh.degrees["tp"]
                 seconds = sum(
@@ -989,23 +991,6 @@ class _Pricer:
             nbytes = (n - 1) / n * elements * min(8, 4 + element_bytes if True in mesh.distributed else 8)
         return nbytes / self.link(axes, degrees)
 
-    def _moe_on(self, count: int) -> int:
-        model = self.req.spec.model
-        if not model.num_experts:
-            return 0
-        if model.moe_first_layer:  # dense layers first: the stage's share of the MoE layers
-            from mixle_compile.parameters import moe_layers_in
-
-            moe_total = moe_layers_in(
-                0,
-                model.num_layers,
-                num_experts=model.num_experts,
-                frequency=model.moe_layer_frequency,
-                start=model.moe_first_layer,
-            )
-            return min(count, -(-count * moe_total // model.num_layers)) or (1 if count else 0)
-        return count // max(1, model.moe_layer_frequency) or (1 if count else 0)  # the stage's share
-
     def price(self, v: dict) -> step_time.StepTime:
         from mixle_compile.schedules import bubble_chunks, bubble_fraction
 
@@ -1037,7 +1022,7 @@ class _Pricer:
         hidden = tokens * model.hidden_size * act
         sp = v["sequence_parallel"]
         mesh_key = tuple(degrees[k] for k in MESH_KEY)
-        moe_layers = self._moe_on(count)
+        moe_layers = self._stage_parts(v)[3][busiest]
         # Per-layer activation collectives (tp, cp, ep) and the data-parallel gradients and parameter
         # gathers: the lowering's own updates (lower/updates.py) for the model cut to two layers,
         # scaled to the stage's layers, micro-batch and micro-steps; in seconds over their links

@@ -728,8 +728,10 @@ def stage_compute(spec: dict, tp: int, cp: int, stage_layers: list[int]) -> tupl
     return _stage_compute(_setting(spec), tp, cp, stage_layers)
 
 
-def _stage_compute(st: _Setting, tp: int, cp: int, stage_layers: list[int]) -> tuple[list[float], list[float]]:
-    per_sample, fixed, attention = stage_compute_parts(st, tp, cp, stage_layers)
+def _stage_compute(
+    st: _Setting, tp: int, cp: int, stage_layers: list[int], stage_moe: list[int] | None = None
+) -> tuple[list[float], list[float]]:
+    per_sample, fixed, attention = stage_compute_parts(st, tp, cp, stage_layers, stage_moe)
     b = st.training["micro_batch_size"]
     return [b * a + f for a, f in zip(per_sample, fixed, strict=True)], [b * a for a in attention]
 
@@ -764,8 +766,26 @@ def attention_length_factor(seq: float, cp: int) -> float:
     return (1.0 / cp) / fused_attention_rate(local, True) + (1.0 - 1.0 / cp) * later
 
 
+def stage_moe_layers(split: Any, model: dict) -> list[int]:
+    """The mixture-of-experts layers each pipeline stage holds under ``split`` (a LayerSplit): over
+    every chunk of its layers, so that an interleaved stage's chunks are counted where they are."""
+    return [
+        sum(
+            moe_layers_in(
+                a,
+                b - a,
+                num_experts=model.get("num_experts", 0),
+                frequency=model.get("moe_layer_frequency", 1),
+                start=model.get("moe_first_layer", 0),
+            )
+            for a, b in split.ranges_on_stage(stage)
+        )
+        for stage in range(split.pp)
+    ]
+
+
 def stage_compute_parts(
-    st: _Setting, tp: int, cp: int, stage_layers: list[int]
+    st: _Setting, tp: int, cp: int, stage_layers: list[int], stage_moe: list[int] | None = None
 ) -> tuple[list[float], list[float], list[float]]:
     """Each stage's micro-step seconds as ``micro_batch_size * per_sample + fixed`` (FLOPs and
     activations grow with the tokens; a matmul reads its weight once whatever its rows), and the
@@ -813,13 +833,18 @@ def stage_compute_parts(
     first = 0
     kinds: dict[bool, tuple[_Layer, float, float]] = {}
     for stage, count in enumerate(stage_layers):
-        # Layers of one kind (dense or MoE) cost the same: count each kind once.
-        moe_layers = moe_layers_in(
-            first,
-            count,
-            num_experts=model.get("num_experts", 0),
-            frequency=moe_every,
-            start=model.get("moe_first_layer", 0),
+        # Layers of one kind (dense or MoE) cost the same: count each kind once. ``stage_moe`` says
+        # how many MoE layers each stage holds (stage_moe_layers); without it a stage is one block.
+        moe_layers = (
+            stage_moe[stage]
+            if stage_moe is not None
+            else moe_layers_in(
+                first,
+                count,
+                num_experts=model.get("num_experts", 0),
+                frequency=moe_every,
+                start=model.get("moe_first_layer", 0),
+            )
         )
         linear = attention = moved = rows = weights = 0.0
         for moe, n in ((False, count - moe_layers), (True, moe_layers)):
@@ -880,7 +905,8 @@ def predict(
     training, table, backend = st.training, st.table, st.backend
     tp = degrees["tp"]
     micro_steps = degrees["microbatches"] * degrees["gradient_accumulation_steps"]
-    per_stage, attention_of = _stage_compute(st, tp, degrees["cp"], stage_layers)
+    split = _layer_split(spec, degrees)
+    per_stage, attention_of = _stage_compute(st, tp, degrees["cp"], stage_layers, stage_moe_layers(split, st.model))
     busiest = max(range(len(per_stage)), key=per_stage.__getitem__)
     # the rows of a micro-step's tensor-parallel matmuls: its tokens (the sequence gathered)
     tokens = training["micro_batch_size"] * training["seq_len"] / degrees["cp"]
@@ -1051,20 +1077,24 @@ def predict_lowered(spec: Any, lowered: Any) -> StepTime:
     return predict(data, updates, degrees, lowered.grid.order, bubble, split, [m.as_dict() for m in lowered.memory])
 
 
-def _split(spec: dict, degrees: dict) -> list[int]:
+def _layer_split(spec: dict, degrees: dict) -> Any:
     from mixle_compile.layer_split import split_layers
 
     training = spec["training"]
     backend = spec["backend"] if isinstance(spec["backend"], str) else spec["backend"]["name"]
     pp = degrees["pp"]
-    split = split_layers(
+    return split_layers(
         spec["model"]["num_layers"],
         pp,
         training.get("virtual_pipeline_stages", 1) if pp > 1 else 1,
         training.get("pipeline_layers"),
         backend,
     )
-    return [split.layers_on_stage(s) for s in range(pp)]
+
+
+def _split(spec: dict, degrees: dict) -> list[int]:
+    split = _layer_split(spec, degrees)
+    return [split.layers_on_stage(s) for s in range(degrees["pp"])]
 
 
 def predict_document(doc: Any) -> StepTime:

@@ -244,6 +244,20 @@ ffn_hidden_size: 4096}
     assert cli.main(["export", "--to", "deepspeed", str(spec)]) == 2  # two files need -o
 
 
+def test_export_cli_makes_the_folder_of_a_model_file_the_config_names(tmp_path, write):
+    spec = write("""\
+        model: {family: transformer, vocab_size: 32000, hidden_size: 1024, num_layers: 8, num_heads: 16, \
+ffn_hidden_size: 4096}
+        mesh: {dp_shard: 8}
+        training: {global_batch_size: 64, micro_batch_size: 8, seq_len: 1024, precision: bf16}
+        backend: torchtitan
+        resources: {devices: 8, memory: 80GiB}
+        """)
+    out = tmp_path / "new" / "job.toml"
+    assert cli.main(["export", "--to", "torchtitan", str(spec), "-o", str(out)]) == 0
+    assert out.exists() and json.loads((out.parent / "job.hf" / "config.json").read_text())["hidden_size"] == 1024
+
+
 def test_export_from_an_engine_config_and_from_a_plan(tmp_path, capsys):
     toml = ROOT / "tests" / "corpus" / "importers" / "torchtitan" / "llama3_8b.toml"
     # torchtitan's FSDP (ZeRO-3 over dp_shard) is Megatron-FSDP's optim_grads_params

@@ -653,7 +653,9 @@ def test_megatron_capacity_factor_caps_the_experts_tokens(tmp_path):
         ("[1,0,0,1,0,0,1,0]", (0, 3), None),
         ("'([1]*3+[0]*1)*2'", None, "makes layers [0, 1, 2, 4, 5, 6] MoE layers"),
         ("'[0]*8'", None, "makes layers none MoE layers"),
-        ("'([0]*3+[1]*6)'", None, "names 9 layers, the model has 8"),
+        ("'([0]*3+[1]*6)'", None, "names more than 8 layers, the model has 8"),
+        ("'([0]*3+[1]*4)'", None, "names 7 layers, the model has 8"),
+        ("'([1]*100000)*100000'", None, "names more than 8 layers"),  # refused before it is built
         ("'[0]*3+[2]*5'", None, "neither an integer nor a list of 0s and 1s"),
         ("'__import__(1)'", None, "neither an integer nor a list of 0s and 1s"),
     ],
@@ -690,6 +692,10 @@ def test_megatron_shared_expert_and_its_gate(tmp_path, capsys):
     assert status == 0 and "I002" not in out, out  # the overlap is a schedule of the same work
     path.write_text(base + "\n")
     assert "moe_shared_expert_hidden_size" not in imported(path, devices=2)["model"]
+    # a gate with no shared expert gates nothing (MoELayer passes it only to shared experts it builds)
+    path.write_text(base + " --moe-shared-expert-gate\n")
+    status, out, _ = run_cli(capsys, "check", str(path), "--devices", "2", "--device-memory", "80GiB")
+    assert status == 0 and "I002" in out and "no shared expert to gate" in out, out
     # TransformerConfig.__post_init__ refuses a width that is not positive
     path.write_text(base + " --moe-shared-expert-intermediate-size 0\n")
     status, out, _ = run_cli(capsys, "check", str(path), "--devices", "2")
@@ -2022,6 +2028,28 @@ def test_hf_qwen_moe_layers_follow_transformers_rule(write, tmp_path, keys, spac
 
     step, only = keys.get("decoder_sparse_step", 1), keys.get("mlp_only_layers", [])
     assert [is_moe_layer(model, i) for i in range(48)] == [i not in only and (i + 1) % step == 0 for i in range(48)]
+
+
+@pytest.mark.parametrize(
+    "keys, says",
+    [
+        ({"decoder_sparse_step": 0}, "`decoder_sparse_step` = 0 is not a positive integer"),
+        ({"decoder_sparse_step": 2.0}, "`decoder_sparse_step` = 2.0 is not a positive integer"),
+        ({"decoder_sparse_step": "abc"}, "is not a positive integer"),
+        ({"mlp_only_layers": "0,1"}, "`mlp_only_layers` = '0,1' is not a list of layer indices"),
+        ({"mlp_only_layers": [True]}, "is not a list of layer indices"),
+    ],
+)
+def test_hf_qwen_moe_layer_keys_of_the_wrong_kind_are_refused(write, tmp_path, capsys, keys, says):
+    config = json.loads((HF / "qwen3-30b-a3b.json").read_text())
+    config.update(keys)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    path = write(
+        "model: {from: hf, path: config.json}\nmesh: {dp_shard: 8}\ntraining: {global_batch_size: 8, seq_len: 128}\n"
+        "backend: torch\nresources: {devices: 8, memory: 141GB}\n"
+    )
+    status, out, _ = run_cli(capsys, "check", path)
+    assert status == 1 and "I004" in out and says in out, out
 
 
 def test_megatron_embedding_and_loss_counted_in_the_pipeline_split(tmp_path):

@@ -621,3 +621,20 @@ def test_a_tie_is_named_for_what_orders_it():
     # slower by a hair but lighter: the order is the step time's, and the text says so
     text = _tie_reason(plan(2.0004, 10), plan(2.0, 20))
     assert text == "+0.02% step time, a difference the model does not resolve; 10.0GiB less memory per rank"
+
+
+@pytest.mark.parametrize("first", [2, 4])
+@pytest.mark.parametrize("backend", BACKENDS[1:], ids=lambda b: b["name"])
+def test_the_search_counts_each_stages_moe_layers_as_the_lowered_plan_does(tmp_path, first, backend):
+    """Dense layers first put the MoE layers unevenly over the pipeline stages: the search prices the
+    busiest stage with the MoE layers it holds, as the lowered plan does."""
+    model = {**MOE_SHARED, "moe_first_layer": first}
+    data = yaml.safe_load(spec_text(model, 16, backend))
+    data["mesh"] = {"pp": 2, "ep": 2, "dp_shard": "auto"}
+    data["training"]["pipeline_schedule"] = "1f1b"
+    outcome = searched(tmp_path, yaml.safe_dump(data), top=5)
+    assert outcome.plans, outcome.reason
+    for plan in outcome.plans:
+        loaded = load_spec_text(yaml.safe_dump(plan.spec_data), "plan.yaml")
+        exact = predict_lowered(loaded.spec, lower(loaded.spec, schedule=False)).seconds
+        assert plan.step.seconds == pytest.approx(exact, rel=0.02)

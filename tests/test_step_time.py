@@ -607,3 +607,18 @@ def test_a_shared_expert_is_priced_as_a_dense_mlp_every_token_passes_through():
         return predict_lowered(spec, lower(spec, schedule=False))
 
     assert step(shared).compute > step(moe).compute
+
+
+def test_each_pipeline_stage_holds_the_moe_layers_of_its_own_chunks():
+    from mixle_compile.layer_split import split_layers
+    from mixle_compile.parameters import moe_layer_at
+    from mixle_compile.step_time import stage_moe_layers
+
+    for layers, pp, virtual, first, k in [(16, 2, 2, 8, 1), (61, 8, 4, 3, 1), (24, 4, 3, 1, 2), (10, 2, 1, 0, 3)]:
+        model = {"num_layers": layers, "num_experts": 4, "moe_layer_frequency": k, "moe_first_layer": first}
+        split = split_layers(layers, pp, virtual, None, "megatron" if layers % (pp * virtual) == 0 else "torchtitan")
+        want = [0] * pp
+        for layer in range(layers):
+            if moe_layer_at(layer, num_experts=4, frequency=k, first=first):
+                want[split.location(layer)[0]] += 1
+        assert stage_moe_layers(split, model) == want

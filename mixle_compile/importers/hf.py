@@ -332,13 +332,25 @@ def hf_model(doc: SourceDocument) -> HFModel:
         layers = m.get("num_layers")
         if "mlp_only_layers" in data:
             used.add("mlp_only_layers")
-        if (
-            isinstance(layers, int)
-            and isinstance(step, int)
-            and step > 0
-            and isinstance(only, list)
-            and all(isinstance(i, int) for i in only)
-        ):
+        step_ok = isinstance(step, int) and not isinstance(step, bool) and step > 0
+        only_ok = isinstance(only, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in only)
+        if not step_ok:
+            out.problems.append(
+                (
+                    f"`decoder_sparse_step` = {step!r} is not a positive integer",
+                    "give the spacing of the sparse layers (1: every layer)",
+                    out.positions.get("moe_layer_frequency", Position(1, 1)),
+                )
+            )
+        if not only_ok:
+            out.problems.append(
+                (
+                    f"`mlp_only_layers` = {only!r} is not a list of layer indices",
+                    "list the dense layers' indices (or leave the key out)",
+                    doc.position(("mlp_only_layers",)),
+                )
+            )
+        if isinstance(layers, int) and not isinstance(layers, bool) and step_ok and only_ok:
             from mixle_compile.parameters import moe_spacing
 
             sparse = [i not in only and (i + 1) % step == 0 for i in range(layers)]

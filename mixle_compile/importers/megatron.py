@@ -124,11 +124,16 @@ QUIET = re.compile(
 )
 
 
-def moe_layer_pattern(text: str) -> list[int] | None:
+class PatternTooLong(ValueError):
+    """A ``--moe-layer-freq`` pattern longer than the layers it may name (its length, not built)."""
+
+
+def moe_layer_pattern(text: str, limit: int = 1_000_000) -> list[int] | None:
     """The per-layer list a ``--moe-layer-freq`` pattern names, as Megatron-LM's ``_eval_pattern``
     evaluates it (megatron/training/arguments.py: the characters ``,`` digits ``[ ] ( ) + *`` only, then
     a Python expression), evaluated here without ``eval``: lists of integers, ``+`` between lists and
-    ``*`` between a list and an integer. None where the text is not such an expression."""
+    ``*`` between a list and an integer. None where the text is not such an expression;
+    :class:`PatternTooLong` (before the list is built) where it would be longer than ``limit``."""
     import ast
 
     text = text.strip().strip("'\"")
@@ -146,10 +151,16 @@ def moe_layer_pattern(text: str) -> list[int] | None:
             if left is None or right is None:
                 return None
             if isinstance(node.op, ast.Add):
-                return left + right if isinstance(left, list) and isinstance(right, list) else None
+                if not (isinstance(left, list) and isinstance(right, list)):
+                    return None
+                if len(left) + len(right) > limit:
+                    raise PatternTooLong
+                return left + right
             if isinstance(left, list) != isinstance(right, list):  # a list repeated
-                count = right if isinstance(left, list) else left
-                return None if count > 100_000 else left * right
+                items, count = (left, right) if isinstance(left, list) else (right, left)
+                if len(items) * max(count, 0) > limit:
+                    raise PatternTooLong
+                return items * count
             return None
         return None
 
@@ -166,7 +177,17 @@ def _moe_pattern(b, text: str, layers, set_, at) -> None:
     from mixle_compile.parameters import moe_spacing
 
     flag = "--moe-layer-freq"
-    pattern = moe_layer_pattern(text)
+    limit = layers if isinstance(layers, int) else 1_000_000
+    try:
+        pattern = moe_layer_pattern(text, limit)
+    except PatternTooLong:
+        b.refuse(
+            f"`{flag} {text}` names more than {limit} layers"
+            + (f", the model has {layers} (Megatron-Core asserts one entry per layer)" if limit == layers else ""),
+            at(flag),
+            "give one entry per layer",
+        )
+        return
     if pattern is None or any(v not in (0, 1) for v in pattern):
         b.refuse(
             f"`{flag} {text}` is neither an integer nor a list of 0s and 1s built with `+` and `*` (Megatron-LM's "
@@ -637,8 +658,16 @@ def read_megatron(
                 )
             elif shared is not None:
                 set_(("model", "moe_shared_expert_hidden_size"), shared, "--moe-shared-expert-intermediate-size")
-            if has("--moe-shared-expert-gate"):
+            if has("--moe-shared-expert-gate") and shared is not None and shared > 0:
+                # MoELayer passes the gate to the shared experts it builds, only when there are some
+                # (megatron/core/transformer/moe/moe_layer.py); without them the flag changes nothing
                 set_(("model", "moe_shared_expert_gate"), True, "--moe-shared-expert-gate")
+            elif has("--moe-shared-expert-gate"):
+                b.unmodelled(
+                    "--moe-shared-expert-gate",
+                    at("--moe-shared-expert-gate"),
+                    "there is no shared expert to gate (no --moe-shared-expert-intermediate-size)",
+                )
             # TransformerConfig.moe_expert_capacity_factor: None (and, after __post_init__, any negative
             # value) means dropless routing.
             capacity = num("--moe-expert-capacity-factor", None, float)
