@@ -677,6 +677,34 @@ HELD_OUT += [
 ]
 
 
+# Also held out: a model with a shared expert beside the routed ones. NeMo's performance summary
+# (docs.nvidia.com/nemo-framework/user-guide/latest/performance/performance-summary.html, NeMo 25.07 container,
+# DGX-GB200, FP8 current scaling, tokens/s/GPU): LLAMA4-Scout-LLM, 64 GPUs, GBS 1024, MBS 1, 8,192 tokens, DDP,
+# TP/PP/CP 1, EP 16, GA 16: 13,783. The recipe: NVIDIA-NeMo/NeMo scripts/performance/recommended_model_configs/
+# model_configs_gb200.csv (pre_train,llama4,e16,gb200,fp8: no recomputation, CUDA graphs on) with
+# nemo/collections/llm/recipes/llama4_e16.py (the distributed optimizer) and gpt/model/llama.py
+# Llama4Experts16Config (the all-to-all dispatcher; 16 experts top-1 of 8,192 features and a shared expert of
+# 8,192 in every layer, dense width 16,384) @ 8cfedd72. The model is the published HF config's language model
+# (tests/corpus/importers/hf/llama-4-scout-17b-16e.json), whose parameters equal transformers' own; CUDA graphs
+# are not modelled.
+def llama4_scout_gb200() -> dict:
+    from mixle_compile.importers.hf import hf_model, read_hf_document
+
+    model = hf_model(read_hf_document(ROOT / "tests" / "corpus" / "importers" / "hf" / "llama-4-scout-17b-16e.json"))
+    mesh = dict(dp_replicate=64, dp_shard=1, tp=1, pp=1, cp=1, ep=16, etp=1, microbatches=1)
+    training = dict(global_batch_size=1024, micro_batch_size=1, seq_len=8192, precision="fp8")
+    return {
+        "model": model.model,
+        "mesh": {**mesh, "gradient_accumulation_steps": 16},
+        "training": {**training, "distributed_optimizer": True, "expert_dispatcher": "all_to_all"},
+        "backend": {"name": "megatron", "version": "0.16"},
+        "resources": {"devices": 64, "kind": "gb200", "memory": "185GiB"},
+    }
+
+
+HELD_OUT += [("nemo25.07 GB200 Llama4 Scout EP16", llama4_scout_gb200(), 13783)]
+
+
 # Megatron-Bridge overlaps a stage's pipeline sends and receives with its compute whenever there are
 # virtual stages (training/comm_overlap.py: overlap_p2p_comm = True for vp > 1, @ 067f987d); the Bridge
 # rows state it, since Megatron-Core's own default (the specs' entry: core) is off. NeMo 24.07 (NeMo 1.x)

@@ -351,6 +351,7 @@ def test_fused_attention_runs_slower_in_the_short_calls_context_parallelism_make
         "bridge26.06 B300 Qwen3 30B EP8",
         "bridge26.06 GB300 Qwen3 235B PP4 VP12",
         "bridge26.06 GB200 Qwen3 235B PP8 VP3",
+        "nemo25.07 GB200 Llama4 Scout EP16",
     ],
 )
 def test_published_blackwell_layouts_pass_check(label):
@@ -622,3 +623,17 @@ def test_each_pipeline_stage_holds_the_moe_layers_of_its_own_chunks():
             if moe_layer_at(layer, num_experts=4, frequency=k, first=first):
                 want[split.location(layer)[0]] += 1
         assert stage_moe_layers(split, model) == want
+
+
+def test_a_published_shared_expert_run_is_predicted_within_15_percent_and_only_with_its_shared_expert():
+    """NeMo's Llama 4 Scout row (held out, never fitted): its shared expert is a third of its compute."""
+    bench = _bench()
+    ((data, measured),) = [(d, m) for name, d, m in bench.HELD_OUT if name == "nemo25.07 GB200 Llama4 Scout EP16"]
+
+    def ratio(model):
+        spec = load_spec_text(yaml.safe_dump({**data, "model": model}), "row.yaml").spec
+        return predict_lowered(spec, lower(spec, schedule=False)).tokens_per_second_per_device / measured
+
+    assert 0.85 <= ratio(data["model"]) <= 1.15
+    without = {k: v for k, v in data["model"].items() if k != "moe_shared_expert_hidden_size"}
+    assert ratio(without) > 1.25
