@@ -122,6 +122,19 @@ def moe_spacing(pattern: list[bool] | list[int]) -> tuple[int, int] | None:
     return (first, frequency) if made == [bool(m) for m in pattern] else None
 
 
+def moe_spacing_of(indices, layers: int) -> tuple[int, int] | None:
+    """:func:`moe_spacing` from the MoE layers' indices (those outside ``0 .. layers - 1`` name no
+    layer), without a list as long as the model: None where there is none or they are not evenly
+    spaced after the dense ones."""
+    chosen = sorted({i for i in indices if 0 <= i < layers})
+    if not chosen:
+        return None
+    first = chosen[0]
+    frequency = chosen[1] - chosen[0] if len(chosen) > 1 else layers - first
+    even = all(b - a == frequency for a, b in zip(chosen, chosen[1:], strict=False))
+    return (first, frequency) if even and len(chosen) == len(range(first, layers, frequency)) else None
+
+
 def same_kind_until(model: TransformerModel, first: int, end: int) -> int:
     """The end of the run of layers from ``first`` (before ``end``) that are all MoE layers or all
     dense (:func:`is_moe_layer`), found by the rule's arithmetic rather than layer by layer: every

@@ -722,10 +722,13 @@ def _engine(backend: Any) -> Any:
     )
 
 
-def stage_compute(spec: dict, tp: int, cp: int, stage_layers: list[int]) -> tuple[list[float], list[float]]:
+def stage_compute(
+    spec: dict, tp: int, cp: int, stage_layers: list[int], stage_moe: list[int] | None = None
+) -> tuple[list[float], list[float]]:
     """Seconds of one micro-step on each pipeline stage, and the attention part of each: the
-    compute half of :func:`predict` (the plan search prices its candidates with it)."""
-    return _stage_compute(_setting(spec), tp, cp, stage_layers)
+    compute half of :func:`predict`. ``stage_moe``: each stage's MoE layers (:func:`stage_moe_layers`);
+    without it each stage is taken as one block of consecutive layers."""
+    return _stage_compute(_setting(spec), tp, cp, stage_layers, stage_moe)
 
 
 def _stage_compute(

@@ -628,6 +628,10 @@ def test_megatron_padded_vocab_size_is_the_models_vocabulary_unpadded(tmp_path):
     assert imported(path, devices=2)["model"]["vocab_size"] == 1024  # padded to 128 * tp
     path.write_text(base + "--vocab-size 1000 --padded-vocab-size 1002 --tokenizer-type HuggingFaceTokenizer\n")
     assert imported(path, devices=2)["model"]["vocab_size"] == 1002
+    # used as given, it must split over tp (VocabParallelEmbedding's divide asserts): Megatron refuses 1001
+    path.write_text(base + "--seq-length 128 --global-batch-size 8 --padded-vocab-size 1001\n")
+    diagnostics = read_any(path, str(path), ImportOptions(devices=2))[1]
+    assert any(d.code == "I005" and "--padded-vocab-size 1001 with tp 2" in d.message for d in diagnostics)
 
 
 def test_megatron_capacity_factor_caps_the_experts_tokens(tmp_path):
@@ -1038,6 +1042,16 @@ def test_llama4_reads_its_language_model_and_names_what_it_leaves_out(write, tmp
     loaded = load_spec(path)
     ignored = sorted(d.message.split("`")[1] for d in loaded.diagnostics if d.code == "I002")
     assert ignored == ["attention_chunk_size", "vision_config"]  # chunked attention, and the vision encoder
+    # an absent chunk size is the class's 8192 (named); null is full attention (nothing left out)
+    data = json.loads((HF / "llama-4-maverick-17b-128e-text.json").read_text())
+    for value, named in ((None, False), ("absent", True)):
+        if value == "absent":
+            data.pop("attention_chunk_size")
+        else:
+            data["attention_chunk_size"] = value
+        (tmp_path / "config.json").write_text(json.dumps(data))
+        named_now = [d for d in load_spec(path).diagnostics if d.code == "I002" and "attention_chunk_size" in d.message]
+        assert bool(named_now) == named
     # a listed moe_layers overrides the step; one that is not dense layers then every k-th is refused
     data = json.loads((HF / "llama-4-maverick-17b-128e-text.json").read_text())
     for layers, want in (([3, 5, 7, 9], None), ([0, 1, 5], "not dense layers first")):
@@ -2004,7 +2018,10 @@ def test_hf_keys_that_mean_none_or_serialisation_are_not_warned_about(write, tmp
         ({"decoder_sparse_step": 3, "mlp_only_layers": [2]}, (5, 3)),
         ({"mlp_only_layers": [0, 1, 2]}, (3, 1)),
         ({"mlp_only_layers": [5]}, None),  # a dense layer among sparse ones
-        ({"mlp_only_layers": list(range(48))}, None),  # no sparse layer
+        ({"mlp_only_layers": list(range(48))}, "dense"),  # no sparse layer: transformers builds a dense model
+        ({"decoder_sparse_step": 100}, "dense"),
+        ({"num_hidden_layers": 10**9, "mlp_only_layers": [0, 1]}, (2, 1)),  # no list as long as the model
+        ({"num_hidden_layers": 10**9, "decoder_sparse_step": 2, "mlp_only_layers": [1, 3]}, (5, 2)),
     ],
 )
 def test_hf_qwen_moe_layers_follow_transformers_rule(write, tmp_path, keys, spacing):
@@ -2022,6 +2039,9 @@ def test_hf_qwen_moe_layers_follow_transformers_rule(write, tmp_path, keys, spac
         )
         return
     model = loaded.spec.model
+    if spacing == "dense":
+        assert model.num_experts == 0 and model.ffn_hidden_size == config["intermediate_size"]
+        return
     assert (model.moe_first_layer, model.moe_layer_frequency) == spacing
     # the layers transformers builds sparse are the spec's MoE layers
     from mixle_compile.parameters import is_moe_layer
@@ -2038,6 +2058,9 @@ def test_hf_qwen_moe_layers_follow_transformers_rule(write, tmp_path, keys, spac
         ({"decoder_sparse_step": "abc"}, "is not a positive integer"),
         ({"mlp_only_layers": "0,1"}, "`mlp_only_layers` = '0,1' is not a list of layer indices"),
         ({"mlp_only_layers": [True]}, "is not a list of layer indices"),
+        ({"mlp_only_layers": 0}, "`mlp_only_layers` = 0 is not a list of layer indices"),
+        ({"mlp_only_layers": {}}, "is not a list of layer indices"),
+        ({"decoder_sparse_step": None}, "`decoder_sparse_step` = None is not a positive integer"),
     ],
 )
 def test_hf_qwen_moe_layer_keys_of_the_wrong_kind_are_refused(write, tmp_path, capsys, keys, says):

@@ -119,3 +119,41 @@ def test_the_layers_transformers_makes_sparse_are_the_spec_moe_layers(tmp_path, 
         for n, p in built.named_parameters()
         if not n.endswith(".bias") and ".q_norm." not in n and ".k_norm." not in n
     )
+
+
+@pytest.mark.parametrize(
+    "drop, keys",
+    [
+        (("num_key_value_heads",), {"num_attention_heads": 16, "head_dim": 32}),  # Llama4TextConfig's default 8
+        (("intermediate_size_mlp", "num_local_experts"), {"interleave_moe_layer_step": 3}),
+        ((), {"moe_layers": []}),  # no MoE layer: a dense model
+    ],
+)
+def test_llama4_absent_and_null_keys_mean_what_transformers_makes_of_them(tmp_path, drop, keys):
+    transformers = pytest.importorskip("transformers")
+    import json
+
+    import torch
+
+    from mixle_compile.importers.hf import hf_model, read_hf_document
+    from mixle_compile.parameters import is_moe_layer, transformer_parameters
+    from mixle_compile.spec.models import TransformerModel
+
+    data = json.loads((HF_CONFIGS / "llama-4-maverick-17b-128e-text.json").read_text())
+    data.update(num_hidden_layers=6, hidden_size=512, intermediate_size=256, vocab_size=1000, pad_token_id=0, **keys)
+    for key in drop:
+        data.pop(key)
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    imported = hf_model(read_hf_document(tmp_path / "config.json"))
+    assert not imported.problems
+    model = TransformerModel.model_validate(imported.model)
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(tmp_path / "config.json"))
+    except Exception as exc:  # a transformers release that refuses the key as written: nothing to compare
+        pytest.skip(f"transformers refuses this config: {exc}")
+    with torch.device("meta"):
+        built = transformers.AutoModelForCausalLM.from_config(config)
+    assert sum(p.numel for p in transformer_parameters(model, "bf16")) == sum(
+        p.numel() for n, p in built.named_parameters() if not n.endswith(".bias")
+    )
+    assert [layer.is_moe_layer for layer in built.model.layers] == [is_moe_layer(model, i) for i in range(6)]

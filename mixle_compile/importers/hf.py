@@ -136,21 +136,54 @@ def read_hf_document(path: str | Path, display: str | None = None) -> SourceDocu
     )
 
 
+def _qwen_sparse(layers: int, step: int, only: list[int]) -> tuple[tuple[int, int] | None, list[int]]:
+    """Qwen-MoE's sparse layers ((i + 1) % step == 0, i not in mlp_only_layers) as (moe_first_layer,
+    moe_layer_frequency) or None, and the first of them (all where few; empty: none), without a list as
+    long as the model: the dense layers listed take sparse ones away from a progression that is
+    otherwise every step-th layer from step - 1."""
+    from mixle_compile.parameters import moe_spacing_of
+
+    first = step - 1
+    count = len(range(first, layers, step))  # sparse layers before mlp_only_layers
+    removed = sorted({i for i in only if first <= i < layers and (i - first) % step == 0})
+    if count - len(removed) <= 0:
+        return None, []
+    if removed == [first + j * step for j in range(len(removed))]:  # a prefix of them: the rest is even
+        start = first + len(removed) * step
+        return (start, step), [start]
+    if count <= 100_000:
+        kept = [i for i in range(first, layers, step) if i not in set(removed)]
+        return moe_spacing_of(kept, layers), kept
+    return None, [first]
+
+
 def _llama4_moe(data: dict, m: dict, out: HFModel, take, used: set, doc: SourceDocument, prefix: tuple) -> None:
     """Llama 4's experts (transformers/models/llama4: Llama4TextConfig, Llama4TextMoe): num_local_experts
     routed experts of intermediate_size features, top num_experts_per_tok, and a shared expert of the
     same width (Llama4TextMLP(config), no gate) in every MoE layer; the MoE layers are moe_layers, or
     interleave_moe_layer_step - 1, 2 * step - 1, ... (the class's defaults: 16 experts, top-1, 8192,
     step 1, head_dim 128)."""
-    from mixle_compile.parameters import moe_spacing
+    from mixle_compile.parameters import moe_spacing_of
 
     m["num_experts"] = take("num_experts", "num_local_experts", default=16)
     m["experts_per_token"] = take("experts_per_token", "num_experts_per_tok", default=1)
     width = take("moe_ffn_hidden_size", "intermediate_size", default=8192)
     m["moe_ffn_hidden_size"] = width
     m["moe_shared_expert_hidden_size"] = width
-    if "head_dim" not in m:
+    if "head_dim" not in data:  # the class's default; an explicit null is hidden_size / heads
         m["head_dim"] = 128
+    if "num_key_value_heads" not in data:  # likewise 8 (null: one per query head)
+        m["num_kv_heads"] = 8
+    chunk = data.get("attention_chunk_size", 8192)
+    if chunk is not None:
+        # three of every four layers attend within chunks (no_rope_layers): the same work at or below the
+        # chunk's length, less beyond it; an absent key is the class's 8,192 (null: full attention)
+        if "attention_chunk_size" not in data:
+            out.ignored.append(
+                ("attention_chunk_size (absent: Llama4TextConfig's 8192)", doc.position(prefix or ("model_type",)))
+            )
+    else:
+        used.add("attention_chunk_size")
     layers = m.get("num_layers")
     listed = data.get("moe_layers")
     step = take("moe_layer_frequency", "interleave_moe_layer_step", default=1)
@@ -162,10 +195,12 @@ def _llama4_moe(data: dict, m: dict, out: HFModel, take, used: set, doc: SourceD
         if not isinstance(listed, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in listed):
             out.problems.append(("`moe_layers` is a list of layer indices", "list the MoE layers' indices", where))
             return
-        chosen = set(listed)
+        spacing = moe_spacing_of(listed, layers)
+        chosen = sorted({i for i in listed if 0 <= i < layers})
     elif isinstance(step, int) and not isinstance(step, bool) and step > 0:
         where = out.positions.get("moe_layer_frequency", Position(1, 1))
-        chosen = set(range(step - 1, layers, step))
+        spacing = (step - 1, step) if step - 1 < layers else None
+        chosen = [] if spacing is None else [step - 1]
     else:
         out.problems.append(
             (
@@ -175,11 +210,15 @@ def _llama4_moe(data: dict, m: dict, out: HFModel, take, used: set, doc: SourceD
             )
         )
         return
-    spacing = moe_spacing([i in chosen for i in range(layers)])
+    if not chosen:  # no MoE layer: transformers builds a dense model (of intermediate_size_mlp)
+        for key in ("num_experts", "experts_per_token", "moe_ffn_hidden_size", "moe_shared_expert_hidden_size"):
+            m.pop(key, None)
+        return
     if spacing is None:
+        shown = chosen if len(chosen) <= 16 else [*chosen[:16], "..."]
         out.problems.append(
             (
-                f"the MoE layers {sorted(chosen) or 'none'} are not dense layers first and then every k-th layer "
+                f"the MoE layers {shown} are not dense layers first and then every k-th layer "
                 "(the spec's moe_first_layer and moe_layer_frequency)",
                 "use evenly spaced MoE layers after the dense ones",
                 where,
@@ -236,9 +275,9 @@ def hf_model(doc: SourceDocument) -> HFModel:
             out.problems.append(
                 (
                     "a Llama 4 config (model_type llama4) keeps its language model under `text_config`, "
-                    "which this file lacks",
+                    + ("which this file lacks" if inner is None else f"which is not an object here ({inner!r:.40})"),
                     "give the config.json whose text_config holds the sizes, or a llama4_text config",
-                    doc.position(("model_type",)),
+                    doc.position(("text_config",) if "text_config" in data else ("model_type",)),
                 )
             )
             return out
@@ -258,8 +297,13 @@ def hf_model(doc: SourceDocument) -> HFModel:
                 return data[key]
             used.add(key)
         if required and default is None:
+            where = "/".join((*prefix, keys[0]))
             out.problems.append(
-                (f"the HF config has no `{keys[0]}`", f"add `{keys[0]}` to the config.json", Position(1, 1))
+                (
+                    f"the HF config has no `{where}`",
+                    f"add `{keys[0]}` to the config.json" + (f" (in `{prefix[0]}`)" if prefix else ""),
+                    doc.position(prefix) if prefix else Position(1, 1),
+                )
             )
         return default
 
@@ -327,8 +371,9 @@ def hf_model(doc: SourceDocument) -> HFModel:
         # Qwen2MoeDecoderLayer / Qwen3MoeDecoderLayer: layer i is sparse when i is not in
         # mlp_only_layers and (i + 1) % decoder_sparse_step == 0 (both default to none and 1).
         step = take("moe_layer_frequency", "decoder_sparse_step", required=False)
-        step = 1 if step is None else step
-        only = data.get("mlp_only_layers") or []
+        if step is None and "decoder_sparse_step" not in data:
+            step = 1  # the class's default; an explicit null is refused below, as transformers does
+        only = data.get("mlp_only_layers", [])
         layers = m.get("num_layers")
         if "mlp_only_layers" in data:
             used.add("mlp_only_layers")
@@ -350,20 +395,21 @@ def hf_model(doc: SourceDocument) -> HFModel:
                     doc.position(("mlp_only_layers",)),
                 )
             )
-        if isinstance(layers, int) and not isinstance(layers, bool) and step_ok and only_ok:
-            from mixle_compile.parameters import moe_spacing
-
-            sparse = [i not in only and (i + 1) % step == 0 for i in range(layers)]
-            spacing = moe_spacing(sparse)
+        if isinstance(layers, int) and not isinstance(layers, bool) and layers > 0 and step_ok and only_ok:
+            spacing, sparse = _qwen_sparse(layers, step, only)
             at = (
                 doc.position(("mlp_only_layers",)) if only else out.positions.get("moe_layer_frequency", Position(1, 1))
             )
-            if spacing is None:
+            if not sparse:  # no sparse layer: transformers builds a dense model
+                for key in ("num_experts", "experts_per_token", "moe_ffn_hidden_size"):
+                    m.pop(key, None)
+            elif spacing is None:
+                shown = sparse if len(sparse) <= 16 else [*sparse[:16], "..."]
                 out.problems.append(
                     (
-                        f"decoder_sparse_step {step} with mlp_only_layers {only} makes layers "
-                        f"{[i for i, s in enumerate(sparse) if s] or 'none'} sparse; the spec's MoE layers are "
-                        "evenly spaced after the dense ones (moe_first_layer, moe_layer_frequency)",
+                        f"decoder_sparse_step {step} with mlp_only_layers {only} makes layers {shown} sparse; the "
+                        "spec's MoE layers are evenly spaced after the dense ones (moe_first_layer, "
+                        "moe_layer_frequency)",
                         "use a pattern of dense layers first, then every k-th layer sparse",
                         at,
                     )

@@ -662,7 +662,7 @@ def read_megatron(
                 # MoELayer passes the gate to the shared experts it builds, only when there are some
                 # (megatron/core/transformer/moe/moe_layer.py); without them the flag changes nothing
                 set_(("model", "moe_shared_expert_gate"), True, "--moe-shared-expert-gate")
-            elif has("--moe-shared-expert-gate"):
+            elif has("--moe-shared-expert-gate") and shared is None:
                 b.unmodelled(
                     "--moe-shared-expert-gate",
                     at("--moe-shared-expert-gate"),
@@ -926,6 +926,16 @@ def _vocab(b: SpecBuilder, args, num, text_of, at, tp: int, options: ImportOptio
         # TokenizerConfig.padded_vocab_size: the model's vocabulary as given; build_tokenizer's
         # _set_padded_vocab_size pads only when it is unset (megatron/core/tokenizers/utils/build_tokenizer.py)
         padded = num("--padded-vocab-size")
+        if padded is not None and tp and padded % tp:
+            # unpadded, it is split over tp as it is: VocabParallelEmbedding and the output layer divide it
+            # (megatron/core/tensor_parallel/utils.py VocabUtility, megatron/core/utils.py divide asserts)
+            b.diagnostic(
+                codes.ENGINE_REFUSES.code,
+                f"Megatron-Core refuses --padded-vocab-size {padded} with tp {tp}: the vocabulary is used as "
+                "given and split over the tensor-parallel ranks, whose divide() asserts it splits evenly",
+                at("--padded-vocab-size"),
+                hint=f"give a multiple of {tp}, or --vocab-size to have Megatron pad it",
+            )
         if padded is not None:
             b.set(
                 ("model", "vocab_size"), padded, at=at("--padded-vocab-size"), origin="--padded-vocab-size (not padded)"
