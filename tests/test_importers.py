@@ -2010,6 +2010,18 @@ def test_hf_keys_that_mean_none_or_serialisation_are_not_warned_about(write, tmp
     )
 
 
+def _qwen3_moe_spec(write, tmp_path, keys: dict):
+    """Qwen3-30B-A3B's published config with ``keys`` changed, and a spec that reads it."""
+    config = json.loads((HF / "qwen3-30b-a3b.json").read_text())
+    config.update(keys)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    path = write(
+        "model: {from: hf, path: config.json}\nmesh: {dp_shard: 8}\ntraining: {global_batch_size: 8, seq_len: 128}\n"
+        "backend: torch\nresources: {devices: 8, memory: 141GB}\n"
+    )
+    return config, path
+
+
 @pytest.mark.parametrize(
     "keys, spacing",
     [
@@ -2025,13 +2037,7 @@ def test_hf_keys_that_mean_none_or_serialisation_are_not_warned_about(write, tmp
     ],
 )
 def test_hf_qwen_moe_layers_follow_transformers_rule(write, tmp_path, keys, spacing):
-    config = json.loads((HF / "qwen3-30b-a3b.json").read_text())
-    config.update(keys)
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    path = write(
-        "model: {from: hf, path: config.json}\nmesh: {dp_shard: 8}\ntraining: {global_batch_size: 8, seq_len: 128}\n"
-        "backend: torch\nresources: {devices: 8, memory: 141GB}\n"
-    )
+    config, path = _qwen3_moe_spec(write, tmp_path, keys)
     loaded = load_spec(path)
     if spacing is None:
         assert loaded.spec is None and any(
@@ -2064,13 +2070,7 @@ def test_hf_qwen_moe_layers_follow_transformers_rule(write, tmp_path, keys, spac
     ],
 )
 def test_hf_qwen_moe_layer_keys_of_the_wrong_kind_are_refused(write, tmp_path, capsys, keys, says):
-    config = json.loads((HF / "qwen3-30b-a3b.json").read_text())
-    config.update(keys)
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    path = write(
-        "model: {from: hf, path: config.json}\nmesh: {dp_shard: 8}\ntraining: {global_batch_size: 8, seq_len: 128}\n"
-        "backend: torch\nresources: {devices: 8, memory: 141GB}\n"
-    )
+    config, path = _qwen3_moe_spec(write, tmp_path, keys)
     status, out, _ = run_cli(capsys, "check", path)
     assert status == 1 and "I004" in out and says in out, out
 

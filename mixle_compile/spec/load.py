@@ -669,8 +669,14 @@ def _transformer_diagnostics(model: TransformerModel, spec: Spec, doc: SourceDoc
             )
     elif expert_only := [
         f
-        for f in ("experts_per_token", "moe_ffn_hidden_size", "expert_capacity_factor", "moe_shared_expert_hidden_size")
-        if getattr(model, f) is not None
+        for f in (
+            "experts_per_token",
+            "moe_ffn_hidden_size",
+            "expert_capacity_factor",
+            "moe_shared_expert_hidden_size",
+            "moe_first_layer",
+        )
+        if getattr(model, f) not in (None, 0)  # moe_first_layer's default is 0
     ]:
         field_name = expert_only[0]
         out.append(
@@ -678,15 +684,6 @@ def _transformer_diagnostics(model: TransformerModel, spec: Spec, doc: SourceDoc
                 codes.INCONSISTENT.code,
                 f"model.{field_name} is set but model.num_experts is 0 (a dense model)",
                 ("model", field_name),
-                hint="set `num_experts` for a mixture-of-experts model, or remove the field",
-            )
-        )
-    if model.num_experts == 0 and model.moe_first_layer:
-        out.append(
-            doc.diagnostic(
-                codes.INCONSISTENT.code,
-                "model.moe_first_layer is set but model.num_experts is 0 (a dense model)",
-                ("model", "moe_first_layer"),
                 hint="set `num_experts` for a mixture-of-experts model, or remove the field",
             )
         )
