@@ -108,24 +108,10 @@ def layer_kinds_model(model: TransformerModel, keep: int) -> TransformerModel:
     return model.model_copy(update=update)
 
 
-def moe_spacing(pattern: list[bool] | list[int]) -> tuple[int, int] | None:
-    """``(moe_first_layer, moe_layer_frequency)`` that make exactly the layers marked in ``pattern``
-    (one entry per layer, true or 1 for a mixture-of-experts layer) MoE layers (:func:`moe_layer_at`),
-    or None where no such pair does (no MoE layer, or MoE layers not evenly spaced after the dense
-    ones)."""
-    marked = [i for i, m in enumerate(pattern) if m]
-    if not marked:
-        return None
-    first = marked[0]
-    frequency = marked[1] - marked[0] if len(marked) > 1 else len(pattern) - first
-    made = [moe_layer_at(i, num_experts=1, frequency=frequency, first=first) for i in range(len(pattern))]
-    return (first, frequency) if made == [bool(m) for m in pattern] else None
-
-
 def moe_spacing_of(indices, layers: int) -> tuple[int, int] | None:
-    """:func:`moe_spacing` from the MoE layers' indices (those outside ``0 .. layers - 1`` name no
-    layer), without a list as long as the model: None where there is none or they are not evenly
-    spaced after the dense ones."""
+    """``(moe_first_layer, moe_layer_frequency)`` that make exactly the layers in ``indices`` MoE layers
+    (:func:`moe_layer_at`; indices outside ``0 .. layers - 1`` name no layer), found without a list as
+    long as the model: None where there is none, or they are not evenly spaced after the dense ones."""
     chosen = sorted({i for i in indices if 0 <= i < layers})
     if not chosen:
         return None

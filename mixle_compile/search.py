@@ -491,11 +491,12 @@ class _Pricer:
         self._kinds: dict[str, int] | None = None
         self.flops_per_token = step_time.model_flops_per_token(self.spec_data["model"], req.spec.training.seq_len)
 
-    def _stage(self, v: dict) -> tuple[list[int], list[float], list[float], Any]:
-        """Layers per stage, and each stage's seconds (all, attention) per micro-step."""
-        layers, (per_sample, fixed, attention), st, _ = self._stage_parts(v)
+    def _stage(self, v: dict) -> tuple[list[int], list[float], list[float], Any, list[int]]:
+        """Layers per stage, each stage's seconds (all, attention) per micro-step, and its MoE layers."""
+        layers, (per_sample, fixed, attention), st, moe = self._stage_parts(v)
         b = v["micro_batch_size"]
-        return layers, [b * a + f for a, f in zip(per_sample, fixed, strict=True)], [b * a for a in attention], st
+        per_stage = [b * a + f for a, f in zip(per_sample, fixed, strict=True)]
+        return layers, per_stage, [b * a for a in attention], st, moe
 
     def _stage_parts(self, v: dict) -> tuple[list[int], tuple[list[float], list[float], list[float]], Any, list[int]]:
         """Layers per stage, :func:`mixle_compile.step_time.stage_compute_parts` (computed once for
@@ -996,7 +997,7 @@ class _Pricer:
 
         model = self.req.spec.model
         t = self.req.spec.training
-        layers, per_stage, attention_of, st = self._stage(v)
+        layers, per_stage, attention_of, st, moe_per_stage = self._stage(v)
         tp, cp, pp = v["tp"], v["cp"], v["pp"]
         world = self.req.devices
         degrees = {
@@ -1022,7 +1023,7 @@ class _Pricer:
         hidden = tokens * model.hidden_size * act
         sp = v["sequence_parallel"]
         mesh_key = tuple(degrees[k] for k in MESH_KEY)
-        moe_layers = self._stage_parts(v)[3][busiest]
+        moe_layers = moe_per_stage[busiest]
         # Per-layer activation collectives (tp, cp, ep) and the data-parallel gradients and parameter
         # gathers: the lowering's own updates (lower/updates.py) for the model cut to two layers,
         # scaled to the stage's layers, micro-batch and micro-steps; in seconds over their links
@@ -1337,13 +1338,9 @@ def _tie_reason(plan, above) -> str:
     times (to a millionth) are ranked by memory, the one with more room first; a difference below
     0.05% still orders them, and is named as such."""
     more = plan.memory_bytes - above.memory_bytes
-    memory = (
-        f"{_gib(more)} more memory per rank"
-        if more >= 2**26
-        else f"{_gib(-more)} less memory per rank"
-        if -more >= 2**26
-        else "the same memory per rank"
-    )
+    memory = "the same memory per rank"
+    if abs(more) >= 2**26:
+        memory = f"{_gib(abs(more))} {'more' if more > 0 else 'less'} memory per rank"
     slower = (plan.step.seconds - above.step.seconds) / above.step.seconds
     if round(slower, 6) <= 0:
         if more >= 2**26:

@@ -26,6 +26,7 @@ Everything here is numbers only (no torch), so `explain` stays fast.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -801,7 +802,6 @@ def stage_compute_parts(
     tokens = seq / cp  # one rank's tokens per sample of a micro-step
     # A fused kernel's calls (eager attention is priced by its score traffic instead).
     length_factor = 1.0 if training.get("attention") == "eager" else attention_length_factor(seq, cp)
-    moe_every = model.get("moe_layer_frequency", 1)
     activation_bytes = 4 if st.precision == "fp32" else 2
     # A matrix multiplication reads its two operands and writes its result (Float8 reads fp8
     # operands and writes bf16). Async tensor parallelism multiplies tp chunks of the rows one after
@@ -833,22 +833,22 @@ def stage_compute_parts(
     # twice the forward; the tp ranks of a stage split its matrix multiplications, and the routed
     # tokens' expert work spreads evenly over the ranks that hold them.
     per_sample, fixed, attention_of = [], [], []
-    first = 0
-    kinds: dict[bool, tuple[_Layer, float, float]] = {}
-    for stage, count in enumerate(stage_layers):
-        # Layers of one kind (dense or MoE) cost the same: count each kind once. ``stage_moe`` says
-        # how many MoE layers each stage holds (stage_moe_layers); without it a stage is one block.
-        moe_layers = (
-            stage_moe[stage]
-            if stage_moe is not None
-            else moe_layers_in(
-                first,
-                count,
+    if stage_moe is None:  # each stage one block of consecutive layers
+        starts = itertools.accumulate(stage_layers, initial=0)
+        stage_moe = [
+            moe_layers_in(
+                a,
+                n,
                 num_experts=model.get("num_experts", 0),
-                frequency=moe_every,
+                frequency=model.get("moe_layer_frequency", 1),
                 start=model.get("moe_first_layer", 0),
             )
-        )
+            for a, n in zip(starts, stage_layers, strict=False)
+        ]
+    kinds: dict[bool, tuple[_Layer, float, float]] = {}
+    for stage, (count, moe_layers) in enumerate(zip(stage_layers, stage_moe, strict=True)):
+        # Layers of one kind (dense or MoE) cost the same: count each kind once (stage_moe_layers
+        # says how many MoE layers each stage holds).
         linear = attention = moved = rows = weights = 0.0
         for moe, n in ((False, count - moe_layers), (True, moe_layers)):
             if not n:
@@ -870,7 +870,6 @@ def stage_compute_parts(
             )
             rows += n * f.gemm_passes * row_bytes
             weights += n * f.gemm_passes * weight_bytes
-        first += count
         attention_seconds = (
             tokens * attention * length_factor / (st.other_peak * other_efficiency * ATTENTION_EFFICIENCY)
         )

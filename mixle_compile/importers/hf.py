@@ -136,6 +136,24 @@ def read_hf_document(path: str | Path, display: str | None = None) -> SourceDocu
     )
 
 
+# The model fields of a mixture of experts: a config whose every layer is dense has none of them.
+EXPERT_FIELDS = (
+    "num_experts",
+    "experts_per_token",
+    "moe_ffn_hidden_size",
+    "moe_layer_frequency",
+    "moe_first_layer",
+    "moe_shared_expert_hidden_size",
+    "moe_shared_expert_gate",
+)
+
+
+def _as_dense(m: dict) -> None:
+    """The model read as the dense one transformers builds where no layer is a mixture of experts."""
+    for key in EXPERT_FIELDS:
+        m.pop(key, None)
+
+
 def _qwen_sparse(layers: int, step: int, only: list[int]) -> tuple[tuple[int, int] | None, list[int]]:
     """Qwen-MoE's sparse layers ((i + 1) % step == 0, i not in mlp_only_layers) as (moe_first_layer,
     moe_layer_frequency) or None, and the first of them (all where few; empty: none), without a list as
@@ -211,8 +229,7 @@ def _llama4_moe(data: dict, m: dict, out: HFModel, take, used: set, doc: SourceD
         )
         return
     if not chosen:  # no MoE layer: transformers builds a dense model (of intermediate_size_mlp)
-        for key in ("num_experts", "experts_per_token", "moe_ffn_hidden_size", "moe_shared_expert_hidden_size"):
-            m.pop(key, None)
+        _as_dense(m)
         return
     if spacing is None:
         shown = chosen if len(chosen) <= 16 else [*chosen[:16], "..."]
@@ -401,8 +418,7 @@ def hf_model(doc: SourceDocument) -> HFModel:
                 doc.position(("mlp_only_layers",)) if only else out.positions.get("moe_layer_frequency", Position(1, 1))
             )
             if not sparse:  # no sparse layer: transformers builds a dense model
-                for key in ("num_experts", "experts_per_token", "moe_ffn_hidden_size"):
-                    m.pop(key, None)
+                _as_dense(m)
             elif spacing is None:
                 shown = sparse if len(sparse) <= 16 else [*sparse[:16], "..."]
                 out.problems.append(
@@ -416,12 +432,10 @@ def hf_model(doc: SourceDocument) -> HFModel:
                 )
             else:
                 m["moe_first_layer"], m["moe_layer_frequency"] = spacing
-                if only:
-                    out.keys["moe_first_layer"] = "mlp_only_layers"
-                    out.positions["moe_first_layer"] = at
-                else:
-                    out.keys["moe_first_layer"] = out.keys.get("moe_layer_frequency", "decoder_sparse_step")
-                    out.positions["moe_first_layer"] = at
+                out.positions["moe_first_layer"] = at
+                out.keys["moe_first_layer"] = (
+                    "mlp_only_layers" if only else out.keys.get("moe_layer_frequency", "decoder_sparse_step")
+                )
         if model_type == "qwen2_moe":
             # Qwen2MoeSparseMoeBlock: a shared expert (an MLP of shared_expert_intermediate_size, 5632
             # by Qwen2MoeConfig's default) beside the routed ones, its output scaled by

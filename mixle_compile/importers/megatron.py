@@ -174,7 +174,7 @@ def moe_layer_pattern(text: str, limit: int = 1_000_000) -> list[int] | None:
 def _moe_pattern(b, text: str, layers, set_, at) -> None:
     """A ``--moe-layer-freq`` list pattern as moe_first_layer and moe_layer_frequency (dense layers
     first, then every k-th layer an MoE one), or the reason it cannot be."""
-    from mixle_compile.parameters import moe_spacing
+    from mixle_compile.parameters import moe_spacing_of
 
     flag = "--moe-layer-freq"
     limit = layers if isinstance(layers, int) else 1_000_000
@@ -204,7 +204,7 @@ def _moe_pattern(b, text: str, layers, set_, at) -> None:
             f"give one entry per layer ({layers})",
         )
         return
-    spacing = moe_spacing(pattern)
+    spacing = moe_spacing_of([i for i, v in enumerate(pattern) if v], len(pattern))
     if spacing is None:
         moe = [i for i, v in enumerate(pattern) if v]
         b.refuse(

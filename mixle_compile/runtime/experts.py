@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd import Function
 
+from mixle_compile.parameters import moe_layer_at
 from mixle_compile.plan.vocabulary import UpdateId
 from mixle_compile.spec.models import TransformerModel
 
@@ -71,7 +72,7 @@ class ExpertShape:
         )
 
     def is_moe_layer(self, layer: int) -> bool:
-        return layer >= self.first and (layer - self.first) % self.frequency == 0
+        return moe_layer_at(layer, num_experts=self.num_experts, frequency=self.frequency, first=self.first)
 
 
 def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -112,13 +112,12 @@ def _share_of(elements: int, dtype: str | None) -> Share:
 def parameter_footprint(spec: Spec) -> ParameterFootprint:
     """Sort a neural spec's parameters into the (place, category) amounts above."""
     model = spec.model
-    kinds_of = model  # what says which of the listed layers are MoE layers
-    if isinstance(model, TransformerModel) and model.num_layers > 2:
-        # A transformer's layers are of two kinds, dense and mixture-of-experts (layers f, f + k,
-        # f + 2k, ... with f = moe_first_layer, k = moe_layer_frequency), and layers of one kind hold
-        # the same tensors: two layers show both kinds, so the footprint never lists a million
-        # layers' parameters.
-        kinds_of = layer_kinds_model(model, 2)
+    # A transformer's layers are of two kinds, dense and mixture-of-experts (layers f, f + k, f + 2k,
+    # ... with f = moe_first_layer, k = moe_layer_frequency), and layers of one kind hold the same
+    # tensors: two layers show both kinds, so the footprint never lists a million layers' parameters.
+    # kinds_of says which of the listed layers are MoE layers.
+    kinds_of = layer_kinds_model(model, 2) if isinstance(model, TransformerModel) else model
+    if kinds_of is not model:
         spec = spec.model_copy(update={"model": kinds_of})
     params = model_parameters(spec)
     if isinstance(model, ModulesModel):
