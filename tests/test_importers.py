@@ -2056,6 +2056,20 @@ def test_hf_qwen_moe_layers_follow_transformers_rule(write, tmp_path, keys, spac
     assert [is_moe_layer(model, i) for i in range(48)] == [i not in only and (i + 1) % step == 0 for i in range(48)]
 
 
+def test_hf_qwen2_moe_whose_every_layer_is_dense_is_the_dense_model_without_its_shared_expert(write, tmp_path):
+    config = json.loads((HF / "qwen1.5-moe-a2.7b.json").read_text())
+    config["mlp_only_layers"] = list(range(config["num_hidden_layers"]))
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    path = write(
+        "model: {from: hf, path: config.json}\nmesh: {dp_shard: 8}\ntraining: {global_batch_size: 8, seq_len: 128}\n"
+        "backend: torch\nresources: {devices: 8, memory: 141GB}\n"
+    )
+    loaded = load_spec(path)
+    assert loaded.spec is not None, [d.text() for d in loaded.diagnostics]
+    model = loaded.spec.model
+    assert model.num_experts == 0 and model.moe_shared_expert_hidden_size is None and not model.moe_shared_expert_gate
+
+
 @pytest.mark.parametrize(
     "keys, says",
     [

@@ -412,13 +412,14 @@ def hf_model(doc: SourceDocument) -> HFModel:
                     doc.position(("mlp_only_layers",)),
                 )
             )
+        dense = False  # no sparse layer: read as dense once the shared expert's keys are read too
         if isinstance(layers, int) and not isinstance(layers, bool) and layers > 0 and step_ok and only_ok:
             spacing, sparse = _qwen_sparse(layers, step, only)
             at = (
                 doc.position(("mlp_only_layers",)) if only else out.positions.get("moe_layer_frequency", Position(1, 1))
             )
             if not sparse:  # no sparse layer: transformers builds a dense model
-                _as_dense(m)
+                dense = True
             elif spacing is None:
                 shown = sparse if len(sparse) <= 16 else [*sparse[:16], "..."]
                 out.problems.append(
@@ -455,6 +456,8 @@ def hf_model(doc: SourceDocument) -> HFModel:
                 )
         elif not data.get("shared_expert_intermediate_size"):
             used.add("shared_expert_intermediate_size")  # 0 or null: none, as Qwen3-MoE has
+        if dense:
+            _as_dense(m)
     for key in data:
         if key not in used and key not in IRRELEVANT:
             out.ignored.append((key, doc.keys.get((*prefix, key), Position(1, 1))))
