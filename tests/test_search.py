@@ -623,15 +623,18 @@ def test_a_tie_is_named_for_what_orders_it():
     assert text == "+0.02% step time, a difference the model does not resolve; 10.0GiB less memory per rank"
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b"])
 @pytest.mark.parametrize("first", [2, 4])
 @pytest.mark.parametrize("backend", BACKENDS[1:], ids=lambda b: b["name"])
-def test_the_search_counts_each_stages_moe_layers_as_the_lowered_plan_does(tmp_path, first, backend):
+def test_the_search_counts_each_stages_moe_layers_as_the_lowered_plan_does(tmp_path, first, backend, schedule):
     """Dense layers first put the MoE layers unevenly over the pipeline stages: the search prices the
     busiest stage with the MoE layers it holds, as the lowered plan does."""
     model = {**MOE_SHARED, "moe_first_layer": first}
     data = yaml.safe_load(spec_text(model, 16, backend))
     data["mesh"] = {"pp": 2, "ep": 2, "dp_shard": "auto"}
-    data["training"]["pipeline_schedule"] = "1f1b"
+    data["training"]["pipeline_schedule"] = schedule
+    if schedule == "interleaved_1f1b":  # two chunks a stage: stage 0 holds layers 0-1 and 4-5
+        data["training"]["virtual_pipeline_stages"] = 2
     outcome = searched(tmp_path, yaml.safe_dump(data), top=5)
     assert outcome.plans, outcome.reason
     for plan in outcome.plans:
