@@ -12,9 +12,10 @@ index as dimension 0.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from math import prod
+from typing import Any
 
 from mixle_compile.memory_model import stored_dtype
 from mixle_compile.spec.models import ModulesModel, Spec, TransformerModel
@@ -28,7 +29,7 @@ TIED_EMBEDDING_GROUP = "tied_embedding"
 class Parameter:
     name: str
     shape: tuple[int, ...]
-    role: str  # embedding, column, row, norm, expert, router, head, bias, other
+    role: str  # embedding, column, row, norm, expert, router, head, bias, latent (MLA's down projections), other
     dtype: str
     layer: int | None = None  # transformer block index; None outside the blocks
     shared_group: str | None = None  # tied parameters (one logical tensor held in several places)
@@ -78,7 +79,89 @@ def role_tp_dim(role: str, ndim: int) -> int | None:
 
 
 def head_dim(model: TransformerModel) -> int:
-    return model.head_dim or model.hidden_size // model.num_heads
+    """A query/key head's features (under MLA its two parts, without and with rotary positions)."""
+    return attention_widths(model).qk_head_dim
+
+
+@dataclass(frozen=True)
+class AttentionWidths:
+    """One layer's attention, per token: its heads and widths, the same for (grouped-query) multi-head
+    attention and for Multi-head Latent Attention (MLA: DeepSeek-V2/V3, Megatron-Core's
+    ``MLASelfAttention`` in megatron/core/transformer/multi_latent_attention.py). MLA projects the
+    hidden state down to a query latent (``q_lora_rank``; none: one query projection), a key/value
+    latent (``kv_lora_rank``) and one rotary key part shared by every head (``qk_rope_head_dim``),
+    normalises the latents and projects them up per head: queries and keys of ``qk_nope_head_dim +
+    qk_rope_head_dim`` features, values of ``v_head_dim``. The down projections are held whole by
+    every tensor-parallel rank (Megatron's ``TELinear`` with ``parallel_mode="duplicated"``) and the
+    up projections split by head like q, k, v."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    qk_head_dim: int
+    v_head_dim: int
+    q_lora: int = 0  # MLA's query latent (0: none)
+    kv_lora: int = 0  # MLA's key/value latent (0: not MLA)
+    rope: int = 0  # MLA's rotary key part
+
+    @property
+    def latent(self) -> bool:
+        return self.kv_lora > 0
+
+    @property
+    def q(self) -> int:
+        return self.heads * self.qk_head_dim
+
+    @property
+    def k(self) -> int:
+        return self.kv_heads * self.qk_head_dim
+
+    @property
+    def v(self) -> int:
+        return self.kv_heads * self.v_head_dim
+
+    @property
+    def out(self) -> int:
+        """The attention output's width, the output projection's input."""
+        return self.heads * self.v_head_dim
+
+    @property
+    def down(self) -> int:
+        """MLA's down projections' output width (query latent, key/value latent, rotary key); 0 without."""
+        return self.q_lora + self.kv_lora + self.rope if self.latent else 0
+
+    @property
+    def gathered(self) -> int:
+        """The width the column-parallel projections read, all-gathered over tp under sequence
+        parallelism: the hidden state, or under MLA the latents and the rotary key (the hidden state in
+        place of the query latent where queries are projected directly)."""
+        if not self.latent:
+            return self.hidden
+        return (self.q_lora or self.hidden) + self.kv_lora + self.rope
+
+    def projections(self) -> tuple[tuple[int, int, bool], ...]:
+        """The linear projections of the attention's input, ``(input width, output width, split over
+        tp)``: q, k, v as one; under MLA the down projections (whole on every tp rank), then the up
+        projections (and the direct query projection) split by head."""
+        if not self.latent:
+            return ((self.hidden, self.q + self.k + self.v, True),)
+        down = self.kv_lora + self.rope + self.q_lora
+        up = [(self.kv_lora, self.k - self.heads * self.rope + self.v, True)]
+        up.append((self.q_lora, self.q, True) if self.q_lora else (self.hidden, self.q, True))
+        return ((self.hidden, down, False), *up)
+
+
+def attention_widths(model: Any) -> AttentionWidths:
+    """:class:`AttentionWidths` of a transformer (its spec model or the same fields as a mapping)."""
+    get = model.get if isinstance(model, Mapping) else lambda key, default=None: getattr(model, key, default)
+    h, heads = get("hidden_size"), get("num_heads")
+    kv_lora = get("kv_lora_rank")
+    if kv_lora:
+        rope = get("qk_rope_head_dim") or 0
+        qk = (get("qk_nope_head_dim") or 0) + rope
+        return AttentionWidths(h, heads, heads, qk, get("v_head_dim") or qk, get("q_lora_rank") or 0, kv_lora, rope)
+    d = get("head_dim") or h // heads
+    return AttentionWidths(h, heads, get("num_kv_heads") or heads, d, d)
 
 
 def is_moe_layer(model: TransformerModel, layer: int) -> bool:
@@ -156,9 +239,7 @@ def transformer_parameters(
     model: TransformerModel, dtype: str, seq_len: int | None = None, layers: Iterable[int] | None = None
 ) -> tuple[Parameter, ...]:
     h, v = model.hidden_size, model.vocab_size
-    d = head_dim(model)
-    q_out = model.num_heads * d
-    kv_out = (model.num_kv_heads or model.num_heads) * d
+    a = attention_widths(model)
     gated = model.activation == "swiglu"
     tied = TIED_EMBEDDING_GROUP if model.tie_embeddings else None
     out: list[Parameter] = []
@@ -186,10 +267,13 @@ def transformer_parameters(
     for i in range(model.num_layers) if layers is None else layers:
         p = f"layers.{i}"
         norm(f"{p}.attn_norm", i)
-        add(f"{p}.attn.q_proj.weight", (q_out, h), "column", i)
-        add(f"{p}.attn.k_proj.weight", (kv_out, h), "column", i)
-        add(f"{p}.attn.v_proj.weight", (kv_out, h), "column", i)
-        add(f"{p}.attn.o_proj.weight", (h, q_out), "row", i)
+        if a.latent:
+            _latent_attention(add, a, p, i, layernorm=model.norm == "layernorm")
+        else:
+            add(f"{p}.attn.q_proj.weight", (a.q, h), "column", i)
+            add(f"{p}.attn.k_proj.weight", (a.k, h), "column", i)
+            add(f"{p}.attn.v_proj.weight", (a.v, h), "column", i)
+        add(f"{p}.attn.o_proj.weight", (h, a.out), "row", i)
         norm(f"{p}.mlp_norm", i)
         if is_moe_layer(model, i):
             e, f = model.num_experts, model.moe_ffn_hidden_size or model.ffn_hidden_size
@@ -220,6 +304,28 @@ def transformer_parameters(
     norm("final_norm", None)
     add("lm_head.weight", (v, h), "head", None, tied)
     return tuple(out)
+
+
+def _latent_attention(add: Callable[..., None], a: AttentionWidths, p: str, i: int, *, layernorm: bool) -> None:
+    """MLA's parameters (:class:`AttentionWidths`). Its down projections and the latents' norms are
+    held whole by every tp rank (role ``latent`` and ``norm``); the up projections split by head: each
+    head's rows are its features together ([nope, rope] for queries, [nope, value] for the key/value
+    up projection, as HF's DeepSeek-V3 lays them out), so a tp shard is whole heads."""
+
+    def latent_norm(name: str, width: int) -> None:
+        add(f"{p}.attn.{name}.weight", (width,), "norm", i)
+        if layernorm:
+            add(f"{p}.attn.{name}.bias", (width,), "bias", i)
+
+    if a.q_lora:
+        add(f"{p}.attn.q_a_proj.weight", (a.q_lora, a.hidden), "latent", i)
+        latent_norm("q_a_norm", a.q_lora)
+        add(f"{p}.attn.q_b_proj.weight", (a.q, a.q_lora), "column", i)
+    else:
+        add(f"{p}.attn.q_proj.weight", (a.q, a.hidden), "column", i)
+    add(f"{p}.attn.kv_a_proj.weight", (a.kv_lora + a.rope, a.hidden), "latent", i)
+    latent_norm("kv_a_norm", a.kv_lora)
+    add(f"{p}.attn.kv_b_proj.weight", (a.heads * (a.qk_head_dim - a.rope + a.v_head_dim), a.kv_lora), "column", i)
 
 
 def unique_parameter_bytes(params: tuple[Parameter, ...]) -> int:

@@ -611,7 +611,8 @@ def _transformer_diagnostics(model: TransformerModel, spec: Spec, doc: SourceDoc
                 extra_fields=(("training", "seq_len"),),
             )
         )
-    if model.head_dim is None and model.hidden_size % model.num_heads:
+    out.extend(_latent_attention_diagnostics(model, doc))
+    if model.head_dim is None and not model.latent_attention and model.hidden_size % model.num_heads:
         out.append(
             doc.diagnostic(
                 codes.INCONSISTENT.code,
@@ -695,6 +696,75 @@ def _transformer_diagnostics(model: TransformerModel, spec: Spec, doc: SourceDoc
                 "(model.moe_shared_expert_hidden_size is not set)",
                 ("model", "moe_shared_expert_gate"),
                 hint="set `moe_shared_expert_hidden_size`, or remove the gate",
+            )
+        )
+    return out
+
+
+_MLA_HEAD_FIELDS = ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
+def _latent_attention_diagnostics(model: TransformerModel, doc: SourceDocument) -> list[Diagnostic]:
+    """Multi-head Latent Attention's fields: all of them with kv_lora_rank, none without it."""
+    out = []
+    if not model.latent_attention:
+        stray = [f for f in ("q_lora_rank", *_MLA_HEAD_FIELDS) if getattr(model, f) is not None]
+        if stray:
+            out.append(
+                doc.diagnostic(
+                    codes.INCONSISTENT.code,
+                    f"model.{stray[0]} is set but model.kv_lora_rank is not: it is a field of Multi-head Latent "
+                    "Attention (MLA), which kv_lora_rank turns on",
+                    ("model", stray[0]),
+                    hint="set `kv_lora_rank` (and qk_nope_head_dim, qk_rope_head_dim, v_head_dim) for MLA, or "
+                    "remove the field",
+                )
+            )
+        return out
+    for f in _MLA_HEAD_FIELDS:
+        if getattr(model, f) is None:
+            out.append(
+                doc.diagnostic(
+                    codes.MISSING_FIELD.code,
+                    f"missing required field `model.{f}` (Multi-head Latent Attention, set by kv_lora_rank, needs "
+                    "its head sizes)",
+                    ("model", "kv_lora_rank"),
+                    hint=f"add `{f}:` (DeepSeek-V3: qk_nope_head_dim 128, qk_rope_head_dim 64, v_head_dim 128)",
+                    prefer_key=True,
+                    extra_fields=(("model", f),),
+                )
+            )
+    if model.head_dim is not None:
+        out.append(
+            doc.diagnostic(
+                codes.INCONSISTENT.code,
+                "model.head_dim is set on a model with Multi-head Latent Attention (kv_lora_rank), whose head "
+                "sizes are qk_nope_head_dim + qk_rope_head_dim for queries and keys and v_head_dim for values",
+                ("model", "head_dim"),
+                hint="remove `head_dim` (write the query/key size without rotary positions as `qk_nope_head_dim`)",
+                extra_fields=(("model", "kv_lora_rank"),),
+            )
+        )
+    if model.num_kv_heads is not None and model.num_kv_heads != model.num_heads:
+        out.append(
+            doc.diagnostic(
+                codes.INCONSISTENT.code,
+                f"model.num_kv_heads={model.num_kv_heads} differs from model.num_heads={model.num_heads}, but "
+                "Multi-head Latent Attention (kv_lora_rank) projects a key and a value for every query head",
+                ("model", "num_kv_heads"),
+                hint="remove `num_kv_heads`",
+                extra_fields=(("model", "kv_lora_rank"),),
+            )
+        )
+    if model.position_embedding != "rope":
+        out.append(
+            doc.diagnostic(
+                codes.INCONSISTENT.code,
+                f"model.position_embedding is {model.position_embedding!r}, but Multi-head Latent Attention "
+                "(kv_lora_rank) carries its positions in the rotary part of each head (qk_rope_head_dim)",
+                ("model", "position_embedding"),
+                hint="use `position_embedding: rope`",
+                extra_fields=(("model", "kv_lora_rank"),),
             )
         )
     return out

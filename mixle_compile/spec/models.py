@@ -307,6 +307,30 @@ class TransformerModel(StrictModel):
     num_heads: Size
     num_kv_heads: Size | None = Field(default=None, description="defaults to num_heads (multi-head attention)")
     head_dim: Size | None = Field(default=None, description="defaults to hidden_size / num_heads")
+    kv_lora_rank: Size | None = Field(
+        default=None,
+        description="Multi-head Latent Attention (MLA, DeepSeek-V2/V3): keys and values are projected down to a "
+        "latent of this width and up again per head (HF kv_lora_rank, Megatron --kv-lora-rank); null = "
+        "ordinary attention",
+    )
+    q_lora_rank: Size | None = Field(
+        default=None,
+        description="MLA: queries are projected down to a latent of this width and up again (HF q_lora_rank, "
+        "Megatron --q-lora-rank); null = one query projection",
+    )
+    qk_nope_head_dim: Size | None = Field(
+        default=None,
+        description="MLA: a query/key head's features without rotary positions (HF qk_nope_head_dim, Megatron "
+        "--qk-head-dim)",
+    )
+    qk_rope_head_dim: Size | None = Field(
+        default=None,
+        description="MLA: a query/key head's features with rotary positions, the key's part shared by every "
+        "head (HF qk_rope_head_dim, Megatron --qk-pos-emb-head-dim)",
+    )
+    v_head_dim: Size | None = Field(
+        default=None, description="MLA: a value head's features (HF v_head_dim, Megatron --v-head-dim)"
+    )
     ffn_hidden_size: Size
     tie_embeddings: StrictBool = False
     num_experts: Count = Field(default=0, description="0 = dense")
@@ -343,6 +367,11 @@ class TransformerModel(StrictModel):
         description="the longest sequence the model is built for: a learned position table's rows (HF "
         "n_positions / max_position_embeddings, Megatron --max-position-embeddings); null = training.seq_len",
     )
+
+    @property
+    def latent_attention(self) -> bool:
+        """Multi-head Latent Attention (MLA) instead of (grouped-query) multi-head attention."""
+        return self.kv_lora_rank is not None
 
     def positions(self, seq_len: int | None) -> int | None:
         """The longest sequence the model is built for (a learned position table's rows)."""
