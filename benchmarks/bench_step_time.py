@@ -705,6 +705,31 @@ def llama4_scout_gb200() -> dict:
 HELD_OUT += [("nemo25.07 GB200 Llama4 Scout EP16", llama4_scout_gb200(), 13783)]
 
 
+# Also held out: Multi-head Latent Attention. Megatron-Bridge docs/performance-summary.md at its 25.09
+# update (fa0315ae, kept in docs/performance-summary-archive.md @ 067f987d), DGX-H100, FP8 (the 25.09 tables'
+# precision; the parenthesised figures are the blockwise-scaled run): DeepSeekV3 (dropless), 1,024 GPUs,
+# GBS 8192, MBS 1, 4,096 tokens, TP 2, PP 8, VP 4, EP 64, GA 128: 1,297 tokens/s/GPU. The settings are that
+# commit's scripts/performance/configs/deepseek/deepseek_v3_llm_pretrain.yaml (h100: the mesh above, no CUDA
+# graphs, layout "Et|(tt|)*30mL", selective recomputation) and run_script.py (on H100: DeepEP, the flex
+# dispatcher, force-balanced routing). The corpus file (the V1 config of a later commit, TP 4) gives the model
+# (DeepSeekV3ModelProvider: MLA, 3 dense layers, a shared expert) and the layout. Not modelled: the
+# multi-token-prediction layer the layout's "m" adds (one more layer and output head, about 5% more FLOPs),
+# run_script.py's recompute_modules ["mla_up_proj", "mlp"] (priced as the core attention's) and its
+# expert-parallel overlap (overlap_moe_expert_parallel_comm).
+HELD_OUT += [
+    (
+        "bridge25.09 H100 DeepSeek-V3 EP64",
+        bridge_corpus(
+            "bridge_deepseek_v3_h100_bf16_v1.yaml",
+            mesh=dict(tp=2, dp_replicate=64, microbatches=128),
+            precision="fp8",
+            expert_dispatcher="flex",
+        ),
+        1297,
+    )
+]
+
+
 # Megatron-Bridge overlaps a stage's pipeline sends and receives with its compute whenever there are
 # virtual stages (training/comm_overlap.py: overlap_p2p_comm = True for vp > 1, @ 067f987d); the Bridge
 # rows state it, since Megatron-Core's own default (the specs' entry: core) is off. NeMo 24.07 (NeMo 1.x)

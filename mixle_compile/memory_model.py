@@ -154,6 +154,10 @@ def activation_bytes_per_layer(
     fp8_saved_inputs: Any = False,
     dense_ffn_width: Any = 0,
     gated: bool | None = None,
+    attention_width: Any = 0,
+    latent_width: Any = 0,
+    op_saved_split: Any = 0,
+    op_saved_whole: Any = 0,
 ) -> Any:
     """Bytes one transformer layer keeps for the backward pass, per micro-batch.
 
@@ -192,7 +196,15 @@ def activation_bytes_per_layer(
     parallelism) and the input of the MLP's last one (``dense_ffn_width/t``). The attention output
     stays kept in 16 bits by the attention kernel for its own backward, so the output projection's
     fp8 copy of it (``query_width/t``) is kept besides it. A mixture-of-experts layer replaces the
-    dense MLP's share with its block's (:func:`moe_layer_extra_bytes`, which takes the same widths)."""
+    dense MLP's share with its block's (:func:`moe_layer_extra_bytes`, which takes the same widths).
+
+    Attention other than grouped-query attention gives its widths: ``attention_width`` the queries,
+    keys, values and attention output together (``q + 2 kv + q`` when 0), ``latent_width`` what it
+    keeps beside the hidden-wide inputs, ``h``-like (over ``t`` under sequence parallelism): for
+    Multi-head Latent Attention the latents' norms' inputs and the up projections' inputs
+    (``q_lora + kv_lora + rope`` and ``q_lora + kv_lora``). ``op_saved_split`` and
+    ``op_saved_whole`` are the outputs the op-level policy saves, split over ``t`` and whole (the
+    odd-numbered matmuls' and attention's; ``q + kv + w1 + q`` and ``w2``'s ``h`` when 0)."""
     s = ar.exact(seq_len) / ar.exact(cp)
     t = ar.exact(tp)
     sbh = s * ar.exact(micro_batch_size) * ar.exact(hidden_size)
@@ -203,13 +215,18 @@ def activation_bytes_per_layer(
         h = ar.exact(hidden_size)
         q, kv, f = ar.exact(query_width), ar.exact(kv_width or query_width), ar.exact(dense_ffn_width)
         masks = 0 if gated else 2 * h  # one byte an element, two masks
-        whole = 2 * (4 * h) + masks  # norms' inputs, q/k/v and first MLP linear inputs, masks
-        split = 2 * (q + 2 * kv + q + (3 if gated else 2) * f)
+        # norms' inputs, q/k/v (or latent down projections') and first MLP linear inputs, masks
+        whole = 2 * (4 * h + ar.exact(latent_width)) + masks
+        attention = ar.exact(attention_width) if attention_width else q + 2 * kv + q
+        split = 2 * (attention + (3 if gated else 2) * f)
         kept = ar.when(sequence_parallel, sb * (whole + split) / t, sb * (whole + split / t))
     if op_level_selective:
         sb = s * ar.exact(micro_batch_size)
         h = ar.exact(hidden_size)
-        saved = (ar.exact(query_width) + ar.exact(kv_width) + ar.exact(ffn_width) + ar.exact(query_width)) / t + h
+        if op_saved_split:
+            saved = ar.exact(op_saved_split) / t + ar.exact(op_saved_whole)
+        else:
+            saved = (ar.exact(query_width) + ar.exact(kv_width) + ar.exact(ffn_width) + ar.exact(query_width)) / t + h
         saved = saved + ar.when(sequence_parallel, 3 * h / t, h)
         selective = 2 * sb * saved
     else:

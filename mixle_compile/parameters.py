@@ -126,6 +126,12 @@ class AttentionWidths:
         return self.heads * self.v_head_dim
 
     @property
+    def kv_head_dim(self) -> int:
+        """The head size keys and values are exchanged at (one tensor under context parallelism): the
+        larger of the two, the other padded with zeros (MLA's values are narrower than its keys)."""
+        return max(self.qk_head_dim, self.v_head_dim)
+
+    @property
     def down(self) -> int:
         """MLA's down projections' output width (query latent, key/value latent, rotary key); 0 without."""
         return self.q_lora + self.kv_lora + self.rope if self.latent else 0
@@ -149,6 +155,38 @@ class AttentionWidths:
         up = [(self.kv_lora, self.k - self.heads * self.rope + self.v, True)]
         up.append((self.q_lora, self.q, True) if self.q_lora else (self.hidden, self.q, True))
         return ((self.hidden, down, False), *up)
+
+
+@dataclass(frozen=True)
+class Matmul:
+    """One matrix multiplication of a block, per token: ``inner`` by ``out`` features."""
+
+    name: str
+    inner: float
+    out: float
+    split: bool  # its output split over tp (column-parallel); else whole on every tp rank
+    gathered: bool = False  # reads the attention's input as tensor parallelism gathers it
+
+
+def block_matmuls(a: AttentionWidths, ffn: float, matrices: int) -> list[Matmul]:
+    """A block's matrix multiplications in the order its forward runs them: q, k, v and o
+    (torchtitan/models/common/attention.py), or MLA's wq_a, wq_b (or wq), wkv_a, wkv_b and wo
+    (torchtitan/models/deepseek_v3/model.py, ``Attention.forward``), then the MLP's w1, w3, w2
+    (``w2(silu(w1(x)) * w3(x))``; w1, w2 without a gate). The output projections' outputs are
+    partial sums, whole on every tp rank."""
+    h = a.hidden
+    if a.latent:
+        attention = []
+        if a.q_lora:
+            attention += [Matmul("wq_a", h, a.q_lora, False), Matmul("wq_b", a.q_lora, a.q, True, True)]
+        else:
+            attention += [Matmul("wq", h, a.q, True, True)]
+        nope_v = a.heads * (a.qk_head_dim - a.rope + a.v_head_dim)
+        attention += [Matmul("wkv_a", h, a.kv_lora + a.rope, False), Matmul("wkv_b", a.kv_lora, nope_v, True, True)]
+    else:
+        attention = [Matmul("q", h, a.q, True, True), Matmul("k", h, a.k, True, True), Matmul("v", h, a.v, True, True)]
+    mlp = [Matmul("w1", h, ffn, True)] + ([Matmul("w3", h, ffn, True)] if matrices == 3 else [])
+    return [*attention, Matmul("o", a.out, h, False), *mlp, Matmul("w2", ffn, h, False)]
 
 
 def attention_widths(model: Any) -> AttentionWidths:

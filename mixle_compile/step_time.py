@@ -33,7 +33,7 @@ from fractions import Fraction
 from functools import cache
 from typing import Any
 
-from mixle_compile.parameters import moe_layer_at, moe_layers_in
+from mixle_compile.parameters import AttentionWidths, attention_widths, block_matmuls, moe_layer_at, moe_layers_in
 from mixle_compile.plan.vocabulary import DATA_PARALLEL_AXES, EXPERT_DATA, RECOMPUTE, UpdateId
 from mixle_compile.spec.models import compiled_components
 
@@ -425,24 +425,40 @@ def _peak(kind: str, throughput: float | None, table: dict, precision: str) -> t
     return linear, peaks["bf16"] if precision == "fp8" else linear
 
 
-def _widths(model: dict) -> tuple[int, int, int, int]:
-    """(hidden, query width, key/value width, matrices of the MLP: 3 gated, else 2)."""
-    h = model["hidden_size"]
-    heads = model["num_heads"]
-    head_dim = model.get("head_dim") or h // heads
-    matrices = 3 if model.get("activation", "swiglu") == "swiglu" else 2
-    return h, heads * head_dim, (model.get("num_kv_heads") or heads) * head_dim, matrices
+def _matrices(model: dict) -> int:
+    """Matrices of the MLP: 3 gated (SwiGLU), else 2."""
+    return 3 if model.get("activation", "swiglu") == "swiglu" else 2
 
 
-def _op_level_recomputed(h: int, d_q: int, d_kv: int, ffn: float, matrices: int) -> dict[str, float]:
+def _block_matmuls(a: AttentionWidths, ffn: float, matrices: int) -> list[tuple[str, float, bool]]:
+    """:func:`parameters.block_matmuls` as ``(name, forward FLOPs per token, reads the attention's
+    gathered input)``."""
+    return [(m.name, 2 * m.inner * m.out, m.gathered) for m in block_matmuls(a, ffn, matrices)]
+
+
+def _op_level_recomputed(a: AttentionWidths, ffn: float, matrices: int) -> dict[str, float]:
     """Forward FLOPs per token of the matmuls torchtitan's op-level policy recomputes: every second
-    one of q, k, v, o, w1, w3, w2 (k, o and, with a gated MLP, w3)."""
-    return {"k": 2 * h * d_kv, "o": 2 * d_q * h, "w3": 2 * h * ffn if matrices == 3 else 0.0}
+    one of the block's (:func:`_block_matmuls`; torchtitan/distributed/activation_checkpoint.py
+    saves the odd-numbered ``mm`` calls): k, o and, with a gated MLP, w3 of ordinary attention."""
+    return {name: flops for i, (name, flops, _) in enumerate(_block_matmuls(a, ffn, matrices)) if i % 2}
+
+
+def _latent_rows(a: AttentionWidths, backend: str, sp: bool, tp: int) -> float:
+    """How many of a micro-step's tokens one tp rank runs MLA's down projections (whole on every rank)
+    for, per token the step's FLOPs count once: Megatron-Core runs them on the sequence shard under
+    sequence parallelism (its ``TELinear`` with ``parallel_mode="duplicated"``, split over tp by the
+    tokens) and on every token without it; torchtitan gathers the sequence first and runs them on
+    every token on every rank (``NoParallel`` wq_a / wkv_a, torchtitan/models/deepseek_v3/
+    infra/parallelize.py). As a multiple of the 1/tp every split matmul runs."""
+    return 1.0 if sp and backend != "torchtitan" else float(tp)
 
 
 def _layer_flops(model: dict, training: dict, seq: float, backend: str, moe_layer: bool, tp: int = 1) -> _Layer:
-    h, d_q, d_kv, matrices = _widths(model)
-    projections = 2 * h * (d_q + 2 * d_kv) + 2 * d_q * h
+    a = attention_widths(model)
+    h, matrices = a.hidden, _matrices(model)
+    sp = training.get("sequence_parallel", False)
+    down = _latent_rows(a, backend, sp, tp)  # MLA's down projections (every projection split otherwise)
+    projections = sum(2 * i * o * (1.0 if split else down) for i, o, split in a.projections()) + 2 * a.out * h
     if moe_layer:
         ffn = model.get("moe_ffn_hidden_size") or model["ffn_hidden_size"]
         mlp = 2 * h * model["num_experts"] + (model.get("experts_per_token") or 1) * 2 * matrices * h * ffn
@@ -453,16 +469,18 @@ def _layer_flops(model: dict, training: dict, seq: float, backend: str, moe_laye
         ffn = model["ffn_hidden_size"]
         mlp = 2 * matrices * h * ffn
     eager = training.get("attention") == "eager"
-    attention = 2 * 2 * seq * d_q * (1.0 if eager else 0.5)  # a fused causal kernel skips the masked half
+    # scores (q . k) and the weighted values; a fused causal kernel skips the masked half
+    attention = 2 * seq * (a.q + a.out) * (1.0 if eager else 0.5)
     # Element-wise work (norms, residual adds, rotary, the MLP's activation) touches the hidden
-    # state and the q, k, v and MLP widths; eager attention also writes and normalises its scores.
-    sp = training.get("sequence_parallel", False)
+    # state and the q, k, v and MLP widths (and MLA's latents); eager attention also writes and
+    # normalises its scores.
     shared = (model.get("moe_shared_expert_hidden_size") or 0) if moe_layer else 0
-    width = (h / tp if sp or tp == 1 else h) + (d_q + 2 * d_kv + (matrices - 1) * ffn) / tp
-    width += (matrices - 1) * shared / tp
+    width = (h / tp if sp or tp == 1 else h) + (a.q + a.k + a.v + (matrices - 1) * ffn) / tp
+    width += a.down * down / tp + (matrices - 1) * shared / tp
     scores = model["num_heads"] / tp * seq if eager else 0.0
     checkpointing = training.get("activation_checkpointing", "none")
-    gemms = [(1.0, h, (d_q + 2 * d_kv) / tp, True), (1.0, d_q / tp, h, True)]
+    gemms = [(1.0 if split else down / tp, i, o / tp if split else o, split) for i, o, split in a.projections()]
+    gemms.append((1.0, a.out / tp, h, True))
     if moe_layer:
         routed = (model.get("experts_per_token") or 1) / tp
         gemms += [
@@ -480,7 +498,7 @@ def _layer_flops(model: dict, training: dict, seq: float, backend: str, moe_laye
     if checkpointing == "selective" and backend == "torchtitan":
         # torchtitan's op-level policy recomputes the even-numbered matmuls (k, o and, with a
         # gated MLP, w3) and saves attention's output.
-        again = sum(_op_level_recomputed(h, d_q, d_kv, ffn, matrices).values())
+        again = sum(_op_level_recomputed(a, ffn, matrices).values())
         return _Layer(projections + mlp, attention, again, 0.0, gemm_passes=3 + again / (projections + mlp), **shape)
     if checkpointing == "selective":
         return _Layer(projections + mlp, attention, 0.0, attention, **shape)  # the attention core is recomputed
@@ -523,28 +541,30 @@ def fused_matmul_flops(node_id: str, model: dict, training: dict, backend: str, 
     with the matmuls the recomputed forward runs (all of them under ``full``; under torchtitan's
     op-level policy the ones it does not save: k and the gated MLP's w3). Anything else (the
     embedding's, the loss's) is fused with nothing: 0."""
-    h, d_q, d_kv, matrices = _widths(model)
+    a = attention_widths(model)
+    h, matrices = a.hidden, _matrices(model)
     ffn = model["ffn_hidden_size"]
     uid = UpdateId.parse(node_id)
     site = uid.subject.rsplit(".", 1)[-1] if uid.subject.startswith("layers.") else uid.subject
     if site == "lm_head" and uid.kind == "in":
         return 2 * h * model["vocab_size"] / tp, False
-    matmuls = {
-        ("attn", "in"): h * (d_q + 2 * d_kv),
-        ("attn", "out"): d_q * h,
-        ("mlp", "in"): h * (matrices - 1) * ffn,
-        ("mlp", "out"): ffn * h,
-    }
-    found = matmuls.get((site, uid.kind))
-    if found is None:
+    matmuls = _block_matmuls(a, ffn, matrices)
+    reading = {  # the matmuls reading each collective's output, or writing its input
+        ("attn", "in"): {name for name, _, gathered in matmuls if gathered},
+        ("attn", "out"): {"o"},
+        ("mlp", "in"): {"w1", "w3"},
+        ("mlp", "out"): {"w2"},
+    }.get((site, uid.kind))
+    if reading is None:
         return 0.0, True
     if uid.step == RECOMPUTE and training.get("activation_checkpointing") != "full":
         if backend != "torchtitan" or uid.kind != "in":
             return 0.0, True
-        # the all-gather's output feeds k (of q, k, v) and w3 (of w1, w3) again
-        again = _op_level_recomputed(h, d_q, d_kv, ffn, matrices)
-        return again["k" if site == "attn" else "w3"] / tp, True
-    return 2 * found / tp, True
+        # the all-gather's output feeds the matmuls the op-level policy does not save again (k of
+        # q, k, v and w3 of w1, w3)
+        again = _op_level_recomputed(a, ffn, matrices)
+        return sum(f for name, f in again.items() if name in reading) / tp, True
+    return sum(f for name, f, _ in matmuls if name in reading) / tp, True
 
 
 def fused_seconds(st: _Setting, fused: tuple[float, bool] | None) -> float:
@@ -819,11 +839,10 @@ def stage_compute_parts(
     merge = 0.0
     ring = st.engine.context_parallel_ring if st.engine is not None else None
     if cp > 1 and ring is not None and training.get("attention") != "eager":
-        h, d_q, d_kv, _ = _widths(model)
-        head_dim = d_q / model["num_heads"]
-        kv = d_q / tp if st.engine.repeats_key_heads else max(d_kv / tp, head_dim)
+        a = attention_widths(model)
+        kv = a.q / tp if st.engine.repeats_key_heads else max(a.k / tp, a.qk_head_dim)
         again = training.get("activation_checkpointing", "none") != "none"
-        merge = ring_merge_bytes(d_q / tp, kv, cp, 2 if again else 1, ring)
+        merge = ring_merge_bytes(a.q / tp, kv, cp, 2 if again else 1, ring)
         if ring == "torch":
             # torch.compile traces torch's ring through DTensor's dispatch and fuses the merges' chains
             # like the layer's other element-wise work (ELEMENTWISE_BYTES, relative to eager)

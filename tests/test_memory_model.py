@@ -35,7 +35,7 @@ KINDS = {  # lowering's name -> the rule's name
 
 TRANSFORMER = """\
 model: {{family: transformer, vocab_size: {vocab}, hidden_size: {hidden}, num_layers: {layers}, num_heads: {heads},
-        num_kv_heads: {heads}, ffn_hidden_size: {ffn}, tie_embeddings: {tie}{moe}}}
+        {attention}, ffn_hidden_size: {ffn}, tie_embeddings: {tie}{moe}}}
 mesh: {{dp_replicate: {dr}, dp_shard: {ds}, tp: {tp}, pp: {pp}, cp: {cp}, ep: {ep}, microbatches: {mb}}}
 training: {{global_batch_size: {gbs}, micro_batch_size: 2, seq_len: 32, precision: {precision}, optimizer: {opt},
            sequence_parallel: {sp}, activation_checkpointing: {ckpt}, distributed_optimizer: {dopt},
@@ -49,7 +49,14 @@ def moe(experts: int, frequency: int) -> str:
     return f", num_experts: {experts}, experts_per_token: 1, moe_layer_frequency: {frequency}" if experts else ""
 
 
-def transformer_spec(rng: random.Random):
+#: Multi-head Latent Attention with and without the query latent, values narrower than keys
+LATENT = (
+    "kv_lora_rank: 12, q_lora_rank: 10, qk_nope_head_dim: 6, qk_rope_head_dim: 4, v_head_dim: 8",
+    "kv_lora_rank: 16, qk_nope_head_dim: 8, qk_rope_head_dim: 4, v_head_dim: 8",
+)
+
+
+def transformer_spec(rng: random.Random, latent: bool = False):
     while True:
         dr, ds, tp, pp, cp = (rng.choice(c) for c in ([1, 2], [1, 2, 4], [1, 2], [1, 1, 2, 4], [1, 1, 2]))
         experts = rng.choice([0, 0, 4])
@@ -60,6 +67,7 @@ def transformer_spec(rng: random.Random):
             hidden=32,
             layers=rng.choice([4, 8]),
             heads=4,
+            attention=rng.choice(LATENT) if latent else "num_kv_heads: 4",
             ffn=rng.choice([64, 96]),
             tie=str(rng.random() < 0.5).lower(),
             moe=moe(experts, rng.choice([1, 2])),
@@ -85,9 +93,9 @@ def transformer_spec(rng: random.Random):
         return loaded.spec
 
 
-def sample(count: int, seed: int):
+def sample(count: int, seed: int, latent: bool = False):
     rng = random.Random(seed)
-    return [transformer_spec(rng) for _ in range(count)]
+    return [transformer_spec(rng, latent) for _ in range(count)]
 
 
 def _figures(spec):
@@ -97,7 +105,12 @@ def _figures(spec):
 
 
 @pytest.mark.parametrize(
-    "spec", sample(60, 7), ids=lambda s: f"{s.mesh.dp_replicate}x{s.mesh.dp_shard}x{s.mesh.tp}x{s.mesh.pp}x{s.mesh.cp}"
+    "spec",
+    sample(60, 7) + sample(20, 11, latent=True),
+    ids=lambda s: (
+        f"{'mla-' if s.model.latent_attention else ''}"
+        f"{s.mesh.dp_replicate}x{s.mesh.dp_shard}x{s.mesh.tp}x{s.mesh.pp}x{s.mesh.cp}"
+    ),
 )
 def test_the_rule_bounds_the_heaviest_stage_the_lowering_prices(spec):
     stages, bound = _figures(spec)
@@ -719,3 +732,73 @@ def test_a_shared_expert_keeps_a_dense_mlps_tensors_for_every_token(sp):
     # its first linear's input (a sequence shard under sequence parallelism) and its three widths, over tp
     first_input = 2 * h / 2 if sp else 2 * h
     assert shared - without == pytest.approx(tokens * (first_input + 6 * 384 / 2))
+
+
+def test_latent_attention_keeps_its_latents_and_heads_at_their_own_widths():
+    """DeepSeek-V3's layer: the latents' norms' inputs and the up projections' inputs (h-like, over tp under
+    sequence parallelism), and queries, keys, values and attention output at 192, 192, 128 and 128 features a
+    head (over tp), in place of grouped-query attention's widths."""
+    from mixle_compile.memory_model import activation_bytes_per_layer
+    from mixle_compile.verify.memory import activation_widths
+    from tests.test_step_time import DEEPSEEK_V3
+
+    model = load_spec_text(
+        TRANSFORMER.format(
+            vocab=129280,
+            hidden=7168,
+            layers=4,
+            heads=128,
+            ffn=18432,
+            tie="false",
+            moe="",
+            attention=", ".join(
+                f"{k}: {DEEPSEEK_V3[k]}"
+                for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+            ),
+            dr=1,
+            ds=1,
+            tp=1,
+            pp=1,
+            cp=1,
+            ep=1,
+            mb=1,
+            gbs=2,
+            precision="bf16",
+            opt="adamw",
+            sp="false",
+            ckpt="none",
+            dopt="false",
+            schedule="1f1b",
+            world=1,
+            backend="megatron",
+        ),
+        "mla.yaml",
+    ).spec.model
+    widths = activation_widths(model)
+    assert widths["attention_width"] == 128 * (192 + 192 + 128 + 128)
+    assert widths["latent_width"] == (1536 + 512 + 64) + (1536 + 512)
+    for sp in (False, True):
+        common = dict(
+            seq_len=4096,
+            cp=1,
+            micro_batch_size=1,
+            hidden_size=7168,
+            num_heads=128,
+            tp=4,
+            sequence_parallel=sp,
+            full_recompute=False,
+            selective_recompute=True,
+            fp32=False,
+            eager_attention=False,
+            gated=True,
+            dense_ffn_width=18432,
+            query_width=widths["query_width"],
+        )
+        latent = activation_bytes_per_layer(
+            NUMBERS, **common, attention_width=widths["attention_width"], latent_width=widths["latent_width"]
+        )
+        plain = activation_bytes_per_layer(NUMBERS, **common, kv_width=widths["kv_width"])
+        # grouped-query attention's count with these widths keeps q + 2 kv + q = 4 * 128 * 192 a token
+        tokens = 4096
+        per_token = 2 * (widths["latent_width"] / (4 if sp else 1) + 128 * (128 + 128 - 2 * 192) / 4)
+        assert latent - plain == pytest.approx(tokens * per_token)

@@ -637,3 +637,83 @@ def test_a_published_shared_expert_run_is_predicted_within_15_percent_and_only_w
     assert 0.85 <= ratio(data["model"]) <= 1.15
     without = {k: v for k, v in data["model"].items() if k != "moe_shared_expert_hidden_size"}
     assert ratio(without) > 1.25
+
+
+#: DeepSeek-V3's dimensions (Megatron-Bridge DeepSeekV3ModelProvider; HF config.json), as step_time reads them.
+DEEPSEEK_V3 = {
+    "family": "transformer",
+    "vocab_size": 129280,
+    "hidden_size": 7168,
+    "num_layers": 61,
+    "num_heads": 128,
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "ffn_hidden_size": 18432,
+    "num_experts": 256,
+    "experts_per_token": 8,
+    "moe_ffn_hidden_size": 2048,
+    "moe_first_layer": 3,
+    "moe_shared_expert_hidden_size": 2048,
+}
+
+
+def test_latent_attention_flops_are_megatrons_count():
+    """Megatron-LM's own FLOPs of an MLA model (megatron/training/training.py, num_floating_point_operations,
+    the multi_latent_attention branch, without MTP layers and its ``+ 1`` per latent norm): the projections
+    and the causal core; ours counts the core without the mask, as torchtitan's and PaLM's MFU do, and the
+    router's ``2*h*E`` per MoE layer, which Megatron's leaves out."""
+    from mixle_compile.step_time import model_flops_per_token
+
+    m, seq = DEEPSEEK_V3, 4096
+    h, n, nope, rope, v = m["hidden_size"], m["num_heads"], 128, 64, 128
+    linear = (
+        m["q_lora_rank"] * (h + n * (nope + rope)) + m["kv_lora_rank"] * (h + n * (nope + v)) + h * rope + n * v * h
+    )
+    core = n * (nope + rope) / 2 + n * v / 2  # per token of the sequence, causal
+    dense, moe = 3, 58
+    mlp = dense * 3 * h * m["ffn_hidden_size"] + moe * 3 * h * (8 * 2048 + 2048)
+    router = moe * h * 256
+    megatron_linear = 6 * (61 * linear + mlp + h * m["vocab_size"])
+    ours_only = 6 * router
+    megatron_core = 6 * 61 * core * seq
+    assert model_flops_per_token(m, seq) == pytest.approx(megatron_linear + ours_only + 2 * megatron_core, rel=1e-9)
+
+
+def test_latent_down_projections_run_on_every_token_where_the_engine_does_not_shard_them():
+    """Megatron-Core splits MLA's duplicated down projections over tp by the sequence shard under sequence
+    parallelism; torchtitan's NoParallel wq_a/wkv_a, and Megatron without sequence parallelism, run them on
+    every token of every tp rank: tp times their FLOPs, counted in a layer's (which stage_compute divides by tp)."""
+    from mixle_compile.step_time import _layer_flops
+
+    def linear(backend, sp, tp=4):
+        return _layer_flops(DEEPSEEK_V3, {"sequence_parallel": sp}, 4096, backend, False, tp).linear
+
+    down = 2 * 7168 * (1536 + 512 + 64)
+    assert linear("torchtitan", True) - linear("megatron", True) == pytest.approx(3 * down)
+    assert linear("megatron", False) == linear("torchtitan", True)
+    assert linear("megatron", True, tp=1) == linear("torchtitan", True, tp=1)
+
+
+def test_torchtitans_op_level_policy_recomputes_every_second_matmul_of_latent_attention():
+    """torchtitan's DeepSeek-V3 block runs wq_a, wq_b, wkv_a, wkv_b, wo, w1, w3, w2; its op-level policy saves the
+    odd-numbered mm calls: wq_b, wkv_b, w1 and w2 run again. Without a query latent (wq, wkv_a, wkv_b, wo, w1, w3,
+    w2): wkv_a, wo and w3."""
+    from mixle_compile.parameters import attention_widths
+    from mixle_compile.step_time import _op_level_recomputed
+
+    assert set(_op_level_recomputed(attention_widths(DEEPSEEK_V3), 2048, 3)) == {"wq_b", "wkv_b", "w1", "w2"}
+    direct = {**DEEPSEEK_V3, "q_lora_rank": None}
+    assert set(_op_level_recomputed(attention_widths(direct), 2048, 3)) == {"wkv_a", "o", "w3"}
+    assert set(_op_level_recomputed(attention_widths(LLAMA3_8B), 14336, 3)) == {"k", "o", "w3"}
+
+
+def test_a_published_latent_attention_run_is_predicted_within_15_percent():
+    """Megatron-Bridge's DeepSeek-V3 on 1,024 H100s (held out, never fitted)."""
+    bench = _bench()
+    ((data, measured),) = [(d, m) for name, d, m in bench.HELD_OUT if name == "bridge25.09 H100 DeepSeek-V3 EP64"]
+    spec = load_spec_text(yaml.safe_dump(data), "row.yaml").spec
+    ratio = predict_lowered(spec, lower(spec, schedule=False)).tokens_per_second_per_device / measured
+    assert 0.85 <= ratio <= 1.15, ratio

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from mixle_compile.contracts import CollectiveKind, DistributedUpdate, ParallelPlan, PayloadKind, StateLayout
 from mixle_compile.engines import EngineProfile, engine_profile
 from mixle_compile.lower.layouts import PlacedParameter, model_parallel_splits
-from mixle_compile.parameters import DTYPE_BYTES, head_dim, is_moe_layer
+from mixle_compile.parameters import DTYPE_BYTES, attention_widths, is_moe_layer
 from mixle_compile.plan.ops import unchecked_copy
 from mixle_compile.plan.vocabulary import (
     ALL_DATA_AXES,
@@ -553,9 +553,12 @@ def activation_updates(
             StateLayout.REPLICATED,
             "vocabulary-parallel cross entropy: gather each shard's log-sum-exp and target logit",
         )
-    # K and V of the KV heads a tp rank holds: its share, or the one head it shares with others.
-    kv_heads = model.num_kv_heads or model.num_heads
-    kv_bytes = tokens * max(kv_heads // plan.tp, 1) * head_dim(model) * act_bytes_per
+    # K and V of the KV heads a tp rank holds: its share, or the one head it shares with others
+    # (MLA's values are gathered padded to the keys' head size, as one tensor with them).
+    a = attention_widths(model)
+    kv_bytes = tokens * max(a.kv_heads // plan.tp, 1) * a.kv_head_dim * act_bytes_per
+    # What the attention's column-parallel projections read: the hidden state, or MLA's latents.
+    block_in_bytes = {"attn": tokens * a.gathered * act_bytes_per, "mlp": hidden_bytes}
     # A block's collectives follow from its kind (dense or mixture-of-experts); its index and stage
     # only name and place them: the first block of each kind is planned, the others renamed.
     first_of: dict[bool, tuple[int, int]] = {}  # kind -> (its first block, where its updates start)
@@ -578,7 +581,7 @@ def activation_updates(
                         (Axis.TP,),
                         "forward",
                         stage,
-                        hidden_bytes,
+                        block_in_bytes[block],
                         StateLayout.REPLICATED,
                         "sequence parallel: gather the sequence before the column-parallel layer",
                         layer=i,
@@ -600,7 +603,7 @@ def activation_updates(
                         (Axis.TP,),
                         "backward",
                         stage,
-                        hidden_bytes,
+                        block_in_bytes[block],
                         StateLayout.SHARDED,
                         "conjugate of the input all_gather",
                         layer=i,
@@ -634,7 +637,7 @@ def activation_updates(
                         (Axis.TP,),
                         "backward",
                         stage,
-                        hidden_bytes,
+                        block_in_bytes[block],
                         StateLayout.REPLICATED,
                         "sum the input gradients of the column-parallel layer",
                         layer=i,

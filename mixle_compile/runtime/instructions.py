@@ -24,6 +24,7 @@ from types import MappingProxyType
 
 from mixle_compile.contracts import ParallelPlan
 from mixle_compile.heap import full_collections_paused
+from mixle_compile.parameters import attention_widths
 from mixle_compile.plan.artifact import plan_spec
 from mixle_compile.plan.document import PlanDocument
 from mixle_compile.plan.vocabulary import (
@@ -541,8 +542,10 @@ def _refuse_unsupported(spec: Spec, plan: ParallelPlan) -> None:
     if model.num_experts:
         _refuse_unsupported_experts(model, plan, t)
     tp = plan.tp
-    head_dim = model.head_dim or model.hidden_size // model.num_heads
-    kv = model.num_kv_heads or model.num_heads
+    widths = attention_widths(model)
+    # rotary positions turn pairs of features: a head's, or MLA's rotary part
+    rotary = ("model.qk_rope_head_dim", widths.rope) if widths.latent else ("the head size", widths.qk_head_dim)
+    kv = widths.kv_heads
     if kv % tp and tp % kv:
         raise RuntimeRefusal(
             f"model.num_kv_heads={kv} neither splits over tp={tp} nor divides it, so tensor parallelism can "
@@ -564,8 +567,10 @@ def _refuse_unsupported(spec: Spec, plan: ParallelPlan) -> None:
                 f"{name}={value} is not divisible by tp={tp}, so tensor parallelism cannot split it evenly; "
                 "choose tp dividing it"
             )
-    if head_dim % 2 and model.position_embedding == "rope":
-        raise RuntimeRefusal(f"rotary position embeddings need an even head size, got {head_dim}")
+    if rotary[1] % 2 and model.position_embedding == "rope":
+        raise RuntimeRefusal(
+            f"rotary position embeddings need an even number of features, but {rotary[0]} is {rotary[1]}"
+        )
     cp = plan.cp
     if cp > 1 and (t.seq_len or 1) % (2 * cp):
         raise RuntimeRefusal(

@@ -9,7 +9,9 @@ The transformer: vocabulary-parallel embedding (plus learned positions, split th
 blocks of pre-norm attention (column-parallel q, k, v with their heads split over tp, grouped-query
 attention, rotary positions, causal) and a pre-norm MLP (column-parallel gate/up, row-parallel
 down), a final norm and a vocabulary-parallel head with its cross entropy. Activations are
-sequence-first, ``[s, b, h]``.
+sequence-first, ``[s, b, h]``. Multi-head Latent Attention (``model.kv_lora_rank``) replaces q, k, v
+with down projections to latents, whole on every tp rank, and up projections split by head
+(``_latent_attention``).
 
 Context parallelism (``ops.cp_size > 1``): the sequence is cut into ``2 * cp`` chunks and cp rank
 ``r`` keeps chunks ``r`` and ``2cp - 1 - r`` (an early and a late one, so that causal attention
@@ -27,6 +29,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from mixle_compile.parameters import AttentionWidths, attention_widths
 from mixle_compile.runtime.experts import ExpertShape, moe_mlp
 from mixle_compile.spec.models import Spec, TransformerModel
 
@@ -123,6 +126,7 @@ class TransformerShape:
     position_embedding: str
     compute_dtype: torch.dtype
     experts: ExpertShape | None = None  # mixture-of-experts layers (runtime/experts.py); None: none
+    latent: AttentionWidths | None = None  # Multi-head Latent Attention's widths; None: grouped-query attention
 
     @staticmethod
     def from_spec(spec: Spec) -> TransformerShape:
@@ -141,6 +145,7 @@ class TransformerShape:
             position_embedding=m.position_embedding,
             compute_dtype=torch.bfloat16 if spec.training.precision == "bf16" else torch.float32,
             experts=ExpertShape.from_model(m),
+            latent=attention_widths(m) if m.latent_attention else None,
         )
 
 
@@ -178,12 +183,17 @@ def stage_forward(
             x = x + _vocab_lookup(positions, ops.weight("pos_embed.weight"), ops.tp_rank)
         x = ops.reduce("embed", x)
         x = ops.unit_end("embed", x)
-    rope = _rope_tables(seq, shape.head_dim, x.dtype, x.device, local) if shape.position_embedding == "rope" else None
+    rotary = shape.latent.rope if shape.latent is not None else shape.head_dim
+    rope = _rope_tables(seq, rotary, x.dtype, x.device, local) if shape.position_embedding == "rope" else None
     for i in layers:
         unit = f"layers.{i}"
         x = ops.unit_begin(unit, x)
-        h = ops.copy(f"{unit}.attn", _norm(ops, shape, x, f"{unit}.attn_norm"))
-        x = x + ops.reduce(f"{unit}.attn", _attention(ops, shape, unit, h, rope, local))
+        h = _norm(ops, shape, x, f"{unit}.attn_norm")
+        if shape.latent is not None:
+            attended = _latent_attention(ops, shape, shape.latent, unit, h, rope, local)
+        else:
+            attended = _attention(ops, shape, unit, ops.copy(f"{unit}.attn", h), rope, local)
+        x = x + ops.reduce(f"{unit}.attn", attended)
         h = ops.copy(f"{unit}.mlp", _norm(ops, shape, x, f"{unit}.mlp_norm"))
         x = x + ops.reduce(f"{unit}.mlp", _feed_forward(ops, shape, i, unit, h))
         x = ops.unit_end(unit, x)
@@ -264,6 +274,59 @@ def _attention(
     s, b = h.shape[0], h.shape[1]
     o = o.permute(2, 0, 1, 3).reshape(s, b, -1)
     return F.linear(o, ops.weight(f"{unit}.attn.o_proj.weight"))
+
+
+def _latent_attention(
+    ops: Ops,
+    shape: TransformerShape,
+    a: AttentionWidths,
+    unit: str,
+    h: torch.Tensor,
+    rope,
+    positions: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal Multi-head Latent Attention (parameters.AttentionWidths). ``h`` is the normalised input
+    as this tp rank holds it (its sequence shard under sequence parallelism): the down projections,
+    whole on every tp rank, and the latents' norms run on it, as Megatron-Core's duplicated
+    ``linear_q_down_proj``/``linear_kv_down_proj`` do; the latents and the rotary key then cross the
+    tensor-parallel boundary together (the block's input gather under sequence parallelism) and the
+    up projections make this rank's heads. A head's query and key are its features without positions
+    and the rotary ones (the key's shared by every head); its value is ``v_head_dim`` wide."""
+    site = f"{unit}.attn"
+    kv = F.linear(h, ops.weight(f"{site}.kv_a_proj.weight"))
+    parts = [_norm(ops, shape, kv[..., : a.kv_lora], f"{site}.kv_a_norm"), kv[..., a.kv_lora :]]
+    if a.q_lora:
+        parts.insert(0, _norm(ops, shape, F.linear(h, ops.weight(f"{site}.q_a_proj.weight")), f"{site}.q_a_norm"))
+    else:
+        parts.insert(0, h)  # queries are projected from the hidden state itself
+    gathered = ops.copy(site, torch.cat(parts, dim=-1))
+    q_in, kv_latent, k_rope = gathered.split([a.q_lora or a.hidden, a.kv_lora, a.rope], dim=-1)
+    nope = a.qk_head_dim - a.rope
+    q_weight = ops.weight(f"{site}.q_b_proj.weight" if a.q_lora else f"{site}.q_proj.weight")
+    q = _heads(F.linear(q_in, q_weight), a.qk_head_dim)
+    q_nope, q_rope = q.split([nope, a.rope], dim=-1)
+    k_nope, v = _heads(F.linear(kv_latent, ops.weight(f"{site}.kv_b_proj.weight")), nope + a.v_head_dim).split(
+        [nope, a.v_head_dim], dim=-1
+    )
+    k_rope = _heads(k_rope, a.rope)  # [b, 1, s, rope]: one rotary key for every head
+    if rope is not None:
+        q_rope, k_rope = _rotate(q_rope, rope), _rotate(k_rope, rope)
+    q = torch.cat([q_nope, q_rope], dim=-1)
+    k = torch.cat([k_nope, k_rope.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
+    # Keys and values cross context parallelism as one tensor: the narrower padded with zeros (a
+    # zero feature adds nothing to a score; a zero value feature is cut from the output).
+    d = a.kv_head_dim
+    q, k, v = (F.pad(t, (0, d - t.shape[-1])) if t.shape[-1] < d else t for t in (q, k, v))
+    k, v, key_positions = ops.gather_kv(site, k, v)
+    scale = a.qk_head_dim**-0.5
+    if key_positions is None:
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    else:
+        mask = key_positions.unsqueeze(0) <= positions.unsqueeze(1)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    s, b = gathered.shape[0], gathered.shape[1]
+    o = o[..., : a.v_head_dim].permute(2, 0, 1, 3).reshape(s, b, -1)
+    return F.linear(o, ops.weight(f"{site}.o_proj.weight"))
 
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"gelu": F.gelu, "relu": F.relu}

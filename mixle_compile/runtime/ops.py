@@ -97,7 +97,7 @@ class ParallelOps:
             self._record(
                 node_id,
                 both,
-                ("act_at", node_id, self.store.mesh.data_rank, self._head_slices(site, d), (3, tuple(keys))),
+                ("act_at", node_id, self.store.mesh.data_rank, self._head_slices(site, d, heads), (3, tuple(keys))),
             )
         return both[0], both[1]
 
@@ -115,7 +115,7 @@ class ParallelOps:
                 "act_at",
                 node_id,
                 self.store.mesh.data_rank,
-                self._head_slices(site, d),
+                self._head_slices(site, d, heads),
                 (3, tuple(self._positions)),
             )
             sharing = self._kv_sharing(site)
@@ -125,13 +125,20 @@ class ParallelOps:
 
     def _kv_sharing(self, site: str) -> tuple[int, ...]:
         """The ranks holding this rank's KV heads of ``site`` (itself alone unless heads are shared over tp)."""
-        k = self.store.of_use[f"{site}.k_proj.weight"].instr
+        use = self.store.of_use.get(f"{site}.k_proj.weight")
+        if use is None:  # MLA: every head its own key and value, split over tp, never shared
+            return (self.store.mesh.rank,)
+        k = use.instr
         rules = [c.rule for c in k.gradient if kv_replica_size(c.rule) is not None]
         return self.store.mesh.group(rules[0]).ranks if rules and k.tp_replicas > 1 else (self.store.mesh.rank,)
 
-    def _head_slices(self, site: str, head_dim: int) -> tuple:
-        """This rank's KV heads (dimension 2 of ``[2, b, heads, s, d]``) when tp splits or shares them."""
-        slices = self.store.of_use[f"{site}.k_proj.weight"].tp_slices
+    def _head_slices(self, site: str, head_dim: int, heads: int) -> tuple:
+        """This rank's KV heads (dimension 2 of ``[2, b, heads, s, d]``, ``heads`` of them here) when tp
+        splits or shares them."""
+        use = self.store.of_use.get(f"{site}.k_proj.weight")
+        if use is None:  # MLA: the key/value up projection splits whole heads over tp, in rank order
+            return ((2, self.tp_rank * heads, (self.tp_rank + 1) * heads),) if self.tp_size > 1 else ()
+        slices = use.tp_slices
         if not slices:
             return ()
         _, start, stop = slices[0]

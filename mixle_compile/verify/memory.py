@@ -22,7 +22,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from mixle_compile.parameters import DTYPE_BYTES, is_moe_layer, layer_kinds_model, model_parameters
+from mixle_compile.parameters import DTYPE_BYTES, block_matmuls, is_moe_layer, layer_kinds_model, model_parameters
+from mixle_compile.parameters import attention_widths as layer_attention
 from mixle_compile.spec.models import ModulesModel, Spec, TransformerModel
 
 CATEGORIES = ("tensor_parallel", "replicated", "expert")
@@ -87,6 +88,10 @@ class ParameterFootprint:
     head_dim: int = 0
     ffn_width: int = 0  # the widest MLP per token: ffn_hidden_size, or experts_per_token * the experts' size
     dense_ffn_width: int = 0  # a dense MLP's width: ffn_hidden_size
+    attention_width: int = 0  # queries, keys, values and attention output (0: query_width * 2 + kv_width * 2)
+    latent_width: int = 0  # what MLA keeps beside the hidden-wide inputs (memory_model.activation_bytes_per_layer)
+    op_saved_split: int = 0  # what torchtitan's op-level checkpointing saves, split over tp
+    op_saved_whole: int = 0  # ... and whole on every tp rank
     # mixture-of-experts layers (memory_model.moe_layer_extra_bytes): see expert_shape
     num_experts: int = 0
     experts_per_token: int = 0
@@ -186,35 +191,40 @@ def parameter_footprint(spec: Spec) -> ParameterFootprint:
 
 
 def head_dim_of(model) -> int:
-    return model.head_dim or model.hidden_size // model.num_heads
+    return layer_attention(model).qk_head_dim
 
 
 def attention_widths(model, *, repeated_keys: bool) -> dict[str, int]:
     """The widths ring attention exchanges (memory_model.ring_attention_bytes): the query's, the
     keys' as the kernel sees them (the query's where the engine repeats key heads) and a head's
     (0 with repeated heads, which tp always divides, so no floor is needed)."""
-    head_dim = head_dim_of(model)
-    query = model.num_heads * head_dim
+    a = layer_attention(model)
     return {
-        "query_width": query,
-        "key_width": query if repeated_keys else (model.num_kv_heads or model.num_heads) * head_dim,
-        "head_dim": 0 if repeated_keys else head_dim,
+        "query_width": a.q,
+        "key_width": a.q if repeated_keys else a.k,
+        "head_dim": 0 if repeated_keys else a.qk_head_dim,
     }
 
 
 def activation_widths(model) -> dict[str, int]:
     """The per-token widths op-level selective checkpointing and fp8's saved inputs keep (see memory_model)."""
-    head_dim = head_dim_of(model)
+    a = layer_attention(model)
     ffn = model.ffn_hidden_size
     if model.num_experts > 0:
         routed = (model.experts_per_token or 1) * (model.moe_ffn_hidden_size or model.ffn_hidden_size)
         ffn = max(ffn, routed + (model.moe_shared_expert_hidden_size or 0))
+    # torchtitan's op-level policy saves the odd-numbered matmuls' outputs and attention's
+    saved = block_matmuls(a, ffn, 3 if model.activation == "swiglu" else 2)[::2]
     return {
-        "query_width": model.num_heads * head_dim,
-        "kv_width": (model.num_kv_heads or model.num_heads) * head_dim,
+        "query_width": a.q,
+        "kv_width": a.k,
         "ffn_width": ffn,
         # a dense MLP's width (a model with experts: its dense layers')
         "dense_ffn_width": model.ffn_hidden_size,
+        "attention_width": a.q + a.k + a.v + a.out,
+        "latent_width": a.down + a.q_lora + a.kv_lora,
+        "op_saved_split": int(sum(m.out for m in saved if m.split)) + a.out,
+        "op_saved_whole": int(sum(m.out for m in saved if not m.split)),
     }
 
 

@@ -304,6 +304,10 @@ def activation_bytes(v, layers_on_rank, moe_layers_on_rank=0) -> dict[str, objec
             fp8_saved_inputs=v.is_("precision", "fp8") if v.facts.engine.fp8_saves_quantized_inputs else False,
             dense_ffn_width=fp.dense_ffn_width,
             gated=fp.activation == "swiglu",
+            attention_width=fp.attention_width,
+            latent_width=fp.latent_width,
+            op_saved_split=fp.op_saved_split,
+            op_saved_whole=fp.op_saved_whole,
         )
 
     per_layer = layer(v.is_("activation_checkpointing", "full"), v.is_("activation_checkpointing", "selective"))
