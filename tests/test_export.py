@@ -188,6 +188,64 @@ def test_dense_layers_before_the_moe_ones_reach_megatron_and_hf(tmp_path, first,
     assert sparse == [is_moe_layer(spec.model, i) for i in range(spec.model.num_layers)]
 
 
+@pytest.mark.parametrize("name", ["deepseek-v3.json", "deepseek-v2-lite.json"])
+def test_latent_attention_reaches_megatron_and_hf_and_transformers_builds_it(tmp_path, name):
+    """DeepSeek's published models (MLA with and without a query latent, shared experts, dense layers
+    first) exported: Megatron's MLA flags read back as the model; the deepseek_v3 config.json reads
+    back as the model, and transformers builds it with the parameters the spec counts."""
+    from mixle_compile.export.hf import hf_config, hf_config_text
+    from mixle_compile.importers.hf import hf_model, read_hf_document
+    from mixle_compile.parameters import transformer_parameters
+
+    published = TransformerModel.model_validate(
+        hf_model(read_hf_document(ROOT / "tests/corpus/importers/hf" / name)).model
+    )
+    # its attention and layer kinds as published, fewer and narrower layers so that the plan verifies
+    shared = published.moe_shared_expert_hidden_size // published.moe_ffn_hidden_size
+    model = published.model_copy(
+        update={"hidden_size": 512, "num_heads": 8, "vocab_size": 1024, "num_layers": 4, "ffn_hidden_size": 1024}
+        | {"num_experts": 16, "moe_ffn_hidden_size": 128, "moe_shared_expert_hidden_size": 128 * shared}
+    )
+    spec = load_spec(EXAMPLES / "mixtral-moe-ep.yaml").spec
+    spec = spec.model_copy(update={"model": model})
+    exported = export_spec(spec, "megatron")
+    launch = exported.files[exported.main]
+    assert "--multi-latent-attention" in launch and "--qk-layernorm" in launch and "--kv-channels" not in launch
+    assert ("--q-lora-rank 1536" in launch) == (model.q_lora_rank == 1536)
+    back = reimport(exported, tmp_path / "megatron", spec)
+    assert back.model == model
+    config, why = hf_config(model)
+    assert config is not None and config["model_type"] == "deepseek_v3", why
+    (tmp_path / "config.json").write_text(hf_config_text(config))
+    read = hf_model(read_hf_document(tmp_path / "config.json"))
+    assert not read.problems and not read.ignored and TransformerModel.model_validate(read.model) == model
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    with torch.device("meta"):
+        built = transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.from_pretrained(str(tmp_path / "config.json"))
+        )
+    assert sum(p.numel() for p in built.parameters()) == sum(p.numel for p in transformer_parameters(model, "bf16"))
+
+
+def test_hf_export_refuses_latent_attention_transformers_cannot_build(tmp_path):
+    from mixle_compile.export.hf import hf_config
+    from mixle_compile.importers.hf import hf_model, read_hf_document
+
+    model = TransformerModel.model_validate(
+        hf_model(read_hf_document(ROOT / "tests/corpus/importers/hf/deepseek-v3.json")).model
+    )
+    for update, says in (
+        ({"moe_layer_frequency": 2}, "every layer from first_k_dense_replace an MoE layer"),
+        ({"moe_shared_expert_hidden_size": 3000}, "n_shared_experts times as wide as a routed one"),
+        ({"moe_shared_expert_gate": True}, "gated"),
+        ({"norm": "layernorm"}, "RMSNorm with a SwiGLU"),
+    ):
+        config, why = hf_config(model.model_copy(update=update))
+        assert config is None and says in why, update
+
+
 def test_megatron_export_refuses_torch_compile_and_writes_megatron_fsdp_for_dp_shard(tmp_path):
     spec = load_spec(EXAMPLES / "mixtral-moe-ep.yaml").spec
     compiled = spec.model_copy(update={"training": spec.training.model_copy(update={"compile": True})})
@@ -302,7 +360,11 @@ def transformer_specs(draw):
     if experts:
         model.update(num_experts=experts, experts_per_token=2, norm="rmsnorm", activation="swiglu")
     kv = draw(st.sampled_from([None, heads // 2]))
-    if kv and kv % tp == 0:
+    if draw(st.sampled_from([False, False, True])):  # Multi-head Latent Attention
+        model.update(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, position_embedding="rope")
+        if draw(st.booleans()):
+            model["q_lora_rank"] = 48
+    elif kv and kv % tp == 0:
         model["num_kv_heads"] = kv
     mesh = {
         "dp_replicate": 1 if shard else dp,

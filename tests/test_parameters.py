@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -53,12 +54,18 @@ HF_CONFIGS = Path(__file__).parent / "corpus" / "importers" / "hf"
         "qwen1.5-moe-a2.7b.json",
         "llama-4-scout-17b-16e.json",
         "llama-4-maverick-17b-128e-text.json",
+        "deepseek-v3.json",
+        "deepseek-v2-lite.json",
+        "kimi-k2-instruct.json",
     ],
 )
-def test_parameter_counts_equal_transformers_own_models(name):
+def test_parameter_counts_equal_transformers_own_models(name, tmp_path):
     """transformers builds the config's model (on the meta device, no memory): its parameters are ours (a
     shared expert and its gate included), but for what the transformer family leaves out: Qwen2's q/k/v
-    biases and Qwen3's per-head query and key norms (under 0.01% of either model)."""
+    biases and Qwen3's per-head query and key norms (under 0.01% of either model). DeepSeek's Multi-head
+    Latent Attention is counted exactly (DeepSeek-V3: 671.03B without its multi-token prediction layer,
+    which DeepseekV3ForCausalLM does not build); Kimi K2 is built as the DeepSeek-V3 it is (its
+    model_type kimi_k2 is unknown to transformers)."""
     transformers = pytest.importorskip("transformers")
     import torch
 
@@ -67,7 +74,11 @@ def test_parameter_counts_equal_transformers_own_models(name):
     from mixle_compile.spec.models import TransformerModel
 
     model = TransformerModel.model_validate(hf_model(read_hf_document(HF_CONFIGS / name)).model)
-    config = transformers.AutoConfig.from_pretrained(str(HF_CONFIGS / name))
+    path = HF_CONFIGS / name
+    if json.loads(path.read_text())["model_type"] == "kimi_k2":
+        (tmp_path / "config.json").write_text(path.read_text().replace('"kimi_k2"', '"deepseek_v3"'))
+        path = tmp_path / "config.json"
+    config = transformers.AutoConfig.from_pretrained(str(path))
     if config.model_type == "llama4":  # the language model of the multimodal one: what training builds
         config = config.text_config
     with torch.device("meta"):
@@ -79,12 +90,23 @@ def test_parameter_counts_equal_transformers_own_models(name):
     }
     ours = transformer_parameters(model, "bf16")
     assert sum(p.numel for p in ours) == sum(theirs.values())
-    shared = sum(v for n, v in theirs.items() if ".shared_expert." in n or ".shared_expert_gate." in n)
+    shared = sum(
+        v for n, v in theirs.items() if ".shared_expert." in n or ".shared_expert_gate." in n or ".shared_experts." in n
+    )
     if config.model_type == "llama4_text":  # its experts and layers, as transformers builds them
         sparse = [layer.is_moe_layer for layer in built.model.layers]
         assert sparse == [is_moe_layer(model, i) for i in range(model.num_layers)]
     assert sum(p.numel for p in ours if ".moe.shared." in p.name) == shared
     assert bool(shared) == bool(model.moe_shared_expert_hidden_size)
+    if model.latent_attention:  # the attention's own tensors, layer by layer
+        attention = sum(v for n, v in theirs.items() if ".self_attn." in n)
+        assert (
+            sum(p.numel for p in ours if ".attn." in p.name and not p.name.endswith(".attn_norm.weight")) == attention
+        )
+        sparse = [hasattr(layer.mlp, "experts") for layer in built.model.layers]
+        assert sparse == [is_moe_layer(model, i) for i in range(model.num_layers)]
+    if name == "deepseek-v3.json":
+        assert round(sum(p.numel for p in ours) / 1e9, 2) == 671.03
 
 
 @pytest.mark.parametrize(
@@ -157,3 +179,27 @@ def test_llama4_absent_and_null_keys_mean_what_transformers_makes_of_them(tmp_pa
         p.numel() for n, p in built.named_parameters() if not n.endswith(".bias")
     )
     assert [layer.is_moe_layer for layer in built.model.layers] == [is_moe_layer(model, i) for i in range(6)]
+
+
+def test_torchtitan_deepseek_v3_flavors_equal_torchtitans_own_models():
+    """torchtitan 0.3.0 builds each DeepSeek-V3 flavor (deepseekv3_configs, on the meta device): its
+    parameters are the flavor table's model's (MLA with and without a query latent, routed and shared
+    experts, dense layers first)."""
+    pytest.importorskip("torchtitan")
+    import torch
+
+    try:
+        from torchtitan.models.deepseek_v3 import deepseekv3_configs
+    except ImportError as exc:  # its model code imports what the torchtitan extra installs
+        pytest.skip(f"torchtitan's DeepSeek-V3 model does not import here: {exc}")
+    from mixle_compile.importers.flavors import FLAVORS
+    from mixle_compile.parameters import transformer_parameters
+    from mixle_compile.spec.models import TransformerModel
+
+    assert set(deepseekv3_configs) <= set(FLAVORS["deepseek_v3"])
+    for name, build in deepseekv3_configs.items():
+        with torch.device("meta"):
+            built = build(attn_backend="flex", moe_comm_backend="standard").build()
+        theirs = sum(p.numel() for p in built.parameters())
+        model = TransformerModel.model_validate(FLAVORS["deepseek_v3"][name].model)
+        assert sum(p.numel for p in transformer_parameters(model, "bf16")) == theirs, name

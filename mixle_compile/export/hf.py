@@ -21,6 +21,8 @@ def hf_config(model: TransformerModel, seq_len: int | None = None) -> tuple[dict
     }
     if m.head_dim is not None:
         heads["head_dim"] = m.head_dim
+    if m.latent_attention:
+        return _deepseek_v3(m, heads, base)
     if m.norm == "rmsnorm" and m.activation == "swiglu" and m.position_embedding == "rope":
         if m.num_experts == 0:
             return {
@@ -110,6 +112,54 @@ def hf_config(model: TransformerModel, seq_len: int | None = None) -> tuple[dict
         f"no HF architecture has norm {m.norm}, activation {m.activation} and {m.position_embedding} positions "
         "(written: Llama, Mixtral, Qwen2-MoE, Qwen3-MoE, Llama 4, GPT-NeoX, GPT-2)"
     )
+
+
+def _deepseek_v3(m: TransformerModel, heads: dict, base: dict) -> tuple[dict | None, str]:
+    """Multi-head Latent Attention as a DeepseekV3ForCausalLM config (DeepseekV3Config; the importer's
+    reading, importers/hf.py _deepseek): every layer from first_k_dense_replace an MoE layer with an
+    ungated shared MLP of moe_intermediate_size * n_shared_experts (modeling_deepseek_v3.py); the
+    router without expert groups (n_group 1, topk_group 1: DeepseekV3TopkRouter splits the experts
+    into n_group groups), and no multi-token prediction layer."""
+    if m.norm != "rmsnorm" or m.activation != "swiglu":
+        return None, "DeepSeek-V3's layers are RMSNorm with a SwiGLU (silu) MLP; export to Megatron"
+    config = {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "hidden_act": "silu",
+        **{k: v for k, v in heads.items() if k != "head_dim"},
+        "num_key_value_heads": m.num_heads,
+        **base,
+        "kv_lora_rank": m.kv_lora_rank,
+        "q_lora_rank": m.q_lora_rank,
+        "qk_nope_head_dim": m.qk_nope_head_dim,
+        "qk_rope_head_dim": m.qk_rope_head_dim,
+        "v_head_dim": m.v_head_dim,
+        "num_nextn_predict_layers": 0,
+    }
+    if not m.num_experts:
+        return {**config, "first_k_dense_replace": m.num_layers}, ""
+    moe_ffn = m.moe_ffn_hidden_size or m.ffn_hidden_size
+    shared = m.moe_shared_expert_hidden_size or 0
+    if m.moe_layer_frequency != 1:
+        return None, (
+            "transformers' DeepSeek-V3 makes every layer from first_k_dense_replace an MoE layer "
+            f"(model.moe_layer_frequency is {m.moe_layer_frequency}); export to Megatron"
+        )
+    if shared % moe_ffn or m.moe_shared_expert_gate:
+        return None, (
+            "DeepSeek-V3's shared experts are ungated and n_shared_experts times as wide as a routed one "
+            f"(here {shared} and {moe_ffn}" + (", gated" if m.moe_shared_expert_gate else "") + "); export to Megatron"
+        )
+    return {
+        **config,
+        "first_k_dense_replace": m.moe_first_layer,
+        "n_routed_experts": m.num_experts,
+        "num_experts_per_tok": m.experts_per_token,
+        "moe_intermediate_size": moe_ffn,
+        "n_shared_experts": shared // moe_ffn,
+        "n_group": 1,
+        "topk_group": 1,
+    }, ""
 
 
 def _llama4_text(m: TransformerModel, heads: dict, base: dict, moe_ffn: int) -> dict:

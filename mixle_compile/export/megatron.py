@@ -110,10 +110,18 @@ def megatron_arguments(spec: Spec) -> list[str]:
         "--ffn-hidden-size",
         m.ffn_hidden_size,
     ]
-    if m.num_kv_heads is not None:
-        a += ["--group-query-attention", "--num-query-groups", m.num_kv_heads]
-    if m.head_dim is not None:
-        a += ["--kv-channels", m.head_dim]
+    if m.latent_attention:
+        # megatron/training/arguments.py _add_mla_args; --qk-layernorm builds the latents' norms
+        # (megatron/core/models/gpt/gpt_layer_specs.py), which the spec's MLA has
+        a += ["--multi-latent-attention", "--kv-lora-rank", m.kv_lora_rank, "--qk-head-dim", m.qk_nope_head_dim]
+        a += ["--qk-pos-emb-head-dim", m.qk_rope_head_dim, "--v-head-dim", m.v_head_dim, "--qk-layernorm"]
+        if m.q_lora_rank is not None:
+            a += ["--q-lora-rank", m.q_lora_rank]
+    else:
+        if m.num_kv_heads is not None:
+            a += ["--group-query-attention", "--num-query-groups", m.num_kv_heads]
+        if m.head_dim is not None:
+            a += ["--kv-channels", m.head_dim]
     if m.activation == "swiglu":
         a += ["--swiglu"]
     a += [

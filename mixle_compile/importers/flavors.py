@@ -103,6 +103,51 @@ def _qwen3(
     return Flavor(m)
 
 
+def _deepseek_v3(
+    vocab: int,
+    dim: int,
+    inter: int,
+    moe_inter: int,
+    layers: int,
+    dense: int,
+    heads: int,
+    experts: int,
+    shared: int,
+    top_k: int,
+    q_lora: int,
+) -> Flavor:
+    """A DeepSeekV3ModelArgs flavor: Multi-head Latent Attention (Attention in
+    torchtitan/models/deepseek_v3/model.py: ``wq`` where q_lora_rank is 0, else ``wq_a``, ``q_norm``,
+    ``wq_b``; ``wkv_a`` to kv_lora_rank + qk_rope_head_dim, ``kv_norm``, ``wkv_b``; every flavor has
+    kv_lora_rank 512, qk_nope_head_dim 128, qk_rope_head_dim 64, v_head_dim 128), dense
+    FeedForward layers of inter_dim before the first MoE layer (layer_id < n_dense_layers), and MoE
+    layers of num_experts experts of moe_inter_dim, top_k, and one shared FeedForward of
+    moe_inter_dim * num_shared_experts (torchtitan/models/moe.py, no gate). The model's defaults:
+    RMSNorm, SwiGLU, RoPE, untied output (DeepSeekV3ModelArgs)."""
+    m = {
+        "family": "transformer",
+        "vocab_size": vocab,
+        "hidden_size": dim,
+        "num_layers": layers,
+        "num_heads": heads,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "ffn_hidden_size": inter,
+        "tie_embeddings": False,
+        "num_experts": experts,
+        "experts_per_token": top_k,
+        "moe_ffn_hidden_size": moe_inter,
+        "moe_shared_expert_hidden_size": moe_inter * shared,
+    }
+    if q_lora:  # q_lora_rank 0: one query projection (wq)
+        m["q_lora_rank"] = q_lora
+    if dense:
+        m["moe_first_layer"] = dense
+    return Flavor(m)
+
+
 FLAVORS: dict[str, dict[str, Flavor]] = {
     "llama3": {
         "debugmodel": _llama3(256, 6, 16, None, None, 256, vocab=2048),
@@ -138,28 +183,20 @@ FLAVORS: dict[str, dict[str, Flavor]] = {
         "30B-A3B": _qwen3(2048, 48, 32, 4, 6144, False, (128, 8, 768)),
         "235B-A22B": _qwen3(4096, 94, 64, 4, 12288, False, (128, 8, 1536)),
     },
+    # torchtitan/models/deepseek_v3/__init__.py (deepseekv3_args; 0.3.0's deepseekv3_configs has the same
+    # sizes, without debugmodel_flex_attn, which differs from debugmodel in its attention kernel only)
+    "deepseek_v3": {
+        "debugmodel": _deepseek_v3(2048, 256, 1024, 256, 6, 1, 16, 8, 2, 3, 0),
+        "debugmodel_flex_attn": _deepseek_v3(2048, 256, 1024, 256, 6, 1, 16, 8, 2, 3, 0),
+        "16B": _deepseek_v3(102400, 2048, 10944, 1408, 27, 1, 16, 64, 2, 6, 0),
+        "236B": _deepseek_v3(102400, 5120, 12288, 1536, 60, 1, 128, 160, 2, 6, 1536),
+        "671B": _deepseek_v3(129280, 7168, 18432, 2048, 61, 3, 128, 256, 1, 8, 1536),
+    },
 }
 # Aliases torchtitan's model names take for the same tables (the llama3 flavors under "llama3_ft", etc.).
 ALIASES = {"llama3_ft": "llama3", "llama3.1": "llama3"}
-# Models whose attention the transformer family cannot express.
-# DeepSeek-V3's attention and MoE as torchtitan builds them: Multi-head Latent Attention with
-# q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim and v_head_dim
-# (torchtitan/models/deepseek_v3/model.py, Attention.Config), shared experts beside the routed ones
-# (num_shared_experts) and dense layers before the MoE ones (n_dense_layers)
-# (torchtitan/models/deepseek_v3/__init__.py); the HF config names them the same
-# (transformers/models/deepseek_v3/configuration_deepseek_v3.py: first_k_dense_replace, n_shared_experts).
-MLA_REFUSAL = (
-    "recognised as DeepSeek-V3 (Multi-head Latent Attention, MLA), which the transformer family cannot express: "
-    "not expressible are MLA's low-rank key/value compression (kv_lora_rank, a latent projected up per head) and "
-    "low-rank query (q_lora_rank), its query/key head size qk_nope_head_dim + qk_rope_head_dim that differs from the "
-    "value head size v_head_dim (the family has one head_dim for queries, keys and values), the RoPE key shared by "
-    "all heads; expressible are the vocabulary, hidden size, layer and head counts, RMSNorm, SwiGLU, RoPE, the "
-    "routed experts (num_experts, experts_per_token, moe_ffn_hidden_size), the shared ones "
-    "(moe_shared_expert_hidden_size) and the dense layers before the first MoE layer (moe_first_layer)"
-)
+# Models the transformer family cannot express.
 REFUSED = {
-    "deepseek_v3": MLA_REFUSAL,
-    "deepseek_v2": MLA_REFUSAL.replace("as DeepSeek-V3", "as DeepSeek-V2"),  # the same attention (MLA)
     "flux": "FLUX is a diffusion transformer, not a language model",
     "gpt_oss": "gpt-oss's attention sinks and sliding-window layers are not modelled",
 }

@@ -1,8 +1,9 @@
 """An HF ``config.json`` as a transformer model.
 
 Reads the architectures the transformer family covers: Llama (and Llama-shaped: Mistral, Qwen2,
-Qwen3, Phi-3, InternLM2-free ones), Mixtral, Qwen2-MoE / Qwen3-MoE, Llama 4, GPT-NeoX and GPT-2. Every
-other ``model_type`` is refused by name. The defaults used when a key is absent are those of
+Qwen3, Phi-3, InternLM2-free ones), Mixtral, Qwen2-MoE / Qwen3-MoE, Llama 4, DeepSeek-V2 / DeepSeek-V3
+(Multi-head Latent Attention; Kimi K2 as DeepSeek-V3), GPT-NeoX and GPT-2. Every other ``model_type``
+is refused by name. The defaults used when a key is absent are those of
 the architecture's configuration class in transformers (``models/<name>/configuration_<name>.py``).
 """
 
@@ -24,7 +25,7 @@ class _Arch:
     activation: str  # for hidden_act silu in a gated MLP: swiglu
     position: str
     tie: bool
-    moe: str | None = None  # key scheme: "mixtral" or "qwen"
+    moe: str | None = None  # key scheme: "mixtral", "qwen", "llama4" or "deepseek"
     gpt2_names: bool = False
 
 
@@ -40,6 +41,14 @@ ARCHITECTURES: dict[str, _Arch] = {
     # Llama4TextConfig (llama4_text); Llama4Config (llama4) wraps it as text_config beside a vision model
     "llama4_text": _Arch("rmsnorm", "swiglu", "rope", False, moe="llama4"),
     "llama4": _Arch("rmsnorm", "swiglu", "rope", False, moe="llama4"),
+    # DeepseekV2Config, DeepseekV3Config: Multi-head Latent Attention and DeepSeekMoE (routed experts,
+    # shared experts, dense layers first). Kimi K2 ships model_type kimi_k2 with architectures
+    # DeepseekV3ForCausalLM and DeepSeek-V3's configuration_deepseek.py in its auto_map: the same model
+    # under another name (its deployment guide in the MoonshotAI/Kimi-K2 repository says to
+    # rename it deepseek_v3 for a framework that does not know kimi_k2); transformers has no kimi_k2.
+    "deepseek_v2": _Arch("rmsnorm", "swiglu", "rope", False, moe="deepseek"),
+    "deepseek_v3": _Arch("rmsnorm", "swiglu", "rope", False, moe="deepseek"),
+    "kimi_k2": _Arch("rmsnorm", "swiglu", "rope", False, moe="deepseek"),
     "gpt_neox": _Arch("layernorm", "gelu", "rope", False),
     "gpt2": _Arch("layernorm", "gelu", "learned", True, gpt2_names=True),
 }
@@ -249,6 +258,233 @@ def _llama4_moe(data: dict, m: dict, out: HFModel, take, used: set, doc: SourceD
     out.positions["moe_first_layer"] = out.positions["moe_layer_frequency"] = where
 
 
+# The class defaults of DeepseekV3Config (transformers/models/deepseek_v3/configuration_deepseek_v3.py)
+# and DeepseekV2Config (transformers/models/deepseek_v2/configuration_deepseek_v2.py) for the keys
+# read, by config.json key: an absent key is this value (an explicit null is what the file says).
+# Kimi K2's configuration_deepseek.py is DeepSeek-V3's, with its defaults.
+DEEPSEEK_DEFAULTS: dict[str, dict[str, Any]] = {
+    "deepseek_v3": {
+        "vocab_size": 129280,
+        "hidden_size": 7168,
+        "intermediate_size": 18432,
+        "moe_intermediate_size": 2048,
+        "num_hidden_layers": 61,
+        "num_attention_heads": 128,
+        "n_shared_experts": 1,
+        "n_routed_experts": 256,
+        "kv_lora_rank": 512,
+        "q_lora_rank": 1536,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "qk_nope_head_dim": 128,
+        "num_experts_per_tok": 8,
+        "first_k_dense_replace": 3,
+    },
+    "deepseek_v2": {
+        "vocab_size": 102400,
+        "hidden_size": 4096,
+        "intermediate_size": 11008,
+        "moe_intermediate_size": 1407,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "n_shared_experts": 2,
+        "n_routed_experts": 64,
+        "kv_lora_rank": 512,
+        "q_lora_rank": 1536,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "qk_nope_head_dim": 128,
+        "num_experts_per_tok": None,  # no default: transformers' router needs the config to give it
+        "first_k_dense_replace": 0,
+    },
+}
+DEEPSEEK_DEFAULTS["kimi_k2"] = DEEPSEEK_DEFAULTS["deepseek_v3"]
+# DeepSeek's routing and serving keys: how the router scores and groups experts (n_group, topk_group,
+# topk_method on DeepSeek-V3, scoring_func, routed_scaling_factor), its auxiliary loss, the rotary
+# layout and the expert-parallel size of DeepSeek's own inference code. None changes a parameter, the
+# top-k count or what a routed token costs: read quietly.
+DEEPSEEK_QUIET = {
+    "n_group",
+    "topk_group",
+    "routed_scaling_factor",
+    "scoring_func",
+    "seq_aux",
+    "aux_loss_alpha",
+    "ep_size",
+    "rope_interleave",
+}
+# DeepseekV2TopkRouter.forward (transformers/models/deepseek_v2/modeling_deepseek_v2.py) routes with
+# "greedy" or "group_limited_greedy" (DeepseekV2Config's default "greedy") and has no other branch.
+DEEPSEEK_V2_TOPK = ("greedy", "group_limited_greedy")
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _deepseek(data: dict, m: dict, out: HFModel, take, used: set, doc: SourceDocument, model_type: str) -> None:
+    """DeepSeek-V2 / DeepSeek-V3 (and Kimi K2): Multi-head Latent Attention and DeepSeekMoE, as
+    transformers builds them (modeling_deepseek_v2.py, modeling_deepseek_v3.py).
+
+    Attention (DeepseekV2Attention, DeepseekV3Attention): q_lora_rank null is one query projection
+    ``q_proj``, else ``q_a_proj`` to a latent of that width, its RMSNorm and ``q_b_proj``;
+    ``kv_a_proj_with_mqa`` to ``kv_lora_rank + qk_rope_head_dim``, the latent's RMSNorm and
+    ``kv_b_proj`` up to ``num_heads * (qk_nope_head_dim + v_head_dim)``; every head has keys (the
+    num_key_value_heads key is not read for the projections). MLP (DeepseekV3DecoderLayer): layer i
+    is a DeepSeekMoE layer when ``i >= first_k_dense_replace``, else a dense MLP of
+    intermediate_size; the MoE layer has n_routed_experts experts of moe_intermediate_size, top
+    num_experts_per_tok, and one ungated MLP of ``moe_intermediate_size * n_shared_experts`` beside
+    them (``shared_experts``). transformers does not read moe_layer_freq (DeepSeek's own modelling
+    code makes every moe_layer_freq-th layer an MoE one): a config that sets it other than 1 is
+    refused, as the two disagree."""
+    defaults = DEEPSEEK_DEFAULTS[model_type]
+
+    def width(field_name: str, key: str) -> Any:
+        value = take(field_name, key, default=defaults[key])
+        if value is not None and not _positive(value):
+            out.problems.append(
+                (
+                    f"`{key}` = {value!r} is not a positive integer (a Multi-head Latent Attention width)",
+                    f"give `{key}` as a positive integer",
+                    out.positions.get(field_name, doc.position(("model_type",))),
+                )
+            )
+            return None
+        return value
+
+    m["kv_lora_rank"] = width("kv_lora_rank", "kv_lora_rank")
+    m["qk_nope_head_dim"] = width("qk_nope_head_dim", "qk_nope_head_dim")
+    m["qk_rope_head_dim"] = width("qk_rope_head_dim", "qk_rope_head_dim")
+    m["v_head_dim"] = width("v_head_dim", "v_head_dim")
+    used.add("q_lora_rank")
+    q_lora = data.get("q_lora_rank", defaults["q_lora_rank"])
+    if q_lora is not None:
+        m["q_lora_rank"] = take("q_lora_rank", "q_lora_rank", default=q_lora)
+        if not _positive(q_lora):
+            zero = q_lora == 0 and not isinstance(q_lora, bool)
+            out.problems.append(
+                (
+                    f"`q_lora_rank` = {q_lora!r} is not a query latent's width"
+                    + (
+                        " (transformers reads 0 as a latent of no features, not as none: it builds q_a_proj with "
+                        "0 outputs)"
+                        if zero
+                        else ""
+                    ),
+                    "write `null` for one query projection (DeepSeek-V2-Lite), or the latent's width (DeepSeek-V3: "
+                    "1536)",
+                    out.positions.get("q_lora_rank", doc.position(("model_type",))),
+                )
+            )
+            m["q_lora_rank"] = None
+    elif "q_lora_rank" in data:
+        out.keys["q_lora_rank"] = "q_lora_rank"  # null: one query projection
+    heads = data.get("num_attention_heads", defaults["num_attention_heads"])
+    kv = data.get("num_key_value_heads")
+    used.add("num_key_value_heads")
+    if kv is not None and kv != heads:
+        out.ignored.append(
+            (
+                f"num_key_value_heads ({kv!r}: Multi-head Latent Attention projects a key and a value for each of "
+                f"the {heads!r} heads)",
+                doc.position(("num_key_value_heads",)),
+            )
+        )
+    used.add("head_dim")  # DeepseekV2Config sets head_dim to qk_rope_head_dim whatever the file says
+    mtp = data.get("num_nextn_predict_layers")
+    used.add("num_nextn_predict_layers")
+    if mtp:
+        out.ignored.append(
+            (
+                f"num_nextn_predict_layers ({mtp!r}: DeepSeek-V3's multi-token prediction layers; transformers' "
+                "DeepseekV3ForCausalLM does not build them, so they are not modelled)",
+                doc.position(("num_nextn_predict_layers",)),
+            )
+        )
+    used.update(k for k in DEEPSEEK_QUIET if k in data)
+    method = data.get("topk_method")
+    used.add("topk_method")
+    if model_type == "deepseek_v2" and method is not None and method not in DEEPSEEK_V2_TOPK:
+        out.problems.append(
+            (
+                f"`topk_method` = {method!r}: transformers' DeepseekV2 routes with "
+                + " or ".join(repr(t) for t in DEEPSEEK_V2_TOPK)
+                + " only (DeepseekV2TopkRouter)",
+                "write greedy or group_limited_greedy (a DeepSeek-V3 config's noaux_tc is model_type deepseek_v3)",
+                doc.position(("topk_method",)),
+            )
+        )
+
+    # ---- DeepSeekMoE
+    layers = m.get("num_layers")
+    freq = data.get("moe_layer_freq", 1)
+    used.add("moe_layer_freq")
+    if freq != 1:
+        out.problems.append(
+            (
+                f"`moe_layer_freq` = {freq!r}: transformers' DeepSeek makes every layer from first_k_dense_replace "
+                "an MoE layer and does not read moe_layer_freq, while DeepSeek's own modelling code makes every "
+                f"{freq!r}-th one an MoE layer: the two build different models",
+                "write 1 (every published DeepSeek config does), or give the MoE layers another way",
+                doc.position(("moe_layer_freq",)),
+            )
+        )
+    first = take("moe_first_layer", "first_k_dense_replace", default=defaults["first_k_dense_replace"])
+    if "first_k_dense_replace" in data and data["first_k_dense_replace"] is None:
+        first = None
+        out.problems.append(
+            (
+                "`first_k_dense_replace` is null: transformers compares each layer's index with it",
+                "give the number of dense layers before the MoE ones (0: none)",
+                doc.position(("first_k_dense_replace",)),
+            )
+        )
+    elif not (isinstance(first, int) and not isinstance(first, bool) and first >= 0):
+        out.problems.append(
+            (
+                f"`first_k_dense_replace` = {first!r} is not a number of layers",
+                "give the number of dense layers before the MoE ones (0: none)",
+                out.positions.get("moe_first_layer", doc.position(("model_type",))),
+            )
+        )
+        first = None
+    if first is None or not isinstance(layers, int) or isinstance(layers, bool):
+        return
+    if first >= layers:  # no MoE layer: transformers builds a dense model
+        for key in ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts"):
+            used.add(key)
+        return
+    experts = take("num_experts", "n_routed_experts", default=defaults["n_routed_experts"])
+    if "n_routed_experts" in data and data["n_routed_experts"] is None:
+        out.problems.append(
+            (
+                "`n_routed_experts` is null, but transformers' DeepSeek builds routed experts in every layer from "
+                "first_k_dense_replace on",
+                "give the number of routed experts (or first_k_dense_replace = num_hidden_layers for a dense model)",
+                doc.position(("n_routed_experts",)),
+            )
+        )
+    m["num_experts"] = experts
+    m["experts_per_token"] = take("experts_per_token", "num_experts_per_tok", default=defaults["num_experts_per_tok"])
+    moe_ffn = take("moe_ffn_hidden_size", "moe_intermediate_size", default=defaults["moe_intermediate_size"])
+    m["moe_ffn_hidden_size"] = moe_ffn
+    m["moe_first_layer"] = first
+    m["moe_layer_frequency"] = 1
+    out.keys["moe_layer_frequency"] = "first_k_dense_replace"
+    shared = take("moe_shared_expert_hidden_size", "n_shared_experts", default=defaults["n_shared_experts"])
+    if not (isinstance(shared, int) and not isinstance(shared, bool) and shared >= 0):
+        out.problems.append(
+            (
+                f"`n_shared_experts` = {shared!r} is not a count of shared experts",
+                "give the number of shared experts (0: none)",
+                out.positions.get("moe_shared_expert_hidden_size", doc.position(("model_type",))),
+            )
+        )
+    elif shared and _positive(moe_ffn):
+        m["moe_shared_expert_hidden_size"] = shared * moe_ffn  # one MLP of the experts' width times their count
+        out.keys["moe_shared_expert_hidden_size"] = "n_shared_experts * moe_intermediate_size"
+
+
 def hf_model(doc: SourceDocument) -> HFModel:
     """Translate an HF config document; problems are returned, never raised."""
     data = doc.data
@@ -257,26 +493,18 @@ def hf_model(doc: SourceDocument) -> HFModel:
         out.problems.append(("an HF config.json is a JSON object", "give the model's config.json", Position(1, 1)))
         return out
     model_type = data.get("model_type")
-    if model_type in ("deepseek_v3", "deepseek_v2") or (model_type not in ARCHITECTURES and "kv_lora_rank" in data):
-        from mixle_compile.importers.flavors import MLA_REFUSAL, REFUSED
-
-        what = REFUSED["deepseek_v2"] if model_type == "deepseek_v2" else MLA_REFUSAL
-        out.problems.append(
-            (
-                f"HF model_type {model_type!r}: {what}",
-                "check a covered architecture, or give an approximating config (e.g. a llama or qwen3_moe "
-                "config.json with the same sizes)",
-                doc.position(("model_type",)),
-            )
-        )
-        return out
     if not isinstance(model_type, str) or model_type not in ARCHITECTURES:
         known = ", ".join(sorted(ARCHITECTURES))
         shown = repr(model_type) if model_type is not None else "no model_type"
         out.problems.append(
             (
                 f"HF model_type {shown} is not an architecture the transformer family covers",
-                f"architectures read: {known}",
+                f"architectures read: {known}"
+                + (
+                    "; Multi-head Latent Attention is read from deepseek_v2 and deepseek_v3"
+                    if "kv_lora_rank" in data
+                    else ""
+                ),
                 doc.position(("model_type",)),
             )
         )
@@ -325,21 +553,23 @@ def hf_model(doc: SourceDocument) -> HFModel:
         return default
 
     m = out.model
+    class_defaults = DEEPSEEK_DEFAULTS.get(model_type, {})
     names = (
         ("n_embd", "n_layer", "n_head")
         if arch.gpt2_names
         else ("hidden_size", "num_hidden_layers", "num_attention_heads")
     )
-    m["vocab_size"] = take("vocab_size", "vocab_size")
-    m["hidden_size"] = take("hidden_size", names[0])
-    m["num_layers"] = take("num_layers", names[1])
-    m["num_heads"] = take("num_heads", names[2])
-    kv = take("num_kv_heads", "num_key_value_heads", required=False)
-    if kv is not None:
-        m["num_kv_heads"] = kv
-    head_dim = take("head_dim", "head_dim", required=False)
-    if head_dim is not None:
-        m["head_dim"] = head_dim
+    m["vocab_size"] = take("vocab_size", "vocab_size", default=class_defaults.get("vocab_size"))
+    m["hidden_size"] = take("hidden_size", names[0], default=class_defaults.get(names[0]))
+    m["num_layers"] = take("num_layers", names[1], default=class_defaults.get(names[1]))
+    m["num_heads"] = take("num_heads", names[2], default=class_defaults.get(names[2]))
+    if arch.moe != "deepseek":  # Multi-head Latent Attention has its own head sizes (_deepseek)
+        kv = take("num_kv_heads", "num_key_value_heads", required=False)
+        if kv is not None:
+            m["num_kv_heads"] = kv
+        head_dim = take("head_dim", "head_dim", required=False)
+        if head_dim is not None:
+            m["head_dim"] = head_dim
     if arch.gpt2_names:  # GPT2Config: n_inner None means 4 * n_embd
         inner = take("ffn_hidden_size", "n_inner", required=False)
         hidden = m["hidden_size"]
@@ -349,7 +579,9 @@ def hf_model(doc: SourceDocument) -> HFModel:
         # intermediate_size is an expert's (and the shared expert's) width
         m["ffn_hidden_size"] = take("ffn_hidden_size", "intermediate_size_mlp", default=16384)
     else:
-        m["ffn_hidden_size"] = take("ffn_hidden_size", "intermediate_size")
+        m["ffn_hidden_size"] = take(
+            "ffn_hidden_size", "intermediate_size", default=class_defaults.get("intermediate_size")
+        )
     tie = take("tie_embeddings", "tie_word_embeddings", required=False)
     m["tie_embeddings"] = arch.tie if tie is None else tie
     act = take("activation", "activation_function" if arch.gpt2_names else "hidden_act", required=False)
@@ -375,6 +607,8 @@ def hf_model(doc: SourceDocument) -> HFModel:
         )
     if arch.moe == "llama4":
         _llama4_moe(data, m, out, take, used, doc, prefix)
+    if arch.moe == "deepseek":
+        _deepseek(data, m, out, take, used, doc, model_type)
     if arch.moe == "mixtral":
         m["num_experts"] = take("num_experts", "num_local_experts")
         m["experts_per_token"] = take("experts_per_token", "num_experts_per_tok", default=2)

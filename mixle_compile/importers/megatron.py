@@ -32,6 +32,13 @@ READ = {
     "--kv-channels": "int",
     "--swiglu": "bool",
     "--multi-latent-attention": "bool",
+    "--q-lora-rank": "int",
+    "--kv-lora-rank": "int",
+    "--qk-head-dim": "int",
+    "--qk-pos-emb-head-dim": "int",
+    "--v-head-dim": "int",
+    "--qk-layernorm": "bool",
+    "--mtp-num-layers": "int",
     "--normalization": "str",
     "--position-embedding-type": "str",
     "--max-position-embeddings": "int",
@@ -111,7 +118,7 @@ QUIET = re.compile(
     r"grad-reduce-in-bf16|fp8-amax-.*|fp8-param-gather|moe-router-load-balancing-type|moe-aux-loss-coeff|"
     r"moe-grouped-gemm|moe-router-dtype|moe-z-loss-coeff|moe-router-pre-softmax|"
     r"moe-permute-fusion|moe-shared-expert-overlap|moe-router-score-function|moe-router-enable-expert-bias|moe-router-bias-update-rate|"
-    r"apply-layernorm-1p|qk-layernorm|eod-mask-loss|timing-log-level|timing-log-option|"
+    r"apply-layernorm-1p|qk-layernorm|mscale|mscale-all-dim|eod-mask-loss|timing-log-level|timing-log-option|"
     r"distributed-backend|use-flash-attn|transformer-impl|accumulate-allreduce-grads-in-fp32|"
     r"bf16-.*|fp16-.*|loss-scale.*|initial-loss-scale|hysteresis|seq-length-.*|dataloader-type|"
     r"num-dataset-builder-threads|no-async-tensor-model-parallel-allreduce|"
@@ -555,27 +562,19 @@ def read_megatron(
         _hf_model(b, options)
     else:
         layers, hidden, heads = num("--num-layers"), num("--hidden-size"), num("--num-attention-heads")
-        if has("--multi-latent-attention"):
-            # Megatron-Core's MLASelfAttention (transformer/multi_latent_attention.py): DeepSeek's
-            # attention, which the transformer family cannot express (importers/flavors.py says what).
-            from mixle_compile.importers.flavors import MLA_REFUSAL
-
-            b.refuse(
-                "`--multi-latent-attention`: "
-                + MLA_REFUSAL.replace("recognised as DeepSeek-V3 (Multi-head Latent Attention, MLA)", "MLA"),
-                at("--multi-latent-attention"),
-                "check a covered attention, or approximate it with multi-head attention of the same sizes",
-            )
         if b.failed:
             return b.result()
         set_(("model", "family"), "transformer", None, "pretrain_gpt.py (a GPT model)")
         set_(("model", "num_layers"), layers, "--num-layers")
         set_(("model", "hidden_size"), hidden, "--hidden-size")
         set_(("model", "num_heads"), heads, "--num-attention-heads")
-        if has("--group-query-attention") and has("--num-query-groups"):
-            set_(("model", "num_kv_heads"), num("--num-query-groups"), "--num-query-groups")
-        if has("--kv-channels"):
-            set_(("model", "head_dim"), num("--kv-channels"), "--kv-channels")
+        if has("--multi-latent-attention"):
+            _latent_attention(b, has, num, at, set_, text_of)
+        else:
+            if has("--group-query-attention") and has("--num-query-groups"):
+                set_(("model", "num_kv_heads"), num("--num-query-groups"), "--num-query-groups")
+            if has("--kv-channels"):
+                set_(("model", "head_dim"), num("--kv-channels"), "--kv-channels")
         swiglu = has("--swiglu")
         if has("--ffn-hidden-size"):
             set_(("model", "ffn_hidden_size"), num("--ffn-hidden-size"), "--ffn-hidden-size")
@@ -708,6 +707,16 @@ def read_megatron(
                     set_(("model", "moe_layer_frequency"), int(freq), "--moe-layer-freq")
                 else:
                     _moe_pattern(b, freq, num("--num-layers"), set_, at)
+    mtp = num("--mtp-num-layers", None)
+    if mtp:
+        # TransformerConfig.mtp_num_layers (megatron/core/transformer/transformer_config.py): GPTModel
+        # builds that many multi-token prediction blocks after the decoder (megatron/core/transformer/
+        # multi_token_prediction.py), each a transformer layer with its own norms and projection
+        b.unmodelled(
+            f"--mtp-num-layers {mtp}",
+            at("--mtp-num-layers"),
+            "the multi-token prediction layers are not modelled: their parameters, memory and work are left out",
+        )
     if b.failed:
         return b.result()
 
@@ -918,6 +927,84 @@ def read_megatron(
         set_(("training", "seed"), num("--seed"), "--seed")
     b.set(("backend",), {"name": "megatron", "entry": "arguments"}, origin="pretrain_gpt.py arguments")
     return b.result()
+
+
+#: Megatron-LM's MLA arguments and their defaults (megatron/training/arguments.py, _add_mla_args:
+#: --q-lora-rank None, --kv-lora-rank 32, --qk-head-dim 128, --qk-pos-emb-head-dim 64, --v-head-dim 128),
+#: with the spec field each gives.
+MLA_FLAGS = (
+    ("--kv-lora-rank", "kv_lora_rank", 32),
+    ("--qk-head-dim", "qk_nope_head_dim", 128),
+    ("--qk-pos-emb-head-dim", "qk_rope_head_dim", 64),
+    ("--v-head-dim", "v_head_dim", 128),
+)
+
+
+def _latent_attention(b: SpecBuilder, has, num, at, set_, text_of) -> None:
+    """``--multi-latent-attention``: Megatron-Core's MLASelfAttention (megatron/core/transformer/
+    multi_latent_attention.py): queries from ``linear_q_proj`` where --q-lora-rank is unset, else
+    ``linear_q_down_proj`` to that latent and ``linear_q_up_proj``; ``linear_kv_down_proj`` to
+    kv_lora_rank + qk_pos_emb_head_dim and ``linear_kv_up_proj`` to heads * (qk_head_dim + v_head_dim);
+    --kv-channels and the query groups are not read (its heads are qk_head_dim + qk_pos_emb_head_dim
+    and v_head_dim). The latents' norms are built with --qk-layernorm only (gpt_layer_specs.py: the
+    up projections are TELayerNormColumnParallelLinear with it, plain column-parallel without)."""
+    flag = "--multi-latent-attention"
+    for mla_flag, field_name, default in MLA_FLAGS:
+        value = num(mla_flag, default)
+        if value is not None and value <= 0:
+            b.refuse(f"`{mla_flag} {value}` is not a width", at(mla_flag), f"give `{mla_flag}` a positive size")
+            continue
+        set_(
+            ("model", field_name),
+            value,
+            mla_flag if has(mla_flag) else flag,
+            mla_flag if has(mla_flag) else f"{mla_flag} default {default} (megatron/training/arguments.py)",
+        )
+    q_lora = num("--q-lora-rank", None)
+    if q_lora is not None and q_lora <= 0:
+        b.refuse(
+            f"`--q-lora-rank {q_lora}` is not a query latent's width (MLASelfAttention builds a down projection "
+            "to it whenever it is set)",
+            at("--q-lora-rank"),
+            "leave `--q-lora-rank` out for one query projection, or give the latent's width",
+        )
+    elif q_lora is not None:
+        set_(("model", "q_lora_rank"), q_lora, "--q-lora-rank")
+    if has("--group-query-attention"):
+        # validate_args: "Group query attention is mutually exclusive with multi latent attention."
+        b.diagnostic(
+            codes.ENGINE_REFUSES.code,
+            "Megatron-LM refuses --group-query-attention with --multi-latent-attention (validate_args asserts "
+            "they are mutually exclusive)",
+            at("--group-query-attention"),
+            hint="drop --group-query-attention: MLA projects a key and a value for every head",
+        )
+    for unused in ("--kv-channels", "--num-query-groups"):
+        if has(unused):
+            b.unmodelled(
+                unused,
+                at(unused),
+                "Multi-head Latent Attention does not read it (its heads are --qk-head-dim + --qk-pos-emb-head-dim "
+                "and --v-head-dim)",
+            )
+    position = text_of("--position-embedding-type", "learned_absolute")
+    if position not in ("rope", "yarn") and not has("--use-rotary-position-embeddings"):
+        b.refuse(
+            f"`--multi-latent-attention` with --position-embedding-type {position}"
+            + ("" if has("--position-embedding-type") else " (the default)")
+            + ": GPTModel adds a learned position table beside MLA's rotary key part, which the spec's Multi-head "
+            "Latent Attention does not have",
+            at("--position-embedding-type") or at(flag),
+            "write `--position-embedding-type rope` (or yarn), as DeepSeek's launches do",
+        )
+    if not has("--qk-layernorm"):
+        b.assumed(
+            "Megatron-Core builds Multi-head Latent Attention's latent norms only with --qk-layernorm; the spec's "
+            "MLA has them, so each layer is priced with (q_lora_rank + kv_lora_rank) norm weights it does not hold",
+            at(flag),
+            "add `--qk-layernorm` (DeepSeek's launches pass it) to run what the plan prices",
+            field=("model", "kv_lora_rank"),
+        )
 
 
 def _vocab(b: SpecBuilder, args, num, text_of, at, tp: int, options: ImportOptions) -> None:
