@@ -147,7 +147,18 @@ class EngineProfile:
         elsewhere it recomputes attention's core (Korthikanti et al., Megatron's selective)."""
         return self.name == Engine.TORCHTITAN
 
-    def recomputes(self, checkpointing: str, collective: str, in_attention_core: bool) -> bool:
+    def selective_modules(self, recompute_modules: list[str] | None) -> frozenset[str]:
+        """What selective checkpointing recomputes, by Megatron-Core's names (transformer_config.py
+        ``recompute_modules``, default ``["core_attn"]``): Megatron-Core reads the spec's list; every
+        other engine recomputes the attention core at most (torchtitan's op-level policy is priced
+        apart, ``op_level_selective``)."""
+        if self.name == Engine.MEGATRON and recompute_modules:
+            return frozenset(recompute_modules)
+        return frozenset({"core_attn"})
+
+    def recomputes(
+        self, checkpointing: str, collective: str, module: str, modules: frozenset[str] = frozenset({"core_attn"})
+    ) -> bool:
         """Whether activation checkpointing issues a block's forward collective (``collective``, a
         CollectiveKind value) again in the backward, where the recomputed forward runs:
 
@@ -158,9 +169,14 @@ class EngineProfile:
           the recomputed forward re-runs every op outside the save list; the list keeps
           ``reduce_scatter_tensor`` and, from 0.3, ``all_to_all_single`` (the TOML-era 0.2 list has
           no all-to-all), never ``all_gather_into_tensor`` or ``all_reduce``.
-        - ``selective``, Megatron-Core: the core attention is checkpointed (``recompute_modules``
-          defaults to ``["core_attn"]``, ``Attention._checkpointed_attention_forward``): its
-          context-parallel exchange runs again, no tensor-parallel collective does.
+        - ``selective``, Megatron-Core: the submodules of ``modules`` (``recompute_modules``, default
+          ``["core_attn"]``) that are checkpointed whole run again with their collectives: ``module``
+          names the one a collective belongs to: ``core_attn`` (``Attention._checkpointed_attention_forward``:
+          its context-parallel exchange), ``mlp`` (a dense layer's MLP: its sequence-parallel gather and
+          reduce-scatter) and ``moe`` (an MoE layer: its dispatch and combine and its sequence-parallel
+          gather and reduce-scatter), ``TransformerLayer._forward_mlp``; the output-discarding ones
+          (``layernorm``, ``mla_up_proj``, ``moe_act``) hold no collective, and no attention projection's
+          tensor-parallel collective runs again.
 
         The in-tree runtime keeps every activation (it does not apply checkpointing) and a plugin
         backend states no policy: nothing is issued again."""
@@ -171,7 +187,7 @@ class EngineProfile:
         if self.name == Engine.TORCHTITAN:
             saved = {"reduce_scatter", "all_to_all"} if self.at_least("0.3") else {"reduce_scatter"}
             return collective not in saved
-        return in_attention_core
+        return module in modules
 
     def moe_saved(self, activation: str) -> MoESaved:
         """What the engine's mixture-of-experts block saves for its backward

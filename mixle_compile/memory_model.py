@@ -158,6 +158,8 @@ def activation_bytes_per_layer(
     latent_width: Any = 0,
     op_saved_split: Any = 0,
     op_saved_whole: Any = 0,
+    up_projection_width: Any = 0,
+    recomputed_modules: frozenset[str] = frozenset({"core_attn"}),
 ) -> Any:
     """Bytes one transformer layer keeps for the backward pass, per micro-batch.
 
@@ -204,7 +206,14 @@ def activation_bytes_per_layer(
     Multi-head Latent Attention the latents' norms' inputs and the up projections' inputs
     (``q_lora + kv_lora + rope`` and ``q_lora + kv_lora``). ``op_saved_split`` and
     ``op_saved_whole`` are the outputs the op-level policy saves, split over ``t`` and whole (the
-    odd-numbered matmuls' and attention's; ``q + kv + w1 + q`` and ``w2``'s ``h`` when 0)."""
+    odd-numbered matmuls' and attention's; ``q + kv + w1 + q`` and ``w2``'s ``h`` when 0).
+
+    ``recomputed_modules``: what Megatron-Core's selective checkpointing runs again
+    (``recompute_modules``, transformer_config.py; the tensor-by-tensor count only). ``core_attn``
+    keeps eager attention's scores from being stored; ``layernorm`` discards the two norms' outputs
+    (the q/k/v and first MLP linear inputs, ``2h``); ``mla_up_proj`` MLA's up projections' outputs
+    (queries, keys and values, ``up_projection_width/t``); ``mlp`` a dense MLP's tensors beside its
+    input (its split part). The MoE block's modules are :func:`moe_layer_extra_bytes`'."""
     s = ar.exact(seq_len) / ar.exact(cp)
     t = ar.exact(tp)
     sbh = s * ar.exact(micro_batch_size) * ar.exact(hidden_size)
@@ -218,8 +227,21 @@ def activation_bytes_per_layer(
         # norms' inputs, q/k/v (or latent down projections') and first MLP linear inputs, masks
         whole = 2 * (4 * h + ar.exact(latent_width)) + masks
         attention = ar.exact(attention_width) if attention_width else q + 2 * kv + q
-        split = 2 * (attention + (3 if gated else 2) * f)
+        mlp = 2 * (3 if gated else 2) * f
+        split = 2 * attention + mlp
         kept = ar.when(sequence_parallel, sb * (whole + split) / t, sb * (whole + split / t))
+        # Megatron's selective checkpointing beyond the attention core: what it does not store
+        discarded_whole = 2 * (2 * h) if "layernorm" in recomputed_modules else 0
+        discarded_split = (2 * ar.exact(up_projection_width) if "mla_up_proj" in recomputed_modules else 0) + (
+            mlp if "mlp" in recomputed_modules else 0
+        )
+        modules_kept = kept - ar.when(
+            sequence_parallel,
+            sb * (discarded_whole + discarded_split) / t,
+            sb * (discarded_whole + discarded_split / t),
+        )
+    else:
+        modules_kept = kept
     if op_level_selective:
         sb = s * ar.exact(micro_batch_size)
         h = ar.exact(hidden_size)
@@ -230,7 +252,10 @@ def activation_bytes_per_layer(
         saved = saved + ar.when(sequence_parallel, 3 * h / t, h)
         selective = 2 * sb * saved
     else:
-        selective = kept
+        # the attention core recomputed (Megatron's default) never stores eager attention's scores
+        selective = (
+            modules_kept if "core_attn" in recomputed_modules else modules_kept + ar.when(eager_attention, scores, 0)
+        )
     per_layer = ar.when(
         full_recompute,
         ar.when(sequence_parallel, 2 * sbh / t, 2 * sbh),
@@ -241,6 +266,11 @@ def activation_bytes_per_layer(
         h = ar.exact(hidden_size)
         whole_inputs = ar.when(sequence_parallel, 2 * h / t, 2 * h)  # q/k/v and first MLP linear inputs
         narrowed = whole_inputs + (ar.exact(dense_ffn_width) - ar.exact(query_width)) / t
+        # what selective checkpointing already discards is not narrowed again
+        discarded = (whole_inputs if "layernorm" in recomputed_modules else 0) + (
+            ar.exact(dense_ffn_width) / t if "mlp" in recomputed_modules else 0
+        )
+        narrowed = ar.when(selective_recompute, narrowed - discarded, narrowed)
         per_layer = per_layer - ar.when(fp8_saved_inputs, ar.when(full_recompute, 0, sb * narrowed), 0)
     return per_layer * ar.when(fp32, 2, 1)
 
@@ -476,6 +506,25 @@ DENSE_MLP_BYTES = 19
 DENSE_MLP_REPLICATED_BYTES = 3
 
 
+def dense_mlp_split_bytes(
+    ar: Arithmetic,
+    *,
+    seq_len: Any,
+    cp: Any,
+    micro_batch_size: Any,
+    tp: Any,
+    dense_ffn_width: Any,
+    gated: bool,
+    fp32: Any,
+) -> Any:
+    """What a dense MLP keeps beside its input, per micro-batch (:func:`activation_bytes_per_layer`'s
+    split MLP share: its first linear's outputs and its last one's input, ``6F`` gated, ``4F`` not,
+    over ``t``): what Megatron's ``mlp`` recomputation discards, which an MoE layer's block, if kept,
+    holds in its place."""
+    tokens = ar.exact(seq_len) / ar.exact(cp) * ar.exact(micro_batch_size)
+    return tokens * 2 * (3 if gated else 2) * ar.exact(dense_ffn_width) / ar.exact(tp) * ar.when(fp32, 2, 1)
+
+
 def moe_layer_extra_bytes(
     ar: Arithmetic,
     *,
@@ -496,6 +545,7 @@ def moe_layer_extra_bytes(
     gated: bool | None = None,
     fp8_saved_inputs: Any = False,
     shared_width: Any = 0,
+    recomputed_modules: frozenset[str] = frozenset(),
 ) -> Any:
     """Bytes a mixture-of-experts layer keeps for the backward pass beyond a dense layer, per
     micro-batch: what its MoE block saves in place of the dense MLP block's share of
@@ -524,18 +574,28 @@ def moe_layer_extra_bytes(
     block beside the routed ones, split over ``t`` like the dense MLP: it keeps its first linear's
     input (``2h``, over ``t`` under sequence parallelism, whose column-parallel linear saves the
     sequence shard and gathers it again for the backward) and its own outputs and last input
-    (``6S`` gated, ``4S`` not, over ``t``), in the block's share."""
+    (``6S`` gated, ``4S`` not, over ``t``), in the block's share.
+
+    ``recomputed_modules`` (Megatron-Core's selective ``recompute_modules`` that touch the block):
+    ``moe_act`` discards the experts' activation output (2 bytes a local expert feature per routed
+    token), ``shared_experts`` the shared expert's own tensors beside its input. (``moe``, the block
+    recomputed whole, and ``mlp``, the dense share discarded, are the callers'.)"""
     t = ar.exact(tp)
     tokens = ar.exact(seq_len) / ar.exact(cp) * ar.exact(micro_batch_size)
     tokens = ar.when(sequence_parallel, tokens / t, tokens)
     h = ar.exact(hidden_size)
     routed = tokens * ar.exact(experts_per_token) * ar.exact(capacity_factor) * ar.exact(etp)
     local_width = ar.exact(expert_width) / ar.exact(etp)
-    block = routed * (saved.routed_hidden * h + saved.routed_ffn * local_width + saved.routed_fixed)
+    routed_ffn = saved.routed_ffn - (2 if "moe_act" in recomputed_modules else 0)
+    block = routed * (saved.routed_hidden * h + routed_ffn * local_width + saved.routed_fixed)
     block = block + tokens * (saved.token_hidden * h + saved.token_experts * ar.exact(num_experts))
     all_tokens = ar.exact(seq_len) / ar.exact(cp) * ar.exact(micro_batch_size)
     if shared_width:
-        own = (6 if gated is not False else 4) * ar.exact(shared_width) / t
+        own = (
+            0
+            if "shared_experts" in recomputed_modules
+            else (6 if gated is not False else 4) * ar.exact(shared_width) / t
+        )
         block = block + ar.when(sequence_parallel, all_tokens * (2 * h / t + own), all_tokens * (2 * h + own))
     if gated is not None and dense_ffn_width:
         f = ar.exact(dense_ffn_width)

@@ -721,14 +721,14 @@ class _Pricer:
             return hit
         combos = []
         if v["tp"] > 1:
-            combos += [("all_gather", False), ("reduce_scatter", False), ("all_reduce", False)]
+            # the attention projections' and each MLP kind's (a dense MLP, an MoE block)
+            combos += [(c, m) for m in ("attn", "mlp", "moe") for c in ("all_gather", "reduce_scatter", "all_reduce")]
         if v["cp"] > 1:
-            combos.append(("all_gather", True))
+            combos.append(("all_gather", "core_attn"))
         if v["ep"] > 1:
-            combos.append(("all_to_all", False))
-        hit = self._grad_cache[key] = tuple(
-            self.engine.recomputes(mode, c, in_attention_core=core) for c, core in combos
-        )
+            combos.append(("all_to_all", "moe"))
+        modules = self.engine.selective_modules(self.req.spec.training.recompute_modules)
+        hit = self._grad_cache[key] = tuple(self.engine.recomputes(mode, c, m, modules) for c, m in combos)
         return hit
 
     def _summary_key(self, v: dict, activations: bool) -> tuple:

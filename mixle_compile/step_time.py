@@ -500,6 +500,19 @@ def _layer_flops(model: dict, training: dict, seq: float, backend: str, moe_laye
         # gated MLP, w3) and saves attention's output.
         again = sum(_op_level_recomputed(a, ffn, matrices).values())
         return _Layer(projections + mlp, attention, again, 0.0, gemm_passes=3 + again / (projections + mlp), **shape)
+    if checkpointing == "selective" and backend == "megatron" and training.get("recompute_modules"):
+        # Megatron's recompute_modules (transformer_config.py): the submodules run again in the backward;
+        # the output-discarding norms and MoE activation are element-wise
+        modules = set(training["recompute_modules"])
+        again = 0.0
+        if "mla_up_proj" in modules and a.latent:
+            again += sum(2 * i * o for i, o, split in a.projections() if split)
+        if ("moe" if moe_layer else "mlp") in modules:
+            again += mlp
+        elif moe_layer and "shared_experts" in modules:
+            again += 2 * matrices * h * shared
+        core = attention if "core_attn" in modules else 0.0
+        return _Layer(projections + mlp, attention, again, core, gemm_passes=3 + again / (projections + mlp), **shape)
     if checkpointing == "selective":
         return _Layer(projections + mlp, attention, 0.0, attention, **shape)  # the attention core is recomputed
     return _Layer(projections + mlp, attention, 0.0, 0.0, **shape)

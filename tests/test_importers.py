@@ -2269,3 +2269,32 @@ def test_torchtitan_expert_parallel_comm_backend_is_the_expert_dispatcher(tmp_pa
         assert status == 2 and "I004" in out and "expert_parallel_comm_backend = 'nccl'" in out, out
     else:
         assert imported(path)["training"]["expert_dispatcher"] == dispatcher
+
+
+@pytest.mark.parametrize(
+    ("flags", "modules", "code"),
+    [
+        ("--recompute-granularity selective --recompute-modules mlp layernorm", ["mlp", "layernorm"], None),
+        ("--recompute-granularity selective --recompute-modules moe --sequence-parallel", ["moe"], None),
+        ("--recompute-activations --recompute-modules=core_attn", ["core_attn"], None),
+        ("--recompute-granularity selective --recompute-modules", None, None),  # no names: Megatron's default
+        ("--recompute-granularity selective --recompute-modules mlp attention", None, "I005"),
+    ],
+)
+def test_megatron_recompute_modules_are_read_as_a_list(tmp_path, flags, modules, code):
+    """argparse's nargs="*": every word up to the next flag (megatron/training/arguments.py --recompute-modules);
+    TransformerConfig asserts each is a module it knows."""
+    path = _small_megatron_launch(tmp_path, flags)
+    doc, diagnostics = read_any(path, str(path), ImportOptions(devices=8))
+    assert doc.data["training"].get("recompute_modules") == modules
+    assert doc.data["training"]["activation_checkpointing"] == "selective"
+    codes_found = {d.code for d in diagnostics if d.severity.value == "error"}
+    assert codes_found == ({code} if code else set()), [d.message for d in diagnostics]
+
+
+def test_megatron_recompute_modules_of_other_architectures_are_refused_by_name(tmp_path):
+    path = _small_megatron_launch(tmp_path, "--recompute-granularity selective --recompute-modules gdn_norm_out")
+    with pytest.raises(SourceError) as refused:
+        read_any(path, str(path), ImportOptions(devices=8))
+    (found,) = [d for d in refused.value.diagnostics if d.code == "I004"]
+    assert "gdn_norm_out" in found.message and found.line == 1

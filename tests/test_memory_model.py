@@ -45,6 +45,11 @@ resources: {{devices: {world}, memory: 1TiB}}
 """
 
 
+def _transformer(**fields) -> str:
+    """TRANSFORMER with grouped-query attention unless ``attention`` says otherwise."""
+    return TRANSFORMER.format(**{"attention": "num_kv_heads: 4", **fields})
+
+
 def moe(experts: int, frequency: int) -> str:
     return f", num_experts: {experts}, experts_per_token: 1, moe_layer_frequency: {frequency}" if experts else ""
 
@@ -62,7 +67,7 @@ def transformer_spec(rng: random.Random, latent: bool = False):
         experts = rng.choice([0, 0, 4])
         ep = rng.choice([e for e in (1, 2) if experts and (ds * cp * dr) % e == 0] or [1])
         mb = rng.choice([1, 4]) if pp > 1 else 1
-        text = TRANSFORMER.format(
+        text = _transformer(
             vocab=rng.choice([64, 128]),
             hidden=32,
             layers=rng.choice([4, 8]),
@@ -132,7 +137,7 @@ def test_examples_agree_exactly_without_a_pipeline():
 
 def test_a_pipeline_bound_covers_every_stage_and_is_reached_by_the_first():
     spec = load_spec_text(
-        TRANSFORMER.format(
+        _transformer(
             vocab=64,
             hidden=32,
             layers=8,
@@ -402,7 +407,7 @@ def test_torchtitan_prices_the_pipelines_receive_buffers(schedule, virtual):
     """torch's PipelineStage holds a receive buffer per micro-batch for activations (all stages but
     the first) and for gradients (all but the last); the in-flight ones double as stored inputs."""
     pp, mb, hidden, seq, b, tp = 4, 8, 32, 32, 2, 2
-    text = TRANSFORMER.format(
+    text = _transformer(
         vocab=64,
         hidden=hidden,
         layers=8,
@@ -444,7 +449,7 @@ def test_torchtitan_prices_the_pipelines_receive_buffers(schedule, virtual):
 
 
 def test_fsdp2_reduces_the_largest_layer_through_an_fp32_copy():
-    text = TRANSFORMER.format(
+    text = _transformer(
         vocab=64,
         hidden=32,
         layers=4,
@@ -743,7 +748,7 @@ def test_latent_attention_keeps_its_latents_and_heads_at_their_own_widths():
     from tests.test_step_time import DEEPSEEK_V3
 
     model = load_spec_text(
-        TRANSFORMER.format(
+        _transformer(
             vocab=129280,
             hidden=7168,
             layers=4,

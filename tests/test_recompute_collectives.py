@@ -97,7 +97,7 @@ def test_megatron_selective_recomputes_core_attention_only():
 def test_the_in_tree_runtime_keeps_activations_so_nothing_is_issued_again(ckpt):
     _, low = lowered("torch", ckpt, tp=2)
     assert recomputed(low) == {}
-    assert not engine_profile("torch").recomputes(ckpt, "all_gather", in_attention_core=False)
+    assert not engine_profile("torch").recomputes(ckpt, "all_gather", "mlp")
 
 
 def test_recomputed_collectives_are_in_the_traffic_and_the_step_time():

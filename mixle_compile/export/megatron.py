@@ -214,6 +214,8 @@ def megatron_arguments(spec: Spec) -> list[str]:
         a += [f"--{t.precision}"]
     if t.activation_checkpointing == "selective":
         a += ["--recompute-granularity", "selective"]
+        if t.recompute_modules:
+            a += ["--recompute-modules", *t.recompute_modules]
     elif t.activation_checkpointing == "full":
         a += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", 1]
     if t.optimizer == "sgd":

@@ -82,6 +82,7 @@ READ = {
     "--num-distributed-optimizer-instances": "int",
     "--recompute-activations": "bool",
     "--recompute-granularity": "str",
+    "--recompute-modules": "list",
     "--activations-checkpoint-method": "str",
     "--checkpoint-activations": "bool",
     "--lr": "float",
@@ -231,6 +232,7 @@ def _moe_pattern(b, text: str, layers, set_, at) -> None:
 class _Arg:
     flag: Word
     value: Word | None
+    values: tuple[Word, ...] = ()  # a flag of several values (argparse nargs="*"): all of them
 
 
 def parse_arguments(words: list[Word]) -> tuple[dict[str, _Arg], list[_Arg]]:
@@ -243,14 +245,20 @@ def parse_arguments(words: list[Word]) -> tuple[dict[str, _Arg], list[_Arg]]:
         if not w.text.startswith("--"):
             i += 1
             continue
-        flag, value = w.text, None
+        flag, value, values = w.text, None, ()
         if "=" in flag:
             flag, _, text = flag.partition("=")
             value = Word(text, w.pos)
+            values = (value,)
+        elif READ.get(flag) == "list":
+            while i + 1 < len(words) and not _is_flag(words[i + 1].text):
+                values += (words[i + 1],)
+                i += 1
+            value = values[0] if values else None
         elif READ.get(flag) != "bool" and i + 1 < len(words) and not _is_flag(words[i + 1].text):
             value = words[i + 1]
             i += 1
-        arg = _Arg(Word(flag, w.pos), value)
+        arg = _Arg(Word(flag, w.pos), value, values)
         if flag in args:
             repeated.append(args[flag])
         args[flag] = arg
@@ -894,6 +902,8 @@ def read_megatron(
             granularity,
             "--recompute-activations" if has("--recompute-activations") else "--recompute-granularity",
         )
+        if has("--recompute-modules"):
+            _recompute_modules(b, args["--recompute-modules"], set_)
     elif text_of("--activations-checkpoint-method") == "uniform" or has("--checkpoint-activations"):
         # Megatron-LM 2.x (the SC21 scripts): --activations-checkpoint-method uniform recomputes every
         # layer from its checkpointed input (--checkpoint-activations sets it), today's
@@ -1005,6 +1015,39 @@ def _latent_attention(b: SpecBuilder, has, num, at, set_, text_of) -> None:
             "add `--qk-layernorm` (DeepSeek's launches pass it) to run what the plan prices",
             field=("model", "kv_lora_rank"),
         )
+
+
+# megatron/core/transformer/transformer_config.py, recompute_modules: the submodules selective
+# recomputation runs again; the spec names those of the transformer it models (the others belong to
+# GatedDeltaNet/GatedDeltaProduct attention and hyper-connections).
+RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
+OTHER_RECOMPUTE_MODULES = ("gdn_norm_out", "gdp_in_proj", "gdp_qkv", "mhc")
+
+
+def _recompute_modules(b: SpecBuilder, arg: _Arg, set_) -> None:
+    """``--recompute-modules a b ...`` (argparse nargs="*", read under selective granularity only:
+    TransformerConfig.__post_init__ asserts every name is one it knows)."""
+    names = [w.text for w in arg.values]
+    for w in arg.values:
+        if w.text in OTHER_RECOMPUTE_MODULES:
+            b.refuse(
+                f"`--recompute-modules {w.text}` recomputes a submodule of an architecture the transformer "
+                "spec does not model",
+                w.pos,
+                "remove it",
+            )
+            return
+        if w.text not in RECOMPUTE_MODULES:
+            b.diagnostic(
+                codes.ENGINE_REFUSES.code,
+                f"Megatron-Core refuses `--recompute-modules {w.text}` (TransformerConfig: 'Invalid choices "
+                "for recompute_modules')",
+                w.pos,
+                hint="use " + ", ".join(RECOMPUTE_MODULES),
+            )
+            return
+    if names:  # no names: Megatron's default, ["core_attn"]
+        set_(("training", "recompute_modules"), names, "--recompute-modules")
 
 
 def _vocab(b: SpecBuilder, args, num, text_of, at, tp: int, options: ImportOptions) -> None:

@@ -28,6 +28,7 @@ from mixle_compile.memory_model import (
     activation_bytes_per_layer,
     after_loss_bytes,
     boundary_bytes,
+    dense_mlp_split_bytes,
     fsdp_shards,
     gathered_parameter_bytes,
     logits_bytes,
@@ -303,6 +304,7 @@ class _Activations:
                 op_level_selective=engine.op_level_selective,
                 fp8_saved_inputs=engine.fp8_saves_quantized_inputs and t.precision == "fp8",
                 gated=model.activation == "swiglu",
+                recomputed_modules=engine.selective_modules(t.recompute_modules),
                 **activation_widths(model),
             )
 
@@ -365,13 +367,43 @@ class _Activations:
 def moe_extra(spec: Spec, plan: ParallelPlan) -> tuple[float, float]:
     """An MoE layer's bytes beyond a dense layer's (memory_model.moe_layer_extra_bytes), per
     micro-batch, and the part of them checkpointing keeps: all of it without checkpointing and
-    under selective checkpointing that recomputes attention's core only (Megatron's
-    ``core_attn``); none under full checkpointing, and none under op-level selective
-    checkpointing, whose saved matmul outputs already count the routed tokens' widest MLP
-    (activation_widths)."""
+    under Megatron's selective checkpointing, less what its ``recompute_modules`` discard of the
+    block (``moe_act``, ``shared_experts``; none of it for ``moe``, the block recomputed whole;
+    with ``mlp`` the dense share it replaces, discarded from every layer's count, is the block's
+    to keep); none under full checkpointing, and none under op-level selective checkpointing,
+    whose saved matmul outputs already count the routed tokens' widest MLP (activation_widths)."""
     model, t = spec.model, spec.training
     engine = engine_profile(spec.backend)
-    extra = moe_layer_extra_bytes(
+    modules = engine.selective_modules(t.recompute_modules)
+    extra = _moe_block(spec, plan, engine, frozenset())
+    if t.activation_checkpointing == "none":
+        return extra, extra
+    if t.activation_checkpointing == "full" or engine.op_level_selective:
+        return extra, 0.0
+    # Megatron's selective recompute_modules: the block recomputed whole ("moe") keeps nothing beyond a
+    # dense layer; the dense MLP's share discarded ("mlp") is the MoE block's to keep
+    if "moe" in modules:
+        return extra, 0.0
+    kept = _moe_block(spec, plan, engine, modules)
+    if "mlp" in modules:
+        kept += dense_mlp_split_bytes(
+            NUMBERS,
+            seq_len=t.seq_len or 1,
+            cp=plan.cp,
+            micro_batch_size=t.micro_batch_size,
+            tp=plan.tp,
+            dense_ffn_width=model.ffn_hidden_size,
+            gated=model.activation == "swiglu",
+            fp32=t.precision == "fp32",
+        )
+    return extra, kept
+
+
+def _moe_block(spec: Spec, plan: ParallelPlan, engine, modules: frozenset[str]) -> float:
+    """memory_model.moe_layer_extra_bytes of the spec's MoE layer (``modules``: what selective
+    checkpointing runs again of it)."""
+    model, t = spec.model, spec.training
+    return moe_layer_extra_bytes(
         NUMBERS,
         seq_len=t.seq_len or 1,
         cp=plan.cp,
@@ -385,12 +417,9 @@ def moe_extra(spec: Spec, plan: ParallelPlan) -> tuple[float, float]:
         dense_ffn_width=model.ffn_hidden_size,
         gated=model.activation == "swiglu",
         fp8_saved_inputs=engine.fp8_saves_quantized_inputs and t.precision == "fp8",
+        recomputed_modules=modules,
         **expert_shape(model),
     )
-    keeps = t.activation_checkpointing == "none" or (
-        t.activation_checkpointing == "selective" and not engine.op_level_selective
-    )
-    return extra, extra if keeps else 0.0
 
 
 def traffic(updates: tuple[PlannedUpdate, ...], runs: LayerRuns = EACH_BLOCK) -> tuple[TrafficEntry, ...]:

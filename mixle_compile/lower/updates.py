@@ -351,16 +351,21 @@ def _renamed(u: PlannedUpdate, old: str, new: str, stage: int, layer: int | None
     return unchecked_copy(u, update=update, tensor=new + u.tensor[len(old) :], stage=stage, layer=layer)
 
 
-def _recomputed(block: list[PlannedUpdate], engine: EngineProfile, checkpointing: str) -> list[PlannedUpdate]:
-    """The forward collectives of ``block`` (one transformer block's updates) that activation
-    checkpointing issues again in the backward (:meth:`EngineProfile.recomputes`), as backward
-    updates of their own (``layers.0.attn:in/recompute``): the same group, bytes and count."""
+def _recomputed(
+    block: list[PlannedUpdate], engine: EngineProfile, checkpointing: str, modules: frozenset[str], moe: bool
+) -> list[PlannedUpdate]:
+    """The forward collectives of ``block`` (one transformer block's updates; ``moe``: an MoE
+    layer's) that activation checkpointing issues again in the backward
+    (:meth:`EngineProfile.recomputes`, ``modules`` what selective checkpointing recomputes), as
+    backward updates of their own (``layers.0.attn:in/recompute``): the same group, bytes and count."""
     out = []
     for u in block:
         if u.phase != "forward":
             continue
         uid = UpdateId.parse(u.update.node_id)
-        if not engine.recomputes(checkpointing, u.update.collective.value, in_attention_core=uid.kind == "kv"):
+        site = uid.subject.rsplit(".", 1)[-1]
+        module = "core_attn" if uid.kind == "kv" else "attn" if site == "attn" else "moe" if moe else "mlp"
+        if not engine.recomputes(checkpointing, u.update.collective.value, module, modules):
             continue
         d = u.update
         update = DistributedUpdate(
@@ -562,9 +567,15 @@ def activation_updates(
     # A block's collectives follow from its kind (dense or mixture-of-experts); its index and stage
     # only name and place them: the first block of each kind is planned, the others renamed.
     first_of: dict[bool, tuple[int, int]] = {}  # kind -> (its first block, where its updates start)
+    # The kinds differ where experts are exchanged (ep > 1), or where selective checkpointing runs a
+    # dense MLP and an MoE block again differently (Megatron's recompute_modules "mlp" and "moe").
+    modules = engine.selective_modules(t.recompute_modules)
+    kinds_differ = plan.ep > 1 or (
+        t.activation_checkpointing == "selective" and ("mlp" in modules) != ("moe" in modules)
+    )
     for i in range(model.num_layers) if layers is None else layers:
         stage = stage_of.get(i, 0)
-        moe = plan.ep > 1 and is_moe_layer(model, i)
+        moe = kinds_differ and is_moe_layer(model, i)
         seen = first_of.get(moe)
         if seen is not None:
             first, start = seen
@@ -667,7 +678,7 @@ def activation_updates(
                 payload=PayloadKind.KV_BLOCK,
                 layer=i,
             )
-        if moe:
+        if moe and plan.ep > 1:
             # Under sequence parallelism each tp rank routes its own sequence shard when experts are
             # whole on it (etp = 1); split over tp (etp = tp), every tp rank routes all the gathered
             # tokens, each computing its slice of their experts' features.
@@ -691,7 +702,7 @@ def activation_updates(
                     layer=i,
                 )
         if t.activation_checkpointing != "none":
-            out.extend(_recomputed(out[first_of[moe][1] :], engine, t.activation_checkpointing))
+            out.extend(_recomputed(out[first_of[moe][1] :], engine, t.activation_checkpointing, modules, moe))
     if plan.pp > 1:
         boundary_bytes = hidden_bytes // (plan.tp if sp else 1)
         # Virtual stage w hands over to w + 1 on stage (w + 1) % pp: with interleaving the last stage

@@ -545,6 +545,7 @@ def consistency_diagnostics(spec: Spec, doc: SourceDocument) -> list[Diagnostic]
     out: list[Diagnostic] = []
     out += _backend_diagnostics(spec, doc)
     out += _auto_diagnostics(spec, doc)
+    out += _recompute_modules_diagnostics(spec, doc)
     model = spec.model
     if isinstance(model, TransformerModel):
         out += _transformer_diagnostics(model, spec, doc)
@@ -575,6 +576,65 @@ def _backend_diagnostics(spec: Spec, doc: SourceDocument) -> list[Diagnostic]:
     except UnknownVersion as exc:
         return [doc.diagnostic(codes.INVALID_VALUE.code, str(exc), ("backend", exc.field), hint=exc.hint)]
     return []
+
+
+def _recompute_modules_diagnostics(spec: Spec, doc: SourceDocument) -> list[Diagnostic]:
+    """``training.recompute_modules`` as Megatron-Core reads it (transformer_config.py ``__post_init__``:
+    only under selective granularity; ``mla_up_proj`` only with multi-latent attention, a ValueError
+    otherwise)."""
+    from mixle_compile.engines import Engine, backend_name
+
+    t, model = spec.training, spec.model
+    modules = t.recompute_modules
+    if not modules:
+        return []
+    at = ("training", "recompute_modules")
+    out = []
+    if len(set(modules)) != len(modules):
+        repeated = next(m for m in modules if modules.count(m) > 1)
+        out.append(
+            doc.diagnostic(
+                codes.INCONSISTENT.code,
+                f"training.recompute_modules names {repeated!r} twice",
+                at,
+                hint="name each module once",
+            )
+        )
+    if backend_name(spec.backend) != Engine.MEGATRON:
+        out.append(
+            doc.diagnostic(
+                codes.INCONSISTENT.code,
+                f"training.recompute_modules is Megatron-Core's setting; backend {backend_name(spec.backend)!r} "
+                "does not read it",
+                at,
+                hint="remove it (selective checkpointing then recomputes what the engine chooses)",
+                severity=Severity.warning,
+            )
+        )
+    elif t.activation_checkpointing != "selective":
+        out.append(
+            doc.diagnostic(
+                codes.INCONSISTENT.code,
+                f"training.recompute_modules is read under selective checkpointing only, and "
+                f"training.activation_checkpointing is {t.activation_checkpointing!r}",
+                at,
+                hint="set `activation_checkpointing: selective`, or remove recompute_modules",
+                severity=Severity.warning,
+                extra_fields=(("training", "activation_checkpointing"),),
+            )
+        )
+    if "mla_up_proj" in modules and not (isinstance(model, TransformerModel) and model.latent_attention):
+        out.append(
+            doc.diagnostic(
+                codes.INCONSISTENT.code,
+                "training.recompute_modules names 'mla_up_proj', but the model has no Multi-head Latent "
+                "Attention (Megatron-Core raises 'mla_up_proj in recompute_modules is only supported with "
+                "multi_latent_attention')",
+                at,
+                hint="remove 'mla_up_proj', or give the model kv_lora_rank",
+            )
+        )
+    return out
 
 
 def _auto_diagnostics(spec: Spec, doc: SourceDocument) -> list[Diagnostic]:

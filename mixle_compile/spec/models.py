@@ -708,6 +708,17 @@ class TrainingSpec(StrictModel):
     pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
     virtual_pipeline_stages: Degree = 1
     activation_checkpointing: Literal["none", "selective", "full"] = "none"
+    recompute_modules: (
+        Annotated[
+            list[Literal["core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts"]],
+            Field(min_length=1, max_length=7),
+        ]
+        | None
+    ) = Field(
+        default=None,
+        description="Megatron-Core's selective recomputation (--recompute-modules; activation_checkpointing: "
+        "selective): the submodules run again in the backward; null = Megatron's default, [core_attn]",
+    )
     attention: Literal["flash", "eager"] | None = Field(
         default=None,
         description="attention kernel: flash (fused; never stores the score matrix) or eager; defaults to the "

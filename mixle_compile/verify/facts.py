@@ -116,6 +116,8 @@ class PlanFacts:
     split_dimensions: tuple[SplitDimension, ...] = ()  # modules only
     layer_split: str = "balanced"  # how layers split over stages: even, balanced, torchtitan or listed
     pipeline_layers: tuple[int, ...] | None = None  # the listed split, per virtual stage
+    # what selective checkpointing runs again (EngineProfile.selective_modules: Megatron's recompute_modules)
+    selective_modules: frozenset[str] = frozenset({"core_attn"})
 
     def field(self, symbol: str) -> Field:
         return self._by_symbol[symbol]
@@ -290,6 +292,7 @@ def plan_facts(spec: Spec) -> PlanFacts:
         split_dimensions=split,
         layer_split=split_rule,
         pipeline_layers=tuple(training.pipeline_layers) if listed else None,
+        selective_modules=engine.selective_modules(training.recompute_modules),
     )
 
 

@@ -92,6 +92,7 @@ class ParameterFootprint:
     latent_width: int = 0  # what MLA keeps beside the hidden-wide inputs (memory_model.activation_bytes_per_layer)
     op_saved_split: int = 0  # what torchtitan's op-level checkpointing saves, split over tp
     op_saved_whole: int = 0  # ... and whole on every tp rank
+    up_projection_width: int = 0  # MLA's up projections' outputs (queries, keys, values); 0 without MLA
     # mixture-of-experts layers (memory_model.moe_layer_extra_bytes): see expert_shape
     num_experts: int = 0
     experts_per_token: int = 0
@@ -225,6 +226,7 @@ def activation_widths(model) -> dict[str, int]:
         "latent_width": a.down + a.q_lora + a.kv_lora,
         "op_saved_split": int(sum(m.out for m in saved if m.split)) + a.out,
         "op_saved_whole": int(sum(m.out for m in saved if not m.split)),
+        "up_projection_width": a.q + a.k + a.v if a.latent else 0,
     }
 
 

@@ -8,6 +8,7 @@ from mixle_compile.memory_model import (
     activation_bytes_per_layer,
     after_loss_bytes,
     boundary_bytes,
+    dense_mlp_split_bytes,
     fsdp_shards,
     gathered_parameter_bytes,
     logits_bytes,
@@ -250,7 +251,38 @@ def moe_extra(v) -> tuple[object, object]:
     (lower/memory.py ``moe_extra`` states when)."""
     fp = v.facts.footprint
     engine = v.facts.engine
-    extra = moe_layer_extra_bytes(
+    modules = v.facts.selective_modules
+    extra = _moe_block(v, frozenset())
+    if engine.op_level_selective:
+        return extra, when(v.is_("activation_checkpointing", "none"), extra, real(0))
+    # Megatron's selective recompute_modules: the block recomputed whole ("moe") keeps nothing beyond a
+    # dense layer; the dense MLP's share discarded ("mlp") is the MoE block's to keep
+    selective = real(0) if "moe" in modules else _moe_block(v, modules)
+    if "mlp" in modules and "moe" not in modules:
+        selective = selective + dense_mlp_split_bytes(
+            TERMS,
+            seq_len=v.seq_len,
+            cp=v.cp,
+            micro_batch_size=v.micro_batch_size,
+            tp=v.tp,
+            dense_ffn_width=fp.dense_ffn_width,
+            gated=fp.activation == "swiglu",
+            fp32=v.is_("precision", "fp32", "fp64"),
+        )
+    kept = when(
+        v.is_("activation_checkpointing", "none"),
+        extra,
+        when(v.is_("activation_checkpointing", "selective"), selective, real(0)),
+    )
+    return extra, kept
+
+
+def _moe_block(v, modules: frozenset[str]):
+    """:func:`memory_model.moe_layer_extra_bytes` of the spec's MoE layer (``modules``: what selective
+    checkpointing runs again of it)."""
+    fp = v.facts.footprint
+    engine = v.facts.engine
+    return moe_layer_extra_bytes(
         TERMS,
         seq_len=v.seq_len,
         cp=v.cp,
@@ -269,11 +301,8 @@ def moe_extra(v) -> tuple[object, object]:
         dense_ffn_width=fp.dense_ffn_width,
         gated=fp.activation == "swiglu",
         fp8_saved_inputs=v.is_("precision", "fp8") if engine.fp8_saves_quantized_inputs else False,
+        recomputed_modules=modules,
     )
-    keeps = v.is_("activation_checkpointing", "none")
-    if not engine.op_level_selective:
-        keeps = v.is_("activation_checkpointing", "none", "selective")
-    return extra, when(keeps, extra, real(0))
 
 
 def activation_bytes(v, layers_on_rank, moe_layers_on_rank=0) -> dict[str, object]:
@@ -308,6 +337,8 @@ def activation_bytes(v, layers_on_rank, moe_layers_on_rank=0) -> dict[str, objec
             latent_width=fp.latent_width,
             op_saved_split=fp.op_saved_split,
             op_saved_whole=fp.op_saved_whole,
+            up_projection_width=fp.up_projection_width,
+            recomputed_modules=v.facts.selective_modules,
         )
 
     per_layer = layer(v.is_("activation_checkpointing", "full"), v.is_("activation_checkpointing", "selective"))
