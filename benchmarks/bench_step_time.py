@@ -711,11 +711,11 @@ HELD_OUT += [("nemo25.07 GB200 Llama4 Scout EP16", llama4_scout_gb200(), 13783)]
 # GBS 8192, MBS 1, 4,096 tokens, TP 2, PP 8, VP 4, EP 64, GA 128: 1,297 tokens/s/GPU. The settings are that
 # commit's scripts/performance/configs/deepseek/deepseek_v3_llm_pretrain.yaml (h100: the mesh above, no CUDA
 # graphs, layout "Et|(tt|)*30mL", selective recomputation) and run_script.py (on H100: DeepEP, the flex
-# dispatcher, force-balanced routing). The corpus file (the V1 config of a later commit, TP 4) gives the model
+# dispatcher, force-balanced routing, and with the expert-parallel overlap recompute_modules ["mla_up_proj",
+# "mlp"]). The corpus file (the V1 config of a later commit, TP 4, the same modules) gives the model
 # (DeepSeekV3ModelProvider: MLA, 3 dense layers, a shared expert) and the layout. Not modelled: the
-# multi-token-prediction layer the layout's "m" adds (one more layer and output head, about 5% more FLOPs),
-# run_script.py's recompute_modules ["mla_up_proj", "mlp"] (priced as the core attention's) and its
-# expert-parallel overlap (overlap_moe_expert_parallel_comm).
+# multi-token-prediction layer the layout's "m" adds (one more layer and output head, about 5% more FLOPs)
+# and the expert-parallel overlap (overlap_moe_expert_parallel_comm).
 HELD_OUT += [
     (
         "bridge25.09 H100 DeepSeek-V3 EP64",
