@@ -174,3 +174,22 @@ def test_latent_attention_replay_matches_plan_and_reference(tmp_path, case):
 @pytest.mark.parametrize("case", SLOW_CASES)
 def test_latent_attention_replay_matches_plan_and_reference_more_meshes(tmp_path, case):
     check_replay(tmp_path, SLOW_CASES[case])
+
+
+def test_the_latent_attention_example_runs_and_matches_the_reference(tmp_path):
+    # examples/tiny-latent-attention.yaml: MLA with dense layers before the MoE ones and a shared expert,
+    # FSDP 2 x tp 2 (sequence parallel) x ep 2 x pp 2 on 8 ranks, every update against the reference.
+    from tests.conftest import EXAMPLES
+
+    report = run_plan(
+        EXAMPLES / "tiny-latent-attention.yaml",
+        steps=3,
+        out_dir=tmp_path,
+        reference=True,
+        progress=False,
+        timeout_s=150,
+    )
+    assert report.ok and report.accounting_ok, report.errors
+    assert report.max_relative_error <= BOUND["adamw"]
+    nodes = {u.node_id for u in report.evidence if u.has_numerics_evidence}
+    assert {"layers.0.attn:in", "layers.3.moe:dispatch", "layers.3.attn.kv_a_proj.weight:grad/tp"} <= nodes
