@@ -134,6 +134,22 @@ class EngineProfile:
         return self.name == Engine.TORCHTITAN and not self.at_least("0.3")
 
     @property
+    def latent_projections_on_shards(self) -> bool:
+        """Multi-head Latent Attention's down projections run on the tp rank's sequence shard and the
+        latents cross the tensor-parallel boundary (Megatron-Core's ``TELinear`` with
+        ``parallel_mode="duplicated"``, multi_latent_attention.py; the in-tree runtime does the same).
+        torchtitan gathers the hidden state first and runs ``NoParallel`` wq_a and wkv_a on every
+        token of every tp rank (torchtitan/models/deepseek_v3/infra/parallelize.py)."""
+        return self.name != Engine.TORCHTITAN
+
+    @property
+    def pads_values_to_key_heads(self) -> bool:
+        """Context parallelism exchanges MLA's keys and values padded to the larger head size, as one
+        tensor: the in-tree runtime. Transformer Engine's ring (``AttnFuncWithCPAndKVP2P``, which
+        handles ``k.shape[-1] != v.shape[-1]``) and torch's send each at its own size."""
+        return self.name not in (Engine.TORCHTITAN, Engine.MEGATRON)
+
+    @property
     def fp8_saves_quantized_inputs(self) -> bool:
         """Under fp8 the linear layers keep the fp8 copy of their input for the weight gradient:
         Megatron-Core's Transformer Engine modules (transformer_engine/pytorch/module/linear.py saves

@@ -160,6 +160,7 @@ def activation_bytes_per_layer(
     op_saved_whole: Any = 0,
     up_projection_width: Any = 0,
     recomputed_modules: frozenset[str] = frozenset({"core_attn"}),
+    latent_replicated: bool = False,
 ) -> Any:
     """Bytes one transformer layer keeps for the backward pass, per micro-batch.
 
@@ -204,7 +205,8 @@ def activation_bytes_per_layer(
     keys, values and attention output together (``q + 2 kv + q`` when 0), ``latent_width`` what it
     keeps beside the hidden-wide inputs, ``h``-like (over ``t`` under sequence parallelism): for
     Multi-head Latent Attention the latents' norms' inputs and the up projections' inputs
-    (``q_lora + kv_lora + rope`` and ``q_lora + kv_lora``). ``op_saved_split`` and
+    (``q_lora + kv_lora + rope`` and ``q_lora + kv_lora``), whole on every tp rank where the engine
+    runs the down projections on every token (``latent_replicated``: torchtitan). ``op_saved_split`` and
     ``op_saved_whole`` are the outputs the op-level policy saves, split over ``t`` and whole (the
     odd-numbered matmuls' and attention's; ``q + kv + w1 + q`` and ``w2``'s ``h`` when 0).
 
@@ -225,13 +227,23 @@ def activation_bytes_per_layer(
         q, kv, f = ar.exact(query_width), ar.exact(kv_width or query_width), ar.exact(dense_ffn_width)
         masks = 0 if gated else 2 * h  # one byte an element, two masks
         # norms' inputs, q/k/v (or latent down projections') and first MLP linear inputs, masks
-        whole = 2 * (4 * h + ar.exact(latent_width)) + masks
+        latent = ar.exact(latent_width)
+        whole = 2 * (4 * h + (0 if latent_replicated else latent)) + masks
         attention = ar.exact(attention_width) if attention_width else q + 2 * kv + q
         mlp = 2 * (3 if gated else 2) * f
         split = 2 * attention + mlp
         kept = ar.when(sequence_parallel, sb * (whole + split) / t, sb * (whole + split / t))
+        if latent_replicated:
+            kept = kept + sb * 2 * latent
         # Megatron's selective checkpointing beyond the attention core: what it does not store
-        discarded_whole = 2 * (2 * h) if "layernorm" in recomputed_modules else 0
+        # Megatron's Transformer Engine layers fuse the norms into the linears that read them, except
+        # MLA's input norm (its down projections are plain TELinear) and an MoE layer's pre-MLP norm
+        # (whose output moe_layer_extra_bytes leaves out): "layernorm" discards MLA's norm output, but
+        # for the fp8 copy the linear keeps (gpt_layer_specs.py; transformer_layer.py recomputes a
+        # norm that is not IdentityOp)
+        discarded_whole = 0
+        if "layernorm" in recomputed_modules and latent_width:
+            discarded_whole = ar.when(fp8_saved_inputs, 1, 2) * h if fp8_saved_inputs is not False else 2 * h
         discarded_split = (2 * ar.exact(up_projection_width) if "mla_up_proj" in recomputed_modules else 0) + (
             mlp if "mlp" in recomputed_modules else 0
         )
@@ -267,9 +279,7 @@ def activation_bytes_per_layer(
         whole_inputs = ar.when(sequence_parallel, 2 * h / t, 2 * h)  # q/k/v and first MLP linear inputs
         narrowed = whole_inputs + (ar.exact(dense_ffn_width) - ar.exact(query_width)) / t
         # what selective checkpointing already discards is not narrowed again
-        discarded = (whole_inputs if "layernorm" in recomputed_modules else 0) + (
-            ar.exact(dense_ffn_width) / t if "mlp" in recomputed_modules else 0
-        )
+        discarded = ar.exact(dense_ffn_width) / t if "mlp" in recomputed_modules else 0
         narrowed = ar.when(selective_recompute, narrowed - discarded, narrowed)
         per_layer = per_layer - ar.when(fp8_saved_inputs, ar.when(full_recompute, 0, sb * narrowed), 0)
     return per_layer * ar.when(fp32, 2, 1)
@@ -578,7 +588,9 @@ def moe_layer_extra_bytes(
 
     ``recomputed_modules`` (Megatron-Core's selective ``recompute_modules`` that touch the block):
     ``moe_act`` discards the experts' activation output (2 bytes a local expert feature per routed
-    token), ``shared_experts`` the shared expert's own tensors beside its input. (``moe``, the block
+    token), ``shared_experts`` the shared expert's own tensors beside its input. (``layernorm``
+    discards the pre-MLP norm's output, a separate norm in an MoE layer, which the block's count
+    leaves out already: it replaces the dense MLP's input with the routed tokens' copies.) (``moe``, the block
     recomputed whole, and ``mlp``, the dense share discarded, are the callers'.)"""
     t = ar.exact(tp)
     tokens = ar.exact(seq_len) / ar.exact(cp) * ar.exact(micro_batch_size)

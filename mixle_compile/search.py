@@ -723,6 +723,7 @@ class _Pricer:
         if v["tp"] > 1:
             # the attention projections' and each MLP kind's (a dense MLP, an MoE block)
             combos += [(c, m) for m in ("attn", "mlp", "moe") for c in ("all_gather", "reduce_scatter", "all_reduce")]
+            combos.append(("all_gather", "mla_up_proj"))  # MLA's latents gathered again
         if v["cp"] > 1:
             combos.append(("all_gather", "core_attn"))
         if v["ep"] > 1:

@@ -562,8 +562,13 @@ def fused_matmul_flops(node_id: str, model: dict, training: dict, backend: str, 
     if site == "lm_head" and uid.kind == "in":
         return 2 * h * model["vocab_size"] / tp, False
     matmuls = _block_matmuls(a, ffn, matrices)
+    # torchtitan gathers the hidden state for MLA's down projections (and a direct wq), which every
+    # tp rank runs on every token (EngineProfile.latent_projections_on_shards); elsewhere the gather
+    # carries the latents to the up projections
+    on_hidden = a.latent and backend == "torchtitan"
+    down = {"wq_a", "wkv_a"} if on_hidden else set()
     reading = {  # the matmuls reading each collective's output, or writing its input
-        ("attn", "in"): {name for name, _, gathered in matmuls if gathered},
+        ("attn", "in"): (down | {"wq"}) if on_hidden else {name for name, _, gathered in matmuls if gathered},
         ("attn", "out"): {"o"},
         ("mlp", "in"): {"w1", "w3"},
         ("mlp", "out"): {"w2"},
@@ -576,8 +581,8 @@ def fused_matmul_flops(node_id: str, model: dict, training: dict, backend: str, 
         # the all-gather's output feeds the matmuls the op-level policy does not save again (k of
         # q, k, v and w3 of w1, w3)
         again = _op_level_recomputed(a, ffn, matrices)
-        return sum(f for name, f in again.items() if name in reading) / tp, True
-    return sum(f for name, f, _ in matmuls if name in reading) / tp, True
+        return sum(f * (tp if name in down else 1) for name, f in again.items() if name in reading) / tp, True
+    return sum(f * (tp if name in down else 1) for name, f, _ in matmuls if name in reading) / tp, True
 
 
 def fused_seconds(st: _Setting, fused: tuple[float, bool] | None) -> float:

@@ -2271,23 +2271,40 @@ def test_torchtitan_expert_parallel_comm_backend_is_the_expert_dispatcher(tmp_pa
         assert imported(path)["training"]["expert_dispatcher"] == dispatcher
 
 
+MOE_FLAGS = "--num-experts 4 --moe-router-topk 2 "
+
+
 @pytest.mark.parametrize(
-    ("flags", "modules", "code"),
+    ("flags", "modules", "checkpointing", "code"),
     [
-        ("--recompute-granularity selective --recompute-modules mlp layernorm", ["mlp", "layernorm"], None),
-        ("--recompute-granularity selective --recompute-modules moe --sequence-parallel", ["moe"], None),
-        ("--recompute-activations --recompute-modules=core_attn", ["core_attn"], None),
-        ("--recompute-granularity selective --recompute-modules", None, None),  # no names: Megatron's default
-        ("--recompute-granularity selective --recompute-modules mlp attention", None, "I005"),
+        (
+            "--recompute-granularity selective --recompute-modules mlp layernorm",
+            ["mlp", "layernorm"],
+            "selective",
+            None,
+        ),
+        ("--recompute-granularity selective --recompute-modules moe --sequence-parallel", ["moe"], "selective", None),
+        ("--recompute-activations --recompute-modules=core_attn", ["core_attn"], "selective", None),
+        # no names: nothing is recomputed (the default, core_attn, stands for an absent flag)
+        ("--recompute-granularity selective --recompute-modules", None, "none", None),
+        ("--recompute-granularity selective --recompute-modules mlp attention", None, "selective", "I005"),
+        (
+            MOE_FLAGS + "--moe-grouped-gemm --recompute-granularity selective --recompute-modules moe_act",
+            ["moe_act"],
+            "selective",
+            None,
+        ),
+        # TransformerConfig: 'moe_act in recompute_modules is only supported with moe_grouped_gemm'
+        (MOE_FLAGS + "--recompute-granularity selective --recompute-modules moe_act", ["moe_act"], "selective", "I005"),
     ],
 )
-def test_megatron_recompute_modules_are_read_as_a_list(tmp_path, flags, modules, code):
+def test_megatron_recompute_modules_are_read_as_a_list(tmp_path, flags, modules, checkpointing, code):
     """argparse's nargs="*": every word up to the next flag (megatron/training/arguments.py --recompute-modules);
     TransformerConfig asserts each is a module it knows."""
     path = _small_megatron_launch(tmp_path, flags)
     doc, diagnostics = read_any(path, str(path), ImportOptions(devices=8))
     assert doc.data["training"].get("recompute_modules") == modules
-    assert doc.data["training"]["activation_checkpointing"] == "selective"
+    assert doc.data["training"]["activation_checkpointing"] == checkpointing
     codes_found = {d.code for d in diagnostics if d.severity.value == "error"}
     assert codes_found == ({code} if code else set()), [d.message for d in diagnostics]
 

@@ -53,6 +53,8 @@ def test_what_megatron_refuses_or_ignores_is_said_at_the_field():
     assert loaded("[mla_up_proj, mlp]").ok
     (only,) = messages(loaded("[mla_up_proj]", latent=False))
     assert only[:2] == ("S013", "error") and "only supported with multi_latent_attention" in only[2]
+    # Megatron raises it under selective granularity only: elsewhere the list is ignored, and said so
+    assert [m[:2] for m in messages(loaded("[mla_up_proj]", latent=False, ckpt="full"))] == [("S013", "warning")]
     (only,) = messages(loaded("[mlp, mlp]"))
     assert only[:2] == ("S013", "error") and "twice" in only[2]
     (only,) = messages(loaded("[mlp]", ckpt="full"))
@@ -64,6 +66,7 @@ def test_what_megatron_refuses_or_ignores_is_said_at_the_field():
 
 
 WIDTHS = dict(
+    latent_width=96,
     seq_len=1024,
     cp=1,
     micro_batch_size=2,
@@ -86,7 +89,7 @@ WIDTHS = dict(
 @pytest.mark.parametrize(
     ("module", "whole", "split"),
     [
-        ("layernorm", 2 * 2 * 256, 0),  # the two norms' outputs, the q/k/v and first MLP linear inputs
+        ("layernorm", 2 * 256, 0),  # MLA's input norm's output (the down projections' input)
         ("mla_up_proj", 0, 2 * 1024),  # queries, keys and values
         ("mlp", 0, 2 * 3 * 512),  # a gated MLP's first linear's outputs and its last one's input
     ],
@@ -98,6 +101,20 @@ def test_each_output_discarding_or_checkpointed_module_drops_its_tensors(sp, mod
     )
     tokens, t = 1024 * 2, 2
     assert base - less == pytest.approx(tokens * ((whole + split) / t if sp else whole + split / t))
+
+
+def test_layernorm_discards_nothing_where_megatron_fuses_the_norms_into_the_linears():
+    """Grouped-query attention's input norm is fused into linear_qkv and a dense layer's pre-MLP norm into
+    fc1 (gpt_layer_specs.py): only MLA's input norm is a module of its own; under fp8 its linear keeps
+    the fp8 copy it cast, so discarding the norm output frees one byte an element, not two."""
+    plain = dict(WIDTHS, latent_width=0, sequence_parallel=True)
+    assert activation_bytes_per_layer(NUMBERS, **plain) == activation_bytes_per_layer(
+        NUMBERS, **plain, recomputed_modules=frozenset({"core_attn", "layernorm"})
+    )
+    fp8 = dict(WIDTHS, sequence_parallel=False, fp8_saved_inputs=True)
+    base = activation_bytes_per_layer(NUMBERS, **fp8)
+    less = activation_bytes_per_layer(NUMBERS, **fp8, recomputed_modules=frozenset({"core_attn", "layernorm"}))
+    assert base - less == pytest.approx(1024 * 2 * 256)
 
 
 def test_without_core_attn_eager_attention_stores_its_scores():
@@ -187,13 +204,25 @@ def test_what_runs_again_is_priced_and_its_collectives_issued_again():
             if "/recompute" in u.update.node_id
         }
 
-    assert reissued("[mla_up_proj]", cp=2) == set()
+    assert reissued("[mla_up_proj]", cp=2) == {f"layers.{i}.attn:in/recompute" for i in range(4)}  # no kv
     assert reissued("[core_attn]", cp=2) == {f"layers.{i}.attn:kv/recompute" for i in range(4)}
     moe = reissued("[moe]")
     assert {"layers.1.moe:dispatch/recompute", "layers.1.mlp:in/recompute"} <= moe
     assert not any(n.startswith("layers.0.") for n in moe)  # the dense first layer is not recomputed
     dense = reissued("[mlp]")
     assert "layers.0.mlp:in/recompute" in dense and not any(n.startswith("layers.1.") for n in dense)
+
+
+def test_recomputed_up_projections_gather_the_latents_again_without_the_rotary_key():
+    """Megatron's checkpointed qkv_up_proj_and_rope_apply runs the column-parallel up projections again, whose
+    sequence-parallel input gather (the query and key/value latents, not the rotary key) runs again."""
+    spec = loaded("[mla_up_proj]").spec
+    updates = {u.update.node_id: u for u in lower(spec, schedule=False, each_layer=True).updates}
+    gather, again = updates["layers.0.attn:in"], updates["layers.0.attn:in/recompute"]
+    assert again.payload_bytes * (16 + 16 + 8) == gather.payload_bytes * (16 + 16)
+    assert "layers.0.attn:in/recompute" not in {
+        u.update.node_id for u in lower(loaded("[core_attn]").spec, schedule=False, each_layer=True).updates
+    }
 
 
 def test_a_published_deepseek_v3_run_fits_only_with_its_up_projections_recomputed():

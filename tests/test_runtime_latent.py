@@ -193,3 +193,35 @@ def test_the_latent_attention_example_runs_and_matches_the_reference(tmp_path):
     assert report.max_relative_error <= BOUND["adamw"]
     nodes = {u.node_id for u in report.evidence if u.has_numerics_evidence}
     assert {"layers.0.attn:in", "layers.3.moe:dispatch", "layers.3.attn.kv_a_proj.weight:grad/tp"} <= nodes
+
+
+@pytest.mark.parametrize(
+    ("backend", "attn_in", "kv_head"),
+    [
+        # Megatron-Core projects down on the sequence shard and gathers the latents; Transformer Engine's ring
+        # sends keys and values at their own head sizes (AttnFuncWithCPAndKVP2P handles k and v of two sizes)
+        ("megatron", 10 + 12 + 4, (10 + 12) / 2),
+        # torchtitan gathers the hidden state for its NoParallel wq_a/wkv_a; torch's ring sends k and v apart
+        ("torchtitan", 32, (10 + 12) / 2),
+        # the in-tree runtime gathers the latents and pads the values to the keys' head size
+        ("torch", 10 + 12 + 4, 12),
+    ],
+)
+def test_what_each_engine_gathers_for_latent_attention(backend, attn_in, kv_head):
+    text = mla_spec(tp=2, sp=True, cp=2, v=12).replace("backend: torch", f"backend: {backend}")
+    loaded = load_spec_text(text, "spec.yaml")
+    assert loaded.ok, [d.text() for d in loaded.diagnostics]
+    by_id = {u.node_id: u.payload_bytes for u in compile_text(text).updates}
+    tokens_bytes = 2 * (16 // 2) * 4
+    assert by_id["layers.0.attn:in"] == tokens_bytes * attn_in
+    assert by_id["layers.0.attn:kv"] == 2 * tokens_bytes * (4 // 2) * kv_head * 2
+
+
+def test_a_latent_attention_model_outside_torchtitans_flavors_is_not_exported_as_llama3(tmp_path):
+    from mixle_compile.export import ExportRefused, export_spec
+
+    text = mla_spec(tp=2, sp=True, optimizer="adamw").replace("backend: torch", "backend: torchtitan")
+    spec = load_spec_text(text, "spec.yaml").spec
+    with pytest.raises(ExportRefused) as refused:
+        export_spec(spec, "torchtitan", torchtitan_version="0.2")
+    assert "kv_lora_rank" in str(refused.value)

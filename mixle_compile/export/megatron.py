@@ -137,6 +137,9 @@ def megatron_arguments(spec: Spec) -> list[str]:
         a += ["--make-vocab-size-divisible-by", 1]
     if m.num_experts:
         a += ["--num-experts", m.num_experts, "--moe-router-topk", m.experts_per_token]
+        # the grouped experts (TEGroupedMLP) whose saved tensors the memory model prices, and which
+        # recompute_modules' moe_act needs (transformer_config.py)
+        a += ["--moe-grouped-gemm"]
         # the plan's exchange (lower/updates.py, training.expert_dispatcher); Megatron's default is allgather
         a += ["--moe-token-dispatcher-type", "flex" if t.expert_dispatcher == "flex" else "alltoall"]
         if m.moe_ffn_hidden_size is not None:

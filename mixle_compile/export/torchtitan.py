@@ -11,7 +11,7 @@ from __future__ import annotations
 from mixle_compile.export import Exported, ExportRefused, memory_text
 from mixle_compile.export.hf import hf_config, hf_config_text
 from mixle_compile.importers import flavors
-from mixle_compile.spec.models import Spec
+from mixle_compile.spec.models import Spec, TransformerModel
 
 SCHEDULES = {"1f1b": "1F1B", "gpipe": "GPipe", "interleaved_1f1b": "Interleaved1F1B"}
 PRECISION = {"bf16": "bfloat16", "fp32": "float32"}
@@ -38,8 +38,6 @@ def _flavor_of(spec: Spec) -> tuple[str, str] | None:
 
 
 def _same_model(a: dict, b: dict) -> bool:
-    from mixle_compile.spec.models import TransformerModel
-
     return TransformerModel.model_validate(a) == TransformerModel.model_validate(b)
 
 
@@ -103,6 +101,19 @@ def torchtitan_files(spec: Spec, stem: str) -> Exported:
         raise ExportRefused("torchtitan", reasons)
     files: dict[str, str] = {}
     flavor = _flavor_of(spec)
+    if flavor is None and isinstance(spec.model, TransformerModel) and spec.model.latent_attention:
+        # a model outside the flavor tables is written as llama3 with an HF config beside it, and
+        # torchtitan's llama3 has no Multi-head Latent Attention
+        raise ExportRefused(
+            "torchtitan",
+            [
+                (
+                    "model.kv_lora_rank",
+                    "Multi-head Latent Attention is torchtitan's deepseek_v3 model, built from its published "
+                    "flavors only, and this model is none of them; export it to hf or megatron",
+                )
+            ],
+        )
     if flavor is None:
         config, why = hf_config(spec.model, spec.training.seq_len)
         if config is None:

@@ -903,7 +903,7 @@ def read_megatron(
             "--recompute-activations" if has("--recompute-activations") else "--recompute-granularity",
         )
         if has("--recompute-modules"):
-            _recompute_modules(b, args["--recompute-modules"], set_)
+            _recompute_modules(b, args["--recompute-modules"], set_, grouped_gemm=has("--moe-grouped-gemm"))
     elif text_of("--activations-checkpoint-method") == "uniform" or has("--checkpoint-activations"):
         # Megatron-LM 2.x (the SC21 scripts): --activations-checkpoint-method uniform recomputes every
         # layer from its checkpointed input (--checkpoint-activations sets it), today's
@@ -1024,10 +1024,28 @@ RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", 
 OTHER_RECOMPUTE_MODULES = ("gdn_norm_out", "gdp_in_proj", "gdp_qkv", "mhc")
 
 
-def _recompute_modules(b: SpecBuilder, arg: _Arg, set_) -> None:
+def _recompute_modules(b: SpecBuilder, arg: _Arg, set_, *, grouped_gemm: bool) -> None:
     """``--recompute-modules a b ...`` (argparse nargs="*", read under selective granularity only:
-    TransformerConfig.__post_init__ asserts every name is one it knows)."""
+    TransformerConfig.__post_init__ asserts every name is one it knows, and raises for moe_act
+    without --moe-grouped-gemm). No names at all recompute nothing (the default, ["core_attn"],
+    stands for an absent flag only)."""
     names = [w.text for w in arg.values]
+    if not names:
+        set_(
+            ("training", "activation_checkpointing"),
+            "none",
+            "--recompute-modules",
+            "--recompute-modules with no module: selective granularity recomputes nothing",
+        )
+        return
+    if "moe_act" in names and not grouped_gemm:
+        b.diagnostic(
+            codes.ENGINE_REFUSES.code,
+            "Megatron-Core refuses `--recompute-modules moe_act` without `--moe-grouped-gemm` (TransformerConfig: "
+            "'moe_act in recompute_modules is only supported with moe_grouped_gemm')",
+            arg.values[names.index("moe_act")].pos,
+            hint="add `--moe-grouped-gemm`, or remove moe_act",
+        )
     for w in arg.values:
         if w.text in OTHER_RECOMPUTE_MODULES:
             b.refuse(
@@ -1046,8 +1064,7 @@ def _recompute_modules(b: SpecBuilder, arg: _Arg, set_) -> None:
                 hint="use " + ", ".join(RECOMPUTE_MODULES),
             )
             return
-    if names:  # no names: Megatron's default, ["core_attn"]
-        set_(("training", "recompute_modules"), names, "--recompute-modules")
+    set_(("training", "recompute_modules"), names, "--recompute-modules")
 
 
 def _vocab(b: SpecBuilder, args, num, text_of, at, tp: int, options: ImportOptions) -> None:

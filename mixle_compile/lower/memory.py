@@ -305,6 +305,7 @@ class _Activations:
                 fp8_saved_inputs=engine.fp8_saves_quantized_inputs and t.precision == "fp8",
                 gated=model.activation == "swiglu",
                 recomputed_modules=engine.selective_modules(t.recompute_modules),
+                latent_replicated=not engine.latent_projections_on_shards,
                 **activation_widths(model),
             )
 

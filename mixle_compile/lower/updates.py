@@ -352,12 +352,20 @@ def _renamed(u: PlannedUpdate, old: str, new: str, stage: int, layer: int | None
 
 
 def _recomputed(
-    block: list[PlannedUpdate], engine: EngineProfile, checkpointing: str, modules: frozenset[str], moe: bool
+    block: list[PlannedUpdate],
+    engine: EngineProfile,
+    checkpointing: str,
+    modules: frozenset[str],
+    moe: bool,
+    up_gather: tuple[int, int] | None = None,
 ) -> list[PlannedUpdate]:
     """The forward collectives of ``block`` (one transformer block's updates; ``moe``: an MoE
     layer's) that activation checkpointing issues again in the backward
     (:meth:`EngineProfile.recomputes`, ``modules`` what selective checkpointing recomputes), as
-    backward updates of their own (``layers.0.attn:in/recompute``): the same group, bytes and count."""
+    backward updates of their own (``layers.0.attn:in/recompute``): the same group, bytes and count.
+    ``up_gather`` = (its width, the gather's): MLA's up projections, recomputed alone
+    (Megatron's ``mla_up_proj``), gather their column-parallel inputs again, the latents without the
+    rotary key (multi_latent_attention.py ``qkv_up_proj_and_rope_apply``)."""
     out = []
     for u in block:
         if u.phase != "forward":
@@ -365,8 +373,14 @@ def _recomputed(
         uid = UpdateId.parse(u.update.node_id)
         site = uid.subject.rsplit(".", 1)[-1]
         module = "core_attn" if uid.kind == "kv" else "attn" if site == "attn" else "moe" if moe else "mlp"
+        nbytes = u.payload_bytes
         if not engine.recomputes(checkpointing, u.update.collective.value, module, modules):
-            continue
+            gathers_latents = (site, uid.kind, u.update.collective.value) == ("attn", "in", "all_gather")
+            if up_gather is None or not gathers_latents or checkpointing != "selective":
+                continue
+            if not engine.recomputes(checkpointing, "all_gather", "mla_up_proj", modules):
+                continue
+            nbytes = u.payload_bytes * up_gather[0] // up_gather[1]
         d = u.update
         update = DistributedUpdate(
             node_id=str(uid.recomputed()),
@@ -383,7 +397,7 @@ def _recomputed(
                 u.tensor,
                 "backward",
                 u.stage,
-                u.payload_bytes,
+                nbytes,
                 u.group_size,
                 u.occurrences_per_step,
                 layer=u.layer,
@@ -481,7 +495,6 @@ def activation_updates(
             )
         )
 
-    engine = engine_profile(spec.backend)
     last = plan.pp - 1
     if plan.tp > 1:
         if sp:
@@ -558,12 +571,17 @@ def activation_updates(
             StateLayout.REPLICATED,
             "vocabulary-parallel cross entropy: gather each shard's log-sum-exp and target logit",
         )
+    engine = engine_profile(spec.backend)
     # K and V of the KV heads a tp rank holds: its share, or the one head it shares with others
-    # (MLA's values are gathered padded to the keys' head size, as one tensor with them).
+    # (MLA's values at their own head size, or padded to the keys' where the engine pads them).
     a = attention_widths(model)
-    kv_bytes = tokens * max(a.kv_heads // plan.tp, 1) * a.kv_head_dim * act_bytes_per
-    # What the attention's column-parallel projections read: the hidden state, or MLA's latents.
-    block_in_bytes = {"attn": tokens * a.gathered * act_bytes_per, "mlp": hidden_bytes}
+    key_and_value = 2 * a.kv_head_dim if engine.pads_values_to_key_heads else a.qk_head_dim + a.v_head_dim
+    kv_bytes = tokens * max(a.kv_heads // plan.tp, 1) * key_and_value * act_bytes_per // 2
+    # What the attention's column-parallel projections read: the hidden state, or MLA's latents where
+    # the engine projects them down on the sequence shard.
+    attn_in = a.gathered if engine.latent_projections_on_shards else a.hidden
+    up_gather = (a.gathered - a.rope, a.gathered) if a.latent and engine.latent_projections_on_shards else None
+    block_in_bytes = {"attn": tokens * attn_in * act_bytes_per, "mlp": hidden_bytes}
     # A block's collectives follow from its kind (dense or mixture-of-experts); its index and stage
     # only name and place them: the first block of each kind is planned, the others renamed.
     first_of: dict[bool, tuple[int, int]] = {}  # kind -> (its first block, where its updates start)
@@ -702,7 +720,9 @@ def activation_updates(
                     layer=i,
                 )
         if t.activation_checkpointing != "none":
-            out.extend(_recomputed(out[first_of[moe][1] :], engine, t.activation_checkpointing, modules, moe))
+            out.extend(
+                _recomputed(out[first_of[moe][1] :], engine, t.activation_checkpointing, modules, moe, up_gather)
+            )
     if plan.pp > 1:
         boundary_bytes = hidden_bytes // (plan.tp if sp else 1)
         # Virtual stage w hands over to w + 1 on stage (w + 1) % pp: with interleaving the last stage

@@ -623,7 +623,10 @@ def _recompute_modules_diagnostics(spec: Spec, doc: SourceDocument) -> list[Diag
                 extra_fields=(("training", "activation_checkpointing"),),
             )
         )
-    if "mla_up_proj" in modules and not (isinstance(model, TransformerModel) and model.latent_attention):
+    megatron_selective = backend_name(spec.backend) == Engine.MEGATRON and t.activation_checkpointing == "selective"
+    if megatron_selective and "mla_up_proj" in modules and not (
+        isinstance(model, TransformerModel) and model.latent_attention
+    ):
         out.append(
             doc.diagnostic(
                 codes.INCONSISTENT.code,

@@ -339,6 +339,7 @@ def activation_bytes(v, layers_on_rank, moe_layers_on_rank=0) -> dict[str, objec
             op_saved_whole=fp.op_saved_whole,
             up_projection_width=fp.up_projection_width,
             recomputed_modules=v.facts.selective_modules,
+            latent_replicated=not v.facts.engine.latent_projections_on_shards,
         )
 
     per_layer = layer(v.is_("activation_checkpointing", "full"), v.is_("activation_checkpointing", "selective"))
