@@ -14,7 +14,7 @@ import re
 import pytest
 
 from mixle_compile.lower.lowering import lower
-from mixle_compile.memory_model import NUMBERS, activation_bytes_per_layer, micro_batches_in_flight
+from mixle_compile.memory_model import NUMBERS, MoESaved, activation_bytes_per_layer, micro_batches_in_flight
 from mixle_compile.schedules import NUMBERS as SCHEDULE_NUMBERS
 from mixle_compile.schedules import microbatches_per_round
 from mixle_compile.spec import load_spec_text
@@ -709,27 +709,30 @@ resources: {{devices: 64, kind: a100, memory: 80GiB}}
     assert any(d.code == "R001" for d in result.diagnostics) != fits, [d.text() for d in result.diagnostics]
 
 
+#: An MoE block of Megatron's saved tensors (memory_model.moe_layer_extra_bytes' arguments)
+MOE_BLOCK = dict(
+    seq_len=1024,
+    cp=1,
+    micro_batch_size=2,
+    hidden_size=256,
+    tp=2,
+    etp=1,
+    experts_per_token=8,
+    num_experts=8,
+    expert_width=128,
+    capacity_factor=1.0,
+    saved=MoESaved(2, 6, 4, 0, 6),
+    fp32=False,
+    dense_ffn_width=512,
+    gated=True,
+)
+
+
 @pytest.mark.parametrize("sp", [False, True])
 def test_a_shared_expert_keeps_a_dense_mlps_tensors_for_every_token(sp):
-    from mixle_compile.memory_model import MoESaved, moe_layer_extra_bytes
+    from mixle_compile.memory_model import moe_layer_extra_bytes
 
-    base = dict(
-        seq_len=1024,
-        cp=1,
-        micro_batch_size=2,
-        hidden_size=256,
-        tp=2,
-        etp=1,
-        sequence_parallel=sp,
-        experts_per_token=8,
-        num_experts=8,
-        expert_width=128,
-        capacity_factor=1.0,
-        saved=MoESaved(2, 6, 4, 0, 6),
-        fp32=False,
-        dense_ffn_width=512,
-        gated=True,
-    )
+    base = dict(MOE_BLOCK, sequence_parallel=sp)
     without = moe_layer_extra_bytes(NUMBERS, **base)
     shared = moe_layer_extra_bytes(NUMBERS, **base, shared_width=384)
     assert without > 0  # the block already outweighs the dense MLP it replaces: the difference is the shared one

@@ -12,9 +12,10 @@ import yaml
 
 from mixle_compile.check import check_loaded
 from mixle_compile.lower.lowering import lower
-from mixle_compile.memory_model import NUMBERS, MoESaved, activation_bytes_per_layer, moe_layer_extra_bytes
+from mixle_compile.memory_model import NUMBERS, activation_bytes_per_layer, moe_layer_extra_bytes
 from mixle_compile.spec import load_spec_text
 from mixle_compile.step_time import _layer_flops
+from tests.test_memory_model import MOE_BLOCK
 from tests.test_step_time import DEEPSEEK_V3
 
 BRIDGE = Path(__file__).parent / "corpus" / "production" / "bridge_nemo"
@@ -125,24 +126,7 @@ def test_without_core_attn_eager_attention_stores_its_scores():
 
 
 def test_moe_act_and_shared_experts_drop_their_tensors_from_the_moe_block():
-    base = dict(
-        seq_len=1024,
-        cp=1,
-        micro_batch_size=2,
-        hidden_size=256,
-        tp=2,
-        etp=1,
-        sequence_parallel=True,
-        experts_per_token=8,
-        num_experts=8,
-        expert_width=128,
-        capacity_factor=1.0,
-        saved=MoESaved(2, 6, 4, 0, 6),
-        fp32=False,
-        dense_ffn_width=64,
-        gated=True,
-        shared_width=384,
-    )
+    base = dict(MOE_BLOCK, sequence_parallel=True, dense_ffn_width=64, shared_width=384)
     block = moe_layer_extra_bytes(NUMBERS, **base)
     routed = 1024 * 2 / 2 * 8  # tokens over tp under sequence parallelism, top-8
     act = moe_layer_extra_bytes(NUMBERS, **base, recomputed_modules=frozenset({"moe_act"}))
