@@ -728,6 +728,18 @@ HELD_OUT += [
         1297,
     )
 ]
+# And on Blackwell without the multi-token-prediction layer: the same archive's 25.11 container, DGX-GB200
+# table, BF16: DeepSeekV3 (w/o MTP), 256 GPUs, GBS 4096, MBS 1, 4,096 tokens, TP 1, PP 4, VP 4, EP 64, GA 64:
+# 3,139 tokens/s/GPU. The settings beyond the table are the GB200 BF16 config of the summary's own commit
+# (the corpus file bridge_deepseek_v3_gb200_bf16.yaml, Megatron-Bridge @ 1804c076: HybridEP, recompute_modules
+# ["mla_up_proj"], no expert-parallel overlap, the recipe's layout for PP 4 x VP 4), with the table's batch.
+HELD_OUT += [
+    (
+        "bridge25.11 GB200 DeepSeek-V3 EP64",
+        bridge_corpus("bridge_deepseek_v3_gb200_bf16.yaml", mesh=dict(microbatches=64), global_batch_size=4096),
+        3139,
+    )
+]
 
 
 # Megatron-Bridge overlaps a stage's pipeline sends and receives with its compute whenever there are

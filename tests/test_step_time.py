@@ -710,10 +710,11 @@ def test_torchtitans_op_level_policy_recomputes_every_second_matmul_of_latent_at
     assert set(_op_level_recomputed(attention_widths(LLAMA3_8B), 14336, 3)) == {"k", "o", "w3"}
 
 
-def test_a_published_latent_attention_run_is_predicted_within_15_percent():
-    """Megatron-Bridge's DeepSeek-V3 on 1,024 H100s (held out, never fitted)."""
+@pytest.mark.parametrize("label", ["bridge25.09 H100 DeepSeek-V3 EP64", "bridge25.11 GB200 DeepSeek-V3 EP64"])
+def test_a_published_latent_attention_run_is_predicted_within_15_percent(label):
+    """Megatron-Bridge's DeepSeek-V3 on 1,024 H100s and on 256 GB200s (held out, never fitted)."""
     bench = _bench()
-    ((data, measured),) = [(d, m) for name, d, m in bench.HELD_OUT if name == "bridge25.09 H100 DeepSeek-V3 EP64"]
+    ((data, measured),) = [(d, m) for name, d, m in bench.HELD_OUT if name == label]
     spec = load_spec_text(yaml.safe_dump(data), "row.yaml").spec
     ratio = predict_lowered(spec, lower(spec, schedule=False)).tokens_per_second_per_device / measured
     assert 0.85 <= ratio <= 1.15, ratio
