@@ -256,6 +256,40 @@ def test_transformer_consistency():
     assert "exceeds" in d.message
 
 
+def test_rotary_features_turn_in_pairs():
+    """An odd head size (or MLA's rotary part) cannot carry rotary positions in any engine; learned positions can."""
+    d = only(load(TINY.replace("num_heads: 4,", "num_heads: 4, head_dim: 15,")), "S013")
+    assert d.fields[0] == "model.head_dim" and "odd" in d.message
+    d = only(load(TINY.replace("hidden_size: 64", "hidden_size: 36")), "S013")
+    assert d.fields[0] == "model.num_heads" and "hidden_size / num_heads is 9" in d.message
+    assert load(
+        TINY.replace("hidden_size: 64", "hidden_size: 36").replace(
+            "ffn_hidden_size: 128", "ffn_hidden_size: 128, position_embedding: learned"
+        )
+    ).ok
+    latent = "num_heads: 4, kv_lora_rank: 8, qk_nope_head_dim: 8, qk_rope_head_dim: 3, v_head_dim: 8,"
+    d = only(load(TINY.replace("num_heads: 4,", latent)), "S013")
+    assert d.fields[0] == "model.qk_rope_head_dim"
+
+
+def test_latent_attention_fields_come_together():
+    latent = "kv_lora_rank: 8, qk_nope_head_dim: 8, qk_rope_head_dim: 4, v_head_dim: 8,"
+    assert load(TINY.replace("num_heads: 4,", "num_heads: 4, " + latent)).ok
+    d = only(load(TINY.replace("num_heads: 4,", "num_heads: 4, q_lora_rank: 8,")), "S013")
+    assert d.fields == ("model.q_lora_rank",) and "kv_lora_rank" in d.message
+    d = only(
+        load(TINY.replace("num_heads: 4,", "num_heads: 4, kv_lora_rank: 8, qk_rope_head_dim: 4, v_head_dim: 8,")),
+        "S006",
+    )
+    assert "qk_nope_head_dim" in d.message
+    d = only(load(TINY.replace("num_heads: 4,", "num_heads: 4, num_kv_heads: 2, " + latent)), "S013")
+    assert d.fields[0] == "model.num_kv_heads"
+    d = only(load(TINY.replace("num_heads: 4,", "num_heads: 4, head_dim: 16, " + latent)), "S013")
+    assert d.fields[0] == "model.head_dim"
+    d = only(load(TINY.replace("num_heads: 4,", "num_heads: 4, position_embedding: learned, " + latent)), "S013")
+    assert d.fields[0] == "model.position_embedding"
+
+
 MODULES = """\
 model:
   family: modules

@@ -624,8 +624,10 @@ def _recompute_modules_diagnostics(spec: Spec, doc: SourceDocument) -> list[Diag
             )
         )
     megatron_selective = backend_name(spec.backend) == Engine.MEGATRON and t.activation_checkpointing == "selective"
-    if megatron_selective and "mla_up_proj" in modules and not (
-        isinstance(model, TransformerModel) and model.latent_attention
+    if (
+        megatron_selective
+        and "mla_up_proj" in modules
+        and not (isinstance(model, TransformerModel) and model.latent_attention)
     ):
         out.append(
             doc.diagnostic(
@@ -684,6 +686,26 @@ def _transformer_diagnostics(model: TransformerModel, spec: Spec, doc: SourceDoc
                 ("model", "num_heads"),
                 hint="set `model.head_dim` explicitly or choose num_heads dividing hidden_size",
                 extra_fields=(("model", "hidden_size"),),
+            )
+        )
+    if model.latent_attention:
+        rotary, name, what = model.qk_rope_head_dim, "qk_rope_head_dim", "model.qk_rope_head_dim"
+    elif model.head_dim is not None:
+        rotary, name, what = model.head_dim, "head_dim", "model.head_dim"
+    else:
+        divides = model.hidden_size % model.num_heads == 0
+        rotary = model.hidden_size // model.num_heads if divides else None
+        name, what = "num_heads", "the head size hidden_size / num_heads"
+    if model.position_embedding == "rope" and rotary is not None and rotary % 2:
+        # every engine turns rotary features in pairs: HF's rotate_half, torchtitan's view_as_complex,
+        # Megatron-Core's apply_rotary_pos_emb split a head's rotary features in halves
+        out.append(
+            doc.diagnostic(
+                codes.INCONSISTENT.code,
+                f"{what} is {rotary}, an odd number, but rotary position embeddings turn a head's features in pairs",
+                ("model", name),
+                hint="make it even" + ("" if name == "num_heads" else f", e.g. {rotary + 1}"),
+                extra_fields=(("model", "position_embedding"),),
             )
         )
     kv = model.num_kv_heads
