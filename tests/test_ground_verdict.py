@@ -62,7 +62,10 @@ def test_the_exact_reading_agrees_with_the_solver_on_random_plans(corpus):
     degrees = ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep", "etp", "microbatches")
     degrees += ("gradient_accumulation_steps", "micro_batch_size", "virtual_pipeline_stages")
     compared = auto = 0
-    for path, _spec, facts in rng.sample(corpus, 40):
+    # every spec whose dp_shard is `auto` (so that both readings fill it), and others drawn at random
+    autos = [c for c in corpus if c[2].dp_shard_auto][:10]
+    drawn = autos + rng.sample([c for c in corpus if not c[2].dp_shard_auto], 40 - len(autos))
+    for path, _spec, facts in drawn:
         for _ in range(6):
             values = {s: rng.choice([1, 1, 2, 3, 4, 8]) for s in degrees if facts.has(s)}
             if facts.has("devices"):

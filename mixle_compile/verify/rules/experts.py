@@ -211,7 +211,11 @@ EXPERTS_SHARDED_WHOLE = define(
         ),
         engine_reference="torchtitan `parallelize_moe`: experts are FSDP-sharded on the expert dimension over the "
         "expert-data mesh",
-        constraint=lambda v: implies(all_of(v.num_experts > 0, v.dp_shard > 1), v.num_experts % _expert_ranks(v) == 0),
+        # (a world smaller than etp * pp, which the mesh rules refuse, leaves no rank to share out over: a
+        # remainder by zero, which the solver would be free to choose, is not asked)
+        constraint=lambda v: implies(
+            all_of(v.num_experts > 0, v.dp_shard > 1, _expert_ranks(v) > 0), v.num_experts % _expert_ranks(v) == 0
+        ),
         explain=lambda x: (
             f"under FSDP {x.num_experts} experts cannot be shared out whole over world / (etp * pp) = "
             f"{x.world} / ({x.etp} * {x.pp}) = {x.world // (x.etp * x.pp)} ranks"
