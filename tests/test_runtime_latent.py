@@ -139,14 +139,14 @@ def test_the_down_projections_are_whole_on_every_tp_rank_and_their_gradients_sum
 
 CASES = {
     "tp2-sp": dict(tp=2, sp=True),
-    "tp2-direct-queries": dict(tp=2, q_lora=0),
     "fsdp2-cp2-values-wider-than-keys": dict(ds=2, cp=2, v=12, optimizer="adamw", lr=1e-3),
-    "ddp2-tp2-sp-world4": dict(dr=2, tp=2, sp=True),
-    "pp2-tp2": dict(pp=2, tp=2, mb=4),
     "ep2-fsdp2-experts-after-a-dense-layer": dict(ds=2, ep=2, experts=4),
+    "pp2-tp2": dict(pp=2, tp=2, mb=4),
 }
 
 SLOW_CASES = {
+    "ddp2-tp2-sp-world4": dict(dr=2, tp=2, sp=True),
+    "tp2-direct-queries": dict(tp=2, q_lora=0),
     "tp2-cp2-sp-world4": dict(tp=2, cp=2, sp=True),
     "fsdp2-tp2-cp2-sp-adamw-world8": dict(ds=2, tp=2, cp=2, sp=True, optimizer="adamw", lr=1e-3),
     "ep2-fsdp2-tp2-sp-world4": dict(ds=2, tp=2, ep=2, sp=True, experts=4),
@@ -176,6 +176,7 @@ def test_latent_attention_replay_matches_plan_and_reference_more_meshes(tmp_path
     check_replay(tmp_path, SLOW_CASES[case])
 
 
+@pytest.mark.slow
 def test_the_latent_attention_example_runs_and_matches_the_reference(tmp_path):
     # examples/tiny-latent-attention.yaml: MLA with dense layers before the MoE ones and a shared expert,
     # FSDP 2 x tp 2 (sequence parallel) x ep 2 x pp 2 on 8 ranks, every update against the reference.
