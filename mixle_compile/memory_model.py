@@ -535,6 +535,19 @@ def dense_mlp_split_bytes(
     return tokens * 2 * (3 if gated else 2) * ar.exact(dense_ffn_width) / ar.exact(tp) * ar.when(fp32, 2, 1)
 
 
+def selective_moe_kept(modules: frozenset[str], block: Any, dense_split: Any, nothing: Any = 0) -> Any:
+    """What an MoE layer keeps beyond a dense one under Megatron's selective checkpointing
+    (``recompute_modules``): nothing with ``moe`` (the block recomputed whole); else the block less
+    what its modules discard (``block(modules)``: :func:`moe_layer_extra_bytes`), and with ``mlp``
+    the dense MLP's share (``dense_split()``: :func:`dense_mlp_split_bytes`), which every layer's
+    count discarded and the MoE block keeps in its place. The two callables compute in the caller's
+    arithmetic, whose zero is ``nothing``."""
+    if "moe" in modules:
+        return nothing
+    kept = block(modules)
+    return kept + dense_split() if "mlp" in modules else kept
+
+
 def moe_layer_extra_bytes(
     ar: Arithmetic,
     *,

@@ -78,11 +78,6 @@ def role_tp_dim(role: str, ndim: int) -> int | None:
     return dim if dim is not None and dim < ndim else None
 
 
-def head_dim(model: TransformerModel) -> int:
-    """A query/key head's features (under MLA its two parts, without and with rotary positions)."""
-    return attention_widths(model).qk_head_dim
-
-
 @dataclass(frozen=True)
 class AttentionWidths:
     """One layer's attention, per token: its heads and widths, the same for (grouped-query) multi-head

@@ -430,34 +430,26 @@ def _matrices(model: dict) -> int:
     return 3 if model.get("activation", "swiglu") == "swiglu" else 2
 
 
-def _block_matmuls(a: AttentionWidths, ffn: float, matrices: int) -> list[tuple[str, float, bool]]:
-    """:func:`parameters.block_matmuls` as ``(name, forward FLOPs per token, reads the attention's
-    gathered input)``."""
-    return [(m.name, 2 * m.inner * m.out, m.gathered) for m in block_matmuls(a, ffn, matrices)]
-
-
 def _op_level_recomputed(a: AttentionWidths, ffn: float, matrices: int) -> dict[str, float]:
     """Forward FLOPs per token of the matmuls torchtitan's op-level policy recomputes: every second
-    one of the block's (:func:`_block_matmuls`; torchtitan/distributed/activation_checkpoint.py
+    one of the block's (:func:`parameters.block_matmuls`; torchtitan/distributed/activation_checkpoint.py
     saves the odd-numbered ``mm`` calls): k, o and, with a gated MLP, w3 of ordinary attention."""
-    return {name: flops for i, (name, flops, _) in enumerate(_block_matmuls(a, ffn, matrices)) if i % 2}
+    return {m.name: 2 * m.inner * m.out for i, m in enumerate(block_matmuls(a, ffn, matrices)) if i % 2}
 
 
-def _latent_rows(a: AttentionWidths, backend: str, sp: bool, tp: int) -> float:
+def _latent_rows(backend: str, sp: bool, tp: int) -> float:
     """How many of a micro-step's tokens one tp rank runs MLA's down projections (whole on every rank)
-    for, per token the step's FLOPs count once: Megatron-Core runs them on the sequence shard under
-    sequence parallelism (its ``TELinear`` with ``parallel_mode="duplicated"``, split over tp by the
-    tokens) and on every token without it; torchtitan gathers the sequence first and runs them on
-    every token on every rank (``NoParallel`` wq_a / wkv_a, torchtitan/models/deepseek_v3/
-    infra/parallelize.py). As a multiple of the 1/tp every split matmul runs."""
-    return 1.0 if sp and backend != "torchtitan" else float(tp)
+    for, as a multiple of the 1/tp every split matmul runs: the sequence shard where the engine
+    projects down on it under sequence parallelism (EngineProfile.latent_projections_on_shards),
+    else every token."""
+    return 1.0 if sp and _engine(backend).latent_projections_on_shards else float(tp)
 
 
 def _layer_flops(model: dict, training: dict, seq: float, backend: str, moe_layer: bool, tp: int = 1) -> _Layer:
     a = attention_widths(model)
     h, matrices = a.hidden, _matrices(model)
     sp = training.get("sequence_parallel", False)
-    down = _latent_rows(a, backend, sp, tp)  # MLA's down projections (every projection split otherwise)
+    down = _latent_rows(backend, sp, tp)  # MLA's down projections (every projection split otherwise)
     projections = sum(2 * i * o * (1.0 if split else down) for i, o, split in a.projections()) + 2 * a.out * h
     if moe_layer:
         ffn = model.get("moe_ffn_hidden_size") or model["ffn_hidden_size"]
@@ -500,10 +492,11 @@ def _layer_flops(model: dict, training: dict, seq: float, backend: str, moe_laye
         # gated MLP, w3) and saves attention's output.
         again = sum(_op_level_recomputed(a, ffn, matrices).values())
         return _Layer(projections + mlp, attention, again, 0.0, gemm_passes=3 + again / (projections + mlp), **shape)
-    if checkpointing == "selective" and backend == "megatron" and training.get("recompute_modules"):
-        # Megatron's recompute_modules (transformer_config.py): the submodules run again in the backward;
-        # the output-discarding norms and MoE activation are element-wise
-        modules = set(training["recompute_modules"])
+    if checkpointing == "selective":
+        # what the engine's selective checkpointing runs again (EngineProfile.selective_modules: the
+        # attention core, or Megatron's recompute_modules); the output-discarding norms and MoE
+        # activation are element-wise
+        modules = _engine(backend).selective_modules(training.get("recompute_modules"))
         again = 0.0
         if "mla_up_proj" in modules and a.latent:
             again += sum(2 * i * o for i, o, split in a.projections() if split)
@@ -513,8 +506,6 @@ def _layer_flops(model: dict, training: dict, seq: float, backend: str, moe_laye
             again += 2 * matrices * h * shared
         core = attention if "core_attn" in modules else 0.0
         return _Layer(projections + mlp, attention, again, core, gemm_passes=3 + again / (projections + mlp), **shape)
-    if checkpointing == "selective":
-        return _Layer(projections + mlp, attention, 0.0, attention, **shape)  # the attention core is recomputed
     return _Layer(projections + mlp, attention, 0.0, 0.0, **shape)
 
 
@@ -561,14 +552,15 @@ def fused_matmul_flops(node_id: str, model: dict, training: dict, backend: str, 
     site = uid.subject.rsplit(".", 1)[-1] if uid.subject.startswith("layers.") else uid.subject
     if site == "lm_head" and uid.kind == "in":
         return 2 * h * model["vocab_size"] / tp, False
-    matmuls = _block_matmuls(a, ffn, matrices)
-    # torchtitan gathers the hidden state for MLA's down projections (and a direct wq), which every
-    # tp rank runs on every token (EngineProfile.latent_projections_on_shards); elsewhere the gather
-    # carries the latents to the up projections
-    on_hidden = a.latent and backend == "torchtitan"
+    flops = {m.name: 2 * m.inner * m.out for m in block_matmuls(a, ffn, matrices)}
+    # an engine that gathers the hidden state for MLA's down projections (and a direct wq) runs them
+    # on every token of every tp rank (EngineProfile.latent_projections_on_shards); elsewhere the
+    # gather carries the latents to the up projections
+    on_hidden = a.latent and not _engine(backend).latent_projections_on_shards
     down = {"wq_a", "wkv_a"} if on_hidden else set()
+    gathered = {m.name for m in block_matmuls(a, ffn, matrices) if m.gathered}
     reading = {  # the matmuls reading each collective's output, or writing its input
-        ("attn", "in"): (down | {"wq"}) if on_hidden else {name for name, _, gathered in matmuls if gathered},
+        ("attn", "in"): (down | {"wq"}) if on_hidden else gathered,
         ("attn", "out"): {"o"},
         ("mlp", "in"): {"w1", "w3"},
         ("mlp", "out"): {"w2"},
@@ -582,7 +574,7 @@ def fused_matmul_flops(node_id: str, model: dict, training: dict, backend: str, 
         # q, k, v and w3 of w1, w3)
         again = _op_level_recomputed(a, ffn, matrices)
         return sum(f * (tp if name in down else 1) for name, f in again.items() if name in reading) / tp, True
-    return sum(f * (tp if name in down else 1) for name, f, _ in matmuls if name in reading) / tp, True
+    return sum(f * (tp if name in down else 1) for name, f in flops.items() if name in reading) / tp, True
 
 
 def fused_seconds(st: _Setting, fused: tuple[float, bool] | None) -> float:

@@ -18,6 +18,7 @@ from mixle_compile.memory_model import NUMBERS, MoESaved, activation_bytes_per_l
 from mixle_compile.schedules import NUMBERS as SCHEDULE_NUMBERS
 from mixle_compile.schedules import microbatches_per_round
 from mixle_compile.spec import load_spec_text
+from mixle_compile.spec.models import TransformerModel
 from mixle_compile.verify import memory_bound
 from tests.conftest import EXAMPLES
 
@@ -709,6 +710,22 @@ resources: {{devices: 64, kind: a100, memory: 80GiB}}
     assert any(d.code == "R001" for d in result.diagnostics) != fits, [d.text() for d in result.diagnostics]
 
 
+#: One layer's shape and checkpointing (memory_model.activation_bytes_per_layer's arguments)
+LAYER = dict(
+    seq_len=1024,
+    cp=1,
+    micro_batch_size=2,
+    hidden_size=256,
+    num_heads=4,
+    tp=2,
+    full_recompute=False,
+    selective_recompute=True,
+    fp32=False,
+    eager_attention=False,
+    gated=True,
+    dense_ffn_width=512,
+)
+
 #: An MoE block of Megatron's saved tensors (memory_model.moe_layer_extra_bytes' arguments)
 MOE_BLOCK = dict(
     seq_len=1024,
@@ -746,59 +763,22 @@ def test_latent_attention_keeps_its_latents_and_heads_at_their_own_widths():
     """DeepSeek-V3's layer: the latents' norms' inputs and the up projections' inputs (h-like, over tp under
     sequence parallelism), and queries, keys, values and attention output at 192, 192, 128 and 128 features a
     head (over tp), in place of grouped-query attention's widths."""
-    from mixle_compile.memory_model import activation_bytes_per_layer
     from mixle_compile.verify.memory import activation_widths
     from tests.test_step_time import DEEPSEEK_V3
 
-    model = load_spec_text(
-        _transformer(
-            vocab=129280,
-            hidden=7168,
-            layers=4,
-            heads=128,
-            ffn=18432,
-            tie="false",
-            moe="",
-            attention=", ".join(
-                f"{k}: {DEEPSEEK_V3[k]}"
-                for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
-            ),
-            dr=1,
-            ds=1,
-            tp=1,
-            pp=1,
-            cp=1,
-            ep=1,
-            mb=1,
-            gbs=2,
-            precision="bf16",
-            opt="adamw",
-            sp="false",
-            ckpt="none",
-            dopt="false",
-            schedule="1f1b",
-            world=1,
-            backend="megatron",
-        ),
-        "mla.yaml",
-    ).spec.model
+    model = TransformerModel.model_validate(DEEPSEEK_V3)
     widths = activation_widths(model)
     assert widths["attention_width"] == 128 * (192 + 192 + 128 + 128)
     assert widths["latent_width"] == (1536 + 512 + 64) + (1536 + 512)
     for sp in (False, True):
         common = dict(
+            LAYER,
             seq_len=4096,
-            cp=1,
             micro_batch_size=1,
             hidden_size=7168,
             num_heads=128,
             tp=4,
             sequence_parallel=sp,
-            full_recompute=False,
-            selective_recompute=True,
-            fp32=False,
-            eager_attention=False,
-            gated=True,
             dense_ffn_width=18432,
             query_width=widths["query_width"],
         )

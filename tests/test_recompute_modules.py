@@ -15,7 +15,7 @@ from mixle_compile.lower.lowering import lower
 from mixle_compile.memory_model import NUMBERS, activation_bytes_per_layer, moe_layer_extra_bytes
 from mixle_compile.spec import load_spec_text
 from mixle_compile.step_time import _layer_flops
-from tests.test_memory_model import MOE_BLOCK
+from tests.test_memory_model import LAYER, MOE_BLOCK
 from tests.test_step_time import DEEPSEEK_V3
 
 BRIDGE = Path(__file__).parent / "corpus" / "production" / "bridge_nemo"
@@ -66,24 +66,7 @@ def test_what_megatron_refuses_or_ignores_is_said_at_the_field():
     assert not refused.ok and "recompute_modules" in refused.diagnostics[0].message
 
 
-WIDTHS = dict(
-    latent_width=96,
-    seq_len=1024,
-    cp=1,
-    micro_batch_size=2,
-    hidden_size=256,
-    num_heads=4,
-    tp=2,
-    full_recompute=False,
-    selective_recompute=True,
-    fp32=False,
-    eager_attention=False,
-    gated=True,
-    dense_ffn_width=512,
-    query_width=256,
-    kv_width=128,
-    up_projection_width=1024,
-)
+WIDTHS = dict(LAYER, latent_width=96, query_width=256, kv_width=128, up_projection_width=1024)
 
 
 @pytest.mark.parametrize("sp", [False, True])

@@ -40,6 +40,7 @@ from mixle_compile.memory_model import (
     reduce_scatter_buffer_bytes,
     reserve_bytes,
     ring_attention_bytes,
+    selective_moe_kept,
 )
 from mixle_compile.parameters import DTYPE_BYTES, moe_layers_in
 from mixle_compile.plan.vocabulary import ALL_DATA_AXES, KV_HEAD_AXIS, REPLICATE, expert_data_size
@@ -381,13 +382,10 @@ def moe_extra(spec: Spec, plan: ParallelPlan) -> tuple[float, float]:
         return extra, extra
     if t.activation_checkpointing == "full" or engine.op_level_selective:
         return extra, 0.0
-    # Megatron's selective recompute_modules: the block recomputed whole ("moe") keeps nothing beyond a
-    # dense layer; the dense MLP's share discarded ("mlp") is the MoE block's to keep
-    if "moe" in modules:
-        return extra, 0.0
-    kept = _moe_block(spec, plan, engine, modules)
-    if "mlp" in modules:
-        kept += dense_mlp_split_bytes(
+    return extra, selective_moe_kept(
+        modules,
+        lambda m: _moe_block(spec, plan, engine, m),
+        lambda: dense_mlp_split_bytes(
             NUMBERS,
             seq_len=t.seq_len or 1,
             cp=plan.cp,
@@ -396,8 +394,8 @@ def moe_extra(spec: Spec, plan: ParallelPlan) -> tuple[float, float]:
             dense_ffn_width=model.ffn_hidden_size,
             gated=model.activation == "swiglu",
             fp32=t.precision == "fp32",
-        )
-    return extra, kept
+        ),
+    )
 
 
 def _moe_block(spec: Spec, plan: ParallelPlan, engine, modules: frozenset[str]) -> float:

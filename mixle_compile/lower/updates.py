@@ -376,7 +376,7 @@ def _recomputed(
         nbytes = u.payload_bytes
         if not engine.recomputes(checkpointing, u.update.collective.value, module, modules):
             gathers_latents = (site, uid.kind, u.update.collective.value) == ("attn", "in", "all_gather")
-            if up_gather is None or not gathers_latents or checkpointing != "selective":
+            if up_gather is None or not gathers_latents:
                 continue
             if not engine.recomputes(checkpointing, "all_gather", "mla_up_proj", modules):
                 continue

@@ -132,20 +132,21 @@ class TransformerShape:
     def from_spec(spec: Spec) -> TransformerShape:
         m = spec.model
         assert isinstance(m, TransformerModel)
+        a = attention_widths(m)
         return TransformerShape(
             vocab_size=m.vocab_size,
             hidden_size=m.hidden_size,
             num_layers=m.num_layers,
             num_heads=m.num_heads,
-            num_kv_heads=m.num_kv_heads or m.num_heads,
-            head_dim=m.head_dim or m.hidden_size // m.num_heads,
+            num_kv_heads=a.kv_heads,
+            head_dim=a.qk_head_dim,
             ffn_hidden_size=m.ffn_hidden_size,
             norm=m.norm,
             activation=m.activation,
             position_embedding=m.position_embedding,
             compute_dtype=torch.bfloat16 if spec.training.precision == "bf16" else torch.float32,
             experts=ExpertShape.from_model(m),
-            latent=attention_widths(m) if m.latent_attention else None,
+            latent=a if a.latent else None,
         )
 
 

@@ -175,7 +175,7 @@ def parameter_footprint(spec: Spec) -> ParameterFootprint:
             hidden_size=model.hidden_size,
             num_heads=model.num_heads,
             vocab_size=model.vocab_size,
-            head_dim=head_dim_of(model),
+            head_dim=layer_attention(model).qk_head_dim,
             **activation_widths(model),
             **expert_shape(model),
             activation=model.activation,
@@ -189,10 +189,6 @@ def parameter_footprint(spec: Spec) -> ParameterFootprint:
         if heaviest != ZERO:
             add("every_layer", category, heaviest)
     return ParameterFootprint(MappingProxyType({k: v for k, v in shares.items() if v != ZERO}))
-
-
-def head_dim_of(model) -> int:
-    return layer_attention(model).qk_head_dim
 
 
 def attention_widths(model, *, repeated_keys: bool) -> dict[str, int]:

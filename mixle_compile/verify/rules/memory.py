@@ -20,6 +20,7 @@ from mixle_compile.memory_model import (
     reduce_scatter_buffer_bytes,
     reserve_bytes,
     ring_attention_bytes,
+    selective_moe_kept,
 )
 from mixle_compile.schedules import microbatches_per_round
 from mixle_compile.spec.kinds import Engine, Family
@@ -255,11 +256,10 @@ def moe_extra(v) -> tuple[object, object]:
     extra = _moe_block(v, frozenset())
     if engine.op_level_selective:
         return extra, when(v.is_("activation_checkpointing", "none"), extra, real(0))
-    # Megatron's selective recompute_modules: the block recomputed whole ("moe") keeps nothing beyond a
-    # dense layer; the dense MLP's share discarded ("mlp") is the MoE block's to keep
-    selective = real(0) if "moe" in modules else _moe_block(v, modules)
-    if "mlp" in modules and "moe" not in modules:
-        selective = selective + dense_mlp_split_bytes(
+    selective = selective_moe_kept(
+        modules,
+        lambda m: _moe_block(v, m),
+        lambda: dense_mlp_split_bytes(
             TERMS,
             seq_len=v.seq_len,
             cp=v.cp,
@@ -268,7 +268,9 @@ def moe_extra(v) -> tuple[object, object]:
             dense_ffn_width=fp.dense_ffn_width,
             gated=fp.activation == "swiglu",
             fp32=v.is_("precision", "fp32", "fp64"),
-        )
+        ),
+        nothing=real(0),
+    )
     kept = when(
         v.is_("activation_checkpointing", "none"),
         extra,
