@@ -897,3 +897,22 @@ resources: {devices: 2, memory: 8GiB}
         assert round_trip(spec, "megatron", tmp_path / f"{entry}{len(extra)}")
         # to torchtitan, whose pipelining has no such switch (P012), the field is left out
         assert round_trip(spec, "torchtitan", tmp_path / f"titan-{entry}{len(extra)}")
+
+
+def test_recompute_modules_reach_megatron_and_moe_act_comes_with_grouped_gemm(tmp_path):
+    """The list is exported as --recompute-modules and read back; an MoE launch names --moe-grouped-gemm, without
+    which Megatron-Core refuses moe_act (transformer_config.py) and the importer says so (I005)."""
+    spec = load_spec(EXAMPLES / "mixtral-moe-ep.yaml").spec
+    training = spec.training.model_copy(
+        update={"activation_checkpointing": "selective", "recompute_modules": ["moe_act", "layernorm"]}
+    )
+    spec = spec.model_copy(update={"training": training, "backend": "megatron"})
+    exported = export_spec(spec, "megatron")
+    launch = exported.files[exported.main]
+    assert "--recompute-modules moe_act layernorm" in launch and "--moe-grouped-gemm" in launch
+    for name, text in exported.files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    doc, diagnostics = read_any(tmp_path / exported.main, exported.main, ImportOptions())
+    assert doc.data["training"]["recompute_modules"] == ["moe_act", "layernorm"]
+    assert not [d for d in diagnostics if d.severity.value == "error"], [d.message for d in diagnostics]
