@@ -139,12 +139,13 @@ def test_the_down_projections_are_whole_on_every_tp_rank_and_their_gradients_sum
 
 CASES = {
     "tp2-sp": dict(tp=2, sp=True),
-    "fsdp2-cp2-values-wider-than-keys": dict(ds=2, cp=2, v=12, optimizer="adamw", lr=1e-3),
+    "tp2-cp2-values-wider-than-keys": dict(tp=2, cp=2, v=12, optimizer="adamw", lr=1e-3),
     "ep2-fsdp2-experts-after-a-dense-layer": dict(ds=2, ep=2, experts=4),
     "pp2-tp2": dict(pp=2, tp=2, mb=4),
 }
 
 SLOW_CASES = {
+    "fsdp2-cp2-values-wider-than-keys": dict(ds=2, cp=2, v=12, optimizer="adamw", lr=1e-3),
     "ddp2-tp2-sp-world4": dict(dr=2, tp=2, sp=True),
     "tp2-direct-queries": dict(tp=2, q_lora=0),
     "tp2-cp2-sp-world4": dict(tp=2, cp=2, sp=True),
