@@ -442,7 +442,7 @@ def _latent_rows(backend: str, sp: bool, tp: int) -> float:
     for, as a multiple of the 1/tp every split matmul runs: the sequence shard where the engine
     projects down on it under sequence parallelism (EngineProfile.latent_projections_on_shards),
     else every token."""
-    return 1.0 if sp and _engine(backend).latent_projections_on_shards else float(tp)
+    return 1.0 if sp and _named_engine(backend).latent_projections_on_shards else float(tp)
 
 
 def _layer_flops(model: dict, training: dict, seq: float, backend: str, moe_layer: bool, tp: int = 1) -> _Layer:
@@ -496,7 +496,7 @@ def _layer_flops(model: dict, training: dict, seq: float, backend: str, moe_laye
         # what the engine's selective checkpointing runs again (EngineProfile.selective_modules: the
         # attention core, or Megatron's recompute_modules); the output-discarding norms and MoE
         # activation are element-wise
-        modules = _engine(backend).selective_modules(training.get("recompute_modules"))
+        modules = _named_engine(backend).selective_modules(training.get("recompute_modules"))
         again = 0.0
         if "mla_up_proj" in modules and a.latent:
             again += sum(2 * i * o for i, o, split in a.projections() if split)
@@ -556,7 +556,7 @@ def fused_matmul_flops(node_id: str, model: dict, training: dict, backend: str, 
     # an engine that gathers the hidden state for MLA's down projections (and a direct wq) runs them
     # on every token of every tp rank (EngineProfile.latent_projections_on_shards); elsewhere the
     # gather carries the latents to the up projections
-    on_hidden = a.latent and not _engine(backend).latent_projections_on_shards
+    on_hidden = a.latent and not _named_engine(backend).latent_projections_on_shards
     down = {"wq_a", "wkv_a"} if on_hidden else set()
     gathered = {m.name for m in block_matmuls(a, ffn, matrices) if m.gathered}
     reading = {  # the matmuls reading each collective's output, or writing its input
@@ -738,6 +738,12 @@ def why_not_predicted(spec: dict) -> str | None:
     except NoPrediction as e:
         return str(e)
     return None
+
+
+@cache
+def _named_engine(name: str) -> Any:
+    """The EngineProfile of a backend's name (what a layer's work depends on is the same in every version)."""
+    return _engine(name)
 
 
 def _engine(backend: Any) -> Any:
