@@ -32,6 +32,7 @@ Virtual stage ``c * pp + s`` is chunk ``c`` of stage ``s`` (both engines interle
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -169,11 +170,12 @@ class LayerSplit:
 
     def ranges_on_stage(self, stage: int) -> tuple[tuple[int, int], ...]:
         """The layers of each of ``stage``'s chunks, as ``(first, end)`` ranges in chunk order."""
-        starts = [0]
-        for count in self.counts:
-            starts.append(starts[-1] + count)
-        virtual = [c * self.pp + stage for c in range(self.virtual_stages)]
-        return tuple((starts[w], starts[w + 1]) for w in virtual)
+        starts = self.starts()
+        return tuple((starts[w], starts[w + 1]) for w in range(stage, len(self.counts), self.pp))
+
+    def starts(self) -> tuple[int, ...]:
+        """The first layer of every virtual stage in model order, and the layer count at the end."""
+        return tuple(itertools.accumulate(self.counts, initial=0))
 
 
 def split_layers(num_layers: int, pp: int, virtual_stages: int, pipeline_layers: Any, engine_name: str) -> LayerSplit:

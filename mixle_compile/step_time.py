@@ -809,19 +809,16 @@ def attention_length_factor(seq: float, cp: int) -> float:
 def stage_moe_layers(split: Any, model: dict) -> list[int]:
     """The mixture-of-experts layers each pipeline stage holds under ``split`` (a LayerSplit): over
     every chunk of its layers, so that an interleaved stage's chunks are counted where they are."""
-    return [
-        sum(
-            moe_layers_in(
-                a,
-                b - a,
-                num_experts=model.get("num_experts", 0),
-                frequency=model.get("moe_layer_frequency", 1),
-                start=model.get("moe_first_layer", 0),
-            )
-            for a, b in split.ranges_on_stage(stage)
-        )
-        for stage in range(split.pp)
-    ]
+    experts = model.get("num_experts", 0)
+    out = [0] * split.pp
+    if experts <= 0:
+        return out
+    frequency, start = model.get("moe_layer_frequency", 1), model.get("moe_first_layer", 0)
+    starts = split.starts()
+    for virtual in range(len(split.counts)):  # virtual stage w is chunk w // pp of stage w % pp
+        a, b = starts[virtual], starts[virtual + 1]
+        out[virtual % split.pp] += moe_layers_in(a, b - a, num_experts=experts, frequency=frequency, start=start)
+    return out
 
 
 def stage_compute_parts(
@@ -881,7 +878,16 @@ def stage_compute_parts(
             for a, n in zip(starts, stage_layers, strict=False)
         ]
     kinds: dict[bool, tuple[_Layer, float, float]] = {}
+    last_stage = len(stage_layers) - 1
+    priced: dict[tuple[int, int, bool], tuple[float, float, float]] = {}  # stages alike cost alike
     for stage, (count, moe_layers) in enumerate(zip(stage_layers, stage_moe, strict=True)):
+        alike = (count, moe_layers, stage == last_stage)
+        known_stage = priced.get(alike)
+        if known_stage is not None:
+            per_sample.append(known_stage[0])
+            fixed.append(known_stage[1])
+            attention_of.append(known_stage[2])
+            continue
         # Layers of one kind (dense or MoE) cost the same: count each kind once (stage_moe_layers
         # says how many MoE layers each stage holds).
         linear = attention = moved = rows = weights = 0.0
@@ -912,7 +918,7 @@ def stage_compute_parts(
             tokens * linear / (st.linear_peak * efficiency) + attention_seconds + (tokens * moved + rows) / bandwidth
         )
         constant = weights / bandwidth
-        if stage == len(stage_layers) - 1:
+        if stage == last_stage:
             head = ((1.0, model["hidden_size"], model["vocab_size"] / tp, False),)
             at_rows = _gemm_bytes(head, tokens, (activation_bytes, activation_bytes), 1)
             at_none = _gemm_bytes(head, 0.0, (activation_bytes, activation_bytes), 1)
@@ -921,6 +927,7 @@ def stage_compute_parts(
             )
             sample += 3 * (at_rows - at_none) / bandwidth
             constant += 3 * at_none / bandwidth
+        priced[alike] = (sample, constant, attention_seconds)
         per_sample.append(sample)
         fixed.append(constant)
         attention_of.append(attention_seconds)
