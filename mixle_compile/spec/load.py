@@ -546,6 +546,7 @@ def consistency_diagnostics(spec: Spec, doc: SourceDocument) -> list[Diagnostic]
     out += _backend_diagnostics(spec, doc)
     out += _auto_diagnostics(spec, doc)
     out += _recompute_modules_diagnostics(spec, doc)
+    out += _mtp_loss_diagnostics(spec, doc)
     model = spec.model
     if isinstance(model, TransformerModel):
         out += _transformer_diagnostics(model, spec, doc)
@@ -640,6 +641,26 @@ def _recompute_modules_diagnostics(spec: Spec, doc: SourceDocument) -> list[Diag
             )
         )
     return out
+
+
+def _mtp_loss_diagnostics(spec: Spec, doc: SourceDocument) -> list[Diagnostic]:
+    """``training.mtp_loss_scaling_factor`` weighs the multi-token prediction loss: without
+    multi-token prediction layers nothing reads it."""
+    if spec.training.mtp_loss_scaling_factor is None:
+        return []
+    model = spec.model
+    if isinstance(model, TransformerModel) and model.mtp_num_layers > 0:
+        return []
+    return [
+        doc.diagnostic(
+            codes.INCONSISTENT.code,
+            "training.mtp_loss_scaling_factor is set, but the model has no multi-token prediction layers "
+            "(model.mtp_num_layers), so there is no such loss to weigh",
+            ("training", "mtp_loss_scaling_factor"),
+            hint="remove mtp_loss_scaling_factor, or give the transformer mtp_num_layers",
+            severity=Severity.warning,
+        )
+    ]
 
 
 def _auto_diagnostics(spec: Spec, doc: SourceDocument) -> list[Diagnostic]:

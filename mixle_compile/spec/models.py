@@ -359,6 +359,14 @@ class TransformerModel(StrictModel):
         description="tokens an expert takes, as a multiple of its even share (Megatron "
         "--moe-expert-capacity-factor); null = dropless routing",
     )
+    mtp_num_layers: Count = Field(
+        default=0,
+        description="multi-token prediction depths (DeepSeek-V3) after the last layer: depth k joins the previous "
+        "depth's hidden state with the embedding of the token k ahead (two norms and a [2 hidden -> hidden] "
+        "projection), runs one more block of the last layer's kind and predicts the token k + 1 ahead through the "
+        "output head (Megatron --mtp-num-layers, HF num_nextn_predict_layers, torchtitan num_mtp_layers); they sit "
+        "on the last pipeline stage; 0 = none",
+    )
     norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
     activation: Literal["swiglu", "gelu", "relu"] = "swiglu"
     position_embedding: Literal["rope", "learned"] = "rope"
@@ -718,6 +726,14 @@ class TrainingSpec(StrictModel):
         default=None,
         description="Megatron-Core's selective recomputation (--recompute-modules; activation_checkpointing: "
         "selective): the submodules run again in the backward; null = Megatron's default, [core_attn]",
+    )
+    mtp_loss_scaling_factor: Annotated[StrictFloat | StrictInt, Field(gt=0, le=1e6, allow_inf_nan=False)] | None = (
+        Field(
+            default=None,
+            description="the weight of the multi-token prediction loss (the mean over its depths) beside the main "
+            "loss (Megatron --mtp-loss-scaling-factor, torchtitan MTPLoss mtp_scale); null = the engine's default "
+            "(Megatron-Core 0.1, torchtitan 0.3, the in-tree runtime Megatron's)",
+        )
     )
     attention: Literal["flash", "eager"] | None = Field(
         default=None,
