@@ -143,6 +143,18 @@ class EngineProfile:
         return self.name != Engine.TORCHTITAN
 
     @property
+    def mtp_projection_split(self) -> bool:
+        """A multi-token prediction depth's ``eh_proj`` ([embedding, hidden] -> hidden) is split over tp
+        by its outputs, its input gathered over the sequence under sequence parallelism and its output
+        gathered over the features (Megatron-Core: a ColumnParallelLinear, then
+        ``gather_from_tensor_model_parallel_region`` and, with sequence parallelism,
+        ``scatter_to_sequence_parallel_region``, multi_token_prediction.py ``_concat_embeddings``; the
+        in-tree runtime the same). torchtitan 0.3 keeps it whole on every tp rank and runs it on the
+        rank's own tokens (models/deepseek_v3/sharding.py ``_set_deepseek_v3_mtp_sharding``: weight
+        replicated, input and output in the activation's placement)."""
+        return self.name != Engine.TORCHTITAN
+
+    @property
     def pads_values_to_key_heads(self) -> bool:
         """Context parallelism exchanges MLA's keys and values padded to the larger head size, as one
         tensor: the in-tree runtime. Transformer Engine's ring (``AttnFuncWithCPAndKVP2P``, which

@@ -31,6 +31,7 @@ Virtual stage ``c * pp + s`` is chunk ``c`` of stage ``s`` (both engines interle
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from dataclasses import dataclass
@@ -155,15 +156,24 @@ class LayerSplit:
     virtual_stages: int
     counts: tuple[int, ...]  # per virtual stage, model order
     rule: str  # even, balanced, torchtitan, or listed
+    # multi-token prediction blocks after the decoder's layers, all on the last virtual stage (Megatron-Core's
+    # mtp_on_this_rank without a custom layout: "all of MTP layers on the last pipeline stage")
+    mtp: int = 0
 
     def location(self, layer: int) -> tuple[int, int]:
-        """(stage, chunk) holding ``layer``."""
+        """(stage, chunk) holding ``layer`` (a multi-token prediction block: the last virtual stage)."""
         end = 0
         for virtual, count in enumerate(self.counts):
             end += count
             if layer < end:
                 return virtual % self.pp, virtual // self.pp
-        raise ValueError(f"layer {layer} is beyond the {sum(self.counts)} layers of the split")
+        if layer < end + self.mtp:
+            return self.pp - 1, self.virtual_stages - 1
+        raise ValueError(f"layer {layer} is beyond the {sum(self.counts) + self.mtp} blocks of the split")
+
+    def mtp_on_stage(self, stage: int) -> int:
+        """The multi-token prediction blocks ``stage`` holds (all of them on the last)."""
+        return self.mtp if stage == self.pp - 1 else 0
 
     def layers_on_stage(self, stage: int) -> int:
         return sum(self.counts[c * self.pp + stage] for c in range(self.virtual_stages))
@@ -178,9 +188,17 @@ class LayerSplit:
         return tuple(itertools.accumulate(self.counts, initial=0))
 
 
-def split_layers(num_layers: int, pp: int, virtual_stages: int, pipeline_layers: Any, engine_name: str) -> LayerSplit:
+def split_layers(
+    num_layers: int, pp: int, virtual_stages: int, pipeline_layers: Any, engine_name: str, mtp: int = 0
+) -> LayerSplit:
     """The split a spec asks for: a list as given, ``even``, or the engine's rule. Without a
-    pipeline, one stage holds every layer."""
+    pipeline, one stage holds every layer. ``mtp`` multi-token prediction blocks follow on the last
+    virtual stage."""
+    split = _split_layers(num_layers, pp, virtual_stages, pipeline_layers, engine_name)
+    return dataclasses.replace(split, mtp=mtp) if mtp else split
+
+
+def _split_layers(num_layers: int, pp: int, virtual_stages: int, pipeline_layers: Any, engine_name: str) -> LayerSplit:
     virtual_stages = virtual_stages if pp > 1 else 1
     stages = pp * virtual_stages
     if isinstance(pipeline_layers, (list, tuple)) and pp > 1:

@@ -366,6 +366,33 @@ def logits_bytes(
     return s * ar.exact(micro_batch_size) * ar.exact(vocab_size) / ar.exact(tp) * bytes_per_logit
 
 
+#: Hidden-sized tensors a multi-token prediction depth keeps for its backward beyond its transformer
+#: block, per token (Megatron-Core multi_token_prediction.py ``MultiTokenPredictionLayer``): the
+#: embedding of the tokens ahead and the previous depth's hidden state (the inputs of enorm and hnorm),
+#: their normalised concatenation (eh_proj's input, two hidden widths), and the input and output of
+#: final_layernorm (the output is the shared head's saved input).
+MTP_SAVED_HIDDEN = 6
+
+
+def mtp_depth_bytes(
+    ar: Arithmetic,
+    *,
+    seq_len: Any,
+    cp: Any,
+    micro_batch_size: Any,
+    tp: Any,
+    hidden_size: Any,
+    sequence_parallel: Any,
+    fp32: Any,
+) -> Any:
+    """What one multi-token prediction depth keeps for its backward beyond its block, per micro-batch
+    (:data:`MTP_SAVED_HIDDEN` hidden-sized tensors; split over tp with sequence parallelism)."""
+    s = ar.exact(seq_len) / ar.exact(cp)
+    split = ar.when(sequence_parallel, ar.exact(tp), 1)
+    element = ar.when(fp32, 4, 2)
+    return s * ar.exact(micro_batch_size) * ar.exact(hidden_size) * MTP_SAVED_HIDDEN * element / split
+
+
 def reserve_bytes(ar: Arithmetic, live: Any) -> Any:
     """What the caching allocator reserves beyond the live bytes (:data:`ALLOCATOR_RESERVE`)."""
     return ar.exact(live) * ALLOCATOR_RESERVE

@@ -23,6 +23,8 @@ from mixle_compile.spec.models import ModulesModel, Spec, TransformerModel
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "fp64": 8}
 
 TIED_EMBEDDING_GROUP = "tied_embedding"
+#: The last pipeline stage's copy of the embedding that multi-token prediction reads (untied models).
+MTP_EMBEDDING = "mtp_embed.weight"
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,14 @@ def model_parameters(spec: Spec, layers: Iterable[int] | None = None) -> tuple[P
     lowering lists one block of each run of blocks that lower alike (lower/runs.py)."""
     model = spec.model
     if isinstance(model, TransformerModel):
-        return transformer_parameters(model, stored_dtype(spec.training.precision), spec.training.seq_len, layers)
+        split = True
+        if model.mtp_num_layers:
+            from mixle_compile.engines import engine_profile
+
+            split = engine_profile(spec.backend).mtp_projection_split
+        return transformer_parameters(
+            model, stored_dtype(spec.training.precision), spec.training.seq_len, layers, mtp_projection_split=split
+        )
     if isinstance(model, ModulesModel):
         return tuple(
             Parameter(
@@ -199,9 +208,39 @@ def attention_widths(model: Any) -> AttentionWidths:
 
 def is_moe_layer(model: TransformerModel, layer: int) -> bool:
     """Layers f, f + k, f + 2k, ... are mixture-of-experts layers (f = ``moe_first_layer``, k =
-    ``moe_layer_frequency``; Megatron's integer ``--moe-layer-freq`` k is f = 0)."""
+    ``moe_layer_frequency``; Megatron's integer ``--moe-layer-freq`` k is f = 0). A multi-token
+    prediction block (index ``num_layers`` and above, :func:`is_mtp_layer`) is of the last layer's kind."""
     return moe_layer_at(
-        layer, num_experts=model.num_experts, frequency=model.moe_layer_frequency, first=model.moe_first_layer
+        min(layer, model.num_layers - 1),
+        num_experts=model.num_experts,
+        frequency=model.moe_layer_frequency,
+        first=model.moe_first_layer,
+    )
+
+
+def is_mtp_layer(model: Any, layer: int | None) -> bool:
+    """Whether block ``layer`` is a multi-token prediction depth's: they follow the decoder's layers,
+    depth k at index ``num_layers + k``."""
+    get = model.get if isinstance(model, Mapping) else lambda key, default=None: getattr(model, key, default)
+    return layer is not None and layer >= get("num_layers")
+
+
+def mtp_depths(model: Any) -> int:
+    """How many multi-token prediction depths a transformer (spec model or mapping) has."""
+    get = model.get if isinstance(model, Mapping) else lambda key, default=None: getattr(model, key, default)
+    return get("mtp_num_layers") or 0
+
+
+def mtp_is_moe(model: Any) -> bool:
+    """Whether a multi-token prediction block is a mixture-of-experts block: the decoder's last
+    layer's kind (Megatron-Core's get_gpt_mtp_block_spec_for_backend takes ``layer_specs[-1]``;
+    torchtitan's _build_mtp_layers the last decoder layer's config)."""
+    get = model.get if isinstance(model, Mapping) else lambda key, default=None: getattr(model, key, default)
+    return moe_layer_at(
+        get("num_layers") - 1,
+        num_experts=get("num_experts", 0) or 0,
+        frequency=get("moe_layer_frequency", 1) or 1,
+        first=get("moe_first_layer", 0) or 0,
     )
 
 
@@ -221,6 +260,9 @@ def layer_kinds_model(model: TransformerModel, keep: int) -> TransformerModel:
     if model.num_experts:
         both = model.moe_layer_frequency > 1 or model.moe_first_layer > 0
         update.update(moe_layer_frequency=2 if both else 1, moe_first_layer=0)
+        if both and keep > 1 and model.mtp_num_layers and mtp_is_moe(model):
+            # the last layer keeps its kind: a multi-token prediction block takes it (mtp_is_moe)
+            update.update(moe_layer_frequency=1, moe_first_layer=keep - 1)
     return model.model_copy(update=update)
 
 
@@ -269,12 +311,23 @@ def moe_layers_in(first: int, count: int, *, num_experts: int, frequency: int, s
 
 
 def transformer_parameters(
-    model: TransformerModel, dtype: str, seq_len: int | None = None, layers: Iterable[int] | None = None
+    model: TransformerModel,
+    dtype: str,
+    seq_len: int | None = None,
+    layers: Iterable[int] | None = None,
+    *,
+    mtp_projection_split: bool = True,
 ) -> tuple[Parameter, ...]:
+    """A transformer's parameters in module order: the embedding, the blocks, the final norm, the
+    multi-token prediction depths (:func:`is_mtp_layer`), the output head. ``layers``: the blocks to
+    list (decoder and multi-token prediction blocks by index, increasing); every block when None.
+    ``mtp_projection_split``: a depth's projection is split over tp (EngineProfile.mtp_projection_split),
+    else whole on every tp rank."""
     h, v = model.hidden_size, model.vocab_size
     a = attention_widths(model)
     gated = model.activation == "swiglu"
     tied = TIED_EMBEDDING_GROUP if model.tie_embeddings else None
+    depths = model.mtp_num_layers
     out: list[Parameter] = []
 
     def add(
@@ -294,10 +347,7 @@ def transformer_parameters(
         if model.norm == "layernorm":
             add(f"{name}.bias", (h,), "bias", layer)
 
-    add("embed.weight", (v, h), "embedding", None, tied)
-    if model.position_embedding == "learned":
-        add("pos_embed.weight", (model.positions(seq_len) or 1, h), "embedding")
-    for i in range(model.num_layers) if layers is None else layers:
+    def block(i: int) -> None:
         p = f"layers.{i}"
         norm(f"{p}.attn_norm", i)
         if a.latent:
@@ -334,8 +384,39 @@ def transformer_parameters(
                 add(f"{p}.mlp.gate_proj.weight", (f, h), "column", i)
             add(f"{p}.mlp.up_proj.weight", (f, h), "column", i)
             add(f"{p}.mlp.down_proj.weight", (h, f), "row", i)
+
+    def mtp_block(i: int) -> None:
+        # Megatron-Core's MultiTokenPredictionLayer (megatron/core/transformer/multi_token_prediction.py):
+        # enorm (the embedding of the tokens ahead), hnorm (the previous depth's hidden state), eh_proj
+        # (a ColumnParallelLinear of [embedding, hidden] -> hidden, no bias), a transformer layer of the
+        # decoder's last layer's spec, and final_layernorm before the shared output head; torchtitan's
+        # MTPTransformerBlock (models/deepseek_v3/mtp.py) has the same tensors (mtp_norm for the last).
+        p = f"layers.{i}.mtp"
+        norm(f"{p}.enorm", i)
+        norm(f"{p}.hnorm", i)
+        add(f"{p}.eh_proj.weight", (h, 2 * h), "column" if mtp_projection_split else "latent", i)
+        block(i)
+        norm(f"{p}.final_norm", i)
+
+    add("embed.weight", (v, h), "embedding", None, tied or (TIED_EMBEDDING_GROUP if depths else None))
+    if model.position_embedding == "learned":
+        add("pos_embed.weight", (model.positions(seq_len) or 1, h), "embedding")
+    listed = tuple(range(model.num_layers + depths) if layers is None else layers)
+    for i in listed:
+        if i < model.num_layers:
+            block(i)
     norm("final_norm", None)
+    for i in listed:
+        if i >= model.num_layers:
+            mtp_block(i)
     add("lm_head.weight", (v, h), "head", None, tied)
+    if depths and not tied:
+        # A multi-token prediction depth embeds the tokens ahead with the model's embedding: on the last
+        # pipeline stage Megatron-Core keeps a copy of it tied to the first stage's
+        # (LanguageModule.setup_embeddings_and_output_layer: "maintain duplicated embedding weights in mtp
+        # process stage"; finalize_model_grads all-reduces their gradients); on one stage it is the same
+        # tensor. With tied embeddings the output head on the last stage is that copy already.
+        add(MTP_EMBEDDING, (v, h), "embedding", None, TIED_EMBEDDING_GROUP)
     return tuple(out)
 
 

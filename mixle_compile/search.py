@@ -646,7 +646,7 @@ class _Pricer:
                 distributed_optimizer=v["distributed_optimizer"],
                 num_kv_heads=model.num_kv_heads or model.num_heads,
                 fsdp_over_cp=self.engine.fsdp_over_cp,
-                layer_split=split_layers(layers, 1, 1, None, self.engine.name),
+                layer_split=split_layers(layers, 1, 1, None, self.engine.name, model.mtp_num_layers),
             )
             options = dict(sequence_parallel=v["sequence_parallel"], distributed_optimizer=v["distributed_optimizer"])
             # Counted with 2 accumulation steps of 3 micro-steps each: a count of 1, 2 or 3 per step says
@@ -660,12 +660,15 @@ class _Pricer:
         return hit
 
     def _where(self, placed_parameter) -> str:
-        from mixle_compile.parameters import is_moe_layer
+        from mixle_compile.parameters import MTP_EMBEDDING, is_moe_layer, is_mtp_layer
 
-        layer = placed_parameter.parameter.layer
-        if layer is None:
-            return "first" if placed_parameter.parameter.role == "embedding" else "last"
-        return "moe" if is_moe_layer(self._reduced().model, layer) else "dense"
+        p = placed_parameter.parameter
+        model = self._reduced().model
+        if p.layer is None:
+            return "first" if p.role == "embedding" and p.name != MTP_EMBEDDING else "last"
+        if is_mtp_layer(model, p.layer):  # a multi-token prediction depth: the last stage's
+            return "last"
+        return "moe" if is_moe_layer(model, p.layer) else "dense"
 
     def _kind_counts(self) -> dict[str, int]:
         if self._kinds is None:
@@ -1088,6 +1091,8 @@ def _site_kind(site: str, model) -> str:
 
     if site.startswith("layers."):
         layer = int(site.split(".")[1])
+        if layer >= model.num_layers:  # a multi-token prediction depth: the last stage's
+            return "last"
         return "moe" if is_moe_layer(model, layer) else "dense"
     return "first" if site.startswith("embed") else "last"
 

@@ -33,7 +33,15 @@ from fractions import Fraction
 from functools import cache
 from typing import Any
 
-from mixle_compile.parameters import AttentionWidths, attention_widths, block_matmuls, moe_layer_at, moe_layers_in
+from mixle_compile.parameters import (
+    AttentionWidths,
+    attention_widths,
+    block_matmuls,
+    moe_layer_at,
+    moe_layers_in,
+    mtp_depths,
+    mtp_is_moe,
+)
 from mixle_compile.plan.vocabulary import DATA_PARALLEL_AXES, EXPERT_DATA, RECOMPUTE, UpdateId
 from mixle_compile.spec.models import compiled_components
 
@@ -600,7 +608,16 @@ def model_flops_per_token(model: dict, seq: float) -> float:
         )
         flops = _layer_flops(model, {"activation_checkpointing": "none", "attention": "eager"}, seq, "torch", moe)
         total += 3 * flops.linear + 3 * flops.attention
-    return total + 3 * 2 * h * model["vocab_size"]
+    # Multi-token prediction depths: a block of the last layer's kind, the [2h -> h] projection and one more
+    # pass through the output head each (Megatron-LM training.py num_floating_point_operations: "MTP norms
+    # and proj", "MTP + final logit")
+    depths = mtp_depths(model)
+    if depths:
+        flops = _layer_flops(
+            model, {"activation_checkpointing": "none", "attention": "eager"}, seq, "torch", mtp_is_moe(model)
+        )
+        total += depths * (3 * flops.linear + 3 * flops.attention + 3 * 2 * 2 * h * h)
+    return total + (1 + depths) * 3 * 2 * h * model["vocab_size"]
 
 
 def _group_strides(axes: list[str], degrees: dict[str, int], order: str) -> list[tuple[int, int]]:
@@ -880,7 +897,11 @@ def stage_compute_parts(
     kinds: dict[bool, tuple[_Layer, float, float]] = {}
     last_stage = len(stage_layers) - 1
     priced: dict[tuple[int, int, bool], tuple[float, float, float]] = {}  # stages alike cost alike
+    depths = mtp_depths(model)
     for stage, (count, moe_layers) in enumerate(zip(stage_layers, stage_moe, strict=True)):
+        if stage == last_stage and depths:
+            # the multi-token prediction depths' blocks (of the last layer's kind) are the last stage's
+            count, moe_layers = count + depths, moe_layers + (depths if mtp_is_moe(model) else 0)
         alike = (count, moe_layers, stage == last_stage)
         known_stage = priced.get(alike)
         if known_stage is not None:
@@ -919,14 +940,35 @@ def stage_compute_parts(
         )
         constant = weights / bandwidth
         if stage == last_stage:
+            # the output head, once for the model and once more for each multi-token prediction depth
+            heads = 1 + depths
             head = ((1.0, model["hidden_size"], model["vocab_size"] / tp, False),)
             at_rows = _gemm_bytes(head, tokens, (activation_bytes, activation_bytes), 1)
             at_none = _gemm_bytes(head, 0.0, (activation_bytes, activation_bytes), 1)
             sample += (
-                tokens * 3 * 2 * model["hidden_size"] * model["vocab_size"] / tp / (st.other_peak * other_efficiency)
+                heads
+                * tokens
+                * 3
+                * 2
+                * model["hidden_size"]
+                * model["vocab_size"]
+                / tp
+                / (st.other_peak * other_efficiency)
             )
-            sample += 3 * (at_rows - at_none) / bandwidth
-            constant += 3 * at_none / bandwidth
+            sample += heads * 3 * (at_rows - at_none) / bandwidth
+            constant += heads * 3 * at_none / bandwidth
+            if depths:
+                # each depth's [embedding, hidden] -> hidden projection: split over tp where the engine
+                # splits it (EngineProfile.mtp_projection_split), run again under full checkpointing
+                h = model["hidden_size"]
+                split = tp if st.engine is None or st.engine.mtp_projection_split else 1
+                again = 1 if training.get("activation_checkpointing") == "full" else 0
+                projection = ((1.0, 2 * h, h / split, True),)
+                proj_rows = _gemm_bytes(projection, tokens, operand_bytes, weight_reads)
+                proj_none = _gemm_bytes(projection, 0.0, operand_bytes, weight_reads)
+                sample += depths * (3 + again) * (tokens * 2 * 2 * h * h / split / (st.linear_peak * efficiency))
+                sample += depths * (3 + again) * (proj_rows - proj_none) / bandwidth
+                constant += depths * (3 + again) * proj_none / bandwidth
         priced[alike] = (sample, constant, attention_seconds)
         per_sample.append(sample)
         fixed.append(constant)

@@ -115,8 +115,14 @@ def memory_bytes(spec: Spec, devices: int | None = None) -> Fraction:
 
     # Which amount each kind of layer holds, per category, as three numbers; combined component-wise.
     by_layer: dict[int, list] = {}
+    # A transformer's multi-token prediction depths (blocks past num_layers) and their embedding copy
+    # are the last stage's.
+    depths = model.mtp_num_layers if isinstance(model, TransformerModel) else 0
+    mtp = []
     for p, own in zip(params, own_dtypes, strict=True):
-        if p.layer is not None:
+        if p.layer is not None and depths and p.layer >= model.num_layers:
+            mtp.append((p, own))
+        elif p.layer is not None:
             by_layer.setdefault(p.layer, []).append((p, own))
 
     def amounts_of(layer) -> dict:
@@ -150,8 +156,12 @@ def memory_bytes(spec: Spec, devices: int | None = None) -> Fraction:
             heaviest = combine(heaviest, amounts_of(layer), max)
         held.append((v * c, heaviest))
 
-    first = [(p, o) for p, o in zip(params, own_dtypes, strict=True) if p.layer is None and p.role == "embedding"]
-    last = [(p, o) for p, o in zip(params, own_dtypes, strict=True) if p.layer is None and p.role != "embedding"]
+    first = [
+        (p, o)
+        for p, o in zip(params, own_dtypes, strict=True)
+        if p.layer is None and p.role == "embedding" and p.name != "mtp_embed.weight"
+    ]
+    last = [(p, o) for p, o in zip(params, own_dtypes, strict=True) if p.layer is None and (p, o) not in first]
     seen, tied = set(), []
     for p, o in zip(params, own_dtypes, strict=True):
         if p.layer is None and p.shared_group is not None:
@@ -190,10 +200,10 @@ def memory_bytes(spec: Spec, devices: int | None = None) -> Fraction:
             Fraction(0),
         )
 
-    def ends(measure, split) -> Fraction:
+    def ends(measure, split, with_depths: bool = True) -> Fraction:
         f, la, ti = (
             measure(group_amounts(first), split),
-            measure(group_amounts(last), split),
+            measure(group_amounts(last + (mtp if with_depths else [])), split),
             measure(group_amounts(tied), split),
         )
         return f + la - ti if pp == 1 else max(f, la)
@@ -218,7 +228,10 @@ def memory_bytes(spec: Spec, devices: int | None = None) -> Fraction:
             layer_unit = weights(held[0][1], model_split) + max(
                 (weights(a, model_split) for _, a in held[1:]), default=Fraction(0)
             )
-        total += 2 * max(layer_unit, ends(weights, model_split))
+        units = [layer_unit, ends(weights, model_split, with_depths=False)]
+        if depths:  # each depth is a unit of its own
+            units.append(weights(group_amounts(mtp), model_split) / depths)
+        total += 2 * max(units)
     if fsdp and held and backend_of(spec) == "torchtitan":
         # FSDP2 reduces the largest layer's gradients through an fp32 copy; the gradients in the
         # parameters' dtype are live beside it unless already accumulated in fp32 (the pipeline case)
@@ -235,7 +248,7 @@ def memory_bytes(spec: Spec, devices: int | None = None) -> Fraction:
     else:
         transient = ring_attention_bytes(spec)
     if pp == 1:  # the loss's buffers are freed by the head's backward, before any layer's backward
-        transient = max(transient - logits_bytes(spec), Fraction(0))
+        transient = max(transient - (1 + depths) * logits_bytes(spec), Fraction(0))
     total += transient
     moe_layers = v * (-(-c // model.moe_layer_frequency)) if isinstance(model, TransformerModel) else 0
     return total + activation_bytes(spec, v * c, moe_layers) + receive_buffer_bytes(spec)
@@ -351,21 +364,37 @@ def activation_bytes(spec: Spec, layers_on_rank: int, moe_layers_on_rank: int = 
         else:
             stored += moe_layers_on_rank * extra
     pp, mb = m.pp, m.microbatches
-    if pp == 1:
-        in_flight = Fraction(1)
-    elif t.pipeline_schedule == "gpipe":
-        in_flight = Fraction(mb)
-    elif t.pipeline_schedule == "1f1b":
-        in_flight = Fraction(min(mb, pp))
-    elif t.virtual_pipeline_stages == 1:
-        in_flight = Fraction(min(mb, pp))
-    else:
-        # The first rank's interleaved warm-up (torch's _get_warmup_ops, Megatron's
+
+    def in_flight_on(rank: int) -> Fraction:
+        if pp == 1:
+            return Fraction(1)
+        if t.pipeline_schedule == "gpipe":
+            return Fraction(mb)
+        if t.pipeline_schedule == "1f1b" or t.virtual_pipeline_stages == 1:
+            return Fraction(min(mb, pp - rank))
+        # The rank's interleaved warm-up (torch's _get_warmup_ops, Megatron's
         # num_warmup_microbatches) plus the steady state's first forward, in chunks of 1/v stage.
         v = t.virtual_pipeline_stages
         per_round = mb // max(1, mb // pp)
-        in_flight = Fraction(min(mb * v, 2 * (pp - 1) + (v - 1) * per_round + 1), v)
-    return in_flight * stored + recomputed + logits_bytes(spec)
+        return Fraction(min(mb * v, 2 * (pp - 1 - rank) + (v - 1) * per_round + 1), v)
+
+    activations = in_flight_on(0) * stored
+    depths = model.mtp_num_layers
+    if depths:
+        # the multi-token prediction depths: a block of the last layer's kind each (is_moe_layer past the
+        # last layer), and six hidden-wide tensors of their own (split over tp with sequence parallelism),
+        # on the last rank beside its layers (as many as the first's under an unlisted split)
+        element = 4 if t.precision in ("fp32", "fp64") else 2
+        tokens = Fraction(t.seq_len, m.cp) * t.micro_batch_size
+        own = tokens * model.hidden_size * 6 * element / (m.tp if t.sequence_parallel else 1)
+        depth = kept + own
+        if model.num_experts and is_moe_layer(model, model.num_layers) and not recompute_moe:
+            depth += extra
+        if pp == 1:
+            activations = in_flight_on(0) * (stored + depths * depth)
+        else:
+            activations = max(activations, in_flight_on(pp - 1) * (stored + depths * depth))
+    return activations + recomputed + (1 + depths) * logits_bytes(spec)
 
 
 def logits_bytes(spec: Spec) -> Fraction:
@@ -613,6 +642,17 @@ def violations(
     rule("C009", not overlap or (tp == 1 and not titan_03) or compiled_model, when=neural, only="torchtitan")
     rule("C010", not overlap or (tp > 1 and sp), when=neural, only="megatron")
     rule("C011", not overlap, when=neural, only="torch")
+    # Multi-token prediction: Megatron needs rotary positions, torchtitan its DeepSeek-V3 model (MLA)
+    # without pipeline or context parallelism, the in-tree runtime no context parallelism.
+    depths = model.mtp_num_layers if transformer else 0
+    rule("C012", not depths or model.position_embedding != "learned", when=transformer, only="megatron")
+    rule(
+        "C013",
+        not depths or (model.kv_lora_rank is not None and pp == 1 and cp == 1),
+        when=transformer,
+        only="torchtitan",
+    )
+    rule("C014", not depths or cp == 1, when=transformer, only="torch")
     degrees = {"dp_replicate": dpr, "dp_shard": dps, "tp": tp, "pp": pp, "cp": cp, "ep": ep, "etp": etp}
     rule("C001", all(degrees[a.value] == 1 for a in ParallelAxis if a not in caps.axes))
     rule("C002", t.precision in caps.precisions)
@@ -859,6 +899,9 @@ def plan(i: int, degrees: tuple[int, ...], shape: str, backend: str) -> dict:
     model = dict(SHAPES[shape])
     if model["family"] == "transformer":
         model["position_embedding"] = ("rope", "learned")[i // 29 % 2]
+        # (torchtitan refuses the depths under a pipeline, C013: not swept there)
+        if backend != "torchtitan" or pp == 1:
+            model["mtp_num_layers"] = (0, 0, 1, 2)[i // 37 % 4]
         positions = (None, 32, 24, 40)[i // 23 % 4]
         if positions is not None:
             model["max_position_embeddings"] = positions

@@ -30,7 +30,7 @@ from math import ceil, prod
 from mixle_compile.contracts import ParallelPlan, ParameterLayout, StateLayout
 from mixle_compile.layer_split import LayerSplit, split_layers
 from mixle_compile.memory_model import fsdp_shards
-from mixle_compile.parameters import Parameter
+from mixle_compile.parameters import MTP_EMBEDDING, Parameter
 from mixle_compile.plan.vocabulary import (
     EXPERT_DATA,
     KV_HEAD_AXIS,
@@ -119,7 +119,9 @@ def place_parameters(
     ``num_kv_heads`` (a transformer's) decides whether the KV projections are replicated over tp."""
     replicas = kv_replicas(num_kv_heads, plan.tp)
     if layer_split is None:  # a modules model, or a caller without a spec: the balanced split
-        layer_split = split_layers(max(num_layers, 1), plan.pp, virtual_stages, None, "torch")
+        # blocks beyond num_layers are a transformer's multi-token prediction depths (on the last stage)
+        beyond = max((p.layer + 1 - num_layers for p in params if p.layer is not None), default=0)
+        layer_split = split_layers(max(num_layers, 1), plan.pp, virtual_stages, None, "torch", max(beyond, 0))
     last_stage, last_chunk = plan.pp - 1, virtual_stages - 1
     out = []
     # A block's parameter is laid out by its shape, role, dtype, tp dimension and tying, never by its
@@ -136,7 +138,7 @@ def place_parameters(
                     dataclasses.replace(hit, parameter=p, layout=_named(hit.layout, p.name), stage=stage, chunk=chunk)
                 )
                 continue
-        elif p.role in ("head",) or p.name.startswith("final_norm"):
+        elif p.role in ("head",) or p.name.startswith("final_norm") or p.name == MTP_EMBEDDING:
             stage, chunk = last_stage, last_chunk
         else:
             stage, chunk = 0, 0

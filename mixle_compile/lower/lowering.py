@@ -66,14 +66,15 @@ def lower(
     engine = engine_profile(spec.backend)
     # A modules model's layers take the balanced split: the engines' rules are for transformers.
     split_engine = engine.name if isinstance(spec.model, TransformerModel) else "torch"
-    split = split_layers(max(num_layers, 1), plan.pp, t.virtual_pipeline_stages, t.pipeline_layers, split_engine)
+    mtp = spec.model.mtp_num_layers if isinstance(spec.model, TransformerModel) else 0
+    split = split_layers(max(num_layers, 1), plan.pp, t.virtual_pipeline_stages, t.pipeline_layers, split_engine, mtp)
     runs = None
     if isinstance(spec.model, TransformerModel) and not each_layer:
         # A small world's schedule is checked rank by rank, on every stage's own collectives; a large
         # one's on a representative per stage, where a block's collectives (inside one stage) are
         # left out of the simulation, so its alike stages are listed once (lower/runs.py).
         runs = transformer_runs(spec.model, split, fold_stages=plan.world_size > EXHAUSTIVE_RANKS)
-    listed = runs.first_layers if runs is not None else range(num_layers)
+    listed = runs.first_layers if runs is not None else range(num_layers + mtp)
     placed = place_parameters(
         model_parameters(spec, listed),
         plan,

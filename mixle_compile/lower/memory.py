@@ -35,6 +35,7 @@ from mixle_compile.memory_model import (
     loss_bytes_per_logit,
     micro_batches_in_flight,
     moe_layer_extra_bytes,
+    mtp_depth_bytes,
     optimizer_bytes_per_element,
     pipeline_buffer_bytes,
     reduce_scatter_buffer_bytes,
@@ -42,7 +43,7 @@ from mixle_compile.memory_model import (
     ring_attention_bytes,
     selective_moe_kept,
 )
-from mixle_compile.parameters import DTYPE_BYTES, moe_layers_in
+from mixle_compile.parameters import DTYPE_BYTES, moe_layers_in, mtp_is_moe
 from mixle_compile.plan.vocabulary import ALL_DATA_AXES, KV_HEAD_AXIS, REPLICATE, expert_data_size
 from mixle_compile.schedules import NUMBERS as SCHEDULE_NUMBERS
 from mixle_compile.schedules import microbatches_per_round
@@ -334,6 +335,11 @@ class _Activations:
             )
             for start, end in ranges
         )
+        # the multi-token prediction depths (the last stage's): a block of the last layer's kind each,
+        # their own tensors beside it, and one more set of logits each while the losses run
+        depths = split.mtp_on_stage(stage) if split is not None else model.mtp_num_layers
+        layers_here += depths
+        moe_here += depths if mtp_is_moe(model) else 0
         if moe_here:
             if self.moe is None:
                 self.moe = moe_extra(spec, plan)
@@ -352,6 +358,14 @@ class _Activations:
             virtual_stages=t.virtual_pipeline_stages,
             group=microbatches_per_round(SCHEDULE_NUMBERS, plan.pp, plan.microbatches),
         )
+        if depths:
+            per_layer_total += depths * mtp_depth_bytes(
+                NUMBERS,
+                **self.shape,
+                hidden_size=model.hidden_size,
+                sequence_parallel=t.sequence_parallel,
+                fp32=t.precision == "fp32",
+            )
         stored = per_layer_total * in_flight
         loss = 0
         if stage == plan.pp - 1:
@@ -363,6 +377,7 @@ class _Activations:
                 fp32=t.precision == "fp32",
             )
             loss = logits_bytes(NUMBERS, **self.shape, vocab_size=model.vocab_size, bytes_per_logit=per_logit)
+            loss *= 1 + model.mtp_num_layers  # each depth's logits live until the backward (gpt_model.py)
         return int(stored), int(recomputed if layers_here else 0), int(loss), in_flight
 
 

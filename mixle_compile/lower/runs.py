@@ -96,4 +96,8 @@ def transformer_runs(model: TransformerModel, split: LayerSplit, *, fold_stages:
             if following - virtual > 1:
                 repeats[first] = following - virtual
         virtual = following
+    if split.mtp:
+        # The multi-token prediction blocks, on the last virtual stage after the decoder's layers, are
+        # alike (each of the last layer's kind with the same projection and norms): one run of their own.
+        counts[model.num_layers] = split.mtp
     return LayerRuns(counts, MappingProxyType(repeats))

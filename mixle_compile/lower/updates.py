@@ -23,13 +23,13 @@ adjacent stages. FSDP all_gathers parameters before use.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from mixle_compile.contracts import CollectiveKind, DistributedUpdate, ParallelPlan, PayloadKind, StateLayout
 from mixle_compile.engines import EngineProfile, engine_profile
 from mixle_compile.lower.layouts import PlacedParameter, model_parallel_splits
-from mixle_compile.parameters import DTYPE_BYTES, attention_widths, is_moe_layer
+from mixle_compile.parameters import DTYPE_BYTES, attention_widths, is_moe_layer, is_mtp_layer
 from mixle_compile.plan.ops import unchecked_copy
 from mixle_compile.plan.vocabulary import (
     ALL_DATA_AXES,
@@ -406,6 +406,181 @@ def _recomputed(
     return out
 
 
+def _mtp_updates(
+    add: Callable[..., None],
+    i: int,
+    stage: int,
+    plan: ParallelPlan,
+    engine: EngineProfile,
+    sp: bool,
+    hidden_bytes: int,
+    tokens: int,
+    checkpointing: str,
+) -> list[PlannedUpdate]:
+    """A multi-token prediction depth's tensor-parallel collectives beside its block (block ``i``, on
+    the last stage), per micro-batch: the vocabulary-parallel embedding of the tokens ahead (as the
+    model's embedding), the projection of [embedding, hidden] where the engine splits it
+    (EngineProfile.mtp_projection_split: Megatron-Core's ColumnParallelLinear gathers the sequence
+    under sequence parallelism, then ``gather_from_tensor_model_parallel_region`` its output features
+    and ``scatter_to_sequence_parallel_region``, whose backward gathers), and the depth's own logits
+    through the shared vocabulary-parallel head and loss (as the model's). Full checkpointing runs the
+    projection again (``MultiTokenPredictionLayer._checkpointed_forward`` wraps it with the block).
+    Listed through ``add`` (activation_updates'), and returned."""
+    if plan.tp == 1:
+        return []
+    added: list[PlannedUpdate] = []
+    tp = (Axis.TP,)
+    fwd, bwd = "forward", "backward"
+
+    def put(site: str, kind: str, backward: bool, collective, phase, nbytes, layout, note) -> None:
+        sink: list[PlannedUpdate] = []
+        add(
+            UpdateId.activation(f"layers.{i}.mtp.{site}", kind, backward=backward),
+            collective,
+            tp,
+            phase,
+            stage,
+            nbytes,
+            layout,
+            note,
+            layer=i,
+            into=sink,
+        )
+        added.extend(sink)
+
+    RS, AG, AR = CollectiveKind.REDUCE_SCATTER, CollectiveKind.ALL_GATHER, CollectiveKind.ALL_REDUCE
+    if sp:
+        put(
+            "embed",
+            "out",
+            False,
+            RS,
+            fwd,
+            hidden_bytes,
+            StateLayout.SHARDED,
+            "vocabulary-parallel embedding of the tokens ahead: sum the slices and scatter the sequence",
+        )
+        put(
+            "embed",
+            "out",
+            True,
+            AG,
+            bwd,
+            hidden_bytes,
+            StateLayout.REPLICATED,
+            "conjugate of the embedding's reduce_scatter",
+        )
+    else:
+        put(
+            "embed",
+            "out",
+            False,
+            AR,
+            fwd,
+            hidden_bytes,
+            StateLayout.REPLICATED,
+            "vocabulary-parallel embedding of the tokens ahead: sum the vocabulary slices",
+        )
+    if engine.mtp_projection_split:
+        joined = 2 * hidden_bytes  # [embedding, hidden state] per token
+        if sp:
+            put(
+                "eh_proj",
+                "in",
+                False,
+                AG,
+                fwd,
+                joined,
+                StateLayout.REPLICATED,
+                "sequence parallel: gather the sequence before the column-parallel projection",
+            )
+            put("eh_proj", "in", True, RS, bwd, joined, StateLayout.SHARDED, "conjugate of the input all_gather")
+        else:
+            put(
+                "eh_proj",
+                "in",
+                True,
+                AR,
+                bwd,
+                joined,
+                StateLayout.REPLICATED,
+                "sum the input gradients of the column-parallel projection",
+            )
+        put(
+            "eh_proj",
+            "out",
+            False,
+            AG,
+            fwd,
+            hidden_bytes,
+            StateLayout.REPLICATED,
+            "gather the projection's output features (gather_from_tensor_model_parallel_region)",
+        )
+        if sp:
+            put(
+                "eh_proj",
+                "out",
+                True,
+                AG,
+                bwd,
+                hidden_bytes,
+                StateLayout.REPLICATED,
+                "conjugate of scattering the projection's output over the sequence",
+            )
+        if checkpointing == "full" and engine.recomputes("full", "all_gather", "mtp"):
+            for u in [u for u in added if u.phase == fwd and ".eh_proj" in u.tensor]:
+                uid = UpdateId.parse(u.update.node_id)
+                d = u.update
+                update = DistributedUpdate(
+                    node_id=str(uid.recomputed()),
+                    payload=d.payload,
+                    collective=d.collective,
+                    mesh_axes=d.mesh_axes,
+                    state_layout=d.state_layout,
+                    notes=(f"activation checkpointing (full): the recomputed depth issues {uid} again",),
+                    contract_exact=d.contract_exact,
+                )
+                added.append(
+                    PlannedUpdate(
+                        update, u.tensor, bwd, u.stage, u.payload_bytes, u.group_size, u.occurrences_per_step, layer=i
+                    )
+                )
+    if sp:
+        put(
+            "head",
+            "in",
+            False,
+            AG,
+            fwd,
+            hidden_bytes,
+            StateLayout.REPLICATED,
+            "sequence parallel: gather the sequence before the vocabulary-parallel head",
+        )
+        put("head", "in", True, RS, bwd, hidden_bytes, StateLayout.SHARDED, "conjugate of the head's input all_gather")
+    else:
+        put(
+            "head",
+            "in",
+            True,
+            AR,
+            bwd,
+            hidden_bytes,
+            StateLayout.REPLICATED,
+            "sum the input gradients of the vocabulary-parallel head",
+        )
+    put(
+        "head",
+        "loss",
+        False,
+        AG,
+        fwd,
+        plan.tp * 2 * tokens * 4,
+        StateLayout.REPLICATED,
+        "vocabulary-parallel cross entropy of the depth: gather each shard's log-sum-exp and target logit",
+    )
+    return added
+
+
 def _block_updates(out: list[PlannedUpdate], start: int, block: int) -> list[PlannedUpdate]:
     """The updates of block ``block`` listed from ``start`` on (they end where another block's
     or the pipeline's begin)."""
@@ -473,8 +648,9 @@ def activation_updates(
         payload=PayloadKind.ACTIVATION,
         times: int = 1,
         layer: int | None = None,
+        into: list[PlannedUpdate] | None = None,
     ) -> None:
-        out.append(
+        (out if into is None else into).append(
             PlannedUpdate(
                 DistributedUpdate(
                     node_id=str(node),
@@ -584,23 +760,25 @@ def activation_updates(
     block_in_bytes = {"attn": tokens * attn_in * act_bytes_per, "mlp": hidden_bytes}
     # A block's collectives follow from its kind (dense or mixture-of-experts); its index and stage
     # only name and place them: the first block of each kind is planned, the others renamed.
-    first_of: dict[bool, tuple[int, int]] = {}  # kind -> (its first block, where its updates start)
+    first_of: dict[tuple[bool, bool], tuple[int, int]] = {}  # kind -> (its first block, where its updates start)
     # The kinds differ where experts are exchanged (ep > 1), or where selective checkpointing runs a
     # dense MLP and an MoE block again differently (Megatron's recompute_modules "mlp" and "moe").
     modules = engine.selective_modules(t.recompute_modules)
     kinds_differ = plan.ep > 1 or (
         t.activation_checkpointing == "selective" and ("mlp" in modules) != ("moe" in modules)
     )
-    for i in range(model.num_layers) if layers is None else layers:
+    for i in range(model.num_layers + model.mtp_num_layers) if layers is None else layers:
         stage = stage_of.get(i, 0)
         moe = kinds_differ and is_moe_layer(model, i)
-        seen = first_of.get(moe)
+        # a multi-token prediction depth's block adds its own collectives (_mtp_updates): a kind apart
+        kind = (is_mtp_layer(model, i), moe)
+        seen = first_of.get(kind)
         if seen is not None:
             first, start = seen
             end = start + len(_block_updates(out, start, first))
             out.extend(_renamed(u, f"layers.{first}.", f"layers.{i}.", stage, i) for u in out[start:end])
             continue
-        first_of[moe] = (i, len(out))
+        first_of[kind] = (i, len(out))
         for block in ("attn", "mlp"):
             if plan.tp > 1:
                 if sp:
@@ -721,8 +899,10 @@ def activation_updates(
                 )
         if t.activation_checkpointing != "none":
             out.extend(
-                _recomputed(out[first_of[moe][1] :], engine, t.activation_checkpointing, modules, moe, up_gather)
+                _recomputed(out[first_of[kind][1] :], engine, t.activation_checkpointing, modules, moe, up_gather)
             )
+        if kind[0]:
+            out.extend(_mtp_updates(add, i, stage, plan, engine, sp, hidden_bytes, tokens, t.activation_checkpointing))
     if plan.pp > 1:
         boundary_bytes = hidden_bytes // (plan.tp if sp else 1)
         # Virtual stage w hands over to w + 1 on stage (w + 1) % pp: with interleaving the last stage

@@ -229,6 +229,9 @@ def plan_facts(spec: Spec) -> PlanFacts:
                 model.moe_shared_expert_hidden_size,
             )
         add("tie_embeddings", ("model", "tie_embeddings"), model.tie_embeddings, "bool")
+        add("mtp_layers", ("model", "mtp_num_layers"), model.mtp_num_layers)
+        latent = model.latent_attention
+        add("latent_attention", ("model", "kv_lora_rank"), latent, "bool", "MLA" if latent else "not set")
         learned = model.position_embedding == "learned"
         add("learned_positions", ("model", "position_embedding"), learned, "bool", model.position_embedding)
         if model.max_position_embeddings is not None:

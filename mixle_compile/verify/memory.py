@@ -22,7 +22,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from mixle_compile.parameters import DTYPE_BYTES, block_matmuls, is_moe_layer, layer_kinds_model, model_parameters
+from mixle_compile.parameters import (
+    DTYPE_BYTES,
+    MTP_EMBEDDING,
+    block_matmuls,
+    is_moe_layer,
+    is_mtp_layer,
+    layer_kinds_model,
+    model_parameters,
+    mtp_is_moe,
+)
 from mixle_compile.parameters import attention_widths as layer_attention
 from mixle_compile.spec.models import ModulesModel, Spec, TransformerModel
 
@@ -100,6 +109,8 @@ class ParameterFootprint:
     shared_width: int = 0  # a shared expert's features (0: none)
     capacity_factor: float = 1.0
     activation: str = "swiglu"
+    mtp_depths: int = 0  # multi-token prediction depths on the last stage (each a block of the last layer's kind)
+    mtp_moe: bool = False  # ... a mixture-of-experts block
 
     def share(self, place: str, category: str) -> Share:
         return self.shares.get((place, category), ZERO)
@@ -141,11 +152,15 @@ def parameter_footprint(spec: Spec) -> ParameterFootprint:
     for p, own in zip(params, own_dtypes, strict=True):
         category = _CATEGORY_OF_ROLE.get(p.role, "replicated")
         amount = _share_of(p.numel, own)
-        if p.layer is not None:
+        if p.layer is not None and not (isinstance(model, TransformerModel) and is_mtp_layer(kinds_of, p.layer)):
             layer = per_layer.setdefault(p.layer, {})
             layer[category] = layer.get(category, ZERO) + amount
             continue
-        place = "first_stage" if p.role == "embedding" else "last_stage"
+        if p.layer is not None:  # a multi-token prediction depth's: the last stage holds every depth
+            add("mtp_layers", category, amount)
+            continue
+        # the multi-token prediction depths' copy of the embedding is the last stage's
+        place = "first_stage" if p.role == "embedding" and p.name != MTP_EMBEDDING else "last_stage"
         add(place, category, amount)
         if p.shared_group is not None:
             if p.shared_group in seen_groups:
@@ -179,6 +194,8 @@ def parameter_footprint(spec: Spec) -> ParameterFootprint:
             **activation_widths(model),
             **expert_shape(model),
             activation=model.activation,
+            mtp_depths=model.mtp_num_layers,
+            mtp_moe=mtp_is_moe(model),
         )
 
     # A listed model: layers may differ, so a stage is bounded by its heaviest layer.

@@ -12,7 +12,7 @@ from mixle_compile.diagnostics import Severity
 from mixle_compile.spec.kinds import Engine
 from mixle_compile.verify.facts import PRECISIONS
 from mixle_compile.verify.logic import all_of, implies, negation, truth
-from mixle_compile.verify.rule import EVERY_FAMILY, MODULES, Rule, define
+from mixle_compile.verify.rule import EVERY_FAMILY, MODULES, TRANSFORMER, Rule, define
 from mixle_compile.verify.wording import alternatives
 
 _AXES = tuple(a.value for a in ParallelAxis)
@@ -331,5 +331,95 @@ FP64_DISTRIBUTION_ONLY = define(
         ),
         hint=lambda x: "use precision: fp32 (or bf16)",
         fields=("precision",),
+    )
+)
+
+
+MTP_NEEDS_ROTARY_POSITIONS = define(
+    Rule(
+        code="C012",
+        name="mtp-needs-rotary-positions",
+        title="Megatron: multi-token prediction needs rotary positions.",
+        docs=(
+            "Megatron-LM refuses `--mtp-num-layers` with a learned absolute position embedding: a multi-token "
+            "prediction depth embeds the tokens ahead with the model's embedding and shifts their positions, "
+            "which it supports for rotary positions (and none) only."
+        ),
+        engine_reference=(
+            'Megatron-LM core_v0.16.1 megatron/training/arguments.py `validate_args` ("Multi-Token Prediction '
+            '(MTP) is not supported with {position_embedding_type} position embedding type")'
+        ),
+        constraint=lambda v: implies(v.mtp_layers > 0, negation(v.learned_positions)),
+        explain=lambda x: (
+            f"model.mtp_num_layers is {x.mtp_layers} with learned positions: Megatron runs multi-token "
+            "prediction with rotary positions only"
+        ),
+        hint=lambda x: "use position_embedding: rope, or set mtp_num_layers: 0",
+        fields=("mtp_layers", "learned_positions"),
+        families=TRANSFORMER,
+        engines=frozenset({Engine.MEGATRON}),
+    )
+)
+
+
+MTP_TORCHTITAN = define(
+    Rule(
+        code="C013",
+        name="mtp-torchtitan-scope",
+        title="torchtitan: multi-token prediction in its DeepSeek-V3 model, without pipeline or context parallelism.",
+        docs=(
+            "torchtitan 0.3 builds multi-token prediction depths only in its DeepSeek-V3 model (`MTPDecoder`, "
+            "which `DeepSeekV3Model` inherits; model_registry's `num_mtp_layers`), so the model must have "
+            "Multi-head Latent Attention, and refuses them under pipeline and context parallelism "
+            '(NotImplementedError: "MTP does not support pipeline parallelism yet", "... context '
+            'parallelism yet").'
+        ),
+        engine_reference=(
+            "torchtitan 0.3.0 torchtitan/models/deepseek_v3/mtp.py `MTPDecoder.Config.update_from_config`; "
+            "torchtitan/models/deepseek_v3/__init__.py `model_registry(..., num_mtp_layers)`"
+        ),
+        constraint=lambda v: implies(v.mtp_layers > 0, all_of(v.latent_attention, v.pp == 1, v.cp == 1)),
+        explain=lambda x: (
+            f"model.mtp_num_layers is {x.mtp_layers} with "
+            + (
+                "a model without Multi-head Latent Attention: torchtitan builds the depths in its DeepSeek-V3 model"
+                if not x.latent_attention
+                else f"pp={x.pp} and cp={x.cp}: torchtitan runs multi-token prediction without pipeline or "
+                "context parallelism"
+            )
+        ),
+        hint=lambda x: (
+            "give the model kv_lora_rank (torchtitan's deepseek_v3), or set mtp_num_layers: 0"
+            if not x.latent_attention
+            else "set pp and cp to 1 (shard with dp_shard, tp, ep instead), or set mtp_num_layers: 0"
+        ),
+        fields=("mtp_layers", "latent_attention", "pp", "cp"),
+        families=TRANSFORMER,
+        engines=frozenset({Engine.TORCHTITAN}),
+    )
+)
+
+
+MTP_RUNTIME = define(
+    Rule(
+        code="C014",
+        name="mtp-runtime-without-context-parallelism",
+        title="torch: the in-tree runtime runs multi-token prediction without context parallelism.",
+        docs=(
+            "A multi-token prediction depth reads the token a position ahead of each of its own, which under "
+            "context parallelism may sit on another cp rank (Megatron-Core exchanges the chunks' edges, "
+            "multi_token_prediction.py `roll_tensor`); the in-tree runtime has no such exchange, so it runs "
+            "the depths with cp = 1. Use `backend: megatron` to plan them with context parallelism."
+        ),
+        engine_reference="torch backend: mixle_compile/runtime/model.py (the depths roll the whole sequence)",
+        constraint=lambda v: implies(v.mtp_layers > 0, v.cp == 1),
+        explain=lambda x: (
+            f"model.mtp_num_layers is {x.mtp_layers} with cp={x.cp}: the torch runtime rolls the tokens ahead "
+            "within one rank's sequence"
+        ),
+        hint=lambda x: "set cp: 1, or plan with backend: megatron",
+        fields=("mtp_layers", "cp"),
+        families=TRANSFORMER,
+        engines=frozenset({Engine.TORCH}),
     )
 )

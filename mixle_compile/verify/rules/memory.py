@@ -15,6 +15,7 @@ from mixle_compile.memory_model import (
     loss_bytes_per_logit,
     micro_batches_in_flight,
     moe_layer_extra_bytes,
+    mtp_depth_bytes,
     optimizer_bytes_per_element,
     pipeline_buffer_bytes,
     reduce_scatter_buffer_bytes,
@@ -64,11 +65,17 @@ def _per_rank_bytes(v) -> dict[str, object]:
         # A listed split (P010 holds it to the mesh): the largest counts any one rank holds.
         pp = v.facts.value("pp")
         ranks = [listed[s::pp] for s in range(pp)]  # virtual stage c * pp + s is on rank s
-        copies = {
-            "every_layer": max(sum(r) for r in ranks),
-            "dense_layer": max(sum(min(c, c - c // k + first) for c in r) for r in ranks),
-            "moe_layer": max(sum(-(-c // k) for c in r) for r in ranks),
-        }
+
+        def counts_of(r):
+            return {
+                "every_layer": sum(r),
+                "dense_layer": sum(min(c, c - c // k + first) for c in r),
+                "moe_layer": sum(-(-c // k) for c in r),
+            }
+
+        per_rank = [counts_of(r) for r in ranks]
+        copies = {kind: max(c[kind] for c in per_rank) for kind in per_rank[0]}
+        last_copies = per_rank[-1]  # the last rank's own (it also holds the multi-token prediction depths)
     else:
         # The largest virtual stage: ceil(layers / stages) under even and balanced splits;
         # torchtitan splits layers + 2 slots (the embedding and the output count as one each).
@@ -79,6 +86,7 @@ def _per_rank_bytes(v) -> dict[str, object]:
             "dense_layer": virtual * (smaller(chunk, chunk - chunk / k + first) if first else chunk - chunk / k),
             "moe_layer": virtual * ((chunk + k - 1) / k),
         }
+        last_copies = copies
 
     # How many ranks share one copy of each category, as the layouts place them: the model-parallel
     # split (tp; experts ep * etp), times, under FSDP (dp_shard > 1), the data-parallel sharding
@@ -126,7 +134,21 @@ def _per_rank_bytes(v) -> dict[str, object]:
         return when(v.pp == 1, first + last - tied, larger(first, last))
 
     def stage_bytes(measure, split) -> object:
-        return held(copies.items(), measure, split) + ends(measure, split)
+        if not fp.mtp_depths:
+            return held(copies.items(), measure, split) + ends(measure, split)
+        # The multi-token prediction depths are the last rank's: under a pipeline the bound is the heavier
+        # of the rank with the most layers (and the first stage's tensors) and the last rank with its own
+        # layers, its end of the model and the depths.
+        depths = held([("mtp_layers", 1)], measure, split)
+        first = held([("first_stage", 1)], measure, split)
+        last = held([("last_stage", 1)], measure, split)
+        tied = held([("tied_copy", 1)], measure, split)
+        layers = held(copies.items(), measure, split)
+        return when(
+            v.pp == 1,
+            layers + first + last - tied + depths,
+            larger(layers + first, held(last_copies.items(), measure, split) + last + depths),
+        )
 
     local = lambda category: model_split[category] * data_split[category]  # noqa: E731
     weights = stage_bytes(weight_bytes, local)
@@ -138,10 +160,13 @@ def _per_rank_bytes(v) -> dict[str, object]:
         held([("dense_layer", 1)], weight_bytes, unsharded), held([("moe_layer", 1)], weight_bytes, unsharded)
     )
     keeps_stage = v.pp > 1 if v.facts.engine.fsdp_keeps_stage_under_pp else False
+    largest_unit = larger(layer_unit, ends(weight_bytes, unsharded))
+    if fp.mtp_depths:  # each depth is a unit of its own (as a layer is)
+        largest_unit = larger(largest_unit, held([("mtp_layers", 1)], weight_bytes, unsharded) / real(fp.mtp_depths))
     gathered = gathered_parameter_bytes(
         TERMS,
         fsdp=fsdp,
-        largest_unit_bytes=larger(layer_unit, ends(weight_bytes, unsharded)),
+        largest_unit_bytes=largest_unit,
         keeps_stage=keeps_stage,
         stage_bytes=stage_bytes(weight_bytes, unsharded),
         stage_elements=stage_bytes(lambda share: share.elements, unsharded),
@@ -151,7 +176,9 @@ def _per_rank_bytes(v) -> dict[str, object]:
         "gathered weights": gathered,
         "gradients": weights,  # gradients are held in the parameters' dtype
         "optimizer state": optimizer,
-        **activation_bytes(v, copies["every_layer"], copies["moe_layer"]),
+        **activation_bytes(
+            v, copies["every_layer"], copies["moe_layer"], last_copies["every_layer"], last_copies["moe_layer"]
+        ),
     }
     buffers = pipeline_buffers(v)
     transient = ring_attention(v)  # what a layer's backward needs for a while
@@ -307,10 +334,14 @@ def _moe_block(v, modules: frozenset[str]):
     )
 
 
-def activation_bytes(v, layers_on_rank, moe_layers_on_rank=0) -> dict[str, object]:
+def activation_bytes(
+    v, layers_on_rank, moe_layers_on_rank=0, layers_on_last=None, moe_layers_on_last=None
+) -> dict[str, object]:
     """Activations kept for the backward pass on the first stage (which keeps the most micro-batches
     in flight), the recompute working set, and the last stage's logits with the loss's buffers: a
-    bound on any one stage. ``moe_layers_on_rank`` bounds the MoE layers of any one rank."""
+    bound on any one stage. ``moe_layers_on_rank`` bounds the MoE layers of any one rank;
+    ``layers_on_last`` and ``moe_layers_on_last`` the last rank's, which also holds the multi-token
+    prediction depths (the bound is then the heavier of the first rank and the last)."""
     fp = v.facts.footprint
     if v.facts.family != Family.TRANSFORMER:
         # a modules spec lists parameters only; its activations are unknown
@@ -347,20 +378,43 @@ def activation_bytes(v, layers_on_rank, moe_layers_on_rank=0) -> dict[str, objec
     per_layer = layer(v.is_("activation_checkpointing", "full"), v.is_("activation_checkpointing", "selective"))
     recomputed = layer(False, False) - per_layer  # the layer being recomputed holds all of it once more
     stored = real(layers_on_rank) * per_layer
+    stored_last = real(layers_on_rank if layers_on_last is None else layers_on_last) * per_layer
+    kept_extra = real(0)
     if fp.num_experts > 0:  # (only then: the solver carries no term that is always zero)
         extra, kept_extra = moe_extra(v)
         stored = stored + real(moe_layers_on_rank) * kept_extra
+        last_moe = moe_layers_on_rank if moe_layers_on_last is None else moe_layers_on_last
+        stored_last = stored_last + real(last_moe) * kept_extra
         recomputed = recomputed + extra - kept_extra
-    in_flight = micro_batches_in_flight(
-        TERMS,
-        pp=v.pp,
-        stage=0,
-        microbatches=v.microbatches,
-        gpipe=v.is_("pipeline_schedule", "gpipe"),
-        interleaved=all_of(v.is_("pipeline_schedule", "interleaved_1f1b"), v.virtual_pipeline_stages > 1),
-        virtual_stages=v.virtual_pipeline_stages,
-        group=microbatches_per_round(TERMS, v.pp, v.microbatches),
-    )
+
+    def in_flight_on(stage) -> object:
+        return micro_batches_in_flight(
+            TERMS,
+            pp=v.pp,
+            stage=stage,
+            microbatches=v.microbatches,
+            gpipe=v.is_("pipeline_schedule", "gpipe"),
+            interleaved=all_of(v.is_("pipeline_schedule", "interleaved_1f1b"), v.virtual_pipeline_stages > 1),
+            virtual_stages=v.virtual_pipeline_stages,
+            group=microbatches_per_round(TERMS, v.pp, v.microbatches),
+        )
+
+    in_flight = in_flight_on(0)
+    depths = fp.mtp_depths
+    activations = in_flight * stored
+    if depths:
+        # The multi-token prediction depths sit on the last stage, beside its own layers, with its
+        # micro-batches in flight: the heavier of the first rank and the last (one rank without a pipeline).
+        depth = per_layer + (kept_extra if fp.mtp_moe else real(0))
+        depth = depth + mtp_depth_bytes(
+            TERMS,
+            **shape,
+            hidden_size=fp.hidden_size,
+            sequence_parallel=v.sequence_parallel,
+            fp32=v.is_("precision", "fp32", "fp64"),
+        )
+        last = in_flight_on(v.pp - 1) * (stored_last + real(depths) * depth)
+        activations = when(v.pp == 1, in_flight * (stored + real(depths) * depth), larger(activations, last))
     fp32 = v.is_("precision", "fp32", "fp64")
     engine = v.facts.engine
 
@@ -377,8 +431,10 @@ def activation_bytes(v, layers_on_rank, moe_layers_on_rank=0) -> dict[str, objec
     ):
         per_logit = when(v.compiled_loss, per_logit_when(True), per_logit)  # only then does training.compile bear on it
     logits = logits_bytes(TERMS, **shape, vocab_size=fp.vocab_size, bytes_per_logit=per_logit)
+    if depths:
+        logits = logits * real(1 + depths)  # each depth's logits live until the backward (gpt_model.py)
     return {
-        "activations": in_flight * stored,
+        "activations": activations,
         "recompute working set": recomputed,
         "logits and loss": logits,
     }
