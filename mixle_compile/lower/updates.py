@@ -133,7 +133,7 @@ def gradient_updates(
     for pp_ in placed:
         name, layout, stage, layer = pp_.name, pp_.layout, pp_.stage, pp_.parameter.layer
         key = None
-        if layout.shared_group is None:
+        if pp_.parameter.shared_group is None:  # a tied member's updates depend on its group's others
             p = pp_.parameter
             key = (p.shape, p.numel, p.dtype, p.role, layout.placements, layout.optimizer_state, pp_.kv_replicas)
             hit = derived.get(key)
