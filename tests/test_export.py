@@ -226,7 +226,46 @@ def test_latent_attention_reaches_megatron_and_hf_and_transformers_builds_it(tmp
         built = transformers.AutoModelForCausalLM.from_config(
             transformers.AutoConfig.from_pretrained(str(tmp_path / "config.json"))
         )
-    assert sum(p.numel() for p in built.parameters()) == sum(p.numel for p in transformer_parameters(model, "bf16"))
+    # transformers' DeepseekV3ForCausalLM does not build the multi-token prediction layers the config names
+    # (modeling_deepseek_v3.py drops their weights on load): it is the model without them
+    built_model = model.model_copy(update={"mtp_num_layers": 0})
+    assert sum(p.numel() for p in built.parameters()) == sum(
+        p.numel for p in transformer_parameters(built_model, "bf16")
+    )
+    assert config["num_nextn_predict_layers"] == model.mtp_num_layers == (1 if name == "deepseek-v3.json" else 0)
+
+
+def test_multi_token_prediction_reaches_megatron_and_hf_and_round_trips(tmp_path):
+    """model.mtp_num_layers is Megatron's --mtp-num-layers (with --mtp-loss-scaling-factor where the spec weighs
+    the loss) and DeepSeek-V3's num_nextn_predict_layers; each reads back as the same spec."""
+    from mixle_compile.export.hf import hf_config, hf_config_text
+    from mixle_compile.importers.hf import hf_model, read_hf_document
+
+    spec = load_spec(EXAMPLES / "mixtral-moe-ep.yaml").spec
+    mla = {"kv_lora_rank": 64, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32, "num_kv_heads": None}
+    for model_update, factor in (({"mtp_num_layers": 2}, 0.25), ({"mtp_num_layers": 1, **mla}, None)):
+        mtp = spec.model_copy(
+            update={
+                "model": spec.model.model_copy(update=model_update),
+                "training": spec.training.model_copy(update={"mtp_loss_scaling_factor": factor}),
+            }
+        )
+        launch = " ".join(megatron_arguments(mtp))
+        assert f"--mtp-num-layers {model_update['mtp_num_layers']}" in launch
+        assert ("--mtp-loss-scaling-factor 0.25" in launch) == (factor is not None)
+        assert round_trip(mtp, "megatron", tmp_path / f"megatron{len(model_update)}")
+        back = reimport(export_spec(mtp, "megatron"), tmp_path / f"again{len(model_update)}", mtp)
+        assert back.model.mtp_num_layers == model_update["mtp_num_layers"]
+        assert back.training.mtp_loss_scaling_factor == factor
+    # Multi-head Latent Attention: DeepSeek-V3's config.json, its num_nextn_predict_layers read back
+    config, why = hf_config(mtp.model)
+    assert config is not None and config["num_nextn_predict_layers"] == 1, why
+    (tmp_path / "config.json").write_text(hf_config_text(config))
+    read = hf_model(read_hf_document(tmp_path / "config.json"))
+    assert not read.problems and not read.ignored and TransformerModel.model_validate(read.model) == mtp.model
+    # any other architecture written has no such key: refused, not dropped
+    config, why = hf_config(spec.model.model_copy(update={"mtp_num_layers": 1}))
+    assert config is None and "only as DeepSeek-V3's num_nextn_predict_layers" in why
 
 
 def test_hf_export_refuses_latent_attention_transformers_cannot_build(tmp_path):

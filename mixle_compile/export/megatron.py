@@ -154,6 +154,12 @@ def megatron_arguments(spec: Spec) -> list[str]:
             a += ["--moe-shared-expert-intermediate-size", m.moe_shared_expert_hidden_size]
             if m.moe_shared_expert_gate:
                 a += ["--moe-shared-expert-gate"]
+    if m.mtp_num_layers:
+        # TransformerConfig.mtp_num_layers and mtp_loss_scaling_factor (Megatron-Core's default 0.1, written
+        # only where the spec sets it), flags through ArgumentGroupFactory(TransformerConfig)
+        a += ["--mtp-num-layers", m.mtp_num_layers]
+        if t.mtp_loss_scaling_factor is not None:
+            a += ["--mtp-loss-scaling-factor", repr(t.mtp_loss_scaling_factor)]
     a += [
         "--seq-length",
         t.seq_len,
