@@ -306,6 +306,26 @@ def test_torchtitan_model_from_an_hf_config_next_to_it(tmp_path):
     assert data["model"]["num_layers"] == 36 and data["model"]["ffn_hidden_size"] == 12288
 
 
+def test_torchtitan_toml_builds_no_mtp_layers_an_hf_config_names(tmp_path):
+    """torchtitan's job TOML (0.2 era) has no multi-token prediction: DeepSeek-V3's config.json beside it sizes the
+    model, and its num_nextn_predict_layers is named (I002) and left out, not read into the spec."""
+    assets = tmp_path / "assets"
+    assets.mkdir()
+    (assets / "config.json").write_text((HF / "deepseek-v3.json").read_text())
+    path = tmp_path / "job.toml"
+    path.write_text(
+        '[model]\nname = "deepseek_v3"\nflavor = "custom"\nhf_assets_path = "./assets"\n'
+        "[training]\nlocal_batch_size = 1\n"
+    )
+    doc, diags = read_any(path, str(path), ImportOptions(devices=8))
+    assert doc.data["model"]["kv_lora_rank"] == 512 and doc.data["model"]["mtp_num_layers"] == 0
+    (named,) = [d for d in diags if "multi-token prediction" in d.message]
+    assert named.code == "I002" and "job TOML (0.2) builds no multi-token prediction layers" in named.message
+    assert named.line == 3  # at `flavor = ...`
+    # a flavor from the table has none to leave out
+    assert "mtp_num_layers" not in imported(TT / "deepseek_v3_16b.toml", devices=8)["model"]
+
+
 def test_invalid_toml_is_a_toml_error_at_its_position(tmp_path, capsys):
     path = tmp_path / "job.toml"
     path.write_text('[model]\nname = "llama3"\nflavor = \n')
@@ -1154,6 +1174,30 @@ def llama3_70b_tp8():
     )
 
 
+def deepseek_mtp(pipeline=1, loss=True):
+    model = SimpleNamespace(mtp_layers=_mtp_layers(num_mtp_layers=2))
+    return SimpleNamespace(
+        model_spec=SimpleNamespace(name="deepseek_v3", flavor="debugmodel", model=model),
+        training=TrainingConfig(local_batch_size=8, seq_len=2048, steps=10),
+        parallelism=ParallelismConfig(pipeline_parallel_degree=pipeline),
+        activation_checkpoint=FullAC.Config(),
+        optimizer=SimpleNamespace(lr=1e-4),
+        loss=SimpleNamespace(mtp_scale=0.5) if loss else SimpleNamespace(),
+    )
+
+
+def deepseek_mtp_pp2():
+    return deepseek_mtp(pipeline=2)
+
+
+def deepseek_mtp_plain_loss():
+    return deepseek_mtp(loss=False)
+
+
+def _mtp_layers(num_mtp_layers):
+    return [SimpleNamespace() for _ in range(num_mtp_layers)]
+
+
 def not_a_config():
     return 3
 """
@@ -1225,6 +1269,48 @@ def test_check_torchtitan_module_function(registry, capsys):
     assert status == 2 and "cannot import no_such_module" in out
     status, out, _ = run_cli(capsys, "check")
     assert status == 2
+
+
+def test_a_torchtitan_config_functions_mtp_layers_and_loss_weight_are_read(registry, capsys):
+    """torchtitan 0.3's deepseek_v3 model config lists its multi-token prediction layers in mtp_layers
+    (model_registry(flavor, num_mtp_layers=N)) and MTPLoss.Config carries their loss weight (mtp_scale):
+    model.mtp_num_layers and training.mtp_loss_scaling_factor. torchtitan refuses MTP under a pipeline, and a
+    model with MTP layers needs MTPLoss (I005)."""
+    from mixle_compile.importers.torchtitan_registry import load_registry_function, read_trainer_config
+
+    function, config = load_registry_function("my_registry:deepseek_mtp")
+    doc, diags = read_trainer_config(function, config, "my_registry:deepseek_mtp", ImportOptions(devices=8))
+    assert not [d for d in diags if d.severity.value == "error"], [d.text() for d in diags]
+    spec = Spec.model_validate(doc.data)
+    assert spec.model.mtp_num_layers == 2 and spec.training.mtp_loss_scaling_factor == 0.5
+    assert spec.model.kv_lora_rank == 512  # the debugmodel flavor's sizes, from the table
+    line = doc.position(("model", "mtp_num_layers")).line
+    assert "num_mtp_layers=2" in REGISTRY_MODULE.splitlines()[line - 1]
+    for target, says in (
+        ("my_registry:deepseek_mtp_pp2", "refuses multi-token prediction with parallelism.pipeline_parallel_degree 2"),
+        ("my_registry:deepseek_mtp_plain_loss", "the loss is not MTPLoss"),
+    ):
+        status, out, err = run_cli(capsys, "check", "--torchtitan", target, "--devices", "8")
+        assert status == 2 and "I005" in out and says in out, out  # check --torchtitan stops at a config's error
+        assert "Traceback" not in out + err
+
+
+def test_torchtitans_own_mtp_config_function_reads_with_its_mtp_layer():
+    """torchtitan 0.3.0's deepseek_v3_debugmodel_mtp (config_registry.py: model_registry("debugmodel",
+    num_mtp_layers=1), MTPLoss.Config's default mtp_scale 0.3), where its model registry imports."""
+    from mixle_compile.importers.torchtitan_registry import load_registry_function, read_trainer_config
+
+    module = "torchtitan.models.deepseek_v3.config_registry"
+    try:
+        importlib.import_module(module)
+    except ImportError as exc:
+        pytest.skip(f"torchtitan's deepseek_v3 registry does not import here: {exc}")
+    for function, layers, factor in (("deepseek_v3_debugmodel_mtp", 1, 0.3), ("deepseek_v3_debugmodel", 0, None)):
+        fn, config = load_registry_function(f"{module}:{function}")
+        doc, _ = read_trainer_config(fn, config, f"{module}:{function}", ImportOptions(devices=8))
+        spec = Spec.model_validate(doc.data)
+        assert (spec.model.mtp_num_layers, spec.training.mtp_loss_scaling_factor) == (layers, factor), function
+        assert len(getattr(config.model_spec.model, "mtp_layers", [])) == layers
 
 
 @pytest.mark.parametrize(
