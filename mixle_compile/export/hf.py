@@ -27,9 +27,9 @@ def hf_config(model: TransformerModel, seq_len: int | None = None) -> tuple[dict
         # num_nextn_predict_layers is DeepSeek-V3's key (importers/hf.py reads it for deepseek_v3 and
         # kimi_k2); none of the other architectures written here has multi-token prediction layers
         return None, (
-            f"{m.mtp_num_layers} multi-token prediction layers (model.mtp_num_layers): an HF config.json says them "
-            "only as DeepSeek-V3's num_nextn_predict_layers, a model with Multi-head Latent Attention; export to "
-            "Megatron (--mtp-num-layers), or set model.mtp_num_layers: 0"
+            f"the model's multi-token prediction layers (model.mtp_num_layers {m.mtp_num_layers}): an HF config.json "
+            "says them only as DeepSeek-V3's num_nextn_predict_layers, a model with Multi-head Latent Attention; "
+            "export to Megatron (--mtp-num-layers), or set model.mtp_num_layers: 0"
         )
     if m.norm == "rmsnorm" and m.activation == "swiglu" and m.position_embedding == "rope":
         if m.num_experts == 0:

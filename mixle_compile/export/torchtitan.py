@@ -85,9 +85,9 @@ def mtp_refusals(spec: Spec, written: str) -> list[tuple[str, str]]:
         reasons.append(
             (
                 "model.mtp_num_layers",
-                f"{layers} multi-token prediction layers: {written} cannot say them (torchtitan 0.3.0 builds them "
-                "only in its deepseek_v3 model_registry(flavor, num_mtp_layers=N), which this export does not "
-                f"write); {how}, or set model.mtp_num_layers: 0",
+                f"{written} cannot say the model's multi-token prediction layers ({layers}): torchtitan 0.3.0 "
+                "builds them only in its deepseek_v3 model_registry(flavor, num_mtp_layers=N), which this export "
+                f"does not write; {how}, or set model.mtp_num_layers: 0",
             )
         )
     if factor is not None:
