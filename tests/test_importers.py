@@ -1194,6 +1194,12 @@ def deepseek_mtp_plain_loss():
     return deepseek_mtp(loss=False)
 
 
+def deepseek_mtp_loss_only():
+    config = deepseek_mtp()
+    config.model_spec.model.mtp_layers = []
+    return config
+
+
 def _mtp_layers(num_mtp_layers):
     return [SimpleNamespace() for _ in range(num_mtp_layers)]
 
@@ -1289,6 +1295,7 @@ def test_a_torchtitan_config_functions_mtp_layers_and_loss_weight_are_read(regis
     for target, says in (
         ("my_registry:deepseek_mtp_pp2", "refuses multi-token prediction with parallelism.pipeline_parallel_degree 2"),
         ("my_registry:deepseek_mtp_plain_loss", "the loss is not MTPLoss"),
+        ("my_registry:deepseek_mtp_loss_only", "the loss is MTPLoss, and the model has no multi-token prediction"),
     ):
         status, out, err = run_cli(capsys, "check", "--torchtitan", target, "--devices", "8")
         assert status == 2 and "I005" in out and says in out, out  # check --torchtitan stops at a config's error

@@ -529,7 +529,16 @@ def _multi_token_prediction(b: SpecBuilder, get, at, *, python: bool, pp: int, c
         )
     if layers or read:
         b.set(("model", "mtp_num_layers"), layers, at=where, origin=origin)
+    scale = get("loss", "mtp_scale")
     if not layers:
+        if scale is not None:
+            b.diagnostic(
+                codes.ENGINE_REFUSES.code,
+                "the loss is MTPLoss, and the model has no multi-token prediction layers: MTPLoss.__call__ raises "
+                "without a list of the main prediction and one per depth (torchtitan/models/deepseek_v3/mtp.py)",
+                at("loss", "mtp_scale") or where,
+                hint="build the model with model_registry(flavor, num_mtp_layers=N), or use the model's own loss",
+            )
         return
     for degree, key in ((pp, "pipeline_parallel_degree"), (cp, "context_parallel_degree")):
         if degree > 1:
@@ -540,7 +549,6 @@ def _multi_token_prediction(b: SpecBuilder, get, at, *, python: bool, pp: int, c
                 at("parallelism", key) or where,
                 hint=f"set {key} to 1, or build the model without num_mtp_layers",
             )
-    scale = get("loss", "mtp_scale")
     if scale is None:
         b.diagnostic(
             codes.ENGINE_REFUSES.code,
