@@ -226,7 +226,76 @@ def test_latent_attention_reaches_megatron_and_hf_and_transformers_builds_it(tmp
         built = transformers.AutoModelForCausalLM.from_config(
             transformers.AutoConfig.from_pretrained(str(tmp_path / "config.json"))
         )
-    assert sum(p.numel() for p in built.parameters()) == sum(p.numel for p in transformer_parameters(model, "bf16"))
+    # transformers' DeepseekV3ForCausalLM does not build the multi-token prediction layers the config names
+    # (modeling_deepseek_v3.py drops their weights on load): it is the model without them
+    built_model = model.model_copy(update={"mtp_num_layers": 0})
+    assert sum(p.numel() for p in built.parameters()) == sum(
+        p.numel for p in transformer_parameters(built_model, "bf16")
+    )
+    assert config["num_nextn_predict_layers"] == model.mtp_num_layers == (1 if name == "deepseek-v3.json" else 0)
+
+
+def test_multi_token_prediction_reaches_megatron_and_hf_and_round_trips(tmp_path):
+    """model.mtp_num_layers is Megatron's --mtp-num-layers (with --mtp-loss-scaling-factor where the spec weighs
+    the loss) and DeepSeek-V3's num_nextn_predict_layers; each reads back as the same spec."""
+    from mixle_compile.export.hf import hf_config, hf_config_text
+    from mixle_compile.importers.hf import hf_model, read_hf_document
+
+    spec = load_spec(EXAMPLES / "mixtral-moe-ep.yaml").spec
+    mla = {"kv_lora_rank": 64, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32, "num_kv_heads": None}
+    for model_update, factor in (({"mtp_num_layers": 2}, 0.25), ({"mtp_num_layers": 1, **mla}, None)):
+        mtp = spec.model_copy(
+            update={
+                "model": spec.model.model_copy(update=model_update),
+                "training": spec.training.model_copy(update={"mtp_loss_scaling_factor": factor}),
+            }
+        )
+        launch = " ".join(megatron_arguments(mtp))
+        assert f"--mtp-num-layers {model_update['mtp_num_layers']}" in launch
+        assert ("--mtp-loss-scaling-factor 0.25" in launch) == (factor is not None)
+        assert round_trip(mtp, "megatron", tmp_path / f"megatron{len(model_update)}")
+        back = reimport(export_spec(mtp, "megatron"), tmp_path / f"again{len(model_update)}", mtp)
+        assert back.model.mtp_num_layers == model_update["mtp_num_layers"]
+        assert back.training.mtp_loss_scaling_factor == factor
+    # Multi-head Latent Attention: DeepSeek-V3's config.json, its num_nextn_predict_layers read back
+    config, why = hf_config(mtp.model)
+    assert config is not None and config["num_nextn_predict_layers"] == 1, why
+    (tmp_path / "config.json").write_text(hf_config_text(config))
+    read = hf_model(read_hf_document(tmp_path / "config.json"))
+    assert not read.problems and not read.ignored and TransformerModel.model_validate(read.model) == mtp.model
+    # any other architecture written has no such key: refused, not dropped
+    config, why = hf_config(spec.model.model_copy(update={"mtp_num_layers": 1}))
+    assert config is None and "only as DeepSeek-V3's num_nextn_predict_layers" in why
+
+
+def test_export_refuses_multi_token_prediction_where_the_engine_config_cannot_say_it():
+    """torchtitan: the 0.2 job TOML has no MTP (JobConfig at 238fa99), and torchtitan 0.3.0 builds it only in its
+    deepseek_v3 registry, which the 0.3 export does not write; DeepSpeed's JSON has no MTP loss weight; Megatron
+    refuses MTP with learned positions (validate_args), and a loss weight without MTP layers weighs nothing.
+    Each refusal names its field."""
+    spec = load_spec(EXAMPLES / "llama3-8b-hsdp-tp.yaml").spec
+    mtp = spec.model_copy(update={"model": spec.model.model_copy(update={"mtp_num_layers": 1})})
+    weighed = mtp.model_copy(update={"training": mtp.training.model_copy(update={"mtp_loss_scaling_factor": 0.2})})
+    for version in ("0.2", "0.3"):
+        with pytest.raises(ExportRefused) as refused:
+            export_spec(weighed, "torchtitan", torchtitan_version=version)
+        fields = dict(refused.value.reasons)
+        assert "model_registry(flavor, num_mtp_layers=N)" in fields["model.mtp_num_layers"], fields
+        assert "mtp_scale" in fields["training.mtp_loss_scaling_factor"]
+        assert "model" not in fields  # llama3 8B is a published flavor: the MTP layers are what it cannot say
+    assert export_spec(spec, "torchtitan", torchtitan_version="0.3").main == "train.py"
+    small = load_spec(EXAMPLES / "export" / "zero3-8-gpus.yaml").spec
+    small = small.model_copy(update={"training": small.training.model_copy(update={"mtp_loss_scaling_factor": 0.2})})
+    with pytest.raises(ExportRefused) as refused:
+        export_spec(small, "deepspeed")
+    assert "training.mtp_loss_scaling_factor" in dict(refused.value.reasons)
+    learned = mtp.model.model_copy(update={"position_embedding": "learned", "max_position_embeddings": 8192})
+    with pytest.raises(ExportRefused) as refused:
+        megatron_arguments(mtp.model_copy(update={"model": learned}))
+    assert "validate_args asserts" in dict(refused.value.reasons)["model.mtp_num_layers"]
+    with pytest.raises(ExportRefused) as refused:
+        megatron_arguments(small)
+    assert "has no MTP layers" in dict(refused.value.reasons)["training.mtp_loss_scaling_factor"]
 
 
 def test_hf_export_refuses_latent_attention_transformers_cannot_build(tmp_path):
@@ -366,6 +435,9 @@ def transformer_specs(draw):
             model["q_lora_rank"] = 48
     elif kv and kv % tp == 0:
         model["num_kv_heads"] = kv
+    mtp = draw(st.sampled_from([0, 0, 0, 1, 2]))  # multi-token prediction layers, and maybe their loss weight
+    if mtp:
+        model["mtp_num_layers"] = mtp
     mesh = {
         "dp_replicate": 1 if shard else dp,
         "dp_shard": dp if shard else 1,
@@ -387,6 +459,8 @@ def transformer_specs(draw):
     }
     if pp > 1 and draw(st.booleans()):
         training.update(pipeline_schedule="interleaved_1f1b", virtual_pipeline_stages=2)
+    if mtp and draw(st.booleans()):
+        training["mtp_loss_scaling_factor"] = draw(st.sampled_from([0.1, 0.3, 1]))
     devices = dp * tp * pp * cp
     return Spec.model_validate(
         {

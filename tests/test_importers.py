@@ -306,6 +306,26 @@ def test_torchtitan_model_from_an_hf_config_next_to_it(tmp_path):
     assert data["model"]["num_layers"] == 36 and data["model"]["ffn_hidden_size"] == 12288
 
 
+def test_torchtitan_toml_builds_no_mtp_layers_an_hf_config_names(tmp_path):
+    """torchtitan's job TOML (0.2 era) has no multi-token prediction: DeepSeek-V3's config.json beside it sizes the
+    model, and its num_nextn_predict_layers is named (I002) and left out, not read into the spec."""
+    assets = tmp_path / "assets"
+    assets.mkdir()
+    (assets / "config.json").write_text((HF / "deepseek-v3.json").read_text())
+    path = tmp_path / "job.toml"
+    path.write_text(
+        '[model]\nname = "deepseek_v3"\nflavor = "custom"\nhf_assets_path = "./assets"\n'
+        "[training]\nlocal_batch_size = 1\n"
+    )
+    doc, diags = read_any(path, str(path), ImportOptions(devices=8))
+    assert doc.data["model"]["kv_lora_rank"] == 512 and doc.data["model"]["mtp_num_layers"] == 0
+    (named,) = [d for d in diags if "multi-token prediction" in d.message]
+    assert named.code == "I002" and "job TOML (0.2) builds no multi-token prediction layers" in named.message
+    assert named.line == 3  # at `flavor = ...`
+    # a flavor from the table has none to leave out
+    assert "mtp_num_layers" not in imported(TT / "deepseek_v3_16b.toml", devices=8)["model"]
+
+
 def test_invalid_toml_is_a_toml_error_at_its_position(tmp_path, capsys):
     path = tmp_path / "job.toml"
     path.write_text('[model]\nname = "llama3"\nflavor = \n')
@@ -1154,6 +1174,36 @@ def llama3_70b_tp8():
     )
 
 
+def deepseek_mtp(pipeline=1, loss=True):
+    model = SimpleNamespace(mtp_layers=_mtp_layers(num_mtp_layers=2))
+    return SimpleNamespace(
+        model_spec=SimpleNamespace(name="deepseek_v3", flavor="debugmodel", model=model),
+        training=TrainingConfig(local_batch_size=8, seq_len=2048, steps=10),
+        parallelism=ParallelismConfig(pipeline_parallel_degree=pipeline),
+        activation_checkpoint=FullAC.Config(),
+        optimizer=SimpleNamespace(lr=1e-4),
+        loss=SimpleNamespace(mtp_scale=0.5) if loss else SimpleNamespace(),
+    )
+
+
+def deepseek_mtp_pp2():
+    return deepseek_mtp(pipeline=2)
+
+
+def deepseek_mtp_plain_loss():
+    return deepseek_mtp(loss=False)
+
+
+def deepseek_mtp_loss_only():
+    config = deepseek_mtp()
+    config.model_spec.model.mtp_layers = []
+    return config
+
+
+def _mtp_layers(num_mtp_layers):
+    return [SimpleNamespace() for _ in range(num_mtp_layers)]
+
+
 def not_a_config():
     return 3
 """
@@ -1225,6 +1275,49 @@ def test_check_torchtitan_module_function(registry, capsys):
     assert status == 2 and "cannot import no_such_module" in out
     status, out, _ = run_cli(capsys, "check")
     assert status == 2
+
+
+def test_a_torchtitan_config_functions_mtp_layers_and_loss_weight_are_read(registry, capsys):
+    """torchtitan 0.3's deepseek_v3 model config lists its multi-token prediction layers in mtp_layers
+    (model_registry(flavor, num_mtp_layers=N)) and MTPLoss.Config carries their loss weight (mtp_scale):
+    model.mtp_num_layers and training.mtp_loss_scaling_factor. torchtitan refuses MTP under a pipeline, and a
+    model with MTP layers needs MTPLoss (I005)."""
+    from mixle_compile.importers.torchtitan_registry import load_registry_function, read_trainer_config
+
+    function, config = load_registry_function("my_registry:deepseek_mtp")
+    doc, diags = read_trainer_config(function, config, "my_registry:deepseek_mtp", ImportOptions(devices=8))
+    assert not [d for d in diags if d.severity.value == "error"], [d.text() for d in diags]
+    spec = Spec.model_validate(doc.data)
+    assert spec.model.mtp_num_layers == 2 and spec.training.mtp_loss_scaling_factor == 0.5
+    assert spec.model.kv_lora_rank == 512  # the debugmodel flavor's sizes, from the table
+    line = doc.position(("model", "mtp_num_layers")).line
+    assert "num_mtp_layers=2" in REGISTRY_MODULE.splitlines()[line - 1]
+    for target, says in (
+        ("my_registry:deepseek_mtp_pp2", "refuses multi-token prediction with parallelism.pipeline_parallel_degree 2"),
+        ("my_registry:deepseek_mtp_plain_loss", "the loss is not MTPLoss"),
+        ("my_registry:deepseek_mtp_loss_only", "the loss is MTPLoss, and the model has no multi-token prediction"),
+    ):
+        status, out, err = run_cli(capsys, "check", "--torchtitan", target, "--devices", "8")
+        assert status == 2 and "I005" in out and says in out, out  # check --torchtitan stops at a config's error
+        assert "Traceback" not in out + err
+
+
+def test_torchtitans_own_mtp_config_function_reads_with_its_mtp_layer():
+    """torchtitan 0.3.0's deepseek_v3_debugmodel_mtp (config_registry.py: model_registry("debugmodel",
+    num_mtp_layers=1), MTPLoss.Config's default mtp_scale 0.3), where its model registry imports."""
+    from mixle_compile.importers.torchtitan_registry import load_registry_function, read_trainer_config
+
+    module = "torchtitan.models.deepseek_v3.config_registry"
+    try:
+        importlib.import_module(module)
+    except ImportError as exc:
+        pytest.skip(f"torchtitan's deepseek_v3 registry does not import here: {exc}")
+    for function, layers, factor in (("deepseek_v3_debugmodel_mtp", 1, 0.3), ("deepseek_v3_debugmodel", 0, None)):
+        fn, config = load_registry_function(f"{module}:{function}")
+        doc, _ = read_trainer_config(fn, config, f"{module}:{function}", ImportOptions(devices=8))
+        spec = Spec.model_validate(doc.data)
+        assert (spec.model.mtp_num_layers, spec.training.mtp_loss_scaling_factor) == (layers, factor), function
+        assert len(getattr(config.model_spec.model, "mtp_layers", [])) == layers
 
 
 @pytest.mark.parametrize(
@@ -1647,7 +1740,7 @@ MLA_LAUNCH = (
 def test_megatron_latent_attention_takes_megatrons_defaults_and_says_what_it_leaves_out():
     """megatron/training/arguments.py _add_mla_args: --kv-lora-rank 32, --qk-head-dim 128,
     --qk-pos-emb-head-dim 64, --v-head-dim 128, no query latent; the latents' norms only with
-    --qk-layernorm (an I003 without it), and --mtp-num-layers named as not modelled."""
+    --qk-layernorm (an I003 without it), and --mtp-num-layers read as the model's multi-token prediction layers."""
     doc, diags = read_any_text(MLA_LAUNCH + "--position-embedding-type rope --mtp-num-layers 1")
     model = doc.data["model"]
     assert (model["kv_lora_rank"], model["qk_nope_head_dim"], model["qk_rope_head_dim"], model["v_head_dim"]) == (
@@ -1659,8 +1752,84 @@ def test_megatron_latent_attention_takes_megatrons_defaults_and_says_what_it_lea
     assert "q_lora_rank" not in model
     codes_of = {d.code: d.message for d in diags}
     assert "--qk-layernorm" in codes_of["I003"]
-    assert any("--mtp-num-layers 1" in d.message and "multi-token prediction" in d.message for d in diags)
+    assert model["mtp_num_layers"] == 1 and doc.origins[("model", "mtp_num_layers")] == "--mtp-num-layers"
+    assert not any("mtp" in d.message for d in diags)  # read, not named as left out
+    # no --mtp-loss-scaling-factor: Megatron-Core's default (0.1), the spec's null
+    assert "mtp_loss_scaling_factor" not in doc.data["training"]
     Spec.model_validate(doc.data)
+
+
+def test_megatron_multi_token_prediction_flags_are_read_into_the_spec():
+    """--mtp-num-layers N and --mtp-loss-scaling-factor X (TransformerConfig.mtp_num_layers and
+    mtp_loss_scaling_factor, flags through ArgumentGroupFactory) are model.mtp_num_layers and
+    training.mtp_loss_scaling_factor, each at its place in the launch."""
+    doc, diags = read_any_text(
+        MLA_LAUNCH + "--position-embedding-type rope --qk-layernorm --mtp-num-layers 2 --mtp-loss-scaling-factor 0.3"
+    )
+    assert not [d for d in diags if d.severity.value == "error"], [d.text() for d in diags]
+    spec = Spec.model_validate(doc.data)
+    assert spec.model.mtp_num_layers == 2 and spec.training.mtp_loss_scaling_factor == 0.3
+    text = MLA_LAUNCH + "--position-embedding-type rope --qk-layernorm --mtp-num-layers 2"
+    assert doc.values[("model", "mtp_num_layers")].column == len(text)  # at the value, 2
+    assert doc.origins[("training", "mtp_loss_scaling_factor")] == "--mtp-loss-scaling-factor"
+    # a dense launch (no latent attention) takes them too: Megatron's MTP layers are of the decoder's kind
+    dense = MLA_LAUNCH.replace("--multi-latent-attention ", "")
+    doc, _ = read_any_text(dense + "--position-embedding-type rope --mtp-num-layers 1")
+    assert doc.data["model"]["mtp_num_layers"] == 1 and "kv_lora_rank" not in doc.data["model"]
+
+
+@pytest.mark.parametrize(
+    "extra, code, says",
+    [
+        # validate_args: MTP with --position-embedding-type rope or none only
+        ("--mtp-num-layers 1", "I005", "--position-embedding-type learned_absolute (the default)"),
+        ("--position-embedding-type yarn --mtp-num-layers 1", "I005", "supported with rope and none only"),
+        ("--position-embedding-type rope --mtp-num-layers -1", "I004", "`--mtp-num-layers -1` is not a number"),
+        ("--position-embedding-type rope --mtp-num-layers one", "I004", "`--mtp-num-layers` must be a number"),
+        (
+            "--position-embedding-type rope --mtp-num-layers 1 --mtp-loss-scaling-factor 0",
+            "I004",
+            "`--mtp-loss-scaling-factor 0` is not a weight",
+        ),
+        (
+            "--position-embedding-type rope --mtp-num-layers 1 --mtp-loss-scaling-factor nan",
+            "I004",
+            "`--mtp-loss-scaling-factor nan` is not a weight",
+        ),
+        (
+            "--position-embedding-type rope --mtp-num-layers 1 --use-legacy-models",
+            "I005",
+            "legacy models do not support Multi-Token Prediction",
+        ),
+    ],
+)
+def test_megatron_bad_multi_token_prediction_flags_are_clear_errors(capsys, tmp_path, extra, code, says):
+    path = tmp_path / "launch.sh"
+    path.write_text(MLA_LAUNCH.replace("--multi-latent-attention ", "") + extra + "\n")
+    status, out, err = run_cli(capsys, "check", path)
+    assert status == (2 if code == "I004" else 1) and code in out and says in out, out
+    assert "Traceback" not in out + err
+
+
+def test_megatron_loss_weight_without_mtp_layers_is_named_and_an_hf_models_mtp_is_not_the_launchs(tmp_path):
+    """--mtp-loss-scaling-factor without --mtp-num-layers weighs nothing (I002, not read); sizes taken from an
+    HF config whose num_nextn_predict_layers is 1 build no MTP layer unless the launch passes the flag."""
+    doc, diags = read_any_text(MLA_LAUNCH + "--position-embedding-type rope --mtp-loss-scaling-factor 0.2")
+    assert "mtp_loss_scaling_factor" not in doc.data["training"] and "mtp_num_layers" not in doc.data["model"]
+    (named,) = [d for d in diags if "--mtp-loss-scaling-factor" in d.message]
+    assert named.code == "I002" and "no multi-token prediction loss to weigh" in named.message
+    launch = (
+        "torchrun --nproc_per_node 8 pretrain_gpt.py --seq-length 4096 --micro-batch-size 1 --bf16 "
+        "--position-embedding-type rope"
+    )
+    (tmp_path / "launch.sh").write_text(launch + "\n")
+    options = ImportOptions(model=str(HF / "deepseek-v3.json"), device_memory="80GiB")
+    doc, _ = read_any(tmp_path / "launch.sh", "launch.sh", options)
+    assert doc.data["model"]["mtp_num_layers"] == 0
+    assert "no --mtp-num-layers" in doc.origins[("model", "mtp_num_layers")]
+    (tmp_path / "launch.sh").write_text(launch + " --mtp-num-layers 1\n")
+    doc, _ = read_any(tmp_path / "launch.sh", "launch.sh", options)
+    assert doc.data["model"]["mtp_num_layers"] == 1
 
 
 @pytest.mark.parametrize(
@@ -1713,10 +1882,66 @@ def test_hf_deepseek_configs_read_as_latent_attention(name, expected):
     assert {k: hf.model.get(k) for k in expected} == expected
     assert (hf.model["kv_lora_rank"], hf.model["qk_nope_head_dim"], hf.model["qk_rope_head_dim"]) == (512, 128, 64)
     assert "head_dim" not in hf.model and "num_kv_heads" not in hf.model
-    mtp = [key for key, _ in hf.ignored if key.startswith("num_nextn_predict_layers")]
-    assert bool(mtp) == (name == "deepseek-v3.json")  # V3 publishes one MTP layer, Kimi K2 none
-    if mtp:
-        assert "DeepseekV3ForCausalLM does not build them" in mtp[0]
+    # read, not named: V3 publishes one MTP layer, Kimi K2 none; DeepSeek-V2 has no such key
+    assert not [key for key, _ in hf.ignored if key.startswith("num_nextn_predict_layers")]
+    mtp = {"deepseek-v3.json": 1, "kimi-k2-instruct.json": 0}.get(name)
+    assert hf.model.get("mtp_num_layers") == mtp
+    if mtp is not None:
+        assert hf.keys["mtp_num_layers"] == "num_nextn_predict_layers"
+
+
+@pytest.mark.parametrize(
+    "keys, says",
+    [
+        ({"num_nextn_predict_layers": -1}, "`num_nextn_predict_layers` = -1 is not a number of multi-token"),
+        ({"num_nextn_predict_layers": True}, "`num_nextn_predict_layers` = True is not a number"),
+        ({"num_nextn_predict_layers": "1"}, "`num_nextn_predict_layers` = '1' is not a number"),
+        ({"num_nextn_predict_layers": None}, "`num_nextn_predict_layers` is null"),
+    ],
+)
+def test_a_bad_mtp_key_is_a_clear_error(tmp_path, capsys, keys, says):
+    data = json.loads((HF / "deepseek-v3.json").read_text())
+    data.update(keys)
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    ds = tmp_path / "ds.json"
+    ds.write_text('{"train_batch_size": 8, "train_micro_batch_size_per_gpu": 1}')
+    status, out, err = run_cli(capsys, "check", ds, "--model", tmp_path / "config.json", "--seq-len", "1024")
+    assert status == 2 and "I004" in out and says in out, out
+    # a spec that takes its model from the file reports it too (an error in the spec: exit 1)
+    (tmp_path / "spec.yaml").write_text(
+        "model: {from: hf, path: config.json}\nmesh: {dp_shard: 8}\n"
+        "training: {global_batch_size: 8, micro_batch_size: 1, seq_len: 1024}\n"
+        "resources: {devices: 8, memory: 80GiB}\nbackend: torch\n"
+    )
+    status, out2, err2 = run_cli(capsys, "check", tmp_path / "spec.yaml")
+    assert status == 1 and "I004" in out2 and says in out2, out2
+    assert "Traceback" not in out + err + out2 + err2
+
+
+def test_hf_mtp_layers_are_deepseek_v3s_key_and_absent_is_the_class_default(tmp_path):
+    """num_nextn_predict_layers is read for deepseek_v3 and kimi_k2; absent, DeepseekV3Config's default
+    (transformers 5: num_mtp_layers 1); on DeepSeek-V2, whose class has no MTP, it is named, not read."""
+    from mixle_compile.importers.hf import hf_model, read_hf_document
+
+    sizes = {"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "vocab_size": 100}
+    for model_type, keys, want in (
+        ("deepseek_v3", {}, 1),
+        ("kimi_k2", {"num_nextn_predict_layers": 3}, 3),
+        ("deepseek_v3", {"num_nextn_predict_layers": 0}, 0),
+    ):
+        (tmp_path / "c.json").write_text(json.dumps({"model_type": model_type, **sizes, **keys}))
+        hf = hf_model(read_hf_document(tmp_path / "c.json"))
+        assert not hf.problems and not hf.ignored and hf.model["mtp_num_layers"] == want, (model_type, keys)
+    (tmp_path / "v2.json").write_text(
+        json.dumps({"model_type": "deepseek_v2", "num_experts_per_tok": 2, "num_nextn_predict_layers": 1, **sizes})
+    )
+    hf = hf_model(read_hf_document(tmp_path / "v2.json"))
+    assert "mtp_num_layers" not in hf.model
+    assert any(k.startswith("num_nextn_predict_layers (1: DeepseekV2Config has no") for k, _ in hf.ignored)
+    transformers = pytest.importorskip("transformers")
+    config = transformers.DeepseekV3Config()  # the class default the absent key takes (transformers 5)
+    if hasattr(config, "num_nextn_predict_layers"):
+        assert config.num_nextn_predict_layers == 1
 
 
 def test_hf_deepseek_absent_keys_take_the_configuration_class_defaults(tmp_path):

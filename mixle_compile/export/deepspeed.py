@@ -54,6 +54,16 @@ def deepspeed_files(spec: Spec, stem: str) -> Exported:
                 "not a DeepSpeed config key; remove it to export",
             )
         )
+    if t.mtp_loss_scaling_factor is not None:
+        # the model's MTP layers are the HF config's num_nextn_predict_layers (DeepSeek-V3); the weight of their
+        # loss is the training script's
+        reasons.append(
+            (
+                "training.mtp_loss_scaling_factor",
+                "neither a DeepSpeed JSON nor an HF config.json has a multi-token prediction loss weight (the "
+                "training script sets it); remove it, or export to megatron (--mtp-loss-scaling-factor)",
+            )
+        )
     config, why = hf_config(spec.model, spec.training.seq_len)
     if config is None:
         reasons.append(("model", why))

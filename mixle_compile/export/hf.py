@@ -23,6 +23,14 @@ def hf_config(model: TransformerModel, seq_len: int | None = None) -> tuple[dict
         heads["head_dim"] = m.head_dim
     if m.latent_attention:
         return _deepseek_v3(m, heads, base)
+    if m.mtp_num_layers:
+        # num_nextn_predict_layers is DeepSeek-V3's key (importers/hf.py reads it for deepseek_v3 and
+        # kimi_k2); none of the other architectures written here has multi-token prediction layers
+        return None, (
+            f"the model's multi-token prediction layers (model.mtp_num_layers {m.mtp_num_layers}): an HF config.json "
+            "says them only as DeepSeek-V3's num_nextn_predict_layers, a model with Multi-head Latent Attention; "
+            "export to Megatron (--mtp-num-layers), or set model.mtp_num_layers: 0"
+        )
     if m.norm == "rmsnorm" and m.activation == "swiglu" and m.position_embedding == "rope":
         if m.num_experts == 0:
             return {
@@ -119,7 +127,9 @@ def _deepseek_v3(m: TransformerModel, heads: dict, base: dict) -> tuple[dict | N
     reading, importers/hf.py _deepseek): every layer from first_k_dense_replace an MoE layer with an
     ungated shared MLP of moe_intermediate_size * n_shared_experts (modeling_deepseek_v3.py); the
     router without expert groups (n_group 1, topk_group 1: DeepseekV3TopkRouter splits the experts
-    into n_group groups), and no multi-token prediction layer."""
+    into n_group groups), and the multi-token prediction layers as num_nextn_predict_layers (DeepSeek's
+    key, which transformers' DeepseekV3Config keeps and its DeepseekV3ForCausalLM does not build: the
+    checkpoint and DeepSeek's training have them; importers/hf.py reads them back)."""
     if m.norm != "rmsnorm" or m.activation != "swiglu":
         return None, "DeepSeek-V3's layers are RMSNorm with a SwiGLU (silu) MLP; export to Megatron"
     config = {
@@ -134,7 +144,7 @@ def _deepseek_v3(m: TransformerModel, heads: dict, base: dict) -> tuple[dict | N
         "qk_nope_head_dim": m.qk_nope_head_dim,
         "qk_rope_head_dim": m.qk_rope_head_dim,
         "v_head_dim": m.v_head_dim,
-        "num_nextn_predict_layers": 0,
+        "num_nextn_predict_layers": m.mtp_num_layers,
     }
     if not m.num_experts:
         return {**config, "first_k_dense_replace": m.num_layers}, ""

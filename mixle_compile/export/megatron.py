@@ -86,6 +86,23 @@ def megatron_arguments(spec: Spec) -> list[str]:
                 f"--use-tp-pp-dp-mapping, {TP_PP_DP_ORDER}",
             )
         )
+    if m.mtp_num_layers and m.position_embedding != "rope":
+        # validate_args (megatron/training/arguments.py): MTP with position_embedding_type rope or none only
+        reasons.append(
+            (
+                "model.mtp_num_layers",
+                "Megatron-LM refuses multi-token prediction with learned positions (validate_args asserts "
+                "--position-embedding-type rope or none): use rope positions, or no MTP layers",
+            )
+        )
+    if t.mtp_loss_scaling_factor is not None and not m.mtp_num_layers:
+        reasons.append(
+            (
+                "training.mtp_loss_scaling_factor",
+                "weighs the multi-token prediction loss, and the model has no MTP layers (model.mtp_num_layers 0): "
+                "remove it",
+            )
+        )
     if m.vocab_size % mesh.tp:
         reasons.append(("model.vocab_size", f"{m.vocab_size} is not a multiple of tp {mesh.tp}: Megatron pads it"))
     if m.num_experts and m.moe_layer_frequency != 1:
@@ -154,6 +171,12 @@ def megatron_arguments(spec: Spec) -> list[str]:
             a += ["--moe-shared-expert-intermediate-size", m.moe_shared_expert_hidden_size]
             if m.moe_shared_expert_gate:
                 a += ["--moe-shared-expert-gate"]
+    if m.mtp_num_layers:
+        # TransformerConfig.mtp_num_layers and mtp_loss_scaling_factor (Megatron-Core's default 0.1, written
+        # only where the spec sets it), flags through ArgumentGroupFactory(TransformerConfig)
+        a += ["--mtp-num-layers", m.mtp_num_layers]
+        if t.mtp_loss_scaling_factor is not None:
+            a += ["--mtp-loss-scaling-factor", repr(t.mtp_loss_scaling_factor)]
     a += [
         "--seq-length",
         t.seq_len,

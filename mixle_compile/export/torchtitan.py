@@ -27,8 +27,12 @@ def _toml_value(v) -> str:
     return repr(v)
 
 
-def _flavor_of(spec: Spec) -> tuple[str, str] | None:
+def _flavor_of(spec: Spec, *, without_mtp: bool = False) -> tuple[str, str] | None:
+    """The published flavor the spec's model is (``without_mtp``: leaving its multi-token prediction layers
+    aside, for an exporter that refuses them by their own field)."""
     model = spec.model.model_dump(exclude_none=True)
+    if without_mtp:
+        model.pop("mtp_num_layers", None)
     for name, table in flavors.FLAVORS.items():
         for flavor_name, entry in table.items():
             ref = dict(entry.model)
@@ -67,6 +71,36 @@ def layers_per_stage(spec: Spec, reasons: list) -> int | None:
     return total // stages
 
 
+def mtp_refusals(spec: Spec, written: str) -> list[tuple[str, str]]:
+    """Multi-token prediction, which neither torchtitan export can write. The 0.2-era job TOML (JobConfig at
+    238fa99) has no such setting and no model of that torchtitan builds MTP layers. torchtitan 0.3.0 builds
+    them only in its deepseek_v3 model, ``model_registry(flavor, num_mtp_layers=N)`` trained with
+    ``MTPLoss.Config(mtp_scale=...)`` (torchtitan/models/deepseek_v3/__init__.py, mtp.py), and the 0.3
+    export writes the llama3 and qwen3 registries only (export/torchtitan_python.py, REGISTRIES)."""
+    model, factor = spec.model, spec.training.mtp_loss_scaling_factor
+    layers = model.mtp_num_layers if isinstance(model, TransformerModel) else 0
+    how = "export to megatron (--mtp-num-layers, --mtp-loss-scaling-factor)"
+    reasons = []
+    if layers:
+        reasons.append(
+            (
+                "model.mtp_num_layers",
+                f"{written} cannot say the model's multi-token prediction layers ({layers}): torchtitan 0.3.0 "
+                "builds them only in its deepseek_v3 model_registry(flavor, num_mtp_layers=N), which this export "
+                f"does not write; {how}, or set model.mtp_num_layers: 0",
+            )
+        )
+    if factor is not None:
+        reasons.append(
+            (
+                "training.mtp_loss_scaling_factor",
+                f"{written} has no multi-token prediction loss weight (torchtitan 0.3.0's MTPLoss.Config.mtp_scale); "
+                + (how if layers else "the model has no MTP layers for it to weigh: remove it"),
+            )
+        )
+    return reasons
+
+
 def torchtitan_files(spec: Spec, stem: str) -> Exported:
     t, m = spec.training, spec.mesh
     reasons: list[tuple[str, str]] = []
@@ -96,6 +130,7 @@ def torchtitan_files(spec: Spec, stem: str) -> Exported:
                 "not a key of torchtitan's job TOML; remove it to export",
             )
         )
+    reasons += mtp_refusals(spec, "torchtitan's job TOML (0.2)")
     stages_key = layers_per_stage(spec, reasons)
     if reasons:
         raise ExportRefused("torchtitan", reasons)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 
 from mixle_compile.export import Exported, ExportRefused, memory_text
-from mixle_compile.export.torchtitan import PRECISION, SCHEDULES, _flavor_of, layers_per_stage
+from mixle_compile.export.torchtitan import PRECISION, SCHEDULES, _flavor_of, layers_per_stage, mtp_refusals
 from mixle_compile.spec.models import Spec
 
 # The model families with a model_registry in torchtitan 0.3.0 that the flavor table sizes, and the
@@ -41,7 +41,8 @@ def function_name(stem: str) -> str:
 def torchtitan_python_files(spec: Spec, stem: str) -> Exported:
     t, m = spec.training, spec.mesh
     reasons: list[tuple[str, str]] = []
-    flavor = _flavor_of(spec)
+    reasons += mtp_refusals(spec, "the 0.3 config function written here")
+    flavor = _flavor_of(spec, without_mtp=True)
     if flavor is None or flavor[0] not in REGISTRIES or flavor[1] not in REGISTRIES[flavor[0]][1]:
         shown = (
             "not a published flavor" if flavor is None else f"{flavor[0]}/{flavor[1]}, which has no 0.3 registry entry"

@@ -322,6 +322,62 @@ def _positive(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
+# DeepSeek-V3's multi-token prediction depths (MTP modules), num_nextn_predict_layers: DeepSeek's
+# config.json key. transformers 5.24.0's DeepseekV3Config has it as num_mtp_layers, default 1
+# (attribute_map num_mtp_layers -> num_nextn_predict_layers, transformers/models/deepseek_v3/
+# configuration_deepseek_v3.py); earlier releases' class had no such field and kept the key as a plain
+# attribute. DeepseekV2Config has none. Kimi K2 (kimi_k2) publishes the key with DeepSeek-V3's
+# configuration class (0 in Kimi-K2-Instruct's config.json).
+MTP_DEFAULTS = {"deepseek_v3": 1, "kimi_k2": 1}
+
+
+def _multi_token_prediction(
+    data: dict, m: dict, out: HFModel, take, used: set, doc: SourceDocument, model_type: str
+) -> None:
+    """``num_nextn_predict_layers``: DeepSeek-V3's multi-token prediction modules (README_WEIGHTS.md of
+    deepseek-ai/DeepSeek-V3: each an embedding norm and a hidden-state norm, a [2 hidden -> hidden]
+    projection and one more decoder layer, stored as ``model.layers.<num_hidden_layers + k>``; the
+    published V3 weights hold 1).
+    DeepSeek trains them; transformers' DeepseekV3ForCausalLM does not build them and drops their weights on
+    load (modeling_deepseek_v3.py, ``_keys_to_ignore_on_load_unexpected = [r"model\\.layers\\.61.*"]``).
+    The spec describes the trained model, so they are read as ``model.mtp_num_layers`` (an absent key is
+    the configuration class's default). DeepSeek-V2 has no such layers: a key there is named, not read."""
+    key = "num_nextn_predict_layers"
+    used.add(key)
+    if model_type not in MTP_DEFAULTS:
+        if data.get(key):
+            out.ignored.append(
+                (
+                    f"{key} ({data[key]!r}: DeepseekV2Config has no multi-token prediction layers; read for "
+                    "deepseek_v3 and kimi_k2 only)",
+                    doc.position((key,)),
+                )
+            )
+        return
+    if key in data and data[key] is None:
+        out.problems.append(
+            (
+                f"`{key}` is null: DeepSeek-V3's configuration takes a number of multi-token prediction layers",
+                f"write `{key}: 0` for none (DeepSeek-V3 publishes 1)",
+                doc.position((key,)),
+            )
+        )
+        return
+    layers = take("mtp_num_layers", key, default=MTP_DEFAULTS[model_type])
+    if not (isinstance(layers, int) and not isinstance(layers, bool) and layers >= 0):
+        out.problems.append(
+            (
+                f"`{key}` = {layers!r} is not a number of multi-token prediction layers",
+                "write a whole number (0: none; DeepSeek-V3 publishes 1)",
+                out.positions.get("mtp_num_layers", doc.position((key,))),
+            )
+        )
+        return
+    if key not in data:
+        out.keys["mtp_num_layers"] = f"{key} (absent: DeepseekV3Config's default {layers})"
+    m["mtp_num_layers"] = layers
+
+
 def _deepseek(data: dict, m: dict, out: HFModel, take, used: set, doc: SourceDocument, model_type: str) -> None:
     """DeepSeek-V2 / DeepSeek-V3 (and Kimi K2): Multi-head Latent Attention and DeepSeekMoE, as
     transformers builds them (modeling_deepseek_v2.py, modeling_deepseek_v3.py).
@@ -391,16 +447,7 @@ def _deepseek(data: dict, m: dict, out: HFModel, take, used: set, doc: SourceDoc
             )
         )
     used.add("head_dim")  # DeepseekV2Config sets head_dim to qk_rope_head_dim whatever the file says
-    mtp = data.get("num_nextn_predict_layers")
-    used.add("num_nextn_predict_layers")
-    if mtp:
-        out.ignored.append(
-            (
-                f"num_nextn_predict_layers ({mtp!r}: DeepSeek-V3's multi-token prediction layers; transformers' "
-                "DeepseekV3ForCausalLM does not build them, so they are not modelled)",
-                doc.position(("num_nextn_predict_layers",)),
-            )
-        )
+    _multi_token_prediction(data, m, out, take, used, doc, model_type)
     used.update(k for k in DEEPSEEK_QUIET if k in data)
     method = data.get("topk_method")
     used.add("topk_method")

@@ -39,6 +39,7 @@ READ = {
     "--v-head-dim": "int",
     "--qk-layernorm": "bool",
     "--mtp-num-layers": "int",
+    "--mtp-loss-scaling-factor": "float",
     "--normalization": "str",
     "--position-embedding-type": "str",
     "--max-position-embeddings": "int",
@@ -715,16 +716,7 @@ def read_megatron(
                     set_(("model", "moe_layer_frequency"), int(freq), "--moe-layer-freq")
                 else:
                     _moe_pattern(b, freq, num("--num-layers"), set_, at)
-    mtp = num("--mtp-num-layers", None)
-    if mtp:
-        # TransformerConfig.mtp_num_layers (megatron/core/transformer/transformer_config.py): GPTModel
-        # builds that many multi-token prediction blocks after the decoder (megatron/core/transformer/
-        # multi_token_prediction.py), each a transformer layer with its own norms and projection
-        b.unmodelled(
-            f"--mtp-num-layers {mtp}",
-            at("--mtp-num-layers"),
-            "the multi-token prediction layers are not modelled: their parameters, memory and work are left out",
-        )
+    _multi_token_prediction(b, has, num, at, set_, text_of, from_hf=options.model is not None and not sized)
     if b.failed:
         return b.result()
 
@@ -937,6 +929,83 @@ def read_megatron(
         set_(("training", "seed"), num("--seed"), "--seed")
     b.set(("backend",), {"name": "megatron", "entry": "arguments"}, origin="pretrain_gpt.py arguments")
     return b.result()
+
+
+def _multi_token_prediction(b: SpecBuilder, has, num, at, set_, text_of, *, from_hf: bool) -> None:
+    """``--mtp-num-layers N`` and ``--mtp-loss-scaling-factor X``: TransformerConfig.mtp_num_layers
+    (default None: no multi-token prediction) and mtp_loss_scaling_factor (default 0.1), both made
+    flags by ArgumentGroupFactory(TransformerConfig) in _add_network_size_args (megatron/core/
+    transformer/transformer_config.py, megatron/training/arguments.py at core_v0.16.1). GPTModel then
+    builds N MTP blocks after the decoder on the last pipeline stage (megatron/core/transformer/
+    multi_token_prediction.py, get_mtp_num_layers_to_build), each a transformer layer of the decoder's
+    kind with its own norms and projection, and adds the mean of their losses times the factor to
+    the main loss. validate_args asserts, when mtp_num_layers is set, that the model is not a legacy
+    one and that --position-embedding-type is rope or none (``--use-rotary-position-embeddings``
+    makes it rope)."""
+    flag, factor_flag = "--mtp-num-layers", "--mtp-loss-scaling-factor"
+    layers = num(flag, None)
+    if layers is not None and layers < 0:
+        b.refuse(
+            f"`{flag} {layers}` is not a number of multi-token prediction layers",
+            at(flag),
+            f"write `{flag} N` with N >= 1, or leave it out for none",
+        )
+        return
+    if layers is None and from_hf:
+        # The sizes come from an HF config, whose num_nextn_predict_layers Megatron-LM does not read:
+        # without the flag the launch builds no MTP layer.
+        if b.get(("model", "mtp_num_layers")):
+            set_(
+                ("model", "mtp_num_layers"),
+                0,
+                None,
+                f"no {flag} (Megatron-LM builds no multi-token prediction layer; the HF config's "
+                "num_nextn_predict_layers is not a launch argument)",
+            )
+    elif layers is not None:
+        set_(("model", "mtp_num_layers"), layers, flag)
+    if layers:
+        position = text_of("--position-embedding-type", "learned_absolute")
+        if has("--use-rotary-position-embeddings"):  # validate_args: use_rotary_position_embeddings -> rope
+            position = "rope"
+        if position not in ("rope", "none"):
+            b.diagnostic(
+                codes.ENGINE_REFUSES.code,
+                f"Megatron-LM refuses `{flag} {layers}` with --position-embedding-type {position}"
+                + ("" if has("--position-embedding-type") else " (the default)")
+                + " (validate_args asserts Multi-Token Prediction is supported with rope and none only)",
+                at(flag),
+                hint="write `--position-embedding-type rope`, or leave the multi-token prediction layers out",
+            )
+        if has("--use-legacy-models"):
+            b.diagnostic(
+                codes.ENGINE_REFUSES.code,
+                f"Megatron-LM refuses `{flag}` with --use-legacy-models (validate_args asserts the legacy models "
+                "do not support Multi-Token Prediction)",
+                at(flag),
+                hint="drop --use-legacy-models (Megatron-Core's GPTModel builds the MTP layers)",
+            )
+    if not has(factor_flag):
+        return  # the factor is TransformerConfig's default, 0.1: training.mtp_loss_scaling_factor null
+    if not layers:
+        b.unmodelled(
+            f"{factor_flag} {text_of(factor_flag, '')}".strip(),
+            at(factor_flag),
+            f"there is no multi-token prediction loss to weigh without {flag}",
+        )
+        return
+    factor = num(factor_flag, None, float)
+    if factor is None:
+        return
+    if not (math.isfinite(factor) and 0 < factor <= 1e6):
+        b.refuse(
+            f"`{factor_flag} {text_of(factor_flag)}` is not a weight the spec takes for the multi-token prediction "
+            "loss (a number above 0, at most 1e6)",
+            at(factor_flag),
+            f"write a positive weight (Megatron-Core's default is 0.1), or leave `{factor_flag}` out",
+        )
+        return
+    set_(("training", "mtp_loss_scaling_factor"), factor, factor_flag)
 
 
 #: Megatron-LM's MLA arguments and their defaults (megatron/training/arguments.py, _add_mla_args:

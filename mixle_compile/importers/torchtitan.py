@@ -24,7 +24,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from mixle_compile.importers import flavors
+from mixle_compile.importers import codes, flavors
 from mixle_compile.importers.builder import ImportOptions, SpecBuilder, resources
 from mixle_compile.importers.toml_source import read_toml
 from mixle_compile.spec.source import Position, SourceDocument
@@ -134,6 +134,9 @@ QUIET_KEYS = {
         "debug",
     },
 }
+#: Keys only a torchtitan 0.3 Trainer.Config gives (torchtitan_registry.trainer_config_tables fills them):
+#: the model's multi-token prediction layers and MTPLoss's weight. A job TOML has neither.
+PYTHON_READ = {"model": {"num_mtp_layers"}, "loss": {"mtp_scale"}}
 SCHEDULES = {"1F1B": "1f1b", "GPipe": "gpipe", "Interleaved1F1B": "interleaved_1f1b"}
 SINGLE_STAGE = {"1F1B", "GPipe"}
 PRECISIONS = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
@@ -191,7 +194,8 @@ def import_job(
             return default
         return v
 
-    _unmodelled(b, data, lambda *path: src.keys.get(tuple(path)))
+    python = source_format == "torchtitan-python"
+    _unmodelled(b, data, lambda *path: src.keys.get(tuple(path)), PYTHON_READ if python else {})
     if model is not None and options.model is None:  # sizes read off the engine's own model config
         sizes, origins = model
         for field_name, v in sizes.items():
@@ -479,12 +483,95 @@ def import_job(
     steps = get("training", "steps")
     if isinstance(steps, int) and not isinstance(steps, bool) and steps > 0:
         b.set(("training", "steps"), steps, at=at("training", "steps"), origin="training.steps")
+    _multi_token_prediction(b, get, at, python=python, pp=pp, cp=cp)
     b.set(
         ("backend",),
         {"name": "torchtitan", "version": version},
         origin="a torchtitan job TOML (the 0.2-era format)" if version == "0.2" else "a torchtitan Trainer.Config",
     )
     return b.result()
+
+
+def _multi_token_prediction(b: SpecBuilder, get, at, *, python: bool, pp: int, cp: int) -> None:
+    """Multi-token prediction (model.mtp_num_layers, training.mtp_loss_scaling_factor).
+
+    torchtitan's job TOML (JobConfig at 238fa99, the 0.2 era) has none, nor does any model of that
+    torchtitan: MTP came after, for deepseek_v3 only (f59c215, "[MTP] Add MTP module for deepseek_v3
+    model"). An HF config that sized the model may name MTP layers (DeepSeek-V3's
+    num_nextn_predict_layers), which torchtitan does not build: they are left out, and said so.
+
+    torchtitan 0.3.0: ``model_registry(flavor, num_mtp_layers=N)`` (torchtitan/models/deepseek_v3/
+    __init__.py, ``_build_mtp_layers``) puts N MTPTransformerBlock configs in the model config's
+    ``mtp_layers``, each the last layer's attention and feed-forward (or MoE) with enorm, hnorm, a
+    [2 dim -> dim] eh_proj and mtp_norm (models/deepseek_v3/mtp.py). ``MTPLoss`` adds ``mtp_scale``
+    (default 0.3) times the mean of the depths' losses to the main loss. MTPDecoder.Config.
+    update_from_config raises NotImplementedError under pipeline or context parallelism, and
+    MTPDecoder.forward returns the main prediction and one per depth (and raises where the lm_head is
+    left to ChunkedLossWrapper), which MTPLoss takes."""
+    layers = get("model", "num_mtp_layers", 0) if python else 0
+    read = b.get(("model", "mtp_num_layers"), 0)
+    if not python:
+        if read:
+            b.unmodelled(
+                f"the HF config's {read} multi-token prediction layers (num_nextn_predict_layers)",
+                at("model", "flavor") or at("model", "name"),
+                "torchtitan's job TOML (0.2) builds no multi-token prediction layers; the model is read without them",
+            )
+            b.set(("model", "mtp_num_layers"), 0, origin="a torchtitan job TOML (no multi-token prediction)")
+        return
+    where = at("model", "num_mtp_layers") or at("model", "flavor")
+    origin = "Trainer.Config.model_spec.model.mtp_layers (model_registry(flavor, num_mtp_layers=N))"
+    if read and read != layers:
+        b.unmodelled(
+            f"the HF config's {read} multi-token prediction layers (num_nextn_predict_layers)",
+            where,
+            f"the Trainer.Config's model builds {layers or 'none'}; the model is read with those",
+        )
+    if layers or read:
+        b.set(("model", "mtp_num_layers"), layers, at=where, origin=origin)
+    scale = get("loss", "mtp_scale")
+    if not layers:
+        if scale is not None:
+            b.diagnostic(
+                codes.ENGINE_REFUSES.code,
+                "the loss is MTPLoss, and the model has no multi-token prediction layers: MTPLoss.__call__ raises "
+                "without a list of the main prediction and one per depth (torchtitan/models/deepseek_v3/mtp.py)",
+                at("loss", "mtp_scale") or where,
+                hint="build the model with model_registry(flavor, num_mtp_layers=N), or use the model's own loss",
+            )
+        return
+    for degree, key in ((pp, "pipeline_parallel_degree"), (cp, "context_parallel_degree")):
+        if degree > 1:
+            b.diagnostic(
+                codes.ENGINE_REFUSES.code,
+                f"torchtitan 0.3 refuses multi-token prediction with parallelism.{key} {degree} (MTPDecoder.Config."
+                "update_from_config raises NotImplementedError)",
+                at("parallelism", key) or where,
+                hint=f"set {key} to 1, or build the model without num_mtp_layers",
+            )
+    if scale is None:
+        b.diagnostic(
+            codes.ENGINE_REFUSES.code,
+            f"the model has {layers} multi-token prediction layers, and the loss is not MTPLoss: MTPDecoder.forward "
+            "returns one prediction per depth (torchtitan/models/deepseek_v3/mtp.py), which only MTPLoss takes",
+            where,
+            hint="set loss=MTPLoss.Config(global_vocab_size=...), as torchtitan's deepseek_v3_debugmodel_mtp does",
+        )
+        return
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (0 < scale <= 1e6):
+        b.refuse(
+            f"`loss.mtp_scale` = {scale!r} is not a weight the spec takes for the multi-token prediction loss (a "
+            "number above 0, at most 1e6)",
+            at("loss", "mtp_scale") or where,
+            "give MTPLoss.Config a positive mtp_scale (its default is 0.3)",
+        )
+        return
+    b.set(
+        ("training", "mtp_loss_scaling_factor"),
+        scale,
+        at=at("loss", "mtp_scale") or where,
+        origin="Trainer.Config.loss (MTPLoss.Config.mtp_scale, default 0.3)",
+    )
 
 
 #: The tensor-parallel degree's key in torchtitan's first configs (March 2024, [training]).
@@ -624,13 +711,14 @@ def _model(b: SpecBuilder, data: dict, base: Path, options: ImportOptions, at, g
         b.unmodelled(f"model {name}/{flavor_name}", at("model", "flavor"), f"not modelled: {text}")
 
 
-def _unmodelled(b: SpecBuilder, data: dict, at) -> None:
+def _unmodelled(b: SpecBuilder, data: dict, at, extra: dict) -> None:
     for table, section in data.items():
         if table in QUIET_TABLES:
             continue
-        if not isinstance(section, dict) or table not in READ:
+        read = READ.get(table, set()) | extra.get(table, set())
+        if not isinstance(section, dict) or not read:
             b.unmodelled(f"[{table}]", at(table))
             continue
         for key in section:
-            if key not in READ[table] and key not in QUIET_KEYS.get(table, set()):
+            if key not in read and key not in QUIET_KEYS.get(table, set()):
                 b.unmodelled(f"{table}.{key}", at(table, key))

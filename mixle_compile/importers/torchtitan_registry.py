@@ -4,7 +4,8 @@
 ``torchtitan`` extra), calls the function and reads the ``Trainer.Config`` it returns through the
 same rules as a job TOML: ``parallelism`` (``ParallelismConfig``), ``training`` (``TrainingConfig``),
 ``activation_checkpoint`` (``FullAC`` / ``SelectiveAC`` / ``MemoryBudgetAC`` configs, or none),
-``optimizer`` (its ``lr``) and the model spec's ``name`` and ``flavor``, sized from the flavor table.
+``optimizer`` (its ``lr``), the model spec's ``name`` and ``flavor``, sized from the flavor table, its
+multi-token prediction layers (deepseek_v3's ``mtp_layers``) and ``MTPLoss``'s ``mtp_scale``.
 Diagnostics point at the line of the function that sets the field (or at its ``def``), and name the
 ``Trainer.Config`` field.
 """
@@ -80,6 +81,15 @@ def trainer_config_tables(config: Any) -> dict:
     spec = getattr(config, "model_spec", None)
     if spec is not None:
         tables["model"] = {"name": getattr(spec, "name", None), "flavor": getattr(spec, "flavor", None)}
+        # 0.3.0's deepseek_v3 model config (MTPDecoder.Config, torchtitan/models/deepseek_v3/mtp.py) lists
+        # its multi-token prediction layers in mtp_layers, model_registry(flavor, num_mtp_layers=N)'s N
+        mtp_layers = getattr(getattr(spec, "model", None), "mtp_layers", None)
+        if isinstance(mtp_layers, (list, tuple)) and mtp_layers:
+            tables["model"]["num_mtp_layers"] = len(mtp_layers)
+    # MTPLoss.Config.mtp_scale (models/deepseek_v3/mtp.py): the multi-token prediction loss's weight
+    scale = getattr(getattr(config, "loss", None), "mtp_scale", None)
+    if scale is not None:
+        tables["loss"] = {"mtp_scale": scale}
     ac = getattr(config, "activation_checkpoint", None)
     owner = type(ac).__qualname__.split(".")[0] if ac is not None else "NoAC"
     tables["activation_checkpoint"] = {"mode": AC_MODES.get(owner, "selective")}
