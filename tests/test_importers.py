@@ -1911,6 +1911,40 @@ def test_a_bare_python_launch_is_one_process(tmp_path):
     assert imported(path)["resources"]["devices"] == 4
 
 
+def test_a_torchrun_launch_without_its_sizes_is_torchruns_defaults(capsys, tmp_path):
+    """torch/distributed/run.py: --nproc-per-node defaults to "1" and --nnodes to "1:1"; the deprecated
+    torch.distributed.launch parses with the same get_args_parser. Megatron-LM's examples/pretrain_gpt.sh
+    (the single-GPU "345M" example) runs `torchrun pretrain_gpt.py` with micro 4 and global 8."""
+    path = tmp_path / "pretrain_gpt.sh"
+    batch = "--micro-batch-size 4 --global-batch-size 8"
+    path.write_text(f"torchrun pretrain_gpt.py {MEGATRON_SIZES} {batch}\n")
+    status, out, _ = run_cli(capsys, "check", path, "--device-memory", "80GiB")
+    assert status == 0 and "I003" not in out and "B001" not in out, out
+    doc, _ = read_any(path, str(path))
+    assert doc.data["resources"]["devices"] == 1 and doc.data["mesh"]["microbatches"] == 2
+    assert "--nproc-per-node default 1" in doc.origins[("resources", "devices")]
+    assert doc.position(("resources", "devices")).line == 1
+    for launcher, devices in [
+        ("python -m torch.distributed.launch", 1),
+        ("python3 -m torch.distributed.run --nnodes 2", 2),
+        ("torchrun --nnodes=2:2 --nproc-per-node=4", 8),
+        ("PET_NPROC_PER_NODE=4\ntorchrun --nnodes 2", 8),  # run.py's env action: PET_* before the default
+    ]:
+        path.write_text(f"{launcher} pretrain_gpt.py {MEGATRON_SIZES}\n")
+        assert imported(path)["resources"]["devices"] == devices, launcher
+    # Launches that do not say: the count is assumed, with the warning.
+    for launcher in (
+        "torchrun --nproc_per_node gpu",  # counted on the machine (determine_local_world_size)
+        "torchrun --nnodes 1:4 --nproc_per_node 8",  # elastic: the size is decided at rendezvous
+        "torchrun --nproc_per_node $UNSET_GPUS",
+        "deepspeed",
+        "srun python",
+    ):
+        path.write_text(f"{launcher} pretrain_gpt.py {MEGATRON_SIZES}\n")
+        status, out, _ = run_cli(capsys, "check", path, "--device-memory", "80GiB")
+        assert "does not say how many devices run it; assumed 8" in out, launcher
+
+
 def test_pretrain_gpt2_is_megatrons_gpt_and_its_old_flags_are_what_validate_args_refuses(capsys, tmp_path):
     path = tmp_path / "pretrain_gpt2_distributed.sh"
     path.write_text(

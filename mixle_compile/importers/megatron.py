@@ -17,7 +17,7 @@ from pathlib import Path
 
 from mixle_compile.importers import codes
 from mixle_compile.importers.builder import ImportOptions, SpecBuilder, resources
-from mixle_compile.importers.shell import Shell, Word
+from mixle_compile.importers.shell import Shell, ShellRun, Word
 from mixle_compile.layer_split import megatron_accounted, megatron_uneven
 from mixle_compile.spec.source import Position, SourceDocument
 
@@ -270,11 +270,21 @@ def _is_flag(text: str) -> bool:
     return text.startswith("--") or (text.startswith("-") and not re.fullmatch(r"-\d+(\.\d+)?", text))
 
 
-def launch_words(
-    text: str, path: Path | None = None
-) -> tuple[list[Word], list[Word], list[tuple[str, Position]], Word | None]:
-    """(the training script's arguments, the launcher's arguments, what the reader could not decide, the
-    training script) of a launch script or arguments file (at ``path``, from which sourced files are found)."""
+@dataclass
+class Launch:
+    """What a launch script or arguments file runs: the training script's arguments, the launcher's
+    arguments (``torchrun --nproc_per_node 8``), what the reader could not decide, the training script's
+    word and the reader's whole run (its variables)."""
+
+    words: list[Word]
+    launcher: list[Word]
+    notes: list[tuple[str, Position, str]]
+    entry: Word | None
+    run: ShellRun
+
+
+def launch_words(text: str, path: Path | None = None) -> Launch:
+    """The launch of a launch script or arguments file (at ``path``, from which sourced files are found)."""
     run = Shell().execute(text, path=path)
     notes = [
         (f"[ {t} ]", p, "a test that cannot be decided without running the script; its branch is skipped")
@@ -285,7 +295,7 @@ def launch_words(
     for command in run.commands:
         for k, w in enumerate(command):
             if ENTRY.search(w.text):
-                return command[k + 1 :], command[:k], notes, w
+                return Launch(command[k + 1 :], command[:k], notes, w, run)
     # A command run as one string (`srun ... sh -c "${run_cmd}"`, `run_cmd="python pretrain_gpt.py
     # ${options}"`): its words are the string's, each at the string's place.
     for command in run.commands:
@@ -293,7 +303,7 @@ def launch_words(
             parts = [Word(part, w.pos) for part in w.text.split()]
             for j, part in enumerate(parts):
                 if len(parts) > 1 and ENTRY.search(part.text):
-                    return parts[j + 1 :], command[:k] + parts[:j], notes, part
+                    return Launch(parts[j + 1 :], command[:k] + parts[:j], notes, part, run)
     # An arguments file: flags on their own lines, or in variables such as MODEL_ARGS="...".
     words: list[Word] = []
     for command in run.commands:
@@ -305,7 +315,7 @@ def launch_words(
     for name, items in run.arrays.items():
         if name.endswith("ARGS") and not name.startswith("DISTRIBUTED"):
             words.extend(Word(part, x.pos) for x in items for part in x.text.split())
-    return words, [], notes, None
+    return Launch(words, [], notes, None, run)
 
 
 #: What Megatron-FSDP's --data-parallel-sharding-strategy shards over the data-parallel ranks
@@ -477,7 +487,8 @@ def fsdp_refusals(b: SpecBuilder, has, at, text_of, pp: int, ep: int) -> None:
 def read_megatron(
     text: str, name: str, options: ImportOptions, path: Path | None = None
 ) -> tuple[SourceDocument, list]:
-    words, launcher, notes, entry = launch_words(text, path)
+    launch = launch_words(text, path)
+    words, launcher, notes, entry = launch.words, launch.launcher, launch.notes, launch.entry
     b = SpecBuilder(name, "megatron")
     if entry is None and not words:
         # Detected by the files it reads (a `source` or `sbatch` line), which hold no launch either.
@@ -729,7 +740,7 @@ def read_megatron(
         return b.result()
 
     # ---- world and mesh
-    devices, devices_at, devices_origin = _world(launcher)
+    devices, devices_at, devices_origin = _world(launcher, launch.run)
     pp = num("--pipeline-model-parallel-size", 1)
     cp = num("--context-parallel-size", 1)
     ep = num("--expert-model-parallel-size", 1)
@@ -1141,20 +1152,63 @@ def _device_comment(text: str) -> tuple[str | None, str | None, str | None]:
     return (m.group(1).lower() if m.group(1) else None), m.group(2), "the script's comment: " + m.group(0)[2:]
 
 
-def _world(launcher: list[Word]) -> tuple[int | None, Position | None, str | None]:
-    """torchrun's --nproc_per_node * --nnodes, when the launch names them; 1 for a script run by a
-    bare python interpreter (one process: Megatron-LM's parse_args reads the world size from
-    WORLD_SIZE, default 1, which only a launcher sets)."""
+#: The modules ``python -m`` runs as torchrun: torch.distributed.run is torchrun's own module, and the
+#: deprecated torch.distributed.launch parses its command line with run.py's get_args_parser (plus
+#: --use-env), so both take torchrun's options and defaults.
+TORCHRUN_MODULES = ("torch.distributed.run", "torch.distributed.launch")
+
+
+def _torchrun(launcher: list[Word]) -> tuple[Word, list[Word]] | None:
+    """The word that runs torchrun (``torchrun``, or the module of ``python -m torch.distributed.run``)
+    and the launcher's words after it (torchrun's options), or None where the launch has no torchrun."""
+    for k, w in enumerate(launcher):
+        if w.text.rsplit("/", 1)[-1] == "torchrun":
+            return w, launcher[k + 1 :]
+        if w.text == "-m" and k + 1 < len(launcher) and launcher[k + 1].text in TORCHRUN_MODULES:
+            return launcher[k + 1], launcher[k + 2 :]
+    return None
+
+
+def _world(launcher: list[Word], run: ShellRun | None = None) -> tuple[int | None, Position | None, str | None]:
+    """The world size the launch states: torchrun's --nproc-per-node * --nnodes, their defaults where
+    a torchrun launch leaves them out; 1 for a script run by a bare python interpreter (one process:
+    Megatron-LM's parse_args reads the world size from WORLD_SIZE, default 1, which only a launcher
+    sets). None where the launch does not say (another launcher, a value the reader cannot resolve,
+    a machine-dependent count such as ``--nproc-per-node gpu``, an elastic ``--nnodes 1:4``)."""
     if launcher and all(PYTHON.fullmatch(w.text.rsplit("/", 1)[-1]) or w.text in ("-u", "-O") for w in launcher):
         return 1, launcher[0].pos, "a single python process (no launcher: WORLD_SIZE defaults to 1)"
-    args, _ = parse_arguments(launcher)
-    per_node = args.get("--nproc_per_node") or args.get("--nproc-per-node")
-    nodes = args.get("--nnodes")
-    try:
-        n = int(per_node.value.text) if per_node and per_node.value else None
-        m = int(nodes.value.text) if nodes and nodes.value else 1
-    except ValueError:
+    found = _torchrun(launcher)
+    if found is None:
         return None, None, None
-    if n is None:
+    torchrun, options = found
+    args, _ = parse_arguments(options)
+    # torch/distributed/run.py get_args_parser: "--nnodes" default="1:1", "--nproc-per-node"/
+    # "--nproc_per_node" default="1"; both with action=env, which takes PET_NNODES / PET_NPROC_PER_NODE
+    # from the environment before the default (torch/distributed/argparse_util.py).
+    scalars = run.scalars if run is not None else {}
+    said: list[str] = []
+
+    def option(flags: tuple[str, ...], env: str, default: str) -> tuple[str | None, Position]:
+        for flag in flags:
+            if flag in args:
+                a = args[flag]
+                said.append(flag)
+                return (a.value.text if a.value else None), (a.value or a.flag).pos
+        if env in scalars:
+            said.append(env)
+            return scalars[env].text, scalars[env].pos
+        said.append(f"{flags[0]} default {default}")
+        return default, torchrun.pos
+
+    per_node, per_node_at = option(("--nproc-per-node", "--nproc_per_node"), "PET_NPROC_PER_NODE", "1")
+    nodes, nodes_at = option(("--nnodes",), "PET_NNODES", "1:1")
+    # run.py parse_min_max_nnodes: "N" or "MIN:MAX"; a range is an elastic job whose size is decided at
+    # rendezvous. determine_local_world_size: an integer, or gpu/cpu/xpu/auto, counted on the machine.
+    low, _, high = (nodes or "").partition(":")
+    if not (per_node or "").isdigit() or not low.isdigit() or (high and high != low):
         return None, None, None
-    return n * m, per_node.value.pos, "torchrun --nproc_per_node * --nnodes"
+    # the count's position: the per-node count where written, else the node count, else torchrun itself
+    where = per_node_at if per_node_at is not torchrun.pos else nodes_at
+    defaults = " (torch/distributed/run.py)" if any(" default " in s for s in said) else ""
+    origin = "torchrun " + " * ".join(said) + defaults
+    return int(per_node) * int(low), where, origin
