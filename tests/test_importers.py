@@ -940,6 +940,43 @@ def test_deepspeed_refusals(capsys, tmp_path):
     assert status == 2 and "micro * accumulation * dp" in out
 
 
+def test_deepspeed_ulysses_counts_data_parallel_ranks_and_is_refused_by_name(capsys, tmp_path):
+    """deepspeed/runtime/config.py (0.19.8) DeepSpeedConfig: world = dist.get_world_size() /
+    config["sequence_parallel_size"] before train = micro * accumulation * world is asserted.
+    DeepSpeedExamples' benchmarks/autosp/configs/autosp_config.json runs on 2 GPUs with sp 2."""
+    path = tmp_path / "autosp.json"
+    config = {
+        "train_batch_size": 1,
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "sequence_parallel_size": 2,
+        "zero_optimization": {"stage": 0},
+        "bf16": {"enabled": True},
+    }
+    path.write_text(json.dumps(config, indent=2))
+    for extra in ((), ("--devices", "2")):
+        status, out, _ = run_cli(capsys, "check", path, "--model", LLAMA, "--seq-len", "64", *extra)
+        assert status == 2 and "identity" not in out, out
+        assert "I004 `sequence_parallel_size` 2 is DeepSpeed-Ulysses" in out and f"{path}:5:" in out
+        # without --devices: the batch sizes' 1 data-parallel rank times sp 2
+        assert "here 1 data-parallel rank of 2 devices" in out and "--devices 1" in out and "I002" not in out
+    # On 8 devices, 4 data-parallel ranks: an identity that holds there is not refused as one.
+    path.write_text(json.dumps({**config, "train_batch_size": 4}))
+    status, out, _ = run_cli(capsys, "check", path, "--model", LLAMA, "--seq-len", "64", "--devices", "8")
+    assert status == 2 and "identity" not in out and "here 4 data-parallel ranks of 8 devices" in out
+    status, out, _ = run_cli(capsys, "check", path, "--model", LLAMA, "--seq-len", "64", "--devices", "4")
+    assert "identity" in out and "on 2 data-parallel ranks (4 devices / sequence_parallel_size 2)" in out
+    status, out, _ = run_cli(capsys, "check", path, "--model", LLAMA, "--seq-len", "64", "--devices", "3")
+    assert status == 2 and "does not divide the 3 devices" in out
+    path.write_text(json.dumps({**config, "sequence_parallel_size": "two"}))
+    status, out, _ = run_cli(capsys, "check", path, "--model", LLAMA, "--seq-len", "64")
+    assert status == 2 and "`sequence_parallel_size` must be a positive integer" in out
+    # sequence_parallel_size 1 is no sequence parallelism: read, not named.
+    path.write_text(json.dumps({**config, "sequence_parallel_size": 1}))
+    status, out, _ = run_cli(capsys, "check", path, "--model", LLAMA, "--seq-len", "64", "--devices", "1")
+    assert "sequence_parallel_size" not in out and "I004" not in out, out
+
+
 def test_deepspeed_unmodelled_keys_are_named(capsys):
     status, out, _ = run_cli(
         capsys, "check", DS / "zenflow_finetuning.json", "--model", LLAMA, "--devices", "8", "--seq-len", "512"
@@ -1326,6 +1363,32 @@ def test_deepspeed_config_class_reads_the_corpus_configs_as_we_do(name, monkeypa
     assert ds.zero_optimization_stage in ({3} if "dp_shard" in mesh else {0, 1, 2})
     precision = "bf16" if ds.bfloat16_config.enabled else "fp16" if ds.float16_config.enabled else "fp32"
     assert precision == data["training"]["precision"]
+
+
+def test_deepspeed_config_class_counts_ulysses_ranks_as_we_do(monkeypatch, tmp_path, capsys):
+    """DeepSpeedConfig without an mpu divides the world by sequence_parallel_size before its batch assertion."""
+    try:
+        from deepspeed.runtime import config as ds_config
+    except ImportError:
+        pytest.skip("deepspeed is not installed")
+    config = {
+        "train_batch_size": 2,
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "sequence_parallel_size": 2,
+    }
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config))
+    monkeypatch.setattr(ds_config.dist, "get_rank", lambda *args, **kwargs: 0)
+    for world, holds in ((4, True), (2, False)):
+        monkeypatch.setattr(ds_config.dist, "get_world_size", lambda *args, w=world, **kwargs: w)
+        try:
+            ds_config.DeepSpeedConfig(dict(config))  # asserts train == micro * accumulation * world / sp
+            engine_holds = True
+        except AssertionError:
+            engine_holds = False
+        _, out, _ = run_cli(capsys, "check", path, "--model", LLAMA, "--seq-len", "64", "--devices", world)
+        assert engine_holds is holds and ("identity" not in out) is holds, (world, out)
 
 
 def test_megatron_uneven_pipeline_split(tmp_path):
