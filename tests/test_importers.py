@@ -2051,6 +2051,68 @@ def test_a_launch_run_as_one_string_is_read_word_by_word(tmp_path):
     assert data["training"]["global_batch_size"] == 8 and data["mesh"]["dp_replicate"] == 8
 
 
+def test_words_expanded_from_one_string_are_where_their_text_is_written(capsys, tmp_path):
+    """Megatron-LM's examples/megatron_fsdp/sbatch_mfsdp_deepseek_v3.sh: `MBS=${MBS:-4}`, the flags in an
+    array, the launch one string (`TRAINING_CMD="... python ${MEGATRON_PATH}/pretrain_gpt.py
+    ${PRETRAIN_ARGS[@]}"`) run by `bash -c`. Each flag is reported on its own line, a value set through a
+    variable where the value is written."""
+    path = tmp_path / "sbatch_train.sh"
+    lines = [
+        'MEGATRON_PATH=${MEGATRON_PATH:-"/opt/megatron"}',  # 1
+        "MBS=${MBS:-4}",  # 2
+        "GBS=${GBS:-24}",  # 3
+        "PRETRAIN_ARGS=(",  # 4
+        "    --tensor-model-parallel-size 1",  # 5
+        "    --sequence-parallel",  # 6
+        "    --micro-batch-size ${MBS}",  # 7
+        "    --global-batch-size ${GBS}",  # 8
+        "    --unmodelled-switch",  # 9
+        f"    {MEGATRON_SIZES}",  # 10
+        ")",  # 11
+        'TRAINING_CMD="',  # 12
+        "cd ${MEGATRON_PATH};",  # 13
+        'python ${MEGATRON_PATH}/pretrain_gpt.py ${PRETRAIN_ARGS[@]}"',  # 14
+        'srun bash -x -c "${TRAINING_CMD}"',  # 15
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    doc, _ = read_any(path, str(path), ImportOptions(devices=8))
+    mbs = doc.position(("training", "micro_batch_size"))
+    assert (mbs.line, mbs.column) == (2, 12)  # the 4 of MBS=${MBS:-4}
+    assert doc.position(("training", "global_batch_size")).line == 3
+    assert doc.position(("mesh", "tp")).line == 5
+    _, out, _ = run_cli(capsys, "check", path, "--devices", "8", "--device-memory", "80GiB")
+    assert f"{path}:9:5: I002 (warning) `--unmodelled-switch` is ignored" in out, out
+    assert f"{path}:6:5: Q004" in out  # --sequence-parallel with tp 1
+    assert f"{path}:3:12: B001" in out  # 24 is not 4 * 8 * a whole number
+    # Megatron-LM's examples/pretrain_gpt3_175B.sh: options in a string, run_cmd="python -u ${DIR}/pretrain_gpt.py
+    # $@ ${options}" run by `srun sh -c`: a flag is on its own line, not at DIR=`pwd`.
+    path.write_text(
+        "DIR=`pwd`\n"
+        'options=" \\\n'
+        f"\t{MEGATRON_SIZES} \\\n"
+        "\t--micro-batch-size 1 \\\n"
+        '\t--rampup-batch-size 16 16 5859375"\n'
+        'run_cmd="python -u ${DIR}/pretrain_gpt.py $@ ${options}"\n'
+        'srun -l sh -c "${run_cmd}"\n'
+    )
+    _, out, _ = run_cli(capsys, "check", path, "--devices", "8", "--device-memory", "80GiB")
+    assert f"{path}:5:2: I002 (warning) `--rampup-batch-size` is ignored" in out, out
+
+
+def test_the_shell_reader_keeps_where_each_expanded_character_is_written():
+    run = Shell().execute(
+        'TP=${TP:-2}\nV="--a 1 \\\n  --b $TP"\nARR=(--c=$TP "--d $TP")\nrun $V --e=${TP} ${ARR[@]} "$V"\n'
+    )
+    words = run.commands[-1]
+    where = {(w.text, (w.pos.line, w.pos.column)) for w in words}
+    assert {("--a", (2, 4)), ("1", (2, 8)), ("--b", (3, 3)), ("2", (1, 10)), ("--e=2", (5, 8))} <= where
+    assert ("--c=2", (4, 6)) in where and ("--d", (4, 15)) in where  # an array's element split where written
+    e = next(w for w in words if w.text == "--e=2")
+    assert (e.tail(4).text, e.tail(4).pos.line, e.tail(4).pos.column) == ("2", 1, 10)
+    quoted = words[-1]  # "$V": one word, each part of it still where it is written
+    assert [(p.text, p.pos.line) for p in quoted.split()] == [("--a", 2), ("1", 2), ("--b", 3), ("2", 1)]
+
+
 def _tokens_config():
     # torchtitan after 0.3 (73aed7f, "fold batch dim"): batches counted in tokens.
     from types import SimpleNamespace

@@ -248,7 +248,7 @@ def parse_arguments(words: list[Word]) -> tuple[dict[str, _Arg], list[_Arg]]:
         flag, value, values = w.text, None, ()
         if "=" in flag:
             flag, _, text = flag.partition("=")
-            value = Word(text, w.pos)
+            value = w.tail(len(flag) + 1)  # where the value's text is written (a variable's assignment)
             values = (value,)
         elif READ.get(flag) == "list":
             while i + 1 < len(words) and not _is_flag(words[i + 1].text):
@@ -258,7 +258,7 @@ def parse_arguments(words: list[Word]) -> tuple[dict[str, _Arg], list[_Arg]]:
         elif READ.get(flag) != "bool" and i + 1 < len(words) and not _is_flag(words[i + 1].text):
             value = words[i + 1]
             i += 1
-        arg = _Arg(Word(flag, w.pos), value, values)
+        arg = _Arg(Word(flag, w.pos, w.spans[:1]), value, values)
         if flag in args:
             repeated.append(args[flag])
         args[flag] = arg
@@ -297,10 +297,11 @@ def launch_words(text: str, path: Path | None = None) -> Launch:
             if ENTRY.search(w.text):
                 return Launch(command[k + 1 :], command[:k], notes, w, run)
     # A command run as one string (`srun ... sh -c "${run_cmd}"`, `run_cmd="python pretrain_gpt.py
-    # ${options}"`): its words are the string's, each at the string's place.
+    # ${options}"`): its words are the string's, each where its text is written (in the string, or in
+    # the assignment of the variable the string expands).
     for command in run.commands:
         for k, w in enumerate(command):
-            parts = [Word(part, w.pos) for part in w.text.split()]
+            parts = w.split()
             for j, part in enumerate(parts):
                 if len(parts) > 1 and ENTRY.search(part.text):
                     return Launch(parts[j + 1 :], command[:k] + parts[:j], notes, part, run)
@@ -311,10 +312,10 @@ def launch_words(text: str, path: Path | None = None) -> Launch:
             words.extend(command)
     for name, w in run.scalars.items():
         if "--" in w.text and name.endswith("ARGS"):
-            words.extend(Word(part, w.pos) for part in w.text.split())
+            words.extend(w.split())
     for name, items in run.arrays.items():
         if name.endswith("ARGS") and not name.startswith("DISTRIBUTED"):
-            words.extend(Word(part, x.pos) for x in items for part in x.text.split())
+            words.extend(part for x in items for part in x.split())
     return Launch(words, [], notes, None, run)
 
 
@@ -508,7 +509,7 @@ def read_megatron(
         b.refuse(
             f"{entry.text.rsplit('/', 1)[-1]} trains a model other than Megatron's GPT decoder, which the "
             "transformer family describes",
-            entry.pos,
+            entry.at(entry.text.rfind("/") + 1),  # the script's name, where it is written
             "the reader takes pretrain_gpt.py launches and their arguments",
         )
         return b.result()
