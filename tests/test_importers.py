@@ -2113,6 +2113,88 @@ def test_the_shell_reader_keeps_where_each_expanded_character_is_written():
     assert [(p.text, p.pos.line) for p in quoted.split()] == [("--a", 2), ("1", 2), ("--b", 3), ("2", 1)]
 
 
+def test_a_launch_of_another_training_script_is_read_by_its_code_or_refused_by_name(capsys, tmp_path, monkeypatch):
+    """Megatron-LM's examples/detxoify_lm/finetune_gpt_distributed-1.3b.sh runs `python -m torch.distributed.run
+    $DISTRIBUTED_ARGS examples/detxoify_lm/finetune_gpt.py --num-layers 24 ...`: the flags after the script are
+    the launch's, torchrun's (DISTRIBUTED_ARGS) never are. finetune_gpt.py trains GPTModel through Megatron's
+    pretrain() (its standard arguments); examples/multimodal/train.py builds LLaVAModel."""
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "finetune_gpt_distributed.sh"
+    path.write_text(
+        "GPUS_PER_NODE=2\n"
+        'DISTRIBUTED_ARGS="--nproc_per_node $GPUS_PER_NODE --nnodes 1 --node_rank 0 --master_addr localhost '
+        '--master_port 6000"\n'
+        "python -m torch.distributed.run $DISTRIBUTED_ARGS \\\n"
+        "     examples/detxoify_lm/finetune_gpt.py \\\n"
+        f"     {MEGATRON_SIZES} --micro-batch-size 4 --global-batch-size 8\n"
+    )
+    status, out, _ = run_cli(capsys, "check", path, "--device-memory", "80GiB")
+    assert status == 2 and f"{path}:4:6: I004 the launch runs examples/detxoify_lm/finetune_gpt.py" in out, out
+    assert "not found" in out and "is not set" not in out and "--nproc_per_node" not in out and "I001" not in out
+    script = tmp_path / "examples" / "detxoify_lm" / "finetune_gpt.py"
+    script.parent.mkdir(parents=True)
+    script.write_text(
+        "from megatron.model import GPTModel, ModelType\nfrom megatron.training import pretrain\n\n"
+        "def model_provider(pre_process=True, post_process=True):\n    return GPTModel(num_tokentypes=0)\n\n"
+        "if __name__ == '__main__':\n    pretrain(None, model_provider, ModelType.encoder_or_decoder, None)\n"
+    )
+    doc, _ = read_any(path, str(path))
+    assert doc.data["resources"]["devices"] == 2 and doc.data["model"]["num_layers"] == 2
+    assert "finetune_gpt.py" in doc.origins[("model", "family")]
+    # A script that builds another of Megatron's models, or does not train through pretrain(), is refused by name.
+    for code, says in [
+        (
+            "from megatron.core.models.multimodal.llava_model import LLaVAModel\n"
+            "from megatron.training import pretrain\n",
+            "builds LLaVAModel",
+        ),
+        ("from megatron.core.models.gpt import GPTModel\n", "does not train through Megatron-LM's pretrain()"),
+    ]:
+        script.write_text(code)
+        status, out, _ = run_cli(capsys, "check", path, "--device-memory", "80GiB")
+        assert status == 2 and says in out and "examples/detxoify_lm/finetune_gpt.py" in out, out
+    # Megatron-LM's examples/multimodal/pretrain_mistral_clip.sh: its entry named, not "no --num-layers".
+    path.write_text(
+        f'OPTIONS=" \\\n  {MEGATRON_SIZES}"\ntorchrun --nproc_per_node 8 examples/multimodal/train.py ${{OPTIONS}}\n'
+    )
+    status, out, _ = run_cli(capsys, "check", path)
+    assert status == 2 and f"{path}:3:29: I004 the launch runs examples/multimodal/train.py" in out, out
+    assert "without Megatron-LM arguments" not in out
+
+
+def test_launcher_variables_are_never_read_as_the_models_flags(capsys, tmp_path):
+    path = tmp_path / "model_args.sh"
+    path.write_text(
+        f'MODEL_ARGS="{MEGATRON_SIZES} --micro-batch-size 1"\n'
+        'DISTRIBUTED_ARGS="--nproc_per_node 8 --nnodes 1"\n'
+        "LAUNCHER_ARGS=(--nnodes 2 --master_port 6000 --rdzv_backend c10d)\n"
+        'TORCHRUN_ARGS="--nproc-per-node=4 --standalone"\n'
+    )
+    status, out, _ = run_cli(capsys, "check", path, "--devices", "8", "--device-memory", "80GiB")
+    assert status == 0 and "I002" not in out, out
+    assert imported(path, devices=8)["model"]["num_layers"] == 2
+
+
+def test_hybrid_mamba_models_are_refused_as_such(capsys, tmp_path):
+    """Megatron-LM's examples/post_training/modelopt/conf/nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16.sh: a
+    --hybrid-layer-pattern and no --num-layers (validate_args derives it from the pattern)."""
+    path = tmp_path / "nemotron_nano.sh"
+    for text in (
+        'MODEL_ARGS=" \\\n  --hidden-size 2688 --num-attention-heads 32 \\\n  --hybrid-layer-pattern MEMEM*EMEM \\\n'
+        '  --mamba-num-heads 64"\n',
+        f"torchrun pretrain_gpt.py {MEGATRON_SIZES} --hybrid-override-pattern M*M*\n",
+    ):
+        path.write_text(text)
+        status, out, _ = run_cli(capsys, "check", path)
+        assert (
+            status == 2 and "makes this a hybrid Mamba model" in out and "is not set" not in out and "I002" not in out
+        ), out
+    assert f"{path}:1:144: I004 `--hybrid-override-pattern`" in out  # at the flag
+    path.write_text(f"torchrun --nproc_per_node 8 pretrain_mamba.py {MEGATRON_SIZES}\n")
+    status, out, _ = run_cli(capsys, "check", path)
+    assert status == 2 and "pretrain_mamba.py trains a Mamba or hybrid Mamba model" in out, out
+
+
 def _tokens_config():
     # torchtitan after 0.3 (73aed7f, "fold batch dim"): batches counted in tokens.
     from types import SimpleNamespace

@@ -106,6 +106,34 @@ DEPRECATED = {
 PYTHON = re.compile(r"python(\d+(\.\d+)?)?")
 #: The word that names the training script (``pretrain_gpt.py``, maybe with its directory).
 ENTRY = re.compile(r"(^|/)pretrain_\w+\.py$")
+#: Megatron-LM's GPT training scripts: pretrain_gpt2.py is the same GPT decoder's script before
+#: Megatron-LM renamed it (152aab30, January 2021, "change gpt2 to gpt").
+GPT_ENTRIES = ("pretrain_gpt.py", "pretrain_gpt2.py")
+#: Megatron-LM's scripts for Mamba and hybrid Mamba/attention models (MambaModel, HybridModel).
+HYBRID_ENTRIES = ("pretrain_mamba.py", "pretrain_hybrid.py")
+#: Flags that make the model a hybrid of Mamba, attention and MLP/MoE layers: validate_args derives
+#: num_layers from --hybrid-layer-pattern (--hybrid-override-pattern, its deprecated name, is copied
+#: into it), overriding --num-layers; the ratios and --is-hybrid-model are pretrain_mamba.py's older ones.
+HYBRID_FLAGS = (
+    "--hybrid-layer-pattern",
+    "--hybrid-override-pattern",
+    "--hybrid-attention-ratio",
+    "--hybrid-mlp-ratio",
+    "--is-hybrid-model",
+)
+#: Flags that mark a command as a Megatron-LM training launch when its script is not pretrain_*.py
+#: (examples/detxoify_lm/finetune_gpt.py, examples/multimodal/train.py).
+MARKERS = re.compile(
+    r"--(num-layers|hidden-size|num-attention-heads|micro-batch-size|global-batch-size|seq-length|"
+    r"(tensor|pipeline)-model-parallel-size)(=.*)?"
+)
+#: torchrun's options (torch/distributed/run.py get_args_parser; --use-env from torch.distributed.launch):
+#: a variable holding them is the launcher's (DISTRIBUTED_ARGS), never the training script's arguments.
+TORCHRUN_OPTIONS = re.compile(
+    r"--(nnodes|nproc[-_]per[-_]node|node[-_]rank|master[-_](addr|port)|rdzv[-_]\w+|standalone|max[-_]restarts|"
+    r"monitor[-_]interval|start[-_]method|local[-_]addr|log[-_]dir|redirects|tee|role|run[-_]path|no[-_]python|"
+    r"local[-_]ranks[-_]filter|logs[-_]specs|numa[-_]binding|use[-_]env)(=.*)?"
+)
 # Flags with no bearing on sizes, memory or communication as the spec models them (data, logging,
 # checkpoint paths, learning-rate schedule, kernel fusions, initialisation, dropout): read quietly.
 QUIET = re.compile(
@@ -299,24 +327,84 @@ def launch_words(text: str, path: Path | None = None) -> Launch:
     # A command run as one string (`srun ... sh -c "${run_cmd}"`, `run_cmd="python pretrain_gpt.py
     # ${options}"`): its words are the string's, each where its text is written (in the string, or in
     # the assignment of the variable the string expands).
-    for command in run.commands:
-        for k, w in enumerate(command):
-            parts = w.split()
-            for j, part in enumerate(parts):
-                if len(parts) > 1 and ENTRY.search(part.text):
-                    return Launch(parts[j + 1 :], command[:k] + parts[:j], notes, part, run)
-    # An arguments file: flags on their own lines, or in variables such as MODEL_ARGS="...".
+    strings = [
+        command[:k] + w.split() for command in run.commands for k, w in enumerate(command) if len(w.text.split()) > 1
+    ]
+    for words in strings:
+        for j, part in enumerate(words):
+            if ENTRY.search(part.text):
+                return Launch(words[j + 1 :], words[:j], notes, part, run)
+    # Another Python script run with Megatron-LM's arguments (examples/detxoify_lm/finetune_gpt.py,
+    # examples/multimodal/train.py): the launch, whose script read_megatron reads or refuses by name.
+    for words in (*run.commands, *strings):
+        for k, w in enumerate(words):
+            if w.text.endswith(".py") and any(MARKERS.fullmatch(x.text) for x in words[k + 1 :]):
+                return Launch(words[k + 1 :], words[:k], notes, w, run)
+
+    # An arguments file: flags on their own lines, or in variables such as MODEL_ARGS="..."; never a
+    # launcher's options (DISTRIBUTED_ARGS="--nproc_per_node 8 --nnodes 1 ...").
+    def arguments(name: str, parts: list[Word]) -> bool:
+        """Whether variable ``name``, holding ``parts``, holds the training script's arguments."""
+        return (
+            name.endswith("ARGS")
+            and not name.startswith("DISTRIBUTED")
+            and not any(TORCHRUN_OPTIONS.fullmatch(x.text) for x in parts)
+        )
+
     words: list[Word] = []
     for command in run.commands:
-        if command and command[0].text.startswith("--"):
+        if command and command[0].text.startswith("--") and arguments("ARGS", command):
             words.extend(command)
     for name, w in run.scalars.items():
-        if "--" in w.text and name.endswith("ARGS"):
+        if "--" in w.text and arguments(name, w.split()):
             words.extend(w.split())
     for name, items in run.arrays.items():
-        if name.endswith("ARGS") and not name.startswith("DISTRIBUTED"):
-            words.extend(part for x in items for part in x.split())
+        parts = [part for x in items for part in x.split()]
+        if arguments(name, parts):
+            words.extend(parts)
     return Launch(words, [], notes, None, run)
+
+
+#: The largest training script read to see which model it builds (as a sourced file).
+MAX_ENTRY_BYTES = 1 << 20
+
+
+def entry_model(entry: Word, path: Path | None) -> tuple[bool, str]:
+    """Whether a training script other than pretrain_*.py trains Megatron's GPT model on Megatron-LM's
+    standard arguments, and how that is known: (True, its file) where the script is found (next to the
+    launch script, or in the working directory, where the launch runs it) and its code imports
+    Megatron's ``pretrain`` (megatron/training/training.py: it parses and validates the standard
+    arguments, initialize_megatron) and ``GPTModel`` and no other of Megatron's model classes; else
+    (False, why not). The script is parsed, never run."""
+    import ast
+
+    written = Path(entry.text).expanduser()
+    bases = [] if written.is_absolute() else [b for b in ((path.parent if path else None), Path.cwd()) if b]
+    candidates = list(dict.fromkeys([written] if written.is_absolute() else [(b / written).resolve() for b in bases]))
+    found = next((c for c in candidates if c.is_file()), None)
+    if found is None:
+        looked = " or ".join(str(c) for c in candidates)
+        return False, f"the script is not found (looked for {looked}), so which model it trains is unknown"
+    try:
+        if found.stat().st_size > MAX_ENTRY_BYTES:
+            raise ValueError(f"larger than {MAX_ENTRY_BYTES} bytes")
+        tree = ast.parse(found.read_text(encoding="utf-8-sig"))
+    except (OSError, UnicodeDecodeError, ValueError, SyntaxError, RecursionError, MemoryError) as exc:
+        return False, f"{found} cannot be read as Python ({exc.__class__.__name__}: {exc})"
+    imported = {
+        alias.asname or alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "megatron"
+        for alias in node.names
+    }
+    models = sorted(n for n in imported if n.endswith("Model") and n not in ("GPTModel", "ModelType"))
+    if "pretrain" not in imported:
+        return False, f"{found} does not train through Megatron-LM's pretrain() and its standard arguments"
+    if models:
+        return False, f"{found} builds {', '.join(models)}, not only Megatron's GPTModel"
+    if "GPTModel" not in imported:
+        return False, f"{found} does not build Megatron's GPTModel"
+    return True, str(found)
 
 
 #: What Megatron-FSDP's --data-parallel-sharding-strategy shards over the data-parallel ranks
@@ -503,17 +591,48 @@ def read_megatron(
         return b.result()
     for what, pos, why in notes:
         b.unmodelled(what, pos, why)
-    # pretrain_gpt2.py is the same GPT decoder's script before Megatron-LM renamed it (152aab30,
-    # January 2021, "change gpt2 to gpt").
-    if entry is not None and not entry.text.endswith(("pretrain_gpt.py", "pretrain_gpt2.py")):
+    script = entry.text.rsplit("/", 1)[-1] if entry is not None else None
+    entry_origin = "pretrain_gpt.py (a GPT model)"
+    if entry is not None and script not in GPT_ENTRIES:
+        where = entry.at(entry.text.rfind("/") + 1)  # the script's name, where it is written
+        if script in HYBRID_ENTRIES:
+            b.refuse(
+                f"{script} trains a Mamba or hybrid Mamba model (Mamba, attention and MLP layers), which is not "
+                "modelled: the transformer family describes Megatron's GPT decoder",
+                where,
+                "the reader takes pretrain_gpt.py launches and their arguments",
+            )
+            return b.result()
+        if ENTRY.search(entry.text):
+            b.refuse(
+                f"{script} trains a model other than Megatron's GPT decoder, which the transformer family describes",
+                where,
+                "the reader takes pretrain_gpt.py launches and their arguments",
+            )
+            return b.result()
+        gpt, why = entry_model(entry, path)
+        if not gpt:
+            b.refuse(
+                f"the launch runs {entry.text}, not pretrain_gpt.py, and {why}: its arguments are not read as a "
+                "GPT model's",
+                entry.pos,
+                "check a pretrain_gpt.py launch; a script that trains Megatron's GPTModel through pretrain() is "
+                "read where it is found (run the check from the directory the launch runs in)",
+            )
+            return b.result()
+        entry_origin = f"{entry.text} (read: Megatron's pretrain() building GPTModel, {why})"
+    args, repeated = parse_arguments(words)
+    hybrid = next((args[flag] for flag in HYBRID_FLAGS if flag in args), None)
+    if hybrid is not None:
+        # validate_args: the layer count comes from --hybrid-layer-pattern (Mamba, attention, MLP and
+        # MoE layers), whatever --num-layers says; the spec's transformer has attention layers only.
         b.refuse(
-            f"{entry.text.rsplit('/', 1)[-1]} trains a model other than Megatron's GPT decoder, which the "
-            "transformer family describes",
-            entry.at(entry.text.rfind("/") + 1),  # the script's name, where it is written
-            "the reader takes pretrain_gpt.py launches and their arguments",
+            f"`{hybrid.flag.text}` makes this a hybrid Mamba model (Mamba, attention and MLP/MoE layers in a "
+            "pattern), which is not modelled: the transformer family describes attention layers only",
+            hybrid.flag.pos,
+            "the reader takes Megatron GPT (transformer) launches; hybrid Mamba models cannot be checked",
         )
         return b.result()
-    args, repeated = parse_arguments(words)
     for arg in repeated:
         b.unmodelled(arg.flag.text, arg.flag.pos, "given again later; the last value wins, as argparse does")
     for flag, (current, replacement) in DEPRECATED.items():
@@ -584,7 +703,7 @@ def read_megatron(
         layers, hidden, heads = num("--num-layers"), num("--hidden-size"), num("--num-attention-heads")
         if b.failed:
             return b.result()
-        set_(("model", "family"), "transformer", None, "pretrain_gpt.py (a GPT model)")
+        set_(("model", "family"), "transformer", None, entry_origin)
         set_(("model", "num_layers"), layers, "--num-layers")
         set_(("model", "hidden_size"), hidden, "--hidden-size")
         set_(("model", "num_heads"), heads, "--num-attention-heads")
