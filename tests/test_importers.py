@@ -2195,6 +2195,59 @@ def test_hybrid_mamba_models_are_refused_as_such(capsys, tmp_path):
     assert status == 2 and "pretrain_mamba.py trains a Mamba or hybrid Mamba model" in out, out
 
 
+def test_a_slurm_job_says_its_devices_through_its_sbatch_directives(capsys, tmp_path, monkeypatch):
+    """Megatron-LM's examples/pretrain_gpt3_175B.sh: `#SBATCH <SLURM OPTIONS> --nodes=128 --exclusive
+    --ntasks-per-node=8` and `srun ... sh -c "${run_cmd}"`, one process per task (sbatch(1), srun(1))."""
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "pretrain_gpt3.sh"
+    launch = f'run_cmd="python -u pretrain_gpt.py {MEGATRON_SIZES} --micro-batch-size 1 --global-batch-size 128"\n'
+    path.write_text(
+        "#!/bin/bash\n\n#SBATCH <SLURM OPTIONS> --nodes=16 --exclusive --ntasks-per-node=8 --job-name=gpt3\n\n"
+        + launch
+        + 'srun -l --container-image "nvcr.io/nvidia/pytorch:24.01-py3" sh -c "${run_cmd}"\n'
+    )
+    status, out, _ = run_cli(capsys, "check", path, "--device-memory", "80GiB")
+    assert status == 0 and "I003" not in out, out
+    doc, _ = read_any(path, str(path))
+    devices = doc.position(("resources", "devices"))
+    assert doc.data["resources"]["devices"] == 128 and (devices.line, devices.column) == (3, 66)  # the 8
+    assert "#SBATCH --nodes 16 * #SBATCH --ntasks-per-node 8" in doc.origins[("resources", "devices")]
+    sized = f"torchrun --nnodes $SLURM_NNODES --nproc_per_node $SLURM_GPUS_PER_NODE pretrain_gpt.py {MEGATRON_SIZES}"
+    for text, expected in [
+        (f"#SBATCH -N 2\n#SBATCH --ntasks-per-node 4\nsrun python pretrain_gpt.py {MEGATRON_SIZES}\n", 8),
+        (f"#SBATCH -N 2 --ntasks-per-node=4\nsrun -n 4 python pretrain_gpt.py {MEGATRON_SIZES}\n", 4),  # srun's own
+        (f"#SBATCH -N 2 --ntasks-per-node=4\nsrun -N1 python pretrain_gpt.py {MEGATRON_SIZES}\n", 4),
+        (f"#SBATCH --nodes=2 --gpus-per-node=4\n{sized}\n", 8),  # SLURM_* as the batch job sees them
+        # a here-document fed to sbatch is a batch script of its own
+        (
+            f"set +e\nsbatch <<EOF\n#!/bin/bash\n#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=8\n"
+            f"srun python pretrain_gpt.py {MEGATRON_SIZES}\nEOF\n",
+            16,
+        ),
+    ]:
+        path.write_text(text)
+        assert imported(path)["resources"]["devices"] == expected, text
+    # sbatch's own options take precedence over the script's directives.
+    (tmp_path / "job.sh").write_text(
+        f"#!/bin/bash\n#SBATCH --nodes=2 --ntasks-per-node=8\nsrun python pretrain_gpt.py {MEGATRON_SIZES}\n"
+    )
+    path.write_text("sbatch --nodes=4 job.sh\n")
+    assert imported(path)["resources"]["devices"] == 32
+    # Directives after the first command are not sbatch's (nor is a bare python run by the batch script
+    # anything but one process); a placeholder is named, and the count assumed.
+    path.write_text(
+        f"echo start\n#SBATCH --nodes=4 --ntasks-per-node=8\nsrun python pretrain_gpt.py {MEGATRON_SIZES}\n"
+    )
+    status, out, _ = run_cli(capsys, "check", path, "--device-memory", "80GiB")
+    assert "does not say how many devices run it; assumed 8" in out
+    path.write_text(f"#SBATCH --nodes=4 --ntasks-per-node=8\npython pretrain_gpt.py {MEGATRON_SIZES}\n")
+    assert imported(path)["resources"]["devices"] == 1
+    path.write_text(f"#SBATCH --nodes=your_own_num_nodes\nsrun python pretrain_gpt.py {MEGATRON_SIZES}\n")
+    status, out, _ = run_cli(capsys, "check", path, "--device-memory", "80GiB")
+    assert f"{path}:1:17: I002 (warning) `--nodes your_own_num_nodes` is ignored: not a number" in out, out
+    assert "does not say how many devices run it" in out
+
+
 def _tokens_config():
     # torchtitan after 0.3 (73aed7f, "fold batch dim"): batches counted in tokens.
     from types import SimpleNamespace

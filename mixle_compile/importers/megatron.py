@@ -17,7 +17,7 @@ from pathlib import Path
 
 from mixle_compile.importers import codes
 from mixle_compile.importers.builder import ImportOptions, SpecBuilder, resources
-from mixle_compile.importers.shell import Shell, ShellRun, Word
+from mixle_compile.importers.shell import Shell, ShellRun, Word, slurm_options
 from mixle_compile.layer_split import megatron_accounted, megatron_uneven
 from mixle_compile.spec.source import Position, SourceDocument
 
@@ -861,6 +861,10 @@ def read_megatron(
 
     # ---- world and mesh
     devices, devices_at, devices_origin = _world(launcher, launch.run)
+    if devices is None:
+        for name, w in launch.run.slurm.items():
+            if name != "gpus-per-node" and not w.text.isdigit():
+                b.unmodelled(f"--{name} {w.text}", w.pos, "not a number: the job's size is not read from it")
     pp = num("--pipeline-model-parallel-size", 1)
     cp = num("--context-parallel-size", 1)
     ep = num("--expert-model-parallel-size", 1)
@@ -1299,7 +1303,7 @@ def _world(launcher: list[Word], run: ShellRun | None = None) -> tuple[int | Non
         return 1, launcher[0].pos, "a single python process (no launcher: WORLD_SIZE defaults to 1)"
     found = _torchrun(launcher)
     if found is None:
-        return None, None, None
+        return _srun_tasks(launcher, run)
     torchrun, options = found
     args, _ = parse_arguments(options)
     # torch/distributed/run.py get_args_parser: "--nnodes" default="1:1", "--nproc-per-node"/
@@ -1332,3 +1336,44 @@ def _world(launcher: list[Word], run: ShellRun | None = None) -> tuple[int | Non
     defaults = " (torch/distributed/run.py)" if any(" default " in s for s in said) else ""
     origin = "torchrun " + " * ".join(said) + defaults
     return int(per_node) * int(low), where, origin
+
+
+#: Programs srun starts (the end of srun's own options in a launch).
+_PROGRAMS = ("sh", "bash", "env", "numactl", "torchrun")
+
+
+def _srun_tasks(launcher: list[Word], run: ShellRun | None) -> tuple[int | None, Position | None, str | None]:
+    """The processes of a launch run by ``srun`` without torchrun: one per task (srun(1)), each a rank
+    (WORLD_SIZE from SLURM_NTASKS, as NVIDIA's enroot PyTorch hook sets it in the containers Megatron-LM's
+    examples run: enroot conf/hooks/extra/50-slurm-pytorch.sh). The tasks are srun's -n, else its nodes
+    times its tasks per node, each option srun's own or, where srun leaves it out, the batch job's (#SBATCH
+    directives or sbatch's options, which srun inherits through the SLURM_* environment). None where the
+    launch is not srun's or the tasks are not said."""
+    start = next((k for k, w in enumerate(launcher) if w.text.rsplit("/", 1)[-1] == "srun"), None)
+    if start is None:
+        return None, None, None
+    end = next(
+        (
+            k
+            for k in range(start + 1, len(launcher))
+            if PYTHON.fullmatch(launcher[k].text.rsplit("/", 1)[-1]) or launcher[k].text in _PROGRAMS
+        ),
+        len(launcher),
+    )
+    own = slurm_options(launcher[start + 1 : end])
+    job = run.slurm if run is not None else {}
+
+    def option(name: str) -> tuple[int | None, Word | None, str]:
+        w, whose = (own[name], "srun") if name in own else (job.get(name), "#SBATCH")
+        if w is None or not w.text.isdigit():
+            return None, None, ""
+        return int(w.text), w, f"{whose} --{name} {w.text}"
+
+    ntasks, at, said = option("ntasks")
+    if ntasks is not None:
+        return ntasks, at.pos, f"srun tasks: {said} (one process per task)"
+    nodes, _, nodes_said = option("nodes")
+    per_node, at, per_node_said = option("ntasks-per-node")
+    if nodes is None or per_node is None:
+        return None, None, None
+    return nodes * per_node, at.pos, f"srun tasks: {nodes_said} * {per_node_said} (one process per task)"

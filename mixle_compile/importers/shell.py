@@ -18,7 +18,9 @@ sources it, then in the working directory (where bash looks for a name with a sl
 searched on PATH first, which the reader does not do). ``$(dirname "$0")``, ``$(dirname
 "${BASH_SOURCE[0]}")`` and the idioms around them (:data:`_SCRIPT_DIR`) are that file's directory,
 `` `pwd` `` the working directory; ``sbatch job.sh``, ``bash job.sh`` and ``sh job.sh`` read job.sh
-the same way. A FILE that is missing, that is computed (a
+the same way. A batch script (the document, a file ``sbatch`` runs, a ``sbatch <<EOF`` here-document)
+has its job-sizing ``#SBATCH`` directives read (:func:`sbatch_directives`) and sees the ``SLURM_*``
+variables they set. A FILE that is missing, that is computed (a
 command substitution, a variable the script does not set), that sources a file already being read (a
 cycle) or that is nested more than :data:`MAX_SOURCE_DEPTH` deep is not read, and said so.
 """
@@ -130,9 +132,70 @@ class ShellRun:
     skipped: list[tuple[str, Position]] = field(default_factory=list)  # loops and case blocks, not run
     unsourced: list[tuple[str, Position, str]] = field(default_factory=list)  # `source` not followed, and why
     sourced: list[str] = field(default_factory=list)  # the files read through `source`, in order
+    # the job's size as sbatch is asked for it (#SBATCH directives, `sbatch` options): name -> value
+    slurm: dict[str, Word] = field(default_factory=dict)
 
 
 MAX_SOURCE_DEPTH = 8
+#: The sbatch/srun options that size a job (sbatch(1), srun(1)): each spelling -> its long name.
+SLURM_SIZE = {
+    "-N": "nodes",
+    "--nodes": "nodes",
+    "-n": "ntasks",
+    "--ntasks": "ntasks",
+    "--ntasks-per-node": "ntasks-per-node",
+    "--gpus-per-node": "gpus-per-node",
+}
+#: The variables Slurm sets in a batch job from those options (sbatch(1), OUTPUT ENVIRONMENT VARIABLES:
+#: SLURM_JOB_NUM_NODES and SLURM_NNODES, the nodes; SLURM_NTASKS_PER_NODE "only set if the
+#: --ntasks-per-node option is specified"; SLURM_NTASKS and SLURM_NPROCS, -n; SLURM_GPUS_PER_NODE "only set
+#: if the --gpus-per-node option is specified").
+SLURM_VARIABLES = {
+    "nodes": ("SLURM_JOB_NUM_NODES", "SLURM_NNODES"),
+    "ntasks-per-node": ("SLURM_NTASKS_PER_NODE",),
+    "ntasks": ("SLURM_NTASKS", "SLURM_NPROCS"),
+    "gpus-per-node": ("SLURM_GPUS_PER_NODE",),
+}
+# A line that feeds the batch script to sbatch on its standard input (`sbatch <<EOF`): the here-document is
+# a batch script, whose #SBATCH directives are those at its start.
+_SBATCH_HEREDOC = re.compile(r"\bsbatch\b[^#\n]*<<-?\s*['\"]?\w+")
+
+
+def slurm_options(words: list[Word]) -> dict[str, Word]:
+    """The job-sizing options among ``words`` (``--nodes=4``, ``--nodes 4``, ``-N 4``, ``-N4``), by long
+    name, each value where it is written; the last of an option given twice wins."""
+    found: dict[str, Word] = {}
+    for k, w in enumerate(words):
+        flag, eq, _ = w.text.partition("=")
+        if eq and flag in SLURM_SIZE and flag.startswith("--"):
+            found[SLURM_SIZE[flag]] = w.tail(len(flag) + 1)
+        elif w.text in SLURM_SIZE and k + 1 < len(words):
+            found[SLURM_SIZE[w.text]] = words[k + 1]
+        elif w.text[:2] in ("-N", "-n") and w.text[2:].isdigit():
+            found[SLURM_SIZE[w.text[:2]]] = w.tail(2)
+    return found
+
+
+def sbatch_directives(text: str, file: str | None = None) -> dict[str, Word]:
+    """The job-sizing #SBATCH directives of a batch script (and of a here-document fed to ``sbatch``):
+    sbatch(1), "Once the first non-comment, non-whitespace line has been reached in the script, no more
+    #SBATCH directives will be processed"; they are read as literal text (no variables)."""
+    words: list[Word] = []
+    reading = True
+    for number, line in enumerate(text.splitlines(), 1):
+        stripped = line.strip()
+        if reading and stripped.startswith("#SBATCH"):
+            for m in re.finditer(r"\S+", line[line.index("#SBATCH") + len("#SBATCH") :]):
+                column = line.index("#SBATCH") + len("#SBATCH") + m.start() + 1
+                start = Position(number, column, file)
+                words.append(Word(m.group(0), start, (Span(0, start),)))
+        elif reading and stripped and not stripped.startswith("#"):
+            reading = False
+        if _SBATCH_HEREDOC.search(line):
+            reading = True  # the here-document's first lines are its batch script's start
+    return slurm_options(words)
+
+
 MAX_SOURCE_BYTES = 1 << 20
 # The directory of the script being read, as launch scripts spell it: $(dirname $0), around
 # $(readlink -f $0) or $(realpath $0), and the idioms $(cd $(dirname $0) && pwd) and
@@ -410,8 +473,27 @@ class Shell:
         return word.split()
 
     # -- execution
-    def execute(self, text: str, path: str | Path | None = None, *, file: str | None = None) -> ShellRun:
-        """Read ``text`` (the file at ``path``, whose positions name ``file`` when it is not the document's)."""
+    def execute(
+        self,
+        text: str,
+        path: str | Path | None = None,
+        *,
+        file: str | None = None,
+        batch: bool = True,
+        submitted: dict[str, Word] | None = None,
+    ) -> ShellRun:
+        """Read ``text`` (the file at ``path``, whose positions name ``file`` when it is not the document's).
+        ``batch``: the text is a batch script (the document itself, or one run by ``sbatch``), whose
+        #SBATCH directives size the job, overridden by the options ``sbatch`` was ``submitted`` with (sbatch(1):
+        "command line options take precedence"). A batch job sees the SLURM_* variables of its size, which
+        are set here (where the script does not set them itself) at the directive that asks for them."""
+        if batch:
+            options = {**sbatch_directives(text, file), **(submitted or {})}
+            self.run.slurm.update(options)
+            for name, value in options.items():
+                if value.text.isdigit():
+                    for variable in SLURM_VARIABLES[name]:
+                        self.run.scalars[variable] = value
         if path is not None:
             self._files.append(Path(path).resolve())
         try:
@@ -554,7 +636,11 @@ class Shell:
             if "-c" not in (w.literal for w in words):
                 script = next((w for w in words if w.literal.endswith(".sh") and not w.literal.startswith("-")), None)
                 if script is not None:
-                    self._source(st[0].literal, script, st[0].pos)
+                    submitted = None
+                    if st[0].literal == "sbatch":
+                        before = words[: words.index(script)]
+                        submitted = slurm_options([x for w in before for x in self.expand(w)])
+                    self._source(st[0].literal, script, st[0].pos, submitted)
                     return
         i = 0
         while i < len(st) and isinstance(st[i], _Raw):
@@ -599,7 +685,7 @@ class Shell:
             self.run.commands.append(words)
 
     # -- source
-    def _source(self, command: str, raw: _Raw, pos: Position) -> None:
+    def _source(self, command: str, raw: _Raw, pos: Position, submitted: dict[str, Word] | None = None) -> None:
         what = f"{command} {raw.literal}"
         raw = self._known_dirs(raw)
         written = raw.literal
@@ -669,7 +755,7 @@ class Shell:
         except ValueError:
             display = str(resolved)
         self.run.sourced.append(display)
-        self.execute(text, resolved, file=display)
+        self.execute(text, resolved, file=display, batch=command == "sbatch", submitted=submitted)
 
 
 def _drop_prefix(segments: list[tuple[str, str, Spans]], k: int) -> list[tuple[str, str, Spans]]:
