@@ -1264,6 +1264,16 @@ def test_check_torchtitan_module_function(registry, capsys):
     assert status == 2
 
 
+def test_a_config_functions_findings_without_a_key_are_at_its_def(registry, capsys):
+    """docs/importers.md: the findings of a 0.3 config function point at the function, not the module's
+    first line (torchtitan's config_registry.py modules define a dozen functions)."""
+    line = REGISTRY_MODULE.splitlines().index("def llama3_70b_tp8():") + 1
+    status, out, _ = run_cli(capsys, "check", "--torchtitan", "my_registry:llama3_70b_tp8")
+    found = [f for f in out.splitlines() if "my_registry.py:" in f and not f.startswith(" ")]
+    assert found and not any("my_registry.py:1:1:" in f for f in found), out
+    assert f"my_registry.py:{line}:1: I003 (warning) a torchtitan job config does not say how many devices" in out
+
+
 @pytest.mark.parametrize(
     "module, function, flavor",
     [
