@@ -2121,6 +2121,9 @@ def test_the_shell_reader_keeps_where_each_expanded_character_is_written():
     assert (e.tail(4).text, e.tail(4).pos.line, e.tail(4).pos.column) == ("2", 1, 10)
     quoted = words[-1]  # "$V": one word, each part of it still where it is written
     assert [(p.text, p.pos.line) for p in quoted.split()] == [("--a", 2), ("1", 2), ("--b", 3), ("2", 1)]
+    # An array assigned to a scalar is its elements joined (an empty one, nothing), never an error.
+    run = Shell().execute('E=()\nX=${E[@]}\nY="${ARR[@]}"\nARR=(a "b c")\nZ=${ARR[@]}\n')
+    assert run.scalars["X"].text == "" and run.scalars["Z"].text == "a b c"
 
 
 def test_a_launch_of_another_training_script_is_read_by_its_code_or_refused_by_name(capsys, tmp_path, monkeypatch):

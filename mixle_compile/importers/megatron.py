@@ -378,10 +378,14 @@ def entry_model(entry: Word, path: Path | None) -> tuple[bool, str]:
     (False, why not). The script is parsed, never run."""
     import ast
 
-    written = Path(entry.text).expanduser()
-    bases = [] if written.is_absolute() else [b for b in ((path.parent if path else None), Path.cwd()) if b]
-    candidates = list(dict.fromkeys([written] if written.is_absolute() else [(b / written).resolve() for b in bases]))
-    found = next((c for c in candidates if c.is_file()), None)
+    try:
+        written = Path(entry.text).expanduser()
+        bases = [] if written.is_absolute() else [b for b in ((path.parent if path else None), Path.cwd()) if b]
+        looked = [written] if written.is_absolute() else [(b / written).resolve() for b in bases]
+        candidates = list(dict.fromkeys(looked))
+        found = next((c for c in candidates if c.is_file()), None)
+    except (OSError, ValueError, RuntimeError) as exc:  # a name no file can have, an unknown ~user
+        return False, f"its path cannot be looked for ({exc})"
     if found is None:
         looked = " or ".join(str(c) for c in candidates)
         return False, f"the script is not found (looked for {looked}), so which model it trains is unknown"

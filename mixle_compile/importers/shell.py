@@ -448,13 +448,14 @@ class Shell:
         """A written word as the words it becomes (unquoted expansions are split on whitespace), each
         at the position of its first character's text."""
         raw = self._known_dirs(raw)
-        # A lone unquoted or quoted ${ARR[@]} keeps each element's own position.
-        if len(raw.segments) == 1:
+        # A lone unquoted or quoted ${ARR[@]} in a command is its elements, each a word (an assignment's or a
+        # test's, not split, is them joined by spaces, as below).
+        if len(raw.segments) == 1 and split:
             kind, text, _ = raw.segments[0]
             m = re.fullmatch(r"\$\{([A-Za-z_]\w*)\[[@*]\]\}", text)
             if kind in ("plain", "double") and m:
                 words = self.run.arrays.get(m.group(1), [])
-                if kind == "plain" and split:
+                if kind == "plain":
                     return [part for w in words for part in w.split()]
                 return list(words)
         pieces: list[tuple[str, Spans]] = []
