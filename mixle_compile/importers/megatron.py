@@ -865,7 +865,7 @@ def read_megatron(
 
     # ---- world and mesh
     devices, devices_at, devices_origin = _world(launcher, launch.run)
-    if devices is None:
+    if devices is None and options.devices is None:  # the count is about to be assumed: say what was not read
         for name, w in launch.run.slurm.items():
             if name != "gpus-per-node" and not w.text.isdigit():
                 b.unmodelled(f"--{name} {w.text}", w.pos, "not a number: the job's size is not read from it")
