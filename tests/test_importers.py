@@ -960,6 +960,43 @@ def test_deepspeed_refusals(capsys, tmp_path):
     assert status == 2 and "micro * accumulation * dp" in out
 
 
+def test_deepspeed_ulysses_counts_data_parallel_ranks_and_is_refused_by_name(capsys, tmp_path):
+    """deepspeed/runtime/config.py (0.19.8) DeepSpeedConfig: world = dist.get_world_size() /
+    config["sequence_parallel_size"] before train = micro * accumulation * world is asserted.
+    DeepSpeedExamples' benchmarks/autosp/configs/autosp_config.json runs on 2 GPUs with sp 2."""
+    path = tmp_path / "autosp.json"
+    config = {
+        "train_batch_size": 1,
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "sequence_parallel_size": 2,
+        "zero_optimization": {"stage": 0},
+        "bf16": {"enabled": True},
+    }
+    path.write_text(json.dumps(config, indent=2))
+    for extra in ((), ("--devices", "2")):
+        status, out, _ = run_cli(capsys, "check", path, "--model", LLAMA, "--seq-len", "64", *extra)
+        assert status == 2 and "identity" not in out, out
+        assert "I004 `sequence_parallel_size` 2 is DeepSpeed-Ulysses" in out and f"{path}:5:" in out
+        # without --devices: the batch sizes' 1 data-parallel rank times sp 2
+        assert "here 1 data-parallel rank of 2 devices" in out and "--devices 1" in out and "I002" not in out
+    # On 8 devices, 4 data-parallel ranks: an identity that holds there is not refused as one.
+    path.write_text(json.dumps({**config, "train_batch_size": 4}))
+    status, out, _ = run_cli(capsys, "check", path, "--model", LLAMA, "--seq-len", "64", "--devices", "8")
+    assert status == 2 and "identity" not in out and "here 4 data-parallel ranks of 8 devices" in out
+    status, out, _ = run_cli(capsys, "check", path, "--model", LLAMA, "--seq-len", "64", "--devices", "4")
+    assert "identity" in out and "on 2 data-parallel ranks (4 devices / sequence_parallel_size 2)" in out
+    status, out, _ = run_cli(capsys, "check", path, "--model", LLAMA, "--seq-len", "64", "--devices", "3")
+    assert status == 2 and "does not divide the 3 devices" in out
+    path.write_text(json.dumps({**config, "sequence_parallel_size": "two"}))
+    status, out, _ = run_cli(capsys, "check", path, "--model", LLAMA, "--seq-len", "64")
+    assert status == 2 and "`sequence_parallel_size` must be a positive integer" in out
+    # sequence_parallel_size 1 is no sequence parallelism: read, not named.
+    path.write_text(json.dumps({**config, "sequence_parallel_size": 1}))
+    status, out, _ = run_cli(capsys, "check", path, "--model", LLAMA, "--seq-len", "64", "--devices", "1")
+    assert "sequence_parallel_size" not in out and "I004" not in out, out
+
+
 def test_deepspeed_unmodelled_keys_are_named(capsys):
     status, out, _ = run_cli(
         capsys, "check", DS / "zenflow_finetuning.json", "--model", LLAMA, "--devices", "8", "--seq-len", "512"
@@ -1320,6 +1357,16 @@ def test_torchtitans_own_mtp_config_function_reads_with_its_mtp_layer():
         assert len(getattr(config.model_spec.model, "mtp_layers", [])) == layers
 
 
+def test_a_config_functions_findings_without_a_key_are_at_its_def(registry, capsys):
+    """docs/importers.md: the findings of a 0.3 config function point at the function, not the module's
+    first line (torchtitan's config_registry.py modules define a dozen functions)."""
+    line = REGISTRY_MODULE.splitlines().index("def llama3_70b_tp8():") + 1
+    status, out, _ = run_cli(capsys, "check", "--torchtitan", "my_registry:llama3_70b_tp8")
+    found = [f for f in out.splitlines() if "my_registry.py:" in f and not f.startswith(" ")]
+    assert found and not any("my_registry.py:1:1:" in f for f in found), out
+    assert f"my_registry.py:{line}:1: I003 (warning) a torchtitan job config does not say how many devices" in out
+
+
 @pytest.mark.parametrize(
     "module, function, flavor",
     [
@@ -1419,6 +1466,32 @@ def test_deepspeed_config_class_reads_the_corpus_configs_as_we_do(name, monkeypa
     assert ds.zero_optimization_stage in ({3} if "dp_shard" in mesh else {0, 1, 2})
     precision = "bf16" if ds.bfloat16_config.enabled else "fp16" if ds.float16_config.enabled else "fp32"
     assert precision == data["training"]["precision"]
+
+
+def test_deepspeed_config_class_counts_ulysses_ranks_as_we_do(monkeypatch, tmp_path, capsys):
+    """DeepSpeedConfig without an mpu divides the world by sequence_parallel_size before its batch assertion."""
+    try:
+        from deepspeed.runtime import config as ds_config
+    except ImportError:
+        pytest.skip("deepspeed is not installed")
+    config = {
+        "train_batch_size": 2,
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "sequence_parallel_size": 2,
+    }
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config))
+    monkeypatch.setattr(ds_config.dist, "get_rank", lambda *args, **kwargs: 0)
+    for world, holds in ((4, True), (2, False)):
+        monkeypatch.setattr(ds_config.dist, "get_world_size", lambda *args, w=world, **kwargs: w)
+        try:
+            ds_config.DeepSpeedConfig(dict(config))  # asserts train == micro * accumulation * world / sp
+            engine_holds = True
+        except AssertionError:
+            engine_holds = False
+        _, out, _ = run_cli(capsys, "check", path, "--model", LLAMA, "--seq-len", "64", "--devices", world)
+        assert engine_holds is holds and ("identity" not in out) is holds, (world, out)
 
 
 def test_megatron_uneven_pipeline_split(tmp_path):
@@ -2136,6 +2209,40 @@ def test_a_bare_python_launch_is_one_process(tmp_path):
     assert imported(path)["resources"]["devices"] == 4
 
 
+def test_a_torchrun_launch_without_its_sizes_is_torchruns_defaults(capsys, tmp_path):
+    """torch/distributed/run.py: --nproc-per-node defaults to "1" and --nnodes to "1:1"; the deprecated
+    torch.distributed.launch parses with the same get_args_parser. Megatron-LM's examples/pretrain_gpt.sh
+    (the single-GPU "345M" example) runs `torchrun pretrain_gpt.py` with micro 4 and global 8."""
+    path = tmp_path / "pretrain_gpt.sh"
+    batch = "--micro-batch-size 4 --global-batch-size 8"
+    path.write_text(f"torchrun pretrain_gpt.py {MEGATRON_SIZES} {batch}\n")
+    status, out, _ = run_cli(capsys, "check", path, "--device-memory", "80GiB")
+    assert status == 0 and "I003" not in out and "B001" not in out, out
+    doc, _ = read_any(path, str(path))
+    assert doc.data["resources"]["devices"] == 1 and doc.data["mesh"]["microbatches"] == 2
+    assert "--nproc-per-node default 1" in doc.origins[("resources", "devices")]
+    assert doc.position(("resources", "devices")).line == 1
+    for launcher, devices in [
+        ("python -m torch.distributed.launch", 1),
+        ("python3 -m torch.distributed.run --nnodes 2", 2),
+        ("torchrun --nnodes=2:2 --nproc-per-node=4", 8),
+        ("PET_NPROC_PER_NODE=4\ntorchrun --nnodes 2", 8),  # run.py's env action: PET_* before the default
+    ]:
+        path.write_text(f"{launcher} pretrain_gpt.py {MEGATRON_SIZES}\n")
+        assert imported(path)["resources"]["devices"] == devices, launcher
+    # Launches that do not say: the count is assumed, with the warning.
+    for launcher in (
+        "torchrun --nproc_per_node gpu",  # counted on the machine (determine_local_world_size)
+        "torchrun --nnodes 1:4 --nproc_per_node 8",  # elastic: the size is decided at rendezvous
+        "torchrun --nproc_per_node $UNSET_GPUS",
+        "deepspeed",
+        "srun python",
+    ):
+        path.write_text(f"{launcher} pretrain_gpt.py {MEGATRON_SIZES}\n")
+        status, out, _ = run_cli(capsys, "check", path, "--device-memory", "80GiB")
+        assert "does not say how many devices run it; assumed 8" in out, launcher
+
+
 def test_pretrain_gpt2_is_megatrons_gpt_and_its_old_flags_are_what_validate_args_refuses(capsys, tmp_path):
     path = tmp_path / "pretrain_gpt2_distributed.sh"
     path.write_text(
@@ -2177,6 +2284,206 @@ def test_a_launch_run_as_one_string_is_read_word_by_word(tmp_path):
     data = imported(path, devices=16)
     assert data["mesh"]["tp"] == 2 and data["model"]["num_layers"] == 2
     assert data["training"]["global_batch_size"] == 8 and data["mesh"]["dp_replicate"] == 8
+
+
+def test_words_expanded_from_one_string_are_where_their_text_is_written(capsys, tmp_path):
+    """Megatron-LM's examples/megatron_fsdp/sbatch_mfsdp_deepseek_v3.sh: `MBS=${MBS:-4}`, the flags in an
+    array, the launch one string (`TRAINING_CMD="... python ${MEGATRON_PATH}/pretrain_gpt.py
+    ${PRETRAIN_ARGS[@]}"`) run by `bash -c`. Each flag is reported on its own line, a value set through a
+    variable where the value is written."""
+    path = tmp_path / "sbatch_train.sh"
+    lines = [
+        'MEGATRON_PATH=${MEGATRON_PATH:-"/opt/megatron"}',  # 1
+        "MBS=${MBS:-4}",  # 2
+        "GBS=${GBS:-24}",  # 3
+        "PRETRAIN_ARGS=(",  # 4
+        "    --tensor-model-parallel-size 1",  # 5
+        "    --sequence-parallel",  # 6
+        "    --micro-batch-size ${MBS}",  # 7
+        "    --global-batch-size ${GBS}",  # 8
+        "    --unmodelled-switch",  # 9
+        f"    {MEGATRON_SIZES}",  # 10
+        ")",  # 11
+        'TRAINING_CMD="',  # 12
+        "cd ${MEGATRON_PATH};",  # 13
+        'python ${MEGATRON_PATH}/pretrain_gpt.py ${PRETRAIN_ARGS[@]}"',  # 14
+        'srun bash -x -c "${TRAINING_CMD}"',  # 15
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    doc, _ = read_any(path, str(path), ImportOptions(devices=8))
+    mbs = doc.position(("training", "micro_batch_size"))
+    assert (mbs.line, mbs.column) == (2, 12)  # the 4 of MBS=${MBS:-4}
+    assert doc.position(("training", "global_batch_size")).line == 3
+    assert doc.position(("mesh", "tp")).line == 5
+    _, out, _ = run_cli(capsys, "check", path, "--devices", "8", "--device-memory", "80GiB")
+    assert f"{path}:9:5: I002 (warning) `--unmodelled-switch` is ignored" in out, out
+    assert f"{path}:6:5: Q004" in out  # --sequence-parallel with tp 1
+    assert f"{path}:3:12: B001" in out  # 24 is not 4 * 8 * a whole number
+    # Megatron-LM's examples/pretrain_gpt3_175B.sh: options in a string, run_cmd="python -u ${DIR}/pretrain_gpt.py
+    # $@ ${options}" run by `srun sh -c`: a flag is on its own line, not at DIR=`pwd`.
+    path.write_text(
+        "DIR=`pwd`\n"
+        'options=" \\\n'
+        f"\t{MEGATRON_SIZES} \\\n"
+        "\t--micro-batch-size 1 \\\n"
+        '\t--rampup-batch-size 16 16 5859375"\n'
+        'run_cmd="python -u ${DIR}/pretrain_gpt.py $@ ${options}"\n'
+        'srun -l sh -c "${run_cmd}"\n'
+    )
+    _, out, _ = run_cli(capsys, "check", path, "--devices", "8", "--device-memory", "80GiB")
+    assert f"{path}:5:2: I002 (warning) `--rampup-batch-size` is ignored" in out, out
+
+
+def test_the_shell_reader_keeps_where_each_expanded_character_is_written():
+    run = Shell().execute(
+        'TP=${TP:-2}\nV="--a 1 \\\n  --b $TP"\nARR=(--c=$TP "--d $TP")\nrun $V --e=${TP} ${ARR[@]} "$V"\n'
+    )
+    words = run.commands[-1]
+    where = {(w.text, (w.pos.line, w.pos.column)) for w in words}
+    assert {("--a", (2, 4)), ("1", (2, 8)), ("--b", (3, 3)), ("2", (1, 10)), ("--e=2", (5, 8))} <= where
+    assert ("--c=2", (4, 6)) in where and ("--d", (4, 15)) in where  # an array's element split where written
+    e = next(w for w in words if w.text == "--e=2")
+    assert (e.tail(4).text, e.tail(4).pos.line, e.tail(4).pos.column) == ("2", 1, 10)
+    quoted = words[-1]  # "$V": one word, each part of it still where it is written
+    assert [(p.text, p.pos.line) for p in quoted.split()] == [("--a", 2), ("1", 2), ("--b", 3), ("2", 1)]
+    # An array assigned to a scalar is its elements joined (an empty one, nothing), never an error.
+    run = Shell().execute('E=()\nX=${E[@]}\nY="${ARR[@]}"\nARR=(a "b c")\nZ=${ARR[@]}\n')
+    assert run.scalars["X"].text == "" and run.scalars["Z"].text == "a b c"
+
+
+def test_a_launch_of_another_training_script_is_read_by_its_code_or_refused_by_name(capsys, tmp_path, monkeypatch):
+    """Megatron-LM's examples/detxoify_lm/finetune_gpt_distributed-1.3b.sh runs `python -m torch.distributed.run
+    $DISTRIBUTED_ARGS examples/detxoify_lm/finetune_gpt.py --num-layers 24 ...`: the flags after the script are
+    the launch's, torchrun's (DISTRIBUTED_ARGS) never are. finetune_gpt.py trains GPTModel through Megatron's
+    pretrain() (its standard arguments); examples/multimodal/train.py builds LLaVAModel."""
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "finetune_gpt_distributed.sh"
+    path.write_text(
+        "GPUS_PER_NODE=2\n"
+        'DISTRIBUTED_ARGS="--nproc_per_node $GPUS_PER_NODE --nnodes 1 --node_rank 0 --master_addr localhost '
+        '--master_port 6000"\n'
+        "python -m torch.distributed.run $DISTRIBUTED_ARGS \\\n"
+        "     examples/detxoify_lm/finetune_gpt.py \\\n"
+        f"     {MEGATRON_SIZES} --micro-batch-size 4 --global-batch-size 8\n"
+    )
+    status, out, _ = run_cli(capsys, "check", path, "--device-memory", "80GiB")
+    assert status == 2 and f"{path}:4:6: I004 the launch runs examples/detxoify_lm/finetune_gpt.py" in out, out
+    assert "not found" in out and "is not set" not in out and "--nproc_per_node" not in out and "I001" not in out
+    script = tmp_path / "examples" / "detxoify_lm" / "finetune_gpt.py"
+    script.parent.mkdir(parents=True)
+    script.write_text(
+        "from megatron.model import GPTModel, ModelType\nfrom megatron.training import pretrain\n\n"
+        "def model_provider(pre_process=True, post_process=True):\n    return GPTModel(num_tokentypes=0)\n\n"
+        "if __name__ == '__main__':\n    pretrain(None, model_provider, ModelType.encoder_or_decoder, None)\n"
+    )
+    doc, _ = read_any(path, str(path))
+    assert doc.data["resources"]["devices"] == 2 and doc.data["model"]["num_layers"] == 2
+    assert "finetune_gpt.py" in doc.origins[("model", "family")]
+    # A script that builds another of Megatron's models, or does not train through pretrain(), is refused by name.
+    for code, says in [
+        (
+            "from megatron.core.models.multimodal.llava_model import LLaVAModel\n"
+            "from megatron.training import pretrain\n",
+            "builds LLaVAModel",
+        ),
+        ("from megatron.core.models.gpt import GPTModel\n", "does not train through Megatron-LM's pretrain()"),
+    ]:
+        script.write_text(code)
+        status, out, _ = run_cli(capsys, "check", path, "--device-memory", "80GiB")
+        assert status == 2 and says in out and "examples/detxoify_lm/finetune_gpt.py" in out, out
+    # Megatron-LM's examples/multimodal/pretrain_mistral_clip.sh: its entry named, not "no --num-layers".
+    path.write_text(
+        f'OPTIONS=" \\\n  {MEGATRON_SIZES}"\ntorchrun --nproc_per_node 8 examples/multimodal/train.py ${{OPTIONS}}\n'
+    )
+    status, out, _ = run_cli(capsys, "check", path)
+    assert status == 2 and f"{path}:3:29: I004 the launch runs examples/multimodal/train.py" in out, out
+    assert "without Megatron-LM arguments" not in out
+
+
+def test_launcher_variables_are_never_read_as_the_models_flags(capsys, tmp_path):
+    path = tmp_path / "model_args.sh"
+    path.write_text(
+        f'MODEL_ARGS="{MEGATRON_SIZES} --micro-batch-size 1"\n'
+        'DISTRIBUTED_ARGS="--nproc_per_node 8 --nnodes 1"\n'
+        "LAUNCHER_ARGS=(--nnodes 2 --master_port 6000 --rdzv_backend c10d)\n"
+        'TORCHRUN_ARGS="--nproc-per-node=4 --standalone"\n'
+    )
+    status, out, _ = run_cli(capsys, "check", path, "--devices", "8", "--device-memory", "80GiB")
+    assert status == 0 and "I002" not in out, out
+    assert imported(path, devices=8)["model"]["num_layers"] == 2
+
+
+def test_hybrid_mamba_models_are_refused_as_such(capsys, tmp_path):
+    """Megatron-LM's examples/post_training/modelopt/conf/nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16.sh: a
+    --hybrid-layer-pattern and no --num-layers (validate_args derives it from the pattern)."""
+    path = tmp_path / "nemotron_nano.sh"
+    for text in (
+        'MODEL_ARGS=" \\\n  --hidden-size 2688 --num-attention-heads 32 \\\n  --hybrid-layer-pattern MEMEM*EMEM \\\n'
+        '  --mamba-num-heads 64"\n',
+        f"torchrun pretrain_gpt.py {MEGATRON_SIZES} --hybrid-override-pattern M*M*\n",
+    ):
+        path.write_text(text)
+        status, out, _ = run_cli(capsys, "check", path)
+        assert (
+            status == 2 and "makes this a hybrid Mamba model" in out and "is not set" not in out and "I002" not in out
+        ), out
+    assert f"{path}:1:144: I004 `--hybrid-override-pattern`" in out  # at the flag
+    path.write_text(f"torchrun --nproc_per_node 8 pretrain_mamba.py {MEGATRON_SIZES}\n")
+    status, out, _ = run_cli(capsys, "check", path)
+    assert status == 2 and "pretrain_mamba.py trains a Mamba or hybrid Mamba model" in out, out
+
+
+def test_a_slurm_job_says_its_devices_through_its_sbatch_directives(capsys, tmp_path, monkeypatch):
+    """Megatron-LM's examples/pretrain_gpt3_175B.sh: `#SBATCH <SLURM OPTIONS> --nodes=128 --exclusive
+    --ntasks-per-node=8` and `srun ... sh -c "${run_cmd}"`, one process per task (sbatch(1), srun(1))."""
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "pretrain_gpt3.sh"
+    launch = f'run_cmd="python -u pretrain_gpt.py {MEGATRON_SIZES} --micro-batch-size 1 --global-batch-size 128"\n'
+    path.write_text(
+        "#!/bin/bash\n\n#SBATCH <SLURM OPTIONS> --nodes=16 --exclusive --ntasks-per-node=8 --job-name=gpt3\n\n"
+        + launch
+        + 'srun -l --container-image "nvcr.io/nvidia/pytorch:24.01-py3" sh -c "${run_cmd}"\n'
+    )
+    status, out, _ = run_cli(capsys, "check", path, "--device-memory", "80GiB")
+    assert status == 0 and "I003" not in out, out
+    doc, _ = read_any(path, str(path))
+    devices = doc.position(("resources", "devices"))
+    assert doc.data["resources"]["devices"] == 128 and (devices.line, devices.column) == (3, 66)  # the 8
+    assert "#SBATCH --nodes 16 * #SBATCH --ntasks-per-node 8" in doc.origins[("resources", "devices")]
+    sized = f"torchrun --nnodes $SLURM_NNODES --nproc_per_node $SLURM_GPUS_PER_NODE pretrain_gpt.py {MEGATRON_SIZES}"
+    for text, expected in [
+        (f"#SBATCH -N 2\n#SBATCH --ntasks-per-node 4\nsrun python pretrain_gpt.py {MEGATRON_SIZES}\n", 8),
+        (f"#SBATCH -N 2 --ntasks-per-node=4\nsrun -n 4 python pretrain_gpt.py {MEGATRON_SIZES}\n", 4),  # srun's own
+        (f"#SBATCH -N 2 --ntasks-per-node=4\nsrun -N1 python pretrain_gpt.py {MEGATRON_SIZES}\n", 4),
+        (f"#SBATCH --nodes=2 --gpus-per-node=4\n{sized}\n", 8),  # SLURM_* as the batch job sees them
+        # a here-document fed to sbatch is a batch script of its own
+        (
+            f"set +e\nsbatch <<EOF\n#!/bin/bash\n#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=8\n"
+            f"srun python pretrain_gpt.py {MEGATRON_SIZES}\nEOF\n",
+            16,
+        ),
+    ]:
+        path.write_text(text)
+        assert imported(path)["resources"]["devices"] == expected, text
+    # sbatch's own options take precedence over the script's directives.
+    (tmp_path / "job.sh").write_text(
+        f"#!/bin/bash\n#SBATCH --nodes=2 --ntasks-per-node=8\nsrun python pretrain_gpt.py {MEGATRON_SIZES}\n"
+    )
+    path.write_text("sbatch --nodes=4 job.sh\n")
+    assert imported(path)["resources"]["devices"] == 32
+    # Directives after the first command are not sbatch's (nor is a bare python run by the batch script
+    # anything but one process); a placeholder is named, and the count assumed.
+    path.write_text(
+        f"echo start\n#SBATCH --nodes=4 --ntasks-per-node=8\nsrun python pretrain_gpt.py {MEGATRON_SIZES}\n"
+    )
+    status, out, _ = run_cli(capsys, "check", path, "--device-memory", "80GiB")
+    assert "does not say how many devices run it; assumed 8" in out
+    path.write_text(f"#SBATCH --nodes=4 --ntasks-per-node=8\npython pretrain_gpt.py {MEGATRON_SIZES}\n")
+    assert imported(path)["resources"]["devices"] == 1
+    path.write_text(f"#SBATCH --nodes=your_own_num_nodes\nsrun python pretrain_gpt.py {MEGATRON_SIZES}\n")
+    status, out, _ = run_cli(capsys, "check", path, "--device-memory", "80GiB")
+    assert f"{path}:1:17: I002 (warning) `--nodes your_own_num_nodes` is ignored: not a number" in out, out
+    assert "does not say how many devices run it" in out
 
 
 def _tokens_config():

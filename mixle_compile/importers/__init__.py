@@ -48,9 +48,10 @@ DEEPSPEED_KEYS = {
     "wall_clock_breakdown",
 }
 # A line that reads another script: `source`/`.` or a runner the shell reader follows (shell.RUNNERS).
-_FOLLOWS = re.compile(rf"^[ \t]*(?:source|\.|{'|'.join(RUNNERS)})[ \t]+[^-\s]\S*", re.M)
+_FOLLOWS = re.compile(rf"^[ \t]*(?:source|\.|{'|'.join(RUNNERS)})[ \t]+(?:-\S+[ \t]+)*[^-\s]\S*", re.M)
 _MEGATRON_FLAG = re.compile(
     r"--(tensor|pipeline)-model-parallel-size|--num-layers\b|--micro-batch-size|pretrain_\w+\.py"
+    r"|--hybrid-(layer|override)-pattern\b"  # a hybrid Mamba model's arguments: read, to be refused by name
 )
 _TOML_TABLE = re.compile(r"^\s*\[[A-Za-z_][\w.\-]*\]\s*(#.*)?$", re.M)
 

@@ -33,16 +33,21 @@ class ImportOptions:
 
 
 class SpecBuilder:
-    def __init__(self, file: str, source_format: str):
+    def __init__(self, file: str, source_format: str, *, top: Position = TOP):
+        """``top``: where a finding that names no key of the file is placed (the file's first line; a
+        torchtitan config function's ``def``), and every spec field without a key of its own."""
         self.doc = SourceDocument(file=file, data={}, source_format=source_format)
         self.diagnostics: list[Diagnostic] = []
+        self.top = top
+        if top != TOP:
+            self.doc.values[()] = top
 
     def set(self, path: Path_, value: Any, *, at: Position | None = None, origin: str | None = None) -> None:
         """Set the spec field ``path`` (e.g. ``("mesh", "tp")``) to ``value``, read from ``origin`` at ``at``."""
         cur = self.doc.data
         for i, part in enumerate(path[:-1]):
             cur = cur.setdefault(part, {})
-            self.doc.values.setdefault(tuple(path[: i + 1]), at or TOP)
+            self.doc.values.setdefault(tuple(path[: i + 1]), at or self.top)
         cur[path[-1]] = value
         if at is not None:
             self.doc.values[tuple(path)] = at
@@ -68,7 +73,7 @@ class SpecBuilder:
         field: Path_ = (),
         severity: Severity = Severity.error,
     ) -> None:
-        pos = at or TOP
+        pos = at or self.top
         self.diagnostics.append(
             Diagnostic(
                 code=code,

@@ -8,7 +8,9 @@ partitions parameters, gradients and optimizer state over the data-parallel rank
 ``dp_shard``); stages 1 and 2 partition the optimizer state (and stage 2 the gradients) of
 replicated parameters (``dp_replicate`` with ``distributed_optimizer``). The config names no
 tensor or pipeline degree (DeepSpeed's pipeline and MoE degrees are set in the model's code), so
-every device is a data-parallel rank.
+every device is a data-parallel rank, except under DeepSpeed-Ulysses (``sequence_parallel_size``),
+whose data-parallel ranks are the devices over it: the identity is checked on those, and the
+config is then refused by name, the spec having no Ulysses axis.
 """
 
 from __future__ import annotations
@@ -135,6 +137,20 @@ def read_deepspeed(raw: bytes, name: str, options: ImportOptions) -> tuple[Sourc
             b.refuse(f"`{key}` must be a positive integer, got {v!r}", at(key), "write a whole number")
     if b.failed:
         return b.result()
+    # DeepSpeed-Ulysses: DeepSpeedConfig.__init__ (deepspeed/runtime/config.py, deepspeed 0.19.8) takes the
+    # data-parallel world as dist.get_world_size() / config["sequence_parallel_size"] when no mpu is given
+    # (and world / mpu.get_sequence_parallel_world_size() with one), and _batch_assertion checks
+    # train = micro * accumulation * that world: the batch identity counts data-parallel ranks,
+    # devices / sequence_parallel_size, and the devices the batch sizes give are those ranks times it.
+    sp = value("sequence_parallel_size")
+    if sp is not None and (isinstance(sp, bool) or not isinstance(sp, int) or sp < 1):
+        b.refuse(
+            f"`sequence_parallel_size` must be a positive integer, got {sp!r}",
+            at("sequence_parallel_size"),
+            "write the number of ranks each sequence is split over (1 for none)",
+        )
+        return b.result()
+    sp = sp or 1
     devices = options.devices
     devices_at, devices_origin = None, None
     if devices is None and tbs is not None and mbs is not None and gas is not None:
@@ -147,19 +163,38 @@ def read_deepspeed(raw: bytes, name: str, options: ImportOptions) -> tuple[Sourc
                 "DeepSpeed asserts train = micro * accumulation * dp",
             )
             return b.result()
-        devices, devices_at = tbs // (mbs * gas), at("train_batch_size")
-        devices_origin = "train_batch_size / (train_micro_batch_size_per_gpu * gradient_accumulation_steps)"
+        devices, devices_at = tbs // (mbs * gas) * sp, at("train_batch_size")
+        devices_origin = "train_batch_size / (train_micro_batch_size_per_gpu * gradient_accumulation_steps)" + (
+            f" data-parallel ranks * sequence_parallel_size {sp}" if sp > 1 else ""
+        )
     # DeepSpeed derives a missing accumulation as train // (micro * dp) and asserts it whole and
     # positive: a world size the batch sizes do not divide is not one the config runs on.
     admits, admits_why = None, ""
     if tbs is not None and gas is None:
-        admits = lambda n: tbs % ((mbs or 1) * n) == 0  # noqa: E731
+        admits = lambda n: n % sp == 0 and tbs % ((mbs or 1) * (n // sp)) == 0  # noqa: E731
         admits_why = (
             f"train_batch_size {tbs} / train_micro_batch_size_per_gpu {mbs}" if mbs else f"train_batch_size {tbs}"
         )
-    dp = resources(
-        b, options, devices, devices_at, devices_origin, what="a DeepSpeed config", admits=admits, admits_why=admits_why
+    world = resources(
+        b,
+        options,
+        devices,
+        devices_at,
+        devices_origin,
+        what="a DeepSpeed config",
+        divisor=sp,
+        admits=admits,
+        admits_why=admits_why,
     )
+    if world % sp:
+        b.refuse(
+            f"`sequence_parallel_size` {sp} does not divide the {world} devices: DeepSpeed splits the world into "
+            "sequence-parallel groups of that size, and the data-parallel ranks are world / sequence_parallel_size",
+            at("sequence_parallel_size"),
+            f"pass a device count that is a multiple of {sp} with --devices",
+        )
+        return b.result()
+    dp = world // sp
     # DeepSpeedConfig._set_batch_related_parameters: derive what is missing.
     if tbs is not None and mbs is not None and gas is None:
         gas = tbs // (mbs * dp) if tbs % (mbs * dp) == 0 else None
@@ -180,9 +215,29 @@ def read_deepspeed(raw: bytes, name: str, options: ImportOptions) -> tuple[Sourc
     if mbs is None or gas is None or tbs != mbs * gas * dp:
         b.refuse(
             f"the batch sizes do not satisfy DeepSpeed's identity train_batch_size = micro * accumulation * dp "
-            f"on {dp} data-parallel ranks (train {tbs}, micro {mbs}, accumulation {gas})",
+            f"on {dp} data-parallel ranks"
+            + (f" ({world} devices / sequence_parallel_size {sp})" if sp > 1 else "")
+            + f" (train {tbs}, micro {mbs}, accumulation {gas})",
             at("train_batch_size"),
             "fix the batch sizes, or pass the real world size with --devices",
+        )
+        return b.result()
+    if sp > 1:
+        # The spec has no axis for Ulysses. Its cp is ring-attention context parallelism: keys and values
+        # passed around the ring, rule Q001's 2 * cp load-balanced chunks, ZeRO/FSDP sharding over dp_shard
+        # only; DeepSpeed-Ulysses (deepspeed/sequence/layer.py DistributedAttention) exchanges the heads
+        # all-to-all, needs seq_len and the heads divisible by sp only, and ZeRO partitions over the
+        # sequence-and-data ranks, dp * sp (deepspeed/runtime/engine.py: the ZeRO optimizers'
+        # dp_process_group is seq_data_parallel_group). Writing it as cp would price and refuse another run.
+        b.refuse(
+            f"`sequence_parallel_size` {sp} is DeepSpeed-Ulysses sequence parallelism (each sequence split over "
+            f"{sp} ranks, attention's heads exchanged all-to-all; here {dp} data-parallel "
+            f"rank{'s' if dp > 1 else ''} of {world} devices): the spec has no Ulysses axis, and its context "
+            "parallelism (cp, ring attention) is priced and checked differently",
+            at("sequence_parallel_size"),
+            f"to check the rest of the config, drop `sequence_parallel_size` and pass `--devices {dp}` (the "
+            "sequence is then priced whole on each rank, an upper bound on the activations)",
+            ("mesh", "cp"),
         )
         return b.result()
     b.set(("training", "global_batch_size"), tbs, at=at("train_batch_size"), origin="train_batch_size")
@@ -251,6 +306,7 @@ def read_deepspeed(raw: bytes, name: str, options: ImportOptions) -> tuple[Sourc
         "bf16",
         "amp",
         "optimizer",
+        "sequence_parallel_size",
     }
     for key in data:
         if key not in known:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from mixle_compile.importers import codes
 from mixle_compile.importers.builder import ImportOptions, SpecBuilder, resources
-from mixle_compile.importers.shell import Shell, Word
+from mixle_compile.importers.shell import Shell, ShellRun, Word, slurm_options
 from mixle_compile.layer_split import megatron_accounted, megatron_uneven
 from mixle_compile.spec.source import Position, SourceDocument
 
@@ -107,6 +107,34 @@ DEPRECATED = {
 PYTHON = re.compile(r"python(\d+(\.\d+)?)?")
 #: The word that names the training script (``pretrain_gpt.py``, maybe with its directory).
 ENTRY = re.compile(r"(^|/)pretrain_\w+\.py$")
+#: Megatron-LM's GPT training scripts: pretrain_gpt2.py is the same GPT decoder's script before
+#: Megatron-LM renamed it (152aab30, January 2021, "change gpt2 to gpt").
+GPT_ENTRIES = ("pretrain_gpt.py", "pretrain_gpt2.py")
+#: Megatron-LM's scripts for Mamba and hybrid Mamba/attention models (MambaModel, HybridModel).
+HYBRID_ENTRIES = ("pretrain_mamba.py", "pretrain_hybrid.py")
+#: Flags that make the model a hybrid of Mamba, attention and MLP/MoE layers: validate_args derives
+#: num_layers from --hybrid-layer-pattern (--hybrid-override-pattern, its deprecated name, is copied
+#: into it), overriding --num-layers; the ratios and --is-hybrid-model are pretrain_mamba.py's older ones.
+HYBRID_FLAGS = (
+    "--hybrid-layer-pattern",
+    "--hybrid-override-pattern",
+    "--hybrid-attention-ratio",
+    "--hybrid-mlp-ratio",
+    "--is-hybrid-model",
+)
+#: Flags that mark a command as a Megatron-LM training launch when its script is not pretrain_*.py
+#: (examples/detxoify_lm/finetune_gpt.py, examples/multimodal/train.py).
+MARKERS = re.compile(
+    r"--(num-layers|hidden-size|num-attention-heads|micro-batch-size|global-batch-size|seq-length|"
+    r"(tensor|pipeline)-model-parallel-size)(=.*)?"
+)
+#: torchrun's options (torch/distributed/run.py get_args_parser; --use-env from torch.distributed.launch):
+#: a variable holding them is the launcher's (DISTRIBUTED_ARGS), never the training script's arguments.
+TORCHRUN_OPTIONS = re.compile(
+    r"--(nnodes|nproc[-_]per[-_]node|node[-_]rank|master[-_](addr|port)|rdzv[-_]\w+|standalone|max[-_]restarts|"
+    r"monitor[-_]interval|start[-_]method|local[-_]addr|log[-_]dir|redirects|tee|role|run[-_]path|no[-_]python|"
+    r"local[-_]ranks[-_]filter|logs[-_]specs|numa[-_]binding|use[-_]env)(=.*)?"
+)
 # Flags with no bearing on sizes, memory or communication as the spec models them (data, logging,
 # checkpoint paths, learning-rate schedule, kernel fusions, initialisation, dropout): read quietly.
 QUIET = re.compile(
@@ -249,7 +277,7 @@ def parse_arguments(words: list[Word]) -> tuple[dict[str, _Arg], list[_Arg]]:
         flag, value, values = w.text, None, ()
         if "=" in flag:
             flag, _, text = flag.partition("=")
-            value = Word(text, w.pos)
+            value = w.tail(len(flag) + 1)  # where the value's text is written (a variable's assignment)
             values = (value,)
         elif READ.get(flag) == "list":
             while i + 1 < len(words) and not _is_flag(words[i + 1].text):
@@ -259,7 +287,7 @@ def parse_arguments(words: list[Word]) -> tuple[dict[str, _Arg], list[_Arg]]:
         elif READ.get(flag) != "bool" and i + 1 < len(words) and not _is_flag(words[i + 1].text):
             value = words[i + 1]
             i += 1
-        arg = _Arg(Word(flag, w.pos), value, values)
+        arg = _Arg(Word(flag, w.pos, w.spans[:1]), value, values)
         if flag in args:
             repeated.append(args[flag])
         args[flag] = arg
@@ -271,11 +299,21 @@ def _is_flag(text: str) -> bool:
     return text.startswith("--") or (text.startswith("-") and not re.fullmatch(r"-\d+(\.\d+)?", text))
 
 
-def launch_words(
-    text: str, path: Path | None = None
-) -> tuple[list[Word], list[Word], list[tuple[str, Position]], Word | None]:
-    """(the training script's arguments, the launcher's arguments, what the reader could not decide, the
-    training script) of a launch script or arguments file (at ``path``, from which sourced files are found)."""
+@dataclass
+class Launch:
+    """What a launch script or arguments file runs: the training script's arguments, the launcher's
+    arguments (``torchrun --nproc_per_node 8``), what the reader could not decide, the training script's
+    word and the reader's whole run (its variables)."""
+
+    words: list[Word]
+    launcher: list[Word]
+    notes: list[tuple[str, Position, str]]
+    entry: Word | None
+    run: ShellRun
+
+
+def launch_words(text: str, path: Path | None = None) -> Launch:
+    """The launch of a launch script or arguments file (at ``path``, from which sourced files are found)."""
     run = Shell().execute(text, path=path)
     notes = [
         (f"[ {t} ]", p, "a test that cannot be decided without running the script; its branch is skipped")
@@ -286,27 +324,92 @@ def launch_words(
     for command in run.commands:
         for k, w in enumerate(command):
             if ENTRY.search(w.text):
-                return command[k + 1 :], command[:k], notes, w
+                return Launch(command[k + 1 :], command[:k], notes, w, run)
     # A command run as one string (`srun ... sh -c "${run_cmd}"`, `run_cmd="python pretrain_gpt.py
-    # ${options}"`): its words are the string's, each at the string's place.
-    for command in run.commands:
-        for k, w in enumerate(command):
-            parts = [Word(part, w.pos) for part in w.text.split()]
-            for j, part in enumerate(parts):
-                if len(parts) > 1 and ENTRY.search(part.text):
-                    return parts[j + 1 :], command[:k] + parts[:j], notes, part
-    # An arguments file: flags on their own lines, or in variables such as MODEL_ARGS="...".
+    # ${options}"`): its words are the string's, each where its text is written (in the string, or in
+    # the assignment of the variable the string expands).
+    strings = [
+        command[:k] + w.split() for command in run.commands for k, w in enumerate(command) if len(w.text.split()) > 1
+    ]
+    for words in strings:
+        for j, part in enumerate(words):
+            if ENTRY.search(part.text):
+                return Launch(words[j + 1 :], words[:j], notes, part, run)
+    # Another Python script run with Megatron-LM's arguments (examples/detxoify_lm/finetune_gpt.py,
+    # examples/multimodal/train.py): the launch, whose script read_megatron reads or refuses by name.
+    for words in (*run.commands, *strings):
+        for k, w in enumerate(words):
+            if w.text.endswith(".py") and any(MARKERS.fullmatch(x.text) for x in words[k + 1 :]):
+                return Launch(words[k + 1 :], words[:k], notes, w, run)
+
+    # An arguments file: flags on their own lines, or in variables such as MODEL_ARGS="..."; never a
+    # launcher's options (DISTRIBUTED_ARGS="--nproc_per_node 8 --nnodes 1 ...").
+    def arguments(name: str, parts: list[Word]) -> bool:
+        """Whether variable ``name``, holding ``parts``, holds the training script's arguments."""
+        return (
+            name.endswith("ARGS")
+            and not name.startswith("DISTRIBUTED")
+            and not any(TORCHRUN_OPTIONS.fullmatch(x.text) for x in parts)
+        )
+
     words: list[Word] = []
     for command in run.commands:
-        if command and command[0].text.startswith("--"):
+        if command and command[0].text.startswith("--") and arguments("ARGS", command):
             words.extend(command)
     for name, w in run.scalars.items():
-        if "--" in w.text and name.endswith("ARGS"):
-            words.extend(Word(part, w.pos) for part in w.text.split())
+        if "--" in w.text and arguments(name, w.split()):
+            words.extend(w.split())
     for name, items in run.arrays.items():
-        if name.endswith("ARGS") and not name.startswith("DISTRIBUTED"):
-            words.extend(Word(part, x.pos) for x in items for part in x.text.split())
-    return words, [], notes, None
+        parts = [part for x in items for part in x.split()]
+        if arguments(name, parts):
+            words.extend(parts)
+    return Launch(words, [], notes, None, run)
+
+
+#: The largest training script read to see which model it builds (as a sourced file).
+MAX_ENTRY_BYTES = 1 << 20
+
+
+def entry_model(entry: Word, path: Path | None) -> tuple[bool, str]:
+    """Whether a training script other than pretrain_*.py trains Megatron's GPT model on Megatron-LM's
+    standard arguments, and how that is known: (True, its file) where the script is found (next to the
+    launch script, or in the working directory, where the launch runs it) and its code imports
+    Megatron's ``pretrain`` (megatron/training/training.py: it parses and validates the standard
+    arguments, initialize_megatron) and ``GPTModel`` and no other of Megatron's model classes; else
+    (False, why not). The script is parsed, never run."""
+    import ast
+
+    try:
+        written = Path(entry.text).expanduser()
+        bases = [] if written.is_absolute() else [b for b in ((path.parent if path else None), Path.cwd()) if b]
+        looked = [written] if written.is_absolute() else [(b / written).resolve() for b in bases]
+        candidates = list(dict.fromkeys(looked))
+        found = next((c for c in candidates if c.is_file()), None)
+    except (OSError, ValueError, RuntimeError) as exc:  # a name no file can have, an unknown ~user
+        return False, f"its path cannot be looked for ({exc})"
+    if found is None:
+        looked = " or ".join(str(c) for c in candidates)
+        return False, f"the script is not found (looked for {looked}), so which model it trains is unknown"
+    try:
+        if found.stat().st_size > MAX_ENTRY_BYTES:
+            raise ValueError(f"larger than {MAX_ENTRY_BYTES} bytes")
+        tree = ast.parse(found.read_text(encoding="utf-8-sig"))
+    except (OSError, UnicodeDecodeError, ValueError, SyntaxError, RecursionError, MemoryError) as exc:
+        return False, f"{found} cannot be read as Python ({exc.__class__.__name__}: {exc})"
+    imported = {
+        alias.asname or alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "megatron"
+        for alias in node.names
+    }
+    models = sorted(n for n in imported if n.endswith("Model") and n not in ("GPTModel", "ModelType"))
+    if "pretrain" not in imported:
+        return False, f"{found} does not train through Megatron-LM's pretrain() and its standard arguments"
+    if models:
+        return False, f"{found} builds {', '.join(models)}, not only Megatron's GPTModel"
+    if "GPTModel" not in imported:
+        return False, f"{found} does not build Megatron's GPTModel"
+    return True, str(found)
 
 
 #: What Megatron-FSDP's --data-parallel-sharding-strategy shards over the data-parallel ranks
@@ -478,7 +581,8 @@ def fsdp_refusals(b: SpecBuilder, has, at, text_of, pp: int, ep: int) -> None:
 def read_megatron(
     text: str, name: str, options: ImportOptions, path: Path | None = None
 ) -> tuple[SourceDocument, list]:
-    words, launcher, notes, entry = launch_words(text, path)
+    launch = launch_words(text, path)
+    words, launcher, notes, entry = launch.words, launch.launcher, launch.notes, launch.entry
     b = SpecBuilder(name, "megatron")
     if entry is None and not words:
         # Detected by the files it reads (a `source` or `sbatch` line), which hold no launch either.
@@ -492,17 +596,48 @@ def read_megatron(
         return b.result()
     for what, pos, why in notes:
         b.unmodelled(what, pos, why)
-    # pretrain_gpt2.py is the same GPT decoder's script before Megatron-LM renamed it (152aab30,
-    # January 2021, "change gpt2 to gpt").
-    if entry is not None and not entry.text.endswith(("pretrain_gpt.py", "pretrain_gpt2.py")):
+    script = entry.text.rsplit("/", 1)[-1] if entry is not None else None
+    entry_origin = "pretrain_gpt.py (a GPT model)"
+    if entry is not None and script not in GPT_ENTRIES:
+        where = entry.at(entry.text.rfind("/") + 1)  # the script's name, where it is written
+        if script in HYBRID_ENTRIES:
+            b.refuse(
+                f"{script} trains a Mamba or hybrid Mamba model (Mamba, attention and MLP layers), which is not "
+                "modelled: the transformer family describes Megatron's GPT decoder",
+                where,
+                "the reader takes pretrain_gpt.py launches and their arguments",
+            )
+            return b.result()
+        if ENTRY.search(entry.text):
+            b.refuse(
+                f"{script} trains a model other than Megatron's GPT decoder, which the transformer family describes",
+                where,
+                "the reader takes pretrain_gpt.py launches and their arguments",
+            )
+            return b.result()
+        gpt, why = entry_model(entry, path)
+        if not gpt:
+            b.refuse(
+                f"the launch runs {entry.text}, not pretrain_gpt.py, and {why}: its arguments are not read as a "
+                "GPT model's",
+                entry.pos,
+                "check a pretrain_gpt.py launch; a script that trains Megatron's GPTModel through pretrain() is "
+                "read where it is found (run the check from the directory the launch runs in)",
+            )
+            return b.result()
+        entry_origin = f"{entry.text} (read: Megatron's pretrain() building GPTModel, {why})"
+    args, repeated = parse_arguments(words)
+    hybrid = next((args[flag] for flag in HYBRID_FLAGS if flag in args), None)
+    if hybrid is not None:
+        # validate_args: the layer count comes from --hybrid-layer-pattern (Mamba, attention, MLP and
+        # MoE layers), whatever --num-layers says; the spec's transformer has attention layers only.
         b.refuse(
-            f"{entry.text.rsplit('/', 1)[-1]} trains a model other than Megatron's GPT decoder, which the "
-            "transformer family describes",
-            entry.pos,
-            "the reader takes pretrain_gpt.py launches and their arguments",
+            f"`{hybrid.flag.text}` makes this a hybrid Mamba model (Mamba, attention and MLP/MoE layers in a "
+            "pattern), which is not modelled: the transformer family describes attention layers only",
+            hybrid.flag.pos,
+            "the reader takes Megatron GPT (transformer) launches; hybrid Mamba models cannot be checked",
         )
         return b.result()
-    args, repeated = parse_arguments(words)
     for arg in repeated:
         b.unmodelled(arg.flag.text, arg.flag.pos, "given again later; the last value wins, as argparse does")
     for flag, (current, replacement) in DEPRECATED.items():
@@ -573,7 +708,7 @@ def read_megatron(
         layers, hidden, heads = num("--num-layers"), num("--hidden-size"), num("--num-attention-heads")
         if b.failed:
             return b.result()
-        set_(("model", "family"), "transformer", None, "pretrain_gpt.py (a GPT model)")
+        set_(("model", "family"), "transformer", None, entry_origin)
         set_(("model", "num_layers"), layers, "--num-layers")
         set_(("model", "hidden_size"), hidden, "--hidden-size")
         set_(("model", "num_heads"), heads, "--num-attention-heads")
@@ -721,7 +856,11 @@ def read_megatron(
         return b.result()
 
     # ---- world and mesh
-    devices, devices_at, devices_origin = _world(launcher)
+    devices, devices_at, devices_origin = _world(launcher, launch.run)
+    if devices is None and options.devices is None:  # the count is about to be assumed: say what was not read
+        for name, w in launch.run.slurm.items():
+            if name != "gpus-per-node" and not w.text.isdigit():
+                b.unmodelled(f"--{name} {w.text}", w.pos, "not a number: the job's size is not read from it")
     pp = num("--pipeline-model-parallel-size", 1)
     cp = num("--context-parallel-size", 1)
     ep = num("--expert-model-parallel-size", 1)
@@ -1210,20 +1349,104 @@ def _device_comment(text: str) -> tuple[str | None, str | None, str | None]:
     return (m.group(1).lower() if m.group(1) else None), m.group(2), "the script's comment: " + m.group(0)[2:]
 
 
-def _world(launcher: list[Word]) -> tuple[int | None, Position | None, str | None]:
-    """torchrun's --nproc_per_node * --nnodes, when the launch names them; 1 for a script run by a
-    bare python interpreter (one process: Megatron-LM's parse_args reads the world size from
-    WORLD_SIZE, default 1, which only a launcher sets)."""
+#: The modules ``python -m`` runs as torchrun: torch.distributed.run is torchrun's own module, and the
+#: deprecated torch.distributed.launch parses its command line with run.py's get_args_parser (plus
+#: --use-env), so both take torchrun's options and defaults.
+TORCHRUN_MODULES = ("torch.distributed.run", "torch.distributed.launch")
+
+
+def _torchrun(launcher: list[Word]) -> tuple[Word, list[Word]] | None:
+    """The word that runs torchrun (``torchrun``, or the module of ``python -m torch.distributed.run``)
+    and the launcher's words after it (torchrun's options), or None where the launch has no torchrun."""
+    for k, w in enumerate(launcher):
+        if w.text.rsplit("/", 1)[-1] == "torchrun":
+            return w, launcher[k + 1 :]
+        if w.text == "-m" and k + 1 < len(launcher) and launcher[k + 1].text in TORCHRUN_MODULES:
+            return launcher[k + 1], launcher[k + 2 :]
+    return None
+
+
+def _world(launcher: list[Word], run: ShellRun | None = None) -> tuple[int | None, Position | None, str | None]:
+    """The world size the launch states: torchrun's --nproc-per-node * --nnodes, their defaults where
+    a torchrun launch leaves them out; 1 for a script run by a bare python interpreter (one process:
+    Megatron-LM's parse_args reads the world size from WORLD_SIZE, default 1, which only a launcher
+    sets). None where the launch does not say (another launcher, a value the reader cannot resolve,
+    a machine-dependent count such as ``--nproc-per-node gpu``, an elastic ``--nnodes 1:4``)."""
     if launcher and all(PYTHON.fullmatch(w.text.rsplit("/", 1)[-1]) or w.text in ("-u", "-O") for w in launcher):
         return 1, launcher[0].pos, "a single python process (no launcher: WORLD_SIZE defaults to 1)"
-    args, _ = parse_arguments(launcher)
-    per_node = args.get("--nproc_per_node") or args.get("--nproc-per-node")
-    nodes = args.get("--nnodes")
-    try:
-        n = int(per_node.value.text) if per_node and per_node.value else None
-        m = int(nodes.value.text) if nodes and nodes.value else 1
-    except ValueError:
+    found = _torchrun(launcher)
+    if found is None:
+        return _srun_tasks(launcher, run)
+    torchrun, options = found
+    args, _ = parse_arguments(options)
+    # torch/distributed/run.py get_args_parser: "--nnodes" default="1:1", "--nproc-per-node"/
+    # "--nproc_per_node" default="1"; both with action=env, which takes PET_NNODES / PET_NPROC_PER_NODE
+    # from the environment before the default (torch/distributed/argparse_util.py).
+    scalars = run.scalars if run is not None else {}
+    said: list[str] = []
+
+    def option(flags: tuple[str, ...], env: str, default: str) -> tuple[str | None, Position]:
+        for flag in flags:
+            if flag in args:
+                a = args[flag]
+                said.append(flag)
+                return (a.value.text if a.value else None), (a.value or a.flag).pos
+        if env in scalars:
+            said.append(env)
+            return scalars[env].text, scalars[env].pos
+        said.append(f"{flags[0]} default {default}")
+        return default, torchrun.pos
+
+    per_node, per_node_at = option(("--nproc-per-node", "--nproc_per_node"), "PET_NPROC_PER_NODE", "1")
+    nodes, nodes_at = option(("--nnodes",), "PET_NNODES", "1:1")
+    # run.py parse_min_max_nnodes: "N" or "MIN:MAX"; a range is an elastic job whose size is decided at
+    # rendezvous. determine_local_world_size: an integer, or gpu/cpu/xpu/auto, counted on the machine.
+    low, _, high = (nodes or "").partition(":")
+    if not (per_node or "").isdigit() or not low.isdigit() or (high and high != low):
         return None, None, None
-    if n is None:
+    # the count's position: the per-node count where written, else the node count, else torchrun itself
+    where = per_node_at if per_node_at is not torchrun.pos else nodes_at
+    defaults = " (torch/distributed/run.py)" if any(" default " in s for s in said) else ""
+    origin = "torchrun " + " * ".join(said) + defaults
+    return int(per_node) * int(low), where, origin
+
+
+#: Programs srun starts (the end of srun's own options in a launch).
+_PROGRAMS = ("sh", "bash", "env", "numactl", "torchrun")
+
+
+def _srun_tasks(launcher: list[Word], run: ShellRun | None) -> tuple[int | None, Position | None, str | None]:
+    """The processes of a launch run by ``srun`` without torchrun: one per task (srun(1)), each a rank
+    (WORLD_SIZE from SLURM_NTASKS, as NVIDIA's enroot PyTorch hook sets it in the containers Megatron-LM's
+    examples run: enroot conf/hooks/extra/50-slurm-pytorch.sh). The tasks are srun's -n, else its nodes
+    times its tasks per node, each option srun's own or, where srun leaves it out, the batch job's (#SBATCH
+    directives or sbatch's options, which srun inherits through the SLURM_* environment). None where the
+    launch is not srun's or the tasks are not said."""
+    start = next((k for k, w in enumerate(launcher) if w.text.rsplit("/", 1)[-1] == "srun"), None)
+    if start is None:
         return None, None, None
-    return n * m, per_node.value.pos, "torchrun --nproc_per_node * --nnodes"
+    end = next(
+        (
+            k
+            for k in range(start + 1, len(launcher))
+            if PYTHON.fullmatch(launcher[k].text.rsplit("/", 1)[-1]) or launcher[k].text in _PROGRAMS
+        ),
+        len(launcher),
+    )
+    own = slurm_options(launcher[start + 1 : end])
+    job = run.slurm if run is not None else {}
+
+    def option(name: str) -> tuple[int | None, Word | None, str]:
+        w, whose = (own[name], "srun") if name in own else (job.get(name), "#SBATCH")
+        if w is None or not w.text.isdigit():
+            return None, None, ""
+        return int(w.text), w, f"{whose} --{name} {w.text}"
+
+    ntasks, at, said = option("ntasks")
+    if ntasks is not None:
+        return ntasks, at.pos, f"srun tasks: {said} (one process per task)"
+    nodes, _, nodes_said = option("nodes")
+    per_node, at, per_node_said = option("ntasks-per-node")
+    if nodes is None or per_node is None:
+        return None, None, None
+    return nodes * per_node, at.pos, f"srun tasks: {nodes_said} * {per_node_said} (one process per task)"

@@ -7,6 +7,10 @@ pretrain_gpt.py ${ARGS[@]}``. This reader runs exactly that subset: assignments 
 ``$((arithmetic))``, and ``if``/``elif``/``else``/``fi`` over ``[ ... ]``/``[[ ... ]]`` tests with
 ``-z``, ``-n``, ``==``, ``=``, ``!=``, ``-eq``..``-ge`` joined by ``||``/``&&``. Nothing is executed;
 a command substitution ``$(...)`` expands to nothing, and what cannot be decided is reported.
+Every character of an expanded word keeps where its text is written (:class:`Span`): the words a
+string splits into are each at their own line, a variable's value is where the assignment writes it
+(the ``4`` of ``MBS=${MBS:-4}``), and a value the reader computes (arithmetic, the environment's) is
+at the expression that computes it.
 
 ``source FILE`` and ``. FILE`` read FILE with the same reader (its variables and arrays join the
 script's, its words keep their positions in FILE): a relative FILE is looked for next to the file that
@@ -14,7 +18,9 @@ sources it, then in the working directory (where bash looks for a name with a sl
 searched on PATH first, which the reader does not do). ``$(dirname "$0")``, ``$(dirname
 "${BASH_SOURCE[0]}")`` and the idioms around them (:data:`_SCRIPT_DIR`) are that file's directory,
 `` `pwd` `` the working directory; ``sbatch job.sh``, ``bash job.sh`` and ``sh job.sh`` read job.sh
-the same way. A FILE that is missing, that is computed (a
+the same way. A batch script (the document, a file ``sbatch`` runs, a ``sbatch <<EOF`` here-document)
+has its job-sizing ``#SBATCH`` directives read (:func:`sbatch_directives`) and sees the ``SLURM_*``
+variables they set. A FILE that is missing, that is computed (a
 command substitution, a variable the script does not set), that sources a file already being read (a
 cycle) or that is nested more than :data:`MAX_SOURCE_DEPTH` deep is not read, and said so.
 """
@@ -31,21 +37,85 @@ from mixle_compile.spec.source import Position
 
 
 @dataclass(frozen=True)
+class Span:
+    """From index ``start`` of a text on, where its characters are written: ``pos`` and one column
+    further for each next character where ``exact`` (text copied from the file, up to the next span),
+    all at ``pos`` where not (a value the reader computed, placed at what computed it)."""
+
+    start: int
+    pos: Position
+    exact: bool = True
+
+
+Spans = tuple[Span, ...]
+
+
+def _pos_at(spans: Spans, k: int) -> Position | None:
+    """Where character ``k`` of a text with these spans is written (None where no span covers it)."""
+    for span in reversed(spans):
+        if span.start <= k:
+            if not span.exact:
+                return span.pos
+            return Position(span.pos.line, span.pos.column + (k - span.start), span.pos.file)
+    return None
+
+
+def _slice(spans: Spans, a: int, b: int) -> Spans:
+    """The spans of ``text[a:b]``, counted from ``a``."""
+    out: list[Span] = []
+    first = _pos_at(spans, a)
+    if first is not None and a < b:
+        covering = next(sp for sp in reversed(spans) if sp.start <= a)
+        out.append(Span(0, first, covering.exact))
+    out.extend(Span(sp.start - a, sp.pos, sp.exact) for sp in spans if a < sp.start < b)
+    return tuple(out)
+
+
+def _join(pieces: list[tuple[str, Spans]]) -> tuple[str, Spans]:
+    """Texts with their spans, one after the other."""
+    text, spans = "", []
+    for piece, piece_spans in pieces:
+        spans.extend(Span(sp.start + len(text), sp.pos, sp.exact) for sp in piece_spans)
+        text += piece
+    return text, tuple(spans)
+
+
+@dataclass(frozen=True)
 class Word:
+    """A word of a command after expansion; ``pos`` is where its first character is written, and
+    ``spans`` where each of its characters is (a flag and its value expanded from one string, a
+    value from a variable assigned elsewhere)."""
+
     text: str
     pos: Position
+    spans: Spans = field(default=(), compare=False, repr=False)
+
+    def at(self, k: int) -> Position:
+        """Where character ``k`` of the word is written (the word's position where unknown)."""
+        return _pos_at(self.spans, k) or self.pos
+
+    def tail(self, k: int) -> Word:
+        """``text[k:]``, at its own position (the value of ``--flag=value``)."""
+        return Word(self.text[k:], self.at(k), _slice(self.spans, k, len(self.text)))
+
+    def split(self) -> list[Word]:
+        """The word split on whitespace, as an unquoted expansion is, each part where its text is written."""
+        return [
+            Word(m.group(0), self.at(m.start()), _slice(self.spans, m.start(), m.end()))
+            for m in re.finditer(r"\S+", self.text)
+        ]
 
 
 @dataclass
 class _Raw:
-    """A word as written: its segments (quote kind, text) and where it starts."""
+    """A word as written: its segments (quote kind, text, where each character is) and where it starts."""
 
-    segments: list[tuple[str, str]]
+    segments: list[tuple[str, str, Spans]]
     pos: Position
 
     @property
     def literal(self) -> str:
-        return "".join(t for _, t in self.segments)
+        return "".join(t for _, t, _ in self.segments)
 
 
 #: Commands that run a script file given as an argument (a batch job, a child shell).
@@ -62,9 +132,70 @@ class ShellRun:
     skipped: list[tuple[str, Position]] = field(default_factory=list)  # loops and case blocks, not run
     unsourced: list[tuple[str, Position, str]] = field(default_factory=list)  # `source` not followed, and why
     sourced: list[str] = field(default_factory=list)  # the files read through `source`, in order
+    # the job's size as sbatch is asked for it (#SBATCH directives, `sbatch` options): name -> value
+    slurm: dict[str, Word] = field(default_factory=dict)
 
 
 MAX_SOURCE_DEPTH = 8
+#: The sbatch/srun options that size a job (sbatch(1), srun(1)): each spelling -> its long name.
+SLURM_SIZE = {
+    "-N": "nodes",
+    "--nodes": "nodes",
+    "-n": "ntasks",
+    "--ntasks": "ntasks",
+    "--ntasks-per-node": "ntasks-per-node",
+    "--gpus-per-node": "gpus-per-node",
+}
+#: The variables Slurm sets in a batch job from those options (sbatch(1), OUTPUT ENVIRONMENT VARIABLES:
+#: SLURM_JOB_NUM_NODES and SLURM_NNODES, the nodes; SLURM_NTASKS_PER_NODE "only set if the
+#: --ntasks-per-node option is specified"; SLURM_NTASKS and SLURM_NPROCS, -n; SLURM_GPUS_PER_NODE "only set
+#: if the --gpus-per-node option is specified").
+SLURM_VARIABLES = {
+    "nodes": ("SLURM_JOB_NUM_NODES", "SLURM_NNODES"),
+    "ntasks-per-node": ("SLURM_NTASKS_PER_NODE",),
+    "ntasks": ("SLURM_NTASKS", "SLURM_NPROCS"),
+    "gpus-per-node": ("SLURM_GPUS_PER_NODE",),
+}
+# A line that feeds the batch script to sbatch on its standard input (`sbatch <<EOF`): the here-document is
+# a batch script, whose #SBATCH directives are those at its start.
+_SBATCH_HEREDOC = re.compile(r"\bsbatch\b[^#\n]*<<-?\s*['\"]?\w+")
+
+
+def slurm_options(words: list[Word]) -> dict[str, Word]:
+    """The job-sizing options among ``words`` (``--nodes=4``, ``--nodes 4``, ``-N 4``, ``-N4``), by long
+    name, each value where it is written; the last of an option given twice wins."""
+    found: dict[str, Word] = {}
+    for k, w in enumerate(words):
+        flag, eq, _ = w.text.partition("=")
+        if eq and flag in SLURM_SIZE and flag.startswith("--"):
+            found[SLURM_SIZE[flag]] = w.tail(len(flag) + 1)
+        elif w.text in SLURM_SIZE and k + 1 < len(words):
+            found[SLURM_SIZE[w.text]] = words[k + 1]
+        elif w.text[:2] in ("-N", "-n") and w.text[2:].isdigit():
+            found[SLURM_SIZE[w.text[:2]]] = w.tail(2)
+    return found
+
+
+def sbatch_directives(text: str, file: str | None = None) -> dict[str, Word]:
+    """The job-sizing #SBATCH directives of a batch script (and of a here-document fed to ``sbatch``):
+    sbatch(1), "Once the first non-comment, non-whitespace line has been reached in the script, no more
+    #SBATCH directives will be processed"; they are read as literal text (no variables)."""
+    words: list[Word] = []
+    reading = True
+    for number, line in enumerate(text.splitlines(), 1):
+        stripped = line.strip()
+        if reading and stripped.startswith("#SBATCH"):
+            for m in re.finditer(r"\S+", line[line.index("#SBATCH") + len("#SBATCH") :]):
+                column = line.index("#SBATCH") + len("#SBATCH") + m.start() + 1
+                start = Position(number, column, file)
+                words.append(Word(m.group(0), start, (Span(0, start),)))
+        elif reading and stripped and not stripped.startswith("#"):
+            reading = False
+        if _SBATCH_HEREDOC.search(line):
+            reading = True  # the here-document's first lines are its batch script's start
+    return slurm_options(words)
+
+
 MAX_SOURCE_BYTES = 1 << 20
 # The directory of the script being read, as launch scripts spell it: $(dirname $0), around
 # $(readlink -f $0) or $(realpath $0), and the idioms $(cd $(dirname $0) && pwd) and
@@ -97,6 +228,16 @@ def tokenize(text: str, file: str | None = None) -> list[_Raw | tuple[str, Posit
                 col += 1
             i += 1
 
+    last: list[tuple[int, int] | None] = [None]  # (line, column) of the last character a word kept
+
+    def keep(buf: str, spans: list[Span]) -> str:
+        """``buf`` with the character at ``i`` appended, and where it is written in ``spans`` (a new
+        span where it does not follow the last character kept)."""
+        if last[0] != (line, col - 1) or not spans:
+            spans.append(Span(len(buf), Position(line, col, file)))
+        last[0] = (line, col)
+        return buf + text[i]
+
     while i < n:
         ch = text[i]
         if ch == "\\" and i + 1 < n and text[i + 1] == "\n":
@@ -122,47 +263,41 @@ def tokenize(text: str, file: str | None = None) -> list[_Raw | tuple[str, Posit
             advance()
             continue
         start = Position(line, col, file)
-        segments: list[tuple[str, str]] = []
+        segments: list[tuple[str, str, Spans]] = []
         plain = ""
+        plain_spans: list[Span] = []
+        last[0] = None
         while i < n:
             ch = text[i]
             if ch == "\\" and i + 1 < n:
                 if text[i + 1] == "\n":
                     advance(2)
                     break
-                plain += text[i + 1]
-                advance(2)
+                advance()
+                plain = keep(plain, plain_spans)
+                advance()
                 continue
             if ch in " \t\r\n;|&()" and not (ch == "(" and plain.endswith(("$", "$("))):
                 break
-            if ch == "'":
+            if ch in "'\"":
                 if plain:
-                    segments.append(("plain", plain))
-                    plain = ""
+                    segments.append(("plain", plain, tuple(plain_spans)))
+                plain, plain_spans = "", []
                 advance()
-                buf = ""
-                while i < n and text[i] != "'":
-                    buf += text[i]
-                    advance()
-                advance()
-                segments.append(("single", buf))
-                continue
-            if ch == '"':
-                if plain:
-                    segments.append(("plain", plain))
-                    plain = ""
-                advance()
-                buf = ""
-                while i < n and text[i] != '"':
-                    if text[i] == "\\" and i + 1 < n and text[i + 1] in '"\\$`\n':
-                        if text[i + 1] != "\n":
-                            buf += text[i + 1]
-                        advance(2)
+                buf, buf_spans = "", []
+                last[0] = None
+                while i < n and text[i] != ch:
+                    if ch == '"' and text[i] == "\\" and i + 1 < n and text[i + 1] in '"\\$`\n':
+                        advance()
+                        if text[i] != "\n":
+                            buf = keep(buf, buf_spans)
+                        advance()
                         continue
-                    buf += text[i]
+                    buf = keep(buf, buf_spans)
                     advance()
                 advance()
-                segments.append(("double", buf))
+                last[0] = None
+                segments.append(("single" if ch == "'" else "double", buf, tuple(buf_spans)))
                 continue
             if ch == "$" and i + 1 < n and text[i + 1] in "({":
                 close = ")" if text[i + 1] == "(" else "}"
@@ -176,13 +311,14 @@ def tokenize(text: str, file: str | None = None) -> list[_Raw | tuple[str, Posit
                         if depth == 0:
                             break
                     j += 1
-                plain += text[i : j + 1]
-                advance(j + 1 - i)
+                for _ in range(min(j, n - 1) + 1 - i):
+                    plain = keep(plain, plain_spans)
+                    advance()
                 continue
-            plain += ch
+            plain = keep(plain, plain_spans)
             advance()
         if plain:
-            segments.append(("plain", plain))
+            segments.append(("plain", plain, tuple(plain_spans)))
         if segments:
             out.append(_Raw(segments, start))
     return out
@@ -215,10 +351,6 @@ class Shell:
             return words[0].text if words else ""
         return self.env.get(name, "")
 
-    def _origin(self, name: str) -> Position | None:
-        w = self.run.scalars.get(name)
-        return w.pos if w else None
-
     def _arith(self, expr: str) -> str:
         expr = re.sub(r"\$?\{?([A-Za-z_]\w*)\}?", lambda m: self._lookup(m.group(1)) or "0", expr)
         try:
@@ -235,44 +367,70 @@ class Shell:
             return -self._eval(node.operand)
         raise ValueError("unsupported arithmetic")
 
-    def _param(self, body: str) -> tuple[list[str], Position | None]:
+    def _value(self, name: str, at: Position | None) -> tuple[str, Spans]:
+        """``$name``: a variable's value where the script assigns it, else the environment's at ``at``."""
+        if name in self.run.scalars:
+            w = self.run.scalars[name]
+            return w.text, w.spans or ((Span(0, w.pos, False),) if w.text else ())
+        if name in self.run.arrays:
+            words = self.run.arrays[name]
+            return (words[0].text, words[0].spans or (Span(0, words[0].pos, False),)) if words else ("", ())
+        value = self.env.get(name, "")
+        return value, ((Span(0, at, False),) if value and at is not None else ())
+
+    def _param(self, body: str, spans: Spans, at: Position | None) -> tuple[str, Spans]:
+        """``${body}`` (``spans``: where body's characters are written, ``at``: where its ``$`` is)."""
+
+        def computed(text: str) -> tuple[str, Spans]:
+            return text, ((Span(0, at, False),) if text and at is not None else ())
+
         m = re.fullmatch(r"([A-Za-z_]\w*)\[[@*]\]", body)
         if m:
-            return [w.text for w in self.run.arrays.get(m.group(1), [])], None
+            pieces: list[tuple[str, Spans]] = []
+            for k, w in enumerate(self.run.arrays.get(m.group(1), [])):
+                if k:
+                    pieces.append(computed(" "))
+                pieces.append((w.text, w.spans or (Span(0, w.pos, False),)))
+            return _join(pieces)
         m = re.fullmatch(r"#([A-Za-z_]\w*)(\[[@*]\])?", body)
         if m:
-            return [str(len(self.run.arrays.get(m.group(1), [])))], None
+            return computed(str(len(self.run.arrays.get(m.group(1), []))))
         m = re.fullmatch(r"([A-Za-z_]\w*|\d+)(:?[-=+])(.*)", body, re.S)
         if m:
             name, op, default = m.groups()
+            begin = m.start(3)
+            if len(default) >= 2 and default[0] == default[-1] and default[0] in "'\"":  # _unquote
+                default, begin = default[1:-1], begin + 1
+            written = _slice(spans, begin, begin + len(default))
             value = self._lookup(name)
             if op.endswith("+"):
-                return [self._expand_text(default)[0] if value else ""], None
+                return self._expand_located(default, written) if value else ("", ())
             if value or (not op.startswith(":") and (name in self.run.scalars or name in self.env)):
-                return [value], self._origin(name)
-            text = self._expand_text(_unquote(default))[0]
+                return self._value(name, at)
+            text, text_spans = self._expand_located(default, written)
             if op.endswith("="):
-                self.run.scalars[name] = Word(text, Position(1, 1))
-            return [text], None
-        return [self._lookup(body)], self._origin(body)
+                self.run.scalars[name] = Word(text, _pos_at(text_spans, 0) or at or Position(1, 1), text_spans)
+            return text, text_spans
+        return self._value(body, at)
 
-    def _expand_text(self, text: str) -> tuple[str, Position | None]:
-        origin: list[Position | None] = [None]
-
-        def sub(m: re.Match) -> str:
+    def _expand_located(self, text: str, spans: Spans) -> tuple[str, Spans]:
+        """``text`` (written where ``spans`` say) with its expansions done, each character's position kept:
+        a variable's value where the variable is assigned, a computed one where it is computed."""
+        pieces: list[tuple[str, Spans]] = []
+        last = 0
+        for m in _VAR.finditer(text):
+            pieces.append((text[last : m.start()], _slice(spans, last, m.start())))
+            at = _pos_at(spans, m.start())
             if m.group(1) is not None:
-                values, pos = self._param(m.group(1))
+                pieces.append(self._param(m.group(1), _slice(spans, m.start(1), m.end(1)), at))
             elif m.group(2) is not None:
-                values, pos = [self._arith(m.group(2))], None
-            elif m.group(3) is not None:
-                values, pos = [""], None  # command substitution: not run
-            else:
-                values, pos = [self._lookup(m.group(4))], self._origin(m.group(4))
-            if pos is not None and origin[0] is None:
-                origin[0] = pos
-            return " ".join(values)
-
-        return _VAR.sub(sub, text), origin[0]
+                value = self._arith(m.group(2))
+                pieces.append((value, (Span(0, at, False),) if value and at is not None else ()))
+            elif m.group(3) is None:  # $name ($(...), a command substitution, is not run: nothing)
+                pieces.append(self._value(m.group(4), at))
+            last = m.end()
+        pieces.append((text[last:], _slice(spans, last, len(text))))
+        return _join(pieces)
 
     def _known_dirs(self, raw: _Raw) -> _Raw:
         """``raw`` with the script's own directory and the working directory written out where it
@@ -284,38 +442,59 @@ class Shell:
             return raw
         written = _SCRIPT_DIR.sub(lambda _: str(here), literal) if here is not None else literal
         written = _PWD.sub(lambda _: str(self.cwd), written)
-        return raw if written == literal else _Raw([("double", written)], raw.pos)
+        return raw if written == literal else _Raw([("double", written, (Span(0, raw.pos, False),))], raw.pos)
 
     def expand(self, raw: _Raw, *, split: bool = True) -> list[Word]:
-        """A written word as the words it becomes (unquoted expansions are split on whitespace)."""
+        """A written word as the words it becomes (unquoted expansions are split on whitespace), each
+        at the position of its first character's text."""
         raw = self._known_dirs(raw)
-        # A lone unquoted or quoted ${ARR[@]} keeps each element's own position.
-        if len(raw.segments) == 1:
-            kind, text = raw.segments[0]
+        # A lone unquoted or quoted ${ARR[@]} in a command is its elements, each a word (an assignment's or a
+        # test's, not split, is them joined by spaces, as below).
+        if len(raw.segments) == 1 and split:
+            kind, text, _ = raw.segments[0]
             m = re.fullmatch(r"\$\{([A-Za-z_]\w*)\[[@*]\]\}", text)
             if kind in ("plain", "double") and m:
                 words = self.run.arrays.get(m.group(1), [])
-                if kind == "plain" and split:
-                    return [Word(part, w.pos) for w in words for part in w.text.split()]
+                if kind == "plain":
+                    return [part for w in words for part in w.split()]
                 return list(words)
-        text, origin, quoted = "", None, False
-        for kind, seg in raw.segments:
+        pieces: list[tuple[str, Spans]] = []
+        quoted = False
+        for kind, seg, spans in raw.segments:
             if kind == "single":
-                text += seg
+                pieces.append((seg, spans))
                 quoted = True
             else:
-                value, pos = self._expand_text(seg)
-                origin = origin or pos
-                text += value
+                pieces.append(self._expand_located(seg, spans))
                 quoted = quoted or kind == "double"
-        pos = origin or raw.pos
+        text, spans = _join(pieces)
+        word = Word(text, _pos_at(spans, 0) or raw.pos, spans)
         if quoted or not split:
-            return [Word(text, pos)]
-        return [Word(part, pos) for part in text.split()]
+            return [word]
+        return word.split()
 
     # -- execution
-    def execute(self, text: str, path: str | Path | None = None, *, file: str | None = None) -> ShellRun:
-        """Read ``text`` (the file at ``path``, whose positions name ``file`` when it is not the document's)."""
+    def execute(
+        self,
+        text: str,
+        path: str | Path | None = None,
+        *,
+        file: str | None = None,
+        batch: bool = True,
+        submitted: dict[str, Word] | None = None,
+    ) -> ShellRun:
+        """Read ``text`` (the file at ``path``, whose positions name ``file`` when it is not the document's).
+        ``batch``: the text is a batch script (the document itself, or one run by ``sbatch``), whose
+        #SBATCH directives size the job, overridden by the options ``sbatch`` was ``submitted`` with (sbatch(1):
+        "command line options take precedence"). A batch job sees the SLURM_* variables of its size, which
+        are set here (where the script does not set them itself) at the directive that asks for them."""
+        if batch:
+            options = {**sbatch_directives(text, file), **(submitted or {})}
+            self.run.slurm.update(options)
+            for name, value in options.items():
+                if value.text.isdigit():
+                    for variable in SLURM_VARIABLES[name]:
+                        self.run.scalars[variable] = value
         if path is not None:
             self._files.append(Path(path).resolve())
         try:
@@ -458,7 +637,11 @@ class Shell:
             if "-c" not in (w.literal for w in words):
                 script = next((w for w in words if w.literal.endswith(".sh") and not w.literal.startswith("-")), None)
                 if script is not None:
-                    self._source(st[0].literal, script, st[0].pos)
+                    submitted = None
+                    if st[0].literal == "sbatch":
+                        before = words[: words.index(script)]
+                        submitted = slurm_options([x for w in before for x in self.expand(w)])
+                    self._source(st[0].literal, script, st[0].pos, submitted)
                     return
         i = 0
         while i < len(st) and isinstance(st[i], _Raw):
@@ -466,7 +649,7 @@ class Shell:
             if not m or st[i].segments[0][0] != "plain":
                 break
             name, append = m.group(1), m.group(2) == "+"
-            rest = _Raw(_drop_prefix(st[i].segments, len(m.group(0))), st[i].pos)
+            rest = _Raw(_drop_prefix(st[i].segments, len(m.group(0))), _value_pos(st[i].pos, len(m.group(0))))
             if (
                 not rest.segments
                 and i + 1 < len(st)
@@ -482,13 +665,13 @@ class Shell:
                 self.run.arrays[name] = (self.run.arrays.get(name, []) if append else []) + items
                 i = j + 1
                 continue
-            value = self.expand(rest, split=False)[0] if rest.segments else Word("", rest.pos)
-            if not rest.segments:
-                value = Word("", st[i].pos)
-            elif value.pos == rest.pos:
-                value = Word(value.text, _value_pos(st[i].pos, len(m.group(0))))
+            # the value's characters keep where they are written (a literal after `NAME=`, a variable's
+            # value where that variable is assigned); an empty one is at the assignment
+            value = self.expand(rest, split=False)[0] if rest.segments else Word("", st[i].pos)
             if append and name in self.run.scalars:
-                value = Word(self.run.scalars[name].text + value.text, value.pos)
+                old = self.run.scalars[name]
+                text, spans = _join([(old.text, old.spans), (value.text, value.spans)])
+                value = Word(text, old.pos if old.text else value.pos, spans)
             self.run.scalars[name] = value
             self.run.arrays.pop(name, None)
             i += 1
@@ -503,7 +686,7 @@ class Shell:
             self.run.commands.append(words)
 
     # -- source
-    def _source(self, command: str, raw: _Raw, pos: Position) -> None:
+    def _source(self, command: str, raw: _Raw, pos: Position, submitted: dict[str, Word] | None = None) -> None:
         what = f"{command} {raw.literal}"
         raw = self._known_dirs(raw)
         written = raw.literal
@@ -573,25 +756,19 @@ class Shell:
         except ValueError:
             display = str(resolved)
         self.run.sourced.append(display)
-        self.execute(text, resolved, file=display)
+        self.execute(text, resolved, file=display, batch=command == "sbatch", submitted=submitted)
 
 
-def _drop_prefix(segments: list[tuple[str, str]], k: int) -> list[tuple[str, str]]:
+def _drop_prefix(segments: list[tuple[str, str, Spans]], k: int) -> list[tuple[str, str, Spans]]:
     out = []
-    for kind, text in segments:
+    for kind, text, spans in segments:
         if k >= len(text):
             k -= len(text)
             continue
-        out.append((kind, text[k:]))
+        out.append((kind, text[k:], _slice(spans, k, len(text))))
         k = 0
     return out
 
 
 def _value_pos(pos: Position, offset: int) -> Position:
     return Position(pos.line, pos.column + offset, pos.file)
-
-
-def _unquote(text: str) -> str:
-    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
-        return text[1:-1]
-    return text

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from mixle_compile.importers import codes, flavors
-from mixle_compile.importers.builder import ImportOptions, SpecBuilder, resources
+from mixle_compile.importers.builder import TOP, ImportOptions, SpecBuilder, resources
 from mixle_compile.importers.toml_source import read_toml
 from mixle_compile.spec.source import Position, SourceDocument
 
@@ -167,7 +167,8 @@ def import_job(
     """
     data: dict = src.data
     name = src.file
-    b = SpecBuilder(name, source_format)
+    # a config function's findings that name no field are at its `def` (document_for), a TOML's at 1:1
+    b = SpecBuilder(name, source_format, top=src.values.get((), TOP))
     for path in (*src.keys, *src.values):
         if len(path) == 2:
             b.doc.engine_keys[f"{path[0]}.{path[1]}"] = src.values.get(path) or src.keys[path]

@@ -179,6 +179,7 @@ def document_for(function: Any, config: Any, display: str) -> tuple[SourceDocume
     doc = SourceDocument(file=f"{file}", data=tables)
     tokens = hasattr(getattr(config, "training", None), "num_tokens_per_microbatch_per_dp_rank")
     top = Position(start, 1)
+    doc.values[()] = top  # the function: where a finding that names no field of it is placed
     for table, section in doc.data.items():
         doc.keys[(table,)] = top
         for key in section:
