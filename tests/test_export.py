@@ -916,3 +916,13 @@ def test_recompute_modules_reach_megatron_and_moe_act_comes_with_grouped_gemm(tm
     doc, diagnostics = read_any(tmp_path / exported.main, exported.main, ImportOptions())
     assert doc.data["training"]["recompute_modules"] == ["moe_act", "layernorm"]
     assert not [d for d in diagnostics if d.severity.value == "error"], [d.message for d in diagnostics]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_multi_token_prediction_is_refused_rather_than_dropped(target):
+    # an exported config without the depths would train another model without saying so
+    spec = load_spec(EXAMPLES / "tiny-transformer.yaml").spec
+    spec = spec.model_copy(update={"model": spec.model.model_copy(update={"mtp_num_layers": 1})})
+    with pytest.raises(ExportRefused) as refused:
+        export_spec(spec, target)
+    assert any(field == "model.mtp_num_layers" for field, _ in refused.value.reasons)

@@ -96,6 +96,14 @@ def export_spec(spec: Spec, target: str, *, stem: str = "train", torchtitan_vers
         reasons.append(("elastic", "an elastic range has no counterpart in an engine config; remove it to export"))
     if not isinstance(spec.resources.devices, int):
         reasons.append(("resources.devices", "a list of device groups: the engine configs run one kind of device"))
+    if spec.model.mtp_num_layers:
+        # not written yet: an exported config without them would train another model, silently
+        reasons.append(
+            (
+                "model.mtp_num_layers",
+                "multi-token prediction depths are not written by the exporters yet; set mtp_num_layers: 0 to export",
+            )
+        )
     if reasons:
         raise ExportRefused(target, reasons)
     version = torchtitan_version_of(spec, torchtitan_version) if target == "torchtitan" else None
