@@ -11,6 +11,7 @@ optimizer's bound. Plans the runtime cannot execute are refused before any proce
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import textwrap
 
@@ -329,6 +330,40 @@ def test_the_mtp_example_runs_and_matches_the_reference(tmp_path):
     assert report.max_relative_error <= BOUND["adamw"]
     nodes = {u.node_id for u in report.evidence if u.has_numerics_evidence}
     assert {"layers.4.mtp.eh_proj:out", "layers.4.mtp.head:loss", "tied_embedding:grad/tied"} <= nodes
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_the_embedding_copy_resumes_without_a_pipeline(tmp_path):
+    """Saved under pp 2 (the last stage's copy of the embedding, summed with the first's) and resumed
+    without a pipeline (the copy is the embedding's own tensor): the checkpoint holds the weight once,
+    and the resumed run ends where the uninterrupted one does."""
+    from mixle_compile.runtime import checkpoint as ckpt
+    from mixle_compile.runtime import checkpoint_dcp
+
+    base = dict(depths=1, optimizer="adamw", lr=1e-3)
+    whole = run_plan(
+        compile_text(mtp_spec(pp=2, tp=2, mb=4, **base)), steps=3, out_dir=tmp_path / "a", progress=False, save_every=1
+    )
+    assert whole.ok, whole.errors
+    root = tmp_path / "a" / "checkpoints"
+    manifest = json.loads((root / ckpt.step_dir_name(1) / "manifest.json").read_text())
+    assert manifest["tied"] == {"mtp_embed.weight": "embed.weight"}  # saved once, as the embedding
+    assert "mtp_embed.weight" not in {p["name"] for p in manifest["parameters"]}
+    resumed = run_plan(
+        compile_text(mtp_spec(ds=2, tp=1, mb=2, **base)),
+        steps=3,
+        out_dir=tmp_path / "b",
+        progress=False,
+        save_every=1,
+        resume=root / ckpt.step_dir_name(1),
+    )
+    assert resumed.ok, resumed.errors
+    want = checkpoint_dcp.read_global_state(root / ckpt.step_dir_name(3))
+    got = checkpoint_dcp.read_global_state(tmp_path / "b" / "checkpoints" / ckpt.step_dir_name(3))
+    assert sorted(got) == sorted(want)
+    worst = max(float((got[k] - want[k]).norm() / want[k].norm()) for k in want)
+    assert worst < 1e-4, worst
+    assert list(resumed.losses) == pytest.approx(list(whole.losses)[1:], rel=1e-5)
 
 
 # --- refused before anything starts -----------------------------------------------------------------
