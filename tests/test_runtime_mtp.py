@@ -390,3 +390,18 @@ def test_what_the_runtime_cannot_execute_is_refused_before_starting(tmp_path, kw
         run_plan(doc, steps=1, out_dir=tmp_path, progress=False)
     assert all(w in str(refused.value) for w in words), str(refused.value)
     assert not (tmp_path / "logs").exists()  # no rank was started
+
+
+def test_a_depth_placed_before_the_last_stage_is_refused():
+    from mixle_compile.runtime.instructions import read_instructions
+    from mixle_compile.runtime.pipeline_plan import check_pipeline
+
+    doc = compile_text(mtp_spec(pp=2, depths=1, mb=2))
+    instructions = read_instructions(doc)
+    check_pipeline(doc, instructions)
+    moved = doc.model_copy(
+        update={"parameters": [p.model_copy(update={"stage": 0}) if p.layer == 2 else p for p in doc.parameters]}
+    )
+    with pytest.raises(RuntimeRefusal) as refused:
+        check_pipeline(moved, instructions)
+    assert "multi-token prediction blocks [2] on stage 0" in str(refused.value)
