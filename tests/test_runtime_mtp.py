@@ -374,8 +374,6 @@ def test_a_checkpoint_of_the_embedding_copy_resumes_without_a_pipeline(tmp_path)
     [
         # Megatron rolls the tokens ahead across cp ranks; this runtime does not (the torch rules refuse it: C014)
         (dict(cp=2, tp=1, backend="megatron"), ("cp=2", "cp: 1")),
-        # the position table is the first stage's embedding unit's; Megatron refuses it too (C012)
-        (dict(position="learned"), ("learned positions", "position_embedding: rope")),
         # the last depth would have no position with a token ahead
         (dict(depths=2, seq=2), ("seq_len=2", "above 2")),
         # Megatron issues the projection's gathers again under full recomputation; this runtime never does
@@ -405,3 +403,18 @@ def test_a_depth_placed_before_the_last_stage_is_refused():
     with pytest.raises(RuntimeRefusal) as refused:
         check_pipeline(moved, instructions)
     assert "multi-token prediction blocks [2] on stage 0" in str(refused.value)
+
+
+def test_learned_positions_are_refused_by_the_rules_and_by_the_runtime(tmp_path):
+    """The position table is the first stage's embedding unit's; Megatron refuses learned positions with
+    MTP too. `run` checks the plan's spec again (C012); a plan read without that check (one compiled
+    before C012 covered the torch rule set) is refused by the runtime itself."""
+    from mixle_compile.runtime.instructions import read_instructions
+
+    doc = compile_text(mtp_spec(position="learned"))  # compiled without the rules, as before C012 covered torch
+    with pytest.raises(RuntimeRefusal) as refused:
+        run_plan(doc, steps=1, out_dir=tmp_path, progress=False)
+    assert "C012" in str(refused.value)
+    with pytest.raises(RuntimeRefusal) as refused:
+        read_instructions(doc)
+    assert "learned positions" in str(refused.value) and "position_embedding: rope" in str(refused.value)
