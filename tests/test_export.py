@@ -990,3 +990,24 @@ def test_recompute_modules_reach_megatron_and_moe_act_comes_with_grouped_gemm(tm
     doc, diagnostics = read_any(tmp_path / exported.main, exported.main, ImportOptions())
     assert doc.data["training"]["recompute_modules"] == ["moe_act", "layernorm"]
     assert not [d for d in diagnostics if d.severity.value == "error"], [d.message for d in diagnostics]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_multi_token_prediction_is_written_or_refused_never_dropped(target, tmp_path):
+    # an exported config without the depths would train another model without saying so
+    def exports(spec) -> bool:
+        try:
+            export_spec(spec, target)
+        except ExportRefused:
+            return False
+        return True
+
+    names = ("tiny-transformer.yaml", "mixtral-moe-ep.yaml", "llama3-8b-hsdp-tp.yaml", "export/zero3-8-gpus.yaml")
+    base = next(s for s in (load_spec(EXAMPLES / n).spec for n in names) if exports(s))  # one exports as is
+    spec = base.model_copy(update={"model": base.model.model_copy(update={"mtp_num_layers": 1})})
+    try:
+        exported = export_spec(spec, target)
+    except ExportRefused as refused:
+        assert any("mtp_num_layers" in f"{field} {why}" for field, why in refused.reasons), refused.reasons
+        return
+    assert reimport(exported, tmp_path, spec).model.mtp_num_layers == 1

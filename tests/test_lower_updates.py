@@ -502,3 +502,20 @@ def test_layouts_derived_once_per_kind_of_parameter_equal_each_parameters_own(me
     together = place_parameters(params, plan, **kwargs)
     alone = tuple(placed for p in params for placed in place_parameters((p,), plan, **kwargs))
     assert together == alone
+
+
+@pytest.mark.parametrize(("dr", "ds", "dopt"), [(2, 1, False), (1, 2, False), (2, 1, True)])
+def test_multi_token_predictions_embedding_copy_on_one_stage_is_folded_into_the_embedding(dr, ds, dopt):
+    """Without a pipeline ``mtp_embed.weight`` is the embedding's tensor: its gradient is added to the
+    embedding's and reduced with it, so it lists no gradient update of its own (it has the embedding's
+    shape and role, which once made it take the embedding's reductions as its own)."""
+    spec = spec_of(dr=dr, ds=ds, dopt=dopt)
+    spec = spec.model_copy(update={"model": spec.model.model_copy(update={"mtp_num_layers": 1})})
+    lowered = lower(spec)
+    assert not lowered.reduction_problems, lowered.reduction_problems
+    mine = {u.update.node_id for u in lowered.updates if u.tensor == "mtp_embed.weight"}
+    assert not {n for n in mine if ":grad/" in n}
+    # under FSDP each use gathers the tensor, as the tied head's does
+    gathers = {"mtp_embed.weight:param/gather-forward", "mtp_embed.weight:param/gather-backward"}
+    assert mine == (gathers if ds > 1 else set())
+    assert {u.update.node_id for u in lowered.updates if u.tensor == "embed.weight" and ":grad/" in u.update.node_id}

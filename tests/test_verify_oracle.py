@@ -642,10 +642,10 @@ def violations(
     rule("C009", not overlap or (tp == 1 and not titan_03) or compiled_model, when=neural, only="torchtitan")
     rule("C010", not overlap or (tp > 1 and sp), when=neural, only="megatron")
     rule("C011", not overlap, when=neural, only="torch")
-    # Multi-token prediction: Megatron needs rotary positions, torchtitan its DeepSeek-V3 model (MLA)
-    # without pipeline or context parallelism, the in-tree runtime no context parallelism.
+    # Multi-token prediction: Megatron and the torch runtime need rotary positions, torchtitan its DeepSeek-V3
+    # model (MLA) without pipeline or context parallelism, the in-tree runtime no context parallelism.
     depths = model.mtp_num_layers if transformer else 0
-    rule("C012", not depths or model.position_embedding != "learned", when=transformer, only="megatron")
+    rule("C012", not depths or model.position_embedding != "learned", when=transformer, only=("megatron", "torch"))
     rule(
         "C013",
         not depths or (model.kv_lora_rank is not None and pp == 1 and cp == 1),

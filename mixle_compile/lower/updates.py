@@ -133,7 +133,10 @@ def gradient_updates(
     for pp_ in placed:
         name, layout, stage, layer = pp_.name, pp_.layout, pp_.stage, pp_.parameter.layer
         key = None
-        if pp_.parameter.shared_group is None:  # a tied member's updates depend on its group's others
+        # (the parameter's group, not its layout's: on one stage a layout names no tied group, yet its
+        # members after the first are folded into the first; multi-token prediction's copy of the
+        # embedding has the embedding's shape and role, so it would otherwise take its updates)
+        if pp_.parameter.shared_group is None:
             p = pp_.parameter
             key = (p.shape, p.numel, p.dtype, p.role, layout.placements, layout.optimizer_state, pp_.kv_replicas)
             hit = derived.get(key)

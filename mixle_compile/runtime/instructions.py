@@ -24,13 +24,14 @@ from types import MappingProxyType
 
 from mixle_compile.contracts import ParallelPlan
 from mixle_compile.heap import full_collections_paused
-from mixle_compile.parameters import attention_widths
+from mixle_compile.parameters import MTP_EMBEDDING, attention_widths
 from mixle_compile.plan.artifact import plan_spec
 from mixle_compile.plan.document import PlanDocument
 from mixle_compile.plan.vocabulary import (
     ALL_DATA_AXES,
     BACKWARD,
     KV_HEAD_AXIS,
+    RECOMPUTE,
     REPLICATE,
     TIED_GROUP,
     Axis,
@@ -55,8 +56,13 @@ _EXECUTED_SITES = {
     "attn": ("in", "out", "loss", "kv"),
     "mlp": ("in", "out", "loss"),
     "moe": ("dispatch", "combine"),
+    # a multi-token prediction depth's (model.py ``_mtp_depth``, lower/updates.py ``_mtp_updates``): the
+    # embedding of the tokens ahead, the projection's input and gathered output, its head and loss
+    "mtp.embed": ("out",),
+    "mtp.eh_proj": ("in", "out"),
+    "mtp.head": ("in", "loss"),
 }
-_LAYER_BLOCK = re.compile(r"layers\.\d+\.(attn|mlp|moe)")
+_LAYER_BLOCK = re.compile(r"layers\.\d+\.(attn|mlp|moe|mtp\.embed|mtp\.eh_proj|mtp\.head)")
 
 
 @dataclass(frozen=True)
@@ -197,6 +203,7 @@ def _read(doc: PlanDocument) -> Instructions:
     params = _read_params(doc, spec, plan, collectives)
     params = _fold_ties(params)
     _check_tied_layouts(params)
+    _check_mtp_params(spec, plan, params)
     t = spec.training
     return Instructions(
         plan=plan,
@@ -392,6 +399,13 @@ def _activation_sites(
     for node_id, c in collectives.items():
         if c.tensor in param_tensors:
             continue
+        if _recomputed(node_id):
+            raise RuntimeRefusal(
+                f"the plan declares the collective {node_id!r} ({c.collective} over {', '.join(c.axes)}), which "
+                "activation checkpointing issues again where the recomputed forward runs; this runtime keeps "
+                "every activation and recomputes nothing, so it never issues it: compile with "
+                "activation_checkpointing: none (or backend: torch, whose plans issue nothing again)"
+            )
         if not _executed(node_id, plan):
             raise RuntimeRefusal(
                 f"the plan declares the collective {node_id!r} ({c.collective} over {', '.join(c.axes)}), "
@@ -399,6 +413,14 @@ def _activation_sites(
             )
         sites.append(node_id)
     return tuple(sites)
+
+
+def _recomputed(node_id: str) -> bool:
+    """Whether ``node_id`` is an activation collective that activation checkpointing issues again."""
+    try:
+        return UpdateId.parse(node_id).step == RECOMPUTE
+    except UpdateIdError:
+        return False
 
 
 def _executed(node_id: str, plan: ParallelPlan) -> bool:
@@ -456,7 +478,12 @@ def _ties(spec: Spec, plan: ParallelPlan) -> dict[str, str]:
     """Tied parameters on one stage are one tensor: member -> the first parameter of its group."""
     model = spec.model
     if isinstance(model, TransformerModel):
-        return {"lm_head.weight": "embed.weight"} if model.tie_embeddings and plan.pp == 1 else {}
+        if plan.pp > 1:
+            return {}
+        if model.tie_embeddings:
+            return {"lm_head.weight": "embed.weight"}
+        # multi-token prediction's copy of the embedding is, on one stage, the embedding itself
+        return {MTP_EMBEDDING: "embed.weight"} if model.mtp_num_layers else {}
     if isinstance(model, ModulesModel):
         first: dict[str, str] = {}
         out = {}
@@ -473,10 +500,18 @@ def _ties(spec: Spec, plan: ParallelPlan) -> dict[str, str]:
 
 def _stage_copies(spec: Spec, plan: ParallelPlan) -> dict[str, tuple[str, ...]]:
     """Tied embeddings under a pipeline: the embedding on the first stage and the head on the last are
-    two copies of one weight; each member -> every copy, the embedding first."""
+    two copies of one weight; each member -> every copy, the embedding first. Untied, a model with
+    multi-token prediction keeps a copy of the embedding on the last stage for its depths
+    (``mtp_embed.weight``; Megatron-Core's LanguageModule.setup_embeddings_and_output_layer, "maintain
+    duplicated embedding weights in mtp process stage", whose gradients finalize_model_grads sums)."""
     model = spec.model
-    if isinstance(model, TransformerModel) and model.tie_embeddings and plan.pp > 1:
-        group = ("embed.weight", "lm_head.weight")
+    if isinstance(model, TransformerModel) and plan.pp > 1:
+        if model.tie_embeddings:
+            group = ("embed.weight", "lm_head.weight")
+        elif model.mtp_num_layers:
+            group = ("embed.weight", MTP_EMBEDDING)
+        else:
+            return {}
         return {name: group for name in group}
     return {}
 
@@ -541,6 +576,8 @@ def _refuse_unsupported(spec: Spec, plan: ParallelPlan) -> None:
         return
     if model.num_experts:
         _refuse_unsupported_experts(model, plan, t)
+    if model.mtp_num_layers:
+        _refuse_unsupported_mtp(model, plan, t)
     tp = plan.tp
     widths = attention_widths(model)
     # rotary positions turn pairs of features: a head's, or MLA's rotary part
@@ -615,3 +652,58 @@ def _refuse_unsupported_experts(model: TransformerModel, plan: ParallelPlan, t) 
         )
     if plan.ep > 1 and experts % plan.ep:
         raise RuntimeRefusal(f"model.num_experts={experts} is not divisible by ep={plan.ep}; choose ep dividing it")
+
+
+def _refuse_unsupported_mtp(model: TransformerModel, plan: ParallelPlan, t) -> None:
+    """What the multi-token prediction depths (runtime/model.py ``_mtp_depth``) do not execute."""
+    depths = model.mtp_num_layers
+    if plan.cp > 1:
+        raise RuntimeRefusal(
+            f"model.mtp_num_layers={depths} with cp={plan.cp}: a depth reads the token ahead of each of its "
+            "positions, which under context parallelism may sit on another cp rank, and this runtime rolls the "
+            "tokens within one rank's sequence (Megatron-Core exchanges the chunks' edges, "
+            "multi_token_prediction.py roll_tensor; the torch rule set refuses it as C014); compile with cp: 1"
+        )
+    if model.position_embedding == "learned":
+        raise RuntimeRefusal(
+            f"model.mtp_num_layers={depths} with learned positions: a depth embeds the tokens ahead with their "
+            "own positions, and the position table lives with the embedding on the first stage, where its "
+            "FSDP unit has ended; this runtime runs multi-token prediction with rotary positions, as Megatron "
+            "does (arguments.py validate_args); set model.position_embedding: rope"
+        )
+    if (t.seq_len or 1) <= depths:
+        raise RuntimeRefusal(
+            f"training.seq_len={t.seq_len} leaves no token {depths + 1} positions ahead for the last of the "
+            f"model.mtp_num_layers={depths} depths, whose loss would average over no position; choose a seq_len "
+            f"above {depths}"
+        )
+
+
+def _check_mtp_params(spec: Spec, plan: ParallelPlan, params: list[ParamInstruction]) -> None:
+    """The parameters the depths read must be the plan's, laid out as the model splits them."""
+    model = spec.model
+    if not isinstance(model, TransformerModel) or not model.mtp_num_layers:
+        return
+    from mixle_compile.engines import engine_profile
+
+    by_name = {p.name: p for p in params}
+    depths = range(model.num_layers, model.num_layers + model.mtp_num_layers)
+    needed = [f"layers.{i}.mtp.{w}.weight" for i in depths for w in ("enorm", "hnorm", "eh_proj", "final_norm")]
+    if not model.tie_embeddings:
+        needed.append(MTP_EMBEDDING)
+    missing = [n for n in needed if n not in by_name]
+    if missing:
+        raise RuntimeRefusal(
+            f"the model has model.mtp_num_layers={model.mtp_num_layers} but the plan does not list "
+            f"{', '.join(map(repr, missing[:4]))}{' ...' if len(missing) > 4 else ''}; recompile the spec"
+        )
+    split = engine_profile(spec.backend).mtp_projection_split
+    for i in depths:
+        p = by_name[f"layers.{i}.mtp.eh_proj.weight"]
+        if plan.tp > 1 and p.tp_dim != (0 if split else None):
+            laid = "whole on every tp rank" if p.tp_dim is None else f"split on dimension {p.tp_dim}"
+            raise RuntimeRefusal(
+                f"the plan lays {p.name!r} out {laid}, "
+                f"but backend {spec.backend} {'splits it over tp by its outputs' if split else 'keeps it whole'} "
+                "(EngineProfile.mtp_projection_split); recompile the spec"
+            )

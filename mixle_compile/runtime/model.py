@@ -13,6 +13,13 @@ sequence-first, ``[s, b, h]``. Multi-head Latent Attention (``model.kv_lora_rank
 with down projections to latents, whole on every tp rank, and up projections split by head
 (``_latent_attention``).
 
+Multi-token prediction (``model.mtp_num_layers`` D, DeepSeek-V3 as Megatron-Core 0.16 runs it; see
+``_mtp_depth``): blocks ``num_layers .. num_layers + D - 1`` are the depths, on the last stage after
+the final norm. Depth k embeds the tokens k + 1 ahead, joins them with the previous depth's hidden
+state (the final norm's output for k = 0) through ``eh_proj``, runs a block of the last layer's kind
+and its own norm, and predicts the token k + 2 ahead through the shared output head; their mean
+loss, weighted by ``mtp_loss_scaling_factor``, adds its gradient to the main loss's.
+
 Context parallelism (``ops.cp_size > 1``): the sequence is cut into ``2 * cp`` chunks and cp rank
 ``r`` keeps chunks ``r`` and ``2cp - 1 - r`` (an early and a late one, so that causal attention
 costs every rank the same). Positions stay global (rotary and learned embeddings, the causal
@@ -28,13 +35,20 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+from torch.autograd import Function
 
-from mixle_compile.parameters import AttentionWidths, attention_widths
+from mixle_compile.engines import engine_profile
+from mixle_compile.parameters import MTP_EMBEDDING, AttentionWidths, attention_widths
+from mixle_compile.plan.vocabulary import UpdateId
 from mixle_compile.runtime.experts import ExpertShape, moe_mlp
+from mixle_compile.runtime.tensor_parallel import LOSS_SITE  # the output head's cross entropy (its gather over tp)
 from mixle_compile.spec.models import Spec, TransformerModel
 
 NORM_EPS = 1e-5
 ROPE_THETA = 10000.0
+# training.mtp_loss_scaling_factor: null: Megatron-Core's default (megatron/core/transformer/
+# transformer_config.py, ``mtp_loss_scaling_factor: Optional[float] = 0.1``), which this runtime follows
+MTP_LOSS_SCALING_FACTOR = 0.1
 
 
 class Ops(Protocol):
@@ -51,7 +65,11 @@ class Ops(Protocol):
 
     def reduce(self, site: str, y: torch.Tensor) -> torch.Tensor: ...
 
-    def cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor, vocab_start: int) -> torch.Tensor: ...
+    def gather_output(self, site: str, y: torch.Tensor) -> torch.Tensor: ...
+
+    def cross_entropy(
+        self, logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, site: str = LOSS_SITE
+    ) -> torch.Tensor: ...
 
     def context_positions(self, seq: int, device) -> torch.Tensor | None: ...
 
@@ -99,7 +117,10 @@ class LocalOps:
     def reduce(self, site, y):
         return y
 
-    def cross_entropy(self, logits, targets, vocab_start):
+    def gather_output(self, site, y):
+        return y
+
+    def cross_entropy(self, logits, targets, vocab_start, site=LOSS_SITE):
         return F.cross_entropy(logits, targets, reduction="none")
 
     def context_positions(self, seq, device):
@@ -127,12 +148,24 @@ class TransformerShape:
     compute_dtype: torch.dtype
     experts: ExpertShape | None = None  # mixture-of-experts layers (runtime/experts.py); None: none
     latent: AttentionWidths | None = None  # Multi-head Latent Attention's widths; None: grouped-query attention
+    mtp_depths: int = 0  # multi-token prediction depths (blocks num_layers .. num_layers + mtp_depths - 1)
+    mtp_loss_scale: float = 0.0  # each depth's loss weight: mtp_loss_scaling_factor / mtp_depths
+    # eh_proj split over tp by its outputs (Megatron-Core's ColumnParallelLinear), else whole on every
+    # tp rank (torchtitan): the plan's engine decides, as it decided the layout (EngineProfile.mtp_projection_split)
+    mtp_projection_split: bool = True
+    # the table a depth embeds the tokens ahead with: the last stage's copy of the embedding
+    # (mtp_embed.weight; on one stage the embedding's own tensor), or with tied embeddings the output
+    # head, which is that weight
+    mtp_embedding: str = MTP_EMBEDDING
 
     @staticmethod
     def from_spec(spec: Spec) -> TransformerShape:
         m = spec.model
         assert isinstance(m, TransformerModel)
         a = attention_widths(m)
+        depths = m.mtp_num_layers
+        factor = spec.training.mtp_loss_scaling_factor
+        factor = MTP_LOSS_SCALING_FACTOR if factor is None else float(factor)
         return TransformerShape(
             vocab_size=m.vocab_size,
             hidden_size=m.hidden_size,
@@ -147,14 +180,18 @@ class TransformerShape:
             compute_dtype=torch.bfloat16 if spec.training.precision == "bf16" else torch.float32,
             experts=ExpertShape.from_model(m),
             latent=a if a.latent else None,
+            mtp_depths=depths,
+            mtp_loss_scale=factor / depths if depths else 0.0,
+            mtp_projection_split=engine_profile(spec.backend).mtp_projection_split if depths else True,
+            mtp_embedding="lm_head.weight" if m.tie_embeddings else MTP_EMBEDDING,
         )
 
 
 def transformer_loss(ops: Ops, shape: TransformerShape, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross entropy of one micro-batch (``inputs``, ``targets``: ``[b, s]`` token ids)."""
-    return stage_forward(
-        ops, shape, tuple(range(shape.num_layers)), first=True, last=True, x=None, inputs=inputs, targets=targets
-    )
+    """Mean next-token cross entropy of one micro-batch (``inputs``, ``targets``: ``[b, s]`` token ids);
+    with multi-token prediction its gradient also carries the depths' weighted loss (``_MtpLoss``)."""
+    blocks = tuple(range(shape.num_layers + shape.mtp_depths))
+    return stage_forward(ops, shape, blocks, first=True, last=True, x=None, inputs=inputs, targets=targets)
 
 
 def stage_forward(
@@ -169,12 +206,23 @@ def stage_forward(
     targets: torch.Tensor,
 ) -> torch.Tensor:
     """One (virtual pipeline) stage of the transformer: (the embedding), its blocks, (the final norm, the
-    head and the micro-batch's mean loss). Returns the residual stream, or the loss on the last stage."""
+    multi-token prediction depths, the head and the micro-batch's mean loss). ``layers``: the stage's
+    blocks, the depths' among them on the last stage. Returns the residual stream, or the loss on the
+    last stage."""
+    depths = tuple(i for i in layers if i >= shape.num_layers)
+    expected = tuple(range(shape.num_layers, shape.num_layers + shape.mtp_depths)) if last else ()
+    if depths != expected:
+        raise ValueError(
+            f"the multi-token prediction depths are blocks {list(expected) or 'none'} on this stage, but it was "
+            f"given {list(depths) or 'none'}: every depth runs on the last stage, after the final norm"
+        )
     ids = inputs.t()  # sequence-first
     targets = targets.t()
     seq = ids.shape[0]
     local = ops.context_positions(seq, ids.device)  # None: the whole sequence (cp = 1)
     if local is not None:
+        if depths:
+            raise ValueError("multi-token prediction reads the tokens ahead of the whole sequence: it runs with cp = 1")
         ids, targets = ids.index_select(0, local), targets.index_select(0, local)
     if first:
         ops.unit_begin("embed", None)
@@ -187,26 +235,143 @@ def stage_forward(
     rotary = shape.latent.rope if shape.latent is not None else shape.head_dim
     rope = _rope_tables(seq, rotary, x.dtype, x.device, local) if shape.position_embedding == "rope" else None
     for i in layers:
+        if i >= shape.num_layers:
+            continue  # a multi-token prediction depth: after the final norm
         unit = f"layers.{i}"
         x = ops.unit_begin(unit, x)
-        h = _norm(ops, shape, x, f"{unit}.attn_norm")
-        if shape.latent is not None:
-            attended = _latent_attention(ops, shape, shape.latent, unit, h, rope, local)
-        else:
-            attended = _attention(ops, shape, unit, ops.copy(f"{unit}.attn", h), rope, local)
-        x = x + ops.reduce(f"{unit}.attn", attended)
-        h = ops.copy(f"{unit}.mlp", _norm(ops, shape, x, f"{unit}.mlp_norm"))
-        x = x + ops.reduce(f"{unit}.mlp", _feed_forward(ops, shape, i, unit, h))
-        x = ops.unit_end(unit, x)
+        x = ops.unit_end(unit, _block(ops, shape, i, x, rope, local))
     if not last:
         return x
     x = ops.unit_begin("head", x)
-    h = ops.copy("lm_head", _norm(ops, shape, x, "final_norm"))
+    # The final norm's output is what the head and the first depth read: Megatron-Core's
+    # TransformerBlock applies final_layernorm before returning (transformer_block.py, "Final layer
+    # norm"; with MTP it sits on the stage of the decoder's last layer, has_final_layernorm_in_this_stage),
+    # and GPTModel._postprocess hands that output to self.mtp (models/gpt/gpt_model.py).
+    h = _norm(ops, shape, x, "final_norm")
+    # Each weight is asked for once per micro-batch, however often it is used: a use's gradient is
+    # reduced when its backward has run (the last micro-batch's), so the uses share one.
     head = ops.weight("lm_head.weight")
+    mtp = None
+    if depths:
+        # The depths run before the main logits, as in GPTModel._postprocess. Each depth is an FSDP unit
+        # of its own (layers.{i}), nested in the head's, which holds the final norm, the output head and
+        # the embedding copy every depth reads.
+        table = head if shape.mtp_embedding == "lm_head.weight" else ops.weight(shape.mtp_embedding)
+        hidden = h
+        for k, i in enumerate(depths):
+            hidden, ce = _mtp_depth(ops, shape, i, k, hidden, ids, targets, rope, table, head)
+            mtp = ce if mtp is None else mtp + ce
+        mtp = mtp * shape.mtp_loss_scale
+    h = ops.copy("lm_head", h)
     logits = F.linear(h, head).float()
     vocab_local = head.shape[0]
     losses = ops.cross_entropy(logits.reshape(-1, vocab_local), targets.reshape(-1), ops.tp_rank * vocab_local)
-    return ops.unit_end("head", ops.context_mean(losses.mean()))
+    loss = ops.context_mean(losses.mean())
+    if mtp is not None:
+        loss = _MtpLoss.apply(loss, mtp)
+    return ops.unit_end("head", loss)
+
+
+def _block(
+    ops: Ops, shape: TransformerShape, i: int, x: torch.Tensor, rope, local: torch.Tensor | None
+) -> torch.Tensor:
+    """Block ``i`` on the residual stream ``x``: pre-norm attention, then a pre-norm MLP (or MoE)."""
+    unit = f"layers.{i}"
+    h = _norm(ops, shape, x, f"{unit}.attn_norm")
+    if shape.latent is not None:
+        attended = _latent_attention(ops, shape, shape.latent, unit, h, rope, local)
+    else:
+        attended = _attention(ops, shape, unit, ops.copy(f"{unit}.attn", h), rope, local)
+    x = x + ops.reduce(f"{unit}.attn", attended)
+    h = ops.copy(f"{unit}.mlp", _norm(ops, shape, x, f"{unit}.mlp_norm"))
+    return x + ops.reduce(f"{unit}.mlp", _feed_forward(ops, shape, i, unit, h))
+
+
+def tokens_ahead(t: torch.Tensor, shift: int) -> torch.Tensor:
+    """``t`` (sequence-first, ``[s, ...]``) moved ``shift`` positions left, the last ``shift`` positions 0:
+    Megatron-Core's ``roll_tensor(t, shifts=-1)`` (multi_token_prediction.py: ``torch.roll``, then the
+    rolled-in position filled with 0) applied ``shift`` times, as depth k = shift - 1 receives the ids,
+    labels and loss mask rolled by every depth before it."""
+    out = torch.zeros_like(t)
+    if shift < t.shape[0]:
+        out[: t.shape[0] - shift] = t[shift:]
+    return out
+
+
+def _mtp_depth(
+    ops: Ops,
+    shape: TransformerShape,
+    i: int,
+    k: int,
+    hidden: torch.Tensor,
+    ids: torch.Tensor,
+    targets: torch.Tensor,
+    rope,
+    table: torch.Tensor,
+    head: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Multi-token prediction depth ``k`` (block ``i``) on the previous depth's hidden state ``hidden``
+    (as this tp rank holds it: its sequence shard under sequence parallelism); ``ids``, ``targets``:
+    the micro-batch's whole ``[s, b]``; ``table``: this rank's vocabulary slice of the embedding the
+    depth reads (``shape.mtp_embedding``), ``head``: of the output head. Returns the depth's hidden
+    state and its mean loss.
+
+    Megatron-Core 0.16 megatron/core/transformer/multi_token_prediction.py,
+    ``MultiTokenPredictionLayer``: ``_get_embeddings`` rolls the ids (and position ids) one more
+    position left and embeds them with the model's embedding (``embedding=self.embedding``, a
+    vocabulary-parallel lookup and its reduce); ``_concat_embeddings`` computes
+    ``eh_proj(cat(enorm(embedding), hnorm(hidden)))`` with eh_proj a ColumnParallelLinear
+    (``gather_output=False``), then ``gather_from_tensor_model_parallel_region`` and, under sequence
+    parallelism, ``scatter_to_sequence_parallel_region``; the transformer layer follows (the
+    decoder's last layer's spec), then ``_postprocess``'s final_layernorm. Its rotary embedding is the
+    decoder's own ``rotary_pos_emb`` (GPTModel passes it unchanged), so the block's positions are 0 ..
+    s - 1 as in the decoder; the rolled position ids reach only the embedding, which adds them for
+    learned absolute positions, which Megatron refuses with MTP (and so does this runtime).
+    GPTModel._postprocess then gives the depth's hidden state to the shared output layer, rolls the
+    labels and the loss mask once more per depth (``roll_tensor``) and takes
+    ``sum(loss_mask * loss) / num_tokens``, ``num_tokens`` the rolled mask's sum: the mean over the
+    positions that still have a token ahead."""
+    unit = f"layers.{i}"
+    site = f"{unit}.mtp"
+    hidden = ops.unit_begin(unit, hidden)
+    ahead = tokens_ahead(ids, k + 1)
+    e = ops.reduce(f"{site}.embed", _vocab_lookup(ahead, table, ops.tp_rank))
+    joined = torch.cat([_norm(ops, shape, e, f"{site}.enorm"), _norm(ops, shape, hidden, f"{site}.hnorm")], dim=-1)
+    projection = ops.weight(f"{site}.eh_proj.weight")
+    if shape.mtp_projection_split:
+        x = ops.gather_output(f"{site}.eh_proj", F.linear(ops.copy(f"{site}.eh_proj", joined), projection))
+    else:  # whole on every tp rank, on the tokens the rank holds (torchtitan's layout)
+        x = F.linear(joined, projection)
+    x = _block(ops, shape, i, x, rope, None)
+    hidden = ops.unit_end(unit, _norm(ops, shape, x, f"{site}.final_norm"))
+    logits = F.linear(ops.copy(f"{site}.head", hidden), head).float()
+    vocab_local = head.shape[0]
+    losses = ops.cross_entropy(
+        logits.reshape(-1, vocab_local),
+        tokens_ahead(targets, k + 1).reshape(-1),
+        ops.tp_rank * vocab_local,
+        str(UpdateId.activation(f"{site}.head", "loss")),
+    )
+    seq, batch = ids.shape
+    valid = seq - (k + 1)  # positions whose label is still inside the sequence
+    mask = (torch.arange(seq, device=ids.device) < valid).unsqueeze(1).expand(seq, batch).reshape(-1)
+    return hidden, (losses * mask.to(losses.dtype)).sum() / (valid * batch)
+
+
+class _MtpLoss(Function):
+    """The main loss, whose backward also starts the depths' weighted loss's: Megatron-Core's
+    MTPLossAutoScaler (multi_token_prediction.py) returns the main output unchanged and gives the MTP
+    loss the gradient ``main_loss_backward_scale``, which the schedule sets to the main loss's own
+    backward scale (pipeline_parallel/schedules.py: ``loss_scale / num_microbatches``), so the gradient
+    is that of main + MTP while the value reported is the main loss."""
+
+    @staticmethod
+    def forward(ctx, main: torch.Tensor, mtp: torch.Tensor) -> torch.Tensor:
+        return main.view_as(main)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, grad
 
 
 def _vocab_lookup(ids: torch.Tensor, table: torch.Tensor, tp_rank: int) -> torch.Tensor:
@@ -335,7 +500,8 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"gelu": F.gel
 
 def _feed_forward(ops: Ops, shape: TransformerShape, layer: int, unit: str, h: torch.Tensor) -> torch.Tensor:
     experts = shape.experts
-    if experts is not None and experts.is_moe_layer(layer):
+    # a multi-token prediction depth's block is of the decoder's last layer's kind (parameters.is_moe_layer)
+    if experts is not None and experts.is_moe_layer(min(layer, shape.num_layers - 1)):
         out = moe_mlp(ops, experts, unit, h)
         if experts.shared:
             # The shared expert: the dense MLP's function on every token, split over tp like it (its

@@ -56,8 +56,11 @@ class ParallelOps:
     def reduce(self, site: str, y):
         return self.tp.reduce(site, y)
 
-    def cross_entropy(self, logits, targets, vocab_start: int):
-        return VocabParallelCrossEntropy.apply(logits, targets, self.tp, vocab_start)
+    def gather_output(self, site: str, y):
+        return self.tp.gather_output(site, y)
+
+    def cross_entropy(self, logits, targets, vocab_start: int, site: str = LOSS_SITE):
+        return VocabParallelCrossEntropy.apply(logits, targets, self.tp, vocab_start, site)
 
     # -- context parallelism ---------------------------------------------------------------
 
@@ -146,7 +149,7 @@ class ParallelOps:
 
     def _capture_positions(self, node_id: str, tensor: torch.Tensor, seq_sharded: bool) -> None:
         positions = self._positions
-        if node_id == LOSS_SITE:  # one row per token, [s, b] flattened sequence-first
+        if UpdateId.parse(node_id).kind == "loss":  # one row per token, [s, b] flattened sequence-first
             batch = tensor.shape[0] // len(positions)
             index = [p * batch + j for p in positions for j in range(batch)]
         elif seq_sharded:  # a tensor-parallel shard of this rank's positions

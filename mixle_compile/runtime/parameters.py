@@ -243,7 +243,9 @@ class ParamStore:
         self.closing_step = False  # ... and the optimizer step's window
         self._gathers: dict[tuple[str, str], list] = {}  # issued (maybe in flight) unit gathers
         self._gathered: set[tuple[str, str]] = set()  # unit gathers done in this micro-batch
-        self._unit: str | None = None
+        # The units being run forward, innermost last: a multi-token prediction depth's unit runs
+        # inside the head's, whose weights (the output head, the embedding copy) every depth reads.
+        self._units: list[str] = []
         self._held: dict[str, torch.Tensor] = {}  # gathered weights of the unit being run forward
         self._live: dict[int, str] = {}  # storage address -> use, for the saved-tensor hooks
         self._cache: dict[str, torch.Tensor] = {}  # regathered weights of units in backward
@@ -358,7 +360,7 @@ class ParamStore:
     # -- units: free after forward, regather for backward ---------------------------------
 
     def unit_begin(self, unit: str, x: torch.Tensor | None) -> torch.Tensor | None:
-        self._unit = unit
+        self._units.append(unit)
         self._unit_uses[unit] = []
         if self.units.get(unit):
             for use, whole in self._unit_gather(unit, "forward").items():
@@ -374,7 +376,9 @@ class ParamStore:
             whole = self._held.pop(use, None)
             if whole is not None:
                 self._live.pop(whole.untyped_storage().data_ptr(), None)
-        self._unit = None
+        if not self._units or self._units[-1] != unit:
+            raise PlanMismatch(f"unit {unit!r} ends while {self._units[-1:] or 'none'} is the innermost one running")
+        self._units.pop()
         if uses and y.requires_grad:
             y = _UnitOutput.apply(y, self, unit)
         return y
@@ -382,8 +386,8 @@ class ParamStore:
     def _hold(self, use: str, whole: torch.Tensor) -> None:
         self._held[use] = whole
         self._live[whole.untyped_storage().data_ptr()] = use
-        if self._unit is not None:
-            self._unit_uses[self._unit].append(use)
+        if self._units:
+            self._unit_uses[self._units[-1]].append(use)
 
     def regather_unit(self, unit: str) -> None:
         if self.units.get(unit):
@@ -428,6 +432,7 @@ class ParamStore:
         self._held.clear()
         self._live.clear()
         self._unit_uses.clear()
+        self._units.clear()
 
     # -- gradient reductions ---------------------------------------------------------------
 

@@ -124,6 +124,16 @@ def check_pipeline(doc: PlanDocument, instructions: Instructions) -> PipelineLay
             f"{instructions.family!r} model: compile it with pp: 1"
         )
     layout = read_layout(doc)
+    last = layout.location(layout.last_virtual)
+    num_layers = instructions.spec.model.num_layers
+    for where, layers in layout.layers.items():
+        depths = [i for i in layers if i >= num_layers]
+        if depths and where != last:
+            raise RuntimeRefusal(
+                f"the plan places multi-token prediction blocks {depths} on stage {where[0]} (chunk {where[1]}); "
+                f"they run after the final norm, on the last virtual stage (stage {last[0]}, chunk {last[1]}): "
+                "recompile it"
+            )
     if len(doc.schedule.stages) != plan.pp:
         raise RuntimeRefusal(f"the plan has pp={plan.pp} but {len(doc.schedule.stages)} stage program(s); recompile it")
     try:

@@ -33,7 +33,7 @@ from mixle_compile.runtime.instructions import Instructions
 from mixle_compile.runtime.model import LocalOps, TransformerShape, default_loss, module_loss, transformer_loss
 from mixle_compile.runtime.parameters import DTYPES, apply_slices, initial_value
 from mixle_compile.runtime.session import make_optimizer
-from mixle_compile.runtime.tensor_parallel import TensorParallel, VocabParallelCrossEntropy
+from mixle_compile.runtime.tensor_parallel import LOSS_SITE, TensorParallel, VocabParallelCrossEntropy
 
 # An Expect is a plain tuple (it is saved with torch.save and compared on rank 0):
 #   ("param", use, slices, dtype)          the weight at the start of the step
@@ -164,8 +164,13 @@ class _ReferenceOps(LocalOps):
             return _Observe.apply(x, self.sink, forward_key, backward_key)
         return x
 
-    def cross_entropy(self, logits, targets, vocab_start):
-        return VocabParallelCrossEntropy.apply(logits, targets, self.tp, vocab_start)
+    def gather_output(self, site, y):
+        # The whole output a column-parallel layer's gather yields (multi-token prediction's eh_proj),
+        # and its gradient, what the gather of the sequence under sequence parallelism yields.
+        return self._observe(*UpdateId.activation_pair(site, "out"), y)
+
+    def cross_entropy(self, logits, targets, vocab_start, site=LOSS_SITE):
+        return VocabParallelCrossEntropy.apply(logits, targets, self.tp, vocab_start, site)
 
     def gather_kv(self, site, k, v):
         # K and V of the whole sequence, [2, b, kv heads, s, d]: what a context-parallel gather yields.

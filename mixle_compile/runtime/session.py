@@ -36,7 +36,9 @@ DATA_GROUP = "dp_replicate+dp_shard"
 
 
 def fsdp_units(instructions: Instructions) -> dict[str, tuple[str, ...]]:
-    """The units FSDP gathers together: the embedding, each transformer block, the head (or the whole module)."""
+    """The units FSDP gathers together: the embedding, each transformer block (a multi-token prediction
+    depth's ``layers.{i}`` too), the head (the final norm, the output head and multi-token prediction's
+    copy of the embedding, ``mtp_embed.weight``, which every depth reads inside it), or the whole module."""
     units: dict[str, list[str]] = {}
     for p in instructions.params:
         if instructions.family != "transformer":

@@ -13,8 +13,17 @@ Activations are sequence-first (``[s, b, h]``), so a sequence shard is a contigu
 slice, which is what the flat collectives exchange.
 
 The vocabulary-parallel cross entropy gathers one fp32 (log-sum-exp, target logit) pair per token
-from every vocabulary shard (``lm_head:loss``); every rank then holds the same per-token loss, and
-the backward needs no communication.
+from every vocabulary shard (``lm_head:loss``, or a multi-token prediction depth's
+``layers.{i}.mtp.head:loss``); every rank then holds the same per-token loss, and the backward needs
+no communication.
+
+A column-parallel layer whose output must be whole again (multi-token prediction's ``eh_proj``) gives
+it through ``gather_output``: Megatron-Core's ``gather_from_tensor_model_parallel_region`` (forward
+all_gather of the output features, ``SITE:out``; backward: this rank's slice of the gradient, no
+communication), then under sequence parallelism ``scatter_to_sequence_parallel_region`` (forward:
+this rank's sequence shard, no communication; backward all_gather of the sequence, ``SITE:out/grad``),
+megatron/core/tensor_parallel/mappings.py ``_GatherFromModelParallelRegion`` and
+``_ScatterToSequenceParallelRegion``.
 """
 
 from __future__ import annotations
@@ -71,6 +80,17 @@ class TensorParallel:
             return _ScatterSequence.apply(y, self, site)
         return _ReduceFromParallel.apply(y, self, site)
 
+    def gather_output(self, site: str, y: torch.Tensor) -> torch.Tensor:
+        """A column-parallel output (``[s, b, features / tp]``) made whole: its features gathered
+        (``SITE:out``), then under sequence parallelism this rank's sequence shard of it (whose
+        backward gathers the sequence, ``SITE:out/grad``)."""
+        if self.size == 1:
+            return y
+        y = _GatherFeatures.apply(y, self, site)
+        if self.sequence_parallel:
+            y = _SplitSequence.apply(y, self, site)
+        return y
+
     # -- the collectives ---------------------------------------------------------------
 
     def all_reduce(self, node_id: str, t: torch.Tensor) -> torch.Tensor:
@@ -92,6 +112,15 @@ class TensorParallel:
         self.comm.reduce_scatter(out, t, rule=TP, parts=node_id)
         self._capture(node_id, out, True)
         return out
+
+    def gather_features(self, node_id: str, t: torch.Tensor) -> torch.Tensor:
+        """Every rank's slice of the last dimension, in rank order (one all_gather of the whole slices)."""
+        t = t.contiguous()
+        out = t.new_empty((self.size * t.shape[0], *t.shape[1:]))  # rank-major, as the flat gather fills it
+        self.comm.all_gather(out, t, rule=TP, parts=node_id)
+        whole = out.view(self.size, *t.shape).movedim(0, -2).reshape(*t.shape[:-1], self.size * t.shape[-1])
+        self._capture(node_id, whole, False)
+        return whole
 
     def gather_rows(self, node_id: str, t: torch.Tensor) -> torch.Tensor:
         """Every rank's rows of ``t`` (no evidence capture: the caller records the combined result)."""
@@ -144,14 +173,45 @@ class _ScatterSequence(Function):
         return ctx.tp.gather_sequence(str(UpdateId.activation(ctx.site, "out", backward=True)), grad), None, None
 
 
+class _GatherFeatures(Function):
+    """gather_from_tensor_model_parallel_region: forward all_gather of the last dimension, backward
+    this rank's slice of the gradient."""
+
+    @staticmethod
+    def forward(ctx, y, tp: TensorParallel, site: str):
+        ctx.rank, ctx.width = tp.rank, y.shape[-1]
+        return tp.gather_features(str(UpdateId.activation(site, "out")), y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.narrow(-1, ctx.rank * ctx.width, ctx.width).contiguous(), None, None
+
+
+class _SplitSequence(Function):
+    """scatter_to_sequence_parallel_region: forward this rank's sequence shard, backward all_gather of
+    the sequence (``SITE:out/grad``)."""
+
+    @staticmethod
+    def forward(ctx, x, tp: TensorParallel, site: str):
+        ctx.tp, ctx.site = tp, site
+        n = x.shape[0] // tp.size
+        return x.narrow(0, tp.rank * n, n).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.tp.gather_sequence(str(UpdateId.activation(ctx.site, "out", backward=True)), grad), None, None
+
+
 LOSS_SITE = "lm_head:loss"
 
 
 class VocabParallelCrossEntropy(Function):
-    """Per-token cross entropy of logits split over the vocabulary (``[tokens, vocab / tp]``, fp32)."""
+    """Per-token cross entropy of logits split over the vocabulary (``[tokens, vocab / tp]``, fp32);
+    ``site``: the update id of its gather (the output head's ``lm_head:loss``, a multi-token prediction
+    depth's ``layers.{i}.mtp.head:loss``)."""
 
     @staticmethod
-    def forward(ctx, logits, targets, tp: TensorParallel, vocab_start: int):
+    def forward(ctx, logits, targets, tp: TensorParallel, vocab_start: int, site: str = LOSS_SITE):
         n_local = logits.shape[-1]
         local = targets - vocab_start
         inside = (local >= 0) & (local < n_local)
@@ -160,13 +220,13 @@ class VocabParallelCrossEntropy(Function):
         target_local = logits.gather(1, local.unsqueeze(1)).squeeze(1).masked_fill(~inside, 0.0)
         stats = torch.stack([lse_local, target_local], dim=1)
         if tp.size > 1:
-            gathered = tp.gather_rows(LOSS_SITE, stats).view(tp.size, -1, 2)
+            gathered = tp.gather_rows(site, stats).view(tp.size, -1, 2)
             lse = torch.logsumexp(gathered[..., 0], dim=0)
             target_logit = gathered[..., 1].sum(dim=0)
         else:
             lse, target_logit = lse_local, target_local
         if tp.size > 1 or tp.observe_local:
-            tp._capture(LOSS_SITE, torch.stack([lse, target_logit], dim=1), False)
+            tp._capture(site, torch.stack([lse, target_logit], dim=1), False)
         ctx.save_for_backward(logits, lse, local, inside)
         return lse - target_logit
 
@@ -176,4 +236,4 @@ class VocabParallelCrossEntropy(Function):
         probs = torch.exp(logits - lse.unsqueeze(1))
         rows = torch.arange(probs.shape[0], device=probs.device)
         probs[rows[inside], local[inside]] -= 1.0
-        return probs * grad.unsqueeze(1), None, None, None
+        return probs * grad.unsqueeze(1), None, None, None, None

@@ -339,25 +339,28 @@ MTP_NEEDS_ROTARY_POSITIONS = define(
     Rule(
         code="C012",
         name="mtp-needs-rotary-positions",
-        title="Megatron: multi-token prediction needs rotary positions.",
+        title="Megatron and the torch runtime: multi-token prediction needs rotary positions.",
         docs=(
             "Megatron-LM refuses `--mtp-num-layers` with a learned absolute position embedding: a multi-token "
             "prediction depth embeds the tokens ahead with the model's embedding and shifts their positions, "
-            "which it supports for rotary positions (and none) only."
+            "which it supports for rotary positions (and none) only. The in-tree torch runtime runs the depths "
+            "as Megatron-Core does, with rotary positions: the position table lives with the embedding on the "
+            "first stage (its FSDP unit), and the depths run on the last."
         ),
         engine_reference=(
             'Megatron-LM core_v0.16.1 megatron/training/arguments.py `validate_args` ("Multi-Token Prediction '
-            '(MTP) is not supported with {position_embedding_type} position embedding type")'
+            '(MTP) is not supported with {position_embedding_type} position embedding type"); torch backend: '
+            "mixle_compile/runtime/instructions.py `_refuse_unsupported_mtp`"
         ),
         constraint=lambda v: implies(v.mtp_layers > 0, negation(v.learned_positions)),
         explain=lambda x: (
-            f"model.mtp_num_layers is {x.mtp_layers} with learned positions: Megatron runs multi-token "
-            "prediction with rotary positions only"
+            f"model.mtp_num_layers is {x.mtp_layers} with learned positions: multi-token prediction runs with "
+            "rotary positions only"
         ),
         hint=lambda x: "use position_embedding: rope, or set mtp_num_layers: 0",
         fields=("mtp_layers", "learned_positions"),
         families=TRANSFORMER,
-        engines=frozenset({Engine.MEGATRON}),
+        engines=frozenset({Engine.MEGATRON, Engine.TORCH}),
     )
 )
 
