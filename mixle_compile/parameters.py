@@ -193,9 +193,14 @@ def block_matmuls(a: AttentionWidths, ffn: float, matrices: int) -> list[Matmul]
     return [*attention, Matmul("o", a.out, h, False), *mlp, Matmul("w2", ffn, h, False)]
 
 
+def _field_reader(model: Any) -> Callable[..., Any]:
+    """``get(field, default)`` over a transformer given as its spec model or as a mapping of its fields."""
+    return model.get if isinstance(model, Mapping) else lambda key, default=None: getattr(model, key, default)
+
+
 def attention_widths(model: Any) -> AttentionWidths:
     """:class:`AttentionWidths` of a transformer (its spec model or the same fields as a mapping)."""
-    get = model.get if isinstance(model, Mapping) else lambda key, default=None: getattr(model, key, default)
+    get = _field_reader(model)
     h, heads = get("hidden_size"), get("num_heads")
     kv_lora = get("kv_lora_rank")
     if kv_lora:
@@ -221,13 +226,13 @@ def is_moe_layer(model: TransformerModel, layer: int) -> bool:
 def is_mtp_layer(model: Any, layer: int | None) -> bool:
     """Whether block ``layer`` is a multi-token prediction depth's: they follow the decoder's layers,
     depth k at index ``num_layers + k``."""
-    get = model.get if isinstance(model, Mapping) else lambda key, default=None: getattr(model, key, default)
+    get = _field_reader(model)
     return layer is not None and layer >= get("num_layers")
 
 
 def mtp_depths(model: Any) -> int:
     """How many multi-token prediction depths a transformer (spec model or mapping) has."""
-    get = model.get if isinstance(model, Mapping) else lambda key, default=None: getattr(model, key, default)
+    get = _field_reader(model)
     return get("mtp_num_layers") or 0
 
 
@@ -235,7 +240,7 @@ def mtp_is_moe(model: Any) -> bool:
     """Whether a multi-token prediction block is a mixture-of-experts block: the decoder's last
     layer's kind (Megatron-Core's get_gpt_mtp_block_spec_for_backend takes ``layer_specs[-1]``;
     torchtitan's _build_mtp_layers the last decoder layer's config)."""
-    get = model.get if isinstance(model, Mapping) else lambda key, default=None: getattr(model, key, default)
+    get = _field_reader(model)
     return moe_layer_at(
         get("num_layers") - 1,
         num_experts=get("num_experts", 0) or 0,

@@ -1087,11 +1087,11 @@ class _Pricer:
 
 def _site_kind(site: str, model) -> str:
     """Where an activation collective's site sits: ``layers.3.attn`` in layer 3, ``embed`` first, ``lm_head`` last."""
-    from mixle_compile.parameters import is_moe_layer
+    from mixle_compile.parameters import is_moe_layer, is_mtp_layer
 
     if site.startswith("layers."):
         layer = int(site.split(".")[1])
-        if layer >= model.num_layers:  # a multi-token prediction depth: the last stage's
+        if is_mtp_layer(model, layer):  # a multi-token prediction depth: the last stage's
             return "last"
         return "moe" if is_moe_layer(model, layer) else "dense"
     return "first" if site.startswith("embed") else "last"

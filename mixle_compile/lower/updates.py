@@ -384,33 +384,147 @@ def _recomputed(
             if not engine.recomputes(checkpointing, "all_gather", "mla_up_proj", modules):
                 continue
             nbytes = u.payload_bytes * up_gather[0] // up_gather[1]
-        d = u.update
-        update = DistributedUpdate(
-            node_id=str(uid.recomputed()),
-            payload=d.payload,
-            collective=d.collective,
-            mesh_axes=d.mesh_axes,
-            state_layout=d.state_layout,
-            notes=(f"activation checkpointing ({checkpointing}): the recomputed forward issues {uid} again",),
-            contract_exact=d.contract_exact,
-        )
         out.append(
-            PlannedUpdate(
-                update,
-                u.tensor,
-                "backward",
-                u.stage,
-                nbytes,
-                u.group_size,
-                u.occurrences_per_step,
-                layer=u.layer,
+            _issued_again(
+                u, f"activation checkpointing ({checkpointing}): the recomputed forward issues {uid} again", nbytes
             )
         )
     return out
 
 
+def _issued_again(u: PlannedUpdate, note: str, nbytes: int | None = None) -> PlannedUpdate:
+    """Forward collective ``u`` issued again by a recomputed forward, in the backward: the same group,
+    count and (unless ``nbytes``) bytes, named ``SITE:KIND/recompute``."""
+    d = u.update
+    update = DistributedUpdate(
+        node_id=str(UpdateId.parse(d.node_id).recomputed()),
+        payload=d.payload,
+        collective=d.collective,
+        mesh_axes=d.mesh_axes,
+        state_layout=d.state_layout,
+        notes=(note,),
+        contract_exact=d.contract_exact,
+    )
+    return PlannedUpdate(
+        update,
+        u.tensor,
+        "backward",
+        u.stage,
+        u.payload_bytes if nbytes is None else nbytes,
+        u.group_size,
+        u.occurrences_per_step,
+        layer=u.layer,
+    )
+
+
+def _embedding_updates(
+    add: Callable[..., PlannedUpdate], site: str, stage: int, sp: bool, hidden_bytes: int, layer: int | None = None
+) -> None:
+    """A vocabulary-parallel embedding's output over tp: each rank holds a slice of the vocabulary, so
+    the rows are summed (all_reduce), or under sequence parallelism summed and scattered over the
+    sequence (reduce_scatter, whose backward gathers)."""
+    if sp:
+        add(
+            UpdateId.activation(site, "out"),
+            CollectiveKind.REDUCE_SCATTER,
+            (Axis.TP,),
+            "forward",
+            stage,
+            hidden_bytes,
+            StateLayout.SHARDED,
+            "vocabulary-parallel embedding: sum the vocabulary slices and scatter the sequence",
+            layer=layer,
+        )
+        add(
+            UpdateId.activation(site, "out", backward=True),
+            CollectiveKind.ALL_GATHER,
+            (Axis.TP,),
+            "backward",
+            stage,
+            hidden_bytes,
+            StateLayout.REPLICATED,
+            "conjugate of the embedding's reduce_scatter",
+            layer=layer,
+        )
+    else:
+        add(
+            UpdateId.activation(site, "out"),
+            CollectiveKind.ALL_REDUCE,
+            (Axis.TP,),
+            "forward",
+            stage,
+            hidden_bytes,
+            StateLayout.REPLICATED,
+            "vocabulary-parallel embedding: each rank holds a slice of the vocabulary",
+            layer=layer,
+        )
+
+
+def _head_updates(
+    add: Callable[..., PlannedUpdate],
+    site: str,
+    stage: int,
+    sp: bool,
+    hidden_bytes: int,
+    loss_bytes: int,
+    layer: int | None = None,
+) -> None:
+    """A vocabulary-parallel output head's collectives over tp: its input gathered over the sequence
+    under sequence parallelism (and its gradient reduce-scattered), else its input gradients summed;
+    then the cross entropy's gather of one fp32 (log-sum-exp, target logit) pair per token from each
+    vocabulary shard, after which every rank combines them into the same loss and the backward needs
+    no communication."""
+    if sp:
+        add(
+            UpdateId.activation(site, "in"),
+            CollectiveKind.ALL_GATHER,
+            (Axis.TP,),
+            "forward",
+            stage,
+            hidden_bytes,
+            StateLayout.REPLICATED,
+            "sequence parallel: gather the sequence before the vocabulary-parallel head",
+            layer=layer,
+        )
+        add(
+            UpdateId.activation(site, "in", backward=True),
+            CollectiveKind.REDUCE_SCATTER,
+            (Axis.TP,),
+            "backward",
+            stage,
+            hidden_bytes,
+            StateLayout.SHARDED,
+            "conjugate of the head's input all_gather",
+            layer=layer,
+        )
+    else:
+        add(
+            UpdateId.activation(site, "in", backward=True),
+            CollectiveKind.ALL_REDUCE,
+            (Axis.TP,),
+            "backward",
+            stage,
+            hidden_bytes,
+            StateLayout.REPLICATED,
+            "sum the input gradients of the vocabulary-parallel head",
+            layer=layer,
+        )
+    add(
+        UpdateId.activation(site, "loss"),
+        CollectiveKind.ALL_GATHER,
+        (Axis.TP,),
+        "forward",
+        stage,
+        loss_bytes,
+        StateLayout.REPLICATED,
+        "vocabulary-parallel cross entropy: gather each shard's log-sum-exp and target logit",
+        layer=layer,
+    )
+
+
 def _mtp_updates(
-    add: Callable[..., None],
+    add: Callable[..., PlannedUpdate],
+    out: list[PlannedUpdate],
     i: int,
     stage: int,
     plan: ParallelPlan,
@@ -419,169 +533,93 @@ def _mtp_updates(
     hidden_bytes: int,
     tokens: int,
     checkpointing: str,
-) -> list[PlannedUpdate]:
+) -> None:
     """A multi-token prediction depth's tensor-parallel collectives beside its block (block ``i``, on
-    the last stage), per micro-batch: the vocabulary-parallel embedding of the tokens ahead (as the
-    model's embedding), the projection of [embedding, hidden] where the engine splits it
-    (EngineProfile.mtp_projection_split: Megatron-Core's ColumnParallelLinear gathers the sequence
-    under sequence parallelism, then ``gather_from_tensor_model_parallel_region`` its output features
-    and ``scatter_to_sequence_parallel_region``, whose backward gathers), and the depth's own logits
-    through the shared vocabulary-parallel head and loss (as the model's). Full checkpointing runs the
-    projection again (``MultiTokenPredictionLayer._checkpointed_forward`` wraps it with the block).
-    Listed through ``add`` (activation_updates'), and returned."""
+    the last stage), per micro-batch, listed through ``add`` (activation_updates'): the
+    vocabulary-parallel embedding of the tokens ahead (as the model's embedding), the projection of
+    [embedding, hidden] where the engine splits it (EngineProfile.mtp_projection_split: Megatron-Core's
+    ColumnParallelLinear gathers the sequence under sequence parallelism, then
+    ``gather_from_tensor_model_parallel_region`` its output features and
+    ``scatter_to_sequence_parallel_region``, whose backward gathers), and the depth's own logits through
+    the shared vocabulary-parallel head and loss (as the model's). Full checkpointing runs the
+    projection again (``MultiTokenPredictionLayer._checkpointed_forward`` wraps it with the block),
+    appended to ``out`` (the list ``add`` appends to)."""
     if plan.tp == 1:
-        return []
-    added: list[PlannedUpdate] = []
-    tp = (Axis.TP,)
-    fwd, bwd = "forward", "backward"
-
-    def put(site: str, kind: str, backward: bool, collective, phase, nbytes, layout, note) -> None:
-        sink: list[PlannedUpdate] = []
-        add(
-            UpdateId.activation(f"layers.{i}.mtp.{site}", kind, backward=backward),
-            collective,
-            tp,
-            phase,
-            stage,
-            nbytes,
-            layout,
-            note,
-            layer=i,
-            into=sink,
-        )
-        added.extend(sink)
-
-    RS, AG, AR = CollectiveKind.REDUCE_SCATTER, CollectiveKind.ALL_GATHER, CollectiveKind.ALL_REDUCE
-    if sp:
-        put(
-            "embed",
-            "out",
-            False,
-            RS,
-            fwd,
-            hidden_bytes,
-            StateLayout.SHARDED,
-            "vocabulary-parallel embedding of the tokens ahead: sum the slices and scatter the sequence",
-        )
-        put(
-            "embed",
-            "out",
-            True,
-            AG,
-            bwd,
-            hidden_bytes,
-            StateLayout.REPLICATED,
-            "conjugate of the embedding's reduce_scatter",
-        )
-    else:
-        put(
-            "embed",
-            "out",
-            False,
-            AR,
-            fwd,
-            hidden_bytes,
-            StateLayout.REPLICATED,
-            "vocabulary-parallel embedding of the tokens ahead: sum the vocabulary slices",
-        )
+        return
+    site = f"layers.{i}.mtp"
+    _embedding_updates(add, f"{site}.embed", stage, sp, hidden_bytes, layer=i)
     if engine.mtp_projection_split:
-        joined = 2 * hidden_bytes  # [embedding, hidden state] per token
+        proj, joined = f"{site}.eh_proj", 2 * hidden_bytes  # [embedding, hidden state] per token
+        forward = []
         if sp:
-            put(
-                "eh_proj",
-                "in",
-                False,
-                AG,
-                fwd,
-                joined,
-                StateLayout.REPLICATED,
-                "sequence parallel: gather the sequence before the column-parallel projection",
+            forward.append(
+                add(
+                    UpdateId.activation(proj, "in"),
+                    CollectiveKind.ALL_GATHER,
+                    (Axis.TP,),
+                    "forward",
+                    stage,
+                    joined,
+                    StateLayout.REPLICATED,
+                    "sequence parallel: gather the sequence before the column-parallel projection",
+                    layer=i,
+                )
             )
-            put("eh_proj", "in", True, RS, bwd, joined, StateLayout.SHARDED, "conjugate of the input all_gather")
+            add(
+                UpdateId.activation(proj, "in", backward=True),
+                CollectiveKind.REDUCE_SCATTER,
+                (Axis.TP,),
+                "backward",
+                stage,
+                joined,
+                StateLayout.SHARDED,
+                "conjugate of the input all_gather",
+                layer=i,
+            )
         else:
-            put(
-                "eh_proj",
-                "in",
-                True,
-                AR,
-                bwd,
+            add(
+                UpdateId.activation(proj, "in", backward=True),
+                CollectiveKind.ALL_REDUCE,
+                (Axis.TP,),
+                "backward",
+                stage,
                 joined,
                 StateLayout.REPLICATED,
                 "sum the input gradients of the column-parallel projection",
+                layer=i,
             )
-        put(
-            "eh_proj",
-            "out",
-            False,
-            AG,
-            fwd,
-            hidden_bytes,
-            StateLayout.REPLICATED,
-            "gather the projection's output features (gather_from_tensor_model_parallel_region)",
+        forward.append(
+            add(
+                UpdateId.activation(proj, "out"),
+                CollectiveKind.ALL_GATHER,
+                (Axis.TP,),
+                "forward",
+                stage,
+                hidden_bytes,
+                StateLayout.REPLICATED,
+                "gather the projection's output features (gather_from_tensor_model_parallel_region)",
+                layer=i,
+            )
         )
         if sp:
-            put(
-                "eh_proj",
-                "out",
-                True,
-                AG,
-                bwd,
+            add(
+                UpdateId.activation(proj, "out", backward=True),
+                CollectiveKind.ALL_GATHER,
+                (Axis.TP,),
+                "backward",
+                stage,
                 hidden_bytes,
                 StateLayout.REPLICATED,
                 "conjugate of scattering the projection's output over the sequence",
+                layer=i,
             )
         if checkpointing == "full" and engine.recomputes("full", "all_gather", "mtp"):
-            for u in [u for u in added if u.phase == fwd and ".eh_proj" in u.tensor]:
+            for u in forward:
                 uid = UpdateId.parse(u.update.node_id)
-                d = u.update
-                update = DistributedUpdate(
-                    node_id=str(uid.recomputed()),
-                    payload=d.payload,
-                    collective=d.collective,
-                    mesh_axes=d.mesh_axes,
-                    state_layout=d.state_layout,
-                    notes=(f"activation checkpointing (full): the recomputed depth issues {uid} again",),
-                    contract_exact=d.contract_exact,
+                out.append(
+                    _issued_again(u, f"activation checkpointing (full): the recomputed depth issues {uid} again")
                 )
-                added.append(
-                    PlannedUpdate(
-                        update, u.tensor, bwd, u.stage, u.payload_bytes, u.group_size, u.occurrences_per_step, layer=i
-                    )
-                )
-    if sp:
-        put(
-            "head",
-            "in",
-            False,
-            AG,
-            fwd,
-            hidden_bytes,
-            StateLayout.REPLICATED,
-            "sequence parallel: gather the sequence before the vocabulary-parallel head",
-        )
-        put("head", "in", True, RS, bwd, hidden_bytes, StateLayout.SHARDED, "conjugate of the head's input all_gather")
-    else:
-        put(
-            "head",
-            "in",
-            True,
-            AR,
-            bwd,
-            hidden_bytes,
-            StateLayout.REPLICATED,
-            "sum the input gradients of the vocabulary-parallel head",
-        )
-    put(
-        "head",
-        "loss",
-        False,
-        AG,
-        fwd,
-        plan.tp * 2 * tokens * 4,
-        StateLayout.REPLICATED,
-        "vocabulary-parallel cross entropy of the depth: gather each shard's log-sum-exp and target logit",
-    )
-    return added
+    _head_updates(add, f"{site}.head", stage, sp, hidden_bytes, plan.tp * 2 * tokens * 4, layer=i)
 
 
 def _block_updates(out: list[PlannedUpdate], start: int, block: int) -> list[PlannedUpdate]:
@@ -651,9 +689,8 @@ def activation_updates(
         payload=PayloadKind.ACTIVATION,
         times: int = 1,
         layer: int | None = None,
-        into: list[PlannedUpdate] | None = None,
-    ) -> None:
-        (out if into is None else into).append(
+    ) -> PlannedUpdate:
+        out.append(
             PlannedUpdate(
                 DistributedUpdate(
                     node_id=str(node),
@@ -673,83 +710,12 @@ def activation_updates(
                 layer=layer,
             )
         )
+        return out[-1]
 
     last = plan.pp - 1
     if plan.tp > 1:
-        if sp:
-            add(
-                UpdateId.activation("embed", "out"),
-                CollectiveKind.REDUCE_SCATTER,
-                (Axis.TP,),
-                "forward",
-                0,
-                hidden_bytes,
-                StateLayout.SHARDED,
-                "vocabulary-parallel embedding: sum the vocabulary slices and scatter the sequence",
-            )
-            add(
-                UpdateId.activation("embed", "out", backward=True),
-                CollectiveKind.ALL_GATHER,
-                (Axis.TP,),
-                "backward",
-                0,
-                hidden_bytes,
-                StateLayout.REPLICATED,
-                "conjugate of the embedding's reduce_scatter",
-            )
-            add(
-                UpdateId.activation("lm_head", "in"),
-                CollectiveKind.ALL_GATHER,
-                (Axis.TP,),
-                "forward",
-                last,
-                hidden_bytes,
-                StateLayout.REPLICATED,
-                "sequence parallel: gather the sequence before the vocabulary-parallel head",
-            )
-            add(
-                UpdateId.activation("lm_head", "in", backward=True),
-                CollectiveKind.REDUCE_SCATTER,
-                (Axis.TP,),
-                "backward",
-                last,
-                hidden_bytes,
-                StateLayout.SHARDED,
-                "conjugate of the head's input all_gather",
-            )
-        else:
-            add(
-                UpdateId.activation("embed", "out"),
-                CollectiveKind.ALL_REDUCE,
-                (Axis.TP,),
-                "forward",
-                0,
-                hidden_bytes,
-                StateLayout.REPLICATED,
-                "vocabulary-parallel embedding: each rank holds a slice of the vocabulary",
-            )
-            add(
-                UpdateId.activation("lm_head", "in", backward=True),
-                CollectiveKind.ALL_REDUCE,
-                (Axis.TP,),
-                "backward",
-                last,
-                hidden_bytes,
-                StateLayout.REPLICATED,
-                "sum the input gradients of the vocabulary-parallel head",
-            )
-        # One fp32 (log-sum-exp, target logit) pair per token from each vocabulary shard; every rank
-        # then combines them into the same loss, and the backward needs no communication.
-        add(
-            UpdateId.activation("lm_head", "loss"),
-            CollectiveKind.ALL_GATHER,
-            (Axis.TP,),
-            "forward",
-            last,
-            plan.tp * 2 * tokens * 4,
-            StateLayout.REPLICATED,
-            "vocabulary-parallel cross entropy: gather each shard's log-sum-exp and target logit",
-        )
+        _embedding_updates(add, "embed", 0, sp, hidden_bytes)
+        _head_updates(add, "lm_head", last, sp, hidden_bytes, plan.tp * 2 * tokens * 4)
     engine = engine_profile(spec.backend)
     # K and V of the KV heads a tp rank holds: its share, or the one head it shares with others
     # (MLA's values at their own head size, or padded to the keys' where the engine pads them).
@@ -905,7 +871,7 @@ def activation_updates(
                 _recomputed(out[first_of[kind][1] :], engine, t.activation_checkpointing, modules, moe, up_gather)
             )
         if kind[0]:
-            out.extend(_mtp_updates(add, i, stage, plan, engine, sp, hidden_bytes, tokens, t.activation_checkpointing))
+            _mtp_updates(add, out, i, stage, plan, engine, sp, hidden_bytes, tokens, t.activation_checkpointing)
     if plan.pp > 1:
         boundary_bytes = hidden_bytes // (plan.tp if sp else 1)
         # Virtual stage w hands over to w + 1 on stage (w + 1) % pp: with interleaving the last stage

@@ -126,10 +126,12 @@ def _per_rank_bytes(v) -> dict[str, object]:
                     total = total + real(count * measure(share)) / split(category)
         return total
 
+    def end_parts(measure, split) -> tuple[object, object, object]:
+        """The first stage's tensors, the last stage's, and the tied copy one stage holds once."""
+        return tuple(held([(place, 1)], measure, split) for place in ("first_stage", "last_stage", "tied_copy"))
+
     def ends(measure, split) -> object:
-        first = held([("first_stage", 1)], measure, split)
-        last = held([("last_stage", 1)], measure, split)
-        tied = held([("tied_copy", 1)], measure, split)
+        first, last, tied = end_parts(measure, split)
         # One stage holds both ends (a tied pair once); otherwise the heavier end is the bound.
         return when(v.pp == 1, first + last - tied, larger(first, last))
 
@@ -140,9 +142,7 @@ def _per_rank_bytes(v) -> dict[str, object]:
         # of the rank with the most layers (and the first stage's tensors) and the last rank with its own
         # layers, its end of the model and the depths.
         depths = held([("mtp_layers", 1)], measure, split)
-        first = held([("first_stage", 1)], measure, split)
-        last = held([("last_stage", 1)], measure, split)
-        tied = held([("tied_copy", 1)], measure, split)
+        first, last, tied = end_parts(measure, split)
         layers = held(copies.items(), measure, split)
         return when(
             v.pp == 1,
