@@ -233,6 +233,10 @@ def test_engines_refuse_depths_they_do_not_run():
     assert "C012" not in codes(spec_text(backend="megatron"))
     titan = spec_text(pp=2, dp=1).replace("backend: torch", "backend: torchtitan")
     assert "C013" in codes(titan)  # no MLA, and a pipeline
+    mla = "q_lora_rank: 16, kv_lora_rank: 16, qk_nope_head_dim: 8, qk_rope_head_dim: 4, v_head_dim: 8,"
+    latent = titan.replace("ffn_hidden_size: 64,", f"ffn_hidden_size: 64, {mla}")
+    assert "C013" in codes(latent)  # torchtitan's DeepSeek-V3 model, but under a pipeline
+    assert "C013" not in codes(latent.replace("pp: 2", "pp: 1").replace("microbatches: 8", "microbatches: 4"))
     cp = spec_text().replace("mesh: {dp_shard: 2,", "mesh: {dp_shard: 1, cp: 2,")
     assert "C014" in codes(cp)
 
