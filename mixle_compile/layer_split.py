@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -148,6 +149,116 @@ def megatron_uneven_of(counts, num_layers: int, pp: int, virtual_stages: int) ->
     first = sum(listed[c * pp] for c in range(virtual_stages))
     last = sum(listed[c * pp + pp - 1] for c in range(virtual_stages))
     return (first, last) if megatron_uneven(num_layers, pp, virtual_stages, first, last) == listed else None
+
+
+#: Megatron-Core's layout characters (pipeline_parallel_layer_layout.py, parse_str_to_list, core_v0.16.1).
+LAYOUT_CHARS = {"E": "embedding", "L": "loss", "t": "decoder", "m": "mtp"}
+
+
+class LayoutError(ValueError):
+    """A ``pipeline_model_parallel_layout`` Megatron refuses: the message says why, as Megatron does."""
+
+
+@dataclass(frozen=True)
+class MegatronLayout:
+    """What a ``pipeline_model_parallel_layout`` string builds: the decoder layers of every virtual
+    stage in model order, the virtual stages per pipeline rank, and the pipeline rank whose last
+    virtual stage holds the multi-token prediction layers (None without them)."""
+
+    counts: tuple[int, ...]
+    virtual_stages: int
+    mtp_rank: int | None
+
+
+def megatron_layout_stages(text: str) -> list[str]:
+    """The virtual stages of a layout string in model order, each as its layer characters, read as
+    ``PipelineParallelLayerLayout.parse_str_to_list`` reads it (Megatron-Core
+    megatron/core/transformer/pipeline_parallel_layer_layout.py): commas are cosmetic and dropped;
+    ``(...)*n`` is unrolled first (one level, the parentheses holding no parenthesis), then ``x*n``
+    for a single character; stages are separated by ``|``; every character left must be one of
+    E (embedding), L (loss), t (decoder layer), m (multi-token prediction layer)."""
+    flat = text.replace(",", "")
+    flat = re.sub(r"\(([^)]+)\)\*(\d+)", lambda g: g.group(1) * int(g.group(2)), flat)
+    flat = re.sub(r"(.)\*(\d+)", lambda g: g.group(1) * int(g.group(2)), flat)
+    stages = flat.split("|")
+    for stage in stages:
+        for char in stage:
+            if char not in LAYOUT_CHARS:
+                raise LayoutError(
+                    f"{char!r} is not a layer character (stage {stage!r}); the characters are "
+                    "E (embedding), L (loss), t (decoder layer) and m (multi-token prediction layer), "
+                    "stages separated by |, repeats written (...)*n or x*n"
+                )
+    return stages
+
+
+def megatron_layout(text: str, pp: int, num_layers: int, mtp_layers: int = 0) -> MegatronLayout:
+    """Read ``--pipeline-model-parallel-layout`` as Megatron-Core 0.16 does, refusing what it refuses
+    (LayoutError): megatron/training/arguments.py (validate_args) takes the virtual stages per rank
+    from the stage count, which ``pp`` must divide; ``PipelineParallelLayerLayout.__init__`` maps the
+    ``i``-th stage to virtual stage ``i // pp`` of pipeline rank ``i % pp``, and
+    ``validate_layer_layout`` asserts that the layout starts with the embedding and ends with the
+    loss, holds each exactly once, holds ``num_layers`` decoder layers and ``mtp_num_layers``
+    multi-token prediction layers, puts no decoder layer after one of those, and puts all of them in
+    one virtual stage, the last of its pipeline rank."""
+    stages = megatron_layout_stages(text)
+    if pp < 1 or len(stages) % pp:
+        raise LayoutError(
+            f"the layout has {len(stages)} stages, which the pipeline size {pp} does not divide "
+            "(Megatron takes the virtual stages per pipeline rank as stages / pp)"
+        )
+    virtual = len(stages) // pp
+    flat = "".join(stages)
+    if not flat or flat[0] != "E" or flat[-1] != "L":
+        raise LayoutError("the layout must start with the embedding (E) and end with the loss (L)")
+    if flat.count("E") != 1 or flat.count("L") != 1:
+        raise LayoutError("the layout must hold the embedding (E) and the loss (L) exactly once each")
+    decoders, mtps = flat.count("t"), flat.count("m")
+    if decoders != num_layers:
+        raise LayoutError(f"the layout holds {decoders} decoder layers (t) but the model has {num_layers}")
+    if mtps != mtp_layers:
+        raise LayoutError(
+            f"the layout holds {mtps} multi-token prediction layers (m) but the model has {mtp_layers}"
+            + ("" if mtp_layers else " (no --mtp-num-layers)")
+        )
+    mtp_rank = None
+    if mtps:
+        if "t" in flat[flat.index("m") :]:
+            raise LayoutError("a decoder layer (t) follows a multi-token prediction layer (m): place m after every t")
+        holding = [i for i, stage in enumerate(stages) if "m" in stage]
+        if len(holding) > 1 or stages[holding[0]].count("m") != mtps:
+            raise LayoutError("all multi-token prediction layers (m) must be in one stage")
+        if holding[0] // pp != virtual - 1:
+            raise LayoutError(
+                "the multi-token prediction layers (m) must be in the last virtual stage of their pipeline "
+                f"rank (stage {holding[0]} is virtual stage {holding[0] // pp} of rank {holding[0] % pp}, of {virtual})"
+            )
+        mtp_rank = holding[0] % pp
+    return MegatronLayout(tuple(stage.count("t") for stage in stages), virtual, mtp_rank)
+
+
+def megatron_layout_text(counts, pp: int, mtp_layers: int = 0) -> str:
+    """The layout string of a listed split (decoder layers per virtual stage in model order), the
+    embedding on the first stage, the multi-token prediction layers and the loss on the last; runs
+    of alike middle stages written ``(...|)*n`` (:func:`megatron_layout` reads it back)."""
+
+    def layers(n: int) -> str:
+        return "" if n == 0 else "t" if n == 1 else f"t*{n}"
+
+    counts = [int(c) for c in counts]
+    if len(counts) == 1:
+        return "E" + layers(counts[0]) + "m" * mtp_layers + "L"
+    out = ["E" + layers(counts[0]) + "|"]
+    middle = counts[1:-1]
+    i = 0
+    while i < len(middle):
+        j = i
+        while j < len(middle) and middle[j] == middle[i]:
+            j += 1
+        out.append(f"({layers(middle[i])}|)*{j - i}" if j - i > 1 else layers(middle[i]) + "|")
+        i = j
+    out.append(layers(counts[-1]) + "m" * mtp_layers + "L")
+    return "".join(out)
 
 
 @dataclass(frozen=True)

@@ -420,3 +420,100 @@ def test_megatron_uneven_splits_equal_megatron_core(megatron):
         assert got is not None and megatron_uneven(layers, pp, v, *got) == ours
         compared += 1
     assert compared > 60 and refused > 500
+
+
+def _random_layout(rng, pp: int, v: int, layers: int, mtp: int) -> str:
+    """A layout string, usually one Megatron accepts, sometimes not (a layer or the embedding out of
+    place, a stage too many, a character it does not know), written in its shorthands at random."""
+    stages = [[] for _ in range(pp * v)]
+    for _ in range(layers):
+        stages[rng.randrange(len(stages))].append("t")
+    for stage in stages:
+        stage.sort()
+    stages[0].insert(0, "E")
+    last = len(stages) - 1 if rng.random() < 0.7 else rng.randrange(len(stages))
+    if mtp:
+        where = last if rng.random() < 0.6 else rng.randrange(len(stages))
+        stages[where].extend("m" * mtp)
+    stages[last].append("L")
+    fault = rng.random()
+    if fault < 0.05:
+        stages.append([])
+    elif fault < 0.1:
+        stages[rng.randrange(len(stages))].append(rng.choice("tmEx"))
+    elif fault < 0.15:
+        stages[0], stages[-1] = stages[-1], stages[0]
+    words = []
+    for stage in stages:
+        text = "".join(stage)
+        if rng.random() < 0.3 and text.count("t") > 1:
+            text = text.replace("t" * text.count("t"), f"t*{text.count('t')}")
+        words.append(text)
+    out = "|".join(words)
+    if rng.random() < 0.3:
+        out = out.replace("|", ",|", 1)
+    return out
+
+
+def test_megatron_layouts_equal_megatron_core(megatron):
+    """layer_split.megatron_layout (--pipeline-model-parallel-layout) against Megatron-Core's
+    TransformerConfig, which parses and validates the layout, and the layers it places per rank and
+    virtual stage (what get_num_layers_to_build counts): the same
+    layouts accepted, the same decoder layers on every virtual stage, the same virtual stages and the
+    same pipeline rank for the multi-token prediction layers; and every split written by
+    megatron_layout_text builds what it lists."""
+    import random
+
+    import torch
+    from megatron.core.transformer.enums import LayerType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from mixle_compile.layer_split import LayoutError, megatron_layout, megatron_layout_text
+
+    def theirs(text: str, pp: int, layers: int, mtp: int):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                made = TransformerConfig(
+                    num_layers=layers,
+                    hidden_size=64,
+                    num_attention_heads=4,
+                    pipeline_model_parallel_size=pp,
+                    pipeline_dtype=torch.bfloat16,
+                    pipeline_model_parallel_layout=text,
+                    mtp_num_layers=mtp or None,
+                )
+        except (ValueError, AssertionError):
+            return None
+        layout = made.pipeline_model_parallel_layout
+        v = layout.virtual_pipeline_model_parallel_size
+        # what get_num_layers_to_build reads for (pp rank s, virtual stage c) under a layout
+        counts = tuple(layout.layout[s][c].count(LayerType.decoder) for c in range(v) for s in range(pp))
+        ranks = [s for s in range(pp) if LayerType.mtp in layout.layout[s][-1]]
+        return counts, v, (ranks[0] if ranks else None)
+
+    def ours(text: str, pp: int, layers: int, mtp: int):
+        try:
+            got = megatron_layout(text, pp, layers, mtp)
+        except LayoutError:
+            return None
+        return got.counts, got.virtual_stages, got.mtp_rank
+
+    rng = random.Random(7)
+    accepted = refused = standalone = 0
+    for _ in range(600):
+        pp, v = rng.choice((1, 2, 3, 4)), rng.choice((1, 2, 3))
+        layers, mtp = rng.randrange(1, 13), rng.choice((0, 0, 1, 2))
+        if pp == 1 and v > 1:
+            v = 1  # Megatron-Core has no virtual stages without a pipeline
+        text = _random_layout(rng, pp, v, layers, mtp)
+        want = theirs(text, pp, layers, mtp)
+        assert ours(text, pp, layers, mtp) == want, (text, pp, layers, mtp)
+        accepted += want is not None
+        refused += want is None
+        standalone += want is not None and want[2] is not None and want[2] != pp - 1
+    assert accepted > 150 and refused > 150 and standalone > 5, (accepted, refused, standalone)
+    written = (((1,) + (2,) * 30 + (0,), 8, 1), ((3, 0, 5, 4), 2, 0), ((2, 2, 2, 1, 1, 1), 3, 2), ((4,), 1, 1))
+    for counts, pp, mtp in written:
+        text = megatron_layout_text(counts, pp, mtp)
+        assert theirs(text, pp, sum(counts), mtp)[:2] == (counts, len(counts) // pp), text

@@ -1011,3 +1011,25 @@ def test_multi_token_prediction_is_written_or_refused_never_dropped(target, tmp_
         assert any("mtp_num_layers" in f"{field} {why}" for field, why in refused.reasons), refused.reasons
         return
     assert reimport(exported, tmp_path, spec).model.mtp_num_layers == 1
+
+
+@pytest.mark.parametrize("virtual", [1, 4])
+def test_any_megatron_split_exports_as_a_pipeline_layout(tmp_path, virtual):
+    """A listed split that is neither an accounted nor a first/last split is written as
+    --pipeline-model-parallel-layout (Megatron-LM 0.13 and later) and reads back as itself, the
+    multi-token prediction layers with the loss on the last stage."""
+    spec = load_spec(ROOT / "tests/corpus/production/bridge_nemo/bridge_deepseek_v3_h100_bf16_v1.yaml").spec
+    split = [1] + [2] * 30 + [0] if virtual == 4 else [5, 7, 8, 8, 8, 8, 8, 9]
+    training = spec.training.model_copy(
+        update={
+            "pipeline_layers": split,
+            "virtual_pipeline_stages": virtual,
+            "pipeline_schedule": "interleaved_1f1b" if virtual > 1 else "1f1b",
+        }
+    )
+    spec = spec.model_copy(update={"training": training})
+    exported = export_spec(spec, "megatron")
+    text = exported.files[exported.main]
+    assert "--pipeline-model-parallel-layout" in text and "mL" in text, text
+    assert "--num-virtual-stages-per-pipeline-rank" not in text and "--num-layers-per-virtual" not in text
+    assert round_trip(spec, "megatron", tmp_path)

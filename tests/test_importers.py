@@ -421,6 +421,19 @@ MEGATRON = {
         {"seq_len": 4096},
         8,
     ),
+    "model_config_moe_tp2_pp2_ep4_etp1_layout_mtp.yaml": (  # a functional-test config, with a pipeline layout
+        {},
+        {"hidden_size": 1024, "num_layers": 16, "num_experts": 32, "moe_first_layer": 3, "mtp_num_layers": 1},
+        {"tp": 2, "pp": 2, "ep": 4, "etp": 1, "dp_replicate": 2, "microbatches": 4},
+        {
+            "pipeline_layers": [3, 2, 2, 2, 2, 2, 2, 1],
+            "virtual_pipeline_stages": 4,
+            "recompute_modules": ["layernorm", "mla_up_proj", "mlp", "moe_act"],
+            "micro_batch_size": 4,
+            "seq_len": 4096,
+        },
+        8,
+    ),
     "conf_Qwen3-8B.sh": (
         {"model": str(HF / "qwen3-8b.json")},
         {"hidden_size": 4096, "num_layers": 36, "ffn_hidden_size": 12288, "vocab_size": 151936},
@@ -2847,3 +2860,107 @@ def test_megatron_recompute_modules_of_other_architectures_are_refused_by_name(t
         read_any(path, str(path), ImportOptions(devices=8))
     (found,) = [d for d in refused.value.diagnostics if d.code == "I004"]
     assert "gdn_norm_out" in found.message and found.line == 1
+
+
+def _deepseek_layout_launch(tmp_path, layout: str, extra: str = ""):
+    """A DeepSeek-V3 Megatron-LM launch on 1,024 GPUs with the pipeline layout Megatron-Bridge's H100
+    recipe sets (scripts/performance/configs/deepseek/deepseek_llm_pretrain.py: "Et|(tt|)*30mL")."""
+    path = tmp_path / "train.sh"
+    path.write_text(
+        "torchrun --nproc_per_node 8 --nnodes 128 pretrain_gpt.py \\\n"
+        "  --num-layers 61 --hidden-size 7168 --ffn-hidden-size 18432 --num-attention-heads 128 \\\n"
+        "  --moe-ffn-hidden-size 2048 --num-experts 256 --moe-router-topk 8 --moe-layer-freq '([0]*3+[1]*58)' \\\n"
+        "  --moe-shared-expert-intermediate-size 2048 --moe-token-dispatcher-type alltoall --moe-grouped-gemm \\\n"
+        "  --multi-latent-attention --q-lora-rank 1536 --kv-lora-rank 512 --qk-head-dim 128 \\\n"
+        "  --qk-pos-emb-head-dim 64 --v-head-dim 128 --qk-layernorm --mtp-num-layers 1 \\\n"
+        "  --seq-length 4096 --max-position-embeddings 4096 \\\n"
+        "  --vocab-size 129280 --position-embedding-type rope --normalization RMSNorm --swiglu \\\n"
+        "  --untie-embeddings-and-output-weights --tensor-model-parallel-size 4 --pipeline-model-parallel-size 8 \\\n"
+        "  --expert-model-parallel-size 64 --expert-tensor-parallel-size 1 --sequence-parallel \\\n"
+        "  --recompute-granularity selective --use-distributed-optimizer --micro-batch-size 1 \\\n"
+        f"  --global-batch-size 8192 --bf16 --pipeline-model-parallel-layout '{layout}' {extra}\n"
+    )
+    return path
+
+
+def test_megatron_pipeline_layout_is_the_listed_split(tmp_path, capsys):
+    """--pipeline-model-parallel-layout: the decoder layers of each virtual stage become the listed
+    split and the stages per rank the virtual stages; the DeepSeek-V3 launch that P001 refused while
+    the flag was ignored (61 layers do not split evenly over 32 stages) now checks."""
+    path = _deepseek_layout_launch(tmp_path, "Et|(tt|)*30mL")
+    data = imported(path, device_memory="80GiB")
+    assert data["training"]["pipeline_layers"] == [1] + [2] * 30 + [0]
+    assert data["training"]["virtual_pipeline_stages"] == 4
+    assert data["training"]["pipeline_schedule"] == "interleaved_1f1b"
+    status, out, _ = run_cli(capsys, "check", str(path), "--device-memory", "80GiB")
+    assert status == 0 and "P001" not in out and "layout" not in out, out
+    # one stage per rank: no virtual stages
+    path = _deepseek_layout_launch(tmp_path, "Ettttttt|(t*8|)*6,ttttttmL")
+    data = imported(path, device_memory="80GiB")
+    assert data["training"]["pipeline_layers"] == [7] + [8] * 6 + [6]
+    assert data["training"]["pipeline_schedule"] == "1f1b" and "virtual_pipeline_stages" not in data["training"]
+
+
+@pytest.mark.parametrize(
+    "layout, extra, says",
+    [
+        ("Et|(tt|)*29mL", "", "31 stages, which the pipeline size 8 does not divide"),
+        ("Et|(tt|)*30Lm", "", "end with the loss"),
+        ("Et|(tt|)*30L", "", "holds 0 multi-token prediction layers (m) but the model has 1"),
+        ("Ett|(tt|)*30mL", "", "holds 62 decoder layers (t) but the model has 61"),
+        ("Et|(tt|)*29,tm|tL", "", "a decoder layer (t) follows a multi-token prediction layer"),
+        ("Et|(tt|)*30mL", "x", None),
+        ("Et|(tt|)*30,mX", "", "'X' is not a layer character"),
+        ("Et*3|(tt|)*29m|L", "", "on pipeline rank 6, not the last (7)"),
+        ("Et|(tt|)*30mL", "--num-virtual-stages-per-pipeline-rank 4", "is given with --num-layers-per-virtual"),
+        ("Et|(tt|)*30mL", "--decoder-first-pipeline-num-layers 7", "is given with --decoder-first-pipeline-num-layers"),
+        ("Et|(tt|)*30mL", "--account-for-loss-in-pipeline-split", "--account-for-loss-in-pipeline-split"),
+        ("Et|(tt|)*30mL", "--virtual-pipeline-model-parallel-size 2", "conflicts with the layout's 4 virtual stages"),
+    ],
+)
+def test_megatron_pipeline_layouts_megatron_refuses_are_refused(tmp_path, layout, extra, says):
+    if says is None:  # the control: the same launch with the recipe's layout reads
+        imported(_deepseek_layout_launch(tmp_path, layout), device_memory="80GiB")
+        return
+    with pytest.raises(SourceError) as info:
+        imported(_deepseek_layout_launch(tmp_path, layout, extra), device_memory="80GiB")
+    messages = [d.message for d in info.value.diagnostics]
+    assert any(says in m for m in messages), messages
+
+
+def test_megatron_functional_test_configs_are_read_as_their_harness_passes_them(tmp_path, capsys):
+    """Megatron-LM's functional-test configs (MODEL_ARGS of flags) become the arguments
+    _run_training.sh passes: anchors merged, xargs then eval on each value (a layout's escaped bars),
+    `true` the bare flag, `[...]` its words, an empty value dropped, a harness variable in a value
+    the reader needs noted; the world, which the file does not give, assumed so the batch divides."""
+    path = tmp_path / "model_config.yaml"
+    path.write_text(
+        "ENV_VARS:\n  CUDA_DEVICE_MAX_CONNECTIONS: 1\n"
+        "BASE: &BASE\n  --num-layers: 8\n  --hidden-size: 64\n"
+        "MODEL_ARGS:\n  <<: *BASE\n  --num-attention-heads: 4\n  --vocab-size: 128\n"
+        "  --pipeline-model-parallel-size: 2\n"
+        "  --pipeline-model-parallel-layout: Et*3\\\\|\\\\(t\\\\)*5L # Et*3|(t)*5L\n"
+        '  --recompute-granularity: selective\n  --recompute-modules: "[core_attn mlp]"\n'
+        "  --sequence-parallel: true\n  --tensor-model-parallel-size: 2\n  --bf16: true\n"
+        "  --micro-batch-size: 1\n  --global-batch-size: 3\n  --seq-length: 128\n"
+        "  --max-position-embeddings: 128\n  --seed: ${REPEAT}\n  --data-path: ${DATA_PATH}/x\n"
+        "  --lr-decay-style: ''\n"
+        "TEST_TYPE: regular\n"
+    )
+    doc, diagnostics = read_any(path, str(path), ImportOptions(device_memory="80GiB"))
+    data = doc.data
+    assert data["model"]["num_layers"] == 8 and data["model"]["hidden_size"] == 64
+    assert data["training"]["pipeline_layers"] == [3, 5] and "virtual_pipeline_stages" not in data["training"]
+    assert data["training"]["recompute_modules"] == ["core_attn", "mlp"]
+    assert data["training"]["sequence_parallel"] is True and data["training"]["precision"] == "bf16"
+    # 8 devices would make dp 2, which does not divide the global batch of 3 sequences: 4 (dp 1)
+    assert data["resources"]["devices"] == 4 and data["mesh"]["dp_replicate"] == 1
+    texts = [d.text() for d in diagnostics]
+    assert any("`--seed` is ignored" in t and "${REPEAT}" in t for t in texts), texts
+    assert not any("--data-path" in t or "lr-decay" in t for t in texts), texts
+    status, out, _ = run_cli(capsys, "check", str(path), "--device-memory", "80GiB")
+    assert status == 0, out
+    nemo = tmp_path / "nemo.yaml"
+    nemo.write_text("MODEL_ARGS:\n  trainer.devices: 8\n  model.num_layers: 2\n")
+    status, out, _ = run_cli(capsys, "check", str(nemo))
+    assert status == 2 and "holds no Megatron-LM arguments" in out, out

@@ -15,7 +15,7 @@ import shlex
 
 from mixle_compile.engines import engine_profile
 from mixle_compile.export import Exported, ExportRefused, memory_text
-from mixle_compile.layer_split import megatron_accounting, megatron_uneven_of
+from mixle_compile.layer_split import megatron_accounting, megatron_layout_text, megatron_uneven_of
 from mixle_compile.spec.models import Spec, parallel_plan
 
 # megatron/core/parallel_state.py initialize_model_parallel: order "tp-cp-ep-dp-pp", or "tp-cp-ep-pp-dp"
@@ -57,23 +57,17 @@ def megatron_arguments(spec: Spec) -> list[str]:
         reasons.append(("training.optimizer", "adam: Megatron-LM's adam applies decoupled weight decay (adamw)"))
     if t.pipeline_schedule == "gpipe":
         reasons.append(("training.pipeline_schedule", "Megatron-Core has no GPipe schedule"))
-    uneven = accounted = None
+    uneven = accounted = layout = None
     if isinstance(t.pipeline_layers, list):
         split = t.pipeline_layers
         # --account-for-embedding/loss-in-pipeline-split (megatron/training/arguments.py), else
-        # --decoder-first/last-pipeline-num-layers
+        # --decoder-first/last-pipeline-num-layers, else any split as --pipeline-model-parallel-layout
+        # (Megatron-LM 0.13 and later; the export writes the newest supported Megatron-LM's launch)
         accounted = megatron_accounting(split, m.num_layers, mesh.pp, t.virtual_pipeline_stages)
         if accounted is None:
             uneven = megatron_uneven_of(split, m.num_layers, mesh.pp, t.virtual_pipeline_stages)
         if accounted is None and uneven is None:
-            reasons.append(
-                (
-                    "training.pipeline_layers",
-                    "Megatron-LM's arguments set the first and last stages' layers "
-                    "(--decoder-first/last-pipeline-num-layers) with the middle ones even, or count the "
-                    "embedding and the loss as a layer each (--account-for-embedding/loss-in-pipeline-split)",
-                )
-            )
+            layout = megatron_layout_text(split, mesh.pp, m.mtp_num_layers)
     if t.attention is not None:
         reasons.append(("training.attention", "not written by this exporter; remove it to export"))
     if t.compile:
@@ -108,7 +102,7 @@ def megatron_arguments(spec: Spec) -> list[str]:
     if m.num_experts and m.moe_layer_frequency != 1:
         pass  # written as --moe-layer-freq N
     per_stage = None
-    if t.virtual_pipeline_stages > 1 and accounted is None and uneven is None:
+    if t.virtual_pipeline_stages > 1 and accounted is None and uneven is None and layout is None:
         if m.num_layers % (mesh.pp * t.virtual_pipeline_stages):
             reasons.append(
                 ("training.virtual_pipeline_stages", "Megatron splits the layers evenly into virtual stages")
@@ -208,6 +202,8 @@ def megatron_arguments(spec: Spec) -> list[str]:
         a += ["--account-for-loss-in-pipeline-split"] * loss
     if uneven is not None:
         a += ["--decoder-first-pipeline-num-layers", uneven[0], "--decoder-last-pipeline-num-layers", uneven[1]]
+    if layout is not None:  # the layout sets the virtual stages too (validate_args)
+        a += ["--pipeline-model-parallel-layout", layout]
     if mesh.order == TP_PP_DP_ORDER:
         a += ["--use-tp-pp-dp-mapping"]
     if t.sequence_parallel:

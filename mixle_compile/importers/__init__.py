@@ -49,6 +49,7 @@ DEEPSPEED_KEYS = {
 }
 # A line that reads another script: `source`/`.` or a runner the shell reader follows (shell.RUNNERS).
 _FOLLOWS = re.compile(rf"^[ \t]*(?:source|\.|{'|'.join(RUNNERS)})[ \t]+(?:-\S+[ \t]+)*[^-\s]\S*", re.M)
+_MEGATRON_TEST_CONFIG = re.compile(r"^MODEL_ARGS[ \t]*:", re.M)
 _MEGATRON_FLAG = re.compile(
     r"--(tensor|pipeline)-model-parallel-size|--num-layers\b|--micro-batch-size|pretrain_\w+\.py"
     r"|--hybrid-(layer|override)-pattern\b"  # a hybrid Mamba model's arguments: read, to be refused by name
@@ -88,6 +89,10 @@ def detect_format(path: str | Path, raw: bytes) -> str:
                 return "mixle"
         return "spec"
     if suffix in (".yaml", ".yml"):
+        # Megatron-LM's functional-test configs (tests/functional_tests/test_cases/*/*/model_config.yaml):
+        # the training script's arguments as a MODEL_ARGS mapping of flags
+        if _MEGATRON_TEST_CONFIG.search(text):
+            return "megatron"
         return "spec"
     if suffix == ".py":
         return (

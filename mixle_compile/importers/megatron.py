@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import math
 import re
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
 from mixle_compile.importers import codes
 from mixle_compile.importers.builder import ImportOptions, SpecBuilder, resources
 from mixle_compile.importers.shell import Shell, ShellRun, Word, slurm_options
-from mixle_compile.layer_split import megatron_accounted, megatron_uneven
+from mixle_compile.layer_split import LayoutError, megatron_accounted, megatron_layout, megatron_uneven
 from mixle_compile.spec.source import Position, SourceDocument
 
 # Flags the spec reads: name -> "int", "float", "str" or "bool" (a store_true switch).
@@ -97,6 +98,7 @@ READ = {
     "--decoder-last-pipeline-num-layers": "int",
     "--account-for-embedding-in-pipeline-split": "bool",
     "--account-for-loss-in-pipeline-split": "bool",
+    "--pipeline-model-parallel-layout": "str",
 }
 #: Flags validate_args refuses as deprecated: (the flag to use now, how to rewrite the launch).
 DEPRECATED = {
@@ -312,8 +314,89 @@ class Launch:
     run: ShellRun
 
 
+def test_config_words(text: str) -> tuple[list[Word], list[tuple[str, Position, str]]] | None:
+    """The training script's arguments of a Megatron-LM functional-test config
+    (tests/functional_tests/test_cases/<model>/<case>/model_config.yaml), each where it is written, or
+    None when ``text`` is not one. Its ``MODEL_ARGS`` mapping is turned into arguments as Megatron-LM's
+    tests/functional_tests/shell_test_utils/_run_training.sh does (core_v0.16.1): anchors and merges
+    expanded (yq's ``explode``), an empty string dropped, each value passed through ``xargs`` (quotes
+    and backslashes removed: a layout written ``Et\\\\|\\\\(tt\\\\|\\\\)*6mL`` is ``Et|(tt|)*6mL``),
+    then ``true`` is the bare flag, a value in ``[...]`` its words without the brackets, one in
+    ``(...)`` or holding spaces one word, any other value the words ``eval`` makes of it. The
+    arguments of a checkpoint-resume run (``MODEL_ARGS_2``, ...) are not read, nor (noted) a flag the
+    reader reads whose value names a variable the harness sets (``--seed: ${REPEAT}``)."""
+    import yaml
+
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return None
+    if not isinstance(root, yaml.MappingNode):
+        return None
+    node = next((v for k, v in root.value if isinstance(k, yaml.ScalarNode) and k.value == "MODEL_ARGS"), None)
+    if not isinstance(node, yaml.MappingNode):
+        return None
+
+    def entries(mapping: yaml.MappingNode):
+        """Key and value nodes in order, merges (``<<: *anchor``) first as the YAML merge key has them."""
+        for key, value in mapping.value:
+            if key.tag == "tag:yaml.org,2002:merge":
+                for merged in value.value if isinstance(value, yaml.SequenceNode) else [value]:
+                    if isinstance(merged, yaml.MappingNode):
+                        yield from entries(merged)
+            else:
+                yield key, value
+
+    def at(n: yaml.Node) -> Position:
+        return Position(n.start_mark.line + 1, n.start_mark.column + 1)
+
+    last: dict[str, tuple[yaml.Node, yaml.Node]] = {}
+    for key, value in entries(node):
+        if isinstance(key, yaml.ScalarNode):
+            last.pop(key.value, None)  # a later key replaces an earlier one, in its place
+            last[key.value] = (key, value)
+
+    def shell_words(text: str) -> list[str]:
+        """The words eval makes of unquoted text (quotes and backslashes removed), or the text split."""
+        try:
+            return shlex.split(text)
+        except ValueError:
+            return text.split()
+
+    words: list[Word] = []
+    notes: list[tuple[str, Position, str]] = []
+    for flag, (key, value) in last.items():
+        if not isinstance(value, yaml.ScalarNode):  # yq's tostring of a list or mapping: its YAML
+            shown = yaml.safe_dump(yaml.safe_load(yaml.serialize(value)), default_flow_style=True).strip()
+        else:
+            loaded = yaml.safe_load(yaml.serialize(value))
+            # yq's tostring of a YAML boolean or null (1 and 0 stay numbers)
+            named = ((True, "true"), (False, "false"), (None, "null"))
+            shown = next((text for v, text in named if loaded is v), value.value)
+        if shown == "":  # dropped (yq: select(.value != ""))
+            continue
+        # `echo "$value" | xargs`: quotes and backslashes removed, blanks squeezed
+        text = " ".join(shell_words(shown))
+        if flag in READ and re.search(r"\$(\{\w+\}|\w+)", text):  # the harness's variables (${REPEAT})
+            notes.append((flag, at(key), f"its value {text!r} names a variable the test harness sets when it runs"))
+            continue
+        words.append(Word(flag, at(key)))
+        if text == "true":  # the bare flag
+            continue
+        if re.fullmatch(r"\[[^\]]+\]", text):  # the words inside the brackets
+            words.extend(Word(part, at(value)) for part in shell_words(text[1:-1]))
+        elif re.fullmatch(r"\([^)]+\)", text) or " " in text:  # one word, in double quotes for eval
+            words.append(Word(re.sub(r'\\([$`"\\])', r"\1", text), at(value)))
+        else:
+            words.extend(Word(part, at(value)) for part in shell_words(text))
+    return words, notes
+
+
 def launch_words(text: str, path: Path | None = None) -> Launch:
     """The launch of a launch script or arguments file (at ``path``, from which sourced files are found)."""
+    test_config = test_config_words(text) if path is not None and path.suffix.lower() in (".yaml", ".yml") else None
+    if test_config is not None:
+        return Launch(test_config[0], [], test_config[1], None, ShellRun())
     run = Shell().execute(text, path=path)
     notes = [
         (f"[ {t} ]", p, "a test that cannot be decided without running the script; its branch is skipped")
@@ -578,12 +661,38 @@ def fsdp_refusals(b: SpecBuilder, has, at, text_of, pp: int, ep: int) -> None:
             )
 
 
+def _batch_admits(num, model_parallel: int):
+    """Whether a world of ``n`` devices runs the launch's batch: Megatron's micro-batch calculator
+    asserts the global batch divides by micro-batch * data-parallel size
+    (megatron/core/num_microbatches_calculator.py, ConstantNumMicroBatchesCalculator); a launch without
+    --global-batch-size takes micro * dp (validate_args) and runs on any."""
+    glob, micro = num("--global-batch-size"), num("--micro-batch-size", 1)
+    if not isinstance(glob, int) or not isinstance(micro, int) or micro < 1:
+        return None
+
+    def admits(n: int) -> bool:
+        return n % model_parallel == 0 and glob % (micro * (n // model_parallel)) == 0
+
+    return admits
+
+
 def read_megatron(
     text: str, name: str, options: ImportOptions, path: Path | None = None
 ) -> tuple[SourceDocument, list]:
     launch = launch_words(text, path)
     words, launcher, notes, entry = launch.words, launch.launcher, launch.notes, launch.entry
     b = SpecBuilder(name, "megatron")
+    test_config = path is not None and path.suffix.lower() in (".yaml", ".yml")
+    if test_config and not any(w.text.startswith("--") for w in words):
+        # a MODEL_ARGS mapping without Megatron-LM flags: NeMo's test configs (`trainer.devices: 8`), or none
+        b.diagnostic(
+            codes.UNSUPPORTED_FORMAT.code,
+            f"{name} is a functional-test config whose MODEL_ARGS holds no Megatron-LM arguments (`--num-layers: "
+            "32` and the like); NeMo's overrides (`trainer.devices`, `model.*`) are not read",
+            None,
+            hint="check the Megatron-LM launch or arguments file, or write a spec",
+        )
+        return b.result()
     if entry is None and not words:
         # Detected by the files it reads (a `source` or `sbatch` line), which hold no launch either.
         b.diagnostic(
@@ -878,6 +987,8 @@ def read_megatron(
         divisor=math.lcm(tp * pp * cp, etp * ep * pp),
         memory=memory,
         memory_origin=memory_origin,
+        admits=_batch_admits(num, tp * pp * cp),
+        admits_why="--global-batch-size over --micro-batch-size * data-parallel size",
     )
     dp = max(1, devices // (tp * pp * cp))
     set_(("mesh", "tp"), tp, "--tensor-model-parallel-size")
@@ -934,7 +1045,13 @@ def read_megatron(
     layers = b.get(("model", "num_layers"))
     vpp = num("--virtual-pipeline-model-parallel-size") or num("--num-virtual-stages-per-pipeline-rank")
     per_stage = num("--num-layers-per-virtual-pipeline-stage")
-    if per_stage is not None and isinstance(layers, int):
+    layout = _pipeline_layout(b, has, at, text_of, pp, layers, vpp, per_stage)
+    if layout is False:
+        return b.result()
+    if layout is not None:
+        vpp = layout.virtual_stages
+        flag = "--pipeline-model-parallel-layout"
+    elif per_stage is not None and isinstance(layers, int):
         if layers % (pp * per_stage):
             b.refuse(
                 f"--num-layers {layers} is not pp {pp} * --num-layers-per-virtual-pipeline-stage "
@@ -955,6 +1072,14 @@ def read_megatron(
         set_(("training", "pipeline_schedule"), "interleaved_1f1b", flag)
     else:
         set_(("training", "pipeline_schedule"), "1f1b", None, "Megatron's non-interleaved 1F1B")
+
+    if layout is not None:
+        b.set(
+            ("training", "pipeline_layers"),
+            list(layout.counts),
+            at=at("--pipeline-model-parallel-layout"),
+            origin="--pipeline-model-parallel-layout (the decoder layers of each virtual stage)",
+        )
 
     def listed_split(split, where, refusal: tuple[str, str], origin: str) -> bool:
         """Set training.pipeline_layers to Megatron's split, or refuse where Megatron refuses it (False)."""
@@ -1068,6 +1193,83 @@ def read_megatron(
         set_(("training", "seed"), num("--seed"), "--seed")
     b.set(("backend",), {"name": "megatron", "entry": "arguments"}, origin="pretrain_gpt.py arguments")
     return b.result()
+
+
+def _pipeline_layout(b: SpecBuilder, has, at, text_of, pp: int, layers, vpp, per_stage):
+    """``--pipeline-model-parallel-layout`` (Megatron-LM 0.13 and later): the layers of every virtual
+    stage, read by layer_split.megatron_layout as Megatron-Core 0.16 reads it. Returns the layout,
+    None without the flag, or False where Megatron refuses the launch (the refusal is reported).
+
+    validate_args (megatron/training/arguments.py) asserts that at most one of the layout,
+    --num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank is set, and
+    takes the virtual stages from the layout; TransformerConfig.__post_init__
+    (megatron/core/transformer/transformer_config.py) raises for the layout with
+    --decoder-first/last-pipeline-num-layers or --account-for-embedding/loss-in-pipeline-split and
+    asserts a virtual pipeline size given beside it equals the layout's."""
+    flag = "--pipeline-model-parallel-layout"
+    if not has(flag):
+        return None
+    where = at(flag)
+    text = text_of(flag)
+    if not text:
+        b.refuse(f"`{flag}` needs a value", where, f'write `{flag} "Et|(tt|)*N,L"`: E, t, m, L per stage')
+        return False
+    if per_stage is not None or has("--num-virtual-stages-per-pipeline-rank"):
+        b.refuse(
+            f"`{flag}` is given with --num-layers-per-virtual-pipeline-stage or --num-virtual-stages-per-pipeline-rank",
+            where,
+            "Megatron-LM's validate_args allows only one of them: the layout sets the virtual stages, drop the other",
+        )
+        return False
+    others = [
+        f
+        for f in (
+            "--decoder-first-pipeline-num-layers",
+            "--decoder-last-pipeline-num-layers",
+            "--account-for-embedding-in-pipeline-split",
+            "--account-for-loss-in-pipeline-split",
+        )
+        if has(f)
+    ]
+    if others:
+        b.refuse(
+            f"`{flag}` is given with {', '.join(others)}",
+            where,
+            "Megatron's TransformerConfig raises for a layout beside another way of splitting the layers: keep one",
+        )
+        return False
+    if not isinstance(layers, int):
+        return None  # the model's size is refused already
+    mtp = b.get(("model", "mtp_num_layers")) or 0
+    try:
+        layout = megatron_layout(text, pp, layers, mtp)
+    except LayoutError as error:
+        b.refuse(
+            f"the pipeline layout {text!r} is refused by Megatron: {error}",
+            where,
+            "Megatron-Core's PipelineParallelLayerLayout asserts this (pipeline_parallel_layer_layout.py): "
+            "fix the layout string",
+        )
+        return False
+    if vpp is not None and vpp != layout.virtual_stages and (vpp > 1 or layout.virtual_stages > 1):
+        b.refuse(
+            f"--virtual-pipeline-model-parallel-size {vpp} conflicts with the layout's {layout.virtual_stages} "
+            f"virtual stages ({len(layout.counts)} stages over pp {pp})",
+            where,
+            "TransformerConfig asserts they agree: drop --virtual-pipeline-model-parallel-size",
+        )
+        return False
+    if layout.mtp_rank is not None and layout.mtp_rank != pp - 1:
+        b.refuse(
+            f"the pipeline layout {text!r} puts the multi-token prediction layers on pipeline rank "
+            f"{layout.mtp_rank}, not the last ({pp - 1}): Megatron runs that (mtp_standalone), this tool does "
+            "not model it",
+            where,
+            "move `m` into the last stage (before `L`) to check the launch; the memory and step time of a rank "
+            "holding only the depths are not priced",
+        )
+        return False
+    return layout
 
 
 def _multi_token_prediction(b: SpecBuilder, has, num, at, set_, text_of, *, from_hf: bool) -> None:
