@@ -16,10 +16,10 @@ Two families of schedules exist among the engines we model:
 * ``megatron``: ``megatron.core.pipeline_parallel.schedules`` (Megatron-Core 0.12-0.16). The
   non-interleaved 1F1B warms up ``min(pp - rank - 1, m)`` micro-batches and takes any m; the
   interleaved schedule advances micro-batches in groups of
-  ``microbatch_group_size_per_vp_stage`` (default pp, ``ModelParallelConfig.__post_init__``)
-  and needs the group within ``[pp, m]`` and ``m % group`` either 0 or at least pp; with the
-  default group that is ``m % pp == 0``. Megatron has no GPipe schedule and no interleaving
-  without virtual stages: with ``virtual_pipeline_stages: 1`` it runs 1F1B.
+  ``microbatch_group_size_per_vp_stage`` (default pp, ``ModelParallelConfig.__post_init__``; a
+  spec's ``training.microbatch_group_size``) and needs the group within ``[pp, m]`` and ``m % group``
+  either 0 or at least pp; with the default group that is ``m % pp == 0``. Megatron has no GPipe
+  schedule and no interleaving without virtual stages: with ``virtual_pipeline_stages: 1`` it runs 1F1B.
 
 Every formula takes a :class:`Logic` (the connectives that differ between numbers and solver
 terms); :data:`NUMBERS` serves the builder, the verifier passes its Z3 version.
@@ -43,6 +43,8 @@ class ScheduleFamily(StrEnum):
 class Logic(Protocol):
     def all_of(self, *terms: Any) -> Any: ...
 
+    def any_of(self, *terms: Any) -> Any: ...
+
     def larger(self, a: Any, b: Any) -> Any: ...
 
     def quotient(self, a: Any, b: Any) -> Any:
@@ -54,6 +56,9 @@ class Logic(Protocol):
 class _Numbers:
     def all_of(self, *terms):
         return all(terms)
+
+    def any_of(self, *terms):
+        return any(terms)
 
     def larger(self, a, b):
         return max(a, b)
@@ -88,9 +93,11 @@ class Requirement:
     code: str
     family: ScheduleFamily
     schedule: str  # the schedule it constrains (as the engine runs it, see `runs`)
-    holds: Callable[[Logic, Any, Any], Any]  # (logic, pp, microbatches) -> condition
-    broken: Callable[[int, int], str]  # why it fails, for numbers
-    fix: Callable[[int, int], str]
+    # (logic, pp, microbatches, group) -> condition; group: Megatron's interleaved group (resolved:
+    # the spec's microbatch_group_size, or pp), which only P004 reads
+    holds: Callable[[Logic, Any, Any, Any], Any]
+    broken: Callable[[int, int, int], str]  # why it fails, for numbers
+    fix: Callable[[int, int, int], str]
     source: str
 
 
@@ -103,34 +110,42 @@ REQUIREMENTS: tuple[Requirement, ...] = (
         code="P003",
         family=ScheduleFamily.TORCH,
         schedule="1f1b",
-        holds=lambda logic, pp, m: m >= pp,
-        broken=lambda pp, m: f"{_plural(m)} for pp={pp} stages: torch's Schedule1F1B needs at least one per stage",
-        fix=lambda pp, m: f"use at least {pp} micro-batches, or pipeline_schedule: interleaved_1f1b or gpipe",
+        holds=lambda logic, pp, m, group: m >= pp,
+        broken=lambda pp, m, group: (
+            f"{_plural(m)} for pp={pp} stages: torch's Schedule1F1B needs at least one per stage"
+        ),
+        fix=lambda pp, m, group: f"use at least {pp} micro-batches, or pipeline_schedule: interleaved_1f1b or gpipe",
         source="torch 2.13 torch/distributed/pipelining/schedules.py, Schedule1F1B.__init__",
     ),
     Requirement(
         code="P004",
         family=ScheduleFamily.MEGATRON,
         schedule="interleaved_1f1b",
-        holds=lambda logic, pp, m: m % pp == 0,
-        broken=lambda pp, m: f"{_plural(m)} do not form whole groups of pp={pp} ({m} % {pp} != 0)",
-        fix=lambda pp, m: f"use a multiple of {pp} micro-batches, e.g. {max(1, -(-m // pp)) * pp}",
+        holds=lambda logic, pp, m, group: logic.all_of(
+            group >= pp, group <= m, logic.any_of(m % group == 0, m % group >= pp)
+        ),
+        broken=lambda pp, m, group: _megatron_groups_broken(pp, m, group),
+        fix=lambda pp, m, group: (
+            f"use a multiple of {group} micro-batches, e.g. {max(1, -(-m // group)) * group}"
+            if pp <= group
+            else f"set training.microbatch_group_size to at least pp={pp}, or leave it out (pp)"
+        ),
         source=(
             "Megatron-Core 0.16 megatron/core/pipeline_parallel/schedules.py, "
-            "forward_backward_pipelining_with_interleaving (group size checks), "
-            "model_parallel_config.py (microbatch_group_size_per_vp_stage defaults to pp)"
+            "forward_backward_pipelining_with_interleaving (the group within [pp, m], the last group 0 or "
+            "at least pp), model_parallel_config.py (microbatch_group_size_per_vp_stage defaults to pp)"
         ),
     ),
     Requirement(
         code="P005",
         family=ScheduleFamily.TORCH,
         schedule="interleaved_1f1b",
-        holds=lambda logic, pp, m: m % torch_rounds(logic, pp, m) == 0,
-        broken=lambda pp, m: (
+        holds=lambda logic, pp, m, group: m % torch_rounds(logic, pp, m) == 0,
+        broken=lambda pp, m, group: (
             f"{_plural(m)} over pp={pp} make {torch_rounds(NUMBERS, pp, m)} rounds, and "
             f"{m} % {torch_rounds(NUMBERS, pp, m)} != 0"
         ),
-        fix=lambda pp, m: (
+        fix=lambda pp, m, group: (
             f"use a multiple of {torch_rounds(NUMBERS, pp, m)} micro-batches, e.g. {torch_rounds(NUMBERS, pp, m) * pp}"
         ),
         source="torch 2.13 torch/distributed/pipelining/schedules.py, ScheduleInterleaved1F1B.__init__ "
@@ -179,26 +194,40 @@ def runs(family: ScheduleFamily, schedule: str, pp: int, virtual_stages: int) ->
 
 
 def refusal(
-    family: ScheduleFamily, schedule: str, pp: int, microbatches: int, virtual_stages: int
+    family: ScheduleFamily,
+    schedule: str,
+    pp: int,
+    microbatches: int,
+    virtual_stages: int,
+    group: int | None = None,
 ) -> Requirement | None:
-    """The first requirement the engine's schedule puts on these numbers that they break."""
+    """The first requirement the engine's schedule puts on these numbers that they break
+    (``group``: Megatron's ``microbatch_group_size_per_vp_stage``, None for its default pp)."""
     for r in REQUIREMENTS:
         if r.family is not family:
             continue
         if applies(NUMBERS, r, pp=pp, virtual_stages=virtual_stages, chosen=lambda name: name == schedule):
-            if not r.holds(NUMBERS, pp, microbatches):
+            if not r.holds(NUMBERS, pp, microbatches, group or pp):
                 return r
     return None
 
 
-def interleaved_group(family: ScheduleFamily, pp: int, microbatches: int) -> int:
+def _megatron_groups_broken(pp: int, m: int, group: int) -> str:
+    if group == pp:
+        return f"{_plural(m)} do not form whole groups of pp={pp} ({m} % {pp} != 0)"
+    if not pp <= group <= m:
+        return f"the micro-batch group of {group} is not within [pp={pp}, {_plural(m)}]"
+    return f"{_plural(m)} leave a last group of {m % group}, fewer than pp={pp} ({m} % {group} = {m % group})"
+
+
+def interleaved_group(family: ScheduleFamily, pp: int, microbatches: int, group: int | None = None) -> int:
     """How many consecutive micro-batches an interleaved schedule runs on one chunk before the next.
 
-    torch: :func:`microbatches_per_round`; Megatron: its default
-    ``microbatch_group_size_per_vp_stage``, pp."""
+    torch: :func:`microbatches_per_round`; Megatron: ``microbatch_group_size_per_vp_stage``
+    (``group``, a spec's ``training.microbatch_group_size``), by default pp."""
     if family is ScheduleFamily.TORCH:
         return microbatches_per_round(NUMBERS, pp, microbatches)
-    return pp
+    return group or pp
 
 
 def one_f_one_b_warmup(logic: Logic, pp: Any, microbatches: Any, stage: Any) -> Any:

@@ -296,6 +296,37 @@ def test_megatron_warmups_and_interleaved_table_equal_megatron_core(megatron):
                     assert forwards == schedules.get_schedule_table(m, v, pp), (pp, v, m, stage)
 
 
+def test_megatron_interleaved_groups_equal_megatron_core(megatron):
+    """training.microbatch_group_size (microbatch_group_size_per_vp_stage) against Megatron-Core: every
+    group its interleaved schedule accepts (within [pp, m], the last group empty or at least pp) warms
+    up and orders the forwards as get_pp_rank_microbatches and get_schedule_table do."""
+    from mixle_compile.schedules import ScheduleFamily, refusal
+
+    _, schedules = megatron
+    compared = 0
+    for pp, v in itertools.product(range(2, 5), range(2, 4)):
+        for m in range(1, 3 * pp + 2):
+            for group in range(1, m + 2):
+                accepted = pp <= group <= m and (m % group == 0 or m % group >= pp)  # schedules.py's checks
+                assert (refusal(ScheduleFamily.MEGATRON, "interleaved_1f1b", pp, m, v, group) is None) == accepted
+                if not accepted:
+                    continue
+                programs = pipeline_schedule(pp, m, "interleaved_1f1b", v, family="megatron", group=group)
+                for stage in range(pp):
+                    _, _, warmup, _ = schedules.get_pp_rank_microbatches(
+                        m, v, group, p2p_communicator=_Communicator(pp, stage, v)
+                    )
+                    assert warmup == warmup_forwards("interleaved_1f1b", pp, m, v, stage, group), (pp, v, m, group)
+                    forwards = [
+                        (mb, (vs - stage) // pp)
+                        for kind, vs, mb in _our_compute_order(programs, stage, pp)
+                        if kind == "F"
+                    ]
+                    assert forwards == schedules.get_schedule_table(m, v, group), (pp, v, m, group, stage)
+                compared += 1
+    assert compared > 60
+
+
 # --------------------------------------------------------------------------- torchtitan
 
 

@@ -2964,3 +2964,37 @@ def test_megatron_functional_test_configs_are_read_as_their_harness_passes_them(
     nemo.write_text("MODEL_ARGS:\n  trainer.devices: 8\n  model.num_layers: 2\n")
     status, out, _ = run_cli(capsys, "check", str(nemo))
     assert status == 2 and "holds no Megatron-LM arguments" in out, out
+
+
+@pytest.mark.parametrize(
+    "model, case, says",
+    [
+        ("gpt", "gpt3_x", None),
+        ("moe", "gpt3_moe_x", None),
+        ("bert", "bert_x", "pretrain_bert.py trains a model other than"),
+        ("t5", "t5_x", "pretrain_t5.py trains a model other than"),
+        ("hybrid", "hybrid_x", "pretrain_mamba.py trains a Mamba"),
+        ("gpt", "gpt_dynamic_inference_x", "is an inference test"),
+        ("gpt", "gpt_grpo_x", "train_rl.py"),
+    ],
+)
+def test_a_functional_test_config_runs_its_recipes_script(tmp_path, capsys, model, case, says):
+    """Megatron-LM's recipes (tests/test_utils/recipes/h100/<model>.yaml) run TRAINING_SCRIPT_PATH with
+    test_cases/<model>/<case>/model_config.yaml: the folder names the script, so a BERT case is refused by
+    name rather than read as a GPT model's arguments."""
+    folder = tmp_path / "tests" / "functional_tests" / "test_cases" / model / case
+    folder.mkdir(parents=True)
+    path = folder / "model_config.yaml"
+    path.write_text(
+        "MODEL_ARGS:\n  --num-layers: 4\n  --hidden-size: 64\n  --num-attention-heads: 4\n  --vocab-size: 128\n"
+        "  --micro-batch-size: 1\n  --global-batch-size: 8\n  --seq-length: 64\n  --max-position-embeddings: 64\n"
+    )
+    status, out, _ = run_cli(capsys, "check", str(path), "--device-memory", "80GiB")
+    if says is None:
+        assert status == 0 and "functional-test config away from" not in out, out
+    else:
+        assert status == 2 and says in out, out
+    elsewhere = tmp_path / "model_config.yaml"
+    elsewhere.write_text(path.read_text())
+    status, out, _ = run_cli(capsys, "check", str(elsewhere), "--device-memory", "80GiB")
+    assert status == 0 and "read as pretrain_gpt.py's arguments" in out, out

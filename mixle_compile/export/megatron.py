@@ -204,6 +204,8 @@ def megatron_arguments(spec: Spec) -> list[str]:
         a += ["--decoder-first-pipeline-num-layers", uneven[0], "--decoder-last-pipeline-num-layers", uneven[1]]
     if layout is not None:  # the layout sets the virtual stages too (validate_args)
         a += ["--pipeline-model-parallel-layout", layout]
+    if t.microbatch_group_size is not None:  # ModelParallelConfig.microbatch_group_size_per_vp_stage
+        a += ["--microbatch-group-size-per-virtual-pipeline-stage", t.microbatch_group_size]
     if mesh.order == TP_PP_DP_ORDER:
         a += ["--use-tp-pp-dp-mapping"]
     if t.sequence_parallel:

@@ -99,6 +99,7 @@ READ = {
     "--account-for-embedding-in-pipeline-split": "bool",
     "--account-for-loss-in-pipeline-split": "bool",
     "--pipeline-model-parallel-layout": "str",
+    "--microbatch-group-size-per-virtual-pipeline-stage": "int",
 }
 #: Flags validate_args refuses as deprecated: (the flag to use now, how to rewrite the launch).
 DEPRECATED = {
@@ -392,11 +393,46 @@ def test_config_words(text: str) -> tuple[list[Word], list[tuple[str, Position, 
     return words, notes
 
 
+#: The training script Megatron-LM's functional-test recipes run for the configs under
+#: tests/functional_tests/test_cases/<model>/ (tests/test_utils/recipes/h100/<model>.yaml, core_v0.16.1:
+#: TRAINING_SCRIPT_PATH, with TRAINING_PARAMS_PATH=.../test_cases/{model}/{test_case}/model_config.yaml).
+TEST_CASE_SCRIPTS = {
+    "gpt": "pretrain_gpt.py",
+    "moe": "pretrain_gpt.py",
+    "mixtral": "pretrain_gpt.py",
+    "bert": "pretrain_bert.py",
+    "t5": "pretrain_t5.py",
+    "hybrid": "pretrain_mamba.py",
+    "multimodal-llava": "pretrain_vlm.py",
+    "mimo": "examples/mimo/train.py",
+}
+
+
+def test_config_entry(path: Path) -> tuple[str | None, str]:
+    """The training script a functional-test config runs, and how that is known: from the
+    ``test_cases/<model>/<case>/`` folders it sits in, as the recipes map them (an inference case runs
+    examples/inference/gpt/*.py, a GRPO case train_rl.py); None where the file is not in that layout."""
+    parts = path.resolve().parts
+    if "test_cases" in parts[:-1]:
+        k = len(parts) - 1 - parts[::-1].index("test_cases")
+        model = parts[k + 1] if k + 1 < len(parts) - 1 else None
+        case = parts[k + 2] if k + 2 < len(parts) - 1 else ""
+        if model is not None and "inference" in case:
+            return "examples/inference/gpt/gpt_dynamic_inference.py", f"test_cases/{model}/{case}: an inference test"
+        if model is not None and "grpo" in case:  # the gpt-grpo and moe-grpo recipes
+            return "train_rl.py", f"test_cases/{model}/{case}: a reinforcement-learning test"
+        if model in TEST_CASE_SCRIPTS:
+            return TEST_CASE_SCRIPTS[model], f"test_cases/{model}/ (the {model} recipe's TRAINING_SCRIPT_PATH)"
+    return None, "the file does not name its training script"
+
+
 def launch_words(text: str, path: Path | None = None) -> Launch:
     """The launch of a launch script or arguments file (at ``path``, from which sourced files are found)."""
     test_config = test_config_words(text) if path is not None and path.suffix.lower() in (".yaml", ".yml") else None
     if test_config is not None:
-        return Launch(test_config[0], [], test_config[1], None, ShellRun())
+        script, _ = test_config_entry(path)
+        entry = None if script is None else Word(script, Position(1, 1))
+        return Launch(test_config[0], [], test_config[1], entry, ShellRun())
     run = Shell().execute(text, path=path)
     notes = [
         (f"[ {t} ]", p, "a test that cannot be decided without running the script; its branch is skipped")
@@ -705,6 +741,21 @@ def read_megatron(
         return b.result()
     for what, pos, why in notes:
         b.unmodelled(what, pos, why)
+    if test_config and entry is None:
+        b.assumed(
+            f"{name} is a functional-test config away from Megatron-LM's tests/functional_tests/test_cases/<model>/ "
+            "folders, whose recipes name the training script: read as pretrain_gpt.py's arguments",
+            None,
+            "check the file in its place in Megatron-LM's tree (bert, t5 and hybrid cases run other scripts)",
+        )
+    if test_config and entry is not None and entry.text.startswith("examples/inference/"):
+        b.refuse(
+            f"{name} is an inference test (its recipe runs {entry.text}): it serves a trained model, with no "
+            "training plan to check",
+            None,
+            "check the training cases (their recipes run pretrain_gpt.py)",
+        )
+        return b.result()
     script = entry.text.rsplit("/", 1)[-1] if entry is not None else None
     entry_origin = "pretrain_gpt.py (a GPT model)"
     if entry is not None and script not in GPT_ENTRIES:
@@ -1133,6 +1184,20 @@ def read_megatron(
             "--account-for-embedding/loss-in-pipeline-split (each counted as a layer)",
         ):
             return b.result()
+
+    # Megatron's interleaved micro-batch group (ModelParallelConfig.microbatch_group_size_per_vp_stage,
+    # default pp; its flag through ArgumentGroupFactory's argparse_meta)
+    group_flag = "--microbatch-group-size-per-virtual-pipeline-stage"
+    group = num(group_flag)
+    if group is not None:
+        if group < 1:
+            b.refuse(
+                f"`{group_flag}` must be at least 1, got {group}",
+                at(group_flag),
+                "Megatron's interleaved schedule needs the group within [pp, micro-batches]: leave it out for pp",
+            )
+            return b.result()
+        set_(("training", "microbatch_group_size"), group, group_flag)
 
     # ---- the rest of training
     if has("--sequence-parallel"):

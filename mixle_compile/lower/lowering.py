@@ -106,6 +106,7 @@ def lower(
             virtual_stages=t.virtual_pipeline_stages,
             engine=engine,
             layer_runs=runs or EACH_BLOCK,
+            group=t.microbatch_group_size,
         )
         if schedule
         else None

@@ -45,8 +45,7 @@ from mixle_compile.memory_model import (
 )
 from mixle_compile.parameters import DTYPE_BYTES, moe_layers_in, mtp_is_moe
 from mixle_compile.plan.vocabulary import ALL_DATA_AXES, KV_HEAD_AXIS, REPLICATE, expert_data_size
-from mixle_compile.schedules import NUMBERS as SCHEDULE_NUMBERS
-from mixle_compile.schedules import microbatches_per_round
+from mixle_compile.schedules import interleaved_group
 from mixle_compile.spec.models import Spec, TransformerModel
 from mixle_compile.step_time import ring_fraction
 from mixle_compile.verify.memory import activation_widths, attention_widths, expert_shape
@@ -356,7 +355,9 @@ class _Activations:
             gpipe=t.pipeline_schedule == "gpipe",
             interleaved=t.pipeline_schedule == "interleaved_1f1b" and t.virtual_pipeline_stages > 1,
             virtual_stages=t.virtual_pipeline_stages,
-            group=microbatches_per_round(SCHEDULE_NUMBERS, plan.pp, plan.microbatches),
+            group=interleaved_group(
+                engine_profile(spec.backend).schedules, plan.pp, plan.microbatches, t.microbatch_group_size
+            ),
         )
         if depths:
             per_layer_total += depths * mtp_depth_bytes(

@@ -86,7 +86,9 @@ def collective(name: str, group: str, tag: str = "", bytes: int = 0) -> Op:
 Segment = tuple[list[list[tuple[OpKind, int, int]]], int, int]
 
 
-def _segments(family: ScheduleFamily, schedule: str, pp: int, m: int, v: int, stage: int) -> list[Segment]:
+def _segments(
+    family: ScheduleFamily, schedule: str, pp: int, m: int, v: int, stage: int, group: int | None = None
+) -> list[Segment]:
     """The stage's compute ops as ``(kind, chunk, microbatch)``, grouped into iterations and stated
     as repeated stretches (their number does not grow with ``m``).
 
@@ -109,28 +111,36 @@ def _segments(family: ScheduleFamily, schedule: str, pp: int, m: int, v: int, st
         ]
     # Interleaved: microbatches advance in groups through the chunks,
     # forwards chunk by chunk upwards and backwards downwards. The order repeats
-    # every group * v units with the micro-batches one group on.
+    # every group * v units with the micro-batches one group on; Megatron's last
+    # group may be smaller (m % group micro-batches, at least pp: get_schedule_table).
     total = m * v
-    group = interleaved_group(family, pp, m)
+    group = interleaved_group(family, pp, m, group)
     period = group * v
+    head = (m // group) * period  # the units of the whole groups; the last, smaller group's follow
 
     def unit(k: int, backward: bool) -> tuple[int, int]:
-        first, within = divmod(k, period)
-        chunk = within // group
-        return (v - 1 - chunk if backward else chunk), first * group + within % group
+        if k < head:
+            first, within = divmod(k, period)
+            chunk, mb = within // group, first * group + within % group
+        else:
+            last_group = m - (m // group) * group
+            chunk, mb = (k - head) // last_group, (m // group) * group + (k - head) % last_group
+        return (v - 1 - chunk if backward else chunk), mb
 
-    def stretch(first: int, last: int, iteration) -> list[Segment]:
-        full = (last - first) // period
+    def stretch(first: int, last: int, iteration, ahead: int = 0) -> list[Segment]:
+        """Iterations ``first..last`` as repeated periods while every unit they read (up to ``ahead``
+        units beyond the iteration's own) lies in the whole groups, then the rest one by one."""
+        full = min((last - first) // period, max(0, (head - ahead - first) // period))
         rest = range(first + full * period, last)
         return [
-            ([iteration(k) for k in range(first, first + period)], full, group),
+            ([iteration(k) for k in range(first, first + period)] if full else [], full, group),
             ([iteration(k) for k in rest], 1 if rest else 0, 0),
         ]
 
     warmup = warmup_forwards(schedule, pp, m, v, stage, group)
     return (
         stretch(0, warmup, lambda k: [(F, *unit(k, False))])
-        + stretch(0, total - warmup, lambda i: [(F, *unit(warmup + i, False)), (B, *unit(i, True))])
+        + stretch(0, total - warmup, lambda i: [(F, *unit(warmup + i, False)), (B, *unit(i, True))], warmup)
         + stretch(total - warmup, total, lambda k: [(B, *unit(k, True))])
     )
 
@@ -148,6 +158,7 @@ def pipeline_schedule(
     family: ScheduleFamily | str = ScheduleFamily.TORCH,
     activation_bytes: int = 0,
     optimizer_step: bool = True,
+    group: int | None = None,
 ) -> tuple[tuple[Op, ...], ...]:
     """The program of each pipeline stage under ``schedule`` (one tuple of ops per stage).
 
@@ -162,13 +173,14 @@ def pipeline_schedule(
     the first across chunks.  With ``optimizer_step`` every program ends with
     an ``optimizer`` op.
 
-    ``family`` is the engine whose schedules are built (``torch`` or ``megatron``). Raises
+    ``family`` is the engine whose schedules are built (``torch`` or ``megatron``); ``group`` is
+    Megatron's ``microbatch_group_size_per_vp_stage`` (None: pp). Raises
     ``ValueError`` for an unknown schedule or family, for ``virtual_stages > 1`` outside
     ``interleaved_1f1b``, and with the engine's own requirement (:mod:`mixle_compile.schedules`,
     the rule the verifier checks) for numbers its schedule refuses.
     """
     bodies = pipeline_bodies(
-        pp, microbatches, schedule, virtual_stages, family=family, activation_bytes=activation_bytes
+        pp, microbatches, schedule, virtual_stages, family=family, activation_bytes=activation_bytes, group=group
     )
     return tuple(
         expand(StageProgram(stage=stage, body=body, optimizer=optimizer_step)) for stage, body in enumerate(bodies)
@@ -183,6 +195,7 @@ def pipeline_bodies(
     *,
     family: ScheduleFamily | str = ScheduleFamily.TORCH,
     activation_bytes: int = 0,
+    group: int | None = None,
 ) -> tuple[tuple[Op | Loop, ...], ...]:
     """Each stage's compute and point-to-point ops of :func:`pipeline_schedule` (without the
     optimizer), stated with their repetition: a stretch of iterations that repeats with the
@@ -202,9 +215,14 @@ def pipeline_bodies(
         raise ValueError(f"virtual_stages = {virtual_stages} needs pipeline_schedule interleaved_1f1b, not {schedule}")
     if virtual_stages != 1 and pp == 1:
         raise ValueError("virtual stages need pp > 1: their chunks pass activations between stages")
-    refused = refusal(family, schedule, pp, microbatches, virtual_stages)
+    if group is not None and (isinstance(group, bool) or not isinstance(group, int) or group < 1):
+        raise ValueError(f"group must be an integer >= 1 or None, got {group!r}")
+    if group is not None and family is not ScheduleFamily.MEGATRON:
+        raise ValueError("a micro-batch group size is Megatron's (microbatch_group_size_per_vp_stage)")
+    refused = refusal(family, schedule, pp, microbatches, virtual_stages, group)
     if refused is not None:
-        raise ValueError(f"{refused.code}: {refused.broken(pp, microbatches)}; {refused.fix(pp, microbatches)}")
+        g = group or pp
+        raise ValueError(f"{refused.code}: {refused.broken(pp, microbatches, g)}; {refused.fix(pp, microbatches, g)}")
     schedule = runs(family, schedule, pp, virtual_stages)
     last_virtual = pp * virtual_stages - 1
     # One checked op per kind and payload; the others are its unchecked copies (its fields' copy,
@@ -244,7 +262,9 @@ def pipeline_bodies(
         return _instance(Op, values)
 
     return tuple(
-        _stage_body(stage, _segments(family, schedule, pp, microbatches, virtual_stages, stage), message, compute)
+        _stage_body(
+            stage, _segments(family, schedule, pp, microbatches, virtual_stages, stage, group), message, compute
+        )
         for stage in range(pp)
     )
 

@@ -58,6 +58,7 @@ def step_schedule(
     virtual_stages: int,
     engine: EngineProfile | None = None,
     layer_runs: LayerRuns = EACH_BLOCK,
+    group: int | None = None,
 ) -> StepSchedule:
     """The step's stage programs and their check. ``layer_runs``: the updates list a block of each run
     (lower/runs.py); a run listed once for several stages puts its collectives on the first of them
@@ -68,7 +69,9 @@ def step_schedule(
     pipeline, virtual_stages = pipelined(pipeline, plan.pp, virtual_stages)
     per_run = engine.schedule_microbatches(plan.microbatches, plan.gradient_accumulation_steps)
     runs = plan.microbatches * plan.gradient_accumulation_steps // per_run
-    one_run = pipeline_bodies(plan.pp, per_run, pipeline, virtual_stages, family=engine.schedules)
+    # Megatron's interleaved micro-batch group (training.microbatch_group_size; P013 keeps it off the others)
+    group = group if engine.schedules == "megatron" else None
+    one_run = pipeline_bodies(plan.pp, per_run, pipeline, virtual_stages, family=engine.schedules, group=group)
     # One checked collective op per (group rule, collective) and stage, a handful per step; each
     # update's op is a copy of it with the update's name and bytes (an update id is a name, its bytes
     # a count), so that planning many updates does not validate as many ops.

@@ -776,6 +776,16 @@ class TrainingSpec(StrictModel):
             "pipelining has no such switch and refuses the field (P012): its transfers are priced exposed"
         ),
     )
+    microbatch_group_size: Size | None = Field(
+        default=None,
+        description=(
+            "Megatron's interleaved schedule: how many micro-batches each virtual stage runs at a time "
+            "(microbatch_group_size_per_vp_stage, Megatron-LM's --microbatch-group-size-per-virtual-pipeline-stage); "
+            "left out, pp. It must lie within [pp, micro-batches per step], and the last group hold none or at "
+            "least pp micro-batches (P004); a larger group warms up more micro-batches and holds them. torch's "
+            "pipelining has no such setting (P013)"
+        ),
+    )
     pipeline_layers: Literal["even"] | Annotated[list[Count], Field(min_length=1, max_length=1 << 16)] | None = Field(
         default=None,
         description=(

@@ -162,6 +162,8 @@ def plan_facts(spec: Spec) -> PlanFacts:
         add(name, ("training", name), getattr(training, name))
     if training.seq_len is not None:
         add("seq_len", ("training", "seq_len"), training.seq_len)
+    group = training.microbatch_group_size  # Megatron's interleaved group; 0: its default, pp
+    add("microbatch_group", ("training", "microbatch_group_size"), group or 0, shown="pp" if group is None else "")
     for name in ("sequence_parallel", "distributed_optimizer"):
         add(name, ("training", name), getattr(training, name), "bool")
     for name, choices in ENUMS.items():

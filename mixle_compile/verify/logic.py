@@ -193,6 +193,7 @@ class _Terms:
     smaller = staticmethod(smaller)
     exact = staticmethod(real)
     all_of = staticmethod(all_of)
+    any_of = staticmethod(any_of)
     larger = staticmethod(larger)
 
     @staticmethod

@@ -24,7 +24,7 @@ from mixle_compile.verify.logic import TERMS, Integer, concrete, larger
 
 # Optional model fields and what they default to in the spec.
 _DEFAULTS = {"num_kv_heads": "num_heads", "moe_ffn_hidden_size": "ffn_hidden_size"}
-_COUNTS = {"num_experts", "moe_first_layer", "mtp_layers"}  # may be 0; every other integer is >= 1
+_COUNTS = {"num_experts", "moe_first_layer", "mtp_layers", "microbatch_group"}  # may be 0; every other integer is >= 1
 
 
 class Symbols:

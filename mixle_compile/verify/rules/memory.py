@@ -23,13 +23,22 @@ from mixle_compile.memory_model import (
     ring_attention_bytes,
     selective_moe_kept,
 )
-from mixle_compile.schedules import microbatches_per_round
+from mixle_compile.schedules import ScheduleFamily, microbatches_per_round
 from mixle_compile.spec.kinds import Engine, Family
 from mixle_compile.verify import logic
 from mixle_compile.verify.facts import format_bytes
 from mixle_compile.verify.logic import TERMS, all_of, larger, negation, real, smaller, when
 from mixle_compile.verify.memory import CATEGORIES
 from mixle_compile.verify.rule import Rule, define
+
+
+def interleaved_group_of(v) -> object:
+    """The micro-batches an interleaved stage runs on one chunk before the next: Megatron's
+    ``microbatch_group_size_per_vp_stage`` (training.microbatch_group_size, 0 among the facts when left
+    to its default, pp), torch's :func:`~mixle_compile.schedules.microbatches_per_round`."""
+    if v.facts.engine.schedules == ScheduleFamily.MEGATRON:
+        return when(v.microbatch_group == 0, v.pp, v.microbatch_group)
+    return microbatches_per_round(TERMS, v.pp, v.microbatches)
 
 
 def per_rank_bytes(v) -> dict[str, object]:
@@ -396,7 +405,7 @@ def activation_bytes(
             gpipe=v.is_("pipeline_schedule", "gpipe"),
             interleaved=all_of(v.is_("pipeline_schedule", "interleaved_1f1b"), v.virtual_pipeline_stages > 1),
             virtual_stages=v.virtual_pipeline_stages,
-            group=microbatches_per_round(TERMS, v.pp, v.microbatches),
+            group=interleaved_group_of(v),
         )
 
     in_flight = in_flight_on(0)

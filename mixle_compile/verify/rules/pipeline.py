@@ -7,6 +7,7 @@ from mixle_compile.schedules import applies, bubble_fraction, requirement
 from mixle_compile.spec.kinds import Engine
 from mixle_compile.verify.logic import TERMS, all_of, implies, negation, when
 from mixle_compile.verify.rule import TRANSFORMER, Rule, define
+from mixle_compile.verify.rules.memory import interleaved_group_of
 from mixle_compile.verify.wording import alternatives, divisors, percent
 
 
@@ -102,16 +103,20 @@ def _schedule_rule(code: str, name: str, title: str, docs: str, engines: frozens
                     virtual_stages=v.virtual_pipeline_stages,
                     chosen=lambda s: v.is_("pipeline_schedule", s),
                 ),
-                req.holds(TERMS, v.pp, _schedule_microbatches(v)),
+                req.holds(TERMS, v.pp, _schedule_microbatches(v), interleaved_group_of(v)),
             ),
-            explain=lambda x: req.broken(x.pp, _numbers_microbatches(x)),
-            hint=lambda x: req.fix(x.pp, _numbers_microbatches(x)) + " (keep global_batch_size consistent, B001)",
+            explain=lambda x: req.broken(x.pp, _numbers_microbatches(x), x.microbatch_group or x.pp),
+            hint=lambda x: (
+                req.fix(x.pp, _numbers_microbatches(x), x.microbatch_group or x.pp)
+                + " (keep global_batch_size consistent, B001)"
+            ),
             fields=(
                 "microbatches",
                 "pp",
                 "pipeline_schedule",
                 "gradient_accumulation_steps",
                 "virtual_pipeline_stages",
+                *(("microbatch_group",) if code == "P004" else ()),
             ),
             engines=engines,
         )
@@ -325,5 +330,33 @@ PIPELINE_OVERLAP_IS_MEGATRONS = define(
         engines=frozenset({Engine.TORCH, Engine.TORCHTITAN}),
         needs=("overlap_pipeline",),
         families=TRANSFORMER,
+    )
+)
+
+
+MICROBATCH_GROUP_IS_MEGATRONS = define(
+    Rule(
+        code="P013",
+        name="microbatch-group-is-megatrons",
+        title="torch, torchtitan: microbatch_group_size is Megatron's setting; torch's pipelining has none.",
+        docs=(
+            "`training.microbatch_group_size` states Megatron's `microbatch_group_size_per_vp_stage`: how many "
+            "micro-batches its interleaved schedule runs on one virtual stage before the next (default pp). "
+            "torch's `ScheduleInterleaved1F1B`, which torchtitan and the in-tree runtime run, derives its "
+            "rounds from the micro-batches and the stages (`microbatches_per_round`, P005) and takes no such "
+            "setting: leave the field out."
+        ),
+        engine_reference=(
+            "torch/distributed/pipelining/schedules.py ScheduleInterleaved1F1B (number_of_rounds, "
+            "microbatches_per_round); Megatron-Core model_parallel_config.py microbatch_group_size_per_vp_stage"
+        ),
+        constraint=lambda v: v.microbatch_group == 0,
+        explain=lambda x: (
+            f"training.microbatch_group_size={x.microbatch_group} is set, but torch's pipelining has no such setting"
+        ),
+        hint=lambda x: "remove training.microbatch_group_size, or use backend: megatron",
+        fields=("microbatch_group",),
+        context=("backend",),
+        engines=frozenset({Engine.TORCH, Engine.TORCHTITAN}),
     )
 )
