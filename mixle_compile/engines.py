@@ -57,6 +57,15 @@ class EngineProfile:
         """torch's pipelining runtime awaits its sends at the end of the step."""
         return self.schedules is ScheduleFamily.TORCH
 
+    def sends_buffered(self, pp: int, group: int | None) -> bool:
+        """Whether a stage's sends complete before their receive is posted: torch's (awaited at the end
+        of the step), and Megatron's under an interleaved micro-batch group above pp, whose first and
+        last pipeline stages post ``group - pp + 1`` receives ahead (megatron/core/pipeline_parallel/
+        schedules.py, fwd_recv_buffer_size and bwd_recv_buffer_size) so that the wrap-around sends of
+        the stages before them complete early; with the default group (pp) Megatron's sends meet their
+        receive in turn."""
+        return self.buffered_sends or (self.schedules is ScheduleFamily.MEGATRON and (group or pp) > pp)
+
     @property
     def fsdp_over_cp(self) -> bool:
         """FSDP shards over dp_shard * cp whenever that product is above 1 (torchtitan)."""

@@ -155,6 +155,10 @@ def megatron_uneven_of(counts, num_layers: int, pp: int, virtual_stages: int) ->
 LAYOUT_CHARS = {"E": "embedding", "L": "loss", "t": "decoder", "m": "mtp"}
 
 
+#: The longest layout string read once its repeats are unrolled (a layer per character, the stages' bars).
+MAX_LAYOUT_CHARS = 1 << 20
+
+
 class LayoutError(ValueError):
     """A ``pipeline_model_parallel_layout`` Megatron refuses: the message says why, as Megatron does."""
 
@@ -178,8 +182,16 @@ def megatron_layout_stages(text: str) -> list[str]:
     for a single character; stages are separated by ``|``; every character left must be one of
     E (embedding), L (loss), t (decoder layer), m (multi-token prediction layer)."""
     flat = text.replace(",", "")
-    flat = re.sub(r"\(([^)]+)\)\*(\d+)", lambda g: g.group(1) * int(g.group(2)), flat)
-    flat = re.sub(r"(.)\*(\d+)", lambda g: g.group(1) * int(g.group(2)), flat)
+
+    def unrolled(pattern: str, flat: str) -> str:
+        """``re.sub`` of the repeats, refused before it would build a layout longer than any model has."""
+        size = len(flat) + sum(len(g.group(1)) * (int(g.group(2)) - 1) for g in re.finditer(pattern, flat))
+        if size > MAX_LAYOUT_CHARS:
+            raise LayoutError(f"the layout unrolls to {size:,} characters, more than any model's layers")
+        return re.sub(pattern, lambda g: g.group(1) * int(g.group(2)), flat)
+
+    flat = unrolled(r"\(([^)]+)\)\*(\d+)", flat)
+    flat = unrolled(r"(.)\*(\d+)", flat)
     stages = flat.split("|")
     for stage in stages:
         for char in stage:

@@ -2998,3 +2998,18 @@ def test_a_functional_test_config_runs_its_recipes_script(tmp_path, capsys, mode
     elsewhere.write_text(path.read_text())
     status, out, _ = run_cli(capsys, "check", str(elsewhere), "--device-memory", "80GiB")
     assert status == 0 and "read as pretrain_gpt.py's arguments" in out, out
+
+
+def test_a_broken_functional_test_config_is_refused_where_it_breaks(tmp_path, capsys):
+    path = tmp_path / "model_config.yaml"
+    path.write_text("MODEL_ARGS:\n  --num-layers: 4\n  bad: [\n")
+    status, out, _ = run_cli(capsys, "check", str(path))
+    assert status == 2 and f"{path}:4:1: S001 invalid YAML" in out, out
+    # a layout whose repeats unroll beyond any model is refused before it is built
+    path.write_text(
+        "MODEL_ARGS:\n  --num-layers: 4\n  --hidden-size: 64\n  --num-attention-heads: 4\n  --vocab-size: 128\n"
+        "  --pipeline-model-parallel-size: 2\n  --global-batch-size: 8\n"
+        '  --pipeline-model-parallel-layout: "E(t|)*99999999999L"\n'
+    )
+    status, out, _ = run_cli(capsys, "check", str(path))
+    assert status == 2 and "unrolls to" in out, out

@@ -122,3 +122,29 @@ def test_the_megatron_launch_carries_the_group_both_ways(tmp_path):
 
     with pytest.raises(SourceError, match="must be at least 1"):
         read_any(bad, "bad.args", ImportOptions())
+
+
+def test_every_group_check_accepts_compiles_to_a_checked_schedule():
+    """Over pipelines of 2 to 4 stages, 2 and 3 virtual stages and every group: what the rules accept
+    (P004, P014) lowers to a schedule that passes its own check (with Megatron's receives prefetched
+    under a group above pp: EngineProfile.sends_buffered); two stages with a larger group are refused."""
+    compiled = refused_two = 0
+    for pp in range(2, 5):
+        for v in (2, 3):
+            for m in range(pp, 2 * pp + 3):
+                for group in range(pp, m + 1):
+                    text = spec_text(microbatches=m, group=group, pp=pp, v=v).replace(
+                        "num_layers: 8", f"num_layers: {pp * v * 2}"
+                    )
+                    found = codes(text)
+                    if "P004" in found:
+                        continue
+                    if pp == 2 and group > pp:
+                        assert "P014" in found
+                        refused_two += 1
+                        continue
+                    assert not found, (pp, v, m, group, found)
+                    lowered = lower(load_spec_text(text, "x.yaml").spec)
+                    assert lowered.schedule.check.ok, (pp, v, m, group, lowered.schedule.check.problems[:1])
+                    compiled += 1
+    assert compiled > 40 and refused_two > 5

@@ -330,7 +330,7 @@ def test_config_words(text: str) -> tuple[list[Word], list[tuple[str, Position, 
 
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.YAMLError:
+    except yaml.YAMLError:  # read_megatron reports where the YAML breaks
         return None
     if not isinstance(root, yaml.MappingNode):
         return None
@@ -712,13 +712,45 @@ def _batch_admits(num, model_parallel: int):
     return admits
 
 
+def _yaml_syntax(text: str, name: str) -> None:
+    """Raise, where it breaks, for a functional-test config that is not valid YAML."""
+    import yaml
+
+    from mixle_compile.diagnostics import Diagnostic, Severity
+    from mixle_compile.spec.source import SourceError
+
+    try:
+        yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line, column = (mark.line + 1, mark.column + 1) if mark is not None else (1, 1)
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise SourceError(
+            [
+                Diagnostic(
+                    "S001",
+                    Severity.error,
+                    f"invalid YAML: {problem}",
+                    "fix the YAML syntax at this position",
+                    name,
+                    line,
+                    column,
+                    (),
+                )
+            ],
+            unreadable=True,
+        ) from exc
+
+
 def read_megatron(
     text: str, name: str, options: ImportOptions, path: Path | None = None
 ) -> tuple[SourceDocument, list]:
+    test_config = path is not None and path.suffix.lower() in (".yaml", ".yml")
+    if test_config:
+        _yaml_syntax(text, name)
     launch = launch_words(text, path)
     words, launcher, notes, entry = launch.words, launch.launcher, launch.notes, launch.entry
     b = SpecBuilder(name, "megatron")
-    test_config = path is not None and path.suffix.lower() in (".yaml", ".yml")
     if test_config and not any(w.text.startswith("--") for w in words):
         # a MODEL_ARGS mapping without Megatron-LM flags: NeMo's test configs (`trainer.devices: 8`), or none
         b.diagnostic(

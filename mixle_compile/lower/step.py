@@ -128,7 +128,8 @@ def step_schedule(
         )
     # Ranks of a stage run one program, so one representative per stage is an exact check;
     # small worlds are also checked rank by rank.
-    check = check_compact(stages, grid, exhaustive_limit=EXHAUSTIVE_RANKS, buffered_sends=engine.buffered_sends)
+    buffered = engine.sends_buffered(plan.pp, group)
+    check = check_compact(stages, grid, exhaustive_limit=EXHAUSTIVE_RANKS, buffered_sends=buffered)
     return StepSchedule(tuple(stages), check)
 
 

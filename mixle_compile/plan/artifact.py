@@ -83,7 +83,9 @@ def build_plan_text(spec: Spec, lowered: Lowered, diagnostics: list[Diagnostic])
             "collectives": lowered.schedule.collectives,
             "micro_steps": plan.microbatches * plan.gradient_accumulation_steps,
             "pipeline": pipeline,
-            "sends": "buffered" if engine_profile(spec.backend).buffered_sends else "rendezvous",
+            "sends": "buffered"
+            if engine_profile(spec.backend).sends_buffered(plan.pp, spec.training.microbatch_group_size)
+            else "rendezvous",
             "stages": [program_dict(program) for program in lowered.schedule.stages],
             "virtual_stages": virtual_stages,
         }

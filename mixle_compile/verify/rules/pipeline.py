@@ -334,6 +334,45 @@ PIPELINE_OVERLAP_IS_MEGATRONS = define(
 )
 
 
+TWO_STAGE_GROUPS = define(
+    Rule(
+        code="P014",
+        name="two-stage-interleaved-groups",
+        title="megatron: an interleaved micro-batch group above pp on two pipeline stages is not modelled.",
+        docs=(
+            "With two pipeline stages, each rank's activations and gradients both go to the other rank, and "
+            "under a micro-batch group above pp (`training.microbatch_group_size`) Megatron's interleaved "
+            "schedule sends a stage's activations several micro-batches ahead of the gradients it owes the "
+            "same rank. Megatron runs it with `overlap_p2p_comm` (which validate_args requires for two "
+            "interleaved stages), pairing its asynchronous sends and prefetched receives as they are "
+            "posted; this tool's schedule model pairs one batched call per step in issue order, cannot "
+            "prove those pairings, and so refuses the plan rather than emit a schedule it has not checked. "
+            "The default group (pp) and any group on three or more stages are checked."
+        ),
+        engine_reference=(
+            "Megatron-Core 0.16 megatron/core/pipeline_parallel/schedules.py "
+            "(forward_backward_pipelining_with_interleaving: fwd/bwd_recv_buffer_size = group - pp + 1); "
+            "megatron/training/arguments.py (two interleaved stages need overlap_p2p_comm)"
+        ),
+        constraint=lambda v: negation(
+            all_of(
+                v.pp == 2,
+                v.is_("pipeline_schedule", "interleaved_1f1b"),
+                v.virtual_pipeline_stages > 1,
+                v.microbatch_group > v.pp,
+            )
+        ),
+        explain=lambda x: (
+            f"training.microbatch_group_size={x.microbatch_group} above pp=2 under the interleaved schedule: the "
+            "order in which the two ranks' activations and gradients pair is not modelled"
+        ),
+        hint=lambda x: "leave microbatch_group_size out (pp), or use three or more pipeline stages",
+        fields=("microbatch_group", "pp", "pipeline_schedule", "virtual_pipeline_stages"),
+        engines=frozenset({Engine.MEGATRON}),
+    )
+)
+
+
 MICROBATCH_GROUP_IS_MEGATRONS = define(
     Rule(
         code="P013",
