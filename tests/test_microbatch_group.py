@@ -148,3 +148,23 @@ def test_every_group_check_accepts_compiles_to_a_checked_schedule():
                     assert lowered.schedule.check.ok, (pp, v, m, group, lowered.schedule.check.problems[:1])
                     compiled += 1
     assert compiled > 40 and refused_two > 5
+
+
+def test_a_megatron_plan_with_a_larger_group_replays_as_planned_and_matches_one_process(tmp_path):
+    """Three stages, two virtual stages each, 7 micro-batches in a group of 4 and a last group of 3: the
+    runtime replays the lowered order (the engine's), every planned collective observed, every update
+    equal to the single-process reference."""
+    from mixle_compile.runtime import run_plan
+    from tests.test_runtime_support import compile_text
+
+    text = (
+        spec_text(microbatches=7, group=4, pp=3)
+        .replace("num_layers: 8", "num_layers: 6")
+        .replace("precision: bf16", "precision: fp32")
+        .replace("memory: 80GiB", "memory: 1GiB")
+    )
+    doc = compile_text(text)
+    report = run_plan(doc, steps=2, out_dir=tmp_path, reference=True, progress=False, timeout_s=120)
+    assert report.ok, report.errors
+    assert report.accounting_ok and report.updates_checked > 0
+    assert report.max_relative_error <= 1e-5
