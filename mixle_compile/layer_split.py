@@ -83,6 +83,24 @@ def megatron_accounted(
     return tuple(counts) if min(counts) >= 0 else None
 
 
+def megatron_mtp_counted(num_layers: int, pp: int, virtual_stages: int, depths: int) -> tuple[int, ...] | None:
+    """A Megatron pipeline layout (``--pipeline-model-parallel-layout``, Megatron-LM 0.13 and later)
+    that counts the embedding, the loss and each multi-token prediction depth as one layer: ``num_layers
+    + 2 + depths`` slots in equal virtual stages, the first giving one back for the embedding and the
+    last ``1 + depths`` for the loss and the depths, which Megatron builds on the last stage. Megatron-
+    Bridge's DeepSeek-V3 layout ``Et|(tt|)*30mL`` is this split: 61 layers and one depth are 64 slots
+    over 32 virtual stages. None without a pipeline or depths, or where the slots do not divide or a
+    stage would hold fewer than none."""
+    stages = pp * virtual_stages
+    slots = num_layers + 2 + depths
+    if pp < 2 or depths < 1 or slots % stages:
+        return None
+    counts = [slots // stages] * stages
+    counts[0] -= 1
+    counts[-1] -= 1 + depths
+    return tuple(counts) if min(counts) >= 0 else None
+
+
 def megatron_accounting(counts, num_layers: int, pp: int, virtual_stages: int) -> tuple[bool, bool] | None:
     """Which of Megatron's accounted splits a listed split is, as (embedding, loss), or None."""
     listed = tuple(int(c) for c in counts)

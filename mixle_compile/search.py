@@ -47,7 +47,7 @@ from typing import Any
 from mixle_compile import step_time
 from mixle_compile.diagnostics import Severity
 from mixle_compile.engines import engine_profile
-from mixle_compile.layer_split import ACCOUNTED, megatron_accounted, megatron_uneven_balanced
+from mixle_compile.layer_split import ACCOUNTED, megatron_accounted, megatron_mtp_counted, megatron_uneven_balanced
 from mixle_compile.memory_model import fsdp_shards
 from mixle_compile.plan.vocabulary import DATA_AXES, SHARD_AXES, Axis
 from mixle_compile.spec.kinds import Engine, Family
@@ -357,6 +357,9 @@ def enumerate_meshes(req: Request) -> list[Mesh]:
     experts = model.num_experts or 0
     # Megatron's accounted splits are searched where the spec leaves the split to the engine.
     accounted = t.pipeline_layers is None and engine_profile(spec.backend).name == Engine.MEGATRON
+    # and, for a model with multi-token prediction depths, the layout that counts them too (a
+    # --pipeline-model-parallel-layout: Megatron-LM 0.13 and later)
+    depths = model.mtp_num_layers if accounted and engine_profile(spec.backend).at_least("0.13") else 0
     out: list[Mesh] = []
     for tp in choices("tp", [d for d in divisors(W) if heads % d == 0]):
         if W % tp:
@@ -371,7 +374,7 @@ def enumerate_meshes(req: Request) -> list[Mesh]:
                 if gb % dp:
                     continue
                 batches = _batch_choices(choices, gb // dp, pp)
-                schedules = _schedule_choices(choices, pp, model.num_layers, accounted)
+                schedules = _schedule_choices(choices, pp, model.num_layers, accounted, depths)
                 if not batches or not schedules:
                     continue
                 for dp_shard in choices("dp_shard", divisors(dp)):
@@ -433,11 +436,13 @@ def _batch_choices(choices, local: int, pp: int) -> list[dict]:
     return sorted(out, key=lambda b: b["micro_batch_size"])
 
 
-def _schedule_choices(choices, pp: int, layers: int, accounted: bool = False) -> list[dict]:
+def _schedule_choices(choices, pp: int, layers: int, accounted: bool = False, depths: int = 0) -> list[dict]:
     """Schedules and virtual stages; with ``accounted`` each also with Megatron's splits that count the
-    embedding and/or the loss as a layer (``pipeline_layers``; layer_split.megatron_accounted) or,
-    where the layers split neither so nor evenly, its most balanced splits with the first and/or last
-    pipeline rank's layers set (layer_split.megatron_uneven_balanced)."""
+    embedding and/or the loss as a layer (``pipeline_layers``; layer_split.megatron_accounted), with
+    ``depths`` multi-token prediction depths the layout that counts them as well
+    (layer_split.megatron_mtp_counted), or, where the layers split none of those ways nor evenly, its
+    most balanced splits with the first and/or last pipeline rank's layers set
+    (layer_split.megatron_uneven_balanced)."""
     if pp == 1:
         return [
             {"pipeline_schedule": s, "virtual_pipeline_stages": v}
@@ -456,6 +461,9 @@ def _schedule_choices(choices, pp: int, layers: int, accounted: bool = False) ->
                 if (counts := megatron_accounted(layers, pp, v, *flags)) is not None
                 and len(set(counts)) > 1  # an even one is the engine's own split
             ]
+            counted = megatron_mtp_counted(layers, pp, v, depths) if depths else None
+            if counted is not None and counted not in splits:
+                splits.append(counted)
             if accounted and not splits and layers % (pp * v):
                 # neither even nor accounted: the uneven splits with the fewest layers on the busiest rank
                 splits = list(megatron_uneven_balanced(layers, pp, v))

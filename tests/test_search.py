@@ -511,6 +511,44 @@ def test_megatron_layers_that_split_neither_evenly_nor_accounted_are_searched_wi
     assert "--decoder-first-pipeline-num-layers" in script and "--decoder-last-pipeline-num-layers" in script
 
 
+def test_megatron_multi_token_prediction_layouts_are_searched_and_export_as_layouts(tmp_path):
+    """13 layers and one MTP depth over 4 pipeline ranks of 2 virtual stages: no even, accounted or
+    first/last split holds [1, 2, 2, 2, 2, 2, 2, 0], the layout that counts the embedding, the loss and
+    the depth as a layer each (16 slots; the rule of Megatron-Bridge's DeepSeek-V3 "Et|(tt|)*30mL"). The
+    search offers it, and a plan returned with it checks, compiles, exports as
+    --pipeline-model-parallel-layout and reads back the same split."""
+    from mixle_compile.export import export_spec
+    from mixle_compile.importers import ImportOptions, read_any
+    from mixle_compile.layer_split import megatron_mtp_counted
+    from mixle_compile.search import _schedule_choices
+
+    def choices(name, values):
+        return values
+
+    counted = (1, 2, 2, 2, 2, 2, 2, 0)
+    offered = {"pipeline_schedule": "interleaved_1f1b", "virtual_pipeline_stages": 2, "pipeline_layers": counted}
+    assert offered in _schedule_choices(choices, 4, 13, True, 1)
+    assert offered not in _schedule_choices(choices, 4, 13, True, 0)
+    assert megatron_mtp_counted(61, 8, 4, 1) == (1,) + (2,) * 30 + (0,)
+    mesh = {"dp_replicate": "auto", "dp_shard": 1, "tp": 1, "pp": 4, "cp": 1}
+    model = {**DENSE, "num_layers": 13, "mtp_num_layers": 1}
+    text = spec_text(model, 8, {"name": "megatron", "version": "0.16"}, mesh=mesh, pipeline_schedule="interleaved_1f1b")
+    path = tmp_path / "s.yaml"
+    path.write_text(text)
+    outcome = search(read_request(path), top=40, variants=True)
+    plans = [p for p in outcome.plans if p.spec_data["training"].get("pipeline_layers") == list(counted)]
+    assert plans, [p.spec_data["training"].get("pipeline_layers") for p in outcome.plans]
+    loaded = load_spec_text(yaml.safe_dump(plans[0].spec_data), "plan.yaml")
+    result = compile_loaded(loaded)
+    assert result.plan is not None and not result.check.errors
+    exported = export_spec(loaded.spec, "megatron")
+    script = exported.files[exported.main]
+    assert "--pipeline-model-parallel-layout 'Et|(t*2|)*6mL'" in script, script
+    (tmp_path / exported.main).write_text(script)
+    doc, _ = read_any(tmp_path / exported.main, exported.main, ImportOptions(device_memory="8GiB"))
+    assert doc.data["training"]["pipeline_layers"] == list(counted)
+
+
 def test_megatron_layers_that_do_not_split_evenly_are_searched_with_the_embedding_and_loss_counted(tmp_path):
     """6 layers do not split evenly over 4 stages; Megatron's account_for_embedding/loss splits do
     ([1, 2, 2, 1], and over 8 virtual stages [0, 1, 1, 1, 1, 1, 1, 0]): the search offers them, and
