@@ -679,3 +679,20 @@ def test_the_search_counts_each_stages_moe_layers_as_the_lowered_plan_does(tmp_p
         loaded = load_spec_text(yaml.safe_dump(plan.spec_data), "plan.yaml")
         exact = predict_lowered(loaded.spec, lower(loaded.spec, schedule=False)).seconds
         assert plan.step.seconds == pytest.approx(exact, rel=0.02)
+
+
+def test_the_published_deepseek_v3_layout_is_chosen_when_the_split_is_left_open(tmp_path):
+    """Megatron-Bridge's DeepSeek-V3 H100 recipe (the corpus file) with its mesh kept and the schedule,
+    virtual stages and layer split left to the search: the first plan is the recipe's own layout,
+    "Et|(tt|)*30mL" over pp 8 x 4 virtual stages."""
+    data = yaml.safe_load(
+        (ROOT / "tests/corpus/production/bridge_nemo/bridge_deepseek_v3_h100_bf16_v1.yaml").read_text()
+    )
+    for key in ("pipeline_layers", "virtual_pipeline_stages", "pipeline_schedule"):
+        data["training"].pop(key, None)
+    for key in ("microbatches", "gradient_accumulation_steps"):
+        data["mesh"].pop(key, None)
+    outcome = searched(tmp_path, yaml.safe_dump(data), top=1)
+    (best,) = outcome.plans
+    assert best.spec_data["training"]["pipeline_layers"] == [1] + [2] * 30 + [0]
+    assert best.values["virtual_pipeline_stages"] == 4
