@@ -375,7 +375,8 @@ def activation_bytes(spec: Spec, layers_on_rank: int, moe_layers_on_rank: int = 
         # The rank's interleaved warm-up (torch's _get_warmup_ops, Megatron's
         # num_warmup_microbatches) plus the steady state's first forward, in chunks of 1/v stage.
         v = t.virtual_pipeline_stages
-        per_round = mb // max(1, mb // pp)
+        # torch's micro-batches per round; Megatron's microbatch_group_size_per_vp_stage (default pp)
+        per_round = (t.microbatch_group_size or pp) if backend_of(spec) == "megatron" else mb // max(1, mb // pp)
         return Fraction(min(mb * v, 2 * (pp - 1 - rank) + (v - 1) * per_round + 1), v)
 
     activations = in_flight_on(0) * stored
@@ -597,7 +598,22 @@ def violations(
         # One run of the schedule: the step's micro-batches (torchtitan: one accumulation step's).
         steps = mb if rule_set == "torchtitan" else mb * gas
         rule("P003", pp == 1 or schedule != "1f1b" or steps >= pp, only=("torch", "torchtitan"))
-        rule("P004", pp == 1 or schedule != "interleaved_1f1b" or vpp == 1 or steps % pp == 0, only="megatron")
+        # Megatron's interleaved groups: within [pp, m], the last one empty or at least pp (default pp)
+        group = t.microbatch_group_size or pp
+        rule(
+            "P004",
+            pp == 1
+            or schedule != "interleaved_1f1b"
+            or vpp == 1
+            or (pp <= group <= steps and (steps % group == 0 or steps % group >= pp)),
+            only="megatron",
+        )
+        rule("P013", t.microbatch_group_size is None, only=("torch", "torchtitan"))
+        rule(
+            "P014",
+            not (pp == 2 and schedule == "interleaved_1f1b" and vpp > 1 and group > pp),
+            only="megatron",
+        )
         rule(
             "P005",
             pp == 1 or schedule != "interleaved_1f1b" or steps % max(1, steps // pp) == 0,
@@ -895,6 +911,9 @@ def plan(i: int, degrees: tuple[int, ...], shape: str, backend: str) -> dict:
     overlap = (None, True, False)[i // 13 % 3]
     if overlap is not None:
         training["overlap_pipeline_transfers"] = overlap
+    group = (None, None, None, pp, 2 * pp, 3, 5)[i // 31 % 7]
+    if group is not None:
+        training["microbatch_group_size"] = group
     devices = n if auto or i % 11 else n + 1
     model = dict(SHAPES[shape])
     if model["family"] == "transformer":
