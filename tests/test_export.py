@@ -1033,3 +1033,19 @@ def test_any_megatron_split_exports_as_a_pipeline_layout(tmp_path, virtual):
     assert "--pipeline-model-parallel-layout" in text and "mL" in text, text
     assert "--num-virtual-stages-per-pipeline-rank" not in text and "--num-layers-per-virtual" not in text
     assert round_trip(spec, "megatron", tmp_path)
+
+
+def test_latent_attention_with_learned_positions_exports_to_megatron_only(tmp_path):
+    """An MLA model with Megatron's learned position table: Megatron-LM's launch says it
+    (--position-embedding-type learned_absolute) and reads back the same; an HF DeepSeek-V3 config has no
+    such table and is refused by field, never written without it."""
+    spec = load_spec(ROOT / "tests/corpus/production/bridge_nemo/bridge_deepseek_v3_h100_bf16_v1.yaml").spec
+    model = spec.model.model_copy(update={"position_embedding": "learned", "mtp_num_layers": 0})
+    spec = spec.model_copy(update={"model": model})
+    exported = export_spec(spec, "megatron")
+    assert "--position-embedding-type learned_absolute" in exported.files[exported.main]
+    assert round_trip(spec, "megatron", tmp_path)
+    from mixle_compile.export.hf import hf_config
+
+    config, why = hf_config(spec.model, spec.training.seq_len)
+    assert config is None and "learned position table" in why

@@ -1923,7 +1923,6 @@ def test_megatron_loss_weight_without_mtp_layers_is_named_and_an_hf_models_mtp_i
     [
         ("--kv-lora-rank -4 --position-embedding-type rope", "`--kv-lora-rank -4` is not a width"),
         ("--q-lora-rank 0 --position-embedding-type rope", "`--q-lora-rank 0` is not a query latent's width"),
-        ("", "GPTModel adds a learned position table beside MLA's rotary key part"),
     ],
 )
 def test_megatron_bad_latent_attention_arguments_are_refused_clearly(capsys, tmp_path, extra, says):
@@ -1931,6 +1930,22 @@ def test_megatron_bad_latent_attention_arguments_are_refused_clearly(capsys, tmp
     path.write_text(MLA_LAUNCH + extra + "\n")
     status, out, err = run_cli(capsys, "check", path)
     assert status == 2 and "I004" in out and says in out and "Traceback" not in out + err
+
+
+def test_megatron_latent_attention_with_learned_positions_holds_both(capsys, tmp_path):
+    """Megatron's default --position-embedding-type learned_absolute with --multi-latent-attention:
+    GPTModel's embedding adds its position table and MLA still turns its rotary part (its own rotary
+    embedding, multi_latent_attention.py): the spec's learned positions on an MLA model, with the table."""
+    from mixle_compile.parameters import model_parameters
+
+    path = tmp_path / "launch.sh"
+    path.write_text(MLA_LAUNCH + "--qk-layernorm\n")
+    doc, _ = read_any(path, "launch.sh", ImportOptions(device_memory="80GiB"))
+    assert doc.data["model"]["position_embedding"] == "learned" and doc.data["model"]["kv_lora_rank"]
+    status, out, _ = run_cli(capsys, "check", path, "--device-memory", "80GiB")
+    assert status == 0, out
+    spec = load_spec(path).spec
+    assert "pos_embed.weight" in {p.name for p in model_parameters(spec)}
 
 
 def test_megatron_refuses_grouped_query_attention_with_latent_attention(capsys, tmp_path):

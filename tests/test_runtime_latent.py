@@ -25,7 +25,21 @@ BOUND = {"sgd": 1e-5, "adamw": 1e-3}
 
 
 def mla_spec(
-    *, dr=1, ds=1, tp=1, pp=1, cp=1, ep=1, sp=False, q_lora=10, v=8, experts=0, optimizer="sgd", lr=1e-2, mb=1
+    *,
+    dr=1,
+    ds=1,
+    tp=1,
+    pp=1,
+    cp=1,
+    ep=1,
+    sp=False,
+    q_lora=10,
+    v=8,
+    experts=0,
+    optimizer="sgd",
+    lr=1e-2,
+    mb=1,
+    position="rope",
 ) -> str:
     world = dr * ds * tp * pp * cp
     q_field = f"q_lora_rank: {q_lora}, " if q_lora else ""
@@ -35,7 +49,8 @@ def mla_spec(
     return textwrap.dedent(
         f"""\
         model: {{family: transformer, vocab_size: 128, hidden_size: 32, num_layers: 2, num_heads: 4, {q_field}
-                kv_lora_rank: 12, qk_nope_head_dim: 6, qk_rope_head_dim: 4, v_head_dim: {v}, ffn_hidden_size: 64{moe}}}
+                kv_lora_rank: 12, qk_nope_head_dim: 6, qk_rope_head_dim: 4, v_head_dim: {v}, ffn_hidden_size: 64,
+                position_embedding: {position}{moe}}}
         mesh: {{dp_replicate: {dr}, dp_shard: {ds}, tp: {tp}, pp: {pp}, cp: {cp}, ep: {ep},
                microbatches: {max(mb, pp)}}}
         training: {{global_batch_size: {2 * dr * ds * max(mb, pp)}, micro_batch_size: 2, seq_len: 16, precision: fp32,
@@ -142,6 +157,7 @@ CASES = {
     "tp2-cp2-values-wider-than-keys": dict(tp=2, cp=2, v=12, optimizer="adamw", lr=1e-3),
     "ep2-fsdp2-experts-after-a-dense-layer": dict(ds=2, ep=2, experts=4),
     "pp2-tp2": dict(pp=2, tp=2, mb=4),
+    "tp2-cp2-learned-positions-beside-rotary": dict(tp=2, cp=2, position="learned"),
 }
 
 SLOW_CASES = {

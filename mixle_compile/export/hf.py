@@ -132,6 +132,11 @@ def _deepseek_v3(m: TransformerModel, heads: dict, base: dict) -> tuple[dict | N
     checkpoint and DeepSeek's training have them; importers/hf.py reads them back)."""
     if m.norm != "rmsnorm" or m.activation != "swiglu":
         return None, "DeepSeek-V3's layers are RMSNorm with a SwiGLU (silu) MLP; export to Megatron"
+    if m.position_embedding == "learned":
+        return None, (
+            "DeepSeek-V3 has no learned position table beside its rotary part (model.position_embedding: learned); "
+            "export to Megatron (--position-embedding-type learned_absolute)"
+        )
     config = {
         "architectures": ["DeepseekV3ForCausalLM"],
         "model_type": "deepseek_v3",

@@ -1504,16 +1504,10 @@ def _latent_attention(b: SpecBuilder, has, num, at, set_, text_of) -> None:
                 "Multi-head Latent Attention does not read it (its heads are --qk-head-dim + --qk-pos-emb-head-dim "
                 "and --v-head-dim)",
             )
-    position = text_of("--position-embedding-type", "learned_absolute")
-    if position not in ("rope", "yarn") and not has("--use-rotary-position-embeddings"):
-        b.refuse(
-            f"`--multi-latent-attention` with --position-embedding-type {position}"
-            + ("" if has("--position-embedding-type") else " (the default)")
-            + ": GPTModel adds a learned position table beside MLA's rotary key part, which the spec's Multi-head "
-            "Latent Attention does not have",
-            at("--position-embedding-type") or at(flag),
-            "write `--position-embedding-type rope` (or yarn), as DeepSeek's launches do",
-        )
+    # With learned absolute positions (Megatron's default) GPTModel's embedding adds its position table
+    # and MLA still turns the rotary part of its keys and queries with its own rotary embedding
+    # (multi_latent_attention.py builds rotary_pos_emb from rope_type whatever position_embedding_type):
+    # the spec's learned positions on an MLA model are both, as read above.
     if not has("--qk-layernorm"):
         b.assumed(
             "Megatron-Core builds Multi-head Latent Attention's latent norms only with --qk-layernorm; the spec's "

@@ -233,7 +233,10 @@ def stage_forward(
         x = ops.reduce("embed", x)
         x = ops.unit_end("embed", x)
     rotary = shape.latent.rope if shape.latent is not None else shape.head_dim
-    rope = _rope_tables(seq, rotary, x.dtype, x.device, local) if shape.position_embedding == "rope" else None
+    # MLA turns the rotary part of its heads whatever the model's positions (Megatron-Core's
+    # MultiLatentAttention builds its own rotary embedding; learned positions add the table as well)
+    turned = shape.position_embedding == "rope" or shape.latent is not None
+    rope = _rope_tables(seq, rotary, x.dtype, x.device, local) if turned else None
     for i in layers:
         if i >= shape.num_layers:
             continue  # a multi-token prediction depth: after the final norm

@@ -862,17 +862,6 @@ def _latent_attention_diagnostics(model: TransformerModel, doc: SourceDocument) 
                 extra_fields=(("model", "kv_lora_rank"),),
             )
         )
-    if model.position_embedding != "rope":
-        out.append(
-            doc.diagnostic(
-                codes.INCONSISTENT.code,
-                f"model.position_embedding is {model.position_embedding!r}, but Multi-head Latent Attention "
-                "(kv_lora_rank) carries its positions in the rotary part of each head (qk_rope_head_dim)",
-                ("model", "position_embedding"),
-                hint="use `position_embedding: rope`",
-                extra_fields=(("model", "kv_lora_rank"),),
-            )
-        )
     return out
 
 
