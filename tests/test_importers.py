@@ -3028,3 +3028,77 @@ def test_a_broken_functional_test_config_is_refused_where_it_breaks(tmp_path, ca
     )
     status, out, _ = run_cli(capsys, "check", str(path))
     assert status == 2 and "unrolls to" in out, out
+
+
+def _titan_listed(tmp_path, lines: str, older: bool = False):
+    """llama3 8B (32 layers) on a pipeline of 2 with the split the config lists."""
+    if older:  # the 2024 layout: degrees in [training] and [experimental], split points there
+        text = (
+            (TT / "old_2024_llama3_8b.toml")
+            .read_text()
+            .replace("pipeline_parallel_degree = 1", "pipeline_parallel_degree = 2\n" + lines, 1)
+        )
+    else:
+        text = (
+            (TT / "llama3_8b.toml")
+            .read_text()
+            .replace("pipeline_parallel_degree = 1", "pipeline_parallel_degree = 2\n" + lines, 1)
+        )
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    return path
+
+
+def _stages(*runs) -> str:
+    """module_fqns_per_model_part for consecutive runs of layers, the embedding first, norm and output last."""
+    parts, start = [], 0
+    for i, n in enumerate(runs):
+        names = [f'"layers.{k}"' for k in range(start, start + n)]
+        if i == 0:
+            names.insert(0, '"tok_embeddings"')
+        if i == len(runs) - 1:
+            names += ['"norm"', '"output"']
+        parts.append("[" + ", ".join(names) + "]")
+        start += n
+    return "module_fqns_per_model_part = [" + ", ".join(parts) + "]"
+
+
+def test_torchtitan_listed_module_fqns_are_the_pipeline_split(tmp_path, capsys):
+    """module_fqns_per_model_part (torchtitan 0.2+: pipeline_module_split builds stage i from list i, the
+    stages over pp ranks) and the first configs' pipeline_parallel_split_points (stage i from split i - 1
+    up to split i) are the listed split, with the stages per rank; neither is read quietly."""
+    path = _titan_listed(tmp_path, 'pipeline_parallel_schedule = "Interleaved1F1B"\n' + _stages(7, 9, 9, 7))
+    data = imported(path, devices=8, device_memory="80GiB")
+    assert data["training"]["pipeline_layers"] == [7, 9, 9, 7] and data["training"]["virtual_pipeline_stages"] == 2
+    status, out, _ = run_cli(capsys, "check", str(path), "--devices", "8", "--device-memory", "80GiB")
+    assert status == 0 and "module_fqns" not in out, out
+    path = _titan_listed(
+        tmp_path, 'pipeline_parallel_split_points = ["layers.12"]\npipeline_parallel_microbatches = 1', older=True
+    )
+    data = imported(path, devices=8, device_memory="80GiB")
+    assert data["training"]["pipeline_layers"] == [12, 20]
+
+
+@pytest.mark.parametrize(
+    "lines, says",
+    [
+        (_stages(10, 11, 11), "3 stages do not divide over pipeline_parallel_degree 2"),
+        (_stages(7, 9, 9, 7).replace('"layers.8", ', ""), "do not hold layers 0 to 31 once each"),
+        (_stages(7, 9, 9, 7).replace('"layers.8", "layers.9"', '"layers.9", "layers.8"'), "in order"),
+        (
+            _stages(7, 9, 9, 7)
+            .replace('"tok_embeddings", ', "")
+            .replace('["layers.7"', '["tok_embeddings", "layers.7"'),
+            "'tok_embeddings' is in stage 1",
+        ),
+        (_stages(16, 16).replace('"norm", ', ""), "leaves out tok_embeddings, norm or output"),
+        (_stages(16, 16).replace('"layers.3"', '"layers.3.attention"'), "is not a module the reader knows"),
+        ("module_fqns_per_model_part = [1, 2]", "is not a list of lists"),
+    ],
+)
+def test_torchtitan_listed_splits_it_cannot_build_are_refused(tmp_path, lines, says):
+    path = _titan_listed(tmp_path, lines)
+    with pytest.raises(SourceError) as info:
+        imported(path, devices=8, device_memory="80GiB")
+    messages = [d.message for d in info.value.diagnostics]
+    assert any(says in m for m in messages), messages

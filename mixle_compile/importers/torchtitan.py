@@ -45,6 +45,8 @@ PARALLELISM_KEYS = (
     "pipeline_parallel_last_stage_less_layers",
     "enable_async_tensor_parallel",
     "enable_sequence_parallel",
+    "module_fqns_per_model_part",
+    "pipeline_parallel_split_points",
 )
 READ = {
     "model": {"name", "flavor", "hf_assets_path", "converters", "tokenizer_path"},
@@ -106,8 +108,6 @@ QUIET_KEYS = {
         "disable_loss_parallel",
         "enable_compiled_autograd",
         "context_parallel_rotate_method",
-        "pipeline_parallel_split_points",
-        "module_fqns_per_model_part",
         "pipeline_parallel_schedule_csv",
         "expert_parallel_comm_backend",
     },
@@ -587,6 +587,84 @@ def _parallel_table(data: dict, key: str) -> str:
     return "parallelism"
 
 
+_LAYER_FQN = re.compile(r"layers\.(\d+)")
+
+
+def _listed_split(b: SpecBuilder, pp: int, get, at) -> bool:
+    """A split the config lists: ``module_fqns_per_model_part`` (torchtitan 0.2 and later: the modules
+    of each model chunk, stage ``i`` built from list ``i``: distributed/pipeline_parallel.py,
+    pipeline_module_split, which asserts the chunks divide by pp) or ``pipeline_parallel_split_points``
+    (the first configs: stage ``i`` holds the layers from split ``i - 1`` up to split ``i``,
+    models/llama3/infra/pipeline.py at v0.1.0). Sets the listed split and the virtual stages; False
+    where it is refused (reported)."""
+    fqns = get("parallelism", "module_fqns_per_model_part")
+    points = get("parallelism", "pipeline_parallel_split_points")
+    layers = b.get(("model", "num_layers"))
+    if (fqns is None and not points) or not isinstance(layers, int):
+        return True
+    key = "module_fqns_per_model_part" if fqns is not None else "pipeline_parallel_split_points"
+    where = at("parallelism", key)
+
+    def refuse(why: str, hint: str) -> bool:
+        b.refuse(f"`parallelism.{key}`: {why}", where, hint)
+        return False
+
+    if fqns is not None:
+        if not isinstance(fqns, list) or not fqns or not all(isinstance(part, list) for part in fqns):
+            return refuse(f"{fqns!r} is not a list of lists of module names", "write one list of names per stage")
+        order: list[int] = []
+        counts = []
+        for i, part in enumerate(fqns):
+            found = 0
+            for name in part:
+                match = _LAYER_FQN.fullmatch(name) if isinstance(name, str) else None
+                if match is not None:
+                    order.append(int(match.group(1)))
+                    found += 1
+                elif name == "tok_embeddings" and i != 0 or name in ("norm", "output") and i != len(fqns) - 1:
+                    return refuse(
+                        f"{name!r} is in stage {i}: the model's forward embeds tokens on the first stage and "
+                        "normalises and projects to the vocabulary on the last",
+                        "put tok_embeddings in the first list and norm and output in the last",
+                    )
+                elif name not in ("tok_embeddings", "norm", "output"):
+                    return refuse(
+                        f"{name!r} is not a module the reader knows", "name layers.N, tok_embeddings, norm, output"
+                    )
+            counts.append(found)
+        if order != list(range(layers)):
+            return refuse(
+                f"the stages do not hold layers 0 to {layers - 1} once each, in order (they list {order[:12]}"
+                + ("..." if len(order) > 12 else "")
+                + ")",
+                "list every layer once, each stage the next run of layers",
+            )
+        names = {n for part in fqns for n in part}
+        if not {"tok_embeddings", "norm", "output"} <= names:
+            return refuse(
+                "a stage list leaves out tok_embeddings, norm or output, which no stage would then build",
+                "put tok_embeddings in the first list and norm and output in the last",
+            )
+    else:
+        if not isinstance(points, list) or not all(isinstance(p, str) and _LAYER_FQN.fullmatch(p) for p in points):
+            return refuse(f"{points!r} is not a list of layer names (layers.N)", "write the first layer of each stage")
+        cuts = [int(_LAYER_FQN.fullmatch(p).group(1)) for p in points]
+        if cuts != sorted(set(cuts)) or cuts[0] < 1 or cuts[-1] >= layers:
+            return refuse(
+                f"{points} are not increasing layers between 1 and {layers - 1}",
+                "name the first layer of every stage after the first, in order",
+            )
+        counts = [b - a for a, b in zip([0, *cuts], [*cuts, layers], strict=True)]
+    if len(counts) % pp:
+        return refuse(
+            f"{len(counts)} stages do not divide over pipeline_parallel_degree {pp}",
+            "torchtitan asserts the stages divide evenly over the pipeline ranks",
+        )
+    b.set(("training", "virtual_pipeline_stages"), len(counts) // pp, at=where, origin=f"parallelism.{key}")
+    b.set(("training", "pipeline_layers"), counts, at=where, origin=f"parallelism.{key} (the layers of each stage)")
+    return True
+
+
 def _schedule(b: SpecBuilder, schedule: str, pp: int, get, at) -> None:
     if schedule not in SCHEDULES:
         b.refuse(
@@ -633,6 +711,7 @@ def _schedule(b: SpecBuilder, schedule: str, pp: int, get, at) -> None:
         at=where,
         origin="stages per rank (2 for a multi-stage schedule unless pipeline_parallel_layers_per_stage sets them)",
     )
+    _listed_split(b, pp, get, at)  # a listed split replaces the generated one (and sets the stages per rank)
 
 
 def _preset(
