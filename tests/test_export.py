@@ -33,6 +33,7 @@ def canonical(spec: Spec) -> dict:
     m["head_dim"] = m["head_dim"] or m["hidden_size"] // m["num_heads"]
     if m["num_experts"]:
         m["moe_ffn_hidden_size"] = m["moe_ffn_hidden_size"] or m["ffn_hidden_size"]
+    m["max_position_embeddings"] = spec.model.positions(spec.training.seq_len)  # unset: the sequence length
     if data["mesh"]["order"] == "tp-cp-ep-dp-pp":  # Megatron's default rank order, the one an unset order means
         data["mesh"]["order"] = None
     data["resources"]["throughput"] = None  # a speed, not an engine setting: export drops it (and says so)
@@ -1049,3 +1050,41 @@ def test_latent_attention_with_learned_positions_exports_to_megatron_only(tmp_pa
 
     config, why = hf_config(spec.model, spec.training.seq_len)
     assert config is None and "learned position table" in why
+
+
+@pytest.mark.parametrize("split, virtual", [([7, 9, 9, 7], 2), ([20, 12], 1), ("even", 2)])
+def test_a_listed_split_exports_to_torchtitan_as_module_fqns_and_reads_back(tmp_path, split, virtual):
+    """torchtitan's module_fqns_per_model_part carries any split (the embedding first, the final norm and
+    output last), which the importer reads back as the same listed split."""
+    spec = load_spec_text(
+        yaml.safe_dump(
+            {
+                "model": {
+                    "family": "transformer",
+                    "vocab_size": 128256,
+                    "hidden_size": 4096,
+                    "num_layers": 32,
+                    "num_heads": 32,
+                    "num_kv_heads": 8,
+                    "ffn_hidden_size": 14336,
+                },
+                "mesh": {"dp_shard": 4, "pp": 2, "microbatches": 8},
+                "training": {
+                    "global_batch_size": 32,
+                    "micro_batch_size": 1,
+                    "seq_len": 2048,
+                    "pipeline_schedule": "interleaved_1f1b" if virtual > 1 else "1f1b",
+                    "virtual_pipeline_stages": virtual,
+                    "pipeline_layers": split,
+                },
+                "backend": {"name": "torchtitan", "version": "0.2"},
+                "resources": {"devices": 8, "memory": "80GiB"},
+            }
+        ),
+        "s.yaml",
+    ).spec
+    exported = export_spec(spec, "torchtitan")
+    assert "module_fqns_per_model_part" in exported.files[exported.main]
+    if split == "even":  # read back as the list it is
+        spec = spec.model_copy(update={"training": spec.training.model_copy(update={"pipeline_layers": [8, 8, 8, 8]})})
+    assert round_trip(spec, "torchtitan", tmp_path)

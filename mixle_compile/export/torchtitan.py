@@ -71,6 +71,21 @@ def layers_per_stage(spec: Spec, reasons: list) -> int | None:
     return total // stages
 
 
+def fqns_per_stage(spec: Spec) -> list[list[str]]:
+    """The spec's split (a list, or ``even``) as torchtitan's ``module_fqns_per_model_part``: each
+    virtual stage's ``layers.N`` in model order, the embedding on the first and the final norm and
+    output on the last (distributed/pipeline_parallel.py, pipeline_module_split)."""
+    from mixle_compile.layer_split import split_layers
+
+    m, t = spec.mesh, spec.training
+    split = split_layers(spec.model.num_layers, m.pp, t.virtual_pipeline_stages, t.pipeline_layers, "torchtitan")
+    starts = split.starts()
+    out = [[f"layers.{k}" for k in range(starts[i], starts[i + 1])] for i in range(len(split.counts))]
+    out[0].insert(0, "tok_embeddings")
+    out[-1] += ["norm", "output"]
+    return out
+
+
 def mtp_refusals(spec: Spec, written: str) -> list[tuple[str, str]]:
     """Multi-token prediction, which neither torchtitan export can write. The 0.2-era job TOML (JobConfig at
     238fa99) has no such setting and no model of that torchtitan builds MTP layers. torchtitan 0.3.0 builds
@@ -123,15 +138,15 @@ def torchtitan_files(spec: Spec, stem: str) -> Exported:
         )
     if t.optimizer == "sgd":
         reasons.append(("training.optimizer", "sgd: torchtitan's job config builds Adam or AdamW"))
-    if t.pipeline_layers not in (None,) or t.attention is not None:
-        reasons.append(
-            (
-                "training.pipeline_layers" if t.pipeline_layers is not None else "training.attention",
-                "not a key of torchtitan's job TOML; remove it to export",
-            )
-        )
+    if t.attention is not None:
+        reasons.append(("training.attention", "not a key of torchtitan's job TOML; remove it to export"))
     reasons += mtp_refusals(spec, "torchtitan's job TOML (0.2)")
-    stages_key = layers_per_stage(spec, reasons)
+    # A split the spec states is written as the modules of each stage (module_fqns_per_model_part, which
+    # the importer reads back); otherwise torchtitan's own split, sized by its layers per stage.
+    listed = fqns_per_stage(spec) if t.pipeline_layers is not None and m.pp > 1 else None
+    if listed is not None and t.pipeline_schedule in ("1f1b", "gpipe") and t.virtual_pipeline_stages != 1:
+        reasons.append(("training.virtual_pipeline_stages", f"{t.pipeline_schedule} runs one stage per rank"))
+    stages_key = layers_per_stage(spec, reasons) if listed is None else None
     if reasons:
         raise ExportRefused("torchtitan", reasons)
     files: dict[str, str] = {}
@@ -208,6 +223,8 @@ def torchtitan_files(spec: Spec, stem: str) -> Exported:
         ]
         if stages_key is not None:
             lines.append(f"pipeline_parallel_layers_per_stage = {stages_key}")
+        if listed is not None:
+            lines.append(f"module_fqns_per_model_part = {_toml_value(listed)}")
     lines += ["", "[activation_checkpoint]", f"mode = {_toml_value(t.activation_checkpointing)}"]
     if t.compiled:
         lines += ["", "[compile]", "enable = true", f"components = {_toml_value(list(t.compiled))}"]
