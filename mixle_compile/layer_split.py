@@ -73,13 +73,21 @@ def megatron_accounted(
     embedding + loss`` slots in equal virtual stages, the first virtual stage giving one back for
     the embedding and the last one for the loss; None where Megatron refuses it (the slots do not
     divide by ``pp * virtual_stages``, a stage would hold fewer than none, or no pipeline)."""
-    stages = pp * virtual_stages
-    slots = num_layers + embedding + loss
-    if pp < 2 or not (embedding or loss) or slots % stages:
+    if not (embedding or loss):
+        return None
+    return _slots_split(num_layers, pp * virtual_stages, int(embedding), int(loss)) if pp > 1 else None
+
+
+def _slots_split(num_layers: int, stages: int, first: int, last: int) -> tuple[int, ...] | None:
+    """``num_layers + first + last`` slots in ``stages`` equal virtual stages, the first giving
+    ``first`` slots back and the last ``last`` (what the embedding, and the loss and what follows the
+    layers, are counted as); None where the slots do not divide or a stage would hold fewer than none."""
+    slots = num_layers + first + last
+    if slots % stages:
         return None
     counts = [slots // stages] * stages
-    counts[0] -= embedding
-    counts[-1] -= loss
+    counts[0] -= first
+    counts[-1] -= last
     return tuple(counts) if min(counts) >= 0 else None
 
 
@@ -91,14 +99,9 @@ def megatron_mtp_counted(num_layers: int, pp: int, virtual_stages: int, depths: 
     Bridge's DeepSeek-V3 layout ``Et|(tt|)*30mL`` is this split: 61 layers and one depth are 64 slots
     over 32 virtual stages. None without a pipeline or depths, or where the slots do not divide or a
     stage would hold fewer than none."""
-    stages = pp * virtual_stages
-    slots = num_layers + 2 + depths
-    if pp < 2 or depths < 1 or slots % stages:
+    if pp < 2 or depths < 1:
         return None
-    counts = [slots // stages] * stages
-    counts[0] -= 1
-    counts[-1] -= 1 + depths
-    return tuple(counts) if min(counts) >= 0 else None
+    return _slots_split(num_layers, pp * virtual_stages, 1, 1 + depths)
 
 
 def megatron_accounting(counts, num_layers: int, pp: int, virtual_stages: int) -> tuple[bool, bool] | None:
@@ -279,14 +282,9 @@ def megatron_layout_text(counts, pp: int, mtp_layers: int = 0) -> str:
     if len(counts) == 1:
         return "E" + layers(counts[0]) + "m" * mtp_layers + "L"
     out = ["E" + layers(counts[0]) + "|"]
-    middle = counts[1:-1]
-    i = 0
-    while i < len(middle):
-        j = i
-        while j < len(middle) and middle[j] == middle[i]:
-            j += 1
-        out.append(f"({layers(middle[i])}|)*{j - i}" if j - i > 1 else layers(middle[i]) + "|")
-        i = j
+    for n, run in itertools.groupby(counts[1:-1]):
+        repeats = len(list(run))
+        out.append(f"({layers(n)}|)*{repeats}" if repeats > 1 else layers(n) + "|")
     out.append(layers(counts[-1]) + "m" * mtp_layers + "L")
     return "".join(out)
 

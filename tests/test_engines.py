@@ -378,30 +378,39 @@ def test_layer_split_equals_torchtitans_pipeline_split(torchtitan):
         assert list(counts_for("torchtitan", layers, stages)) == theirs, (layers, stages)
 
 
-def _megatron_core_split(layers: int, pp: int, v: int, **config) -> tuple[int, ...] | None:
-    """The layers Megatron-Core builds on each virtual stage (chunk c of stage s is c * pp + s), or None
-    where its TransformerConfig or get_num_layers_to_build refuses, or counts a stage below none."""
+def _megatron_core_config(layers: int, pp: int, **config):
+    """Megatron-Core's TransformerConfig for a small model on ``pp`` stages, or None where its
+    __post_init__ refuses the settings."""
     import torch
-    from megatron.core.transformer.transformer_block import get_num_layers_to_build
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            made = TransformerConfig(
+            return TransformerConfig(
                 num_layers=layers,
                 hidden_size=64,
                 num_attention_heads=4,
                 pipeline_model_parallel_size=pp,
-                virtual_pipeline_model_parallel_size=v if v > 1 else None,
                 pipeline_dtype=torch.bfloat16,
                 **config,
             )
-            counts = tuple(
-                get_num_layers_to_build(made, vp_stage=c if v > 1 else None, pp_rank=s)
-                for c in range(v)
-                for s in range(pp)
-            )
+    except (ValueError, AssertionError):
+        return None
+
+
+def _megatron_core_split(layers: int, pp: int, v: int, **config) -> tuple[int, ...] | None:
+    """The layers Megatron-Core builds on each virtual stage (chunk c of stage s is c * pp + s), or None
+    where its TransformerConfig or get_num_layers_to_build refuses, or counts a stage below none."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+
+    made = _megatron_core_config(layers, pp, virtual_pipeline_model_parallel_size=v if v > 1 else None, **config)
+    if made is None:
+        return None
+    try:
+        counts = tuple(
+            get_num_layers_to_build(made, vp_stage=c if v > 1 else None, pp_rank=s) for c in range(v) for s in range(pp)
+        )
     except (ValueError, AssertionError):
         return None
     return counts if min(counts) >= 0 else None
@@ -495,26 +504,13 @@ def test_megatron_layouts_equal_megatron_core(megatron):
     megatron_layout_text builds what it lists."""
     import random
 
-    import torch
     from megatron.core.transformer.enums import LayerType
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     from mixle_compile.layer_split import LayoutError, megatron_layout, megatron_layout_text
 
     def theirs(text: str, pp: int, layers: int, mtp: int):
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                made = TransformerConfig(
-                    num_layers=layers,
-                    hidden_size=64,
-                    num_attention_heads=4,
-                    pipeline_model_parallel_size=pp,
-                    pipeline_dtype=torch.bfloat16,
-                    pipeline_model_parallel_layout=text,
-                    mtp_num_layers=mtp or None,
-                )
-        except (ValueError, AssertionError):
+        made = _megatron_core_config(layers, pp, pipeline_model_parallel_layout=text, mtp_num_layers=mtp or None)
+        if made is None:
             return None
         layout = made.pipeline_model_parallel_layout
         v = layout.virtual_pipeline_model_parallel_size

@@ -1056,33 +1056,19 @@ def test_latent_attention_with_learned_positions_exports_to_megatron_only(tmp_pa
 def test_a_listed_split_exports_to_torchtitan_as_module_fqns_and_reads_back(tmp_path, split, virtual):
     """torchtitan's module_fqns_per_model_part carries any split (the embedding first, the final norm and
     output last), which the importer reads back as the same listed split."""
-    spec = load_spec_text(
-        yaml.safe_dump(
-            {
-                "model": {
-                    "family": "transformer",
-                    "vocab_size": 128256,
-                    "hidden_size": 4096,
-                    "num_layers": 32,
-                    "num_heads": 32,
-                    "num_kv_heads": 8,
-                    "ffn_hidden_size": 14336,
-                },
-                "mesh": {"dp_shard": 4, "pp": 2, "microbatches": 8},
-                "training": {
-                    "global_batch_size": 32,
-                    "micro_batch_size": 1,
-                    "seq_len": 2048,
-                    "pipeline_schedule": "interleaved_1f1b" if virtual > 1 else "1f1b",
-                    "virtual_pipeline_stages": virtual,
-                    "pipeline_layers": split,
-                },
-                "backend": {"name": "torchtitan", "version": "0.2"},
-                "resources": {"devices": 8, "memory": "80GiB"},
-            }
-        ),
-        "s.yaml",
-    ).spec
+    data = yaml.safe_load((EXAMPLES / "llama3-8b-hsdp-tp.yaml").read_text())  # Llama 3 8B's 32 layers
+    data["mesh"] = {"dp_shard": 4, "pp": 2, "microbatches": 8}
+    data["training"] = {
+        "global_batch_size": 32,
+        "micro_batch_size": 1,
+        "seq_len": 2048,
+        "pipeline_schedule": "interleaved_1f1b" if virtual > 1 else "1f1b",
+        "virtual_pipeline_stages": virtual,
+        "pipeline_layers": split,
+    }
+    data["backend"] = {"name": "torchtitan", "version": "0.2"}
+    data["resources"] = {"devices": 8, "memory": "80GiB"}
+    spec = load_spec_text(yaml.safe_dump(data), "s.yaml").spec
     exported = export_spec(spec, "torchtitan")
     assert "module_fqns_per_model_part" in exported.files[exported.main]
     if split == "even":  # read back as the list it is

@@ -243,3 +243,22 @@ def test_a_latent_attention_model_outside_torchtitans_flavors_is_not_exported_as
     with pytest.raises(ExportRefused) as refused:
         export_spec(spec, "torchtitan", torchtitan_version="0.2")
     assert "kv_lora_rank" in str(refused.value)
+
+
+def test_learned_positions_keep_the_latent_attentions_rotary_part(monkeypatch):
+    """Megatron-Core's MultiLatentAttention turns the rotary part of its keys and queries with its own
+    rotary embedding whatever the position type: with learned positions the model adds the table and
+    still rotates (undoing the rotation changes the loss)."""
+    from mixle_compile.runtime import model as runtime_model
+    from tests.test_runtime_mtp import _weights
+
+    spec = load_spec_text(mla_spec(position="learned"), "spec.yaml").spec
+    shape = TransformerShape.from_spec(spec)
+    g = torch.Generator().manual_seed(5)
+    weights = _weights(spec, g)
+    assert "pos_embed.weight" in weights
+    inputs, targets = torch.randint(0, 128, (2, 9), generator=g), torch.randint(0, 128, (2, 9), generator=g)
+    rotated = runtime_model.transformer_loss(LocalOps(weights), shape, inputs, targets)
+    monkeypatch.setattr(runtime_model, "_rotate", lambda x, rope: x)
+    unrotated = runtime_model.transformer_loss(LocalOps(weights), shape, inputs, targets)
+    assert not torch.allclose(rotated, unrotated)

@@ -20,7 +20,7 @@ from mixle_compile.importers import codes
 from mixle_compile.importers.builder import ImportOptions, SpecBuilder, resources
 from mixle_compile.importers.shell import Shell, ShellRun, Word, slurm_options
 from mixle_compile.layer_split import LayoutError, megatron_accounted, megatron_layout, megatron_uneven
-from mixle_compile.spec.source import Position, SourceDocument
+from mixle_compile.spec.source import Position, SourceDocument, compose_yaml
 
 # Flags the spec reads: name -> "int", "float", "str" or "bool" (a store_true switch).
 READ = {
@@ -315,10 +315,11 @@ class Launch:
     run: ShellRun
 
 
-def test_config_words(text: str) -> tuple[list[Word], list[tuple[str, Position, str]]] | None:
+def test_config_words(root) -> tuple[list[Word], list[tuple[str, Position, str]]]:
     """The training script's arguments of a Megatron-LM functional-test config
-    (tests/functional_tests/test_cases/<model>/<case>/model_config.yaml), each where it is written, or
-    None when ``text`` is not one. Its ``MODEL_ARGS`` mapping is turned into arguments as Megatron-LM's
+    (tests/functional_tests/test_cases/<model>/<case>/model_config.yaml), each where it is written, from
+    its composed YAML ``root`` (none where it holds no ``MODEL_ARGS`` mapping), and what is not read of
+    them. Its ``MODEL_ARGS`` mapping is turned into arguments as Megatron-LM's
     tests/functional_tests/shell_test_utils/_run_training.sh does (core_v0.16.1): anchors and merges
     expanded (yq's ``explode``), an empty string dropped, each value passed through ``xargs`` (quotes
     and backslashes removed: a layout written ``Et\\\\|\\\\(tt\\\\|\\\\)*6mL`` is ``Et|(tt|)*6mL``),
@@ -328,15 +329,11 @@ def test_config_words(text: str) -> tuple[list[Word], list[tuple[str, Position, 
     reader reads whose value names a variable the harness sets (``--seed: ${REPEAT}``)."""
     import yaml
 
-    try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.YAMLError:  # read_megatron reports where the YAML breaks
-        return None
     if not isinstance(root, yaml.MappingNode):
-        return None
+        return [], []
     node = next((v for k, v in root.value if isinstance(k, yaml.ScalarNode) and k.value == "MODEL_ARGS"), None)
     if not isinstance(node, yaml.MappingNode):
-        return None
+        return [], []
 
     def entries(mapping: yaml.MappingNode):
         """Key and value nodes in order, merges (``<<: *anchor``) first as the YAML merge key has them."""
@@ -408,31 +405,32 @@ TEST_CASE_SCRIPTS = {
 }
 
 
-def test_config_entry(path: Path) -> tuple[str | None, str]:
-    """The training script a functional-test config runs, and how that is known: from the
-    ``test_cases/<model>/<case>/`` folders it sits in, as the recipes map them (an inference case runs
-    examples/inference/gpt/*.py, a GRPO case train_rl.py); None where the file is not in that layout."""
+def test_config_entry(path: Path) -> str | None:
+    """The training script a functional-test config runs, from the ``test_cases/<model>/<case>/``
+    folders it sits in, as the recipes map them (an inference case runs examples/inference/gpt/*.py, a
+    GRPO case train_rl.py); None where the file is not in that layout."""
     parts = path.resolve().parts
-    if "test_cases" in parts[:-1]:
-        k = len(parts) - 1 - parts[::-1].index("test_cases")
-        model = parts[k + 1] if k + 1 < len(parts) - 1 else None
-        case = parts[k + 2] if k + 2 < len(parts) - 1 else ""
-        if model is not None and "inference" in case:
-            return "examples/inference/gpt/gpt_dynamic_inference.py", f"test_cases/{model}/{case}: an inference test"
-        if model is not None and "grpo" in case:  # the gpt-grpo and moe-grpo recipes
-            return "train_rl.py", f"test_cases/{model}/{case}: a reinforcement-learning test"
-        if model in TEST_CASE_SCRIPTS:
-            return TEST_CASE_SCRIPTS[model], f"test_cases/{model}/ (the {model} recipe's TRAINING_SCRIPT_PATH)"
-    return None, "the file does not name its training script"
+    if "test_cases" not in parts[:-1]:
+        return None
+    k = len(parts) - 1 - parts[::-1].index("test_cases")
+    model = parts[k + 1] if k + 1 < len(parts) - 1 else None
+    case = parts[k + 2] if k + 2 < len(parts) - 1 else ""
+    if model is not None and "inference" in case:
+        return "examples/inference/gpt/gpt_dynamic_inference.py"
+    if model is not None and "grpo" in case:  # the gpt-grpo and moe-grpo recipes
+        return "train_rl.py"
+    return TEST_CASE_SCRIPTS.get(model)
+
+
+def test_config_launch(text: str, name: str, path: Path) -> Launch:
+    """The launch of a functional-test config (raises SourceError where its YAML breaks)."""
+    words, notes = test_config_words(compose_yaml(text, name, unreadable=True))
+    script = test_config_entry(path)
+    return Launch(words, [], notes, None if script is None else Word(script, Position(1, 1)), ShellRun())
 
 
 def launch_words(text: str, path: Path | None = None) -> Launch:
     """The launch of a launch script or arguments file (at ``path``, from which sourced files are found)."""
-    test_config = test_config_words(text) if path is not None and path.suffix.lower() in (".yaml", ".yml") else None
-    if test_config is not None:
-        script, _ = test_config_entry(path)
-        entry = None if script is None else Word(script, Position(1, 1))
-        return Launch(test_config[0], [], test_config[1], entry, ShellRun())
     run = Shell().execute(text, path=path)
     notes = [
         (f"[ {t} ]", p, "a test that cannot be decided without running the script; its branch is skipped")
@@ -712,43 +710,11 @@ def _batch_admits(num, model_parallel: int):
     return admits
 
 
-def _yaml_syntax(text: str, name: str) -> None:
-    """Raise, where it breaks, for a functional-test config that is not valid YAML."""
-    import yaml
-
-    from mixle_compile.diagnostics import Diagnostic, Severity
-    from mixle_compile.spec.source import SourceError
-
-    try:
-        yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        line, column = (mark.line + 1, mark.column + 1) if mark is not None else (1, 1)
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise SourceError(
-            [
-                Diagnostic(
-                    "S001",
-                    Severity.error,
-                    f"invalid YAML: {problem}",
-                    "fix the YAML syntax at this position",
-                    name,
-                    line,
-                    column,
-                    (),
-                )
-            ],
-            unreadable=True,
-        ) from exc
-
-
 def read_megatron(
     text: str, name: str, options: ImportOptions, path: Path | None = None
 ) -> tuple[SourceDocument, list]:
     test_config = path is not None and path.suffix.lower() in (".yaml", ".yml")
-    if test_config:
-        _yaml_syntax(text, name)
-    launch = launch_words(text, path)
+    launch = test_config_launch(text, name, path) if test_config else launch_words(text, path)
     words, launcher, notes, entry = launch.words, launch.launcher, launch.notes, launch.entry
     b = SpecBuilder(name, "megatron")
     if test_config and not any(w.text.startswith("--") for w in words):

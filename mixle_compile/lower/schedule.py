@@ -116,15 +116,15 @@ def _segments(
     total = m * v
     group = interleaved_group(family, pp, m, group)
     period = group * v
-    head = (m // group) * period  # the units of the whole groups; the last, smaller group's follow
+    whole, smaller = divmod(m, group)  # whole groups, and the micro-batches of a last, smaller one
+    head = whole * period  # the units of the whole groups; the last group's follow
 
     def unit(k: int, backward: bool) -> tuple[int, int]:
         if k < head:
             first, within = divmod(k, period)
             chunk, mb = within // group, first * group + within % group
         else:
-            last_group = m - (m // group) * group
-            chunk, mb = (k - head) // last_group, (m // group) * group + (k - head) % last_group
+            chunk, mb = (k - head) // smaller, whole * group + (k - head) % smaller
         return (v - 1 - chunk if backward else chunk), mb
 
     def stretch(first: int, last: int, iteration, ahead: int = 0) -> list[Segment]:

@@ -22,7 +22,7 @@ from mixle_compile.lower.schedule import Op, OpKind, ScheduleCheck, pipeline_bod
 from mixle_compile.lower.updates import PlannedUpdate
 from mixle_compile.plan.ops import copy_op
 from mixle_compile.plan.programs import BY_PHASE, NO_COLLECTIVES, Placement, phase_collectives
-from mixle_compile.schedules import pipelined
+from mixle_compile.schedules import ScheduleFamily, pipelined
 
 EXHAUSTIVE_RANKS = 16
 
@@ -70,7 +70,7 @@ def step_schedule(
     per_run = engine.schedule_microbatches(plan.microbatches, plan.gradient_accumulation_steps)
     runs = plan.microbatches * plan.gradient_accumulation_steps // per_run
     # Megatron's interleaved micro-batch group (training.microbatch_group_size; P013 keeps it off the others)
-    group = group if engine.schedules == "megatron" else None
+    group = group if engine.schedules is ScheduleFamily.MEGATRON else None
     one_run = pipeline_bodies(plan.pp, per_run, pipeline, virtual_stages, family=engine.schedules, group=group)
     # One checked collective op per (group rule, collective) and stage, a handful per step; each
     # update's op is a copy of it with the update's name and bytes (an update id is a name, its bytes

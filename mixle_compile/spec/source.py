@@ -272,25 +272,36 @@ class _Reader:
         self.doc.keys[child] = pos
 
 
+def compose_yaml(text: str, file: str, *, unreadable: bool = False) -> Any:
+    """The YAML node graph of ``text`` (None for an empty document), or SourceError: S001 where the
+    syntax breaks, S010 where it nests too deeply (``unreadable``: exit 2, as for an engine config).
+    Aliases are not expanded here (the node graph shares them)."""
+    import yaml
+
+    def fail(code: str, message: str, line: int, column: int, hint: str) -> SourceError:
+        diagnostic = Diagnostic(code, Severity.error, message, hint, file, line, column, ())
+        return SourceError([diagnostic], unreadable=unreadable)
+
+    # libyaml's composer is several times faster and refuses runaway nesting itself.
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    try:
+        return yaml.compose(text, Loader=loader)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        line, col = (mark.line + 1, mark.column + 1) if mark else (1, 1)
+        problem = exc.problem or exc.context or "invalid YAML"
+        raise fail("S001", f"invalid YAML: {problem}", line, col, "fix the YAML syntax at this position") from exc
+    except yaml.YAMLError as exc:
+        raise fail("S001", f"invalid YAML: {exc}", 1, 1, "fix the YAML syntax") from exc
+    except RecursionError:
+        raise fail("S010", "the document nests too deeply to read", 1, 1, "flatten the structure") from None
+
+
 class _YamlReader(_Reader):
     def read(self) -> Any:
         import yaml
 
-        # libyaml's composer is several times faster and refuses runaway nesting itself.
-        loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-        try:
-            node = yaml.compose(self.text, Loader=loader)
-        except yaml.MarkedYAMLError as exc:
-            mark = exc.problem_mark or exc.context_mark
-            line, col = (mark.line + 1, mark.column + 1) if mark else (1, 1)
-            problem = exc.problem or exc.context or "invalid YAML"
-            raise self.fail(
-                "S001", f"invalid YAML: {problem}", line, col, "fix the YAML syntax at this position"
-            ) from exc
-        except yaml.YAMLError as exc:
-            raise self.fail("S001", f"invalid YAML: {exc}", 1, 1, "fix the YAML syntax") from exc
-        except RecursionError:
-            raise self.fail("S010", "the document nests too deeply to read", 1, 1, "flatten the structure") from None
+        node = compose_yaml(self.text, self.doc.file)
         if node is None:
             return None
         self._refuse_alias_expansion(node, yaml)
